@@ -1,0 +1,29 @@
+"""`dhp bench TARGET`: benchmarks live here, never in timed tests.
+
+Each target lives in the package it measures and exposes `configure(parser)` / `run(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+TARGETS: dict[str, tuple[str, str]] = {
+    "planner": ("dhp_jax.planner.bench", "solve time median/p99 over (ranks, batch) sizes"),
+    "executor": ("dhp_jax.sharding.bench", "host overhead of a DHP step on the local devices"),
+    "manifest": ("dhp_jax.data.manifest_bench", "manifest lines parsed per second"),
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="target", metavar="TARGET", required=True)
+    for name, (module, help_text) in TARGETS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            importlib.import_module(module).configure(p)
+        except ImportError:  # a target whose module is not built yet stays listed but unusable
+            pass
+
+
+def run(args: argparse.Namespace) -> int:
+    return int(importlib.import_module(TARGETS[args.target][0]).run(args) or 0)

@@ -1,0 +1,222 @@
+"""The `Plan` contract: micro-batches of CP groups `(ranks, degree, samples)`, as versioned JSON.
+
+Shared by the planner, the JAX sharding compiler, the torch backend, the simulator and the
+experiments. `validate()` checks every invariant of DESIGN.md and names what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Mapping, Sequence
+
+SCHEMA = "dhp.plan/v1"
+
+
+class PlanningError(ValueError):
+    """The planner cannot produce a plan for this input (e.g. a sample too long for all ranks)."""
+
+
+class PlanValidationError(ValueError):
+    """A plan breaks an invariant of the contract; the message names the group or sample."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One CP group: `degree` ranks running `samples` (indices into the global batch) together."""
+
+    ranks: tuple[int, ...]
+    degree: int
+    samples: tuple[int, ...]
+    est_time_s: float = 0.0
+    est_memory_bytes: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"ranks": list(self.ranks), "degree": self.degree, "samples": list(self.samples),
+             "est_time_s": self.est_time_s}
+        if self.est_memory_bytes:
+            d["est_memory_bytes"] = self.est_memory_bytes
+        return d
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    groups: tuple[Group, ...]
+    est_makespan_s: float = 0.0
+
+    @property
+    def samples(self) -> list[int]:
+        return [s for g in self.groups for s in g.samples]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    num_ranks: int
+    micro_batches: tuple[MicroBatch, ...]
+    ranks_per_node: int | None = None
+    est_step_time_s: float = 0.0
+    solver: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "micro_batches", tuple(self.micro_batches))
+        if self.ranks_per_node is None:
+            object.__setattr__(self, "ranks_per_node", self.num_ranks)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def groups(self) -> list[Group]:
+        return [g for mb in self.micro_batches for g in mb.groups]
+
+    @property
+    def num_samples(self) -> int:
+        return sum(len(g.samples) for g in self.groups)
+
+    @property
+    def degrees(self) -> list[list[int]]:
+        return [[g.degree for g in mb.groups] for mb in self.micro_batches]
+
+    @property
+    def strategy(self) -> str:
+        return str(self.solver.get("strategy", "?"))
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "num_ranks": self.num_ranks,
+            "ranks_per_node": self.ranks_per_node,
+            "micro_batches": [
+                {"groups": [g.to_dict() for g in mb.groups], "est_makespan_s": mb.est_makespan_s}
+                for mb in self.micro_batches
+            ],
+            "est_step_time_s": self.est_step_time_s,
+            "solver": dict(self.solver),
+        }
+
+    def to_json(self, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent, sort_keys=False)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], num_samples: int | None = None) -> "Plan":
+        plan = _parse(d)
+        plan.validate(num_samples=num_samples)
+        return plan
+
+    @classmethod
+    def from_json(cls, text_or_dict: str | bytes | Mapping[str, Any], num_samples: int | None = None) -> "Plan":
+        """Parse and validate a plan from a JSON string or an already parsed dict."""
+        if isinstance(text_or_dict, (str, bytes)):
+            try:
+                d = json.loads(text_or_dict)
+            except json.JSONDecodeError as e:
+                raise PlanValidationError(f"plan JSON does not parse: {e}") from None
+        else:
+            d = text_or_dict
+        return cls.from_dict(d, num_samples=num_samples)
+
+    # ------------------------------------------------------------------ checks
+    def validate(self, num_samples: int | None = None, cost: Any = None,
+                 lengths: Sequence[int] | None = None, etas: Sequence[float] | None = None,
+                 num_devices: int | None = None) -> "Plan":
+        """Check the invariants; raise `PlanValidationError` naming the offending group/sample.
+
+        - every sample in exactly one group of exactly one micro-batch (and, with `num_samples`,
+          the samples are exactly 0..num_samples-1);
+        - the groups of a micro-batch use disjoint ranks within 0..num_ranks-1;
+        - degree == len(ranks) >= 1;
+        - with `cost` and `lengths`: each group fits its per-rank memory budget;
+        - with `num_devices`: num_ranks does not exceed the devices available.
+        Returns self so calls chain.
+        """
+        if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
+            raise PlanValidationError(f"num_ranks must be a positive integer, got {self.num_ranks!r}")
+        if self.ranks_per_node is not None and (not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1):
+            raise PlanValidationError(f"ranks_per_node must be a positive integer, got {self.ranks_per_node!r}")
+        if num_devices is not None and self.num_ranks > num_devices:
+            raise PlanValidationError(
+                f"plan needs {self.num_ranks} ranks but only {num_devices} devices are available")
+        if not self.micro_batches:
+            raise PlanValidationError("plan has no micro-batches")
+        seen: dict[int, str] = {}
+        for m, mb in enumerate(self.micro_batches):
+            if not mb.groups:
+                raise PlanValidationError(f"micro-batch {m} has no groups")
+            used: dict[int, int] = {}
+            for gi, g in enumerate(mb.groups):
+                where = f"micro-batch {m} group {gi} (ranks {list(g.ranks)})"
+                if g.degree != len(g.ranks) or g.degree < 1:
+                    raise PlanValidationError(f"{where}: degree {g.degree} != number of ranks {len(g.ranks)}")
+                if len(set(g.ranks)) != len(g.ranks):
+                    raise PlanValidationError(f"{where}: a rank appears twice")
+                for r in g.ranks:
+                    if not isinstance(r, int) or not 0 <= r < self.num_ranks:
+                        raise PlanValidationError(f"{where}: rank {r!r} outside 0..{self.num_ranks - 1}")
+                    if r in used:
+                        raise PlanValidationError(f"{where}: rank {r} is also used by group {used[r]}")
+                    used[r] = gi
+                if not g.samples:
+                    raise PlanValidationError(f"{where}: group has no samples")
+                for s in g.samples:
+                    if not isinstance(s, int) or s < 0:
+                        raise PlanValidationError(f"{where}: sample id {s!r} is not a non-negative integer")
+                    if num_samples is not None and s >= num_samples:
+                        raise PlanValidationError(
+                            f"{where}: sample {s} does not exist (batch has {num_samples} samples)")
+                    if s in seen:
+                        raise PlanValidationError(f"{where}: sample {s} is also in {seen[s]}")
+                    seen[s] = where
+        if num_samples is not None and len(seen) != num_samples:
+            missing = sorted(set(range(num_samples)) - set(seen))
+            raise PlanValidationError(
+                f"samples missing from every group: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+        if cost is not None and lengths is not None:
+            self._check_memory(cost, lengths, etas)
+        return self
+
+    def _check_memory(self, cost: Any, lengths: Sequence[int], etas: Sequence[float] | None) -> None:
+        budget = float(cost.memory_budget)
+        for m, mb in enumerate(self.micro_batches):
+            for gi, g in enumerate(mb.groups):
+                ls = [int(lengths[s]) for s in g.samples]
+                need = float(cost.memory(ls, g.degree))
+                if need > budget * (1 + 1e-9):
+                    raise PlanValidationError(
+                        f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "
+                        f"per rank for samples {list(g.samples)}, budget is {budget / 2**30:.2f} GiB")
+
+
+def _req(d: Mapping[str, Any], key: str, where: str) -> Any:
+    if not isinstance(d, Mapping):
+        raise PlanValidationError(f"{where}: expected an object, got {type(d).__name__}")
+    if key not in d:
+        raise PlanValidationError(f"{where}: missing field {key!r}")
+    return d[key]
+
+
+def _int_list(x: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(x, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
+        raise PlanValidationError(f"{where}: expected a list of integers, got {x!r}")
+    return tuple(x)
+
+
+def _parse(d: Mapping[str, Any]) -> Plan:
+    schema = _req(d, "schema", "plan")
+    if schema != SCHEMA:
+        raise PlanValidationError(f"plan schema is {schema!r}, expected {SCHEMA!r}")
+    mbs = []
+    for m, mbd in enumerate(_req(d, "micro_batches", "plan")):
+        groups = []
+        for gi, gd in enumerate(_req(mbd, "groups", f"micro-batch {m}")):
+            where = f"micro-batch {m} group {gi}"
+            degree = _req(gd, "degree", where)
+            if not isinstance(degree, int) or isinstance(degree, bool):
+                raise PlanValidationError(f"{where}: degree must be an integer, got {degree!r}")
+            groups.append(Group(ranks=_int_list(_req(gd, "ranks", where), f"{where} ranks"), degree=degree,
+                                samples=_int_list(_req(gd, "samples", where), f"{where} samples"),
+                                est_time_s=float(gd.get("est_time_s", 0.0)),
+                                est_memory_bytes=float(gd.get("est_memory_bytes", 0.0))))
+        mbs.append(MicroBatch(tuple(groups), float(mbd.get("est_makespan_s", 0.0))))
+    num_ranks = _req(d, "num_ranks", "plan")
+    rpn = d.get("ranks_per_node", num_ranks)
+    return Plan(num_ranks=num_ranks, micro_batches=tuple(mbs), ranks_per_node=rpn,
+                est_step_time_s=float(d.get("est_step_time_s", 0.0)), solver=dict(d.get("solver", {})))

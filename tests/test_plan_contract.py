@@ -1,0 +1,54 @@
+"""The Plan JSON contract: round trip and validation errors that name the problem."""
+
+import json
+
+import pytest
+
+from dhp_jax.planner import Plan, PlanValidationError
+
+GOOD = {"schema": "dhp.plan/v1", "num_ranks": 8, "ranks_per_node": 8,
+        "micro_batches": [{"groups": [{"ranks": [0, 1, 2], "degree": 3, "samples": [4, 7], "est_time_s": 0.12},
+                                      {"ranks": [3, 4, 5, 6, 7], "degree": 5, "samples": [0, 1, 2, 3, 5, 6],
+                                       "est_time_s": 0.11}],
+                           "est_makespan_s": 0.12}],
+        "est_step_time_s": 0.13, "solver": {"strategy": "dhp", "solve_ms": 0.9}}
+
+
+def test_round_trip_from_string_and_dict():
+    plan = Plan.from_json(json.dumps(GOOD), num_samples=8)
+    assert Plan.from_json(plan.to_json()) == plan
+    assert Plan.from_json(GOOD) == plan
+    assert plan.degrees == [[3, 5]]
+    assert plan.num_samples == 8
+
+
+def _bad(**edit):
+    d = json.loads(json.dumps(GOOD))
+    g = d["micro_batches"][0]["groups"]
+    for k, v in edit.items():
+        if k == "schema":
+            d["schema"] = v
+        else:
+            g[0][k] = v
+    return d
+
+
+@pytest.mark.parametrize("edit, msg", [
+    ({"schema": "dhp.plan/v0"}, "schema"),
+    ({"ranks": [0, 1, 3]}, "rank 3 is also used"),
+    ({"ranks": [0, 1, 9]}, "outside 0..7"),
+    ({"degree": 2}, "degree 2 != number of ranks 3"),
+    ({"samples": [4, 7, 0]}, "sample 0 is also in"),
+    ({"samples": [4]}, "missing from every group: [7]"),
+    ({"samples": [4, 7, 8]}, "sample 8 does not exist"),
+])
+def test_bad_plans_are_named(edit, msg):
+    with pytest.raises(PlanValidationError, match=__import__("re").escape(msg)):
+        Plan.from_json(_bad(**edit), num_samples=8)
+
+
+def test_malformed_json():
+    with pytest.raises(PlanValidationError, match="does not parse"):
+        Plan.from_json("{not json")
+    with pytest.raises(PlanValidationError, match="missing field 'micro_batches'"):
+        Plan.from_json({"schema": "dhp.plan/v1", "num_ranks": 2})
