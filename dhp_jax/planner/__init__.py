@@ -3,6 +3,13 @@
 Pure Python/NumPy (no jax import), so it can run in a loader thread or another process.
 """
 
+from dhp_jax._lazy import lazy_attributes
 from dhp_jax.planner.plan import SCHEMA, Group, MicroBatch, Plan, PlanningError, PlanValidationError
 
-__all__ = ["SCHEMA", "Group", "MicroBatch", "Plan", "PlanningError", "PlanValidationError"]
+_LAZY = {
+    "CostModel": "dhp_jax.planner.cost",
+    "plan_batch": "dhp_jax.planner.api",
+    "STRATEGIES": "dhp_jax.planner.api",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
+__all__ = ["SCHEMA", "Group", "MicroBatch", "Plan", "PlanningError", "PlanValidationError", *_LAZY]

@@ -1,1 +1,9 @@
-"""(filled in by its issue)"""
+"""The sharding compiler: each plan group on its own device sub-mesh with ring attention."""
+
+from dhp_jax._lazy import lazy_attributes
+
+_LAZY = {
+    "PlanExecutor": "dhp_jax.sharding.executor",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
+__all__ = list(_LAZY)
