@@ -1,0 +1,99 @@
+"""orbax checkpoints of the whole train state plus the data-loader position, written atomically.
+
+Each checkpoint holds two items: `state` (the `TrainState` pytree, restored straight into its
+sharding) and `meta` (JSON: the next data position, the model config, the run config). orbax writes
+into a temporary directory and renames it when complete, so a crash never leaves a half checkpoint
+that `latest` would pick. Before any array is read, `meta` is checked against the model config of
+the run: resuming a different model is a clear error, not a shape mismatch deep inside orbax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used for this run; the message says why."""
+
+
+@dataclasses.dataclass
+class Restored:
+    state: Any
+    step: int
+    data_position: int
+    meta: dict
+
+
+def _jsonable(x: Any) -> Any:
+    return json.loads(json.dumps(x, default=str))
+
+
+class Checkpointer:
+    """Save every `every` steps (and on demand), keep the last `keep`, restore the latest."""
+
+    def __init__(self, directory: str | Path, every: int = 0, keep: int = 2):
+        self.directory = Path(directory).resolve()
+        self.every = int(every)
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
+                                               enable_async_checkpointing=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def should_save(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def save(self, step: int, state: Any, data_position: int, model_config: Mapping[str, Any],
+             run_config: Mapping[str, Any] | None = None) -> None:
+        meta = {"step": int(step), "data_position": int(data_position),
+                "model_config": _jsonable(dict(model_config)), "run_config": _jsonable(dict(run_config or {}))}
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         meta=ocp.args.JsonSave(meta)), force=True)
+        self._manager.wait_until_finished()
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def read_meta(self, step: int | None = None) -> dict:
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {str(self.directory)!r}")
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} has no readable "
+                                  f"metadata: {type(e).__name__}: {e}") from None
+        return dict(out["meta"])
+
+    def check_compatible(self, model_config: Mapping[str, Any], step: int | None = None) -> dict:
+        """Raise `CheckpointError` naming the differing model fields; return the meta otherwise."""
+        meta = self.read_meta(step)
+        saved = meta.get("model_config", {})
+        mine = _jsonable(dict(model_config))
+        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        if diff:
+            details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {mine.get(k)!r}" for k in diff[:8])
+            raise CheckpointError(f"checkpoint in {str(self.directory)!r} (step {meta.get('step')}) is from a "
+                                  f"different model config ({details})")
+        return meta
+
+    def restore(self, abstract_state: Any, model_config: Mapping[str, Any], step: int | None = None) -> Restored:
+        """Restore into the shardings of `abstract_state` (a state or its `jax.ShapeDtypeStruct`s)."""
+        step = self.latest_step() if step is None else step
+        meta = self.check_compatible(model_config, step)
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state)
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} does not match this "
+                                  f"run's train state: {type(e).__name__}: {e}") from None
+        return Restored(state=out["state"], step=int(meta["step"]), data_position=int(meta["data_position"]),
+                        meta=meta)
+
+    def close(self) -> None:
+        self._manager.close()

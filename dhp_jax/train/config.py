@@ -1,0 +1,265 @@
+"""Typed training configs: nested dataclasses loaded from YAML, with dotted `key=value` overrides.
+
+A train YAML has top-level `kind: train`; every other key must name a field below, so a typo is
+an error that names the key and lists the valid ones instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import yaml
+
+DEMO_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "demo.yaml"
+
+
+class ConfigError(ValueError):
+    """A config file or override is wrong; the message names the key."""
+
+
+@dataclasses.dataclass
+class DevicesConfig:
+    platform: str = "cpu"          # "cpu" forces `count` fake host devices before jax is imported
+    count: int = 8                 # devices the run needs (cpu: how many fake devices to create)
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dataset: str = "openvid"       # a `make_dataset` name (or a manifest path)
+    batch_size: int = 16           # samples per global batch
+    token_scale: float = 1.0 / 64  # real token counts are scaled by this to fit the tiny model
+    max_tokens: int = 192          # longest sample after scaling (longer ones are truncated)
+    min_text_tokens: int = 4       # every sample keeps at least this many caption tokens
+    num_classes: int = 16          # distinct visual "concepts" whose captions the model must learn
+    noise: float = 0.5             # pixel noise around each concept's prototype
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    learning_rate: float = 3e-3
+    warmup_steps: int = 4
+    end_lr_ratio: float = 0.1      # cosine decays to learning_rate * end_lr_ratio
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass
+class PlannerConfig:
+    strategy: str = "dhp"          # any `plan_batch` strategy: dhp, static-ring:best, static-ring:4 ...
+    plan_file: str | None = None   # replay plans (.json: one plan or {"plans": [...]}; .jsonl: one a step)
+    cost_model: str = "internvl3-2b"  # CostModel preset used for planning when no profile is given
+    hardware: str = "cpu"
+    cost_profile: str | None = None   # JSON written by `dhp profile`; overrides the preset
+    num_micro_batches: int | None = None
+    lookahead: int = 2             # batches planned ahead by the planner thread (queue bound)
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    dir: str | None = None         # None: <metrics.out_dir>/checkpoints
+    every: int = 0                 # save every K steps (0: only at the end)
+    keep: int = 2
+
+
+@dataclasses.dataclass
+class MetricsConfig:
+    out_dir: str = "runs/demo"
+    progress: bool = True
+    tensorboard: bool = False      # needs tensorboardX
+    log_plans: bool = True         # write plans.jsonl (replayable with planner.plan_file)
+
+
+@dataclasses.dataclass
+class CompareConfig:
+    enabled: bool = True
+    static_strategy: str = "static-ring:best"  # the static baseline measured on these devices
+    batches: int = 3               # batches timed with both plans after training
+    repeats: int = 3               # timed repeats per batch and plan (median)
+    sim_model: str = "internvl3-8b"  # preset for the simulated speed-up on the unscaled batches
+    sim_hardware: str = "ascend-910b"
+    sim_ranks: int | None = None   # None: the run's num_ranks
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    kind: str = "train"
+    name: str = "demo"
+    model: str = "tiny"            # MLLMConfig preset
+    num_ranks: int = 8
+    steps: int = 40
+    seed: int = 0
+    devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = dataclasses.field(default_factory=MetricsConfig)
+    compare: CompareConfig = dataclasses.field(default_factory=CompareConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "TrainConfig":
+        if self.kind != "train":
+            raise ConfigError(f"config kind is {self.kind!r}; `dhp train` runs configs with kind: train")
+        positive = {"num_ranks": self.num_ranks, "devices.count": self.devices.count,
+                    "data.batch_size": self.data.batch_size, "data.max_tokens": self.data.max_tokens,
+                    "data.num_classes": self.data.num_classes, "planner.lookahead": self.planner.lookahead,
+                    "checkpoint.keep": self.checkpoint.keep}
+        for key, v in positive.items():
+            if v < 1:
+                raise ConfigError(f"{key} must be >= 1, got {v}")
+        for key, v in {"steps": self.steps, "optim.warmup_steps": self.optim.warmup_steps,
+                       "checkpoint.every": self.checkpoint.every, "compare.batches": self.compare.batches,
+                       "data.min_text_tokens": self.data.min_text_tokens}.items():
+            if v < 0:
+                raise ConfigError(f"{key} must be >= 0, got {v}")
+        if self.data.token_scale <= 0:
+            raise ConfigError(f"data.token_scale must be > 0, got {self.data.token_scale}")
+        if self.data.min_text_tokens + 1 > self.data.max_tokens:
+            raise ConfigError(f"data.max_tokens={self.data.max_tokens} leaves no room for "
+                              f"data.min_text_tokens={self.data.min_text_tokens} plus a vision token")
+        if self.optim.learning_rate <= 0:
+            raise ConfigError(f"optim.learning_rate must be > 0, got {self.optim.learning_rate}")
+        if self.compare.repeats < 1:
+            raise ConfigError(f"compare.repeats must be >= 1, got {self.compare.repeats}")
+        if self.devices.platform not in ("cpu", "gpu", "tpu", "default"):
+            raise ConfigError(f"devices.platform must be cpu, gpu, tpu or default, got {self.devices.platform!r}")
+        if self.num_ranks > self.devices.count:
+            raise ConfigError(f"num_ranks={self.num_ranks} needs {self.num_ranks} devices but "
+                              f"devices.count={self.devices.count}")
+        return self
+
+
+# ---------------------------------------------------------------------------------------- loading
+def _section_fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check/convert one YAML value against a field's annotation; name the key on failure."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover - schema bug
+
+
+def _apply(obj: Any, data: Mapping[str, Any], prefix: str = "") -> None:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+    fields = _section_fields(type(obj))
+    for key, value in data.items():
+        full = f"{prefix}{key}"
+        if key not in fields:
+            raise ConfigError(f"unknown config key {full!r}; valid keys"
+                              f"{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(fields))}")
+        current = getattr(obj, key)
+        if dataclasses.is_dataclass(current):
+            _apply(current, value, full + ".")
+        else:
+            setattr(obj, key, _coerce(value, _field_type(type(obj), key), full))
+
+
+def valid_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
+    """Every dotted key a config or an override may set."""
+    out = []
+    for f in dataclasses.fields(cls):
+        default = getattr(cls(), f.name)
+        if dataclasses.is_dataclass(default):
+            out.extend(valid_keys(type(default), f"{prefix}{f.name}."))
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`optim.learning_rate=1e-3` -> (["optim", "learning_rate"], 0.001)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    for text in overrides:
+        path, value = parse_override(text)
+        nested: Any = value
+        for part in reversed(path):
+            nested = {part: nested}
+        if path and dataclasses.is_dataclass(getattr(config, path[0], None)) and len(path) == 1:
+            raise ConfigError(f"override {text!r} sets the whole section {path[0]!r}; set one key, "
+                              f"e.g. {valid_keys(type(getattr(config, path[0])), path[0] + '.')[0]}=...")
+        _apply(config, nested)
+    return config
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
+    """Load a `kind: train` YAML (None: the embedded demo) and apply `key=value` overrides."""
+    path = Path(path) if path is not None else DEMO_CONFIG
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror or e}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {str(path)!r} is not valid YAML: {e}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config {str(path)!r} must be a YAML mapping")
+    if data.get("kind") != "train":
+        raise ConfigError(f"config {str(path)!r} has kind {data.get('kind')!r}; `dhp train` needs kind: train")
+    config = TrainConfig()
+    _apply(config, data)
+    apply_overrides(config, overrides)
+    return config.validate()
+
+
+def config_from_dict(data: Mapping[str, Any]) -> TrainConfig:
+    config = TrainConfig()
+    _apply(config, data)
+    return config.validate()

@@ -1,0 +1,81 @@
+"""The train state and its update: optax AdamW with warm-up + cosine and clipping, created sharded.
+
+The state (params, optimizer state, step, PRNG key) is created directly with the sharding it lives
+in (replicated over the full mesh: every rank is a full model replica) and the update is one jit
+over the full mesh that donates the old state, so a step holds one copy of it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from dhp_jax.train.config import OptimConfig
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array          # int32[], steps taken
+    params: Any
+    opt_state: Any
+    rng: jax.Array           # key of the run; a step's randomness is fold_in(rng, step)
+
+
+def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
+    """Linear warm-up to the peak, then cosine decay to peak * end_lr_ratio at `total_steps`."""
+    warmup = max(0, min(cfg.warmup_steps, total_steps))
+    decay = max(1, total_steps - warmup)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if warmup else cfg.learning_rate, peak_value=cfg.learning_rate,
+        warmup_steps=warmup, decay_steps=warmup + decay, end_value=cfg.learning_rate * cfg.end_lr_ratio)
+
+
+def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(cfg.clip_norm),
+        optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+    )
+
+
+def create_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
+                 seed: int, sharding: jax.sharding.Sharding) -> TrainState:
+    """Initialise the state already placed with `sharding` (no host copy, no later re-shard).
+
+    The seed is split once into named streams: "params" for initialisation, "train" kept in the
+    state for anything random during training.
+    """
+
+    def init(key: jax.Array) -> TrainState:
+        k_params, k_train = jax.random.split(key)
+        params = init_params(k_params)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
+                          rng=k_train)
+
+    key = jax.random.PRNGKey(seed)
+    abstract = jax.eval_shape(init, key)
+    out_shardings = jax.tree.map(lambda _: sharding, abstract)
+    return jax.jit(init, out_shardings=out_shardings)(key)
+
+
+def state_shardings(state: TrainState, sharding: jax.sharding.Sharding) -> TrainState:
+    return jax.tree.map(lambda _: sharding, state)
+
+
+def make_update(optimizer: optax.GradientTransformation, sharding: jax.sharding.Sharding,
+                state_like: TrainState) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array]]:
+    """`update(state, grads) -> (new_state, grad_norm)`, jitted over the full mesh, state donated."""
+
+    def update(state: TrainState, grads: Any) -> tuple[TrainState, jax.Array]:
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), grad_norm
+
+    shardings = state_shardings(state_like, sharding)
+    grad_shardings = jax.tree.map(lambda _: sharding, state_like.params)
+    return jax.jit(update, in_shardings=(shardings, grad_shardings), out_shardings=(shardings, sharding),
+                   donate_argnums=(0,))
