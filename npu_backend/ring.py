@@ -1,0 +1,178 @@
+"""Ring attention for a CP group of any degree, over point-to-point sends on the world group.
+
+A group is a list of global ranks; K/V blocks (with the per-token metadata the mask needs) travel
+around it with `dist.batch_isend_irecv`, so no process group is ever created per plan group
+(communicator memory is what hurts HCCL/NCCL users when plans change every step). The forward
+pass merges blocks with an online softmax; a custom autograd function runs the backward as a
+second ring in which dK/dV travel with their K/V block and come home after `degree` hops.
+
+Layouts (local shard of one packed stream): `q[S, H, D]`, `k, v[S, Hkv, D]` with H % Hkv == 0
+(grouped-query attention), `meta[S, M]` int64. The mask is any `mask_fn(q_meta, k_meta) ->
+bool[Sq, Sk]`, so token order inside the stream (zigzag or not) does not matter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+MaskFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RingComm:
+    """The ring of one CP group as seen from one rank: who to send to, who to receive from.
+
+    `ranks` are global ranks of the world group, in ring order. Counts the tensors it sends so
+    tests can assert the communication, not only the values.
+    """
+
+    def __init__(self, ranks: Sequence[int], rank: int):
+        ranks = [int(r) for r in ranks]
+        if rank not in ranks:
+            raise ValueError(f"rank {rank} is not in the CP group {ranks}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"CP group {ranks} lists a rank twice")
+        self.ranks = ranks
+        self.rank = rank
+        self.degree = len(ranks)
+        self.index = ranks.index(rank)
+        self.next = ranks[(self.index + 1) % self.degree]
+        self.prev = ranks[(self.index - 1) % self.degree]
+        self.tensors_sent = 0
+
+    def shift_start(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
+        """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
+        recv = [torch.empty_like(t) for t in tensors]
+        # Same order on every rank: the k-th send to a peer meets that peer's k-th receive.
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, r, self.prev) for r in recv]
+        reqs = dist.batch_isend_irecv(ops)
+        self.tensors_sent += len(tensors)
+        return recv, reqs
+
+    def shift(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        recv, reqs = self.shift_start(tensors)
+        for r in reqs:
+            r.wait()
+        return recv
+
+
+def _wait(reqs: list) -> None:
+    for r in reqs:
+        r.wait()
+
+
+def _scores(q4: torch.Tensor, k: torch.Tensor, qm: torch.Tensor, km: torch.Tensor,
+            mask_fn: MaskFn, scale: float) -> torch.Tensor:
+    """Masked logits s[Hkv, G, Sq, Sk] (-inf where masked) for q4[Hkv, G, Sq, D], k[Sk, Hkv, D]."""
+    s = torch.einsum("hgqd,khd->hgqk", q4, k) * scale
+    return s.masked_fill(~mask_fn(qm, km), float("-inf"))
+
+
+def _split_heads(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """q[S, H, D] -> q4[Hkv, G, S, D] (query head h uses kv head h // G)."""
+    s, h, d = q.shape
+    return q.reshape(s, hkv, h // hkv, d).permute(1, 2, 0, 3)
+
+
+def _merge_heads(x4: torch.Tensor) -> torch.Tensor:
+    hkv, g, s, d = x4.shape
+    return x4.permute(2, 0, 1, 3).reshape(s, hkv * g, d)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, meta, comm, mask_fn, scale):  # type: ignore[override]
+        hkv = k.shape[1]
+        q4 = _split_heads(q, hkv)
+        m = torch.full(q4.shape[:-1], float("-inf"), dtype=q.dtype)
+        l = torch.zeros_like(m)
+        acc = torch.zeros_like(q4)
+        kc, vc, mc = k, v, meta
+        degree = 1 if comm is None else comm.degree
+        for step in range(degree):
+            if step < degree - 1:  # prefetch the next block while this one is computed
+                nxt, reqs = comm.shift_start([kc, vc, mc])
+            s = _scores(q4, kc, meta, mc, mask_fn, scale)
+            m_new = torch.maximum(m, s.amax(dim=-1))
+            m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+            p = torch.exp(s - m_safe[..., None])
+            alpha = torch.exp(m - m_safe)
+            l = l * alpha + p.sum(dim=-1)
+            acc = acc * alpha[..., None] + torch.einsum("hgqk,khd->hgqd", p, vc)
+            m = m_new
+            if step < degree - 1:
+                _wait(reqs)
+                kc, vc, mc = nxt
+        empty = l == 0  # rows that may attend to nothing (padding): output 0, lse -inf
+        out4 = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, l)[..., None])
+        lse = torch.where(empty, torch.full_like(l, float("-inf")),
+                          torch.where(torch.isfinite(m), m, 0.0) + torch.log(torch.where(empty, 1.0, l)))
+        out = _merge_heads(out4)
+        ctx.save_for_backward(q, k, v, meta, out, lse)
+        ctx.comm, ctx.mask_fn, ctx.scale = comm, mask_fn, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, meta, out, lse = ctx.saved_tensors
+        comm, mask_fn, scale = ctx.comm, ctx.mask_fn, ctx.scale
+        hkv = k.shape[1]
+        q4, do4 = _split_heads(q, hkv), _split_heads(dout.contiguous(), hkv)
+        delta = (do4 * _split_heads(out, hkv)).sum(dim=-1)  # [Hkv, G, Sq]
+        lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        dq4 = torch.zeros_like(q4)
+        kc, vc, mc = k, v, meta
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with (kc, vc)
+        degree = 1 if comm is None else comm.degree
+        for step in range(degree):
+            if step < degree - 1:
+                nxt, reqs = comm.shift_start([kc, vc, mc])
+            s = _scores(q4, kc, meta, mc, mask_fn, scale)
+            p = torch.exp(s - lse_safe[..., None])  # masked entries are exp(-inf) = 0
+            dv = dv + torch.einsum("hgqk,hgqd->khd", p, do4)
+            dp = torch.einsum("hgqd,khd->hgqk", do4, vc)
+            ds = p * (dp - delta[..., None])
+            dq4 = dq4 + torch.einsum("hgqk,khd->hgqd", ds, kc) * scale
+            dk = dk + torch.einsum("hgqk,hgqd->khd", ds, q4) * scale
+            if degree > 1:
+                # The block's gradient follows it; after `degree` hops it is back at its owner.
+                dk, dv = comm.shift([dk, dv])
+            if step < degree - 1:
+                _wait(reqs)
+                kc, vc, mc = nxt
+        return _merge_heads(dq4), dk, dv, None, None, None, None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: torch.Tensor,
+                   mask_fn: MaskFn, comm: RingComm | None = None, scale: float | None = None) -> torch.Tensor:
+    """Attention of the local queries over the whole group's keys; returns `out[S, H, D]`.
+
+    `comm=None` (or degree 1) is plain single-rank attention with the same numerics. Rows whose
+    mask is empty everywhere (padding) give zeros and zero gradients.
+    """
+    if q.ndim != 3 or k.ndim != 3 or v.shape != k.shape:
+        raise ValueError(f"expected q[S, H, D] and k, v[S, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % k.shape[1] or q.shape[2] != k.shape[2] or q.shape[0] != k.shape[0]:
+        raise ValueError(f"q{tuple(q.shape)} and k{tuple(k.shape)}: heads must divide, head dims and "
+                         f"local lengths match")
+    if meta.shape[0] != q.shape[0]:
+        raise ValueError(f"meta has {meta.shape[0]} rows for {q.shape[0]} local tokens")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, meta, comm, mask_fn, scale)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    scale: float | None = None) -> torch.Tensor:
+    """Plain masked softmax attention on one rank (the reference the ring is tested against)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    any_ = mask.any(dim=-1)
+    p = torch.softmax(torch.where(any_[None, :, None], s, torch.zeros_like(s)), dim=-1) * any_[None, :, None]
+    return torch.einsum("hqk,khd->qhd", p, vv)
