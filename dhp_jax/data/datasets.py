@@ -1,0 +1,238 @@
+"""Named, payload-free dataset mixes for planning: `make_dataset(name, num_samples, seed)`.
+
+Each mix draws the *shape* of real multimodal training data (clip durations, resolutions,
+caption lengths) and turns it into token counts with a vision family's rules (vision.py). Only
+figures listed in PAPER.md's "Facts for realistic data" are facts; every other parameter below
+is marked as our choice. A name ending in ".jsonl" (or naming an existing file) is a manifest:
+`num_samples` lines are drawn from it by seed (manifest.py).
+
+Tails are drawn as exact counts (round(share * num_samples) samples), not by chance, so a batch
+of 512 always holds the long clips the mix was designed to have.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import numpy as np
+
+from dhp_jax.data.sample import Sample, Segment
+from dhp_jax.data.vision import VisionRules, image_segment, video_segment, vision_rules
+
+
+@dataclasses.dataclass(frozen=True)
+class LogNormal:
+    """A length drawn log-normally by its median and log-space sigma, clipped to [lo, hi]."""
+
+    median: float
+    sigma: float
+    lo: float
+    hi: float
+
+    def draw(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.clip(rng.lognormal(math.log(self.median), self.sigma, n), self.lo, self.hi)
+
+    def draw_int(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.maximum(1, np.rint(self.draw(rng, n))).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class VideoMix:
+    """A video-caption mix: log-normal body of clip durations plus an exact-count long tail.
+
+    `tail_share` of the clips (rounded to a count) have durations log-uniform in `tail_s`.
+    Each sample is [instruction text, video, caption text].
+    """
+
+    name: str
+    description: str
+    body_s: LogNormal
+    tail_share: float
+    tail_s: tuple[float, float]
+    resolutions: tuple[tuple[int, int, float], ...]  # (width, height, weight)
+    source_fps: tuple[float, ...]
+    prompt_tokens: LogNormal
+    caption_tokens: LogNormal
+
+    def durations(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        n_tail = int(round(self.tail_share * n))
+        lo, hi = self.tail_s
+        tail = np.exp(rng.uniform(math.log(lo), math.log(hi), n_tail))
+        body = self.body_s.draw(rng, n - n_tail)
+        return rng.permutation(np.concatenate([body, tail]))
+
+    def generate(self, rng: np.random.Generator, n: int, rules: VisionRules) -> list[list[Segment]]:
+        dur = self.durations(rng, n)
+        res = _pick(rng, n, [r[2] for r in self.resolutions])
+        fps = rng.choice(np.asarray(self.source_fps), n)
+        prompt = self.prompt_tokens.draw_int(rng, n)
+        caption = self.caption_tokens.draw_int(rng, n)
+        out = []
+        for i in range(n):
+            w, h, _ = self.resolutions[res[i]]
+            d = round(float(dur[i]), 3)
+            out.append([Segment("text", int(prompt[i]), meta={"role": "user"}),
+                        video_segment(d, w, h, rules, source_fps=float(fps[i])),
+                        Segment("text", int(caption[i]), meta={"role": "assistant"})])
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageMix:
+    """A LLaVA-style instruction mix: text-only, single-image and multi-image conversations.
+
+    Image sizes are a base resolution scaled by a uniform factor in `jitter` (aspect kept).
+    """
+
+    name: str
+    description: str
+    shares: tuple[float, float, float]  # text-only, single image, multi-image
+    text_only_tokens: LogNormal
+    single_tokens: LogNormal
+    multi_tokens: LogNormal
+    multi_images: tuple[int, int]  # inclusive range of images in a multi-image sample
+    resolutions: tuple[tuple[int, int, float], ...]
+    jitter: tuple[float, float]
+
+    def _image(self, rng: np.random.Generator, rules: VisionRules) -> Segment:
+        w, h, _ = self.resolutions[_pick(rng, 1, [r[2] for r in self.resolutions])[0]]
+        s = rng.uniform(*self.jitter)
+        return image_segment(max(1, round(w * s)), max(1, round(h * s)), rules)
+
+    def generate(self, rng: np.random.Generator, n: int, rules: VisionRules) -> list[list[Segment]]:
+        kinds = rng.permutation(np.repeat(np.arange(3), _counts(self.shares, n)))
+        out = []
+        for kind in kinds:
+            if kind == 0:
+                out.append([Segment("text", int(self.text_only_tokens.draw_int(rng, 1)[0]))])
+            elif kind == 1:
+                out.append([self._image(rng, rules), Segment("text", int(self.single_tokens.draw_int(rng, 1)[0]))])
+            else:
+                k = int(rng.integers(self.multi_images[0], self.multi_images[1] + 1))
+                segs = [self._image(rng, rules) for _ in range(k)]
+                out.append(segs + [Segment("text", int(self.multi_tokens.draw_int(rng, 1)[0]))])
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class TextMix:
+    """Text-only documents, one text segment each."""
+
+    name: str
+    description: str
+    tokens: LogNormal
+
+    def generate(self, rng: np.random.Generator, n: int, rules: VisionRules) -> list[list[Segment]]:
+        return [[Segment("text", int(t))] for t in self.tokens.draw_int(rng, n)]
+
+
+# --- the mixes ------------------------------------------------------------------------------
+# Shared choices: instructions ~24 tokens; source frame rates 24/25/30 fps.
+_PROMPT = LogNormal(24, 0.5, 4, 256)          # choice
+_FPS = (24.0, 25.0, 30.0)                     # choice
+
+OPENVID = VideoMix(
+    name="openvid",
+    description="OpenVid-1M-like: short high-resolution clips with long captions, 2% long tail 64-240 s",
+    # Fact (PAPER.md): the DHP paper's video data is long-tailed, most clips under 8 s, a few past 64 s.
+    # Choice: median 5.5 s (sigma 0.6, 1.5..60 s) so that most clips are under 8 s; 2% tail 64..240 s.
+    body_s=LogNormal(5.5, 0.6, 1.5, 60.0), tail_share=0.02, tail_s=(64.0, 240.0),
+    # Choice: high-resolution clips (OpenVid keeps >= 512 px clips; many are 720p/1080p).
+    resolutions=((1920, 1080, 0.35), (1280, 720, 0.45), (512, 512, 0.2)),
+    source_fps=_FPS, prompt_tokens=_PROMPT,
+    caption_tokens=LogNormal(120, 0.35, 30, 400),   # choice: dense generated captions
+)
+
+INTERNVID = VideoMix(
+    name="internvid",
+    description="InternVid-like: mean ~11.7 s, most clips under 10 s, 1.5% tail 64-300 s, short captions",
+    # Fact (PAPER.md): InternVid, 234M clips from 760k hours: mean ~11.7 s, most clips under 10 s.
+    # Choice: body median 7 s, sigma 0.8 (2..60 s): P(< 10 s) ~ 0.67, body mean ~9.6 s; with a 1.5%
+    # log-uniform tail on 64..300 s (mean ~153 s) the mix mean is ~11.8 s.
+    body_s=LogNormal(7.0, 0.8, 2.0, 60.0), tail_share=0.015, tail_s=(64.0, 300.0),
+    resolutions=((1280, 720, 0.6), (640, 360, 0.25), (1920, 1080, 0.15)),  # choice: YouTube sources
+    source_fps=_FPS, prompt_tokens=_PROMPT,
+    caption_tokens=LogNormal(18, 0.4, 5, 80),   # choice: one-sentence captions
+)
+
+MSRVTT = VideoMix(
+    name="msrvtt",
+    description="MSR-VTT-like: mean ~15 s low-resolution clips, 1.5% tail 64-180 s, short captions",
+    # Fact (PAPER.md): MSR-VTT, 10k clips, 41.2 h in all, mean ~15 s.
+    # Choice: body median 12.5 s, sigma 0.4 (4..40 s), body mean ~13.5 s; 1.5% tail log-uniform on
+    # 64..180 s (mean ~112 s, after the DHP paper's long tails) gives a mix mean ~15 s.
+    body_s=LogNormal(12.5, 0.4, 4.0, 40.0), tail_share=0.015, tail_s=(64.0, 180.0),
+    resolutions=((320, 240, 0.7), (640, 480, 0.3)),   # choice: low-resolution web clips
+    source_fps=_FPS, prompt_tokens=_PROMPT,
+    caption_tokens=LogNormal(14, 0.35, 5, 60),    # choice: ~10-word captions
+)
+
+LLAVA_MIX = ImageMix(
+    name="llava-mix",
+    description="LLaVA-instruct-like: 6% text-only, 82% single-image, 12% multi-image (2-6) conversations",
+    # All choices, shaped after LLaVA-1.5's 665k instruction mix (a small text-only share, mostly
+    # single-image VQA/conversation, some multi-image samples).
+    shares=(0.06, 0.82, 0.12),
+    text_only_tokens=LogNormal(600, 0.9, 16, 8192),
+    single_tokens=LogNormal(160, 0.8, 8, 4096),
+    multi_tokens=LogNormal(220, 0.7, 16, 4096),
+    multi_images=(2, 6),
+    # Choice: COCO-like photos, screenshots, documents and scans.
+    resolutions=((640, 480, 0.35), (500, 375, 0.15), (1024, 768, 0.15), (1280, 720, 0.1),
+                 (1600, 1200, 0.1), (800, 1000, 0.1), (336, 336, 0.05)),
+    jitter=(0.75, 1.25),
+)
+
+TEXT_LONGTAIL = TextMix(
+    name="text-longtail",
+    description="Wikipedia-like documents: mean 1014, median 347, p99 ~10.9k tokens",
+    # Fact (PAPER.md): a 1M-document Wikipedia sample has mean 1014, median 347, p99 10921 tokens.
+    # A log-normal fitted to the median and the mean: mu = ln 347, sigma = sqrt(2 ln(1014/347))
+    # = 1.4645; its p99 is ~10470 (4% under the measured 10921). Clipped to 1..131072 tokens.
+    tokens=LogNormal(347, math.sqrt(2 * math.log(1014 / 347)), 1, 131072),
+)
+
+Mix = VideoMix | ImageMix | TextMix
+DATASETS: dict[str, Mix] = {m.name: m for m in (OPENVID, INTERNVID, MSRVTT, LLAVA_MIX, TEXT_LONGTAIL)}
+
+
+def is_manifest_name(name: str) -> bool:
+    """True when `name` names a JSONL manifest rather than a built-in mix."""
+    return name not in DATASETS and (name.endswith(".jsonl") or os.path.isfile(name))
+
+
+def make_dataset(name: str, num_samples: int, seed: int = 0, *, vision: str | VisionRules = "qwen-vl") -> list[Sample]:
+    """`num_samples` payload-free samples of a named mix (or drawn from a JSONL manifest path).
+
+    `vision` picks the token rules of the model family ("qwen-vl", "internvl", "llava").
+    Deterministic: the same (name, num_samples, seed, vision) gives the same samples.
+    `sample_id` is the index in the returned list; `source` is the mix name (or manifest path).
+    """
+    if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
+        raise ValueError(f"num_samples must be a non-negative integer, got {num_samples!r}")
+    rules = vision_rules(vision)
+    if is_manifest_name(name):
+        from dhp_jax.data.manifest import draw_manifest  # lazy: only manifest users pay for it
+        return draw_manifest(name, int(num_samples), seed, vision=rules)
+    mix = DATASETS.get(name)
+    if mix is None:
+        raise ValueError(f"unknown dataset {name!r}; known: {', '.join(DATASETS)} (or a .jsonl manifest path)")
+    rng = np.random.default_rng(seed)
+    segs = mix.generate(rng, int(num_samples), rules)
+    return [Sample(tuple(s), sample_id=i, source=name) for i, s in enumerate(segs)]
+
+
+def _counts(shares: tuple[float, ...], n: int) -> np.ndarray:
+    """Exact per-component counts summing to n (largest remainder)."""
+    raw = np.asarray(shares, dtype=np.float64) / sum(shares) * n
+    counts = np.floor(raw).astype(np.int64)
+    order = np.argsort(-(raw - counts), kind="stable")
+    counts[order[: n - int(counts.sum())]] += 1
+    return counts
+
+
+def _pick(rng: np.random.Generator, n: int, weights: list[float]) -> np.ndarray:
+    p = np.asarray(weights, dtype=np.float64)
+    return rng.choice(len(p), size=n, p=p / p.sum())
+

@@ -1,0 +1,108 @@
+"""Vision-token rules on sizes worked out by hand, plus the invariants each rule promises."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dhp_jax.data.vision import (QwenVLRules, family_for_model, image_segment, image_tokens, video_segment,
+                                 video_tokens, vision_rules)
+
+
+@pytest.mark.parametrize("w,h,tokens", [
+    (224, 224, 64),        # 8x8 grid of 28-px cells
+    (448, 448, 256),
+    (1920, 1080, 2691),    # 1932x1092 after rounding to 28: 69 x 39
+    (10, 10, 4),           # below min pixels: scaled up to 56x56
+    (28, 28, 4),
+])
+def test_qwen_image_known_sizes(w, h, tokens):
+    assert image_tokens(w, h, "qwen-vl") == tokens
+
+
+def test_qwen_image_huge_is_capped():
+    n = image_tokens(10000, 10000, "qwen-vl")
+    assert 16000 <= n <= 16384
+
+
+def test_qwen_rejects_extreme_aspect_and_bad_sizes():
+    with pytest.raises(ValueError, match="aspect"):
+        image_tokens(1, 300, "qwen-vl")
+    with pytest.raises(ValueError, match="width"):
+        image_tokens(0, 10, "qwen-vl")
+    with pytest.raises(ValueError, match="height"):
+        image_tokens(10, float("nan"), "internvl")
+
+
+@given(st.integers(1, 8000), st.integers(1, 8000))
+@settings(max_examples=300, deadline=None)
+def test_qwen_image_bounds(w, h):
+    if max(w, h) / min(w, h) > 200:
+        return
+    r = QwenVLRules()
+    rw, rh = r.resize(w, h, 4 * 784, 16384 * 784)
+    assert rw % 28 == 0 and rh % 28 == 0
+    assert 4 <= image_tokens(w, h) == (rw // 28) * (rh // 28) <= 16384
+
+
+def test_qwen_video_known_clips():
+    # 10 s at 30 fps -> 20 frames (2 fps) -> 10 temporal pairs; 1280x720 exceeds 768 tokens/frame and is
+    # shrunk by sqrt(921600/602112): 560x1008 = 20 x 36 = 720 tokens per pair.
+    v = video_tokens(10, 1280, 720, "qwen-vl", source_fps=30)
+    assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (20, 10, 720, 7200)
+    # 300 s 1080p -> 600 frames; per-frame budget 115200*2/600 = 384 tokens -> 392x728 = 14 x 26 = 364.
+    v = video_tokens(300, 1920, 1080, "qwen-vl")
+    assert (v.frames, v.tokens_per_frame, v.num_tokens) == (600, 364, 109200)
+    # very short clip: at least 4 frames
+    assert video_tokens(0.5, 320, 240, "qwen-vl").frames == 4
+
+
+@given(st.floats(0.1, 3600), st.integers(16, 4096), st.integers(16, 4096))
+@settings(max_examples=200, deadline=None)
+def test_qwen_video_bounded_by_total_budget(d, w, h):
+    if max(w, h) / min(w, h) > 200:
+        return
+    v = video_tokens(d, w, h, "qwen-vl")
+    assert v.frames % 2 == 0 and 4 <= v.frames <= 768
+    assert v.num_tokens == v.units * v.tokens_per_frame
+    assert v.num_tokens <= 115200 and v.tokens_per_frame >= 128
+
+
+@pytest.mark.parametrize("w,h,tiles", [
+    (448, 448, 1),        # one tile, no thumbnail
+    (896, 448, 3),        # 2x1 grid + thumbnail
+    (1920, 1080, 9),      # aspect 1.78: 2x1 and 4x2 tie at 0.22, the image is large -> 4x2 + thumbnail
+    (640, 480, 13),       # exact 4x3 grid + thumbnail
+    (100, 1000, 11),      # 1x10 + thumbnail
+    (300, 200, 7),        # aspect 1.5: 3x2 + thumbnail
+    (200, 200, 1),
+])
+def test_internvl_tiles(w, h, tiles):
+    assert image_tokens(w, h, "internvl") == 256 * tiles
+
+
+def test_internvl_and_llava_video():
+    v = video_tokens(64, 1920, 1080, "internvl")
+    assert (v.frames, v.num_tokens) == (64, 64 * 256)
+    assert video_tokens(2, 640, 480, "internvl").frames == 4
+    assert video_tokens(1000, 640, 480, "internvl").frames == 512
+    assert image_tokens(1920, 1080, "llava") == 576
+    v = video_tokens(30, 640, 480, "llava")
+    assert (v.frames, v.num_tokens) == (30, 30 * 196)
+    assert video_tokens(600, 640, 480, "llava").num_tokens == 64 * 196
+
+
+def test_segments_and_families():
+    s = image_segment(448, 448, "internvl")
+    assert s.modality == "image" and s.num_tokens == 256 and s.meta["width"] == 448
+    v = video_segment(10, 1280, 720, "qwen-vl", source_fps=30.0)
+    assert v.modality == "video" and v.num_tokens == 7200 and v.tokens_per_frame == 720
+    assert v.meta["frames"] == 20 and math.isclose(v.meta["duration_s"], 10.0)
+    assert family_for_model("internvl3-8b") == "internvl"
+    assert family_for_model("Qwen3-VL-8B") == "qwen-vl"
+    assert vision_rules("qwen2.5-vl").name == "qwen-vl"
+    with pytest.raises(ValueError, match="known: qwen-vl, internvl, llava"):
+        vision_rules("clip")
+    with pytest.raises(ValueError, match="duration_s"):
+        video_tokens(-1, 10, 10)
