@@ -33,8 +33,8 @@ class DataConfig:
     dataset: str = "openvid"       # a `make_dataset` name (or a manifest path)
     batch_size: int = 16           # samples per global batch
     token_scale: float = 1.0 / 64  # real token counts are scaled by this to fit the tiny model
-    max_tokens: int = 192          # longest sample after scaling (longer ones are truncated)
-    min_text_tokens: int = 4       # every sample keeps at least this many caption tokens
+    max_tokens: int = 384          # longest sample after scaling (longer ones are truncated)
+    min_text_tokens: int = 6       # every sample keeps at least this many caption tokens
     num_classes: int = 16          # distinct visual "concepts" whose captions the model must learn
     noise: float = 0.5             # pixel noise around each concept's prototype
     seed: int = 0
