@@ -1,0 +1,210 @@
+"""The training loop: planned batches in, executor loss/grads, donated optax update, metrics, checkpoints.
+
+Everything that can be wrong with a run (too few devices, a bad plan file, a checkpoint of another
+model) is checked in `Trainer.__init__` / `prepare`, before the first step runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.train.config import TrainConfig
+from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
+
+
+class TrainError(RuntimeError):
+    """The run cannot start; the message says what is missing or wrong."""
+
+
+@dataclasses.dataclass
+class RunResult:
+    losses: list[float]
+    records: list[dict]
+    summary: dict
+    state: Any
+
+
+class Trainer:
+    """One run of `dhp train`. `executor` may be passed in (tests share one to reuse compiles)."""
+
+    def __init__(self, config: TrainConfig, executor: Any = None, devices: Sequence[Any] | None = None):
+        import jax
+
+        from dhp_jax.model import MLLMConfig
+
+        self.config = config.validate()
+        self.model_config = MLLMConfig.preset(config.model)
+        available = list(devices) if devices is not None else jax.devices()
+        if len(available) < config.num_ranks:
+            raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
+                             f"{len(available)} {available[0].platform if available else ''} device(s) are visible"
+                             + (" (for fake CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count="
+                                f"{config.num_ranks} before jax is imported)" if available and
+                                available[0].platform == "cpu" else ""))
+        self.devices = available[: config.num_ranks]
+        # Plan file first: an unreadable file must fail before anything is compiled.
+        plans = None
+        if config.planner.plan_file:
+            plans = load_plan_file(config.planner.plan_file, num_samples=config.data.batch_size,
+                                   num_ranks=config.num_ranks, steps=config.steps)
+        self.cost = make_cost(config.planner.cost_profile, config.planner.cost_model, config.planner.hardware,
+                              ranks_per_node=config.num_ranks)
+        self.plan_source = PlanSource(config.num_ranks, cost=self.cost, strategy=config.planner.strategy,
+                                      plans=plans, num_micro_batches=config.planner.num_micro_batches)
+        self.pipeline = DataPipeline(config.data, self.model_config.vocab_size, self.model_config.patch_dim)
+        if executor is None:
+            from dhp_jax.sharding import PlanExecutor
+
+            executor = PlanExecutor(self.model_config, self.devices)
+        self.executor = executor
+        self.out_dir = Path(config.metrics.out_dir)
+        self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
+        self._state = None
+        self._update = None
+
+    # ------------------------------------------------------------------ state
+    def init_state(self) -> Any:
+        from dhp_jax.model import init_params
+        from dhp_jax.train.state import create_state, make_optimizer, make_update
+
+        optimizer = make_optimizer(self.config.optim, self.config.steps)
+        state = create_state(lambda k: init_params(self.model_config, k), optimizer, self.config.seed,
+                             self.executor.replicated)
+        self._update = make_update(optimizer, self.executor.replicated, state)
+        return state
+
+    def checkpointer(self):
+        from dhp_jax.train.checkpoint import Checkpointer
+
+        return Checkpointer(self.ckpt_dir, every=self.config.checkpoint.every, keep=self.config.checkpoint.keep)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, resume: bool = False, stop_after: int | None = None) -> RunResult:
+        """Train to `config.steps` (or stop after `stop_after` steps, checkpointing, as an interrupted run)."""
+        import jax
+
+        from dhp_jax.train.checkpoint import CheckpointError
+        from dhp_jax.train.metrics import MetricsWriter
+        from dhp_jax.train.planner_thread import PlannerThread
+
+        cfg = self.config
+        ckpt = self.checkpointer()
+        state = self.init_state()
+        start = 0
+        if resume:
+            if ckpt.latest_step() is None:
+                raise CheckpointError(f"--resume: no checkpoint in {str(ckpt.directory)!r}")
+            restored = ckpt.restore(state, self.model_config.to_dict())
+            state, start = restored.state, restored.data_position
+        stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+        metrics = MetricsWriter(self.out_dir, total_steps=cfg.steps, start_step=start,
+                                progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard,
+                                append=resume)
+        plan_log = (self.out_dir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+        t_run = time.perf_counter()
+        records: list[dict] = []
+        try:
+            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop,
+                               lookahead=cfg.planner.lookahead) as planned:
+                for item in planned:
+                    t0 = time.perf_counter()
+                    loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
+                    state, grad_norm = self._update(state, grads)
+                    jax.block_until_ready((loss, grad_norm, state.params))
+                    step_time = time.perf_counter() - t0
+                    done = item.step + 1
+                    rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm),
+                           "lr": float(self._lr(item.step)), "tokens": item.batch.num_tokens,
+                           "samples": len(item.batch.samples), "step_time_s": step_time,
+                           "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
+                           "strategy": self.plan_source.label, "degrees": item.plan.degrees,
+                           "num_compiles": getattr(self.executor, "num_compiles", None)}
+                    records.append(rec)
+                    metrics.log_step(rec)
+                    if plan_log is not None:
+                        plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
+                        plan_log.flush()
+                    if ckpt.should_save(done) or done == stop:
+                        ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
+                                  run_config=cfg.to_dict())
+            wall = time.perf_counter() - t_run
+            summary = self.summarize(records, wall, start)
+            if cfg.compare.enabled and stop == cfg.steps and stop_after is None:
+                from dhp_jax.train.compare import compare_plans
+
+                summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps)
+            metrics.write_json("summary.json", summary)
+        finally:
+            metrics.close()
+            if plan_log is not None:
+                plan_log.close()
+            ckpt.close()
+        self._state = state
+        return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
+
+    def _lr(self, step: int) -> float:
+        from dhp_jax.train.state import make_schedule
+
+        return float(make_schedule(self.config.optim, self.config.steps)(step))
+
+    def summarize(self, records: list[dict], wall_s: float, start: int) -> dict:
+        cfg = self.config
+        waits = [r["plan_wait_s"] for r in records]
+        steady = waits[2:] if len(waits) > 3 else waits[1:]  # first steps: thread start + compiles
+        losses = [r["loss"] for r in records]
+        k = max(1, min(3, len(losses) // 4))
+        return {
+            "name": cfg.name, "config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
+            "devices": f"{len(self.devices)} x {self.devices[0].platform} ({self.devices[0].device_kind})",
+            "start_step": start, "steps_run": len(records), "wall_time_s": wall_s,
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "loss_first_mean": float(np.mean(losses[:k])) if losses else None,
+            "loss_last_mean": float(np.mean(losses[-k:])) if losses else None,
+            "step_time_median_s": statistics.median(r["step_time_s"] for r in records) if records else None,
+            "plan_wait_median_s": statistics.median(steady) if steady else None,
+            "plan_wait_max_steady_s": max(steady) if steady else None,
+            "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records) if records else None,
+            "num_compiles": getattr(self.executor, "num_compiles", None),
+            "labels": {"step_time": f"measured on {len(self.devices)} {self.devices[0].platform} devices of this machine"},
+        }
+
+
+def dry_run(config: TrainConfig) -> dict:
+    """Check everything a run needs without compiling or running a step; return what was checked.
+
+    Config validity, devices >= ranks, the plan file (every plan), the planning cost model, the
+    model preset, the first batch of the pipeline and its plan (validated against the devices).
+    """
+    import jax
+
+    from dhp_jax.model import MLLMConfig
+
+    config.validate()
+    model_config = MLLMConfig.preset(config.model)
+    devices = jax.devices()
+    if len(devices) < config.num_ranks:
+        raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
+                         f"{len(devices)} device(s) are visible")
+    plans = None
+    if config.planner.plan_file:
+        plans = load_plan_file(config.planner.plan_file, num_samples=config.data.batch_size,
+                               num_ranks=config.num_ranks, steps=config.steps)
+    cost = make_cost(config.planner.cost_profile, config.planner.cost_model, config.planner.hardware,
+                     ranks_per_node=config.num_ranks)
+    source = PlanSource(config.num_ranks, cost=cost, strategy=config.planner.strategy, plans=plans,
+                        num_micro_batches=config.planner.num_micro_batches)
+    pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
+    batch = pipeline.batch(0)
+    plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(devices))
+    return {"name": config.name, "num_ranks": config.num_ranks,
+            "devices": f"{len(devices)} x {devices[0].platform}", "batch_samples": len(batch.samples),
+            "batch_tokens": batch.num_tokens, "max_sample_tokens": int(batch.lengths.max()),
+            "strategy": source.label, "degrees": plan.degrees}
