@@ -1,0 +1,193 @@
+"""Token layout of one CP group: its samples packed into one padded, zigzag-permuted stream.
+
+Pure NumPy (no jax): the JAX sharding compiler and the torch backend both consume it.
+
+`pack_group(samples, degree, config)` concatenates the group's samples in the given order into one
+stream of `num_tokens` real tokens, pads it to `bucket_length(num_tokens, degree)` and permutes it
+with the zigzag order for `degree`. All per-token arrays below are in that final (permuted) order,
+length S = bucket; shard i of a degree-d group is `array[i*S/d:(i+1)*S/d]`.
+
+Per-token arrays (`GroupLayout.arrays()`):
+- token_ids int32: text token ids (0 on vision and pad tokens);
+- pixels float32[S, patch_dim]: one merged patch per vision token (0 on text and pad);
+- vision_mask bool: token comes from an image/video segment;
+- segment_ids int32: 1 + index of the sample inside the group; 0 = padding;
+- positions int32: offset of the token inside its sample (text and vision alike);
+- span_ids int32: decoder bidirectional span, 1.. unique per vision segment in the group, 0 = text;
+- frame_ids int32: vision-encoder frame, 1.. unique per frame in the group, 0 = not vision.
+  A segment's frames are consecutive runs of `tokens_per_frame` tokens (the last may be shorter);
+  without `tokens_per_frame` the whole segment is one frame;
+- frame_positions int32: offset inside the frame (0 outside vision);
+- targets int32: next token id where loss_weights is 1, else 0;
+- loss_weights float32: 1 on a text token whose next token (same sample) is text, else 0.
+
+The mask rule that goes with these ids is in `dhp_jax.model.attention`; because it reads ids
+and never stream order, the permutation and the padding change no result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.data.sample import Sample
+
+INT_ARRAYS = ("token_ids", "segment_ids", "positions", "span_ids", "frame_ids", "frame_positions",
+              "targets")
+ARRAY_NAMES = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
+               "frame_ids", "frame_positions", "targets", "loss_weights")
+
+MIN_BUCKET = 16
+GROWTH = 2.0
+
+
+def ladder(n: int, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> int:
+    """Smallest rung of the geometric ladder ceil(min_bucket * growth**k) that holds n tokens."""
+    if min_bucket < 1 or growth <= 1.0:
+        raise ValueError(f"bucket ladder needs min_bucket >= 1 and growth > 1, got {min_bucket}, {growth}")
+    n = max(int(n), 1)
+    k, rung = 0, min_bucket
+    while rung < n:
+        k += 1
+        rung = int(math.ceil(min_bucket * growth ** k))
+    return rung
+
+
+def bucket_length(n: int, degree: int, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> int:
+    """Padded stream length for n tokens on `degree` devices: the ladder rung, rounded up to a
+    multiple of 2*degree (two zigzag chunks per device). One bucket per (rung, degree), so the
+    number of distinct shapes is bounded by #rungs x #degrees."""
+    if int(degree) < 1:
+        raise ValueError(f"degree must be >= 1, got {degree}")
+    step = 2 * int(degree)
+    return -(-ladder(n, min_bucket, growth) // step) * step
+
+
+def zigzag_permutation(length: int, degree: int) -> np.ndarray:
+    """perm int64[length]: permuted[i] = original[perm[i]]; device i holds chunks i and 2d-1-i."""
+    if length % (2 * degree):
+        raise ValueError(f"stream length {length} is not divisible by 2*degree = {2 * degree}")
+    c = length // (2 * degree)
+    order = [j for i in range(degree) for j in (i, 2 * degree - 1 - i)]
+    return np.concatenate([np.arange(j * c, (j + 1) * c) for j in order]).astype(np.int64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GroupLayout:
+    """One group's packed stream (arrays already zigzag-permuted and padded to `bucket`)."""
+
+    degree: int
+    bucket: int
+    num_tokens: int
+    num_loss_tokens: int
+    permutation: np.ndarray
+    sample_offsets: tuple[int, ...]
+    token_ids: np.ndarray
+    pixels: np.ndarray
+    vision_mask: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    span_ids: np.ndarray
+    frame_ids: np.ndarray
+    frame_positions: np.ndarray
+    targets: np.ndarray
+    loss_weights: np.ndarray
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Model inputs plus targets/loss_weights, by name (see the module docstring)."""
+        return {k: getattr(self, k) for k in ARRAY_NAMES}
+
+    def unpermute(self, x: np.ndarray) -> np.ndarray:
+        """Back to the packed (unpermuted) order along axis 0."""
+        out = np.empty_like(x)
+        out[self.permutation] = x
+        return out
+
+
+def _where(sample: Sample, index: int) -> str:
+    sid = sample.sample_id if sample.sample_id is not None else index
+    return f"sample {sid!r}"
+
+
+def pack_group(samples: Sequence[Sample], degree: int, config: Any, *, bucket: int | None = None,
+               min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> GroupLayout:
+    """Pack `samples` (with payloads) for a group of `degree` devices.
+
+    `config` is anything with `patch_dim` and `vocab_size` (e.g. `MLLMConfig`). `bucket` forces the
+    padded length (must hold the tokens and divide by 2*degree). Raises ValueError naming the
+    sample on a missing payload, a token id outside the vocabulary or a wrong pixel width.
+    """
+    degree = int(degree)
+    if degree < 1:
+        raise ValueError(f"degree must be >= 1, got {degree}")
+    if not samples:
+        raise ValueError("pack_group needs at least one sample")
+    patch_dim, vocab = int(config.patch_dim), int(config.vocab_size)
+    n = sum(s.num_tokens for s in samples)
+    if bucket is None:
+        bucket = bucket_length(n, degree, min_bucket, growth)
+    if bucket < n or bucket % (2 * degree):
+        raise ValueError(f"bucket {bucket} cannot hold {n} tokens split in 2*{degree} chunks")
+
+    ids = np.zeros(bucket, np.int32)
+    pix = np.zeros((bucket, patch_dim), np.float32)
+    vis = np.zeros(bucket, bool)
+    seg, pos, span, frame, fpos, tgt = (np.zeros(bucket, np.int32) for _ in range(6))
+    w = np.zeros(bucket, np.float32)
+    offsets, off, n_span, n_frame = [], 0, 0, 0
+    for si, s in enumerate(samples):
+        offsets.append(off)
+        if not isinstance(s, Sample):
+            raise TypeError(f"group sample {si} is a {type(s).__name__}, not a Sample")
+        start = off
+        for seg_i, sg in enumerate(s.segments):
+            k = sg.num_tokens
+            sl = slice(off, off + k)
+            if sg.is_vision:
+                if sg.pixels is None:
+                    raise ValueError(f"{_where(s, si)} segment {seg_i} ({sg.modality}) has no pixels")
+                p = np.asarray(sg.pixels)
+                if p.ndim != 2 or p.shape[1] != patch_dim:
+                    raise ValueError(f"{_where(s, si)} segment {seg_i}: pixels have shape {p.shape}, "
+                                     f"expected ({k}, {patch_dim})")
+                pix[sl] = p
+                vis[sl] = True
+                if k:
+                    n_span += 1
+                    span[sl] = n_span
+                tpf = int(sg.tokens_per_frame or k or 1)
+                if tpf < 1:
+                    raise ValueError(f"{_where(s, si)} segment {seg_i}: tokens_per_frame must be >= 1")
+                local = np.arange(k)
+                frame[sl] = n_frame + 1 + local // tpf
+                fpos[sl] = local % tpf
+                n_frame += -(-k // tpf)
+            else:
+                if sg.token_ids is None:
+                    raise ValueError(f"{_where(s, si)} segment {seg_i} (text) has no token_ids")
+                t = np.asarray(sg.token_ids)
+                if k and (t.min() < 0 or t.max() >= vocab):
+                    bad = int(t.max()) if t.max() >= vocab else int(t.min())
+                    raise ValueError(f"{_where(s, si)} segment {seg_i}: token id {bad} is outside "
+                                     f"the vocabulary [0, {vocab})")
+                ids[sl] = t
+            off += k
+        seg[start:off] = si + 1
+        pos[start:off] = np.arange(off - start)
+        # Next-token targets: text followed by text of the same sample.
+        txt = ~vis[start:off]
+        nxt = np.zeros(off - start, bool)
+        nxt[:-1] = txt[:-1] & txt[1:]
+        w[start:off] = nxt
+        if off - start > 1:
+            tgt[start:off - 1] = np.where(nxt[:-1], ids[start + 1:off], 0)
+    perm = zigzag_permutation(bucket, degree)
+    arr = {"token_ids": ids, "pixels": pix, "vision_mask": vis, "segment_ids": seg,
+           "positions": pos, "span_ids": span, "frame_ids": frame, "frame_positions": fpos,
+           "targets": tgt, "loss_weights": w}
+    arr = {k: np.ascontiguousarray(v[perm]) for k, v in arr.items()}
+    return GroupLayout(degree=degree, bucket=bucket, num_tokens=n, num_loss_tokens=int(w.sum()),
+                       permutation=perm, sample_offsets=tuple(offsets), **arr)

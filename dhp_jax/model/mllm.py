@@ -1,0 +1,180 @@
+"""The flax multimodal model: vision encoder + projector + decoder LLM over one packed token stream.
+
+Exact math (fp32 throughout; a torch twin must match op for op):
+
+Inputs (one packed stream of S tokens, see `dhp_jax.data.layout`): `token_ids` int32[S],
+`pixels` float32[S, patch_dim] (zeros on text tokens), `vision_mask` bool[S], decoder ids
+`segment_ids`, `positions`, `span_ids` int32[S], vision-encoder ids `frame_ids`,
+`frame_positions` int32[S]. Masks come from ids only (`dhp_jax.model.attention`).
+
+- RMSNorm(x) = x * rsqrt(mean(x**2, -1) + rms_eps) * scale          (rms_eps = 1e-6, no bias)
+- Dense: y = x @ kernel (+ bias); kernel is [in, out] (torch Linear weight = kernel.T).
+- Rotary (rotate-half, whole head): inv_freq[i] = rope_base ** (-2i / D), i = 0..D/2-1;
+  ang = pos * inv_freq; cos = concat(cos(ang), cos(ang)), sin likewise;
+  rope(x) = x * cos + rotate_half(x) * sin,  rotate_half([x1, x2]) = [-x2, x1] (halves of D).
+- Attention block (pre-norm): q = (x @ q.kernel).reshape(S, H, D) (head-major columns),
+  k, v = (x @ k/v.kernel).reshape(S, KVH, D); q, k = rope(q, pos), rope(k, pos);
+  GQA: query head h uses kv head h // (H / KVH) (repeat-interleave);
+  softmax(q k^T / sqrt(D) + mask) v; rows with no allowed key give 0; out = concat_heads @ o.kernel.
+- SwiGLU MLP: down(silu(gate(x)) * up(x)), no biases.
+- Block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)).
+- Vision encoder (per frame, bidirectional): v = pixels @ patch_embed.kernel + patch_embed.bias;
+  `vision_layers` blocks (H = KVH = vision_heads) with ids (segment = frame_id,
+  position = frame_position, span = frame_id), i.e. full attention inside a frame and rotary
+  over the position inside the frame; v = vision_norm(v).
+- Projector: proj_fc2(gelu_exact(proj_fc1(v))) with biases (gelu_exact = x * Phi(x), erf form).
+- Decoder input: x = where(vision_mask, projector(v), embed.embedding[token_ids]).
+- Decoder: `num_layers` blocks with ids (segment_ids, positions, span_ids): text is causal over
+  the position within the sample, a vision segment is one bidirectional span; vision tokens take
+  the same sequential positions as text (position = offset inside the sample).
+- logits = final_norm(x) @ lm_head.kernel (untied, no bias).
+- Loss: cross entropy (logsumexp(logits) - logits[target]) summed over tokens with
+  loss_weight 1 (a text token whose next token is text of the same sample; the target is that
+  next token), divided by the number of such tokens in the whole batch.
+
+Parameter tree (`init_params` returns it without flax's "params" wrapper):
+  embed/embedding [V, d]; patch_embed/{kernel [P, dv], bias [dv]};
+  vision_layers_i/{attn_norm/scale, attn/{q,k,v,o}/kernel, mlp_norm/scale, mlp/{gate,up,down}/kernel};
+  vision_norm/scale; proj_fc1/{kernel [dv, d], bias}; proj_fc2/{kernel [d, d], bias};
+  layers_i/{same names as vision layers}; final_norm/scale; lm_head/kernel [d, V].
+Initialisation: flax defaults (lecun-normal kernels, zero biases, unit norm scales, nn.Embed's
+default variance-scaling normal embedding). Tests compare implementations on the same tree, so
+the initialiser is not part of the contract.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.model.attention import AttnIds, dense_attention
+from dhp_jax.model.config import MLLMConfig
+
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
+Params = Mapping[str, Any]
+
+MODEL_INPUTS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
+                "frame_ids", "frame_positions")
+
+
+def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
+    """Rotate-half rotary embedding of x[S, H, D] at integer positions pos[S]."""
+    d = x.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]          # ang[S, D/2]
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], axis=-1)[:, None, :]
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], axis=-1)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * scale
+
+
+class Attention(nn.Module):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_base: float
+    attn_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, ids: AttnIds) -> jax.Array:
+        s, h, kvh, d = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = nn.Dense(h * d, use_bias=False, name="q")(x).reshape(s, h, d)
+        k = nn.Dense(kvh * d, use_bias=False, name="k")(x).reshape(s, kvh, d)
+        v = nn.Dense(kvh * d, use_bias=False, name="v")(x).reshape(s, kvh, d)
+        q, k = rope(q, ids.position, self.rope_base), rope(k, ids.position, self.rope_base)
+        o = self.attn_fn(q, k, v, ids, ids)                               # o[S, H, D]
+        return nn.Dense(x.shape[-1], use_bias=False, name="o")(o.reshape(s, h * d))
+
+
+class SwiGLU(nn.Module):
+    d_ff: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        g = nn.Dense(self.d_ff, use_bias=False, name="gate")(x)
+        u = nn.Dense(self.d_ff, use_bias=False, name="up")(x)
+        return nn.Dense(x.shape[-1], use_bias=False, name="down")(jax.nn.silu(g) * u)
+
+
+class Block(nn.Module):
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    d_ff: int
+    rope_base: float
+    eps: float
+    attn_fn: AttentionFn
+
+    @nn.compact
+    def __call__(self, x: jax.Array, ids: AttnIds) -> jax.Array:
+        h = x + Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base,
+                          self.attn_fn, name="attn")(RMSNorm(self.eps, name="attn_norm")(x), ids)
+        return h + SwiGLU(self.d_ff, name="mlp")(RMSNorm(self.eps, name="mlp_norm")(h))
+
+
+class MLLM(nn.Module):
+    """Vision encoder + projector + decoder over one packed stream; returns logits[S, V]."""
+
+    config: MLLMConfig
+    attn_fn: AttentionFn = dense_attention
+
+    @nn.compact
+    def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
+        c = self.config
+        vis_ids = AttnIds(batch["frame_ids"], batch["frame_positions"], batch["frame_ids"])
+        v = nn.Dense(c.vision_dim, name="patch_embed")(batch["pixels"])
+        for i in range(c.vision_layers):
+            v = Block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
+                      c.rms_eps, self.attn_fn, name=f"vision_layers_{i}")(v, vis_ids)
+        v = RMSNorm(c.rms_eps, name="vision_norm")(v)
+        v = nn.Dense(c.d_model, name="proj_fc1")(v)
+        v = nn.Dense(c.d_model, name="proj_fc2")(jax.nn.gelu(v, approximate=False))
+        t = nn.Embed(c.vocab_size, c.d_model, name="embed")(batch["token_ids"])
+        x = jnp.where(batch["vision_mask"][:, None], v, t)
+        ids = AttnIds(batch["segment_ids"], batch["positions"], batch["span_ids"])
+        for i in range(c.num_layers):
+            x = Block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
+                      self.attn_fn, name=f"layers_{i}")(x, ids)
+        x = RMSNorm(c.rms_eps, name="final_norm")(x)
+        return nn.Dense(c.vocab_size, use_bias=False, name="lm_head")(x)
+
+
+def dummy_batch(config: MLLMConfig, length: int = 2) -> dict[str, np.ndarray]:
+    """A minimal input stream of `length` tokens (shapes/dtypes the model consumes)."""
+    z = np.zeros(length, np.int32)
+    return {"token_ids": z, "pixels": np.zeros((length, config.patch_dim), np.float32),
+            "vision_mask": np.zeros(length, bool), "segment_ids": z + 1,
+            "positions": np.arange(length, dtype=np.int32), "span_ids": z, "frame_ids": z,
+            "frame_positions": z}
+
+
+def init_params(config: MLLMConfig, key: jax.Array) -> dict[str, Any]:
+    """Initial parameter tree (fp32) of the model; see the module docstring for its layout."""
+    variables = jax.jit(lambda k: MLLM(config).init(k, dummy_batch(config)))(key)
+    return jax.tree.map(lambda x: x, dict(variables["params"]))
+
+
+def apply_model(config: MLLMConfig, params: Params, batch: Mapping[str, jax.Array],
+                attn_fn: AttentionFn = dense_attention) -> jax.Array:
+    """logits[S, V] of a packed stream, with the attention the caller hands in."""
+    return MLLM(config, attn_fn).apply({"params": params}, batch)
+
+
+def token_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
+    """Sum over tokens of weight * cross entropy(logits, target) (a scalar)."""
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return jnp.sum((lse - picked) * weights)
