@@ -1,0 +1,184 @@
+"""Run one training step of a `Plan` on this rank with torch.distributed: one process, one rank.
+
+For every micro-batch the rank finds its CP group, packs the group's samples with
+`dhp_jax.data.layout` (the same packing, bucket padding and zigzag as the JAX side), runs its
+shard forward and backward with ring attention over the group (point-to-point on the world
+group), and accumulates gradients. Then one all-reduce over the world sums every rank's partial
+gradient: each group's gradient is the sum over its ranks, each token counted once, and the loss
+was already divided by the batch's loss-token count, so the sum is the token-weighted mean.
+
+Errors never leave a rank hanging in a collective: everything every rank can check alike (plan vs.
+world size, every rank used, sample ids, payloads) is checked before the first collective, and a
+local failure while packing is announced through the step's first, tiny all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dhp_jax.data.layout import pack_group
+from dhp_jax.data.sample import Sample
+from dhp_jax.planner.plan import Group, Plan, PlanValidationError
+from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
+from npu_backend.ring import RingComm, ring_attention
+
+MODEL_KEYS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
+              "frame_ids", "frame_positions")
+
+
+class StepError(RuntimeError):
+    """A step cannot run; raised on every rank with the same message (no rank is left waiting)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    loss: float               # token-mean loss of the whole batch
+    num_loss_tokens: int      # tokens the mean is over
+    seconds: float            # wall time of fwd + bwd + all-reduce (+ optimizer step) on this rank
+    local_tokens: int         # stream tokens (padding included) this rank ran, all micro-batches
+
+
+def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: Any) -> None:
+    """Every check that needs no communication; identical on every rank, so all fail together."""
+    if not isinstance(plan, Plan):
+        raise StepError(f"expected a Plan, got {type(plan).__name__}")
+    if plan.num_ranks != world_size:
+        raise StepError(f"the plan is for num_ranks={plan.num_ranks} but the world has {world_size} "
+                        f"processes; re-plan for {world_size} ranks or launch {plan.num_ranks} processes")
+    try:
+        plan.validate(num_samples=len(samples))
+    except PlanValidationError as e:
+        raise StepError(f"invalid plan: {e}") from None
+    used = {r for g in plan.groups for r in g.ranks}
+    idle = sorted(set(range(world_size)) - used)
+    if idle:
+        raise StepError(f"ranks {idle} are in no group of any micro-batch; a plan must use every rank")
+    for i, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise StepError(f"sample {i} is a {type(s).__name__}, not a Sample")
+        for j, sg in enumerate(s.segments):
+            if sg.is_vision and sg.num_tokens and sg.pixels is None:
+                raise StepError(f"sample {i} segment {j} ({sg.modality}) has no pixels")
+            if sg.is_vision and sg.pixels is not None and sg.pixels.shape[1:] != (config.patch_dim,):
+                raise StepError(f"sample {i} segment {j}: pixels have shape {tuple(sg.pixels.shape)}, "
+                                f"the model needs ({sg.num_tokens}, {config.patch_dim})")
+            if not sg.is_vision and sg.num_tokens and sg.token_ids is None:
+                raise StepError(f"sample {i} segment {j} (text) has no token_ids")
+
+
+def my_group(plan_groups: Sequence[Group], rank: int) -> Group | None:
+    for g in plan_groups:
+        if rank in g.ranks:
+            return g
+    return None
+
+
+class TorchPlanExecutor:
+    """Executes plans for one rank of the world; the model's parameters are replicated on every rank."""
+
+    def __init__(self, model: TorchMLLM, device: torch.device | None = None,
+                 optimizer: torch.optim.Optimizer | None = None):
+        if not dist.is_initialized():
+            raise StepError("torch.distributed is not initialised: call init_process_group first")
+        self.model = model
+        self.config = model.config
+        self.device = device or torch.device("cpu")
+        self.optimizer = optimizer
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.tensors_sent = 0  # ring traffic of this rank, for tests and logs
+
+    # ------------------------------------------------------------------ pieces
+    def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[dict[str, torch.Tensor], int]:
+        layout = pack_group([samples[i] for i in group.samples], group.degree, self.config)
+        n = layout.bucket // group.degree
+        i = group.ranks.index(self.rank)
+        arrays = layout.arrays()
+        shard = {k: torch.from_numpy(np.ascontiguousarray(v[i * n:(i + 1) * n])).to(self.device)
+                 for k, v in arrays.items()}
+        # Only the group's first rank reports the group's count, so each group is counted once.
+        return shard, (layout.num_loss_tokens if i == 0 else 0)
+
+    def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, RingComm | None]:
+        comm = RingComm(group.ranks, self.rank) if group.degree > 1 else None
+
+        def attn(q, k, v, ids):
+            return ring_attention(q, k, v, ids, attention_mask, comm)
+
+        logits = self.model({k: shard[k] for k in MODEL_KEYS}, attn)
+        return token_loss_sum(logits, shard["targets"], shard["loss_weights"]), comm
+
+    # ------------------------------------------------------------------ the step
+    def loss_and_grads(self, plan: Plan, samples: Sequence[Sample]) -> tuple[float, int, int]:
+        """Leave the batch's token-mean gradient in every parameter's `.grad` (same on all ranks).
+
+        Returns (loss, num_loss_tokens, local stream tokens).
+        """
+        check_plan(plan, samples, self.world_size, self.config)
+        # Pack first: a failure here is local, so it is shared before any heavy collective.
+        shards: list[tuple[Group, dict[str, torch.Tensor]] | None] = []
+        counted, err = 0, ""
+        for m, mb in enumerate(plan.micro_batches):
+            g = my_group(mb.groups, self.rank)
+            if g is None:
+                shards.append(None)
+                continue
+            try:
+                shard, c = self._shard(g, samples)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                err = f"rank {self.rank}, micro-batch {m}, group ranks {list(g.ranks)}: {e}"
+                shards.append(None)
+                continue
+            counted += c
+            shards.append((g, shard))
+        status = torch.tensor([1.0 if err else 0.0, float(counted)], dtype=torch.float64)
+        dist.all_reduce(status)
+        if status[0] > 0:
+            raise StepError(err or f"{int(status[0])} rank(s) could not pack their group; see their logs")
+        total = int(status[1])
+        if total == 0:
+            raise StepError("the batch has no text token followed by a text token: the loss is undefined")
+
+        for p in self.model.parameters():
+            p.grad = None
+        local_loss = torch.zeros((), dtype=torch.float64)
+        local_tokens = 0
+        for item in shards:
+            if item is None:
+                continue
+            g, shard = item
+            loss_sum, comm = self._forward_loss(g, shard)
+            (loss_sum / total).backward()
+            self.tensors_sent += comm.tensors_sent if comm is not None else 0
+            local_loss += loss_sum.detach().double()
+            local_tokens += int(shard["targets"].shape[0])
+        self._all_reduce_grads(local_loss)
+        return float(self._reduced_loss) / total, total, local_tokens
+
+    def _all_reduce_grads(self, local_loss: torch.Tensor) -> None:
+        """One flat all-reduce over the world: every gradient plus the loss sum."""
+        params = list(self.model.parameters())
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
+                         + [local_loss.to(params[0].dtype).reshape(1)])
+        dist.all_reduce(flat)
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[off:off + n].view_as(p).clone()
+            off += n
+        # fp32 sum of per-rank loss sums (their fp64 accumulation is rounded once for the wire)
+        self._reduced_loss = float(flat[-1])
+
+    def step(self, plan: Plan, samples: Sequence[Sample]) -> StepResult:
+        """Forward, backward, gradient all-reduce and (with an optimizer) the parameter update."""
+        t0 = time.perf_counter()
+        loss, total, local_tokens = self.loss_and_grads(plan, samples)
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return StepResult(loss, total, time.perf_counter() - t0, local_tokens)

@@ -1,0 +1,175 @@
+"""The torch twin of `dhp_jax.model.mllm`: the same multimodal model, op for op, in torch.
+
+The architecture has one source of truth, `MLLMConfig` and the math written in the flax module's
+docstring; this module mirrors it (module names follow the flax parameter tree, so the weight
+mapping in `npu_backend.weights` is mechanical). Every token-local op runs on the local shard; the
+two attention calls (vision encoder, decoder) go through the `attn` callable the caller hands in:
+`ring_attention` over the CP group, or dense attention on one rank.
+
+Inputs are one (shard of a) packed stream, as `dhp_jax.data.layout` builds it: `token_ids[S]`,
+`pixels[S, P]`, `vision_mask[S]`, `segment_ids, positions, span_ids, frame_ids, frame_positions[S]`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# attn(q[S, H, D], k[S, KVH, D], v[S, KVH, D], ids[S, 3]) -> o[S, H, D]; ids = (segment, position, span)
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+MODEL_INPUTS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
+                "frame_ids", "frame_positions")
+
+
+def attention_mask(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:
+    """bool[S_q, S_k] from ids[S, 3] = (segment, position, span), as `dhp_jax.model.attention`:
+
+    allowed = same segment, segment > 0 (0 is padding), and (causal by position, or the same
+    bidirectional span > 0).
+    """
+    seg_q, pos_q, span_q = q_ids[:, 0, None], q_ids[:, 1, None], q_ids[:, 2, None]
+    seg_k, pos_k, span_k = k_ids[None, :, 0], k_ids[None, :, 1], k_ids[None, :, 2]
+    same = (seg_q == seg_k) & (seg_q > 0)
+    return same & ((pos_k <= pos_q) | ((span_q == span_k) & (span_q > 0)))
+
+
+def dense_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Single-rank attention over the whole stream (rows with no allowed key give zeros)."""
+    from npu_backend.ring import ring_attention
+
+    return ring_attention(q, k, v, ids, attention_mask)
+
+
+def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotate-half rotary embedding of x[S, H, D] at integer positions pos[S]."""
+    d = x.shape[-1]
+    inv_freq = torch.tensor(base, dtype=torch.float32) ** (-torch.arange(0, d // 2, dtype=torch.float32) * 2.0 / d)
+    ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]          # ang[S, D/2]
+    cos = torch.cat([torch.cos(ang), torch.cos(ang)], dim=-1)[:, None, :]
+    sin = torch.cat([torch.sin(ang), torch.sin(ang)], dim=-1)[:, None, :]
+    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(torch.mean(x * x, dim=-1, keepdim=True) + self.eps) * self.scale
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope_base: float):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.rope_base = heads, kv_heads, head_dim, rope_base
+        self.q = nn.Linear(dim, heads * head_dim, bias=False)
+        self.k = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(heads * head_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        s = x.shape[0]
+        q = self.q(x).reshape(s, self.heads, self.head_dim)
+        k = self.k(x).reshape(s, self.kv_heads, self.head_dim)
+        v = self.v(x).reshape(s, self.kv_heads, self.head_dim)
+        pos = ids[:, 1]
+        q, k = rope(q, pos, self.rope_base), rope(k, pos, self.rope_base)
+        return self.o(attn(q, k, v, ids).reshape(s, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, d_ff: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, d_ff, bias=False)
+        self.up = nn.Linear(dim, d_ff, bias=False)
+        self.down = nn.Linear(d_ff, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, d_ff: int, rope_base: float,
+                 eps: float):
+        super().__init__()
+        self.attn_norm = RMSNorm(dim, eps)
+        self.attn = Attention(dim, heads, kv_heads, head_dim, rope_base)
+        self.mlp_norm = RMSNorm(dim, eps)
+        self.mlp = SwiGLU(dim, d_ff)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), ids, attn)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class TorchMLLM(nn.Module):
+    """Vision encoder + projector + decoder over a (shard of a) packed stream; returns logits[S, V].
+
+    `config` is a `dhp_jax.model.MLLMConfig` (or any object with the same fields).
+    """
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        c = self.config = config
+        self.embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.patch_embed = nn.Linear(c.patch_dim, c.vision_dim)
+        self.vision_layers = nn.ModuleList(
+            Block(c.vision_dim, c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
+                  c.rms_eps) for _ in range(c.vision_layers))
+        self.vision_norm = RMSNorm(c.vision_dim, c.rms_eps)
+        self.proj_fc1 = nn.Linear(c.vision_dim, c.d_model)
+        self.proj_fc2 = nn.Linear(c.d_model, c.d_model)
+        self.layers = nn.ModuleList(
+            Block(c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps)
+            for _ in range(c.num_layers))
+        self.final_norm = RMSNorm(c.d_model, c.rms_eps)
+        self.lm_head = nn.Linear(c.d_model, c.vocab_size, bias=False)
+        self.reset_parameters(torch.Generator().manual_seed(0))
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        """flax's default initialisation: lecun-normal kernels (truncated), zero biases, unit norms.
+
+        The draws differ from flax's (another RNG); only the distributions match. Load flax
+        weights with `npu_backend.weights.load_flax_params` to get the very same model.
+        """
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                std = 1.0 / math.sqrt(mod.in_features) / 0.87962566103423978  # truncated-normal correction
+                nn.init.trunc_normal_(mod.weight, std=std, a=-2 * std, b=2 * std, generator=gen)
+                if mod.bias is not None:
+                    mod.bias.zero_()
+            elif isinstance(mod, nn.Embedding):
+                # flax nn.Embed: variance_scaling(1.0, "fan_in", "normal", out_axis=0) -> std 1/sqrt(d)
+                nn.init.normal_(mod.weight, std=1.0 / math.sqrt(mod.embedding_dim), generator=gen)
+            elif isinstance(mod, RMSNorm):
+                mod.scale.fill_(1.0)
+
+    def forward(self, batch: Mapping[str, torch.Tensor], attn: AttnFn = dense_attn) -> torch.Tensor:
+        vis_ids = torch.stack([batch["frame_ids"], batch["frame_positions"], batch["frame_ids"]], dim=1).long()
+        v = self.patch_embed(batch["pixels"])
+        for blk in self.vision_layers:
+            v = blk(v, vis_ids, attn)
+        v = self.vision_norm(v)
+        v = self.proj_fc2(F.gelu(self.proj_fc1(v), approximate="none"))
+        t = self.embed(batch["token_ids"].long())
+        x = torch.where(batch["vision_mask"].bool()[:, None], v, t)
+        ids = torch.stack([batch["segment_ids"], batch["positions"], batch["span_ids"]], dim=1).long()
+        for blk in self.layers:
+            x = blk(x, ids, attn)
+        return self.lm_head(self.final_norm(x))
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Sum over tokens of weight * cross entropy(logits, target) (a scalar)."""
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = torch.gather(logits, -1, targets.long()[:, None])[:, 0]
+    return torch.sum((lse - picked) * weights.to(logits.dtype))
