@@ -1,0 +1,132 @@
+"""Exact degree allocation for a fixed packing: least makespan of atomic groups on N ranks.
+
+Given K' atomic groups with summed cost terms (A_i, B_i, S_i) and minimal degrees dmin_i, choose a
+degree d_i from the allowed set for each so that sum d_i <= N and max_i T_i(d_i) is least.
+
+Instead of the paper's O(K' N^2) table DP this runs a parametric search on the makespan, in its
+incremental form: every group starts at its least feasible degree; the bottleneck group is raised
+to the next degree at which its time strictly drops below its current time; it stops when that raise
+does not fit in N. Invariant: every degree below d_i has time >= the makespan at which group i was
+last raised, so any plan with a smaller makespan needs more than N ranks; hence the result is
+optimal (ties included) for any per-group times, monotone in d or not. Each raise costs O(log K')
+plus the scalar evaluations walked, O((K' + N) log K') overall.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Sequence
+
+import numpy as np
+
+from dhp_jax.planner.cost import CostModel
+
+
+def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
+                    attention: str = "ring") -> np.ndarray:
+    """Sorted int64 array of degrees a group may take ("any", "pow2" or an explicit list)."""
+    if isinstance(degrees, str):
+        if degrees == "any":
+            ds = np.arange(1, num_ranks + 1)
+        elif degrees == "pow2":
+            ds = 2 ** np.arange(0, int(np.log2(num_ranks)) + 1)
+        else:
+            raise ValueError(f"degrees must be 'any', 'pow2' or a list of integers, got {degrees!r}")
+    else:
+        ds = np.unique(np.asarray(list(degrees), dtype=np.int64))
+        if ds.size == 0 or ds.min() < 1:
+            raise ValueError(f"degrees must be positive integers, got {list(degrees)}")
+    ds = ds[ds <= num_ranks]
+    if attention == "ulysses" and cost is not None:
+        ds = np.array([d for d in ds if cost.ulysses_ok(int(d))], dtype=np.int64)
+    return ds.astype(np.int64)
+
+
+class _ScalarTime:
+    """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
+
+    def __init__(self, cost: CostModel, attention: str):
+        self.b1 = cost.b1
+        self.rpn = cost.ranks_per_node
+        self.c_intra = float(cost.comm_per_token(False, attention))
+        self.c_inter = float(cost.comm_per_token(True, attention))
+        self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
+        self.ring = attention == "ring"
+
+    def __call__(self, A: float, B: float, S: float, d: int) -> float:
+        if d > self.rpn:
+            comm = self.c_inter * S * (d - 1) / d + self.l_inter * (d - 1)
+        else:
+            comm = self.c_intra * S * (d - 1) / d + self.l_intra * (d - 1)
+        if self.ring:
+            comm = max(comm - A / d, 0.0)
+        return (A + B) / d + self.b1 + comm
+
+
+def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
+             cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring"
+             ) -> tuple[np.ndarray, float] | None:
+    """Optimal degrees (int64[K']) and makespan, or None when the groups cannot fit on `num_ranks`.
+
+    Group times use `cost` with inter-node links exactly when d > ranks_per_node (placement keeps
+    smaller groups inside a node where it can).
+    """
+    K = len(A)
+    if K == 0:
+        return np.zeros(0, dtype=np.int64), 0.0
+    ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
+    ds_list = [int(x) for x in ds]
+    if not ds_list:
+        return None
+    t = _ScalarTime(cost, attention)
+    Af, Bf, Sf = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
+    starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
+    if np.any(starts >= len(ds_list)):
+        return None
+    pos = starts.tolist()
+    deg = [ds_list[p] for p in pos]
+    used = sum(deg)
+    if used > num_ranks:
+        return None
+    heap = [(-t(Af[i], Bf[i], Sf[i], deg[i]), i) for i in range(K)]
+    heapq.heapify(heap)
+    last = len(ds_list)
+    while True:
+        neg, i = heap[0]
+        cur = -neg
+        budget = num_ranks - used + deg[i]  # the most ranks group i could hold
+        p = pos[i] + 1
+        found = -1
+        while p < last and ds_list[p] <= budget:
+            if t(Af[i], Bf[i], Sf[i], ds_list[p]) < cur:
+                found = p
+                break
+            p += 1
+        if found < 0:
+            break
+        used += ds_list[found] - deg[i]
+        pos[i], deg[i] = found, ds_list[found]
+        heapq.heapreplace(heap, (-t(Af[i], Bf[i], Sf[i], deg[i]), i))
+    return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
+
+
+def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
+                cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring") -> float | None:
+    """Reference: least makespan over every degree vector (small instances only, for tests)."""
+    ds = list(range(1, num_ranks + 1)) if allowed is None else [int(x) for x in allowed]
+    best = [None]
+
+    def rec(i: int, left: int, worst: float) -> None:
+        if best[0] is not None and worst >= best[0]:
+            return
+        if i == len(A):
+            best[0] = worst
+            return
+        for d in ds:
+            if d < dmin[i] or d > left:
+                continue
+            ti = float(cost.group_times(A[i], B[i], S[i], d, attention=attention))
+            rec(i + 1, left - d, max(worst, ti))
+
+    rec(0, num_ranks, 0.0)
+    return best[0]

@@ -1,0 +1,54 @@
+"""Static baselines in the same API: one CP degree for every sequence, as Megatron CP / DeepSpeed-Ulysses.
+
+"static-ring:<d>" / "static-ulysses:<d>": the N ranks form N // d groups of d consecutive ranks (the
+data-parallel replicas); sample i goes to replica i mod (N // d), as a distributed sampler deals a
+global batch; each replica runs its share in order, in micro-batches filled up to its memory
+(next fit), which is the fewest micro-batches the memory allows. ":best" tries every degree that
+divides N (and, for Ulysses, the head count) and keeps the least estimated step time, as the paper
+hand-tuned its baselines.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.plan import PlanningError
+
+
+def static_groups(lengths: np.ndarray, num_ranks: int, cost: CostModel, degree: int, attention: str
+                  ) -> list[list[tuple[tuple[int, ...], list[int]]]]:
+    """Micro-batches of (ranks, samples) for one static degree; PlanningError when infeasible."""
+    if attention == "ulysses" and not cost.ulysses_ok(degree):
+        raise PlanningError(f"static-ulysses:{degree}: the head count {cost.num_heads} is not divisible by {degree}")
+    if degree < 1 or degree > num_ranks:
+        raise PlanningError(f"static degree {degree} must be in 1..{num_ranks}")
+    cap = degree * cost.max_tokens_per_rank
+    too_long = np.flatnonzero(lengths > cap)
+    if too_long.size:
+        k = int(too_long[0])
+        raise PlanningError(f"static degree {degree}: sample {k} of {int(lengths[k])} tokens exceeds the "
+                            f"{int(cap)} tokens {degree} ranks can hold")
+    P = num_ranks // degree
+    chunks: list[list[list[int]]] = []
+    for g in range(P):
+        mine = list(range(g, len(lengths), P))
+        cs: list[list[int]] = []
+        used = 0.0
+        for k in mine:
+            if not cs or used + lengths[k] > cap:
+                cs.append([])
+                used = 0.0
+            cs[-1].append(k)
+            used += float(lengths[k])
+        chunks.append(cs)
+    M = max(len(c) for c in chunks)
+    return [[(tuple(range(g * degree, (g + 1) * degree)), chunks[g][m]) for g in range(P) if m < len(chunks[g])]
+            for m in range(M)]
+
+
+def static_degrees(num_ranks: int, cost: CostModel, attention: str) -> list[int]:
+    ds = [d for d in range(1, num_ranks + 1) if num_ranks % d == 0]
+    if attention == "ulysses":
+        ds = [d for d in ds if cost.ulysses_ok(d)]
+    return ds

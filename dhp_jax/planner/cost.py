@@ -1,0 +1,272 @@
+"""The planner's cost model (PAPER.md, "Cost model"): time and memory of one CP group.
+
+For a group of degree d holding sequences of lengths L_k with bidirectional shares eta_k:
+
+    A      = sum_k a1 (1 + eta_k) L_k^2                 attention work on one rank (s)
+    B      = sum_k (a2 + a2_vision sqrt(eta_k)) L_k      linear work (LLM GEMMs + vision encoder)
+    S      = sum_k L_k                                   tokens of the packed stream
+    T_cm   = (kv_bytes_per_token / v) S (d-1)/d + lat (d-1)      ring KV traffic of one rank
+    T      = (A + B) / d + b1 + max(0, T_cm - A/d)
+
+which is the paper's T_cp + T_cm - min(T_attn, T_cm) with compute split evenly over the ring (zigzag
+halves balance causal work) and the ring traffic overlapping the attention blocks. v and lat are the
+intra-node figures unless the group spans nodes (the slowest hop paces a ring). sqrt(eta_k) L_k is
+the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
+vision encoder without a second per-sample input. Ulysses (all-to-all) groups pay
+a2a_bytes_per_token S (d-1)/d / v_a2a without overlap. Memory per rank is sum_k L_k mem_per_token / d.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Mapping, Sequence
+
+import numpy as np
+
+from dhp_jax.planner import presets
+
+COST_SCHEMA = "dhp.cost/v1"
+
+
+def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    arr = np.asarray(lengths, dtype=np.float64).reshape(-1)
+    if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0):
+        bad = int(np.flatnonzero(~np.isfinite(arr) | (arr < 0))[0])
+        raise ValueError(f"sequence {bad}: length must be a finite number >= 0, got {arr[bad]}")
+    return arr
+
+
+def _as_etas(etas: Sequence[float] | np.ndarray | None, n: int) -> np.ndarray:
+    if etas is None:
+        return np.zeros(n)
+    arr = np.asarray(etas, dtype=np.float64).reshape(-1)
+    if arr.size != n:
+        raise ValueError(f"etas has {arr.size} entries for {n} lengths")
+    if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0 or arr.max() > 1):
+        bad = int(np.flatnonzero(~np.isfinite(arr) | (arr < 0) | (arr > 1))[0])
+        raise ValueError(f"sequence {bad}: eta must be in [0, 1], got {arr[bad]}")
+    return arr
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Coefficients of the group time/memory model (units: seconds, bytes, tokens).
+
+    a1: s per token^2 of causal attention, fwd+bwd, whole model, one rank.
+    a2: s per token of the linear layers (GEMMs, norms, LM head), fwd+bwd, one rank.
+    a2_vision: s per vision token of the vision encoder + projector (fwd only when frozen).
+    b1: fixed s per group step (kernel launches and host syncs of every layer).
+    kv_bytes_per_token: a3, bytes of K/V (and dK/dV) one token puts on the ring, all layers, fwd+bwd.
+    a2a_bytes_per_token: bytes one token moves through Ulysses all-to-alls, all layers, fwd+bwd.
+    bw_intra / bw_inter: point-to-point bytes/s of a ring hop inside / across nodes (v_p).
+    a2a_bw_intra: per-rank all-to-all bandwidth inside a node (inter-node uses bw_inter).
+    lat_intra / lat_inter: s per ring step (all layers), b2 = lat (d-1).
+    mem_per_token: activation bytes per token kept on a rank (checkpoints + one layer's working set).
+    memory_budget: bytes per rank available for activations (HBM minus model states and reserve).
+    grad_bytes: gradient bytes all-reduced once per step.
+    """
+
+    a1: float
+    a2: float
+    b1: float
+    kv_bytes_per_token: float
+    bw_intra: float
+    bw_inter: float
+    lat_intra: float
+    lat_inter: float
+    mem_per_token: float
+    memory_budget: float
+    a2_vision: float = 0.0
+    a2a_bytes_per_token: float = 0.0
+    a2a_bw_intra: float = 0.0
+    ranks_per_node: int = 8
+    num_heads: int = 1
+    grad_bytes: float = 0.0
+    model: str = "custom"
+    hardware: str = "custom"
+    freeze_vision: bool = False
+
+    MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
+    HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, float) and (not math.isfinite(v) or v < 0):
+                raise ValueError(f"CostModel.{f.name} must be a finite number >= 0, got {v}")
+        if not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
+            raise ValueError(f"CostModel.ranks_per_node must be a positive integer, got {self.ranks_per_node!r}")
+        if self.memory_budget <= 0 or self.mem_per_token <= 0:
+            raise ValueError("CostModel.memory_budget and mem_per_token must be > 0")
+        if self.bw_intra <= 0 or self.bw_inter <= 0:
+            raise ValueError("CostModel bandwidths must be > 0")
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, model: str, hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
+               zero_shards: int | None = None, **overrides: Any) -> "CostModel":
+        """Coefficients derived from FLOPs and bytes of `model` on `hardware` (see presets.py).
+
+        Assumes full per-layer recomputation, ZeRO-3 sharding of model states over `zero_shards`
+        ranks (default: one node), bf16 activations (fp32 on "cpu"). `overrides` replace fields.
+        """
+        key_m, key_h = str(model).lower(), str(hardware).lower()
+        if key_m not in presets.MODELS:
+            raise ValueError(f"unknown model {model!r}; known models: {', '.join(presets.MODELS)}")
+        if key_h not in presets.HARDWARE:
+            raise ValueError(f"unknown hardware {hardware!r}; known hardware: {', '.join(presets.HARDWARE)}")
+        m, hw = presets.MODELS[key_m], presets.HARDWARE[key_h]
+        el = hw.bytes_per_element
+        passes = presets.RECOMPUTE_PASSES
+        # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
+        # attention touches L^2/2 pairs.
+        a1 = passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
+        a2 = passes * 2.0 * (m.layers * m.llm_layer_params + m.vocab * m.hidden) / (hw.peak_flops * hw.mfu_linear)
+        vit_fwd = m.patches_per_token * m.vision_layers * (
+            2.0 * m.vision_layer_params + 4.0 * m.vision_hidden * m.frame_patches)
+        proj_fwd = 2.0 * (m.vision_hidden * m.patches_per_token * m.hidden + m.hidden ** 2)
+        vision_passes = 1.0 if freeze_vision else passes
+        a2_vision = (vision_passes * vit_fwd + passes * proj_fwd) / (hw.peak_flops * hw.mfu_linear)
+        # about 100 us of launches/syncs per layer and pass (Ascend/CUDA launch costs are 5-50 us/op)
+        b1 = m.layers * passes * 100e-6
+        kv_bytes = passes * m.layers * 2 * m.kv_heads * m.head_dim * el
+        a2a_bytes = passes * m.layers * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
+        working = 2 * (4 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.intermediate)
+        mem_per_token = el * (m.layers * m.hidden + working)
+        shards = ranks_per_node if zero_shards is None else zero_shards
+        states = presets.OPTIMIZER_BYTES_PER_PARAM * m.params / shards + 2 * 2 * m.llm_layer_params * el
+        budget = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION - states
+        if budget <= 0:
+            raise ValueError(f"{model} does not fit on {hardware} with ZeRO-3 over {shards} ranks "
+                             f"(model states need {states / 2**30:.1f} GiB per rank)")
+        fields = dict(
+            a1=a1, a2=a2, a2_vision=a2_vision, b1=b1, kv_bytes_per_token=float(kv_bytes),
+            a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
+            a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
+            lat_inter=m.layers * passes * hw.lat_inter, mem_per_token=float(mem_per_token),
+            memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
+            grad_bytes=float(2 * m.params), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision))
+        unknown = set(overrides) - set(fields)
+        if unknown:
+            raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
+        fields.update(overrides)
+        return cls(**fields)
+
+    # ------------------------------------------------------------------ the model
+    def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-sequence (attention work, linear work, tokens) on one rank: float64[K] each."""
+        L = _as_lengths(lengths)
+        e = _as_etas(etas, L.size)
+        attn = self.a1 * (1.0 + e) * L * L
+        lin = (self.a2 + self.a2_vision * np.sqrt(e)) * L
+        return attn, lin, L
+
+    def comm_per_token(self, inter_node: bool | np.ndarray, attention: str = "ring") -> np.ndarray | float:
+        """Seconds of traffic per stream token per unit of (d-1)/d."""
+        if attention == "ring":
+            return self.kv_bytes_per_token / np.where(inter_node, self.bw_inter, self.bw_intra)
+        a2a_bw = self.a2a_bw_intra if self.a2a_bw_intra > 0 else self.bw_intra
+        return self.a2a_bytes_per_token / np.where(inter_node, self.bw_inter, a2a_bw)
+
+    def group_times(self, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
+                    attention: str = "ring") -> np.ndarray:
+        """Vectorised T for groups with summed terms A, B, S at `degree` (all broadcast together)."""
+        A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
+        d = np.asarray(degree, dtype=np.float64)
+        inter = d > self.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
+        lat = np.where(inter, self.lat_inter, self.lat_intra)
+        comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0)
+        if attention == "ring":
+            excess = np.maximum(comm - A / d, 0.0)
+        elif attention == "ulysses":
+            excess = comm
+        else:
+            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
+        return (A + B) / d + self.b1 + excess
+
+    def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
+             inter_node: bool | None = None, attention: str = "ring") -> float:
+        """Seconds of fwd+bwd for one group of `degree` ranks holding these sequences."""
+        _check_degree(degree)
+        attn, lin, tok = self.terms(lengths, etas)
+        return float(self.group_times(attn.sum(), lin.sum(), tok.sum(), degree, inter_node, attention))
+
+    def memory(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
+        """Activation bytes per rank of a group of `degree` ranks holding these sequences."""
+        _check_degree(degree)
+        return float(_as_lengths(lengths).sum() * self.mem_per_token / degree)
+
+    def min_degree(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Least degree at which each single sequence fits the memory budget (int64[K])."""
+        L = _as_lengths(lengths)
+        return np.maximum(1, np.ceil(L * self.mem_per_token / self.memory_budget - 1e-12)).astype(np.int64)
+
+    @property
+    def max_tokens_per_rank(self) -> float:
+        return self.memory_budget / self.mem_per_token
+
+    def allreduce_time(self, num_ranks: int) -> float:
+        """Gradient all-reduce over all ranks: ring inside each node, then ring across nodes."""
+        _check_degree(num_ranks, "num_ranks")
+        r = min(num_ranks, self.ranks_per_node)
+        n = math.ceil(num_ranks / self.ranks_per_node)
+        g = self.grad_bytes
+        # bandwidth term only: gradients go in large buckets, so message latency is negligible
+        t = 2.0 * (r - 1) / r * g / self.bw_intra
+        if n > 1:
+            t += 2.0 * (n - 1) / n * (g / r) / self.bw_inter
+        return float(t)
+
+    def ulysses_ok(self, degree: int) -> bool:
+        """All-to-all attention needs the head count divisible by the degree."""
+        return degree >= 1 and self.num_heads % degree == 0
+
+    # ------------------------------------------------------------------ I/O
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {"schema": COST_SCHEMA, **d}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
+        if "cost" in d and isinstance(d["cost"], Mapping):  # a profiler report embedding the model
+            d = d["cost"]
+        schema = d.get("schema", COST_SCHEMA)
+        if schema != COST_SCHEMA:
+            raise ValueError(f"cost model schema is {schema!r}, expected {COST_SCHEMA!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names - {"schema"}
+        if unknown:
+            raise ValueError(f"unknown cost model field(s) {sorted(unknown)}")
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        missing = required - set(d)
+        if missing:
+            raise ValueError(f"cost model is missing field(s) {sorted(missing)}")
+        kw = {k: v for k, v in d.items() if k in names}
+        for k, v in kw.items():
+            if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads"):
+                kw[k] = float(v)
+        return cls(**kw)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def from_profile(cls, path: str | Path) -> "CostModel":
+        """Load coefficients written by `save` (or a profiler report with a "cost" entry)."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"cost profile {path}: not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+    def replace(self, **changes: Any) -> "CostModel":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_degree(degree: Any, name: str = "degree") -> None:
+    if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree < 1:
+        raise ValueError(f"{name} must be a positive integer, got {degree!r}")

@@ -1,0 +1,108 @@
+"""Model shapes and hardware figures from which `CostModel.preset` derives its coefficients.
+
+Everything here is a documented physical figure or a stated assumption; nothing is tuned to a
+benchmark result. The planner keeps its own copy of the six model shapes (it must not import the
+model package, which imports jax); the shapes are those of PAPER.md (layers/heads/kv heads/hidden/
+vision hidden), completed with the FFN widths and head dims of the public model configs
+(Hugging Face `config.json` of each checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """Transformer shapes of one MLLM: an LLM decoder plus a ViT vision encoder."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    intermediate: int  # SwiGLU FFN width of the LLM
+    head_dim: int
+    vocab: int
+    vision_layers: int
+    vision_hidden: int
+    vision_intermediate: int  # GELU MLP width of the ViT
+    patches_per_token: int = 4  # 2x2 patch merge (pixel shuffle) before the LLM, both families
+    frame_patches: int = 1024  # ViT attention span: one 448px tile / one frame of about 1k patches
+
+    @property
+    def llm_layer_params(self) -> int:
+        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+        return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def vision_layer_params(self) -> int:
+        return 4 * self.vision_hidden ** 2 + 2 * self.vision_hidden * self.vision_intermediate
+
+    @property
+    def params(self) -> int:
+        """All parameters: LLM layers, embedding + untied head, ViT, MLP projector."""
+        llm = self.layers * self.llm_layer_params + 2 * self.vocab * self.hidden
+        vit = self.vision_layers * self.vision_layer_params
+        proj = self.vision_hidden * self.patches_per_token * self.hidden + self.hidden ** 2
+        return llm + vit + proj
+
+
+# layers/heads/kv/hidden/vision hidden: PAPER.md. FFN widths, head dims, vocab and ViT depth/MLP:
+# InternVL3-2B = InternViT-300M + Qwen2.5-1.5B; InternVL2.5-4B = InternViT-300M + Qwen2.5-3B;
+# InternVL3-8B = InternViT-300M + Qwen2.5-7B; Qwen3-VL-{2,4,8}B = Qwen3-{1.7,4,8}B decoders with
+# the Qwen3-VL ViT (24 x 1024 for 2B/4B, 27 x 1152 for 8B).
+MODELS: dict[str, ModelShape] = {
+    "internvl3-2b": ModelShape(28, 12, 2, 1536, 8960, 128, 151674, 24, 1024, 4096),
+    "internvl2.5-4b": ModelShape(36, 16, 8, 2048, 11008, 128, 151674, 24, 1024, 4096),
+    "internvl3-8b": ModelShape(28, 28, 4, 3584, 18944, 128, 151674, 24, 1024, 4096),
+    "qwen3-vl-2b": ModelShape(28, 16, 8, 2048, 6144, 128, 151936, 24, 1024, 4096),
+    "qwen3-vl-4b": ModelShape(36, 32, 8, 2560, 9728, 128, 151936, 24, 1024, 4096),
+    "qwen3-vl-8b": ModelShape(36, 32, 8, 4096, 12288, 128, 151936, 27, 1152, 4304),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Per-device figures. Bandwidths are one direction, bytes/s; latencies per message, s."""
+
+    peak_flops: float  # dense bf16/fp16 (fp32 for "cpu")
+    memory_bytes: float  # device memory
+    p2p_bw_intra: float  # one point-to-point link inside a node (a ring hop)
+    a2a_bw_intra: float  # per-device injection bandwidth of an all-to-all inside a node
+    bw_inter: float  # per-device network bandwidth between nodes
+    lat_intra: float
+    lat_inter: float
+    mfu_linear: float  # assumed achieved fraction of peak on the GEMMs
+    mfu_attention: float  # assumed achieved fraction of peak in flash attention
+    bytes_per_element: int = 2
+    source: str = ""
+
+
+GB = 1e9
+GIB = 2 ** 30
+
+HARDWARE: dict[str, Hardware] = {
+    # Ascend 910B (64 GB HBM): 313 TFLOPS fp16 (910B3 datasheet; 280-376 across variants); HCCS full
+    # mesh of 8 NPUs, 56 GB/s per link one way (7 links, 392 GB/s aggregate); PAPER.md: 100 Gb/s
+    # InfiniBand between nodes, taken as one 12.5 GB/s link per NPU.
+    "ascend-910b": Hardware(313e12, 64 * GIB, 56 * GB, 392 * GB, 12.5 * GB, 10e-6, 20e-6, 0.45, 0.35,
+                            source="Ascend 910B datasheet (313 TFLOPS fp16, 64 GB HBM, HCCS 56 GB/s/link); "
+                                   "PAPER.md (100 Gb/s IB)"),
+    # A100 SXM 80 GB: 312 TFLOPS bf16; NVLink3 300 GB/s per direction through NVSwitch (about 200 GB/s
+    # achieved point to point); HDR InfiniBand 200 Gb/s per GPU (DGX A100).
+    "a100": Hardware(312e12, 80 * GIB, 200 * GB, 240 * GB, 25 * GB, 8e-6, 15e-6, 0.50, 0.40,
+                     source="NVIDIA A100 datasheet; DGX A100 (8x HDR 200 Gb/s)"),
+    # H100 SXM 80 GB: 989 TFLOPS bf16 dense; NVLink4 450 GB/s per direction (about 350 achieved);
+    # NDR InfiniBand 400 Gb/s per GPU (DGX H100).
+    "h100": Hardware(989e12, 80 * GIB, 350 * GB, 400 * GB, 50 * GB, 6e-6, 12e-6, 0.45, 0.35,
+                     source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s)"),
+    # A host CPU "device" (the fake XLA CPU devices of the tests): about 100 GFLOP/s fp32 per device,
+    # shared-memory copies of a few GB/s, loopback TCP between processes.
+    "cpu": Hardware(100e9, 8 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
+                    source="assumed desktop-class CPU core group, fp32"),
+}
+
+# Training-recipe assumptions shared by every preset (documented, not tuned):
+RECOMPUTE_PASSES = 4.0  # full per-layer activation recomputation: fwd + recomputed fwd + bwd (2x fwd)
+OPTIMIZER_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + two fp32 Adam moments
+USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, communicator buffers, vision workspace
