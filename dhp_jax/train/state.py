@@ -70,7 +70,7 @@ def make_update(optimizer: optax.GradientTransformation, sharding: jax.sharding.
     """`update(state, grads) -> (new_state, grad_norm)`, jitted over the full mesh, state donated."""
 
     def update(state: TrainState, grads: Any) -> tuple[TrainState, jax.Array]:
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), grad_norm

@@ -1,0 +1,132 @@
+"""Trainer parts without the executor: config loading/overrides, data pipeline, planner thread, optimizer."""
+
+import time
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.train.config import ConfigError, DataConfig, load_config, valid_keys
+from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.train.planner_thread import PlannerThread
+
+
+# ------------------------------------------------------------------------------------ config
+def test_demo_config_loads_with_overrides():
+    cfg = load_config(overrides=["steps=7", "optim.learning_rate=1e-3", "planner.strategy=static-ring:4",
+                                 "planner.plan_file=null"])
+    assert cfg.kind == "train" and cfg.steps == 7 and cfg.optim.learning_rate == 1e-3
+    assert cfg.planner.strategy == "static-ring:4" and cfg.planner.plan_file is None
+
+
+@pytest.mark.parametrize("override, names", [
+    ("stepz=3", ["'stepz'", "steps", "num_ranks"]),
+    ("optim.lr=3", ["'optim.lr'", "learning_rate", "warmup_steps"]),
+    ("nosuch.key=1", ["'nosuch'", "planner"]),
+])
+def test_unknown_key_is_named_with_valid_keys(override, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(overrides=[override])
+    for n in names:
+        assert n in str(e.value)
+
+
+def test_bad_values_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="steps must be an integer"):
+        load_config(overrides=["steps=abc"])
+    with pytest.raises(ConfigError, match="num_ranks=16 needs 16 devices"):
+        load_config(overrides=["num_ranks=16"])
+    with pytest.raises(ConfigError, match="not of the form key=value"):
+        load_config(overrides=["steps"])
+    p = tmp_path / "x.yaml"
+    p.write_text("kind: experiment\n")
+    with pytest.raises(ConfigError, match="kind: train"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_valid_keys_cover_sections():
+    keys = valid_keys()
+    assert "optim.learning_rate" in keys and "planner.plan_file" in keys and "steps" in keys
+
+
+# ------------------------------------------------------------------------------------ data
+def test_pipeline_is_deterministic_and_fits_the_model():
+    cfg = DataConfig(batch_size=12, max_tokens=96, min_text_tokens=6)
+    p = DataPipeline(cfg, vocab_size=256, patch_dim=12)
+    a, b = p.batch(3), p.batch(3)
+    assert [s.num_tokens for s in a.samples] == [s.num_tokens for s in b.samples]
+    for x, y in zip(a.samples, b.samples):
+        for sx, sy in zip(x.segments, y.segments):
+            if sx.pixels is not None:
+                np.testing.assert_array_equal(sx.pixels, sy.pixels)
+            else:
+                np.testing.assert_array_equal(sx.token_ids, sy.token_ids)
+    assert a.lengths.max() <= 96 and len(a.samples) == 12
+    assert p.batch(4).lengths.tolist() != a.lengths.tolist()
+    for s, c in zip(a.samples, a.concepts):
+        assert s.segments[-1].modality == "text" and s.segments[-1].num_tokens >= 6
+        cap = s.segments[-1].token_ids
+        assert (cap[2:] == p.captions[c, : len(cap) - 2]).all()  # caption = cue + concept's sequence
+        for seg in s.segments:
+            if seg.is_vision:
+                assert seg.num_tokens % seg.tokens_per_frame == 0
+                # pixels carry the concept: closer to its prototype than to any other
+                dist = ((seg.pixels.mean(0)[None] - p.prototypes) ** 2).sum(1)
+                assert dist.argmin() == c
+
+
+def test_pipeline_keeps_the_mix_heterogeneous():
+    p = DataPipeline(DataConfig(batch_size=64, max_tokens=384), vocab_size=256, patch_dim=12)
+    lens = np.concatenate([p.batch(s).lengths for s in range(4)])
+    assert lens.max() >= 4 * np.median(lens)  # a long tail survives the scaling
+
+
+# ------------------------------------------------------------------------------------ thread
+def _plan(k):
+    return Plan(2, (MicroBatch((Group((0, 1), 2, tuple(range(k))),)),))
+
+
+def test_planner_thread_hides_planning():
+    """Planning (20 ms) is shorter than a step (60 ms): after warm-up the consumer never waits."""
+
+    def make_plan(step, batch):
+        time.sleep(0.02)
+        return _plan(4)
+
+    steps = list(range(10))
+    with PlannerThread(lambda s: s, make_plan, 0, len(steps), lookahead=2) as planned:
+        got = []
+        for item in planned:
+            got.append(item.step)
+            time.sleep(0.06)  # the "device step"
+    assert got == steps
+    steady = planned.waits[2:]
+    assert max(steady) < 0.01, planned.waits   # loose: ~0 in steady state
+    assert planned.waits[0] >= 0.015            # the very first plan is not hidden
+
+
+def test_planner_thread_reports_the_failing_step():
+    def make_plan(step, batch):
+        if step == 3:
+            raise ValueError("sample 5 too long")
+        return _plan(1)
+
+    with pytest.raises(RuntimeError, match="planning step 3 failed: ValueError: sample 5 too long"):
+        with PlannerThread(lambda s: s, make_plan, 0, 6) as planned:
+            for _ in planned:
+                pass
+
+
+# ------------------------------------------------------------------------------------ optimizer
+def test_schedule_warmup_and_cosine():
+    from dhp_jax.train.config import OptimConfig
+    from dhp_jax.train.state import make_schedule
+
+    cfg = OptimConfig(learning_rate=1.0, warmup_steps=4, end_lr_ratio=0.1)
+    f = make_schedule(cfg, 20)
+    assert float(f(0)) == 0.0 and float(f(4)) == pytest.approx(1.0)
+    assert float(f(2)) == pytest.approx(0.5)
+    assert float(f(20)) == pytest.approx(0.1)
+    assert float(f(12)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 8 / 16)))
