@@ -1,0 +1,79 @@
+"""A described cluster: nodes x ranks per node, link bandwidths and the cost-model preset it runs.
+
+The cluster is the simulator's unit of description; `cost_model()` turns it into the planner's
+`CostModel` (the preset for the model and hardware, with the bandwidths overridden when given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+def vision_family(model: str) -> str:
+    """The vision-token rules a model uses: InternVL tiles or Qwen-VL patches."""
+    return "internvl" if model.lower().startswith("internvl") else "qwen-vl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """`nodes` x `ranks_per_node` model replicas; ring-hop bandwidths in GB/s per rank
+    (None: the preset's; they set the cost model's `bw_intra` / `bw_inter`)."""
+
+    nodes: int
+    ranks_per_node: int = 8
+    model: str = "internvl3-8b"
+    hardware: str = "ascend-910b"
+    freeze_vision: bool = False
+    intra_node_gbps: float | None = None
+    inter_node_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"Cluster.{name} must be a positive integer, got {v!r}")
+        for name in ("intra_node_gbps", "inter_node_gbps"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and v > 0):
+                raise ValueError(f"Cluster.{name} must be a positive number of GB/s, got {v!r}")
+
+    @classmethod
+    def with_ranks(cls, num_ranks: int, ranks_per_node: int = 8, **kw: Any) -> "Cluster":
+        """The smallest cluster of whole nodes holding `num_ranks` (fewer than a node: one partial node)."""
+        if num_ranks < 1:
+            raise ValueError(f"num_ranks must be >= 1, got {num_ranks}")
+        if num_ranks < ranks_per_node:
+            return cls(nodes=1, ranks_per_node=num_ranks, **kw)
+        if num_ranks % ranks_per_node:
+            raise ValueError(f"{num_ranks} ranks is not a whole number of {ranks_per_node}-rank nodes")
+        return cls(nodes=num_ranks // ranks_per_node, ranks_per_node=ranks_per_node, **kw)
+
+    @property
+    def num_ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    @property
+    def vision(self) -> str:
+        return vision_family(self.model)
+
+    def cost_model(self) -> Any:
+        """The planner's cost model for this cluster (bandwidth overrides applied)."""
+        from dhp_jax.planner import CostModel
+
+        overrides: dict[str, Any] = {}
+        if self.intra_node_gbps is not None:
+            overrides["bw_intra"] = self.intra_node_gbps * 1e9
+        if self.inter_node_gbps is not None:
+            overrides["bw_inter"] = self.inter_node_gbps * 1e9
+        return CostModel.preset(self.model, self.hardware, ranks_per_node=self.ranks_per_node,
+                                freeze_vision=self.freeze_vision, **overrides)
+
+    def describe(self) -> str:
+        bw = ""
+        if self.intra_node_gbps or self.inter_node_gbps:
+            bw = f", intra {self.intra_node_gbps or 'preset'} GB/s, inter {self.inter_node_gbps or 'preset'} GB/s"
+        frozen = ", vision frozen" if self.freeze_vision else ""
+        return (f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.model} on {self.hardware} preset"
+                f"{bw}{frozen}")
+

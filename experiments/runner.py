@@ -1,0 +1,221 @@
+"""Config -> run -> result files: the one path every experiment takes.
+
+A config is a YAML file with `kind: experiment`, `experiment: <registry name>`, a `seed`, the
+experiment's parameters at top level and a `tiny:` block of overrides for a seconds-long variant.
+The runner checks every key against the experiment's defaults (unknown keys are errors naming the
+key and listing the valid ones), runs it, and writes `<name>.json` (config, seed, versions, machine,
+rows) and `<name>.png` (matplotlib, Agg backend).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import yaml
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO / "experiments" / "configs"
+RESULTS_DIR = REPO / "experiments" / "results"
+
+# registry name -> module under experiments/ defining DEFAULTS, run(cfg) -> dict, plot(result, path)
+REGISTRY: dict[str, str] = {
+    "end_to_end": "experiments.exp_end_to_end",
+    "scaling": "experiments.exp_scaling",
+    "overhead": "experiments.exp_overhead",
+    "estimator": "experiments.exp_estimator",
+    "case_study": "experiments.exp_case_study",
+    "optimality": "experiments.exp_optimality",
+    "ablations": "experiments.exp_ablations",
+}
+
+RESERVED = ("kind", "experiment", "seed", "name", "tiny")
+
+
+class ConfigError(ValueError):
+    """A config file is malformed; the message names the file and the key."""
+
+
+@dataclasses.dataclass
+class Experiment:
+    name: str  # result file stem
+    kind: str  # registry name
+    seed: int
+    params: dict[str, Any]
+    source: str  # config path (or "<dict>")
+    tiny: bool = False
+
+
+def _module(kind: str) -> Any:
+    if kind not in REGISTRY:
+        raise ConfigError(f"unknown experiment {kind!r}; known: {sorted(REGISTRY)}")
+    return importlib.import_module(REGISTRY[kind])
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key=value` with the value parsed as YAML (so `ranks=[8,16]` gives a list)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key=value")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
+                overrides: Mapping[str, Any] | None = None) -> Experiment:
+    """Read and check a config; apply the `tiny:` block (if `tiny`) and then `overrides`."""
+    if isinstance(path, Mapping):
+        raw, source = dict(path), "<dict>"
+    else:
+        source = str(path)
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{source}: YAML does not parse: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: top level must be a mapping")
+    if raw.get("kind") != "experiment":
+        raise ConfigError(f"{source}: `kind` must be 'experiment', got {raw.get('kind')!r}")
+    if "experiment" not in raw:
+        raise ConfigError(f"{source}: missing key 'experiment' (one of {sorted(REGISTRY)})")
+    kind = raw["experiment"]
+    mod = _module(kind)
+    defaults: dict[str, Any] = dict(mod.DEFAULTS)
+    params = dict(defaults)
+
+    def apply(block: Mapping[str, Any], where: str) -> None:
+        for k, v in block.items():
+            if k in RESERVED:
+                continue
+            if k not in defaults:
+                raise ConfigError(f"{source}: unknown key {k!r} in {where}; valid keys: "
+                                  f"{sorted(defaults) + ['seed', 'name']}")
+            params[k] = v
+
+    apply(raw, "config")
+    tiny_block = raw.get("tiny")
+    if tiny_block is not None and not isinstance(tiny_block, dict):
+        raise ConfigError(f"{source}: `tiny` must be a mapping of overrides")
+    seed = raw.get("seed", 0)
+    if tiny:
+        if not tiny_block:
+            raise ConfigError(f"{source}: has no `tiny:` block")
+        apply(tiny_block, "tiny")
+        seed = tiny_block.get("seed", seed)
+    if overrides:
+        ov = dict(overrides)
+        seed = ov.pop("seed", seed)
+        apply(ov, "overrides")
+    if not isinstance(seed, int):
+        raise ConfigError(f"{source}: seed must be an integer, got {seed!r}")
+    name = raw.get("name") or (Path(source).stem if source != "<dict>" else kind)
+    return Experiment(name=name + ("_tiny" if tiny else ""), kind=kind, seed=seed, params=params,
+                      source=source, tiny=tiny)
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                             text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine() -> dict[str, Any]:
+    """What the measured numbers were measured on."""
+    return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "system": platform.system(),
+            "machine": platform.machine(), "python": platform.python_version()}
+
+
+def describe_machine() -> str:
+    m = machine()
+    return f"{m['cpu']}, {m['cpu_count']} cores"
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version(), "dhp_jax_commit": _git_commit()}
+    for pkg in ("numpy", "scipy", "highspy", "yaml", "matplotlib"):
+        try:
+            mod = importlib.import_module(pkg)
+            out[pkg] = getattr(mod, "__version__", None) or "installed"
+        except ImportError:
+            out[pkg] = None
+    try:
+        from importlib.metadata import version
+        out["dhp_jax"] = version("dhp-jax")
+    except Exception:  # not installed as a distribution: the commit above still identifies it
+        out["dhp_jax"] = None
+    return out
+
+
+def run_experiment(exp: Experiment, out_dir: str | Path | None = None, *, plot: bool = True,
+                   log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run one experiment, write `<name>.json` (+ `.png`) into `out_dir`, return the result dict."""
+    mod = _module(exp.kind)
+    out = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    body = mod.run(exp.params, seed=exp.seed, log=log or (lambda s: None))
+    wall = time.perf_counter() - t0
+    result = {
+        "experiment": exp.kind, "name": exp.name, "config_file": _rel(exp.source), "tiny": exp.tiny,
+        "seed": exp.seed, "config": exp.params, "versions": versions(), "machine": machine(),
+        "wall_s": round(wall, 3), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **body,
+    }
+    (out / f"{exp.name}.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
+    if plot and hasattr(mod, "plot"):
+        import matplotlib
+        matplotlib.use("Agg")
+        mod.plot(result, out / f"{exp.name}.png")
+    return result
+
+
+def _rel(source: str) -> str:
+    try:
+        return str(Path(source).resolve().relative_to(REPO))
+    except ValueError:
+        return source
+
+
+def _json_default(x: Any) -> Any:
+    import numpy as np
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.floating):
+        return float(x)
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+def config_files() -> list[Path]:
+    """Every `kind: experiment` config under experiments/configs/ (trainer configs are skipped)."""
+    files = []
+    for p in sorted(CONFIG_DIR.glob("*.yaml")):
+        try:
+            raw = yaml.safe_load(p.read_text())
+        except yaml.YAMLError:
+            files.append(p)  # let load_config report it
+            continue
+        if isinstance(raw, dict) and raw.get("kind") == "experiment":
+            files.append(p)
+    return files
