@@ -144,3 +144,15 @@ def test_draw_reports_bad_line_number(tmp_path):
     with pytest.raises(ManifestError, match="line 3: field 'width'"):
         make_dataset(path, 2, 0)
     assert np.all([s.num_tokens > 0 for s in read_manifest(path, skip_bad=True)])
+
+
+def test_images_and_videos_spellings(tmp_path):
+    path = _write(tmp_path / "m.jsonl", [
+        {"images": ["a.jpg", "b.jpg"], "image_sizes": [[448, 448], [224, 224]]},
+        {"videos": [{"path": "v.mp4", "duration": 10, "fps": 30, "resolution": [1280, 720]}]},
+        {"images": "c.jpg"},
+    ])
+    a, b = read_manifest(path, skip_bad=True)
+    assert a.vision_tokens == 256 + 64 and b.vision_tokens == 7200
+    with pytest.raises(ManifestError, match="line 3: field 'images'"):
+        read_manifest(path)

@@ -6,7 +6,8 @@ Accepted records (one JSON object per line; unknown keys are ignored):
   "conversations": [{"from": "human", "value": "<image>\\n..."}, {"from": "gpt", "value": ".."}]}`.
   Sizes may also be given per image as `"image_sizes": [[w, h], ...]`, or images as objects
   `{"path": .., "width": .., "height": ..}`. Without a size, the file is opened with Pillow (header
-  only); paths are relative to `image_root` (default: the manifest's folder).
+  only); paths are relative to `image_root` (default: the manifest's folder). "images" is
+  accepted for "image" (and "videos" for "video").
 - Video: `{"video": "clip.mp4", "duration": 12.3, "fps": 30, "resolution": "1280x720",
   "conversations": [..]}`; `"width"`/`"height"` or `[w, h]` for the resolution; `"num_frames"` with
   `"fps"` instead of a duration; `"video"` may be a list of such objects.
@@ -154,19 +155,18 @@ class _LineParser:
         return total
 
     # --- images ---------------------------------------------------------------------------
-    def image_items(self, rec: dict, line: int) -> list[tuple[Any, Any, Any, str]]:
-        """(path, width, height, field) per image."""
-        img = rec["image"]
+    def image_items(self, rec: dict, img: Any, key: str, line: int) -> list[tuple[Any, Any, Any, str]]:
+        """(path, width, height, field) per image of `rec[key]`."""
         if isinstance(img, (str, dict)):
             img = [img]
         if not isinstance(img, list) or not img:
-            raise ManifestError(line, "image", "must be a path, an object or a non-empty list")
+            raise ManifestError(line, key, "must be a path, an object or a non-empty list")
         sizes = rec.get("image_sizes")
         if sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(img)):
             raise ManifestError(line, "image_sizes", f"must be a list of {len(img)} [width, height] pairs")
         items = []
         for i, it in enumerate(img):
-            field = "image" if len(img) == 1 else f"image[{i}]"
+            field = key if len(img) == 1 else f"{key}[{i}]"
             if isinstance(it, dict):
                 items.append((it.get("path"), it.get("width"), it.get("height"), field))
             elif sizes is not None:
@@ -264,14 +264,17 @@ class _LineParser:
         if not isinstance(rec, dict):
             raise ManifestError(line, None, f"expected a JSON object, got {type(rec).__name__}")
         segs: list[Segment] = []
-        if "image" in rec and rec["image"] is not None:
-            for path, w, h, field in self.image_items(rec, line):
+        key = "image" if rec.get("image") is not None else "images"  # both spellings are in use
+        img = rec.get(key)
+        if img is not None:
+            for path, w, h, field in self.image_items(rec, img, key, line):
                 segs.append(self.image_segment(path, w, h, field, line))
-        v = rec.get("video")
+        key = "video" if rec.get("video") is not None else "videos"
+        v = rec.get(key)
         if v is not None:
             vids = v if isinstance(v, list) else [v]
             for i, item in enumerate(vids):
-                segs.append(self.video_segment(item, rec, "video" if len(vids) == 1 else f"video[{i}]", line))
+                segs.append(self.video_segment(item, rec, key if len(vids) == 1 else f"{key}[{i}]", line))
         n = self.text_tokens(rec, line)
         if n or not segs:
             seg = self._texts.get(n)
