@@ -141,8 +141,13 @@ def _cpu_model() -> str:
 
 def machine() -> dict[str, Any]:
     """What the measured numbers were measured on."""
+    try:
+        load = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        load = None
+    # The load average matters: this machine is shared, so measured times include contention.
     return {"cpu": _cpu_model(), "cpu_count": os.cpu_count(), "system": platform.system(),
-            "machine": platform.machine(), "python": platform.python_version()}
+            "machine": platform.machine(), "python": platform.python_version(), "loadavg_1_5_15": load}
 
 
 def describe_machine() -> str:
