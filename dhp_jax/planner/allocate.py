@@ -83,11 +83,13 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
     if np.any(starts >= len(ds_list)):
         return None
+    if int(ds[starts].sum()) > num_ranks:
+        return None
+    starts = _warm_start(np.asarray(A, float) + np.asarray(B, float), starts, ds, num_ranks, cost,
+                         np.asarray(A, float), np.asarray(B, float), np.asarray(S, float), attention)
     pos = starts.tolist()
     deg = [ds_list[p] for p in pos]
     used = sum(deg)
-    if used > num_ranks:
-        return None
     heap = [(-t(Af[i], Bf[i], Sf[i], deg[i]), i) for i in range(K)]
     heapq.heapify(heap)
     last = len(ds_list)
@@ -108,6 +110,32 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         pos[i], deg[i] = found, ds_list[found]
         heapq.heapreplace(heap, (-t(Af[i], Bf[i], Sf[i], deg[i]), i))
     return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
+
+
+def _warm_start(work: np.ndarray, starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel,
+                A: np.ndarray, B: np.ndarray, S: np.ndarray, attention: str) -> np.ndarray:
+    """Raise the starting degrees without losing exactness.
+
+    Any feasible degree vector has a makespan T_ub >= the optimum. Since T_i(d) >= work_i / d + b1,
+    every degree below work_i / (T_ub - b1) has a time above T_ub, so the search may start there:
+    the invariant of `allocate` (degrees below d_i are no better than the final makespan) holds.
+    The feasible vector is a work-proportional split of the ranks.
+    """
+    K = len(work)
+    total = float(work.sum())
+    if K >= num_ranks or total <= 0:
+        return starts
+    want = 1.0 + np.floor(work * (num_ranks - K) / total)
+    pos = np.searchsorted(ds, want, side="right") - 1  # largest allowed degree <= want
+    pos = np.maximum(pos, starts)
+    if int(ds[pos].sum()) > num_ranks:
+        return starts
+    t_ub = float(np.max(cost.group_times(A, B, S, ds[pos], attention=attention)))
+    if t_ub <= cost.b1:
+        return starts
+    need = np.ceil(work / (t_ub - cost.b1) * (1 - 1e-12))
+    lo = np.searchsorted(ds, need, side="left")
+    return np.minimum(np.maximum(starts, lo), pos)
 
 
 def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,

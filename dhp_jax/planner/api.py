@@ -17,7 +17,7 @@ from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
 from dhp_jax.planner.build import build_plan
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import pack
+from dhp_jax.planner.packing import bin_sums, pack
 from dhp_jax.planner.placement import place
 from dhp_jax.planner.plan import Plan, PlanningError
 from dhp_jax.planner.refine import refine as refine_groups
@@ -25,8 +25,9 @@ from dhp_jax.planner.refine import refine as refine_groups
 STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>", "static-ulysses:best",
               "flexsp", "milp")
 
-_MB_PATIENCE = 2  # stop the micro-batch count search after this many counts without improvement
+_MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
 _MB_MAX_TRIES = 12
+_COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
 
 
 class Problem:
@@ -53,12 +54,13 @@ def prepare(samples_or_lengths: Any, num_ranks: int, cost: CostModel, etas: Any 
             raise PlanningError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
         if int(ranks_per_node) != cost.ranks_per_node:
             cost = cost.replace(ranks_per_node=int(ranks_per_node))
-    items = list(samples_or_lengths)
-    if not items:
+    items = samples_or_lengths if isinstance(samples_or_lengths, np.ndarray) else list(samples_or_lengths)
+    if len(items) == 0:
         raise PlanningError("empty batch: there are no samples to plan")
-    lengths = sample_lengths(items)
+    has_samples = not isinstance(items, np.ndarray) and any(isinstance(x, Sample) for x in items)
+    lengths = sample_lengths(items) if has_samples else _plain_lengths(items)
     if etas is None:
-        etas_arr = sample_etas(items) if any(isinstance(x, Sample) for x in items) else np.zeros(len(items))
+        etas_arr = sample_etas(items) if has_samples else np.zeros(len(items))
     else:
         etas_arr = np.asarray(etas, dtype=np.float64).reshape(-1)
         if etas_arr.size != lengths.size:
@@ -77,38 +79,72 @@ def prepare(samples_or_lengths: Any, num_ranks: int, cost: CostModel, etas: Any 
     return prob
 
 
+def _plain_lengths(items: Any) -> np.ndarray:
+    """Vectorised check of integer lengths (the per-item path names the first bad sample)."""
+    try:
+        arr = np.asarray(items)
+    except (TypeError, ValueError):
+        arr = None
+    if arr is None or arr.ndim != 1 or arr.dtype.kind not in "iu":
+        return sample_lengths(items)  # slow path: floats, objects, mixed -> per-item errors
+    bad = np.flatnonzero(arr < 0)
+    if bad.size:
+        raise ValueError(f"sample {int(bad[0])}: length must be >= 0, got {int(arr[bad[0]])}")
+    return arr.astype(np.int64)
+
+
 # ---------------------------------------------------------------------------------------------- dhp
+def coarsen_factors(num_ranks: int) -> list[float]:
+    """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks."""
+    fs, f = [], 1
+    while f < num_ranks:
+        fs.append(float(f))
+        f *= 2
+    return fs + [float(num_ranks)]
+
+
 def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packing: bool = True,
                      do_refine: bool = True) -> tuple[list[list[int]], np.ndarray, float] | None:
-    """Groups (global sample ids), degrees and makespan of one micro-batch; None if it cannot fit."""
+    """Groups (global sample ids), degrees and makespan of one micro-batch; None if it cannot fit.
+
+    Packs at the granularities of `coarsen_factors` (stopping once the makespan gets worse),
+    allocates degrees exactly for each packing, keeps the best, then refines it and re-allocates.
+    """
     N, cost = prob.num_ranks, prob.cost
+    idx_l = idx.tolist()
+    candidates = []
     if packing:
-        local = pack(prob.work[idx], prob.tok[idx], prob.dmin[idx], N, prob.cap)
-        bins = [[int(idx[k]) for k in b] for b in local]
+        w, t, dm = prob.work[idx], prob.tok[idx], prob.dmin[idx]
+        for f in coarsen_factors(N):
+            candidates.append(lambda f=f: [[idx_l[k] for k in b] for b in pack(w, t, dm, N, prob.cap, f)])
     else:
-        bins = [[int(k)] for k in idx[np.lexsort((idx, -prob.work[idx]))]]
-    if len(bins) > N:
-        return None
+        candidates.append(lambda: [[int(k)] for k in idx[np.lexsort((idx, -prob.work[idx]))]])
     best = None
-    for _ in range(2 if do_refine else 1):
-        A = [prob.attn[b].sum() for b in bins]
-        B = [prob.lin[b].sum() for b in bins]
-        S = [prob.tok[b].sum() for b in bins]
-        dmin = cost.min_degree(S)
-        res = allocate(A, B, S, dmin, N, cost, allowed)
+    stale = 0
+    for c, make in enumerate(candidates):
+        if stale >= _COARSEN_PATIENCE and c < len(candidates) - 1:
+            continue  # past the best granularity; still try the last one (one group on all ranks)
+        bins = make()
+        res = _allocate_bins(prob, bins, allowed) if len(bins) <= N else None
         if res is None:
-            break
-        deg, mk = res
-        if best is None or mk < best[2]:
-            best = (bins, deg, mk)
-        if not do_refine:
-            break
-        new = refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, cost)
-        new = [g for g in new if g]
-        if new == bins:
-            break
-        bins = new
+            continue
+        if best is None or res[1] < best[2]:
+            best, stale = (bins, res[0], res[1]), 0
+        else:
+            stale += 1
+    if best is None or not do_refine:
+        return best
+    new = [g for g in refine_groups(best[0], best[1], prob.attn, prob.lin, prob.tok, cost) if g]
+    if new != best[0]:
+        res = _allocate_bins(prob, new, allowed)
+        if res is not None and res[1] < best[2]:
+            best = (new, res[0], res[1])
     return best
+
+
+def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) -> tuple[np.ndarray, float] | None:
+    A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
+    return allocate(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed)
 
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
 
@@ -31,18 +32,26 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
                attention: str = "ring") -> Plan:
     """`micro_batches`: per micro-batch a list of (ranks, samples). Groups keep the given order."""
     attn, lin, tok = cost.terms(lengths, etas)
+    flat = [(m, tuple(int(r) for r in ranks), tuple(sorted(int(s) for s in samples)))
+            for m, groups in enumerate(micro_batches) for ranks, samples in groups if len(samples)]
+    A, B, S = bin_sums([g[2] for g in flat], attn, lin, tok)
+    d = np.fromiter((len(g[1]) for g in flat), dtype=np.int64, count=len(flat))
+    rpn = cost.ranks_per_node
+    inter = np.fromiter((spans_nodes(g[1], rpn) for g in flat), dtype=bool, count=len(flat))
+    if attention == "auto":
+        uly = (cost.num_heads % d) == 0
+        times = np.where(uly, cost.group_times(A, B, S, d, inter, "ulysses"), cost.group_times(A, B, S, d, inter))
+    else:
+        times = cost.group_times(A, B, S, d, inter, attention)
+    mems = S * cost.mem_per_token / d
+    per_mb: list[list[Group]] = [[] for _ in micro_batches]
+    for (m, ranks, samples), t, mem in zip(flat, times.tolist(), mems.tolist()):
+        per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, est_time_s=t, est_memory_bytes=mem))
     mbs = []
     total = 0.0
-    for groups in micro_batches:
-        gs = []
-        for ranks, samples in groups:
-            if len(samples) == 0:
-                continue
-            ranks = tuple(int(r) for r in ranks)
-            samples = tuple(sorted(int(s) for s in samples))
-            t = group_time(samples, ranks, attn, lin, tok, cost, attention)
-            mem = cost.memory(lengths[list(samples)], len(ranks))
-            gs.append(Group(ranks=ranks, degree=len(ranks), samples=samples, est_time_s=t, est_memory_bytes=mem))
+    for gs in per_mb:
+        if not gs:
+            continue
         gs.sort(key=lambda g: g.ranks[0])
         makespan = max(g.est_time_s for g in gs)
         total += makespan

@@ -30,27 +30,37 @@ def place(degrees: Sequence[int], num_ranks: int, ranks_per_node: int, node_awar
         return out
     nodes = [list(range(s, min(s + ranks_per_node, num_ranks))) for s in range(0, num_ranks, ranks_per_node)]
     free = [list(n) for n in nodes]  # free ranks per node, ascending
+    # nodes by free count: best fit = the smallest count >= need, lowest node index among those
+    by_count: list[set[int]] = [set() for _ in range(ranks_per_node + 1)]
+    for n, f in enumerate(free):
+        by_count[len(f)].add(n)
+
+    def take(n: int, k: int) -> list[int]:
+        by_count[len(free[n])].discard(n)
+        got, free[n] = free[n][:k], free[n][k:]
+        by_count[len(free[n])].add(n)
+        return got
+
     for i in order:
         d = degrees[i]
         ranks: list[int] = []
         if d >= ranks_per_node:
-            for n, f in enumerate(free):  # whole free nodes first
-                if len(ranks) + len(f) <= d and len(f) == len(nodes[n]):
-                    ranks.extend(f)
-                    free[n] = []
+            for n in sorted(by_count[ranks_per_node]):  # whole free nodes first
+                if len(ranks) + ranks_per_node > d:
+                    break
+                ranks.extend(take(n, ranks_per_node))
         rest = d - len(ranks)
         if rest:
-            fits = [n for n, f in enumerate(free) if len(f) >= rest]
-            if fits:
-                n = min(fits, key=lambda n: (len(free[n]), n))
-                ranks.extend(free[n][:rest])
-                free[n] = free[n][rest:]
-            else:
-                for n in sorted(range(len(free)), key=lambda n: (-len(free[n]), n)):
-                    take = min(rest, len(free[n]))
-                    ranks.extend(free[n][:take])
-                    free[n] = free[n][take:]
-                    rest -= take
+            fit = next((c for c in range(rest, ranks_per_node + 1) if by_count[c]), None)
+            if fit is not None:
+                ranks.extend(take(min(by_count[fit]), rest))
+            else:  # no node has room: span the emptiest nodes
+                for c in range(ranks_per_node, 0, -1):
+                    for n in sorted(by_count[c]):
+                        ranks.extend(take(n, min(rest, c)))
+                        rest = d - len(ranks)
+                        if not rest:
+                            break
                     if not rest:
                         break
         out[i] = tuple(sorted(ranks))

@@ -8,10 +8,13 @@ done with times instead of bytes. Deterministic; bounded number of moves.
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from dhp_jax.planner.allocate import _ScalarTime
 from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.packing import bin_sums
 
 _CANDIDATES = 4  # receiving groups tried per move: the fastest few
 
@@ -25,26 +28,39 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
         return [list(g) for g in groups]
     groups = [list(g) for g in groups]
     deg = [int(d) for d in degrees]
-    A = [float(attn[g].sum()) for g in groups]
-    B = [float(lin[g].sum()) for g in groups]
-    S = [float(tok[g].sum()) for g in groups]
+    A, B, S = (x.tolist() for x in bin_sums(groups, attn, lin, tok))
+    attn, lin, tok = attn.tolist(), lin.tolist(), tok.tolist()
     cap = [d * cost.max_tokens_per_rank for d in deg]
     T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
+    # lazy heaps keyed by (time, index); an entry is stale when its time no longer matches
+    slow = [(-T[i], i) for i in range(P)]
+    fast = [(T[i], i) for i in range(P)]
+    heapq.heapify(slow)
+    heapq.heapify(fast)
     limit = 4 * P + 16 if max_moves is None else max_moves
     for _ in range(limit):
-        i = max(range(P), key=lambda j: (T[j], -j))
+        while -slow[0][0] != T[slow[0][1]]:
+            heapq.heappop(slow)
+        i = slow[0][1]
         if len(groups[i]) < 2:
             break
-        receivers = sorted((j for j in range(P) if j != i), key=lambda j: (T[j], j))[:_CANDIDATES]
+        receivers = []
+        while fast and len(receivers) < _CANDIDATES:
+            tj, j = heapq.heappop(fast)
+            if tj == T[j] and j != i and j not in receivers:
+                receivers.append(j)
+        for j in receivers:
+            heapq.heappush(fast, (T[j], j))
+        heapq.heappush(fast, (T[i], i))
         best = None
         for k in groups[i]:
-            ak, bk, sk = float(attn[k]), float(lin[k]), float(tok[k])
+            ak, bk, sk = attn[k], lin[k], tok[k]
             ti = t(A[i] - ak, B[i] - bk, S[i] - sk, deg[i])
             for j in receivers:
                 if S[j] + sk > cap[j]:
                     continue
                 tj = t(A[j] + ak, B[j] + bk, S[j] + sk, deg[j])
-                worst = max(ti, tj)
+                worst = ti if ti > tj else tj
                 if worst < T[i] * (1 - 1e-12) and (best is None or worst < best[0]):
                     best = (worst, k, j, ti, tj)
         if best is None:
@@ -52,7 +68,10 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
         _, k, j, ti, tj = best
         groups[i].remove(k)
         groups[j].append(k)
-        A[i] -= float(attn[k]); B[i] -= float(lin[k]); S[i] -= float(tok[k])
-        A[j] += float(attn[k]); B[j] += float(lin[k]); S[j] += float(tok[k])
+        A[i] -= attn[k]; B[i] -= lin[k]; S[i] -= tok[k]
+        A[j] += attn[k]; B[j] += lin[k]; S[j] += tok[k]
         T[i], T[j] = ti, tj
+        for g in (i, j):
+            heapq.heappush(slow, (-T[g], g))
+            heapq.heappush(fast, (T[g], g))
     return [sorted(g) for g in groups]

@@ -1,0 +1,224 @@
+"""MILP planners: "milp" (any degree, exact reference for small instances) and "flexsp".
+
+One micro-batch as a mixed-integer programme (HiGHS through scipy.optimize.milp):
+slot g takes degree d (y[g,d] binary, at most one), sequence k goes to one slot (x[k,g] binary),
+a used slot holds at most d * (tokens per rank), the degrees sum to at most N, and T >= the time
+of every slot. Given its degree a slot's time is linear in x:
+    T >= sum_k x_kg (A_k + B_k) / d + b1 + e_g            (big-M, active when y[g,d] = 1)
+    e_g >= sum_k x_kg (c_d S_k (d-1)/d - A_k / d) + lat_d (d-1),   e_g >= 0
+which is exactly `CostModel.group_times` (ring; Ulysses drops the -A_k/d overlap). Sequence k may
+only use slots g <= k and used slots come first (symmetry breaking). The only wall-clock limit of
+the planner lives here; the result records whether optimality was proven.
+
+"flexsp" follows FlexSP (ASPLOS'25): power-of-two groups, all-to-all attention where the head count
+allows it (ring otherwise, so models with 28 heads stay feasible), chosen by the same kind of MILP
+over the packed bins of each micro-batch, with FlexSP's 10 s default limit; the exact power-of-two
+allocation of the same bins is its warm start and fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+from scipy import sparse
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from dhp_jax.planner import microbatch
+from dhp_jax.planner.allocate import allocate, allowed_degrees
+from dhp_jax.planner.build import attention_for
+from dhp_jax.planner.packing import bin_sums, pack
+from dhp_jax.planner.placement import place
+from dhp_jax.planner.plan import PlanningError
+
+MAX_MILP_SEQUENCES = 64  # per micro-batch; beyond this "milp" refuses (it is a reference solver)
+MAX_MILP_RANKS = 64
+FLEXSP_TIME_LIMIT_S = 10.0
+
+
+def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int, cost: Any, ds: np.ndarray,
+                     attention: str, time_limit_s: float | None) -> tuple[list[list[int]], list[int], float, bool] | None:
+    """Slots (item positions), their degrees, makespan and proven-optimal flag; None if no solution."""
+    K = len(A)
+    order = np.lexsort((np.arange(K), -(A + B)))  # heaviest first, for the symmetry breaking
+    A, B, S = A[order], B[order], S[order]
+    dmin = cost.min_degree(S)
+    G = min(K, num_ranks)
+    D = len(ds)
+    ny, nx = G * D, K * G
+    ie, iT = ny + nx, ny + nx + G
+    nvar = iT + 1
+    cap = cost.max_tokens_per_rank
+    rows, cols, vals, lo, hi = [], [], [], [], []
+    r = 0
+
+    def add(entries: list[tuple[int, float]], lb: float, ub: float) -> None:
+        nonlocal r
+        for c, v in entries:
+            rows.append(r); cols.append(c); vals.append(v)
+        lo.append(lb); hi.append(ub)
+        r += 1
+
+    Y = lambda g, j: g * D + j  # noqa: E731
+    X = lambda k, g: ny + k * G + g  # noqa: E731
+    for k in range(K):
+        add([(X(k, g), 1.0) for g in range(min(k + 1, G))], 1.0, 1.0)
+    for g in range(G):
+        add([(Y(g, j), 1.0) for j in range(D)], 0.0, 1.0)
+        if g:
+            add([(Y(g, j), 1.0) for j in range(D)] + [(Y(g - 1, j), -1.0) for j in range(D)], -np.inf, 0.0)
+    add([(Y(g, j), float(ds[j])) for g in range(G) for j in range(D)], -np.inf, float(num_ranks))
+    for g in range(G):
+        for k in range(g, K):
+            add([(X(k, g), 1.0)] + [(Y(g, j), -1.0) for j in range(D)], -np.inf, 0.0)
+        add([(X(k, g), float(S[k])) for k in range(g, K)] + [(Y(g, j), -float(ds[j]) * cap) for j in range(D)],
+            -np.inf, 0.0)
+    excess_max = 0.0
+    ex_rows = []
+    for j, d in enumerate(ds.tolist()):
+        inter = d > cost.ranks_per_node
+        kind = attention_for(d, cost, attention)
+        c = float(cost.comm_per_token(inter, kind))
+        lat = (cost.lat_inter if inter else cost.lat_intra) * (d - 1)
+        coef = c * S * (d - 1) / d - (A / d if kind == "ring" else 0.0)
+        m2 = float(np.maximum(coef, 0).sum()) + lat
+        excess_max = max(excess_max, m2)
+        ex_rows.append((j, d, coef, lat, m2))
+    for g in range(G):
+        for j, d, coef, lat, m2 in ex_rows:
+            ks = range(g, K)
+            # e_g >= coef.x + lat when y[g,d]:  coef.x - e_g + m2 y <= m2 - lat
+            add([(X(k, g), float(coef[k])) for k in ks] + [(ie + g, -1.0), (Y(g, j), m2)], -np.inf, m2 - lat)
+            lin = (A + B) / d
+            m1 = float(lin.sum()) + cost.b1 + excess_max
+            # T >= lin.x + b1 + e_g when y[g,d]:  lin.x + e_g - T + m1 y <= m1 - b1
+            add([(X(k, g), float(lin[k])) for k in ks] + [(ie + g, 1.0), (iT, -1.0), (Y(g, j), m1)],
+                -np.inf, m1 - cost.b1)
+    Amat = sparse.csr_array((vals, (rows, cols)), shape=(r, nvar))
+    lb = np.zeros(nvar)
+    ub = np.ones(nvar)
+    for g in range(G):
+        for j in range(D):
+            if ds[j] < (dmin[g:].min() if g < K else 1):
+                ub[Y(g, j)] = 0.0
+        for k in range(K):
+            if k < g:
+                ub[X(k, g)] = 0.0
+    ub[ie:ie + G] = excess_max
+    ub[iT] = np.inf
+    # valid lower bounds on T tighten the weak big-M relaxation: sum_g d_g (T - b1) >= total work
+    # on at most N ranks, and no sequence runs faster than alone at its best allowed degree
+    alone = max(float(np.min(cost.group_times(A[k], B[k], S[k], ds[ds >= dmin[k]],
+                                              attention="ring" if attention == "ring" else "ulysses")))
+                for k in range(K)) if attention != "auto" else 0.0
+    lb[iT] = max(float((A + B).sum()) / num_ranks + cost.b1, alone)
+    integrality = np.zeros(nvar)
+    integrality[:ny + nx] = 1
+    cobj = np.zeros(nvar)
+    cobj[iT] = 1.0
+    opts = {"disp": False}
+    if time_limit_s is not None:
+        opts["time_limit"] = float(time_limit_s)
+    res = milp(cobj, constraints=LinearConstraint(Amat, lo, hi), integrality=integrality,
+               bounds=Bounds(lb, ub), options=opts)
+    if res.x is None:
+        return "infeasible" if res.status == 2 else None
+    x = res.x
+    slots, degs = [], []
+    for g in range(G):
+        js = [j for j in range(D) if x[Y(g, j)] > 0.5]
+        if not js:
+            continue
+        items = [int(order[k]) for k in range(K) if x[X(k, g)] > 0.5]
+        if items:
+            slots.append(items)
+            degs.append(int(ds[js[0]]))
+    return slots, degs, float(x[iT]), res.status == 0
+
+
+def _split(prob: Any, num_micro_batches: int | None) -> list[np.ndarray]:
+    lo = microbatch.min_micro_batches(prob.tok, prob.num_ranks, prob.cap)
+    M = lo if num_micro_batches is None else int(num_micro_batches)
+    return microbatch.split(prob.work, M)
+
+
+def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_aware: bool,
+               time_limit_s: float | None) -> tuple[list, dict[str, Any]]:
+    """Any-degree exact MILP per micro-batch (the memory-minimal count unless one is given)."""
+    N, cost = prob.num_ranks, prob.cost
+    if N > MAX_MILP_RANKS:
+        raise PlanningError(f"milp is an exact reference for small instances: {N} ranks > {MAX_MILP_RANKS}")
+    ds = allowed_degrees(N, degrees)
+    M = microbatch.min_micro_batches(prob.tok, N, prob.cap) if num_micro_batches is None else int(num_micro_batches)
+    while True:
+        parts = microbatch.split(prob.work, M)
+        if max(len(p) for p in parts) > MAX_MILP_SEQUENCES:
+            raise PlanningError(f"milp is an exact reference for small instances: a micro-batch of "
+                                f"{max(len(p) for p in parts)} sequences > {MAX_MILP_SEQUENCES}")
+        mbs, optimal, spans = [], True, []
+        for idx in parts:
+            sol = _milp_microbatch(prob.attn[idx], prob.lin[idx], prob.tok[idx], N, cost, ds, "ring", time_limit_s)
+            if sol is None:
+                raise PlanningError(f"milp found no plan for a micro-batch of {len(idx)} sequences"
+                                    f" within {time_limit_s} s")
+            if sol == "infeasible":
+                break
+            slots, degs, mk, opt = sol
+            optimal &= opt
+            ranks = place(degs, N, cost.ranks_per_node, node_aware)
+            mbs.append([(rk, [int(idx[k]) for k in items]) for rk, items in zip(ranks, slots)])
+            spans.append(mk)
+        if len(mbs) == len(parts):
+            break
+        if num_micro_batches is not None or M >= len(prob.lengths):
+            raise PlanningError(f"milp: no plan with {M} micro-batches fits {N} ranks")
+        M += 1
+    return mbs, {"optimal": bool(optimal), "num_micro_batches": len(parts), "milp_makespans_s": spans}
+
+
+def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None) -> tuple[list, dict[str, Any]]:
+    """Power-of-two groups per micro-batch, chosen by a MILP over packed bins (FlexSP-style)."""
+    N, cost = prob.num_ranks, prob.cost
+    limit = FLEXSP_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    ds = allowed_degrees(N, "pow2")
+    too_big = np.flatnonzero(prob.dmin > ds.max())
+    if too_big.size:
+        k = int(too_big[0])
+        raise PlanningError(f"flexsp: sample {k} ({int(prob.lengths[k])} tokens) needs {int(prob.dmin[k])} ranks, "
+                            f"more than the largest power of two {int(ds.max())} <= {N}")
+    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
+    t0 = time.perf_counter()
+    M = lo if num_micro_batches is None else int(num_micro_batches)
+    while True:
+        parts = microbatch.split(prob.work, M)
+        mbs, optimal, used_milp, ok = [], True, 0, True
+        for idx in parts:
+            local = pack(prob.work[idx], prob.tok[idx], prob.dmin[idx], N, prob.cap)
+            bins = [[int(idx[k]) for k in b] for b in local]
+            A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
+            warm = allocate(A, B, S, cost.min_degree(S), N, cost, ds, "ring") if len(bins) <= N else None
+            sol = None
+            if len(bins) <= MAX_MILP_SEQUENCES and N <= 4 * MAX_MILP_RANKS:
+                sol = _milp_microbatch(A, B, S, N, cost, ds, "auto", limit)
+            if sol == "infeasible":
+                sol = None
+            if sol is not None and (warm is None or sol[2] <= warm[1]):
+                slots, degs, _, opt = sol
+                groups = [[k for i in s for k in bins[i]] for s in slots]
+                optimal &= opt
+                used_milp += 1
+            elif warm is not None:
+                groups, degs, optimal = bins, [int(d) for d in warm[0]], False
+            else:
+                ok = False
+                break
+            ranks = place(degs, N, cost.ranks_per_node, True)
+            mbs.append(list(zip(ranks, groups)))
+        if ok:
+            break
+        if num_micro_batches is not None or M >= len(prob.lengths):
+            raise PlanningError(f"flexsp found no power-of-two plan with {M} micro-batches on {N} ranks")
+        M += 1
+    return mbs, {"optimal": bool(optimal), "milp_micro_batches": used_milp, "num_micro_batches": len(parts),
+                 "time_limit_s": limit, "milp_s": round(time.perf_counter() - t0, 3)}
