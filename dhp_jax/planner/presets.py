@@ -97,8 +97,8 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(989e12, 80 * GIB, 350 * GB, 400 * GB, 50 * GB, 6e-6, 12e-6, 0.45, 0.35,
                      source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s)"),
     # A host CPU "device" (the fake XLA CPU devices of the tests): about 100 GFLOP/s fp32 per device,
-    # shared-memory copies of a few GB/s, loopback TCP between processes.
-    "cpu": Hardware(100e9, 8 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
+    # a 32 GiB share of host memory, shared-memory copies of a few GB/s, loopback TCP between processes.
+    "cpu": Hardware(100e9, 32 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
                     source="assumed desktop-class CPU core group, fp32"),
 }
 

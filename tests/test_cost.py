@@ -1,0 +1,173 @@
+"""Cost model: presets, the paper's formulas checked by hand, I/O, and the coefficient fit."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner import CostModel
+from dhp_jax.planner.fit import fit_cost_model
+
+
+def test_every_preset_builds_and_is_physical():
+    for m in CostModel.MODELS:
+        for h in CostModel.HARDWARE:
+            c = CostModel.preset(m, h)
+            assert c.memory_budget > 0 and c.a1 > 0 and c.a2 > 0 and c.b1 > 0
+            # a longer sequence is slower; two ranks beat one for a long sequence
+            assert c.time([8000], 1) < c.time([16000], 1)
+            assert c.time([60000], 2) < c.time([60000], 1)
+
+
+def test_model_that_cannot_fit_says_so():
+    with pytest.raises(ValueError, match="does not fit on cpu with ZeRO-3 over 1 ranks"):
+        CostModel.preset("qwen3-vl-8b", "cpu", zero_shards=1)
+
+
+def test_unknown_names_list_the_known_ones():
+    with pytest.raises(ValueError, match="known models: internvl3-2b"):
+        CostModel.preset("llama-70b", "a100")
+    with pytest.raises(ValueError, match="known hardware: ascend-910b, a100, h100, cpu"):
+        CostModel.preset("internvl3-8b", "tpu")
+    with pytest.raises(ValueError, match="unknown CostModel field"):
+        CostModel.preset("internvl3-8b", "a100", a9=1.0)
+
+
+def test_attention_coefficient_from_flops():
+    c = CostModel.preset("internvl3-8b", "ascend-910b")
+    # 28 layers, 28 heads of 128: QK^T + PV = 4 h hd FLOPs per pair, L^2/2 causal pairs, 4 passes
+    # (fwd, recomputed fwd, bwd = 2 fwd) at 313 TFLOPS x 35 %
+    assert c.a1 == pytest.approx(4 * 2 * 28 * 128 * 28 / (313e12 * 0.35), rel=1e-12)
+    assert c.num_heads == 28
+    assert c.ranks_per_node == 8
+
+
+def _by_hand(c, lengths, etas, d, inter):
+    """The paper's form written out independently of CostModel.group_times."""
+    A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
+    B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas))
+    t_cp_attn = A / d
+    t_cp = (A + B) / d + c.b1
+    v = c.bw_inter if inter else c.bw_intra
+    lat = c.lat_inter if inter else c.lat_intra
+    t_cm = c.kv_bytes_per_token / v * sum(lengths) * (d - 1) / d + lat * (d - 1)
+    return t_cp + t_cm - min(t_cp_attn, t_cm)
+
+
+@pytest.mark.parametrize("lengths, etas, d", [
+    ([1000], [0.0], 1), ([90000], [1.0], 3), ([500, 700, 300], [0.2, 0.0, 0.9], 5),
+    ([120000, 4000], [0.81, 0.0], 8), ([2000] * 10, [0.5] * 10, 12), ([64], [0.0], 64)])
+def test_time_matches_the_paper_form(lengths, etas, d):
+    c = CostModel.preset("qwen3-vl-4b", "h100")
+    inter = d > c.ranks_per_node
+    assert c.time(lengths, d, etas) == pytest.approx(_by_hand(c, lengths, etas, d, inter), rel=1e-12)
+    # an explicit link class overrides the degree rule
+    assert c.time(lengths, d, etas, inter_node=not inter) == pytest.approx(
+        _by_hand(c, lengths, etas, d, not inter), rel=1e-12)
+
+
+def test_ulysses_pays_all_to_all_without_overlap():
+    c = CostModel.preset("qwen3-vl-8b", "a100")
+    t_ring = c.time([50000], 4)
+    t_uly = c.time([50000], 4, attention="ulysses")
+    A = c.a1 * 50000 ** 2
+    B = c.a2 * 50000
+    expect = (A + B) / 4 + c.b1 + c.a2a_bytes_per_token / c.a2a_bw_intra * 50000 * 3 / 4 + c.lat_intra * 3
+    assert t_uly == pytest.approx(expect, rel=1e-12)
+    assert t_ring != t_uly
+    assert c.ulysses_ok(8) and not c.ulysses_ok(3)
+
+
+def test_memory_and_min_degree():
+    c = CostModel.preset("internvl3-8b", "ascend-910b")
+    assert c.memory([1000, 3000], 4) == pytest.approx(4000 * c.mem_per_token / 4)
+    cap = c.max_tokens_per_rank
+    assert list(c.min_degree([1, int(cap), int(cap) + 1, int(3 * cap)])) == [1, 1, 2, 3]
+
+
+def test_allreduce_is_hierarchical():
+    c = CostModel.preset("internvl3-8b", "ascend-910b")
+    assert c.allreduce_time(1) == 0.0
+    g = c.grad_bytes
+    assert c.allreduce_time(8) == pytest.approx(2 * 7 / 8 * g / c.bw_intra)
+    assert c.allreduce_time(64) == pytest.approx(2 * 7 / 8 * g / c.bw_intra + 2 * 7 / 8 * (g / 8) / c.bw_inter)
+    assert c.allreduce_time(64) > c.allreduce_time(8)
+
+
+def test_freeze_vision_drops_the_encoder_backward():
+    c = CostModel.preset("qwen3-vl-2b", "ascend-910b")
+    f = CostModel.preset("qwen3-vl-2b", "ascend-910b", freeze_vision=True)
+    assert f.a2_vision < c.a2_vision / 2
+    assert f.time([20000], 2, [1.0]) < c.time([20000], 2, [1.0])
+    assert f.time([20000], 2, [0.0]) == c.time([20000], 2, [0.0])  # text only: unchanged
+
+
+def test_json_round_trip(tmp_path):
+    c = CostModel.preset("qwen3-vl-8b", "h100", ranks_per_node=4, freeze_vision=True)
+    path = tmp_path / "cost.json"
+    c.save(path)
+    assert CostModel.from_profile(path) == c
+    assert CostModel.from_dict({"cost": c.to_dict()}) == c
+    bad = c.to_dict()
+    bad["schema"] = "dhp.cost/v0"
+    with pytest.raises(ValueError, match="schema"):
+        CostModel.from_dict(bad)
+    del bad["schema"]
+    bad["surprise"] = 1
+    with pytest.raises(ValueError, match="unknown cost model field"):
+        CostModel.from_dict(bad)
+    path.write_text("{oops")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        CostModel.from_profile(path)
+
+
+def test_bad_inputs_are_named():
+    c = CostModel.preset("internvl3-2b", "a100")
+    with pytest.raises(ValueError, match="sequence 1: length must be"):
+        c.time([10, -5], 1)
+    with pytest.raises(ValueError, match="degree must be a positive integer"):
+        c.time([10], 0)
+    with pytest.raises(ValueError, match="sequence 0: eta must be in"):
+        c.time([10], 1, [1.5])
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        c.replace(ranks_per_node=0)
+
+
+def _synthetic(true, rng, n=48):
+    ms = []
+    for i in range(n):
+        d = int(rng.choice([1, 2, 3, 4, 5, 7, 8, 12, 16]))
+        k = int(rng.integers(1, 4))
+        # short sequences at high degree expose the ring traffic; long ones hide it
+        hi = 3000 if i % 2 else 80000
+        L = rng.integers(128, hi, k).tolist()
+        e = rng.uniform(0, 1, k).tolist()
+        ms.append({"lengths": L, "etas": e, "degree": d, "seconds": true.time(L, d, e)})
+    return ms
+
+
+@pytest.mark.parametrize("model", ["qwen3-vl-2b", "internvl3-8b"])
+def test_fit_recovers_known_coefficients(model):
+    true = CostModel.preset(model, "ascend-910b")
+    base = CostModel.preset(model, "a100")  # a wrong starting point: other peak rates and links
+    fitted, report = fit_cost_model(_synthetic(true, np.random.default_rng(1)), base)
+    assert report["max_abs_rel_err"] < 1e-9
+    for name in ("a1", "a2", "a2_vision", "b1", "bw_intra", "bw_inter", "lat_intra", "lat_inter"):
+        assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-6), name
+    json.dumps(report)
+
+
+def test_fit_keeps_uninformed_coefficients_and_rejects_bad_points():
+    true = CostModel.preset("qwen3-vl-2b", "ascend-910b")
+    base = CostModel.preset("qwen3-vl-2b", "a100")
+    ms = [m for m in _synthetic(true, np.random.default_rng(2), 60) if m["degree"] <= 8]
+    fitted, report = fit_cost_model(ms, base)
+    assert "c_inter" in report["kept_from_base"] and fitted.bw_inter == base.bw_inter
+    assert fitted.a2 == pytest.approx(true.a2, rel=1e-6)
+    with pytest.raises(ValueError, match="at least one measurement"):
+        fit_cost_model([], base)
+    with pytest.raises(ValueError, match="measurement 0: missing field 'seconds'"):
+        fit_cost_model([{"lengths": [1], "degree": 1}], base)
+    with pytest.raises(ValueError, match="measurement 0: degree"):
+        fit_cost_model([{"lengths": [1], "degree": 0, "seconds": 1.0}], base)
