@@ -156,3 +156,23 @@ def test_images_and_videos_spellings(tmp_path):
     assert a.vision_tokens == 256 + 64 and b.vision_tokens == 7200
     with pytest.raises(ManifestError, match="line 3: field 'images'"):
         read_manifest(path)
+
+
+def test_stdlib_json_path_agrees(tmp_path):
+    """Without orjson the reader uses the standard library's scanner directly: same samples, same errors."""
+    import subprocess
+    import sys
+    good = [{"image": "a.jpg", "width": 640, "height": 480, "conversations": _conv("<image>\nQ é", "A")},
+            {"video": "v.mp4", "duration": 3.5, "fps": 24, "resolution": "640x360", "text": "x"}, {"text": "y" * 99}]
+    path = _write(tmp_path / "m.jsonl", good + ['  {"text": "z"}  ', '{"text": "a"} trailing', "[1"])
+    code = f"""
+import sys; sys.modules['orjson'] = None
+from dhp_jax.data.manifest import read_manifest, _JSON_ERRORS
+ss = read_manifest({str(path)!r}, skip_bad=True)
+print([s.num_tokens for s in ss], ss.stats.skipped, ss.stats.errors)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
+    ss = read_manifest(path, skip_bad=True)
+    lengths, skipped = [s.num_tokens for s in ss], ss.stats.skipped
+    assert out.startswith(f"{lengths} {skipped} ") and skipped == 2
+    assert "line 5: invalid JSON" in out and "line 6: invalid JSON" in out
