@@ -176,3 +176,11 @@ print([s.num_tokens for s in ss], ss.stats.skipped, ss.stats.errors)
     lengths, skipped = [s.num_tokens for s in ss], ss.stats.skipped
     assert out.startswith(f"{lengths} {skipped} ") and skipped == 2
     assert "line 5: invalid JSON" in out and "line 6: invalid JSON" in out
+
+
+def test_draw_sees_a_changed_manifest(tmp_path):
+    path = tmp_path / "m.jsonl"
+    _write(path, [{"text": "a" * 4 * (i + 1)} for i in range(10)])
+    assert sorted(s.num_tokens for s in make_dataset(str(path), 10, 0)) == list(range(1, 11))
+    _write(path, [{"text": "a" * 4 * (i + 1)} for i in range(20)])      # same path, new content
+    assert sorted(s.num_tokens for s in make_dataset(str(path), 20, 0)) == list(range(1, 21))

@@ -356,8 +356,26 @@ def read_manifest(path: str | os.PathLike, vision: str | VisionRules = "qwen-vl"
     return out
 
 
+_OFFSETS_CACHE: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+
 def line_offsets(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offsets and 1-based line numbers of the non-blank lines (int64[N] each); one pass."""
+    """Byte offsets and 1-based line numbers of the non-blank lines (int64[N] each).
+
+    One pass over the file, cached by (path, size, mtime): a loader that draws a batch from the
+    same manifest every step scans it once.
+    """
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    hit = _OFFSETS_CACHE.get(key)
+    if hit is None:
+        if len(_OFFSETS_CACHE) >= 4:
+            _OFFSETS_CACHE.clear()
+        hit = _OFFSETS_CACHE[key] = _scan_offsets(path)
+    return hit
+
+
+def _scan_offsets(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray]:
     offsets, numbers, pos = [], [], 0
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
