@@ -58,7 +58,7 @@ class QwenVLRules:
       frames rather than unbounded length.
     """
 
-    patch: int = 14
+    patch: int = 14  # a model with another patch size: QwenVLRules(patch=16) gives 32 px per token
     merge: int = 2
     min_tokens: int = 4
     max_tokens: int = 16384
