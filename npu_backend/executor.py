@@ -137,11 +137,15 @@ class TorchPlanExecutor:
                 continue
             counted += c
             shards.append((g, shard))
-        status = torch.tensor([1.0 if err else 0.0, float(counted)], dtype=torch.float64)
+        # status[r] = 1 if rank r failed; status[-1] = loss tokens of the whole batch.
+        status = torch.zeros(self.world_size + 1, dtype=torch.float64)
+        status[self.rank] = 1.0 if err else 0.0
+        status[-1] = float(counted)
         dist.all_reduce(status)
-        if status[0] > 0:
-            raise StepError(err or f"{int(status[0])} rank(s) could not pack their group; see their logs")
-        total = int(status[1])
+        failed = [r for r in range(self.world_size) if status[r] > 0]
+        if failed:
+            raise StepError(err or f"ranks {failed} could not pack their group (their error names the sample)")
+        total = int(status[-1])
         if total == 0:
             raise StepError("the batch has no text token followed by a text token: the loss is undefined")
 
