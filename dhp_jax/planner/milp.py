@@ -35,6 +35,7 @@ from dhp_jax.planner.plan import PlanningError
 MAX_MILP_SEQUENCES = 64  # per micro-batch; beyond this "milp" refuses (it is a reference solver)
 MAX_MILP_RANKS = 64
 FLEXSP_TIME_LIMIT_S = 10.0
+MIP_REL_GAP = 1e-6  # "optimal" means proven within this relative gap
 
 
 def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int, cost: Any, ds: np.ndarray,
@@ -117,7 +118,7 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     integrality[:ny + nx] = 1
     cobj = np.zeros(nvar)
     cobj[iT] = 1.0
-    opts = {"disp": False}
+    opts = {"disp": False, "mip_rel_gap": MIP_REL_GAP}
     if time_limit_s is not None:
         opts["time_limit"] = float(time_limit_s)
     res = milp(cobj, constraints=LinearConstraint(Amat, lo, hi), integrality=integrality,
@@ -174,7 +175,8 @@ def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_awar
         if num_micro_batches is not None or M >= len(prob.lengths):
             raise PlanningError(f"milp: no plan with {M} micro-batches fits {N} ranks")
         M += 1
-    return mbs, {"optimal": bool(optimal), "num_micro_batches": len(parts), "milp_makespans_s": spans}
+    return mbs, {"optimal": bool(optimal), "mip_rel_gap": MIP_REL_GAP, "num_micro_batches": len(parts),
+                 "milp_makespans_s": spans}
 
 
 def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None) -> tuple[list, dict[str, Any]]:

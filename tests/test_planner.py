@@ -1,0 +1,230 @@
+"""The planner: Plan invariants for every strategy, exactness of the allocation, 3+5, determinism,
+node-aware placement, ablation options and the bad-input errors of issue 2."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dhp_jax.data import Sample
+from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
+from dhp_jax.planner.allocate import allocate, allowed_degrees, brute_force
+from dhp_jax.planner.placement import place, spans_nodes
+from dhp_jax.sim import step_time
+
+COST = CostModel.preset("internvl3-8b", "ascend-910b")
+CAP = int(COST.max_tokens_per_rank)
+
+
+def _check(plan, lengths, cost=COST, etas=None):
+    plan.validate(num_samples=len(lengths), cost=cost, lengths=lengths)
+    assert Plan.from_json(plan.to_json(), num_samples=len(lengths)) == plan
+    assert step_time(plan, lengths, cost, etas) == pytest.approx(plan.est_step_time_s, rel=1e-9)
+    assert plan.solver["strategy"] and plan.solver["solve_ms"] >= 0
+
+
+batches = st.integers(1, 4).flatmap(lambda n: st.tuples(
+    st.just(n * 4),
+    st.lists(st.integers(0, 3 * CAP), min_size=1, max_size=20),
+    st.sampled_from([2, 4, 8])))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches, st.sampled_from(["dhp", "static-ring:best", "static-ulysses:best", "static-ring:4", "flexsp"]))
+def test_plan_invariants_for_every_strategy(batch, strategy):
+    num_ranks, lengths, rpn = batch
+    lengths = np.minimum(np.asarray(lengths), num_ranks * CAP)
+    try:
+        plan = plan_batch(lengths, num_ranks, COST, strategy, ranks_per_node=rpn, time_limit_s=2.0)
+    except PlanningError as e:
+        # only the static/power-of-two strategies may be unable to hold a sample
+        assert strategy != "dhp", e
+        assert re.search(r"sample \d+|head count|no degree|no power-of-two", str(e)), e
+        return
+    _check(plan, lengths, COST.replace(ranks_per_node=rpn))
+    assert plan.ranks_per_node == rpn
+    if strategy == "flexsp":
+        assert all(d & (d - 1) == 0 for ds in plan.degrees for d in ds)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(2, 8), st.lists(st.integers(1, 2 * CAP), min_size=1, max_size=8))
+def test_milp_plans_are_valid(num_ranks, lengths):
+    lengths = np.minimum(np.asarray(lengths), num_ranks * CAP)
+    plan = plan_batch(lengths, num_ranks, COST, "milp", time_limit_s=5.0)
+    _check(plan, lengths)
+    assert isinstance(plan.solver["optimal"], bool)
+
+
+def test_samples_carry_their_etas():
+    samples = [Sample.from_lengths(text=200, vision=5000, modality="video"), Sample.from_lengths(text=900),
+               Sample.from_lengths(text=100, vision=60000, modality="video")]
+    etas = [s.bidirectional_share for s in samples]
+    plan = plan_batch(samples, 8, COST)
+    lengths = [s.num_tokens for s in samples]
+    _check(plan, lengths, etas=etas)
+    assert plan.est_step_time_s == pytest.approx(step_time(plan, lengths, COST, etas))
+    assert plan.est_step_time_s > step_time(plan, lengths, COST)  # vision costs more than text
+
+
+# ------------------------------------------------------------------------------ exact allocation
+@pytest.mark.parametrize("seed", range(12))
+def test_allocation_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    cost = COST.replace(ranks_per_node=int(rng.choice([2, 4, 16])))
+    N = int(rng.integers(2, 11))
+    K = int(rng.integers(1, min(N, 5) + 1))
+    L = rng.integers(100, 3 * CAP, size=K) if seed % 2 else rng.integers(100, 20000, size=K)
+    attn, lin, tok = cost.terms(L, rng.uniform(0, 1, K))
+    dmin = cost.min_degree(L)
+    for allowed in (None, allowed_degrees(N, "pow2")):
+        got = allocate(attn, lin, tok, dmin, N, cost, allowed)
+        ref = brute_force(attn, lin, tok, dmin, N, cost, allowed)
+        if ref is None:
+            assert got is None
+            continue
+        deg, mk = got
+        assert deg.sum() <= N and np.all(deg >= dmin)
+        assert mk == pytest.approx(ref, rel=1e-12)
+        times = cost.group_times(attn, lin, tok, deg)
+        assert times.max() == pytest.approx(mk, rel=1e-12)
+
+
+def test_non_power_of_two_split_beats_every_power_of_two_plan():
+    lengths = [1000, 1607]
+    plan = plan_batch(lengths, 8, COST)
+    assert sorted(plan.degrees[0]) == [3, 5]
+    best_pow2 = min([COST.time(lengths, d) for d in (1, 2, 4, 8)]
+                    + [max(COST.time([lengths[0]], a), COST.time([lengths[1]], b))
+                       for a in (1, 2, 4) for b in (1, 2, 4) if a + b <= 8])
+    assert plan.micro_batches[0].est_makespan_s < best_pow2 / 1.05
+    pow2 = plan_batch(lengths, 8, COST, degrees="pow2")
+    assert pow2.micro_batches[0].est_makespan_s == pytest.approx(best_pow2, rel=1e-12)
+    # 3 + 5 share one node of 8: nobody spans nodes
+    assert not any(spans_nodes(g.ranks, 8) for g in plan.groups)
+
+
+# ------------------------------------------------------------------------------ placement, options
+def test_node_aware_placement_keeps_small_groups_in_a_node():
+    ranks = place([5, 3, 5, 3], 16, 8, node_aware=True)
+    assert not any(spans_nodes(r, 8) for r in ranks)
+    assert sorted(x for r in ranks for x in r) == list(range(16))
+    naive = place([5, 5, 3, 3], 16, 8, node_aware=False)
+    assert spans_nodes(naive[1], 8)
+    big = place([12, 4], 16, 8)
+    assert set(big[0]) >= set(range(8)) and len(big[0]) == 12
+
+
+def test_spanning_a_node_costs_time_in_step_time():
+    lengths = [3000] * 6
+    a = Plan.from_json({"schema": "dhp.plan/v1", "num_ranks": 8, "ranks_per_node": 4,
+                        "micro_batches": [{"groups": [{"ranks": [0, 1, 2, 3], "degree": 4, "samples": list(range(6))}]}]})
+    b = Plan.from_json({"schema": "dhp.plan/v1", "num_ranks": 8, "ranks_per_node": 4,
+                        "micro_batches": [{"groups": [{"ranks": [2, 3, 4, 5], "degree": 4, "samples": list(range(6))}]}]})
+    assert step_time(b, lengths, COST) > step_time(a, lengths, COST)
+
+
+def test_ablation_options():
+    rng = np.random.default_rng(3)
+    lengths = np.concatenate([rng.integers(500, 8000, 60), [150000, 90000, 40000]])
+    full = plan_batch(lengths, 16, COST)
+    for kw in ({"packing": False}, {"degrees": "pow2"}, {"node_aware": False}, {"refine": False},
+               {"num_micro_batches": 3}, {"degrees": [1, 2, 3, 6, 12]}):
+        plan = plan_batch(lengths, 16, COST, **kw)
+        _check(plan, lengths)
+        assert plan.est_step_time_s >= full.est_step_time_s * (1 - 1e-9) or "num_micro_batches" in kw, kw
+    assert all(d & (d - 1) == 0 for ds in plan_batch(lengths, 16, COST, degrees="pow2").degrees for d in ds)
+    assert len(plan_batch(lengths, 16, COST, num_micro_batches=3).micro_batches) == 3
+    assert plan_batch(lengths, 16, COST, packing=False).solver["num_micro_batches"] >= 63 / 16
+
+
+def test_static_baselines():
+    lengths = list(range(1000, 33000, 1000))
+    ring = plan_batch(lengths, 8, COST, "static-ring:2")
+    assert all(d == 2 for ds in ring.degrees for d in ds)
+    # a distributed sampler deal: sample i on replica i mod 4
+    for g in ring.groups:
+        assert len({s % 4 for s in g.samples}) == 1
+    best = plan_batch(lengths, 8, COST, "static-ring:best")
+    assert best.est_step_time_s <= ring.est_step_time_s
+    uly = plan_batch(lengths, 8, COST, "static-ulysses:best")
+    assert uly.solver["attention"] == "ulysses" and COST.num_heads % uly.solver["degree"] == 0
+    with pytest.raises(PlanningError, match="head count 28 is not divisible by 8"):
+        plan_batch(lengths, 8, COST, "static-ulysses:8")
+    dhp = plan_batch(lengths, 8, COST)
+    assert dhp.est_step_time_s <= min(best.est_step_time_s, uly.est_step_time_s)
+
+
+def test_dhp_beats_static_on_openvid():
+    from dhp_jax.data import make_dataset
+
+    samples = make_dataset("openvid", 256, 0)
+    lengths = [s.num_tokens for s in samples]
+    etas = [s.bidirectional_share for s in samples]
+    dhp = plan_batch(samples, 32, COST)
+    ring = plan_batch(samples, 32, COST, "static-ring:best")
+    _check(dhp, lengths, etas=etas)
+    _check(ring, lengths, etas=etas)
+    assert dhp.est_step_time_s < ring.est_step_time_s
+
+
+def test_determinism_and_round_trip():
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(100, 2 * CAP, 200)
+    a = plan_batch(lengths, 32, COST)
+    b = plan_batch(lengths.tolist(), 32, COST)
+
+    def strip(p):
+        d = p.to_dict()
+        d["solver"].pop("solve_ms")
+        return json.dumps(d)
+
+    assert strip(a) == strip(b)
+    assert Plan.from_json(a.to_json()) == a
+    assert Plan.from_json(json.loads(a.to_json())) == a
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_input_errors_name_the_problem():
+    with pytest.raises(PlanningError, match=r"sample 1 has 9000000 tokens but all 4 ranks hold at most \d+ tokens"):
+        plan_batch([10, 9_000_000, 20], 4, COST)
+    with pytest.raises(PlanningError, match="empty batch"):
+        plan_batch([], 4, COST)
+    with pytest.raises(PlanningError, match="num_ranks must be a positive integer, got 0"):
+        plan_batch([10], 0, COST)
+    with pytest.raises(ValueError, match="sample 2: length must be >= 0, got -3"):
+        plan_batch([10, 20, -3], 4, COST)
+    with pytest.raises(PlanningError, match="unknown strategy 'greedy'; known strategies: dhp"):
+        plan_batch([10], 4, COST, "greedy")
+    with pytest.raises(PlanningError, match="the degree must be an integer or 'best'"):
+        plan_batch([10], 4, COST, "static-ring:x")
+    with pytest.raises(PlanningError, match="etas has 1 entries for a batch of 2"):
+        plan_batch([10, 20], 4, COST, etas=[0.5])
+    with pytest.raises(PlanningError, match="num_micro_batches must be an integer in 1..2"):
+        plan_batch([10, 20], 4, COST, num_micro_batches=5)
+    with pytest.raises(ValueError, match="degrees must be 'any', 'pow2'"):
+        plan_batch([10, 20], 4, COST, degrees="odd")
+
+
+def test_malformed_plan_json_is_named():
+    good = plan_batch([5000, 7000, 300, 900], 4, COST, num_micro_batches=1).to_dict()
+    with pytest.raises(PlanValidationError, match="schema"):
+        Plan.from_json({**good, "schema": "dhp.plan/v9"})
+    twice = json.loads(json.dumps(good))
+    g0 = twice["micro_batches"][0]["groups"][0]
+    twice["micro_batches"][0]["groups"].append({"ranks": [g0["ranks"][0]], "degree": 1, "samples": [g0["samples"][0]]})
+    with pytest.raises(PlanValidationError, match="is also used by group|is also in"):
+        Plan.from_json(twice)
+    missing = json.loads(json.dumps(good))
+    missing["micro_batches"][0]["groups"][0]["samples"] = missing["micro_batches"][0]["groups"][0]["samples"][1:] or [0]
+    with pytest.raises(PlanValidationError, match="missing from every group|is also in"):
+        Plan.from_json(missing, num_samples=4)
+    with pytest.raises(PlanValidationError, match="does not parse"):
+        Plan.from_json("{")
+
+
+def test_strategies_listed():
+    assert {"dhp", "flexsp", "milp", "static-ring:best", "static-ulysses:best"} <= set(STRATEGIES)

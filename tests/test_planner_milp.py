@@ -1,0 +1,49 @@
+""""dhp" against the exact any-degree MILP on random small instances (<= 16 ranks, <= 24 sequences)."""
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner import CostModel, plan_batch
+
+MODELS = [("internvl3-8b", "ascend-910b"), ("qwen3-vl-2b", "h100"), ("internvl2.5-4b", "a100")]
+
+
+def _instances(n, seed=0):
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        model, hw = MODELS[i % len(MODELS)]
+        cost = CostModel.preset(model, hw, ranks_per_node=16)
+        cap = cost.max_tokens_per_rank
+        N = int(rng.integers(2, 17))
+        K = int(rng.integers(1, 25))
+        L = np.exp(rng.uniform(np.log(200), np.log(2.5 * cap), K)).astype(np.int64)
+        L = np.minimum(L, int(0.9 * N * cap))
+        etas = rng.uniform(0, 1, K) * (rng.random(K) < 0.7)
+        yield cost, N, L, etas
+
+
+def test_dhp_within_3_percent_of_milp_on_60_instances():
+    optimal = 0
+    ratios = []
+    for cost, N, L, etas in _instances(60):
+        ref = plan_batch(L, N, cost, "milp", etas=etas, time_limit_s=10.0)
+        got = plan_batch(L, N, cost, "dhp", etas=etas)
+        if not ref.solver["optimal"]:
+            continue
+        optimal += 1
+        ratio = got.est_step_time_s / ref.est_step_time_s
+        ratios.append(ratio)
+        assert ratio <= 1.03, (N, L.tolist(), got.degrees, ref.degrees, ratio)
+    assert optimal >= 50, f"only {optimal} MILPs proved optimality"
+    # the reference is a real optimum: dhp never beats it at the MILP's own micro-batch count
+    assert min(ratios) > 0.9
+
+
+def test_dhp_at_the_milp_micro_batch_count_never_beats_the_optimum():
+    for cost, N, L, etas in _instances(12, seed=1):
+        ref = plan_batch(L, N, cost, "milp", etas=etas, time_limit_s=10.0)
+        if not ref.solver["optimal"] or ref.solver["num_micro_batches"] != 1:
+            continue
+        got = plan_batch(L, N, cost, "dhp", etas=etas, num_micro_batches=1)
+        # proven optimal within the MILP's relative gap
+        assert got.micro_batches[0].est_makespan_s >= ref.micro_batches[0].est_makespan_s * (1 - ref.solver["mip_rel_gap"])
