@@ -1,0 +1,79 @@
+"""Rank -> device layout and the sub-mesh cache: the one place that owns the parallel layout.
+
+A rank is one model replica. Today a rank is one device (`devices_per_rank=1`); the layout keeps
+`devices_per_rank` so that a static TP axis per rank can be added: a group's sub-mesh would then
+be (cp, tp) built from the same table. Sub-meshes are built once per device tuple and reused.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from dhp_jax.planner.plan import Plan, PlanValidationError
+
+CP_AXIS = "cp"      # the ring axis of a group's sub-mesh
+DP_AXIS = "dp"      # the full mesh: one entry per rank, for the cross-group reduction
+
+
+class RankLayout:
+    """Validated map rank -> devices over a fixed device list."""
+
+    def __init__(self, devices: Sequence[jax.Device], devices_per_rank: int = 1) -> None:
+        devices = list(devices)
+        if not devices:
+            raise ValueError("RankLayout needs at least one device")
+        if len({(d.platform, d.id) for d in devices}) != len(devices):
+            raise ValueError("RankLayout: a device is listed twice")
+        if devices_per_rank != 1:
+            raise NotImplementedError("a static TP axis (devices_per_rank > 1) is not implemented yet")
+        if len(devices) % devices_per_rank:
+            raise ValueError(f"{len(devices)} devices do not split into ranks of {devices_per_rank}")
+        self.devices = tuple(devices)
+        self.devices_per_rank = devices_per_rank
+        self.num_ranks = len(devices) // devices_per_rank
+        self.full_mesh = Mesh(np.array(self.devices), (DP_AXIS,))
+        self._submeshes: dict[tuple[jax.Device, ...], Mesh] = {}
+
+    def rank_devices(self, rank: int) -> tuple[jax.Device, ...]:
+        if not 0 <= rank < self.num_ranks:
+            raise PlanValidationError(f"rank {rank} is beyond the {self.num_ranks} ranks of this layout")
+        k = self.devices_per_rank
+        return self.devices[rank * k:(rank + 1) * k]
+
+    def group_devices(self, ranks: Sequence[int]) -> tuple[jax.Device, ...]:
+        """Devices of a group, in ring order (the order of `ranks`)."""
+        return tuple(d for r in ranks for d in self.rank_devices(int(r)))
+
+    def submesh(self, devices: tuple[jax.Device, ...]) -> Mesh:
+        """The 1-D `cp` mesh over `devices`, built once per device tuple."""
+        mesh = self._submeshes.get(devices)
+        if mesh is None:
+            mesh = self._submeshes[devices] = Mesh(np.array(devices), (CP_AXIS,))
+        return mesh
+
+    @property
+    def num_submeshes(self) -> int:
+        return len(self._submeshes)
+
+    def check_plan(self, plan: Plan, num_samples: int) -> None:
+        """Reject a plan that does not fit these ranks or these samples, naming the group."""
+        if not isinstance(plan, Plan):
+            raise TypeError(f"expected a Plan, got {type(plan).__name__}")
+        for m, mb in enumerate(plan.micro_batches):
+            for gi, g in enumerate(mb.groups):
+                where = f"micro-batch {m} group {gi} (ranks {list(g.ranks)})"
+                bad = [r for r in g.ranks if not 0 <= int(r) < self.num_ranks]
+                if bad:
+                    raise PlanValidationError(f"{where}: ranks {bad} are beyond the {self.num_ranks} "
+                                              f"ranks ({len(self.devices)} devices) of the executor")
+                if g.degree != len(g.ranks):
+                    raise PlanValidationError(f"{where}: degree {g.degree} != number of ranks {len(g.ranks)}")
+                missing = [s for s in g.samples if not 0 <= int(s) < num_samples]
+                if missing:
+                    raise PlanValidationError(f"{where}: samples {missing} do not exist "
+                                              f"(the batch has {num_samples})")
+        plan.validate(num_samples=num_samples, num_devices=self.num_ranks)
