@@ -1,0 +1,88 @@
+"""`dhp bench planner`: solve-time median and p99 of "dhp" over (ranks, batch) sizes on openvid batches.
+
+Each repeat plans a fresh openvid batch (seed = repeat index) given as lengths + etas, the metadata a
+loader hands the planner. "solve" is the solver alone (the Plan's `solve_ms`: micro-batch search,
+packing, allocation, refinement, placement); "total" adds input checks, building the `Plan` and its
+validation. CPU-measured on this machine; the load average is recorded because a shared machine
+slows every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any
+
+SIZES = ((8, 128), (64, 512), (256, 2048), (1024, 4096), (4096, 16384))
+TARGETS_MS = {(64, 512): 5.0, (1024, 4096): 50.0}
+PAPER_MS = {(64, 128): 21.0, (64, 256): 44.0, (64, 512): 86.0}  # DHP paper's solver times at 64 NPUs
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--repeats", type=int, default=10, help="batches per size (default 10)")
+    parser.add_argument("--sizes", default=None, help="override sizes as 'ranks:batch,...' (default the five of issue 2)")
+    parser.add_argument("--model", default="internvl3-8b")
+    parser.add_argument("--hardware", default="ascend-910b")
+    parser.add_argument("--strategy", default="dhp")
+    parser.add_argument("--json", action="store_true", help="print results as JSON")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def bench(sizes: tuple[tuple[int, int], ...] = SIZES, repeats: int = 10, model: str = "internvl3-8b",
+          hardware: str = "ascend-910b", strategy: str = "dhp") -> dict[str, Any]:
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.planner.api import plan_batch
+    from dhp_jax.planner.cost import CostModel
+
+    cost = CostModel.preset(model, hardware)
+    rows = []
+    for ranks, batch in sizes:
+        solve, total = [], []
+        for r in range(repeats):
+            samples = make_dataset("openvid", batch, r)
+            lengths, etas = sample_lengths(samples), sample_etas(samples)
+            t0 = time.perf_counter()
+            plan = plan_batch(lengths, ranks, cost, strategy, etas=etas)
+            total.append((time.perf_counter() - t0) * 1e3)
+            solve.append(float(plan.solver["solve_ms"]))
+        row = {"ranks": ranks, "batch": batch, "repeats": repeats,
+               "solve_ms_median": _pct(solve, 50), "solve_ms_p99": _pct(solve, 99),
+               "total_ms_median": _pct(total, 50), "total_ms_p99": _pct(total, 99)}
+        if (ranks, batch) in TARGETS_MS:
+            row["target_ms"] = TARGETS_MS[(ranks, batch)]
+        if (ranks, batch) in PAPER_MS:
+            row["paper_solver_ms"] = PAPER_MS[(ranks, batch)]
+        rows.append(row)
+    return {"strategy": strategy, "model": model, "hardware": hardware, "dataset": "openvid",
+            "measured_on": f"{platform.node()} ({os.cpu_count()} CPUs, {platform.processor() or platform.machine()})",
+            "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+            "python": platform.python_version(), "results": rows}
+
+
+def run(args: argparse.Namespace) -> int:
+    sizes = SIZES
+    if args.sizes:
+        sizes = tuple(tuple(int(x) for x in s.split(":")) for s in args.sizes.split(","))  # type: ignore[misc]
+    if args.repeats < 1:
+        print("dhp bench planner: --repeats must be >= 1")
+        return 2
+    out = bench(sizes, args.repeats, args.model, args.hardware, args.strategy)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"planner bench ({out['strategy']}, openvid, {out['model']} on {out['hardware']}), CPU-measured on "
+          f"{out['measured_on']}, load average {out['load_average']}")
+    print(f"{'ranks':>6} {'batch':>6} {'solve med':>10} {'solve p99':>10} {'total med':>10} {'total p99':>10}  target")
+    for r in out["results"]:
+        tgt = f"<= {r['target_ms']:.0f} ms" if "target_ms" in r else ""
+        print(f"{r['ranks']:>6} {r['batch']:>6} {r['solve_ms_median']:>8.2f}ms {r['solve_ms_p99']:>8.2f}ms "
+              f"{r['total_ms_median']:>8.2f}ms {r['total_ms_p99']:>8.2f}ms  {tgt}")
+    return 0
