@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tiny", action="store_true", help="apply each config's tiny: block (seconds)")
     p.add_argument("--out", default=None, help="output folder (default experiments/results/)")
     p.add_argument("--no-plot", action="store_true")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     paths = [a for a in args.configs if "=" not in a]
     try:
         overrides = dict(parse_override(a) for a in args.configs if "=" in a)

@@ -1,0 +1,150 @@
+"""Render the result JSONs as Markdown tables inside experiments/REPORT.md.
+
+REPORT.md holds the prose; each table sits between `<!-- table:NAME -->` and `<!-- /table -->` and
+is rewritten from experiments/results/NAME.json: `python -m experiments.report` after a regeneration.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from experiments.runner import REPO, RESULTS_DIR
+
+REPORT = REPO / "experiments" / "REPORT.md"
+
+
+def _fmt(x: Any, spec: str = ".2f") -> str:
+    return "—" if x is None else format(x, spec)
+
+
+def _provenance(r: dict[str, Any]) -> str:
+    m = r["machine"]
+    return (f"*{r['label']}. Config `{r['config_file']}`, seed {r['seed']}, commit {r['versions'].get('dhp_jax_commit')}, "
+            f"generated {r['created_utc']} in {r['wall_s']:.0f} s on {m['cpu']} ({m['cpu_count']} cores, "
+            f"load average {m.get('loadavg_1_5_15')}).*")
+
+
+def end_to_end(r: dict[str, Any]) -> str:
+    strategies = r["config"]["strategies"]
+    head = "| model | data | " + " | ".join(f"{s} (s)" for s in strategies) + \
+           " | best static | DHP speed-up vs best static | vs FlexSP-style | row |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for row in r["rows"]:
+        cells = [row["model"], row["dataset"]] + [_fmt(row["step_s"].get(s), ".2f") for s in strategies]
+        degs = ",".join(str(d) for d in row.get("best_static_degrees", []))
+        cells += [f"{row.get('best_static', '—')} <{degs}>", f"**{_fmt(row.get('speedup_vs_best_static'))}x**",
+                  f"{_fmt(row.get('speedup_vs_flexsp'))}x", row["label"]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def scaling(r: dict[str, Any]) -> str:
+    lines = ["| ranks | GBS | strategy | step (s) | tokens/s/rank | scaling efficiency | DHP speed-up | utilisation | plan (ms, measured) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['ranks']} | {row['batch']} | {row['strategy']} | {row['step_s']:.2f} | "
+                     f"{row['tokens_per_s_per_rank']:.0f} | {row['scaling_efficiency']:.1%} | "
+                     f"{_fmt(row.get('dhp_speedup'))}x | {row['utilisation']:.2f} | {row['plan_wall_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def overhead(r: dict[str, Any]) -> str:
+    lines = ["| ranks | GBS | solver ms (median / max) | whole scheduling ms (median / max) | simulated step s | scheduling / step |",
+             "|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['ranks']} | {row['batch']} | {row['solver_ms_median']:.1f} / {row['solver_ms_max']:.1f} | "
+                     f"{row['scheduling_ms_median']:.1f} / {row['scheduling_ms_max']:.1f} | {row['sim_step_s_mean']:.2f} | "
+                     f"{row['scheduling_share_of_step']:.2%} |")
+    return "\n".join(lines)
+
+
+def estimator(r: dict[str, Any]) -> str:
+    if not r.get("measured"):
+        return f"**Not measured:** {r.get('reason')}"
+    lines = ["| model | devices | points (held out) | held-out mean error | median | max | train mean error |",
+             "|---|---|---|---|---|---|---|"]
+    for t in r["table"]:
+        lines.append(f"| {t['model']} | {r['config']['devices']} fake CPU | {t['points']} ({t['held_out']}) | "
+                     f"**{t['mean_rel_error']:.1%}** | {t['median_rel_error']:.1%} | {t['max_rel_error']:.1%} | "
+                     f"{_fmt(t['train_mean_rel_error'], '.1%')} |")
+    return "\n".join(lines)
+
+
+def case_study(r: dict[str, Any]) -> str:
+    lines = ["| data | best static (config, micro-batches, s) | DHP groups per micro-batch (degree x count) | DHP s | speed-up |",
+             "|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['dataset']} | {row['baseline']} {row['baseline_config']}, {row['baseline_micro_batches']}, "
+                     f"{row['baseline_step_s']:.2f} | {' ; '.join(row['dhp_micro_batches'])} | {row['dhp_step_s']:.2f} | "
+                     f"**{row['speedup']:.2f}x** |")
+    return "\n".join(lines)
+
+
+def optimality(r: dict[str, Any]) -> str:
+    import numpy as np
+
+    small = [x for x in r["small"] if "ratio" in x]
+    proven = [x["ratio"] for x in small if x["milp_optimal"]]
+    lines = ["| instances | count | median | p90 | max | share within 1 % / 3 % |", "|---|---|---|---|---|---|"]
+    if proven:
+        a = np.asarray(proven)
+        lines.append(f"| small, DHP / proven MILP optimum | {a.size} of {len(small)} | {np.median(a):.4f} | "
+                     f"{np.percentile(a, 90):.4f} | {a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} |")
+    for n in sorted({x["ranks"] for x in r["large"]}):
+        rs = [x for x in r["large"] if x["ranks"] == n]
+        a = np.asarray([x["dhp_over_bound"] for x in rs])
+        b = np.asarray([x["static_over_bound"] for x in rs])
+        lines.append(f"| {n} ranks, DHP / lower bound (static ring / bound: {np.median(b):.3f}) | {a.size} | "
+                     f"{np.median(a):.4f} | {np.percentile(a, 90):.4f} | {a.max():.4f} | "
+                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} |")
+    return "\n".join(lines)
+
+
+def ablations(r: dict[str, Any]) -> str:
+    lines = ["| data | variant | step (s) | vs full DHP | micro-batches | utilisation |", "|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        if "infeasible" in row:
+            lines.append(f"| {row['dataset']} | {row['variant']} | infeasible | — | — | — |")
+            continue
+        lines.append(f"| {row['dataset']} | {row['variant']} | {row['step_s']:.2f} | {row['slowdown_vs_full']:.3f}x | "
+                     f"{row['micro_batches']:.1f} | {row['utilisation']:.2f} |")
+    return "\n".join(lines)
+
+
+RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
+    "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
+    "case_study": case_study, "optimality": optimality, "ablations": ablations,
+}
+
+
+def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
+    r = json.loads((results_dir / f"{name}.json").read_text())
+    body = RENDER[r["experiment"]](r)
+    summary = "\n".join(f"- {s}" for s in r.get("summary", []))
+    return f"{body}\n\n{summary}\n\n{_provenance(r)}"
+
+
+def update(report: Path = REPORT, results_dir: Path = RESULTS_DIR) -> list[str]:
+    text = report.read_text()
+    names = []
+
+    def sub(m: re.Match) -> str:
+        name = m.group(1)
+        names.append(name)
+        if not (results_dir / f"{name}.json").exists():
+            return f"<!-- table:{name} -->\n*(no result yet: run the config)*\n<!-- /table -->"
+        return f"<!-- table:{name} -->\n{render(name, results_dir)}\n<!-- /table -->"
+
+    text = re.sub(r"<!-- table:([\w.-]+) -->.*?<!-- /table -->", sub, text, flags=re.S)
+    report.write_text(text)
+    return names
+
+
+if __name__ == "__main__":
+    done = update()
+    print(f"updated {len(done)} tables in {REPORT}: {', '.join(done)}")
+    sys.exit(0)
