@@ -85,12 +85,22 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         return None
     if int(ds[starts].sum()) > num_ranks:
         return None
-    starts = _warm_start(np.asarray(A, float) + np.asarray(B, float), starts, ds, num_ranks, cost,
-                         np.asarray(A, float), np.asarray(B, float), np.asarray(S, float), attention)
+    if K == 1:  # one group: the least degree among those reaching its least time, vectorised
+        cand = ds[starts[0]:]
+        cand = cand[cand <= num_ranks]
+        times = cost.group_times(A[0], B[0], S[0], cand, attention=attention)
+        j = int(np.argmin(times))
+        return np.asarray([cand[j]], dtype=np.int64), float(times[j])
+    if K >= _WARM_MIN_GROUPS:
+        An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
+        starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention)
+        t0 = cost.group_times(An, Bn, Sn, ds[starts], attention=attention).tolist()
+    else:
+        t0 = [t(Af[i], Bf[i], Sf[i], ds_list[p]) for i, p in enumerate(starts.tolist())]
     pos = starts.tolist()
     deg = [ds_list[p] for p in pos]
     used = sum(deg)
-    heap = [(-t(Af[i], Bf[i], Sf[i], deg[i]), i) for i in range(K)]
+    heap = [(-t0[i], i) for i in range(K)]
     heapq.heapify(heap)
     last = len(ds_list)
     while True:
@@ -112,30 +122,46 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
 
 
-def _warm_start(work: np.ndarray, starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel,
+_WARM_MIN_GROUPS = 24  # below this the scalar search is cheaper than the vectorised bisection
+_WARM_ITERS = 14  # the bound only needs to be good, not tight: exactness never depends on it
+
+
+def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel,
                 A: np.ndarray, B: np.ndarray, S: np.ndarray, attention: str) -> np.ndarray:
     """Raise the starting degrees without losing exactness.
 
-    Any feasible degree vector has a makespan T_ub >= the optimum. Since T_i(d) >= work_i / d + b1,
-    every degree below work_i / (T_ub - b1) has a time above T_ub, so the search may start there:
-    the invariant of `allocate` (degrees below d_i are no better than the final makespan) holds.
-    The feasible vector is a work-proportional split of the ranks.
+    If T_ub is the makespan of some feasible degree vector, the optimum V <= T_ub. Since
+    T_i(d) >= work_i / d + b1, every degree below work_i / (T_ub - b1) has a time above T_ub >= V,
+    so the search may start there: the invariant of `allocate` (degrees below d_i are no better
+    than the final makespan) holds. The feasible vector comes from a bisection on the
+    communication-free time, whose degrees are the least with work_i / d + b1 <= T.
     """
-    K = len(work)
-    total = float(work.sum())
-    if K >= num_ranks or total <= 0:
+    work = A + B
+    b1 = cost.b1
+    last = len(ds) - 1
+
+    def degrees_for(T: float) -> np.ndarray:
+        need = np.ceil(work / (T - b1) * (1 - 1e-12))
+        return np.maximum(starts, np.searchsorted(ds, need, side="left"))
+
+    hi = b1 + float(np.max(work / ds[starts])) * (1 + 1e-9) + 1e-300
+    lo = b1 + float(work.sum()) / num_ranks
+    if not hi > lo:
         return starts
-    want = 1.0 + np.floor(work * (num_ranks - K) / total)
-    pos = np.searchsorted(ds, want, side="right") - 1  # largest allowed degree <= want
-    pos = np.maximum(pos, starts)
-    if int(ds[pos].sum()) > num_ranks:
+    for _ in range(_WARM_ITERS):
+        mid = 0.5 * (lo + hi)
+        p = degrees_for(mid)
+        if p.max() <= last and int(ds[p].sum()) <= num_ranks:
+            hi = mid
+        else:
+            lo = mid
+    p = degrees_for(hi)
+    if p.max() > last or int(ds[p].sum()) > num_ranks:
         return starts
-    t_ub = float(np.max(cost.group_times(A, B, S, ds[pos], attention=attention)))
-    if t_ub <= cost.b1:
+    t_ub = float(np.max(cost.group_times(A, B, S, ds[p], attention=attention)))
+    if t_ub <= b1:
         return starts
-    need = np.ceil(work / (t_ub - cost.b1) * (1 - 1e-12))
-    lo = np.searchsorted(ds, need, side="left")
-    return np.minimum(np.maximum(starts, lo), pos)
+    return degrees_for(t_ub)
 
 
 def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,

@@ -17,7 +17,7 @@ from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
 from dhp_jax.planner.build import build_plan
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import bin_sums, pack
+from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place
 from dhp_jax.planner.plan import Plan, PlanningError
 from dhp_jax.planner.refine import refine as refine_groups
@@ -104,41 +104,52 @@ def coarsen_factors(num_ranks: int) -> list[float]:
 
 
 def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packing: bool = True,
-                     do_refine: bool = True) -> tuple[list[list[int]], np.ndarray, float] | None:
+                     do_refine: bool = True, factors: Sequence[float] | None = None
+                     ) -> tuple[list[list[int]], np.ndarray, float, float] | None:
     """Groups (global sample ids), degrees and makespan of one micro-batch; None if it cannot fit.
 
-    Packs at the granularities of `coarsen_factors` (stopping once the makespan gets worse),
-    allocates degrees exactly for each packing, keeps the best, then refines it and re-allocates.
+    Packs at the granularities `factors` (default `coarsen_factors`; stopping once the makespan
+    gets worse), allocates degrees exactly for each packing, keeps the best, then refines it and
+    re-allocates. The fourth entry is the granularity that won.
     """
     N, cost = prob.num_ranks, prob.cost
-    idx_l = idx.tolist()
-    candidates = []
+    attn, lin, tok = prob.attn[idx], prob.lin[idx], prob.tok[idx]
+    w, dm = prob.work[idx], prob.dmin[idx]
+    order = np.lexsort((np.arange(len(idx)), -w))
     if packing:
-        w, t, dm = prob.work[idx], prob.tok[idx], prob.dmin[idx]
-        for f in coarsen_factors(N):
-            candidates.append(lambda f=f: [[idx_l[k] for k in b] for b in pack(w, t, dm, N, prob.cap, f)])
+        fs = list(coarsen_factors(N) if factors is None else factors)
+        makers = [lambda f=f: pack(w, tok, dm, N, prob.cap, f, order) for f in fs]
     else:
-        candidates.append(lambda: [[int(k)] for k in idx[np.lexsort((idx, -prob.work[idx]))]])
+        fs = [1.0]
+        makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin
     best = None
     stale = 0
-    for c, make in enumerate(candidates):
-        if stale >= _COARSEN_PATIENCE and c < len(candidates) - 1:
+    for c, make in enumerate(makers):
+        if stale >= _COARSEN_PATIENCE and c < len(makers) - 1:
             continue  # past the best granularity; still try the last one (one group on all ranks)
-        bins = make()
-        res = _allocate_bins(prob, bins, allowed) if len(bins) <= N else None
+        assign = make()
+        n = int(assign.max()) + 1
+        if n > N:
+            continue
+        A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
+        res = allocate(A, B, S, cost.min_degree(S), N, cost, allowed)
         if res is None:
             continue
         if best is None or res[1] < best[2]:
-            best, stale = (bins, res[0], res[1]), 0
+            best, stale = (assign, res[0], res[1], fs[c]), 0
         else:
             stale += 1
-    if best is None or not do_refine:
+    if best is None:
+        return None
+    bins = bins_of(best[0], idx)
+    best = (bins, best[1], best[2], best[3])
+    if not do_refine:
         return best
-    new = [g for g in refine_groups(best[0], best[1], prob.attn, prob.lin, prob.tok, cost) if g]
-    if new != best[0]:
+    new = [g for g in refine_groups(bins, best[1], prob.attn, prob.lin, prob.tok, cost) if g]
+    if new != bins:
         res = _allocate_bins(prob, new, allowed)
         if res is not None and res[1] < best[2]:
-            best = (new, res[0], res[1])
+            best = (new, res[0], res[1], best[3])
     return best
 
 
@@ -171,11 +182,13 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         counts = range(lo, K + 1)
     best = None
     stale = tries = 0
+    all_f = coarsen_factors(N)
+    factors = None  # the first count tries every granularity; later ones its winners' neighbours
     for M in counts:
         parts = microbatch.split(prob.work, M)
         sols = []
         for idx in parts:
-            s = solve_microbatch(prob, idx, allowed, packing, refine)
+            s = solve_microbatch(prob, idx, allowed, packing, refine, factors)
             if s is None:
                 break
             sols.append(s)
@@ -187,6 +200,9 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
             continue
         tries += 1
         total = sum(s[2] for s in sols)
+        won = sorted({all_f.index(s[3]) for s in sols if s[3] in all_f})
+        near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
+        factors = [all_f[j] for j in near] + [all_f[-1]]
         if best is None or total < best[0] * (1 - 1e-12):
             best, stale = (total, M, sols), 0
         else:
@@ -197,7 +213,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         raise PlanningError(f"no micro-batch split fits {N} ranks"
                             + (f" with num_micro_batches={num_micro_batches}" if num_micro_batches else ""))
     mbs = []
-    for groups, deg, _ in best[2]:
+    for groups, deg, *_ in best[2]:
         ranks = place([int(d) for d in deg], N, cost.ranks_per_node, node_aware)
         mbs.append(list(zip(ranks, groups)))
     return mbs, {"num_micro_batches": best[1], "est_makespan_sum_s": best[0]}

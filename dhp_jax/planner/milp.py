@@ -28,7 +28,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from dhp_jax.planner import microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
 from dhp_jax.planner.build import attention_for
-from dhp_jax.planner.packing import bin_sums, pack
+from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place
 from dhp_jax.planner.plan import PlanningError
 
@@ -196,8 +196,7 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
         parts = microbatch.split(prob.work, M)
         mbs, optimal, used_milp, ok = [], True, 0, True
         for idx in parts:
-            local = pack(prob.work[idx], prob.tok[idx], prob.dmin[idx], N, prob.cap)
-            bins = [[int(idx[k]) for k in b] for b in local]
+            bins = bins_of(pack(prob.work[idx], prob.tok[idx], prob.dmin[idx], N, prob.cap), idx)
             A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
             warm = allocate(A, B, S, cost.min_degree(S), N, cost, ds, "ring") if len(bins) <= N else None
             sol = None
