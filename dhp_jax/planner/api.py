@@ -141,16 +141,24 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
             stale += 1
     if best is None:
         return None
-    bins = bins_of(best[0], idx)
-    best = (bins, best[1], best[2], best[3])
-    if not do_refine:
-        return best
-    new = [g for g in refine_groups(bins, best[1], prob.attn, prob.lin, prob.tok, cost) if g]
+    best = (bins_of(best[0], idx), best[1], best[2], best[3])
+    return refine_microbatch(prob, best, allowed) if do_refine else best
+
+
+def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
+    """Re-balance a solved micro-batch (refine.py), re-allocate its degrees; keep it if better."""
+    bins, deg, mk, f = sol
+    new = [g for g in refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, prob.cost) if g]
     if new != bins:
         res = _allocate_bins(prob, new, allowed)
-        if res is not None and res[1] < best[2]:
-            best = (new, res[0], res[1], best[3])
-    return best
+        if res is not None and res[1] < mk:
+            return (new, res[0], res[1], f)
+        # the refined groups at their old degrees are never worse than before
+        A, B, S = bin_sums(new, prob.attn, prob.lin, prob.tok)
+        t_new = float(np.max(prob.cost.group_times(A, B, S, deg)))
+        if t_new < mk:
+            return (new, deg, t_new, f)
+    return sol
 
 
 def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) -> tuple[np.ndarray, float] | None:
@@ -188,7 +196,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         parts = microbatch.split(prob.work, M)
         sols = []
         for idx in parts:
-            s = solve_microbatch(prob, idx, allowed, packing, refine, factors)
+            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
             if s is None:
                 break
             sols.append(s)
@@ -212,11 +220,13 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     if best is None:
         raise PlanningError(f"no micro-batch split fits {N} ranks"
                             + (f" with num_micro_batches={num_micro_batches}" if num_micro_batches else ""))
+    # refinement only for the chosen count: it rarely changes which count wins, and costs time
+    sols = [refine_microbatch(prob, s, allowed) for s in best[2]] if refine else best[2]
     mbs = []
-    for groups, deg, *_ in best[2]:
+    for groups, deg, *_ in sols:
         ranks = place([int(d) for d in deg], N, cost.ranks_per_node, node_aware)
         mbs.append(list(zip(ranks, groups)))
-    return mbs, {"num_micro_batches": best[1], "est_makespan_sum_s": best[0]}
+    return mbs, {"num_micro_batches": best[1], "est_makespan_sum_s": sum(s[2] for s in sols)}
 
 
 # ---------------------------------------------------------------------------------------------- API
