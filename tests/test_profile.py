@@ -1,0 +1,55 @@
+"""The profiler's fitting path: synthetic timings from a known cost model come back as its coefficients."""
+
+import json
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner import CostModel
+from dhp_jax.train.profile import default_points, fit_profile, measure_points, split_points, write_profile
+
+
+def _truth() -> CostModel:
+    base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8)
+    # coefficients of the size a tiny model has on CPU: attention and linear work comparable at
+    # a few hundred tokens, a visible fixed cost, ring traffic that is exposed for short groups
+    return base.replace(a1=2e-7, a2=6e-5, a2_vision=3e-5, b1=4e-3, kv_bytes_per_token=4096.0,
+                        bw_intra=2e8, lat_intra=3e-4)
+
+
+def test_fit_recovers_known_coefficients(tmp_path):
+    truth = _truth()
+    points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[64, 128, 256, 512, 1024], packs=(1, 2))
+    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8)  # starts far from the truth
+    cost, report = fit_profile(measurements, base, holdout_every=4)
+    for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+    assert cost.kv_bytes_per_token / cost.bw_intra == pytest.approx(truth.kv_bytes_per_token / truth.bw_intra,
+                                                                    rel=1e-4)
+    assert report["held_out_mean_rel_error"] < 1e-6 and report["num_held_out"] == len(points) // 4
+    path, report_path = write_profile(tmp_path / "p.json", cost, report, measurements, {"machine": "synthetic"})
+    loaded = CostModel.from_profile(path)
+    for lengths, d in (([300], 3), ([100, 50], 5), ([700], 8)):
+        assert loaded.time(lengths, d) == pytest.approx(truth.time(lengths, d), rel=1e-4)
+    saved = json.loads(report_path.read_text())
+    assert saved["machine"] == "synthetic" and len(saved["measurements"]) == len(points)
+
+
+def test_held_out_error_is_measured_on_points_outside_the_fit():
+    truth = _truth()
+    points = default_points(degrees=[1, 2, 4], lengths=[128, 256, 512], packs=(1,))
+    train, held = split_points(points, holdout_every=3)
+    assert set(train).isdisjoint(held) and sorted(train + held) == list(range(len(points)))
+    rng = np.random.default_rng(0)
+    noisy = measure_points(points, lambda l, e, d: truth.time(l, d, etas=e) * (1 + 0.03 * rng.standard_normal()))
+    _, report = fit_profile(noisy, truth, holdout_every=3)
+    assert 0 < report["held_out_mean_rel_error"] < 0.15
+    assert all(abs(p["rel_error"] - abs(p["estimate_s"] - p["seconds"]) / p["seconds"]) < 1e-12
+               for p in report["held_out"])
+
+
+def test_bad_timing_is_named():
+    points = default_points(degrees=[2], lengths=[64], packs=(1,))
+    with pytest.raises(ValueError, match=r"profile point 0 \(degree 2, lengths \[64\]\) measured 0.0 s"):
+        measure_points(points, lambda l, e, d: 0.0)
