@@ -138,9 +138,9 @@ class TorchPlanExecutor:
             counted += c
             shards.append((g, shard))
         # status[r] = 1 if rank r failed; status[-1] = loss tokens of the whole batch.
-        status = torch.zeros(self.world_size + 1, dtype=torch.float64)
-        status[self.rank] = 1.0 if err else 0.0
-        status[-1] = float(counted)
+        status = torch.zeros(self.world_size + 1, dtype=torch.int64, device=self.device)
+        status[self.rank] = 1 if err else 0
+        status[-1] = counted
         dist.all_reduce(status)
         failed = [r for r in range(self.world_size) if status[r] > 0]
         if failed:
@@ -151,7 +151,7 @@ class TorchPlanExecutor:
 
         for p in self.model.parameters():
             p.grad = None
-        local_loss = torch.zeros((), dtype=torch.float64)
+        local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         local_tokens = 0
         for item in shards:
             if item is None:
@@ -160,7 +160,7 @@ class TorchPlanExecutor:
             loss_sum, comm = self._forward_loss(g, shard)
             (loss_sum / total).backward()
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
-            local_loss += loss_sum.detach().double()
+            local_loss += loss_sum.detach().float()
             local_tokens += int(shard["targets"].shape[0])
         self._all_reduce_grads(local_loss)
         return float(self._reduced_loss) / total, total, local_tokens
@@ -176,7 +176,7 @@ class TorchPlanExecutor:
             n = p.numel()
             p.grad = flat[off:off + n].view_as(p).clone()
             off += n
-        # fp32 sum of per-rank loss sums (their fp64 accumulation is rounded once for the wire)
+        # the loss sum rides in the same buffer as the gradients: one collective per step
         self._reduced_loss = float(flat[-1])
 
     def step(self, plan: Plan, samples: Sequence[Sample]) -> StepResult:

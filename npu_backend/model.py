@@ -48,7 +48,8 @@ def dense_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ids: torch.Ten
 def rope(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     """Rotate-half rotary embedding of x[S, H, D] at integer positions pos[S]."""
     d = x.shape[-1]
-    inv_freq = torch.tensor(base, dtype=torch.float32) ** (-torch.arange(0, d // 2, dtype=torch.float32) * 2.0 / d)
+    exps = -torch.arange(0, d // 2, dtype=torch.float32, device=x.device) * 2.0 / d
+    inv_freq = torch.tensor(base, dtype=torch.float32, device=x.device) ** exps
     ang = pos.to(torch.float32)[:, None] * inv_freq[None, :]          # ang[S, D/2]
     cos = torch.cat([torch.cos(ang), torch.cos(ang)], dim=-1)[:, None, :]
     sin = torch.cat([torch.sin(ang), torch.sin(ang)], dim=-1)[:, None, :]

@@ -87,7 +87,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, meta, comm, mask_fn, scale):  # type: ignore[override]
         hkv = k.shape[1]
         q4 = _split_heads(q, hkv)
-        m = torch.full(q4.shape[:-1], float("-inf"), dtype=q.dtype)
+        m = torch.full(q4.shape[:-1], float("-inf"), dtype=q.dtype, device=q.device)
         l = torch.zeros_like(m)
         acc = torch.zeros_like(q4)
         kc, vc, mc = k, v, meta

@@ -1,0 +1,189 @@
+"""`torchrun --nproc-per-node N -m npu_backend.train ...`: DHP training with torch, one process per rank.
+
+Every step: a deterministic synthetic batch, a plan (computed identically on every rank with
+`dhp_jax.planner.plan_batch`, broadcast from rank 0, or replayed from `--plan-file`), then
+`TorchPlanExecutor.step` (ring attention per CP group, one gradient all-reduce, optimizer step).
+Device and backend come from `npu_backend.device` (NPU + HCCL, CUDA + NCCL, CPU + gloo).
+
+Multi-node (one process per NPU/GPU, same command on every node):
+    torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\
+        --rdzv-backend c10d --rdzv-endpoint $MASTER_HOST:29500 -m npu_backend.train --steps 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from typing import Any, Sequence
+
+from npu_backend.device import select_device, set_current_device  # sets the torch_npu import guard
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
+from dhp_jax.planner.plan import Plan, PlanValidationError  # noqa: E402
+from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
+from npu_backend.model import TorchMLLM  # noqa: E402
+from npu_backend.weights import WeightsError, export_flax_params, load_flax_params, load_npz, save_npz  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m npu_backend.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="MLLMConfig preset (default: tiny)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--batch-size", type=int, default=16, help="samples per global batch")
+    p.add_argument("--min-len", type=int, default=8, help="shortest synthetic sample (tokens)")
+    p.add_argument("--max-len", type=int, default=96, help="longest synthetic sample (tokens)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weights", help="initial weights: .npz in the flax layout ('a/b/c' keys)")
+    p.add_argument("--save-weights", help="write the final weights (.npz, flax layout) from rank 0")
+    p.add_argument("--plan-file", help="replay plans: one plan JSON, a JSON list, or JSON lines; "
+                                       "step t uses plan t mod count")
+    p.add_argument("--plan-source", choices=("local", "broadcast"), default="local",
+                   help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")
+    p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
+    p.add_argument("--cost", default="internvl3-8b/cpu", help="cost-model preset MODEL/HARDWARE")
+    p.add_argument("--cost-profile", help="cost model fitted by `dhp profile` (JSON); overrides --cost")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="plan as if every sample were this many times longer (exercise CP groups at "
+                        "CPU-sized lengths)")
+    p.add_argument("--dump-plans", help="write the plan of every step (JSON lines, rank 0)")
+    p.add_argument("--json", dest="json_out", help="write per-step metrics (JSON, rank 0)")
+    return p
+
+
+def make_batch(config: MLLMConfig, args: argparse.Namespace, step: int) -> list:
+    """The step's synthetic batch: the same on every rank (seeded by seed and step)."""
+    from dhp_jax.data.synthetic import random_samples
+
+    rng = np.random.default_rng([args.seed, step])
+    lengths = rng.integers(args.min_len, args.max_len + 1, size=args.batch_size)
+    return random_samples(config, lengths.tolist(), seed=args.seed * 1_000_003 + step)
+
+
+def read_plans(path: str) -> list[Plan]:
+    with open(path) as f:
+        text = f.read()
+    try:
+        data: Any = json.loads(text)
+        items = data if isinstance(data, list) else [data]
+    except json.JSONDecodeError:
+        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+    if not items:
+        raise PlanValidationError(f"{path}: no plan in the file")
+    return [Plan.from_json(d) for d in items]
+
+
+class Planner:
+    """Gives the plan of each step: replayed, planned on every rank, or planned on rank 0 and sent."""
+
+    def __init__(self, args: argparse.Namespace, world: int, rank: int):
+        self.args, self.world, self.rank = args, world, rank
+        self.replay = read_plans(args.plan_file) if args.plan_file else None
+        self.cost = None
+        if self.replay is None:
+            from dhp_jax.planner import CostModel
+
+            if args.cost_profile:
+                self.cost = CostModel.from_profile(args.cost_profile)
+            else:
+                model, _, hardware = args.cost.partition("/")
+                self.cost = CostModel.preset(model, hardware or "cpu")
+
+    def _plan(self, samples: Sequence) -> Plan:
+        from dhp_jax.data.sample import sample_etas, sample_lengths
+        from dhp_jax.planner import plan_batch
+
+        lengths = np.maximum(1, np.round(sample_lengths(samples) * self.args.length_scale)).astype(np.int64)
+        return plan_batch(lengths, self.world, self.cost, self.args.strategy, etas=sample_etas(samples))
+
+    def __call__(self, step: int, samples: Sequence) -> Plan:
+        if self.replay is not None:
+            return self.replay[step % len(self.replay)]
+        if self.args.plan_source == "local":
+            return self._plan(samples)
+        box = [self._plan(samples).to_json() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return Plan.from_json(box[0])
+
+
+def _init_world() -> tuple[int, int, int]:
+    """Rank, world size, local rank from torchrun's environment (a lone process is a world of 1)."""
+    if "RANK" not in os.environ:
+        from npu_backend.launch import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    rank, world, local_rank = _init_world()
+    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    choice = select_device(warn=say)
+    device = set_current_device(choice, local_rank)
+    dist.init_process_group(choice.backend)
+    try:
+        return _train(args, rank, world, device, choice, say)
+    except (StepError, WeightsError, PlanValidationError, ValueError) as e:
+        # Same message on every rank (the checks are deterministic): exit cleanly, no hang.
+        print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(args, rank: int, world: int, device: torch.device, choice, say) -> int:
+    config = MLLMConfig.preset(args.model)
+    model = TorchMLLM(config)
+    if args.weights:
+        load_flax_params(model, load_npz(args.weights))
+    else:
+        model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same draws on every rank
+    model.to(device)
+    opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
+    optimizer = opt_cls(model.parameters(), lr=args.lr)
+    executor = TorchPlanExecutor(model, device=device, optimizer=optimizer)
+    planner = Planner(args, world, rank)
+    say(f"npu_backend: {world} ranks on {choice.kind} ({choice.backend}: {choice.reason}), model {config.name} "
+        f"({config.num_params():,} params)")
+    records = []
+    dump = open(args.dump_plans, "w") if (args.dump_plans and rank == 0) else None
+    try:
+        for step in range(args.steps):
+            samples = make_batch(config, args, step)
+            t0 = time.perf_counter()
+            plan = planner(step, samples)
+            plan_s = time.perf_counter() - t0
+            res = executor.step(plan, samples)
+            rec = {"step": step, "loss": res.loss, "loss_tokens": res.num_loss_tokens, "step_s": res.seconds,
+                   "plan_s": plan_s, "degrees": plan.degrees}
+            records.append(rec)
+            if dump is not None:
+                dump.write(plan.to_json() + "\n")
+            say(f"step {step:4d}  loss {res.loss:.4f}  tokens {res.num_loss_tokens:6d}  "
+                f"step {res.seconds * 1e3:8.1f} ms  plan {plan_s * 1e3:6.1f} ms  degrees {plan.degrees}")
+    finally:
+        if dump is not None:
+            dump.close()
+    if rank == 0 and args.save_weights:
+        save_npz(args.save_weights, export_flax_params(model))
+    if rank == 0 and args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"measured_on": f"{choice.kind} ({choice.backend}), {platform.machine()} {platform.node()}",
+                       "world_size": world, "torch": torch.__version__, "config": config.to_dict(),
+                       "args": vars(args), "steps": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
