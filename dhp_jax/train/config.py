@@ -94,6 +94,7 @@ class TrainConfig:
     name: str = "demo"
     model: str = "tiny"            # MLLMConfig preset
     num_ranks: int = 8
+    min_bucket: int | None = None  # smallest padded group length (None: the executor's default)
     steps: int = 40
     seed: int = 0
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)

@@ -20,6 +20,15 @@ from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
 
 
+def plan_hash(plan: Any) -> str:
+    """Short digest of a plan: equal on every process that planned the same batch the same way."""
+    import hashlib
+
+    d = plan.to_dict()
+    d["solver"] = {k: v for k, v in d.get("solver", {}).items() if k != "solve_ms"}  # timing is not the plan
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
 class TrainError(RuntimeError):
     """The run cannot start; the message says what is missing or wrong."""
 
@@ -63,7 +72,8 @@ class Trainer:
         if executor is None:
             from dhp_jax.sharding import PlanExecutor
 
-            executor = PlanExecutor(self.model_config, self.devices)
+            kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
+            executor = PlanExecutor(self.model_config, self.devices, **kwargs)
         self.executor = executor
         self.out_dir = Path(config.metrics.out_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
@@ -126,6 +136,7 @@ class Trainer:
                            "samples": len(item.batch.samples), "step_time_s": step_time,
                            "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
                            "strategy": self.plan_source.label, "degrees": item.plan.degrees,
+                           "plan_hash": plan_hash(item.plan),
                            "num_compiles": getattr(self.executor, "num_compiles", None)}
                     records.append(rec)
                     metrics.log_step(rec)

@@ -1,0 +1,26 @@
+"""Every `kind: train` YAML under experiments/configs/ loads and dry-runs (no step, no compile)."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dhp_jax.train.config import load_config
+from dhp_jax.train.trainer import dry_run
+
+CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+TRAIN_YAMLS = sorted(p for p in CONFIGS.glob("*.y*ml") if (yaml.safe_load(p.read_text()) or {}).get("kind") == "train")
+
+
+def test_the_demo_is_among_them():
+    assert CONFIGS / "demo.yaml" in TRAIN_YAMLS
+
+
+@pytest.mark.parametrize("path", TRAIN_YAMLS, ids=lambda p: p.name)
+def test_train_config_loads_and_dry_runs(path):
+    cfg = load_config(path)
+    report = dry_run(cfg)
+    assert report["batch_samples"] == cfg.data.batch_size
+    assert report["max_sample_tokens"] <= cfg.data.max_tokens
+    assert sum(len(mb) for mb in report["degrees"]) >= 1
+    assert "Run:" in path.read_text().split("kind:")[0]  # the header says the command that runs it
