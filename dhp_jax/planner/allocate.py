@@ -63,6 +63,16 @@ class _ScalarTime:
         return (A + B) / d + self.b1 + comm
 
 
+class _LazyFloats:
+    """Read-only float view of an array, converting only the entries the search touches."""
+
+    def __init__(self, arr: np.ndarray):
+        self.arr = arr
+
+    def __getitem__(self, i: int) -> float:
+        return self.arr.item(i)
+
+
 def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
              cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring"
              ) -> tuple[np.ndarray, float] | None:
@@ -79,7 +89,6 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if not ds_list:
         return None
     t = _ScalarTime(cost, attention)
-    Af, Bf, Sf = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
     starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
     if np.any(starts >= len(ds_list)):
         return None
@@ -95,7 +104,9 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
         starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention)
         t0 = cost.group_times(An, Bn, Sn, ds[starts], attention=attention).tolist()
+        Af, Bf, Sf = _LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn)  # few entries are ever read
     else:
+        Af, Bf, Sf = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
         t0 = [t(Af[i], Bf[i], Sf[i], ds_list[p]) for i, p in enumerate(starts.tolist())]
     pos = starts.tolist()
     deg = [ds_list[p] for p in pos]

@@ -9,7 +9,7 @@ import numpy as np
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
 
 
 def attention_for(degree: int, cost: CostModel, attention: str) -> str:
@@ -44,6 +44,12 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     else:
         times = cost.group_times(A, B, S, d, inter, attention)
     mems = S * cost.mem_per_token / d
+    over = np.flatnonzero(mems > cost.memory_budget * (1 + 1e-9))
+    if over.size:
+        m, ranks, samples = flat[int(over[0])]
+        raise PlanValidationError(f"micro-batch {m} group on ranks {list(ranks)}: needs "
+                                  f"{mems[over[0]] / 2**30:.2f} GiB per rank for samples {list(samples)}, "
+                                  f"budget is {cost.memory_budget / 2**30:.2f} GiB")
     per_mb: list[list[Group]] = [[] for _ in micro_batches]
     for (m, ranks, samples), t, mem in zip(flat, times.tolist(), mems.tolist()):
         per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, est_time_s=t, est_memory_bytes=mem))

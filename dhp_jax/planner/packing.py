@@ -49,22 +49,23 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
         return assign
     shorts = short_arr.tolist()
     keys = work[short_arr].tolist()
-    work_l, tok_l = work.tolist(), tokens.tolist()
+    stoks = tokens[short_arr].tolist()  # aligned with shorts / keys
     ranks_taken = 0
-    for b, k in enumerate(longs.tolist()):
-        share = max(int(dmin[k]), math.ceil(work_l[k] / W - 1e-9)) if W > 0 else int(dmin[k])
+    for b, (k, wk, tk, dk) in enumerate(zip(longs.tolist(), work[longs].tolist(), tokens[longs].tolist(),
+                                            dmin[longs].tolist())):
+        share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
         ranks_taken += share * slots
-        head = share * W - work_l[k]
-        room = share * cap - tok_l[k]
+        head = share * W - wk
+        room = share * cap - tk
         while shorts and head > 0:
             j = bisect.bisect_right(keys, head) - 1
-            while j >= 0 and tok_l[shorts[j]] > room:
+            while j >= 0 and stoks[j] > room:
                 j -= 1
             if j < 0:
                 break
             s = shorts.pop(j)
             head -= keys.pop(j)
-            room -= tok_l[s]
+            room -= stoks.pop(j)
             assign[s] = b
     if not shorts:
         return assign
@@ -74,7 +75,7 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
     n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
     local = _deal(np.asarray(shorts, dtype=np.int64), work, tokens, n_bins, cap)
     if local is None:
-        local = _lpt_with_memory(shorts, work_l, tok_l, n_bins, cap)
+        local = _lpt_with_memory(shorts, work.tolist(), tokens.tolist(), n_bins, cap)
     assign[shorts] = n_long + local
     return assign
 

@@ -41,27 +41,32 @@ def place(degrees: Sequence[int], num_ranks: int, ranks_per_node: int, node_awar
         by_count[len(free[n])].add(n)
         return got
 
+    # pass 1: every group takes floor(d / rpn) whole free nodes, largest first, so that later
+    # fragments never leave a node-sized group without a node
+    got: list[list[int]] = [[] for _ in degrees]
     for i in order:
-        d = degrees[i]
-        ranks: list[int] = []
-        if d >= ranks_per_node:
-            for n in sorted(by_count[ranks_per_node]):  # whole free nodes first
-                if len(ranks) + ranks_per_node > d:
+        for n in sorted(by_count[ranks_per_node]) if degrees[i] >= ranks_per_node else ():
+            if len(got[i]) + ranks_per_node > degrees[i]:
+                break
+            got[i].extend(take(n, ranks_per_node))
+    # pass 2: the remainders and the small groups, best fit decreasing into node room
+    rest_order = sorted(range(len(degrees)), key=lambda i: (-(degrees[i] - len(got[i])), i))
+    for i in rest_order:
+        rest = degrees[i] - len(got[i])
+        if not rest:
+            continue
+        fit = next((c for c in range(rest, ranks_per_node + 1) if by_count[c]), None)
+        if fit is not None:
+            got[i].extend(take(min(by_count[fit]), rest))
+            continue
+        for c in range(ranks_per_node, 0, -1):  # no node has room: span the emptiest nodes
+            for n in sorted(by_count[c]):
+                got[i].extend(take(n, min(rest, c)))
+                rest = degrees[i] - len(got[i])
+                if not rest:
                     break
-                ranks.extend(take(n, ranks_per_node))
-        rest = d - len(ranks)
-        if rest:
-            fit = next((c for c in range(rest, ranks_per_node + 1) if by_count[c]), None)
-            if fit is not None:
-                ranks.extend(take(min(by_count[fit]), rest))
-            else:  # no node has room: span the emptiest nodes
-                for c in range(ranks_per_node, 0, -1):
-                    for n in sorted(by_count[c]):
-                        ranks.extend(take(n, min(rest, c)))
-                        rest = d - len(ranks)
-                        if not rest:
-                            break
-                    if not rest:
-                        break
-        out[i] = tuple(sorted(ranks))
+            if not rest:
+                break
+    for i in range(len(degrees)):
+        out[i] = tuple(sorted(got[i]))
     return out
