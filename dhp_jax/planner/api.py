@@ -26,8 +26,9 @@ STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>"
               "flexsp", "milp")
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
-_MB_MAX_TRIES = 12
-_FINALISTS = 2  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
+_MB_MAX_TRIES = 4
+_MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep the search going
+_FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
 
 
@@ -214,7 +215,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
         factors = [all_f[j] for j in near] + [all_f[-1]]
         feasible.append((total, M, sols))
-        if best is None or total < best[0] * (1 - 1e-12):
+        if best is None or total < best[0] * (1 - _MB_MIN_GAIN):
             best, stale = (total, M, sols), 0
         else:
             stale += 1

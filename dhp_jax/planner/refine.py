@@ -8,6 +8,7 @@ done with times instead of bytes. Deterministic; bounded number of moves.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 
 import numpy as np
@@ -17,6 +18,7 @@ from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums
 
 _CANDIDATES = 4  # receiving groups tried per move: the fastest few
+_ITEMS = 8  # sequences of the bottleneck group tried per move
 
 
 def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: np.ndarray, tok: np.ndarray,
@@ -29,6 +31,7 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
     groups = [list(g) for g in groups]
     deg = [int(d) for d in degrees]
     A, B, S = (x.tolist() for x in bin_sums(groups, attn, lin, tok))
+    work = (attn + lin).tolist()
     attn, lin, tok = attn.tolist(), lin.tolist(), tok.tolist()
     cap = [d * cost.max_tokens_per_rank for d in deg]
     T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
@@ -37,7 +40,7 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
     fast = [(T[i], i) for i in range(P)]
     heapq.heapify(slow)
     heapq.heapify(fast)
-    limit = 4 * P + 16 if max_moves is None else max_moves
+    limit = 2 * P + 16 if max_moves is None else max_moves
     for _ in range(limit):
         while -slow[0][0] != T[slow[0][1]]:
             heapq.heappop(slow)
@@ -53,7 +56,17 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
             heapq.heappush(fast, (T[j], j))
         heapq.heappush(fast, (T[i], i))
         best = None
-        for k in groups[i]:
+        members = groups[i]
+        if len(members) > _ITEMS:
+            # the work that would level the bottleneck with the fastest receiver; the items just
+            # around it are the useful moves (one rank's worth moves 1/d of its work in time)
+            j0 = receivers[0] if receivers else i
+            target = (T[i] - T[j0]) / (1.0 / deg[i] + 1.0 / deg[j0])
+            by_work = sorted(members, key=lambda k: (work[k], k))
+            keys = [work[k] for k in by_work]
+            at = bisect.bisect_right(keys, target)
+            members = by_work[max(0, at - _ITEMS + 2):at + 2]
+        for k in members:
             ak, bk, sk = attn[k], lin[k], tok[k]
             ti = t(A[i] - ak, B[i] - bk, S[i] - sk, deg[i])
             for j in receivers:
