@@ -25,8 +25,8 @@ CELL_TIMEOUT_S = 240
 
 def execute(nb: nbformat.NotebookNode, cwd: Path) -> float:
     """Run `nb` in place in a fresh kernel; returns wall seconds. Raises CellExecutionError on error."""
-    env = dict(os.environ, MPLBACKEND="module://matplotlib_inline.backend_inline",
-               XLA_FLAGS="--xla_force_host_platform_device_count=8", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env.pop("MPLBACKEND", None)  # the kernel's inline backend, whatever the calling shell set
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(cwd)}})
     t0 = time.perf_counter()
