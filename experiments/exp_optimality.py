@@ -87,6 +87,13 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
         q = np.percentile(proven, [50, 90, 100])
         summary.append(f"dhp / proven MILP optimum over {len(proven)} small instances: median {q[0]:.4f}, "
                        f"p90 {q[1]:.4f}, max {q[2]:.4f}; within 3 %: {np.mean(np.asarray(proven) <= 1.03):.0%}")
+    unproven = [r for r in small if "ratio" in r and not r["milp_optimal"]]
+    if unproven:
+        inc = np.asarray([r["ratio"] for r in unproven])
+        lb = np.asarray([r["dhp_step_s"] / r["lower_bound_s"] for r in unproven])
+        summary.append(f"{len(unproven)} small instances where the MILP hit its time limit: dhp / MILP incumbent "
+                       f"median {np.median(inc):.4f} (max {inc.max():.4f}); dhp / lower bound median "
+                       f"{np.median(lb):.4f} (max {lb.max():.4f})")
     if large:
         r = np.asarray([x["dhp_over_bound"] for x in large])
         summary.append(f"dhp / lower bound over {len(large)} large instances: median {np.median(r):.4f}, max {r.max():.4f}")
