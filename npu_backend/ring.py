@@ -4,7 +4,8 @@ A group is a list of global ranks; K/V blocks (with the per-token metadata the m
 around it with `dist.batch_isend_irecv`, so no process group is ever created per plan group
 (communicator memory is what hurts HCCL/NCCL users when plans change every step). The forward
 pass merges blocks with an online softmax; a custom autograd function runs the backward as a
-second ring in which dK/dV travel with their K/V block and come home after `degree` hops.
+second ring in which dK/dV accumulators travel one hop behind their K/V block and come home
+after `degree` hops.
 
 Layouts (local shard of one packed stream): `q[S, H, D]`, `k, v[S, Hkv, D]` with H % Hkv == 0
 (grouped-query attention), `meta[S, M]` int64. The mask is any `mask_fn(q_meta, k_meta) ->
@@ -44,19 +45,30 @@ class RingComm:
 
     def shift_start(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Post sends of `tensors` to the next rank and receives of same-shaped ones from the previous."""
-        recv = [torch.empty_like(t) for t in tensors]
+        sent = [t.contiguous() for t in tensors]
+        recv = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in sent]
         # Same order on every rank: the k-th send to a peer meets that peer's k-th receive.
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next) for t in sent]
         ops += [dist.P2POp(dist.irecv, r, self.prev) for r in recv]
         reqs = dist.batch_isend_irecv(ops)
         self.tensors_sent += len(tensors)
-        return recv, reqs
+        return recv, [*reqs, _KeepAlive(sent)]
 
     def shift(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         recv, reqs = self.shift_start(tensors)
         for r in reqs:
             r.wait()
         return recv
+
+
+class _KeepAlive:
+    """Holds the send buffers until the round is waited on (a `wait()` that does nothing)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self.tensors = tensors
+
+    def wait(self) -> None:
+        self.tensors = []
 
 
 def _wait(reqs: list) -> None:
@@ -125,24 +137,32 @@ class _RingAttention(torch.autograd.Function):
         lse_safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
         dq4 = torch.zeros_like(q4)
         kc, vc, mc = k, v, meta
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)  # travel with (kc, vc)
+        dk = dv = None  # gradient accumulators of the block held now; they travel with it
         degree = 1 if comm is None else comm.degree
         for step in range(degree):
-            if step < degree - 1:
-                nxt, reqs = comm.shift_start([kc, vc, mc])
+            # One round per step: prefetch the next K/V block and pass the previous block's
+            # accumulators on; what arrives from the previous rank belongs to the block held now.
+            out_t = ([kc, vc, mc] if step < degree - 1 else []) + ([dk, dv] if step > 0 else [])
+            if out_t:
+                nxt, reqs = comm.shift_start(out_t)
             s = _scores(q4, kc, meta, mc, mask_fn, scale)
             p = torch.exp(s - lse_safe[..., None])  # masked entries are exp(-inf) = 0
-            dv = dv + torch.einsum("hgqk,hgqd->khd", p, do4)
+            dv_blk = torch.einsum("hgqk,hgqd->khd", p, do4)
             dp = torch.einsum("hgqd,khd->hgqk", do4, vc)
             ds = p * (dp - delta[..., None])
             dq4 = dq4 + torch.einsum("hgqk,khd->hgqd", ds, kc) * scale
-            dk = dk + torch.einsum("hgqk,hgqd->khd", ds, q4) * scale
-            if degree > 1:
-                # The block's gradient follows it; after `degree` hops it is back at its owner.
-                dk, dv = comm.shift([dk, dv])
-            if step < degree - 1:
+            dk_blk = torch.einsum("hgqk,hgqd->khd", ds, q4) * scale
+            if out_t:
                 _wait(reqs)
-                kc, vc, mc = nxt
+            if step > 0:
+                dk, dv = nxt[-2] + dk_blk, nxt[-1] + dv_blk
+            else:
+                dk, dv = dk_blk, dv_blk
+            if step < degree - 1:
+                kc, vc, mc = nxt[:3]
+        if degree > 1:
+            # After `degree` blocks the accumulators held are those of the next rank's block.
+            dk, dv = comm.shift([dk, dv])
         return _merge_heads(dq4), dk, dv, None, None, None, None
 
 
