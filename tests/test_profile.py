@@ -53,3 +53,10 @@ def test_bad_timing_is_named():
     points = default_points(degrees=[2], lengths=[64], packs=(1,))
     with pytest.raises(ValueError, match=r"profile point 0 \(degree 2, lengths \[64\]\) measured 0.0 s"):
         measure_points(points, lambda l, e, d: 0.0)
+
+
+def test_passes_keep_each_points_minimum():
+    points = default_points(degrees=[1, 2], lengths=[64], packs=(1,))
+    calls = iter([5.0, 7.0, 3.0, 9.0])  # pass 1: 5, 7; pass 2: 3, 9
+    out = measure_points(points, lambda l, e, d: next(calls), passes=2)
+    assert [m["seconds"] for m in out] == [3.0, 7.0]

@@ -26,7 +26,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--degrees", type=_ints, default=[1, 2, 3, 4, 6, 8], help="group degrees, e.g. 1,2,4,8")
     parser.add_argument("--lengths", type=_ints, default=[64, 128, 256, 512], help="group token totals")
     parser.add_argument("--packs", type=_ints, default=[1, 2], help="sequences per group at each point")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per point and pass (minimum kept)")
+    parser.add_argument("--passes", type=int, default=2, help="passes over the whole grid (minimum kept)")
     parser.add_argument("--holdout-every", type=int, default=4, help="every k-th point is held out of the fit")
     parser.add_argument("--base-model", default="internvl3-2b",
                         help="cost preset whose non-fitted fields (memory, bandwidth names) seed the fit")
@@ -68,10 +69,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"  point {i + 1}/{len(points)}: degree {p.degree}, lengths {list(p.lengths)}: {s * 1e3:.2f} ms",
                   file=sys.stderr)
 
-    measurements = measure_points(points, timer, progress)
+    measurements = measure_points(points, timer, progress, passes=args.passes)
     base = CostModel.preset(args.base_model, args.hardware, ranks_per_node=n)
     cost, report = fit_profile(measurements, base, holdout_every=args.holdout_every)
-    extra = {"machine": machine_label(), "model": args.model, "repeats": args.repeats,
+    extra = {"machine": machine_label(), "model": args.model, "repeats": args.repeats, "passes": args.passes,
              "label": "measured on this machine's devices; fitted with dhp_jax.planner.fit.fit_cost_model"}
     path, report_path = write_profile(args.out, cost, report, measurements, extra)
     if args.json:
