@@ -93,6 +93,36 @@ def test_allocation_equals_brute_force(seed):
         assert times.max() == pytest.approx(mk, rel=1e-12)
 
 
+def _table_dp(A, B, S, dmin, N, cost, allowed):
+    """The paper's 2-D programme: best[j] = least makespan of the groups so far on <= j ranks."""
+    inf = float("inf")
+    best = [0.0] * (N + 1)
+    for a, b, s_, lo in zip(A, B, S, dmin):
+        times = {int(d): float(cost.group_times(a, b, s_, int(d))) for d in allowed if lo <= d <= N}
+        best = [min((max(best[j - d], t) for d, t in times.items() if d <= j), default=inf) for j in range(N + 1)]
+    return best[N]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_warm_started_allocation_equals_the_table_dp(seed):
+    # >= 24 groups takes the vectorised warm start; the paper's O(K' N^2) DP is the reference
+    rng = np.random.default_rng(100 + seed)
+    cost = COST.replace(ranks_per_node=8)
+    N = int(rng.integers(40, 81))
+    K = int(rng.integers(24, 36))
+    L = np.exp(rng.uniform(np.log(300), np.log(2.5 * CAP), K)).astype(np.int64)
+    attn, lin, tok = cost.terms(L, rng.uniform(0, 1, K))
+    dmin = cost.min_degree(L)
+    for allowed in (allowed_degrees(N, "any"), allowed_degrees(N, "pow2")):
+        got = allocate(attn, lin, tok, dmin, N, cost, allowed)
+        ref = _table_dp(attn, lin, tok, dmin, N, cost, allowed)
+        if not np.isfinite(ref):
+            assert got is None
+            continue
+        assert got[1] == pytest.approx(ref, rel=1e-12)
+        assert got[0].sum() <= N
+
+
 def test_non_power_of_two_split_beats_every_power_of_two_plan():
     lengths = [1000, 1607]
     plan = plan_batch(lengths, 8, COST)
