@@ -130,3 +130,13 @@ def test_schedule_warmup_and_cosine():
     assert float(f(2)) == pytest.approx(0.5)
     assert float(f(20)) == pytest.approx(0.1)
     assert float(f(12)) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * 8 / 16)))
+
+
+def test_input_paths_in_a_yaml_are_relative_to_it(tmp_path, monkeypatch):
+    d = tmp_path / "cfgs"
+    d.mkdir()
+    (d / "run.yaml").write_text("kind: train\nplanner:\n  cost_profile: profiles/p.json\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(d / "run.yaml", overrides=["planner.plan_file=plans.jsonl"])
+    assert cfg.planner.cost_profile == str(d / "profiles" / "p.json")
+    assert cfg.planner.plan_file == "plans.jsonl"  # overrides stay relative to the cwd

@@ -91,7 +91,8 @@ def compare_plans(trainer: Any, params: Any, first_step: int) -> dict:
         },
     }
     sim_ranks = c.sim_ranks or cfg.num_ranks
-    sim_statics = list(dict.fromkeys([*statics, "static-ring:best"]))
+    # the simulation also knows Ulysses (all-to-all) baselines, which the JAX executor does not run
+    sim_statics = list(dict.fromkeys([*statics, "static-ring:best", "static-ulysses:best"]))
     simulated = simulated_comparison(batches, [dhp, *sim_statics], c.sim_model, c.sim_hardware, sim_ranks)
     sbest = _best_static(simulated, sim_statics)
     result["simulated"] = {

@@ -256,8 +256,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
         raise ConfigError(f"config {str(path)!r} has kind {data.get('kind')!r}; `dhp train` needs kind: train")
     config = TrainConfig()
     _apply(config, data)
+    _resolve_inputs(config, path.parent)
     apply_overrides(config, overrides)
     return config.validate()
+
+
+# Input files named inside a YAML are relative to that YAML (overrides stay relative to the cwd).
+_INPUT_PATHS = (("planner", "plan_file"), ("planner", "cost_profile"))
+
+
+def _resolve_inputs(config: TrainConfig, base: Path) -> None:
+    for section, key in _INPUT_PATHS:
+        obj = getattr(config, section)
+        value = getattr(obj, key)
+        if value and not os.path.isabs(value):
+            setattr(obj, key, str((base / value).resolve()))
 
 
 def config_from_dict(data: Mapping[str, Any]) -> TrainConfig:

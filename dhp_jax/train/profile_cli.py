@@ -70,7 +70,9 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr)
 
     measurements = measure_points(points, timer, progress, passes=args.passes)
-    base = CostModel.preset(args.base_model, args.hardware, ranks_per_node=n)
+    # the profiled model's own gradient size and head count; the rest of the base is refitted
+    base = CostModel.preset(args.base_model, args.hardware, ranks_per_node=n,
+                            grad_bytes=4.0 * model.num_params(), num_heads=model.num_heads)
     cost, report = fit_profile(measurements, base, holdout_every=args.holdout_every)
     extra = {"machine": machine_label(), "model": args.model, "repeats": args.repeats, "passes": args.passes,
              "label": "measured on this machine's devices; fitted with dhp_jax.planner.fit.fit_cost_model"}
