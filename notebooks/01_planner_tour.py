@@ -242,7 +242,7 @@ assert str(too_tight["dhp"]).startswith("infeasible"), too_tight
 
 # %% [markdown]
 # Another model and another mix: a smaller model on the image-instruction mix, where most samples
-# are short and DHP runs many degree-1 groups.
+# are short, so small groups (often a single rank) carry most of the batch.
 
 # %%
 other = what_if(model="internvl3-2b", mix="llava-mix")
