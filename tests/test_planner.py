@@ -210,6 +210,7 @@ def test_determinism_and_round_trip():
     def strip(p):
         d = p.to_dict()
         d["solver"].pop("solve_ms")
+        d["solver"].pop("solve_cpu_ms")
         return json.dumps(d)
 
     assert strip(a) == strip(b)

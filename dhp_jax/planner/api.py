@@ -29,6 +29,7 @@ _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts wit
 _MB_MAX_TRIES = 4
 _MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep the search going
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
+_NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
 
 
@@ -124,11 +125,16 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     else:
         fs = [1.0]
         makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin
+    # no packing beats the micro-batch's work spread evenly: makespan >= work / N + b1
+    bound = float(w.sum()) / N + cost.b1
     best = None
     stale = 0
     for c, make in enumerate(makers):
-        if stale >= _COARSEN_PATIENCE and c < len(makers) - 1:
-            continue  # past the best granularity; still try the last one (one group on all ranks)
+        near = best is not None and best[2] <= bound * (1 + _NEAR_BOUND)
+        if (near or stale >= _COARSEN_PATIENCE) and c < len(makers) - 1:
+            # within a hair of the bound, or past the best granularity: only the coarsest (one
+            # group on all ranks, a cheap allocation) is still tried
+            continue
         assign = make()
         n = int(assign.max()) + 1
         if n > N:
@@ -195,7 +201,11 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     stale = tries = 0
     all_f = coarsen_factors(N)
     factors = None  # the first count tries every granularity; later ones its winners' neighbours
+    total_work = float(prob.work.sum())
     for M in counts:
+        # M micro-batches take at least total work / N + M b1; stop once that cannot win enough
+        if best is not None and total_work / N + M * cost.b1 >= best[0] * (1 - _MB_MIN_GAIN):
+            break
         parts = microbatch.split(prob.work, M)
         sols = []
         for idx in parts:
@@ -284,7 +294,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
         raise PlanningError(f"strategy must be a string, got {strategy!r}")
     prob = prepare(samples_or_lengths, num_ranks, cost, etas, ranks_per_node)
     cost, N = prob.cost, prob.num_ranks
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     attention = "ring"
     extra: dict[str, Any] = {}
     if strategy == "dhp":
@@ -303,7 +313,8 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     else:
         raise PlanningError(f"unknown strategy {strategy!r}; known strategies: {', '.join(STRATEGIES)}")
     solve_ms = (time.perf_counter() - t0) * 1e3
-    solver = {"strategy": strategy, "solve_ms": round(solve_ms, 3), **extra}
+    cpu_ms = (time.thread_time() - c0) * 1e3  # this thread's CPU: what a loaded machine does not inflate
+    solver = {"strategy": strategy, "solve_ms": round(solve_ms, 3), "solve_cpu_ms": round(cpu_ms, 3), **extra}
     plan = build_plan(mbs, prob.lengths, prob.etas, cost, N, solver, attention)  # checks memory, vectorised
     plan.validate(num_samples=len(prob.lengths))
     return plan
