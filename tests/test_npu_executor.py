@@ -102,6 +102,19 @@ def _errors_and_pool_worker(rank: int, world: int, config, params, samples, plan
     except StepError as e:
         errors["payload"] = str(e)
 
+    # Plans from the planner: rank 0 plans and broadcasts; every rank must get the very same plan,
+    # equal to the one each rank computes locally (the planner is deterministic).
+    from npu_backend.train import Planner, build_parser
+
+    sent = Planner(build_parser().parse_args(["--plan-source", "broadcast", "--length-scale", "30"]),
+                   world, rank)(0, samples)
+    local = Planner(build_parser().parse_args(["--length-scale", "30"]), world, rank)(0, samples)
+    def layout(plan):  # the plan minus its timing fields (solve_ms is wall-clock)
+        return [[(g.ranks, g.samples) for g in mb.groups] for mb in plan.micro_batches]
+
+    planned = {"broadcast": layout(sent), "local": layout(local)}
+    ex.step(sent, samples)
+
     pgs = c10d.get_pg_count()
     names = list(plans)
     losses = []
@@ -112,7 +125,7 @@ def _errors_and_pool_worker(rank: int, world: int, config, params, samples, plan
                 p.add_(p.grad, alpha=-0.05)
     params_sum = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
     return {"errors": errors, "pg_before": pgs, "pg_after": c10d.get_pg_count(), "losses": losses,
-            "params_sum": params_sum, "tensors_sent": ex.tensors_sent}
+            "params_sum": params_sum, "tensors_sent": ex.tensors_sent, "planned": planned}
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +182,5 @@ def test_world5_bad_input_and_constant_process_groups(reference):
         assert o["losses"] == res[0]["losses"]
         assert np.isfinite(o["losses"]).all() and o["losses"][-1] < o["losses"][0]
     assert sum(o["tensors_sent"] for o in res) > 0
+    plan_json = res[0]["planned"]["broadcast"]
+    assert all(o["planned"] == {"broadcast": plan_json, "local": plan_json} for o in res)
