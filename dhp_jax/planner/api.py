@@ -176,6 +176,10 @@ def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) ->
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
               node_aware: bool = True, refine: bool = True) -> tuple[list, dict[str, Any]]:
+    """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
+    micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
+    and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
+    and keep the one with the least placed step time."""
     N, cost = prob.num_ranks, prob.cost
     allowed = allowed_degrees(N, degrees)
     if allowed.size == 0:
