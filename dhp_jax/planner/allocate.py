@@ -14,6 +14,7 @@ plus the scalar evaluations walked, O((K' + N) log K') overall.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from typing import Sequence
 
@@ -73,6 +74,12 @@ class _LazyFloats:
         return self.arr.item(i)
 
 
+@functools.lru_cache(maxsize=64)
+def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
+    """A cached `_ScalarTime` (CostModel is frozen, hence hashable)."""
+    return _ScalarTime(cost, attention)
+
+
 def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
              cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring"
              ) -> tuple[np.ndarray, float] | None:
@@ -88,7 +95,7 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     ds_list = [int(x) for x in ds]
     if not ds_list:
         return None
-    t = _ScalarTime(cost, attention)
+    t = scalar_time(cost, attention)
     starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
     if np.any(starts >= len(ds_list)):
         return None

@@ -140,7 +140,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
         if n > N:
             continue
         A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
-        res = allocate(A, B, S, cost.min_degree(S), N, cost, allowed)
+        dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
+        res = allocate(A, B, S, dmin_bins, N, cost, allowed)
         if res is None:
             continue
         if best is None or res[1] < best[2]:

@@ -13,7 +13,7 @@ import heapq
 
 import numpy as np
 
-from dhp_jax.planner.allocate import _ScalarTime
+from dhp_jax.planner.allocate import scalar_time
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums
 
@@ -24,7 +24,7 @@ _ITEMS = 8  # sequences of the bottleneck group tried per move
 def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: np.ndarray, tok: np.ndarray,
            cost: CostModel, attention: str = "ring", max_moves: int | None = None) -> list[list[int]]:
     """Return new groups (same degrees) whose makespan is no larger than the input's."""
-    t = _ScalarTime(cost, attention)
+    t = scalar_time(cost, attention)
     P = len(groups)
     if P < 2:
         return [list(g) for g in groups]
