@@ -257,5 +257,12 @@ def test_malformed_plan_json_is_named():
         Plan.from_json("{")
 
 
+@pytest.mark.parametrize("strategy", ["dhp", "static-ring:best", "flexsp", "milp"])
+def test_empty_sequences_are_planned(strategy):
+    for lengths in ([0, 0, 0], [0, 5, 0, 7]):
+        plan = plan_batch(lengths, 2, COST, strategy)
+        _check(plan, lengths)
+
+
 def test_strategies_listed():
     assert {"dhp", "flexsp", "milp", "static-ring:best", "static-ulysses:best"} <= set(STRATEGIES)

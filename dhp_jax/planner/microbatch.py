@@ -30,15 +30,15 @@ def split(work: np.ndarray, num_micro_batches: int) -> list[np.ndarray]:
     order = np.lexsort((np.arange(K), -work))
     head = min(K, _LPT_ITEMS_PER_PART * M)
     owner = np.empty(K, dtype=np.int64)
-    heap = [(0.0, m) for m in range(M)]
+    heap = [(0.0, 0, m) for m in range(M)]  # (work, count, part): equal work fills by count
     for k in order[:head].tolist():
-        load, m = heapq.heappop(heap)
+        load, n, m = heapq.heappop(heap)
         owner[k] = m
-        heapq.heappush(heap, (load + float(work[k]), m))
+        heapq.heappush(heap, (load + float(work[k]), n + 1, m))
     rest = order[head:]
     if rest.size:
         # continue the deal from the lightest part so the heavy head's imbalance shrinks first
-        by_load = [m for _, m in sorted(heap)]
+        by_load = [m for _, _, m in sorted(heap)]
         pos = np.arange(rest.size)
         rnd, off = pos // M, pos % M
         lane = np.where(rnd % 2 == 0, off, M - 1 - off)

@@ -39,7 +39,7 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
     cap = max_tokens_per_rank * slots
     if order is None:
         order = np.lexsort((np.arange(K), -work))
-    is_long = (dmin > slots) | (work >= W)
+    is_long = (dmin > slots) | ((work >= W) & (W > 0))
     longs = order[is_long[order]]
     n_long = len(longs)
     assign[longs] = np.arange(n_long)
