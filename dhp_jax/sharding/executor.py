@@ -2,28 +2,29 @@
 
 Data flow of `loss_and_grads(params, samples, plan)`:
 1. Check the plan and lay out every group's samples (`dhp_jax.data.layout.pack_group`) before any
-   device work, so bad input fails fast, naming the group or the sample.
-2. For each group: the sub-mesh over its devices (cached), a view of the replicated parameters on
-   that sub-mesh made from the same device buffers (no copy), the layout arrays put on the
-   sub-mesh sharded over `cp`, and the executable for (degree, bucket, devices) from the cache.
-   The group program (shard_map + ring attention) returns, per device, the partial loss sum, the
-   partial loss-token count and the partial gradient of the loss sum: grads[d, ...] over `cp`.
+   device work, so bad input fails fast, naming the group or the sample; compile what is missing.
+2. The params (replicated on the full mesh) become one flat float32 vector by one jit on the full
+   mesh. For each group: the sub-mesh over its devices (cached), a view of that vector on the
+   sub-mesh made from the same per-device buffers (no copy), the layout put on the sub-mesh
+   sharded over `cp` as two arrays, and the executable for (degree, bucket, devices). The group
+   program (shard_map + ring attention) returns one row per device: [loss sum, loss-token count,
+   gradient of the loss sum (flat)], a [degree, 2 + P] array sharded over `cp`.
 3. Every group of every micro-batch is dispatched before anything is awaited.
-4. Per micro-batch, the devices' partial results (zeros for idle devices) are assembled into
-   global [N, ...] arrays over the full `dp` mesh with `jax.make_array_from_single_device_arrays`
-   (no copy, no host round trip); one jit sums them over devices and micro-batches and divides by
-   the total token count: the token-weighted all-reduce, output replicated on the full mesh.
+4. Per micro-batch, the devices' rows (zeros for idle devices) are assembled into one [N, 2 + P]
+   array over the full `dp` mesh with `jax.make_array_from_single_device_arrays` (no copy, no host
+   round trip); one jit sums over devices and micro-batches (the all-reduce), divides by the total
+   token count and unflattens: loss and grads replicated on the full mesh, grads shaped like params.
 
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
 device tuple); `num_programs` counts distinct (degree, bucket) programs, `num_compiles` the XLA
-executables built. Under multi-process JAX each process would run only the groups whose devices
-it can address (see `_owned`); today every device must be addressable.
+executables built. Multi-process JAX: a process launches the groups that touch its addressable
+devices and contributes only its addressable rows (`_local`); single-process runs are the tested path.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -49,21 +50,39 @@ class _GroupWork:
     layout: GroupLayout
 
 
-def group_program(config: MLLMConfig, degree: int):
-    """The per-device body: (params, local arrays) -> (loss_sum[1], count[1], grads[1, ...])."""
+# Host -> device traffic per group is two arrays: every int column in one int32[S, 8] and the
+# float columns in one float32[S, patch_dim + 1] (pixels, then loss_weights).
+INT_COLUMNS = ("token_ids", "vision_mask", "segment_ids", "positions", "span_ids", "frame_ids",
+               "frame_positions", "targets")
+
+
+def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
+    """(ints int32[S, 8], floats float32[S, patch_dim + 1]) of a group layout."""
+    ints = np.stack([getattr(layout, k).astype(np.int32) for k in INT_COLUMNS], axis=1)
+    floats = np.concatenate([layout.pixels, layout.loss_weights[:, None]], axis=1)
+    return ints, floats
+
+
+def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any]):
+    """The per-device body: (flat params, ints, floats) -> [1, 2 + P] = (loss sum, count, grads)."""
     attn = ring_attention_fn(CP_AXIS, degree)
 
-    def body(params, arrays):
-        batch = {k: arrays[k] for k in MODEL_INPUTS}
+    def body(flat, ints, floats):
+        s_l = ints.shape[0]
+        assert ints.shape == (s_l, len(INT_COLUMNS)) and floats.shape == (s_l, config.patch_dim + 1)
+        cols = {k: ints[:, i] for i, k in enumerate(INT_COLUMNS)}
+        batch = {k: cols[k] for k in MODEL_INPUTS if k in cols}
+        batch["vision_mask"] = cols["vision_mask"] > 0
+        batch["pixels"] = floats[:, :config.patch_dim]
+        weights = floats[:, config.patch_dim]
 
-        def loss_sum(p):
-            return token_loss_sum(apply_model(config, p, batch, attn), arrays["targets"], arrays["loss_weights"])
+        def loss_sum(f):
+            return token_loss_sum(apply_model(config, unravel(f), batch, attn), cols["targets"], weights)
 
-        # check_vma=False below keeps these gradients per device (no implicit psum over cp):
-        # the only reduction is the one over the full mesh at the end of the step.
-        value, grads = jax.value_and_grad(loss_sum)(params)
-        count = jnp.sum(arrays["loss_weights"])
-        return value[None], count[None], jax.tree.map(lambda g: g[None], grads)
+        # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
+        # reduction is the one over the full mesh at the end of the step.
+        value, grads = jax.value_and_grad(loss_sum)(flat)
+        return jnp.concatenate([value[None], jnp.sum(weights)[None], grads])[None]
 
     return body
 
@@ -73,6 +92,8 @@ class PlanExecutor:
 
     `executor.mesh` is the full 1-D mesh, `executor.replicated` the P() sharding on it (params
     and returned grads live there), `executor.num_compiles` the group executables built.
+    Internally the parameters travel as one flat fp32 vector (made once per step by one jit on
+    the full mesh), so a group costs O(1) host work whatever the number of parameter leaves.
     """
 
     def __init__(self, config: MLLMConfig, devices: Sequence[jax.Device] | None = None, *,
@@ -86,15 +107,19 @@ class PlanExecutor:
         self.replicated = NamedSharding(self.mesh, P())
         self._stacked = NamedSharding(self.mesh, P(DP_AXIS))
         self.min_bucket, self.growth = min_bucket, growth
-        self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
-        self._reducers: dict[int, Any] = {}
-        self._zeros: dict[jax.Device, tuple] = {}
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
             # most of the compile time (about 4x here) and buys little; other backends keep defaults.
             cpu = all(d.platform == "cpu" for d in self.ranks.devices)
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
+        self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
+        self._reducers: dict[int, Any] = {}
+        self._zeros: dict[jax.Device, jax.Array] = {}
+        self._struct: Any = None          # (treedef, shapes, dtypes) of the params tree
+        self._unravel: Callable[[jax.Array], Any] | None = None
+        self._num_flat = 0
+        self._flatten = None
 
     # ------------------------------------------------------------------ counters
     @property
@@ -132,34 +157,50 @@ class PlanExecutor:
             raise ValueError("the batch has no text token followed by a text token: the loss is undefined")
         return work
 
+    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...]]]:
+        """The executable keys (degree, bucket, device ids) a plan needs, without compiling."""
+        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices))
+                for w in self.prepare(samples, plan)]
+
+    def _bind(self, params: Any) -> None:
+        """Fix the params structure on first use; later params must have the same structure."""
+        leaves, treedef = jax.tree.flatten(params)
+        struct = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+        if self._struct is None:
+            bad = [str(x.dtype) for x in leaves if x.dtype != jnp.float32]
+            if bad:
+                raise TypeError(f"PlanExecutor expects float32 params, got dtypes {sorted(set(bad))}")
+            shapes = [tuple(x.shape) for x in leaves]
+            sizes = [int(np.prod(sh)) for sh in shapes]
+            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+
+            def unravel(flat):
+                return jax.tree.unflatten(treedef, [flat[int(o):int(o) + n].reshape(sh)
+                                                    for o, n, sh in zip(offsets, sizes, shapes)])
+
+            self._unravel, self._num_flat, self._struct = unravel, int(offsets[-1]), struct
+            self._flatten = jax.jit(lambda p: jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(p)]),
+                                    out_shardings=self.replicated)
+        elif struct != self._struct:
+            raise ValueError("params do not have the structure (tree, shapes, dtypes) this executor was "
+                             "first called with")
+
     def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...]):
         """The compiled group program for (degree, bucket) on `devices`, built once."""
         key = (degree, bucket, devices)
         exe = self._executables.get(key)
         if exe is None:
+            self._bind(params)
             mesh = self.ranks.submesh(devices)
-            fn = jax.shard_map(group_program(self.config, degree), mesh=mesh,
-                               in_specs=(P(), P(CP_AXIS)), out_specs=P(CP_AXIS), check_vma=False)
+            fn = jax.shard_map(group_program(self.config, degree, self._unravel), mesh=mesh,
+                               in_specs=(P(), P(CP_AXIS), P(CP_AXIS)), out_specs=P(CP_AXIS), check_vma=False)
             rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, P(CP_AXIS))
-            p_abs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=rep), params)
-            a_abs = {k: jax.ShapeDtypeStruct((bucket,) + shape, dtype, sharding=cp)
-                     for k, (shape, dtype) in self._array_specs().items()}
-            lowered = jax.jit(fn).lower(p_abs, a_abs)
+            args = (jax.ShapeDtypeStruct((self._num_flat,), jnp.float32, sharding=rep),
+                    jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),
+                    jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
+            lowered = jax.jit(fn).lower(*args)
             exe = self._executables[key] = lowered.compile(compiler_options=self.compiler_options)
         return exe
-
-    def _array_specs(self) -> dict[str, tuple[tuple[int, ...], Any]]:
-        i32 = np.dtype(np.int32)
-        specs = {k: ((), i32) for k in ("token_ids", "segment_ids", "positions", "span_ids", "frame_ids",
-                                         "frame_positions", "targets")}
-        specs.update(pixels=((self.config.patch_dim,), np.dtype(np.float32)), vision_mask=((), np.dtype(bool)),
-                     loss_weights=((), np.dtype(np.float32)))
-        return specs
-
-    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The executable keys (degree, bucket, device ids) a plan needs, without compiling."""
-        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices))
-                for w in self.prepare(samples, plan)]
 
     def compile_plan(self, samples: Sequence[Sample], plan: Plan, params: Any) -> int:
         """Build (without running) every executable the plan needs; returns how many were new."""
@@ -174,76 +215,70 @@ class PlanExecutor:
         return jax.tree.map(lambda x: x if getattr(x, "sharding", None) == self.replicated
                             else jax.device_put(x, self.replicated), params)
 
-    def _view(self, params: Any, devices: tuple[jax.Device, ...]) -> Any:
-        """The replicated params seen on a sub-mesh: the same per-device buffers, no copy."""
-        rep = NamedSharding(self.ranks.submesh(devices), P())
+    def flat_params(self, params: Any) -> jax.Array:
+        """The params as one float32 vector replicated on the full mesh (one jit, no transfer)."""
+        self._bind(params)
+        return self._flatten(self.replicate(params))
 
-        def one(x):
-            by_dev = {s.device: s.data for s in x.addressable_shards}
-            return jax.make_array_from_single_device_arrays(x.shape, rep, [by_dev[d] for d in devices])
+    def _views(self, flat: jax.Array, device_sets: Sequence[tuple[jax.Device, ...]]) -> dict:
+        """The flat params seen on each sub-mesh: the same per-device buffers, no copy."""
+        by_dev = {s.device: s.data for s in flat.addressable_shards}
+        return {devs: jax.make_array_from_single_device_arrays(
+                    flat.shape, NamedSharding(self.ranks.submesh(devs), P()),
+                    [by_dev[d] for d in devs if d in by_dev])
+                for devs in device_sets}
 
-        return jax.tree.map(one, params)
+    def _local(self, work: Sequence[_GroupWork]) -> list[_GroupWork]:
+        """The groups this process takes part in (all of them in a single-process run)."""
+        me = jax.process_index()
+        return [w for w in work if any(d.process_index == me for d in w.devices)]
 
-    def _zero_shards(self, device: jax.Device, params: Any) -> tuple:
-        """(loss, count, grads) zeros on one idle device, shaped like one device's partials."""
+    def _zero_row(self, device: jax.Device) -> jax.Array:
+        """A [1, 2 + P] row of zeros on an idle device (cached)."""
         z = self._zeros.get(device)
         if z is None:
-            put = lambda shape: jax.device_put(np.zeros((1,) + tuple(shape), np.float32), device)
-            z = self._zeros[device] = (put(()), put(()), jax.tree.map(lambda x: put(x.shape), params))
+            z = self._zeros[device] = jax.device_put(np.zeros((1, 2 + self._num_flat), np.float32), device)
         return z
 
     def _reducer(self, num_micro_batches: int):
         fn = self._reducers.get(num_micro_batches)
         if fn is None:
+            unravel = self._unravel
+
             def reduce(parts):
-                count = sum(jnp.sum(c) for _, c, _ in parts)
-                loss = sum(jnp.sum(l) for l, _, _ in parts) / count
-                grads = jax.tree.map(lambda *gs: sum(jnp.sum(g, axis=0) for g in gs) / count,
-                                     *[g for _, _, g in parts])
-                return loss, grads
+                v = sum(jnp.sum(p, axis=0) for p in parts)     # the all-reduce over every device
+                return v[0] / v[1], unravel(v[2:] / v[1])
+
             fn = self._reducers[num_micro_batches] = jax.jit(reduce, out_shardings=self.replicated)
         return fn
 
-    def dispatch(self, params: Any, work: Sequence[_GroupWork]) -> list[list[tuple[jax.Device, tuple]]]:
-        """Launch every group (asynchronously); per micro-batch, (device, partials) pairs."""
-        out: dict[int, list] = {}
+    def dispatch(self, flat: jax.Array, work: Sequence[_GroupWork]) -> list[dict[jax.Device, jax.Array]]:
+        """Launch every group (asynchronously); per micro-batch, the [1, 2 + P] row of each device."""
+        rows: dict[int, dict[jax.Device, jax.Array]] = {m: {} for m in sorted({w.micro_batch for w in work})}
+        work = self._local(work)
+        views = self._views(flat, {w.devices for w in work})
         for w in work:
             lay = w.layout
-            exe = self.executable(params, lay.degree, lay.bucket, w.devices)
+            exe = self.executable(None, lay.degree, lay.bucket, w.devices)
             cp = NamedSharding(self.ranks.submesh(w.devices), P(CP_AXIS))
-            arrays = {k: jax.device_put(v, cp) for k, v in lay.arrays().items()}
-            loss, count, grads = exe(self._view(params, w.devices), arrays)
-            per_dev = _by_device((loss, count, grads))
-            out.setdefault(w.micro_batch, []).extend((d, per_dev[d]) for d in w.devices)
-        return [out[m] for m in sorted(out)]
+            ints, floats = pack_inputs(lay)
+            out = exe(views[w.devices], jax.device_put(ints, cp), jax.device_put(floats, cp))
+            rows[w.micro_batch].update((s.device, s.data) for s in out.addressable_shards)
+        return [rows[m] for m in sorted(rows)]
 
-    def reduce(self, params: Any, partials: list[list[tuple[jax.Device, tuple]]]) -> tuple[jax.Array, Any]:
+    def reduce(self, partials: Sequence[Mapping[jax.Device, jax.Array]]) -> tuple[jax.Array, Any]:
         """Token-weighted sum over all devices and micro-batches, replicated on the full mesh."""
-        treedef = jax.tree.structure(params)
-        parts = []
-        for mb in partials:
-            have = dict(mb)
-            rows = [have[d] if d in have else self._zero_shards(d, params) for d in self.ranks.devices]
-            leaves = [jax.tree.leaves(r) for r in rows]       # per device: [loss, count, *grads]
-            glob = []
-            for j, ref in enumerate(leaves[0]):
-                glob.append(jax.make_array_from_single_device_arrays(
-                    (len(rows),) + ref.shape[1:], self._stacked, [lv[j] for lv in leaves]))
-            parts.append((glob[0], glob[1], jax.tree.unflatten(treedef, glob[2:])))
+        parts = [jax.make_array_from_single_device_arrays(
+                     (len(self.ranks.devices), 2 + self._num_flat), self._stacked,
+                     [mb[d] if d in mb else self._zero_row(d) for d in self.ranks.devices
+                      if d.process_index == jax.process_index()])
+                 for mb in partials]
         return self._reducer(len(parts))(parts)
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""
         work = self.prepare(samples, plan)
-        params = self.replicate(params)
-        return self.reduce(params, self.dispatch(params, work))
-
-
-def _by_device(tree: Any) -> dict[jax.Device, Any]:
-    """Split a tree of [d, ...] arrays sharded over cp into per-device trees of [1, ...] shards."""
-    leaves, treedef = jax.tree.flatten(tree)
-    per: dict[jax.Device, list] = {}
-    for x in leaves:
-        for s in x.addressable_shards:
-            per.setdefault(s.device, []).append(s.data)
-    return {d: jax.tree.unflatten(treedef, v) for d, v in per.items()}
+        flat = self.flat_params(params)
+        for w in work:                          # compile anything missing before dispatching
+            self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+        return self.reduce(self.dispatch(flat, work))
