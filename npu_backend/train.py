@@ -131,7 +131,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     choice = select_device(warn=say)
     device = set_current_device(choice, local_rank)
-    dist.init_process_group(choice.backend)
+    # Eager NCCL init: batched point-to-point ops then reuse the world communicator instead of
+    # creating one per pair of ranks. (On every backend the executor's first collective of a step
+    # is a world all-reduce, so the world communicator exists before any ring send.)
+    extra = {"device_id": device} if choice.kind == "cuda" else {}
+    dist.init_process_group(choice.backend, **extra)
     try:
         return _train(args, rank, world, device, choice, say)
     except (StepError, WeightsError, PlanValidationError, ValueError) as e:

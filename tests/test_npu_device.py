@@ -76,21 +76,34 @@ def test_env_override_errors_are_clear():
         dev.select_device(env={dev.ENV_VAR: "npu"})
 
 
-def test_import_torch_survives_broken_extension_in_a_fresh_process(tmp_path):
-    """The trap from DESIGN.md: importing npu_backend.device with a broken torch_npu must not crash.
-
-    Auto-loading is on in the child's environment on purpose; device.py must turn it off itself.
-    A fake broken extension is registered as a torch device backend entry point would be, by
-    being importable; the child only checks that selection ends on CPU with one warning line.
-    """
-    pkg = tmp_path / "torch_npu"
+def _fake_installed_torch_npu(root) -> None:
+    """A broken torch_npu *installed* like the real wheel: package + dist-info declaring the
+    `torch.backends` entry point that torch auto-loads on `import torch`."""
+    pkg = root / "torch_npu"
     pkg.mkdir()
     (pkg / "__init__.py").write_text(BROKEN)
+    info = root / "torch_npu-2.13.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: torch_npu\nVersion: 2.13.0\n")
+    (info / "entry_points.txt").write_text("[torch.backends]\ntorch_npu = torch_npu:_autoload\n")
+
+
+def test_broken_installed_extension_trap_in_a_fresh_process(tmp_path):
+    """The trap from DESIGN.md, reproduced: with auto-load on (torch's default) `import torch`
+    fails; importing npu_backend first turns auto-load off and selection falls back to CPU with
+    one warning line."""
+    _fake_installed_torch_npu(tmp_path)
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    code = ("from npu_backend.device import select_device; import os; c = select_device(); "
-            "print(c.kind, c.backend, os.environ['TORCH_DEVICE_BACKEND_AUTOLOAD'])")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    trap = run("import torch")
+    assert trap.returncode != 0 and "Failed to load the backend extension: torch_npu" in trap.stderr
+    out = run("from npu_backend.device import select_device; import os; c = select_device(); "
+              "print(c.kind, c.backend, os.environ['TORCH_DEVICE_BACKEND_AUTOLOAD'])")
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cpu", "gloo", "0"]
     warn_lines = [ln for ln in out.stderr.splitlines() if "torch_npu" in ln]

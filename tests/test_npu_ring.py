@@ -7,31 +7,27 @@ import pytest
 import torch
 
 from npu_backend.launch import run_world
+from npu_backend.model import attention_mask
 from npu_backend.ring import RingComm, dense_attention, ring_attention
 
 TOL = 1e-5  # fp32, complex op: ring and dense sum in different orders
 
 
-def _mask(qm: torch.Tensor, km: torch.Tensor) -> torch.Tensor:
-    """meta columns (segment, position, span): causal inside a segment, bidirectional inside a span."""
-    seg_q, pos_q, span_q = qm[:, 0, None], qm[:, 1, None], qm[:, 2, None]
-    seg_k, pos_k, span_k = km[None, :, 0], km[None, :, 1], km[None, :, 2]
-    same = (seg_q == seg_k) & (seg_q >= 0)
-    return same & ((pos_k <= pos_q) | ((span_q == span_k) & (span_q >= 0)))
+_mask = attention_mask  # the decoder's rule: causal inside a sample, bidirectional inside a span
 
 
 def _stream(length: int, h: int, hkv: int, d: int, seed: int):
-    """A packed stream: three samples, a vision span in the second, trailing padding (segment -1)."""
+    """A packed stream: three samples, a vision span in the second, trailing padding (segment 0)."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(length, h, d, generator=g, dtype=torch.float32)
     k = torch.randn(length, hkv, d, generator=g, dtype=torch.float32)
     v = torch.randn(length, hkv, d, generator=g, dtype=torch.float32)
     w = torch.randn(length, h, d, generator=g, dtype=torch.float32)
     bounds = [0, length // 4, length // 4 + length // 2, length - 3]
-    meta = torch.full((length, 3), -1, dtype=torch.int64)
+    meta = torch.zeros((length, 3), dtype=torch.int64)
     for s in range(3):
         a, b = bounds[s], bounds[s + 1]
-        meta[a:b, 0] = s
+        meta[a:b, 0] = s + 1
         meta[a:b, 1] = torch.arange(b - a)
     a = bounds[1] + 2
     meta[a:a + length // 5, 2] = 7  # a bidirectional vision span inside sample 1
