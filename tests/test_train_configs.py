@@ -24,3 +24,18 @@ def test_train_config_loads_and_dry_runs(path):
     assert report["max_sample_tokens"] <= cfg.data.max_tokens
     assert sum(len(mb) for mb in report["degrees"]) >= 1
     assert "Run:" in path.read_text().split("kind:")[0]  # the header says the command that runs it
+
+
+def test_dhp_train_sets_up_8_cpu_devices_itself():
+    """`dhp train` in a fresh process (no XLA_FLAGS) gets the 8 fake devices the demo asks for."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    out = subprocess.run([sys.executable, "-m", "dhp_jax", "train", "--dry-run", "--json"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["devices"] == "8 x cpu" and report["num_ranks"] == 8
