@@ -180,10 +180,11 @@ for row in ov["rows"]:
 table(ov)
 
 fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
-labels = [f"{row['ranks']}\n{row['batch']}" for row in ov["rows"]]
+points = sorted(ov["rows"], key=lambda row: (row["ranks"], row["batch"]))
+labels = [f"{row['ranks']}\n{row['batch']}" for row in points]
 x = np.arange(len(labels))
-ax.bar(x - 0.2, [row["solver_ms_median"] for row in ov["rows"]], 0.4, label="solver (median)")
-ax.bar(x + 0.2, [row["scheduling_ms_median"] for row in ov["rows"]], 0.4, label="whole scheduling (median)")
+ax.bar(x - 0.2, [row["solver_ms_median"] for row in points], 0.4, label="solver (median)")
+ax.bar(x + 0.2, [row["scheduling_ms_median"] for row in points], 0.4, label="whole scheduling (median)")
 ax.set_xticks(x, labels, fontsize=7)
 ax.set_xlabel("ranks / global batch")
 ax.set_ylabel("ms (measured)")
