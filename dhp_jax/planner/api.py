@@ -26,7 +26,7 @@ STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>"
               "flexsp", "milp")
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
-_MB_MAX_TRIES = 4
+_MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
 _MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep the search going
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
