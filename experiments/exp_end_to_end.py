@@ -8,7 +8,9 @@ from typing import Any, Callable
 import numpy as np
 
 from experiments.common import LABELS, STATIC, best_static, run_strategies, simulated_label
+from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster
+from dhp_jax.sim.simulate import make_batches
 
 DEFAULTS: dict[str, Any] = {
     "models": ["internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b"],
@@ -40,6 +42,13 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                 row["best_static"] = bs
                 row["best_static_degrees"] = sorted({d for st in runs[bs].degrees for mb in st for d in mb})
                 row["speedup_vs_best_static"] = bt / runs["dhp"].mean_step_s
+            # What no plan can beat under this cost model: the best attainable speed-up over static.
+            from dhp_jax.data import sample_etas, sample_lengths
+            lbs = [lower_bound(sample_lengths(b), cluster.num_ranks, cluster.cost_model(), sample_etas(b)).step_s
+                   for b in make_batches(ds, p["batch"], p["steps"], seed, cluster.vision)]
+            row["lower_bound_s"] = float(np.mean(lbs))
+            if "best_static" in row:
+                row["max_attainable_speedup"] = bt / row["lower_bound_s"]
             if "flexsp" in runs and "dhp" in runs:
                 row["speedup_vs_flexsp"] = runs["flexsp"].mean_step_s / runs["dhp"].mean_step_s
             rows.append(row)

@@ -13,6 +13,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from experiments.report import render  # noqa: E402
 from experiments.runner import ConfigError, config_files, load_config, parse_override, run_experiment  # noqa: E402
 
 CONFIGS = config_files()
@@ -46,6 +47,8 @@ def test_tiny_variant_runs_and_writes_results(path, tmp_path):
         if "label" in row:
             assert row["label"].startswith(("simulated", "measured")), row["label"]
     assert res["name"] == exp.name
+    table = render(exp.name, tmp_path)  # the REPORT.md table renders from the JSON
+    assert ("| " in table or "Not measured" in table) and out["label"] in table
 
 
 def test_overrides_and_errors(tmp_path):
