@@ -37,24 +37,24 @@ def _plan(num_ranks: int, *mbs) -> dict:
 
 
 def test_torchrun_replays_plan_file_and_rejects_wrong_world(tmp_path):
-    plans = [_plan(3, [([0, 2], [0, 1, 2]), ([1], [3])]),
-             _plan(3, [([2, 1, 0], [0, 3])], [([1], [1]), ([0, 2], [2])])]
+    plans = [_plan(2, [([1, 0], [0, 1, 2, 3])]),
+             _plan(2, [([1], [1, 2]), ([0], [3])], [([0, 1], [0])])]
     (tmp_path / "plans.json").write_text(json.dumps(plans))
-    common = ["--batch-size", "4", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--lr", "0.1",
-              "--plan-file", str(tmp_path / "plans.json")]
-    out = _torchrun(3, [*common, "--steps", "3", "--json", str(tmp_path / "m.json"),
-                        "--save-weights", str(tmp_path / "w.npz")], tmp_path)
+    common = ["--batch-size", "4", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--lr", "0.1"]
+    out = _torchrun(2, [*common, "--plan-file", str(tmp_path / "plans.json"), "--steps", "3",
+                        "--json", str(tmp_path / "m.json"), "--save-weights", str(tmp_path / "w.npz")], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rec = json.loads((tmp_path / "m.json").read_text())
-    assert rec["world_size"] == 3 and rec["measured_on"].startswith("cpu (gloo)")
+    assert rec["world_size"] == 2 and rec["measured_on"].startswith("cpu (gloo)")
     steps = rec["steps"]
-    assert [s["degrees"] for s in steps] == [[[2, 1]], [[3], [1, 2]], [[2, 1]]]
+    assert [s["degrees"] for s in steps] == [[[2]], [[1, 1], [2]], [[2]]]
     assert all(np.isfinite(s["loss"]) and s["loss_tokens"] > 0 for s in steps)
     with np.load(tmp_path / "w.npz") as z:
         assert "layers_0/attn/q/kernel" in z.files
 
-    # The same plans on a world of 2: every rank reports the mismatch and the run ends (no hang).
-    bad = _torchrun(2, [*common, "--steps", "1"], tmp_path)
+    # A plan for 3 ranks on a world of 2: every rank reports the mismatch and the run ends (no hang).
+    (tmp_path / "plan3.json").write_text(json.dumps(_plan(3, [([0, 1, 2], [0, 1, 2, 3])])))
+    bad = _torchrun(2, [*common, "--plan-file", str(tmp_path / "plan3.json"), "--steps", "1"], tmp_path)
     assert bad.returncode != 0
     for r in (0, 1):
         assert f"rank {r}: error: the plan is for num_ranks=3 but the world has 2 processes" in bad.stderr
