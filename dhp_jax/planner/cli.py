@@ -45,13 +45,15 @@ def _span(ranks: tuple[int, ...]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.api import plan_batch
     from dhp_jax.planner.plan import PlanningError
     from dhp_jax.sim.step import step_time
 
     try:
         cost = _cost(args)
-        samples = make_dataset(args.dataset, args.batch, args.seed)
+        # the batch's vision tokens follow the planned model's encoder (InternVL tiles, Qwen-VL patches)
+        samples = make_dataset(args.dataset, args.batch, args.seed, vision=family_for_model(args.model))
         lengths, etas = sample_lengths(samples), sample_etas(samples)
         plan = plan_batch(lengths, args.ranks, cost, args.strategy, etas=etas, num_micro_batches=args.micro_batches)
     except (PlanningError, ValueError) as e:
