@@ -162,11 +162,11 @@ class TorchPlanExecutor:
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard["targets"].shape[0])
-        self._all_reduce_grads(local_loss)
-        return float(self._reduced_loss) / total, total, local_tokens
+        loss_sum = self._all_reduce_grads(local_loss)
+        return loss_sum / total, total, local_tokens
 
-    def _all_reduce_grads(self, local_loss: torch.Tensor) -> None:
-        """One flat all-reduce over the world: every gradient plus the loss sum."""
+    def _all_reduce_grads(self, local_loss: torch.Tensor) -> float:
+        """One flat all-reduce over the world: every gradient plus the loss sum (returned)."""
         params = list(self.model.parameters())
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
                          + [local_loss.to(params[0].dtype).reshape(1)])
@@ -177,7 +177,7 @@ class TorchPlanExecutor:
             p.grad = flat[off:off + n].view_as(p).clone()
             off += n
         # the loss sum rides in the same buffer as the gradients: one collective per step
-        self._reduced_loss = float(flat[-1])
+        return float(flat[-1])
 
     def step(self, plan: Plan, samples: Sequence[Sample]) -> StepResult:
         """Forward, backward, gradient all-reduce and (with an optimizer) the parameter update."""
