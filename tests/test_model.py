@@ -110,25 +110,13 @@ def test_reference_loss_matches_numpy_model(tiny):
     assert abs(got - want) <= 1e-5 * abs(want), (got, want)
 
 
-def test_loss_is_token_weighted_and_order_free(tiny):
+def test_loss_is_order_free(tiny):
+    # (token weighting itself is checked above: the NumPy loss is sum over samples / count)
     c, p = tiny
     samples = random_samples(c, [30, 12, 44], seed=5)
     whole = float(reference_loss(c, p, samples))
     rev = float(reference_loss(c, p, samples[::-1]))
     assert abs(whole - rev) <= 1e-5 * abs(whole)
-    counts = [sum(1 for t in range(s.num_tokens - 1) if not _vis(s, t) and not _vis(s, t + 1)) for s in samples]
-    per = [float(reference_loss(c, p, [s])) for s in samples]
-    combo = sum(l * n for l, n in zip(per, counts)) / sum(counts)
-    assert abs(whole - combo) <= 1e-5 * abs(whole)
-
-
-def _vis(sample, t):
-    off = 0
-    for sg in sample.segments:
-        if t < off + sg.num_tokens:
-            return sg.is_vision
-        off += sg.num_tokens
-    raise IndexError(t)
 
 
 def test_reference_loss_grads_are_finite_and_nonzero(tiny):
@@ -151,9 +139,8 @@ def test_vocab_and_payload_errors_name_the_sample(tiny):
         reference_loss(c, p, [Sample.from_lengths(text=4, vision=3, sample_id="x")])
 
 
-def test_presets_and_config_checks():
-    tiny = MLLMConfig.preset("tiny")
-    p = init_params(tiny, jax.random.key(1))
+def test_presets_and_config_checks(tiny):
+    tiny, p = tiny
     assert sum(x.size for x in jax.tree.leaves(p)) == tiny.num_params()
     assert all(x.dtype == np.float32 for x in jax.tree.leaves(p))
     for name in NAMES:
