@@ -207,7 +207,7 @@ def test_lower_bound_errors(cost8):
 
 
 # ------------------------------------------------------------------------------------ CLI
-def test_dhp_simulate_cli(capsys):
+def test_dhp_simulate_cli(capsys, tmp_path):
     from dhp_jax.cli import main
     assert main(["simulate", "--nodes", "1", "--batch", "24", "--steps", "1", "--json",
                  "--strategies", "dhp,static-ring:best"]) == 0
@@ -215,6 +215,13 @@ def test_dhp_simulate_cli(capsys):
     assert out["label"].startswith("simulated") and [r["strategy"] for r in out["runs"]] == ["dhp", "static-ring:best"]
     assert main(["simulate", "--nodes", "1", "--batch", "24", "--steps", "1"]) == 0
     assert "step s" in capsys.readouterr().out
+    prof = tmp_path / "cost.json"
+    Cluster(nodes=1, model="qwen3-vl-2b").cost_model().replace(a1=0.0).save(prof)
+    assert main(["simulate", "--nodes", "1", "--batch", "24", "--steps", "1", "--json",
+                 "--cost-profile", str(prof)]) == 0
+    assert "profile" in json.loads(capsys.readouterr().out)["label"]
+    assert main(["simulate", "--cost-profile", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
     assert main(["simulate", "--nodes", "0"]) == 2
     assert "nodes" in capsys.readouterr().err
     assert main(["simulate", "--nodes", "1", "--batch", "8", "--strategies", "bogus"]) == 2
