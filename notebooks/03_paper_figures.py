@@ -276,9 +276,12 @@ if est is not None and est.get("measured") and est["rows"]:
     fig, ax = plt.subplots(figsize=(4.2, 4), layout="constrained")
     m = np.array([x["measured_s"] for x in est["rows"]]) * 1e3
     e = np.array([x["estimate_s"] for x in est["rows"]]) * 1e3
-    ax.loglog(m, e, "o")
-    lim = [min(m.min(), e.min()) * 0.8, max(m.max(), e.max()) * 1.25]
-    ax.plot(lim, lim, "k-", lw=0.6)
+    ax.plot(m, e, "o")
+    lim = [0, max(m.max(), e.max()) * 1.1]
+    ax.plot(lim, lim, "k-", lw=0.6, label="estimate = measurement")
+    ax.set_xlim(lim)
+    ax.set_ylim(lim)
+    ax.legend(fontsize=7)
     ax.set_xlabel("measured group time (ms)")
     ax.set_ylabel("estimated (ms)")
     ax.set_title(caption(est), fontsize=7);
