@@ -50,44 +50,44 @@ def end_to_end(r: dict[str, Any]) -> str:
 
 
 def scaling(r: dict[str, Any]) -> str:
-    lines = ["| ranks | GBS | strategy | step (s) | tokens/s/rank | scaling efficiency | DHP speed-up | utilisation | plan (ms, measured) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| ranks | GBS | strategy | step (s) | tokens/s/rank | scaling efficiency | DHP speed-up | utilisation | plan (ms, measured) | how |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['ranks']} | {row['batch']} | {row['strategy']} | {row['step_s']:.2f} | "
                      f"{row['tokens_per_s_per_rank']:.0f} | {row['scaling_efficiency']:.1%} | "
-                     f"{_fmt(row.get('dhp_speedup'))}x | {row['utilisation']:.2f} | {row['plan_wall_ms']:.0f} |")
+                     f"{_fmt(row.get('dhp_speedup'))}x | {row['utilisation']:.2f} | {row['plan_wall_ms']:.0f} | {_short(row['label'])} |")
     return "\n".join(lines)
 
 
 def overhead(r: dict[str, Any]) -> str:
-    lines = ["| ranks | GBS | solver ms (median / max) | whole scheduling ms (median / max) | simulated step s | scheduling / step |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| ranks | GBS | solver ms (median / max) | whole scheduling ms (median / max) | simulated step s | scheduling / step | how |",
+             "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['ranks']} | {row['batch']} | {row['solver_ms_median']:.1f} / {row['solver_ms_max']:.1f} | "
                      f"{row['scheduling_ms_median']:.1f} / {row['scheduling_ms_max']:.1f} | {row['sim_step_s_mean']:.2f} | "
-                     f"{row['scheduling_share_of_step']:.2%} |")
+                     f"{row['scheduling_share_of_step']:.2%} | {r['label']}; step simulated |")
     return "\n".join(lines)
 
 
 def estimator(r: dict[str, Any]) -> str:
     if not r.get("measured"):
         return f"**Not measured:** {r.get('reason')}"
-    lines = ["| model | devices | points (held out) | held-out mean error | median | max | train mean error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | devices | points (held out) | held-out mean error | median | max | train mean error | how |",
+             "|---|---|---|---|---|---|---|---|"]
     for t in r["table"]:
         lines.append(f"| {t['model']} | {r['config']['devices']} fake CPU | {t['points']} ({t['held_out']}) | "
                      f"**{t['mean_rel_error']:.1%}** | {t['median_rel_error']:.1%} | {t['max_rel_error']:.1%} | "
-                     f"{_fmt(t['train_mean_rel_error'], '.1%')} |")
+                     f"{_fmt(t['train_mean_rel_error'], '.1%')} | {t['label']} |")
     return "\n".join(lines)
 
 
 def case_study(r: dict[str, Any]) -> str:
-    lines = ["| data | best static (config, micro-batches, s) | DHP groups per micro-batch (degree x count) | DHP s | speed-up |",
-             "|---|---|---|---|---|"]
+    lines = ["| data | best static (config, micro-batches, s) | DHP groups per micro-batch (degree x count) | DHP s | speed-up | how |",
+             "|---|---|---|---|---|---|"]
     for row in r["rows"]:
         lines.append(f"| {row['dataset']} | {row['baseline']} {row['baseline_config']}, {row['baseline_micro_batches']}, "
                      f"{row['baseline_step_s']:.2f} | {' ; '.join(row['dhp_micro_batches'])} | {row['dhp_step_s']:.2f} | "
-                     f"**{row['speedup']:.2f}x** |")
+                     f"**{row['speedup']:.2f}x** | {_short(row['label'])} |")
     return "\n".join(lines)
 
 
@@ -96,39 +96,40 @@ def optimality(r: dict[str, Any]) -> str:
 
     small = [x for x in r["small"] if "ratio" in x]
     proven = [x["ratio"] for x in small if x["milp_optimal"]]
-    lines = ["| instances | count | median | p90 | max | share within 1 % / 3 % |", "|---|---|---|---|---|---|"]
+    lines = ["| instances | count | median | p90 | max | share within 1 % / 3 % | how |", "|---|---|---|---|---|---|---|"]
+    how = _short(r["label"].split(";")[0])
     if proven:
         a = np.asarray(proven)
         lines.append(f"| small, DHP / proven MILP optimum | {a.size} of {len(small)} | {np.median(a):.4f} | "
-                     f"{np.percentile(a, 90):.4f} | {a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} |")
+                     f"{np.percentile(a, 90):.4f} | {a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
     unproven = [x for x in small if not x["milp_optimal"]]
     if unproven:
         a = np.asarray([x["ratio"] for x in unproven])
         lines.append(f"| small, MILP hit its time limit: DHP / MILP incumbent | {a.size} of {len(small)} | "
                      f"{np.median(a):.4f} | {np.percentile(a, 90):.4f} | {a.max():.4f} | "
-                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} |")
+                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
     a = np.asarray([x["dhp_step_s"] / x["lower_bound_s"] for x in small])
     if a.size:
         lines.append(f"| small, DHP / lower bound (all) | {a.size} | {np.median(a):.4f} | {np.percentile(a, 90):.4f} | "
-                     f"{a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} |")
+                     f"{a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
     for n in sorted({x["ranks"] for x in r["large"]}):
         rs = [x for x in r["large"] if x["ranks"] == n]
         a = np.asarray([x["dhp_over_bound"] for x in rs])
         b = np.asarray([x["static_over_bound"] for x in rs])
         lines.append(f"| {n} ranks, DHP / lower bound (static ring / bound: {np.median(b):.3f}) | {a.size} | "
                      f"{np.median(a):.4f} | {np.percentile(a, 90):.4f} | {a.max():.4f} | "
-                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} |")
+                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
     return "\n".join(lines)
 
 
 def ablations(r: dict[str, Any]) -> str:
-    lines = ["| data | variant | step (s) | vs full DHP | micro-batches | utilisation |", "|---|---|---|---|---|---|"]
+    lines = ["| data | variant | step (s) | vs full DHP | micro-batches | utilisation | how |", "|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
         if "infeasible" in row:
-            lines.append(f"| {row['dataset']} | {row['variant']} | infeasible | — | — | — |")
+            lines.append(f"| {row['dataset']} | {row['variant']} | infeasible | — | — | — | {_short(row['label'])} |")
             continue
         lines.append(f"| {row['dataset']} | {row['variant']} | {row['step_s']:.2f} | {row['slowdown_vs_full']:.3f}x | "
-                     f"{row['micro_batches']:.1f} | {row['utilisation']:.2f} |")
+                     f"{row['micro_batches']:.1f} | {row['utilisation']:.2f} | {_short(row['label'])} |")
     return "\n".join(lines)
 
 
