@@ -56,10 +56,9 @@ print(jax.__version__, jax.devices())
 # We plan 8 samples of the long-tailed text mix for 8 ranks of a Qwen3-VL-8B-sized model (the cost
 # model only sees lengths), taking the first seed whose plan has two or three groups of distinct
 # sizes, one of them an odd ring (few groups keep the compiles few on a CPU): degrees need not be
-# powers of two, nor divide the rank count. To run
-# that plan here we then make *tiny* samples, 1/40 of each length, with real payloads (token ids,
-# image and video patches) for the tiny model; the plan refers to samples by index, so it applies
-# unchanged.
+# powers of two, nor divide the rank count. To run that plan here we then make *tiny* samples, 1/40
+# of each length, with real payloads (token ids, image and video patches) for the tiny model; the
+# plan refers to samples by index, so it applies unchanged.
 
 # %%
 MIX, BATCH, SHRINK = "text-longtail", 8, 40
@@ -96,11 +95,12 @@ print("modalities:  ", [[sg.modality for sg in s.segments] for s in samples])
 params = init_params(config, jax.random.key(0))
 executor = PlanExecutor(config)
 print("full mesh:", executor.mesh)
-for degree, bucket, ids in executor.plan_keys(samples, plan):
-    devices = executor.ranks.group_devices([i for i in ids])  # one device per rank here
-    mesh = executor.ranks.submesh(devices)
-    print(f"degree {degree}: bucket {bucket} tokens -> {bucket // degree} per device on "
-          f"mesh {dict(mesh.shape)} over devices {[d.id for d in mesh.devices.flat]}")
+# plan_keys: (degree, bucket, device ids) of each group, in plan order, without compiling anything
+for g, (degree, bucket, ids) in zip(plan.groups, executor.plan_keys(samples, plan)):
+    mesh = executor.ranks.submesh(executor.ranks.group_devices(g.ranks))
+    assert tuple(d.id for d in mesh.devices.flat) == ids
+    print(f"ranks {list(g.ranks)}: bucket {bucket} tokens -> {bucket // degree} per device on "
+          f"mesh {dict(mesh.shape)} over devices {list(ids)}")
 print("sub-meshes built:", executor.ranks.num_submeshes)
 
 # %%
