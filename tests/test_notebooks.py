@@ -40,6 +40,16 @@ def test_every_notebook_is_listed():
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_source_is_canonical_percent_format(name):
+    """jupytext writes the file back unchanged (bar its version stamp): syncing a paired .ipynb
+    will not rewrite the committed .py, so its diffs stay the author's."""
+    src = (NOTEBOOKS / f"{name}.py").read_text()
+    out = jupytext.writes(jupytext.reads(src, fmt="py:percent"), fmt="py:percent")
+    stamp = ("#       format_version:", "#       jupytext_version:")
+    assert [ln for ln in out.splitlines() if not ln.startswith(stamp)] == src.splitlines()
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_notebook_runs(name, tmp_path):
     src = NOTEBOOKS / f"{name}.py"
     nb = jupytext.read(src, fmt="py:percent")
