@@ -27,6 +27,7 @@ def execute(nb: nbformat.NotebookNode, cwd: Path) -> float:
     """Run `nb` in place in a fresh kernel; returns wall seconds. Raises CellExecutionError on error."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     env.pop("MPLBACKEND", None)  # the kernel's inline backend, whatever the calling shell set
+    env.pop("DHP_RESULTS_DIR", None)  # notebook 03 must read the committed results
     client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                             resources={"metadata": {"path": str(cwd)}})
     t0 = time.perf_counter()
