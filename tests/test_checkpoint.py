@@ -92,3 +92,14 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match="no checkpoint in"):
         ck.read_meta()
     ck.close()
+
+
+def test_clear_removes_every_step(tmp_path, replicated):
+    _, state = _state(replicated)
+    ck = Checkpointer(tmp_path / "ck", every=1, keep=3)
+    for s in (1, 2):
+        ck.save(s, state, data_position=s, model_config={})
+    assert ck.clear() == [1, 2] and ck.latest_step() is None
+    ck.save(1, state, data_position=1, model_config={})  # the step number can be written again
+    assert ck.latest_step() == 1
+    ck.close()

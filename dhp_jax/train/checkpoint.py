@@ -55,6 +55,13 @@ class Checkpointer:
                                                          meta=ocp.args.JsonSave(meta)), force=True)
         self._manager.wait_until_finished()
 
+    def clear(self) -> list[int]:
+        """Delete every checkpoint here (a fresh run replaces an old run's); returns their steps."""
+        steps = list(self._manager.all_steps())
+        for step in steps:
+            self._manager.delete(step)
+        return steps
+
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
 

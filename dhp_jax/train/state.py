@@ -41,11 +41,11 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     )
 
 
-def create_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
-                 seed: int, sharding: jax.sharding.Sharding) -> TrainState:
-    """Initialise the state already placed with `sharding` (no host copy, no later re-shard).
+def make_init(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
+              sharding: jax.sharding.Sharding) -> Callable[[jax.Array], TrainState]:
+    """`init(key) -> TrainState`, jitted with every leaf's output sharding fixed to `sharding`.
 
-    The seed is split once into named streams: "params" for initialisation, "train" kept in the
+    The key is split once into named streams: "params" for initialisation, "train" kept in the
     state for anything random during training.
     """
 
@@ -55,10 +55,14 @@ def create_state(init_params: Callable[[jax.Array], Any], optimizer: optax.Gradi
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                           rng=k_train)
 
-    key = jax.random.PRNGKey(seed)
-    abstract = jax.eval_shape(init, key)
-    out_shardings = jax.tree.map(lambda _: sharding, abstract)
-    return jax.jit(init, out_shardings=out_shardings)(key)
+    abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+    return jax.jit(init, out_shardings=jax.tree.map(lambda _: sharding, abstract))
+
+
+def create_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
+                 seed: int, sharding: jax.sharding.Sharding) -> TrainState:
+    """Initialise the state already placed with `sharding` (no host copy, no later re-shard)."""
+    return make_init(init_params, optimizer, sharding)(jax.random.PRNGKey(seed))
 
 
 def state_shardings(state: TrainState, sharding: jax.sharding.Sharding) -> TrainState:

@@ -7,6 +7,7 @@ model) is checked in `Trainer.__init__` / `prepare`, before the first step runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -18,6 +19,22 @@ import numpy as np
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
+
+
+@functools.lru_cache(maxsize=8)
+def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any) -> tuple[Any, Any]:
+    """Jitted state init and update, shared by every run with the same model, optimizer and mesh
+    (a resumed run, or the runs of one test module, compile them once)."""
+    import jax
+
+    from dhp_jax.model import init_params
+    from dhp_jax.train.config import OptimConfig
+    from dhp_jax.train.state import make_init, make_optimizer, make_update
+
+    optimizer = make_optimizer(OptimConfig(*optim), steps)
+    init = make_init(lambda k: init_params(model_config, k), optimizer, sharding)
+    update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)))
+    return init, update
 
 
 def plan_hash(plan: Any) -> str:
@@ -82,13 +99,12 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
-        from dhp_jax.model import init_params
-        from dhp_jax.train.state import create_state, make_optimizer, make_update
+        import jax
 
-        optimizer = make_optimizer(self.config.optim, self.config.steps)
-        state = create_state(lambda k: init_params(self.model_config, k), optimizer, self.config.seed,
-                             self.executor.replicated)
-        self._update = make_update(optimizer, self.executor.replicated, state)
+        init, update = _state_functions(self.model_config, dataclasses.astuple(self.config.optim),
+                                        self.config.steps, self.executor.replicated)
+        state = init(jax.random.PRNGKey(self.config.seed))
+        self._update = update
         return state
 
     def checkpointer(self):
@@ -114,6 +130,13 @@ class Trainer:
                 raise CheckpointError(f"--resume: no checkpoint in {str(ckpt.directory)!r}")
             restored = ckpt.restore(state, self.model_config.to_dict())
             state, start = restored.state, restored.data_position
+        elif ckpt.latest_step() is not None:
+            # a fresh run owns its output directory: metrics are rewritten, old checkpoints go too
+            import sys
+
+            old = ckpt.clear()
+            print(f"dhp train: fresh run (no --resume): removed checkpoints {old} of an earlier run in "
+                  f"{str(ckpt.directory)!r}", file=sys.stderr)
         stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
         metrics = MetricsWriter(self.out_dir, total_steps=cfg.steps, start_step=start,
                                 progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard,
