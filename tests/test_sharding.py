@@ -155,4 +155,9 @@ def test_bad_input_rejected_before_running(setup):
         ex.loss_and_grads(params, s2, PLANS["3+5"])
     with pytest.raises(PlanValidationError, match="sample"):
         ex.loss_and_grads(params, samples[:7], PLANS["8"])
+    ex.flat_params(params)                                  # binds the params structure
+    with pytest.raises(ValueError, match="structure"):
+        ex.loss_and_grads({**params, "extra": params["final_norm"]}, samples, PLANS["3+5"])
+    with pytest.raises(ValueError, match="min_bucket"):
+        PlanExecutor(C, min_bucket=0)
     assert ex.num_compiles == n

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dhp_jax.data.layout import MIN_BUCKET, GROWTH, GroupLayout, pack_group
+from dhp_jax.data.layout import GROWTH, MIN_BUCKET, GroupLayout, ladder, pack_group
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import MODEL_INPUTS, apply_model, token_loss_sum
@@ -106,6 +106,7 @@ class PlanExecutor:
         self.mesh = self.ranks.full_mesh
         self.replicated = NamedSharding(self.mesh, P())
         self._stacked = NamedSharding(self.mesh, P(DP_AXIS))
+        ladder(1, min_bucket, growth)                 # rejects a bad ladder now, not mid-step
         self.min_bucket, self.growth = min_bucket, growth
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
