@@ -12,7 +12,8 @@ Data flow of `loss_and_grads(params, samples, plan)`:
 3. Every group of every micro-batch is dispatched before anything is awaited.
 4. Per micro-batch, the devices' rows (zeros for idle devices) are assembled into one [N, 2 + P]
    array over the full `dp` mesh with `jax.make_array_from_single_device_arrays` (no copy, no host
-   round trip); one jit sums over devices and micro-batches (the all-reduce), divides by the total
+   round trip) and added to the previous micro-batches' rows on each device (no communication);
+   at the end one jit sums over devices (the one all-reduce of the step), divides by the total
    token count and unflattens: loss and grads replicated on the full mesh, grads shaped like params.
 
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
@@ -115,7 +116,7 @@ class PlanExecutor:
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
-        self._reducers: dict[int, Any] = {}
+        self._reducers: dict[str, Any] = {}
         self._zeros: dict[jax.Device, jax.Array] = {}
         self._struct: Any = None          # (treedef, shapes, dtypes) of the params tree
         self._unravel: Callable[[jax.Array], Any] | None = None
@@ -241,17 +242,20 @@ class PlanExecutor:
             z = self._zeros[device] = jax.device_put(np.zeros((1, 2 + self._num_flat), np.float32), device)
         return z
 
-    def _reducer(self, num_micro_batches: int):
-        fn = self._reducers.get(num_micro_batches)
-        if fn is None:
+    def _reducer(self):
+        """(accumulate, finish): rows summed micro-batch by micro-batch on each device (no
+        communication), then one all-reduce over the full mesh, / token count, unflattened."""
+        if not self._reducers:
             unravel = self._unravel
 
-            def reduce(parts):
-                v = sum(jnp.sum(p, axis=0) for p in parts)     # the all-reduce over every device
+            def finish(acc):
+                v = jnp.sum(acc, axis=0)                       # the all-reduce over every device
                 return v[0] / v[1], unravel(v[2:] / v[1])
 
-            fn = self._reducers[num_micro_batches] = jax.jit(reduce, out_shardings=self.replicated)
-        return fn
+            # No donation: rows of idle devices are cached zero buffers that must survive.
+            self._reducers["add"] = jax.jit(jnp.add, out_shardings=self._stacked)
+            self._reducers["finish"] = jax.jit(finish, out_shardings=self.replicated)
+        return self._reducers["add"], self._reducers["finish"]
 
     def dispatch(self, flat: jax.Array, work: Sequence[_GroupWork]) -> list[dict[jax.Device, jax.Array]]:
         """Launch every group (asynchronously); per micro-batch, the [1, 2 + P] row of each device."""
@@ -269,12 +273,15 @@ class PlanExecutor:
 
     def reduce(self, partials: Sequence[Mapping[jax.Device, jax.Array]]) -> tuple[jax.Array, Any]:
         """Token-weighted sum over all devices and micro-batches, replicated on the full mesh."""
-        parts = [jax.make_array_from_single_device_arrays(
-                     (len(self.ranks.devices), 2 + self._num_flat), self._stacked,
-                     [mb[d] if d in mb else self._zero_row(d) for d in self.ranks.devices
-                      if d.process_index == jax.process_index()])
-                 for mb in partials]
-        return self._reducer(len(parts))(parts)
+        add, finish = self._reducer()
+        acc = None
+        for mb in partials:
+            rows = jax.make_array_from_single_device_arrays(
+                (len(self.ranks.devices), 2 + self._num_flat), self._stacked,
+                [mb[d] if d in mb else self._zero_row(d) for d in self.ranks.devices
+                 if d.process_index == jax.process_index()])
+            acc = rows if acc is None else add(acc, rows)
+        return finish(acc)
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""
