@@ -104,3 +104,27 @@ def test_cli_reports_config_errors(capsys):
     assert main(["train", "stepz=3"]) == 2
     err = capsys.readouterr().err
     assert "unknown config key 'stepz'" in err and "num_ranks" in err
+
+
+def test_cli_rejects_an_unreadable_plan_file(tmp_path, monkeypatch, capsys):
+    from dhp_jax.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--plan-file", str(tmp_path / "missing.json"), "steps=1"]) == 2
+    assert "cannot read plan file" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing ran, nothing was written
+
+
+def test_tensorboard_without_tensorboardx_is_a_clear_error(tmp_path):
+    from dhp_jax.train.metrics import MetricsError, MetricsWriter
+
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError:
+        with pytest.raises(MetricsError, match="needs tensorboardX"):
+            MetricsWriter(tmp_path, total_steps=1, progress=False, tensorboard=True)
+    else:
+        w = MetricsWriter(tmp_path, total_steps=1, progress=False, tensorboard=True)
+        w.log_step({"step": 1, "loss": 1.0})
+        w.close()
+        assert (tmp_path / "tensorboard").is_dir()

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
         force_cpu_devices(config.devices.count)
 
     from dhp_jax.train.checkpoint import CheckpointError
+    from dhp_jax.train.metrics import MetricsError
     from dhp_jax.train.plans import PlanFileError
     from dhp_jax.train.trainer import TrainError, Trainer, dry_run
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         trainer = Trainer(config)
         result = trainer.run(resume=args.resume)
-    except (TrainError, PlanFileError, CheckpointError, ConfigError) as e:
+    except (TrainError, PlanFileError, CheckpointError, ConfigError, MetricsError) as e:
         print(f"dhp train: {e}", file=sys.stderr)
         return 2
     if args.json:

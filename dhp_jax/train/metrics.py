@@ -31,25 +31,29 @@ def _clean(x: Any) -> Any:
     return x
 
 
+def tensorboard_writer() -> Any:
+    """tensorboardX's SummaryWriter class, or a clear error when it is not installed."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        raise MetricsError("metrics.tensorboard=true needs tensorboardX "
+                           "(pip install 'dhp-jax[tensorboard]'), which is not installed") from None
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Writes `<out_dir>/metrics.jsonl` (appends on resume), a progress bar, and TensorBoard scalars."""
 
     def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0, progress: bool = True,
                  tensorboard: bool = False, append: bool = False):
+        writer_cls = tensorboard_writer() if tensorboard else None  # fails before any file is touched
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         if not append and self.path.exists():
             self.path.unlink()
         self._file = self.path.open("a")
-        self._tb = None
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:
-                raise MetricsError("metrics.tensorboard=true needs tensorboardX "
-                                   "(pip install 'dhp-jax[tensorboard]'), which is not installed") from None
-            self._tb = SummaryWriter(str(self.out_dir / "tensorboard"))
+        self._tb = writer_cls(str(self.out_dir / "tensorboard")) if writer_cls else None
         self._bar = None
         if progress:
             from tqdm import tqdm

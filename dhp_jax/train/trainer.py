@@ -81,6 +81,10 @@ class Trainer:
         if config.planner.plan_file:
             plans = load_plan_file(config.planner.plan_file, num_samples=config.data.batch_size,
                                    num_ranks=config.num_ranks, steps=config.steps)
+        if config.metrics.tensorboard:
+            from dhp_jax.train.metrics import tensorboard_writer
+
+            tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
         self.cost = make_cost(config.planner.cost_profile, config.planner.cost_model, config.planner.hardware,
                               ranks_per_node=config.num_ranks)
         self.plan_source = PlanSource(config.num_ranks, cost=self.cost, strategy=config.planner.strategy,
