@@ -78,6 +78,8 @@ def test_bad_input_fails_before_any_step(tmp_path, executor):
     cfg = _config(tmp_path, "bad", "steps=2")
     with pytest.raises(TrainError, match="num_ranks=8 needs 8 devices but only 4"):
         Trainer(cfg, executor=executor, devices=jax.devices()[:4])
+    with pytest.raises(TrainError, match="strategy='bogus': unknown strategy"):
+        Trainer(_config(tmp_path, "bad", "planner.strategy=bogus"), executor=executor)
     with pytest.raises(PlanFileError, match="cannot read plan file"):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'nope.json'}"), executor=executor)
     (tmp_path / "garbage.json").write_text("{not json")

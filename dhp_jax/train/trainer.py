@@ -90,6 +90,12 @@ class Trainer:
         self.plan_source = PlanSource(config.num_ranks, cost=self.cost, strategy=config.planner.strategy,
                                       plans=plans, num_micro_batches=config.planner.num_micro_batches)
         self.pipeline = DataPipeline(config.data, self.model_config.vocab_size, self.model_config.patch_dim)
+        # One plan now, so a bad strategy or data setting is an error before anything is compiled.
+        try:
+            self.plan_source(0, self.pipeline.batch(0)).validate(num_devices=len(self.devices))
+        except (ValueError, TypeError) as e:
+            raise TrainError(f"cannot plan the first batch with planner.strategy={config.planner.strategy!r}"
+                             f"{' (plan file)' if plans else ''}: {e}") from None
         if executor is None:
             from dhp_jax.sharding import PlanExecutor
 
