@@ -122,7 +122,6 @@ class DataPipeline:
         samples = []
         for i, (src, c) in enumerate(zip(source, concepts)):
             segs = []
-            text_index = 0
             shape = self.scale_segments(src)
             for j, (modality, n, per_frame) in enumerate(shape):
                 if modality == "text":
@@ -133,7 +132,6 @@ class DataPipeline:
                     else:
                         ids = self.instruction[:n].astype(np.int32)
                     segs.append(Segment("text", n, token_ids=ids, meta={"role": "caption" if is_caption else "prompt"}))
-                    text_index += 1
                 else:
                     noise = rng.normal(size=(n, self.patch_dim)).astype(np.float32)
                     pixels = self.prototypes[c][None, :] + np.float32(cfg.noise) * noise
