@@ -104,6 +104,11 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     assert "collective-permute" in hlo
     for gather in ("all-gather", "all-to-all", "all-reduce"):
         assert gather not in hlo, f"group program contains {gather}"
+    # The step's reduction over the full mesh: one all-reduce of the [N, 2 + P] rows.
+    _, finish = ex._reducer()
+    rows = jax.ShapeDtypeStruct((8, 2 + C.num_params()), np.float32, sharding=ex._stacked)
+    red = finish.lower(rows).compile().as_text()
+    assert "all-reduce" in red and "collective-permute" not in red
 
 
 def test_no_implicit_transfers(setup):
