@@ -1,0 +1,104 @@
+"""`npu_backend.train` as 2 "nodes" x 2 processes through torchrun's c10d rendezvous on localhost.
+
+Two torchrun agents (`--nnodes 2 --node-rank 0/1`, the second told it does not host the
+rendezvous store) form one world of 4 ranks: ranks 0-1 on one agent, 2-3 on the other. They
+replay plans whose CP groups span the two "nodes" (3+1 with the 3 across the boundary, 2+1+1,
+one group of 4) and must give the same losses and final weights as the 4-process single-node run
+of the same plans. A rank killed mid-run must not leave the other node hanging: both agents end,
+and torchrun names the failed rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from npu_backend.launch import free_port
+
+ARGS = ["--batch-size", "6", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--lr", "0.1"]
+TIMEOUT_S = 150
+
+
+def _cmd(*torchrun_args: str) -> list[str]:
+    exe = shutil.which("torchrun")
+    return ([exe] if exe else [sys.executable, "-m", "torch.distributed.run"]) + list(torchrun_args)
+
+
+def _start(cmd: list[str], cwd, log_name: str) -> subprocess.Popen:
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", DHP_TORCH_DEVICE="cpu", OMP_NUM_THREADS="1")
+    log = open(cwd / log_name, "w")
+    # Own session: on a timeout the whole tree (agent and its ranks) is killed.
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_all(procs: dict[str, subprocess.Popen], cwd, timeout: float = TIMEOUT_S) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    codes = {}
+    try:
+        for name, p in procs.items():
+            codes[name] = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        logs = {n: (cwd / f"{n}.log").read_text()[-1500:] for n in procs}
+        raise AssertionError(f"torchrun runs still going after {timeout} s: "
+                             f"{[n for n, p in procs.items() if p.poll() is None]}\n{logs}") from None
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return codes
+
+
+def _node(node_rank: int, port: int, run_id: str, extra: list[str]) -> list[str]:
+    conf = [] if node_rank == 0 else ["--rdzv-conf", "is_host=0"]   # both "nodes" are 127.0.0.1
+    return _cmd("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "0", *conf,
+                "-m", "npu_backend.train", *ARGS, *extra)
+
+
+def _plans() -> list[dict]:
+    def plan(*mbs):
+        return Plan(4, tuple(MicroBatch(tuple(Group(tuple(r), len(r), tuple(s)) for r, s in mb)) for mb in mbs),
+                    solver={"strategy": "hand"}).to_dict()
+
+    return [plan([((1, 2, 3), (0, 2, 4, 5)), ((0,), (1, 3))]),             # 3 across the node boundary + 1
+            plan([((3, 0), (0, 1, 5)), ((1,), (2,)), ((2,), (3, 4))]),      # 2 across + 1 + 1
+            plan([((2, 1), (0, 1, 2))], [((0, 1, 2, 3), (3, 4, 5))])]       # two micro-batches
+
+
+def test_two_nodes_match_single_node(tmp_path):
+    (tmp_path / "plans.json").write_text(json.dumps(_plans()))
+    common = ["--plan-file", "plans.json", "--steps", "3"]
+    single = _cmd("--standalone", "--nproc-per-node", "4", "-m", "npu_backend.train", *ARGS, *common,
+                  "--json", "single.json", "--save-weights", "single.npz")
+    port = free_port()
+    procs = {"single": _start(single, tmp_path, "single.log"),
+             "node0": _start(_node(0, port, "mn", [*common, "--json", "multi.json", "--save-weights", "multi.npz"]),
+                             tmp_path, "node0.log"),
+             "node1": _start(_node(1, port, "mn", [*common, "--json", "multi.json", "--save-weights", "multi.npz"]),
+                             tmp_path, "node1.log")}
+    codes = _wait_all(procs, tmp_path)
+    assert codes == {"single": 0, "node0": 0, "node1": 0}, {n: (tmp_path / f"{n}.log").read_text()[-2000:]
+                                                           for n in procs}
+    one, two = (json.loads((tmp_path / f).read_text()) for f in ("single.json", "multi.json"))
+    assert one["world_size"] == two["world_size"] == 4
+    assert [s["degrees"] for s in two["steps"]] == [[[3, 1]], [[2, 1, 1]], [[2], [4]]]
+    single_losses = [s["loss"] for s in one["steps"]]
+    multi_losses = [s["loss"] for s in two["steps"]]
+    assert all(np.isfinite(single_losses)) and len(set(single_losses)) == 3
+    # Same ranks, same plans, same gloo reductions: the multi-node run is the single-node run.
+    assert multi_losses == single_losses
+    with np.load(tmp_path / "single.npz") as a, np.load(tmp_path / "multi.npz") as b:
+        assert a.files == b.files
+        for k in a.files:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
