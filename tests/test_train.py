@@ -36,13 +36,6 @@ def _config(tmp_path, name, *extra):
         "compare.enabled=false", *extra])
 
 
-def _plan_3_5(path):
-    plan = Plan(8, (MicroBatch((Group((0, 1, 2), 3, (0, 5, 7)), Group((3, 4, 5, 6, 7), 5, (1, 2, 3, 4, 6)))),),
-                solver={"strategy": "hand"})
-    path.write_text(plan.to_json())
-    return path
-
-
 def test_short_dhp_run_loss_falls(tmp_path, executor):
     cfg = _config(tmp_path, "dhp", "steps=8", "planner.strategy=dhp")
     result = Trainer(cfg, executor=executor).run()
@@ -59,8 +52,8 @@ def test_short_dhp_run_loss_falls(tmp_path, executor):
 
 
 def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
-    plan_file = _plan_3_5(tmp_path / "plan.json")
-    full = Trainer(_config(tmp_path, "full", "steps=6", f"planner.plan_file={plan_file}"), executor=executor).run()
+    # the same data and planner as the DHP run above: its plans, so its compiled programs
+    full = Trainer(_config(tmp_path, "full", "steps=6", "planner.strategy=dhp"), executor=executor).run()
     # the interrupted run replays the full run's plans.jsonl, is stopped after 3 steps, then resumed
     replay = tmp_path / "full" / "plans.jsonl"
     cfg = _config(tmp_path, "cut", "steps=6", f"planner.plan_file={replay}", "checkpoint.every=2")
@@ -130,3 +123,26 @@ def test_tensorboard_without_tensorboardx_is_a_clear_error(tmp_path):
         w.log_step({"step": 1, "loss": 1.0})
         w.close()
         assert (tmp_path / "tensorboard").is_dir()
+
+
+def test_profiler_times_real_group_executables(tmp_path, executor):
+    """The real path of `dhp profile`: one-group plans through the executor, fit, JSON that loads.
+
+    Degree 1 on rank 0 at one bucket reuses a program the DHP run compiled.
+    """
+    from dhp_jax.model import init_params
+    from dhp_jax.planner import CostModel
+    from dhp_jax.train.profile import ExecutorTimer, default_points, fit_profile, measure_points, write_profile
+
+    model = MLLMConfig.preset("tiny")
+    params = executor.replicate(init_params(model, jax.random.PRNGKey(0)))
+    timer = ExecutorTimer(executor, params, model, repeats=2)
+    points = default_points(degrees=[1], lengths=[96, 192, 288, 384], packs=(1, 2))
+    samples = timer.samples([40, 60], [0.25, 0.0])
+    assert [s.num_tokens for s in samples] == [40, 60] and samples[0].vision_tokens == 20
+    measurements = measure_points(points, timer)
+    assert all(m["seconds"] > 0 for m in measurements)
+    cost, report = fit_profile(measurements, CostModel.preset("internvl3-2b", "cpu"), holdout_every=4)
+    assert report["num_held_out"] == 2 and report["held_out_mean_rel_error"] >= 0
+    path, _ = write_profile(tmp_path / "p.json", cost, report, measurements)
+    assert CostModel.from_profile(path).time([100], 1) > 0
