@@ -133,9 +133,19 @@ def ablations(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def sensitivity(r: dict[str, Any]) -> str:
+    lines = ["| model | inter-node GB/s per rank | DHP (s) | best static (s) | DHP speed-up | how |",
+             "|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row['model']} | {row['inter_node_gbps']:g} | {row['dhp_step_s']:.2f} | "
+                     f"{row['best_static']} {row['best_static_step_s']:.2f} | **{row['speedup']:.2f}x** | "
+                     f"{_short(row['label'])} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
-    "case_study": case_study, "optimality": optimality, "ablations": ablations,
+    "case_study": case_study, "optimality": optimality, "ablations": ablations, "sensitivity": sensitivity,
 }
 
 

@@ -34,6 +34,7 @@ REGISTRY: dict[str, str] = {
     "case_study": "experiments.exp_case_study",
     "optimality": "experiments.exp_optimality",
     "ablations": "experiments.exp_ablations",
+    "sensitivity": "experiments.exp_sensitivity",
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")
