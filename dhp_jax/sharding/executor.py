@@ -19,7 +19,8 @@ Data flow of `loss_and_grads(params, samples, plan)`:
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
 device tuple); `num_programs` counts distinct (degree, bucket) programs, `num_compiles` the XLA
 executables built. Multi-process JAX: a process launches the groups that touch its addressable
-devices and contributes only its addressable rows (`_local`); single-process runs are the tested path.
+devices and contributes only its addressable rows (`_local`); groups may span processes
+(tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
 """
 
 from __future__ import annotations
@@ -205,9 +206,10 @@ class PlanExecutor:
         return exe
 
     def compile_plan(self, samples: Sequence[Sample], plan: Plan, params: Any) -> int:
-        """Build (without running) every executable the plan needs; returns how many were new."""
+        """Build (without running) every executable the plan needs on this process's devices;
+        returns how many were new."""
         before = self.num_compiles
-        for w in self.prepare(samples, plan):
+        for w in self._local(self.prepare(samples, plan)):
             self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
         return self.num_compiles - before
 
@@ -287,6 +289,6 @@ class PlanExecutor:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""
         work = self.prepare(samples, plan)
         flat = self.flat_params(params)
-        for w in work:                          # compile anything missing before dispatching
+        for w in self._local(work):             # compile anything missing (this process's groups)
             self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
         return self.reduce(self.dispatch(flat, work))

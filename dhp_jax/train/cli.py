@@ -25,6 +25,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config, devices, plan file and the first plan; run no step")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    dist = parser.add_argument_group("multi-process (jax.distributed; default: from DHP_*, JAX_* or SLURM env)")
+    dist.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
+    dist.add_argument("--num-processes", type=int, help="processes in the run (one per host, usually)")
+    dist.add_argument("--process-id", type=int, help="this process's index, 0..num_processes-1")
+    dist.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
+                      help="seconds a process waits for its peers (joining, each step's plan agreement and "
+                           "device work) before it fails naming the step and the missing process")
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -65,8 +72,26 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"dhp train: config error: {e}", file=sys.stderr)
         return 2
+    from dhp_jax.train.distributed import DistributedError, PlanMismatchError, describe, initialize, resolve
+
+    try:
+        dist = resolve(args.coordinator, args.num_processes, args.process_id)
+        if dist is not None and config.devices.platform == "cpu" and config.devices.count % dist.num_processes:
+            raise DistributedError(f"devices.count={config.devices.count} does not split evenly over "
+                                   f"{dist.num_processes} processes")
+    except DistributedError as e:
+        print(f"dhp train: {e}", file=sys.stderr)
+        return 2
     if config.devices.platform == "cpu":
-        force_cpu_devices(config.devices.count)
+        # devices.count is the run's total; each process creates its share of fake CPU devices
+        force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
+    if dist is not None:
+        try:
+            initialize(dist, timeout_s=int(args.step_timeout))
+        except DistributedError as e:
+            print(f"dhp train: {e}", file=sys.stderr)
+            return 2
+        print(f"dhp train: {describe(dist)}", file=sys.stderr, flush=True)
 
     from dhp_jax.train.checkpoint import CheckpointError
     from dhp_jax.train.metrics import MetricsError
@@ -78,8 +103,18 @@ def run(args: argparse.Namespace) -> int:
             report = dry_run(config)
             print(json.dumps(report, indent=2) if args.json else _format_dry_run(report))
             return 0
-        trainer = Trainer(config)
+        trainer = Trainer(config, step_timeout_s=args.step_timeout)
         result = trainer.run(resume=args.resume)
+    except PlanMismatchError as e:
+        # every process is alive and raised the same error: a normal exit, through jax.distributed's
+        # shutdown barrier, so process 0 (the coordinator) does not vanish under the others
+        print(f"dhp train: {e}", file=sys.stderr)
+        return 2
+    except DistributedError as e:
+        print(f"dhp train: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # A peer is gone: jax.distributed's shutdown barrier would wait for it; end now instead.
+        os._exit(3)
     except (TrainError, PlanFileError, CheckpointError, ConfigError, MetricsError) as e:
         print(f"dhp train: {e}", file=sys.stderr)
         return 2

@@ -143,13 +143,14 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
         offer("num_processes", _int(env, "SLURM_NTASKS"), "SLURM_NTASKS")
         offer("process_id", _int(env, "SLURM_PROCID"), "SLURM_PROCID")
         if nodelist:
+            head = expand_nodelist(nodelist)[0]      # the coordinator runs on the first node
             if "DHP_COORDINATOR_PORT" in env:
                 port = _int(env, "DHP_COORDINATOR_PORT")
             elif "SLURM_JOB_ID" in env:
                 port = slurm_port(env["SLURM_JOB_ID"])
             else:
                 raise DistributedError("SLURM run without SLURM_JOB_ID: set DHP_COORDINATOR_PORT")
-            offer("coordinator", f"{expand_nodelist(nodelist)[0]}:{port}", "SLURM node list")
+            offer("coordinator", f"{head}:{port}", "SLURM node list")
     if not found:
         return None
     n = found.get("num_processes", (None, ""))[0]
@@ -245,7 +246,12 @@ class StepSync:
         """
         if self.num_processes == 1:
             return {0: digest}
-        self.client.key_value_set(self._key("plan", step, self.process_id), digest)
+        try:
+            self.client.key_value_set(self._key("plan", step, self.process_id), digest)
+        except Exception as e:
+            raise StepTimeoutError(f"step {step}: process {self.process_id} cannot reach the coordination service, "
+                                   f"which process 0 hosts ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                                   f"missing at step {step}: process 0 (died, or the network failed)") from None
         deadline = time.monotonic() + self.timeout_s
         digests = {self.process_id: digest}
         for p in self.peers:

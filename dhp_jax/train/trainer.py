@@ -6,6 +6,7 @@ model) is checked in `Trainer.__init__` / `prepare`, before the first step runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -61,7 +62,8 @@ class RunResult:
 class Trainer:
     """One run of `dhp train`. `executor` may be passed in (tests share one to reuse compiles)."""
 
-    def __init__(self, config: TrainConfig, executor: Any = None, devices: Sequence[Any] | None = None):
+    def __init__(self, config: TrainConfig, executor: Any = None, devices: Sequence[Any] | None = None,
+                 step_timeout_s: float = 300.0):
         import jax
 
         from dhp_jax.model import MLLMConfig
@@ -106,6 +108,11 @@ class Trainer:
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
         self._state = None
         self._update = None
+        # Multi-process (jax.distributed): each step the processes agree on the plan hash and a
+        # watchdog bounds the wait for a dead peer (see dhp_jax.train.distributed).
+        self.step_timeout_s = float(step_timeout_s)
+        self.process_index = jax.process_index()
+        self.multi_process = jax.process_count() > 1
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
@@ -148,22 +155,35 @@ class Trainer:
             print(f"dhp train: fresh run (no --resume): removed checkpoints {old} of an earlier run in "
                   f"{str(ckpt.directory)!r}", file=sys.stderr)
         stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-        metrics = MetricsWriter(self.out_dir, total_steps=cfg.steps, start_step=start,
+        sync = None
+        metrics_dir = self.out_dir
+        if self.multi_process:
+            from dhp_jax.train.distributed import StepSync
+
+            sync = StepSync(self.step_timeout_s)
+            if self.process_index:      # process 0 writes where a single-process run would
+                metrics_dir = self.out_dir / f"process-{self.process_index}"
+        metrics = MetricsWriter(metrics_dir, total_steps=cfg.steps, start_step=start,
                                 progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard,
                                 append=resume)
-        plan_log = (self.out_dir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+        plan_log = (metrics_dir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
             with PlannerThread(self.pipeline.batch, self.plan_source, start, stop,
                                lookahead=cfg.planner.lookahead) as planned:
                 for item in planned:
-                    t0 = time.perf_counter()
-                    loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
-                    state, grad_norm = self._update(state, grads)
-                    jax.block_until_ready((loss, grad_norm, state.params))
-                    step_time = time.perf_counter() - t0
                     done = item.step + 1
+                    if sync is not None:
+                        sync.agree(done, plan_hash(item.plan))
+                        # compile outside the watchdog: only the device work is bounded by the timeout
+                        self.executor.compile_plan(item.batch.samples, item.plan, state.params)
+                    t0 = time.perf_counter()
+                    with sync.watch(done) if sync is not None else contextlib.nullcontext():
+                        loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
+                        state, grad_norm = self._update(state, grads)
+                        jax.block_until_ready((loss, grad_norm, state.params))
+                    step_time = time.perf_counter() - t0
                     rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm),
                            "lr": float(self._lr(item.step)), "tokens": item.batch.num_tokens,
                            "samples": len(item.batch.samples), "step_time_s": step_time,

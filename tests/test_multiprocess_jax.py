@@ -1,0 +1,229 @@
+"""Multi-process JAX: `dhp train` as 2 processes x 4 fake CPU devices under `jax.distributed` (gloo).
+
+The two processes replay plans whose CP groups span both (a 3-group on ranks 2,3,4 across the
+boundary between process 0's devices 0-3 and process 1's devices 4-7, and a 5-group 5,6,7,0,1)
+and must give the losses of the single-process run on 8 devices, to the project's fp32 1e-5.
+A process that dies must not leave its peer hanging: the peer ends within a short timeout with
+a message naming the step and the missing process, whether the death comes before the step's
+plan agreement or inside the step's collective. Also the set-up from flags and cluster env.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.train.distributed import (DistributedConfig, DistributedError, expand_nodelist, resolve, slurm_port)
+from npu_backend.launch import free_port
+
+BATCH = 8
+OVERRIDES = ["steps=3", f"data.batch_size={BATCH}", "data.max_tokens=48", "data.num_classes=4",
+             "optim.learning_rate=0.01", "optim.warmup_steps=1", "compare.enabled=false", "metrics.progress=false",
+             "min_bucket=256"]
+
+
+def _plans(path):
+    three, five = (2, 3, 4), (5, 6, 7, 0, 1)      # process 0 holds ranks 0-3, process 1 ranks 4-7
+    plans = [Plan(8, (MicroBatch((Group(three, 3, (0, 5, 7)), Group(five, 5, (1, 2, 3, 4, 6)))),)),
+             Plan(8, (MicroBatch((Group(five, 5, (0, 1, 2)), Group(three, 3, (3, 4, 5, 6, 7)))),)),
+             Plan(8, (MicroBatch((Group(three, 3, (2, 6)), Group(five, 5, (0, 4, 7)))),
+                      MicroBatch((Group(five, 5, (1, 3)), Group(three, 3, (5,)))),))]
+    path.write_text(json.dumps({"plans": [p.to_dict() for p in plans]}))
+    return path
+
+
+def _env() -> dict:
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    for k in [k for k in env if k.startswith(("SLURM_", "DHP_COORDINATOR", "DHP_NUM_PROC", "DHP_PROCESS",
+                                              "JAX_COORDINATOR", "JAX_NUM_PROC", "JAX_PROCESS"))]:
+        del env[k]
+    return env
+
+
+def _run_pair(cmds: list[list[str]], cwd, timeout: float) -> list[tuple[int, str]]:
+    """Start the processes together; (exit code, output) of each; never waits past `timeout`."""
+    procs = [subprocess.Popen(c, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for c in cmds]
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for p in procs:
+            try:
+                text, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                text, _ = p.communicate()
+                raise AssertionError(f"process still running after {timeout} s (hang):\n{text[-3000:]}") from None
+            out.append((p.returncode, text))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return out
+
+
+def _train_cmd(pid: int, port: int, out_dir, plan_file) -> list[str]:
+    return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, f"metrics.out_dir={out_dir}",
+            f"planner.plan_file={plan_file}", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            "--process-id", str(pid), "--step-timeout", "120"]
+
+
+def test_two_processes_match_single_process(tmp_path):
+    from dhp_jax.train.config import load_config
+    from dhp_jax.train.metrics import read_jsonl
+    from dhp_jax.train.trainer import Trainer
+
+    plan_file = _plans(tmp_path / "plans.json")
+    port = free_port()
+    multi = tmp_path / "multi"
+    procs = [subprocess.Popen(_train_cmd(pid, port, multi, plan_file), cwd=tmp_path, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for pid in (0, 1)]
+    try:
+        # The reference runs here (8 fake devices, one process) while the pair compiles.
+        ref = Trainer(load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
+                                             f"planner.plan_file={plan_file}"])).run()
+    finally:
+        texts = []
+        for p in procs:
+            try:
+                texts.append(p.communicate(timeout=240)[0])
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                texts.append(p.communicate()[0])
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0, text[-4000:]
+    assert "process 1 of 2, coordinator 127.0.0.1" in texts[1]
+    per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
+    for recs in per_process:
+        assert [r["step"] for r in recs] == [1, 2, 3]
+        assert [r["degrees"] for r in recs] == [[[3, 5]], [[5, 3]], [[3, 5], [5, 3]]]
+        assert [r["plan_hash"] for r in recs] == [r["plan_hash"] for r in ref.records]
+    losses0, losses1 = ([r["loss"] for r in recs] for recs in per_process)
+    assert losses0 == losses1                        # one replicated value, read by each process
+    assert len(set(ref.losses)) == 3 and all(np.isfinite(ref.losses))
+    np.testing.assert_allclose(losses0, ref.losses, rtol=1e-5, atol=0)
+    np.testing.assert_allclose([r["grad_norm"] for r in per_process[0]], [r["grad_norm"] for r in ref.records],
+                               rtol=1e-5, atol=0)
+
+
+# A worker that runs the real StepSync between two processes with a real cross-process collective
+# (a psum over a mesh of both processes' devices) inside each step's watch; process 1 dies at
+# step 2, either before publishing its plan hash or inside the step's device work.
+_WORKER = textwrap.dedent("""
+    import os, sys
+    pid, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    from dhp_jax.train import distributed as D
+    D.initialize(D.resolve(f"127.0.0.1:{port}", 2, pid), timeout_s=30)
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
+    sync = D.StepSync(3.0)
+    try:
+        for step in (1, 2, 3):
+            if pid == 1 and step == 2 and mode == "before-agree":
+                os._exit(9)
+            if pid == 0 and step == 2 and mode == "coordinator-dies":
+                os._exit(9)
+            sync.agree(step, "planB" if mode == "mismatch" and pid == 1 and step == 2 else "planA")
+            with sync.watch(step):
+                if pid == 1 and step == 2 and mode == "in-step":
+                    os._exit(9)
+                x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("x")),
+                                                 lambda i: np.full(1, step, np.float32))
+                print(f"process {pid} step {step} sum {float(total(x))}", flush=True)
+    except D.PlanMismatchError as e:   # every process is alive: a normal exit (jax's shutdown barrier)
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)
+    except D.DistributedError as e:    # a peer is gone: the shutdown barrier would wait for it
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        os._exit(3)
+""")
+
+
+@pytest.mark.parametrize("mode", ["before-agree", "in-step", "mismatch", "coordinator-dies"])
+def test_dead_or_disagreeing_peer_ends_the_run_naming_step_and_process(tmp_path, mode):
+    port = free_port()
+    t0 = time.monotonic()
+    (rc0, out0), (rc1, out1) = _run_pair([[sys.executable, "-c", _WORKER, str(pid), str(port), mode]
+                                          for pid in (0, 1)], tmp_path, timeout=90)
+    assert time.monotonic() - t0 < 90
+    if mode == "mismatch":
+        assert "process 0 step 1 sum 4.0" in out0 and "process 1 step 1 sum 4.0" in out1   # step 1 agreed
+        for rc, out in ((rc0, out0), (rc1, out1)):
+            assert rc == 3, out[-3000:]
+            assert ("ERROR PlanMismatchError: step 2: the processes derived different plans "
+                    "(processes [0] planned planA; processes [1] planned planB)") in out
+        return
+    if mode == "coordinator-dies":
+        # Process 0 hosts the coordination service: the survivor cannot even publish its plan. Either
+        # our check reports it or jax's own error polling ends the process first (a race); never a hang.
+        assert rc0 == 9 and rc1 != 0 and "process 1 step 1 sum 4.0" in out1
+        assert ("step 2: process 1 cannot reach the coordination service, which process 0 hosts" in out1
+                or "Terminating process because the JAX distributed service detected fatal errors" in out1), out1
+        return
+    assert rc1 == 9
+    assert "process 0 step 1 sum 4.0" in out0 and "process 0 step 2" not in out0
+    if mode == "before-agree":
+        assert rc0 == 3, out0[-3000:]
+        assert ("ERROR StepTimeoutError: step 2: process 1 did not report its plan within 3 s; "
+                "processes missing at step 2: [1]") in out0
+    else:   # process 0 is blocked inside the step's collective: its watchdog ends it
+        assert rc0 == 75, out0[-3000:]
+        assert ("step 2: process 0 waited 3 s for the step's device work; processes that did not finish "
+                "step 2: [1]") in out0
+
+
+def test_resolve_from_flags_and_environment():
+    assert resolve(env={}) is None
+    assert resolve(env={"SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "n1"}) is None
+    flags = resolve("10.0.0.1:1234", 4, 3, env={"JAX_PROCESS_ID": "1"})
+    assert (flags.coordinator, flags.num_processes, flags.process_id) == ("10.0.0.1:1234", 4, 3)
+    env = resolve(env={"DHP_COORDINATOR": "h:9", "DHP_NUM_PROCESSES": "2", "DHP_PROCESS_ID": "1"})
+    assert (env.coordinator, env.num_processes, env.process_id) == ("h:9", 2, 1)
+    jax_env = resolve(env={"JAX_COORDINATOR_ADDRESS": "h:7", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2"})
+    assert (jax_env.num_processes, jax_env.process_id, jax_env.source) == (
+        3, 2, "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID")
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_NTASKS": "16", "SLURM_PROCID": "5",
+             "SLURM_STEP_NODELIST": "gpu-[007-009,012],cpu1", "SLURM_JOB_NODELIST": "other"}
+    s = resolve(env=slurm)
+    assert (s.coordinator, s.num_processes, s.process_id) == (f"gpu-007:{4242 % 4096 + 61440}", 16, 5)
+    assert slurm_port("4242") == 4242 % 4096 + 61440
+    assert resolve(env={**slurm, "DHP_COORDINATOR_PORT": "5000"}).coordinator == "gpu-007:5000"
+    assert resolve(env={**slurm, "DHP_COORDINATOR": "head:1"}).coordinator == "head:1"   # DHP_* wins
+    assert expand_nodelist("gpu-[007-009,012],cpu1") == ["gpu-007", "gpu-008", "gpu-009", "gpu-012", "cpu1"]
+    assert expand_nodelist("r[1-2]n[3-4]") == ["r1n3", "r1n4", "r2n3", "r2n4"]
+    assert expand_nodelist("a") == ["a"]
+
+
+@pytest.mark.parametrize("kwargs, env, match", [
+    ({"num_processes": 2}, {}, "coordinator, process_id not given"),
+    ({}, {"DHP_COORDINATOR": "h:1", "DHP_NUM_PROCESSES": "x", "DHP_PROCESS_ID": "0"},
+     "DHP_NUM_PROCESSES='x' is not an integer"),
+    ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, {}, r"process_id 2 is outside 0\.\.1"),
+    ({"coordinator": "nohost", "num_processes": 2, "process_id": 0}, {}, "'nohost' is not HOST:PORT"),
+    ({}, {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n[1-2"}, r"unbalanced '\['"),
+    ({}, {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n[1-2]"}, "set DHP_COORDINATOR_PORT"),
+    ({}, {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n[3-1]"},
+     "runs backwards"),
+])
+def test_resolve_rejects_bad_setups(kwargs, env, match):
+    with pytest.raises(DistributedError, match=match):
+        resolve(**kwargs, env=env)
+
+
+def test_config_is_validated():
+    with pytest.raises(DistributedError, match="num_processes must be >= 1"):
+        DistributedConfig("h:1", 0, 0, "test")
