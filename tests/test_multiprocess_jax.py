@@ -79,6 +79,9 @@ def _train_cmd(pid: int, port: int, out_dir, plan_file) -> list[str]:
 
 
 def test_two_processes_match_single_process(tmp_path):
+    import jax
+
+    from dhp_jax.train.checkpoint import Checkpointer
     from dhp_jax.train.config import load_config
     from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.trainer import Trainer
@@ -103,7 +106,7 @@ def test_two_processes_match_single_process(tmp_path):
                 texts.append(p.communicate()[0])
     for p, text in zip(procs, texts):
         assert p.returncode == 0, text[-4000:]
-    assert "process 1 of 2, coordinator 127.0.0.1" in texts[1]
+    assert "dhp train: process 1 of 2, coordinator 127.0.0.1" in texts[1]
     per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
     for recs in per_process:
         assert [r["step"] for r in recs] == [1, 2, 3]
@@ -115,6 +118,11 @@ def test_two_processes_match_single_process(tmp_path):
     np.testing.assert_allclose(losses0, ref.losses, rtol=1e-5, atol=0)
     np.testing.assert_allclose([r["grad_norm"] for r in per_process[0]], [r["grad_norm"] for r in ref.records],
                                rtol=1e-5, atol=0)
+    # The final checkpoint, written by both processes through orbax, holds the single-process weights.
+    restored = Checkpointer(multi / "checkpoints").restore(ref.state, ref.summary["model_config"])
+    assert restored.step == 3
+    for a, b in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(ref.state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
 # A worker that runs the real StepSync between two processes with a real cross-process collective
@@ -227,3 +235,29 @@ def test_resolve_rejects_bad_setups(kwargs, env, match):
 def test_config_is_validated():
     with pytest.raises(DistributedError, match="num_processes must be >= 1"):
         DistributedConfig("h:1", 0, 0, "test")
+
+
+def test_dhp_train_stops_cleanly_on_plan_mismatch_and_missing_peer(tmp_path):
+    """End to end through `dhp train`: different data on process 1 -> different plans at step 1 ->
+    both processes stop with the error (before compiling any group program); a peer that never
+    starts -> process 0 ends after the join timeout instead of waiting forever."""
+    port = free_port()
+
+    def cmd(pid: int, out: str, *extra: str, timeout: str = "60") -> list[str]:
+        return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, "planner.strategy=dhp",
+                f"metrics.out_dir={tmp_path / out}", *extra, "--coordinator", f"127.0.0.1:{port}",
+                "--num-processes", "2", "--process-id", str(pid), "--step-timeout", timeout]
+
+    (rc0, out0), (rc1, out1) = _run_pair([cmd(0, "m"), cmd(1, "m", "data.seed=1")], tmp_path, timeout=120)
+    for rc, out in ((rc0, out0), (rc1, out1)):
+        assert rc == 2, out[-3000:]
+        assert "dhp train: step 1: the processes derived different plans (processes [0] planned " in out, out[-3000:]
+
+    t0 = time.monotonic()
+    (rc, out), = _run_pair([cmd(0, "alone", timeout="2")], tmp_path, timeout=60)
+    # jax's runtime ends the process when registration times out (its own fatal error, not ours);
+    # our line before joining says which process waited for whom.
+    assert rc != 0 and time.monotonic() - t0 < 60
+    assert (f"dhp train: process 0 of 2, coordinator 127.0.0.1:{port} (from flag --coordinator, flag "
+            "--num-processes, flag --process-id): joining, waiting up to 2 s for all 2 processes") in out, out[-3000:]
+    assert "DEADLINE_EXCEEDED" in out and "RegisterTask" in out, out[-3000:]

@@ -86,12 +86,15 @@ def run(args: argparse.Namespace) -> int:
         # devices.count is the run's total; each process creates its share of fake CPU devices
         force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
     if dist is not None:
+        # Said before joining: if a process never comes, jax's runtime ends this one after the
+        # timeout with its own message (DEADLINE_EXCEEDED on RegisterTask), and this line says why.
+        print(f"dhp train: {describe(dist)}: joining, waiting up to {int(args.step_timeout)} s for all "
+              f"{dist.num_processes} processes", file=sys.stderr, flush=True)
         try:
             initialize(dist, timeout_s=int(args.step_timeout))
         except DistributedError as e:
             print(f"dhp train: {e}", file=sys.stderr)
             return 2
-        print(f"dhp train: {describe(dist)}", file=sys.stderr, flush=True)
 
     from dhp_jax.train.checkpoint import CheckpointError
     from dhp_jax.train.metrics import MetricsError
