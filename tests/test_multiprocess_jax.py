@@ -241,23 +241,24 @@ def test_dhp_train_stops_cleanly_on_plan_mismatch_and_missing_peer(tmp_path):
     """End to end through `dhp train`: different data on process 1 -> different plans at step 1 ->
     both processes stop with the error (before compiling any group program); a peer that never
     starts -> process 0 ends after the join timeout instead of waiting forever."""
-    port = free_port()
+    pair_port, alone_port = free_port(), free_port()
 
-    def cmd(pid: int, out: str, *extra: str, timeout: str = "60") -> list[str]:
+    def cmd(port: int, pid: int, out: str, *extra: str, timeout: str = "60") -> list[str]:
         return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, "planner.strategy=dhp",
                 f"metrics.out_dir={tmp_path / out}", *extra, "--coordinator", f"127.0.0.1:{port}",
                 "--num-processes", "2", "--process-id", str(pid), "--step-timeout", timeout]
 
-    (rc0, out0), (rc1, out1) = _run_pair([cmd(0, "m"), cmd(1, "m", "data.seed=1")], tmp_path, timeout=120)
-    for rc, out in ((rc0, out0), (rc1, out1)):
-        assert rc == 2, out[-3000:]
-        assert "dhp train: step 1: the processes derived different plans (processes [0] planned " in out, out[-3000:]
-
     t0 = time.monotonic()
-    (rc, out), = _run_pair([cmd(0, "alone", timeout="2")], tmp_path, timeout=60)
+    (rc0, out0), (rc1, out1), (rc, out) = _run_pair(     # all three at once: both cases together
+        [cmd(pair_port, 0, "m"), cmd(pair_port, 1, "m", "data.seed=1"), cmd(alone_port, 0, "alone", timeout="2")],
+        tmp_path, timeout=120)
+    for rc_, out_ in ((rc0, out0), (rc1, out1)):
+        assert rc_ == 2, out_[-3000:]
+        assert "dhp train: step 1: the processes derived different plans (processes [0] planned " in out_, out_[-3000:]
+
     # jax's runtime ends the process when registration times out (its own fatal error, not ours);
     # our line before joining says which process waited for whom.
-    assert rc != 0 and time.monotonic() - t0 < 60
-    assert (f"dhp train: process 0 of 2, coordinator 127.0.0.1:{port} (from flag --coordinator, flag "
+    assert rc != 0 and time.monotonic() - t0 < 120
+    assert (f"dhp train: process 0 of 2, coordinator 127.0.0.1:{alone_port} (from flag --coordinator, flag "
             "--num-processes, flag --process-id): joining, waiting up to 2 s for all 2 processes") in out, out[-3000:]
     assert "DEADLINE_EXCEEDED" in out and "RegisterTask" in out, out[-3000:]

@@ -4,8 +4,8 @@ Two torchrun agents (`--nnodes 2 --node-rank 0/1`, the second told it does not h
 rendezvous store) form one world of 4 ranks: ranks 0-1 on one agent, 2-3 on the other. They
 replay plans whose CP groups span the two "nodes" (3+1 with the 3 across the boundary, 2+1+1,
 one group of 4) and must give the same losses and final weights as the 4-process single-node run
-of the same plans. A rank killed mid-run must not leave the other node hanging: both agents end,
-and torchrun names the failed rank.
+of the same plans. A rank killed mid-run must not leave the other node hanging: both agents end
+within a bound, and torchrun names the killed rank.
 """
 
 from __future__ import annotations
@@ -76,20 +76,44 @@ def _plans() -> list[dict]:
             plan([((2, 1), (0, 1, 2))], [((0, 1, 2, 3), (3, 4, 5))])]       # two micro-batches
 
 
-def test_two_nodes_match_single_node(tmp_path):
+def _kill_a_rank_when_running(agent: subprocess.Popen, log, timeout: float = TIMEOUT_S) -> int:
+    """Once the run has logged step 2, SIGKILL one rank (a child of this torchrun agent); its pid."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while "step    2" not in log.read_text():
+        if time.monotonic() > deadline or agent.poll() is not None:
+            raise AssertionError(f"the doomed run never reached step 2:\n{log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    victim = sorted(psutil.Process(agent.pid).children(), key=lambda c: c.pid)[0]
+    victim.kill()
+    return victim.pid
+
+
+def test_two_nodes_match_single_node_and_a_dead_rank_ends_both_nodes(tmp_path):
     (tmp_path / "plans.json").write_text(json.dumps(_plans()))
     common = ["--plan-file", "plans.json", "--steps", "3"]
     single = _cmd("--standalone", "--nproc-per-node", "4", "-m", "npu_backend.train", *ARGS, *common,
                   "--json", "single.json", "--save-weights", "single.npz")
-    port = free_port()
+    port, doomed_port = free_port(), free_port()
+    multi = [*common, "--json", "multi.json", "--save-weights", "multi.npz"]
+    endless = ["--plan-file", "plans.json", "--steps", "100000"]
+    # All at once (the CPU is shared; wall time matters more than their speed): the single-node
+    # reference, the 2-node run, and a 2-node run that will lose a rank mid-run.
     procs = {"single": _start(single, tmp_path, "single.log"),
-             "node0": _start(_node(0, port, "mn", [*common, "--json", "multi.json", "--save-weights", "multi.npz"]),
-                             tmp_path, "node0.log"),
-             "node1": _start(_node(1, port, "mn", [*common, "--json", "multi.json", "--save-weights", "multi.npz"]),
-                             tmp_path, "node1.log")}
-    codes = _wait_all(procs, tmp_path)
-    assert codes == {"single": 0, "node0": 0, "node1": 0}, {n: (tmp_path / f"{n}.log").read_text()[-2000:]
-                                                           for n in procs}
+             "node0": _start(_node(0, port, "mn", multi), tmp_path, "node0.log"),
+             "node1": _start(_node(1, port, "mn", multi), tmp_path, "node1.log"),
+             "doomed0": _start(_node(0, doomed_port, "dd", endless), tmp_path, "doomed0.log"),
+             "doomed1": _start(_node(1, doomed_port, "dd", endless), tmp_path, "doomed1.log")}
+    try:
+        victim = _kill_a_rank_when_running(procs["doomed1"], tmp_path / "doomed0.log")
+        killed_at = time.monotonic()
+    finally:
+        codes = _wait_all(procs, tmp_path)
+    logs = {n: (tmp_path / f"{n}.log").read_text() for n in procs}
+    assert codes == {"single": 0, "node0": 0, "node1": 0, "doomed0": 1, "doomed1": 1}, \
+        {n: logs[n][-2000:] for n in procs}
+
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("single.json", "multi.json"))
     assert one["world_size"] == two["world_size"] == 4
     assert [s["degrees"] for s in two["steps"]] == [[[3, 1]], [[2, 1, 1]], [[2], [4]]]
@@ -102,3 +126,9 @@ def test_two_nodes_match_single_node(tmp_path):
         assert a.files == b.files
         for k in a.files:
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+    # The dead rank: its agent names it as the root cause; the other node's ranks see the closed
+    # connection and fail; both agents end well within the bound instead of hanging.
+    assert time.monotonic() - killed_at < 60
+    assert f"exitcode  : -9 (pid: {victim})" in logs["doomed1"], logs["doomed1"][-2000:]
+    assert "Connection closed by peer" in logs["doomed0"], logs["doomed0"][-2000:]
