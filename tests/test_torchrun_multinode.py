@@ -19,7 +19,6 @@ import sys
 import time
 
 import numpy as np
-import pytest
 
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
 from npu_backend.launch import free_port
