@@ -171,3 +171,75 @@ def test_fit_keeps_uninformed_coefficients_and_rejects_bad_points():
         fit_cost_model([{"lengths": [1], "degree": 1}], base)
     with pytest.raises(ValueError, match="measurement 0: degree"):
         fit_cost_model([{"lengths": [1], "degree": 0, "seconds": 1.0}], base)
+
+
+# ------------------------------------------------------------------ machine/executor structure
+def test_padded_length_is_the_layouts_bucket():
+    """The vectorised ladder in the cost model equals dhp_jax.data.layout.bucket_length."""
+    from dhp_jax.data.layout import bucket_length
+
+    for min_bucket, growth in ((16, 2.0), (16, 1.5), (24, 1.25)):
+        c = CostModel.preset("internvl3-2b", "cpu", bucket_min=min_bucket, bucket_growth=growth)
+        n = np.arange(0, 1500)
+        for d in (1, 2, 3, 5, 6, 8):
+            want = [bucket_length(int(k), d, min_bucket, growth) for k in n]
+            assert c.padded_length(n, d).tolist() == want, (min_bucket, growth, d)
+    off = CostModel.preset("internvl3-2b", "cpu")
+    assert off.padded_length([100, 7], 3).tolist() == [100.0, 7.0]
+
+
+def _by_hand_machine(c, lengths, etas, d, lanes, bucket):
+    """Compute split over min(d, lanes) cores; with a bucket, dense attention on the padded stream."""
+    S = sum(lengths)
+    if bucket:
+        P = bucket(S, d)
+        A = c.a1 * P * P
+        B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (P - S)
+        S = P
+    else:
+        A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
+        B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas))
+    p = min(d, lanes)
+    t_cm = c.kv_bytes_per_token / c.bw_intra * S * (d - 1) / d + c.lat_intra * (d - 1)
+    return (A + B) / p + c.b1 + t_cm - min(A / p, t_cm)
+
+
+@pytest.mark.parametrize("lengths, etas, d", [
+    ([100], [0.0], 1), ([100], [0.25], 2), ([300, 50], [0.5, 0.0], 3), ([700], [0.0], 8), ([40, 40, 41], [0.1] * 3, 6)])
+def test_compute_lanes_and_padding_by_hand(lengths, etas, d):
+    from dhp_jax.data.layout import bucket_length
+
+    base = CostModel.preset("internvl3-2b", "cpu").replace(
+        a1=2e-7, a2=5e-5, a2_vision=3e-5, b1=4e-3, kv_bytes_per_token=4096.0, bw_intra=2e8, lat_intra=3e-4)
+    assert base.compute_lanes == 2
+    assert base.time(lengths, d, etas) == pytest.approx(_by_hand_machine(base, lengths, etas, d, 2, None), rel=1e-12)
+    padded = base.replace(bucket_min=16, compute_lanes=3)
+    assert padded.time(lengths, d, etas) == pytest.approx(
+        _by_hand_machine(padded, lengths, etas, d, 3, bucket_length), rel=1e-12)
+    # lanes >= degree and no padding is the paper's model
+    wide = base.replace(compute_lanes=None)
+    assert wide.time(lengths, d, etas) == pytest.approx(base.replace(compute_lanes=64).time(lengths, d, etas), rel=1e-12)
+
+
+def test_lanes_make_large_degrees_pay_on_shared_cores():
+    c = CostModel.preset("internvl3-2b", "cpu").replace(kv_bytes_per_token=0.0, lat_intra=0.0)
+    # with no traffic, degree 8 on 2 cores costs as much as degree 2; with 8 lanes it is 4x cheaper
+    assert c.time([4000], 8) == pytest.approx(c.time([4000], 2), rel=1e-12)
+    eight = c.replace(compute_lanes=8)
+    assert eight.time([4000], 8) - eight.b1 == pytest.approx((c.time([4000], 2) - c.b1) / 4, rel=1e-12)
+    for hw in ("ascend-910b", "a100", "h100"):
+        assert CostModel.preset("internvl3-8b", hw).compute_lanes is None
+
+
+def test_structure_round_trips_and_bad_values_are_named(tmp_path):
+    c = CostModel.preset("internvl3-2b", "cpu", bucket_min=16, bucket_growth=1.5)
+    c.save(tmp_path / "c.json")
+    back = CostModel.from_profile(tmp_path / "c.json")
+    assert back == c and back.compute_lanes == 2 and isinstance(back.bucket_min, int)
+    assert back.time([123, 45], 3) == c.time([123, 45], 3)
+    with pytest.raises(ValueError, match="compute_lanes must be None or a positive integer, got 0"):
+        c.replace(compute_lanes=0)
+    with pytest.raises(ValueError, match="bucket_min must be an integer >= 0"):
+        c.replace(bucket_min=-1)
+    with pytest.raises(ValueError, match="bucket_growth must be > 1"):
+        c.replace(bucket_growth=1.0)

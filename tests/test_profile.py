@@ -60,3 +60,19 @@ def test_passes_keep_each_points_minimum():
     calls = iter([5.0, 7.0, 3.0, 9.0])  # pass 1: 5, 7; pass 2: 3, 9
     out = measure_points(points, lambda l, e, d: next(calls), passes=2)
     assert [m["seconds"] for m in out] == [3.0, 7.0]
+
+
+def test_fit_recovers_coefficients_with_lanes_and_padding():
+    """Truth on 2 shared cores with the executor's padded streams; the fit respects that structure."""
+    truth = _truth().replace(compute_lanes=2, bucket_min=16, bucket_growth=2.0)
+    points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[32, 64, 96, 128, 256, 384, 512], packs=(1, 2))
+    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8, bucket_min=16, bucket_growth=2.0)
+    cost, report = fit_profile(measurements, base, holdout_every=4)
+    for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+    assert cost.compute_lanes == 2 and cost.bucket_min == 16
+    assert report["held_out_mean_rel_error"] < 1e-6
+    # the same timings fitted without the structure cannot explain them
+    _, plain = fit_profile(measurements, base.replace(compute_lanes=None, bucket_min=0), holdout_every=4)
+    assert plain["held_out_mean_rel_error"] > 0.02

@@ -14,6 +14,19 @@ intra-node figures unless the group spans nodes (the slowest hop paces a ring). 
 the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
 vision encoder without a second per-sample input. Ulysses (all-to-all) groups pay
 a2a_bytes_per_token S (d-1)/d / v_a2a without overlap. Memory per rank is sum_k L_k mem_per_token / d.
+
+Two optional terms describe what a given machine and executor really run (both off by default,
+which is the paper's model above):
+
+- `compute_lanes` (n): how many ranks' compute truly runs at once. On accelerators every rank has
+  its own chip (None). Fake XLA CPU devices share the host's physical cores, so a degree-d group's
+  work is spread over min(d, n) cores, not d: compute is divided by p = min(d, n) instead of d.
+- `bucket_min` / `bucket_growth`: the executor pads each group's stream to
+  `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d) and
+  evaluates every (query, key) pair of each ring block under a mask (blocks are skipped only when
+  wholly masked, which zigzag chunks almost never are). With `bucket_min > 0` a group therefore
+  costs A = a1 P^2 (dense, whatever the packing and eta), B = sum_k (...) L_k + a2 (P - S) and ring
+  traffic of P tokens, where P is the padded length.
 """
 
 from __future__ import annotations
@@ -67,6 +80,8 @@ class CostModel:
     mem_per_token: activation bytes per token kept on a rank (checkpoints + one layer's working set).
     memory_budget: bytes per rank available for activations (HBM minus model states and reserve).
     grad_bytes: gradient bytes all-reduced once per step.
+    compute_lanes: ranks whose compute runs in parallel (None: all; fake CPU devices: physical cores).
+    bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
     """
 
     a1: float
@@ -88,6 +103,9 @@ class CostModel:
     model: str = "custom"
     hardware: str = "custom"
     freeze_vision: bool = False
+    compute_lanes: int | None = None
+    bucket_min: int = 0
+    bucket_growth: float = 2.0
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -103,6 +121,14 @@ class CostModel:
             raise ValueError("CostModel.memory_budget and mem_per_token must be > 0")
         if self.bw_intra <= 0 or self.bw_inter <= 0:
             raise ValueError("CostModel bandwidths must be > 0")
+        lanes = self.compute_lanes
+        if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1):
+            raise ValueError(f"CostModel.compute_lanes must be None or a positive integer, got {lanes!r}")
+        if isinstance(self.bucket_min, bool) or not isinstance(self.bucket_min, (int, np.integer)) \
+                or self.bucket_min < 0:
+            raise ValueError(f"CostModel.bucket_min must be an integer >= 0 (0: no padding), got {self.bucket_min!r}")
+        if self.bucket_min and not self.bucket_growth > 1.0:
+            raise ValueError(f"CostModel.bucket_growth must be > 1 when bucket_min is set, got {self.bucket_growth}")
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -148,8 +174,9 @@ class CostModel:
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
             lat_inter=m.layers * passes * hw.lat_inter, mem_per_token=float(mem_per_token),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
-            grad_bytes=float(2 * m.params), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision))
-        unknown = set(overrides) - set(fields)
+            grad_bytes=float(2 * m.params), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
+            compute_lanes=hw.compute_lanes)
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
         fields.update(overrides)
@@ -179,14 +206,42 @@ class CostModel:
         d = np.asarray(degree, dtype=np.float64)
         inter = d > self.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
         lat = np.where(inter, self.lat_inter, self.lat_intra)
+        if self.bucket_min:
+            P = self.padded_length(S, d)
+            A = self.a1 * P * P           # dense blocks: every pair of the padded stream
+            B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
+            S = P                         # and around the ring
+        p = self.compute_divisor(d)
         comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0)
         if attention == "ring":
-            excess = np.maximum(comm - A / d, 0.0)
+            excess = np.maximum(comm - A / p, 0.0)
         elif attention == "ulysses":
             excess = comm
         else:
             raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
-        return (A + B) / d + self.b1 + excess
+        return (A + B) / p + self.b1 + excess
+
+    def compute_divisor(self, degree: Any) -> np.ndarray:
+        """p = min(d, compute_lanes): how many ways a group's compute is really split."""
+        d = np.asarray(degree, dtype=np.float64)
+        return d if self.compute_lanes is None else np.minimum(d, float(self.compute_lanes))
+
+    def padded_length(self, tokens: Any, degree: Any) -> np.ndarray:
+        """The executor's padded stream length for `tokens` on `degree` ranks (vectorised
+        `dhp_jax.data.layout.bucket_length` with this model's ladder); `tokens` itself when unpadded."""
+        S = np.asarray(tokens, dtype=np.float64)
+        if not self.bucket_min:
+            return S
+        d = np.asarray(degree, dtype=np.float64)
+        n = np.maximum(np.ceil(S), 1.0)
+        rung = np.full(np.shape(n), float(self.bucket_min))
+        k = 0
+        # walk the ladder ceil(min * growth^k) exactly as layout.ladder does (no float log rounding)
+        while np.any(rung < n):
+            k += 1
+            rung = np.where(rung < n, float(math.ceil(self.bucket_min * self.bucket_growth ** k)), rung)
+        step = 2.0 * d
+        return np.ceil(rung / step) * step
 
     def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
              inter_node: bool | None = None, attention: str = "ring") -> float:
@@ -247,7 +302,8 @@ class CostModel:
             raise ValueError(f"cost model is missing field(s) {sorted(missing)}")
         kw = {k: v for k, v in d.items() if k in names}
         for k, v in kw.items():
-            if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads"):
+            if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
+                                                                                  "compute_lanes", "bucket_min"):
                 kw[k] = float(v)
         return cls(**kw)
 

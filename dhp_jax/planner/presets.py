@@ -76,6 +76,8 @@ class Hardware:
     mfu_attention: float  # assumed achieved fraction of peak in flash attention
     bytes_per_element: int = 2
     source: str = ""
+    # devices whose compute really runs at once (None: each device is its own chip)
+    compute_lanes: int | None = None
 
 
 GB = 1e9
@@ -98,8 +100,12 @@ HARDWARE: dict[str, Hardware] = {
                      source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s)"),
     # A host CPU "device" (the fake XLA CPU devices of the tests): about 100 GFLOP/s fp32 per device,
     # a 32 GiB share of host memory, shared-memory copies of a few GB/s, loopback TCP between processes.
+    # The fake devices of one host share its physical cores: this project's development and CI
+    # machines have 2, so at most 2 devices compute at once (compute_lanes=2; override with
+    # `CostModel.preset(..., compute_lanes=os.cpu_count())` on a larger host).
     "cpu": Hardware(100e9, 32 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
-                    source="assumed desktop-class CPU core group, fp32"),
+                    source="assumed desktop-class CPU core group, fp32; 2 physical cores per host",
+                    compute_lanes=2),
 }
 
 # Training-recipe assumptions shared by every preset (documented, not tuned):
