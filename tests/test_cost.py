@@ -188,8 +188,9 @@ def test_padded_length_is_the_layouts_bucket():
     assert off.padded_length([100, 7], 3).tolist() == [100.0, 7.0]
 
 
-def _by_hand_machine(c, lengths, etas, d, lanes, bucket):
-    """Compute split over min(d, lanes) cores; with a bucket, dense attention on the padded stream."""
+def _by_hand_machine(c, lengths, etas, d, lanes, bucket, overlap):
+    """Compute split over min(d, lanes) cores; with a bucket, dense attention on the padded stream;
+    without overlap, ring traffic adds to compute."""
     S = sum(lengths)
     if bucket:
         P = bucket(S, d)
@@ -201,7 +202,7 @@ def _by_hand_machine(c, lengths, etas, d, lanes, bucket):
         B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas))
     p = min(d, lanes)
     t_cm = c.kv_bytes_per_token / c.bw_intra * S * (d - 1) / d + c.lat_intra * (d - 1)
-    return (A + B) / p + c.b1 + t_cm - min(A / p, t_cm)
+    return (A + B) / p + c.b1 + t_cm - (min(A / p, t_cm) if overlap else 0.0)
 
 
 @pytest.mark.parametrize("lengths, etas, d", [
@@ -211,11 +212,12 @@ def test_compute_lanes_and_padding_by_hand(lengths, etas, d):
 
     base = CostModel.preset("internvl3-2b", "cpu").replace(
         a1=2e-7, a2=5e-5, a2_vision=3e-5, b1=4e-3, kv_bytes_per_token=4096.0, bw_intra=2e8, lat_intra=3e-4)
-    assert base.compute_lanes == 2
-    assert base.time(lengths, d, etas) == pytest.approx(_by_hand_machine(base, lengths, etas, d, 2, None), rel=1e-12)
-    padded = base.replace(bucket_min=16, compute_lanes=3)
+    assert base.compute_lanes == 2 and not base.comm_overlap
+    assert base.time(lengths, d, etas) == pytest.approx(
+        _by_hand_machine(base, lengths, etas, d, 2, None, False), rel=1e-12)
+    padded = base.replace(bucket_min=16, compute_lanes=3, comm_overlap=True)
     assert padded.time(lengths, d, etas) == pytest.approx(
-        _by_hand_machine(padded, lengths, etas, d, 3, bucket_length), rel=1e-12)
+        _by_hand_machine(padded, lengths, etas, d, 3, bucket_length, True), rel=1e-12)
     # lanes >= degree and no padding is the paper's model
     wide = base.replace(compute_lanes=None)
     assert wide.time(lengths, d, etas) == pytest.approx(base.replace(compute_lanes=64).time(lengths, d, etas), rel=1e-12)
@@ -229,6 +231,7 @@ def test_lanes_make_large_degrees_pay_on_shared_cores():
     assert eight.time([4000], 8) - eight.b1 == pytest.approx((c.time([4000], 2) - c.b1) / 4, rel=1e-12)
     for hw in ("ascend-910b", "a100", "h100"):
         assert CostModel.preset("internvl3-8b", hw).compute_lanes is None
+        assert CostModel.preset("internvl3-8b", hw).comm_overlap
 
 
 def test_structure_round_trips_and_bad_values_are_named(tmp_path):

@@ -71,8 +71,21 @@ def test_fit_recovers_coefficients_with_lanes_and_padding():
     cost, report = fit_profile(measurements, base, holdout_every=4)
     for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
         assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
-    assert cost.compute_lanes == 2 and cost.bucket_min == 16
+    assert cost.compute_lanes == 2 and cost.bucket_min == 16 and not cost.comm_overlap
     assert report["held_out_mean_rel_error"] < 1e-6
     # the same timings fitted without the structure cannot explain them
-    _, plain = fit_profile(measurements, base.replace(compute_lanes=None, bucket_min=0), holdout_every=4)
+    _, plain = fit_profile(measurements, base.replace(compute_lanes=None, bucket_min=0, comm_overlap=True),
+                           holdout_every=4)
     assert plain["held_out_mean_rel_error"] > 0.02
+
+
+def test_fit_recovers_overlapped_ring_with_lanes():
+    """With overlap on, the fit still separates hidden from exposed traffic under a lane limit."""
+    truth = _truth().replace(compute_lanes=3, comm_overlap=True)
+    points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[64, 128, 256, 512, 1024], packs=(1, 2))
+    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8, compute_lanes=3, comm_overlap=True)
+    cost, report = fit_profile(measurements, base, holdout_every=4)
+    for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+    assert report["held_out_mean_rel_error"] < 1e-6

@@ -27,6 +27,9 @@ which is the paper's model above):
   wholly masked, which zigzag chunks almost never are). With `bucket_min > 0` a group therefore
   costs A = a1 P^2 (dense, whatever the packing and eta), B = sum_k (...) L_k + a2 (P - S) and ring
   traffic of P tokens, where P is the padded length.
+- `comm_overlap`: whether ring traffic runs alongside the attention blocks (True: a DMA engine or
+  NIC moves K/V while the cores compute). Fake CPU devices copy with the same cores that compute,
+  so nothing overlaps: T = (A + B)/p + b1 + T_cm.
 """
 
 from __future__ import annotations
@@ -82,6 +85,7 @@ class CostModel:
     grad_bytes: gradient bytes all-reduced once per step.
     compute_lanes: ranks whose compute runs in parallel (None: all; fake CPU devices: physical cores).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
+    comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     """
 
     a1: float
@@ -106,6 +110,7 @@ class CostModel:
     compute_lanes: int | None = None
     bucket_min: int = 0
     bucket_growth: float = 2.0
+    comm_overlap: bool = True
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -175,7 +180,7 @@ class CostModel:
             lat_inter=m.layers * passes * hw.lat_inter, mem_per_token=float(mem_per_token),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
             grad_bytes=float(2 * m.params), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
-            compute_lanes=hw.compute_lanes)
+            compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
@@ -213,7 +218,9 @@ class CostModel:
             S = P                         # and around the ring
         p = self.compute_divisor(d)
         comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0)
-        if attention == "ring":
+        if attention == "ring" and not self.comm_overlap:
+            excess = comm
+        elif attention == "ring":
             excess = np.maximum(comm - A / p, 0.0)
         elif attention == "ulysses":
             excess = comm

@@ -9,8 +9,8 @@ model is linear in its coefficients:
 
 with A0 = sum (1+eta) L^2, L1 = sum L, V1 = sum sqrt(eta) L, S = sum L. The structural terms of
 `base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d,
-and when `base.bucket_min` is set the features are those of the padded stream of length P
-(A0 = P^2, L1 = S = P; see `CostModel`). The fit alternates between
+ring traffic simply adds when `base.comm_overlap` is False, and when `base.bucket_min` is set
+the features are those of the padded stream of length P (A0 = P^2, L1 = S = P; see `CostModel`). The fit alternates between
 classifying the points with the current coefficients and a non-negative least-squares solve on
 relative errors, from a few starting points, and keeps the best. Coefficients no measurement
 informs (e.g. inter-node links when every group was inside a node) stay those of `base`.
@@ -65,9 +65,9 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
     return A0, L1, V1, d, inter.astype(bool), t, base.compute_divisor(d)
 
 
-def _design(A0, L1, V1, d, inter, exposed, p) -> np.ndarray:
+def _design(A0, L1, V1, d, inter, exposed, p, overlap=True) -> np.ndarray:
     X = np.zeros((len(d), len(_NAMES)))
-    X[:, 0] = np.where(exposed, 0.0, A0 / p)
+    X[:, 0] = np.where(exposed & overlap, 0.0, A0 / p)
     X[:, 1] = L1 / p
     X[:, 2] = V1 / p
     X[:, 3] = 1.0
@@ -79,23 +79,25 @@ def _design(A0, L1, V1, d, inter, exposed, p) -> np.ndarray:
     return X
 
 
-def _predict(p: np.ndarray, A0, L1, V1, d, inter, lanes) -> tuple[np.ndarray, np.ndarray]:
+def _predict(p: np.ndarray, A0, L1, V1, d, inter, lanes, overlap=True) -> tuple[np.ndarray, np.ndarray]:
     a1, a2, av, b1, ci, ce, li, le = p
     c = np.where(inter, ce, ci)
     lat = np.where(inter, le, li)
     comm = c * L1 * (d - 1) / d + lat * (d - 1)
     attn = a1 * A0 / lanes
+    if not overlap:  # traffic and compute add up; every point's traffic counts
+        return attn + (a2 * L1 + av * V1) / lanes + b1 + comm, np.ones(len(d), bool)
     return attn + (a2 * L1 + av * V1) / lanes + b1 + np.maximum(comm - attn, 0.0), comm > attn
 
 
-def _polish(p: np.ndarray, informed: np.ndarray, A0, L1, V1, d, inter, t, lanes) -> np.ndarray:
+def _polish(p: np.ndarray, informed: np.ndarray, A0, L1, V1, d, inter, t, lanes, overlap) -> np.ndarray:
     """Nonlinear least squares on relative errors from the alternating solution; keep the better."""
     scale = np.where(p > 0, p, 1.0)[informed]
 
     def resid(z: np.ndarray) -> np.ndarray:
         q = p.copy()
         q[informed] = z * scale
-        return _predict(q, A0, L1, V1, d, inter, lanes)[0] / t - 1.0
+        return _predict(q, A0, L1, V1, d, inter, lanes, overlap)[0] / t - 1.0
 
     z0 = p[informed] / scale
     try:
@@ -112,15 +114,16 @@ def _polish(p: np.ndarray, informed: np.ndarray, A0, L1, V1, d, inter, t, lanes)
 def fit_cost_model(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tuple[CostModel, dict[str, Any]]:
     """Fitted model (other fields from `base`) and a report with per-point relative errors."""
     A0, L1, V1, d, inter, t, lanes = _features(measurements, base)
+    overlap = bool(base.comm_overlap)
     p0 = np.array([base.a1, base.a2, base.a2_vision, base.b1, base.kv_bytes_per_token / base.bw_intra,
                    base.kv_bytes_per_token / base.bw_inter, base.lat_intra, base.lat_inter])
-    full = _design(A0, L1, V1, d, inter, np.ones(len(d), bool), lanes) + _design(A0, L1, V1, d, inter, np.zeros(len(d), bool), lanes)
+    full = _design(A0, L1, V1, d, inter, np.ones(len(d), bool), lanes, overlap) + _design(A0, L1, V1, d, inter, np.zeros(len(d), bool), lanes, overlap)
     informed = np.any(full != 0, axis=0)
     starts = []
     for scale in (1.0, 10.0, 0.1, 100.0, 0.01):
         q = p0.copy()
         q[4:] *= scale
-        starts.append(_predict(q, A0, L1, V1, d, inter, lanes)[1])
+        starts.append(_predict(q, A0, L1, V1, d, inter, lanes, overlap)[1])
     starts += [np.zeros(len(d), bool), d > 1, inter & (d > 1)]
     best = None
     for exposed in starts:
@@ -130,25 +133,25 @@ def fit_cost_model(measurements: Sequence[Mapping[str, Any]], base: CostModel) -
             if key in seen:
                 break
             seen.add(key)
-            X = _design(A0, L1, V1, d, inter, exposed, lanes)[:, informed] / t[:, None]
+            X = _design(A0, L1, V1, d, inter, exposed, lanes, overlap)[:, informed] / t[:, None]
             sol, _ = nnls(X, np.ones(len(t)), maxiter=50 * X.shape[1])
             p = p0.copy()
             p[informed] = sol
-            pred, exposed = _predict(p, A0, L1, V1, d, inter, lanes)
+            pred, exposed = _predict(p, A0, L1, V1, d, inter, lanes, overlap)
             err = float(np.max(np.abs(pred - t) / t))
             if best is None or err < best[0]:
                 best = (err, p)
-    p = _polish(best[1], informed, A0, L1, V1, d, inter, t, lanes)
+    p = _polish(best[1], informed, A0, L1, V1, d, inter, t, lanes, overlap)
     # a link class whose traffic is never exposed is not identified by the data: keep base's
     # figures there when they explain the points as well
     unidentified = []
     for cls, cols in ((False, (4, 6)), (True, (5, 7))):
-        exposed = _predict(p, A0, L1, V1, d, inter, lanes)[1]
+        exposed = _predict(p, A0, L1, V1, d, inter, lanes, overlap)[1]
         if np.count_nonzero(exposed & (inter == cls)) < 2 and any(informed[c] for c in cols):
             q = p.copy()
             q[list(cols)] = p0[list(cols)]
-            old = np.max(np.abs(_predict(p, A0, L1, V1, d, inter, lanes)[0] / t - 1))
-            new = np.max(np.abs(_predict(q, A0, L1, V1, d, inter, lanes)[0] / t - 1))
+            old = np.max(np.abs(_predict(p, A0, L1, V1, d, inter, lanes, overlap)[0] / t - 1))
+            new = np.max(np.abs(_predict(q, A0, L1, V1, d, inter, lanes, overlap)[0] / t - 1))
             if new <= max(old, 1e-12) * (1 + 1e-9):
                 p = q
                 unidentified += [_NAMES[c] for c in cols]
@@ -159,7 +162,7 @@ def fit_cost_model(measurements: Sequence[Mapping[str, Any]], base: CostModel) -
         kv_bytes_per_token=float(kv), bw_intra=float(kv / max(p[4], tiny)) if p[4] > 0 else base.bw_intra * 1e6,
         bw_inter=float(kv / max(p[5], tiny)) if p[5] > 0 else base.bw_inter * 1e6,
         lat_intra=float(p[6]), lat_inter=float(p[7]))
-    pred, exposed = _predict(p, A0, L1, V1, d, inter, lanes)
+    pred, exposed = _predict(p, A0, L1, V1, d, inter, lanes, overlap)
     rel = (pred - t) / t
     report = {
         "points": [{"degree": int(di), "inter_node": bool(ii), "measured_s": float(ti), "predicted_s": float(pi),

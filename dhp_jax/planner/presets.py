@@ -78,6 +78,8 @@ class Hardware:
     source: str = ""
     # devices whose compute really runs at once (None: each device is its own chip)
     compute_lanes: int | None = None
+    # ring traffic runs beside compute (False where the same cores do the copies)
+    comm_overlap: bool = True
 
 
 GB = 1e9
@@ -102,10 +104,11 @@ HARDWARE: dict[str, Hardware] = {
     # a 32 GiB share of host memory, shared-memory copies of a few GB/s, loopback TCP between processes.
     # The fake devices of one host share its physical cores: this project's development and CI
     # machines have 2, so at most 2 devices compute at once (compute_lanes=2; override with
-    # `CostModel.preset(..., compute_lanes=os.cpu_count())` on a larger host).
+    # `CostModel.preset(..., compute_lanes=os.cpu_count())` on a larger host). The "ring hops" are
+    # memory copies done by those same cores, so they do not overlap the attention.
     "cpu": Hardware(100e9, 32 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
                     source="assumed desktop-class CPU core group, fp32; 2 physical cores per host",
-                    compute_lanes=2),
+                    compute_lanes=2, comm_overlap=False),
 }
 
 # Training-recipe assumptions shared by every preset (documented, not tuned):
