@@ -1,8 +1,9 @@
 """Multi-process JAX: `dhp train` as 2 processes x 4 fake CPU devices under `jax.distributed` (gloo).
 
 The two processes replay plans whose CP groups span both (a 3-group on ranks 2,3,4 across the
-boundary between process 0's devices 0-3 and process 1's devices 4-7, and a 5-group 5,6,7,0,1)
-and must give the losses of the single-process run on 8 devices, to the project's fp32 1e-5.
+boundary between process 0's devices 0-3 and process 1's devices 4-7, and a 5-group 5,6,7,0,1),
+then a group inside process 1 alone, and must give the losses of the single-process run on 8
+devices, to the project's fp32 1e-5; each process compiles only the groups that touch its devices.
 A process that dies must not leave its peer hanging: the peer ends within a short timeout with
 a message naming the step and the missing process, whether the death comes before the step's
 plan agreement or inside the step's collective. Also the set-up from flags and cluster env.
@@ -35,8 +36,10 @@ def _plans(path):
     three, five = (2, 3, 4), (5, 6, 7, 0, 1)      # process 0 holds ranks 0-3, process 1 ranks 4-7
     plans = [Plan(8, (MicroBatch((Group(three, 3, (0, 5, 7)), Group(five, 5, (1, 2, 3, 4, 6)))),)),
              Plan(8, (MicroBatch((Group(five, 5, (0, 1, 2)), Group(three, 3, (3, 4, 5, 6, 7)))),)),
+             # then a group inside process 1 alone: process 0 neither compiles nor runs it, its
+             # devices contribute zero rows to that micro-batch
              Plan(8, (MicroBatch((Group(three, 3, (2, 6)), Group(five, 5, (0, 4, 7)))),
-                      MicroBatch((Group(five, 5, (1, 3)), Group(three, 3, (5,)))),))]
+                      MicroBatch((Group((4, 5, 6), 3, (1, 3, 5)),)),))]
     path.write_text(json.dumps({"plans": [p.to_dict() for p in plans]}))
     return path
 
@@ -110,8 +113,11 @@ def test_two_processes_match_single_process(tmp_path):
     per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
     for recs in per_process:
         assert [r["step"] for r in recs] == [1, 2, 3]
-        assert [r["degrees"] for r in recs] == [[[3, 5]], [[5, 3]], [[3, 5], [5, 3]]]
+        assert [r["degrees"] for r in recs] == [[[3, 5]], [[5, 3]], [[3, 5], [3]]]
         assert [r["plan_hash"] for r in recs] == [r["plan_hash"] for r in ref.records]
+    # executables built per process: only the groups touching its devices (the reference builds 3)
+    assert [recs[-1]["num_compiles"] for recs in per_process] == [2, 3]
+    assert ref.records[-1]["num_compiles"] == 3
     losses0, losses1 = ([r["loss"] for r in recs] for recs in per_process)
     assert losses0 == losses1                        # one replicated value, read by each process
     assert len(set(ref.losses)) == 3 and all(np.isfinite(ref.losses))
