@@ -89,3 +89,28 @@ def test_fit_recovers_overlapped_ring_with_lanes():
     for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
         assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
     assert report["held_out_mean_rel_error"] < 1e-6
+
+
+def test_cli_refits_a_saved_report(tmp_path):
+    """`dhp profile --from-report` refits saved timings with the current model, timing nothing."""
+    import argparse
+
+    from dhp_jax.train import profile_cli
+
+    truth = _truth().replace(bucket_min=16, bucket_growth=2.0)
+    points = default_points(degrees=[1, 2, 4, 8], lengths=[32, 64, 128, 256, 512], packs=(1, 2))
+    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    src = tmp_path / "old.report.json"
+    src.write_text(json.dumps({"machine": "synthetic", "num_devices": 8, "compute_lanes": 2, "bucket_min": 16,
+                               "bucket_growth": 2.0, "measurements": measurements}))
+    parser = argparse.ArgumentParser()
+    profile_cli.configure(parser)
+    args = parser.parse_args(["--from-report", str(src), "--out", str(tmp_path / "new.json"), "--cpu-devices", "0"])
+    assert profile_cli.run(args) == 0
+    saved = json.loads((tmp_path / "new.report.json").read_text())
+    assert saved["refit_from"] == str(src) and saved["held_out_mean_rel_error"] < 1e-6
+    assert CostModel.from_profile(tmp_path / "new.json").a1 == pytest.approx(truth.a1, rel=1e-4)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    args = parser.parse_args(["--from-report", str(bad), "--out", str(tmp_path / "x.json"), "--cpu-devices", "0"])
+    assert profile_cli.run(args) == 2

@@ -123,7 +123,8 @@ def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4,
 
 # ------------------------------------------------------------------------------ real devices
 class ExecutorTimer:
-    """Times one-group plans through a `PlanExecutor`: fwd + bwd, compile excluded, min of repeats.
+    """Times one-group plans through a `PlanExecutor`: fwd + bwd, compile and a warm-up run excluded,
+    min of repeats.
 
     The minimum, not the median: on a machine shared with other work, slow samples are other
     processes' time, not the group's.
@@ -170,9 +171,32 @@ class ExecutorTimer:
             return time.perf_counter() - t0
 
         if (degree, tuple(lengths)) not in self._warm:
-            once()  # compile + warm-up, once per point
+            once()  # compile, once per point
             self._warm.add((degree, tuple(lengths)))
+        # one untimed run first on every call: passes interleave the points, so the previous call
+        # ran another program and left other buffers and code in the caches
+        once()
         return min(once() for _ in range(self.repeats))
+
+
+def host_cores() -> int:
+    """Cores this process may run on: the parallelism fake CPU devices really get."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def load_average() -> list[float] | None:
+    """The host's 1/5/15-minute load averages (None where the OS has none): context for timings."""
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def machine_label() -> str:
