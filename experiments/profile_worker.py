@@ -39,10 +39,17 @@ def main(out_path: str, params: dict) -> int:
     measurements = profile.measure_points(points, timer)
     # The base only seeds the fit's structure; ZeRO over 8 shards keeps its memory check satisfiable
     # on fewer devices (memory is not what this experiment measures).
+    # The profiled model's own gradient size and head count, the executor's padding ladder and the
+    # host's real parallelism are structure, not fitted figures (the same base `dhp profile` builds).
+    from dhp_jax.data.layout import GROWTH, MIN_BUCKET
+
+    lanes = profile.host_cores() if devs[0].platform == "cpu" else None
     base = CostModel.preset(params.get("base_model", "qwen3-vl-2b"), "cpu", ranks_per_node=devices,
-                            zero_shards=max(8, devices))
+                            zero_shards=max(8, devices), grad_bytes=4.0 * config.num_params(),
+                            num_heads=config.num_heads, compute_lanes=lanes, bucket_min=MIN_BUCKET,
+                            bucket_growth=GROWTH)
     cost, report = profile.fit_profile(measurements, base, holdout_every=int(params.get("holdout_every", 4)))
-    out = {"machine": profile.machine_label(), "model_preset": config.name if hasattr(config, "name") else "tiny",
+    out = {"machine": profile.machine_label(), "compute_lanes": lanes, "model_preset": config.name if hasattr(config, "name") else "tiny",
            "profile_wall_s": time.perf_counter() - t0, "cost": cost.to_dict(), "report": report,
            "measurements": measurements}
     with open(out_path, "w") as f:
