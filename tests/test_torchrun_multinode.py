@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -58,9 +59,9 @@ def _wait_all(procs: dict[str, subprocess.Popen], cwd, timeout: float = TIMEOUT_
     return codes
 
 
-def _node(node_rank: int, port: int, run_id: str, extra: list[str]) -> list[str]:
+def _node(node_rank: int, port: int, run_id: str, extra: list[str], nproc: int = 2) -> list[str]:
     conf = [] if node_rank == 0 else ["--rdzv-conf", "is_host=0"]   # both "nodes" are 127.0.0.1
-    return _cmd("--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
+    return _cmd("--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "0", *conf,
                 "-m", "npu_backend.train", *ARGS, *extra)
 
@@ -96,14 +97,18 @@ def test_two_nodes_match_single_node_and_a_dead_rank_ends_both_nodes(tmp_path):
                   "--json", "single.json", "--save-weights", "single.npz")
     port, doomed_port = free_port(), free_port()
     multi = [*common, "--json", "multi.json", "--save-weights", "multi.npz"]
-    endless = ["--plan-file", "plans.json", "--steps", "100000"]
+    # the doomed run: 2 nodes x 1 rank, a 2-group across the nodes, then 1+1
+    (tmp_path / "plans2.json").write_text(json.dumps([
+        Plan(2, (MicroBatch((Group((1, 0), 2, tuple(range(6))),)),)).to_dict(),
+        Plan(2, (MicroBatch((Group((0,), 1, (0, 1, 2)), Group((1,), 1, (3, 4, 5)))),)).to_dict()]))
+    endless = ["--plan-file", "plans2.json", "--steps", "100000"]
     # All at once (the CPU is shared; wall time matters more than their speed): the single-node
     # reference, the 2-node run, and a 2-node run that will lose a rank mid-run.
     procs = {"single": _start(single, tmp_path, "single.log"),
              "node0": _start(_node(0, port, "mn", multi), tmp_path, "node0.log"),
              "node1": _start(_node(1, port, "mn", multi), tmp_path, "node1.log"),
-             "doomed0": _start(_node(0, doomed_port, "dd", endless), tmp_path, "doomed0.log"),
-             "doomed1": _start(_node(1, doomed_port, "dd", endless), tmp_path, "doomed1.log")}
+             "doomed0": _start(_node(0, doomed_port, "dd", endless, nproc=1), tmp_path, "doomed0.log"),
+             "doomed1": _start(_node(1, doomed_port, "dd", endless, nproc=1), tmp_path, "doomed1.log")}
     try:
         victim = _kill_a_rank_when_running(procs["doomed1"], tmp_path / "doomed0.log")
         killed_at = time.monotonic()
@@ -126,8 +131,8 @@ def test_two_nodes_match_single_node_and_a_dead_rank_ends_both_nodes(tmp_path):
         for k in a.files:
             np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
-    # The dead rank: its agent names it as the root cause; the other node's ranks see the closed
-    # connection and fail; both agents end well within the bound instead of hanging.
+    # The dead rank: its agent names it as the root cause; the other node's rank sees the closed
+    # connection and fails; both agents end well within the bound instead of hanging.
     assert time.monotonic() - killed_at < 60
     assert f"exitcode  : -9 (pid: {victim})" in logs["doomed1"], logs["doomed1"][-2000:]
-    assert "Connection closed by peer" in logs["doomed0"], logs["doomed0"][-2000:]
+    assert re.search(r"Connection (closed|reset) by peer", logs["doomed0"]), logs["doomed0"][-2000:]
