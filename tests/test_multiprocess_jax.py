@@ -52,7 +52,7 @@ def _env() -> dict:
     return env
 
 
-def _run_pair(cmds: list[list[str]], cwd, timeout: float) -> list[tuple[int, str]]:
+def _run_together(cmds: list[list[str]], cwd, timeout: float) -> list[tuple[int, str]]:
     """Start the processes together; (exit code, output) of each; never waits past `timeout`."""
     procs = [subprocess.Popen(c, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for c in cmds]
@@ -132,19 +132,24 @@ def test_two_processes_match_single_process(tmp_path):
 
 
 # A worker that runs the real StepSync between two processes with a real cross-process collective
-# (a psum over a mesh of both processes' devices) inside each step's watch; process 1 dies at
-# step 2, either before publishing its plan hash or inside the step's device work.
+# (a sum over a mesh of both processes' devices) inside each step's watch; in each mode one process
+# dies at step 2 (before publishing its plan hash, or inside the step's device work), or the two
+# publish different plans at step 2.
 _WORKER = textwrap.dedent("""
     import os, sys
     pid, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     from dhp_jax.train import distributed as D
-    D.initialize(D.resolve(f"127.0.0.1:{port}", 2, pid), timeout_s=30)
+    D.initialize(D.resolve(f"127.0.0.1:{port}", 2, pid), timeout_s=60)
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     mesh = Mesh(np.array(jax.devices()), ("x",))
     total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))
-    sync = D.StepSync(3.0)
+    def global_sum(step):
+        x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("x")), lambda i: np.full(1, step, np.float32))
+        return float(total(x))
+    global_sum(0)       # compile and connect before the guarded steps (a shared CPU can be slow)
+    sync = D.StepSync(TIMEOUT)
     try:
         for step in (1, 2, 3):
             if pid == 1 and step == 2 and mode == "before-agree":
@@ -155,49 +160,51 @@ _WORKER = textwrap.dedent("""
             with sync.watch(step):
                 if pid == 1 and step == 2 and mode == "in-step":
                     os._exit(9)
-                x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("x")),
-                                                 lambda i: np.full(1, step, np.float32))
-                print(f"process {pid} step {step} sum {float(total(x))}", flush=True)
+                print(f"process {pid} step {step} sum {global_sum(step)}", flush=True)
     except D.PlanMismatchError as e:   # every process is alive: a normal exit (jax's shutdown barrier)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(3)
     except D.DistributedError as e:    # a peer is gone: the shutdown barrier would wait for it
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         os._exit(3)
-""")
+""").replace("TIMEOUT", "4.0")
+MODES = ("before-agree", "in-step", "mismatch", "coordinator-dies")
 
 
-@pytest.mark.parametrize("mode", ["before-agree", "in-step", "mismatch", "coordinator-dies"])
-def test_dead_or_disagreeing_peer_ends_the_run_naming_step_and_process(tmp_path, mode):
-    port = free_port()
+def test_dead_or_disagreeing_peer_ends_the_run_naming_step_and_process(tmp_path):
     t0 = time.monotonic()
-    (rc0, out0), (rc1, out1) = _run_pair([[sys.executable, "-c", _WORKER, str(pid), str(port), mode]
-                                          for pid in (0, 1)], tmp_path, timeout=90)
-    assert time.monotonic() - t0 < 90
-    if mode == "mismatch":
-        assert "process 0 step 1 sum 4.0" in out0 and "process 1 step 1 sum 4.0" in out1   # step 1 agreed
-        for rc, out in ((rc0, out0), (rc1, out1)):
-            assert rc == 3, out[-3000:]
-            assert ("ERROR PlanMismatchError: step 2: the processes derived different plans "
-                    "(processes [0] planned planA; processes [1] planned planB)") in out
-        return
-    if mode == "coordinator-dies":
-        # Process 0 hosts the coordination service: the survivor cannot even publish its plan. Either
-        # our check reports it or jax's own error polling ends the process first (a race); never a hang.
-        assert rc0 == 9 and rc1 != 0 and "process 1 step 1 sum 4.0" in out1
-        assert ("step 2: process 1 cannot reach the coordination service, which process 0 hosts" in out1
-                or "Terminating process because the JAX distributed service detected fatal errors" in out1), out1
-        return
-    assert rc1 == 9
-    assert "process 0 step 1 sum 4.0" in out0 and "process 0 step 2" not in out0
-    if mode == "before-agree":
-        assert rc0 == 3, out0[-3000:]
-        assert ("ERROR StepTimeoutError: step 2: process 1 did not report its plan within 3 s; "
-                "processes missing at step 2: [1]") in out0
-    else:   # process 0 is blocked inside the step's collective: its watchdog ends it
-        assert rc0 == 75, out0[-3000:]
-        assert ("step 2: process 0 waited 3 s for the step's device work; processes that did not finish "
-                "step 2: [1]") in out0
+    ports = {mode: free_port() for mode in MODES}
+    outs = _run_together([[sys.executable, "-c", _WORKER, str(pid), str(ports[mode]), mode]   # all pairs at once
+                      for mode in MODES for pid in (0, 1)], tmp_path, timeout=120)
+    assert time.monotonic() - t0 < 120
+    res = {mode: (outs[2 * i], outs[2 * i + 1]) for i, mode in enumerate(MODES)}
+
+    (rc0, out0), (rc1, out1) = res["mismatch"]
+    assert "process 0 step 1 sum 4.0" in out0 and "process 1 step 1 sum 4.0" in out1   # step 1 agreed
+    for rc, out in ((rc0, out0), (rc1, out1)):
+        assert rc == 3, out[-3000:]
+        assert ("ERROR PlanMismatchError: step 2: the processes derived different plans "
+                "(processes [0] planned planA; processes [1] planned planB)") in out, out[-3000:]
+
+    # Process 0 hosts the coordination service: the survivor cannot even publish its plan. Either
+    # our check reports it or jax's own error polling ends the process first (a race); never a hang.
+    (rc0, out0), (rc1, out1) = res["coordinator-dies"]
+    assert rc0 == 9 and rc1 != 0 and "process 1 step 1 sum 4.0" in out1, out1[-3000:]
+    assert ("step 2: process 1 cannot reach the coordination service, which process 0 hosts" in out1
+            or "Terminating process because the JAX distributed service detected fatal errors" in out1), out1
+
+    for mode in ("before-agree", "in-step"):
+        (rc0, out0), (rc1, out1) = res[mode]
+        assert rc1 == 9, out1[-3000:]
+        assert "process 0 step 1 sum 4.0" in out0 and "process 0 step 2" not in out0, out0[-3000:]
+    (rc0, out0), _ = res["before-agree"]
+    assert rc0 == 3, out0[-3000:]
+    assert ("ERROR StepTimeoutError: step 2: process 1 did not report its plan within 4 s; "
+            "processes missing at step 2: [1]") in out0, out0[-3000:]
+    (rc0, out0), _ = res["in-step"]     # process 0 is blocked inside the step's collective: its watchdog ends it
+    assert rc0 == 75, out0[-3000:]
+    assert ("step 2: process 0 waited 4 s for the step's device work; processes that did not finish "
+            "step 2: [1]") in out0, out0[-3000:]
 
 
 def test_resolve_from_flags_and_environment():
@@ -255,7 +262,7 @@ def test_dhp_train_stops_cleanly_on_plan_mismatch_and_missing_peer(tmp_path):
                 "--num-processes", "2", "--process-id", str(pid), "--step-timeout", timeout]
 
     t0 = time.monotonic()
-    (rc0, out0), (rc1, out1), (rc, out) = _run_pair(     # all three at once: both cases together
+    (rc0, out0), (rc1, out1), (rc, out) = _run_together(     # all three at once: both cases together
         [cmd(pair_port, 0, "m"), cmd(pair_port, 1, "m", "data.seed=1"), cmd(alone_port, 0, "alone", timeout="2")],
         tmp_path, timeout=120)
     for rc_, out_ in ((rc0, out0), (rc1, out1)):
