@@ -235,6 +235,8 @@ def test_resolve_from_flags_and_environment():
      "DHP_NUM_PROCESSES='x' is not an integer"),
     ({"coordinator": "h:1", "num_processes": 2, "process_id": 2}, {}, r"process_id 2 is outside 0\.\.1"),
     ({"coordinator": "nohost", "num_processes": 2, "process_id": 0}, {}, "'nohost' is not HOST:PORT"),
+    ({"coordinator": "h:1", "num_processes": 2, "process_id": 0}, {"JAX_LOCAL_DEVICE_IDS": "0,a"},
+     "JAX_LOCAL_DEVICE_IDS='0,a' is not a comma-separated list"),
     ({}, {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n[1-2"}, r"unbalanced '\['"),
     ({}, {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n[1-2]"}, "set DHP_COORDINATOR_PORT"),
     ({}, {"SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "n[3-1]"},

@@ -164,7 +164,11 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
                                f"or set DHP_COORDINATOR, DHP_NUM_PROCESSES, DHP_PROCESS_ID")
     local = None
     if env.get("JAX_LOCAL_DEVICE_IDS"):
-        local = tuple(int(x) for x in env["JAX_LOCAL_DEVICE_IDS"].split(","))
+        try:
+            local = tuple(int(x) for x in env["JAX_LOCAL_DEVICE_IDS"].split(","))
+        except ValueError:
+            raise DistributedError(f"JAX_LOCAL_DEVICE_IDS={env['JAX_LOCAL_DEVICE_IDS']!r} is not a comma-separated "
+                                   f"list of device ids") from None
     return DistributedConfig(coordinator=str(found["coordinator"][0]), num_processes=int(found["num_processes"][0]),
                              process_id=int(found["process_id"][0]),
                              source=", ".join(sorted({src for _, src in found.values()})), local_device_ids=local)
@@ -187,9 +191,9 @@ def initialize(cfg: DistributedConfig, *, timeout_s: int = 300, cpu_collectives:
                                    initialization_timeout=int(timeout_s),
                                    heartbeat_timeout_seconds=max(10, int(timeout_s)))
     except Exception as e:     # the runtime raises its own error types; say what we tried
-        raise DistributedError(f"process {cfg.process_id} of {cfg.num_processes} could not join the coordinator "
-                               f"at {cfg.coordinator} within {timeout_s} s (set-up from {cfg.source}): "
-                               f"{type(e).__name__}: {e}") from None
+        raise DistributedError(f"process {cfg.process_id} of {cfg.num_processes} could not start jax.distributed "
+                               f"with the coordinator at {cfg.coordinator} (timeout {timeout_s} s, set-up from "
+                               f"{cfg.source}): {type(e).__name__}: {e}") from None
 
 
 def _client() -> Any:
