@@ -20,7 +20,9 @@ which is the paper's model above):
 
 - `compute_lanes` (n): how many ranks' compute truly runs at once. On accelerators every rank has
   its own chip (None). Fake XLA CPU devices share the host's physical cores, so a degree-d group's
-  work is spread over min(d, n) cores, not d: compute is divided by p = min(d, n) instead of d.
+  work is spread over min(d, n) cores, not d: compute is divided by p = min(d, n) instead of d,
+  and the fixed per-rank work b1 (dispatch, launches, host syncs) of the d ranks runs on those same
+  p cores, so a group pays b1 d/p (b1 when every rank has its own chip or d <= n).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
   `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d) and
   evaluates every (query, key) pair of each ring block under a mask (blocks are skipped only when
@@ -83,7 +85,8 @@ class CostModel:
     mem_per_token: activation bytes per token kept on a rank (checkpoints + one layer's working set).
     memory_budget: bytes per rank available for activations (HBM minus model states and reserve).
     grad_bytes: gradient bytes all-reduced once per step.
-    compute_lanes: ranks whose compute runs in parallel (None: all; fake CPU devices: physical cores).
+    compute_lanes: ranks whose work runs in parallel (None: all; fake CPU devices: physical cores);
+        compute is split min(d, lanes) ways and the ranks' fixed work b1 costs b1 d / min(d, lanes).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     """
@@ -226,7 +229,7 @@ class CostModel:
             excess = comm
         else:
             raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
-        return (A + B) / p + self.b1 + excess
+        return (A + B) / p + self.b1 * (d / p) + excess
 
     def compute_divisor(self, degree: Any) -> np.ndarray:
         """p = min(d, compute_lanes): how many ways a group's compute is really split."""

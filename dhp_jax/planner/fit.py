@@ -8,7 +8,8 @@ model is linear in its coefficients:
     exposed: t = (a2 L1 + av V1) / d + b1 + c S (d-1)/d + lat (d-1)        (c, lat per link class)
 
 with A0 = sum (1+eta) L^2, L1 = sum L, V1 = sum sqrt(eta) L, S = sum L. The structural terms of
-`base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d,
+`base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d
+(and b1 multiplied by d/p),
 ring traffic simply adds when `base.comm_overlap` is False, and when `base.bucket_min` is set
 the features are those of the padded stream of length P (A0 = P^2, L1 = S = P; see `CostModel`). The fit alternates between
 classifying the points with the current coefficients and a non-negative least-squares solve on
@@ -70,7 +71,7 @@ def _design(A0, L1, V1, d, inter, exposed, p, overlap=True) -> np.ndarray:
     X[:, 0] = np.where(exposed & overlap, 0.0, A0 / p)
     X[:, 1] = L1 / p
     X[:, 2] = V1 / p
-    X[:, 3] = 1.0
+    X[:, 3] = d / p  # every rank's fixed work, shared over the p lanes (1 when p = d)
     frac = L1 * (d - 1) / d
     X[:, 4] = np.where(exposed & ~inter, frac, 0.0)
     X[:, 5] = np.where(exposed & inter, frac, 0.0)
@@ -86,8 +87,8 @@ def _predict(p: np.ndarray, A0, L1, V1, d, inter, lanes, overlap=True) -> tuple[
     comm = c * L1 * (d - 1) / d + lat * (d - 1)
     attn = a1 * A0 / lanes
     if not overlap:  # traffic and compute add up; every point's traffic counts
-        return attn + (a2 * L1 + av * V1) / lanes + b1 + comm, np.ones(len(d), bool)
-    return attn + (a2 * L1 + av * V1) / lanes + b1 + np.maximum(comm - attn, 0.0), comm > attn
+        return attn + (a2 * L1 + av * V1) / lanes + b1 * d / lanes + comm, np.ones(len(d), bool)
+    return attn + (a2 * L1 + av * V1) / lanes + b1 * d / lanes + np.maximum(comm - attn, 0.0), comm > attn
 
 
 def _polish(p: np.ndarray, informed: np.ndarray, A0, L1, V1, d, inter, t, lanes, overlap) -> np.ndarray:

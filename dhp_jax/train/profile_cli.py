@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         measurements = old["measurements"]
         keep = ("machine", "model", "repeats", "passes", "compute_lanes", "load_average_before",
-                "load_average_after", "bucket_min", "bucket_growth", "num_devices")
+                "load_average_after", "load_average_during", "bucket_min", "bucket_growth", "num_devices", "note")
         extra = {k: old[k] for k in keep if k in old}
         extra["refit_from"] = str(args.from_report)
         n = int(old.get("num_devices", n))
@@ -98,12 +99,17 @@ def run(args: argparse.Namespace) -> int:
                  "load_average_before": args.load_before, "load_average_after": load_average()}
     # the profiled model's own gradient size and head count; the executor's padding ladder and the
     # host's parallelism are structure, not fitted figures; the rest of the base is refitted
+        raw = f"{args.out}.measurements.json"
+        with open(raw, "w") as f:  # kept until the fit is written: a failed fit loses no timings
+            json.dump({**extra, "measurements": measurements}, f, indent=1)
     base = CostModel.preset(args.base_model, args.hardware, ranks_per_node=n,
                             grad_bytes=4.0 * model.num_params(), num_heads=model.num_heads,
                             compute_lanes=lanes, bucket_min=bucket_min, bucket_growth=growth)
     cost, report = fit_profile(measurements, base, holdout_every=args.holdout_every)
     extra["label"] = "measured on this machine's devices; fitted with dhp_jax.planner.fit.fit_cost_model"
     path, report_path = write_profile(args.out, cost, report, measurements, extra)
+    if not args.from_report:
+        os.remove(raw)
     if args.json:
         print(json.dumps({**extra, **{k: v for k, v in report.items() if k != "held_out"},
                           "profile": str(path), "report": str(report_path)}, indent=2, default=float))
