@@ -201,7 +201,7 @@ def _by_hand_machine(c, lengths, etas, d, lanes, bucket, overlap):
         A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
         B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas))
     p = min(d, lanes)
-    t_cm = c.kv_bytes_per_token / c.bw_intra * S * (d - 1) / d + c.lat_intra * (d - 1)
+    t_cm = c.kv_bytes_per_token / c.bw_intra * S * (d - 1) / d + c.lat_intra * (d - 1) * d / p
     return (A + B) / p + c.b1 * d / p + t_cm - (min(A / p, t_cm) if overlap else 0.0)
 
 

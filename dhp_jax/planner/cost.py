@@ -22,7 +22,9 @@ which is the paper's model above):
   its own chip (None). Fake XLA CPU devices share the host's physical cores, so a degree-d group's
   work is spread over min(d, n) cores, not d: compute is divided by p = min(d, n) instead of d,
   and the fixed per-rank work b1 (dispatch, launches, host syncs) of the d ranks runs on those same
-  p cores, so a group pays b1 d/p (b1 when every rank has its own chip or d <= n).
+  p cores, so a group pays b1 d/p (b1 when every rank has its own chip or d <= n). Likewise the
+  per-message cost of the ring: at each of the d-1 steps every rank hands one message over, and
+  those d hand-overs run p at a time, so the latency term is lat (d-1) d/p.
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
   `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d) and
   evaluates every (query, key) pair of each ring block under a mask (blocks are skipped only when
@@ -86,7 +88,8 @@ class CostModel:
     memory_budget: bytes per rank available for activations (HBM minus model states and reserve).
     grad_bytes: gradient bytes all-reduced once per step.
     compute_lanes: ranks whose work runs in parallel (None: all; fake CPU devices: physical cores);
-        compute is split min(d, lanes) ways and the ranks' fixed work b1 costs b1 d / min(d, lanes).
+        compute is split min(d, lanes) ways; the ranks' fixed work b1 and ring latency lat (d-1) are
+        multiplied by d / min(d, lanes).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     """
@@ -220,7 +223,7 @@ class CostModel:
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
-        comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0)
+        comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0) * (d / p)
         if attention == "ring" and not self.comm_overlap:
             excess = comm
         elif attention == "ring":

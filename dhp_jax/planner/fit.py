@@ -9,7 +9,7 @@ model is linear in its coefficients:
 
 with A0 = sum (1+eta) L^2, L1 = sum L, V1 = sum sqrt(eta) L, S = sum L. The structural terms of
 `base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d
-(and b1 multiplied by d/p),
+(and b1 and the ring latency multiplied by d/p),
 ring traffic simply adds when `base.comm_overlap` is False, and when `base.bucket_min` is set
 the features are those of the padded stream of length P (A0 = P^2, L1 = S = P; see `CostModel`). The fit alternates between
 classifying the points with the current coefficients and a non-negative least-squares solve on
@@ -75,8 +75,8 @@ def _design(A0, L1, V1, d, inter, exposed, p, overlap=True) -> np.ndarray:
     frac = L1 * (d - 1) / d
     X[:, 4] = np.where(exposed & ~inter, frac, 0.0)
     X[:, 5] = np.where(exposed & inter, frac, 0.0)
-    X[:, 6] = np.where(exposed & ~inter, d - 1, 0.0)
-    X[:, 7] = np.where(exposed & inter, d - 1, 0.0)
+    X[:, 6] = np.where(exposed & ~inter, (d - 1) * d / p, 0.0)  # messages of d ranks on p lanes
+    X[:, 7] = np.where(exposed & inter, (d - 1) * d / p, 0.0)
     return X
 
 
@@ -84,7 +84,7 @@ def _predict(p: np.ndarray, A0, L1, V1, d, inter, lanes, overlap=True) -> tuple[
     a1, a2, av, b1, ci, ce, li, le = p
     c = np.where(inter, ce, ci)
     lat = np.where(inter, le, li)
-    comm = c * L1 * (d - 1) / d + lat * (d - 1)
+    comm = c * L1 * (d - 1) / d + lat * (d - 1) * d / lanes
     attn = a1 * A0 / lanes
     if not overlap:  # traffic and compute add up; every point's traffic counts
         return attn + (a2 * L1 + av * V1) / lanes + b1 * d / lanes + comm, np.ones(len(d), bool)
