@@ -9,10 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
-def vision_family(model: str) -> str:
-    """The vision-token rules a model uses: InternVL tiles or Qwen-VL patches."""
-    return "internvl" if model.lower().startswith("internvl") else "qwen-vl"
+# The vision-token rules a model uses (InternVL tiles, Qwen-VL patches) come from one table, in the
+# data package; `vision_family` is kept as the simulator's name for it.
+from dhp_jax.data.vision import family_for_model as vision_family
 
 
 @dataclasses.dataclass(frozen=True)
