@@ -8,7 +8,9 @@ incremental form: every group starts at its least feasible degree; the bottlenec
 to the next degree at which its time strictly drops below its current time; it stops when that raise
 does not fit in N. Invariant: every degree below d_i has time >= the makespan at which group i was
 last raised, so any plan with a smaller makespan needs more than N ranks; hence the result is
-optimal (ties included) for any per-group times, monotone in d or not. Each raise costs O(log K')
+optimal (ties included) for any per-group times, monotone in d or not. Exactness is for this
+per-group model (makespan = max_i T_i); on shared-core hosts (`CostModel.compute_lanes`) the
+machine-wide lanes cap of `CostModel.makespans` is applied by the caller when comparing candidates. Each raise costs O(log K')
 plus the scalar evaluations walked, O((K' + N) log K') overall.
 """
 
@@ -47,6 +49,11 @@ class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
 
     def __init__(self, cost: CostModel, attention: str):
+        # shared lanes, padded buckets or no overlap: the closed form below does not hold; price
+        # every evaluation with the cost model itself so the search stays exact for it
+        self.exact = None
+        if cost.compute_lanes is not None or cost.bucket_min or not cost.comm_overlap:
+            self.exact = (cost, attention)
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
         self.c_intra = float(cost.comm_per_token(False, attention))
@@ -55,6 +62,8 @@ class _ScalarTime:
         self.ring = attention == "ring"
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
+        if self.exact is not None:
+            return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
         if d > self.rpn:
             comm = self.c_inter * S * (d - 1) / d + self.l_inter * (d - 1)
         else:

@@ -19,7 +19,7 @@ from dhp_jax.planner.build import build_plan
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place, spans_nodes
-from dhp_jax.planner.plan import Plan, PlanningError
+from dhp_jax.planner.plan import Plan, PlanningError, PlanValidationError
 from dhp_jax.planner.refine import refine as refine_groups
 
 STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>", "static-ulysses:best",
@@ -141,7 +141,7 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
             continue
         A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
         dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
-        res = allocate(A, B, S, dmin_bins, N, cost, allowed)
+        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed)
         if res is None:
             continue
         if best is None or res[1] < best[2]:
@@ -164,7 +164,7 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
             return (new, res[0], res[1], f)
         # the refined groups at their old degrees are never worse than before
         A, B, S = bin_sums(new, prob.attn, prob.lin, prob.tok)
-        t_new = float(np.max(prob.cost.group_times(A, B, S, deg)))
+        t_new = score(prob.cost, A, B, S, deg)
         if t_new < mk:
             return (new, deg, t_new, f)
     return sol
@@ -172,7 +172,43 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
 
 def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) -> tuple[np.ndarray, float] | None:
     A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
-    return allocate(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed)
+    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed)
+
+
+def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any) -> float:
+    """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `CostModel.makespan`)."""
+    return cost.makespan(cost.group_times(A, B, S, deg), deg)
+
+
+def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, cost: CostModel,
+                    allowed: np.ndarray | None) -> tuple[np.ndarray, float] | None:
+    """`allocate`, judged by the micro-batch makespan that the plan's estimates use.
+
+    Without `compute_lanes` this is `allocate` itself (exact for max_g T_g). On shared cores the
+    lanes cap (sum_g T_g min(d_g, p) / p) can make spare ranks a loss: extra degree only adds ring
+    work on the same p cores. So the allocations on N/2, N/4, ... ranks and the one giving every
+    bin its least allowed degree are scored too, and the lowest lanes-aware makespan is kept (ties:
+    the full allocation). Exactness of `allocate` holds for the per-group model only.
+    """
+    res = allocate(A, B, S, dmin, num_ranks, cost, allowed)
+    if res is None or cost.compute_lanes is None:
+        return res
+    ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
+    least = ds[np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")]
+    cands = [res[0]]
+    n = num_ranks // 2
+    while n >= int(least.sum()):
+        r = allocate(A, B, S, dmin, n, cost, ds[ds <= n])
+        if r is not None:
+            cands.append(r[0])
+        n //= 2
+    cands.append(least)
+    best = None
+    for deg in cands:
+        mk = score(cost, A, B, S, deg)
+        if best is None or mk < best[1]:
+            best = (np.asarray(deg, dtype=np.int64), mk)
+    return best
 
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
@@ -252,7 +288,42 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
     mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
-    return mbs, {"num_micro_batches": M, "est_makespan_sum_s": chosen[0]}
+    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0]}
+    if cost.compute_lanes is not None and num_micro_batches is None and packing:
+        mbs, info = _shared_lanes_fallback(prob, allowed, mbs, info)
+    return mbs, info
+
+
+def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: dict[str, Any]
+                           ) -> tuple[list, dict[str, Any]]:
+    """On shared cores also score the uniform ring plans of every allowed degree; keep the best.
+
+    The packing balances unpadded work and the allocation is exact for max_g T_g only; with
+    `compute_lanes` the padded buckets and the lanes cap can make a plain uniform packing better.
+    Each candidate is judged by the same lanes-aware makespan sum (`CostModel.makespans`); the
+    planner's own plan wins ties. Used only when `cost.compute_lanes` is set.
+    """
+    cost, N = prob.cost, prob.num_ranks
+
+    def total(cand: list) -> float:
+        plan = build_plan(cand, prob.lengths, prob.etas, cost, N, {})
+        return sum(mb.est_makespan_s for mb in plan.micro_batches)
+
+    best = (total(mbs), mbs, None)
+    for d in baselines.static_degrees(N, cost, "ring"):
+        if d not in allowed:
+            continue
+        try:
+            cand = baselines.static_groups(prob.lengths, N, cost, d, "ring")
+            t = total(cand)
+        except (PlanningError, PlanValidationError):
+            continue  # this degree does not fit the batch
+        if t < best[0] * (1 - 1e-12):
+            best = (t, cand, d)
+    if best[2] is None:
+        return mbs, {**info, "est_makespan_sum_s": best[0]}
+    return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
+                     "shared_lanes_uniform_degree": best[2]}
 
 
 def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bool, node_aware: bool
@@ -280,7 +351,7 @@ def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bo
             t = float(cost.group_times(A[i], B[i], S[i], d, False))
             if t < times[i]:
                 ranks[i], times[i] = tuple(piece), t
-    return groups, ranks, float(times.max())
+    return groups, ranks, cost.makespan(times, [len(r) for r in ranks])
 
 
 # ---------------------------------------------------------------------------------------------- API

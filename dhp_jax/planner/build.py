@@ -59,7 +59,8 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
         if not gs:
             continue
         gs.sort(key=lambda g: g.ranks[0])
-        makespan = max(g.est_time_s for g in gs)
+        # max over groups; on shared cores (compute_lanes) also their core-seconds over the lanes
+        makespan = cost.makespan([g.est_time_s for g in gs], [g.degree for g in gs])
         total += makespan
         mbs.append(MicroBatch(tuple(gs), makespan))
     if attention != "ring":

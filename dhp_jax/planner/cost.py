@@ -234,6 +234,36 @@ class CostModel:
             raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
         return (A + B) / p + self.b1 * (d / p) + excess
 
+    def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
+                  ) -> np.ndarray:
+        """Makespan of each micro-batch whose groups (times T_g, degrees d_g) run at the same time.
+
+        Groups of a micro-batch run side by side, so the makespan is max_g T_g. With
+        `compute_lanes` (p shared cores: fake CPU devices) they also share those p cores, so it is
+            max( max_g T_g ,  sum_g T_g min(d_g, p) / p )
+        where the second term spreads every group's core-seconds over the p lanes: a machine-wide
+        cap for shared-core hosts only. Without lanes (accelerators) only the max is taken, exactly
+        as before. `micro_batch[g]` says which micro-batch group g belongs to (default: all in 0).
+        """
+        t = np.asarray(times, dtype=np.float64).reshape(-1)
+        mb = np.zeros(t.size, dtype=np.int64) if micro_batch is None else np.asarray(micro_batch, np.int64)
+        out = np.zeros(int(num_micro_batches))
+        np.maximum.at(out, mb, t)
+        if self.compute_lanes is not None:
+            lanes = float(self.compute_lanes)
+            share = t * self.compute_divisor(np.asarray(degrees).reshape(-1)) / lanes
+            out = np.maximum(out, np.bincount(mb, share, minlength=int(num_micro_batches)))
+        return out
+
+    def makespan(self, times: Any, degrees: Any) -> float:
+        """`makespans` of one micro-batch: max_g T_g, capped below by the shared lanes' load."""
+        t = np.asarray(times, dtype=np.float64).reshape(-1)
+        if t.size == 0:
+            return 0.0
+        if self.compute_lanes is None:
+            return float(t.max())
+        return float(self.makespans(t, degrees)[0])
+
     def compute_divisor(self, degree: Any) -> np.ndarray:
         """p = min(d, compute_lanes): how many ways a group's compute is really split."""
         d = np.asarray(degree, dtype=np.float64)

@@ -13,7 +13,8 @@ import numpy as np
 
 def step_time(plan: Any, lengths: Sequence[int] | np.ndarray, cost: Any,
               etas: Sequence[float] | np.ndarray | None = None) -> float:
-    """Seconds of one training step of `plan` (groups of a micro-batch run concurrently)."""
+    """Seconds of one training step of `plan` (groups of a micro-batch run concurrently; with
+    `cost.compute_lanes` they also share those cores: see `CostModel.makespans`)."""
     lengths = np.asarray(lengths)
     attn, lin, tok = cost.terms(lengths, etas)
     groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
@@ -37,6 +38,5 @@ def step_time(plan: Any, lengths: Sequence[int] | np.ndarray, cost: Any,
     else:
         t = cost.group_times(A, B, S, d, inter, mode)
     mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=len(groups))
-    makespans = np.zeros(len(plan.micro_batches))
-    np.maximum.at(makespans, mb, t)
+    makespans = cost.makespans(t, d, mb, len(plan.micro_batches))  # lanes-aware on shared cores
     return float(makespans.sum() + cost.allreduce_time(plan.num_ranks))
