@@ -24,7 +24,10 @@ which is the paper's model above):
   and the fixed per-rank work b1 (dispatch, launches, host syncs) of the d ranks runs on those same
   p cores, so a group pays b1 d/p (b1 when every rank has its own chip or d <= n). Likewise the
   per-message cost of the ring: at each of the d-1 steps every rank hands one message over, and
-  those d hand-overs run p at a time, so the latency term is lat (d-1) d/p.
+  those d hand-overs run p at a time, so the latency term is lat (d-1) d/p. The groups of one
+  micro-batch also share the p cores, so `makespans` caps a micro-batch from below by the sum of
+  its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
+  planner's exact allocation is exact for the per-group model, and candidates are compared with it).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
   `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d) and
   evaluates every (query, key) pair of each ring block under a mask (blocks are skipped only when
