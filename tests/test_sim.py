@@ -226,3 +226,17 @@ def test_dhp_simulate_cli(capsys, tmp_path):
     assert "nodes" in capsys.readouterr().err
     assert main(["simulate", "--nodes", "1", "--batch", "8", "--strategies", "bogus"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_evaluate_agrees_with_step_time_on_shared_lanes():
+    """With shared compute lanes (fake CPU devices) the simulator's breakdown and step_time agree."""
+    from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.sim import evaluate, step_time
+
+    cost = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8)
+    assert cost.compute_lanes is not None
+    lengths = [300, 40, 40, 40, 40, 40, 900, 12]
+    for strategy in ("dhp", "static-ring:2", "static-ring:1"):
+        plan = plan_batch(lengths, 8, cost, strategy)
+        br = evaluate(plan, lengths, cost)
+        assert sum(br.makespans_s) + br.allreduce_s == pytest.approx(step_time(plan, lengths, cost), rel=1e-12)

@@ -79,8 +79,8 @@ def group_times(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[flo
 def evaluate(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float] | None = None) -> StepBreakdown:
     """Time one plan; raises ValueError naming the group if it references a missing sample."""
     t, d, mb = group_times(plan, lengths, cost, etas)
-    makespans = np.zeros(len(plan.micro_batches))
-    np.maximum.at(makespans, mb, t)
+    # the cost model owns how groups of one micro-batch combine (shared CPU lanes included)
+    makespans = cost.makespans(t, d, mb, len(plan.micro_batches))
     return StepBreakdown(tuple(makespans.tolist()), float(cost.allreduce_time(plan.num_ranks)),
                          float(np.dot(d, t)), plan.num_ranks)
 
