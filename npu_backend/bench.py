@@ -39,7 +39,7 @@ def make_case(args: argparse.Namespace) -> tuple[Any, list, Any]:
     model, _, hw = args.cost.partition("/")
     scaled = np.maximum(1, np.round(sample_lengths(samples) * args.length_scale)).astype(np.int64)
     plan = plan_batch(scaled, args.ranks, CostModel.preset(model, hw or "cpu"), args.strategy,
-                      etas=sample_etas(samples))
+                      etas=sample_etas(samples), every_rank=True)
     return config, samples, plan
 
 

@@ -58,7 +58,7 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
     used = {r for g in plan.groups for r in g.ranks}
     idle = sorted(set(range(world_size)) - used)
     if idle:
-        raise StepError(f"ranks {idle} are in no group of any micro-batch; a plan must use every rank")
+        raise StepError(f"ranks {idle} are in no group of any micro-batch; a plan must use every rank (plan_batch(..., every_rank=True))")
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise StepError(f"sample {i} is a {type(s).__name__}, not a Sample")

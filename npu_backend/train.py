@@ -103,7 +103,9 @@ class Planner:
         from dhp_jax.planner import plan_batch
 
         lengths = np.maximum(1, np.round(sample_lengths(samples) * self.args.length_scale)).astype(np.int64)
-        return plan_batch(lengths, self.world, self.cost, self.args.strategy, etas=sample_etas(samples))
+        # this executor needs every rank in some group (an idle process would have no shard to run)
+        return plan_batch(lengths, self.world, self.cost, self.args.strategy, etas=sample_etas(samples),
+                          every_rank=True)
 
     def __call__(self, step: int, samples: Sequence) -> Plan:
         if self.replay is not None:

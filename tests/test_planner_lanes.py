@@ -100,3 +100,17 @@ def test_no_lanes_plans_unchanged(strategy):
     # and the estimate is the max-only formula
     mx = sum(max(g.est_time_s for g in mb.groups) for mb in plan.micro_batches) + cost.allreduce_time(16)
     assert plan.est_step_time_s == mx
+
+
+@pytest.mark.parametrize("lengths", [[40, 50, 60, 70], [100, 100, 100, 5], [900, 10, 10], [7]])
+def test_every_rank_leaves_no_rank_idle(lengths):
+    """Executors with one process per rank need every rank in some group; `every_rank=True` gives
+    ranks the plan would leave idle (shared lanes prefer few small groups) to the slowest group."""
+    cost = CostModel.preset("internvl3-8b", "cpu")
+    free = plan_batch(lengths, 5, cost)
+    plan = plan_batch(lengths, 5, cost, every_rank=True)
+    plan.validate(num_samples=len(lengths), cost=cost, lengths=lengths)
+    assert sorted({r for g in plan.groups for r in g.ranks}) == list(range(5))
+    idle = sorted(set(range(5)) - {r for g in free.groups for r in g.ranks})
+    assert plan.solver.get("every_rank_added", []) == idle
+    assert [sorted(g.samples) for g in plan.groups] == [sorted(g.samples) for g in free.groups]

@@ -358,13 +358,17 @@ def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bo
 def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray, num_ranks: int, cost: CostModel,
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
-               node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None) -> Plan:
+               node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
+               every_rank: bool = False) -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
     `packing=False` makes every sequence its own atomic group; `degrees="pow2"` (or a list)
     restricts group degrees; `node_aware=False` places groups on consecutive ranks; `refine=False`
     skips the re-balancing. `time_limit_s` bounds the MILP of "milp"/"flexsp" only.
+    `every_rank=True` is for executors in which every rank must run some group (the torch backend):
+    a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
+    samples than ranks) joins the slowest group instead.
     """
     if not isinstance(strategy, str):
         raise PlanningError(f"strategy must be a string, got {strategy!r}")
@@ -392,7 +396,27 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     cpu_ms = (time.thread_time() - c0) * 1e3  # this thread's CPU: what a loaded machine does not inflate
     solver = {"strategy": strategy, "solve_ms": round(solve_ms, 3), "solve_cpu_ms": round(cpu_ms, 3), **extra}
     plan = build_plan(mbs, prob.lengths, prob.etas, cost, N, solver, attention)  # checks memory, vectorised
+    if every_rank:
+        plan = _use_every_rank(plan, prob, solver, attention)
     plan.validate(num_samples=len(prob.lengths))
+    return plan
+
+
+def _use_every_rank(plan: Plan, prob: Problem, solver: dict[str, Any], attention: str) -> Plan:
+    """Give each rank that no group of any micro-batch uses to the group that is slowest at that
+    moment (ring order kept, the new rank last); a larger degree never needs more memory per rank,
+    so the plan stays within its budget. Estimates are rebuilt after every addition."""
+    used = {r for g in plan.groups for r in g.ranks}
+    idle = [r for r in range(plan.num_ranks) if r not in used]
+    if not idle:
+        return plan
+    solver = {**solver, "every_rank_added": idle}
+    for r in idle:
+        m, i = max(((m, i) for m, mb in enumerate(plan.micro_batches) for i in range(len(mb.groups))),
+                   key=lambda mi: (plan.micro_batches[mi[0]].groups[mi[1]].est_time_s, -mi[0], -mi[1]))
+        mbs = [[(list(g.ranks) + ([r] if (k, j) == (m, i) else []), list(g.samples))
+                for j, g in enumerate(mb.groups)] for k, mb in enumerate(plan.micro_batches)]
+        plan = build_plan(mbs, prob.lengths, prob.etas, prob.cost, plan.num_ranks, solver, attention)
     return plan
 
 
