@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any, Callable, Mapping
 
 
@@ -16,6 +17,7 @@ def lazy_attributes(package: str, table: Mapping[str, str]) -> tuple[Callable[[s
         return getattr(importlib.import_module(module), name)
 
     def __dir__() -> list[str]:
-        return sorted(set(table) | set(globals()))
+        # the package's own names (its module dict), not this helper module's
+        return sorted(set(table) | set(vars(sys.modules[package])))
 
     return __getattr__, __dir__

@@ -31,11 +31,11 @@ import time
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import LogNorm
-from matplotlib.patches import Rectangle
 
 from dhp_jax.data import DATASETS, make_dataset, sample_etas, sample_lengths
 from dhp_jax.data.analyze import TokenProfile, summary
 from dhp_jax.planner import CostModel, Plan, PlanningError, plan_batch
+from dhp_jax.planner.plot import draw_plan as draw_plan_on
 from dhp_jax.sim import step_time
 
 # %% [markdown]
@@ -135,42 +135,10 @@ print(plans["dhp"].to_json()[:400], "...")
 # all-reduce over all ranks (grey). Ranks idle inside a micro-batch show as white gaps.
 
 # %%
-def rank_runs(ranks) -> list[tuple[int, int]]:
-    """(first rank, count) of each run of consecutive ranks (a group may span separate runs)."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([r, 1])
-    return [(a, n) for a, n in runs]
-
-
 def draw_plan(ax, plan: Plan, cost: CostModel, title: str = "") -> float:
-    """Draw `plan` as ranks (y) x simulated time (x); returns the step time drawn.
+    """The planner's ranks x time drawing, with the step's gradient all-reduce at the end."""
+    return draw_plan_on(ax, plan, cost.allreduce_time(plan.num_ranks), title)
 
-    Colour = group degree on a log scale from 1 to all ranks, so plans on the same ranks compare.
-    """
-    cmap, norm = plt.get_cmap("viridis"), LogNorm(1, max(2, plan.num_ranks))
-    t0 = 0.0
-    for mb in plan.micro_batches:
-        for g in mb.groups:
-            for first, n in rank_runs(g.ranks):
-                ax.add_patch(Rectangle((t0, first - 0.5), g.est_time_s, n, facecolor=cmap(norm(g.degree)),
-                                       edgecolor="white", lw=0.8))
-            if g.est_time_s > 0.06 * plan.est_step_time_s and g.degree >= 3:
-                ax.text(t0 + g.est_time_s / 2, float(np.mean(g.ranks)), f"d={g.degree}\n{len(g.samples)} seq",
-                        ha="center", va="center", fontsize=6, color="white")
-        t0 += mb.est_makespan_s
-        ax.axvline(t0, color="black", lw=0.5)
-    ar = cost.allreduce_time(plan.num_ranks)
-    ax.add_patch(Rectangle((t0, -0.5), ar, plan.num_ranks, facecolor="lightgrey"))
-    ax.set_xlim(0, (t0 + ar) * 1.02)
-    ax.set_ylim(plan.num_ranks - 0.5, -0.5)
-    ax.set_xlabel("simulated time (s)")
-    ax.set_ylabel("rank")
-    ax.set_title(title or plan.strategy, fontsize=9)
-    return t0 + ar
 
 fig, axes = plt.subplots(len(plans), 1, figsize=(10, 2.3 * len(plans)), sharex=True, layout="constrained")
 ends = []

@@ -52,3 +52,12 @@ def test_malformed_json():
         Plan.from_json("{not json")
     with pytest.raises(PlanValidationError, match="missing field 'micro_batches'"):
         Plan.from_json({"schema": "dhp.plan/v1", "num_ranks": 2})
+
+
+def test_lazy_package_names_are_listed_and_resolve():
+    import dhp_jax.planner as planner
+
+    names = dir(planner)
+    assert {"Plan", "plan_batch", "CostModel"} <= set(names)
+    assert "importlib" not in names  # the helper's own globals are not the package's
+    assert planner.plan_batch.__module__ == "dhp_jax.planner.api"

@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from dhp_jax.planner.plot import plot_plan
 
-        plot_plan(plan, args.plot, title=f"{args.strategy}: {args.dataset}, {args.batch} samples, {args.ranks} ranks")
+        plot_plan(plan, args.plot, title=f"{args.strategy}: {args.dataset}, {args.batch} samples, {args.ranks} ranks",
+                  allreduce_s=cost.allreduce_time(plan.num_ranks))
     if args.json:
         print(json.dumps({"config": config, "step_time_s": ours, "plan": plan.to_dict(), "comparison": comparison},
                          indent=2))

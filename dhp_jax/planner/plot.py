@@ -1,47 +1,74 @@
-"""Draw a plan as ranks x time: one rectangle per group per micro-batch (matplotlib, Agg)."""
+"""Draw a plan as ranks x time: one rectangle per group per micro-batch (matplotlib).
+
+`draw_plan` draws onto an axis (notebooks put several plans in one figure); `plot_plan` writes a
+PNG with the Agg backend (`dhp plan --plot`).
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 
-def plot_plan(plan: Any, path: str | Path, title: str = "") -> None:
-    """Write a PNG: x = estimated time (micro-batches back to back), y = rank."""
+def rank_runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """(first rank, count) of each run of consecutive ranks; a group may span separate runs."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([r, 1])
+    return [(a, n) for a, n in runs]
+
+
+def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "") -> float:
+    """Draw `plan` on `ax` as ranks (y) x estimated time (x); returns the end time drawn.
+
+    Micro-batches run back to back (black lines end them), then the gradient all-reduce
+    (`allreduce_s`, grey). Colour = group degree on a log scale from 1 to all ranks, so plans on
+    the same ranks compare; solid lines are node boundaries.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+    from matplotlib.patches import Rectangle
+
+    cmap, norm = plt.get_cmap("viridis"), LogNorm(1, max(2, plan.num_ranks))
+    step = plan.est_step_time_s or sum(mb.est_makespan_s for mb in plan.micro_batches)
+    t0 = 0.0
+    for mb in plan.micro_batches:
+        for g in mb.groups:
+            for first, n in rank_runs(g.ranks):
+                ax.add_patch(Rectangle((t0, first - 0.5), g.est_time_s, n, facecolor=cmap(norm(g.degree)),
+                                       edgecolor="white", lw=0.8))
+            if g.est_time_s > 0.06 * step and (g.degree >= 3 or plan.num_ranks <= 16):
+                ax.text(t0 + g.est_time_s / 2, sum(g.ranks) / g.degree, f"d={g.degree}\n{len(g.samples)} seq",
+                        ha="center", va="center", fontsize=6, color="white")
+        t0 += mb.est_makespan_s
+        ax.axvline(t0, color="black", lw=0.5)
+    if allreduce_s > 0:
+        ax.add_patch(Rectangle((t0, -0.5), allreduce_s, plan.num_ranks, facecolor="lightgrey"))
+    end = t0 + allreduce_s
+    rpn = plan.ranks_per_node or plan.num_ranks
+    for r in range(rpn, plan.num_ranks, rpn):
+        ax.axhline(r - 0.5, color="black", linewidth=0.6)
+    ax.set_xlim(0, max(end, 1e-9) * 1.02)
+    ax.set_ylim(plan.num_ranks - 0.5, -0.5)
+    ax.set_xlabel("estimated time (s)")
+    ax.set_ylabel("rank")
+    ax.set_title(title or f"{plan.strategy}: {len(plan.micro_batches)} micro-batch(es), {plan.num_ranks} ranks",
+                 fontsize=9)
+    return end
+
+
+def plot_plan(plan: Any, path: str | Path, title: str = "", allreduce_s: float = 0.0) -> None:
+    """Write a PNG of `draw_plan` for one plan."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
 
     fig, ax = plt.subplots(figsize=(10, max(3.0, min(12.0, plan.num_ranks * 0.12))))
-    cmap = plt.get_cmap("tab20")
-    t0 = 0.0
-    for m, mb in enumerate(plan.micro_batches):
-        for gi, g in enumerate(mb.groups):
-            colour = cmap((m * 7 + gi) % 20)
-            # a group's ranks may be scattered across nodes: draw each contiguous run
-            runs, start = [], g.ranks[0]
-            for a, b in zip(g.ranks, g.ranks[1:] + (None,)):
-                if b != a + 1:
-                    runs.append((start, a))
-                    start = b
-            for lo, hi in runs:
-                ax.add_patch(Rectangle((t0, lo), g.est_time_s, hi - lo + 1, facecolor=colour, edgecolor="black",
-                                       linewidth=0.3))
-            if g.degree >= 2 or plan.num_ranks <= 16:
-                ax.text(t0 + g.est_time_s / 2, g.ranks[0] + g.degree / 2, str(g.degree), ha="center", va="center",
-                        fontsize=8)
-        t0 += mb.est_makespan_s
-        ax.axvline(t0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xlim(0, max(t0, 1e-9) * 1.02)
-    ax.set_ylim(plan.num_ranks, 0)
-    rpn = plan.ranks_per_node or plan.num_ranks
-    for r in range(rpn, plan.num_ranks, rpn):
-        ax.axhline(r, color="black", linewidth=0.6)
-    ax.set_xlabel("estimated time (s); dashed lines end micro-batches; numbers are group degrees")
-    ax.set_ylabel("rank (solid lines: node boundaries)")
-    ax.set_title(title or f"{plan.strategy}: {len(plan.micro_batches)} micro-batch(es), {plan.num_ranks} ranks")
+    draw_plan(ax, plan, allreduce_s, title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
