@@ -7,9 +7,11 @@ Each subcommand module exposes `configure(parser)` and `run(args) -> int`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
-from typing import Sequence
+from typing import Iterator, Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,7 +43,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     module = importlib.import_module(COMMANDS[args.command][0])
-    return int(module.run(args) or 0)
+    try:
+        with _json_stdout(bool(getattr(args, "json", False))):
+            return int(module.run(args) or 0)
+    except BrokenPipeError:
+        # the reader went away (`dhp plan --json | head`): end quietly, as a Unix filter does
+        _silence_stdout()
+        return 0
+
+
+@contextlib.contextmanager
+def _json_stdout(active: bool) -> Iterator[None]:
+    """With --json, stdout carries only what Python prints: file descriptor 1 points at stderr
+    meanwhile, so a native library's chatter (a solver's banner) can never corrupt the JSON."""
+    if not active:
+        yield
+        return
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError):  # no real stdout (captured by a test): nothing native to redirect
+        yield
+        return
+    os.dup2(2, 1)
+    real = sys.stdout
+    sys.stdout = os.fdopen(os.dup(saved), "w", buffering=1)
+    try:
+        yield
+    finally:
+        out, sys.stdout = sys.stdout, real
+        os.dup2(saved, 1)
+        os.close(saved)
+        try:
+            out.flush()  # a closed pipe raises here, and main() ends quietly
+        finally:
+            with contextlib.suppress(OSError):
+                out.close()
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush cannot raise again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

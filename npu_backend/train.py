@@ -52,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
     p.add_argument("--cost", default="internvl3-8b/cpu", help="cost-model preset MODEL/HARDWARE")
     p.add_argument("--cost-profile", help="cost model fitted by `dhp profile` (JSON); overrides --cost")
+    p.add_argument("--ranks-per-node", type=int, default=8,
+                   help="preset cost model: ranks sharing a node's fast links (default 8; 1: each rank a node)")
+    p.add_argument("--comm-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="preset cost model: ring traffic hides behind attention (default: the hardware's)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="plan as if every sample were this many times longer (exercise CP groups at "
                         "CPU-sized lengths)")
@@ -96,7 +100,10 @@ class Planner:
                 self.cost = CostModel.from_profile(args.cost_profile)
             else:
                 model, _, hardware = args.cost.partition("/")
-                self.cost = CostModel.preset(model, hardware or "cpu")
+                extra = {} if args.comm_overlap is None else {"comm_overlap": args.comm_overlap}
+                # model states ZeRO-sharded over the node, or over all ranks when a rank is a node
+                self.cost = CostModel.preset(model, hardware or "cpu", ranks_per_node=args.ranks_per_node,
+                                             zero_shards=max(args.ranks_per_node, world), **extra)
 
     def _plan(self, samples: Sequence) -> Plan:
         from dhp_jax.data.sample import sample_etas, sample_lengths
@@ -181,6 +188,7 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     finally:
         if dump is not None:
             dump.close()
+    say(summary_line(records, world, choice))
     if rank == 0 and args.save_weights:
         save_npz(args.save_weights, export_flax_params(model))
     if rank == 0 and args.json_out:
@@ -189,6 +197,23 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
                        "world_size": world, "torch": torch.__version__, "config": config.to_dict(),
                        "args": vars(args), "steps": records}, f, indent=1)
     return 0
+
+
+def summary_line(records: list[dict], world: int, choice: Any) -> str:
+    """One line: steps, loss first -> last, the groups run by degree, the median step (measured)."""
+    if not records:
+        return "npu_backend: no step run"
+    groups: dict[int, int] = {}
+    for r in records:
+        for mb in r["degrees"]:
+            for d in mb:
+                groups[d] = groups.get(d, 0) + 1
+    odd = [d for d in sorted(groups) if d & (d - 1)]
+    return (f"npu_backend: {len(records)} steps on {world} ranks ({choice.kind}, {choice.backend}): loss "
+            f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; groups run: "
+            + ", ".join(f"{n} of degree {d}" for d, n in sorted(groups.items()))
+            + (f" ({', '.join(map(str, odd))}: not powers of two)" if odd else "")
+            + f"; median step {float(np.median([r['step_s'] for r in records])) * 1e3:.1f} ms (measured)")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
                          image_root=args.image_root, tokenizer=args.tokenizer, ranks_per_node=args.ranks_per_node,
                          mix_samples=args.mix_samples)
     except (ValueError, FileNotFoundError) as e:
-        print(f"dhp analyze: error: {e}")
+        print(f"dhp analyze: error: {e}", file=sys.stderr)
         return 2
     if args.plot:
         plot(report, args.plot)

@@ -37,6 +37,13 @@ def _cost(args: argparse.Namespace) -> Any:
                             freeze_vision=args.freeze_vision)
 
 
+def not_optimal(solver: dict) -> str:
+    """Why a time-limited solver's plan is only the best found (its solver metadata)."""
+    limit = solver.get("time_limit_s")
+    return (f"the {solver.get('strategy', 'MILP')} solver stopped at its {limit:g} s time limit; this is the best "
+            f"plan it found" if limit else "the solver stopped before proving optimality")
+
+
 def _span(ranks: tuple[int, ...]) -> str:
     if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
@@ -71,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         t = step_time(other, lengths, cost, etas)
         comparison[strat] = {"step_time_s": t, "speedup": t / ours, "degree": other.solver.get("degree"),
+                             "optimal": other.solver.get("optimal"),
                              "num_micro_batches": len(other.micro_batches), "solve_ms": other.solver["solve_ms"]}
     config = {"dataset": args.dataset, "batch": args.batch, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node,
               "model": cost.model, "hardware": cost.hardware, "freeze_vision": cost.freeze_vision,
@@ -90,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.ranks} ranks ({args.ranks_per_node}/node), {cost.model} on {cost.hardware}")
     print(f"solve {plan.solver['solve_ms']:.1f} ms; {len(plan.micro_batches)} micro-batch(es); "
           f"numbers are simulated with the cost model")
+    if plan.solver.get("optimal") is False:
+        print(f"not proven optimal: {not_optimal(plan.solver)}")
     for m, mb in enumerate(plan.micro_batches):
         print(f"\nmicro-batch {m}: {len(mb.groups)} groups, degrees {sorted((g.degree for g in mb.groups), reverse=True)}, "
               f"makespan {mb.est_makespan_s:.3f} s")
@@ -108,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {strat:<22} infeasible: {r['error']}")
             else:
                 print(f"  {strat:<22} {r['step_time_s']:>9.3f} s  degree {r['degree']}, {r['num_micro_batches']} "
-                      f"micro-batch(es); {args.strategy} is {r['speedup']:.3f}x faster")
+                      f"micro-batch(es); {args.strategy} is {r['speedup']:.3f}x faster"
+                      + (f" ({strat} not proven optimal)" if r.get("optimal") is False else ""))
     if args.plot:
         print(f"\nplot written to {args.plot}")
     return 0

@@ -55,8 +55,16 @@ def _split(lengths: list[int], groups: list) -> list[list[int]]:
     return out
 
 
+def _say(text: str, enabled: bool) -> None:
+    if enabled:
+        import sys
+
+        print(f"dhp bench executor: {text}", file=sys.stderr, flush=True)
+
+
 def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int = 15,
-          compiler_options: dict[str, Any] | None = None) -> dict[str, Any]:
+          compiler_options: dict[str, Any] | None = None, progress: bool = False) -> dict[str, Any]:
+    """Host-side overhead of one DHP step on the local devices; `progress` says each phase on stderr."""
     import jax
     import numpy as np
 
@@ -78,7 +86,9 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
                                          if p)),))
     ex = PlanExecutor(config, compiler_options=compiler_options)
     params = ex.replicate(init_params(config, jax.random.key(0)))
+    _say(f"compiling the {len(plan.groups)} group programs of plan {plan_name} and warming up ...", progress)
     jax.block_until_ready(ex.loss_and_grads(params, samples, plan))          # compile + warm up
+    _say(f"timing {repeats} DHP steps ...", progress)
 
     t = {k: [] for k in ("layout", "lookup", "dispatch", "reduce", "step")}
     for _ in range(repeats):
@@ -99,6 +109,7 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
             t[k].append(b - a)
 
     # Static reference: all samples as one degree-N group, inputs placed once, no per-step layout.
+    _say(f"compiling and timing the static single-group reference (degree {n_dev}, {repeats} steps) ...", progress)
     devs = tuple(jax.devices())
     lay = pack_group(samples, n_dev, config)
     exe = ex.executable(params, n_dev, lay.bucket, devs)
@@ -147,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
-    res = bench(args.plan, lengths, args.repeats, {} if args.full_opt else None)
+    res = bench(args.plan, lengths, args.repeats, {} if args.full_opt else None, progress=True)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

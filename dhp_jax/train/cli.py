@@ -21,10 +21,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
                                            "same as planner.strategy=...")
     parser.add_argument("--plan-file", help="replay plans from a file (.json or a run's plans.jsonl)")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an output directory that holds an earlier run's checkpoints "
+                             "(they are deleted); without it such a run is refused")
     parser.add_argument("--out", help="output directory (same as metrics.out_dir=...)")
     parser.add_argument("--dry-run", action="store_true",
                         help="check the config, devices, plan file and the first plan; run no step")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (only JSON on stdout)")
     dist = parser.add_argument_group("multi-process (jax.distributed; default: from DHP_*, JAX_* or SLURM env)")
     dist.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordinator")
     dist.add_argument("--num-processes", type=int, help="processes in the run (one per host, usually)")
@@ -106,8 +109,10 @@ def run(args: argparse.Namespace) -> int:
             report = dry_run(config)
             print(json.dumps(report, indent=2) if args.json else _format_dry_run(report))
             return 0
+        if args.resume and args.overwrite:
+            raise TrainError("--resume continues a run and --overwrite replaces it: give one of them")
         trainer = Trainer(config, step_timeout_s=args.step_timeout)
-        result = trainer.run(resume=args.resume)
+        result = trainer.run(resume=args.resume, overwrite=args.overwrite)
     except PlanMismatchError as e:
         # every process is alive and raised the same error: a normal exit, through jax.distributed's
         # shutdown barrier, so process 0 (the coordinator) does not vanish under the others
@@ -123,8 +128,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.json:
         print(json.dumps(result.summary, indent=2, default=str))
-    else:
-        print("\n".join(format_summary(result.summary)))
+    elif result.summary:
+        try:
+            print("\n".join(format_summary(result.summary)))
+        except KeyError:  # a finished run's summary.json from an older version: said so on stderr already
+            pass
     return 0
 
 
@@ -134,20 +142,37 @@ def _format_dry_run(r: dict) -> str:
             f"{r['degrees']}")
 
 
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.1f} s"
+
+
 def format_summary(s: dict[str, Any]) -> list[str]:
     from dhp_jax.train.compare import format_comparison
 
-    lines = [f"run {s['name']!r}: {s['steps_run']} steps on {s['devices']} in {s['wall_time_s']:.1f} s "
-             f"(measured wall time, compiles included)"]
-    if s.get("loss_first") is not None:
-        lines.append(f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f} "
-                     f"(mean of first/last few steps: {s['loss_first_mean']:.4f} -> {s['loss_last_mean']:.4f})")
-    if s.get("step_time_median_s") is not None:
-        lines.append(f"median step {s['step_time_median_s'] * 1e3:.1f} ms; planning wait per step in steady state: "
-                     f"median {s['plan_wait_median_s'] * 1e3:.2f} ms, max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms "
-                     f"(planning itself: median {s['plan_solve_median_s'] * 1e3:.2f} ms, in the planner thread); "
-                     f"{s.get('num_compiles')} executables compiled")
+    label = s.get("labels", {}).get("step_time", "")
+    lines = [f"run {s['name']!r}: {s['steps_run']} steps on {s['devices']}"
+             + (f" ({label.split('; ', 1)[1]})" if "; " in label else "")]
+    if s.get("planning"):
+        lines.append(f"plans ({s['planning']})")
+    groups = {int(d): n for d, n in s.get("groups_by_degree", {}).items()}
+    if groups:
+        odd = [d for d in groups if d & (d - 1)]
+        lines.append("groups run: " + ", ".join(f"{n} of degree {d}" for d, n in sorted(groups.items()))
+                     + (f" ({', '.join(map(str, odd))}: not powers of two)" if odd else ""))
+    lines.append(f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f} "
+                 f"(mean of first/last few steps: {s['loss_first_mean']:.4f} -> {s['loss_last_mean']:.4f})")
+    # time: step work apart from compiles and the end comparison
+    parts = [f"{s['steps_run']} steps {_seconds(s['steps_time_s'])} (median step {_seconds(s['step_time_median_s'])})",
+             f"compiles {_seconds(s['compile_time_s'])} ({s.get('num_compiles')} group programs)"]
+    if s.get("compare_time_s") is not None:
+        parts.append(f"comparison {_seconds(s['compare_time_s'])}")
+    lines.append("time: " + ", ".join(parts) + f"; wall {_seconds(s['wall_time_s'])}")
+    lines.append(f"planning: {_seconds(s['plan_solve_median_s'])} median per batch in the planner thread; "
+                 f"wait per step in steady state median {s['plan_wait_median_s'] * 1e3:.2f} ms, "
+                 f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")
     if s.get("compare"):
         lines.extend(format_comparison(s["compare"]))
+    if s.get("plan_png"):
+        lines.append(f"plan of one simulated step (ranks x time): {s['plan_png']}")
     lines.append(f"metrics: {s['config']['metrics']['out_dir']}/metrics.jsonl, summary.json, plans.jsonl")
     return lines

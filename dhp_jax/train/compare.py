@@ -2,8 +2,10 @@
 
 Measured: the same batches, the same params, each strategy's plan run through the same executor
 (compile excluded, strategies interleaved per repeat so drift hits all alike, median per batch);
-the best static plan is the fastest *measured* static candidate. Simulated: the same batches at
-their full (unscaled) token counts, planned for the chosen cost-model preset and timed with
+the best static plan is the fastest *measured* static candidate. On fake CPU devices that share a
+few cores this is a correctness and overhead figure, not a speed-up. Simulated: batches of the run's
+mix at full token counts (`compare.sim_batch_size` samples each, or the run's own batches),
+planned for the chosen cost-model preset on `compare.sim_ranks` ranks and timed with
 `dhp_jax.sim.step_time`. Each figure carries a label saying which it is.
 """
 
@@ -24,84 +26,117 @@ def _time_plan(executor: Any, params: Any, samples: list, plan: Any) -> float:
     return time.perf_counter() - t0
 
 
-def measured_comparison(trainer: Any, params: Any, batches: list, strategies: list[str], repeats: int) -> dict:
-    n = trainer.config.num_ranks
-    sources = {s: PlanSource(n, cost=trainer.cost, strategy=s) for s in strategies}
-    plans = {s: [sources[s](b.step, b) for b in batches] for s in strategies}
-    for s in strategies:  # compile + warm every executable before any timing
-        for b, p in zip(batches, plans[s]):
-            _time_plan(trainer.executor, params, b.samples, p)
-    times: dict[str, list[list[float]]] = {s: [[] for _ in batches] for s in strategies}
-    for _ in range(repeats):
-        for i, b in enumerate(batches):
-            for s in strategies:
-                times[s][i].append(_time_plan(trainer.executor, params, b.samples, plans[s][i]))
-    out = {}
+def measured_comparison(trainer: Any, params: Any, batches: list, strategies: list[str], repeats: int,
+                        progress: bool = False) -> dict:
+    from dhp_jax.planner import PlanningError
+    from dhp_jax.train.metrics import phase_bar
+
+    n, p = trainer.config.num_ranks, trainer.config.planner
+    out: dict[str, Any] = {}
+    plans = {}
     for s in strategies:
+        source = PlanSource(n, cost=trainer.cost, strategy=s, num_micro_batches=p.num_micro_batches,
+                            full_size=p.full_size)
+        try:
+            plans[s] = [source(b.step, b) for b in batches]
+        except PlanningError as e:
+            out[s] = {"infeasible": str(e)}
+    ok = list(plans)
+    with phase_bar(len(ok) * len(batches) * (1 + repeats), f"compare: {len(ok)} plans x {len(batches)} batches "
+                   f"(compile, then {repeats} timed repeats)", progress) as bar:
+        for s in ok:  # compile + warm every executable before any timing
+            for b, plan in zip(batches, plans[s]):
+                _time_plan(trainer.executor, params, b.samples, plan)
+                bar.update(1)
+        times: dict[str, list[list[float]]] = {s: [[] for _ in batches] for s in ok}
+        for _ in range(repeats):
+            for i, b in enumerate(batches):
+                for s in ok:
+                    times[s][i].append(_time_plan(trainer.executor, params, b.samples, plans[s][i]))
+                    bar.update(1)
+    for s in ok:
         med = [statistics.median(t) for t in times[s]]
         low = [min(t) for t in times[s]]
         out[s] = {"step_time_s": sum(med) / len(med), "per_batch_median_s": med,
                   "step_time_min_s": sum(low) / len(low), "degrees": [p.degrees for p in plans[s]]}
-    return out
+    return {s: out[s] for s in strategies}
 
 
-def simulated_comparison(batches: list, strategies: list[str], model: str, hardware: str, num_ranks: int) -> dict:
+def simulated_comparison(batches: list[list], strategies: list[str], cost: Any, num_ranks: int) -> tuple[dict, Any]:
+    """Mean simulated step time per strategy over `batches` (lists of unscaled samples); also the
+    first batch's DHP plan (for a picture)."""
     from dhp_jax.data.sample import sample_etas, sample_lengths
-    from dhp_jax.planner import CostModel, PlanningError, plan_batch
+    from dhp_jax.planner import PlanningError, plan_batch
     from dhp_jax.sim import step_time
 
-    cost = CostModel.preset(model, hardware, ranks_per_node=min(8, num_ranks))
     out: dict[str, Any] = {}
+    first = None
     for s in strategies:
         total, degrees = 0.0, []
         try:
-            for b in batches:
-                lengths = sample_lengths(b.source_samples)
-                plan = plan_batch(b.source_samples, num_ranks, cost, strategy=s)
-                total += float(step_time(plan, lengths, cost, etas=sample_etas(b.source_samples)))
+            for samples in batches:
+                plan = plan_batch(samples, num_ranks, cost, strategy=s)
+                total += float(step_time(plan, sample_lengths(samples), cost, etas=sample_etas(samples)))
                 degrees.append(plan.degrees)
+                if first is None and s == "dhp":
+                    first = plan
         except PlanningError as e:
             out[s] = {"infeasible": str(e)}
             continue
         out[s] = {"step_time_s": total / len(batches), "degrees": degrees}
-    return out
+    return out, first
 
 
-def _best_static(results: dict, statics: list[str]) -> str | None:
+def best_static(results: dict, statics: list[str]) -> str | None:
     ok = [s for s in statics if "step_time_s" in results.get(s, {})]
     return min(ok, key=lambda s: results[s]["step_time_s"]) if ok else None
 
 
-def compare_plans(trainer: Any, params: Any, first_step: int) -> dict:
+def _speedup(results: dict, best: str | None) -> float | None:
+    if best is None or "step_time_s" not in results.get("dhp", {}):
+        return None
+    return results[best]["step_time_s"] / results["dhp"]["step_time_s"]
+
+
+def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = False) -> dict:
     """DHP vs the best static plan on `compare.batches` fresh batches (steps after the run's last)."""
+    from dhp_jax.planner import CostModel
+
     cfg = trainer.config
     c = cfg.compare
     batches = [trainer.pipeline.batch(first_step + i) for i in range(c.batches)]
     statics = [s.strip() for s in c.static_strategy.split(",") if s.strip()]
-    dhp = "dhp"
-    measured = measured_comparison(trainer, params, batches, [dhp, *statics], c.repeats)
-    best = _best_static(measured, statics)
+    measured = measured_comparison(trainer, params, batches, ["dhp", *statics], c.repeats, progress)
+    best = best_static(measured, statics)
     devices = trainer.devices
+    cpu = devices[0].platform == "cpu"
     result: dict[str, Any] = {
         "batches": [b.step for b in batches],
         "measured": {
-            "label": f"CPU-measured: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}) devices of "
-                     f"this machine, tiny model, scaled batches; median of {c.repeats} repeats per batch",
-            "strategies": measured, "best_static": best,
-            "speedup_vs_best_static": (measured[best]["step_time_s"] / measured[dhp]["step_time_s"]) if best else None,
+            "label": f"measured on {len(devices)} {devices[0].platform} ({devices[0].device_kind}) devices of this "
+                     f"machine, tiny model, scaled batches, median of {c.repeats} repeats"
+                     + (": a correctness and overhead run (the fake devices share the host's cores)" if cpu else ""),
+            "strategies": measured, "best_static": best, "speedup_vs_best_static": _speedup(measured, best),
         },
     }
     sim_ranks = c.sim_ranks or cfg.num_ranks
+    rpn = min(c.sim_ranks_per_node, sim_ranks)
+    cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn)
+    if c.sim_batch_size:  # the run's mix at the simulated scale, one batch per compared batch
+        sim_batches = [trainer.pipeline.source_batch(first_step + i, c.sim_batch_size) for i in range(c.batches)]
+    else:
+        sim_batches = [b.source_samples for b in batches]
     # the simulation also knows Ulysses (all-to-all) baselines, which the JAX executor does not run
     sim_statics = list(dict.fromkeys([*statics, "static-ring:best", "static-ulysses:best"]))
-    simulated = simulated_comparison(batches, [dhp, *sim_statics], c.sim_model, c.sim_hardware, sim_ranks)
-    sbest = _best_static(simulated, sim_statics)
+    simulated, plan = simulated_comparison(sim_batches, ["dhp", *sim_statics], cost, sim_ranks)
+    sbest = best_static(simulated, sim_statics)
     result["simulated"] = {
-        "label": f"simulated: cost-model preset {c.sim_model} on {c.sim_hardware}, {sim_ranks} ranks, "
-                 f"the same batches at full token counts",
-        "strategies": simulated, "best_static": sbest,
-        "speedup_vs_best_static": (simulated[sbest]["step_time_s"] / simulated[dhp]["step_time_s"])
-        if sbest and "step_time_s" in simulated.get(dhp, {}) else None,
+        "label": f"simulated: preset {c.sim_model} on {c.sim_hardware}, {sim_ranks} ranks ({rpn} per node), "
+                 f"global batch {len(sim_batches[0])} of the run's mix ({cfg.data.dataset}) at full token counts, "
+                 f"mean of {len(sim_batches)} batches",
+        "ranks": sim_ranks, "batch_size": len(sim_batches[0]), "model": c.sim_model, "hardware": c.sim_hardware,
+        "strategies": simulated, "best_static": sbest, "speedup_vs_best_static": _speedup(simulated, sbest),
+        "allreduce_s": float(cost.allreduce_time(sim_ranks)), "_plan": plan,
     }
     return result
 
@@ -117,8 +152,9 @@ def format_comparison(comp: dict) -> list[str]:
             if "step_time_s" in r:
                 lines.append(f"  {s:<22} {r['step_time_s'] * 1e3:10.1f} ms/step")
             else:
-                lines.append(f"  {s:<22} infeasible ({r.get('infeasible', '?')[:60]})")
+                lines.append(f"  {s:<22} infeasible ({r.get('infeasible', '?')[:70]})")
         sp = part.get("speedup_vs_best_static")
         if sp is not None:
-            lines.append(f"  DHP vs best static ({part['best_static']}): {sp:.2f}x")
+            lines.append(f"  DHP vs best static ({part['best_static']}): {sp:.2f}x"
+                         + (" (simulated)" if key == "simulated" else " (measured)"))
     return lines

@@ -58,6 +58,10 @@ class PlannerConfig:
     cost_model: str = "internvl3-2b"  # CostModel preset used for planning when no profile is given
     hardware: str = "cpu"
     cost_profile: str | None = None   # JSON written by `dhp profile`; overrides the preset
+    ranks_per_node: int | None = None  # preset only: ranks sharing a node's fast links (None: all ranks)
+    comm_overlap: bool | None = None  # preset only: ring traffic hides behind attention (None: the hardware's)
+    full_size: bool = False        # plan the unscaled batch (the token counts a preset describes); the
+                                   # executor runs the scaled samples in the same groups
     num_micro_batches: int | None = None
     lookahead: int = 2             # batches planned ahead by the planner thread (queue bound)
 
@@ -86,6 +90,8 @@ class CompareConfig:
     sim_model: str = "internvl3-8b"  # preset for the simulated speed-up on the unscaled batches
     sim_hardware: str = "ascend-910b"
     sim_ranks: int | None = None   # None: the run's num_ranks
+    sim_batch_size: int | None = None  # samples per simulated batch, drawn from the run's mix (None: the run's batches)
+    sim_ranks_per_node: int = 8    # the simulated cluster's ranks per node
 
 
 @dataclasses.dataclass
@@ -114,7 +120,11 @@ class TrainConfig:
         positive = {"num_ranks": self.num_ranks, "devices.count": self.devices.count,
                     "data.batch_size": self.data.batch_size, "data.max_tokens": self.data.max_tokens,
                     "data.num_classes": self.data.num_classes, "planner.lookahead": self.planner.lookahead,
-                    "checkpoint.keep": self.checkpoint.keep}
+                    "checkpoint.keep": self.checkpoint.keep, "compare.sim_ranks_per_node": self.compare.sim_ranks_per_node}
+        for key, v in {"planner.ranks_per_node": self.planner.ranks_per_node, "compare.sim_ranks": self.compare.sim_ranks,
+                       "compare.sim_batch_size": self.compare.sim_batch_size}.items():
+            if v is not None and v < 1:
+                raise ConfigError(f"{key} must be >= 1 (or null), got {v}")
         for key, v in positive.items():
             if v < 1:
                 raise ConfigError(f"{key} must be >= 1, got {v}")

@@ -11,7 +11,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 
 class MetricsError(RuntimeError):
@@ -41,6 +41,33 @@ def tensorboard_writer() -> Any:
     return SummaryWriter
 
 
+class _NoBar:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description_str(self, desc: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> "_NoBar":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def phase_bar(total: int, desc: str, enabled: bool = True) -> Any:
+    """A progress bar on stderr for a phase that takes more than a moment (a no-op when disabled)."""
+    if not enabled:
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False,
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
+
+
 class MetricsWriter:
     """Writes `<out_dir>/metrics.jsonl` (appends on resume), a progress bar, and TensorBoard scalars."""
 
@@ -58,9 +85,16 @@ class MetricsWriter:
         if progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
-                             file=sys.stderr, dynamic_ncols=True, leave=True)
+            # no tqdm rate: wall time per bar tick would count compiles; the postfix shows the step time
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stderr,
+                             dynamic_ncols=True, leave=True,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         self.records: list[dict] = []
+
+    def compiling(self, count: int) -> None:
+        """Say on the bar that the next step first compiles `count` group programs."""
+        if self._bar is not None:
+            self._bar.set_description_str(f"train (compiling {count} group program{'s' if count > 1 else ''})")
 
     def log_step(self, record: Mapping[str, Any]) -> None:
         rec = _clean(dict(record))
@@ -73,9 +107,12 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
                     self._tb.add_scalar(f"train/{k}", v, rec["step"])
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{rec.get('loss', float('nan')):.3f}",
-                                  step_s=f"{rec.get('step_time_s', 0):.2f}",
-                                  wait_ms=f"{1e3 * rec.get('plan_wait_s', 0):.1f}", refresh=False)
+            self._bar.set_description_str("train", refresh=False)
+            post = {"loss": f"{rec.get('loss', float('nan')):.3f}", "step": f"{1e3 * rec.get('step_time_s', 0):.0f} ms",
+                    "plan wait": f"{1e3 * rec.get('plan_wait_s', 0):.1f} ms"}
+            if rec.get("compile_s", 0) > 0.5:
+                post["compile"] = f"{rec['compile_s']:.1f} s"
+            self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
 
     def write_json(self, name: str, data: Mapping[str, Any]) -> Path:
@@ -97,3 +134,26 @@ class MetricsWriter:
 
 def read_jsonl(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def truncate_jsonl(path: str | Path, keep: Callable[[dict], bool]) -> list[dict]:
+    """Keep only the records `keep` accepts (a resumed run drops what it will redo); returns them.
+
+    Rewritten atomically; a torn last line (a run killed mid-write) is dropped. No file: [].
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    kept, lines = [], []
+    for line in path.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and keep(rec):
+            kept.append(rec)
+            lines.append(line)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text("".join(f"{line}\n" for line in lines))
+    tmp.replace(path)
+    return kept

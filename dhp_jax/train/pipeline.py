@@ -63,10 +63,11 @@ class DataPipeline:
         self.prototypes = rng.normal(size=(cfg.num_classes, patch_dim)).astype(np.float32)
 
     # ------------------------------------------------------------------ lengths
-    def source_batch(self, step: int) -> list[Sample]:
+    def source_batch(self, step: int, batch_size: int | None = None) -> list[Sample]:
+        """The unscaled, payload-free samples of step `step` (`batch_size` of them: default the run's)."""
         from dhp_jax.data import make_dataset  # the data package, imported when first needed
 
-        return make_dataset(self.cfg.dataset, self.cfg.batch_size, _step_seed(self.cfg.seed, step))
+        return make_dataset(self.cfg.dataset, batch_size or self.cfg.batch_size, _step_seed(self.cfg.seed, step))
 
     def scale_segments(self, sample: Sample) -> list[tuple[str, int, int | None]]:
         """(modality, num_tokens, tokens_per_frame) of the scaled sample, total <= max_tokens.

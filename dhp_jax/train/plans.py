@@ -59,8 +59,8 @@ class PlanSource:
 
     def __init__(self, num_ranks: int, cost: Any = None, strategy: str = "dhp",
                  plans: Sequence[Plan] | None = None, num_micro_batches: int | None = None,
-                 ranks_per_node: int | None = None):
-        self.num_ranks, self.cost, self.strategy = num_ranks, cost, strategy
+                 ranks_per_node: int | None = None, full_size: bool = False):
+        self.num_ranks, self.cost, self.strategy, self.full_size = num_ranks, cost, strategy, full_size
         self.plans = list(plans) if plans else None
         self.num_micro_batches, self.ranks_per_node = num_micro_batches, ranks_per_node
         if self.plans is None and cost is None:
@@ -81,12 +81,21 @@ class PlanSource:
                 kwargs["num_micro_batches"] = self.num_micro_batches
             if self.ranks_per_node is not None:
                 kwargs["ranks_per_node"] = self.ranks_per_node
-            plan = plan_batch(batch.samples, self.num_ranks, self.cost, strategy=self.strategy, **kwargs)
+            # full_size: plan the batch at the token counts the cost model describes (the unscaled
+            # source samples, one per executed sample, same ids); the executor runs the scaled ones
+            samples = batch.source_samples if self.full_size else batch.samples
+            plan = plan_batch(samples, self.num_ranks, self.cost, strategy=self.strategy, **kwargs)
         return plan.validate(num_samples=len(batch.samples))
 
 
-def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_per_node: int) -> Any:
-    """The planning cost model: a `dhp profile` JSON when given, else a named preset."""
+def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_per_node: int,
+              num_ranks: int | None = None, comm_overlap: bool | None = None) -> Any:
+    """The planning cost model: a `dhp profile` JSON when given, else a named preset.
+
+    A preset's model states are ZeRO-sharded over all `num_ranks` ranks of the run (default:
+    `ranks_per_node`); `comm_overlap` (None: the hardware's) says whether ring traffic hides behind
+    attention.
+    """
     from dhp_jax.planner import CostModel
 
     if cost_profile:
@@ -94,4 +103,16 @@ def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_pe
             return CostModel.from_profile(cost_profile)
         except OSError as e:
             raise ValueError(f"cannot read cost profile {cost_profile!r}: {e.strerror or e}") from None
-    return CostModel.preset(cost_model, hardware, ranks_per_node=ranks_per_node)
+    extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
+    return CostModel.preset(cost_model, hardware, ranks_per_node=ranks_per_node,
+                            zero_shards=num_ranks or ranks_per_node, **extra)
+
+
+def describe_cost(cost: Any, profile: str | None = None, full_size: bool = False) -> str:
+    """One line naming the planning cost model: the profile or preset, and on what token counts."""
+    if profile:
+        what = f"fitted profile {Path(profile).name}"
+    else:
+        what = (f"preset {cost.model} on {cost.hardware}, {cost.ranks_per_node} rank(s) per node, ring traffic "
+                f"{'overlapped with' if cost.comm_overlap else 'not overlapped with'} attention")
+    return what + (", planned at full (unscaled) token counts" if full_size else "")

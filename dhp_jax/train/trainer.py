@@ -1,16 +1,21 @@
 """The training loop: planned batches in, executor loss/grads, donated optax update, metrics, checkpoints.
 
-Everything that can be wrong with a run (too few devices, a bad plan file, a checkpoint of another
-model) is checked in `Trainer.__init__` / `prepare`, before the first step runs.
+`Trainer.run` reads as `train_step` plus per-step hooks (metrics, plan log, checkpoint). Everything
+that can be wrong with a run (too few devices, a bad plan file, a checkpoint of another model, a run
+directory that holds an earlier run) is checked in `prepare_run` / `Trainer.run` before the first
+step runs; `prepare_run` is shared with `dry_run`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -19,7 +24,7 @@ import numpy as np
 
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.pipeline import DataPipeline
-from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
+from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
 
 
 @functools.lru_cache(maxsize=8)
@@ -40,8 +45,6 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any)
 
 def plan_hash(plan: Any) -> str:
     """Short digest of a plan: equal on every process that planned the same batch the same way."""
-    import hashlib
-
     d = plan.to_dict()
     d["solver"] = {k: v for k, v in d.get("solver", {}).items() if k != "solve_ms"}  # timing is not the plan
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
@@ -57,6 +60,74 @@ class RunResult:
     records: list[dict]
     summary: dict
     state: Any
+    finished_before: bool = False   # --resume found the run already finished and changed nothing
+
+
+@dataclasses.dataclass
+class RunSetup:
+    """What a run and a dry run both check and build before anything is compiled."""
+
+    config: TrainConfig
+    model_config: Any
+    devices: list
+    plans: list | None
+    cost: Any
+    plan_source: PlanSource
+    pipeline: DataPipeline
+    first_batch: Any
+    first_plan: Any
+
+
+def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> RunSetup:
+    """Config, devices >= ranks, the plan file (every plan), the planning cost model, the model
+    preset, the first batch and its plan (validated against the devices); `TrainError` otherwise."""
+    import jax
+
+    from dhp_jax.model import MLLMConfig
+
+    config.validate()
+    model_config = MLLMConfig.preset(config.model)
+    available = list(devices) if devices is not None else jax.devices()
+    if len(available) < config.num_ranks:
+        raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
+                         f"{len(available)} {available[0].platform if available else ''} device(s) are visible"
+                         + (" (for fake CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count="
+                            f"{config.num_ranks} before jax is imported)" if available and
+                            available[0].platform == "cpu" else ""))
+    p = config.planner
+    plans = None
+    if p.plan_file:  # an unreadable plan file fails before anything is compiled
+        plans = load_plan_file(p.plan_file, num_samples=config.data.batch_size, num_ranks=config.num_ranks,
+                               steps=config.steps)
+    if config.metrics.tensorboard:
+        from dhp_jax.train.metrics import tensorboard_writer
+
+        tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
+    try:
+        cost = make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
+                         num_ranks=config.num_ranks, comm_overlap=p.comm_overlap)
+    except ValueError as e:
+        raise TrainError(f"planning cost model: {e}") from None
+    source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
+                        num_micro_batches=p.num_micro_batches, full_size=p.full_size)
+    pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
+    batch = pipeline.batch(0)
+    try:  # one plan now: a bad strategy or data setting is an error before anything is compiled
+        plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(available))
+    except (ValueError, TypeError) as e:
+        raise TrainError(f"cannot plan the first batch with planner.strategy={p.strategy!r}"
+                         f"{' (plan file)' if plans else ''}: {e}") from None
+    return RunSetup(config, model_config, available[: config.num_ranks], plans, cost, source, pipeline, batch, plan)
+
+
+def dry_run(config: TrainConfig) -> dict:
+    """Check everything a run needs without compiling or running a step; return what was checked."""
+    s = prepare_run(config)
+    return {"name": config.name, "num_ranks": config.num_ranks,
+            "devices": f"{len(s.devices)} x {s.devices[0].platform}", "batch_samples": len(s.first_batch.samples),
+            "batch_tokens": s.first_batch.num_tokens, "max_sample_tokens": int(s.first_batch.lengths.max()),
+            "strategy": s.plan_source.label, "degrees": s.first_plan.degrees,
+            "cost_model": describe_cost(s.cost, config.planner.cost_profile, config.planner.full_size)}
 
 
 class Trainer:
@@ -66,38 +137,9 @@ class Trainer:
                  step_timeout_s: float = 300.0):
         import jax
 
-        from dhp_jax.model import MLLMConfig
-
-        self.config = config.validate()
-        self.model_config = MLLMConfig.preset(config.model)
-        available = list(devices) if devices is not None else jax.devices()
-        if len(available) < config.num_ranks:
-            raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
-                             f"{len(available)} {available[0].platform if available else ''} device(s) are visible"
-                             + (" (for fake CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count="
-                                f"{config.num_ranks} before jax is imported)" if available and
-                                available[0].platform == "cpu" else ""))
-        self.devices = available[: config.num_ranks]
-        # Plan file first: an unreadable file must fail before anything is compiled.
-        plans = None
-        if config.planner.plan_file:
-            plans = load_plan_file(config.planner.plan_file, num_samples=config.data.batch_size,
-                                   num_ranks=config.num_ranks, steps=config.steps)
-        if config.metrics.tensorboard:
-            from dhp_jax.train.metrics import tensorboard_writer
-
-            tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
-        self.cost = make_cost(config.planner.cost_profile, config.planner.cost_model, config.planner.hardware,
-                              ranks_per_node=config.num_ranks)
-        self.plan_source = PlanSource(config.num_ranks, cost=self.cost, strategy=config.planner.strategy,
-                                      plans=plans, num_micro_batches=config.planner.num_micro_batches)
-        self.pipeline = DataPipeline(config.data, self.model_config.vocab_size, self.model_config.patch_dim)
-        # One plan now, so a bad strategy or data setting is an error before anything is compiled.
-        try:
-            self.plan_source(0, self.pipeline.batch(0)).validate(num_devices=len(self.devices))
-        except (ValueError, TypeError) as e:
-            raise TrainError(f"cannot plan the first batch with planner.strategy={config.planner.strategy!r}"
-                             f"{' (plan file)' if plans else ''}: {e}") from None
+        setup = prepare_run(config, devices)
+        self.config, self.model_config, self.devices = setup.config, setup.model_config, setup.devices
+        self.cost, self.plan_source, self.pipeline = setup.cost, setup.plan_source, setup.pipeline
         if executor is None:
             from dhp_jax.sharding import PlanExecutor
 
@@ -113,6 +155,7 @@ class Trainer:
         self.step_timeout_s = float(step_timeout_s)
         self.process_index = jax.process_index()
         self.multi_process = jax.process_count() > 1
+        self._sync = None
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
@@ -129,83 +172,131 @@ class Trainer:
 
         return Checkpointer(self.ckpt_dir, every=self.config.checkpoint.every, keep=self.config.checkpoint.keep)
 
-    # ------------------------------------------------------------------ loop
-    def run(self, resume: bool = False, stop_after: int | None = None) -> RunResult:
-        """Train to `config.steps` (or stop after `stop_after` steps, checkpointing, as an interrupted run)."""
+    @property
+    def metrics_dir(self) -> Path:
+        # process 0 writes where a single-process run would
+        return self.out_dir / f"process-{self.process_index}" if self.multi_process and self.process_index \
+            else self.out_dir
+
+    def _say(self, text: str) -> None:
+        if self.process_index == 0:
+            print(f"dhp train: {text}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, state: Any, item: Any, on_compile: Any = None) -> tuple[Any, dict]:
+        """Compile what the step's plan needs (timed apart), run it, update; returns the step's record."""
         import jax
 
+        done = item.step + 1
+        digest = plan_hash(item.plan)
+        if self._sync is not None:
+            self._sync.agree(done, digest)
+        # compile outside the step's timing (and outside the multi-process watchdog)
+        t0 = time.perf_counter()
+        new = self._compile(item, state.params, on_compile)
+        compile_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
+            loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
+            state, grad_norm = self._update(state, grads)
+            jax.block_until_ready((loss, grad_norm, state.params))
+        step_time = time.perf_counter() - t0
+        rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(self._lr(item.step)),
+               "tokens": item.batch.num_tokens, "samples": len(item.batch.samples), "step_time_s": step_time,
+               "compile_s": compile_s, "new_compiles": new,
+               "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
+               "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
+               "num_compiles": getattr(self.executor, "num_compiles", None)}
+        return state, rec
+
+    def _compile(self, item: Any, params: Any, on_compile: Any) -> int:
+        compile_plan = getattr(self.executor, "compile_plan", None)
+        if compile_plan is None:
+            return 0
+        if on_compile is not None and hasattr(self.executor, "plan_keys"):
+            missing = set(self.executor.plan_keys(item.batch.samples, item.plan)) - set(self.executor.executable_keys)
+            if missing:
+                on_compile(len(missing))
+        return int(compile_plan(item.batch.samples, item.plan, params))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, resume: bool = False, stop_after: int | None = None, overwrite: bool = False) -> RunResult:
+        """Train to `config.steps` (or stop after `stop_after` steps, checkpointing, as an interrupted run).
+
+        A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
+        `overwrite` (replace it); resuming a finished run changes nothing.
+        """
         from dhp_jax.train.checkpoint import CheckpointError
-        from dhp_jax.train.metrics import MetricsWriter
+        from dhp_jax.train.metrics import MetricsWriter, read_jsonl, truncate_jsonl
         from dhp_jax.train.planner_thread import PlannerThread
 
         cfg = self.config
         ckpt = self.checkpointer()
-        state = self.init_state()
-        start = 0
-        if resume:
-            if ckpt.latest_step() is None:
+        try:
+            latest = ckpt.latest_step()
+            if resume and latest is None:
                 raise CheckpointError(f"--resume: no checkpoint in {str(ckpt.directory)!r}")
-            restored = ckpt.restore(state, self.model_config.to_dict())
-            state, start = restored.state, restored.data_position
-        elif ckpt.latest_step() is not None:
-            # a fresh run owns its output directory: metrics are rewritten, old checkpoints go too
-            import sys
-
-            old = ckpt.clear()
-            print(f"dhp train: fresh run (no --resume): removed checkpoints {old} of an earlier run in "
-                  f"{str(ckpt.directory)!r}", file=sys.stderr)
+            if not resume and latest is not None and not overwrite:
+                raise TrainError(f"{str(ckpt.directory)!r} holds checkpoints of an earlier run (latest step {latest}); "
+                                 f"use --resume to continue it or --overwrite to replace it")
+            state = self.init_state()
+            start = 0
+            if resume:
+                restored = ckpt.restore(state, self.model_config.to_dict())
+                state, start = restored.state, restored.data_position
+                if start >= cfg.steps:
+                    self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
+                              f"{ckpt.directory / str(restored.step)}); nothing to do")
+                    self._state = state
+                    return RunResult([], [], self._stored_summary(), state, finished_before=True)
+                self._say(f"resumed from step {restored.step} (checkpoint {ckpt.directory / str(restored.step)})")
+            elif latest is not None:
+                old = ckpt.clear()
+                self._say(f"--overwrite: removed checkpoints {old} of an earlier run in {str(ckpt.directory)!r}")
+        except BaseException:
+            ckpt.close()
+            raise
         stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-        sync = None
-        metrics_dir = self.out_dir
         if self.multi_process:
             from dhp_jax.train.distributed import StepSync
 
-            sync = StepSync(self.step_timeout_s)
-            if self.process_index:      # process 0 writes where a single-process run would
-                metrics_dir = self.out_dir / f"process-{self.process_index}"
-        metrics = MetricsWriter(metrics_dir, total_steps=cfg.steps, start_step=start,
-                                progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard,
-                                append=resume)
-        plan_log = (metrics_dir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+            self._sync = StepSync(self.step_timeout_s)
+        mdir = self.metrics_dir
+        earlier: list[dict] = []
+        if resume:  # records past the restored step were never checkpointed: they are redone below
+            earlier = truncate_jsonl(mdir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
+            truncate_jsonl(mdir / "plans.jsonl", lambda r: r.get("step", 0) < start)
+        metrics = MetricsWriter(mdir, total_steps=cfg.steps, start_step=start, progress=cfg.metrics.progress,
+                                tensorboard=cfg.metrics.tensorboard, append=resume)
+        plan_log = (mdir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+        hooks = [lambda rec, item, state: metrics.log_step(rec), self._plan_log_hook(plan_log),
+                 self._checkpoint_hook(ckpt, stop)]
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
             with PlannerThread(self.pipeline.batch, self.plan_source, start, stop,
                                lookahead=cfg.planner.lookahead) as planned:
                 for item in planned:
-                    done = item.step + 1
-                    if sync is not None:
-                        sync.agree(done, plan_hash(item.plan))
-                        # compile outside the watchdog: only the device work is bounded by the timeout
-                        self.executor.compile_plan(item.batch.samples, item.plan, state.params)
-                    t0 = time.perf_counter()
-                    with sync.watch(done) if sync is not None else contextlib.nullcontext():
-                        loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
-                        state, grad_norm = self._update(state, grads)
-                        jax.block_until_ready((loss, grad_norm, state.params))
-                    step_time = time.perf_counter() - t0
-                    rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm),
-                           "lr": float(self._lr(item.step)), "tokens": item.batch.num_tokens,
-                           "samples": len(item.batch.samples), "step_time_s": step_time,
-                           "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
-                           "strategy": self.plan_source.label, "degrees": item.plan.degrees,
-                           "plan_hash": plan_hash(item.plan),
-                           "num_compiles": getattr(self.executor, "num_compiles", None)}
+                    state, rec = self.train_step(state, item, on_compile=metrics.compiling)
                     records.append(rec)
-                    metrics.log_step(rec)
-                    if plan_log is not None:
-                        plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
-                        plan_log.flush()
-                    if ckpt.should_save(done) or done == stop:
-                        ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
-                                  run_config=cfg.to_dict())
-            wall = time.perf_counter() - t_run
-            summary = self.summarize(records, wall, start)
+                    for hook in hooks:
+                        hook(rec, item, state)
+            metrics.close()
+            loop_s = time.perf_counter() - t_run
+            summary = self.summarize(earlier + records, loop_s, start)
             if cfg.compare.enabled and stop == cfg.steps and stop_after is None:
                 from dhp_jax.train.compare import compare_plans
 
-                summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps)
-            metrics.write_json("summary.json", summary)
+                t0 = time.perf_counter()
+                summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps,
+                                                   progress=cfg.metrics.progress and self.process_index == 0)
+                summary["compare_time_s"] = time.perf_counter() - t0
+                png = self._plot_simulated(summary["compare"])
+                if png:
+                    summary["plan_png"] = str(png)
+            summary["wall_time_s"] = time.perf_counter() - t_run
+            if records or earlier:  # never a summary without real figures
+                metrics.write_json("summary.json", summary)
         finally:
             metrics.close()
             if plan_log is not None:
@@ -214,61 +305,75 @@ class Trainer:
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
 
+    # ------------------------------------------------------------------ hooks
+    @staticmethod
+    def _plan_log_hook(plan_log: Any):
+        def log_plan(rec: dict, item: Any, state: Any) -> None:
+            if plan_log is not None:
+                plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
+                plan_log.flush()
+        return log_plan
+
+    def _checkpoint_hook(self, ckpt: Any, stop: int):
+        def save(rec: dict, item: Any, state: Any) -> None:
+            done = rec["step"]
+            if ckpt.should_save(done) or done == stop:
+                ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
+                          run_config=self.config.to_dict())
+        return save
+
     def _lr(self, step: int) -> float:
         from dhp_jax.train.state import make_schedule
 
         return float(make_schedule(self.config.optim, self.config.steps)(step))
 
-    def summarize(self, records: list[dict], wall_s: float, start: int) -> dict:
+    def _stored_summary(self) -> dict:
+        path = self.metrics_dir / "summary.json"
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _plot_simulated(self, comp: dict) -> Path | None:
+        """The Gantt of one simulated DHP step (ranks x time) beside the metrics; None without matplotlib."""
+        plan = comp.get("simulated", {}).pop("_plan", None)
+        if plan is None or self.process_index:
+            return None
+        try:
+            from dhp_jax.planner.plot import plot_plan
+
+            path = self.metrics_dir / "plan_simulated_step.png"
+            sim = comp["simulated"]
+            plot_plan(plan, path, title=f"DHP plan of one step: {sim['label']}", allreduce_s=sim.get("allreduce_s", 0.0))
+            return path
+        except ImportError:
+            return None
+
+    # ------------------------------------------------------------------ summary
+    def summarize(self, records: list[dict], loop_s: float, start: int) -> dict:
         cfg = self.config
         waits = [r["plan_wait_s"] for r in records]
         steady = waits[2:] if len(waits) > 3 else waits[1:]  # first steps: thread start + compiles
         losses = [r["loss"] for r in records]
         k = max(1, min(3, len(losses) // 4))
+        groups = collections.Counter(d for r in records for mb in r["degrees"] for d in mb)
         return {
             "name": cfg.name, "config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
             "devices": f"{len(self.devices)} x {self.devices[0].platform} ({self.devices[0].device_kind})",
-            "start_step": start, "steps_run": len(records), "wall_time_s": wall_s,
-            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "loss_first_mean": float(np.mean(losses[:k])) if losses else None,
-            "loss_last_mean": float(np.mean(losses[-k:])) if losses else None,
-            "step_time_median_s": statistics.median(r["step_time_s"] for r in records) if records else None,
-            "plan_wait_median_s": statistics.median(steady) if steady else None,
-            "plan_wait_max_steady_s": max(steady) if steady else None,
-            "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records) if records else None,
+            "start_step": start, "steps_run": len(records), "loop_time_s": loop_s,
+            "steps_time_s": sum(r["step_time_s"] for r in records),
+            "compile_time_s": sum(r.get("compile_s", 0.0) for r in records),
+            "loss_first": losses[0], "loss_last": losses[-1],
+            "loss_first_mean": float(np.mean(losses[:k])), "loss_last_mean": float(np.mean(losses[-k:])),
+            "step_time_median_s": statistics.median(r["step_time_s"] for r in records),
+            "plan_wait_median_s": statistics.median(steady) if steady else 0.0,
+            "plan_wait_max_steady_s": max(steady) if steady else 0.0,
+            "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records),
             "num_compiles": getattr(self.executor, "num_compiles", None),
-            "labels": {"step_time": f"measured on {len(self.devices)} {self.devices[0].platform} devices of this machine"},
-        }
-
-
-def dry_run(config: TrainConfig) -> dict:
-    """Check everything a run needs without compiling or running a step; return what was checked.
-
-    Config validity, devices >= ranks, the plan file (every plan), the planning cost model, the
-    model preset, the first batch of the pipeline and its plan (validated against the devices).
-    """
-    import jax
-
-    from dhp_jax.model import MLLMConfig
-
-    config.validate()
-    model_config = MLLMConfig.preset(config.model)
-    devices = jax.devices()
-    if len(devices) < config.num_ranks:
-        raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
-                         f"{len(devices)} device(s) are visible")
-    plans = None
-    if config.planner.plan_file:
-        plans = load_plan_file(config.planner.plan_file, num_samples=config.data.batch_size,
-                               num_ranks=config.num_ranks, steps=config.steps)
-    cost = make_cost(config.planner.cost_profile, config.planner.cost_model, config.planner.hardware,
-                     ranks_per_node=config.num_ranks)
-    source = PlanSource(config.num_ranks, cost=cost, strategy=config.planner.strategy, plans=plans,
-                        num_micro_batches=config.planner.num_micro_batches)
-    pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
-    batch = pipeline.batch(0)
-    plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(devices))
-    return {"name": config.name, "num_ranks": config.num_ranks,
-            "devices": f"{len(devices)} x {devices[0].platform}", "batch_samples": len(batch.samples),
-            "batch_tokens": batch.num_tokens, "max_sample_tokens": int(batch.lengths.max()),
-            "strategy": source.label, "degrees": plan.degrees}
+            "groups_by_degree": {str(d): n for d, n in sorted(groups.items())},
+            "planning": f"{self.plan_source.label}: " + describe_cost(self.cost, cfg.planner.cost_profile,
+                                                                      cfg.planner.full_size),
+            "labels": {"step_time": f"measured on {len(self.devices)} {self.devices[0].platform} devices of this "
+                                    f"machine" + ("; they share the host's cores: a correctness and overhead run, "
+                                                  "not a speed-up" if self.devices[0].platform == "cpu" else "")},
+        } if records else {}
