@@ -61,10 +61,13 @@ def _json_stdout(active: bool) -> Iterator[None]:
         return
     try:
         sys.stdout.flush()
-        saved = os.dup(1)
-    except (OSError, ValueError):  # no real stdout (captured by a test): nothing native to redirect
+        real_fd = sys.stdout.fileno() == 1
+    except (OSError, ValueError, AttributeError):  # stdout is not a file (captured by a test)
+        real_fd = False
+    if not real_fd:
         yield
         return
+    saved = os.dup(1)
     os.dup2(2, 1)
     real = sys.stdout
     sys.stdout = os.fdopen(os.dup(saved), "w", buffering=1)

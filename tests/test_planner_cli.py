@@ -32,3 +32,61 @@ def test_bench_planner_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [(r["ranks"], r["batch"]) for r in out["results"]] == [(8, 32), (16, 64)]
     assert all(r["solve_ms_median"] > 0 and r["total_cpu_ms_p99"] > 0 for r in out["results"])
+
+
+def _dhp_cmd(*args: str) -> list[str]:
+    import sys
+
+    return [sys.executable, "-m", "dhp_jax", *args]
+
+
+def test_flexsp_json_is_only_json_on_stdout():
+    """Real file descriptors (a shell pipe), so native solver output could not hide in a capture."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    cmd = " ".join(map(shlex.quote, _dhp_cmd("plan", "--strategy", "flexsp", "--batch", "64", "--ranks", "8",
+                                             "--compare", "", "--json")))
+    check = f"{shlex.quote(sys.executable)} -c 'import json,sys; json.load(sys.stdin)'"
+    r = subprocess.run(f"set -o pipefail; {cmd} | {check}", shell=True, executable="/bin/bash",
+                       capture_output=True, text=True, timeout=300, env=os.environ.copy())
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_closed_pipe_ends_quietly():
+    import os
+    import subprocess
+
+    p = subprocess.Popen(_dhp_cmd("plan", "--batch", "64", "--ranks", "8", "--json"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=os.environ.copy())
+    p.stdout.close()  # the reader is gone before the first byte (`| head` that already exited)
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 0 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_time_limited_solver_says_it_is_not_proven_optimal():
+    from dhp_jax.planner.cli import not_optimal
+
+    assert "stopped at its 10 s time limit" in not_optimal({"strategy": "flexsp", "time_limit_s": 10.0})
+    assert "before proving optimality" in not_optimal({"strategy": "milp"})
+
+
+def test_analyze_errors_go_to_stderr(tmp_path, capsys):
+    assert main(["analyze", str(tmp_path / "missing.jsonl")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "not found" in captured.err
+
+
+def test_json_mode_sends_native_writes_to_stderr():
+    """What a native solver writes to file descriptor 1 during a --json command lands on stderr."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import os\nfrom dhp_jax.cli import _json_stdout\nwith _json_stdout(True):\n"
+            "    os.write(1, b'solver banner\\n')\n    print('{}')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=os.environ.copy())
+    assert r.returncode == 0 and r.stdout == "{}\n" and "solver banner" in r.stderr, (r.stdout, r.stderr)

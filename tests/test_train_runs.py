@@ -1,0 +1,109 @@
+"""`dhp train` as a user runs it (subprocesses): the demo shows DHP's irregular groups and the
+simulated 64-rank comparison, and no run is ever lost (used directory, finished run, SIGKILL).
+
+Kept short: 3 steps of the demo on a seed whose first batches need groups of 5 and 6, one
+comparison batch timed once; the kill test replays a one-program static plan.
+"""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from dhp_jax.train.config import load_config
+from dhp_jax.train.metrics import read_jsonl
+
+# the demo, shortened: data.seed=31 gives plans [[6,1,1]], [[6,1,1]], [[5,1,1,1]] (5 programs)
+DEMO_SHORT = ["steps=3", "data.seed=31", "data.max_tokens=96", "min_bucket=128", "optim.warmup_steps=1",
+              "optim.learning_rate=0.01", "checkpoint.every=0", "compare.batches=1", "compare.repeats=1",
+              "compare.static_strategy=static-ring:8", "metrics.progress=false"]
+
+
+def _dhp(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "dhp_jax", *args], capture_output=True, text=True,
+                          timeout=timeout, env=os.environ.copy())
+
+
+def _snapshot(run: Path) -> dict:
+    """Every file of a run directory and its digest: what 'nothing changed' compares."""
+    return {str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run.rglob("*")) if p.is_file()}
+
+
+def test_demo_shows_dhp_and_never_loses_the_run(tmp_path):
+    out = tmp_path / "demo"
+    r = _dhp("train", *DEMO_SHORT, "--out", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    degrees = {int(d) for d in s["groups_by_degree"]}
+    assert len(degrees) >= 3 and any(d & (d - 1) for d in degrees), s["groups_by_degree"]
+    assert s["loss_last"] < s["loss_first"]
+    sim = s["compare"]["simulated"]
+    assert sim["ranks"] == 64 and sim["batch_size"] == 512 and sim["speedup_vs_best_static"] > 0
+    assert "64 ranks" in r.stdout and "qwen3-vl-8b on ascend-910b" in r.stdout and "(simulated)" in r.stdout
+    assert "not powers of two" in r.stdout and "correctness and overhead run" in r.stdout
+    assert (out / "plan_simulated_step.png").stat().st_size > 0
+    assert [x["step"] for x in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3]
+    before = _snapshot(out)
+
+    # a fresh run into the used directory is refused, in one line naming both ways on
+    again = _dhp("train", *DEMO_SHORT, "--out", str(out))
+    assert again.returncode == 2 and again.stdout == ""
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--resume" in lines[0] and "--overwrite" in lines[0], again.stderr
+    assert _snapshot(out) == before
+
+    # --resume on the finished run says so and changes nothing
+    done = _dhp("train", *DEMO_SHORT, "--out", str(out), "--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "already finished (step 3 of 3" in done.stderr
+    assert _snapshot(out) == before
+
+
+# the kill test: a static degree-8 plan (one program), 7 steps, a checkpoint every 3
+KILL = ["steps=7", "checkpoint.every=3", "planner.strategy=static-ring:8", "data.batch_size=8",
+        "data.max_tokens=48", "min_bucket=512", "compare.enabled=false", "metrics.progress=false"]
+
+
+def test_killed_run_resumes_each_step_logged_once_same_losses(tmp_path):
+    from dhp_jax.train.trainer import Trainer
+
+    out = tmp_path / "cut"
+    proc = subprocess.Popen([sys.executable, "-m", "dhp_jax", "train", *KILL, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)  # mid-step: step 4 is logged, the last checkpoint is step 3
+    proc.wait()
+    logged = [x["step"] for x in read_jsonl(metrics)]
+    assert max(logged) > 3 and max(logged) < 7, logged  # records past the checkpoint, run unfinished
+
+    resumed = _dhp("train", *KILL, "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 3 (checkpoint " in resumed.stderr
+    recs = read_jsonl(metrics)
+    assert [x["step"] for x in recs] == list(range(1, 8))
+    assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(7))
+
+    full = Trainer(load_config(None, KILL + [f"metrics.out_dir={tmp_path / 'full'}"])).run()
+    np.testing.assert_array_equal([x["loss"] for x in recs], full.losses)
+
+
+def test_truncate_jsonl_keeps_earlier_records_and_drops_a_torn_line(tmp_path):
+    from dhp_jax.train.metrics import truncate_jsonl
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps({"step": i}) + "\n" for i in range(1, 6)) + '{"step": 6, "lo')
+    kept = truncate_jsonl(path, lambda r: r["step"] <= 3)
+    assert [r["step"] for r in kept] == [1, 2, 3] == [r["step"] for r in read_jsonl(path)]
+    assert truncate_jsonl(tmp_path / "none.jsonl", lambda r: True) == []
