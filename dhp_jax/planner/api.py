@@ -421,7 +421,7 @@ def _use_every_rank(plan: Plan, prob: Problem, solver: dict[str, Any], attention
 
 
 def _static(prob: Problem, attention: str, arg: str, strategy: str) -> tuple[list, dict[str, Any]]:
-    from dhp_jax.sim.step import step_time
+    from dhp_jax.planner.pricing import step_time
 
     N, cost = prob.num_ranks, prob.cost
     if arg == "best":

@@ -7,24 +7,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import bin_sums
-from dhp_jax.planner.placement import spans_nodes
 from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.pricing import attention_for, price_groups
 
-
-def attention_for(degree: int, cost: CostModel, attention: str) -> str:
-    """"auto" (FlexSP's groups): all-to-all where the head count allows it, ring otherwise."""
-    if attention == "auto":
-        return "ulysses" if cost.ulysses_ok(degree) else "ring"
-    return attention
-
-
-def group_time(samples: Sequence[int], ranks: Sequence[int], attn: np.ndarray, lin: np.ndarray,
-               tok: np.ndarray, cost: CostModel, attention: str = "ring") -> float:
-    idx = np.asarray(samples, dtype=np.int64)
-    d = len(ranks)
-    return float(cost.group_times(attn[idx].sum(), lin[idx].sum(), tok[idx].sum(), d,
-                                  spans_nodes(ranks, cost.ranks_per_node), attention_for(d, cost, attention)))
+__all__ = ["attention_for", "build_plan"]  # attention_for: kept importable here for the solvers
 
 
 def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], lengths: np.ndarray,
@@ -34,15 +20,8 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     attn, lin, tok = cost.terms(lengths, etas)
     flat = [(m, tuple(int(r) for r in ranks), tuple(sorted(int(s) for s in samples)))
             for m, groups in enumerate(micro_batches) for ranks, samples in groups if len(samples)]
-    A, B, S = bin_sums([g[2] for g in flat], attn, lin, tok)
-    d = np.fromiter((len(g[1]) for g in flat), dtype=np.int64, count=len(flat))
-    rpn = cost.ranks_per_node
-    inter = np.fromiter((spans_nodes(g[1], rpn) for g in flat), dtype=bool, count=len(flat))
-    if attention == "auto":
-        uly = (cost.num_heads % d) == 0
-        times = np.where(uly, cost.group_times(A, B, S, d, inter, "ulysses"), cost.group_times(A, B, S, d, inter))
-    else:
-        times = cost.group_times(A, B, S, d, inter, attention)
+    times, S, d = price_groups(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok), attention,
+                               cost.ranks_per_node)
     mems = S * cost.mem_per_token / d
     over = np.flatnonzero(mems > cost.memory_budget * (1 + 1e-9))
     if over.size:

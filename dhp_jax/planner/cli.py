@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.api import plan_batch
     from dhp_jax.planner.plan import PlanningError
-    from dhp_jax.sim.step import step_time
+    from dhp_jax.planner.pricing import step_time
 
     try:
         cost = _cost(args)

@@ -1,9 +1,9 @@
 """Simulate training steps: plan each global batch with a strategy, time the plan on a cluster.
 
-Times come from the planner's cost model (a preset, i.e. *simulated*, never measured): each group's
-time for its samples at its degree, inter-node when its ranks span nodes; a micro-batch lasts as long
-as its slowest group; a step is the sum of micro-batch makespans plus one gradient all-reduce over all
-ranks. `evaluate` also reports where rank-time goes (busy vs idle), which `step_time` does not.
+Times come from the planner's pricing of a plan (`dhp_jax.planner.pricing`, a cost-model preset,
+i.e. *simulated*, never measured): each group's time for its samples at its degree, inter-node when
+its ranks span nodes; a micro-batch lasts as long as its slowest group; a step is the sum of
+micro-batch makespans plus one gradient all-reduce over all ranks. `evaluate` also reports where rank-time goes (busy vs idle), which `step_time` does not.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.planner.pricing import plan_group_times
 from dhp_jax.sim.cluster import Cluster
 
 
@@ -37,48 +38,9 @@ class StepBreakdown:
         return self.busy_rank_s / (self.num_ranks * self.step_s) if self.step_s > 0 else 0.0
 
 
-def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
-    first = ranks[0] // ranks_per_node
-    return any(r // ranks_per_node != first for r in ranks)
-
-
-def group_times(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Time of every group of `plan` (vectorised): (seconds, degree, micro-batch index), one entry
-    per group in plan order. Attention kind follows `plan.solver["attention"]` as the planner records
-    it: "ring" (default), "ulysses", or "auto" (all-to-all where the head count divides the degree)."""
-    lengths = np.asarray(lengths)
-    attn, lin, tok = cost.terms(lengths, etas)
-    groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
-    n = len(groups)
-    sizes = np.fromiter((len(g.samples) for _, g in groups), dtype=np.int64, count=n)
-    idx = np.fromiter((s for _, g in groups for s in g.samples), dtype=np.int64, count=int(sizes.sum()))
-    if idx.size and (idx.min() < 0 or idx.max() >= lengths.size):
-        bad = int(np.flatnonzero((idx < 0) | (idx >= lengths.size))[0])
-        gi = int(np.searchsorted(np.cumsum(sizes), bad, side="right"))
-        m, g = groups[gi]
-        raise ValueError(f"micro-batch {m} group with ranks {list(g.ranks)}: sample {int(idx[bad])} is outside "
-                         f"the batch of {lengths.size} samples")
-    gid = np.repeat(np.arange(n), sizes)
-    A = np.bincount(gid, attn[idx], minlength=n)
-    B = np.bincount(gid, lin[idx], minlength=n)
-    S = np.bincount(gid, tok[idx], minlength=n)
-    d = np.fromiter((g.degree for _, g in groups), dtype=np.int64, count=n)
-    rpn = plan.ranks_per_node or plan.num_ranks
-    inter = np.fromiter((spans_nodes(g.ranks, rpn) for _, g in groups), dtype=bool, count=n)
-    mode = str((plan.solver or {}).get("attention", "ring"))
-    if mode == "auto":
-        t = np.where(cost.num_heads % d == 0, cost.group_times(A, B, S, d, inter, "ulysses"),
-                     cost.group_times(A, B, S, d, inter, "ring"))
-    else:
-        t = cost.group_times(A, B, S, d, inter, mode)
-    mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=n)
-    return t, d, mb
-
-
 def evaluate(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float] | None = None) -> StepBreakdown:
     """Time one plan; raises ValueError naming the group if it references a missing sample."""
-    t, d, mb = group_times(plan, lengths, cost, etas)
+    t, d, mb = plan_group_times(plan, lengths, cost, etas)
     # the cost model owns how groups of one micro-batch combine (shared CPU lanes included)
     makespans = cost.makespans(t, d, mb, len(plan.micro_batches))
     return StepBreakdown(tuple(makespans.tolist()), float(cost.allreduce_time(plan.num_ranks)),

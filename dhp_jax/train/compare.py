@@ -48,7 +48,7 @@ def measured_comparison(trainer: Any, params: Any, batches: list, strategies: li
 def simulated_comparison(batches: list, strategies: list[str], model: str, hardware: str, num_ranks: int) -> dict:
     from dhp_jax.data.sample import sample_etas, sample_lengths
     from dhp_jax.planner import CostModel, PlanningError, plan_batch
-    from dhp_jax.sim import step_time
+    from dhp_jax.planner.pricing import step_time
 
     cost = CostModel.preset(model, hardware, ranks_per_node=min(8, num_ranks))
     out: dict[str, Any] = {}

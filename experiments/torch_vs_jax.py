@@ -1,4 +1,4 @@
-"""`python -m npu_backend.bench`: per-step wall time of the torch executor vs. the JAX `PlanExecutor`.
+"""`python -m experiments.torch_vs_jax`: per-step wall time of the torch executor vs. the JAX `PlanExecutor`.
 
 Same plan, same batch, same weights on both sides; the step is loss + gradients + the cross-group
 gradient reduction (no optimizer update, which the two sides do not share). torch runs N real gloo
@@ -97,7 +97,7 @@ def run_jax(args: argparse.Namespace, params_path: str) -> dict:
     flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
     env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.ranks}"])
     env["JAX_PLATFORMS"] = "cpu"
-    argv = [sys.executable, "-m", "npu_backend.bench", "--jax-part", params_path, *_case_argv(args)]
+    argv = [sys.executable, "-m", "experiments.torch_vs_jax", "--jax-part", params_path, *_case_argv(args)]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"JAX part failed:\n{out.stderr[-3000:]}")
@@ -134,7 +134,7 @@ def _case_argv(args: argparse.Namespace) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m npu_backend.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.torch_vs_jax", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=5)
     p.add_argument("--model", default="tiny")
     p.add_argument("--batch-size", type=int, default=16)

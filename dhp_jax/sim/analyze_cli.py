@@ -27,7 +27,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.data.analyze import analyze
+    from dhp_jax.sim.analyze import analyze
     try:
         report = analyze(args.manifest, args.model, args.ranks, args.batch, hardware=args.hardware,
                          vision=args.vision, num_batches=args.batches, seed=args.seed, skip_bad=args.skip_bad,

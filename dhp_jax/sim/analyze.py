@@ -1,0 +1,88 @@
+"""What DHP would do for a dataset: its token profile and simulated step times per strategy.
+
+`analyze(source, model, ranks, batch)` streams a JSONL manifest (or draws a built-in mix) into a
+`TokenProfile` (`dhp_jax.data.token_profile`), then draws `num_batches` global batches by seed and
+prices the plans of "dhp" and the best static baselines. Pure NumPy: no jax.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.data.token_profile import TokenProfile, histogram, load_profile, summary
+from dhp_jax.data.vision import family_for_model
+
+DEFAULT_STRATEGIES = ("dhp", "static-ring:best", "static-ulysses:best")
+
+
+def simulate(profile: TokenProfile, model: str, hardware: str, ranks: int, batch: int, num_batches: int,
+             seed: int, strategies: Sequence[str] = DEFAULT_STRATEGIES, ranks_per_node: int = 8) -> dict[str, Any]:
+    """Step time of each strategy on `num_batches` batches drawn by `seed` (simulated, not measured).
+
+    Batches are drawn without replacement inside a batch when the data has enough samples. A
+    strategy that cannot plan a batch (a sample longer than all ranks hold) is reported as failed.
+    ":best" baselines pick their best degree per batch, which favours them over one fixed degree.
+    """
+    from dhp_jax.planner import CostModel, PlanningError, plan_batch
+    from dhp_jax.sim import step_time
+
+    cost = CostModel.preset(model, hardware, ranks_per_node=ranks_per_node)
+    rng = np.random.default_rng(seed)
+    total, eta = profile.total, profile.eta
+    K = total.size
+    per: dict[str, dict[str, Any]] = {s: {"step_time_s": [], "solve_ms": [], "error": None, "solver": []}
+                                      for s in strategies}
+    for _ in range(num_batches):
+        idx = rng.choice(K, size=batch, replace=batch > K)
+        L, E = total[idx], eta[idx]
+        for s in strategies:
+            r = per[s]
+            if r["error"]:
+                continue
+            try:
+                plan = plan_batch(L, ranks, cost, s, etas=E)
+            except PlanningError as e:
+                r["error"] = str(e)
+                continue
+            r["step_time_s"].append(step_time(plan, L, cost, E))
+            r["solve_ms"].append(float(plan.solver.get("solve_ms", 0.0)))
+            r["solver"].append({k: v for k, v in plan.solver.items() if k in ("degree", "num_micro_batches")})
+    out: dict[str, Any] = {"model": model, "hardware": hardware, "ranks": ranks, "ranks_per_node": ranks_per_node,
+                           "batch": batch, "num_batches": num_batches, "seed": seed,
+                           "kind": f"simulated with CostModel.preset({model!r}, {hardware!r})", "strategies": {}}
+    for s, r in per.items():
+        ok = not r["error"] and r["step_time_s"]
+        out["strategies"][s] = {
+            "mean_step_time_s": float(np.mean(r["step_time_s"])) if ok else None,
+            "step_time_s": r["step_time_s"] if ok else [],
+            "median_solve_ms": float(np.median(r["solve_ms"])) if ok else None,
+            "choices": r["solver"] if ok else [],
+            "error": r["error"],
+        }
+    base = {s: v["mean_step_time_s"] for s, v in out["strategies"].items()
+            if s != "dhp" and v["mean_step_time_s"] is not None}
+    dhp = out["strategies"].get("dhp", {}).get("mean_step_time_s")
+    if base and dhp:
+        best = min(base, key=base.get)
+        out["best_baseline"] = best
+        out["speedup_vs_best_baseline"] = base[best] / dhp
+    return out
+
+
+def analyze(source: str, model: str = "qwen3-vl-8b", ranks: int = 64, batch: int = 512, *,
+            hardware: str = "ascend-910b", vision: str | None = None, num_batches: int = 3, seed: int = 0,
+            skip_bad: bool = False, image_root: str | None = None, tokenizer: str | None = None,
+            strategies: Sequence[str] = DEFAULT_STRATEGIES, ranks_per_node: int = 8,
+            mix_samples: int = 8192) -> dict[str, Any]:
+    """The full report as a JSON-ready dict: data profile, histogram, simulated step times."""
+    for name, v in (("ranks", ranks), ("batch", batch), ("num_batches", num_batches)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    vision = vision or family_for_model(model)
+    prof, info = load_profile(source, vision, skip_bad=skip_bad, image_root=image_root, tokenizer=tokenizer,
+                              mix_samples=mix_samples, seed=seed)
+    return {"data": {**info, "vision": vision, **summary(prof)}, "histogram": histogram(prof),
+            "simulation": simulate(prof, model, hardware, ranks, batch, num_batches, seed, strategies,
+                                   ranks_per_node)}
