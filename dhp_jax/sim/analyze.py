@@ -25,49 +25,32 @@ def simulate(profile: TokenProfile, model: str, hardware: str, ranks: int, batch
     strategy that cannot plan a batch (a sample longer than all ranks hold) is reported as failed.
     ":best" baselines pick their best degree per batch, which favours them over one fixed degree.
     """
-    from dhp_jax.planner import CostModel, PlanningError, plan_batch
-    from dhp_jax.sim import step_time
+    from dhp_jax.planner import CostModel
+    from dhp_jax.planner.compare import compare_strategies
 
     cost = CostModel.preset(model, hardware, ranks_per_node=ranks_per_node)
     rng = np.random.default_rng(seed)
     total, eta = profile.total, profile.eta
     K = total.size
-    per: dict[str, dict[str, Any]] = {s: {"step_time_s": [], "solve_ms": [], "error": None, "solver": []}
-                                      for s in strategies}
-    for _ in range(num_batches):
-        idx = rng.choice(K, size=batch, replace=batch > K)
-        L, E = total[idx], eta[idx]
-        for s in strategies:
-            r = per[s]
-            if r["error"]:
-                continue
-            try:
-                plan = plan_batch(L, ranks, cost, s, etas=E)
-            except PlanningError as e:
-                r["error"] = str(e)
-                continue
-            r["step_time_s"].append(step_time(plan, L, cost, E))
-            r["solve_ms"].append(float(plan.solver.get("solve_ms", 0.0)))
-            r["solver"].append({k: v for k, v in plan.solver.items() if k in ("degree", "num_micro_batches")})
+    draws = [rng.choice(K, size=batch, replace=batch > K) for _ in range(num_batches)]
+    comp = compare_strategies([(total[idx], eta[idx]) for idx in draws], ranks, cost, strategies)
     out: dict[str, Any] = {"model": model, "hardware": hardware, "ranks": ranks, "ranks_per_node": ranks_per_node,
                            "batch": batch, "num_batches": num_batches, "seed": seed,
                            "kind": f"simulated with CostModel.preset({model!r}, {hardware!r})", "strategies": {}}
-    for s, r in per.items():
-        ok = not r["error"] and r["step_time_s"]
+    for s, r in comp.runs.items():
+        ok = r.ok
         out["strategies"][s] = {
-            "mean_step_time_s": float(np.mean(r["step_time_s"])) if ok else None,
-            "step_time_s": r["step_time_s"] if ok else [],
-            "median_solve_ms": float(np.median(r["solve_ms"])) if ok else None,
-            "choices": r["solver"] if ok else [],
-            "error": r["error"],
+            "mean_step_time_s": r.mean_step_time_s,
+            "step_time_s": r.step_time_s if ok else [],
+            "median_solve_ms": float(np.median([p.solver.get("solve_ms", 0.0) for p in r.plans])) if ok else None,
+            "choices": [{k: v for k, v in p.solver.items() if k in ("degree", "num_micro_batches")}
+                        for p in r.plans] if ok else [],
+            "error": r.error,
         }
-    base = {s: v["mean_step_time_s"] for s, v in out["strategies"].items()
-            if s != "dhp" and v["mean_step_time_s"] is not None}
-    dhp = out["strategies"].get("dhp", {}).get("mean_step_time_s")
-    if base and dhp:
-        best = min(base, key=base.get)
+    best = comp.best_static([s for s in comp.runs if s != "dhp"])
+    if best and comp.mean("dhp"):
         out["best_baseline"] = best
-        out["speedup_vs_best_baseline"] = base[best] / dhp
+        out["speedup_vs_best_baseline"] = comp.speedup("dhp", best)
     return out
 
 

@@ -9,7 +9,6 @@ micro-batch makespans plus one gradient all-reduce over all ranks. `evaluate` al
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -68,6 +67,11 @@ class SimRun:
         return float(self.step_s.mean())
 
     @property
+    def mean_step_time_s(self) -> float:
+        """`mean_step_s` under the name `planner.compare.Comparison` compares runs by."""
+        return self.mean_step_s
+
+    @property
     def tokens_per_s(self) -> float:
         return float(self.tokens.sum() / self.step_s.sum())
 
@@ -101,8 +105,8 @@ def simulate(cluster: Cluster, dataset: str | Sequence[Sequence[Any]], strategy:
     `dataset` is a dataset name (or manifest path) for `make_dataset`, or already drawn batches
     (lists of `Sample`s), which lets several strategies share one draw.
     """
-    from dhp_jax.data import sample_etas, sample_lengths
-    from dhp_jax.planner import plan_batch
+    from dhp_jax.data import sample_lengths
+    from dhp_jax.planner.compare import compare_strategies
 
     cost = cost if cost is not None else cluster.cost_model()
     if isinstance(dataset, str):
@@ -110,20 +114,19 @@ def simulate(cluster: Cluster, dataset: str | Sequence[Sequence[Any]], strategy:
     else:
         name, batches = "<batches>", [list(b) for b in dataset]
     n = len(batches)
-    rec: dict[str, list[Any]] = {k: [] for k in ("step", "tok", "util", "solve", "wall", "mbs", "deg")}
-    for samples in batches:
-        lengths, etas = sample_lengths(samples), sample_etas(samples)
-        t0 = time.perf_counter()
-        plan = plan_batch(samples, cluster.num_ranks, cost, strategy,
-                          ranks_per_node=cluster.ranks_per_node, **dict(plan_options or {}))
-        rec["wall"].append((time.perf_counter() - t0) * 1e3)
-        br = evaluate(plan, lengths, cost, etas)
-        rec["step"].append(br.step_s)
-        rec["tok"].append(int(np.sum(lengths)))
-        rec["util"].append(br.utilisation)
-        rec["solve"].append(float(plan.solver.get("solve_ms", np.nan)))
-        rec["mbs"].append(len(plan.micro_batches))
-        rec["deg"].append(plan.degrees)
+    breakdowns: list[StepBreakdown] = []
+
+    def price(plan: Any, lengths: np.ndarray, cost: Any, etas: np.ndarray) -> float:
+        breakdowns.append(evaluate(plan, lengths, cost, etas))
+        return breakdowns[-1].step_s
+
+    run = compare_strategies(batches, cluster.num_ranks, cost, [strategy], plan_options={strategy: plan_options or {}},
+                             errors="raise", price=price, ranks_per_node=cluster.ranks_per_node).runs[strategy]
+    rec: dict[str, list[Any]] = {
+        "step": run.step_time_s, "wall": run.plan_wall_ms, "util": [br.utilisation for br in breakdowns],
+        "tok": [int(np.sum(sample_lengths(b))) for b in batches],
+        "solve": [float(p.solver.get("solve_ms", np.nan)) for p in run.plans],
+        "mbs": [len(p.micro_batches) for p in run.plans], "deg": run.degrees}
     return SimRun(cluster=cluster, dataset=name, strategy=strategy, batch=len(batches[0]) if n else batch,
                   step_s=np.asarray(rec["step"]), tokens=np.asarray(rec["tok"]),
                   utilisation=np.asarray(rec["util"]), solve_ms=np.asarray(rec["solve"]),
