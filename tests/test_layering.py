@@ -10,6 +10,7 @@ imports); the library never imports `experiments`.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dhp_jax", "npu_backend", "experiments")
 JAX_ROOTS = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 
-# part -> the parts it may import (itself always; "base" is dhp_jax/__init__ and dhp_jax/_lazy)
+# part -> the parts it may import (itself always; "base": dhp_jax/__init__, _lazy, checks, devices)
 ALLOWED = {
     "data": set(),
     "planner": {"data"},
@@ -52,13 +53,14 @@ def part_of(module: str) -> str:
     if top != "dhp_jax":
         return top
     sub = rest.split(".")[0]
-    if sub in ("", "_lazy"):
+    if sub in ("", "_lazy", "checks", "devices"):
         return "base"
     if sub in ("cli", "bench", "__main__"):
         return "cli"
     return sub
 
 
+@functools.lru_cache(maxsize=None)
 def _lazy_table(package: str) -> dict[str, str]:
     """A package's `_LAZY = {name: module}` table (names its `__getattr__` imports on access)."""
     path = MODULES.get(package)
@@ -70,6 +72,7 @@ def _lazy_table(package: str) -> dict[str, str]:
     return {}
 
 
+@functools.lru_cache(maxsize=None)
 def imports_of(module: str) -> list[tuple[str, int]]:
     """(imported module, line) for every import in `module`, resolved to project modules where
     possible (`from pkg import name` -> pkg.name when that is a module or a lazy attribute)."""
@@ -105,6 +108,13 @@ def _project(name: str) -> bool:
 def test_every_module_parses_and_is_classified():
     assert len(MODULES) > 50
     assert {part_of(m) for m in MODULES} <= set(ALLOWED) | {"base"}
+
+
+def test_base_helpers_import_no_part():
+    # every part may import the base helpers, so they may import nothing of the project
+    bad = [f"{m} imports {n}" for m in MODULES if part_of(m) == "base" and m != "dhp_jax"
+           for n, _ in imports_of(m) if _project(n) and part_of(n) != "base"]
+    assert not bad, bad
 
 
 @pytest.mark.parametrize("part", sorted(ALLOWED))

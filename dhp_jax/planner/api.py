@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
 from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
@@ -47,14 +48,11 @@ class Problem:
 def prepare(samples_or_lengths: Any, num_ranks: int, cost: CostModel, etas: Any = None,
             ranks_per_node: int | None = None) -> Problem:
     """Check the input (errors name the sample and the limit) and precompute cost terms."""
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise PlanningError(f"num_ranks must be a positive integer, got {num_ranks!r}")
-    num_ranks = int(num_ranks)
+    num_ranks = positive_int(num_ranks, "num_ranks", PlanningError)
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel, got {type(cost).__name__}")
     if ranks_per_node is not None:
-        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, (int, np.integer)) or ranks_per_node < 1:
-            raise PlanningError(f"ranks_per_node must be a positive integer, got {ranks_per_node!r}")
+        positive_int(ranks_per_node, "ranks_per_node", PlanningError)
         if int(ranks_per_node) != cost.ranks_per_node:
             cost = cost.replace(ranks_per_node=int(ranks_per_node))
     items = samples_or_lengths if isinstance(samples_or_lengths, np.ndarray) else list(samples_or_lengths)

@@ -7,18 +7,15 @@ import json
 import sys
 from typing import Any
 
+from dhp_jax.planner.cli_args import add_cost_args, cost_from_args
+
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="openvid", help="dataset mix name or a .jsonl manifest (default openvid)")
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
-    parser.add_argument("--ranks", type=int, default=64, help="number of ranks (model replicas) (default 64)")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
-    parser.add_argument("--model", default="internvl3-8b", help="cost-model preset model (default internvl3-8b)")
-    parser.add_argument("--hardware", default="ascend-910b", help="cost-model preset hardware (default ascend-910b)")
-    parser.add_argument("--cost", default=None, metavar="PATH", help="fitted cost model JSON (overrides --model/--hardware)")
-    parser.add_argument("--freeze-vision", action="store_true", help="model a frozen vision encoder")
+    add_cost_args(parser, ranks=64, freeze_vision=True)
     parser.add_argument("--strategy", default="dhp", help="dhp, static-ring:<d|best>, static-ulysses:<d|best>, flexsp, milp")
     parser.add_argument("--micro-batches", type=int, default=None, help="fix the micro-batch count (default: searched)")
     parser.add_argument("--compare", default=DEFAULT_COMPARE,
@@ -26,15 +23,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print the plan and comparison as JSON")
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw ranks x time per micro-batch")
-
-
-def _cost(args: argparse.Namespace) -> Any:
-    from dhp_jax.planner.cost import CostModel
-
-    if args.cost:
-        return CostModel.from_profile(args.cost).replace(ranks_per_node=args.ranks_per_node)
-    return CostModel.preset(args.model, args.hardware, ranks_per_node=args.ranks_per_node,
-                            freeze_vision=args.freeze_vision)
 
 
 def _span(ranks: tuple[int, ...]) -> str:
@@ -51,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     others = [s for s in dict.fromkeys(s.strip() for s in args.compare.split(",")) if s and s != args.strategy]
     try:
-        cost = _cost(args)
+        cost = cost_from_args(args)
         # the batch's vision tokens follow the planned model's encoder (InternVL tiles, Qwen-VL patches)
         samples = make_dataset(args.dataset, args.batch, args.seed, vision=family_for_model(args.model))
         lengths, etas = sample_lengths(samples), sample_etas(samples)

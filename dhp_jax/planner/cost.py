@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import bucket_length
 from dhp_jax.planner import presets
 
@@ -373,5 +374,4 @@ def _bucket(tokens: int, degree: int, min_bucket: int, growth: float) -> int:
 
 
 def _check_degree(degree: Any, name: str = "degree") -> None:
-    if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree < 1:
-        raise ValueError(f"{name} must be a positive integer, got {degree!r}")
+    positive_int(degree, name)

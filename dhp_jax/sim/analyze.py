@@ -11,6 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.token_profile import TokenProfile, histogram, load_profile, summary
 from dhp_jax.data.vision import family_for_model
 
@@ -18,25 +19,28 @@ DEFAULT_STRATEGIES = ("dhp", "static-ring:best", "static-ulysses:best")
 
 
 def simulate(profile: TokenProfile, model: str, hardware: str, ranks: int, batch: int, num_batches: int,
-             seed: int, strategies: Sequence[str] = DEFAULT_STRATEGIES, ranks_per_node: int = 8) -> dict[str, Any]:
+             seed: int, strategies: Sequence[str] = DEFAULT_STRATEGIES, ranks_per_node: int = 8,
+             cost: str | None = None) -> dict[str, Any]:
     """Step time of each strategy on `num_batches` batches drawn by `seed` (simulated, not measured).
 
     Batches are drawn without replacement inside a batch when the data has enough samples. A
     strategy that cannot plan a batch (a sample longer than all ranks hold) is reported as failed.
     ":best" baselines pick their best degree per batch, which favours them over one fixed degree.
+    `cost` (a profile path or MODEL/HARDWARE) replaces the preset of `model` on `hardware`.
     """
-    from dhp_jax.planner import CostModel
+    from dhp_jax.planner.cli_args import cost_model
     from dhp_jax.planner.compare import compare_strategies
 
-    cost = CostModel.preset(model, hardware, ranks_per_node=ranks_per_node)
+    source, cost = cost, cost_model(cost or model, hardware, ranks_per_node=ranks_per_node)
     rng = np.random.default_rng(seed)
     total, eta = profile.total, profile.eta
     K = total.size
     draws = [rng.choice(K, size=batch, replace=batch > K) for _ in range(num_batches)]
     comp = compare_strategies([(total[idx], eta[idx]) for idx in draws], ranks, cost, strategies)
+    kind = f"simulated with cost model {source}" if source else f"simulated with CostModel.preset({model!r}, {hardware!r})"
     out: dict[str, Any] = {"model": model, "hardware": hardware, "ranks": ranks, "ranks_per_node": ranks_per_node,
                            "batch": batch, "num_batches": num_batches, "seed": seed,
-                           "kind": f"simulated with CostModel.preset({model!r}, {hardware!r})", "strategies": {}}
+                           "kind": kind, "strategies": {}}
     for s, r in comp.runs.items():
         ok = r.ok
         out["strategies"][s] = {
@@ -58,14 +62,13 @@ def analyze(source: str, model: str = "qwen3-vl-8b", ranks: int = 64, batch: int
             hardware: str = "ascend-910b", vision: str | None = None, num_batches: int = 3, seed: int = 0,
             skip_bad: bool = False, image_root: str | None = None, tokenizer: str | None = None,
             strategies: Sequence[str] = DEFAULT_STRATEGIES, ranks_per_node: int = 8,
-            mix_samples: int = 8192) -> dict[str, Any]:
+            mix_samples: int = 8192, cost: str | None = None) -> dict[str, Any]:
     """The full report as a JSON-ready dict: data profile, histogram, simulated step times."""
     for name, v in (("ranks", ranks), ("batch", batch), ("num_batches", num_batches)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        positive_int(v, name)
     vision = vision or family_for_model(model)
     prof, info = load_profile(source, vision, skip_bad=skip_bad, image_root=image_root, tokenizer=tokenizer,
                               mix_samples=mix_samples, seed=seed)
     return {"data": {**info, "vision": vision, **summary(prof)}, "histogram": histogram(prof),
             "simulation": simulate(prof, model, hardware, ranks, batch, num_batches, seed, strategies,
-                                   ranks_per_node)}
+                                   ranks_per_node, cost)}
