@@ -2,10 +2,10 @@
 
 The one place a plan is priced under a `CostModel`: `build_plan` fills a plan's estimates with it,
 the strategy comparison and the simulator (`dhp_jax.sim.step_time`, `sim.evaluate`) time plans
-with it. A group is priced with inter-node links when its ranks span nodes of `ranks_per_node`;
-its attention kind is the plan's ("auto", FlexSP's groups: all-to-all where the head count
-divides the degree, ring otherwise). A step is the sum of the micro-batch makespans (the cost
-model says how concurrent groups combine, shared CPU lanes included) plus one gradient all-reduce.
+with it. A group is priced under its own attention kind (`Group.attention`), with inter-node links
+when its ranks span nodes of `ranks_per_node`. A step is the sum of the micro-batch makespans (the
+cost model says how concurrent groups combine, shared CPU lanes included) plus one gradient
+all-reduce.
 """
 
 from __future__ import annotations
@@ -18,41 +18,42 @@ from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
 
-__all__ = ["attention_for", "group_times", "plan_attention", "plan_group_times", "plan_makespans",
-           "price_groups", "spans_nodes", "step_time"]
+__all__ = ["attention_for", "kind_times", "plan_group_times", "plan_makespans", "price_groups", "spans_nodes",
+           "step_time"]
 
 
 def attention_for(degree: int, cost: CostModel, attention: str) -> str:
-    """"auto" (FlexSP's groups): all-to-all where the head count allows it, ring otherwise."""
+    """The kind a group of `degree` ranks records for a strategy's mode: "auto" (FlexSP's groups) is
+    all-to-all where the head count allows it, ring otherwise; a single rank has no sequence
+    exchange at all, so a degree-1 group is always "ring" (both kinds price it the same)."""
+    if degree == 1:
+        return "ring"
     if attention == "auto":
         return "ulysses" if cost.ulysses_ok(degree) else "ring"
     return attention
 
 
-def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
-                attention: str = "ring") -> np.ndarray:
-    """Vectorised group times (summed terms A, B, S of each group), "auto" resolved per degree."""
-    if attention == "auto":
-        uly = (cost.num_heads % degree) == 0
-        return np.where(uly, cost.group_times(A, B, S, degree, inter_node, "ulysses"),
-                        cost.group_times(A, B, S, degree, inter_node, "ring"))
-    return cost.group_times(A, B, S, degree, inter_node, attention)
+def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
+               kinds: Sequence[str]) -> np.ndarray:
+    """`cost.group_times` of each group under its own attention kind (vectorised per kind)."""
+    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
+    kinds = np.asarray(list(kinds), dtype=object)
+    out = np.zeros(d.shape, dtype=np.float64)
+    for kind in dict.fromkeys(kinds.tolist()):
+        m = kinds == kind
+        out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
+    return out
 
 
 def price_groups(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
-                 terms: tuple[np.ndarray, np.ndarray, np.ndarray], attention: str, ranks_per_node: int
+                 terms: tuple[np.ndarray, np.ndarray, np.ndarray], kinds: Sequence[str], ranks_per_node: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(time, tokens S, degree) of each group given as (ranks, sample ids), from the per-sample
-    `terms` (attention work, linear work, tokens: `CostModel.terms`)."""
+    """(time, tokens S, degree) of each group given as (ranks, sample ids) with its attention kind,
+    from the per-sample `terms` (attention work, linear work, tokens: `CostModel.terms`)."""
     A, B, S = bin_sums([samples for _, samples in groups], *terms)
     d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
     inter = np.fromiter((spans_nodes(ranks, ranks_per_node) for ranks, _ in groups), dtype=bool, count=len(groups))
-    return group_times(cost, A, B, S, d, inter, attention), S, d
-
-
-def plan_attention(plan: Any) -> str:
-    """The attention kind a plan's groups run, as the planner records it."""
-    return str((plan.solver or {}).get("attention", "ring"))
+    return kind_times(cost, A, B, S, d, inter, kinds), S, d
 
 
 def plan_group_times(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
@@ -75,7 +76,7 @@ def plan_group_times(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostM
         raise ValueError(f"micro-batch {m} group with ranks {list(g.ranks)}: sample {int(idx[bad])} is outside "
                          f"the batch of {lengths.size} samples")
     t, _, d = price_groups(cost, [(g.ranks, g.samples) for _, g in groups], (attn, lin, tok),
-                           plan_attention(plan), plan.ranks_per_node or plan.num_ranks)
+                           [g.attention for _, g in groups], plan.ranks_per_node or plan.num_ranks)
     mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=n)
     return t, d, mb
 
