@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("dhp_jax", "npu_backend", "experiments")
 JAX_ROOTS = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 
-# part -> the parts it may import (itself always; "base": dhp_jax/__init__, _lazy, checks, devices)
+# part -> the parts it may import (itself always; "base": dhp_jax/__init__, _lazy, checks, devices,
+# typed_config)
 ALLOWED = {
     "data": set(),
     "planner": {"data"},
@@ -53,7 +54,7 @@ def part_of(module: str) -> str:
     if top != "dhp_jax":
         return top
     sub = rest.split(".")[0]
-    if sub in ("", "_lazy", "checks", "devices"):
+    if sub in ("", "_lazy", "checks", "devices", "typed_config"):
         return "base"
     if sub in ("cli", "bench", "__main__"):
         return "cli"
