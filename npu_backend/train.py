@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
+from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, is_profile, mllm_preset  # noqa: E402
 from dhp_jax.planner.plan import Plan, PlanValidationError  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
@@ -35,7 +36,7 @@ from npu_backend.weights import WeightsError, export_flax_params, load_flax_para
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m npu_backend.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="MLLMConfig preset (default: tiny)")
+    add_mllm_arg(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=16, help="samples per global batch")
     p.add_argument("--min-len", type=int, default=8, help="shortest synthetic sample (tokens)")
@@ -50,12 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-source", choices=("local", "broadcast"), default="local",
                    help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
-    p.add_argument("--cost", default="internvl3-8b/cpu", help="cost-model preset MODEL/HARDWARE")
-    p.add_argument("--cost-profile", help="cost model fitted by `dhp profile` (JSON); overrides --cost")
-    p.add_argument("--ranks-per-node", type=int, default=8,
-                   help="preset cost model: ranks sharing a node's fast links (default 8; 1: each rank a node)")
+    add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=8)  # the cost model plans with
     p.add_argument("--comm-overlap", action=argparse.BooleanOptionalAction, default=None,
-                   help="preset cost model: ring traffic hides behind attention (default: the hardware's)")
+                   help="cost model: ring traffic hides behind attention (default: the hardware's)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="plan as if every sample were this many times longer (exercise CP groups at "
                         "CPU-sized lengths)")
@@ -94,16 +92,11 @@ class Planner:
         self.replay = read_plans(args.plan_file) if args.plan_file else None
         self.cost = None
         if self.replay is None:
-            from dhp_jax.planner import CostModel
-
-            if args.cost_profile:
-                self.cost = CostModel.from_profile(args.cost_profile)
-            else:
-                model, _, hardware = args.cost.partition("/")
-                extra = {} if args.comm_overlap is None else {"comm_overlap": args.comm_overlap}
-                # model states ZeRO-sharded over the node, or over all ranks when a rank is a node
-                self.cost = CostModel.preset(model, hardware or "cpu", ranks_per_node=args.ranks_per_node,
-                                             zero_shards=max(args.ranks_per_node, world), **extra)
+            extra: dict[str, Any] = {} if args.comm_overlap is None else {"comm_overlap": args.comm_overlap}
+            if not is_profile(args.cost or args.model):
+                # a preset's model states are ZeRO-sharded over the node, or over all ranks when a rank is a node
+                extra["zero_shards"] = max(args.ranks_per_node, world)
+            self.cost = cost_from_args(args, **extra)
 
     def _plan(self, samples: Sequence) -> Plan:
         from dhp_jax.data.sample import sample_etas, sample_lengths
@@ -156,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args, rank: int, world: int, device: torch.device, choice, say) -> int:
-    config = MLLMConfig.preset(args.model)
+    config = MLLMConfig.preset(mllm_preset(args, "npu_backend.train"))
     model = TorchMLLM(config)
     if args.weights:
         load_flax_params(model, load_npz(args.weights))

@@ -6,7 +6,8 @@ the best static plan is the fastest *measured* static candidate. On fake CPU dev
 few cores this is a correctness and overhead figure, not a speed-up. Simulated: batches of the run's
 mix at full token counts (`compare.sim_batch_size` samples each, or the run's own batches),
 planned for the chosen cost-model preset on `compare.sim_ranks` ranks and timed with
-`dhp_jax.sim.step_time`. Each figure carries a label saying which it is.
+`dhp_jax.planner.compare.compare_strategies`
+(step times of `dhp_jax.sim.step_time`). Each figure carries a label saying which it is.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import statistics
 import time
 from typing import Any
 
+from dhp_jax.planner.compare import Comparison
 from dhp_jax.train.plans import PlanSource
 
 
@@ -65,37 +67,17 @@ def measured_comparison(trainer: Any, params: Any, batches: list, strategies: li
 def simulated_comparison(batches: list[list], strategies: list[str], cost: Any, num_ranks: int) -> tuple[dict, Any]:
     """Mean simulated step time per strategy over `batches` (lists of unscaled samples); also the
     first batch's DHP plan (for a picture)."""
-    from dhp_jax.data.sample import sample_etas, sample_lengths
-    from dhp_jax.planner import PlanningError, plan_batch
-    from dhp_jax.sim import step_time
+    from dhp_jax.planner.compare import compare_strategies
 
-    out: dict[str, Any] = {}
-    first = None
-    for s in strategies:
-        total, degrees = 0.0, []
-        try:
-            for samples in batches:
-                plan = plan_batch(samples, num_ranks, cost, strategy=s)
-                total += float(step_time(plan, sample_lengths(samples), cost, etas=sample_etas(samples)))
-                degrees.append(plan.degrees)
-                if first is None and s == "dhp":
-                    first = plan
-        except PlanningError as e:
-            out[s] = {"infeasible": str(e)}
-            continue
-        out[s] = {"step_time_s": total / len(batches), "degrees": degrees}
-    return out, first
+    comp = compare_strategies(batches, num_ranks, cost, strategies)
+    out = {s: {"step_time_s": r.mean_step_time_s, "degrees": r.degrees} if r.ok else {"infeasible": r.error}
+           for s, r in comp.runs.items()}
+    dhp = comp.runs.get("dhp")
+    return out, (dhp.plans[0] if dhp is not None and dhp.ok and dhp.plans else None)
 
 
-def best_static(results: dict, statics: list[str]) -> str | None:
-    ok = [s for s in statics if "step_time_s" in results.get(s, {})]
-    return min(ok, key=lambda s: results[s]["step_time_s"]) if ok else None
-
-
-def _speedup(results: dict, best: str | None) -> float | None:
-    if best is None or "step_time_s" not in results.get("dhp", {}):
-        return None
-    return results[best]["step_time_s"] / results["dhp"]["step_time_s"]
+def _comparison(results: dict) -> Comparison:
+    return Comparison.of_means({s: r.get("step_time_s") for s, r in results.items()})
 
 
 def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = False) -> dict:
@@ -107,7 +89,8 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
     batches = [trainer.pipeline.batch(first_step + i) for i in range(c.batches)]
     statics = [s.strip() for s in c.static_strategy.split(",") if s.strip()]
     measured = measured_comparison(trainer, params, batches, ["dhp", *statics], c.repeats, progress)
-    best = best_static(measured, statics)
+    mcomp = _comparison(measured)
+    best = mcomp.best_static(statics)
     devices = trainer.devices
     cpu = devices[0].platform == "cpu"
     result: dict[str, Any] = {
@@ -116,7 +99,8 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
             "label": f"measured on {len(devices)} {devices[0].platform} ({devices[0].device_kind}) devices of this "
                      f"machine, tiny model, scaled batches, median of {c.repeats} repeats"
                      + (": a correctness and overhead run (the fake devices share the host's cores)" if cpu else ""),
-            "strategies": measured, "best_static": best, "speedup_vs_best_static": _speedup(measured, best),
+            "strategies": measured, "best_static": best,
+            "speedup_vs_best_static": mcomp.speedup("dhp", best) if best else None,
         },
     }
     sim_ranks = c.sim_ranks or cfg.num_ranks
@@ -129,13 +113,15 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
     # the simulation also knows Ulysses (all-to-all) baselines, which the JAX executor does not run
     sim_statics = list(dict.fromkeys([*statics, "static-ring:best", "static-ulysses:best"]))
     simulated, plan = simulated_comparison(sim_batches, ["dhp", *sim_statics], cost, sim_ranks)
-    sbest = best_static(simulated, sim_statics)
+    scomp = _comparison(simulated)
+    sbest = scomp.best_static(sim_statics)
     result["simulated"] = {
         "label": f"simulated: preset {c.sim_model} on {c.sim_hardware}, {sim_ranks} ranks ({rpn} per node), "
                  f"global batch {len(sim_batches[0])} of the run's mix ({cfg.data.dataset}) at full token counts, "
                  f"mean of {len(sim_batches)} batches",
         "ranks": sim_ranks, "batch_size": len(sim_batches[0]), "model": c.sim_model, "hardware": c.sim_hardware,
-        "strategies": simulated, "best_static": sbest, "speedup_vs_best_static": _speedup(simulated, sbest),
+        "strategies": simulated, "best_static": sbest,
+        "speedup_vs_best_static": scomp.speedup("dhp", sbest) if sbest else None,
         "allreduce_s": float(cost.allreduce_time(sim_ranks)), "_plan": plan,
     }
     return result

@@ -96,16 +96,13 @@ def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_pe
     `ranks_per_node`); `comm_overlap` (None: the hardware's) says whether ring traffic hides behind
     attention.
     """
-    from dhp_jax.planner import CostModel
+    from dhp_jax.planner.cli_args import cost_model as load
 
     if cost_profile:
-        try:
-            return CostModel.from_profile(cost_profile)
-        except OSError as e:
-            raise ValueError(f"cannot read cost profile {cost_profile!r}: {e.strerror or e}") from None
+        return load(cost_profile, profile=True)
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
-    return CostModel.preset(cost_model, hardware, ranks_per_node=ranks_per_node,
-                            zero_shards=num_ranks or ranks_per_node, **extra)
+    return load(cost_model, hardware, ranks_per_node=ranks_per_node, zero_shards=num_ranks or ranks_per_node,
+                **extra)
 
 
 def describe_cost(cost: Any, profile: str | None = None, full_size: bool = False) -> str:
