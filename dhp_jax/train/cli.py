@@ -153,11 +153,12 @@ def format_summary(s: dict[str, Any]) -> list[str]:
     lines.append(f"loss {s['loss_first']:.4f} -> {s['loss_last']:.4f} "
                  f"(mean of first/last few steps: {s['loss_first_mean']:.4f} -> {s['loss_last_mean']:.4f})")
     # time: step work apart from compiles and the end comparison
-    parts = [f"{s['steps_run']} steps {_seconds(s['steps_time_s'])} (median step {_seconds(s['step_time_median_s'])})",
-             f"compiles {_seconds(s['compile_time_s'])} ({s.get('num_compiles')} group programs)"]
-    if s.get("compare_time_s") is not None:
-        parts.append(f"comparison {_seconds(s['compare_time_s'])}")
-    lines.append("time: " + ", ".join(parts) + f"; wall {_seconds(s['wall_time_s'])}")
+    t = s["time_s"]
+    parts = [f"{s['steps_run']} steps {_seconds(t['steps'])} (median step {_seconds(s['step_time_median_s'])})",
+             f"compiles {_seconds(t['compiles'])} ({s.get('num_compiles')} group programs)"]
+    if t.get("comparison") is not None:
+        parts.append(f"comparison {_seconds(t['comparison'])}")
+    lines.append("time: " + ", ".join(parts) + f"; wall {_seconds(t['wall'])}")
     lines.append(f"planning: {_seconds(s['plan_solve_median_s'])} median per batch in the planner thread; "
                  f"wait per step in steady state median {s['plan_wait_median_s'] * 1e3:.2f} ms, "
                  f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")

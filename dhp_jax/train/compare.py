@@ -88,21 +88,19 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
     c = cfg.compare
     batches = [trainer.pipeline.batch(first_step + i) for i in range(c.batches)]
     statics = [s.strip() for s in c.static_strategy.split(",") if s.strip()]
-    measured = measured_comparison(trainer, params, batches, ["dhp", *statics], c.repeats, progress)
-    mcomp = _comparison(measured)
-    best = mcomp.best_static(statics)
     devices = trainer.devices
-    cpu = devices[0].platform == "cpu"
-    result: dict[str, Any] = {
-        "batches": [b.step for b in batches],
-        "measured": {
+    result: dict[str, Any] = {"batches": [b.step for b in batches]}
+    if c.measured:
+        measured = measured_comparison(trainer, params, batches, ["dhp", *statics], c.repeats, progress)
+        best = _comparison(measured).best_static(statics)
+        cpu = devices[0].platform == "cpu"
+        result["measured"] = {
             "label": f"measured on {len(devices)} {devices[0].platform} ({devices[0].device_kind}) devices of this "
                      f"machine, tiny model, scaled batches, median of {c.repeats} repeats"
                      + (": a correctness and overhead run (the fake devices share the host's cores)" if cpu else ""),
             "strategies": measured, "best_static": best,
-            "speedup_vs_best_static": mcomp.speedup("dhp", best) if best else None,
-        },
-    }
+            "speedup_vs_best_static": _comparison(measured).speedup("dhp", best) if best else None,
+        }
     sim_ranks = c.sim_ranks or cfg.num_ranks
     rpn = min(c.sim_ranks_per_node, sim_ranks)
     cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn)

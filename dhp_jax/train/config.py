@@ -82,6 +82,7 @@ class MetricsConfig:
 @dataclasses.dataclass
 class CompareConfig:
     enabled: bool = True
+    measured: bool = True          # time DHP and the static plans on these devices (false: simulated only)
     static_strategy: str = "static-ring:best"  # the static baseline measured on these devices
     batches: int = 3               # batches timed with both plans after training
     repeats: int = 3               # timed repeats per batch and plan (median)

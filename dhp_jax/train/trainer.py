@@ -282,17 +282,18 @@ class Trainer:
             metrics.close()
             loop_s = time.perf_counter() - t_run
             summary = self.summarize(earlier + records, loop_s, start)
-            if cfg.compare.enabled and stop == cfg.steps and stop_after is None:
+            if summary and cfg.compare.enabled and stop == cfg.steps and stop_after is None:
                 from dhp_jax.train.compare import compare_plans
 
                 t0 = time.perf_counter()
                 summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps,
                                                    progress=cfg.metrics.progress and self.process_index == 0)
-                summary["compare_time_s"] = time.perf_counter() - t0
+                summary["time_s"]["comparison"] = time.perf_counter() - t0
                 png = self._plot_simulated(summary["compare"])
                 if png:
                     summary["plan_png"] = str(png)
-            summary["wall_time_s"] = time.perf_counter() - t_run
+            if summary:
+                summary["time_s"]["wall"] = summary["wall_time_s"] = time.perf_counter() - t_run
             if records or earlier:  # never a summary without real figures
                 metrics.write_json("summary.json", summary)
         finally:
@@ -358,9 +359,10 @@ class Trainer:
         return {
             "name": cfg.name, "config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
             "devices": f"{len(self.devices)} x {self.devices[0].platform} ({self.devices[0].device_kind})",
-            "start_step": start, "steps_run": len(records), "loop_time_s": loop_s,
-            "steps_time_s": sum(r["step_time_s"] for r in records),
-            "compile_time_s": sum(r.get("compile_s", 0.0) for r in records),
+            "start_step": start, "steps_run": len(records),
+            # where the time went: step work, compiles, the end comparison (filled in by run), the rest
+            "time_s": {"steps": sum(r["step_time_s"] for r in records),
+                       "compiles": sum(r.get("compile_s", 0.0) for r in records), "loop": loop_s},
             "loss_first": losses[0], "loss_last": losses[-1],
             "loss_first_mean": float(np.mean(losses[:k])), "loss_last_mean": float(np.mean(losses[-k:])),
             "step_time_median_s": statistics.median(r["step_time_s"] for r in records),
