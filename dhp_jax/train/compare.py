@@ -103,6 +103,11 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
         }
     sim_ranks = c.sim_ranks or cfg.num_ranks
     rpn = min(c.sim_ranks_per_node, sim_ranks)
+    if progress:
+        import sys
+
+        print(f"compare: simulating DHP and static plans on {sim_ranks} ranks ({c.sim_model} on {c.sim_hardware}) ...",
+              file=sys.stderr, flush=True)
     cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn)
     if c.sim_batch_size:  # the run's mix at the simulated scale, one batch per compared batch
         sim_batches = [trainer.pipeline.source_batch(first_step + i, c.sim_batch_size) for i in range(c.batches)]

@@ -255,6 +255,10 @@ class Trainer:
             ckpt.close()
             raise
         stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+        if cfg.metrics.progress:
+            self._say(f"run {cfg.name!r}: steps {start + 1}-{stop} of {cfg.steps} on {len(self.devices)} "
+                      f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
+                      + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
         if self.multi_process:
             from dhp_jax.train.distributed import StepSync
 
