@@ -67,6 +67,17 @@ def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
     assert [r["step"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_used_directory_needs_resume_or_overwrite(tmp_path, executor, capsys):
+    cfg = _config(tmp_path, "used", "steps=2", "planner.strategy=dhp")  # the DHP run's first plans
+    first = Trainer(cfg, executor=executor).run()
+    with pytest.raises(TrainError, match="holds checkpoints of an earlier run .*--resume .*--overwrite"):
+        Trainer(cfg, executor=executor).run()
+    second = Trainer(cfg, executor=executor).run(overwrite=True)
+    assert "--overwrite: removed checkpoints [2]" in capsys.readouterr().err
+    assert second.losses == first.losses
+    assert [r["step"] for r in read_jsonl(tmp_path / "used" / "metrics.jsonl")] == [1, 2]
+
+
 def test_bad_input_fails_before_any_step(tmp_path, executor):
     cfg = _config(tmp_path, "bad", "steps=2")
     with pytest.raises(TrainError, match="num_ranks=8 needs 8 devices but only 4"):

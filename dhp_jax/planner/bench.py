@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import time
 from typing import Any
 
@@ -38,7 +39,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def bench(sizes: tuple[tuple[int, int], ...] = SIZES, repeats: int = 10, model: str = "internvl3-8b",
-          hardware: str = "ascend-910b", strategy: str = "dhp", cost: str | None = None) -> dict[str, Any]:
+          hardware: str = "ascend-910b", strategy: str = "dhp", cost: str | None = None,
+          progress: bool = False) -> dict[str, Any]:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
     from dhp_jax.planner.cli_args import cost_model
@@ -46,6 +48,8 @@ def bench(sizes: tuple[tuple[int, int], ...] = SIZES, repeats: int = 10, model: 
     cost = cost_model(cost or model, hardware)
     rows = []
     for ranks, batch in sizes:
+        if progress:  # stderr: what is being timed, so a long size never looks like a hang
+            print(f"dhp bench planner: {ranks} ranks, batch {batch}, {repeats} repeats ...", file=sys.stderr, flush=True)
         solve, solve_cpu, total, cpu = [], [], [], []
         for r in range(repeats):
             samples = make_dataset("openvid", batch, r)
@@ -77,9 +81,9 @@ def run(args: argparse.Namespace) -> int:
     if args.sizes:
         sizes = tuple(tuple(int(x) for x in s.split(":")) for s in args.sizes.split(","))  # type: ignore[misc]
     if args.repeats < 1:
-        print("dhp bench planner: --repeats must be >= 1")
+        print("dhp bench planner: --repeats must be >= 1", file=sys.stderr)
         return 2
-    out = bench(sizes, args.repeats, args.model, args.hardware, args.strategy, args.cost)
+    out = bench(sizes, args.repeats, args.model, args.hardware, args.strategy, args.cost, progress=True)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

@@ -154,7 +154,8 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                  f"(mean of first/last few steps: {s['loss_first_mean']:.4f} -> {s['loss_last_mean']:.4f})")
     # time: step work apart from compiles and the end comparison
     t = s["time_s"]
-    parts = [f"{s['steps_run']} steps {_seconds(t['steps'])} (median step {_seconds(s['step_time_median_s'])})",
+    first = f", the first {_seconds(t['first_step'])} with its one-off jit of the update" if t.get("first_step") else ""
+    parts = [f"{s['steps_run']} steps {_seconds(t['steps'])} (median step {_seconds(s['step_time_median_s'])}{first})",
              f"compiles {_seconds(t['compiles'])} ({s.get('num_compiles')} group programs)"]
     if t.get("comparison") is not None:
         parts.append(f"comparison {_seconds(t['comparison'])}")

@@ -366,7 +366,8 @@ class Trainer:
             "start_step": start, "steps_run": len(records),
             # where the time went: step work, compiles, the end comparison (filled in by run), the rest
             "time_s": {"steps": sum(r["step_time_s"] for r in records),
-                       "compiles": sum(r.get("compile_s", 0.0) for r in records), "loop": loop_s},
+                       "compiles": sum(r.get("compile_s", 0.0) for r in records), "loop": loop_s,
+                       "first_step": records[0]["step_time_s"] if start == 0 else None},
             "loss_first": losses[0], "loss_last": losses[-1],
             "loss_first_mean": float(np.mean(losses[:k])), "loss_last_mean": float(np.mean(losses[-k:])),
             "step_time_median_s": statistics.median(r["step_time_s"] for r in records),
