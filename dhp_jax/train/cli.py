@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
 def _format_dry_run(r: dict) -> str:
     return (f"config {r['name']!r} ok: {r['num_ranks']} ranks on {r['devices']}; first batch "
             f"{r['batch_samples']} samples / {r['batch_tokens']} tokens; plan ({r['strategy']}) degrees "
-            f"{r['degrees']}")
+            f"{r['degrees']}; cost model: {r['cost_model']}")
 
 
 def _seconds(x: float) -> str:
