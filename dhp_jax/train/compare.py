@@ -141,7 +141,7 @@ def format_comparison(comp: dict) -> list[str]:
             if "step_time_s" in r:
                 lines.append(f"  {s:<22} {r['step_time_s'] * 1e3:10.1f} ms/step")
             else:
-                lines.append(f"  {s:<22} infeasible ({r.get('infeasible', '?')[:70]})")
+                lines.append(f"  {s:<22} infeasible ({r.get('infeasible', '?')[:120]})")
         sp = part.get("speedup_vs_best_static")
         if sp is not None:
             lines.append(f"  DHP vs best static ({part['best_static']}): {sp:.2f}x"

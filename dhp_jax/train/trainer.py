@@ -347,7 +347,9 @@ class Trainer:
 
             path = self.metrics_dir / "plan_simulated_step.png"
             sim = comp["simulated"]
-            plot_plan(plan, path, title=f"DHP plan of one step: {sim['label']}", allreduce_s=sim.get("allreduce_s", 0.0))
+            title = (f"DHP plan of one simulated step: {sim['model']} on {sim['hardware']}, {sim['ranks']} ranks, "
+                     f"global batch {sim['batch_size']}")
+            plot_plan(plan, path, title=title, allreduce_s=sim.get("allreduce_s", 0.0))
             return path
         except ImportError:
             return None
