@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import numpy as np
 
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.planner.planfile import PlanLog
 from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
 
 
@@ -163,7 +163,7 @@ class Trainer:
         metrics = MetricsWriter(metrics_dir, total_steps=cfg.steps, start_step=start,
                                 progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard,
                                 append=resume)
-        plan_log = (metrics_dir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+        plan_log = PlanLog(metrics_dir / "plans.jsonl", append=resume) if cfg.metrics.log_plans else None
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
@@ -191,8 +191,7 @@ class Trainer:
                     records.append(rec)
                     metrics.log_step(rec)
                     if plan_log is not None:
-                        plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
-                        plan_log.flush()
+                        plan_log.write(item.step, item.plan)
                     if ckpt.should_save(done) or done == stop:
                         ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
                                   run_config=cfg.to_dict())
