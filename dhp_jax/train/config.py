@@ -17,7 +17,7 @@ from dhp_jax.typed_config import valid_keys as _valid_keys
 __all__ = ["ConfigError", "TrainConfig", "apply_overrides", "config_from_dict", "load_config", "parse_override",
            "valid_keys"]
 
-DEMO_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"   # package data: installed with dhp_jax
 
 
 @dataclasses.dataclass
