@@ -147,7 +147,7 @@ def describe_machine() -> str:
 
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"python": platform.python_version(), "dhp_jax_commit": _git_commit()}
-    for pkg in ("numpy", "scipy", "highspy", "yaml", "matplotlib"):
+    for pkg in ("numpy", "scipy", "yaml", "matplotlib"):
         try:
             mod = importlib.import_module(pkg)
             out[pkg] = getattr(mod, "__version__", None) or "installed"
