@@ -39,7 +39,8 @@ MIP_REL_GAP = 1e-6  # "optimal" means proven within this relative gap
 
 
 def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int, cost: Any, ds: np.ndarray,
-                     attention: str, time_limit_s: float | None) -> tuple[list[list[int]], list[int], float, bool] | None:
+                     attention: str, time_limit_s: float | None, node_limit: int | None = None
+                     ) -> tuple[list[list[int]], list[int], float, bool] | None:
     """Slots (item positions), their degrees, makespan and proven-optimal flag; None if no solution."""
     K = len(A)
     order = np.lexsort((np.arange(K), -(A + B)))  # heaviest first, for the symmetry breaking
@@ -121,6 +122,8 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     opts = {"disp": False, "mip_rel_gap": MIP_REL_GAP}
     if time_limit_s is not None:
         opts["time_limit"] = float(time_limit_s)
+    if node_limit is not None:        # a work limit: the same answer on any machine, at any load
+        opts["node_limit"] = int(node_limit)
     res = milp(cobj, constraints=LinearConstraint(Amat, lo, hi), integrality=integrality,
                bounds=Bounds(lb, ub), options=opts)
     if res.x is None:
@@ -145,8 +148,9 @@ def _split(prob: Any, num_micro_batches: int | None) -> list[np.ndarray]:
 
 
 def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_aware: bool,
-               time_limit_s: float | None) -> tuple[list, dict[str, Any]]:
-    """Any-degree exact MILP per micro-batch (the memory-minimal count unless one is given)."""
+               time_limit_s: float | None, node_limit: int | None = None) -> tuple[list, dict[str, Any]]:
+    """Any-degree exact MILP per micro-batch (the memory-minimal count unless one is given), within
+    `time_limit_s` seconds and `node_limit` branch-and-bound nodes per micro-batch (None: none)."""
     N, cost = prob.num_ranks, prob.cost
     if N > MAX_MILP_RANKS:
         raise PlanningError(f"milp is an exact reference for small instances: {N} ranks > {MAX_MILP_RANKS}")
@@ -159,10 +163,11 @@ def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_awar
                                 f"{max(len(p) for p in parts)} sequences > {MAX_MILP_SEQUENCES}")
         mbs, optimal, spans = [], True, []
         for idx in parts:
-            sol = _milp_microbatch(prob.attn[idx], prob.lin[idx], prob.tok[idx], N, cost, ds, "ring", time_limit_s)
+            sol = _milp_microbatch(prob.attn[idx], prob.lin[idx], prob.tok[idx], N, cost, ds, "ring", time_limit_s,
+                                   node_limit)
             if sol is None:
                 raise PlanningError(f"milp found no plan for a micro-batch of {len(idx)} sequences"
-                                    f" within {time_limit_s} s")
+                                    f" within {time_limit_s} s and {node_limit} nodes")
             if sol == "infeasible":
                 break
             slots, degs, mk, opt = sol
