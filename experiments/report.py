@@ -23,7 +23,8 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 def _provenance(r: dict[str, Any]) -> str:
     m = r["machine"]
-    return (f"*{r['label']}. Config `{r['config_file']}`, seed {r['seed']}, commit {r['versions'].get('dhp_jax_commit')}, "
+    return (f"*{r['label']}. Config `{r['config_file']}`, seed {r['seed']}, commit {r['versions'].get('dhp_jax_commit')}"
+            f"{' (uncommitted changes)' if r['versions'].get('dhp_jax_dirty') else ''}, "
             f"generated {r['created_utc']} in {r['wall_s']:.0f} s on {m['cpu']} ({m['cpu_count']} cores, "
             f"load average {m.get('loadavg_1_5_15')}).*")
 
