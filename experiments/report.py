@@ -144,9 +144,21 @@ def sensitivity(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tail_sweep(r: dict[str, Any]) -> str:
+    lines = ["| model | data | long-clip share | DHP (s) | best static (s) | DHP speed-up | how |",
+             "|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        share = f"{row['tail_share']:.1%}" + (" (built-in)" if row["built_in"] else "")
+        lines.append(f"| {row['model']} | {row['dataset']} | {share} | {row['dhp_step_s']:.2f} | "
+                     f"{row['best_static']} {row['best_static_step_s']:.2f} | **{row['speedup']:.2f}x** | "
+                     f"{_short(row['label'])} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
     "case_study": case_study, "optimality": optimality, "ablations": ablations, "sensitivity": sensitivity,
+    "tail_sweep": tail_sweep,
 }
 
 
