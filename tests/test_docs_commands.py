@@ -1,4 +1,4 @@
-"""Every command and snippet of README.md, CONTRIBUTING.md and docs/ runs, or is checked as far as
+"""Every command and snippet of README.md, experiments/REPORT.md, CONTRIBUTING.md and docs/ runs, or is checked as far as
 one machine allows. How each is checked (`how` below):
 
 - run: executed as written (cheap: `dhp plan`, `dhp plan --freeze-vision --json`,
@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] + \
+DOCS = [ROOT / "README.md", ROOT / "experiments" / "REPORT.md", *sorted((ROOT / "docs").glob("*.md"))] + \
     ([ROOT / "CONTRIBUTING.md"] if (ROOT / "CONTRIBUTING.md").exists() else [])
 SHELL_VARS = {"SLURM_JOB_ID": "4242", "NODE_RANK": "0", "MASTER": "hostA", "JOB_ID": "4242"}
 SKIP = {"pip": "an install (test_wheel_install.py builds and installs a wheel)",
@@ -62,7 +62,7 @@ COMMANDS = _commands()
 
 
 def _argv(cmd: str) -> list[str]:
-    cmd = re.sub(r"\[([^\]]*)\]", r"\1", cmd)        # [--json] -> --json: options are checked too
+    cmd = re.sub(r"\[(-[^\]]*)\]", r"\1", cmd)       # [--json] -> --json: options are checked too
     demo = str(ROOT / "dhp_jax" / "train" / "configs" / "demo.yaml")
     subst = {"N": "3", "my.yaml": demo, "cfg.yaml": demo}
     return [subst.get(w, w) for w in shlex.split(cmd)]
