@@ -31,6 +31,7 @@ _MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep th
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
+_SPLIT_MARGIN = 0.02  # another candidate split is solved only if its bound could win by this fraction
 
 
 class Problem:
@@ -42,6 +43,8 @@ class Problem:
         self.work = self.attn + self.lin
         self.dmin = cost.min_degree(lengths)
         self.cap = cost.max_tokens_per_rank
+        self.alone: np.ndarray | None = None  # alone_times, filled by the dhp search
+        self.alone_allowed: np.ndarray | None = None
 
 
 def prepare(samples_or_lengths: Any, num_ranks: int, cost: CostModel, etas: Any = None,
@@ -247,21 +250,15 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         # M micro-batches take at least total work / N + M b1; stop once that cannot win enough
         if best is not None and total_work / N + M * cost.b1 >= best[0] * (1 - _MB_MIN_GAIN):
             break
-        parts = microbatch.split(prob.work, M)
-        sols = []
-        for idx in parts:
-            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
-            if s is None:
-                break
-            sols.append(s)
-        if len(sols) < len(parts):
+        got = _solve_split(prob, M, allowed, packing, factors)
+        if got is None:
             if best is not None:
                 stale += 1
                 if stale >= _MB_PATIENCE:
                     break
             continue
         tries += 1
-        total = sum(s[2] for s in sols)
+        total, sols = got
         won = sorted({all_f.index(s[3]) for s in sols if s[3] in all_f})
         near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
         factors = [all_f[j] for j in near] + [all_f[-1]]
@@ -292,6 +289,50 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     if cost.compute_lanes is not None and num_micro_batches is None and packing:
         mbs, info = _shared_lanes_fallback(prob, allowed, mbs, info)
     return mbs, info
+
+
+def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
+    """Each sequence's least time alone on any allowed degree it fits (float64[K], vectorised)."""
+    ds = allowed.astype(np.float64)
+    t = prob.cost.group_times(prob.attn[:, None], prob.lin[:, None], prob.tok[:, None], ds[None, :])
+    return np.where(ds[None, :] >= prob.dmin[:, None], t, np.inf).min(axis=1)
+
+
+def split_bound(prob: Problem, parts: Sequence[np.ndarray], alone: np.ndarray) -> float:
+    """A lower bound on the summed makespans of a split: each micro-batch takes at least its work
+    spread over all N ranks plus b1, and at least its slowest sequence alone."""
+    N, b1 = prob.num_ranks, prob.cost.b1
+    return sum(max(float(prob.work[p].sum()) / N + b1, float(alone[p].max())) for p in parts)
+
+
+def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, factors: Sequence[float] | None
+                 ) -> tuple[float, list] | None:
+    """The best candidate split for M micro-batches (`microbatch.candidates`), each micro-batch solved
+    (packed, allocated; not yet refined); candidates are solved in order of `split_bound` until the
+    next bound cannot win by more than _SPLIT_MARGIN. None when no candidate fits."""
+    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap)
+    if not cands:
+        return None
+    if prob.alone is None or prob.alone_allowed is not allowed:
+        prob.alone, prob.alone_allowed = alone_times(prob, allowed), allowed
+    ranked = sorted(((split_bound(prob, parts, prob.alone), i, parts) for i, (_, parts) in enumerate(cands)),
+                    key=lambda c: (c[0], c[1]))
+    best = None
+    for bound, _, parts in ranked:
+        if best is not None and bound >= best[0] * (1 - _SPLIT_MARGIN):
+            break
+        sols = []
+        for idx in parts:
+            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
+            if s is None:
+                break
+            sols.append(s)
+        if len(sols) < len(parts):
+            continue
+        total = sum(s[2] for s in sols)
+        if best is None or total < best[0]:
+            best = (total, sols)
+    return best
 
 
 def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: dict[str, Any]
@@ -387,7 +428,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
         from dhp_jax.planner.milp import solve_milp
         mbs, extra = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s)
     elif strategy == "flexsp":
-        from dhp_jax.planner.milp import solve_flexsp
+        from dhp_jax.planner.flexsp import solve_flexsp
         mbs, extra = solve_flexsp(prob, num_micro_batches, time_limit_s)
         attention = "auto"
     else:
