@@ -31,7 +31,8 @@ _MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep th
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
-_SPLIT_MARGIN = 0.02  # another candidate split is solved only if its bound could win by this fraction
+_ALONE_TOP = 32  # sequences whose time alone enters the split bound (the rest: their work / N + b1)
+_SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could win by this fraction
 
 
 class Problem:
@@ -250,7 +251,8 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         # M micro-batches take at least total work / N + M b1; stop once that cannot win enough
         if best is not None and total_work / N + M * cost.b1 >= best[0] * (1 - _MB_MIN_GAIN):
             break
-        got = _solve_split(prob, M, allowed, packing, factors)
+        got = _solve_split(prob, M, allowed, packing, factors,
+                           np.inf if best is None else best[0] * (1 - _MB_MIN_GAIN))
         if got is None:
             if best is not None:
                 stale += 1
@@ -292,10 +294,15 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
 
 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
-    """Each sequence's least time alone on any allowed degree it fits (float64[K], vectorised)."""
+    """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
+    alone on any allowed degree it fits for the _ALONE_TOP heaviest, work / N + b1 for the rest (no
+    group is faster than its work spread over all N ranks, and only heavy sequences make the bound)."""
     ds = allowed.astype(np.float64)
-    t = prob.cost.group_times(prob.attn[:, None], prob.lin[:, None], prob.tok[:, None], ds[None, :])
-    return np.where(ds[None, :] >= prob.dmin[:, None], t, np.inf).min(axis=1)
+    out = prob.work / prob.num_ranks + prob.cost.b1
+    top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
+    t = prob.cost.group_times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None], ds[None, :])
+    out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
+    return out
 
 
 def split_bound(prob: Problem, parts: Sequence[np.ndarray], alone: np.ndarray) -> float:
@@ -305,11 +312,12 @@ def split_bound(prob: Problem, parts: Sequence[np.ndarray], alone: np.ndarray) -
     return sum(max(float(prob.work[p].sum()) / N + b1, float(alone[p].max())) for p in parts)
 
 
-def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, factors: Sequence[float] | None
-                 ) -> tuple[float, list] | None:
+def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, factors: Sequence[float] | None,
+                 cutoff: float = np.inf) -> tuple[float, list] | None:
     """The best candidate split for M micro-batches (`microbatch.candidates`), each micro-batch solved
     (packed, allocated; not yet refined); candidates are solved in order of `split_bound` until the
-    next bound cannot win by more than _SPLIT_MARGIN. None when no candidate fits."""
+    next bound cannot win by more than _SPLIT_MARGIN, and never when the bound reaches `cutoff` (what
+    another count already achieved). None when no candidate fits or none can beat the cutoff."""
     cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap)
     if not cands:
         return None
@@ -319,7 +327,7 @@ def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, fact
                     key=lambda c: (c[0], c[1]))
     best = None
     for bound, _, parts in ranked:
-        if best is not None and bound >= best[0] * (1 - _SPLIT_MARGIN):
+        if bound >= cutoff or (best is not None and bound >= best[0] * (1 - _SPLIT_MARGIN)):
             break
         sols = []
         for idx in parts:

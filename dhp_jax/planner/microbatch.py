@@ -91,15 +91,24 @@ def by_length(share: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num
 
 def candidates(work: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num_ranks: int,
                max_tokens_per_rank: float) -> list[tuple[str, list[np.ndarray]]]:
-    """The candidate splits for one count (see the module docstring), those whose cut fits."""
+    """The candidate splits for one count (see the module docstring), those whose cut fits; a split
+    equal to an earlier one (as every split of one micro-batch is) is left out."""
     out: list[tuple[str, list[np.ndarray]]] = []
+    seen: set[bytes] = set()
     tok_share = tokens / max(float(tokens.sum()), 1e-300)
     work_share = work / max(float(work.sum()), 1e-300)
-    for name, share in (("length", tokens), ("mixed", tok_share + work_share)):
-        parts = by_length(share, tokens, num_micro_batches, num_ranks, max_tokens_per_rank)
-        if parts is not None:
+    for name in ("length", "mixed", "work"):
+        if name == "work":
+            parts = split(work, num_micro_batches)
+            if any(float(tokens[p].sum()) > num_ranks * max_tokens_per_rank for p in parts):
+                continue
+        else:
+            share = tokens if name == "length" else tok_share + work_share
+            parts = by_length(share, tokens, num_micro_batches, num_ranks, max_tokens_per_rank)
+            if parts is None:
+                continue
+        key = b"|".join(p.tobytes() for p in sorted(parts, key=lambda q: int(q[0])))
+        if key not in seen:
+            seen.add(key)
             out.append((name, parts))
-    parts = split(work, num_micro_batches)
-    if all(float(tokens[p].sum()) <= num_ranks * max_tokens_per_rank for p in parts):
-        out.append(("work", parts))
     return out
