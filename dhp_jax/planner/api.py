@@ -1,7 +1,8 @@
 """`plan_batch`: one entry point for DHP and every baseline, returning a validated `Plan`.
 
-"dhp" = micro-batch count search -> memory-aware packing -> exact degree allocation -> refinement
--> node-aware placement. Deterministic: no wall-clock limits (only "milp"/"flexsp" have one, and
+"dhp" = micro-batch count search (candidate splits per count, microbatch.py, ranked by a step-time
+bound; local moves of sequences between micro-batches) -> memory-aware packing -> exact degree
+allocation -> refinement -> node-aware placement. Deterministic: no wall-clock limits (only "milp"/"flexsp" have one, and
 record whether they proved optimality).
 """
 
@@ -31,6 +32,7 @@ _MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep th
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
+_MOVES = 2  # local moves tried between micro-batches once the split is chosen
 _ALONE_TOP = 32  # sequences whose time alone enters the split bound (the rest: their work / N + b1)
 _SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could win by this fraction
 
@@ -281,6 +283,8 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     finalists = feasible[:_FINALISTS] + ([fewest] if fewest not in feasible[:_FINALISTS] else [])
     chosen = None
     for total, M, sols in finalists:
+        if num_micro_batches is None:
+            sols = move_sequences(prob, sols, allowed, packing, factors)
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
         actual = sum(d[2] for d in done)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
@@ -341,6 +345,47 @@ def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, fact
         if best is None or total < best[0]:
             best = (total, sols)
     return best
+
+
+def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool,
+                   factors: Sequence[float] | None) -> list:
+    """Local moves between solved micro-batches, scored by the estimated step time: the micro-batch
+    furthest above its work bound (makespan - work / N - b1) hands its heaviest, then its lightest,
+    sequence to the one least above its bound that has memory room; both are solved again and the
+    move is kept when their makespans sum lower. At most _MOVES tries (deterministic order)."""
+    N, b1, room = prob.num_ranks, prob.cost.b1, prob.num_ranks * prob.cap
+    parts = [np.asarray(sorted(k for g in s[0] for k in g), dtype=np.int64) for s in sols]
+    sols = list(sols)
+    tries = 0
+    while tries < _MOVES and len(sols) > 1:
+        excess = [s[2] - float(prob.work[p].sum()) / N - b1 for s, p in zip(sols, parts)]
+        src = int(np.argmax(excess))
+        dsts = [m for m in np.argsort(excess, kind="stable").tolist()
+                if m != src and float(prob.tok[parts[m]].sum()) < room]
+        if not dsts:
+            return sols
+        dst = dsts[0]
+        free = room - float(prob.tok[parts[dst]].sum())
+        movable = parts[src][prob.tok[parts[src]] <= free]
+        if movable.size == 0 or parts[src].size == 1:
+            return sols
+        w = prob.work[movable]
+        moved = False
+        for k in dict.fromkeys((int(movable[np.argmax(w)]), int(movable[np.argmin(w)]))):
+            tries += 1
+            a = parts[src][parts[src] != k]
+            b = np.sort(np.append(parts[dst], k))
+            sa = solve_microbatch(prob, a, allowed, packing, False, factors)
+            sb = solve_microbatch(prob, b, allowed, packing, False, factors)
+            if sa is not None and sb is not None and sa[2] + sb[2] < (sols[src][2] + sols[dst][2]) * (1 - 1e-9):
+                parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
+                moved = True
+                break
+            if tries >= _MOVES:
+                break
+        if not moved:
+            return sols
+    return sols
 
 
 def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: dict[str, Any]
