@@ -2,8 +2,8 @@
 
 What it does, after the paper and its published solver:
 1. Micro-batches: the global batch sorted by length and cut into M consecutive runs of about equal
-   tokens (`microbatch.by_length`), for M = the least count whose runs fit the ranks' memory and
-   the next `FLEXSP_EXTRA_COUNTS` counts; the count with the least step time wins.
+   tokens (`microbatch.by_length`), for M from the least count whose runs fit the ranks' memory
+   upward while the step time improves, at most `FLEXSP_EXTRA_COUNTS` more; the best count wins.
 2. Per micro-batch a MILP over power-of-two sequence-parallel groups: the sequences are bucketed by
    length (a bucket holds a run of the sorted lengths; each count is grown from 16 until the padded
    tokens are at most halfway between the real tokens and the ranks' capacity, FlexSP's rule);
@@ -26,7 +26,7 @@ Where it still differs from the paper: HiGHS instead of SCIP and a node limit in
 bucketing takes equal-count runs of the sorted lengths instead of FlexSP's dynamic programme; the
 time of a slot uses the bucket's mean sequence (FlexSP: its longest), memory the longest (as FlexSP);
 degree 1 is allowed and the ranks need not all be used (sum d_p m_p <= N, not = N); several counts
-are compared instead of taking the first feasible one; the micro-batches are solved one after another
+are compared (while the step improves) instead of taking the first feasible one; the micro-batches are solved one after another
 in this process (FlexSP solves them in parallel processes, one step ahead).
 """
 
@@ -38,7 +38,8 @@ import numpy as np
 
 from dhp_jax.planner import microbatch
 from dhp_jax.planner.allocate import allowed_degrees
-from dhp_jax.planner.build import attention_for, build_plan
+from dhp_jax.planner.build import build_plan
+from dhp_jax.planner.pricing import attention_for
 from dhp_jax.planner.placement import place
 from dhp_jax.planner.plan import PlanningError
 
@@ -257,8 +258,9 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
         plan = build_plan(mbs, prob.lengths, prob.etas, cost, N, {}, "auto")
         total = sum(mb.est_makespan_s for mb in plan.micro_batches)
         tried.append(len(parts))
-        if best is None or total < best[0] * (1 - 1e-12):
-            best = (total, mbs, optimal, len(parts))
+        if best is not None and total >= best[0] * (1 - 1e-12):
+            break  # one more micro-batch did not help: more will not either (each adds b1)
+        best = (total, mbs, optimal, len(parts))
     if best is None:
         raise PlanningError(f"flexsp found no power-of-two plan on {N} ranks")
     return best[1], {"optimal": bool(best[2]), "num_micro_batches": best[3], "counts_tried": tried,

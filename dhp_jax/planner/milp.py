@@ -28,7 +28,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from dhp_jax.planner import microbatch
 from dhp_jax.planner.allocate import allowed_degrees
-from dhp_jax.planner.build import attention_for
+from dhp_jax.planner.pricing import attention_for
 from dhp_jax.planner.placement import place
 from dhp_jax.planner.plan import PlanningError
 
