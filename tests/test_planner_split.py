@@ -97,3 +97,17 @@ def test_flexsp_is_priced_as_it_runs():
     plan = plan_batch(lengths, 4, cost, "flexsp")
     alone = build_plan([[((k,), [k]) for k in range(2)]], np.asarray(lengths), np.zeros(2), cost, 4, {}, "auto")
     assert plan.est_step_time_s <= alone.est_step_time_s * (1 + 1e-9)
+
+
+def test_flexsp_keeps_stdout_clean():
+    # HiGHS prints a banner on the C stdout when a process first makes a solver; `--json` output
+    # must stay pure JSON
+    import subprocess
+    import sys
+
+    code = ("from dhp_jax.planner import CostModel, plan_batch\n"
+            f"cost = CostModel.from_profile({str(PROFILE)!r})\n"
+            "plan_batch([3000, 2000, 9000, 500, 700], 4, cost, 'flexsp')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""

@@ -32,6 +32,9 @@ in this process (FlexSP solves them in parallel processes, one step ahead).
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from typing import Any
 
 import numpy as np
@@ -88,6 +91,33 @@ def _homogeneous(buckets: list[np.ndarray], L: np.ndarray, t_seq: np.ndarray, d:
             load[p] += t_seq[b]
             room[p] -= L[b]
     return [g for g in slots if g]
+
+
+_BANNER_LOCK = threading.Lock()
+_banner_shown = False
+
+
+def _highs() -> Any:
+    """A silent `highspy.Highs`. HiGHS prints its banner on the C stdout the first time one is made
+    in a process, which would break `--json` output; that first one is made with fd 1 on /dev/null."""
+    import highspy
+
+    global _banner_shown
+    with _BANNER_LOCK:
+        if not _banner_shown:
+            sys.stdout.flush()
+            saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, 1)
+                highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                os.close(null)
+            _banner_shown = True
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    return h
 
 
 def solve_microbatch_milp(prob: Any, idx: np.ndarray, ds: np.ndarray, node_limit: int,
@@ -157,8 +187,7 @@ def solve_microbatch_milp(prob: Any, idx: np.ndarray, ds: np.ndarray, node_limit
             x0 = _point(g, d, slots, nK, P, t_seq, fixed, overlap)
             if start is None or x0[iT] < start[iT]:
                 start = x0
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = _highs()
     h.setOptionValue("threads", 1)
     h.setOptionValue("random_seed", 0)
     h.setOptionValue("mip_max_nodes", int(node_limit))
