@@ -111,3 +111,21 @@ def test_flexsp_keeps_stdout_clean():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout == ""
+
+
+
+def test_local_moves_lower_the_step_of_a_lopsided_split():
+    from dhp_jax.planner.allocate import allowed_degrees
+    from dhp_jax.planner.dhp import move_sequences, solve_microbatch
+    from dhp_jax.planner.problem import prepare
+
+    L = sample_lengths(make_dataset("text-longtail", 48, 3))
+    prob = prepare(L, 16, FLEXSP)  # two nodes: groups that span them pay the network
+    allowed = allowed_degrees(16)
+    order = np.argsort(-L, kind="stable")
+    parts = [np.sort(order[:24]), np.sort(order[24:])]  # the long half crowded into one micro-batch
+    sols = [solve_microbatch(prob, p, allowed, True, False) for p in parts]
+    moved = move_sequences(prob, sols, allowed, True, None)
+    before, after = sum(s[2] for s in sols), sum(s[2] for s in moved)
+    assert after < before
+    assert sorted(k for s in moved for g in s[0] for k in g) == list(range(len(L)))
