@@ -10,6 +10,7 @@ solve time (median of repeats; also on the internvl3-8b / ascend-910b preset).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -108,7 +109,10 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
         r = np.asarray([x["dhp_over_bound"] for x in large])
         summary.append(f"dhp / lower bound over {len(large)} large instances: median {np.median(r):.4f}, max {r.max():.4f}")
     summary += versus["summary"]
-    label = f"simulated ({p['hardware']} preset, {p['model']}); solver times measured on this machine"
+    how = [f"{p['hardware']} preset, {p['model']}"] if small or large else []
+    if versus["rows"]:
+        how.append(f"profile {Path(p['flexsp_profile']).stem}")
+    label = f"simulated ({'; '.join(how)}); solver times measured on this machine"
     return {"label": label, "small": small, "large": large, "versus_flexsp": versus["rows"],
             "solve_ms": versus["solve_ms"], "summary": summary}
 
@@ -124,8 +128,6 @@ def _median_solve(samples_or_lengths: Any, n: int, cost: Any, repeats: int) -> t
 def versus_flexsp(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     """DHP vs the "flexsp" baseline vs the lower bound on long-tailed video and text (lengths only:
     FlexSP's cost model has no bidirectional-attention factor)."""
-    from pathlib import Path
-
     from dhp_jax.data import sample_lengths
     from dhp_jax.planner import CostModel, microbatch, plan_batch
 
@@ -177,6 +179,8 @@ def versus_flexsp(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -
 def plot(result: dict[str, Any], path: Any) -> None:
     import matplotlib.pyplot as plt
 
+    if result.get("versus_flexsp") and not result["small"] and not result["large"]:
+        return _plot_versus(result, path)
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
     ratios = [r["ratio"] for r in result["small"] if r.get("milp_optimal")]
     if ratios:
@@ -194,6 +198,31 @@ def plot(result: dict[str, Any], path: Any) -> None:
         a2.legend(fontsize=7)
     a2.set_xlabel("ranks")
     a2.set_ylabel("step time / lower bound")
+    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_versus(result: dict[str, Any], path: Any) -> None:
+    """Step time over the lower bound per batch: DHP and FlexSP's planner, one panel per mix."""
+    import matplotlib.pyplot as plt
+
+    rows = result["versus_flexsp"]
+    mixes = list(dict.fromkeys(r["dataset"] for r in rows))
+    fig, axes = plt.subplots(1, len(mixes), figsize=(max(7.0, 5.0 * len(mixes)), 3.6), squeeze=False)
+    for ax, ds in zip(axes[0], mixes):
+        rs = [r for r in rows if r["dataset"] == ds]
+        x = np.arange(len(rs))
+        ax.bar(x - 0.2, [r["dhp_over_bound"] for r in rs], 0.4, label="dhp")
+        ax.bar(x + 0.2, [r["flexsp_over_bound"] for r in rs], 0.4, label="flexsp")
+        ax.set_xticks(x, [f"{r['batch']}\n{r['dhp_mb']}/{r['flexsp_mb']}/{r['token_lower_bound_mb']}" for r in rs])
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_ylim(0.9, None)
+        ax.set_title(f"{ds}, {rs[0]['ranks']} ranks", fontsize=9)
+        ax.set_xlabel("batch (micro-batches dhp / flexsp / token bound)", fontsize=8)
+        ax.set_ylabel("step time / lower bound")
+        ax.legend(fontsize=7)
     fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
