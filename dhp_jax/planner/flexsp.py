@@ -20,7 +20,10 @@ What it does, after the paper and its published solver:
    the least loaded slot with room) is passed to HiGHS as its starting solution and is the answer
    when HiGHS finds nothing better within the limit.
 4. Bucket counts become real sequences (each bucket's sequences longest first, in slot order); each
-   micro-batch is placed node-aware and the plan is priced exactly by `build_plan` ("auto").
+   micro-batch is placed node-aware and the plan is priced exactly by `build_plan` ("auto"), which
+   also judges the counts. The MILP's own makespan is an estimate: bucket means, the link class
+   from the degree alone (d > ranks_per_node), a ring slot's latency outside the overlap, and none
+   of `compute_lanes` or padding (see milp.py).
 
 Where it still differs from the paper: HiGHS instead of SCIP and a node limit instead of 10 s; the
 bucketing takes equal-count runs of the sorted lengths instead of FlexSP's dynamic programme; the
