@@ -12,8 +12,17 @@ which is the paper's T_cp + T_cm - min(T_attn, T_cm) with compute split evenly o
 halves balance causal work) and the ring traffic overlapping the attention blocks. v and lat are the
 intra-node figures unless the group spans nodes (the slowest hop paces a ring). sqrt(eta_k) L_k is
 the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
-vision encoder without a second per-sample input. Ulysses (all-to-all) groups pay
-a2a_bytes_per_token S (d-1)/d / v_a2a without overlap. Memory per rank is sum_k L_k mem_per_token / d.
+vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d.
+
+Traffic of one rank, derived by hand (S stream tokens, d ranks, each rank holding S/d of them):
+
+- Ring: each of the d-1 steps passes the K/V block of S/d tokens to the next rank, so a rank sends
+  (d-1) S/d tokens' K/V: kv_bytes_per_token S (d-1)/d bytes.
+- Ulysses: an all-to-all re-shards Q, K, V from sequence to heads and another brings O back. A rank
+  starts with all heads of its S/d tokens and keeps 1/d of the heads, so it sends (d-1)/d of its
+  own S/d tokens' Q, K, V, O (a2a_bytes_per_token counts those four, all layers, fwd+bwd):
+  a2a_bytes_per_token (S/d) (d-1)/d bytes, a factor d less per token than the ring's hops. It is
+  paid without overlap:  T_cm = a2a_bytes_per_token / v_a2a (S/d) (d-1)/d + lat (d-1).
 
 Two optional terms describe what a given machine and executor really run (both off by default,
 which is the paper's model above):
@@ -210,11 +219,21 @@ class CostModel:
         return attn, lin, L
 
     def comm_per_token(self, inter_node: bool | np.ndarray, attention: str = "ring") -> np.ndarray | float:
-        """Seconds of traffic per stream token per unit of (d-1)/d."""
+        """Seconds per token one rank puts on the wire (K/V for "ring", Q/K/V/O for "ulysses")."""
         if attention == "ring":
             return self.kv_bytes_per_token / np.where(inter_node, self.bw_inter, self.bw_intra)
         a2a_bw = self.a2a_bw_intra if self.a2a_bw_intra > 0 else self.bw_intra
         return self.a2a_bytes_per_token / np.where(inter_node, self.bw_inter, a2a_bw)
+
+    def sent_tokens(self, tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray:
+        """Tokens' worth of traffic one rank sends for a stream of `tokens` on `degree` ranks (see the
+        module docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses."""
+        S, d = np.asarray(tokens, dtype=np.float64), np.asarray(degree, dtype=np.float64)
+        if attention == "ring":
+            return S * (d - 1.0) / d
+        if attention == "ulysses":
+            return S / d * (d - 1.0) / d
+        raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
 
     def group_times(self, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
                     attention: str = "ring") -> np.ndarray:
@@ -229,15 +248,11 @@ class CostModel:
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
-        comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0) * (d / p)
-        if attention == "ring" and not self.comm_overlap:
-            excess = comm
-        elif attention == "ring":
+        comm = self.comm_per_token(inter, attention) * self.sent_tokens(S, d, attention) + lat * (d - 1.0) * (d / p)
+        if attention == "ring" and self.comm_overlap:
             excess = np.maximum(comm - A / p, 0.0)
-        elif attention == "ulysses":
+        else:  # Ulysses' all-to-alls sit between the attention and the layers around it
             excess = comm
-        else:
-            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
         return (A + B) / p + self.b1 * (d / p) + excess
 
     def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
