@@ -16,7 +16,8 @@ from dhp_jax.data.layout import pack_group
 from dhp_jax.model import MLLMConfig
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.sharding.ring import ring_attention, ring_tile_count
-from dhp_jax.sharding.tiles import TileSpec, blockwise_attention, count_ring_tiles
+from dhp_jax.data.tiling import TileSpec, count_ring_tiles
+from dhp_jax.sharding.tiles import blockwise_attention
 
 C = MLLMConfig.preset("tiny")
 

@@ -75,8 +75,8 @@ def _ring_bwd(axis_name, degree, tile, chunks, res, dout):
     q, k, v, q_ids, k_ids, out, lse = res
     spec, qs, blk = _prepare(q, k, v, q_ids, k_ids, tile, chunks)
     kvh, g = qs.q.shape[2], qs.q.shape[3]
-    do = tiles.to_tiles(dout, spec).reshape(qs.q.shape)                   # do[nq, t, KVH, G, D]
-    delta = jnp.sum(do * tiles.to_tiles(out, spec).reshape(qs.q.shape), axis=-1)
+    do = tiles.to_tiles(dout, spec, jnp).reshape(qs.q.shape)                   # do[nq, t, KVH, G, D]
+    delta = jnp.sum(do * tiles.to_tiles(out, spec, jnp).reshape(qs.q.shape), axis=-1)
     delta = jnp.moveaxis(delta, 1, -1)                                   # delta[nq, KVH, G, t]
     zero = jnp.zeros_like(blk.k)
     dq, acc = jnp.zeros_like(qs.q), (zero, zero)

@@ -43,7 +43,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 # ---------------------------------------------------------------------- the baseline ring
 def _scan_ring(q, k, v, q_ids, k_ids, *, axis_name: str, degree: int):
     """The earlier ring: dense [S_l, S_l] blocks in a `lax.scan`, gradients by autodiff."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
 
@@ -116,7 +115,7 @@ def tiles(tokens: int = 16384, degree: int = 8, tile=None) -> dict[str, Any]:
     import numpy as np
 
     from dhp_jax.data.layout import zigzag_permutation
-    from dhp_jax.sharding.tiles import DEFAULT_TILE, count_ring_tiles
+    from dhp_jax.data.tiling import DEFAULT_TILE, count_ring_tiles
 
     tile = DEFAULT_TILE if tile is None else tile
     perm = zigzag_permutation(tokens, degree)
