@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
                                   pack_group)
 from dhp_jax.data.sample import Sample
@@ -118,9 +119,7 @@ class PlanExecutor:
         self._stacked = NamedSharding(self.mesh, P(DP_AXIS))
         ladder(1, min_bucket, growth)                 # rejects a bad ladder now, not mid-step
         self.min_bucket, self.growth = min_bucket, growth
-        if isinstance(attention_tile, bool) or not isinstance(attention_tile, int) or attention_tile < 1:
-            raise ValueError(f"attention_tile must be a positive integer, got {attention_tile!r}")
-        self.attention_tile, self._attention = attention_tile, attention
+        self.attention_tile, self._attention = positive_int(attention_tile, "attention_tile"), attention
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
             # most of the compile time (about 4x here) and buys little; other backends keep defaults.

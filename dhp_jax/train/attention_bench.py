@@ -216,13 +216,10 @@ def device_check(tile=None) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
+    from dhp_jax.devices import force_cpu_devices
 
-    if "jax" not in sys.modules and not args.device_check:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=8"])
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not args.device_check:
+        force_cpu_devices(8)
     if args.device_check:
         res = device_check(args.tile)
         if res is None:
