@@ -7,7 +7,8 @@ Functions taking `xp` run on NumPy or on `jax.numpy` alike.
 Tiling (`TileSpec`): a block of S tokens made of `chunks` contiguous chunks (the two zigzag chunks
 of a ring device) is cut chunk by chunk into n tiles of t = ceil(c / n) tokens, where c = S / chunks
 and n = ceil(c / tile); a chunk's last tile holds c - (n-1) t real tokens (the JAX kernel pads it
-with segment-0 tokens, the torch kernel slices it shorter), and no tile straddles two chunks.
+with segment-0 tokens, the torch kernel slices it shorter), and no tile straddles two chunks. A
+block of at most `tile` tokens is one tile, whatever its chunks.
 
 Skipping: every tile gets a summary from its ids (`summarize`, six int32 per tile): its lowest and
 highest segment, the first position of its lowest segment, the last position of its highest
@@ -42,6 +43,8 @@ class TileSpec:
     def make(cls, length: int, tile: int = DEFAULT_TILE, chunks: int = 1) -> "TileSpec":
         if tile < 1 or chunks < 1 or length < 1 or length % chunks:
             raise ValueError(f"cannot tile a block of {length} tokens in {chunks} chunks with tile {tile}")
+        if length <= tile:             # a block that fits one tile is one tile (no loop to run)
+            return cls(length, 1, 1, length)
         c = length // chunks
         n = -(-c // tile)
         return cls(length, chunks, n, -(-c // n))

@@ -71,6 +71,14 @@ def init_state(qs: Queries) -> tuple[jax.Array, jax.Array, jax.Array]:
             jnp.zeros((n, t, kvh, g, d), jnp.float32))
 
 
+def _scan(f, init, xs):
+    """`lax.scan`, or one direct call when there is one element (no loop for one-tile blocks)."""
+    if jax.tree.leaves(xs)[0].shape[0] != 1:
+        return lax.scan(f, init, xs)
+    carry, y = f(init, jax.tree.map(lambda a: a[0], xs))
+    return carry, jax.tree.map(lambda a: a[None], y)
+
+
 def fold(state, qs: Queries, blk: Block):
     """Fold one key block into the online-softmax state; returns (state, computed tile pairs)."""
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)                  # allowed[nq, nk]
@@ -96,10 +104,10 @@ def fold(state, qs: Queries, blk: Block):
             st = lax.cond(ok, compute, lambda st: st, st)
             return (st, count + ok.astype(jnp.int32)), None
 
-        (st, count), _ = lax.scan(k_tile, (st, jnp.int32(0)), (blk.k, blk.v, blk.ids, ok_row))
+        (st, count), _ = _scan(k_tile, (st, jnp.int32(0)), (blk.k, blk.v, blk.ids, ok_row))
         return None, (st, count)
 
-    _, (state, counts) = lax.scan(q_tile, None, (qs.q, qs.ids, allowed, state))
+    _, (state, counts) = _scan(q_tile, None, (qs.q, qs.ids, allowed, state))
     return state, jnp.sum(counts)
 
 
@@ -142,10 +150,10 @@ def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: 
             return lax.cond(ok, compute, lambda c: (c, jnp.zeros_like(q)), carry)
 
         zero = jnp.zeros_like(k)
-        (dk, dv), dq_add = lax.scan(q_tile, (zero, zero), (qs.q, qs.ids, do, lse, delta, ok_col))
+        (dk, dv), dq_add = _scan(q_tile, (zero, zero), (qs.q, qs.ids, do, lse, delta, ok_col))
         return dq + dq_add, (dk, dv)
 
-    dq, (dk, dv) = lax.scan(k_tile, jnp.zeros_like(qs.q), (blk.k, blk.v, blk.ids, allowed.T))
+    dq, (dk, dv) = _scan(k_tile, jnp.zeros_like(qs.q), (blk.k, blk.v, blk.ids, allowed.T))
     return dq, dk, dv
 
 
