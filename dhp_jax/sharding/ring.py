@@ -39,6 +39,21 @@ def _shift(x, axis_name: str, degree: int):
     return lax.ppermute(x, axis_name, [(i, (i + 1) % degree) for i in range(degree)])
 
 
+def _shift_block(blk: tiles.Block, axis_name: str, degree: int) -> tiles.Block:
+    """Send a key block to the next device as two arrays (float K/V, int ids + summaries): one
+    collective per dtype rather than one per field."""
+    n, t = blk.ids.segment.shape
+    meta = jnp.concatenate([jnp.stack(blk.ids, axis=-1).reshape(n, 3 * t), blk.summary], axis=1)
+    kv, meta = _shift((jnp.stack([blk.k, blk.v]), meta), axis_name, degree)
+    ids = meta[:, :3 * t].reshape(n, t, 3)
+    return tiles.Block(kv[0], kv[1], AttnIds(ids[..., 0], ids[..., 1], ids[..., 2]), meta[:, 3 * t:])
+
+
+def _shift_pair(a: jax.Array, b: jax.Array, axis_name: str, degree: int) -> tuple[jax.Array, jax.Array]:
+    ab = _shift(jnp.stack([a, b]), axis_name, degree)
+    return ab[0], ab[1]
+
+
 def _prepare(q, k, v, q_ids, k_ids, tile, chunks):
     spec = TileSpec.make(q.shape[0], tile, chunks)
     return spec, tiles.make_queries(q, q_ids, spec, k.shape[1]), tiles.make_block(k, v, k_ids, spec)
@@ -51,7 +66,7 @@ def _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
     if degree > 1:
         def step(carry, _):
             state, blk, count = carry
-            nxt = _shift(blk, axis_name, degree)          # issued first; the fold does not need it
+            nxt = _shift_block(blk, axis_name, degree)    # issued first; the fold does not need it
             state, c = tiles.fold(state, qs, blk)
             return (state, nxt, count + c), None
 
@@ -74,28 +89,26 @@ def _ring_fwd(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
 def _ring_bwd(axis_name, degree, tile, chunks, res, dout):
     q, k, v, q_ids, k_ids, out, lse = res
     spec, qs, blk = _prepare(q, k, v, q_ids, k_ids, tile, chunks)
-    kvh, g = qs.q.shape[2], qs.q.shape[3]
-    do = tiles.to_tiles(dout, spec, jnp).reshape(qs.q.shape)                   # do[nq, t, KVH, G, D]
-    delta = jnp.sum(do * tiles.to_tiles(out, spec, jnp).reshape(qs.q.shape), axis=-1)
-    delta = jnp.moveaxis(delta, 1, -1)                                   # delta[nq, KVH, G, t]
+    kvh = k.shape[1]
+    do = tiles.heads_first(dout, spec, kvh)                                # do[n, KVH, G*t, D]
+    delta = jnp.sum(do * tiles.heads_first(out, spec, kvh), axis=-1)       # delta[n, KVH, G*t]
     zero = jnp.zeros_like(blk.k)
     dq, acc = jnp.zeros_like(qs.q), (zero, zero)
     if degree > 1:
         def step(carry, _):
             dq, blk, acc = carry
-            nxt = _shift(blk, axis_name, degree)          # K/V for the next step, issued first
+            nxt = _shift_block(blk, axis_name, degree)    # K/V for the next step, issued first
             dq_b, dk_b, dv_b = tiles.backward(qs, do, lse, delta, blk)
-            acc = _shift((acc[0] + dk_b, acc[1] + dv_b), axis_name, degree)
+            acc = _shift_pair(acc[0] + dk_b, acc[1] + dv_b, axis_name, degree)
             return (dq + dq_b, nxt, acc), None
 
         (dq, blk, acc), _ = lax.scan(step, (dq, blk, acc), None, length=degree - 1)
     dq_b, dk_b, dv_b = tiles.backward(qs, do, lse, delta, blk)
     dk, dv = acc[0] + dk_b, acc[1] + dv_b
     if degree > 1:                                       # home: the next device owns this block
-        dk, dv = _shift((dk, dv), axis_name, degree)
-    n, t = spec.num_tiles, spec.size
-    dq = tiles.from_tiles((dq + dq_b).reshape(n, t, kvh * g, -1), spec)
-    return dq, tiles.from_tiles(dk, spec), tiles.from_tiles(dv, spec), None, None
+        dk, dv = _shift_pair(dk, dv, axis_name, degree)
+    return (tiles.tokens_first(dq + dq_b, spec), tiles.tokens_first(dk, spec), tiles.tokens_first(dv, spec),
+            None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -11,9 +11,11 @@ tiles; the per-tile summaries are computed once per block and travel with it, an
 computed under `lax.cond` only where `tile_pairs_allowed` says some pair may attend. The forward
 pass counts the pairs it computed, so a bench's NumPy count can be checked against the kernel.
 
-State of the online softmax for one query block, tiled: m[nq, KVH, G, t] (running max),
-l[nq, KVH, G, t] (denominator), o[nq, t, KVH, G, D] (numerator); `finish` gives
-out[S, H, D] and lse[nq, KVH, G, t] (log-sum-exp, 0 on rows with no allowed key, whose output is 0).
+Layouts are head-major inside the kernel (`heads_first`): q[n, KVH, G*t, D], k, v[n, KVH, t, D],
+so each product is one batched matmul over the KV heads. State of the online softmax for one
+query block: m, l[n, KVH, G*t] (running max, denominator), o[n, KVH, G*t, D] (numerator);
+`finish` gives out[S, H, D] and lse[n, KVH, G*t] (log-sum-exp, 0 on rows with no allowed key,
+whose output is 0).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ _NEG = -1e30
 
 
 class Block(NamedTuple):
-    """A key block in tiles, as it travels around a ring: k, v[n, t, KVH, D], ids[n, t], summary[n, 6]."""
+    """A key block in tiles, as it travels around a ring: k, v[n, KVH, t, D], ids[n, t], summary[n, 6]."""
 
     k: jax.Array
     v: jax.Array
@@ -43,11 +45,31 @@ class Block(NamedTuple):
 
 
 class Queries(NamedTuple):
-    """A query block in tiles: q[n, t, KVH, G, D], ids[n, t], summary[n, 6]."""
+    """A query block in tiles, heads first: q[n, KVH, G*t, D] (row g*t + i: head group g, token i)."""
 
     q: jax.Array
     ids: AttnIds
     summary: jax.Array
+
+
+# Head-major tiles keep every product a plain batched matmul over KVH (XLA:CPU runs the
+# token-major einsums about 100x slower at the CPU executor's optimisation level 0).
+def heads_first(x: jax.Array, spec: TileSpec, kv_heads: int) -> jax.Array:
+    """x[S, H, D] -> x[n, KVH, G*t, D]."""
+    n, t = spec.num_tiles, spec.size
+    x = to_tiles(x, spec, jnp)
+    h, d = x.shape[2], x.shape[3]
+    x = x.reshape(n, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+    return x.reshape(n, kv_heads, h // kv_heads * t, d)
+
+
+def tokens_first(x: jax.Array, spec: TileSpec) -> jax.Array:
+    """Inverse of `heads_first`: x[n, KVH, G*t, ...] -> x[S, H, ...]."""
+    n, kvh, gt = x.shape[:3]
+    t = spec.size
+    x = x.reshape((n, kvh, gt // t, t) + x.shape[3:])
+    x = jnp.moveaxis(x, 3, 1)                                              # [n, t, KVH, G, ...]
+    return from_tiles(x.reshape((n, t, kvh * (gt // t)) + x.shape[4:]), spec)
 
 
 def tile_ids(ids: AttnIds, spec: TileSpec) -> tuple[AttnIds, jax.Array]:
@@ -56,19 +78,18 @@ def tile_ids(ids: AttnIds, spec: TileSpec) -> tuple[AttnIds, jax.Array]:
 
 
 def make_queries(q: jax.Array, ids: AttnIds, spec: TileSpec, kv_heads: int) -> Queries:
-    s, h, d = q.shape
-    qt = to_tiles(q, spec, jnp).reshape(spec.num_tiles, spec.size, kv_heads, h // kv_heads, d)
-    return Queries(qt, *tile_ids(ids, spec))
+    return Queries(heads_first(q, spec, kv_heads), *tile_ids(ids, spec))
 
 
 def make_block(k: jax.Array, v: jax.Array, ids: AttnIds, spec: TileSpec) -> Block:
-    return Block(to_tiles(k, spec, jnp), to_tiles(v, spec, jnp), *tile_ids(ids, spec))
+    kvh = k.shape[1]
+    return Block(heads_first(k, spec, kvh), heads_first(v, spec, kvh), *tile_ids(ids, spec))
 
 
 def init_state(qs: Queries) -> tuple[jax.Array, jax.Array, jax.Array]:
-    n, t, kvh, g, d = qs.q.shape
-    return (jnp.full((n, kvh, g, t), _NEG, jnp.float32), jnp.zeros((n, kvh, g, t), jnp.float32),
-            jnp.zeros((n, t, kvh, g, d), jnp.float32))
+    """(m, l, o) of the online softmax: m, l[n, KVH, G*t], o[n, KVH, G*t, D]."""
+    return (jnp.full(qs.q.shape[:3], _NEG, jnp.float32), jnp.zeros(qs.q.shape[:3], jnp.float32),
+            jnp.zeros(qs.q.shape, jnp.float32))
 
 
 def _scan(f, init, xs):
@@ -79,10 +100,17 @@ def _scan(f, init, xs):
     return carry, jax.tree.map(lambda a: a[None], y)
 
 
+def _mask(qid: AttnIds, kid: AttnIds, group: int) -> jax.Array:
+    """bool[G*t, t]: the tile's mask repeated for each query head of a KV head."""
+    mask = attention_mask(qid, kid)
+    return jnp.tile(mask, (group, 1)) if group > 1 else mask
+
+
 def fold(state, qs: Queries, blk: Block):
     """Fold one key block into the online-softmax state; returns (state, computed tile pairs)."""
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)                  # allowed[nq, nk]
     scale = 1.0 / math.sqrt(qs.q.shape[-1])
+    group = qs.q.shape[2] // blk.k.shape[2]
 
     def q_tile(_, xs):
         q, qid, ok_row, st = xs
@@ -93,13 +121,12 @@ def fold(state, qs: Queries, blk: Block):
 
             def compute(st):
                 m, l, o = st
-                mask = attention_mask(qid, kid)                          # mask[t, t]
-                s = jnp.einsum("qhgd,khd->hgqk", q, k) * scale
+                mask = _mask(qid, kid, group)                                   # mask[G*t, t]
+                s = jnp.einsum("hqd,hkd->hqk", q, k) * scale
                 m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
-                p = jnp.exp(jnp.where(mask, s - m_new[..., None], -jnp.inf))  # p[KVH, G, t, t]
+                p = jnp.exp(jnp.where(mask, s - m_new[..., None], -jnp.inf))    # p[KVH, G*t, t]
                 corr = jnp.exp(m - m_new)
-                o = o * jnp.moveaxis(corr, -1, 0)[..., None] + jnp.einsum("hgqk,khd->qhgd", p, v)
-                return m_new, l * corr + jnp.sum(p, axis=-1), o
+                return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + jnp.einsum("hqk,hkd->hqd", p, v)
 
             st = lax.cond(ok, compute, lambda st: st, st)
             return (st, count + ok.astype(jnp.int32)), None
@@ -112,24 +139,23 @@ def fold(state, qs: Queries, blk: Block):
 
 
 def finish(state, spec: TileSpec) -> tuple[jax.Array, jax.Array]:
-    """(out[S, H, D], lse[nq, KVH, G, t]) from the online-softmax state; empty rows give 0, 0."""
+    """(out[S, H, D], lse[n, KVH, G*t]) from the online-softmax state; empty rows give 0, 0."""
     m, l, o = state
     empty = l <= 0
     inv = jnp.where(empty, 0.0, 1.0 / jnp.where(empty, 1.0, l))
-    out = o * jnp.moveaxis(inv, -1, 1)[..., None]                           # [n, t, KVH, G, D]
     lse = jnp.where(empty, 0.0, m + jnp.log(jnp.where(empty, 1.0, l)))
-    n, t, kvh, g, d = out.shape
-    return from_tiles(out.reshape(n, t, kvh * g, d), spec), lse
+    return tokens_first(o * inv[..., None], spec), lse
 
 
 def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: Block):
-    """Gradient contributions of one key block: (dq[nq, t, KVH, G, D], dk, dv[nk, t, KVH, D]).
+    """Gradient contributions of one key block: (dq[n, KVH, G*t, D], dk, dv[n, KVH, t, D]).
 
-    do[nq, t, KVH, G, D] is the output cotangent, lse[nq, KVH, G, t] from `finish`,
-    delta[nq, KVH, G, t] = sum_D(do * out). Scores are recomputed tile by tile.
+    do[n, KVH, G*t, D] is the output cotangent (`heads_first`), lse[n, KVH, G*t] from `finish`,
+    delta[n, KVH, G*t] = sum_D(do * out). Scores are recomputed tile by tile.
     """
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)
     scale = 1.0 / math.sqrt(qs.q.shape[-1])
+    group = qs.q.shape[2] // blk.k.shape[2]
 
     def k_tile(dq, xs):
         k, v, kid, ok_col = xs
@@ -139,13 +165,14 @@ def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: 
 
             def compute(carry):
                 dk, dv = carry
-                mask = attention_mask(qid, kid)
-                s = jnp.einsum("qhgd,khd->hgqk", q, k) * scale
-                p = jnp.exp(jnp.where(mask, s - lse_i[..., None], -jnp.inf))   # p[KVH, G, t, t]
-                dp = jnp.einsum("qhgd,khd->hgqk", do_i, v)
+                mask = _mask(qid, kid, group)
+                s = jnp.einsum("hqd,hkd->hqk", q, k) * scale
+                p = jnp.exp(jnp.where(mask, s - lse_i[..., None], -jnp.inf))   # p[KVH, G*t, t]
+                dp = jnp.einsum("hqd,hkd->hqk", do_i, v)
                 ds = p * (dp - delta_i[..., None]) * scale
-                return ((dk + jnp.einsum("hgqk,qhgd->khd", ds, q), dv + jnp.einsum("hgqk,qhgd->khd", p, do_i)),
-                        jnp.einsum("hgqk,khd->qhgd", ds, k))
+                pt, dst = jnp.swapaxes(p, 1, 2), jnp.swapaxes(ds, 1, 2)
+                return ((dk + jnp.einsum("hkq,hqd->hkd", dst, q), dv + jnp.einsum("hkq,hqd->hkd", pt, do_i)),
+                        jnp.einsum("hqk,hkd->hqd", ds, k))
 
             return lax.cond(ok, compute, lambda c: (c, jnp.zeros_like(q)), carry)
 
@@ -168,4 +195,4 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds
     qs = make_queries(q, q_ids, qspec, k.shape[1])
     state, _ = fold(init_state(qs), qs, make_block(k, v, k_ids, kspec))
     out, lse = finish(state, qspec)
-    return out, from_tiles(jnp.moveaxis(lse, -1, 1).reshape(qspec.num_tiles, qspec.size, -1), qspec)
+    return out, tokens_first(lse, qspec)
