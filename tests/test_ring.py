@@ -62,7 +62,7 @@ def _check_against_dense(lay, degree, devices, tile, seed=0):
     return out
 
 
-@pytest.mark.parametrize("degree,devices,tile", [(1, (4,), 512), (3, (2, 7, 0), 512), (5, (1, 2, 3, 4, 5), 512),
+@pytest.mark.parametrize("degree,devices,tile", [(1, (4,), 512), (1, (4,), 5), (3, (2, 7, 0), 512), (5, (1, 2, 3, 4, 5), 512),
                                                  (3, (2, 7, 0), 3), (5, (1, 2, 3, 4, 5), 2)])
 def test_ring_equals_dense_values_and_grads(degree, devices, tile):
     # tile 3 / 2: vision spans cross tiles and shards; the 1-token sample sits alone in a tile.

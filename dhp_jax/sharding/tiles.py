@@ -45,7 +45,8 @@ class Block(NamedTuple):
 
 
 class Queries(NamedTuple):
-    """A query block in tiles, heads first: q[n, KVH, G*t, D] (row g*t + i: head group g, token i)."""
+    """A query block in tiles, heads first and scaled: q[n, KVH, G*t, D] / sqrt(D) (row g*t + i: query
+    head g of the KV head, token i)."""
 
     q: jax.Array
     ids: AttnIds
@@ -78,7 +79,8 @@ def tile_ids(ids: AttnIds, spec: TileSpec) -> tuple[AttnIds, jax.Array]:
 
 
 def make_queries(q: jax.Array, ids: AttnIds, spec: TileSpec, kv_heads: int) -> Queries:
-    return Queries(heads_first(q, spec, kv_heads), *tile_ids(ids, spec))
+    """Query tiles, pre-multiplied by 1/sqrt(D) (one pass over q instead of one per score tile)."""
+    return Queries(heads_first(q * (1.0 / math.sqrt(q.shape[-1])), spec, kv_heads), *tile_ids(ids, spec))
 
 
 def make_block(k: jax.Array, v: jax.Array, ids: AttnIds, spec: TileSpec) -> Block:
@@ -100,17 +102,16 @@ def _scan(f, init, xs):
     return carry, jax.tree.map(lambda a: a[None], y)
 
 
-def _mask(qid: AttnIds, kid: AttnIds, group: int) -> jax.Array:
-    """bool[G*t, t]: the tile's mask repeated for each query head of a KV head."""
-    mask = attention_mask(qid, kid)
-    return jnp.tile(mask, (group, 1)) if group > 1 else mask
+def _masked(mask: jax.Array, s: jax.Array, value: jax.Array, fill: float) -> jax.Array:
+    """where(mask, value, fill) for scores s[KVH, G*t, t] and a tile mask[t, t] (broadcast over G)."""
+    h, gt, t = s.shape
+    shape = (h, gt // mask.shape[0]) + mask.shape
+    return jnp.where(mask, value.reshape(shape), fill).reshape(s.shape)
 
 
 def fold(state, qs: Queries, blk: Block):
     """Fold one key block into the online-softmax state; returns (state, computed tile pairs)."""
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)                  # allowed[nq, nk]
-    scale = 1.0 / math.sqrt(qs.q.shape[-1])
-    group = qs.q.shape[2] // blk.k.shape[2]
 
     def q_tile(_, xs):
         q, qid, ok_row, st = xs
@@ -121,10 +122,10 @@ def fold(state, qs: Queries, blk: Block):
 
             def compute(st):
                 m, l, o = st
-                mask = _mask(qid, kid, group)                                   # mask[G*t, t]
-                s = jnp.einsum("hqd,hkd->hqk", q, k) * scale
-                m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, _NEG), axis=-1))
-                p = jnp.exp(jnp.where(mask, s - m_new[..., None], -jnp.inf))    # p[KVH, G*t, t]
+                mask = attention_mask(qid, kid)                                 # mask[t, t]
+                s = jnp.einsum("hqd,hkd->hqk", q, k)
+                m_new = jnp.maximum(m, jnp.max(_masked(mask, s, s, _NEG), axis=-1))
+                p = jnp.exp(_masked(mask, s, s - m_new[..., None], -jnp.inf))  # p[KVH, G*t, t]
                 corr = jnp.exp(m - m_new)
                 return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + jnp.einsum("hqk,hkd->hqd", p, v)
 
@@ -148,14 +149,13 @@ def finish(state, spec: TileSpec) -> tuple[jax.Array, jax.Array]:
 
 
 def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: Block):
-    """Gradient contributions of one key block: (dq[n, KVH, G*t, D], dk, dv[n, KVH, t, D]).
+    """Gradient contributions of one key block: (dq[n, KVH, G*t, D], dk, dv[n, KVH, t, D]); dq is
+    the gradient of the scaled queries (multiply by 1/sqrt(D) for q's).
 
     do[n, KVH, G*t, D] is the output cotangent (`heads_first`), lse[n, KVH, G*t] from `finish`,
     delta[n, KVH, G*t] = sum_D(do * out). Scores are recomputed tile by tile.
     """
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)
-    scale = 1.0 / math.sqrt(qs.q.shape[-1])
-    group = qs.q.shape[2] // blk.k.shape[2]
 
     def k_tile(dq, xs):
         k, v, kid, ok_col = xs
@@ -165,11 +165,11 @@ def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: 
 
             def compute(carry):
                 dk, dv = carry
-                mask = _mask(qid, kid, group)
-                s = jnp.einsum("hqd,hkd->hqk", q, k) * scale
-                p = jnp.exp(jnp.where(mask, s - lse_i[..., None], -jnp.inf))   # p[KVH, G*t, t]
+                mask = attention_mask(qid, kid)
+                s = jnp.einsum("hqd,hkd->hqk", q, k)
+                p = jnp.exp(_masked(mask, s, s - lse_i[..., None], -jnp.inf))  # p[KVH, G*t, t]
                 dp = jnp.einsum("hqd,hkd->hqk", do_i, v)
-                ds = p * (dp - delta_i[..., None]) * scale
+                ds = p * (dp - delta_i[..., None])         # d(score); dq picks up 1/sqrt(D) in the ring
                 pt, dst = jnp.swapaxes(p, 1, 2), jnp.swapaxes(ds, 1, 2)
                 return ((dk + jnp.einsum("hkq,hqd->hkd", dst, q), dv + jnp.einsum("hkq,hqd->hkd", pt, do_i)),
                         jnp.einsum("hqk,hkd->hqd", ds, k))
