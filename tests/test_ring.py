@@ -15,7 +15,7 @@ from dhp_jax.data import random_samples
 from dhp_jax.data.layout import pack_group
 from dhp_jax.model import MLLMConfig
 from dhp_jax.model.attention import AttnIds, dense_attention
-from dhp_jax.sharding.ring import ring_attention, ring_tile_count
+from dhp_jax.sharding.ring import local_attention, ring_attention, ring_tile_count
 from dhp_jax.data.tiling import TileSpec, count_ring_tiles
 from dhp_jax.sharding.tiles import blockwise_attention
 
@@ -148,3 +148,13 @@ def test_blockwise_attention_returns_lse():
     real = np.asarray(lay.segment_ids) > 0
     np.testing.assert_allclose(np.asarray(lse)[real], np.asarray(ref)[real], rtol=1e-6, atol=1e-5)
     assert not np.any(np.asarray(lse)[~real])
+
+
+def test_local_attention_gradients_without_a_mesh():
+    lay = pack_group(random_samples(C, [30, 11, 5], seed=4), 1, C)
+    q, k, v, ct, ids = _inputs(lay, seed=4)
+    loss = lambda f: jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, ids, ids) * ct), argnums=(0, 1, 2)))
+    (lt, gt), (ld, gd) = loss(functools.partial(local_attention, tile=6))(q, k, v), loss(dense_attention)(q, k, v)
+    assert abs(float(lt) - float(ld)) <= 1e-5 * abs(float(ld))
+    for a, b in zip(gt, gd):
+        assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-5 * np.max(np.abs(np.asarray(b)))

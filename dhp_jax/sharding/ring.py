@@ -138,6 +138,14 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_i
     return _ring(q, k, v, AttnIds(*q_ids), AttnIds(*k_ids), axis_name, degree, tile, chunks)
 
 
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds, *,
+                    tile: int = DEFAULT_TILE, chunks: int = 1) -> jax.Array:
+    """Tiled attention of one device's queries over its own keys, with the ring's custom VJP
+    (memory linear in tokens, empty tile pairs skipped); no collective, usable outside shard_map
+    (e.g. the local attention of an all-to-all layout). `chunks`: contiguous chunks of the block."""
+    return ring_attention(q, k, v, q_ids, k_ids, axis_name="", degree=1, tile=tile, chunks=chunks)
+
+
 def ring_tile_count(q, k, v, q_ids: AttnIds, k_ids: AttnIds, *, axis_name: str, degree: int,
                     tile: int = DEFAULT_TILE, chunks: int = 2) -> jax.Array:
     """Tile pairs this device's forward pass computed (the kernel's own counter; inside shard_map)."""
