@@ -132,7 +132,7 @@ def test_bounded_compiles_over_planner_plans(setup):
     for _ in range(50):
         tiny = rng.integers(1, 120, size=int(rng.integers(8, 17)))
         # Plan on lengths scaled into the preset's regime, run tiny samples of the same shape.
-        p = plan_batch(tiny * 700, 8, cost, strategy=str(rng.choice(strategies)))
+        p = plan_batch(tiny * 650, 8, cost, strategy=str(rng.choice(strategies)))
         for w in ex.prepare(random_samples(C, tiny, seed=1), p):
             keys.add((w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices)))
             rungs.add(ladder(w.layout.num_tokens))

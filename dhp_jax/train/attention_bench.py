@@ -149,14 +149,15 @@ def step_times(batches: int, repeats: int, tile=None) -> dict[str, Any]:
             jax.block_until_ready(ex.loss_and_grads(params[k], samples, plan))
         compile_s[k] = time.perf_counter() - t0
     times: dict[str, list[float]] = {k: [] for k in rings}
-    for _ in range(repeats):
+    for r in range(repeats):
         for samples, plan in work:
-            for k, ex in rings.items():            # interleaved: both rings see the same machine load
+            # interleaved, in alternating order: both rings see the same machine load
+            for k, ex in (list(rings.items()) if r % 2 == 0 else list(rings.items())[::-1]):
                 t0 = time.perf_counter()
                 jax.block_until_ready(ex.loss_and_grads(params[k], samples, plan))
                 times[k].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    # each tiled step against the baseline step right after it (same batch, nearly the same load)
+    # each tiled step against the baseline step next to it (same batch, nearly the same load)
     paired = statistics.median(a / b for a, b in zip(times["tiled"], times["scan_baseline"]))
     return {"batches": batches, "repeats": repeats, "tokens_per_batch": [sum(s.num_tokens for s in w[0]) for w in work],
             "median_step_ms": {k: round(v, 2) for k, v in med.items()},
