@@ -17,8 +17,7 @@ compute and does not depend on it (tests/test_ring.py reads this off the jaxpr).
 accumulators of a block can only leave once that block's compute is done.
 
 Masks come from ids (`dhp_jax.model.attention.attention_mask`), so order inside the stream does
-not matter. A degree-1 group whose block fits one tile runs plain attention under autodiff (the
-same math; what it saves is one tile's scores, the kernel's own workspace size). `fused=True` (degree 1 only) hands the whole block to `jax.nn.dot_product_attention`
+not matter. `fused=True` (degree 1 only) hands the whole block to `jax.nn.dot_product_attention`
 with the cuDNN implementation, in bf16, where the platform has it; the tiled path is the default
 and the reference.
 """
@@ -32,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dhp_jax.model.attention import AttnIds, attention_mask, dense_attention
+from dhp_jax.model.attention import AttnIds, attention_mask
 from dhp_jax.sharding import tiles
 from dhp_jax.sharding.tiles import DEFAULT_TILE, TileSpec
 
@@ -131,10 +130,6 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_i
         if degree != 1:
             raise ValueError(f"the fused attention kernel runs degree-1 groups only, got degree {degree}")
         return fused_attention(q, k, v, q_ids, k_ids)
-    if degree == 1 and s_l <= tile:
-        # One device, one tile: plain attention under autodiff is the same math, and its saved
-        # scores are at most one tile's (no loop, no recomputation: faster on small groups).
-        return dense_attention(q, k, v, q_ids, k_ids)
     return _ring(q, k, v, AttnIds(*q_ids), AttnIds(*k_ids), axis_name, degree, tile, chunks)
 
 
