@@ -35,6 +35,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per batch and ring (default 5)")
     parser.add_argument("--tile", type=int, default=None, help="ring tile (tokens; default the library's)")
     parser.add_argument("--skip-steps", action="store_true", help="memory and tiles only")
+    parser.add_argument("--full-opt", action="store_true",
+                        help="time steps with XLA's default backend optimisation (the CPU default is level 0)")
     parser.add_argument("--device-check", action="store_true",
                         help="GPU: internvl3-2b (2 layers) degree 1 at 8k/32k tokens, tiled vs fused")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
@@ -82,11 +84,11 @@ def baseline_attention(axis_name: str, degree: int):
 
 
 # ---------------------------------------------------------------------- measures
-def _executor(config, tile=None, attention=None):
+def _executor(config, tile=None, attention=None, compiler_options=None):
     from dhp_jax.sharding import PlanExecutor
 
     kw = {} if tile is None else {"attention_tile": tile}
-    return PlanExecutor(config, attention=attention, **kw)
+    return PlanExecutor(config, attention=attention, compiler_options=compiler_options, **kw)
 
 
 def temp_bytes(ex, params_struct, degree: int, tokens: int) -> int:
@@ -125,7 +127,7 @@ def tiles(tokens: int = 16384, degree: int = 8, tile=None) -> dict[str, Any]:
             "computed_over_dense": round(computed / total, 4)}
 
 
-def step_times(batches: int, repeats: int, tile=None) -> dict[str, Any]:
+def step_times(batches: int, repeats: int, tile=None, full_opt: bool = False) -> dict[str, Any]:
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params
@@ -140,7 +142,9 @@ def step_times(batches: int, repeats: int, tile=None) -> dict[str, Any]:
     source = PlanSource(n, cost=cost, strategy=cfg.planner.strategy)
     pipe = DataPipeline(cfg.data, config.vocab_size, config.patch_dim)
     work = [(b.samples, source(b.step, b)) for b in pipe.batches(range(batches))]
-    rings = {"tiled": _executor(config, tile), "scan_baseline": _executor(config, attention=baseline_attention)}
+    opts = {} if full_opt else None
+    rings = {"tiled": _executor(config, tile, compiler_options=opts),
+             "scan_baseline": _executor(config, attention=baseline_attention, compiler_options=opts)}
     params = {k: ex.replicate(init_params(config, jax.random.key(0))) for k, ex in rings.items()}
     compile_s = {}
     for k, ex in rings.items():
@@ -159,7 +163,7 @@ def step_times(batches: int, repeats: int, tile=None) -> dict[str, Any]:
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     # each tiled step against the baseline step next to it (same batch, nearly the same load)
     paired = statistics.median(a / b for a, b in zip(times["tiled"], times["scan_baseline"]))
-    return {"batches": batches, "repeats": repeats, "tokens_per_batch": [sum(s.num_tokens for s in w[0]) for w in work],
+    return {"batches": batches, "repeats": repeats, "compiler_options": rings["tiled"].compiler_options, "tokens_per_batch": [sum(s.num_tokens for s in w[0]) for w in work],
             "median_step_ms": {k: round(v, 2) for k, v in med.items()},
             "tiled_over_baseline": round(med["tiled"] / med["scan_baseline"], 3),
             "paired_ratio_median": round(paired, 3),
@@ -237,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     res: dict[str, Any] = {"label": "measured on fake CPU devices sharing the host cores (tiny model)",
                            "machine": _machine(), "memory": memory(args.tile), "tiles": tiles(tile=args.tile)}
     if not args.skip_steps:
-        res["step_time"] = step_times(args.batches, args.repeats, args.tile)
+        res["step_time"] = step_times(args.batches, args.repeats, args.tile, args.full_opt)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
