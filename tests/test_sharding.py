@@ -132,7 +132,7 @@ def test_bounded_compiles_over_planner_plans(setup):
     for _ in range(50):
         tiny = rng.integers(1, 120, size=int(rng.integers(8, 17)))
         # Plan on lengths scaled into the preset's regime, run tiny samples of the same shape.
-        p = plan_batch(tiny * 700, 8, cost, strategy=str(rng.choice(strategies)))
+        p = plan_batch(tiny * 650, 8, cost, strategy=str(rng.choice(strategies)))
         for w in ex.prepare(random_samples(C, tiny, seed=1), p):
             keys.add((w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices)))
             rungs.add(ladder(w.layout.num_tokens))
@@ -166,3 +166,19 @@ def test_bad_input_rejected_before_running(setup):
     with pytest.raises(ValueError, match="min_bucket"):
         PlanExecutor(C, min_bucket=0)
     assert ex.num_compiles == n
+
+
+def test_small_attention_tiles_match_reference_and_any_bucket_compiles(setup):
+    """Tiles of 8 tokens (smaller than most zigzag chunks here) are exact too; `executable` takes
+    params as ShapeDtypeStructs and a bucket off the ladder (any multiple of 2*degree)."""
+    _, params, samples, ref = setup
+    ex = PlanExecutor(C, attention_tile=8)
+    loss, grads = ex.loss_and_grads(params, samples, PLANS["3+5"])
+    assert_exact(loss, grads, ref)
+    struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    exe = ex.executable(struct, 3, 42, tuple(jax.devices()[5:8]))
+    assert exe.memory_analysis().temp_size_in_bytes > 0
+    with pytest.raises(ValueError, match="multiple of 2\\*degree"):
+        ex.executable(struct, 3, 40, tuple(jax.devices()[5:8]))
+    with pytest.raises(ValueError, match="attention_tile"):
+        PlanExecutor(C, attention_tile=0)

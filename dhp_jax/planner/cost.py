@@ -12,7 +12,10 @@ which is the paper's T_cp + T_cm - min(T_attn, T_cm) with compute split evenly o
 halves balance causal work) and the ring traffic overlapping the attention blocks. v and lat are the
 intra-node figures unless the group spans nodes (the slowest hop paces a ring). sqrt(eta_k) L_k is
 the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
-vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d.
+vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d:
+linear in the local tokens, because the ring attention is tiled with a custom VJP (its per-token
+state and its constant tile workspace are `presets.ring_attention_bytes_per_token` and
+`presets.attention_workspace_bytes`).
 
 Traffic of one rank, derived by hand (S stream tokens, d ranks, each rank holding S/d of them):
 
@@ -38,11 +41,11 @@ which is the paper's model above):
   its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
   planner's exact allocation is exact for the per-group model, and candidates are compared with it).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
-  `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d) and
-  evaluates every (query, key) pair of each ring block under a mask (blocks are skipped only when
-  wholly masked, which zigzag chunks almost never are). With `bucket_min > 0` a group therefore
-  costs A = a1 P^2 (dense, whatever the packing and eta), B = sum_k (...) L_k + a2 (P - S) and ring
-  traffic of P tokens, where P is the padded length.
+  `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d). With
+  `bucket_min > 0` a group costs A = a1 P^2 (dense, whatever the packing and eta),
+  B = sum_k (...) L_k + a2 (P - S) and ring traffic of P tokens, where P is the padded length. The
+  ring skips the tile pairs with no allowed pair (other samples, the causal future, padding), so
+  A = a1 P^2 is an upper bound of its attention work.
 - `comm_overlap`: whether ring traffic runs alongside the attention blocks (True: a DMA engine or
   NIC moves K/V while the cores compute). Fake CPU devices copy with the same cores that compute,
   so nothing overlaps: T = (A + B)/p + b1 + T_cm.
@@ -187,10 +190,12 @@ class CostModel:
         kv_bytes = passes * m.layers * 2 * m.kv_heads * m.head_dim * el
         a2a_bytes = passes * m.layers * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
         working = 2 * (4 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.intermediate)
-        mem_per_token = el * (m.layers * m.hidden + working)
+        # + what the tiled ring attention holds (linear in local tokens; presets.py documents it)
+        mem_per_token = el * (m.layers * m.hidden + working) + presets.ring_attention_bytes_per_token(m, el)
         shards = ranks_per_node if zero_shards is None else zero_shards
         states = presets.OPTIMIZER_BYTES_PER_PARAM * m.params / shards + 2 * 2 * m.llm_layer_params * el
-        budget = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION - states
+        budget = (hw.memory_bytes * presets.USABLE_MEMORY_FRACTION - states
+                  - presets.attention_workspace_bytes(m))
         if budget <= 0:
             raise ValueError(f"{model} does not fit on {hardware} with ZeRO-3 over {shards} ranks "
                              f"(model states need {states / 2**30:.1f} GiB per rank)")

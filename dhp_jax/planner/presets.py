@@ -115,3 +115,23 @@ HARDWARE: dict[str, Hardware] = {
 RECOMPUTE_PASSES = 4.0  # full per-layer activation recomputation: fwd + recomputed fwd + bwd (2x fwd)
 OPTIMIZER_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + two fp32 Adam moments
 USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, communicator buffers, vision workspace
+
+
+# Ring attention (dhp_jax.sharding.ring, npu_backend.ring): what it holds per rank beyond the
+# per-layer working set above, for the layer being recomputed and differentiated. Linear in the
+# local tokens: no [S_l, S_l] block is ever materialised, only score tiles of a fixed size.
+ATTENTION_TILE = 512  # tokens per tile (dhp_jax.data.tiling.DEFAULT_TILE)
+
+
+def ring_attention_bytes_per_token(m: ModelShape, bytes_per_element: int) -> float:
+    """Bytes per local token that the tiled ring adds: the log-sum-exp kept from the forward pass
+    (fp32 per head), the K/V block in flight (one more K/V copy), the dK/dV accumulators that travel
+    with the blocks (the held one and the one in flight, fp32) and the dQ accumulator (fp32)."""
+    kv = 2 * m.kv_heads * m.head_dim
+    return 4.0 * m.heads + bytes_per_element * kv + 4.0 * 2 * kv + 4.0 * m.heads * m.head_dim
+
+
+def attention_workspace_bytes(m: ModelShape) -> float:
+    """Per-rank constant of the tiled ring: scores, probabilities, dP and dS of one
+    (query tile, key tile) pair, fp32 [heads, tile, tile] each; taken off the activation budget."""
+    return 4.0 * 4 * m.heads * ATTENTION_TILE ** 2

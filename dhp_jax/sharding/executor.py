@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
                                   pack_group)
 from dhp_jax.data.sample import Sample
@@ -41,6 +42,7 @@ from dhp_jax.model.mllm import apply_model, token_loss_sum
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
+from dhp_jax.sharding.tiles import DEFAULT_TILE
 
 
 @dataclasses.dataclass
@@ -66,9 +68,12 @@ def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any]):
-    """The per-device body: (flat params, ints, floats) -> [1, 2 + P] = (loss sum, count, grads)."""
-    attn = ring_attention_fn(CP_AXIS, degree)
+def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any],
+                  attn: Callable[..., jax.Array] | None = None):
+    """The per-device body: (flat params, ints, floats) -> [1, 2 + P] = (loss sum, count, grads).
+
+    `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`)."""
+    attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
 
     def body(flat, ints, floats):
         s_l = ints.shape[0]
@@ -97,11 +102,14 @@ class PlanExecutor:
     and returned grads live there), `executor.num_compiles` the group executables built.
     Internally the parameters travel as one flat fp32 vector (made once per step by one jit on
     the full mesh), so a group costs O(1) host work whatever the number of parameter leaves.
+    `attention_tile` is the ring's largest tile (tokens, `dhp_jax.sharding.tiles`); `attention`,
+    if given, builds the attention function from (axis name, degree) instead of the tiled ring.
     """
 
     def __init__(self, config: MLLMConfig, devices: Sequence[jax.Device] | None = None, *,
                  min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
-                 compiler_options: Mapping[str, Any] | None = None) -> None:
+                 compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
+                 attention: Callable[[str, int], Callable[..., jax.Array]] | None = None) -> None:
         if not isinstance(config, MLLMConfig):
             raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
         self.config = config
@@ -111,6 +119,7 @@ class PlanExecutor:
         self._stacked = NamedSharding(self.mesh, P(DP_AXIS))
         ladder(1, min_bucket, growth)                 # rejects a bad ladder now, not mid-step
         self.min_bucket, self.growth = min_bucket, growth
+        self.attention_tile, self._attention = positive_int(attention_tile, "attention_tile"), attention
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
             # most of the compile time (about 4x here) and buys little; other backends keep defaults.
@@ -200,9 +209,14 @@ class PlanExecutor:
         key = (degree, bucket, devices)
         exe = self._executables.get(key)
         if exe is None:
+            if degree < 1 or bucket < 2 * degree or bucket % (2 * degree) or len(devices) != degree:
+                raise ValueError(f"executable: bucket {bucket} must be a positive multiple of 2*degree "
+                                 f"(degree {degree}, {len(devices)} devices)")
             self._bind(params)
             mesh = self.ranks.submesh(devices)
-            fn = jax.shard_map(group_program(self.config, degree, self._unravel), mesh=mesh,
+            attn = (ring_attention_fn(CP_AXIS, degree, tile=self.attention_tile) if self._attention is None
+                    else self._attention(CP_AXIS, degree))
+            fn = jax.shard_map(group_program(self.config, degree, self._unravel, attn), mesh=mesh,
                                in_specs=(P(), P(CP_AXIS), P(CP_AXIS)), out_specs=P(CP_AXIS), check_vma=False)
             rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, P(CP_AXIS))
             args = (jax.ShapeDtypeStruct((self._num_flat,), jnp.float32, sharding=rep),
