@@ -104,11 +104,19 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     assert "collective-permute" in hlo
     for gather in ("all-gather", "all-to-all", "all-reduce"):
         assert gather not in hlo, f"group program contains {gather}"
-    # The step's reduction over the full mesh: one all-reduce of the [N, 2 + P] rows.
-    _, finish = ex._reducer()
-    rows = jax.ShapeDtypeStruct((8, 2 + C.num_params()), np.float32, sharding=ex._stacked)
-    red = finish.lower(rows).compile().as_text()
-    assert "all-reduce" in red and "collective-permute" not in red
+    # The step's collectives on the full mesh: one all-gather of the (compute-dtype) params, and
+    # per micro-batch one reduce-scatter of the devices' gradient rows into the state's shards.
+    P_pad = ex.layout.padded
+    master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=ex.sharded)
+    gather = ex._jit("gather").lower(master).compile().as_text()
+    assert "all-gather" in gather and "all-reduce" not in gather
+    rows = jax.ShapeDtypeStruct((8, P_pad), ex.compute_dtype, sharding=ex.sharded)
+    stats = jax.ShapeDtypeStruct((8, 2), np.float32, sharding=ex.sharded)
+    for name, args in (("scatter", (rows, stats)), ("scatter_add", (master, stats, rows, stats))):
+        hlo = ex._jit(name).lower(*args).compile().as_text()
+        assert "reduce-scatter" in hlo, name
+        for other in ("all-reduce", "all-gather", "collective-permute"):
+            assert other not in hlo, (name, other)
 
 
 def test_no_implicit_transfers(setup):

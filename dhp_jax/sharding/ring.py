@@ -3,7 +3,8 @@
 Each device holds `q[S_l, H, D]`, `k, v[S_l, KVH, D]` and the ids of its S_l = S/degree tokens
 (two zigzag chunks). K/V and their ids travel around the ring with `ppermute` (device i sends to
 i+1 mod degree) for degree-1 steps; every step folds one K/V block into an online softmax
-(running max m[H, S_l], denominator l[H, S_l], numerator o[H, S_l, D]). Masks come from ids
+(running max m[H, S_l], denominator l[H, S_l], numerator o[H, S_l, D], all fp32 whatever the
+compute dtype of q, k, v). Masks come from ids
 (`dhp_jax.model.attention.attention_mask`), so order inside the stream does not matter. A block
 with no allowed (query, key) pair is skipped with `lax.cond` (other samples, future chunks).
 Gradients come from autodiff: the transpose of `ppermute` is the reverse ring.
@@ -30,13 +31,14 @@ def _fold_block(acc, q, k, v, q_ids: AttnIds, k_ids: AttnIds):
     def compute(_):
         group = q.shape[1] // k.shape[1]
         kk, vv = repeat_kv(k, group), repeat_kv(v, group)
-        s = jnp.einsum("qhd,khd->hqk", q, kk) / jnp.sqrt(jnp.float32(q.shape[-1]))
+        s = jnp.einsum("qhd,khd->hqk", q, kk, preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))
         # The running max only stabilises exp(); the result does not depend on it.
         m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(jnp.where(mask[None], s, _NEG), axis=-1)))
         p = jnp.exp(jnp.where(mask[None], s - m_new[..., None], -jnp.inf))  # p[H, S_q, S_k]
         corr = jnp.exp(m - m_new)
         return (m_new, l * corr + jnp.sum(p, axis=-1),
-                o * corr[..., None] + jnp.einsum("hqk,khd->hqd", p, vv))
+                o * corr[..., None] + jnp.einsum("hqk,khd->hqd", p.astype(vv.dtype), vv,
+                                                 preferred_element_type=jnp.float32))
 
     return lax.cond(jnp.any(mask), compute, lambda _: (m, l, o), None)
 
@@ -65,7 +67,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_i
         (acc, _), _ = lax.scan(step, (acc, (k, v, tuple(k_ids))), None, length=degree - 1)
     _, l, o = acc
     out = o / jnp.where(l > 0, l, 1.0)[..., None]                         # rows with no key -> 0
-    return jnp.transpose(out, (1, 0, 2))
+    return jnp.transpose(out, (1, 0, 2)).astype(q.dtype)
 
 
 def ring_attention_fn(axis_name: str, degree: int):
