@@ -250,6 +250,11 @@ class PlanExecutor:
                 finish=jax.jit(finish, out_shardings=(rep, shd)))
         return self._jits[name]
 
+    def state_sharding(self, leaf: Any) -> NamedSharding:
+        """Where a train-state leaf lives: flat vectors of the layout (master params, optimizer
+        moments, grads) sharded over the full mesh, everything else (step, counts, keys) replicated."""
+        return self.sharded if tuple(getattr(leaf, "shape", ())) == (self.layout.padded,) else self.replicated
+
     def replicate(self, params: Any) -> Any:
         """Params replicated on the full mesh (a no-op for params already there)."""
         return jax.tree.map(lambda x: x if getattr(x, "sharding", None) == self.replicated
