@@ -153,6 +153,7 @@ class MLLM(nn.Module):
 
     config: MLLMConfig
     attn_fn: AttentionFn = dense_attention
+    head: bool = True      # False: return final_norm(x)[S, d], the LM head's input (chunked loss)
 
     @nn.compact
     def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -173,6 +174,8 @@ class MLLM(nn.Module):
             x = block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
                       self.attn_fn, name=f"layers_{i}")(x, ids)
         x = RMSNorm(c.rms_eps, name="final_norm")(x)
+        if not self.head:
+            return x
         return nn.Dense(c.vocab_size, use_bias=False, name="lm_head")(x)
 
 
@@ -206,3 +209,34 @@ def token_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) ->
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return jnp.sum((lse - picked) * weights)
+
+
+LOSS_CHUNK = 512      # tokens per LM-head chunk in `chunked_loss_sum`
+
+
+def chunked_loss_sum(config: MLLMConfig, params: Params, batch: Mapping[str, jax.Array], targets: jax.Array,
+                     weights: jax.Array, attn_fn: AttentionFn = dense_attention, chunk: int = LOSS_CHUNK
+                     ) -> jax.Array:
+    """`token_loss_sum(apply_model(...), targets, weights)` without the [S, V] logits: the LM head
+    and the cross entropy run over chunks of `chunk` tokens under `jax.checkpoint`, so forward and
+    backward hold one chunk's logits (fp32) at a time instead of all S x V of them."""
+    dtype = params["patch_embed"]["kernel"].dtype
+    batch = {**batch, "pixels": jnp.asarray(batch["pixels"]).astype(dtype)}
+    x = MLLM(config, attn_fn, head=False).apply({"params": params}, batch)          # x[S, d]
+    kernel = params["lm_head"]["kernel"]                                             # [d, V]
+    s = x.shape[0]
+    n = -(-s // chunk)
+    pad = n * chunk - s
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, chunk, x.shape[1])
+    ts = jnp.pad(targets, (0, pad)).reshape(n, chunk)
+    ws = jnp.pad(weights, (0, pad)).reshape(n, chunk)
+
+    @jax.checkpoint
+    def one(xc, tc, wc):
+        return token_loss_sum(xc @ kernel, tc, wc)
+
+    def step(total, inputs):
+        return total + one(*inputs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (xs, ts, ws))
+    return total

@@ -28,6 +28,9 @@ class ModelShape:
     vision_intermediate: int  # GELU MLP width of the ViT
     patches_per_token: int = 4  # 2x2 patch merge (pixel shuffle) before the LLM, both families
     frame_patches: int = 1024  # ViT attention span: one 448px tile / one frame of about 1k patches
+    vision_heads: int = 16
+    vision_head_dim: int = 64
+    patch_dim: int = 2352      # input features per merged patch: 2x2 x 14x14x3 (InternViT), 2x2 x 16x16x3 x 2 (Qwen)
 
     @property
     def llm_layer_params(self) -> int:
@@ -55,9 +58,10 @@ MODELS: dict[str, ModelShape] = {
     "internvl3-2b": ModelShape(28, 12, 2, 1536, 8960, 128, 151674, 24, 1024, 4096),
     "internvl2.5-4b": ModelShape(36, 16, 8, 2048, 11008, 128, 151674, 24, 1024, 4096),
     "internvl3-8b": ModelShape(28, 28, 4, 3584, 18944, 128, 151674, 24, 1024, 4096),
-    "qwen3-vl-2b": ModelShape(28, 16, 8, 2048, 6144, 128, 151936, 24, 1024, 4096),
-    "qwen3-vl-4b": ModelShape(36, 32, 8, 2560, 9728, 128, 151936, 24, 1024, 4096),
-    "qwen3-vl-8b": ModelShape(36, 32, 8, 4096, 12288, 128, 151936, 27, 1152, 4304),
+    "qwen3-vl-2b": ModelShape(28, 16, 8, 2048, 6144, 128, 151936, 24, 1024, 4096, patch_dim=6144),
+    "qwen3-vl-4b": ModelShape(36, 32, 8, 2560, 9728, 128, 151936, 24, 1024, 4096, patch_dim=6144),
+    "qwen3-vl-8b": ModelShape(36, 32, 8, 4096, 12288, 128, 151936, 27, 1152, 4304, vision_head_dim=72,
+                              patch_dim=6144),
 }
 
 
@@ -111,7 +115,6 @@ HARDWARE: dict[str, Hardware] = {
                     compute_lanes=2, comm_overlap=False),
 }
 
-# Training-recipe assumptions shared by every preset (documented, not tuned):
-RECOMPUTE_PASSES = 4.0  # full per-layer activation recomputation: fwd + recomputed fwd + bwd (2x fwd)
-OPTIMIZER_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + two fp32 Adam moments
+# Training-recipe assumptions shared by every preset (documented, not tuned); the recompute passes,
+# state bytes and dtypes of the engine are in dhp_jax.planner.memory and are CostModel fields:
 USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, communicator buffers, vision workspace

@@ -44,7 +44,7 @@ from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, 
                                   pack_group)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
-from dhp_jax.model.mllm import apply_model, init_params, token_loss_sum
+from dhp_jax.model.mllm import chunked_loss_sum, init_params
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
@@ -91,7 +91,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout):
         weights = floats[:, config.patch_dim]
 
         def loss_sum(f):
-            return token_loss_sum(apply_model(config, layout.unravel(f), batch, attn), cols["targets"], weights)
+            return chunked_loss_sum(config, layout.unravel(f), batch, cols["targets"], weights, attn)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
         # reduction is the reduce-scatter over the full mesh after the group program.
