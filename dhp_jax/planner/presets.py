@@ -105,12 +105,13 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(989e12, 80 * GIB, 350 * GB, 400 * GB, 50 * GB, 6e-6, 12e-6, 0.45, 0.35,
                      source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s)"),
     # A host CPU "device" (the fake XLA CPU devices of the tests): about 100 GFLOP/s fp32 per device,
-    # a 32 GiB share of host memory, shared-memory copies of a few GB/s, loopback TCP between processes.
+    # host memory (128 GiB: the fp32 engine state of the 8B presets must fit for planning; CPU runs
+    # train the tiny model, so this limit never binds there), shared-memory copies of a few GB/s, loopback TCP between processes.
     # The fake devices of one host share its physical cores: this project's development and CI
     # machines have 2, so at most 2 devices compute at once (compute_lanes=2; override with
     # `CostModel.preset(..., compute_lanes=os.cpu_count())` on a larger host). The "ring hops" are
     # memory copies done by those same cores, so they do not overlap the attention.
-    "cpu": Hardware(100e9, 32 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
+    "cpu": Hardware(100e9, 128 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
                     source="assumed desktop-class CPU core group, fp32; 2 physical cores per host",
                     compute_lanes=2, comm_overlap=False),
 }
