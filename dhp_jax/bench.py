@@ -14,6 +14,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "manifest": ("dhp_jax.data.manifest_bench", "manifest lines parsed per second"),
     "attention": ("dhp_jax.train.attention_bench",
                   "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
+    "memory": ("dhp_jax.sharding.memory_bench", "compiled bytes of the group program vs the CostModel memory"),
 }
 
 

@@ -21,8 +21,8 @@ def test_every_preset_builds_and_is_physical():
 
 
 def test_model_that_cannot_fit_says_so():
-    with pytest.raises(ValueError, match="does not fit on cpu with ZeRO-3 over 1 ranks"):
-        CostModel.preset("qwen3-vl-8b", "cpu", zero_shards=1)
+    with pytest.raises(ValueError, match="does not fit on cpu with its state sharded over 1 ranks"):
+        CostModel.preset("qwen3-vl-8b", "cpu", state_shards=1)
 
 
 def test_unknown_names_list_the_known_ones():

@@ -130,7 +130,12 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_i
         if degree != 1:
             raise ValueError(f"the fused attention kernel runs degree-1 groups only, got degree {degree}")
         return fused_attention(q, k, v, q_ids, k_ids)
-    return _ring(q, k, v, AttnIds(*q_ids), AttnIds(*k_ids), axis_name, degree, tile, chunks)
+    # The kernel runs in fp32 whatever the compute dtype (softmax statistics, scores and the dK/dV
+    # accumulators stay fp32); the casts sit outside the custom VJP, so autodiff casts the grads back.
+    f32 = jnp.float32
+    out = _ring(q.astype(f32), k.astype(f32), v.astype(f32), AttnIds(*q_ids), AttnIds(*k_ids),
+                axis_name, degree, tile, chunks)
+    return out.astype(q.dtype)
 
 
 def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds, *,

@@ -23,9 +23,10 @@ from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
 
 
 @functools.lru_cache(maxsize=8)
-def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any) -> tuple[Any, Any]:
-    """Jitted state init and update, shared by every run with the same model, optimizer and mesh
-    (a resumed run, or the runs of one test module, compile them once)."""
+def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any) -> tuple[Any, Any]:
+    """Jitted state init and update, shared by every run with the same model, optimizer and executor
+    (a resumed run, or the runs of one test module, compile them once). The state is sharded over
+    the executor's full mesh: params are its fp32 master vector, AdamW's moments follow it."""
     import jax
 
     from dhp_jax.model import init_params
@@ -33,7 +34,8 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any)
     from dhp_jax.train.state import make_init, make_optimizer, make_update
 
     optimizer = make_optimizer(OptimConfig(*optim), steps)
-    init = make_init(lambda k: init_params(model_config, k), optimizer, sharding)
+    layout, sharding = executor.layout, executor.state_sharding
+    init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
     update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)))
     return init, update
 
@@ -66,7 +68,7 @@ class Trainer:
         from dhp_jax.model import MLLMConfig
 
         self.config = config.validate()
-        self.model_config = MLLMConfig.preset(config.model)
+        self.model_config = MLLMConfig.preset(config.model, remat=config.remat)
         available = list(devices) if devices is not None else jax.devices()
         if len(available) < config.num_ranks:
             raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
@@ -99,7 +101,7 @@ class Trainer:
             from dhp_jax.sharding import PlanExecutor
 
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
-            executor = PlanExecutor(self.model_config, self.devices, **kwargs)
+            executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
         self.executor = executor
         self.out_dir = Path(config.metrics.out_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
@@ -116,7 +118,7 @@ class Trainer:
         import jax
 
         init, update = _state_functions(self.model_config, dataclasses.astuple(self.config.optim),
-                                        self.config.steps, self.executor.replicated)
+                                        self.config.steps, self.executor)
         state = init(jax.random.PRNGKey(self.config.seed))
         self._update = update
         return state
@@ -177,7 +179,8 @@ class Trainer:
                         self.executor.compile_plan(item.batch.samples, item.plan, state.params)
                     t0 = time.perf_counter()
                     with sync.watch(done) if sync is not None else contextlib.nullcontext():
-                        loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
+                        loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples,
+                                                                         item.plan)
                         state, grad_norm = self._update(state, grads)
                         jax.block_until_ready((loss, grad_norm, state.params))
                     step_time = time.perf_counter() - t0
@@ -248,7 +251,7 @@ def dry_run(config: TrainConfig) -> dict:
     from dhp_jax.model import MLLMConfig
 
     config.validate()
-    model_config = MLLMConfig.preset(config.model)
+    model_config = MLLMConfig.preset(config.model, remat=config.remat)
     devices = jax.devices()
     if len(devices) < config.num_ranks:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
