@@ -191,7 +191,7 @@ print(f"step 3 (new batch, cache hit):      {other_s:6.3f} s")
 # device with `ppermute`, which XLA compiles to `collective-permute`; its backward pass sends the
 # gradients the other way round. A degree-d group should show exactly the ring pairs
 # {i -> i+1 mod d} and their reverse, and no all-reduce: gradients leave the group unreduced and
-# meet once, in the reduction over the full mesh.
+# meet in the reduce-scatter over the full mesh that sums them into the sharded train state.
 
 # %%
 PAIRS = re.compile(r"collective-permute(?:-start)?\(.*?source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")

@@ -49,11 +49,12 @@ class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
 
     def __init__(self, cost: CostModel, attention: str):
-        # shared lanes, padded buckets or no overlap: the closed form below does not hold; price
+        # shared lanes or padded buckets: the closed form below does not hold; price
         # every evaluation with the cost model itself so the search stays exact for it
         self.exact = None
-        if cost.compute_lanes is not None or cost.bucket_min or not cost.comm_overlap:
+        if cost.compute_lanes is not None or cost.bucket_min:
             self.exact = (cost, attention)
+        self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
         self.c_intra = float(cost.comm_per_token(False, attention))
@@ -64,11 +65,12 @@ class _ScalarTime:
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
             return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
+        sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
         if d > self.rpn:
-            comm = self.c_inter * S * (d - 1) / d + self.l_inter * (d - 1)
+            comm = self.c_inter * sent + self.l_inter * (d - 1)
         else:
-            comm = self.c_intra * S * (d - 1) / d + self.l_intra * (d - 1)
-        if self.ring:
+            comm = self.c_intra * sent + self.l_intra * (d - 1)
+        if self.overlap:
             comm = max(comm - A / d, 0.0)
         return (A + B) / d + self.b1 + comm
 

@@ -1,8 +1,9 @@
 """`plan_batch`: one entry point for DHP and every baseline, returning a validated `Plan`.
 
 The strategy table lives here; the input checks in `problem.py`, the "dhp" search in `dhp.py`,
-the static baselines in `baselines.py`, the MILPs ("milp", "flexsp") in `milp.py`. Only the
-MILPs have a wall-clock limit, and they record whether they proved optimality.
+the static baselines in `baselines.py`, the exact MILP ("milp") in `milp.py`, FlexSP's planner
+("flexsp") in `flexsp.py`. Only "milp" has a wall-clock limit ("flexsp" a node limit); both record
+whether they proved optimality.
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
                node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
+               node_limit: int | None = None,
                every_rank: bool = False) -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
     `packing=False` makes every sequence its own atomic group; `degrees="pow2"` (or a list)
     restricts group degrees; `node_aware=False` places groups on consecutive ranks; `refine=False`
-    skips the re-balancing. `time_limit_s` bounds the MILP of "milp"/"flexsp" only.
+    skips the re-balancing. `time_limit_s` bounds the MILP of "milp" (and, when given, "flexsp"'s,
+    which otherwise stops at its node limit only); `node_limit` bounds the "milp" reference by
+    branch-and-bound nodes, a work limit that gives the same answer on any machine at any load.
     `every_rank=True` is for executors in which every rank must run some group (the torch backend):
     a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
     samples than ranks) joins the slowest group instead.
@@ -56,9 +60,9 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
         mbs, extra = solve_static(prob, attention, arg, strategy)
     elif strategy == "milp":
         from dhp_jax.planner.milp import solve_milp
-        mbs, extra = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s)
+        mbs, extra = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s, node_limit)
     elif strategy == "flexsp":
-        from dhp_jax.planner.milp import solve_flexsp
+        from dhp_jax.planner.flexsp import solve_flexsp
         mbs, extra = solve_flexsp(prob, num_micro_batches, time_limit_s)
         attention = "auto"
     else:

@@ -119,8 +119,9 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
     view = ex._views(flat, [devs])[devs]
 
     def static_step():
-        out = exe(view, ints, floats)
-        return ex.reduce([{s.device: s.data for s in out.addressable_shards}])
+        stats, grads = exe(view, ints, floats)
+        rows = {s.device: s.data for s in grads.addressable_shards}
+        return ex.reduce([{s.device: (s.data, rows[s.device]) for s in stats.addressable_shards}])
 
     jax.block_until_ready(static_step())
     ts = []

@@ -24,7 +24,7 @@ def _time_plan(executor: Any, params: Any, samples: list, plan: Any) -> float:
     import jax
 
     t0 = time.perf_counter()
-    jax.block_until_ready(executor.loss_and_grads(params, samples, plan))
+    jax.block_until_ready(executor.loss_and_grad_shards(params, samples, plan))
     return time.perf_counter() - t0
 
 
@@ -108,7 +108,7 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
 
         print(f"compare: simulating DHP and static plans on {sim_ranks} ranks ({c.sim_model} on {c.sim_hardware}) ...",
               file=sys.stderr, flush=True)
-    cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn)
+    cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn, state_shards=sim_ranks)
     if c.sim_batch_size:  # the run's mix at the simulated scale, one batch per compared batch
         sim_batches = [trainer.pipeline.source_batch(first_step + i, c.sim_batch_size) for i in range(c.batches)]
     else:

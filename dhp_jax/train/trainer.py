@@ -21,15 +21,17 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.planner.planfile import PlanLog
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
 
 
 @functools.lru_cache(maxsize=8)
-def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any) -> tuple[Any, Any]:
-    """Jitted state init and update, shared by every run with the same model, optimizer and mesh
-    (a resumed run, or the runs of one test module, compile them once)."""
+def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any) -> tuple[Any, Any]:
+    """Jitted state init and update, shared by every run with the same model, optimizer and executor
+    (a resumed run, or the runs of one test module, compile them once). The state is sharded over
+    the executor's full mesh: params are its fp32 master vector, AdamW's moments follow it."""
     import jax
 
     from dhp_jax.model import init_params
@@ -37,7 +39,8 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any)
     from dhp_jax.train.state import make_init, make_optimizer, make_update
 
     optimizer = make_optimizer(OptimConfig(*optim), steps)
-    init = make_init(lambda k: init_params(model_config, k), optimizer, sharding)
+    layout, sharding = executor.layout, executor.state_sharding
+    init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
     update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)))
     return init, update
 
@@ -84,7 +87,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     from dhp_jax.model import MLLMConfig
 
     config.validate()
-    model_config = MLLMConfig.preset(config.model)
+    model_config = MLLMConfig.preset(config.model, remat=config.remat)
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
@@ -142,7 +145,7 @@ class Trainer:
             from dhp_jax.sharding import PlanExecutor
 
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
-            executor = PlanExecutor(self.model_config, self.devices, **kwargs)
+            executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
         self.executor = executor
         self.out_dir = Path(config.metrics.out_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
@@ -160,7 +163,7 @@ class Trainer:
         import jax
 
         init, update = _state_functions(self.model_config, dataclasses.astuple(self.config.optim),
-                                        self.config.steps, self.executor.replicated)
+                                        self.config.steps, self.executor)
         state = init(jax.random.PRNGKey(self.config.seed))
         self._update = update
         return state
@@ -195,7 +198,7 @@ class Trainer:
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
-            loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
+            loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples, item.plan)
             state, grad_norm = self._update(state, grads)
             jax.block_until_ready((loss, grad_norm, state.params))
         step_time = time.perf_counter() - t0
@@ -225,7 +228,7 @@ class Trainer:
         `overwrite` (replace it); resuming a finished run changes nothing.
         """
         from dhp_jax.train.checkpoint import CheckpointError
-        from dhp_jax.train.metrics import MetricsWriter, read_jsonl, truncate_jsonl
+        from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
         from dhp_jax.train.planner_thread import PlannerThread
 
         cfg = self.config
@@ -270,7 +273,7 @@ class Trainer:
             truncate_jsonl(mdir / "plans.jsonl", lambda r: r.get("step", 0) < start)
         metrics = MetricsWriter(mdir, total_steps=cfg.steps, start_step=start, progress=cfg.metrics.progress,
                                 tensorboard=cfg.metrics.tensorboard, append=resume)
-        plan_log = (mdir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+        plan_log = PlanLog(mdir / "plans.jsonl", append=resume) if cfg.metrics.log_plans else None
         hooks = [lambda rec, item, state: metrics.log_step(rec), self._plan_log_hook(plan_log),
                  self._checkpoint_hook(ckpt, stop)]
         t_run = time.perf_counter()
@@ -313,8 +316,7 @@ class Trainer:
     def _plan_log_hook(plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
-                plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
-                plan_log.flush()
+                plan_log.write(item.step, item.plan)
         return log_plan
 
     def _checkpoint_hook(self, ckpt: Any, stop: int):
