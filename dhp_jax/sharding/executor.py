@@ -37,9 +37,10 @@ from dhp_jax.data.layout import GROWTH, MIN_BUCKET, GroupLayout, ladder, pack_gr
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import MODEL_INPUTS, apply_model, token_loss_sum
-from dhp_jax.planner.plan import Plan
-from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
-from dhp_jax.sharding.ring import ring_attention_fn
+from dhp_jax.planner.kinds import RING, check_attention
+from dhp_jax.planner.plan import Plan, PlanValidationError
+from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
+from dhp_jax.sharding.ulysses import group_attention_fn
 
 
 @dataclasses.dataclass
@@ -50,6 +51,7 @@ class _GroupWork:
     index: int
     devices: tuple[jax.Device, ...]
     layout: GroupLayout
+    attention: str = RING
 
 
 # Host -> device traffic per group is two arrays: every int column in one int32[S, 8] and the
@@ -65,9 +67,9 @@ def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any]):
+def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any], attention: str = RING):
     """The per-device body: (flat params, ints, floats) -> [1, 2 + P] = (loss sum, count, grads)."""
-    attn = ring_attention_fn(CP_AXIS, degree)
+    attn = group_attention_fn(*check_attention(attention, degree, config.num_heads))
 
     def body(flat, ints, floats):
         s_l = ints.shape[0]
@@ -116,7 +118,7 @@ class PlanExecutor:
             cpu = all(d.platform == "cpu" for d in self.ranks.devices)
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
-        self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
+        self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self._reducers: dict[str, Any] = {}
         self._zeros: dict[jax.Device, jax.Array] = {}
         self._struct: Any = None          # (treedef, shapes, dtypes) of the params tree
@@ -127,17 +129,18 @@ class PlanExecutor:
     # ------------------------------------------------------------------ counters
     @property
     def num_compiles(self) -> int:
-        """XLA executables built for groups so far (one per (degree, bucket, devices))."""
+        """XLA executables built for groups so far (one per (degree, bucket, devices, attention))."""
         return len(self._executables)
 
     @property
     def num_programs(self) -> int:
-        """Distinct (degree, bucket) group programs so far."""
-        return len({(d, b) for d, b, _ in self._executables})
+        """Distinct (degree, bucket, attention) group programs so far."""
+        return len({(d, b, a) for d, b, _, a in self._executables})
 
     @property
-    def executable_keys(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(d, b, tuple(x.id for x in devs)) for d, b, devs in self._executables]
+    def executable_keys(self) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """(degree, bucket, device ids, attention kind) of every executable built."""
+        return [(d, b, tuple(x.id for x in devs), a) for d, b, devs, a in self._executables]
 
     # ------------------------------------------------------------------ planning-side work
     def prepare(self, samples: Sequence[Sample], plan: Plan) -> list[_GroupWork]:
@@ -155,14 +158,19 @@ class PlanExecutor:
                                      min_bucket=self.min_bucket, growth=self.growth)
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
-                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay))
+                kind = getattr(g, "attention", RING)
+                try:
+                    check_attention(kind, g.degree, self.config.num_heads)
+                except ValueError as e:
+                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
+                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay, kind))
         if sum(w.layout.num_loss_tokens for w in work) == 0:
             raise ValueError("the batch has no text token followed by a text token: the loss is undefined")
         return work
 
-    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The executable keys (degree, bucket, device ids) a plan needs, without compiling."""
-        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices))
+    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """The executable keys (degree, bucket, device ids, attention) a plan needs, without compiling."""
+        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices), w.attention)
                 for w in self.prepare(samples, plan)]
 
     def _bind(self, params: Any) -> None:
@@ -188,16 +196,23 @@ class PlanExecutor:
             raise ValueError("params do not have the structure (tree, shapes, dtypes) this executor was "
                              "first called with")
 
-    def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...]):
-        """The compiled group program for (degree, bucket) on `devices`, built once."""
-        key = (degree, bucket, devices)
+    def _mesh(self, devices: tuple[jax.Device, ...], attention: str):
+        """(sub-mesh, stream spec) of a group: the `cp` ring mesh, or the 2-D (cp, sp) view of a
+        Ulysses or hybrid group with the stream split over both axes in rank order."""
+        u = check_attention(attention, len(devices), self.config.num_heads)[0]
+        return self.ranks.submesh(devices, u), P(CP_AXIS) if u == 1 else P((CP_AXIS, SP_AXIS))
+
+    def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...],
+                   attention: str = RING):
+        """The compiled group program for (degree, bucket, attention kind) on `devices`, built once."""
+        key = (degree, bucket, devices, attention)
         exe = self._executables.get(key)
         if exe is None:
             self._bind(params)
-            mesh = self.ranks.submesh(devices)
-            fn = jax.shard_map(group_program(self.config, degree, self._unravel), mesh=mesh,
-                               in_specs=(P(), P(CP_AXIS), P(CP_AXIS)), out_specs=P(CP_AXIS), check_vma=False)
-            rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, P(CP_AXIS))
+            mesh, spec = self._mesh(devices, attention)
+            fn = jax.shard_map(group_program(self.config, degree, self._unravel, attention), mesh=mesh,
+                               in_specs=(P(), spec, spec), out_specs=spec, check_vma=False)
+            rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
             args = (jax.ShapeDtypeStruct((self._num_flat,), jnp.float32, sharding=rep),
                     jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),
                     jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
@@ -210,7 +225,7 @@ class PlanExecutor:
         returns how many were new."""
         before = self.num_compiles
         for w in self._local(self.prepare(samples, plan)):
-            self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+            self.executable(params, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         return self.num_compiles - before
 
     # ------------------------------------------------------------------ device-side work
@@ -224,13 +239,13 @@ class PlanExecutor:
         self._bind(params)
         return self._flatten(self.replicate(params))
 
-    def _views(self, flat: jax.Array, device_sets: Sequence[tuple[jax.Device, ...]]) -> dict:
-        """The flat params seen on each sub-mesh: the same per-device buffers, no copy."""
+    def _views(self, flat: jax.Array, groups: Sequence[tuple[tuple[jax.Device, ...], str]]) -> dict:
+        """The flat params seen on each (devices, attention) sub-mesh: the same per-device buffers, no copy."""
         by_dev = {s.device: s.data for s in flat.addressable_shards}
-        return {devs: jax.make_array_from_single_device_arrays(
-                    flat.shape, NamedSharding(self.ranks.submesh(devs), P()),
+        return {(devs, kind): jax.make_array_from_single_device_arrays(
+                    flat.shape, NamedSharding(self._mesh(devs, kind)[0], P()),
                     [by_dev[d] for d in devs if d in by_dev])
-                for devs in device_sets}
+                for devs, kind in groups}
 
     def _local(self, work: Sequence[_GroupWork]) -> list[_GroupWork]:
         """The groups this process takes part in (all of them in a single-process run)."""
@@ -263,13 +278,13 @@ class PlanExecutor:
         """Launch every group (asynchronously); per micro-batch, the [1, 2 + P] row of each device."""
         rows: dict[int, dict[jax.Device, jax.Array]] = {m: {} for m in sorted({w.micro_batch for w in work})}
         work = self._local(work)
-        views = self._views(flat, {w.devices for w in work})
+        views = self._views(flat, {(w.devices, w.attention) for w in work})
         for w in work:
             lay = w.layout
-            exe = self.executable(None, lay.degree, lay.bucket, w.devices)
-            cp = NamedSharding(self.ranks.submesh(w.devices), P(CP_AXIS))
+            exe = self.executable(None, lay.degree, lay.bucket, w.devices, w.attention)
+            cp = NamedSharding(*self._mesh(w.devices, w.attention))
             ints, floats = pack_inputs(lay)
-            out = exe(views[w.devices], jax.device_put(ints, cp), jax.device_put(floats, cp))
+            out = exe(views[(w.devices, w.attention)], jax.device_put(ints, cp), jax.device_put(floats, cp))
             rows[w.micro_batch].update((s.device, s.data) for s in out.addressable_shards)
         return [rows[m] for m in sorted(rows)]
 
@@ -290,5 +305,5 @@ class PlanExecutor:
         work = self.prepare(samples, plan)
         flat = self.flat_params(params)
         for w in self._local(work):             # compile anything missing (this process's groups)
-            self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+            self.executable(params, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         return self.reduce(self.dispatch(flat, work))
