@@ -24,9 +24,11 @@ import torch.distributed as dist
 
 from dhp_jax.data.layout import pack_group
 from dhp_jax.data.sample import Sample
+from dhp_jax.planner.kinds import RING, check_attention
 from dhp_jax.planner.plan import Group, Plan, PlanValidationError
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
+from npu_backend.ulysses import UlyssesComm, ulysses_attention
 
 MODEL_KEYS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
               "frame_ids", "frame_positions")
@@ -55,6 +57,12 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
         plan.validate(num_samples=len(samples))
     except PlanValidationError as e:
         raise StepError(f"invalid plan: {e}") from None
+    for m, mb in enumerate(plan.micro_batches):
+        for gi, g in enumerate(mb.groups):
+            try:
+                check_attention(getattr(g, "attention", RING), g.degree, config.num_heads)
+            except ValueError as e:
+                raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
     used = {r for g in plan.groups for r in g.ranks}
     idle = sorted(set(range(world_size)) - used)
     if idle:
@@ -105,11 +113,19 @@ class TorchPlanExecutor:
         # Only the group's first rank reports the group's count, so each group is counted once.
         return shard, (layout.num_loss_tokens if i == 0 else 0)
 
-    def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, RingComm | None]:
-        comm = RingComm(group.ranks, self.rank) if group.degree > 1 else None
+    def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, RingComm | UlyssesComm | None]:
+        u, _ = check_attention(getattr(group, "attention", RING), group.degree, self.config.num_heads)
+        if u > 1:           # Ulysses or hybrid: all-to-all over u ranks, ring over the sub-groups
+            comm: RingComm | UlyssesComm | None = UlyssesComm(group.ranks, self.rank, u)
 
-        def attn(q, k, v, ids):
-            return ring_attention(q, k, v, ids, attention_mask, comm)
+            def attn(q, k, v, ids):
+                return ulysses_attention(q, k, v, ids, attention_mask, comm)
+        else:
+            comm = RingComm(group.ranks, self.rank) if group.degree > 1 else None
+
+            def attn(q, k, v, ids):
+                return ring_attention(q, k, v, ids, attention_mask, comm)
 
         logits = self.model({k: shard[k] for k in MODEL_KEYS}, attn)
         return token_loss_sum(logits, shard["targets"], shard["loss_weights"]), comm

@@ -11,6 +11,7 @@ Every kind is the pair (u, r): ring is (1, d), Ulysses (d, 1). Pure Python, no j
 
 from __future__ import annotations
 
+import math
 import re
 
 RING = "ring"
@@ -62,3 +63,20 @@ def attention_kinds(degree: int, num_heads: int | None, max_ulysses: int | None 
         if degree % u == 0 and int(num_heads) % u == 0 and (max_ulysses is None or u <= max_ulysses):
             kinds.append(attention_name(u, degree // u))
     return kinds
+
+
+def head_plan(num_heads: int, num_kv_heads: int, ulysses: int) -> tuple[int, int]:
+    """(query heads, KV heads) a Ulysses all-to-all over `ulysses` ranks moves, for both executors.
+
+    Query heads divisible by u: the KV heads are repeated (as GQA reads them) up to
+    lcm(KVH, u), so each rank receives the KV heads its H/u query heads read. Otherwise (an encoder
+    whose heads the decoder's Ulysses size does not split) q, k and v are padded with zero heads to
+    the next multiple of u, every query head with its own KV head; the padded heads are dropped after
+    the all-to-all back, so the result is exact.
+    """
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if num_heads % ulysses == 0:
+        return num_heads, math.lcm(num_kv_heads, ulysses)
+    padded = -(-num_heads // ulysses) * ulysses
+    return padded, padded

@@ -30,26 +30,16 @@ Heads, what is supported:
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from dhp_jax.model.attention import AttnIds, repeat_kv
+from dhp_jax.planner.kinds import head_plan
 from dhp_jax.sharding.blockwise import blockwise_attention
 from dhp_jax.sharding.mesh import CP_AXIS, SP_AXIS
 from dhp_jax.sharding.ring import ring_attention, ring_attention_fn
-
-
-def head_plan(num_heads: int, num_kv_heads: int, ulysses: int) -> tuple[int, int]:
-    """(query heads after padding, KV heads after repeating) for `ulysses` ranks; see the module doc."""
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if num_heads % ulysses == 0:
-        return num_heads, math.lcm(num_kv_heads, ulysses)
-    padded = -(-num_heads // ulysses) * ulysses
-    return padded, padded
 
 
 def _pad_heads(x: jax.Array, heads: int) -> jax.Array:
