@@ -50,6 +50,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from dhp_jax.planner import presets
+from dhp_jax.planner.kinds import attention_shape
 
 COST_SCHEMA = "dhp.cost/v1"
 
@@ -226,16 +227,29 @@ class CostModel:
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
-        comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0) * (d / p)
-        if attention == "ring" and not self.comm_overlap:
-            excess = comm
-        elif attention == "ring":
-            excess = np.maximum(comm - A / p, 0.0)
-        elif attention == "ulysses":
-            excess = comm
+        if attention in ("ring", "ulysses"):
+            comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0) * (d / p)
+            hidden = comm if attention == "ring" else 0.0     # ring traffic that may overlap attention
         else:
-            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
+            comm, hidden = self._hybrid_comm(attention, S, d, inter, lat, p)
+        excess = comm - hidden
+        if self.comm_overlap:
+            excess = excess + np.maximum(hidden - A / p, 0.0)
+        else:
+            excess = excess + hidden
         return (A + B) / p + self.b1 * (d / p) + excess
+
+    def _hybrid_comm(self, attention: str, S: Any, d: Any, inter: Any, lat: Any, p: Any) -> tuple[Any, Any]:
+        """(traffic seconds, the ring part of it) of a "hybrid:<u>x<r>" group, priced from the two
+        base kinds: the all-to-all of Ulysses over u ranks on the sub-group's S/r tokens (one node
+        when u <= ranks_per_node), and the ring over the r sub-groups carrying 1/u of the K/V heads."""
+        u, r = attention_shape(attention)
+        if np.any(np.asarray(d) != u * r):
+            raise ValueError(f"attention {attention!r} needs degree {u * r}, got {np.unique(d).tolist()}")
+        a2a = self.comm_per_token(u > self.ranks_per_node, "ulysses") * (S / r) * (u - 1.0) / u
+        ring = self.comm_per_token(inter, "ring") / u * S * (r - 1.0) / r
+        msgs = lat * ((u - 1.0) + (r - 1.0)) * (d / p)
+        return a2a + ring + msgs, ring
 
     def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
                   ) -> np.ndarray:

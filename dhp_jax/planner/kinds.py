@@ -26,12 +26,13 @@ def attention_name(u: int, r: int) -> str:
     return RING if u == 1 else ULYSSES if r == 1 else f"hybrid:{u}x{r}"
 
 
-def attention_shape(kind: str, degree: int) -> tuple[int, int]:
-    """(u, r) of an attention kind on a group of `degree` ranks; ValueError for a bad name or shape."""
-    if kind == RING:
-        return 1, int(degree)
-    if kind == ULYSSES:
-        return int(degree), 1
+def attention_shape(kind: str, degree: int | None = None) -> tuple[int, int]:
+    """(u, r) of an attention kind on a group of `degree` ranks; ValueError for a bad name or shape.
+    Without `degree` only a hybrid, whose name carries its shape, can answer."""
+    if kind in (RING, ULYSSES):
+        if degree is None:
+            raise ValueError(f"attention {kind!r}: the shape needs the group's degree")
+        return (1, int(degree)) if kind == RING else (int(degree), 1)
     m = _HYBRID.fullmatch(str(kind))
     if m is None:
         raise ValueError(f"unknown attention kind {kind!r}; known: 'ring', 'ulysses', 'hybrid:<u>x<r>'")
@@ -39,7 +40,7 @@ def attention_shape(kind: str, degree: int) -> tuple[int, int]:
     if u < 2 or r < 2:
         raise ValueError(f"attention {kind!r}: a hybrid needs u >= 2 and r >= 2 (write "
                          f"{attention_name(max(u, 1), max(r, 1))!r})")
-    if u * r != degree:
+    if degree is not None and u * r != degree:
         raise ValueError(f"attention {kind!r}: {u} x {r} = {u * r} ranks, but the group has degree {degree}")
     return u, r
 
