@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dhp_jax.data.layout import pack_group
 from dhp_jax.data.sample import Sample
-from dhp_jax.planner.kinds import RING, check_attention
+from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import Group, Plan, PlanValidationError
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
@@ -60,7 +60,7 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
     for m, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
             try:
-                check_attention(getattr(g, "attention", RING), g.degree, config.num_heads)
+                check_attention(g.attention, g.degree, config.num_heads)
             except ValueError as e:
                 raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
     used = {r for g in plan.groups for r in g.ranks}
@@ -115,7 +115,7 @@ class TorchPlanExecutor:
 
     def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]
                       ) -> tuple[torch.Tensor, RingComm | UlyssesComm | None]:
-        u, _ = check_attention(getattr(group, "attention", RING), group.degree, self.config.num_heads)
+        u, _ = check_attention(group.attention, group.degree, self.config.num_heads)
         if u > 1:           # Ulysses or hybrid: all-to-all over u ranks, ring over the sub-groups
             comm: RingComm | UlyssesComm | None = UlyssesComm(group.ranks, self.rank, u)
 

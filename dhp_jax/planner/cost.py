@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from dhp_jax.planner import presets
-from dhp_jax.planner.kinds import attention_shape
+from dhp_jax.planner.plan import attention_split
 
 COST_SCHEMA = "dhp.cost/v1"
 
@@ -243,9 +243,10 @@ class CostModel:
         """(traffic seconds, the ring part of it) of a "hybrid:<u>x<r>" group, priced from the two
         base kinds: the all-to-all of Ulysses over u ranks on the sub-group's S/r tokens (one node
         when u <= ranks_per_node), and the ring over the r sub-groups carrying 1/u of the K/V heads."""
-        u, r = attention_shape(attention)
-        if np.any(np.asarray(d) != u * r):
-            raise ValueError(f"attention {attention!r} needs degree {u * r}, got {np.unique(d).tolist()}")
+        degrees = np.unique(np.asarray(d)).astype(int).tolist()
+        if len(degrees) != 1:
+            raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
+        u, r = attention_split(attention, degrees[0])
         a2a = self.comm_per_token(u > self.ranks_per_node, "ulysses") * (S / r) * (u - 1.0) / u
         ring = self.comm_per_token(inter, "ring") / u * S * (r - 1.0) / r
         msgs = lat * ((u - 1.0) + (r - 1.0)) * (d / p)

@@ -150,6 +150,12 @@ class PlanExecutor:
             if not isinstance(s, Sample):
                 raise TypeError(f"sample {i} is a {type(s).__name__}, not a Sample")
         self.ranks.check_plan(plan, len(samples))
+        for m, mb in enumerate(plan.micro_batches):
+            for gi, g in enumerate(mb.groups):
+                try:
+                    check_attention(g.attention, g.degree, self.config.num_heads)
+                except ValueError as e:
+                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
         work = []
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
@@ -158,12 +164,7 @@ class PlanExecutor:
                                      min_bucket=self.min_bucket, growth=self.growth)
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
-                kind = getattr(g, "attention", RING)
-                try:
-                    check_attention(kind, g.degree, self.config.num_heads)
-                except ValueError as e:
-                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
-                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay, kind))
+                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay, g.attention))
         if sum(w.layout.num_loss_tokens for w in work) == 0:
             raise ValueError("the batch has no text token followed by a text token: the loss is undefined")
         return work
