@@ -359,13 +359,16 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
                node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
-               every_rank: bool = False) -> Plan:
+               every_rank: bool = False, attention: str = "best") -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
     `packing=False` makes every sequence its own atomic group; `degrees="pow2"` (or a list)
     restricts group degrees; `node_aware=False` places groups on consecutive ranks; `refine=False`
     skips the re-balancing. `time_limit_s` bounds the MILP of "milp"/"flexsp" only.
+    `attention` (for "dhp"): "best" gives each group the attention kind the cost model says is
+    fastest (ring, Ulysses, or a Ulysses x ring hybrid the head count allows); "ring" keeps every
+    group on the ring (the ablation).
     `every_rank=True` is for executors in which every rank must run some group (the torch backend):
     a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
     samples than ranks) joins the slowest group instead.
@@ -375,10 +378,13 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     prob = prepare(samples_or_lengths, num_ranks, cost, etas, ranks_per_node)
     cost, N = prob.cost, prob.num_ranks
     t0, c0 = time.perf_counter(), time.thread_time()
-    attention = "ring"
+    if attention not in ("best", "ring"):
+        raise PlanningError(f"attention must be 'best' (per-group choice) or 'ring', got {attention!r}")
+    mode, attention = attention, "ring"
     extra: dict[str, Any] = {}
     if strategy == "dhp":
         mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine)
+        attention = mode
     elif strategy.startswith("static-ring:") or strategy.startswith("static-ulysses:"):
         kind, _, arg = strategy.partition(":")
         attention = "ring" if kind == "static-ring" else "ulysses"

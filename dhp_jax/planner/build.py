@@ -13,9 +13,10 @@ import numpy as np
 
 from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_length
 from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.kinds import attention_kinds
 from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
-from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError, attention_split
 
 
 def attention_for(degree: int, cost: CostModel, attention: str) -> str:
@@ -39,6 +40,36 @@ def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
         m = kinds == kind
         out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
     return out
+
+
+def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
+    """Whether every Ulysses sub-group (u consecutive ranks of the group) sits inside one node."""
+    return all(len({r // ranks_per_node for r in ranks[i:i + ulysses]}) == 1
+               for i in range(0, len(ranks), ulysses))
+
+
+def best_kinds(cost: CostModel, A: np.ndarray, B: np.ndarray, S: np.ndarray, degree: np.ndarray,
+               inter_node: np.ndarray, ranks: Sequence[Sequence[int]]) -> tuple[list[str], np.ndarray]:
+    """The fastest attention kind of each group and its time under the cost model: ring, or Ulysses
+    over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and the head
+    count, u <= ranks_per_node), where each Ulysses sub-group sits inside one node. Ties keep the ring."""
+    d = np.asarray(degree, dtype=np.int64)
+    kinds = ["ring"] * d.size
+    times = cost.group_times(A, B, S, d, inter_node, "ring")
+    rpn = cost.ranks_per_node
+    for deg in sorted(set(d.tolist()) - {1}):
+        idx = np.flatnonzero(d == deg)
+        for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
+            u = attention_split(kind, deg)[0]
+            ok = idx[[node_local(ranks[i], u, rpn) for i in idx.tolist()]]
+            if not ok.size:
+                continue
+            t = cost.group_times(A[ok], B[ok], S[ok], deg, inter_node[ok], kind)
+            better = t < times[ok]
+            for i in ok[better].tolist():
+                kinds[i] = kind
+            times[ok[better]] = t[better]
+    return kinds, times
 
 
 def padded_tokens(tokens: int, degree: int, cost: CostModel) -> int:
@@ -68,8 +99,11 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     d = np.fromiter((len(g[1]) for g in flat), dtype=np.int64, count=len(flat))
     rpn = cost.ranks_per_node
     inter = np.fromiter((spans_nodes(g[1], rpn) for g in flat), dtype=bool, count=len(flat))
-    kinds = [attention_for(int(x), cost, attention) for x in d.tolist()]
-    times = kind_times(cost, A, B, S, d, inter, kinds)
+    if attention == "best":         # each group on its fastest kind (dhp's per-group choice)
+        kinds, times = best_kinds(cost, A, B, S, d, inter, [g[1] for g in flat])
+    else:
+        kinds = [attention_for(int(x), cost, attention) for x in d.tolist()]
+        times = kind_times(cost, A, B, S, d, inter, kinds)
     mems = S * cost.mem_per_token / d
     over = np.flatnonzero(mems > cost.memory_budget * (1 + 1e-9))
     if over.size:
