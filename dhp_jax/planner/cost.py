@@ -227,30 +227,41 @@ class CostModel:
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
-        if attention in ("ring", "ulysses"):
-            comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0) * (d / p)
-            hidden = comm if attention == "ring" else 0.0     # ring traffic that may overlap attention
-        else:
-            comm, hidden = self._hybrid_comm(attention, S, d, inter, lat, p)
-        excess = comm - hidden
+        ring_tok, a2a_tok, msgs = self.traffic(S, d, attention)
+        ring = self.comm_per_token(inter, "ring") * ring_tok
+        # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
+        a2a_inter = inter if attention in ("ring", "ulysses") else \
+            attention_split(attention, int(np.max(d)))[0] > self.ranks_per_node
+        a2a = self.comm_per_token(a2a_inter, "ulysses") * a2a_tok
+        lat_s = lat * msgs * (d / p)
+        # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
+        # all-to-alls sit between attention and the layers around it and never do
+        hidden = ring + (lat_s if attention == "ring" else 0.0)
+        exposed = a2a + (0.0 if attention == "ring" else lat_s)
         if self.comm_overlap:
-            excess = excess + np.maximum(hidden - A / p, 0.0)
-        else:
-            excess = excess + hidden
-        return (A + B) / p + self.b1 * (d / p) + excess
+            hidden = np.maximum(hidden - A / p, 0.0)
+        return (A + B) / p + self.b1 * (d / p) + exposed + hidden
 
-    def _hybrid_comm(self, attention: str, S: Any, d: Any, inter: Any, lat: Any, p: Any) -> tuple[Any, Any]:
-        """(traffic seconds, the ring part of it) of a "hybrid:<u>x<r>" group, priced from the two
-        base kinds: the all-to-all of Ulysses over u ranks on the sub-group's S/r tokens (one node
-        when u <= ranks_per_node), and the ring over the r sub-groups carrying 1/u of the K/V heads."""
-        degrees = np.unique(np.asarray(d)).astype(int).tolist()
+    def traffic(self, S: Any, degree: Any, attention: str = "ring") -> tuple[Any, Any, Any]:
+        """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
+        and at the all-to-all's per-token Q/K/V/O size, and how many messages in sequence:
+
+        ring:           S (d-1)/d ring tokens,              d-1 messages
+        ulysses:        S (d-1)/d all-to-all tokens,        d-1 messages
+        hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and S/r (u-1)/u all-to-all
+                        tokens (Ulysses over u on the sub-group's S/r), (u-1) + (r-1) messages.
+        The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
+        per-token and per-message seconds."""
+        S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
+        if attention == "ring":
+            return S * (d - 1.0) / d, np.zeros_like(S * d), d - 1.0
+        if attention == "ulysses":
+            return np.zeros_like(S * d), S * (d - 1.0) / d, d - 1.0
+        degrees = np.unique(d).astype(int).tolist()
         if len(degrees) != 1:
             raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
         u, r = attention_split(attention, degrees[0])
-        a2a = self.comm_per_token(u > self.ranks_per_node, "ulysses") * (S / r) * (u - 1.0) / u
-        ring = self.comm_per_token(inter, "ring") / u * S * (r - 1.0) / r
-        msgs = lat * ((u - 1.0) + (r - 1.0)) * (d / p)
-        return a2a + ring + msgs, ring
+        return S / u * (r - 1.0) / r, S / r * (u - 1.0) / u, np.full(np.shape(d), u + r - 2.0)
 
     def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
                   ) -> np.ndarray:
