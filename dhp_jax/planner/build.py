@@ -2,7 +2,7 @@
 
 Each group records its own attention kind, its tokens and its padded stream length (the one bucket
 rule, `dhp_jax.data.layout.bucket_length`, on the cost model's ladder; the executors' default ladder
-when the cost model prices no padding); `kind_times` prices groups by their own kinds.
+when the cost model prices no padding). Times come from `planner.pricing`, the one place plans are priced.
 """
 
 from __future__ import annotations
@@ -13,63 +13,10 @@ import numpy as np
 
 from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_length
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.kinds import attention_kinds
-from dhp_jax.planner.packing import bin_sums
-from dhp_jax.planner.placement import spans_nodes
-from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError, attention_split
+from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.pricing import attention_for, best_kinds, kind_times, price_groups
 
-
-def attention_for(degree: int, cost: CostModel, attention: str) -> str:
-    """The kind a group of `degree` ranks records for a strategy's mode: "auto" (FlexSP's groups) is
-    all-to-all where the head count allows it, ring otherwise; a single rank has no sequence
-    exchange at all, so a degree-1 group is always "ring" (both kinds price it the same)."""
-    if degree == 1:
-        return "ring"
-    if attention == "auto":
-        return "ulysses" if cost.ulysses_ok(degree) else "ring"
-    return attention
-
-
-def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
-               kinds: Sequence[str]) -> np.ndarray:
-    """`cost.group_times` of each group under its own attention kind (vectorised per kind)."""
-    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
-    kinds = np.asarray(list(kinds), dtype=object)
-    out = np.zeros(d.shape, dtype=np.float64)
-    for kind in dict.fromkeys(kinds.tolist()):
-        m = kinds == kind
-        out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
-    return out
-
-
-def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
-    """Whether every Ulysses sub-group (u consecutive ranks of the group) sits inside one node."""
-    return all(len({r // ranks_per_node for r in ranks[i:i + ulysses]}) == 1
-               for i in range(0, len(ranks), ulysses))
-
-
-def best_kinds(cost: CostModel, A: np.ndarray, B: np.ndarray, S: np.ndarray, degree: np.ndarray,
-               inter_node: np.ndarray, ranks: Sequence[Sequence[int]]) -> tuple[list[str], np.ndarray]:
-    """The fastest attention kind of each group and its time under the cost model: ring, or Ulysses
-    over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and the head
-    count, u <= ranks_per_node), where each Ulysses sub-group sits inside one node. Ties keep the ring."""
-    d = np.asarray(degree, dtype=np.int64)
-    kinds = ["ring"] * d.size
-    times = cost.group_times(A, B, S, d, inter_node, "ring")
-    rpn = cost.ranks_per_node
-    for deg in sorted(set(d.tolist()) - {1}):
-        idx = np.flatnonzero(d == deg)
-        for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
-            u = attention_split(kind, deg)[0]
-            ok = idx[[node_local(ranks[i], u, rpn) for i in idx.tolist()]]
-            if not ok.size:
-                continue
-            t = cost.group_times(A[ok], B[ok], S[ok], deg, inter_node[ok], kind)
-            better = t < times[ok]
-            for i in ok[better].tolist():
-                kinds[i] = kind
-            times[ok[better]] = t[better]
-    return kinds, times
+__all__ = ["attention_for", "build_plan", "kind_times", "padded_tokens"]  # (pricing names kept importable here)
 
 
 def padded_tokens(tokens: int, degree: int, cost: CostModel) -> int:
@@ -80,14 +27,6 @@ def padded_tokens(tokens: int, degree: int, cost: CostModel) -> int:
     return bucket_length(tokens, degree, MIN_BUCKET, GROWTH)
 
 
-def group_time(samples: Sequence[int], ranks: Sequence[int], attn: np.ndarray, lin: np.ndarray,
-               tok: np.ndarray, cost: CostModel, attention: str = "ring") -> float:
-    idx = np.asarray(samples, dtype=np.int64)
-    d = len(ranks)
-    return float(cost.group_times(attn[idx].sum(), lin[idx].sum(), tok[idx].sum(), d,
-                                  spans_nodes(ranks, cost.ranks_per_node), attention_for(d, cost, attention)))
-
-
 def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], lengths: np.ndarray,
                etas: np.ndarray, cost: CostModel, num_ranks: int, solver: dict[str, Any],
                attention: str = "ring") -> Plan:
@@ -95,15 +34,11 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     attn, lin, tok = cost.terms(lengths, etas)
     flat = [(m, tuple(int(r) for r in ranks), tuple(sorted(int(s) for s in samples)))
             for m, groups in enumerate(micro_batches) for ranks, samples in groups if len(samples)]
-    A, B, S = bin_sums([g[2] for g in flat], attn, lin, tok)
-    d = np.fromiter((len(g[1]) for g in flat), dtype=np.int64, count=len(flat))
-    rpn = cost.ranks_per_node
-    inter = np.fromiter((spans_nodes(g[1], rpn) for g in flat), dtype=bool, count=len(flat))
     if attention == "best":         # each group on its fastest kind (dhp's per-group choice)
-        kinds, times = best_kinds(cost, A, B, S, d, inter, [g[1] for g in flat])
+        kinds = best_kinds(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok))
     else:
-        kinds = [attention_for(int(x), cost, attention) for x in d.tolist()]
-        times = kind_times(cost, A, B, S, d, inter, kinds)
+        kinds = [attention_for(len(g[1]), cost, attention) for g in flat]
+    times, S, d = price_groups(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok), kinds, cost.ranks_per_node)
     mems = S * cost.mem_per_token / d
     over = np.flatnonzero(mems > cost.memory_budget * (1 + 1e-9))
     if over.size:

@@ -42,6 +42,7 @@ which is the paper's model above):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -49,6 +50,8 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.checks import positive_int
+from dhp_jax.data.layout import bucket_length
 from dhp_jax.planner import presets
 from dhp_jax.planner.plan import attention_split
 
@@ -299,21 +302,17 @@ class CostModel:
         return d if self.compute_lanes is None else np.minimum(d, float(self.compute_lanes))
 
     def padded_length(self, tokens: Any, degree: Any) -> np.ndarray:
-        """The executor's padded stream length for `tokens` on `degree` ranks (vectorised
-        `dhp_jax.data.layout.bucket_length` with this model's ladder); `tokens` itself when unpadded."""
+        """The executor's padded stream length for `tokens` on `degree` ranks: the one bucket rule,
+        `dhp_jax.data.layout.bucket_length`, with this model's ladder, element-wise (broadcast);
+        `tokens` itself when unpadded."""
         S = np.asarray(tokens, dtype=np.float64)
         if not self.bucket_min:
             return S
-        d = np.asarray(degree, dtype=np.float64)
-        n = np.maximum(np.ceil(S), 1.0)
-        rung = np.full(np.shape(n), float(self.bucket_min))
-        k = 0
-        # walk the ladder ceil(min * growth^k) exactly as layout.ladder does (no float log rounding)
-        while np.any(rung < n):
-            k += 1
-            rung = np.where(rung < n, float(math.ceil(self.bucket_min * self.bucket_growth ** k)), rung)
-        step = 2.0 * d
-        return np.ceil(rung / step) * step
+        n, d = np.broadcast_arrays(np.ceil(S), np.asarray(degree, dtype=np.float64))
+        pairs, inverse = np.unique(np.stack([n.reshape(-1), d.reshape(-1)]), axis=1, return_inverse=True)
+        rungs = np.array([_bucket(int(k), int(g), int(self.bucket_min), float(self.bucket_growth))
+                          for k, g in pairs.T.tolist()], dtype=np.float64)
+        return rungs[inverse.reshape(-1)].reshape(n.shape)
 
     def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
              inter_node: bool | None = None, attention: str = "ring") -> float:
@@ -395,6 +394,10 @@ class CostModel:
         return dataclasses.replace(self, **changes)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _bucket(tokens: int, degree: int, min_bucket: int, growth: float) -> int:
+    return bucket_length(tokens, degree, min_bucket, growth)
+
+
 def _check_degree(degree: Any, name: str = "degree") -> None:
-    if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree < 1:
-        raise ValueError(f"{name} must be a positive integer, got {degree!r}")
+    positive_int(degree, name)
