@@ -12,6 +12,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "planner": ("dhp_jax.planner.bench", "solve time median/p99 over (ranks, batch) sizes"),
     "executor": ("dhp_jax.sharding.bench", "host overhead of a DHP step on the local devices"),
     "manifest": ("dhp_jax.data.manifest_bench", "manifest lines parsed per second"),
+    "ulysses": ("dhp_jax.train.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
 }
 
 
