@@ -15,16 +15,12 @@ from dhp_jax.planner import plan_batch
 from dhp_jax.planner.pricing import step_time
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches
+from experiments.exp_end_to_end import DEFAULTS as E1
 
+# experiment 1's settings (models, mixes, cluster, batch), two batches per setting
 DEFAULTS: dict[str, Any] = {
-    "models": ["internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b"],
-    "datasets": ["openvid", "internvid", "msrvtt"],
-    "hardware": "ascend-910b",
-    "nodes": 8,
-    "ranks_per_node": 8,
-    "batch": 512,
+    **{k: E1[k] for k in ("models", "datasets", "hardware", "nodes", "ranks_per_node", "batch", "freeze_vision")},
     "steps": 2,
-    "freeze_vision": False,
     # name -> CostModel field overrides ("preset": the hardware preset as it is)
     "variants": {"preset": {}, "ring traffic not overlapped": {"comm_overlap": False}},
 }

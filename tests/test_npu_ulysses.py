@@ -10,7 +10,7 @@ import pytest
 
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
 from npu_backend.launch import run_world
-from test_npu_executor import _check_exact, _grads, _setup
+from test_npu_executor import _check_exact, _exactness_worker, _setup
 from test_npu_model import reference_case
 
 PLANS = {
@@ -32,15 +32,9 @@ def _worker(rank: int, world: int, config, params, samples, plans) -> dict:
     import torch
     from torch.distributed import distributed_c10d as c10d
 
-    model, ex = _setup(config, params)
     pgs = c10d.get_pg_count()
-    out = {}
-    for name, plan in plans.items():
-        loss, tokens, _ = ex.loss_and_grads(plan, samples)
-        g = _grads(model)
-        out[name] = {"loss": loss, "tokens": tokens, "checksum": float(sum(np.abs(v).sum() for v in g.values())),
-                     "grads": g if rank == 0 else None}
-    sent = ex.tensors_sent
+    out = _exactness_worker(rank, world, config, params, samples, plans)
+    model, ex = _setup(config, params)
     cycle = [*plans.values(), RING]
     losses = []
     for step in range(20):
@@ -48,7 +42,7 @@ def _worker(rank: int, world: int, config, params, samples, plans) -> dict:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad, alpha=-0.05)
-    out["run"] = {"pg_before": pgs, "pg_after": c10d.get_pg_count(), "losses": losses, "sent": sent}
+    out["run"] = {"pg_before": pgs, "pg_after": c10d.get_pg_count(), "losses": losses, "sent": ex.tensors_sent}
     return out
 
 
