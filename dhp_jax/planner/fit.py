@@ -67,7 +67,7 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
             A0, L1 = float(((1 + e) * L * L).sum()), float(L.sum())
         kind = m.get("attention", "ring")
         try:
-            R, X, msgs = (float(x) for x in base.traffic(L1, d, kind))
+            R, X, msgs, _ = (float(np.asarray(x)) for x in base.traffic(L1, d, kind))
         except ValueError as err:
             raise ValueError(f"measurement {i}: {err}") from None
         rows.append((A0, L1, float((np.sqrt(e) * L).sum()), int(d), inter, t, R, X, msgs, kind == "ring"))

@@ -69,7 +69,8 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
         idx = np.flatnonzero(d == deg)
         for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
             u = attention_split(kind, deg)[0]
-            ok = idx[[node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
+            # a group inside one node has node-local sub-groups; only spanning groups need a look
+            ok = idx[[not inter[i] or node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
             if not ok.size:
                 continue
             t = cost.group_times(A[ok], B[ok], S[ok], deg, inter[ok], kind)
