@@ -15,6 +15,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "attention": ("dhp_jax.train.attention_bench",
                   "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
     "memory": ("dhp_jax.sharding.memory_bench", "compiled bytes of the group program vs the CostModel memory"),
+    "ulysses": ("dhp_jax.train.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
 }
 
 

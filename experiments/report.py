@@ -185,10 +185,22 @@ def tail_sweep(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def attention_choice(r: dict[str, Any]) -> str:
+    lines = ["| cost model | model | data | DHP (s) | DHP ring-only (s) | speed-up | multi-rank groups by kind | how |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        kinds = ", ".join(f"{k} {n}" for k, n in row["multi_rank_groups"].items())
+        lines.append(f"| {row['variant']} | {row['model']} | {row['dataset']} | {row['step_s']['dhp']:.2f} | "
+                     f"{row['step_s']['dhp ring-only']:.2f} | **{row['speedup']:.3f}x** | {kinds} | "
+                     f"{_short(row['label'])} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
     "case_study": case_study, "optimality": optimality, "ablations": ablations, "sensitivity": sensitivity,
     "tail_sweep": tail_sweep,
+    "attention_choice": attention_choice,
 }
 
 

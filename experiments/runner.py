@@ -36,6 +36,7 @@ REGISTRY: dict[str, str] = {
     "ablations": "experiments.exp_ablations",
     "sensitivity": "experiments.exp_sensitivity",
     "tail_sweep": "experiments.exp_tail_sweep",
+    "attention_choice": "experiments.exp_attention_choice",
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")

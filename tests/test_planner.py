@@ -131,8 +131,10 @@ def test_non_power_of_two_split_beats_every_power_of_two_plan():
                     + [max(COST.time([lengths[0]], a), COST.time([lengths[1]], b))
                        for a in (1, 2, 4) for b in (1, 2, 4) if a + b <= 8])
     assert plan.micro_batches[0].est_makespan_s < best_pow2 / 1.05
-    pow2 = plan_batch(lengths, 8, COST, degrees="pow2")
+    pow2 = plan_batch(lengths, 8, COST, degrees="pow2", attention="ring")    # best_pow2 is ring-only
     assert pow2.micro_batches[0].est_makespan_s == pytest.approx(best_pow2, rel=1e-12)
+    # the per-group attention choice never prices a group above its ring time
+    assert plan_batch(lengths, 8, COST, degrees="pow2").micro_batches[0].est_makespan_s <= best_pow2
     # 3 + 5 share one node of 8: nobody spans nodes
     assert not any(spans_nodes(g.ranks, 8) for g in plan.groups)
 

@@ -32,7 +32,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
                node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
                node_limit: int | None = None,
-               every_rank: bool = False) -> Plan:
+               every_rank: bool = False, attention: str = "best") -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
@@ -41,6 +41,9 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     skips the re-balancing. `time_limit_s` bounds the MILP of "milp" (and, when given, "flexsp"'s,
     which otherwise stops at its node limit only); `node_limit` bounds the "milp" reference by
     branch-and-bound nodes, a work limit that gives the same answer on any machine at any load.
+    `attention` (for "dhp"): "best" gives each group the attention kind the cost model says is
+    fastest (ring, Ulysses, or a Ulysses x ring hybrid the head count allows); "ring" keeps every
+    group on the ring (the ablation).
     `every_rank=True` is for executors in which every rank must run some group (the torch backend):
     a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
     samples than ranks) joins the slowest group instead.
@@ -50,10 +53,13 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     prob = prepare(samples_or_lengths, num_ranks, cost, etas, ranks_per_node)
     cost, N = prob.cost, prob.num_ranks
     t0, c0 = time.perf_counter(), time.thread_time()
-    attention = "ring"
+    if attention not in ("best", "ring"):
+        raise PlanningError(f"attention must be 'best' (per-group choice) or 'ring', got {attention!r}")
+    mode, attention = attention, "ring"
     extra: dict[str, Any] = {}
     if strategy == "dhp":
         mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine)
+        attention = mode
     elif strategy.startswith("static-ring:") or strategy.startswith("static-ulysses:"):
         kind, _, arg = strategy.partition(":")
         attention = "ring" if kind == "static-ring" else "ulysses"

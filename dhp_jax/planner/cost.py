@@ -65,6 +65,7 @@ import numpy as np
 from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import bucket_length
 from dhp_jax.planner import memory as engine_memory, presets
+from dhp_jax.planner.plan import attention_split
 
 COST_SCHEMA = "dhp.cost/v1"
 DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (PAPER.md: 8 x 8)
@@ -288,17 +289,18 @@ class CostModel:
 
     def sent_tokens(self, tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray:
         """Tokens' worth of traffic one rank sends for a stream of `tokens` on `degree` ranks (see the
-        module docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses."""
-        S, d = np.asarray(tokens, dtype=np.float64), np.asarray(degree, dtype=np.float64)
-        if attention == "ring":
-            return S * (d - 1.0) / d
-        if attention == "ulysses":
-            return S / d * (d - 1.0) / d
-        raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
+        module docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses (`traffic` counts them)."""
+        if attention not in ("ring", "ulysses"):
+            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
+        ring_tok, a2a_tok, _, _ = self.traffic(tokens, degree, attention)
+        return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
 
     def group_times(self, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
-                    attention: str = "ring") -> np.ndarray:
-        """Vectorised T for groups with summed terms A, B, S at `degree` (all broadcast together)."""
+                    attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
+        """Vectorised T for groups with summed terms A, B, S at `degree` (all broadcast together).
+
+        `attention` is a group's kind; the family "hybrid" with `ulysses` = u prices Ulysses over u
+        ranks times a ring over degree/u for groups of varying degree (e.g. every degree at once)."""
         A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
         d = np.asarray(degree, dtype=np.float64)
         inter = d > self.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
@@ -309,12 +311,49 @@ class CostModel:
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
-        comm = self.comm_per_token(inter, attention) * self.sent_tokens(S, d, attention) + lat * (d - 1.0) * (d / p)
-        if attention == "ring" and self.comm_overlap:
-            excess = np.maximum(comm - A / p, 0.0)
-        else:  # Ulysses' all-to-alls sit between the attention and the layers around it
-            excess = comm
-        return (A + B) / p + self.b1 * (d / p) + excess
+        ring_tok, a2a_tok, msgs, u = self.traffic(S, d, attention, ulysses)
+        ring = 0.0 if attention == "ulysses" else self.comm_per_token(inter, "ring") * ring_tok
+        # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
+        a2a_inter = inter if attention in ("ring", "ulysses") else u > self.ranks_per_node
+        a2a = 0.0 if attention == "ring" else self.comm_per_token(a2a_inter, "ulysses") * a2a_tok
+        lat_s = lat * msgs * (d / p)
+        # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
+        # all-to-alls sit between attention and the layers around it and never do
+        hidden = ring + (lat_s if attention == "ring" else 0.0)
+        exposed = a2a + (0.0 if attention == "ring" else lat_s)
+        if self.comm_overlap:
+            hidden = np.maximum(hidden - A / p, 0.0)
+        return (A + B) / p + self.b1 * (d / p) + exposed + hidden
+
+    def traffic(self, S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
+                ) -> tuple[Any, Any, Any, Any]:
+        """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
+        and at the all-to-all's per-token Q/K/V/O size, and how many messages in sequence:
+
+        ring:           S (d-1)/d ring tokens,              d-1 messages
+        ulysses:        (S/d) (d-1)/d all-to-all tokens,    d-1 messages
+        hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
+                        tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
+                        keeps 1/u of the heads), (u-1) + (r-1) messages.
+        The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
+        per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
+        the family "hybrid" takes u from `ulysses` and r = d / u per group."""
+        S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
+        if attention == "ring":
+            return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
+        if attention == "ulysses":
+            return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
+        if attention == "hybrid":
+            if ulysses is None or int(ulysses) < 1 or np.any(d % int(ulysses)):
+                raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
+            u = float(ulysses)
+        else:
+            degrees = np.unique(d).astype(int).tolist()
+            if len(degrees) != 1:
+                raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
+            u = float(attention_split(attention, degrees[0])[0])
+        r = d / u
+        return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.full(np.shape(d), u)
 
     def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
                   ) -> np.ndarray:

@@ -96,7 +96,7 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
         work = ex.prepare(samples, plan)
         t1 = time.perf_counter()
         for w in work:
-            ex.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+            ex.executable(params, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         t2 = time.perf_counter()
         rows = ex.dispatch(ex.flat_params(params), work)
         t3 = time.perf_counter()

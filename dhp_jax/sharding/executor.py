@@ -46,11 +46,13 @@ from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, 
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import chunked_loss_sum, init_params
+from dhp_jax.planner.kinds import RING, check_attention
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.flat import FlatLayout
-from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
+from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
 from dhp_jax.sharding.tiles import DEFAULT_TILE
+from dhp_jax.sharding.ulysses import group_attention_fn
 
 
 @dataclasses.dataclass
@@ -61,12 +63,12 @@ class _GroupWork:
     index: int
     devices: tuple[jax.Device, ...]
     layout: GroupLayout
+    attention: str = RING
 
 
 # Host -> device traffic per group is two arrays: every int column in one int32[S, 8] and the
 # float columns in one float32[S, patch_dim + 1] (pixels, then loss_weights).
 COMPUTE_DTYPES = ("float32", "bfloat16")
-ATTENTION_KINDS = ("ring",)     # the group attention kinds this executor runs (Plan Group.attention)
 INT_COLUMNS = tuple(k for k in ARRAY_NAMES if k not in FLOAT_ARRAYS)
 
 
@@ -149,17 +151,18 @@ class PlanExecutor:
     # ------------------------------------------------------------------ counters
     @property
     def num_compiles(self) -> int:
-        """XLA executables built for groups so far (one per (degree, bucket, devices))."""
+        """XLA executables built for groups so far (one per (degree, bucket, devices, attention))."""
         return len(self._executables)
 
     @property
     def num_programs(self) -> int:
-        """Distinct (degree, bucket) group programs so far."""
-        return len({(d, b) for d, b, _ in self._executables})
+        """Distinct (degree, bucket, attention) group programs so far."""
+        return len({(d, b, a) for d, b, _, a in self._executables})
 
     @property
-    def executable_keys(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(d, b, tuple(x.id for x in devs)) for d, b, devs in self._executables]
+    def executable_keys(self) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """(degree, bucket, device ids, attention kind) of every executable built."""
+        return [(d, b, tuple(x.id for x in devs), a) for d, b, devs, a in self._executables]
 
     # ------------------------------------------------------------------ planning-side work
     def prepare(self, samples: Sequence[Sample], plan: Plan) -> list[_GroupWork]:
@@ -171,10 +174,10 @@ class PlanExecutor:
         self.ranks.check_plan(plan, len(samples))
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
-                if g.attention not in ATTENTION_KINDS:
-                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): attention "
-                                              f"{g.attention!r} cannot run here; this executor runs "
-                                              f"{', '.join(ATTENTION_KINDS)} groups")
+                try:
+                    check_attention(g.attention, g.degree, self.config.num_heads)
+                except ValueError as e:
+                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
         work = []
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
@@ -183,14 +186,14 @@ class PlanExecutor:
                                      min_bucket=self.min_bucket, growth=self.growth)
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
-                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay))
+                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay, g.attention))
         if sum(w.layout.num_loss_tokens for w in work) == 0:
             raise ValueError("the batch has no text token followed by a text token: the loss is undefined")
         return work
 
-    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The executable keys (degree, bucket, device ids) a plan needs, without compiling."""
-        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices))
+    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """The executable keys (degree, bucket, device ids, attention) a plan needs, without compiling."""
+        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices), w.attention)
                 for w in self.prepare(samples, plan)]
 
     def _bind(self, params: Any) -> None:
@@ -205,29 +208,43 @@ class PlanExecutor:
             raise ValueError("params do not have the structure (tree, shapes, dtypes) of this executor's "
                              f"model {self.config.name!r}")
 
-    def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...]):
-        """The compiled group program for (degree, bucket) on `devices`, built once. `params` (a
-        tree of arrays or `jax.ShapeDtypeStruct`s, or None) is only checked against the model."""
-        key = (degree, bucket, devices)
+    def _mesh(self, devices: tuple[jax.Device, ...], attention: str):
+        """(sub-mesh, stream spec) of a group: the `cp` ring mesh, or the 2-D (cp, sp) view of a
+        Ulysses or hybrid group with the stream split over both axes in rank order."""
+        u = check_attention(attention, len(devices), self.config.num_heads)[0]
+        return self.ranks.submesh(devices, u), P(CP_AXIS) if u == 1 else P((CP_AXIS, SP_AXIS))
+
+    def _attention_fn(self, degree: int, attention: str):
+        """The model's attention for a group: the tiled ring (or the executor's own function) for
+        "ring", the all-to-all layouts of `dhp_jax.sharding.ulysses` for the other kinds."""
+        u, r = check_attention(attention, degree, self.config.num_heads)
+        if u > 1:
+            return group_attention_fn(u, r, tile=self.attention_tile)
+        if self._attention is not None:
+            return self._attention(CP_AXIS, degree)
+        return ring_attention_fn(CP_AXIS, degree, tile=self.attention_tile)
+
+    def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...],
+                   attention: str = RING):
+        """The compiled group program for (degree, bucket, attention kind) on `devices`, built once.
+        `params` (a tree of arrays or `jax.ShapeDtypeStruct`s, or None) is only checked against the model."""
+        key = (degree, bucket, devices, attention)
         exe = self._executables.get(key)
         if exe is None:
             if degree < 1 or bucket < 2 * degree or bucket % (2 * degree) or len(devices) != degree:
                 raise ValueError(f"executable: bucket {bucket} must be a positive multiple of 2*degree "
                                  f"(degree {degree}, {len(devices)} devices)")
             self._bind(params)
-            exe = self._executables[key] = self.lower(degree, bucket, devices).compile(
+            exe = self._executables[key] = self.lower(degree, bucket, devices, attention).compile(
                 compiler_options=self.compiler_options)
         return exe
 
-    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...]):
+    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
         """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
-        mesh = self.ranks.submesh(devices)
-        attn = (ring_attention_fn(CP_AXIS, degree, tile=self.attention_tile) if self._attention is None
-                else self._attention(CP_AXIS, degree))
-        fn = jax.shard_map(group_program(self.config, degree, self.layout, attn), mesh=mesh,
-                           in_specs=(P(), P(CP_AXIS), P(CP_AXIS)), out_specs=(P(CP_AXIS), P(CP_AXIS)),
-                           check_vma=False)
-        rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, P(CP_AXIS))
+        mesh, spec = self._mesh(devices, attention)
+        fn = jax.shard_map(group_program(self.config, degree, self.layout, self._attention_fn(degree, attention)),
+                           mesh=mesh, in_specs=(P(), spec, spec), out_specs=(spec, spec), check_vma=False)
+        rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
         args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),
                 jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),
                 jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
@@ -239,7 +256,7 @@ class PlanExecutor:
         before = self.num_compiles
         tree = None if isinstance(params, jax.Array) and params.ndim == 1 else params
         for w in self._local(self.prepare(samples, plan)):
-            self.executable(tree, w.layout.degree, w.layout.bucket, w.devices)
+            self.executable(tree, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         return self.num_compiles - before
 
     # ------------------------------------------------------------------ the sharded state
@@ -303,13 +320,13 @@ class PlanExecutor:
         return self.gather(self.shard(params))
 
     # ------------------------------------------------------------------ device-side work
-    def _views(self, flat: jax.Array, device_sets: Sequence[tuple[jax.Device, ...]]) -> dict:
-        """The flat params seen on each sub-mesh: the same per-device buffers, no copy."""
+    def _views(self, flat: jax.Array, groups: Sequence[tuple[tuple[jax.Device, ...], str]]) -> dict:
+        """The flat params seen on each (devices, attention) sub-mesh: the same per-device buffers, no copy."""
         by_dev = {s.device: s.data for s in flat.addressable_shards}
-        return {devs: jax.make_array_from_single_device_arrays(
-                    flat.shape, NamedSharding(self.ranks.submesh(devs), P()),
+        return {(devs, kind): jax.make_array_from_single_device_arrays(
+                    flat.shape, NamedSharding(self._mesh(devs, kind)[0], P()),
                     [by_dev[d] for d in devs if d in by_dev])
-                for devs in device_sets}
+                for devs, kind in groups}
 
     def _local(self, work: Sequence[_GroupWork]) -> list[_GroupWork]:
         """The groups this process takes part in (all of them in a single-process run)."""
@@ -328,13 +345,13 @@ class PlanExecutor:
         """Launch every group (asynchronously); per micro-batch, each device's (stats, grads) rows."""
         rows: dict[int, dict[jax.Device, tuple]] = {m: {} for m in sorted({w.micro_batch for w in work})}
         work = self._local(work)
-        views = self._views(flat, {w.devices for w in work})
+        views = self._views(flat, {(w.devices, w.attention) for w in work})
         for w in work:
             lay = w.layout
-            exe = self.executable(None, lay.degree, lay.bucket, w.devices)
-            cp = NamedSharding(self.ranks.submesh(w.devices), P(CP_AXIS))
+            exe = self.executable(None, lay.degree, lay.bucket, w.devices, w.attention)
+            cp = NamedSharding(*self._mesh(w.devices, w.attention))
             ints, floats = pack_inputs(lay)
-            stats, grads = exe(views[w.devices], jax.device_put(ints, cp), jax.device_put(floats, cp))
+            stats, grads = exe(views[(w.devices, w.attention)], jax.device_put(ints, cp), jax.device_put(floats, cp))
             gby = {s.device: s.data for s in grads.addressable_shards}
             rows[w.micro_batch].update((s.device, (s.data, gby[s.device])) for s in stats.addressable_shards)
         return [rows[m] for m in sorted(rows)]
@@ -360,7 +377,7 @@ class PlanExecutor:
         token-mean loss (replicated) and its gradient fp32[P_pad] (sharded the same way) out."""
         work = self.prepare(samples, plan)
         for w in self._local(work):             # compile anything missing (this process's groups)
-            self.executable(None, w.layout.degree, w.layout.bucket, w.devices)
+            self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         return self.reduce(self.dispatch(self.gather(master), work))
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:
