@@ -49,11 +49,12 @@ class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
 
     def __init__(self, cost: CostModel, attention: str):
-        # shared lanes, padded buckets or no overlap: the closed form below does not hold; price
-        # every evaluation with the cost model itself so the search stays exact for it
+        # shared lanes or no overlap: the closed form below does not hold; price every evaluation
+        # with the cost model itself so the search stays exact for it
         self.exact = None
-        if cost.compute_lanes is not None or cost.bucket_min or not cost.comm_overlap:
+        if cost.compute_lanes is not None or not cost.comm_overlap:
             self.exact = (cost, attention)
+        self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
         self.c_intra = float(cost.comm_per_token(False, attention))
@@ -64,6 +65,12 @@ class _ScalarTime:
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
             return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
+        c = self.cost
+        if c.bucket_min:
+            P = c.padded_length(S, d)
+            if c.padded_attention:
+                A = c.a1 * P * P
+            B, S = B + c.a2 * (P - S), P
         if d > self.rpn:
             comm = self.c_inter * S * (d - 1) / d + self.l_inter * (d - 1)
         else:

@@ -43,8 +43,10 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
         times = np.where(uly, cost.group_times(A, B, S, d, inter, "ulysses"), cost.group_times(A, B, S, d, inter))
     else:
         times = cost.group_times(A, B, S, d, inter, attention)
-    mems = S * cost.mem_per_token / d
-    over = np.flatnonzero(mems > cost.memory_budget * (1 + 1e-9))
+    # the padded stream is what a rank holds; the bucket rule clamps padding to the budget, so a
+    # group is infeasible exactly when its real tokens are
+    mems = cost.padded_length(S, d) * cost.mem_per_token / d
+    over = np.flatnonzero(S * cost.mem_per_token / d > cost.memory_budget * (1 + 1e-9))
     if over.size:
         m, ranks, samples = flat[int(over[0])]
         raise PlanValidationError(f"micro-batch {m} group on ranks {list(ranks)}: needs "

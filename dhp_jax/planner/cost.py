@@ -29,11 +29,14 @@ which is the paper's model above):
   its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
   planner's exact allocation is exact for the per-group model, and candidates are compared with it).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
-  `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d) and
-  evaluates every (query, key) pair of each ring block under a mask (blocks are skipped only when
-  wholly masked, which zigzag chunks almost never are). With `bucket_min > 0` a group therefore
-  costs A = a1 P^2 (dense, whatever the packing and eta), B = sum_k (...) L_k + a2 (P - S) and ring
-  traffic of P tokens, where P is the padded length.
+  `dhp_jax.data.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
+  clamped to the memory budget), the one bucket rule. With `bucket_min > 0` the pad tokens go
+  through the linear layers and around the ring: B = sum_k (...) L_k + a2 (P - S), ring traffic of P
+  tokens, memory P mem_per_token / d, where P is the padded length. Every preset prices it.
+- `padded_attention`: how attention treats the padded stream. True (XLA:CPU, the fitted CPU
+  profiles): every (query, key) pair of each ring block is evaluated under a mask (zigzag chunks are
+  almost never wholly masked), so A = a1 P^2 whatever the packing and eta. False (the accelerator
+  presets: fused attention kernels skip masked tiles): A stays the real samples' attention.
 - `comm_overlap`: whether ring traffic runs alongside the attention blocks (True: a DMA engine or
   NIC moves K/V while the cores compute). Fake CPU devices copy with the same cores that compute,
   so nothing overlaps: T = (A + B)/p + b1 + T_cm.
@@ -49,6 +52,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_lengths
 from dhp_jax.planner import presets
 
 COST_SCHEMA = "dhp.cost/v1"
@@ -94,6 +98,7 @@ class CostModel:
         compute is split min(d, lanes) ways; the ranks' fixed work b1 and ring latency lat (d-1) are
         multiplied by d / min(d, lanes).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
+    padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     """
 
@@ -120,6 +125,7 @@ class CostModel:
     bucket_min: int = 0
     bucket_growth: float = 2.0
     comm_overlap: bool = True
+    padded_attention: bool = True
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -189,7 +195,8 @@ class CostModel:
             lat_inter=m.layers * passes * hw.lat_inter, mem_per_token=float(mem_per_token),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
             grad_bytes=float(2 * m.params), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
-            compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap)
+            compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap,
+            bucket_min=MIN_BUCKET, bucket_growth=GROWTH, padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
@@ -222,7 +229,8 @@ class CostModel:
         lat = np.where(inter, self.lat_inter, self.lat_intra)
         if self.bucket_min:
             P = self.padded_length(S, d)
-            A = self.a1 * P * P           # dense blocks: every pair of the padded stream
+            if self.padded_attention:
+                A = self.a1 * P * P       # dense blocks: every pair of the padded stream
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
@@ -273,21 +281,10 @@ class CostModel:
         return d if self.compute_lanes is None else np.minimum(d, float(self.compute_lanes))
 
     def padded_length(self, tokens: Any, degree: Any) -> np.ndarray:
-        """The executor's padded stream length for `tokens` on `degree` ranks (vectorised
-        `dhp_jax.data.layout.bucket_length` with this model's ladder); `tokens` itself when unpadded."""
-        S = np.asarray(tokens, dtype=np.float64)
-        if not self.bucket_min:
-            return S
-        d = np.asarray(degree, dtype=np.float64)
-        n = np.maximum(np.ceil(S), 1.0)
-        rung = np.full(np.shape(n), float(self.bucket_min))
-        k = 0
-        # walk the ladder ceil(min * growth^k) exactly as layout.ladder does (no float log rounding)
-        while np.any(rung < n):
-            k += 1
-            rung = np.where(rung < n, float(math.ceil(self.bucket_min * self.bucket_growth ** k)), rung)
-        step = 2.0 * d
-        return np.ceil(rung / step) * step
+        """The executor's padded stream length for `tokens` on `degree` ranks (the one bucket rule,
+        `dhp_jax.data.layout.bucket_lengths`, with this model's ladder); `tokens` when unpadded."""
+        return bucket_lengths(tokens, degree, self.bucket_min, self.bucket_growth, self.max_tokens_per_rank) \
+            if self.bucket_min else np.asarray(tokens, dtype=np.float64)
 
     def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
              inter_node: bool | None = None, attention: str = "ring") -> float:
@@ -297,9 +294,10 @@ class CostModel:
         return float(self.group_times(attn.sum(), lin.sum(), tok.sum(), degree, inter_node, attention))
 
     def memory(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
-        """Activation bytes per rank of a group of `degree` ranks holding these sequences."""
+        """Activation bytes per rank of a group of `degree` ranks holding these sequences (the
+        padded stream: `padded_length`)."""
         _check_degree(degree)
-        return float(_as_lengths(lengths).sum() * self.mem_per_token / degree)
+        return float(self.padded_length(_as_lengths(lengths).sum(), degree) * self.mem_per_token / degree)
 
     def min_degree(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Least degree at which each single sequence fits the memory budget (int64[K])."""
