@@ -12,6 +12,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "planner": ("dhp_jax.planner.bench", "solve time median/p99 over (ranks, batch) sizes"),
     "executor": ("dhp_jax.sharding.bench", "host overhead of a DHP step on the local devices"),
     "manifest": ("dhp_jax.data.manifest_bench", "manifest lines parsed per second"),
+    "compiles": ("dhp_jax.train.compiles_bench", "programs, executables per process and padding of DHP plans"),
 }
 
 

@@ -35,6 +35,7 @@ REGISTRY: dict[str, str] = {
     "optimality": "experiments.exp_optimality",
     "ablations": "experiments.exp_ablations",
     "sensitivity": "experiments.exp_sensitivity",
+    "compiles": "experiments.exp_compiles",
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")

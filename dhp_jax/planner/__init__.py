@@ -10,6 +10,7 @@ _LAZY = {
     "CostModel": "dhp_jax.planner.cost",
     "plan_batch": "dhp_jax.planner.api",
     "STRATEGIES": "dhp_jax.planner.api",
+    "ProgramCache": "dhp_jax.planner.programs",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 __all__ = ["SCHEMA", "Group", "MicroBatch", "Plan", "PlanningError", "PlanValidationError", *_LAZY]

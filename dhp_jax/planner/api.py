@@ -15,11 +15,12 @@ import numpy as np
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
 from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
-from dhp_jax.planner.build import build_plan
+from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place, spans_nodes
 from dhp_jax.planner.plan import Plan, PlanningError, PlanValidationError
+from dhp_jax.planner.programs import ProgramCache, reuse_ranks
 from dhp_jax.planner.refine import refine as refine_groups
 
 STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>", "static-ulysses:best",
@@ -212,7 +213,8 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
 
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
-              node_aware: bool = True, refine: bool = True) -> tuple[list, dict[str, Any]]:
+              node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None
+              ) -> tuple[list, dict[str, Any]]:
     """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
     micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
     and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
@@ -283,7 +285,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     chosen = None
     for total, M, sols in finalists:
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
-        actual = sum(d[2] for d in done)
+        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
@@ -326,6 +328,15 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
                      "shared_lanes_uniform_degree": best[2]}
 
 
+def _compile_price(prob: Problem, done: list, programs: ProgramCache | None) -> float:
+    """Seconds a candidate pays for the programs it needs that no earlier plan needed."""
+    if programs is None or not programs.compile_s:
+        return 0.0
+    keys = [(len(r), int(p), ()) for groups, ranks, _ in done for g, r in zip(groups, ranks)
+            for p in padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost).reshape(1)]
+    return programs.compile_s * len(programs.new_programs(keys))
+
+
 def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bool, node_aware: bool
                       ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:
     """Refine, place on ranks, shrink node-spanning groups where that is faster; placed makespan."""
@@ -359,7 +370,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
                node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
-               every_rank: bool = False) -> Plan:
+               every_rank: bool = False, programs: ProgramCache | None = None) -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
@@ -369,6 +380,9 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     `every_rank=True` is for executors in which every rank must run some group (the torch backend):
     a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
     samples than ranks) joins the slowest group instead.
+    `programs` (a `ProgramCache` of the plans issued so far; the plan is recorded in it) makes the
+    placement reuse compiled executables and prices new programs at `programs.compile_s` (see
+    `dhp_jax.planner.programs`).
     """
     if not isinstance(strategy, str):
         raise PlanningError(f"strategy must be a string, got {strategy!r}")
@@ -378,7 +392,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     attention = "ring"
     extra: dict[str, Any] = {}
     if strategy == "dhp":
-        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine)
+        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs)
     elif strategy.startswith("static-ring:") or strategy.startswith("static-ulysses:"):
         kind, _, arg = strategy.partition(":")
         attention = "ring" if kind == "static-ring" else "ulysses"
@@ -398,8 +412,26 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     plan = build_plan(mbs, prob.lengths, prob.etas, cost, N, solver, attention)  # checks memory, vectorised
     if every_rank:
         plan = _use_every_rank(plan, prob, solver, attention)
+    if programs is not None:
+        plan = reuse_placement(plan, prob.lengths, prob.etas, cost, programs, attention)
     plan.validate(num_samples=len(prob.lengths))
     return plan
+
+
+def reuse_placement(plan: Plan, lengths: Any, etas: Any, cost: CostModel, programs: ProgramCache,
+                    attention: str = "ring") -> Plan:
+    """The plan with equally fast rank tuples swapped so that groups land where their program is
+    already compiled (`dhp_jax.planner.programs.reuse_ranks`; group times unchanged); the result
+    is recorded in `programs`."""
+    rpn = plan.ranks_per_node or plan.num_ranks
+    mbs = []
+    for mb in plan.micro_batches:
+        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks) for g in mb.groups], rpn, programs)
+        mbs.append([(r, list(g.samples)) for r, g in zip(ranks, mb.groups)])
+    out = build_plan(mbs, np.asarray(lengths), np.zeros(len(lengths)) if etas is None else np.asarray(etas, float),
+                     cost, plan.num_ranks, dict(plan.solver), attention)
+    programs.add(out)
+    return out
 
 
 def _use_every_rank(plan: Plan, prob: Problem, solver: dict[str, Any], attention: str) -> Plan:

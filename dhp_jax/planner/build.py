@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.data.layout import bucket_lengths
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
@@ -17,6 +18,14 @@ def attention_for(degree: int, cost: CostModel, attention: str) -> str:
     if attention == "auto":
         return "ulysses" if cost.ulysses_ok(degree) else "ring"
     return attention
+
+
+def padded_tokens(tokens: Any, degree: Any, cost: CostModel) -> np.ndarray:
+    """The stream lengths the executors run (the one bucket rule, `dhp_jax.data.layout.bucket_lengths`,
+    on the cost model's ladder; the executors' default ladder when the model prices no padding)."""
+    if cost.bucket_min:
+        return np.asarray(cost.padded_length(np.asarray(tokens, float), degree)).astype(np.int64)
+    return bucket_lengths(np.asarray(tokens, float), degree).astype(np.int64)
 
 
 def group_time(samples: Sequence[int], ranks: Sequence[int], attn: np.ndarray, lin: np.ndarray,
@@ -53,8 +62,10 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
                                   f"{mems[over[0]] / 2**30:.2f} GiB per rank for samples {list(samples)}, "
                                   f"budget is {cost.memory_budget / 2**30:.2f} GiB")
     per_mb: list[list[Group]] = [[] for _ in micro_batches]
-    for (m, ranks, samples), t, mem in zip(flat, times.tolist(), mems.tolist()):
-        per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, est_time_s=t, est_memory_bytes=mem))
+    padded = padded_tokens(S, d, cost)
+    for (m, ranks, samples), t, mem, n, pn in zip(flat, times.tolist(), mems.tolist(), S.tolist(), padded.tolist()):
+        per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, est_time_s=t, est_memory_bytes=mem,
+                               tokens=int(round(n)), padded_tokens=int(pn)))
     mbs = []
     total = 0.0
     for gs in per_mb:

@@ -30,10 +30,16 @@ class Group:
     samples: tuple[int, ...]
     est_time_s: float = 0.0
     est_memory_bytes: float = 0.0
+    tokens: int = 0
+    padded_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = {"ranks": list(self.ranks), "degree": self.degree, "samples": list(self.samples),
              "est_time_s": self.est_time_s}
+        if self.tokens:
+            d["tokens"] = self.tokens
+        if self.padded_tokens:
+            d["padded_tokens"] = self.padded_tokens
         if self.est_memory_bytes:
             d["est_memory_bytes"] = self.est_memory_bytes
         return d
@@ -214,7 +220,8 @@ def _parse(d: Mapping[str, Any]) -> Plan:
             groups.append(Group(ranks=_int_list(_req(gd, "ranks", where), f"{where} ranks"), degree=degree,
                                 samples=_int_list(_req(gd, "samples", where), f"{where} samples"),
                                 est_time_s=float(gd.get("est_time_s", 0.0)),
-                                est_memory_bytes=float(gd.get("est_memory_bytes", 0.0))))
+                                est_memory_bytes=float(gd.get("est_memory_bytes", 0.0)),
+                                tokens=int(gd.get("tokens", 0)), padded_tokens=int(gd.get("padded_tokens", 0))))
         mbs.append(MicroBatch(tuple(groups), float(mbd.get("est_makespan_s", 0.0))))
     num_ranks = _req(d, "num_ranks", "plan")
     rpn = d.get("ranks_per_node", num_ranks)

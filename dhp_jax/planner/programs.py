@@ -1,0 +1,130 @@
+"""What the executors have compiled, as the planner sees it: programs, executables, reuse placement.
+
+A *program* is one group shape, `(degree, padded_tokens)`: the same XLA computation whatever
+devices run it. An *executable* is a program bound to one device set, `(degree, padded_tokens,
+ranks)`: XLA binds a compiled program to its device assignment, so each new rank tuple of a known
+program is one more compile on every process it touches (unless the backend can load a compiled
+program onto other devices; XLA:CPU cannot).
+
+`ProgramCache` records the plans issued so far. `plan_batch(..., programs=cache)` uses it twice:
+- *placement*: within a micro-batch, groups of the same degree whose rank tuples are equally
+  fast (both inside one node, or both spanning nodes) may swap tuples without changing any group
+  time; the planner gives each group the tuple on which its program already has an executable,
+  where one is free. Step time is unchanged by construction; executables stop multiplying.
+- *compile price*: each program the plan needs that no earlier plan needed costs `compile_s`
+  seconds in the score that picks between candidate plans (measured compile seconds, spread
+  over `amortize_steps` steps when the compile runs in the background).
+
+Pure Python: the planner never imports jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any, Iterable, Sequence
+
+Key = tuple[int, int, tuple[int, ...]]
+
+
+def group_keys(plan: Any) -> list[Key]:
+    """(degree, padded_tokens, ranks) of every group of `plan`, in plan order."""
+    out = []
+    for m, mb in enumerate(plan.micro_batches):
+        for gi, g in enumerate(mb.groups):
+            padded = int(getattr(g, "padded_tokens", 0) or 0)
+            if not padded:
+                raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}) has no padded_tokens: "
+                                 f"program counts need plans from plan_batch (schema v2)")
+            out.append((int(g.degree), padded, tuple(int(r) for r in g.ranks)))
+    return out
+
+
+@dataclasses.dataclass
+class ProgramCache:
+    """Programs and executables that the plans issued so far need (see the module docstring).
+
+    `ranks_per_process`: ranks whose devices one process drives (None: one process for all).
+    `compile_s`: the score price of one new program (0: programs are free)."""
+
+    ranks_per_process: int | None = None
+    compile_s: float = 0.0
+    programs: set = dataclasses.field(default_factory=set)
+    executables: set = dataclasses.field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        rpp = self.ranks_per_process
+        if rpp is not None and (isinstance(rpp, bool) or not isinstance(rpp, int) or rpp < 1):
+            raise ValueError(f"ranks_per_process must be None or a positive integer, got {rpp!r}")
+        if not self.compile_s >= 0:
+            raise ValueError(f"compile_s must be >= 0, got {self.compile_s!r}")
+
+    def new_programs(self, keys: Iterable[Key]) -> set:
+        return {(d, p) for d, p, _ in keys} - self.programs
+
+    def add(self, plan: Any) -> int:
+        """Record the plan's groups; returns how many executables are new."""
+        keys = group_keys(plan)
+        before = len(self.executables)
+        self.executables.update(keys)
+        self.programs.update((d, p) for d, p, _ in keys)
+        return len(self.executables) - before
+
+    def processes(self, ranks: Sequence[int]) -> set[int]:
+        rpp = self.ranks_per_process
+        return {0} if rpp is None else {int(r) // rpp for r in ranks}
+
+    def per_process(self) -> dict[int, tuple[int, int]]:
+        """process -> (executables it holds, programs it runs): each counts the groups touching
+        one of its ranks (a group spanning processes is compiled on each of them)."""
+        exes: dict[int, set] = {}
+        progs: dict[int, set] = {}
+        for d, p, ranks in self.executables:
+            for q in self.processes(ranks):
+                exes.setdefault(q, set()).add((d, p, ranks))
+                progs.setdefault(q, set()).add((d, p))
+        return {q: (len(exes[q]), len(progs[q])) for q in sorted(exes)}
+
+    def summary(self) -> dict[str, Any]:
+        per = self.per_process()
+        exe = [e for e, _ in per.values()] or [0]
+        ratio = [e / p for e, p in per.values() if p] or [0.0]
+        return {"programs": len(self.programs), "executables": len(self.executables),
+                "executables_per_process_max": max(exe), "executables_per_process_median": statistics.median(exe),
+                "executables_per_program_per_process_max": max(ratio),
+                "executables_per_program_per_process_median": statistics.median(ratio)}
+
+
+def reuse_ranks(groups: Sequence[tuple[int, int, tuple[int, ...]]], ranks_per_node: int,
+                cache: ProgramCache) -> list[tuple[int, ...]]:
+    """New rank tuples for one micro-batch's groups `(degree, padded_tokens, ranks)`: tuples are
+    only exchanged between groups of one degree whose tuples are both inside a node or both
+    spanning nodes (so every group time stays the same); a group gets a tuple on which its program
+    already has an executable where one is free, else one on processes that do not run the program
+    yet (a new executable there adds a program too, keeping executables per program low).
+    Deterministic: ties go to plan order and the lowest tuple."""
+    out = [tuple(r) for _, _, r in groups]
+    classes: dict[tuple[int, bool], list[int]] = {}
+    for i, (d, _, r) in enumerate(groups):
+        span = len({x // ranks_per_node for x in r}) > 1
+        classes.setdefault((d, span), []).append(i)
+    for members in classes.values():
+        if len(members) < 2:
+            continue
+        free = sorted(out[i] for i in members)
+        todo = []
+        for i in members:  # first pass: programs with an executable on a free tuple keep it
+            d, p, _ = groups[i]
+            hit = next((t for t in free if (d, p, t) in cache.executables), None)
+            if hit is None:
+                todo.append(i)
+            else:
+                out[i] = hit
+                free.remove(hit)
+        for i in todo:  # the rest: a tuple on processes that already run the program, else the first
+            d, p, _ = groups[i]
+            known = {q for dd, pp, t in cache.executables if (dd, pp) == (d, p) for q in cache.processes(t)}
+            best = min(free, key=lambda t: (len(cache.processes(t) & known), t))
+            out[i] = best
+            free.remove(best)
+    return out
