@@ -26,6 +26,8 @@ devices and contributes only its addressable rows (`_local`); groups may span pr
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
@@ -63,6 +65,14 @@ def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
     ints = np.stack([getattr(layout, k).astype(np.int32) for k in INT_COLUMNS], axis=1)
     floats = np.concatenate([layout.pixels, layout.loss_weights[:, None]], axis=1)
     return ints, floats
+
+
+def planned_bucket(group: Any, samples: Sequence[Sample]) -> int | None:
+    """The stream length the plan chose for this group (`padded_tokens`), when the plan describes
+    these very samples (its `tokens` is their total: a plan of unscaled batches does not); None:
+    the executor's own ladder."""
+    padded, tokens = int(getattr(group, "padded_tokens", 0) or 0), int(getattr(group, "tokens", 0) or 0)
+    return padded if padded and tokens == sum(s.num_tokens for s in samples) else None
 
 
 def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any]):
@@ -117,6 +127,10 @@ class PlanExecutor:
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
+        self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
+        self._building_lock = threading.Lock()
+        self.compile_seconds: list[float] = []           # wall time of every executable built
+        self.last_compile_wait_s = 0.0                    # what the last loss_and_grads waited for compiles
         self._reducers: dict[str, Any] = {}
         self._zeros: dict[jax.Device, jax.Array] = {}
         self._struct: Any = None          # (treedef, shapes, dtypes) of the params tree
@@ -151,7 +165,8 @@ class PlanExecutor:
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
                 try:
-                    lay = pack_group([samples[s] for s in g.samples], g.degree, self.config,
+                    group = [samples[s] for s in g.samples]
+                    lay = pack_group(group, g.degree, self.config, bucket=planned_bucket(g, group),
                                      min_bucket=self.min_bucket, growth=self.growth)
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
@@ -189,10 +204,22 @@ class PlanExecutor:
                              "first called with")
 
     def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...]):
-        """The compiled group program for (degree, bucket) on `devices`, built once."""
+        """The compiled group program for (degree, bucket) on `devices`, built once (thread-safe:
+        a background thread may build the next plan's programs while a step runs)."""
         key = (degree, bucket, devices)
         exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        with self._building_lock:
+            lock = self._building.setdefault(key, threading.Lock())
+        with lock:
+            return self._build(params, key)
+
+    def _build(self, params: Any, key: tuple[int, int, tuple[jax.Device, ...]]):
+        degree, bucket, devices = key
+        exe = self._executables.get(key)
         if exe is None:
+            t0 = time.perf_counter()
             self._bind(params)
             mesh = self.ranks.submesh(devices)
             fn = jax.shard_map(group_program(self.config, degree, self._unravel), mesh=mesh,
@@ -203,6 +230,7 @@ class PlanExecutor:
                     jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
             lowered = jax.jit(fn).lower(*args)
             exe = self._executables[key] = lowered.compile(compiler_options=self.compiler_options)
+            self.compile_seconds.append(time.perf_counter() - t0)
         return exe
 
     def compile_plan(self, samples: Sequence[Sample], plan: Plan, params: Any) -> int:
@@ -289,6 +317,9 @@ class PlanExecutor:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""
         work = self.prepare(samples, plan)
         flat = self.flat_params(params)
-        for w in self._local(work):             # compile anything missing (this process's groups)
+        t0 = time.perf_counter()
+        missing = [w for w in self._local(work) if (w.layout.degree, w.layout.bucket, w.devices) not in self._executables]
+        for w in missing:                       # compile (or wait for a background compile of) what is missing
             self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+        self.last_compile_wait_s = time.perf_counter() - t0 if missing else 0.0
         return self.reduce(self.dispatch(flat, work))

@@ -147,6 +147,9 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                      f"median {s['plan_wait_median_s'] * 1e3:.2f} ms, max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms "
                      f"(planning itself: median {s['plan_solve_median_s'] * 1e3:.2f} ms, in the planner thread); "
                      f"{s.get('num_compiles')} executables compiled")
+    if s.get("steps_waiting_for_compile_after_warmup") is not None:
+        lines.append(f"steps after the first {s['warmup_steps']} that waited for a compile: "
+                     f"{s['steps_waiting_for_compile_after_warmup']} (measured; programs compile ahead in the planner thread)")
     if s.get("compare"):
         lines.extend(format_comparison(s["compare"]))
     lines.append(f"metrics: {s['config']['metrics']['out_dir']}/metrics.jsonl, summary.json, plans.jsonl")

@@ -63,6 +63,7 @@ class PlanSource:
         self.num_ranks, self.cost, self.strategy = num_ranks, cost, strategy
         self.plans = list(plans) if plans else None
         self.num_micro_batches, self.ranks_per_node = num_micro_batches, ranks_per_node
+        self.programs = None  # a planner.programs.ProgramCache: reuse compiled programs, price new ones
         if self.plans is None and cost is None:
             raise ValueError("a PlanSource needs a cost model or a list of plans")
 
@@ -81,6 +82,8 @@ class PlanSource:
                 kwargs["num_micro_batches"] = self.num_micro_batches
             if self.ranks_per_node is not None:
                 kwargs["ranks_per_node"] = self.ranks_per_node
+            if self.programs is not None and self.strategy == "dhp":
+                kwargs["programs"] = self.programs
             plan = plan_batch(batch.samples, self.num_ranks, self.cost, strategy=self.strategy, **kwargs)
         return plan.validate(num_samples=len(batch.samples))
 

@@ -47,6 +47,24 @@ def plan_hash(plan: Any) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
 
+WARMUP_STEPS = 5  # steps allowed to compile in place (the summary counts later steps that waited)
+
+
+def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
+    """Turn on JAX's persistent compilation cache ("auto": <out_dir>/jax-cache; None: off), so a
+    rerun or a resumed run loads its programs instead of compiling them. JAX reads the directory
+    when it first compiles: the first setting in a process holds."""
+    if not setting:
+        return None
+    import jax
+
+    path = out_dir / "jax-cache" if setting == "auto" else Path(setting)
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
+
+
 class TrainError(RuntimeError):
     """The run cannot start; the message says what is missing or wrong."""
 
@@ -69,6 +87,8 @@ class Trainer:
         from dhp_jax.model import MLLMConfig
 
         self.config = config.validate()
+        self.process_index = jax.process_index()
+        self.multi_process = jax.process_count() > 1
         self.model_config = MLLMConfig.preset(config.model)
         available = list(devices) if devices is not None else jax.devices()
         if len(available) < config.num_ranks:
@@ -98,12 +118,23 @@ class Trainer:
         except (ValueError, TypeError) as e:
             raise TrainError(f"cannot plan the first batch with planner.strategy={config.planner.strategy!r}"
                              f"{' (plan file)' if plans else ''}: {e}") from None
+        enable_compilation_cache(config.compilation_cache, Path(config.metrics.out_dir))
         if executor is None:
             from dhp_jax.sharding import PlanExecutor
 
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             executor = PlanExecutor(self.model_config, self.devices, **kwargs)
         self.executor = executor
+        if getattr(executor, "min_bucket", None) and self.plan_source.cost is not None:
+            # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
+            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth))
+            self.plan_source.cost = self.cost
+        if not self.multi_process and self.plan_source.plans is None:
+            from dhp_jax.planner.programs import ProgramCache
+
+            # the programs issued so far; a plan needing a new one pays its measured compile time
+            # (single process only: a measured figure would let processes plan differently)
+            self.plan_source.programs = ProgramCache()
         self.out_dir = Path(config.metrics.out_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
         self._state = None
@@ -111,8 +142,6 @@ class Trainer:
         # Multi-process (jax.distributed): each step the processes agree on the plan hash and a
         # watchdog bounds the wait for a dead peer (see dhp_jax.train.distributed).
         self.step_timeout_s = float(step_timeout_s)
-        self.process_index = jax.process_index()
-        self.multi_process = jax.process_count() > 1
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
@@ -170,8 +199,8 @@ class Trainer:
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
-            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop,
-                               lookahead=cfg.planner.lookahead) as planned:
+            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
+                               after_plan=None if self.multi_process else self._compile_ahead(state.params)) as planned:
                 for item in planned:
                     done = item.step + 1
                     if sync is not None:
@@ -190,8 +219,12 @@ class Trainer:
                            "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
                            "strategy": self.plan_source.label, "degrees": item.plan.degrees,
                            "plan_hash": plan_hash(item.plan),
-                           "num_compiles": getattr(self.executor, "num_compiles", None)}
+                           "num_compiles": getattr(self.executor, "num_compiles", None),
+                           "compile_wait_s": getattr(self.executor, "last_compile_wait_s", 0.0)}
                     records.append(rec)
+                    seconds = getattr(self.executor, "compile_seconds", None)
+                    if self.plan_source.programs is not None and seconds:
+                        self.plan_source.programs.compile_s = float(np.median(seconds))
                     metrics.log_step(rec)
                     if plan_log is not None:
                         plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
@@ -213,6 +246,21 @@ class Trainer:
             ckpt.close()
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
+
+    def _compile_ahead(self, params: Any):
+        """The planner thread's `after_plan`: compile the next plan's programs (ahead of time, with
+        the params' shapes) while the current step runs, so the step that uses them need not wait."""
+        import jax
+
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        executor = self.executor
+
+        def compile_plan(step: int, batch: Any, plan: Any) -> None:
+            if getattr(executor, "_struct", None) is None:
+                return  # the first step binds the params structure; it compiles its own programs
+            executor.compile_plan(batch.samples, plan, shapes)
+
+        return compile_plan if hasattr(executor, "compile_plan") else None
 
     def _lr(self, step: int) -> float:
         from dhp_jax.train.state import make_schedule
@@ -237,6 +285,10 @@ class Trainer:
             "plan_wait_max_steady_s": max(steady) if steady else None,
             "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records) if records else None,
             "num_compiles": getattr(self.executor, "num_compiles", None),
+            # measured: a step waited when a program it runs was not compiled yet when it started
+            "steps_waiting_for_compile_after_warmup": sum(
+                1 for r in records if r["step"] > start + WARMUP_STEPS and r.get("compile_wait_s", 0.0) > 0),
+            "warmup_steps": WARMUP_STEPS,
             "labels": {"step_time": f"measured on {len(self.devices)} {self.devices[0].platform} devices of this machine"},
         }
 

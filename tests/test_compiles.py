@@ -1,0 +1,154 @@
+"""One bucket rule, programs and executables, compile-ahead: the planner prices and writes the padded
+stream length the executors run; the reuse placement keeps step times and bounds executables."""
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dhp_jax.data.layout import bucket_length, bucket_lengths
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.api import reuse_placement
+from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.programs import ProgramCache, group_keys, reuse_ranks
+
+
+def _walk(n, d, m, g):
+    """The ladder written out independently: smallest ceil(m g^k) >= n, rounded up to 2d."""
+    n, k, r = max(int(n), 1), 0, m
+    while r < n:
+        k += 1
+        r = int(math.ceil(m * g ** k))
+    return -(-r // (2 * d)) * (2 * d)
+
+
+@pytest.mark.parametrize("m, g", [(16, 2.0), (16, 1.1), (7, 1.05), (1, 1.5)])
+def test_bucket_rule_vectorised_scalar_and_walk_agree(m, g):
+    n = np.arange(0, 2500)
+    for d in (1, 3, 8):
+        want = [_walk(k, d, m, g) for k in n]
+        assert bucket_lengths(n, d, m, g).tolist() == want
+        assert [bucket_length(int(k), d, m, g) for k in n[::37]] == want[::37]
+        assert [bucket_lengths(float(k), d, m, g) for k in n[::41]] == want[::41]
+
+
+def test_memory_clamp_keeps_the_tokens_and_the_zigzag_split():
+    # 1000 tokens on 3 devices would pad to 1026 (rung 1024 -> 6 | 1026); a 340-token device limit
+    # clamps the rung to 1020 >= 1000; below the tokens it never goes
+    assert bucket_lengths(1000.0, 3, 16, 2.0) == 1026
+    assert bucket_lengths(1000.0, 3, 16, 2.0, max_per_device=340) == 1020
+    assert bucket_lengths(np.array([1000.0, 90.0]), 3, 16, 2.0, max_per_device=340).tolist() == [1020, 132]
+    assert bucket_lengths(1000.0, 3, 16, 2.0, max_per_device=10) == 1002  # real tokens always fit
+
+
+def test_plan_groups_carry_the_padded_length_the_cost_model_prices():
+    from dhp_jax.data import make_dataset, sample_lengths
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.25)
+    samples = make_dataset("openvid", 128, 3, vision="internvl")
+    plan = plan_batch(samples, 16, cost)
+    L = sample_lengths(samples)
+    d = json.loads(plan.to_json())
+    for g, gd in zip(plan.groups, (g for mb in d["micro_batches"] for g in mb["groups"])):
+        assert g.tokens == int(L[list(g.samples)].sum()) == gd["tokens"]
+        assert g.padded_tokens == cost.padded_length(g.tokens, g.degree) == gd["padded_tokens"]
+        assert g.padded_tokens % (2 * g.degree) == 0
+        assert g.est_memory_bytes == pytest.approx(g.padded_tokens * cost.mem_per_token / g.degree)
+    assert Plan.from_json(plan.to_json()).groups[0].padded_tokens == plan.groups[0].padded_tokens
+
+
+def _plan(*micro_batches, n=8):
+    return Plan(n, tuple(MicroBatch(tuple(Group(tuple(r), len(r), (i,), tokens=p - 1, padded_tokens=p)
+                                          for i, (r, p) in enumerate(mb))) for mb in micro_batches))
+
+
+def test_program_cache_counts_by_hand():
+    c = ProgramCache(ranks_per_process=4)
+    assert c.add(_plan([((0, 1, 2), 96), ((3, 4), 64), ((5,), 32)])) == 3
+    assert c.add(_plan([((0, 1, 2), 96), ((4, 5), 64)])) == 1      # (2, 64) on a new device set
+    # process 0 holds (3,96,(0,1,2)), (2,64,(3,4)); process 1: (2,64,(3,4)), (1,32,(5,)), (2,64,(4,5))
+    assert c.per_process() == {0: (2, 2), 1: (3, 2)}
+    s = c.summary()
+    assert (s["programs"], s["executables"], s["executables_per_process_max"]) == (3, 4, 3)
+    assert s["executables_per_program_per_process_max"] == 1.5
+    with pytest.raises(ValueError, match="no padded_tokens"):
+        group_keys(Plan(8, (MicroBatch((Group((0,), 1, (0,)),)),)))
+
+
+def test_reuse_ranks_swaps_only_equally_fast_tuples():
+    c = ProgramCache(ranks_per_process=8)
+    c.executables.add((2, 64, (0, 1)))
+    c.programs.add((2, 64))
+    groups = [(2, 32, (0, 1)), (2, 64, (2, 3)), (2, 64, (4, 5)), (3, 96, (8, 9, 10)), (2, 64, (7, 8))]
+    out = reuse_ranks(groups, 8, c)
+    assert out[1] == (0, 1)                                  # the program's compiled device set
+    assert sorted(out[:3]) == [(0, 1), (2, 3), (4, 5)]       # a permutation of the same tuples
+    assert out[3] == (8, 9, 10) and out[4] == (7, 8)         # another degree; spanning nodes: untouched
+
+
+def test_reuse_placement_keeps_step_time_and_never_adds_executables():
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.25)
+    placed, free = ProgramCache(8), ProgramCache(8)
+    for step in range(6):
+        samples = make_dataset("openvid", 256, 100 + step, vision="internvl")
+        L, E = sample_lengths(samples), sample_etas(samples)
+        plan = plan_batch(L, 32, cost, etas=E)
+        moved = reuse_placement(plan, L, E, cost, placed)
+        free.add(plan)
+        assert moved.est_step_time_s == pytest.approx(plan.est_step_time_s, rel=1e-12)
+        assert [sorted(g.samples) for g in moved.groups if True] and len(moved.groups) == len(plan.groups)
+        assert placed.programs == free.programs
+        assert len(placed.executables) <= len(free.executables)
+    # the same through plan_batch: the plan is recorded in the cache
+    c = ProgramCache(8)
+    p = plan_batch(L, 32, cost, etas=E, programs=c)
+    assert set(group_keys(p)) <= c.executables
+
+
+def test_compile_price_counts_new_programs_only():
+    from dhp_jax.planner.api import _compile_price, prepare
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b")
+    prob = prepare([30000, 9000, 1000], 8, cost)  # buckets 32768 and 16384 at degree 4
+    done = [([[0], [1, 2]], [(0, 1, 2, 3), (4, 5, 6, 7)], 1.0)]
+    c = ProgramCache(compile_s=30.0)
+    assert _compile_price(prob, done, None) == 0.0
+    assert _compile_price(prob, done, c) == 60.0
+    c.programs.add((4, int(cost.padded_length(30000, 4))))
+    assert _compile_price(prob, done, c) == 30.0
+
+
+def test_planner_thread_runs_after_plan_once_queued_and_drops_its_errors():
+    from dhp_jax.train.planner_thread import PlannerThread
+
+    seen, lock = [], threading.Lock()
+
+    def after(step, batch, plan):
+        with lock:
+            seen.append(step)
+        if step == 1:
+            raise RuntimeError("the consumer redoes this work")
+
+    with PlannerThread(lambda s: s, lambda s, b: f"plan{s}", 0, 4, lookahead=1, after_plan=after) as it:
+        got = [item.plan for item in it]
+    deadline = time.time() + 5
+    while len(seen) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    assert got == ["plan0", "plan1", "plan2", "plan3"] and sorted(seen) == [0, 1, 2, 3]
+
+
+def test_bench_compiles_json(capsys):
+    from dhp_jax.cli import main
+
+    assert main(["bench", "compiles", "--ranks", "16", "--steps", "2", "--batch", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = out["placement"]
+    assert 1 <= p["programs"] <= p["executables"]
+    assert p["executables_per_process_max"] >= p["executables_per_process_median"] >= 1
+    assert out["padded_over_real"] > 1.0 and out["step_s_mean"] > out["step_s_mean_unpadded"] > 0
+    assert out["step_s_mean"] == pytest.approx(out["step_s_mean_no_placement"], rel=1e-12)
