@@ -128,3 +128,33 @@ def reuse_ranks(groups: Sequence[tuple[int, int, tuple[int, ...]]], ranks_per_no
             out[i] = best
             free.remove(best)
     return out
+
+
+def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
+    """The plan with every group whose executable is not in `available` moved up to the smallest
+    available bucket of its degree on its own ranks that holds its tokens (more padding, nothing to
+    compile); None when some group has no such bucket. With `cost`, a bucket must also fit the
+    memory budget. Estimates stay those of the planned buckets; `solver["promoted_groups"]` counts
+    the groups moved."""
+    have: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    for d, p, ranks in available:
+        have.setdefault((int(d), tuple(ranks)), []).append(int(p))
+    moved = 0
+    mbs = []
+    for mb in plan.micro_batches:
+        groups = []
+        for g in mb.groups:
+            key = (g.degree, tuple(g.ranks))
+            if g.padded_tokens in have.get(key, ()):
+                groups.append(g)
+                continue
+            fits = sorted(p for p in have.get(key, ()) if p >= g.tokens
+                          and (cost is None or p * cost.mem_per_token / g.degree <= cost.memory_budget))
+            if not fits:
+                return None
+            groups.append(dataclasses.replace(g, padded_tokens=fits[0]))
+            moved += 1
+        mbs.append(dataclasses.replace(mb, groups=tuple(groups)))
+    if not moved:
+        return plan
+    return dataclasses.replace(plan, micro_batches=tuple(mbs), solver={**dict(plan.solver), "promoted_groups": moved})

@@ -151,7 +151,7 @@ class PlanExecutor:
 
     @property
     def executable_keys(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(d, b, tuple(x.id for x in devs)) for d, b, devs in self._executables]
+        return [(d, b, tuple(x.id for x in devs)) for d, b, devs in list(self._executables)]
 
     # ------------------------------------------------------------------ planning-side work
     def prepare(self, samples: Sequence[Sample], plan: Plan) -> list[_GroupWork]:

@@ -199,8 +199,9 @@ class Trainer:
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
-            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
-                               after_plan=None if self.multi_process else self._compile_ahead(state.params)) as planned:
+            ahead = None if self.multi_process else self._compile_ahead(state.params, start)
+            with PlannerThread(self.pipeline.batch, ahead[0] if ahead else self.plan_source, start, stop,
+                               lookahead=cfg.planner.lookahead, after_plan=ahead[1] if ahead else None) as planned:
                 for item in planned:
                     done = item.step + 1
                     if sync is not None:
@@ -247,20 +248,46 @@ class Trainer:
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
 
-    def _compile_ahead(self, params: Any):
-        """The planner thread's `after_plan`: compile the next plan's programs (ahead of time, with
-        the params' shapes) while the current step runs, so the step that uses them need not wait."""
+    def _compile_ahead(self, params: Any, start: int) -> tuple[Any, Any] | None:
+        """(make_plan, after_plan) for the planner thread, so that no step after warm-up waits for
+        a compile: the next plan's programs compile in the background (ahead of time, with the
+        params' shapes) while the current step runs; after the first WARMUP_STEPS steps a plan
+        whose programs are not all compiled yet runs its groups in the smallest compiled bucket
+        of their degree and ranks that holds them (`planner.programs.promote`), while its own
+        programs compile for later steps. Single process only (plans must not depend on timing)."""
         import jax
 
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        from dhp_jax.planner.programs import promote
+
         executor = self.executor
+        if not hasattr(executor, "compile_plan"):
+            return None
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        rank_of = {d.id: r for r, d in enumerate(self.devices)}
+        wanted: dict[int, Any] = {}
+
+        def make_plan(step: int, batch: Any) -> Any:
+            plan = self.plan_source(step, batch)
+            if step < start + WARMUP_STEPS or getattr(executor, "_struct", None) is None:
+                return plan
+            have = {(d, b, tuple(rank_of[i] for i in ids)) for d, b, ids in executor.executable_keys}
+            need = {(d, b, tuple(rank_of[i] for i in ids)) for d, b, ids in executor.plan_keys(batch.samples, plan)}
+            if need <= have:
+                return plan
+            ready = promote(plan, have, self.cost)
+            if ready is None:
+                return plan
+            wanted[step] = plan
+            return ready
 
         def compile_plan(step: int, batch: Any, plan: Any) -> None:
             if getattr(executor, "_struct", None) is None:
                 return  # the first step binds the params structure; it compiles its own programs
-            executor.compile_plan(batch.samples, plan, shapes)
+            executor.compile_plan(batch.samples, plan, shapes)          # what this step runs
+            if step in wanted:                                           # what the planner wanted
+                executor.compile_plan(batch.samples, wanted.pop(step), shapes)
 
-        return compile_plan if hasattr(executor, "compile_plan") else None
+        return make_plan, compile_plan
 
     def _lr(self, step: int) -> float:
         from dhp_jax.train.state import make_schedule
