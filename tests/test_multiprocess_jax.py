@@ -75,9 +75,10 @@ def _run_together(cmds: list[list[str]], cwd, timeout: float) -> list[tuple[int,
     return out
 
 
-def _train_cmd(pid: int, port: int, out_dir, plan_file) -> list[str]:
+def _train_cmd(pid: int, port: int, out_dir, plan_file=None) -> list[str]:
+    source = f"planner.plan_file={plan_file}" if plan_file else "planner.strategy=dhp"
     return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, f"metrics.out_dir={out_dir}",
-            f"planner.plan_file={plan_file}", "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+            source, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
             "--process-id", str(pid), "--step-timeout", "120"]
 
 
@@ -129,6 +130,43 @@ def test_two_processes_match_single_process(tmp_path):
     assert restored.step == 3
     for a, b in zip(jax.tree.leaves(restored.state.params), jax.tree.leaves(ref.state.params)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+
+
+def test_two_processes_plan_live_and_match_single_process(tmp_path):
+    """Each process runs the planner itself every step (no plan file): the solver's timings differ
+    between the processes, its decisions do not, so the plan check passes at every step and the
+    losses are the single-process run's."""
+    from dhp_jax.train.config import load_config
+    from dhp_jax.train.metrics import read_jsonl
+    from dhp_jax.train.trainer import Trainer
+
+    port = free_port()
+    multi = tmp_path / "multi"
+    procs = [subprocess.Popen(_train_cmd(pid, port, multi), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for pid in (0, 1)]
+    try:
+        ref = Trainer(load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
+                                             "planner.strategy=dhp"])).run()
+    finally:
+        texts = []
+        for p in procs:
+            try:
+                texts.append(p.communicate(timeout=240)[0])
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                texts.append(p.communicate()[0])
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0, text[-4000:]
+    per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
+    for recs in per_process:
+        assert [r["step"] for r in recs] == [1, 2, 3]
+        assert [r["strategy"] for r in recs] == ["dhp"] * 3
+        assert [r["plan_hash"] for r in recs] == [r["plan_hash"] for r in ref.records]
+    losses0, losses1 = ([r["loss"] for r in recs] for recs in per_process)
+    assert losses0 == losses1 and len(set(ref.losses)) == 3 and all(np.isfinite(ref.losses))
+    np.testing.assert_allclose(losses0, ref.losses, rtol=1e-5, atol=0)
+    print("two processes, live planner: steps", [r["step"] for r in per_process[0]], "losses", losses0,
+          "single process", ref.losses, "degrees", [r["degrees"] for r in per_process[0]])
 
 
 # A worker that runs the real StepSync between two processes with a real cross-process collective

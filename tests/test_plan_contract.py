@@ -61,3 +61,27 @@ def test_lazy_package_names_are_listed_and_resolve():
     assert {"Plan", "plan_batch", "CostModel"} <= set(names)
     assert "importlib" not in names  # the helper's own globals are not the package's
     assert planner.plan_batch.__module__ == "dhp_jax.planner.api"
+
+
+def test_plan_hash_is_the_decisions_only():
+    """Planning the same batch again gives the same hash although the solver's timings differ;
+    changing a decision (a sample moved to another group) changes it."""
+    from dhp_jax.data import make_dataset
+    from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.train.trainer import plan_hash
+
+    samples = make_dataset("openvid", 64, seed=0)
+    cost = CostModel.preset("internvl3-8b", "ascend-910b")
+    plans = [plan_batch(samples, 16, cost) for _ in range(3)]
+    assert len({plan_hash(p) for p in plans}) == 1
+    solved = {p.solver["solve_cpu_ms"] for p in plans} | {p.solver["solve_ms"] for p in plans}
+    assert len(solved) > 1            # the metadata did differ between the calls
+    d = plans[0].to_dict()
+    d["solver"] = {"strategy": "somebody else", "solve_cpu_ms": 1e9}
+    d["est_step_time_s"] = 123.0
+    assert plan_hash(Plan.from_json(d)) == plan_hash(plans[0])
+    groups = [g for mb in d["micro_batches"] for g in mb["groups"]]
+    big = max(groups, key=lambda g: len(g["samples"]))
+    other = next(g for g in groups if g is not big)
+    other["samples"].append(big["samples"].pop())
+    assert plan_hash(Plan.from_json(d)) != plan_hash(plans[0])

@@ -85,6 +85,20 @@ class Plan:
     def strategy(self) -> str:
         return str(self.solver.get("strategy", "?"))
 
+    def decisions(self) -> dict[str, Any]:
+        """What the plan decides, and nothing else: the rank count and, per micro-batch, each
+        group's ranks, degree and samples. Estimates and solver metadata (timings, flags) are left
+        out, so processes that planned the same batch the same way get equal decisions."""
+        return {"num_ranks": self.num_ranks,
+                "micro_batches": [[{"ranks": list(g.ranks), "degree": g.degree, "samples": list(g.samples)}
+                                   for g in mb.groups] for mb in self.micro_batches]}
+
+    def digest(self) -> str:
+        """Short hash of `decisions()`: equal on every process that derived the same plan."""
+        import hashlib
+
+        return hashlib.sha256(json.dumps(self.decisions(), sort_keys=True).encode()).hexdigest()[:16]
+
     # ------------------------------------------------------------------ JSON
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -39,12 +39,9 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any)
 
 
 def plan_hash(plan: Any) -> str:
-    """Short digest of a plan: equal on every process that planned the same batch the same way."""
-    import hashlib
-
-    d = plan.to_dict()
-    d["solver"] = {k: v for k, v in d.get("solver", {}).items() if k != "solve_ms"}  # timing is not the plan
-    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+    """Short digest of a plan's decisions (`Plan.digest`): equal on every process that planned the
+    same batch the same way; solver timings and flags never enter it."""
+    return plan.digest()
 
 
 WARMUP_STEPS = 5  # steps allowed to compile in place (the summary counts later steps that waited)
