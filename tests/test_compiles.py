@@ -152,3 +152,18 @@ def test_bench_compiles_json(capsys):
     assert p["executables_per_process_max"] >= p["executables_per_process_median"] >= 1
     assert out["padded_over_real"] > 1.0 and out["step_s_mean"] > out["step_s_mean_unpadded"] > 0
     assert out["step_s_mean"] == pytest.approx(out["step_s_mean_no_placement"], rel=1e-12)
+
+
+def test_promote_moves_groups_into_compiled_buckets_of_their_ranks():
+    from dhp_jax.planner.programs import promote
+
+    plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])          # tokens 95 and 63
+    have = {(3, 96, (0, 1, 2)), (2, 128, (3, 4)), (2, 64, (5, 6))}
+    out = promote(plan, have)
+    assert [g.padded_tokens for g in out.groups] == [96, 128] and out.solver["promoted_groups"] == 1
+    assert set(group_keys(out)) <= have
+    assert promote(plan, have | {(2, 64, (3, 4))}) is plan  # everything compiled: unchanged
+    assert promote(plan, {(3, 96, (0, 1, 2)), (2, 62, (3, 4))}) is None  # too small a bucket
+    cost = CostModel.preset("internvl3-8b", "ascend-910b")
+    big = int(cost.max_tokens_per_rank * 2) + 100
+    assert promote(plan, {(3, 96, (0, 1, 2)), (2, big, (3, 4))}, cost) is None  # over the memory budget

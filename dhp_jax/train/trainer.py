@@ -6,6 +6,7 @@ model) is checked in `Trainer.__init__` / `prepare`, before the first step runs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -197,6 +198,7 @@ class Trainer:
         records: list[dict] = []
         try:
             ahead = None if self.multi_process else self._compile_ahead(state.params, start)
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
             with PlannerThread(self.pipeline.batch, ahead[0] if ahead else self.plan_source, start, stop,
                                lookahead=cfg.planner.lookahead, after_plan=ahead[1] if ahead else None) as planned:
                 for item in planned:
@@ -238,6 +240,9 @@ class Trainer:
                 summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps)
             metrics.write_json("summary.json", summary)
         finally:
+            if getattr(self, "_compiler", None) is not None:
+                self._compiler.shutdown(wait=True, cancel_futures=True)  # at most one compile in flight
+                self._compiler = None
             metrics.close()
             if plan_log is not None:
                 plan_log.close()
@@ -277,12 +282,19 @@ class Trainer:
             wanted[step] = plan
             return ready
 
+        def compile_plans(batch: Any, plans: list) -> None:
+            for plan in plans:
+                try:
+                    executor.compile_plan(batch.samples, plan, shapes)
+                except Exception:  # the step that runs the plan compiles in place and raises there
+                    pass
+
         def compile_plan(step: int, batch: Any, plan: Any) -> None:
             if getattr(executor, "_struct", None) is None:
                 return  # the first step binds the params structure; it compiles its own programs
-            executor.compile_plan(batch.samples, plan, shapes)          # what this step runs
-            if step in wanted:                                           # what the planner wanted
-                executor.compile_plan(batch.samples, wanted.pop(step), shapes)
+            # what this step runs, then what the planner wanted; on a worker thread, so that
+            # planning the steps after it never waits behind a compile
+            self._compiler.submit(compile_plans, batch, [plan] + ([wanted.pop(step)] if step in wanted else []))
 
         return make_plan, compile_plan
 
