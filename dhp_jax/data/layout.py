@@ -82,16 +82,25 @@ def ladders(tokens: Any, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -
 
 
 def bucket_lengths(tokens: Any, degree: Any, min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
-                   max_per_device: float | None = None) -> np.ndarray:
+                   max_per_device: float | None = None, menu: Any = ()) -> np.ndarray:
     """The bucket rule, vectorised: the padded stream length for `tokens` on `degree` devices is
     the ladder rung, rounded up to a multiple of 2*degree (two zigzag chunks per device). The
     planner's cost model, the simulator and both executors all price and run this length.
 
     `max_per_device` (a memory limit in tokens per device) clamps the rung: padding never takes a
     group that fits unpadded over it (one extra, memory-sized bucket per degree at most); the
-    result still holds the tokens, rounded up to 2*degree."""
+    result still holds the tokens, rounded up to 2*degree.
+
+    `menu` (pairs `(degree, (bucket, ...))`, buckets ascending multiples of 2*degree, e.g. a fitted
+    `planner.menu.BucketMenu`) replaces the ladder for its degrees: the smallest menu bucket that
+    holds the tokens (the ladder only where none does)."""
     if isinstance(tokens, (int, float)) and isinstance(degree, (int, float)):
-        return _bucket_scalar(tokens, degree, int(min_bucket), float(growth), max_per_device)
+        out = _bucket_scalar(tokens, degree, int(min_bucket), float(growth), max_per_device)
+        for d, buckets in menu:
+            if d == degree:
+                k = bisect.bisect_left(buckets, tokens)
+                return float(buckets[k]) if k < len(buckets) else out
+        return out
     d = np.asarray(degree, dtype=np.float64)
     if np.any(d < 1):
         raise ValueError(f"degree must be >= 1, got {degree}")
@@ -99,7 +108,20 @@ def bucket_lengths(tokens: Any, degree: Any, min_bucket: int = MIN_BUCKET, growt
     rung = ladders(tokens, min_bucket, growth)
     if max_per_device is not None:
         rung = np.maximum(np.minimum(rung, np.floor(max_per_device * d / step) * step), np.asarray(tokens, float))
-    return np.ceil(rung / step) * step
+    out = np.ceil(rung / step) * step
+    if menu:
+        n, d = np.broadcast_arrays(np.asarray(tokens, dtype=np.float64), d)
+        out = np.array(np.broadcast_to(out, n.shape), dtype=np.float64)
+        for deg, buckets in menu:
+            on = d == deg
+            if on.any():
+                table = np.asarray(buckets, dtype=np.float64)
+                k = np.searchsorted(table, n[on], side="left")
+                fit = k < table.size
+                sub = out[on]
+                sub[fit] = table[k[fit]]
+                out[on] = sub
+    return out
 
 
 def _bucket_scalar(tokens: float, degree: float, min_bucket: int, growth: float,

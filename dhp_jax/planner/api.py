@@ -220,6 +220,8 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
     and keep the one with the least placed step time."""
     N, cost = prob.num_ranks, prob.cost
+    if isinstance(degrees, str) and degrees == "any" and cost.bucket_menu and cost.bucket_min:
+        degrees = [d for d, _ in cost.bucket_menu]  # a menu of programs bounds the degrees too
     allowed = allowed_degrees(N, degrees)
     if allowed.size == 0:
         raise PlanningError(f"no allowed degree fits {N} ranks (degrees={degrees!r})")

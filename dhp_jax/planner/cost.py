@@ -99,6 +99,8 @@ class CostModel:
         multiplied by d / min(d, lanes).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
     padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
+    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
+        that replace the ladder for their degrees; the planner then uses only these degrees.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     """
 
@@ -126,6 +128,7 @@ class CostModel:
     bucket_growth: float = 2.0
     comm_overlap: bool = True
     padded_attention: bool = True
+    bucket_menu: tuple = ()
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -147,6 +150,10 @@ class CostModel:
         if isinstance(self.bucket_min, bool) or not isinstance(self.bucket_min, (int, np.integer)) \
                 or self.bucket_min < 0:
             raise ValueError(f"CostModel.bucket_min must be an integer >= 0 (0: no padding), got {self.bucket_min!r}")
+        for deg, bs in self.bucket_menu:
+            if deg < 1 or list(bs) != sorted(bs) or any(b < 1 or b % (2 * deg) for b in bs):
+                raise ValueError(f"CostModel.bucket_menu: degree {deg} needs ascending buckets that are multiples "
+                                 f"of 2*degree, got {list(bs)}")
         if self.bucket_min and not self.bucket_growth > 1.0:
             raise ValueError(f"CostModel.bucket_growth must be > 1 when bucket_min is set, got {self.bucket_growth}")
 
@@ -283,8 +290,8 @@ class CostModel:
     def padded_length(self, tokens: Any, degree: Any) -> np.ndarray:
         """The executor's padded stream length for `tokens` on `degree` ranks (the one bucket rule,
         `dhp_jax.data.layout.bucket_lengths`, with this model's ladder); `tokens` when unpadded."""
-        return bucket_lengths(tokens, degree, self.bucket_min, self.bucket_growth, self.max_tokens_per_rank) \
-            if self.bucket_min else np.asarray(tokens, dtype=np.float64)
+        return bucket_lengths(tokens, degree, self.bucket_min, self.bucket_growth, self.max_tokens_per_rank,
+                              self.bucket_menu) if self.bucket_min else np.asarray(tokens, dtype=np.float64)
 
     def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
              inter_node: bool | None = None, attention: str = "ring") -> float:
@@ -345,6 +352,8 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model is missing field(s) {sorted(missing)}")
         kw = {k: v for k, v in d.items() if k in names}
+        if "bucket_menu" in kw:
+            kw["bucket_menu"] = tuple((int(deg), tuple(int(b) for b in bs)) for deg, bs in kw["bucket_menu"])
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
                                                                                   "compute_lanes", "bucket_min"):

@@ -35,6 +35,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="openvid")
     parser.add_argument("--growth", type=float, default=None, help="bucket ladder growth (default: the preset's)")
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest bucket (default: the preset's)")
+    parser.add_argument("--menu", type=int, default=0, metavar="BATCHES",
+                        help="fit a menu of programs (planner.menu) on this many calibration batches (other seeds), "
+                             "planned on the --growth ladder (default 1.1), and plan with it")
+    parser.add_argument("--budget", type=int, default=64, help="programs in the fitted menu (default 64)")
     parser.add_argument("--no-padding-baseline", action="store_true",
                         help="skip re-planning every batch unpadded (the step-time reference of the bucket rule)")
     parser.add_argument("--compile", action="store_true",
@@ -52,6 +56,23 @@ def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | Non
     if min_bucket is not None:
         over["bucket_min"] = int(min_bucket)
     return CostModel.preset(model, hardware, ranks_per_node=ranks_per_node, **over)
+
+
+def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int = 512, dataset: str = "openvid",
+              max_degrees: int | None = 16) -> Any:
+    """`cost` with a menu of `budget` programs fitted to `batches` calibration batches (seeds
+    10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder."""
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.data.vision import family_for_model
+    from dhp_jax.planner.menu import fit_menu
+
+    vision = family_for_model(cost.model)
+    cal = []
+    for i in range(batches):
+        samples = make_dataset(dataset, batch, 10_000_000 + i, vision=vision)
+        cal.append((sample_lengths(samples), sample_etas(samples)))
+    menu = fit_menu(cost, cal, ranks, budget, max_degrees)
+    return cost.replace(bucket_menu=menu.as_cost_field())
 
 
 def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str = "openvid",
@@ -86,6 +107,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
             t_plain.append(plan_batch(lengths, ranks, plain, etas=etas).est_step_time_s)
     out = {"ranks": ranks, "steps": steps, "batch": batch, "dataset": dataset, "model": cost.model,
            "hardware": cost.hardware, "bucket_min": cost.bucket_min, "bucket_growth": cost.bucket_growth,
+           "menu": {str(d): list(b) for d, b in cost.bucket_menu} or None,
            "ranks_per_process": ranks_per_process, "padded_over_real": padded / real if real else None,
            "placement": placed.summary(), "no_placement": free.summary(),
            "step_s_mean": float(np.mean(t_placed)), "step_s_mean_no_placement": float(np.mean(t_free)),
@@ -105,6 +127,7 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
 
     from dhp_jax.model import MLLMConfig, init_params
     from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.planner.programs import ProgramCache
     from dhp_jax.sharding import PlanExecutor
     from dhp_jax.train.config import DataConfig
     from dhp_jax.train.pipeline import DataPipeline
@@ -117,10 +140,11 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
     ex = PlanExecutor(cfg, devices[:n], min_bucket=cost.bucket_min, growth=cost.bucket_growth)
     pipe = DataPipeline(DataConfig(), cfg.vocab_size, cfg.patch_dim)
     by_id = {dev.id: dev for dev in ex.ranks.devices}
+    programs = ProgramCache()  # plans placed for reuse, as `dhp train` plans them
     seconds = []
     for step in range(steps):
         batch = pipe.batch(seed + step)
-        plan = plan_batch(batch.samples, n, cost)
+        plan = plan_batch(batch.samples, n, cost, programs=programs)
         for d, p, ids in dict.fromkeys(ex.plan_keys(batch.samples, plan)):
             before, t0 = ex.num_compiles, time.perf_counter()
             ex.executable(params, d, p, tuple(by_id[i] for i in ids))
@@ -136,7 +160,11 @@ def run(args: argparse.Namespace) -> int:
     if args.ranks < 1 or args.steps < 1 or args.batch < 1 or args.ranks_per_process < 1:
         print("dhp bench compiles: --ranks, --steps, --batch and --ranks-per-process must be >= 1", file=sys.stderr)
         return 2
+    if args.menu and args.growth is None:
+        args.growth = 1.1
     cost = cost_for(args.model, args.hardware, args.ranks_per_node, args.growth, args.min_bucket)
+    if args.menu:
+        cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset)
     out = plan_run(cost, args.ranks, args.steps, args.batch, args.dataset, args.ranks_per_process,
                    not args.no_padding_baseline)
     if args.compile:
@@ -149,8 +177,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     p, f = out["placement"], out["no_placement"]
+    menu = f" with a menu of {sum(len(b) for b in out['menu'].values())} programs" if out["menu"] else ""
     print(f"dhp bench compiles: {out['steps']} batches of {out['batch']} ({out['dataset']}) on {out['ranks']} ranks, "
-          f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}; "
+          f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}"
+          f"{menu}; "
           f"planning {out['plan_ms_median']:.1f} ms/step median ({out['labels']['plan_ms']})")
     print(f"  programs (degree, padded tokens): {p['programs']}")
     print(f"  padded / real tokens: {out['padded_over_real']:.3f}")
