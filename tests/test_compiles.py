@@ -167,3 +167,72 @@ def test_promote_moves_groups_into_compiled_buckets_of_their_ranks():
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     big = int(cost.max_tokens_per_rank * 2) + 100
     assert promote(plan, {(3, 96, (0, 1, 2)), (2, big, (3, 4))}, cost) is None  # over the memory budget
+
+
+def test_menu_quantisation_is_exact_against_brute_force():
+    import itertools
+
+    from dhp_jax.planner.menu import _quantise
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n, k = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        v = np.sort(rng.integers(1, 50, n).astype(float))
+        w = rng.integers(1, 5, n).astype(float)
+        best = min(sum(wi * (min(b for b in sorted(set(c)) + [60.0] if b >= vi) - vi) for vi, wi in zip(v, w))
+                   for r in range(k) for c in itertools.combinations(v, r))
+        buckets, pad = _quantise(v, w, k, 60.0)
+        assert pad == pytest.approx(best) and len(buckets) <= k and buckets[-1] == 60.0
+
+
+def test_menu_is_the_bucket_rule_for_its_degrees_and_bounds_the_plan():
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.planner.menu import BucketMenu, fit_menu
+
+    menu = BucketMenu({1: (64, 512), 3: (96, 600)})
+    assert bucket_lengths(np.array([10.0, 64, 65, 600]), 1, 16, 2.0, menu=menu.as_cost_field()).tolist() == \
+        [64, 64, 512, 1024]                               # past the menu: the ladder
+    assert bucket_lengths(97.0, 3, 16, 2.0, menu=menu.as_cost_field()) == 600
+    assert bucket_lengths(97.0, 2, 16, 2.0, menu=menu.as_cost_field()) == 128  # degree not on the menu
+    fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
+    with pytest.raises(ValueError, match="multiples of 2\\*degree"):
+        fine.replace(bucket_menu=((3, (100,)),))
+    cal = []
+    for i in range(3):
+        s = make_dataset("openvid", 128, 500 + i, vision="internvl")
+        cal.append((sample_lengths(s), sample_etas(s)))
+    menu = fit_menu(fine, cal, 16, budget=12, max_degrees=4)
+    assert menu.num_programs <= 12 and {1, 16} <= set(menu.degrees) and len(menu.degrees) <= 6
+    cost = fine.replace(bucket_menu=menu.as_cost_field())
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    for L, E in cal:
+        plan = plan_batch(L, 16, cost, etas=E)
+        for g in plan.groups:
+            assert g.degree in menu.buckets and g.padded_tokens == menu.padded(g.tokens, g.degree)
+
+
+def test_plan_keys_agree_with_the_plans_padded_tokens():
+    """The executor runs each group's `padded_tokens`, whatever its own ladder: a plan priced on a
+    1.25 ladder runs 1.25-ladder buckets on an executor whose default ladder is 2.0 (nothing compiles)."""
+    import jax
+
+    from dhp_jax.data import random_samples
+    from dhp_jax.model import MLLMConfig
+    from dhp_jax.sharding import PlanExecutor
+
+    cfg = MLLMConfig.preset("tiny")
+    samples = random_samples(cfg, [37, 1, 22, 50, 9, 31, 17, 26, 90, 5], seed=3)
+    cost = CostModel.preset("internvl2.5-4b", "cpu", ranks_per_node=8, bucket_growth=1.25)
+    ex = PlanExecutor(cfg, jax.devices()[:8])
+    assert ex.growth == 2.0
+    for strategy in ("dhp", "static-ring:2", "static-ring:3"):
+        plan = plan_batch(samples, 8, cost, strategy=strategy)
+        keys = ex.plan_keys(samples, plan)
+        assert [(d, b) for d, b, _ in keys] == [(g.degree, g.padded_tokens) for g in plan.groups]
+        assert [ids for _, _, ids in keys] == [tuple(ex.ranks.devices[r].id for r in g.ranks) for g in plan.groups]
+    # where the plan's tokens disagree with the samples (sample 0 is one token longer here), that
+    # group falls back to the executor's own ladder
+    other = random_samples(cfg, [38, 1, 22, 50, 9, 31, 17, 26, 90, 5], seed=3)
+    keys = ex.plan_keys(other, plan)
+    assert [b for _, b, _ in keys] == [bucket_length(g.tokens + 1, g.degree) if 0 in g.samples else g.padded_tokens
+                                       for g in plan.groups]
