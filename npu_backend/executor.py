@@ -28,6 +28,7 @@ from dhp_jax.planner.plan import Group, Plan, PlanValidationError
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
 
+ATTENTION_KINDS = ("ring",)     # the group attention kinds this backend runs (Plan Group.attention)
 MODEL_KEYS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
               "frame_ids", "frame_positions")
 
@@ -55,6 +56,11 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
         plan.validate(num_samples=len(samples))
     except PlanValidationError as e:
         raise StepError(f"invalid plan: {e}") from None
+    for m, mb in enumerate(plan.micro_batches):
+        for gi, g in enumerate(mb.groups):
+            if g.attention not in ATTENTION_KINDS:
+                raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): attention {g.attention!r} "
+                                f"cannot run here; this backend runs {', '.join(ATTENTION_KINDS)} groups")
     used = {r for g in plan.groups for r in g.ranks}
     idle = sorted(set(range(world_size)) - used)
     if idle:

@@ -1,4 +1,5 @@
-"""The Plan JSON contract: round trip and validation errors that name the problem."""
+"""The Plan JSON contract (`dhp.plan/v2`, v1 still read): round trip, the per-group attention kind
+and token counts, and validation errors that name the problem."""
 
 import json
 
@@ -6,9 +7,11 @@ import pytest
 
 from dhp_jax.planner import Plan, PlanValidationError
 
-GOOD = {"schema": "dhp.plan/v1", "num_ranks": 8, "ranks_per_node": 8,
-        "micro_batches": [{"groups": [{"ranks": [0, 1, 2], "degree": 3, "samples": [4, 7], "est_time_s": 0.12},
+GOOD = {"schema": "dhp.plan/v2", "num_ranks": 8, "ranks_per_node": 8,     # DESIGN.md's example
+        "micro_batches": [{"groups": [{"ranks": [0, 1, 2], "degree": 3, "samples": [4, 7], "attention": "ring",
+                                       "tokens": 5000, "padded_tokens": 5184, "est_time_s": 0.12},
                                       {"ranks": [3, 4, 5, 6, 7], "degree": 5, "samples": [0, 1, 2, 3, 5, 6],
+                                       "attention": "ring", "tokens": 9100, "padded_tokens": 9280,
                                        "est_time_s": 0.11}],
                            "est_makespan_s": 0.12}],
         "est_step_time_s": 0.13, "solver": {"strategy": "dhp", "solve_ms": 0.9}}
@@ -41,6 +44,14 @@ def _bad(**edit):
     ({"samples": [4, 7, 0]}, "sample 0 is also in"),
     ({"samples": [4]}, "missing from every group: [7]"),
     ({"samples": [4, 7, 8]}, "sample 8 does not exist"),
+    ({"attention": "ringg"}, "micro-batch 0 group 0 (ranks [0, 1, 2]): attention kind 'ringg' is not one of"),
+    ({"attention": "hybrid:2x2"}, "micro-batch 0 group 0 (ranks [0, 1, 2]): attention 'hybrid:2x2': 2 x 2 != degree 3"),
+    ({"attention": "hybrid:3"}, "attention kind 'hybrid:3' is not one of"),
+    ({"attention": 1}, "micro-batch 0 group 0: attention must be a string"),
+    ({"attention": None}, "micro-batch 0 group 0: attention must be a string"),
+    ({"padded_tokens": 5185}, "padded_tokens 5185 must hold tokens 5000 and be a multiple of 2*degree = 6"),
+    ({"padded_tokens": 4998}, "padded_tokens 4998 must hold tokens 5000"),
+    ({"tokens": -1}, "tokens / padded_tokens must be integers >= 0"),
 ])
 def test_bad_plans_are_named(edit, msg):
     with pytest.raises(PlanValidationError, match=__import__("re").escape(msg)):
@@ -52,6 +63,59 @@ def test_malformed_json():
         Plan.from_json("{not json")
     with pytest.raises(PlanValidationError, match="missing field 'micro_batches'"):
         Plan.from_json({"schema": "dhp.plan/v1", "num_ranks": 2})
+    d = json.loads(json.dumps(GOOD))
+    del d["micro_batches"][0]["groups"][1]["attention"]
+    with pytest.raises(PlanValidationError, match="micro-batch 0 group 1: missing field 'attention'"):
+        Plan.from_json(d)
+
+
+def test_v2_fields_round_trip_and_v1_reads_as_ring():
+    from dhp_jax.planner import Group
+
+    plan = Plan.from_json(GOOD, num_samples=8)
+    g = plan.micro_batches[0].groups[0]
+    assert (g.attention, g.tokens, g.padded_tokens) == ("ring", 5000, 5184)
+    assert plan.to_dict()["schema"] == "dhp.plan/v2" and plan.to_dict() == GOOD
+    assert Group((0, 1), 2, (0,)) == Group(ranks=(0, 1), degree=2, samples=(0,), attention="ring")
+    v1 = json.loads(json.dumps(GOOD))
+    v1["schema"] = "dhp.plan/v1"
+    for gd in v1["micro_batches"][0]["groups"]:
+        for k in ("attention", "tokens", "padded_tokens"):
+            del gd[k]
+    old = Plan.from_json(v1, num_samples=8)
+    assert [(g.attention, g.tokens, g.padded_tokens) for g in old.groups] == [("ring", 0, 0)] * 2
+    assert old.to_dict()["schema"] == "dhp.plan/v2"            # written back as v2, ring, no token figures
+    assert Plan.from_json(old.to_json()) == old
+    # a v1 file that still says "attention" is read as ring: v1 executors ran every group as ring
+    v1["micro_batches"][0]["groups"][0]["attention"] = "ulysses"
+    assert Plan.from_json(v1).groups[0].attention == "ring"
+
+
+@pytest.mark.parametrize("degree, kind, heads, ok", [
+    (4, "ulysses", 8, True), (4, "ulysses", 6, False), (3, "ulysses", 28, False), (7, "ulysses", 28, True),
+    (8, "hybrid:4x2", 28, True), (8, "hybrid:8x1", 28, False), (8, "hybrid:1x8", 28, True),
+    (6, "hybrid:2x3", 4, True), (6, "hybrid:3x2", 4, False), (5, "ring", 4, True),
+])
+def test_attention_kind_against_degree_and_heads(degree, kind, heads, ok):
+    from dhp_jax.planner import CostModel, Group, MicroBatch
+
+    plan = Plan(8, (MicroBatch((Group(tuple(range(degree)), degree, (0,), attention=kind),)),))
+    plan.validate(num_samples=1)                     # without a head count only the factors are checked
+    cost = CostModel.preset("internvl3-8b", "ascend-910b")
+    checks = [lambda: plan.validate(num_heads=heads), lambda: plan.validate(cost=dataclasses_replace(cost, heads))]
+    for check in checks:
+        if ok:
+            check()
+        else:
+            with pytest.raises(PlanValidationError, match=rf"micro-batch 0 group 0 \(ranks .*\): attention '{kind}' "
+                                                          rf"splits {heads} heads over"):
+                check()
+
+
+def dataclasses_replace(cost, heads):
+    import dataclasses
+
+    return dataclasses.replace(cost, num_heads=heads)
 
 
 def test_lazy_package_names_are_listed_and_resolve():

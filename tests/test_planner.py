@@ -181,7 +181,8 @@ def test_static_baselines():
     best = plan_batch(lengths, 8, COST, "static-ring:best")
     assert best.est_step_time_s <= ring.est_step_time_s
     uly = plan_batch(lengths, 8, COST, "static-ulysses:best")
-    assert uly.solver["attention"] == "ulysses" and COST.num_heads % uly.solver["degree"] == 0
+    assert COST.num_heads % uly.solver["degree"] == 0 and uly.solver["degree"] > 1
+    assert {g.attention for g in uly.groups} == {"ulysses"}      # the kind is each group's field
     with pytest.raises(PlanningError, match="head count 28 is not divisible by 8"):
         plan_batch(lengths, 8, COST, "static-ulysses:8")
     dhp = plan_batch(lengths, 8, COST)
@@ -246,7 +247,8 @@ def test_malformed_plan_json_is_named():
         Plan.from_json({**good, "schema": "dhp.plan/v9"})
     twice = json.loads(json.dumps(good))
     g0 = twice["micro_batches"][0]["groups"][0]
-    twice["micro_batches"][0]["groups"].append({"ranks": [g0["ranks"][0]], "degree": 1, "samples": [g0["samples"][0]]})
+    twice["micro_batches"][0]["groups"].append({"ranks": [g0["ranks"][0]], "degree": 1, "samples": [g0["samples"][0]],
+                                                "attention": "ring"})
     with pytest.raises(PlanValidationError, match="is also used by group|is also in"):
         Plan.from_json(twice)
     missing = json.loads(json.dumps(good))

@@ -10,7 +10,7 @@ def test_dhp_plan_json_and_plot(tmp_path, capsys):
     assert main(["plan", "--batch", "64", "--ranks", "8", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["model"] == "internvl3-8b" and out["config"]["numbers"].startswith("simulated")
-    assert out["plan"]["schema"] == "dhp.plan/v1"
+    assert out["plan"]["schema"] == "dhp.plan/v2"
     assert set(out["comparison"]) == {"static-ring:best", "static-ulysses:best"}
     for r in out["comparison"].values():
         assert r["speedup"] >= 1.0 - 1e-9  # dhp is never slower than the best static degree here

@@ -24,15 +24,13 @@ def cost8() -> CostModel:
 
 def reference_step(plan: Plan, lengths, cost: CostModel, etas) -> float:
     """Independent of the vectorised path: one cost.time call per group, nodes from the rank ids."""
-    mode = plan.solver.get("attention", "ring")
     total = 0.0
     for mb in plan.micro_batches:
         worst = 0.0
         for g in mb.groups:
             inter = len({r // plan.ranks_per_node for r in g.ranks}) > 1
-            kind = mode if mode != "auto" else ("ulysses" if cost.num_heads % g.degree == 0 else "ring")
             t = cost.time([lengths[s] for s in g.samples], g.degree, etas=[etas[s] for s in g.samples],
-                          inter_node=inter, attention=kind)
+                          inter_node=inter, attention=g.attention)
             worst = max(worst, t)
         total += worst
     return total + cost.allreduce_time(plan.num_ranks)

@@ -1,4 +1,9 @@
-"""Turn solved micro-batches (rank tuples + sample ids) into a `Plan` with its estimates filled in."""
+"""Turn solved micro-batches (rank tuples + sample ids) into a `Plan` with its estimates filled in.
+
+Each group records its own attention kind, its tokens and its padded stream length (the one bucket
+rule, `dhp_jax.data.layout.bucket_lengths`, on the cost model's ladder; the executors' default ladder
+when the cost model prices no padding); `kind_times` prices groups by their own kinds.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,26 @@ from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
 
 
 def attention_for(degree: int, cost: CostModel, attention: str) -> str:
-    """"auto" (FlexSP's groups): all-to-all where the head count allows it, ring otherwise."""
+    """The kind a group of `degree` ranks records for a strategy's mode: "auto" (FlexSP's groups) is
+    all-to-all where the head count allows it, ring otherwise; a single rank has no sequence
+    exchange at all, so a degree-1 group is always "ring" (both kinds price it the same)."""
+    if degree == 1:
+        return "ring"
     if attention == "auto":
         return "ulysses" if cost.ulysses_ok(degree) else "ring"
     return attention
+
+
+def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
+               kinds: Sequence[str]) -> np.ndarray:
+    """`cost.group_times` of each group under its own attention kind (vectorised per kind)."""
+    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
+    kinds = np.asarray(list(kinds), dtype=object)
+    out = np.zeros(d.shape, dtype=np.float64)
+    for kind in dict.fromkeys(kinds.tolist()):
+        m = kinds == kind
+        out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
+    return out
 
 
 def padded_tokens(tokens: Any, degree: Any, cost: CostModel) -> np.ndarray:
@@ -47,11 +68,8 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     d = np.fromiter((len(g[1]) for g in flat), dtype=np.int64, count=len(flat))
     rpn = cost.ranks_per_node
     inter = np.fromiter((spans_nodes(g[1], rpn) for g in flat), dtype=bool, count=len(flat))
-    if attention == "auto":
-        uly = (cost.num_heads % d) == 0
-        times = np.where(uly, cost.group_times(A, B, S, d, inter, "ulysses"), cost.group_times(A, B, S, d, inter))
-    else:
-        times = cost.group_times(A, B, S, d, inter, attention)
+    kinds = [attention_for(int(x), cost, attention) for x in d.tolist()]
+    times = kind_times(cost, A, B, S, d, inter, kinds)
     # the padded stream is what a rank holds; the bucket rule clamps padding to the budget, so a
     # group is infeasible exactly when its real tokens are
     mems = cost.padded_length(S, d) * cost.mem_per_token / d
@@ -63,9 +81,10 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
                                   f"budget is {cost.memory_budget / 2**30:.2f} GiB")
     per_mb: list[list[Group]] = [[] for _ in micro_batches]
     padded = padded_tokens(S, d, cost)
-    for (m, ranks, samples), t, mem, n, pn in zip(flat, times.tolist(), mems.tolist(), S.tolist(), padded.tolist()):
-        per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, est_time_s=t, est_memory_bytes=mem,
-                               tokens=int(round(n)), padded_tokens=int(pn)))
+    for (m, ranks, samples), kind, n, t, mem, pn in zip(flat, kinds, S.tolist(), times.tolist(), mems.tolist(),
+                                                         padded.tolist()):
+        per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, attention=kind, est_time_s=t,
+                               est_memory_bytes=mem, tokens=int(round(n)), padded_tokens=int(pn)))
     mbs = []
     total = 0.0
     for gs in per_mb:
@@ -76,7 +95,5 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
         makespan = cost.makespan([g.est_time_s for g in gs], [g.degree for g in gs])
         total += makespan
         mbs.append(MicroBatch(tuple(gs), makespan))
-    if attention != "ring":
-        solver = {**solver, "attention": attention}
     return Plan(num_ranks=num_ranks, micro_batches=tuple(mbs), ranks_per_node=cost.ranks_per_node,
                 est_step_time_s=total + cost.allreduce_time(num_ranks), solver=solver)

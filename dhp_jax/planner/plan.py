@@ -1,7 +1,10 @@
-"""The `Plan` contract: micro-batches of CP groups `(ranks, degree, samples)`, as versioned JSON.
+"""The `Plan` contract: micro-batches of CP groups `(ranks, degree, samples, attention)`, as versioned JSON.
 
 Shared by the planner, the JAX sharding compiler, the torch backend, the simulator and the
 experiments. `validate()` checks every invariant of DESIGN.md and names what is wrong.
+Schema `dhp.plan/v2`: each group also carries its attention kind ("ring", "ulysses" or
+"hybrid:<u>x<r>") and its real and padded token counts; `dhp.plan/v1` files load as ring groups
+with no token figures.
 """
 
 from __future__ import annotations
@@ -10,7 +13,9 @@ import dataclasses
 import json
 from typing import Any, Mapping, Sequence
 
-SCHEMA = "dhp.plan/v1"
+SCHEMA = "dhp.plan/v2"
+SCHEMA_V1 = "dhp.plan/v1"
+ATTENTION_KINDS = ("ring", "ulysses", "hybrid:<u>x<r>")
 
 
 class PlanningError(ValueError):
@@ -23,26 +28,48 @@ class PlanValidationError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """One CP group: `degree` ranks running `samples` (indices into the global batch) together."""
+    """One CP group: `degree` ranks running `samples` (indices into the global batch) together,
+    with attention of kind `attention` ("ring", "ulysses" or "hybrid:<u>x<r>"). `tokens` is the
+    group's real stream length and `padded_tokens` the length the executor runs after bucket
+    padding (`dhp_jax.data.layout.bucket_length`); 0 where unknown (v1 plans, hand-built groups)."""
 
     ranks: tuple[int, ...]
     degree: int
     samples: tuple[int, ...]
+    attention: str = "ring"
     est_time_s: float = 0.0
     est_memory_bytes: float = 0.0
     tokens: int = 0
     padded_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"ranks": list(self.ranks), "degree": self.degree, "samples": list(self.samples),
-             "est_time_s": self.est_time_s}
+        d: dict[str, Any] = {"ranks": list(self.ranks), "degree": self.degree, "samples": list(self.samples),
+                             "attention": self.attention}
         if self.tokens:
             d["tokens"] = self.tokens
         if self.padded_tokens:
             d["padded_tokens"] = self.padded_tokens
+        d["est_time_s"] = self.est_time_s
         if self.est_memory_bytes:
             d["est_memory_bytes"] = self.est_memory_bytes
         return d
+
+
+def attention_split(kind: str, degree: int) -> tuple[int, int]:
+    """(u, r) of an attention kind on `degree` ranks: Ulysses (all-to-all) over u ranks times a ring
+    over r, u * r == degree. "ring" is (1, degree), "ulysses" (degree, 1), "hybrid:<u>x<r>" (u, r).
+    Raises `PlanValidationError` for an unknown kind or factors that do not multiply to `degree`."""
+    if kind == "ring":
+        return 1, degree
+    if kind == "ulysses":
+        return degree, 1
+    if isinstance(kind, str) and kind.startswith("hybrid:"):
+        u, x, r = kind[len("hybrid:"):].partition("x")
+        if x and u.isdigit() and r.isdigit() and int(u) >= 1 and int(r) >= 1:
+            if int(u) * int(r) != degree:
+                raise PlanValidationError(f"attention {kind!r}: {u} x {r} != degree {degree}")
+            return int(u), int(r)
+    raise PlanValidationError(f"attention kind {kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,11 +114,11 @@ class Plan:
 
     def decisions(self) -> dict[str, Any]:
         """What the plan decides, and nothing else: the rank count and, per micro-batch, each
-        group's ranks, degree and samples. Estimates and solver metadata (timings, flags) are left
+        group's ranks, degree, samples and attention kind. Estimates and solver metadata (timings, flags) are left
         out, so processes that planned the same batch the same way get equal decisions."""
         return {"num_ranks": self.num_ranks,
-                "micro_batches": [[{"ranks": list(g.ranks), "degree": g.degree, "samples": list(g.samples)}
-                                   for g in mb.groups] for mb in self.micro_batches]}
+                "micro_batches": [[{"ranks": list(g.ranks), "degree": g.degree, "samples": list(g.samples),
+                                    "attention": g.attention} for g in mb.groups] for mb in self.micro_batches]}
 
     def digest(self) -> str:
         """Short hash of `decisions()`: equal on every process that derived the same plan."""
@@ -137,13 +164,16 @@ class Plan:
     # ------------------------------------------------------------------ checks
     def validate(self, num_samples: int | None = None, cost: Any = None,
                  lengths: Sequence[int] | None = None, etas: Sequence[float] | None = None,
-                 num_devices: int | None = None) -> "Plan":
+                 num_devices: int | None = None, num_heads: int | None = None) -> "Plan":
         """Check the invariants; raise `PlanValidationError` naming the offending group/sample.
 
         - every sample in exactly one group of exactly one micro-batch (and, with `num_samples`,
           the samples are exactly 0..num_samples-1);
         - the groups of a micro-batch use disjoint ranks within 0..num_ranks-1;
         - degree == len(ranks) >= 1;
+        - the attention kind is known and its factors multiply to the degree; with `num_heads` (or
+          a `cost` that knows `num_heads`) its Ulysses part divides the head count;
+        - padded_tokens, where given, holds the tokens and splits into 2*degree zigzag chunks;
         - with `cost` and `lengths`: each group fits its per-rank memory budget;
         - with `num_devices`: num_ranks does not exceed the devices available.
         Returns self so calls chain.
@@ -157,6 +187,8 @@ class Plan:
                 f"plan needs {self.num_ranks} ranks but only {num_devices} devices are available")
         if not self.micro_batches:
             raise PlanValidationError("plan has no micro-batches")
+        if num_heads is None and cost is not None and getattr(cost, "num_heads", None):
+            num_heads = int(cost.num_heads)
         seen: dict[int, str] = {}
         for m, mb in enumerate(self.micro_batches):
             if not mb.groups:
@@ -168,6 +200,7 @@ class Plan:
                     raise PlanValidationError(f"{where}: degree {g.degree} != number of ranks {len(g.ranks)}")
                 if len(set(g.ranks)) != len(g.ranks):
                     raise PlanValidationError(f"{where}: a rank appears twice")
+                _check_attention(g, where, num_heads)
                 for r in g.ranks:
                     if not isinstance(r, int) or not 0 <= r < self.num_ranks:
                         raise PlanValidationError(f"{where}: rank {r!r} outside 0..{self.num_ranks - 1}")
@@ -205,6 +238,19 @@ class Plan:
                         f"per rank for samples {list(g.samples)}, budget is {budget / 2**30:.2f} GiB")
 
 
+def _check_attention(g: Group, where: str, num_heads: int | None) -> None:
+    try:
+        u, _ = attention_split(g.attention, g.degree)
+    except PlanValidationError as e:
+        raise PlanValidationError(f"{where}: {e}") from None
+    if num_heads is not None and u > 1 and num_heads % u:
+        raise PlanValidationError(f"{where}: attention {g.attention!r} splits {num_heads} heads over {u} ranks; "
+                                  f"Ulysses needs the head count divisible by its degree")
+    if g.padded_tokens and (g.padded_tokens < g.tokens or g.padded_tokens % (2 * g.degree)):
+        raise PlanValidationError(f"{where}: padded_tokens {g.padded_tokens} must hold tokens {g.tokens} and be "
+                                  f"a multiple of 2*degree = {2 * g.degree}")
+
+
 def _req(d: Mapping[str, Any], key: str, where: str) -> Any:
     if not isinstance(d, Mapping):
         raise PlanValidationError(f"{where}: expected an object, got {type(d).__name__}")
@@ -221,8 +267,9 @@ def _int_list(x: Any, where: str) -> tuple[int, ...]:
 
 def _parse(d: Mapping[str, Any]) -> Plan:
     schema = _req(d, "schema", "plan")
-    if schema != SCHEMA:
-        raise PlanValidationError(f"plan schema is {schema!r}, expected {SCHEMA!r}")
+    if schema not in (SCHEMA, SCHEMA_V1):
+        raise PlanValidationError(f"plan schema is {schema!r}, expected {SCHEMA!r} (or {SCHEMA_V1!r})")
+    v1 = schema == SCHEMA_V1
     mbs = []
     for m, mbd in enumerate(_req(d, "micro_batches", "plan")):
         groups = []
@@ -231,11 +278,17 @@ def _parse(d: Mapping[str, Any]) -> Plan:
             degree = _req(gd, "degree", where)
             if not isinstance(degree, int) or isinstance(degree, bool):
                 raise PlanValidationError(f"{where}: degree must be an integer, got {degree!r}")
+            attention = "ring" if v1 else _req(gd, "attention", where)   # v1 plans ran every group as ring
+            if not isinstance(attention, str):
+                raise PlanValidationError(f"{where}: attention must be a string, got {attention!r}")
+            counts = [0, 0] if v1 else [gd.get(k, 0) for k in ("tokens", "padded_tokens")]
+            if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts):
+                raise PlanValidationError(f"{where}: tokens / padded_tokens must be integers >= 0, got {counts}")
             groups.append(Group(ranks=_int_list(_req(gd, "ranks", where), f"{where} ranks"), degree=degree,
                                 samples=_int_list(_req(gd, "samples", where), f"{where} samples"),
-                                est_time_s=float(gd.get("est_time_s", 0.0)),
+                                attention=attention, est_time_s=float(gd.get("est_time_s", 0.0)),
                                 est_memory_bytes=float(gd.get("est_memory_bytes", 0.0)),
-                                tokens=int(gd.get("tokens", 0)), padded_tokens=int(gd.get("padded_tokens", 0))))
+                                tokens=counts[0], padded_tokens=counts[1]))
         mbs.append(MicroBatch(tuple(groups), float(mbd.get("est_makespan_s", 0.0))))
     num_ranks = _req(d, "num_ranks", "plan")
     rpn = d.get("ranks_per_node", num_ranks)

@@ -39,7 +39,7 @@ from dhp_jax.data.layout import GROWTH, MIN_BUCKET, GroupLayout, ladder, pack_gr
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import MODEL_INPUTS, apply_model, token_loss_sum
-from dhp_jax.planner.plan import Plan
+from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
 
@@ -56,6 +56,7 @@ class _GroupWork:
 
 # Host -> device traffic per group is two arrays: every int column in one int32[S, 8] and the
 # float columns in one float32[S, patch_dim + 1] (pixels, then loss_weights).
+ATTENTION_KINDS = ("ring",)     # the group attention kinds this executor runs (Plan Group.attention)
 INT_COLUMNS = ("token_ids", "vision_mask", "segment_ids", "positions", "span_ids", "frame_ids",
                "frame_positions", "targets")
 
@@ -161,6 +162,12 @@ class PlanExecutor:
             if not isinstance(s, Sample):
                 raise TypeError(f"sample {i} is a {type(s).__name__}, not a Sample")
         self.ranks.check_plan(plan, len(samples))
+        for m, mb in enumerate(plan.micro_batches):
+            for gi, g in enumerate(mb.groups):
+                if g.attention not in ATTENTION_KINDS:
+                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): attention "
+                                              f"{g.attention!r} cannot run here; this executor runs "
+                                              f"{', '.join(ATTENTION_KINDS)} groups")
         work = []
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):

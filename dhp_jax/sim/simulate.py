@@ -14,6 +14,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.planner.build import kind_times
 from dhp_jax.sim.cluster import Cluster
 
 
@@ -45,8 +46,7 @@ def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
 def group_times(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float] | None = None
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Time of every group of `plan` (vectorised): (seconds, degree, micro-batch index), one entry
-    per group in plan order. Attention kind follows `plan.solver["attention"]` as the planner records
-    it: "ring" (default), "ulysses", or "auto" (all-to-all where the head count divides the degree)."""
+    per group in plan order. Each group is priced under its own attention kind (`Group.attention`)."""
     lengths = np.asarray(lengths)
     attn, lin, tok = cost.terms(lengths, etas)
     groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
@@ -66,12 +66,7 @@ def group_times(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[flo
     d = np.fromiter((g.degree for _, g in groups), dtype=np.int64, count=n)
     rpn = plan.ranks_per_node or plan.num_ranks
     inter = np.fromiter((spans_nodes(g.ranks, rpn) for _, g in groups), dtype=bool, count=n)
-    mode = str((plan.solver or {}).get("attention", "ring"))
-    if mode == "auto":
-        t = np.where(cost.num_heads % d == 0, cost.group_times(A, B, S, d, inter, "ulysses"),
-                     cost.group_times(A, B, S, d, inter, "ring"))
-    else:
-        t = cost.group_times(A, B, S, d, inter, mode)
+    t = kind_times(cost, A, B, S, d, inter, [g.attention for _, g in groups])
     mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=n)
     return t, d, mb
 

@@ -1,6 +1,6 @@
 """Step time of a plan under a cost model: sum of micro-batch makespans plus the gradient all-reduce.
 
-Group times come from the cost model; a group is priced with inter-node links when its ranks span
+Group times come from the cost model, each under the group's own attention kind; a group is priced with inter-node links when its ranks span
 nodes of `plan.ranks_per_node`. Vectorised over all groups of the plan (one pass of NumPy).
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
+
+from dhp_jax.planner.build import kind_times
 
 
 def step_time(plan: Any, lengths: Sequence[int] | np.ndarray, cost: Any,
@@ -31,12 +33,7 @@ def step_time(plan: Any, lengths: Sequence[int] | np.ndarray, cost: Any,
     d = np.fromiter((g.degree for _, g in groups), dtype=np.int64, count=len(groups))
     rpn = plan.ranks_per_node or plan.num_ranks
     inter = np.fromiter((len({r // rpn for r in g.ranks}) > 1 for _, g in groups), dtype=bool, count=len(groups))
-    mode = str(plan.solver.get("attention", "ring")) if plan.solver else "ring"
-    if mode == "auto":  # FlexSP-style: all-to-all where the head count allows, ring otherwise
-        uly = (cost.num_heads % d) == 0
-        t = np.where(uly, cost.group_times(A, B, S, d, inter, "ulysses"), cost.group_times(A, B, S, d, inter, "ring"))
-    else:
-        t = cost.group_times(A, B, S, d, inter, mode)
+    t = kind_times(cost, A, B, S, d, inter, [g.attention for _, g in groups])   # each group by its own kind
     mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=len(groups))
     makespans = cost.makespans(t, d, mb, len(plan.micro_batches))  # lanes-aware on shared cores
     return float(makespans.sum() + cost.allreduce_time(plan.num_ranks))
