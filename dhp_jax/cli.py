@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("dhp_jax.train.cli", "train the multimodal model with DHP plans (default: the CPU demo)"),
     "profile": ("dhp_jax.train.profile_cli", "time group executables and fit the cost model"),
     "bench": ("dhp_jax.bench", "benchmarks: planner solve time, executor overhead, manifest speed"),
-    "analyze": ("dhp_jax.data.analyze_cli", "what DHP would do for a dataset manifest"),
+    "analyze": ("dhp_jax.sim.analyze_cli", "what DHP would do for a dataset manifest"),
 }
 
 

@@ -6,6 +6,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.planner.compare import Comparison
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import SimRun, make_batches, simulate
 
@@ -38,10 +39,10 @@ def run_strategies(cluster: Cluster, dataset: str, strategies: Sequence[str], *,
 
 def best_static(runs: Mapping[str, SimRun]) -> tuple[str, float]:
     """The fastest static baseline (mean step time), as (strategy, seconds)."""
-    cands = [(s, r.mean_step_s) for s, r in runs.items() if s in STATIC]
-    if not cands:
+    best = Comparison(dict(runs)).best_static([s for s in runs if s in STATIC])
+    if best is None:
         raise ValueError("no static baseline among the strategies run")
-    return min(cands, key=lambda x: x[1])
+    return best, runs[best].mean_step_s
 
 
 def static_degree(run: SimRun) -> str:

@@ -8,17 +8,15 @@ Uses only the public profiler API (dhp_jax/train/profile.py) and the executor; w
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+
+from dhp_jax.devices import force_cpu_devices
 
 
 def main(out_path: str, params: dict) -> int:
     devices = int(params.get("devices", 8))
-    if "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    force_cpu_devices(devices)
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-import yaml
+from dhp_jax.typed_config import ConfigError, apply, dataclass_of, parse_override as _parse_override, read_yaml
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "experiments" / "configs"
@@ -41,10 +41,6 @@ REGISTRY: dict[str, str] = {
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")
 
 
-class ConfigError(ValueError):
-    """A config file is malformed; the message names the file and the key."""
-
-
 @dataclasses.dataclass
 class Experiment:
     name: str  # result file stem
@@ -63,10 +59,8 @@ def _module(kind: str) -> Any:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`key=value` with the value parsed as YAML (so `ranks=[8,16]` gives a list)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value")
-    key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    path, value = _parse_override(text)
+    return ".".join(path), value
 
 
 def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
@@ -76,12 +70,7 @@ def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
         raw, source = dict(path), "<dict>"
     else:
         source = str(path)
-        try:
-            raw = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{source}: YAML does not parse: {e}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: top level must be a mapping")
+        raw = dict(read_yaml(path))
     if raw.get("kind") != "experiment":
         raise ConfigError(f"{source}: `kind` must be 'experiment', got {raw.get('kind')!r}")
     if "experiment" not in raw:
@@ -89,18 +78,19 @@ def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
     kind = raw["experiment"]
     mod = _module(kind)
     defaults: dict[str, Any] = dict(mod.DEFAULTS)
-    params = dict(defaults)
+    params = dataclass_of(f"{kind}_params", defaults)()  # typed by the defaults: a value of the wrong type is named
 
-    def apply(block: Mapping[str, Any], where: str) -> None:
-        for k, v in block.items():
-            if k in RESERVED:
-                continue
-            if k not in defaults:
-                raise ConfigError(f"{source}: unknown key {k!r} in {where}; valid keys: "
-                                  f"{sorted(defaults) + ['seed', 'name']}")
-            params[k] = v
+    def apply_block(block: Mapping[str, Any], where: str) -> None:
+        unknown = [k for k in block if k not in RESERVED and k not in defaults]
+        if unknown:
+            raise ConfigError(f"{source}: unknown key {unknown[0]!r} in {where}; valid keys: "
+                              f"{sorted(defaults) + ['seed', 'name']}")
+        try:
+            apply(params, {k: v for k, v in block.items() if k not in RESERVED})
+        except ConfigError as e:
+            raise ConfigError(f"{source} ({where}): {e}") from None
 
-    apply(raw, "config")
+    apply_block(raw, "config")
     tiny_block = raw.get("tiny")
     if tiny_block is not None and not isinstance(tiny_block, dict):
         raise ConfigError(f"{source}: `tiny` must be a mapping of overrides")
@@ -108,16 +98,16 @@ def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
     if tiny:
         if not tiny_block:
             raise ConfigError(f"{source}: has no `tiny:` block")
-        apply(tiny_block, "tiny")
+        apply_block(tiny_block, "tiny")
         seed = tiny_block.get("seed", seed)
     if overrides:
         ov = dict(overrides)
         seed = ov.pop("seed", seed)
-        apply(ov, "overrides")
+        apply_block(ov, "overrides")
     if not isinstance(seed, int):
         raise ConfigError(f"{source}: seed must be an integer, got {seed!r}")
     name = raw.get("name") or (Path(source).stem if source != "<dict>" else kind)
-    return Experiment(name=name + ("_tiny" if tiny else ""), kind=kind, seed=seed, params=params,
+    return Experiment(name=name + ("_tiny" if tiny else ""), kind=kind, seed=seed, params=dataclasses.asdict(params),
                       source=source, tiny=tiny)
 
 
@@ -218,10 +208,10 @@ def config_files() -> list[Path]:
     files = []
     for p in sorted(CONFIG_DIR.glob("*.yaml")):
         try:
-            raw = yaml.safe_load(p.read_text())
-        except yaml.YAMLError:
+            raw = read_yaml(p)
+        except ConfigError:
             files.append(p)  # let load_config report it
             continue
-        if isinstance(raw, dict) and raw.get("kind") == "experiment":
+        if raw.get("kind") == "experiment":
             files.append(p)
     return files

@@ -29,11 +29,9 @@
 
 # %%
 # Fake devices must be requested before jax is imported (restart the kernel if it already was).
-import os
+from dhp_jax.devices import force_cpu_devices
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    + ["--xla_force_host_platform_device_count=8"])
+force_cpu_devices(8)
 
 import re
 import time

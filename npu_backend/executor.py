@@ -22,15 +22,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dhp_jax.data.layout import pack_group
+from dhp_jax.data.layout import MODEL_INPUTS, pack_group
 from dhp_jax.data.sample import Sample
 from dhp_jax.planner.plan import Group, Plan, PlanValidationError
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
 
 ATTENTION_KINDS = ("ring",)     # the group attention kinds this backend runs (Plan Group.attention)
-MODEL_KEYS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
-              "frame_ids", "frame_positions")
 
 
 class StepError(RuntimeError):
@@ -117,7 +115,7 @@ class TorchPlanExecutor:
         def attn(q, k, v, ids):
             return ring_attention(q, k, v, ids, attention_mask, comm)
 
-        logits = self.model({k: shard[k] for k in MODEL_KEYS}, attn)
+        logits = self.model({k: shard[k] for k in MODEL_INPUTS}, attn)
         return token_loss_sum(logits, shard["targets"], shard["loss_weights"]), comm
 
     # ------------------------------------------------------------------ the step

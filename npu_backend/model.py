@@ -22,8 +22,6 @@ from torch import nn
 # attn(q[S, H, D], k[S, KVH, D], v[S, KVH, D], ids[S, 3]) -> o[S, H, D]; ids = (segment, position, span)
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
-MODEL_INPUTS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
-                "frame_ids", "frame_positions")
 
 
 def attention_mask(q_ids: torch.Tensor, k_ids: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
+from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, mllm_preset  # noqa: E402
 from dhp_jax.planner.plan import Plan, PlanValidationError  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
@@ -35,7 +36,7 @@ from npu_backend.weights import WeightsError, export_flax_params, load_flax_para
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m npu_backend.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="MLLMConfig preset (default: tiny)")
+    add_mllm_arg(p)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-size", type=int, default=16, help="samples per global batch")
     p.add_argument("--min-len", type=int, default=8, help="shortest synthetic sample (tokens)")
@@ -50,8 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-source", choices=("local", "broadcast"), default="local",
                    help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
-    p.add_argument("--cost", default="internvl3-8b/cpu", help="cost-model preset MODEL/HARDWARE")
-    p.add_argument("--cost-profile", help="cost model fitted by `dhp profile` (JSON); overrides --cost")
+    add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=None)  # the cost model plans with
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="plan as if every sample were this many times longer (exercise CP groups at "
                         "CPU-sized lengths)")
@@ -90,13 +90,7 @@ class Planner:
         self.replay = read_plans(args.plan_file) if args.plan_file else None
         self.cost = None
         if self.replay is None:
-            from dhp_jax.planner import CostModel
-
-            if args.cost_profile:
-                self.cost = CostModel.from_profile(args.cost_profile)
-            else:
-                model, _, hardware = args.cost.partition("/")
-                self.cost = CostModel.preset(model, hardware or "cpu")
+            self.cost = cost_from_args(args)
 
     def _plan(self, samples: Sequence) -> Plan:
         from dhp_jax.data.sample import sample_etas, sample_lengths
@@ -149,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args, rank: int, world: int, device: torch.device, choice, say) -> int:
-    config = MLLMConfig.preset(args.model)
+    config = MLLMConfig.preset(mllm_preset(args, "npu_backend.train"))
     model = TorchMLLM(config)
     if args.weights:
         load_flax_params(model, load_npz(args.weights))

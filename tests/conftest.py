@@ -2,8 +2,7 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join(
-    f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
-) + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from dhp_jax.devices import cpu_devices_env
+
+os.environ.update(cpu_devices_env(8))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")

@@ -11,7 +11,7 @@ from PIL import Image
 
 from dhp_jax.cli import main
 from dhp_jax.data import read_manifest
-from dhp_jax.data.analyze import analyze
+from dhp_jax.sim.analyze import analyze
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def test_cli_bad_lines(manifest, tmp_path, capsys):
 
 
 def test_analyze_does_not_import_jax(manifest):
-    code = ("import sys; from dhp_jax.data.analyze import analyze; "
+    code = ("import sys; from dhp_jax.sim.analyze import analyze; "
             f"analyze({manifest!r}, ranks=8, batch=8, num_batches=1); "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -111,7 +111,8 @@ def test_reuse_placement_keeps_step_time_and_never_adds_executables():
 
 
 def test_compile_price_counts_new_programs_only():
-    from dhp_jax.planner.api import _compile_price, prepare
+    from dhp_jax.planner.dhp import _compile_price
+    from dhp_jax.planner.problem import prepare
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     prob = prepare([30000, 9000, 1000], 8, cost)  # buckets 32768 and 16384 at degree 4

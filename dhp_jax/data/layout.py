@@ -37,10 +37,12 @@ import numpy as np
 
 from dhp_jax.data.sample import Sample
 
-INT_ARRAYS = ("token_ids", "segment_ids", "positions", "span_ids", "frame_ids", "frame_positions",
-              "targets")
-ARRAY_NAMES = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
-               "frame_ids", "frame_positions", "targets", "loss_weights")
+# The per-token inputs, one list for the flax model, the torch model and both executors.
+MODEL_INPUTS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
+                "frame_ids", "frame_positions")
+ARRAY_NAMES = MODEL_INPUTS + ("targets", "loss_weights")   # what a layout holds
+FLOAT_ARRAYS = ("pixels", "loss_weights")
+INT_ARRAYS = tuple(k for k in ARRAY_NAMES if k not in FLOAT_ARRAYS and k != "vision_mask")
 
 MIN_BUCKET = 16
 GROWTH = 2.0

@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from dhp_jax.checks import positive_int
+
 
 @dataclasses.dataclass(frozen=True)
 class MLLMConfig:
@@ -43,8 +45,7 @@ class MLLMConfig:
             v = getattr(self, f.name)
             if f.name in ("name", "rope_base", "rms_eps"):
                 continue
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"MLLMConfig.{f.name} must be a positive integer, got {v!r}")
+            positive_int(v, f"MLLMConfig.{f.name}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"MLLMConfig: num_heads={self.num_heads} is not a multiple of "
                              f"num_kv_heads={self.num_kv_heads} (GQA groups must be equal)")

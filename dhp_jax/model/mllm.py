@@ -57,8 +57,6 @@ from dhp_jax.model.config import MLLMConfig
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
 
-MODEL_INPUTS = ("token_ids", "pixels", "vision_mask", "segment_ids", "positions", "span_ids",
-                "frame_ids", "frame_positions")
 
 
 def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:

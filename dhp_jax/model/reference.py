@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dhp_jax.data.layout import INT_ARRAYS
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import apply_model, token_loss_sum
@@ -68,7 +69,7 @@ def reference_stream(config: MLLMConfig, samples: Sequence[Sample]) -> dict[str,
     out = {k: np.asarray(v) for k, v in cols.items()}
     out["pixels"] = out["pixels"].reshape(-1, config.patch_dim).astype(np.float32)
     out["loss_weights"] = out["loss_weights"].astype(np.float32)
-    for k in ("token_ids", "segment_ids", "positions", "span_ids", "frame_ids", "frame_positions", "targets"):
+    for k in INT_ARRAYS:
         out[k] = out[k].astype(np.int32)
     out["vision_mask"] = out["vision_mask"].astype(bool)
     return out

@@ -10,6 +10,9 @@ _LAZY = {
     "CostModel": "dhp_jax.planner.cost",
     "plan_batch": "dhp_jax.planner.api",
     "STRATEGIES": "dhp_jax.planner.api",
+    "step_time": "dhp_jax.planner.pricing",
+    "compare_strategies": "dhp_jax.planner.compare",
+    "Comparison": "dhp_jax.planner.compare",
     "ProgramCache": "dhp_jax.planner.programs",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

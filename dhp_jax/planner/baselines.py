@@ -10,10 +10,14 @@ hand-tuned its baselines.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from dhp_jax.planner.build import build_plan
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.plan import PlanningError
+from dhp_jax.planner.pricing import step_time
 
 
 def static_groups(lengths: np.ndarray, num_ranks: int, cost: CostModel, degree: int, attention: str
@@ -52,3 +56,30 @@ def static_degrees(num_ranks: int, cost: CostModel, attention: str) -> list[int]
     if attention == "ulysses":
         ds = [d for d in ds if cost.ulysses_ok(d)]
     return ds
+
+
+def solve_static(prob: Any, attention: str, arg: str, strategy: str) -> tuple[list, dict[str, Any]]:
+    """"static-<kind>:<d>" groups, or for ":best" those of the degree with the least step time."""
+    N, cost = prob.num_ranks, prob.cost
+    if arg == "best":
+        cands = static_degrees(N, cost, attention)
+        best = None
+        errors = []
+        for d in cands:
+            try:
+                mbs = static_groups(prob.lengths, N, cost, d, attention)
+            except PlanningError as e:
+                errors.append(str(e))
+                continue
+            t = step_time(build_plan(mbs, prob.lengths, prob.etas, cost, N, {"attention": attention}, attention),
+                          prob.lengths, cost, prob.etas)
+            if best is None or t < best[0]:
+                best = (t, d, mbs)
+        if best is None:
+            raise PlanningError(f"{strategy}: no degree among {cands} fits this batch ({errors[-1] if errors else ''})")
+        return best[2], {"degree": best[1], "tried": cands}
+    try:
+        d = int(arg)
+    except ValueError:
+        raise PlanningError(f"unknown strategy {strategy!r}: the degree must be an integer or 'best'") from None
+    return static_groups(prob.lengths, N, cost, d, attention), {"degree": d}

@@ -16,6 +16,8 @@ import platform
 import time
 from typing import Any
 
+from dhp_jax.planner.cli_args import add_cost_args
+
 SIZES = ((8, 128), (64, 512), (256, 2048), (1024, 4096), (4096, 16384))
 TARGETS_MS = {(64, 512): 5.0, (1024, 4096): 50.0}
 PAPER_MS = {(64, 128): 21.0, (64, 256): 44.0, (64, 512): 86.0}  # DHP paper's solver times at 64 NPUs
@@ -24,8 +26,7 @@ PAPER_MS = {(64, 128): 21.0, (64, 256): 44.0, (64, 512): 86.0}  # DHP paper's so
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="batches per size (default 10)")
     parser.add_argument("--sizes", default=None, help="override sizes as 'ranks:batch,...' (default the five of issue 2)")
-    parser.add_argument("--model", default="internvl3-8b")
-    parser.add_argument("--hardware", default="ascend-910b")
+    add_cost_args(parser, ranks_per_node=None)
     parser.add_argument("--strategy", default="dhp")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
 
@@ -37,12 +38,12 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def bench(sizes: tuple[tuple[int, int], ...] = SIZES, repeats: int = 10, model: str = "internvl3-8b",
-          hardware: str = "ascend-910b", strategy: str = "dhp") -> dict[str, Any]:
+          hardware: str = "ascend-910b", strategy: str = "dhp", cost: str | None = None) -> dict[str, Any]:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
-    from dhp_jax.planner.cost import CostModel
+    from dhp_jax.planner.cli_args import cost_model
 
-    cost = CostModel.preset(model, hardware)
+    cost = cost_model(cost or model, hardware)
     rows = []
     for ranks, batch in sizes:
         solve, solve_cpu, total, cpu = [], [], [], []
@@ -78,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         print("dhp bench planner: --repeats must be >= 1")
         return 2
-    out = bench(sizes, args.repeats, args.model, args.hardware, args.strategy)
+    out = bench(sizes, args.repeats, args.model, args.hardware, args.strategy, args.cost)
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

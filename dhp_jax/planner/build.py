@@ -2,7 +2,7 @@
 
 Each group records its own attention kind, its tokens and its padded stream length (the one bucket
 rule, `dhp_jax.data.layout.bucket_lengths`, on the cost model's ladder; the executors' default ladder
-when the cost model prices no padding); `kind_times` prices groups by their own kinds.
+when the cost model prices no padding). Times come from `planner.pricing`, the one place plans are priced.
 """
 
 from __future__ import annotations
@@ -13,48 +13,19 @@ import numpy as np
 
 from dhp_jax.data.layout import bucket_lengths
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import bin_sums
-from dhp_jax.planner.placement import spans_nodes
 from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.pricing import attention_for, kind_times, price_groups
 
-
-def attention_for(degree: int, cost: CostModel, attention: str) -> str:
-    """The kind a group of `degree` ranks records for a strategy's mode: "auto" (FlexSP's groups) is
-    all-to-all where the head count allows it, ring otherwise; a single rank has no sequence
-    exchange at all, so a degree-1 group is always "ring" (both kinds price it the same)."""
-    if degree == 1:
-        return "ring"
-    if attention == "auto":
-        return "ulysses" if cost.ulysses_ok(degree) else "ring"
-    return attention
-
-
-def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
-               kinds: Sequence[str]) -> np.ndarray:
-    """`cost.group_times` of each group under its own attention kind (vectorised per kind)."""
-    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
-    kinds = np.asarray(list(kinds), dtype=object)
-    out = np.zeros(d.shape, dtype=np.float64)
-    for kind in dict.fromkeys(kinds.tolist()):
-        m = kinds == kind
-        out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
-    return out
+__all__ = ["attention_for", "build_plan", "kind_times", "padded_tokens"]  # (pricing names kept importable here)
 
 
 def padded_tokens(tokens: Any, degree: Any, cost: CostModel) -> np.ndarray:
-    """The stream lengths the executors run (the one bucket rule, `dhp_jax.data.layout.bucket_lengths`,
-    on the cost model's ladder; the executors' default ladder when the model prices no padding)."""
+    """The stream lengths an executor runs for `tokens` on `degree` ranks (int64, vectorised): the one
+    bucket rule on the cost model's ladder (memory clamp and menu included, `CostModel.padded_length`);
+    the executors' default ladder when the model prices no padding."""
     if cost.bucket_min:
         return np.asarray(cost.padded_length(np.asarray(tokens, float), degree)).astype(np.int64)
     return bucket_lengths(np.asarray(tokens, float), degree).astype(np.int64)
-
-
-def group_time(samples: Sequence[int], ranks: Sequence[int], attn: np.ndarray, lin: np.ndarray,
-               tok: np.ndarray, cost: CostModel, attention: str = "ring") -> float:
-    idx = np.asarray(samples, dtype=np.int64)
-    d = len(ranks)
-    return float(cost.group_times(attn[idx].sum(), lin[idx].sum(), tok[idx].sum(), d,
-                                  spans_nodes(ranks, cost.ranks_per_node), attention_for(d, cost, attention)))
 
 
 def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], lengths: np.ndarray,
@@ -64,12 +35,8 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     attn, lin, tok = cost.terms(lengths, etas)
     flat = [(m, tuple(int(r) for r in ranks), tuple(sorted(int(s) for s in samples)))
             for m, groups in enumerate(micro_batches) for ranks, samples in groups if len(samples)]
-    A, B, S = bin_sums([g[2] for g in flat], attn, lin, tok)
-    d = np.fromiter((len(g[1]) for g in flat), dtype=np.int64, count=len(flat))
-    rpn = cost.ranks_per_node
-    inter = np.fromiter((spans_nodes(g[1], rpn) for g in flat), dtype=bool, count=len(flat))
-    kinds = [attention_for(int(x), cost, attention) for x in d.tolist()]
-    times = kind_times(cost, A, B, S, d, inter, kinds)
+    kinds = [attention_for(len(g[1]), cost, attention) for g in flat]
+    times, S, d = price_groups(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok), kinds, cost.ranks_per_node)
     # the padded stream is what a rank holds; the bucket rule clamps padding to the budget, so a
     # group is infeasible exactly when its real tokens are
     mems = cost.padded_length(S, d) * cost.mem_per_token / d

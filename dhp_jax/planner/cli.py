@@ -7,18 +7,15 @@ import json
 import sys
 from typing import Any
 
+from dhp_jax.planner.cli_args import add_cost_args, cost_from_args
+
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="openvid", help="dataset mix name or a .jsonl manifest (default openvid)")
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
-    parser.add_argument("--ranks", type=int, default=64, help="number of ranks (model replicas) (default 64)")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (default 8)")
-    parser.add_argument("--model", default="internvl3-8b", help="cost-model preset model (default internvl3-8b)")
-    parser.add_argument("--hardware", default="ascend-910b", help="cost-model preset hardware (default ascend-910b)")
-    parser.add_argument("--cost", default=None, metavar="PATH", help="fitted cost model JSON (overrides --model/--hardware)")
-    parser.add_argument("--freeze-vision", action="store_true", help="model a frozen vision encoder")
+    add_cost_args(parser, ranks=64, freeze_vision=True)
     parser.add_argument("--strategy", default="dhp", help="dhp, static-ring:<d|best>, static-ulysses:<d|best>, flexsp, milp")
     parser.add_argument("--micro-batches", type=int, default=None, help="fix the micro-batch count (default: searched)")
     parser.add_argument("--compare", default=DEFAULT_COMPARE,
@@ -26,15 +23,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="dataset seed (default 0)")
     parser.add_argument("--json", action="store_true", help="print the plan and comparison as JSON")
     parser.add_argument("--plot", default=None, metavar="PNG", help="draw ranks x time per micro-batch")
-
-
-def _cost(args: argparse.Namespace) -> Any:
-    from dhp_jax.planner.cost import CostModel
-
-    if args.cost:
-        return CostModel.from_profile(args.cost).replace(ranks_per_node=args.ranks_per_node)
-    return CostModel.preset(args.model, args.hardware, ranks_per_node=args.ranks_per_node,
-                            freeze_vision=args.freeze_vision)
 
 
 def _span(ranks: tuple[int, ...]) -> str:
@@ -46,32 +34,31 @@ def _span(ranks: tuple[int, ...]) -> str:
 def run(args: argparse.Namespace) -> int:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
-    from dhp_jax.planner.api import plan_batch
+    from dhp_jax.planner.compare import compare_strategies
     from dhp_jax.planner.plan import PlanningError
-    from dhp_jax.sim.step import step_time
 
+    others = [s for s in dict.fromkeys(s.strip() for s in args.compare.split(",")) if s and s != args.strategy]
     try:
-        cost = _cost(args)
+        cost = cost_from_args(args)
         # the batch's vision tokens follow the planned model's encoder (InternVL tiles, Qwen-VL patches)
         samples = make_dataset(args.dataset, args.batch, args.seed, vision=family_for_model(args.model))
         lengths, etas = sample_lengths(samples), sample_etas(samples)
-        plan = plan_batch(lengths, args.ranks, cost, args.strategy, etas=etas, num_micro_batches=args.micro_batches)
+        ours = compare_strategies([(lengths, etas)], args.ranks, cost, [args.strategy], errors="raise",
+                                  num_micro_batches=args.micro_batches)
     except (PlanningError, ValueError) as e:
         print(f"dhp plan: {e}", file=sys.stderr)
         return 2
-    ours = step_time(plan, lengths, cost, etas)
+    plan, ours_s = ours.runs[args.strategy].plans[0], ours.mean(args.strategy)
+    comp = compare_strategies([(lengths, etas)], args.ranks, cost, others)
     comparison: dict[str, Any] = {}
-    for strat in [s.strip() for s in args.compare.split(",") if s.strip()]:
-        if strat == args.strategy:
+    for strat, r in comp.runs.items():
+        if not r.ok:
+            comparison[strat] = {"error": r.error}
             continue
-        try:
-            other = plan_batch(lengths, args.ranks, cost, strat, etas=etas)
-        except PlanningError as e:
-            comparison[strat] = {"error": str(e)}
-            continue
-        t = step_time(other, lengths, cost, etas)
-        comparison[strat] = {"step_time_s": t, "speedup": t / ours, "degree": other.solver.get("degree"),
-                             "num_micro_batches": len(other.micro_batches), "solve_ms": other.solver["solve_ms"]}
+        other = r.plans[0]
+        comparison[strat] = {"step_time_s": r.step_time_s[0], "speedup": r.step_time_s[0] / ours_s,
+                             "degree": other.solver.get("degree"), "num_micro_batches": len(other.micro_batches),
+                             "solve_ms": other.solver["solve_ms"]}
     config = {"dataset": args.dataset, "batch": args.batch, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node,
               "model": cost.model, "hardware": cost.hardware, "freeze_vision": cost.freeze_vision,
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
@@ -82,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         plot_plan(plan, args.plot, title=f"{args.strategy}: {args.dataset}, {args.batch} samples, {args.ranks} ranks",
                   allreduce_s=cost.allreduce_time(plan.num_ranks))
     if args.json:
-        print(json.dumps({"config": config, "step_time_s": ours, "plan": plan.to_dict(), "comparison": comparison},
+        print(json.dumps({"config": config, "step_time_s": ours_s, "plan": plan.to_dict(), "comparison": comparison},
                          indent=2))
         return 0
     tokens = int(lengths.sum())
@@ -98,11 +85,11 @@ def run(args: argparse.Namespace) -> int:
             ls = lengths[list(g.samples)]
             print(f"  {_span(g.ranks):>12} {g.degree:>4} {len(g.samples):>7} {int(ls.sum()):>9,} {int(ls.max()):>8,} "
                   f"{g.est_time_s:>8.3f} {g.est_memory_bytes / 2**30:>8.2f}")
-    print(f"\nstep time {ours:.3f} s (micro-batches {sum(mb.est_makespan_s for mb in plan.micro_batches):.3f} s "
+    print(f"\nstep time {ours_s:.3f} s (micro-batches {sum(mb.est_makespan_s for mb in plan.micro_batches):.3f} s "
           f"+ gradient all-reduce {cost.allreduce_time(args.ranks):.3f} s)")
     if comparison:
         print("\ncomparison (simulated step time):")
-        print(f"  {args.strategy:<22} {ours:>9.3f} s")
+        print(f"  {args.strategy:<22} {ours_s:>9.3f} s")
         for strat, r in comparison.items():
             if "error" in r:
                 print(f"  {strat:<22} infeasible: {r['error']}")

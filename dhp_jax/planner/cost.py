@@ -45,6 +45,7 @@ which is the paper's model above):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from pathlib import Path
@@ -52,6 +53,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_lengths
 from dhp_jax.planner import presets
 
@@ -377,5 +379,4 @@ class CostModel:
 
 
 def _check_degree(degree: Any, name: str = "degree") -> None:
-    if isinstance(degree, bool) or not isinstance(degree, (int, np.integer)) or degree < 1:
-        raise ValueError(f"{name} must be a positive integer, got {degree!r}")
+    positive_int(degree, name)

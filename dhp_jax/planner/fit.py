@@ -27,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 from scipy.optimize import least_squares, nnls
 
+from dhp_jax.checks import positive_int
 from dhp_jax.planner.cost import CostModel
 
 _NAMES = ("a1", "a2", "a2_vision", "b1", "c_intra", "c_inter", "lat_intra", "lat_inter")
@@ -49,8 +50,7 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
         if e.size != L.size or np.any(e < 0) or np.any(e > 1):
             raise ValueError(f"measurement {i}: etas must have one value in [0, 1] per length")
         d = m["degree"]
-        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 1:
-            raise ValueError(f"measurement {i}: degree must be a positive integer, got {d!r}")
+        positive_int(d, f"measurement {i}: degree")
         t = float(m["seconds"])
         if not math.isfinite(t) or t <= 0:
             raise ValueError(f"measurement {i}: seconds must be > 0, got {m['seconds']!r}")

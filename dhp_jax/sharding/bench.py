@@ -139,13 +139,9 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
+    from dhp_jax.devices import force_cpu_devices
 
-    if "jax" not in sys.modules:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    force_cpu_devices(args.devices)
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     res = bench(args.plan, lengths, args.repeats, {} if args.full_opt else None)
     if args.json:

@@ -35,10 +35,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dhp_jax.data.layout import GROWTH, MIN_BUCKET, GroupLayout, ladder, pack_group
+from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
+                                  pack_group)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
-from dhp_jax.model.mllm import MODEL_INPUTS, apply_model, token_loss_sum
+from dhp_jax.model.mllm import apply_model, token_loss_sum
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
@@ -57,8 +58,7 @@ class _GroupWork:
 # Host -> device traffic per group is two arrays: every int column in one int32[S, 8] and the
 # float columns in one float32[S, patch_dim + 1] (pixels, then loss_weights).
 ATTENTION_KINDS = ("ring",)     # the group attention kinds this executor runs (Plan Group.attention)
-INT_COLUMNS = ("token_ids", "vision_mask", "segment_ids", "positions", "span_ids", "frame_ids",
-               "frame_positions", "targets")
+INT_COLUMNS = tuple(k for k in ARRAY_NAMES if k not in FLOAT_ARRAYS)
 
 
 def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:

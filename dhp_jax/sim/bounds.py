@@ -20,6 +20,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.checks import positive_int
+
 
 @dataclasses.dataclass(frozen=True)
 class LowerBound:
@@ -36,8 +38,7 @@ class LowerBound:
 def lower_bound(lengths: Sequence[int], num_ranks: int, cost: Any, etas: Sequence[float] | None = None
                 ) -> LowerBound:
     """Lower bound on the step time of any plan of this batch on `num_ranks` ranks (see module doc)."""
-    if isinstance(num_ranks, bool) or not isinstance(num_ranks, (int, np.integer)) or num_ranks < 1:
-        raise ValueError(f"num_ranks must be a positive integer, got {num_ranks!r}")
+    positive_int(num_ranks, "num_ranks")
     L = np.asarray(lengths, dtype=np.float64).reshape(-1)
     if L.size == 0:
         raise ValueError("empty batch: no lengths given")

@@ -10,22 +10,17 @@ import json
 import sys
 import time
 
+from dhp_jax.planner.cli_args import add_cost_args, cost_from_args, is_profile
+
 DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from dhp_jax.planner.presets import HARDWARE, MODELS
-
-    parser.add_argument("--model", default="internvl3-8b", help=f"cost-model preset: {', '.join(MODELS)}")
-    parser.add_argument("--hardware", default="ascend-910b", help=f"hardware preset: {', '.join(HARDWARE)}")
-    parser.add_argument("--cost-profile", default=None, metavar="PATH",
-                        help="a fitted cost model (`dhp profile` output) instead of the preset")
+    add_cost_args(parser, freeze_vision=True)
     parser.add_argument("--dataset", default="openvid", help="dataset name or manifest path")
     parser.add_argument("--nodes", type=int, default=8, help="nodes in the cluster")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="model replicas per node")
     parser.add_argument("--intra-gbps", type=float, default=None, help="override intra-node GB/s per rank")
     parser.add_argument("--inter-gbps", type=float, default=None, help="override inter-node GB/s per rank")
-    parser.add_argument("--freeze-vision", action="store_true", help="vision encoder frozen (no backward)")
     parser.add_argument("--batch", type=int, default=None, help="global batch (default 8 per rank)")
     parser.add_argument("--steps", type=int, default=3, help="global batches simulated")
     parser.add_argument("--seed", type=int, default=0, help="data seed (every strategy sees the same batches)")
@@ -41,11 +36,7 @@ def run(args: argparse.Namespace) -> int:
         cluster = Cluster(nodes=args.nodes, ranks_per_node=args.ranks_per_node, model=args.model,
                           hardware=args.hardware, freeze_vision=args.freeze_vision,
                           intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps)
-        if args.cost_profile:
-            from dhp_jax.planner import CostModel
-            cost = CostModel.from_profile(args.cost_profile).replace(ranks_per_node=args.ranks_per_node)
-        else:
-            cost = cluster.cost_model()
+        cost = cost_from_args(args) if args.cost else cluster.cost_model()
     except (ValueError, OSError) as e:
         print(f"dhp simulate: {e}", file=sys.stderr)
         return 2
@@ -65,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         r.dataset = args.dataset
         runs.append(r)
-    source = f"profile {args.cost_profile}" if args.cost_profile else f"{args.hardware} preset"
+    source = (f"profile {args.cost}" if is_profile(args.cost) else f"{args.cost} preset") if args.cost \
+        else f"{args.hardware} preset"
     out = {"label": f"simulated ({source})", "cluster": cluster.describe(),
            "dataset": args.dataset, "batch": batch, "seed": args.seed,
            "runs": [r.summary() for r in runs], "wall_s": time.perf_counter() - t0}

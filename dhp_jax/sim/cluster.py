@@ -11,6 +11,7 @@ from typing import Any
 
 # The vision-token rules a model uses (InternVL tiles, Qwen-VL patches) come from one table, in the
 # data package; `vision_family` is kept as the simulator's name for it.
+from dhp_jax.checks import positive_int
 from dhp_jax.data.vision import family_for_model as vision_family
 
 
@@ -30,8 +31,7 @@ class Cluster:
     def __post_init__(self) -> None:
         for name in ("nodes", "ranks_per_node"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"Cluster.{name} must be a positive integer, got {v!r}")
+            positive_int(v, f"Cluster.{name}")
         for name in ("intra_node_gbps", "inter_node_gbps"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):

@@ -1,20 +1,19 @@
 """Simulate training steps: plan each global batch with a strategy, time the plan on a cluster.
 
-Times come from the planner's cost model (a preset, i.e. *simulated*, never measured): each group's
-time for its samples at its degree, inter-node when its ranks span nodes; a micro-batch lasts as long
-as its slowest group; a step is the sum of micro-batch makespans plus one gradient all-reduce over all
-ranks. `evaluate` also reports where rank-time goes (busy vs idle), which `step_time` does not.
+Times come from the planner's pricing of a plan (`dhp_jax.planner.pricing`, a cost-model preset,
+i.e. *simulated*, never measured): each group's time for its samples at its degree, inter-node when
+its ranks span nodes; a micro-batch lasts as long as its slowest group; a step is the sum of
+micro-batch makespans plus one gradient all-reduce over all ranks. `evaluate` also reports where rank-time goes (busy vs idle), which `step_time` does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.build import kind_times
+from dhp_jax.planner.pricing import plan_group_times
 from dhp_jax.sim.cluster import Cluster
 
 
@@ -38,42 +37,9 @@ class StepBreakdown:
         return self.busy_rank_s / (self.num_ranks * self.step_s) if self.step_s > 0 else 0.0
 
 
-def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
-    first = ranks[0] // ranks_per_node
-    return any(r // ranks_per_node != first for r in ranks)
-
-
-def group_times(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float] | None = None
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Time of every group of `plan` (vectorised): (seconds, degree, micro-batch index), one entry
-    per group in plan order. Each group is priced under its own attention kind (`Group.attention`)."""
-    lengths = np.asarray(lengths)
-    attn, lin, tok = cost.terms(lengths, etas)
-    groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
-    n = len(groups)
-    sizes = np.fromiter((len(g.samples) for _, g in groups), dtype=np.int64, count=n)
-    idx = np.fromiter((s for _, g in groups for s in g.samples), dtype=np.int64, count=int(sizes.sum()))
-    if idx.size and (idx.min() < 0 or idx.max() >= lengths.size):
-        bad = int(np.flatnonzero((idx < 0) | (idx >= lengths.size))[0])
-        gi = int(np.searchsorted(np.cumsum(sizes), bad, side="right"))
-        m, g = groups[gi]
-        raise ValueError(f"micro-batch {m} group with ranks {list(g.ranks)}: sample {int(idx[bad])} is outside "
-                         f"the batch of {lengths.size} samples")
-    gid = np.repeat(np.arange(n), sizes)
-    A = np.bincount(gid, attn[idx], minlength=n)
-    B = np.bincount(gid, lin[idx], minlength=n)
-    S = np.bincount(gid, tok[idx], minlength=n)
-    d = np.fromiter((g.degree for _, g in groups), dtype=np.int64, count=n)
-    rpn = plan.ranks_per_node or plan.num_ranks
-    inter = np.fromiter((spans_nodes(g.ranks, rpn) for _, g in groups), dtype=bool, count=n)
-    t = kind_times(cost, A, B, S, d, inter, [g.attention for _, g in groups])
-    mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=n)
-    return t, d, mb
-
-
 def evaluate(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float] | None = None) -> StepBreakdown:
     """Time one plan; raises ValueError naming the group if it references a missing sample."""
-    t, d, mb = group_times(plan, lengths, cost, etas)
+    t, d, mb = plan_group_times(plan, lengths, cost, etas)
     # the cost model owns how groups of one micro-batch combine (shared CPU lanes included)
     makespans = cost.makespans(t, d, mb, len(plan.micro_batches))
     return StepBreakdown(tuple(makespans.tolist()), float(cost.allreduce_time(plan.num_ranks)),
@@ -99,6 +65,11 @@ class SimRun:
     @property
     def mean_step_s(self) -> float:
         return float(self.step_s.mean())
+
+    @property
+    def mean_step_time_s(self) -> float:
+        """`mean_step_s` under the name `planner.compare.Comparison` compares runs by."""
+        return self.mean_step_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -134,8 +105,8 @@ def simulate(cluster: Cluster, dataset: str | Sequence[Sequence[Any]], strategy:
     `dataset` is a dataset name (or manifest path) for `make_dataset`, or already drawn batches
     (lists of `Sample`s), which lets several strategies share one draw.
     """
-    from dhp_jax.data import sample_etas, sample_lengths
-    from dhp_jax.planner import plan_batch
+    from dhp_jax.data import sample_lengths
+    from dhp_jax.planner.compare import compare_strategies
 
     cost = cost if cost is not None else cluster.cost_model()
     if isinstance(dataset, str):
@@ -143,20 +114,19 @@ def simulate(cluster: Cluster, dataset: str | Sequence[Sequence[Any]], strategy:
     else:
         name, batches = "<batches>", [list(b) for b in dataset]
     n = len(batches)
-    rec: dict[str, list[Any]] = {k: [] for k in ("step", "tok", "util", "solve", "wall", "mbs", "deg")}
-    for samples in batches:
-        lengths, etas = sample_lengths(samples), sample_etas(samples)
-        t0 = time.perf_counter()
-        plan = plan_batch(samples, cluster.num_ranks, cost, strategy,
-                          ranks_per_node=cluster.ranks_per_node, **dict(plan_options or {}))
-        rec["wall"].append((time.perf_counter() - t0) * 1e3)
-        br = evaluate(plan, lengths, cost, etas)
-        rec["step"].append(br.step_s)
-        rec["tok"].append(int(np.sum(lengths)))
-        rec["util"].append(br.utilisation)
-        rec["solve"].append(float(plan.solver.get("solve_ms", np.nan)))
-        rec["mbs"].append(len(plan.micro_batches))
-        rec["deg"].append(plan.degrees)
+    breakdowns: list[StepBreakdown] = []
+
+    def price(plan: Any, lengths: np.ndarray, cost: Any, etas: np.ndarray) -> float:
+        breakdowns.append(evaluate(plan, lengths, cost, etas))
+        return breakdowns[-1].step_s
+
+    run = compare_strategies(batches, cluster.num_ranks, cost, [strategy], plan_options={strategy: plan_options or {}},
+                             errors="raise", price=price, ranks_per_node=cluster.ranks_per_node).runs[strategy]
+    rec: dict[str, list[Any]] = {
+        "step": run.step_time_s, "wall": run.plan_wall_ms, "util": [br.utilisation for br in breakdowns],
+        "tok": [int(np.sum(sample_lengths(b))) for b in batches],
+        "solve": [float(p.solver.get("solve_ms", np.nan)) for p in run.plans],
+        "mbs": [len(p.micro_batches) for p in run.plans], "deg": run.degrees}
     return SimRun(cluster=cluster, dataset=name, strategy=strategy, batch=len(batches[0]) if n else batch,
                   step_s=np.asarray(rec["step"]), tokens=np.asarray(rec["tok"]),
                   utilisation=np.asarray(rec["util"]), solve_ms=np.asarray(rec["solve"]),

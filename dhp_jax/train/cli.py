@@ -46,17 +46,6 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
     return config, overrides
 
 
-def force_cpu_devices(count: int) -> None:
-    """Ask XLA for `count` fake host devices; effective only if jax has not been imported yet."""
-    if "jax" in sys.modules:
-        return
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    flags.append(f"--xla_force_host_platform_device_count={count}")
-    os.environ["XLA_FLAGS"] = " ".join(flags)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def run(args: argparse.Namespace) -> int:
     from dhp_jax.train.config import ConfigError, load_config
 
@@ -84,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if config.devices.platform == "cpu":
         # devices.count is the run's total; each process creates its share of fake CPU devices
+        from dhp_jax.devices import force_cpu_devices
+
         force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
     if dist is not None:
         # Said before joining: if a process never comes, jax's runtime ends this one after the

@@ -4,7 +4,7 @@ Measured: the same batches, the same params, each strategy's plan run through th
 (compile excluded, strategies interleaved per repeat so drift hits all alike, median per batch);
 the best static plan is the fastest *measured* static candidate. Simulated: the same batches at
 their full (unscaled) token counts, planned for the chosen cost-model preset and timed with
-`dhp_jax.sim.step_time`. Each figure carries a label saying which it is.
+`dhp_jax.planner.compare.compare_strategies` (step times of `dhp_jax.sim.step_time`). Each figure carries a label saying which it is.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import statistics
 import time
 from typing import Any
 
+from dhp_jax.planner.compare import Comparison
 from dhp_jax.train.plans import PlanSource
 
 
@@ -46,30 +47,17 @@ def measured_comparison(trainer: Any, params: Any, batches: list, strategies: li
 
 
 def simulated_comparison(batches: list, strategies: list[str], model: str, hardware: str, num_ranks: int) -> dict:
-    from dhp_jax.data.sample import sample_etas, sample_lengths
-    from dhp_jax.planner import CostModel, PlanningError, plan_batch
-    from dhp_jax.sim import step_time
+    from dhp_jax.planner import CostModel
+    from dhp_jax.planner.compare import compare_strategies
 
     cost = CostModel.preset(model, hardware, ranks_per_node=min(8, num_ranks))
-    out: dict[str, Any] = {}
-    for s in strategies:
-        total, degrees = 0.0, []
-        try:
-            for b in batches:
-                lengths = sample_lengths(b.source_samples)
-                plan = plan_batch(b.source_samples, num_ranks, cost, strategy=s)
-                total += float(step_time(plan, lengths, cost, etas=sample_etas(b.source_samples)))
-                degrees.append(plan.degrees)
-        except PlanningError as e:
-            out[s] = {"infeasible": str(e)}
-            continue
-        out[s] = {"step_time_s": total / len(batches), "degrees": degrees}
-    return out
+    comp = compare_strategies([b.source_samples for b in batches], num_ranks, cost, strategies)
+    return {s: {"step_time_s": r.mean_step_time_s, "degrees": r.degrees} if r.ok else {"infeasible": r.error}
+            for s, r in comp.runs.items()}
 
 
-def _best_static(results: dict, statics: list[str]) -> str | None:
-    ok = [s for s in statics if "step_time_s" in results.get(s, {})]
-    return min(ok, key=lambda s: results[s]["step_time_s"]) if ok else None
+def _comparison(results: dict) -> Comparison:
+    return Comparison.of_means({s: r.get("step_time_s") for s, r in results.items()})
 
 
 def compare_plans(trainer: Any, params: Any, first_step: int) -> dict:
@@ -80,7 +68,8 @@ def compare_plans(trainer: Any, params: Any, first_step: int) -> dict:
     statics = [s.strip() for s in c.static_strategy.split(",") if s.strip()]
     dhp = "dhp"
     measured = measured_comparison(trainer, params, batches, [dhp, *statics], c.repeats)
-    best = _best_static(measured, statics)
+    mcomp = _comparison(measured)
+    best = mcomp.best_static(statics)
     devices = trainer.devices
     result: dict[str, Any] = {
         "batches": [b.step for b in batches],
@@ -88,20 +77,20 @@ def compare_plans(trainer: Any, params: Any, first_step: int) -> dict:
             "label": f"CPU-measured: {len(devices)} x {devices[0].platform} ({devices[0].device_kind}) devices of "
                      f"this machine, tiny model, scaled batches; median of {c.repeats} repeats per batch",
             "strategies": measured, "best_static": best,
-            "speedup_vs_best_static": (measured[best]["step_time_s"] / measured[dhp]["step_time_s"]) if best else None,
+            "speedup_vs_best_static": mcomp.speedup(dhp, best) if best else None,
         },
     }
     sim_ranks = c.sim_ranks or cfg.num_ranks
     # the simulation also knows Ulysses (all-to-all) baselines, which the JAX executor does not run
     sim_statics = list(dict.fromkeys([*statics, "static-ring:best", "static-ulysses:best"]))
     simulated = simulated_comparison(batches, [dhp, *sim_statics], c.sim_model, c.sim_hardware, sim_ranks)
-    sbest = _best_static(simulated, sim_statics)
+    scomp = _comparison(simulated)
+    sbest = scomp.best_static(sim_statics)
     result["simulated"] = {
         "label": f"simulated: cost-model preset {c.sim_model} on {c.sim_hardware}, {sim_ranks} ranks, "
                  f"the same batches at full token counts",
         "strategies": simulated, "best_static": sbest,
-        "speedup_vs_best_static": (simulated[sbest]["step_time_s"] / simulated[dhp]["step_time_s"])
-        if sbest and "step_time_s" in simulated.get(dhp, {}) else None,
+        "speedup_vs_best_static": scomp.speedup(dhp, sbest) if sbest else None,
     }
     return result
 

@@ -8,18 +8,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
+from dhp_jax.typed_config import ConfigError, apply as _apply, parse_override, read_yaml
+from dhp_jax.typed_config import valid_keys as _valid_keys
+
+__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "config_from_dict", "load_config", "parse_override",
+           "valid_keys"]
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "demo.yaml"
-
-
-class ConfigError(ValueError):
-    """A config file or override is wrong; the message names the key."""
 
 
 @dataclasses.dataclass
@@ -143,89 +141,9 @@ class TrainConfig:
 
 
 # ---------------------------------------------------------------------------------------- loading
-def _section_fields(cls: type) -> dict[str, dataclasses.Field]:
-    return {f.name: f for f in dataclasses.fields(cls)}
-
-
-def _field_type(cls: type, name: str) -> Any:
-    return typing.get_type_hints(cls)[name]
-
-
-def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check/convert one YAML value against a field's annotation; name the key on failure."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        return _coerce(value, args[0], key)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML reads "1e-3" (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise ConfigError(f"{key} must be a string, got {value!r}")
-    raise ConfigError(f"{key}: unsupported field type {tp!r}")  # pragma: no cover - schema bug
-
-
-def _apply(obj: Any, data: Mapping[str, Any], prefix: str = "") -> None:
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
-    fields = _section_fields(type(obj))
-    for key, value in data.items():
-        full = f"{prefix}{key}"
-        if key not in fields:
-            raise ConfigError(f"unknown config key {full!r}; valid keys"
-                              f"{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(fields))}")
-        current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
-            _apply(current, value, full + ".")
-        else:
-            setattr(obj, key, _coerce(value, _field_type(type(obj), key), full))
-
-
-def valid_keys(cls: type = TrainConfig, prefix: str = "") -> list[str]:
-    """Every dotted key a config or an override may set."""
-    out = []
-    for f in dataclasses.fields(cls):
-        default = getattr(cls(), f.name)
-        if dataclasses.is_dataclass(default):
-            out.extend(valid_keys(type(default), f"{prefix}{f.name}."))
-        else:
-            out.append(prefix + f.name)
-    return out
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """`optim.learning_rate=1e-3` -> (["optim", "learning_rate"], 0.001)."""
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(f"override {text!r} has an empty key")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        value = raw
-    return key.split("."), value
+def valid_keys(cls: type | None = None, prefix: str = "") -> list[str]:
+    """Every dotted key a train config or an override may set."""
+    return _valid_keys(TrainConfig if cls is None else cls, prefix)
 
 
 def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
@@ -244,16 +162,7 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
     """Load a `kind: train` YAML (None: the embedded demo) and apply `key=value` overrides."""
     path = Path(path) if path is not None else DEMO_CONFIG
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise ConfigError(f"cannot read config {str(path)!r}: {e.strerror or e}") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {str(path)!r} is not valid YAML: {e}") from None
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"config {str(path)!r} must be a YAML mapping")
+    data = read_yaml(path)
     if data.get("kind") != "train":
         raise ConfigError(f"config {str(path)!r} has kind {data.get('kind')!r}; `dhp train` needs kind: train")
     config = TrainConfig()

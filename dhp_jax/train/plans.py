@@ -90,11 +90,8 @@ class PlanSource:
 
 def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_per_node: int) -> Any:
     """The planning cost model: a `dhp profile` JSON when given, else a named preset."""
-    from dhp_jax.planner import CostModel
+    from dhp_jax.planner.cli_args import cost_model as load
 
     if cost_profile:
-        try:
-            return CostModel.from_profile(cost_profile)
-        except OSError as e:
-            raise ValueError(f"cannot read cost profile {cost_profile!r}: {e.strerror or e}") from None
-    return CostModel.preset(cost_model, hardware, ranks_per_node=ranks_per_node)
+        return load(cost_profile, profile=True)
+    return load(cost_model, hardware, ranks_per_node=ranks_per_node)

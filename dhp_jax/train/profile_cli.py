@@ -11,6 +11,8 @@ import json
 import os
 import sys
 
+from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_model, mllm_preset
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -23,7 +25,7 @@ def _ints(text: str) -> list[int]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="MLLMConfig preset to time (default: tiny)")
+    add_mllm_arg(parser)
     parser.add_argument("--degrees", type=_ints, default=[1, 2, 3, 4, 6, 8], help="group degrees, e.g. 1,2,4,8")
     # rungs of the executor's padding ladder and totals between them (96 -> 128, 384 -> 512): the
     # off-rung points check that the model prices the padded stream, not the real tokens
@@ -32,9 +34,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point and pass (minimum kept)")
     parser.add_argument("--passes", type=int, default=3, help="passes over the whole grid (minimum kept)")
     parser.add_argument("--holdout-every", type=int, default=4, help="every k-th point is held out of the fit")
-    parser.add_argument("--base-model", default="internvl3-2b",
-                        help="cost preset whose non-fitted fields (memory, bandwidth names) seed the fit")
-    parser.add_argument("--hardware", default="cpu", help="hardware preset of the base cost model")
+    # the base cost model whose non-fitted fields (memory, bandwidth names) seed the fit
+    add_cost_args(parser, model="internvl3-2b", hardware="cpu", ranks_per_node=None)
+    parser.add_argument("--base-model", dest="model", help=argparse.SUPPRESS)  # the old spelling of --model
     parser.add_argument("--cpu-devices", type=int, default=8,
                         help="fake CPU devices to create when jax runs on the host (0: leave XLA_FLAGS alone)")
     parser.add_argument("--lanes", type=int, default=None,
@@ -58,17 +60,17 @@ def _load_report(path: str) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     if args.cpu_devices:
-        from dhp_jax.train.cli import force_cpu_devices
+        from dhp_jax.devices import force_cpu_devices
 
         force_cpu_devices(args.cpu_devices)
     import jax
 
     from dhp_jax.data.layout import GROWTH, MIN_BUCKET
     from dhp_jax.model import MLLMConfig
-    from dhp_jax.planner import CostModel
     from dhp_jax.train.profile import fit_profile, host_cores, load_average, machine_label, write_profile
 
-    model = MLLMConfig.preset(args.model)
+    args.mllm = mllm_preset(args, "dhp profile")
+    model = MLLMConfig.preset(args.mllm)
     n = len(jax.devices())
     if args.from_report:
         # refit saved timings (e.g. after a cost-model change) without timing anything again
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if lanes is None and jax.devices()[0].platform == "cpu":
             lanes = host_cores()
         measurements, bucket_min, growth = _time_grid(args, model)
-        extra = {"machine": machine_label(), "model": args.model, "repeats": args.repeats, "passes": args.passes,
+        extra = {"machine": machine_label(), "model": args.mllm, "repeats": args.repeats, "passes": args.passes,
                  "num_devices": n, "compute_lanes": lanes, "bucket_min": bucket_min, "bucket_growth": growth,
                  "load_average_before": args.load_before, "load_average_after": load_average()}
     # the profiled model's own gradient size and head count; the executor's padding ladder and the
@@ -102,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
         raw = f"{args.out}.measurements.json"
         with open(raw, "w") as f:  # kept until the fit is written: a failed fit loses no timings
             json.dump({**extra, "measurements": measurements}, f, indent=1)
-    base = CostModel.preset(args.base_model, args.hardware, ranks_per_node=n,
-                            grad_bytes=4.0 * model.num_params(), num_heads=model.num_heads,
-                            compute_lanes=lanes, bucket_min=bucket_min, bucket_growth=growth)
+    base = cost_model(args.cost or args.model, args.hardware, ranks_per_node=n,
+                      grad_bytes=4.0 * model.num_params(), num_heads=model.num_heads,
+                      compute_lanes=lanes, bucket_min=bucket_min, bucket_growth=growth)
     cost, report = fit_profile(measurements, base, holdout_every=args.holdout_every)
     extra["label"] = "measured on this machine's devices; fitted with dhp_jax.planner.fit.fit_cost_model"
     path, report_path = write_profile(args.out, cost, report, measurements, extra)

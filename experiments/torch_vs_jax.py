@@ -1,4 +1,4 @@
-"""`python -m npu_backend.bench`: per-step wall time of the torch executor vs. the JAX `PlanExecutor`.
+"""`python -m experiments.torch_vs_jax`: per-step wall time of the torch executor vs. the JAX `PlanExecutor`.
 
 Same plan, same batch, same weights on both sides; the step is loss + gradients + the cross-group
 gradient reduction (no optimizer update, which the two sides do not share). torch runs N real gloo
@@ -22,23 +22,25 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.devices import cpu_devices_env
+from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, mllm_preset, positive
+
 
 def make_case(args: argparse.Namespace) -> tuple[Any, list, Any]:
     """(config, samples, plan) from the arguments; deterministic, so every process builds the same."""
     from dhp_jax.data.sample import sample_etas, sample_lengths
     from dhp_jax.data.synthetic import random_samples
     from dhp_jax.model.config import MLLMConfig
-    from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.planner import plan_batch
 
-    config = MLLMConfig.preset(args.model)
+    config = MLLMConfig.preset(args.mllm)
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.min_len, args.max_len + 1, size=args.batch_size).tolist()
     samples = random_samples(config, lengths, seed=args.seed)
     if args.groups:
         return config, samples, fixed_plan(samples, [int(d) for d in args.groups.split(",")])
-    model, _, hw = args.cost.partition("/")
     scaled = np.maximum(1, np.round(sample_lengths(samples) * args.length_scale)).astype(np.int64)
-    plan = plan_batch(scaled, args.ranks, CostModel.preset(model, hw or "cpu"), args.strategy,
+    plan = plan_batch(scaled, args.ranks, cost_from_args(args), args.strategy,
                       etas=sample_etas(samples), every_rank=True)
     return config, samples, plan
 
@@ -93,11 +95,9 @@ def run_torch(args: argparse.Namespace, params: Any) -> dict:
 
 def run_jax(args: argparse.Namespace, params_path: str) -> dict:
     """The JAX side in a fresh interpreter with `ranks` fake CPU devices."""
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
-    env["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.ranks}"])
+    env = cpu_devices_env(args.ranks)
     env["JAX_PLATFORMS"] = "cpu"
-    argv = [sys.executable, "-m", "npu_backend.bench", "--jax-part", params_path, *_case_argv(args)]
+    argv = [sys.executable, "-m", "experiments.torch_vs_jax", "--jax-part", params_path, *_case_argv(args)]
     out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=1800)
     if out.returncode:
         raise RuntimeError(f"JAX part failed:\n{out.stderr[-3000:]}")
@@ -127,21 +127,22 @@ def _jax_part(args: argparse.Namespace, params_path: str) -> dict:
 
 
 def _case_argv(args: argparse.Namespace) -> list[str]:
-    return ["--ranks", str(args.ranks), "--model", args.model, "--batch-size", str(args.batch_size),
+    return ["--ranks", str(args.ranks), "--mllm", args.mllm, "--model", args.model, "--hardware", args.hardware,
+            "--batch-size", str(args.batch_size),
             "--min-len", str(args.min_len), "--max-len", str(args.max_len), "--seed", str(args.seed),
-            "--cost", args.cost, "--length-scale", str(args.length_scale), "--strategy", args.strategy,
+            *(["--cost", args.cost] if args.cost else []), "--length-scale", str(args.length_scale), "--strategy", args.strategy,
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--groups", args.groups]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m npu_backend.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=5)
-    p.add_argument("--model", default="tiny")
+    p = argparse.ArgumentParser(prog="python -m experiments.torch_vs_jax", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=positive, default=5)
+    add_mllm_arg(p)
+    add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=None)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=160)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cost", default="internvl3-8b/cpu")
     p.add_argument("--length-scale", type=float, default=100.0,
                    help="plan as if samples were this much longer, so the plan has CP groups")
     p.add_argument("--strategy", default="dhp")
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.mllm = mllm_preset(args, "experiments.torch_vs_jax")
     if args.jax_part:
         print(json.dumps(_jax_part(args, args.jax_part)))
         return 0

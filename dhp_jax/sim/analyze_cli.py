@@ -6,14 +6,13 @@ import argparse
 import json
 from typing import Any
 
+from dhp_jax.planner.cli_args import add_cost_args
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", metavar="MANIFEST",
                         help="JSONL manifest path, or a built-in mix name (openvid, internvid, msrvtt, ...)")
-    parser.add_argument("--model", default="qwen3-vl-8b", help="model preset of the cost model (default qwen3-vl-8b)")
-    parser.add_argument("--hardware", default="ascend-910b", help="hardware preset (default ascend-910b)")
-    parser.add_argument("--ranks", type=int, default=64, help="model replicas (default 64)")
-    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks sharing a node's fast links (default 8)")
+    add_cost_args(parser, model="qwen3-vl-8b", ranks=64)
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
     parser.add_argument("--batches", type=int, default=3, help="batches drawn for the simulation (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
@@ -27,12 +26,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.data.analyze import analyze
+    from dhp_jax.sim.analyze import analyze
     try:
         report = analyze(args.manifest, args.model, args.ranks, args.batch, hardware=args.hardware,
                          vision=args.vision, num_batches=args.batches, seed=args.seed, skip_bad=args.skip_bad,
                          image_root=args.image_root, tokenizer=args.tokenizer, ranks_per_node=args.ranks_per_node,
-                         mix_samples=args.mix_samples)
+                         mix_samples=args.mix_samples, cost=args.cost)
     except (ValueError, FileNotFoundError) as e:
         print(f"dhp analyze: error: {e}")
         return 2

@@ -1,0 +1,97 @@
+"""The command-line arguments every command shares, with one meaning each, and the one way to build
+a cost model from a preset name or a profile path.
+
+- `--model NAME`: the model the cost model prices (a `CostModel.preset` model, e.g. internvl3-8b).
+- `--hardware NAME`: the hardware preset (ascend-910b, a100, h100, cpu).
+- `--cost SOURCE`: a fitted cost model (`dhp profile` output, a .json path) or a preset
+  `MODEL/HARDWARE`; given, it replaces --model/--hardware. `--cost-profile PATH` is the same flag.
+- `--ranks N`, `--ranks-per-node N`: model replicas, and how many share a node's fast links.
+- `--mllm NAME`: the `MLLMConfig` preset a command executes (tiny), where a command runs a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from dhp_jax.checks import positive_int
+from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.presets import HARDWARE, MODELS
+
+
+def positive(text: str) -> int:
+    """argparse type: a positive integer."""
+    try:
+        return positive_int(int(text), "value", argparse.ArgumentTypeError)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+
+
+def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b", hardware: str = "ascend-910b",
+                  cost: str | None = None, ranks: int | None = None, ranks_per_node: int | None = 8,
+                  freeze_vision: bool = False) -> None:
+    """--model, --hardware, --cost (alias --cost-profile); --ranks when `ranks` is given; --ranks-per-node
+    unless `ranks_per_node` is None; --freeze-vision when asked."""
+    parser.add_argument("--model", default=model, help=f"cost-model preset model (default {model}): {', '.join(MODELS)}")
+    parser.set_defaults(model_default=model)
+    parser.add_argument("--hardware", default=hardware,
+                        help=f"cost-model hardware preset (default {hardware}): {', '.join(HARDWARE)}")
+    parser.add_argument("--cost", "--cost-profile", dest="cost", default=cost, metavar="SOURCE",
+                        help="a fitted cost model (.json from `dhp profile`) or a preset MODEL/HARDWARE; "
+                             "replaces --model/--hardware" + (f" (default {cost})" if cost else ""))
+    if ranks is not None:
+        parser.add_argument("--ranks", type=positive, default=ranks, help=f"model replicas (default {ranks})")
+    if ranks_per_node is not None:
+        parser.add_argument("--ranks-per-node", type=positive, default=ranks_per_node,
+                            help=f"ranks sharing a node's fast links (default {ranks_per_node})")
+    if freeze_vision:
+        parser.add_argument("--freeze-vision", action="store_true", help="model a frozen vision encoder")
+
+
+def add_mllm_arg(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
+    parser.add_argument("--mllm", default=None, help=f"MLLMConfig preset to run (default {default})")
+    parser.set_defaults(mllm_default=default)
+
+
+def mllm_preset(args: argparse.Namespace, prog: str) -> str:
+    """The --mllm preset. The old spelling `--model tiny` (a name that is no cost preset) still
+    selects it, with a note on stderr; --model then falls back to its default."""
+    if args.mllm:
+        return args.mllm
+    model = getattr(args, "model", None)
+    if model and str(model).lower() not in MODELS:
+        print(f"{prog}: --model {model} read as --mllm {model} (--model names the cost-model preset)",
+              file=sys.stderr)
+        args.model = getattr(args, "model_default", None)
+        return model
+    return args.mllm_default
+
+
+def is_profile(source: str) -> bool:
+    return source.endswith(".json") or os.path.isfile(source)
+
+
+def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int | None = None,
+               freeze_vision: bool = False, profile: bool | None = None, **overrides: Any) -> CostModel:
+    """A cost model from a profile path (`CostModel.from_profile`; `ranks_per_node` and `overrides`
+    replace its own fields when given) or a preset `MODEL` / `MODEL/HARDWARE` (`hardware` when the
+    source names none). `profile` forces the reading (None: a .json or existing file is a profile).
+    Raises ValueError naming an unreadable profile."""
+    if is_profile(source) if profile is None else profile:
+        try:
+            cost = CostModel.from_profile(source)
+        except OSError as e:
+            raise ValueError(f"cannot read cost profile {source!r}: {e.strerror or e}") from None
+        changes = {**overrides, **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node})}
+        return cost.replace(**changes) if changes else cost
+    model, _, hw = source.partition("/")
+    return CostModel.preset(model, hw or hardware or "ascend-910b", freeze_vision=freeze_vision,
+                            **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node}), **overrides)
+
+
+def cost_from_args(args: argparse.Namespace, **overrides: Any) -> CostModel:
+    """The cost model that `add_cost_args` describes: --cost when given, else --model on --hardware."""
+    return cost_model(args.cost or args.model, args.hardware, ranks_per_node=getattr(args, "ranks_per_node", None),
+                      freeze_vision=getattr(args, "freeze_vision", False), **overrides)

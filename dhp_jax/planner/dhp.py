@@ -1,0 +1,288 @@
+"""The "dhp" strategy: micro-batch count search -> memory-aware packing -> exact degree allocation
+-> refinement -> node-aware placement, with the shared-lanes fallback on fake CPU devices.
+Deterministic: no wall-clock limits.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.planner import baselines, microbatch
+from dhp_jax.planner.allocate import allocate, allowed_degrees
+from dhp_jax.planner.build import build_plan, padded_tokens
+from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.packing import bin_sums, bins_of, pack
+from dhp_jax.planner.placement import place, spans_nodes
+from dhp_jax.planner.plan import PlanningError, PlanValidationError
+from dhp_jax.planner.problem import Problem
+from dhp_jax.planner.programs import ProgramCache
+from dhp_jax.planner.refine import refine as refine_groups
+
+_MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
+_MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
+_MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep the search going
+_FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
+_NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
+_COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
+
+def coarsen_factors(num_ranks: int) -> list[float]:
+    """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks."""
+    fs, f = [], 1
+    while f < num_ranks:
+        fs.append(float(f))
+        f *= 2
+    return fs + [float(num_ranks)]
+
+def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packing: bool = True,
+                     do_refine: bool = True, factors: Sequence[float] | None = None
+                     ) -> tuple[list[list[int]], np.ndarray, float, float] | None:
+    """Groups (global sample ids), degrees and makespan of one micro-batch; None if it cannot fit.
+
+    Packs at the granularities `factors` (default `coarsen_factors`; stopping once the makespan
+    gets worse), allocates degrees exactly for each packing, keeps the best, then refines it and
+    re-allocates. The fourth entry is the granularity that won.
+    """
+    N, cost = prob.num_ranks, prob.cost
+    attn, lin, tok = prob.attn[idx], prob.lin[idx], prob.tok[idx]
+    w, dm = prob.work[idx], prob.dmin[idx]
+    order = np.lexsort((np.arange(len(idx)), -w))
+    if packing:
+        fs = list(coarsen_factors(N) if factors is None else factors)
+        makers = [lambda f=f: pack(w, tok, dm, N, prob.cap, f, order) for f in fs]
+    else:
+        fs = [1.0]
+        makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin
+    # no packing beats the micro-batch's work spread evenly: makespan >= work / N + b1
+    bound = float(w.sum()) / N + cost.b1
+    best = None
+    stale = 0
+    for c, make in enumerate(makers):
+        near = best is not None and best[2] <= bound * (1 + _NEAR_BOUND)
+        if (near or stale >= _COARSEN_PATIENCE) and c < len(makers) - 1:
+            # within a hair of the bound, or past the best granularity: only the coarsest (one
+            # group on all ranks, a cheap allocation) is still tried
+            continue
+        assign = make()
+        n = int(assign.max()) + 1
+        if n > N:
+            continue
+        A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
+        dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
+        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed)
+        if res is None:
+            continue
+        if best is None or res[1] < best[2]:
+            best, stale = (assign, res[0], res[1], fs[c]), 0
+        else:
+            stale += 1
+    if best is None:
+        return None
+    best = (bins_of(best[0], idx), best[1], best[2], best[3])
+    return refine_microbatch(prob, best, allowed) if do_refine else best
+
+def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
+    """Re-balance a solved micro-batch (refine.py), re-allocate its degrees; keep it if better."""
+    bins, deg, mk, f = sol
+    new = [g for g in refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, prob.cost) if g]
+    if new != bins:
+        res = _allocate_bins(prob, new, allowed)
+        if res is not None and res[1] < mk:
+            return (new, res[0], res[1], f)
+        # the refined groups at their old degrees are never worse than before
+        A, B, S = bin_sums(new, prob.attn, prob.lin, prob.tok)
+        t_new = score(prob.cost, A, B, S, deg)
+        if t_new < mk:
+            return (new, deg, t_new, f)
+    return sol
+
+def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) -> tuple[np.ndarray, float] | None:
+    A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
+    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed)
+
+def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any) -> float:
+    """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `CostModel.makespan`)."""
+    return cost.makespan(cost.group_times(A, B, S, deg), deg)
+
+def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, cost: CostModel,
+                    allowed: np.ndarray | None) -> tuple[np.ndarray, float] | None:
+    """`allocate`, judged by the micro-batch makespan that the plan's estimates use.
+
+    Without `compute_lanes` this is `allocate` itself (exact for max_g T_g). On shared cores the
+    lanes cap (sum_g T_g min(d_g, p) / p) can make spare ranks a loss: extra degree only adds ring
+    work on the same p cores. So the allocations on N/2, N/4, ... ranks and the one giving every
+    bin its least allowed degree are scored too, and the lowest lanes-aware makespan is kept (ties:
+    the full allocation). Exactness of `allocate` holds for the per-group model only.
+    """
+    res = allocate(A, B, S, dmin, num_ranks, cost, allowed)
+    if res is None or cost.compute_lanes is None:
+        return res
+    ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
+    least = ds[np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")]
+    cands = [res[0]]
+    n = num_ranks // 2
+    while n >= int(least.sum()):
+        r = allocate(A, B, S, dmin, n, cost, ds[ds <= n])
+        if r is not None:
+            cands.append(r[0])
+        n //= 2
+    cands.append(least)
+    best = None
+    for deg in cands:
+        mk = score(cost, A, B, S, deg)
+        if best is None or mk < best[1]:
+            best = (np.asarray(deg, dtype=np.int64), mk)
+    return best
+
+def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
+              node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None
+              ) -> tuple[list, dict[str, Any]]:
+    """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
+    micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
+    and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
+    and keep the one with the least placed step time."""
+    N, cost = prob.num_ranks, prob.cost
+    if isinstance(degrees, str) and degrees == "any" and cost.bucket_menu and cost.bucket_min:
+        degrees = [d for d, _ in cost.bucket_menu]  # a menu of programs bounds the degrees too
+    allowed = allowed_degrees(N, degrees)
+    if allowed.size == 0:
+        raise PlanningError(f"no allowed degree fits {N} ranks (degrees={degrees!r})")
+    K = len(prob.lengths)
+    dmin_ok = np.searchsorted(allowed, prob.dmin) < allowed.size
+    if not np.all(dmin_ok):
+        k = int(np.flatnonzero(~dmin_ok)[0])
+        raise PlanningError(f"sample {k} ({int(prob.lengths[k])} tokens) needs {int(prob.dmin[k])} ranks; "
+                            f"no allowed degree of {degrees!r} on {N} ranks is that large")
+    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
+    if not packing:
+        lo = max(lo, -(-K // N))
+    if num_micro_batches is not None:
+        if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, (int, np.integer)) \
+                or not 1 <= num_micro_batches <= K:
+            raise PlanningError(f"num_micro_batches must be an integer in 1..{K} (batch size), got {num_micro_batches!r}")
+        counts = [int(num_micro_batches)]
+    else:
+        counts = range(lo, K + 1)
+    best = None
+    feasible: list[tuple[float, int, list]] = []
+    stale = tries = 0
+    all_f = coarsen_factors(N)
+    factors = None  # the first count tries every granularity; later ones its winners' neighbours
+    total_work = float(prob.work.sum())
+    for M in counts:
+        # M micro-batches take at least total work / N + M b1; stop once that cannot win enough
+        if best is not None and total_work / N + M * cost.b1 >= best[0] * (1 - _MB_MIN_GAIN):
+            break
+        parts = microbatch.split(prob.work, M)
+        sols = []
+        for idx in parts:
+            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
+            if s is None:
+                break
+            sols.append(s)
+        if len(sols) < len(parts):
+            if best is not None:
+                stale += 1
+                if stale >= _MB_PATIENCE:
+                    break
+            continue
+        tries += 1
+        total = sum(s[2] for s in sols)
+        won = sorted({all_f.index(s[3]) for s in sols if s[3] in all_f})
+        near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
+        factors = [all_f[j] for j in near] + [all_f[-1]]
+        feasible.append((total, M, sols))
+        if best is None or total < best[0] * (1 - _MB_MIN_GAIN):
+            best, stale = (total, M, sols), 0
+        else:
+            stale += 1
+        if stale >= _MB_PATIENCE or tries >= _MB_MAX_TRIES:
+            break
+    if best is None:
+        raise PlanningError(f"no micro-batch split fits {N} ranks"
+                            + (f" with num_micro_batches={num_micro_batches}" if num_micro_batches else ""))
+    # the best few counts by allocation makespan are finished (refined, placed on nodes, repaired)
+    # and judged by their placed makespans: placement can cost what the allocation did not see
+    fewest = min(feasible, key=lambda x: x[1])  # refinement helps the fewest micro-batches most
+    feasible.sort(key=lambda x: (x[0], x[1]))
+    finalists = feasible[:_FINALISTS] + ([fewest] if fewest not in feasible[:_FINALISTS] else [])
+    chosen = None
+    for total, M, sols in finalists:
+        done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
+        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs)
+        if chosen is None or actual < chosen[0] * (1 - 1e-12):
+            chosen = (actual, M, done, total)
+    _, M, done, total = chosen
+    mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
+    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0]}
+    if cost.compute_lanes is not None and num_micro_batches is None and packing:
+        mbs, info = _shared_lanes_fallback(prob, allowed, mbs, info)
+    return mbs, info
+
+def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: dict[str, Any]
+                           ) -> tuple[list, dict[str, Any]]:
+    """On shared cores also score the uniform ring plans of every allowed degree; keep the best.
+
+    The packing balances unpadded work and the allocation is exact for max_g T_g only; with
+    `compute_lanes` the padded buckets and the lanes cap can make a plain uniform packing better.
+    Each candidate is judged by the same lanes-aware makespan sum (`CostModel.makespans`); the
+    planner's own plan wins ties. Used only when `cost.compute_lanes` is set.
+    """
+    cost, N = prob.cost, prob.num_ranks
+
+    def total(cand: list) -> float:
+        plan = build_plan(cand, prob.lengths, prob.etas, cost, N, {})
+        return sum(mb.est_makespan_s for mb in plan.micro_batches)
+
+    best = (total(mbs), mbs, None)
+    for d in baselines.static_degrees(N, cost, "ring"):
+        if d not in allowed:
+            continue
+        try:
+            cand = baselines.static_groups(prob.lengths, N, cost, d, "ring")
+            t = total(cand)
+        except (PlanningError, PlanValidationError):
+            continue  # this degree does not fit the batch
+        if t < best[0] * (1 - 1e-12):
+            best = (t, cand, d)
+    if best[2] is None:
+        return mbs, {**info, "est_makespan_sum_s": best[0]}
+    return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
+                     "shared_lanes_uniform_degree": best[2]}
+
+def _compile_price(prob: Problem, done: list, programs: ProgramCache | None) -> float:
+    """Seconds a candidate pays for the programs it needs that no earlier plan needed."""
+    if programs is None or not programs.compile_s:
+        return 0.0
+    keys = [(len(r), int(p), ()) for groups, ranks, _ in done for g, r in zip(groups, ranks)
+            for p in padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost).reshape(1)]
+    return programs.compile_s * len(programs.new_programs(keys))
+
+
+def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bool, node_aware: bool
+                      ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:
+    """Refine, place on ranks, shrink node-spanning groups where that is faster; placed makespan."""
+    N, cost = prob.num_ranks, prob.cost
+    if refine:
+        sol = refine_microbatch(prob, sol, allowed)
+    groups, deg = sol[0], [int(d) for d in sol[1]]
+    ranks = place(deg, N, cost.ranks_per_node, node_aware)
+    A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
+    rpn = cost.ranks_per_node
+    inter = np.array([spans_nodes(r, rpn) for r in ranks], dtype=bool)
+    times = cost.group_times(A, B, S, np.asarray(deg), inter)
+    if node_aware:
+        for i in np.flatnonzero(inter & (np.asarray(deg) <= rpn)).tolist():
+            # a small group cut by a node boundary: its largest piece alone may be faster
+            pieces: dict[int, list[int]] = {}
+            for r in ranks[i]:
+                pieces.setdefault(r // rpn, []).append(r)
+            piece = max(pieces.values(), key=lambda p: (len(p), -p[0]))
+            d = len(piece)
+            if S[i] * cost.mem_per_token / d > cost.memory_budget:
+                continue
+            t = float(cost.group_times(A[i], B[i], S[i], d, False))
+            if t < times[i]:
+                ranks[i], times[i] = tuple(piece), t
+    return groups, ranks, cost.makespan(times, [len(r) for r in ranks])

@@ -1,0 +1,96 @@
+"""Plan pricing: the time of every group of a plan, each micro-batch's makespan and the step time.
+
+The one place a plan is priced under a `CostModel`: `build_plan` fills a plan's estimates with it,
+the strategy comparison and the simulator (`dhp_jax.sim.step_time`, `sim.evaluate`) time plans
+with it. A group is priced under its own attention kind (`Group.attention`), with inter-node links
+when its ranks span nodes of `ranks_per_node`. A step is the sum of the micro-batch makespans (the
+cost model says how concurrent groups combine, shared CPU lanes included) plus one gradient
+all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.packing import bin_sums
+from dhp_jax.planner.placement import spans_nodes
+
+__all__ = ["attention_for", "kind_times", "plan_group_times", "plan_makespans", "price_groups", "spans_nodes",
+           "step_time"]
+
+
+def attention_for(degree: int, cost: CostModel, attention: str) -> str:
+    """The kind a group of `degree` ranks records for a strategy's mode: "auto" (FlexSP's groups) is
+    all-to-all where the head count allows it, ring otherwise; a single rank has no sequence
+    exchange at all, so a degree-1 group is always "ring" (both kinds price it the same)."""
+    if degree == 1:
+        return "ring"
+    if attention == "auto":
+        return "ulysses" if cost.ulysses_ok(degree) else "ring"
+    return attention
+
+
+def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
+               kinds: Sequence[str]) -> np.ndarray:
+    """`cost.group_times` of each group under its own attention kind (vectorised per kind)."""
+    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
+    kinds = np.asarray(list(kinds), dtype=object)
+    out = np.zeros(d.shape, dtype=np.float64)
+    for kind in dict.fromkeys(kinds.tolist()):
+        m = kinds == kind
+        out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
+    return out
+
+
+def price_groups(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
+                 terms: tuple[np.ndarray, np.ndarray, np.ndarray], kinds: Sequence[str], ranks_per_node: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(time, tokens S, degree) of each group given as (ranks, sample ids) with its attention kind,
+    from the per-sample `terms` (attention work, linear work, tokens: `CostModel.terms`)."""
+    A, B, S = bin_sums([samples for _, samples in groups], *terms)
+    d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
+    inter = np.fromiter((spans_nodes(ranks, ranks_per_node) for ranks, _ in groups), dtype=bool, count=len(groups))
+    return kind_times(cost, A, B, S, d, inter, kinds), S, d
+
+
+def plan_group_times(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
+                     etas: Sequence[float] | np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Time of every group of `plan` (vectorised): (seconds, degree, micro-batch index), one entry
+    per group in plan order. Raises ValueError naming the group if it names a missing sample."""
+    lengths = np.asarray(lengths)
+    attn, lin, tok = cost.terms(lengths, etas)
+    groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
+    n = len(groups)
+    if not n:
+        raise ValueError("plan has no groups")
+    sizes = np.fromiter((len(g.samples) for _, g in groups), dtype=np.int64, count=n)
+    idx = np.fromiter((s for _, g in groups for s in g.samples), dtype=np.int64, count=int(sizes.sum()))
+    if idx.size and (idx.min() < 0 or idx.max() >= lengths.size):
+        bad = int(np.flatnonzero((idx < 0) | (idx >= lengths.size))[0])
+        gi = int(np.searchsorted(np.cumsum(sizes), bad, side="right"))
+        m, g = groups[gi]
+        raise ValueError(f"micro-batch {m} group with ranks {list(g.ranks)}: sample {int(idx[bad])} is outside "
+                         f"the batch of {lengths.size} samples")
+    t, _, d = price_groups(cost, [(g.ranks, g.samples) for _, g in groups], (attn, lin, tok),
+                           [g.attention for _, g in groups], plan.ranks_per_node or plan.num_ranks)
+    mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=n)
+    return t, d, mb
+
+
+def plan_makespans(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
+                   etas: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+    """Makespan of each micro-batch of `plan` (lanes-aware on shared cores: `CostModel.makespans`)."""
+    t, d, mb = plan_group_times(plan, lengths, cost, etas)
+    return cost.makespans(t, d, mb, len(plan.micro_batches))
+
+
+def step_time(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
+              etas: Sequence[float] | np.ndarray | None = None) -> float:
+    """Seconds of one training step of `plan`: its micro-batch makespans plus the gradient
+    all-reduce over all ranks (groups of a micro-batch run concurrently; with
+    `cost.compute_lanes` they also share those cores)."""
+    return float(plan_makespans(plan, lengths, cost, etas).sum() + cost.allreduce_time(plan.num_ranks))

@@ -1,0 +1,165 @@
+"""The import arrows of DESIGN.md, enforced by an AST walk of every module (imports inside
+functions included, since a lazy import is still an import).
+
+`cli` -> `train` -> `sharding` -> `model`; `sharding`, `train`, `sim`, `npu_backend`, `experiments`
+-> `planner` -> `data`. `data` imports no other part; the planner never imports `sim` or jax; the
+model never imports `sharding`; `npu_backend` never imports jax (not even through a module it
+imports); the library never imports `experiments`.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("dhp_jax", "npu_backend", "experiments")
+JAX_ROOTS = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
+
+# part -> the parts it may import (itself always; "base": dhp_jax/__init__, _lazy, checks, devices,
+# typed_config)
+ALLOWED = {
+    "data": set(),
+    "planner": {"data"},
+    "model": {"data"},
+    "sim": {"planner", "data"},
+    "sharding": {"model", "planner", "data"},
+    "train": {"sharding", "model", "planner", "data"},
+    "cli": {"train", "sharding", "model", "sim", "planner", "data"},
+    "npu_backend": {"model", "planner", "data"},
+    "experiments": {"cli", "train", "sharding", "model", "sim", "planner", "data", "npu_backend"},
+}
+NO_JAX = ("data", "planner", "sim", "npu_backend")  # pure Python/NumPy (torch for npu_backend)
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def part_of(module: str) -> str:
+    top, _, rest = module.partition(".")
+    if top != "dhp_jax":
+        return top
+    sub = rest.split(".")[0]
+    if sub in ("", "_lazy", "checks", "devices", "typed_config"):
+        return "base"
+    if sub in ("cli", "bench", "__main__"):
+        return "cli"
+    return sub
+
+
+@functools.lru_cache(maxsize=None)
+def _lazy_table(package: str) -> dict[str, str]:
+    """A package's `_LAZY = {name: module}` table (names its `__getattr__` imports on access)."""
+    path = MODULES.get(package)
+    if path is None or path.name != "__init__.py":
+        return {}
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+@functools.lru_cache(maxsize=None)
+def imports_of(module: str) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in `module`, resolved to project modules where
+    possible (`from pkg import name` -> pkg.name when that is a module or a lazy attribute)."""
+    path = MODULES[module]
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            lazy = _lazy_table(target)
+            for a in node.names:
+                sub = f"{target}.{a.name}"
+                if sub in MODULES:
+                    out.append((sub, node.lineno))
+                elif a.name in lazy:
+                    out.append((lazy[a.name], node.lineno))
+                else:
+                    out.append((target, node.lineno))
+    return out
+
+
+def _project(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def test_every_module_parses_and_is_classified():
+    assert len(MODULES) > 50
+    assert {part_of(m) for m in MODULES} <= set(ALLOWED) | {"base"}
+
+
+def test_base_helpers_import_no_part():
+    # every part may import the base helpers, so they may import nothing of the project
+    bad = [f"{m} imports {n}" for m in MODULES if part_of(m) == "base" and m != "dhp_jax"
+           for n, _ in imports_of(m) if _project(n) and part_of(n) != "base"]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_part_imports_only_what_design_allows(part):
+    bad = []
+    for mod in (m for m in MODULES if part_of(m) == part):
+        for name, line in imports_of(mod):
+            if not _project(name):
+                continue
+            other = part_of(name)
+            if other not in (part, "base") and other not in ALLOWED[part]:
+                bad.append(f"{MODULES[mod].relative_to(ROOT)}:{line} imports {name} ({part} -> {other})")
+    assert not bad, "import arrows of DESIGN.md broken:\n" + "\n".join(bad)
+
+
+def _chain_to_jax(start: str) -> list[str] | None:
+    """The import chain from `start` to a jax-family package, following project modules."""
+    seen = {start: [start]}
+    todo = [start]
+    while todo:
+        mod = todo.pop()
+        for name, _ in imports_of(mod):
+            if name.split(".")[0] in JAX_ROOTS:
+                return seen[mod] + [name]
+            if _project(name):
+                # a package import runs its __init__; a dotted module also runs its parents'
+                for target in {name, *(name.rsplit(".", k)[0] for k in range(1, name.count(".") + 1))}:
+                    if target in MODULES and target not in seen:
+                        seen[target] = seen[mod] + [target]
+                        todo.append(target)
+    return None
+
+
+@pytest.mark.parametrize("part", NO_JAX)
+def test_pure_parts_never_reach_jax(part):
+    bad = []
+    for mod in (m for m in MODULES if part_of(m) == part):
+        chain = _chain_to_jax(mod)
+        if chain:
+            bad.append(" -> ".join(chain))
+    assert not bad, f"{part} must not import jax (directly or through another module):\n" + "\n".join(bad)
+
+
+def test_walker_sees_function_level_and_lazy_imports():
+    # `from dhp_jax.planner import CostModel` inside a method resolves through the lazy table
+    assert "dhp_jax.planner.cost" in [n for n, _ in imports_of("dhp_jax.sim.cluster")]
+    assert part_of("dhp_jax.cli") == part_of("dhp_jax.bench") == "cli" and part_of("dhp_jax._lazy") == "base"
