@@ -155,16 +155,23 @@ def test_bench_compiles_json(capsys):
     assert out["step_s_mean"] == pytest.approx(out["step_s_mean_no_placement"], rel=1e-12)
 
 
-def test_promote_moves_groups_into_compiled_buckets_of_their_ranks():
+def test_promote_runs_a_plan_on_compiled_executables_only():
     from dhp_jax.planner.programs import promote
 
     plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])          # tokens 95 and 63
     have = {(3, 96, (0, 1, 2)), (2, 128, (3, 4)), (2, 64, (5, 6))}
-    out = promote(plan, have)
-    assert [g.padded_tokens for g in out.groups] == [96, 128] and out.solver["promoted_groups"] == 1
-    assert set(group_keys(out)) <= have
+    out = promote(plan, have)                              # the free (5, 6) has the smaller bucket
+    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (64, (5, 6))]
+    assert out.solver["promoted_groups"] == 1 and set(group_keys(out)) <= have
+    out = promote(plan, {(3, 96, (0, 1, 2)), (2, 128, (3, 4))})   # its own ranks, a larger bucket
+    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (128, (3, 4))]
     assert promote(plan, have | {(2, 64, (3, 4))}) is plan  # everything compiled: unchanged
     assert promote(plan, {(3, 96, (0, 1, 2)), (2, 62, (3, 4))}) is None  # too small a bucket
+    assert promote(plan, {(3, 96, (0, 1, 2)), (2, 64, (1, 2))}) is None  # its ranks are taken
+    # two groups of one degree trade device sets: the larger takes the larger compiled bucket
+    two = _plan([((0,), 32), ((1,), 16)])
+    out = promote(two, {(1, 16, (0,)), (1, 32, (1,))})
+    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(16, (0,)), (32, (1,))]
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     big = int(cost.max_tokens_per_rank * 2) + 100
     assert promote(plan, {(3, 96, (0, 1, 2)), (2, big, (3, 4))}, cost) is None  # over the memory budget

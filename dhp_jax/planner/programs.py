@@ -131,30 +131,48 @@ def reuse_ranks(groups: Sequence[tuple[int, int, tuple[int, ...]]], ranks_per_no
 
 
 def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
-    """The plan with every group whose executable is not in `available` moved up to the smallest
-    available bucket of its degree on its own ranks that holds its tokens (more padding, nothing to
-    compile); None when some group has no such bucket. With `cost`, a bucket must also fit the
-    memory budget. Estimates stay those of the planned buckets; `solver["promoted_groups"]` counts
-    the groups moved."""
-    have: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+    """The plan run on compiled executables only, or None when that is impossible.
+
+    In each micro-batch whose groups are not all in `available`, the groups of one degree and one
+    link class (inside a node / spanning nodes: the same group time) are matched, largest first,
+    to compiled executables of their degree: the smallest compiled bucket that holds the group's
+    tokens, on a rank tuple that no other group of the micro-batch uses (its own, another group's of
+    the class, or idle ranks). More padding, nothing to compile. With `cost`, a bucket must also fit
+    the memory budget. Estimates stay those of the planned buckets; `solver["promoted_groups"]`
+    counts the micro-batches' groups that changed."""
+    available = set(available)
+    rpn = plan.ranks_per_node or plan.num_ranks
+
+    def span(ranks: Sequence[int]) -> bool:
+        return len({r // rpn for r in ranks}) > 1
+
+    by_degree: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
     for d, p, ranks in available:
-        have.setdefault((int(d), tuple(ranks)), []).append(int(p))
+        by_degree.setdefault(int(d), []).append((int(p), tuple(ranks)))
+    for v in by_degree.values():
+        v.sort()
     moved = 0
     mbs = []
     for mb in plan.micro_batches:
-        groups = []
-        for g in mb.groups:
-            key = (g.degree, tuple(g.ranks))
-            if g.padded_tokens in have.get(key, ()):
-                groups.append(g)
-                continue
-            fits = sorted(p for p in have.get(key, ()) if p >= g.tokens
-                          and (cost is None or p * cost.mem_per_token / g.degree <= cost.memory_budget))
+        if all((g.degree, g.padded_tokens, tuple(g.ranks)) in available for g in mb.groups):
+            mbs.append(mb)
+            continue
+        out = list(mb.groups)
+        taken: set[int] = set()
+        order = sorted(range(len(out)), key=lambda i: (-out[i].tokens, i))
+        for i in order:
+            g = out[i]
+            fits = [(p, t) for p, t in by_degree.get(g.degree, ()) if p >= g.tokens and span(t) == span(g.ranks)
+                    and not taken.intersection(t)
+                    and (cost is None or p * cost.mem_per_token / g.degree <= cost.memory_budget)]
             if not fits:
                 return None
-            groups.append(dataclasses.replace(g, padded_tokens=fits[0]))
-            moved += 1
-        mbs.append(dataclasses.replace(mb, groups=tuple(groups)))
+            p, t = min(fits, key=lambda pt: (pt[0], pt[1] != tuple(g.ranks), pt[1]))
+            taken.update(t)
+            if (p, t) != (g.padded_tokens, tuple(g.ranks)):
+                out[i] = dataclasses.replace(g, padded_tokens=p, ranks=t)
+                moved += 1
+        mbs.append(dataclasses.replace(mb, groups=tuple(sorted(out, key=lambda g: g.ranks[0]))))
     if not moved:
         return plan
     return dataclasses.replace(plan, micro_batches=tuple(mbs), solver={**dict(plan.solver), "promoted_groups": moved})
