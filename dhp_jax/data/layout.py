@@ -193,6 +193,14 @@ def _where(sample: Sample, index: int) -> str:
     return f"sample {sid!r}"
 
 
+def planned_bucket(group: Any, samples: Sequence[Sample]) -> int | None:
+    """The stream length a plan chose for a group (its `padded_tokens`), when the plan describes
+    these very samples (its `tokens` is their total; a plan of unscaled batches does not); None:
+    the executor's own ladder. Both executors pack with it, so they run what the planner priced."""
+    padded, tokens = int(getattr(group, "padded_tokens", 0) or 0), int(getattr(group, "tokens", 0) or 0)
+    return padded if padded and tokens == sum(s.num_tokens for s in samples) else None
+
+
 def pack_group(samples: Sequence[Sample], degree: int, config: Any, *, bucket: int | None = None,
                min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> GroupLayout:
     """Pack `samples` (with payloads) for a group of `degree` devices.

@@ -36,7 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
-                                  pack_group)
+                                  pack_group, planned_bucket)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import apply_model, token_loss_sum
@@ -66,14 +66,6 @@ def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
     ints = np.stack([getattr(layout, k).astype(np.int32) for k in INT_COLUMNS], axis=1)
     floats = np.concatenate([layout.pixels, layout.loss_weights[:, None]], axis=1)
     return ints, floats
-
-
-def planned_bucket(group: Any, samples: Sequence[Sample]) -> int | None:
-    """The stream length the plan chose for this group (`padded_tokens`), when the plan describes
-    these very samples (its `tokens` is their total: a plan of unscaled batches does not); None:
-    the executor's own ladder."""
-    padded, tokens = int(getattr(group, "padded_tokens", 0) or 0), int(getattr(group, "tokens", 0) or 0)
-    return padded if padded and tokens == sum(s.num_tokens for s in samples) else None
 
 
 def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any]):
