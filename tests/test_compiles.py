@@ -172,6 +172,9 @@ def test_promote_runs_a_plan_on_compiled_executables_only():
     two = _plan([((0,), 32), ((1,), 16)])
     out = promote(two, {(1, 16, (0,)), (1, 32, (1,))})
     assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(16, (0,)), (32, (1,))]
+    # no compiled bucket of its degree holds it: a larger degree on idle ranks of one node does
+    out = promote(two, {(1, 16, (0,)), (1, 16, (1,)), (2, 64, (4, 5)), (2, 64, (9, 10))})
+    assert [(g.degree, g.padded_tokens, g.ranks) for g in out.groups] == [(1, 16, (1,)), (2, 64, (4, 5))]
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     big = int(cost.max_tokens_per_rank * 2) + 100
     assert promote(plan, {(3, 96, (0, 1, 2)), (2, big, (3, 4))}, cost) is None  # over the memory budget

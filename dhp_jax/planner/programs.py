@@ -133,11 +133,12 @@ def reuse_ranks(groups: Sequence[tuple[int, int, tuple[int, ...]]], ranks_per_no
 def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
     """The plan run on compiled executables only, or None when that is impossible.
 
-    In each micro-batch whose groups are not all in `available`, the groups of one degree and one
-    link class (inside a node / spanning nodes: the same group time) are matched, largest first,
-    to compiled executables of their degree: the smallest compiled bucket that holds the group's
-    tokens, on a rank tuple that no other group of the micro-batch uses (its own, another group's of
-    the class, or idle ranks). More padding, nothing to compile. With `cost`, a bucket must also fit
+    In each micro-batch whose groups are not all in `available`, the groups are matched, largest
+    first, to compiled executables: of their own degree and link class (inside a node / spanning
+    nodes: the same group time) where one fits, the smallest compiled bucket that holds the group's
+    tokens, on a rank tuple that no other group of the micro-batch uses (its own, another group's,
+    or idle ranks); failing that, of a larger degree inside a node on idle ranks (more ranks for the
+    same work). More padding, nothing to compile. With `cost`, a bucket must also fit
     the memory budget. Estimates stay those of the planned buckets; `solver["promoted_groups"]`
     counts the micro-batches' groups that changed."""
     available = set(available)
@@ -162,15 +163,19 @@ def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
         order = sorted(range(len(out)), key=lambda i: (-out[i].tokens, i))
         for i in order:
             g = out[i]
-            fits = [(p, t) for p, t in by_degree.get(g.degree, ()) if p >= g.tokens and span(t) == span(g.ranks)
-                    and not taken.intersection(t)
-                    and (cost is None or p * cost.mem_per_token / g.degree <= cost.memory_budget)]
+            fits = []
+            for d in sorted(x for x in by_degree if x >= g.degree):  # its degree first, then larger ones
+                fits = [(p, t) for p, t in by_degree[d] if p >= g.tokens and not taken.intersection(t)
+                        and (span(t) == span(g.ranks) or (d > g.degree and not span(t)))
+                        and (cost is None or p * cost.mem_per_token / d <= cost.memory_budget)]
+                if fits:
+                    break
             if not fits:
                 return None
             p, t = min(fits, key=lambda pt: (pt[0], pt[1] != tuple(g.ranks), pt[1]))
             taken.update(t)
             if (p, t) != (g.padded_tokens, tuple(g.ranks)):
-                out[i] = dataclasses.replace(g, padded_tokens=p, ranks=t)
+                out[i] = dataclasses.replace(g, padded_tokens=p, ranks=t, degree=len(t))
                 moved += 1
         mbs.append(dataclasses.replace(mb, groups=tuple(sorted(out, key=lambda g: g.ranks[0]))))
     if not moved:
