@@ -255,8 +255,10 @@ class Trainer:
         a compile: the next plan's programs compile in the background (ahead of time, with the
         params' shapes) while the current step runs; after the first WARMUP_STEPS steps a plan
         whose programs are not all compiled yet runs its groups in the smallest compiled bucket
-        of their degree and ranks that holds them (`planner.programs.promote`), while its own
-        programs compile for later steps. Single process only (plans must not depend on timing)."""
+        of their degree and ranks that holds them (`planner.programs.promote`; if a group is larger
+        than every compiled bucket, the batch is re-planned in up to 3 more micro-batches first),
+        while its own programs compile for later steps. Single process only (plans must not
+        depend on timing)."""
         import jax
 
         from dhp_jax.planner.programs import promote
@@ -277,6 +279,18 @@ class Trainer:
             if need <= have:
                 return plan
             ready = promote(plan, have, self.cost)
+            source = self.plan_source
+            if ready is None and source.plans is None and source.strategy == "dhp":
+                # a group larger than every compiled bucket: more micro-batches make smaller groups
+                saved, first = source.num_micro_batches, len(plan.micro_batches) + 1
+                try:
+                    for m in range(first, min(len(batch.samples), first + 2) + 1):
+                        source.num_micro_batches = m
+                        ready = promote(source(step, batch), have, self.cost)
+                        if ready is not None:
+                            break
+                finally:
+                    source.num_micro_batches = saved
             if ready is None:
                 return plan
             wanted[step] = plan
