@@ -57,7 +57,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                f"step time +{100 * r['step_time_lost']:.1f} % vs unpadded" for r in rows]
     summary.append(f"settings meeting padded/real <= 1.05 and <= 64 programs over {p['steps']} steps: "
                    f"{[r['rule'] for r in ok] or 'none'}")
-    return {"label": f"simulated ({p['model']} on {p['hardware']} preset); counts from real plans, nothing compiled",
+    return {"label": f"simulated ({p['model']} on {p['hardware']} preset), counts from real plans, nothing compiled",
             "rows": rows, "summary": summary}
 
 
