@@ -12,6 +12,10 @@ TARGETS: dict[str, tuple[str, str]] = {
     "planner": ("dhp_jax.planner.bench", "solve time median/p99 over (ranks, batch) sizes"),
     "executor": ("dhp_jax.sharding.bench", "host overhead of a DHP step on the local devices"),
     "manifest": ("dhp_jax.data.manifest_bench", "manifest lines parsed per second"),
+    "attention": ("dhp_jax.train.attention_bench",
+                  "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
+    "memory": ("dhp_jax.sharding.memory_bench", "compiled bytes of the group program vs the CostModel memory"),
+    "ulysses": ("dhp_jax.train.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
     "compiles": ("dhp_jax.train.compiles_bench", "programs, executables per process and padding of DHP plans"),
 }
 

@@ -17,7 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("dhp_jax.sim.cli", "simulate step times of strategies on a described cluster"),
     "train": ("dhp_jax.train.cli", "train the multimodal model with DHP plans (default: the CPU demo)"),
     "profile": ("dhp_jax.train.profile_cli", "time group executables and fit the cost model"),
-    "bench": ("dhp_jax.bench", "benchmarks: planner solve time, executor overhead, manifest speed"),
+    "bench": ("dhp_jax.bench", "benchmarks: planner solve time, executor overhead, manifest speed, compiled memory"),
     "analyze": ("dhp_jax.sim.analyze_cli", "what DHP would do for a dataset manifest"),
 }
 

@@ -23,7 +23,8 @@ def _fmt(x: Any, spec: str = ".2f") -> str:
 
 def _provenance(r: dict[str, Any]) -> str:
     m = r["machine"]
-    return (f"*{r['label']}. Config `{r['config_file']}`, seed {r['seed']}, commit {r['versions'].get('dhp_jax_commit')}, "
+    return (f"*{r['label']}. Config `{r['config_file']}`, seed {r['seed']}, commit {r['versions'].get('dhp_jax_commit')}"
+            f"{' (uncommitted changes)' if r['versions'].get('dhp_jax_dirty') else ''}, "
             f"generated {r['created_utc']} in {r['wall_s']:.0f} s on {m['cpu']} ({m['cpu_count']} cores, "
             f"load average {m.get('loadavg_1_5_15')}).*")
 
@@ -119,7 +120,37 @@ def optimality(r: dict[str, Any]) -> str:
         lines.append(f"| {n} ranks, DHP / lower bound (static ring / bound: {np.median(b):.3f}) | {a.size} | "
                      f"{np.median(a):.4f} | {np.percentile(a, 90):.4f} | {a.max():.4f} | "
                      f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
+    if r.get("versus_flexsp"):
+        lines = [] if len(lines) == 2 else lines + [""]
+        lines += _versus_flexsp(r)
     return "\n".join(lines)
+
+
+def _versus_flexsp(r: dict[str, Any]) -> list[str]:
+    import numpy as np
+
+    rows = r["versus_flexsp"]
+    out = ["| data | batches | dhp / flexsp: geo. mean | worst | dhp / bound (median) | flexsp / bound (median) | "
+           "micro-batches dhp / flexsp / token bound | dhp within 1 of the bound | dhp solve median (CPU) | "
+           "flexsp solve median | how |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for ds in dict.fromkeys(x["dataset"] for x in rows):
+        rs = [x for x in rows if x["dataset"] == ds]
+        q = np.asarray([x["dhp_over_flexsp"] for x in rs])
+        mbs = " ".join(f"{x['dhp_mb']}/{x['flexsp_mb']}/{x['token_lower_bound_mb']}" for x in rs)
+        near = np.mean([x["dhp_mb"] <= x["token_lower_bound_mb"] + 1 for x in rs])
+        out.append(f"| {ds}, {rs[0]['ranks']} ranks, GBS {rs[0]['samples']} | {len(rs)} | "
+                   f"{np.exp(np.log(q).mean()):.4f} | {q.max():.4f} | "
+                   f"{np.median([x['dhp_over_bound'] for x in rs]):.4f} | "
+                   f"{np.median([x['flexsp_over_bound'] for x in rs]):.4f} | {mbs} | {near:.0%} | "
+                   f"{np.median([x['dhp_solve_ms'] for x in rs]):.1f} ms "
+                   f"({np.median([x['dhp_solve_cpu_ms'] for x in rs]):.1f} ms) | "
+                   f"{np.median([x['flexsp_solve_s'] for x in rs]):.1f} s | simulated (FlexSP-matched profile) |")
+    sm = r.get("solve_ms", {})
+    if sm.get("preset_openvid_wall_ms"):
+        out.append(f"| openvid, internvl3-8b / ascend-910b preset (solve time only) | {len(sm['preset_openvid_wall_ms'])} | "
+                   f"— | — | — | — | — | — | {np.median(sm['preset_openvid_wall_ms']):.1f} ms "
+                   f"({np.median(sm['preset_openvid_cpu_ms']):.1f} ms) | — | measured on this machine |")
+    return out
 
 
 def ablations(r: dict[str, Any]) -> str:
@@ -143,6 +174,28 @@ def sensitivity(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tail_sweep(r: dict[str, Any]) -> str:
+    lines = ["| model | data | long-clip share | DHP (s) | best static (s) | DHP speed-up | how |",
+             "|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        share = f"{row['tail_share']:.1%}" + (" (built-in)" if row["built_in"] else "")
+        lines.append(f"| {row['model']} | {row['dataset']} | {share} | {row['dhp_step_s']:.2f} | "
+                     f"{row['best_static']} {row['best_static_step_s']:.2f} | **{row['speedup']:.2f}x** | "
+                     f"{_short(row['label'])} |")
+    return "\n".join(lines)
+
+
+def attention_choice(r: dict[str, Any]) -> str:
+    lines = ["| cost model | model | data | DHP (s) | DHP ring-only (s) | speed-up | multi-rank groups by kind | how |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        kinds = ", ".join(f"{k} {n}" for k, n in row["multi_rank_groups"].items())
+        lines.append(f"| {row['variant']} | {row['model']} | {row['dataset']} | {row['step_s']['dhp']:.2f} | "
+                     f"{row['step_s']['dhp ring-only']:.2f} | **{row['speedup']:.3f}x** | {kinds} | "
+                     f"{_short(row['label'])} |")
+    return "\n".join(lines)
+
+
 def compiles(r: dict[str, Any]) -> str:
     steps = r["config"]["steps"]
     lines = [f"| bucket rule | padded / real tokens | programs over {steps} steps | executables per process, max "
@@ -159,6 +212,8 @@ def compiles(r: dict[str, Any]) -> str:
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
     "case_study": case_study, "optimality": optimality, "ablations": ablations, "sensitivity": sensitivity,
+    "tail_sweep": tail_sweep,
+    "attention_choice": attention_choice,
     "compiles": compiles,
 }
 

@@ -13,13 +13,18 @@ from pathlib import Path
 from experiments.runner import ConfigError, config_files, load_config, parse_override, run_experiment
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m experiments.run", description=__doc__)
     p.add_argument("configs", nargs="*", help="config YAMLs, then optional key=value overrides")
     p.add_argument("--all", action="store_true", help="every kind: experiment config in experiments/configs/")
     p.add_argument("--tiny", action="store_true", help="apply each config's tiny: block (seconds)")
     p.add_argument("--out", default=None, help="output folder (default experiments/results/)")
     p.add_argument("--no-plot", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
     args = p.parse_intermixed_args(argv)
     paths = [a for a in args.configs if "=" not in a]
     try:

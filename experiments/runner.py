@@ -35,6 +35,8 @@ REGISTRY: dict[str, str] = {
     "optimality": "experiments.exp_optimality",
     "ablations": "experiments.exp_ablations",
     "sensitivity": "experiments.exp_sensitivity",
+    "tail_sweep": "experiments.exp_tail_sweep",
+    "attention_choice": "experiments.exp_attention_choice",
     "compiles": "experiments.exp_compiles",
 }
 
@@ -111,13 +113,20 @@ def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
                       source=source, tiny=tiny)
 
 
-def _git_commit() -> str | None:
+def source_state(repo: str | Path = REPO) -> dict[str, Any]:
+    """The code a run uses: {"commit": short HEAD, "dirty": whether tracked or new (not ignored) files
+    differ from it}; None for both outside a git checkout (an installed copy)."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                             text=True, timeout=5)
-        return out.stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True,
+                              text=True, timeout=5)
+        if head.returncode != 0 or not head.stdout.strip():
+            return {"commit": None, "dirty": None}
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=repo, capture_output=True, text=True,
+                                timeout=30)
+        dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+        return {"commit": head.stdout.strip(), "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
-        return None
+        return {"commit": None, "dirty": None}
 
 
 def _cpu_model() -> str:
@@ -147,8 +156,9 @@ def describe_machine() -> str:
 
 
 def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": platform.python_version(), "dhp_jax_commit": _git_commit()}
-    for pkg in ("numpy", "scipy", "highspy", "yaml", "matplotlib"):
+    """Versions of Python and the main packages (the code's own commit: `source_state`, read at the start)."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for pkg in ("numpy", "scipy", "yaml", "matplotlib"):
         try:
             mod = importlib.import_module(pkg)
             out[pkg] = getattr(mod, "__version__", None) or "installed"
@@ -168,14 +178,18 @@ def run_experiment(exp: Experiment, out_dir: str | Path | None = None, *, plot: 
     mod = _module(exp.kind)
     out = Path(out_dir) if out_dir is not None else RESULTS_DIR
     out.mkdir(parents=True, exist_ok=True)
+    # the code this run is made of: read before it starts (a commit made during a long run is not it)
+    source = source_state(REPO)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     t0 = time.perf_counter()
     body = mod.run(exp.params, seed=exp.seed, log=log or (lambda s: None))
     wall = time.perf_counter() - t0
+    vers = {"python": None, "dhp_jax_commit": source["commit"], "dhp_jax_dirty": source["dirty"], **versions()}
     result = {
         "experiment": exp.kind, "name": exp.name, "config_file": _rel(exp.source), "tiny": exp.tiny,
-        "seed": exp.seed, "config": exp.params, "versions": versions(), "machine": machine(),
-        "wall_s": round(wall, 3), "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        **body,
+        "seed": exp.seed, "config": exp.params, "versions": vers, "machine": machine(),
+        "started_utc": started, "wall_s": round(wall, 3),
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **body,
     }
     (out / f"{exp.name}.json").write_text(json.dumps(result, indent=1, default=_json_default) + "\n")
     if plot and hasattr(mod, "plot"):

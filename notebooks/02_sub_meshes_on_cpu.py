@@ -93,8 +93,8 @@ print("modalities:  ", [[sg.modality for sg in s.segments] for s in samples])
 params = init_params(config, jax.random.key(0))
 executor = PlanExecutor(config)
 print("full mesh:", executor.mesh)
-# plan_keys: (degree, bucket, device ids) of each group, in plan order, without compiling anything
-for g, (degree, bucket, ids) in zip(plan.groups, executor.plan_keys(samples, plan)):
+# plan_keys: (degree, bucket, device ids, attention kind) of each group, in plan order, without compiling
+for g, (degree, bucket, ids, kind) in zip(plan.groups, executor.plan_keys(samples, plan)):
     mesh = executor.ranks.submesh(executor.ranks.group_devices(g.ranks))
     assert tuple(d.id for d in mesh.devices.flat) == ids
     print(f"ranks {list(g.ranks)}: bucket {bucket} tokens -> {bucket // degree} per device on "
@@ -154,8 +154,8 @@ print("gradients are replicated on the full mesh:",
 
 # %% [markdown]
 # ## The compile cache
-# XLA binds an executable to its devices, so the cache key is (degree, bucket, devices).
-# `num_programs` counts distinct (degree, bucket) programs, `num_compiles` the executables built.
+# XLA binds an executable to its devices, so the cache key is (degree, bucket, devices, attention).
+# `num_programs` counts distinct (degree, bucket, attention) programs, `num_compiles` the executables built.
 # Running the same plan again, or a new batch whose groups land in the same buckets, compiles
 # nothing new.
 
@@ -186,19 +186,19 @@ print(f"step 3 (new batch, cache hit):      {other_s:6.3f} s")
 
 # %% [markdown]
 # ## Collective-permutes in the compiled HLO
-# `PlanExecutor.executable(params, degree, bucket, devices)` returns the cached compiled program,
+# `PlanExecutor.executable(params, degree, bucket, devices, attention)` returns the cached compiled program,
 # whose `as_text()` is the optimised HLO. Ring attention passes K/V (and their ids) to the next
 # device with `ppermute`, which XLA compiles to `collective-permute`; its backward pass sends the
 # gradients the other way round. A degree-d group should show exactly the ring pairs
 # {i -> i+1 mod d} and their reverse, and no all-reduce: gradients leave the group unreduced and
-# meet once, in the reduction over the full mesh.
+# meet in the reduce-scatter over the full mesh that sums them into the sharded train state.
 
 # %%
 PAIRS = re.compile(r"collective-permute(?:-start)?\(.*?source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 devices_by_id = {d.id: d for d in jax.devices()}
 
-for degree, bucket, ids in executor.executable_keys:
-    exe = executor.executable(params, degree, bucket, tuple(devices_by_id[i] for i in ids))
+for degree, bucket, ids, kind in executor.executable_keys:
+    exe = executor.executable(params, degree, bucket, tuple(devices_by_id[i] for i in ids), kind)
     hlo = exe.as_text()
     pair_sets = {tuple(sorted(tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", m)))
                  for m in PAIRS.findall(hlo)}
@@ -219,6 +219,6 @@ for degree, bucket, ids in executor.executable_keys:
 # not global device ids):
 
 # %%
-degree, bucket, ids = max(executor.executable_keys)
-hlo = executor.executable(params, degree, bucket, tuple(devices_by_id[i] for i in ids)).as_text()
+degree, bucket, ids, kind = max(executor.executable_keys)
+hlo = executor.executable(params, degree, bucket, tuple(devices_by_id[i] for i in ids), kind).as_text()
 print(next(line.strip() for line in hlo.splitlines() if "collective-permute" in line)[:300])

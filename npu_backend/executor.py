@@ -24,11 +24,12 @@ import torch.distributed as dist
 
 from dhp_jax.data.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.data.sample import Sample
+from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import Group, Plan, PlanValidationError
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
+from npu_backend.ulysses import UlyssesComm, ulysses_attention
 
-ATTENTION_KINDS = ("ring",)     # the group attention kinds this backend runs (Plan Group.attention)
 
 
 class StepError(RuntimeError):
@@ -56,9 +57,10 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
         raise StepError(f"invalid plan: {e}") from None
     for m, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
-            if g.attention not in ATTENTION_KINDS:
-                raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): attention {g.attention!r} "
-                                f"cannot run here; this backend runs {', '.join(ATTENTION_KINDS)} groups")
+            try:
+                check_attention(g.attention, g.degree, config.num_heads)
+            except ValueError as e:
+                raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
     used = {r for g in plan.groups for r in g.ranks}
     idle = sorted(set(range(world_size)) - used)
     if idle:
@@ -110,11 +112,19 @@ class TorchPlanExecutor:
         # Only the group's first rank reports the group's count, so each group is counted once.
         return shard, (layout.num_loss_tokens if i == 0 else 0)
 
-    def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, RingComm | None]:
-        comm = RingComm(group.ranks, self.rank) if group.degree > 1 else None
+    def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, RingComm | UlyssesComm | None]:
+        u, _ = check_attention(group.attention, group.degree, self.config.num_heads)
+        if u > 1:           # Ulysses or hybrid: all-to-all over u ranks, ring over the sub-groups
+            comm: RingComm | UlyssesComm | None = UlyssesComm(group.ranks, self.rank, u)
 
-        def attn(q, k, v, ids):
-            return ring_attention(q, k, v, ids, attention_mask, comm)
+            def attn(q, k, v, ids):
+                return ulysses_attention(q, k, v, ids, attention_mask, comm)
+        else:
+            comm = RingComm(group.ranks, self.rank) if group.degree > 1 else None
+
+            def attn(q, k, v, ids):
+                return ring_attention(q, k, v, ids, attention_mask, comm)
 
         logits = self.model({k: shard[k] for k in MODEL_INPUTS}, attn)
         return token_loss_sum(logits, shard["targets"], shard["loss_weights"]), comm

@@ -18,7 +18,7 @@ import os
 import platform
 import sys
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 from npu_backend.device import select_device, set_current_device  # sets the torch_npu import guard
 
@@ -29,6 +29,7 @@ import torch.distributed as dist  # noqa: E402
 from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
 from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, mllm_preset  # noqa: E402
 from dhp_jax.planner.plan import Plan, PlanValidationError  # noqa: E402
+from dhp_jax.planner.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
 from npu_backend.weights import WeightsError, export_flax_params, load_flax_params, load_npz, save_npz  # noqa: E402
@@ -46,8 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weights", help="initial weights: .npz in the flax layout ('a/b/c' keys)")
     p.add_argument("--save-weights", help="write the final weights (.npz, flax layout) from rank 0")
-    p.add_argument("--plan-file", help="replay plans: one plan JSON, a JSON list, or JSON lines; "
-                                       "step t uses plan t mod count")
+    p.add_argument("--plan-file", help="replay plans (dhp_jax.planner.planfile): a plan log of `dhp train` "
+                                       "or of --dump-plans, one plan JSON (every step) or a JSON list")
     p.add_argument("--plan-source", choices=("local", "broadcast"), default="local",
                    help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="plan as if every sample were this many times longer (exercise CP groups at "
                         "CPU-sized lengths)")
-    p.add_argument("--dump-plans", help="write the plan of every step (JSON lines, rank 0)")
+    p.add_argument("--dump-plans", help="write the plan of every step (a plan log, as `dhp train` writes; rank 0)")
     p.add_argument("--json", dest="json_out", help="write per-step metrics (JSON, rank 0)")
     return p
 
@@ -69,25 +70,13 @@ def make_batch(config: MLLMConfig, args: argparse.Namespace, step: int) -> list:
     return random_samples(config, lengths.tolist(), seed=args.seed * 1_000_003 + step)
 
 
-def read_plans(path: str) -> list[Plan]:
-    with open(path) as f:
-        text = f.read()
-    try:
-        data: Any = json.loads(text)
-        items = data if isinstance(data, list) else [data]
-    except json.JSONDecodeError:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
-    if not items:
-        raise PlanValidationError(f"{path}: no plan in the file")
-    return [Plan.from_json(d) for d in items]
-
-
 class Planner:
     """Gives the plan of each step: replayed, planned on every rank, or planned on rank 0 and sent."""
 
     def __init__(self, args: argparse.Namespace, world: int, rank: int):
         self.args, self.world, self.rank = args, world, rank
-        self.replay = read_plans(args.plan_file) if args.plan_file else None
+        self.replay = (load_plan_file(args.plan_file, num_samples=args.batch_size, num_ranks=world, steps=args.steps)
+                       if args.plan_file else None)
         self.cost = None
         if self.replay is None:
             self.cost = cost_from_args(args)
@@ -103,7 +92,7 @@ class Planner:
 
     def __call__(self, step: int, samples: Sequence) -> Plan:
         if self.replay is not None:
-            return self.replay[step % len(self.replay)]
+            return plan_at(self.replay, step)
         if self.args.plan_source == "local":
             return self._plan(samples)
         box = [self._plan(samples).to_json() if self.rank == 0 else None]
@@ -157,7 +146,7 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     say(f"npu_backend: {world} ranks on {choice.kind} ({choice.backend}: {choice.reason}), model {config.name} "
         f"({config.num_params():,} params)")
     records = []
-    dump = open(args.dump_plans, "w") if (args.dump_plans and rank == 0) else None
+    dump = PlanLog(args.dump_plans) if (args.dump_plans and rank == 0) else None
     try:
         for step in range(args.steps):
             samples = make_batch(config, args, step)
@@ -169,7 +158,7 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
                    "plan_s": plan_s, "degrees": plan.degrees}
             records.append(rec)
             if dump is not None:
-                dump.write(plan.to_json() + "\n")
+                dump.write(step, plan)
             say(f"step {step:4d}  loss {res.loss:.4f}  tokens {res.num_loss_tokens:6d}  "
                 f"step {res.seconds * 1e3:8.1f} ms  plan {plan_s * 1e3:6.1f} ms  degrees {plan.degrees}")
     finally:

@@ -80,13 +80,18 @@ def test_program_cache_counts_by_hand():
 
 def test_reuse_ranks_swaps_only_equally_fast_tuples():
     c = ProgramCache(ranks_per_process=8)
-    c.executables.add((2, 64, (0, 1)))
-    c.programs.add((2, 64))
-    groups = [(2, 32, (0, 1)), (2, 64, (2, 3)), (2, 64, (4, 5)), (3, 96, (8, 9, 10)), (2, 64, (7, 8))]
+    c.executables.add((2, 64, (0, 1), "ring"))
+    c.programs.add((2, 64, "ring"))
+    groups = [(2, 32, (0, 1), "ring"), (2, 64, (2, 3), "ring"), (2, 64, (4, 5), "ring"),
+              (3, 96, (8, 9, 10), "ring"), (2, 64, (7, 8), "ring")]
     out = reuse_ranks(groups, 8, c)
     assert out[1] == (0, 1)                                  # the program's compiled device set
     assert sorted(out[:3]) == [(0, 1), (2, 3), (4, 5)]       # a permutation of the same tuples
     assert out[3] == (8, 9, 10) and out[4] == (7, 8)         # another degree; spanning nodes: untouched
+    # the attention kind is part of the program: a Ulysses group never takes the ring's executable
+    kinds = [(2, 32, (0, 1), "ring"), (2, 64, (2, 3), "ulysses")]
+    assert reuse_ranks(kinds, 8, c) == [(0, 1), (2, 3)]
+    assert reuse_ranks([(2, 32, (2, 3), "ring"), (2, 64, (0, 1), "ulysses")], 8, c) == [(2, 3), (0, 1)]
 
 
 def test_reuse_placement_keeps_step_time_and_never_adds_executables():
@@ -120,7 +125,9 @@ def test_compile_price_counts_new_programs_only():
     c = ProgramCache(compile_s=30.0)
     assert _compile_price(prob, done, None) == 0.0
     assert _compile_price(prob, done, c) == 60.0
-    c.programs.add((4, int(cost.padded_length(30000, 4))))
+    c.programs.add((4, int(cost.padded_length(30000, 4)), "ulysses"))  # another kind: still new
+    assert _compile_price(prob, done, c) == 60.0
+    c.programs.add((4, int(cost.padded_length(30000, 4)), "ring"))
     assert _compile_price(prob, done, c) == 30.0
 
 
@@ -159,25 +166,29 @@ def test_promote_runs_a_plan_on_compiled_executables_only():
     from dhp_jax.planner.programs import promote
 
     plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])          # tokens 95 and 63
-    have = {(3, 96, (0, 1, 2)), (2, 128, (3, 4)), (2, 64, (5, 6))}
+    have = {(3, 96, (0, 1, 2), "ring"), (2, 128, (3, 4), "ring"), (2, 64, (5, 6), "ring")}
     out = promote(plan, have)                              # the free (5, 6) has the smaller bucket
     assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (64, (5, 6))]
     assert out.solver["promoted_groups"] == 1 and set(group_keys(out)) <= have
-    out = promote(plan, {(3, 96, (0, 1, 2)), (2, 128, (3, 4))})   # its own ranks, a larger bucket
+    out = promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 128, (3, 4), "ring")})  # its own ranks, a larger bucket
     assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (128, (3, 4))]
-    assert promote(plan, have | {(2, 64, (3, 4))}) is plan  # everything compiled: unchanged
-    assert promote(plan, {(3, 96, (0, 1, 2)), (2, 62, (3, 4))}) is None  # too small a bucket
-    assert promote(plan, {(3, 96, (0, 1, 2)), (2, 64, (1, 2))}) is None  # its ranks are taken
+    assert promote(plan, have | {(2, 64, (3, 4), "ring")}) is plan  # everything compiled: unchanged
+    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 62, (3, 4), "ring")}) is None  # too small a bucket
+    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 64, (1, 2), "ring")}) is None  # its ranks are taken
+    # a compiled program of another attention kind never serves the group
+    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 64, (5, 6), "ulysses")}) is None
     # two groups of one degree trade device sets: the larger takes the larger compiled bucket
     two = _plan([((0,), 32), ((1,), 16)])
-    out = promote(two, {(1, 16, (0,)), (1, 32, (1,))})
+    out = promote(two, {(1, 16, (0,), "ring"), (1, 32, (1,), "ring")})
     assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(16, (0,)), (32, (1,))]
     # no compiled bucket of its degree holds it: a larger degree on idle ranks of one node does
-    out = promote(two, {(1, 16, (0,)), (1, 16, (1,)), (2, 64, (4, 5)), (2, 64, (9, 10))})
+    out = promote(two, {(1, 16, (0,), "ring"), (1, 16, (1,), "ring"), (2, 64, (4, 5), "ring"),
+                        (2, 64, (9, 10), "ring")})
     assert [(g.degree, g.padded_tokens, g.ranks) for g in out.groups] == [(1, 16, (1,)), (2, 64, (4, 5))]
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     big = int(cost.max_tokens_per_rank * 2) + 100
-    assert promote(plan, {(3, 96, (0, 1, 2)), (2, big, (3, 4))}, cost) is None  # over the memory budget
+    over = {(3, 96, (0, 1, 2), "ring"), (2, big, (3, 4), "ring")}
+    assert promote(plan, over, cost) is None  # over the memory budget
 
 
 def test_menu_quantisation_is_exact_against_brute_force():
@@ -239,11 +250,12 @@ def test_plan_keys_agree_with_the_plans_padded_tokens():
     for strategy in ("dhp", "static-ring:2", "static-ring:3"):
         plan = plan_batch(samples, 8, cost, strategy=strategy)
         keys = ex.plan_keys(samples, plan)
-        assert [(d, b) for d, b, _ in keys] == [(g.degree, g.padded_tokens) for g in plan.groups]
-        assert [ids for _, _, ids in keys] == [tuple(ex.ranks.devices[r].id for r in g.ranks) for g in plan.groups]
+        assert [(d, b, a) for d, b, _, a in keys] == [(g.degree, g.padded_tokens, g.attention) for g in plan.groups]
+        assert [ids for _, _, ids, _ in keys] == [tuple(ex.ranks.devices[r].id for r in g.ranks)
+                                                  for g in plan.groups]
     # where the plan's tokens disagree with the samples (sample 0 is one token longer here), that
     # group falls back to the executor's own ladder
     other = random_samples(cfg, [38, 1, 22, 50, 9, 31, 17, 26, 90, 5], seed=3)
     keys = ex.plan_keys(other, plan)
-    assert [b for _, b, _ in keys] == [bucket_length(g.tokens + 1, g.degree) if 0 in g.samples else g.padded_tokens
+    assert [b for _, b, _, _ in keys] == [bucket_length(g.tokens + 1, g.degree) if 0 in g.samples else g.padded_tokens
                                        for g in plan.groups]

@@ -21,8 +21,8 @@ def test_every_preset_builds_and_is_physical():
 
 
 def test_model_that_cannot_fit_says_so():
-    with pytest.raises(ValueError, match="does not fit on cpu with ZeRO-3 over 1 ranks"):
-        CostModel.preset("qwen3-vl-8b", "cpu", zero_shards=1)
+    with pytest.raises(ValueError, match="does not fit on cpu with its state sharded over 1 ranks"):
+        CostModel.preset("qwen3-vl-8b", "cpu", state_shards=1)
 
 
 def test_unknown_names_list_the_known_ones():
@@ -73,10 +73,44 @@ def test_ulysses_pays_all_to_all_without_overlap():
     t_uly = c.time([50000], 4, attention="ulysses")
     A = c.a1 * 50000 ** 2
     B = c.a2 * 50000
-    expect = (A + B) / 4 + c.b1 + c.a2a_bytes_per_token / c.a2a_bw_intra * 50000 * 3 / 4 + c.lat_intra * 3
+    # a rank holds 50000/4 tokens and sends 3/4 of their Q, K, V, O
+    expect = (A + B) / 4 + c.b1 + c.a2a_bytes_per_token / c.a2a_bw_intra * 50000 / 4 * 3 / 4 + c.lat_intra * 3
     assert t_uly == pytest.approx(expect, rel=1e-12)
     assert t_ring != t_uly
     assert c.ulysses_ok(8) and not c.ulysses_ok(3)
+
+
+def _all_to_all_sent(S: int, d: int, heads: int) -> int:
+    """Count, element by element, the (token, head) pairs one rank sends in Ulysses' re-shards.
+
+    Before: rank r holds tokens [r S/d, (r+1) S/d) with every head. Q, K and V go to the rank owning
+    the head (heads are split in d contiguous slices); O comes back to the rank owning the token.
+    """
+    owner_tok = np.repeat(np.arange(d), S // d)       # token -> rank before the all-to-all
+    owner_head = np.repeat(np.arange(d), heads // d)  # head -> rank after it
+    sent = 0
+    for r in range(d):
+        mine = owner_tok == r
+        # Q, K, V: (token of r, head owned elsewhere); O: (head of r, token owned elsewhere)
+        sent += 3 * int(mine.sum()) * int((owner_head != r).sum())
+        sent += int((owner_head == r).sum()) * int((~mine).sum())
+    return sent // d  # every rank sends the same amount
+
+
+@pytest.mark.parametrize("S,d", [(48, 2), (96, 4), (64, 8), (384, 16)])
+def test_ulysses_traffic_is_the_per_rank_all_to_all_volume(S, d):
+    heads = 16
+    c = CostModel.preset("qwen3-vl-8b", "a100", bucket_min=0)  # the unpadded form
+    per_token_head = c.a2a_bytes_per_token / (4 * heads)  # Q, K, V, O of one head of one token
+    by_hand = _all_to_all_sent(S, d, heads) * per_token_head  # bytes one rank sends
+    assert float(c.sent_tokens(S, d, "ulysses")) * c.a2a_bytes_per_token == pytest.approx(by_hand, rel=1e-12)
+    # a ring sends the K/V of its S/d tokens at each of d-1 steps
+    assert float(c.sent_tokens(S, d, "ring")) == pytest.approx((d - 1) * S / d, rel=1e-12)
+    bw = c.bw_inter if d > c.ranks_per_node else c.a2a_bw_intra
+    t = c.time([S], d, attention="ulysses")
+    expect = (c.a1 * S ** 2 + c.a2 * S) / d + c.b1 + by_hand / bw \
+        + (c.lat_inter if d > c.ranks_per_node else c.lat_intra) * (d - 1)
+    assert t == pytest.approx(expect, rel=1e-12)
 
 
 def test_memory_and_min_degree():
@@ -259,9 +293,9 @@ def test_accelerator_presets_price_the_padding_by_hand():
     c = CostModel.preset("internvl3-8b", "ascend-910b")
     assert c.bucket_min > 0 and not c.padded_attention
     assert CostModel.preset("internvl3-8b", "cpu").padded_attention
-    lengths, etas, d = [30000, 9000], [0.5, 0.0], 3
+    lengths, etas, d = [15000, 5000], [0.5, 0.0], 3
     P = bucket_length(sum(lengths), d, c.bucket_min, c.bucket_growth)
-    assert P > sum(lengths)
+    assert sum(lengths) < P <= c.max_tokens_per_rank * d  # a rung the memory clamp leaves alone
     A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
     B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (P - sum(lengths))
     t_cm = c.kv_bytes_per_token / c.bw_intra * P * (d - 1) / d + c.lat_intra * (d - 1)

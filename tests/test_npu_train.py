@@ -1,4 +1,5 @@
-"""`torchrun -m npu_backend.train` replays a plan file on gloo; a plan for another world size fails cleanly."""
+"""`torchrun -m npu_backend.train` replays a plan file on gloo; a plan for another world size fails cleanly;
+plan logs travel between the backends (`dhp train` replays torch's, torch replays `dhp train`'s)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _plan(num_ranks: int, *mbs) -> dict:
 
 def test_torchrun_replays_plan_file_and_rejects_wrong_world(tmp_path):
     plans = [_plan(2, [([1, 0], [0, 1, 2, 3])]),
-             _plan(2, [([1], [1, 2]), ([0], [3])], [([0, 1], [0])])]
+             _plan(2, [([1], [1, 2]), ([0], [3])], [([0, 1], [0])]),
+             _plan(2, [([0, 1], [0, 1, 2, 3])])]
     (tmp_path / "plans.json").write_text(json.dumps(plans))
     common = ["--batch-size", "4", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--lr", "0.1"]
     out = _torchrun(2, [*common, "--plan-file", str(tmp_path / "plans.json"), "--steps", "3",
@@ -57,4 +59,37 @@ def test_torchrun_replays_plan_file_and_rejects_wrong_world(tmp_path):
     bad = _torchrun(2, [*common, "--plan-file", str(tmp_path / "plan3.json"), "--steps", "1"], tmp_path)
     assert bad.returncode != 0
     for r in (0, 1):
-        assert f"rank {r}: error: the plan is for num_ranks=3 but the world has 2 processes" in bad.stderr
+        assert f"rank {r}: error: plan file " in bad.stderr
+        assert "plan 0 (step 0): plan is for 3 ranks, the run has 2" in bad.stderr
+
+
+def test_plan_logs_replay_across_backends(tmp_path):
+    """torch plans live and logs its plans -> `dhp train` replays that log (and logs its own) ->
+    torch replays the log `dhp train` wrote. One line format, one replay rule (step t runs the plan
+    logged for step t), so all three runs run the same plans."""
+    from dhp_jax.planner.planfile import load_plan_file
+
+    common = ["--batch-size", "8", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--steps", "2"]
+    torch_log = tmp_path / "torch_plans.jsonl"
+    out = _torchrun(4, [*common, "--strategy", "static-ring:2", "--dump-plans", str(torch_log)], tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    jax_run = tmp_path / "jax"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    train = subprocess.run([sys.executable, "-m", "dhp_jax", "train", "num_ranks=4", "steps=2", "data.batch_size=8",
+                            "data.max_tokens=48", "data.num_classes=4", "compare.enabled=false",
+                            "metrics.progress=false", "min_bucket=256", f"metrics.out_dir={jax_run}",
+                            f"planner.plan_file={torch_log}"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)
+    assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
+    jax_log = jax_run / "plans.jsonl"
+    back = _torchrun(4, [*common, "--plan-file", str(jax_log), "--json", str(tmp_path / "m.json")], tmp_path)
+    assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
+    torch_plans, jax_plans = load_plan_file(torch_log), load_plan_file(jax_log)
+    assert len(torch_plans) == 2 and [p.digest() for p in torch_plans] == [p.digest() for p in jax_plans]
+    assert any(g.degree > 1 for p in torch_plans for g in p.groups)      # CP groups, not only single ranks
+    steps = json.loads((tmp_path / "m.json").read_text())["steps"]
+    assert [s["degrees"] for s in steps] == [p.degrees for p in jax_plans]
+    assert all(np.isfinite(s["loss"]) and s["loss_tokens"] > 0 for s in steps)
+    print("cross-backend replay: torch plans", [p.degrees for p in torch_plans], "-> dhp train losses",
+          [json.loads(line)["loss"] for line in (jax_run / "metrics.jsonl").read_text().splitlines()],
+          "-> torch replay losses", [s["loss"] for s in steps])

@@ -20,7 +20,7 @@ def _truth() -> CostModel:
 def test_fit_recovers_known_coefficients(tmp_path):
     truth = _truth()
     points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[64, 128, 256, 512, 1024], packs=(1, 2))
-    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    measurements = measure_points(points, lambda lengths, etas, d, k: truth.time(lengths, d, etas=etas, attention=k))
     base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8)  # starts far from the truth
     cost, report = fit_profile(measurements, base, holdout_every=4)
     for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
@@ -42,7 +42,7 @@ def test_held_out_error_is_measured_on_points_outside_the_fit():
     train, held = split_points(points, holdout_every=3)
     assert set(train).isdisjoint(held) and sorted(train + held) == list(range(len(points)))
     rng = np.random.default_rng(0)
-    noisy = measure_points(points, lambda l, e, d: truth.time(l, d, etas=e) * (1 + 0.03 * rng.standard_normal()))
+    noisy = measure_points(points, lambda l, e, d, k: truth.time(l, d, etas=e, attention=k) * (1 + 0.03 * rng.standard_normal()))
     _, report = fit_profile(noisy, truth, holdout_every=3)
     assert 0 < report["held_out_mean_rel_error"] < 0.15
     assert all(abs(p["rel_error"] - abs(p["estimate_s"] - p["seconds"]) / p["seconds"]) < 1e-12
@@ -51,14 +51,14 @@ def test_held_out_error_is_measured_on_points_outside_the_fit():
 
 def test_bad_timing_is_named():
     points = default_points(degrees=[2], lengths=[64], packs=(1,))
-    with pytest.raises(ValueError, match=r"profile point 0 \(degree 2, lengths \[64\]\) measured 0.0 s"):
-        measure_points(points, lambda l, e, d: 0.0)
+    with pytest.raises(ValueError, match=r"profile point 0 \(degree 2, ring, lengths \[64\]\) measured 0.0 s"):
+        measure_points(points, lambda l, e, d, k: 0.0)
 
 
 def test_passes_keep_each_points_minimum():
     points = default_points(degrees=[1, 2], lengths=[64], packs=(1,))
     calls = iter([5.0, 7.0, 3.0, 9.0])  # pass 1: 5, 7; pass 2: 3, 9
-    out = measure_points(points, lambda l, e, d: next(calls), passes=2)
+    out = measure_points(points, lambda l, e, d, k: next(calls), passes=2)
     assert [m["seconds"] for m in out] == [3.0, 7.0]
 
 
@@ -66,7 +66,7 @@ def test_fit_recovers_coefficients_with_lanes_and_padding():
     """Truth on 2 shared cores with the executor's padded streams; the fit respects that structure."""
     truth = _truth().replace(compute_lanes=2, bucket_min=16, bucket_growth=2.0)
     points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[32, 64, 96, 128, 256, 384, 512], packs=(1, 2))
-    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    measurements = measure_points(points, lambda lengths, etas, d, k: truth.time(lengths, d, etas=etas, attention=k))
     base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8, bucket_min=16, bucket_growth=2.0)
     cost, report = fit_profile(measurements, base, holdout_every=4)
     for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
@@ -83,7 +83,7 @@ def test_fit_recovers_overlapped_ring_with_lanes():
     """With overlap on, the fit still separates hidden from exposed traffic under a lane limit."""
     truth = _truth().replace(compute_lanes=3, comm_overlap=True)
     points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[64, 128, 256, 512, 1024], packs=(1, 2))
-    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    measurements = measure_points(points, lambda lengths, etas, d, k: truth.time(lengths, d, etas=etas, attention=k))
     base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8, compute_lanes=3, comm_overlap=True)
     cost, report = fit_profile(measurements, base, holdout_every=4)
     for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
@@ -99,7 +99,7 @@ def test_cli_refits_a_saved_report(tmp_path):
 
     truth = _truth().replace(bucket_min=16, bucket_growth=2.0)
     points = default_points(degrees=[1, 2, 4, 8], lengths=[32, 64, 128, 256, 512], packs=(1, 2))
-    measurements = measure_points(points, lambda lengths, etas, d: truth.time(lengths, d, etas=etas))
+    measurements = measure_points(points, lambda lengths, etas, d, k: truth.time(lengths, d, etas=etas, attention=k))
     src = tmp_path / "old.report.json"
     src.write_text(json.dumps({"machine": "synthetic", "num_devices": 8, "compute_lanes": 2, "bucket_min": 16,
                                "bucket_growth": 2.0, "measurements": measurements}))
@@ -114,3 +114,24 @@ def test_cli_refits_a_saved_report(tmp_path):
     bad.write_text("{}")
     args = parser.parse_args(["--from-report", str(bad), "--out", str(tmp_path / "x.json"), "--cpu-devices", "0"])
     assert profile_cli.run(args) == 2
+
+
+def test_fit_covers_ulysses_and_hybrid_points():
+    """Points of every attention kind: the all-to-all's seconds per token are fitted with the rest,
+    and each kind's held-out estimate is exact."""
+    truth = _truth().replace(num_heads=4, a2a_bytes_per_token=16384.0, a2a_bw_intra=1e8)
+    points = default_points(degrees=[1, 2, 3, 4, 6, 8], lengths=[64, 128, 256, 512, 1024], packs=(1, 2),
+                            kinds=("ring", "ulysses", "hybrid"), num_heads=4)
+    kinds = {p.attention for p in points}
+    assert kinds == {"ring", "ulysses", "hybrid:2x2", "hybrid:2x3", "hybrid:2x4", "hybrid:4x2"}, kinds
+    measurements = measure_points(points, lambda lengths, etas, d, k: truth.time(lengths, d, etas=etas, attention=k))
+    base = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8, num_heads=4)
+    cost, report = fit_profile(measurements, base, holdout_every=4)
+    assert "c_a2a" in report["fit"]["fitted"]
+    assert cost.comm_per_token(False, "ulysses") == pytest.approx(truth.comm_per_token(False, "ulysses"), rel=1e-4)
+    for name in ("a1", "a2", "b1", "lat_intra"):
+        assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
+    assert report["held_out_mean_rel_error"] < 1e-6
+    assert {m["attention"] for m in report["held_out"]} > {"ring"}
+    with pytest.raises(ValueError, match="kinds"):
+        default_points(degrees=[2], lengths=[64], kinds=("ulysses",), num_heads=4)

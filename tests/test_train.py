@@ -62,8 +62,14 @@ def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
     second = Trainer(cfg, executor=executor).run(resume=True)
     assert [r["step"] for r in second.records] == [4, 5, 6]
     assert first.losses + second.losses == full.losses  # bitwise: same programs, same inputs
-    for a, b in zip(jax.tree.leaves(full.state.params), jax.tree.leaves(second.state.params)):
+    for a, b in zip(jax.tree.leaves(full.state), jax.tree.leaves(second.state)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the state (master params, both Adam moments) is sharded over the 8 ranks, restored ones too
+    flat = [x for x in jax.tree.leaves(second.state) if x.shape == (executor.layout.padded,)]
+    assert len(flat) == 3
+    for x in flat:
+        assert x.dtype == np.float32 and x.sharding == executor.sharded
+        assert {s.data.shape for s in x.addressable_shards} == {(executor.layout.padded // 8,)}
     assert [r["step"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
@@ -80,7 +86,7 @@ def test_bad_input_fails_before_any_step(tmp_path, executor):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'garbage.json'}"), executor=executor)
     wrong = Plan(8, (MicroBatch((Group(tuple(range(8)), 8, tuple(range(BATCH + 1))),)),))
     (tmp_path / "wrong.json").write_text(wrong.to_json())
-    with pytest.raises(PlanFileError, match=r"plan 0: .*sample 8 does not exist"):
+    with pytest.raises(PlanFileError, match=r"plan 0 \(step 0\): .*sample 8 does not exist"):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'wrong.json'}"), executor=executor)
     # a checkpoint of another model config: refused before the first step writes anything
     ck = Checkpointer(tmp_path / "bad" / "checkpoints")

@@ -1,19 +1,21 @@
-"""Every `kind: train` YAML under experiments/configs/ loads and dry-runs (no step, no compile)."""
+"""Every `kind: train` YAML (experiments/configs/ and the packaged demo) loads and dry-runs (no step, no compile)."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
-from dhp_jax.train.config import load_config
+from dhp_jax.train.config import DEMO_CONFIG, load_config
 from dhp_jax.train.trainer import dry_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"
-TRAIN_YAMLS = sorted(p for p in CONFIGS.glob("*.y*ml") if (yaml.safe_load(p.read_text()) or {}).get("kind") == "train")
+PACKAGED = Path(__file__).resolve().parents[1] / "dhp_jax" / "train" / "configs"
+TRAIN_YAMLS = sorted(p for d in (CONFIGS, PACKAGED) for p in d.glob("*.y*ml")
+                     if (yaml.safe_load(p.read_text()) or {}).get("kind") == "train")
 
 
 def test_the_demo_is_among_them():
-    assert CONFIGS / "demo.yaml" in TRAIN_YAMLS
+    assert DEMO_CONFIG == PACKAGED / "demo.yaml" and DEMO_CONFIG in TRAIN_YAMLS
 
 
 @pytest.mark.parametrize("path", TRAIN_YAMLS, ids=lambda p: p.name)

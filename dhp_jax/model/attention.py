@@ -46,10 +46,10 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_
     group = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, group), repeat_kv(v, group)
     scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
-    s = jnp.einsum("qhd,khd->hqk", q, k) * scale                  # s[H, S_q, S_k]
+    s = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * scale  # s[H, S_q, S_k] fp32
     mask = attention_mask(q_ids, k_ids)[None]
     m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, s, -1e30), axis=-1, keepdims=True))
     p = jnp.exp(jnp.where(mask, s - m, -jnp.inf))
     denom = jnp.sum(p, axis=-1, keepdims=True)
     p = p / jnp.where(denom > 0, denom, 1.0)
-    return jnp.einsum("hqk,khd->qhd", p, v)
+    return jnp.einsum("hqk,khd->qhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32).astype(q.dtype)

@@ -21,6 +21,9 @@ class MLLMConfig:
     Vision encoder: `patch_dim` input features per merged patch (one per LLM vision token),
     `vision_layers` blocks of width `vision_dim` with `vision_heads` heads of `vision_head_dim`,
     SwiGLU width `vision_ff`. Shared: RMSNorm `rms_eps`, rotary base `rope_base`.
+    `remat`: recompute policy of every block in the backward pass ("none": keep everything;
+    "layer": keep only each block's input; "selective": keep the block's GEMM outputs). It changes
+    memory and time, never params or values, so checkpoints ignore it.
     """
 
     name: str = "tiny"
@@ -39,11 +42,12 @@ class MLLMConfig:
     vision_ff: int = 32
     rope_base: float = 10000.0
     rms_eps: float = 1e-6
+    remat: str = "none"      # "none" | "layer" | "selective": jax.checkpoint around every block
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "rope_base", "rms_eps"):
+            if f.name in ("name", "rope_base", "rms_eps", "remat"):
                 continue
             positive_int(v, f"MLLMConfig.{f.name}")
         if self.num_heads % self.num_kv_heads:
@@ -51,6 +55,8 @@ class MLLMConfig:
                              f"num_kv_heads={self.num_kv_heads} (GQA groups must be equal)")
         if self.head_dim % 2 or self.vision_head_dim % 2:
             raise ValueError("MLLMConfig: head_dim and vision_head_dim must be even (rotary halves)")
+        if self.remat not in ("none", "layer", "selective"):
+            raise ValueError(f"MLLMConfig.remat must be 'none', 'layer' or 'selective', got {self.remat!r}")
         if not self.rms_eps > 0 or not self.rope_base > 1:
             raise ValueError("MLLMConfig: rms_eps must be > 0 and rope_base > 1")
 

@@ -1,6 +1,10 @@
 """The flax multimodal model: vision encoder + projector + decoder LLM over one packed token stream.
 
-Exact math (fp32 throughout; a torch twin must match op for op):
+Exact math (fp32 throughout; a torch twin must match op for op). The model computes in the dtype
+of the params it is given: with bf16 params (the executor's bf16 mode) the GEMMs run in bf16 while
+RMSNorm statistics, rotary angles, softmax statistics and the loss stay fp32; with fp32 params every
+cast is a no-op and the math below is exact. `MLLMConfig.remat` wraps every vision and decoder
+block in `jax.checkpoint` (`remat_policy`); it changes memory and recompute, never values.
 
 Inputs (one packed stream of S tokens, see `dhp_jax.data.layout`): `token_ids` int32[S],
 `pixels` float32[S, patch_dim] (zeros on text tokens), `vision_mask` bool[S], decoder ids
@@ -63,9 +67,9 @@ def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
     """Rotate-half rotary embedding of x[S, H, D] at integer positions pos[S]."""
     d = x.shape[-1]
     inv_freq = base ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]          # ang[S, D/2]
-    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], axis=-1)[:, None, :]
-    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], axis=-1)[:, None, :]
+    ang = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]          # ang[S, D/2], fp32
+    cos = jnp.concatenate([jnp.cos(ang), jnp.cos(ang)], axis=-1)[:, None, :].astype(x.dtype)
+    sin = jnp.concatenate([jnp.sin(ang), jnp.sin(ang)], axis=-1)[:, None, :].astype(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
@@ -76,7 +80,8 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps) * scale
+        xf = x.astype(jnp.float32)                  # statistics in fp32 whatever the compute dtype
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype) * scale
 
 
 class Attention(nn.Module):
@@ -123,19 +128,41 @@ class Block(nn.Module):
         return h + SwiGLU(self.d_ff, name="mlp")(RMSNorm(self.eps, name="mlp_norm")(h))
 
 
+REMAT_POLICIES = ("none", "layer", "selective")
+
+
+def remat_policy(name: str) -> Any:
+    """The `jax.checkpoint` policy of a remat name ("layer": save nothing inside a block, recompute
+    it whole; "selective": keep the outputs of the block's weight GEMMs, recompute the rest)."""
+    if name == "layer":
+        return jax.checkpoint_policies.nothing_saveable
+    if name == "selective":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    raise ValueError(f"no checkpoint policy for remat={name!r}; known: {REMAT_POLICIES}")
+
+
+def block_class(remat: str) -> type:
+    """`Block`, or `Block` under `jax.checkpoint` with the policy `remat` names."""
+    if remat == "none":
+        return Block
+    return nn.remat(Block, policy=remat_policy(remat))
+
+
 class MLLM(nn.Module):
     """Vision encoder + projector + decoder over one packed stream; returns logits[S, V]."""
 
     config: MLLMConfig
     attn_fn: AttentionFn = dense_attention
+    head: bool = True      # False: return final_norm(x)[S, d], the LM head's input (chunked loss)
 
     @nn.compact
     def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
         c = self.config
+        block = block_class(c.remat)
         vis_ids = AttnIds(batch["frame_ids"], batch["frame_positions"], batch["frame_ids"])
         v = nn.Dense(c.vision_dim, name="patch_embed")(batch["pixels"])
         for i in range(c.vision_layers):
-            v = Block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
+            v = block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
                       c.rms_eps, self.attn_fn, name=f"vision_layers_{i}")(v, vis_ids)
         v = RMSNorm(c.rms_eps, name="vision_norm")(v)
         v = nn.Dense(c.d_model, name="proj_fc1")(v)
@@ -144,9 +171,11 @@ class MLLM(nn.Module):
         x = jnp.where(batch["vision_mask"][:, None], v, t)
         ids = AttnIds(batch["segment_ids"], batch["positions"], batch["span_ids"])
         for i in range(c.num_layers):
-            x = Block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
+            x = block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
                       self.attn_fn, name=f"layers_{i}")(x, ids)
         x = RMSNorm(c.rms_eps, name="final_norm")(x)
+        if not self.head:
+            return x
         return nn.Dense(c.vocab_size, use_bias=False, name="lm_head")(x)
 
 
@@ -167,12 +196,47 @@ def init_params(config: MLLMConfig, key: jax.Array) -> dict[str, Any]:
 
 def apply_model(config: MLLMConfig, params: Params, batch: Mapping[str, jax.Array],
                 attn_fn: AttentionFn = dense_attention) -> jax.Array:
-    """logits[S, V] of a packed stream, with the attention the caller hands in."""
+    """logits[S, V] of a packed stream, with the attention the caller hands in; computes in the
+    dtype of `params` (pixels are cast to it; logits come back in it)."""
+    dtype = params["patch_embed"]["kernel"].dtype
+    batch = {**batch, "pixels": jnp.asarray(batch["pixels"]).astype(dtype)}
     return MLLM(config, attn_fn).apply({"params": params}, batch)
 
 
 def token_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> jax.Array:
-    """Sum over tokens of weight * cross entropy(logits, target) (a scalar)."""
+    """Sum over tokens of weight * cross entropy(logits, target) (a scalar), in fp32."""
+    logits = logits.astype(jnp.float32)
     lse = jax.nn.logsumexp(logits, axis=-1)
     picked = jnp.take_along_axis(logits, targets[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return jnp.sum((lse - picked) * weights)
+
+
+LOSS_CHUNK = 512      # tokens per LM-head chunk in `chunked_loss_sum`
+
+
+def chunked_loss_sum(config: MLLMConfig, params: Params, batch: Mapping[str, jax.Array], targets: jax.Array,
+                     weights: jax.Array, attn_fn: AttentionFn = dense_attention, chunk: int = LOSS_CHUNK
+                     ) -> jax.Array:
+    """`token_loss_sum(apply_model(...), targets, weights)` without the [S, V] logits: the LM head
+    and the cross entropy run over chunks of `chunk` tokens under `jax.checkpoint`, so forward and
+    backward hold one chunk's logits (fp32) at a time instead of all S x V of them."""
+    dtype = params["patch_embed"]["kernel"].dtype
+    batch = {**batch, "pixels": jnp.asarray(batch["pixels"]).astype(dtype)}
+    x = MLLM(config, attn_fn, head=False).apply({"params": params}, batch)          # x[S, d]
+    kernel = params["lm_head"]["kernel"]                                             # [d, V]
+    s = x.shape[0]
+    n = -(-s // chunk)
+    pad = n * chunk - s
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(n, chunk, x.shape[1])
+    ts = jnp.pad(targets, (0, pad)).reshape(n, chunk)
+    ws = jnp.pad(weights, (0, pad)).reshape(n, chunk)
+
+    @jax.checkpoint
+    def one(xc, tc, wc):
+        return token_loss_sum(xc @ kernel, tc, wc)
+
+    def step(total, inputs):
+        return total + one(*inputs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (xs, ts, ws))
+    return total

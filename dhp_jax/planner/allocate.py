@@ -49,12 +49,13 @@ class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
 
     def __init__(self, cost: CostModel, attention: str):
-        # shared lanes or no overlap: the closed form below does not hold; price every evaluation
-        # with the cost model itself so the search stays exact for it
+        # shared lanes: the closed form below does not hold; price every evaluation with the
+        # cost model itself so the search stays exact for it
         self.exact = None
-        if cost.compute_lanes is not None or not cost.comm_overlap:
+        if cost.compute_lanes is not None:
             self.exact = (cost, attention)
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
+        self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
         self.c_intra = float(cost.comm_per_token(False, attention))
@@ -71,11 +72,12 @@ class _ScalarTime:
             if c.padded_attention:
                 A = c.a1 * P * P
             B, S = B + c.a2 * (P - S), P
+        sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
         if d > self.rpn:
-            comm = self.c_inter * S * (d - 1) / d + self.l_inter * (d - 1)
+            comm = self.c_inter * sent + self.l_inter * (d - 1)
         else:
-            comm = self.c_intra * S * (d - 1) / d + self.l_intra * (d - 1)
-        if self.ring:
+            comm = self.c_intra * sent + self.l_intra * (d - 1)
+        if self.overlap:
             comm = max(comm - A / d, 0.0)
         return (A + B) / d + self.b1 + comm
 

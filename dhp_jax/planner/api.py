@@ -1,8 +1,9 @@
 """`plan_batch`: one entry point for DHP and every baseline, returning a validated `Plan`.
 
 The strategy table lives here; the input checks in `problem.py`, the "dhp" search in `dhp.py`,
-the static baselines in `baselines.py`, the MILPs ("milp", "flexsp") in `milp.py`. Only the
-MILPs have a wall-clock limit, and they record whether they proved optimality.
+the static baselines in `baselines.py`, the exact MILP ("milp") in `milp.py`, FlexSP's planner
+("flexsp") in `flexsp.py`. Only "milp" has a wall-clock limit ("flexsp" a node limit); both record
+whether they proved optimality.
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
                node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
-               every_rank: bool = False, programs: ProgramCache | None = None) -> Plan:
+               node_limit: int | None = None, every_rank: bool = False, attention: str = "best",
+               programs: ProgramCache | None = None) -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
     `packing=False` makes every sequence its own atomic group; `degrees="pow2"` (or a list)
     restricts group degrees; `node_aware=False` places groups on consecutive ranks; `refine=False`
-    skips the re-balancing. `time_limit_s` bounds the MILP of "milp"/"flexsp" only.
+    skips the re-balancing. `time_limit_s` bounds the MILP of "milp" (and, when given, "flexsp"'s,
+    which otherwise stops at its node limit only); `node_limit` bounds the "milp" reference by
+    branch-and-bound nodes, a work limit that gives the same answer on any machine at any load.
+    `attention` (for "dhp"): "best" gives each group the attention kind the cost model says is
+    fastest (ring, Ulysses, or a Ulysses x ring hybrid the head count allows); "ring" keeps every
+    group on the ring (the ablation).
     `every_rank=True` is for executors in which every rank must run some group (the torch backend):
     a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
     samples than ranks) joins the slowest group instead.
@@ -50,19 +57,22 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     prob = prepare(samples_or_lengths, num_ranks, cost, etas, ranks_per_node)
     cost, N = prob.cost, prob.num_ranks
     t0, c0 = time.perf_counter(), time.thread_time()
-    attention = "ring"
+    if attention not in ("best", "ring"):
+        raise PlanningError(f"attention must be 'best' (per-group choice) or 'ring', got {attention!r}")
+    mode, attention = attention, "ring"
     extra: dict[str, Any] = {}
     if strategy == "dhp":
-        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs)
+        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, mode)
+        attention = mode
     elif strategy.startswith("static-ring:") or strategy.startswith("static-ulysses:"):
         kind, _, arg = strategy.partition(":")
         attention = "ring" if kind == "static-ring" else "ulysses"
         mbs, extra = solve_static(prob, attention, arg, strategy)
     elif strategy == "milp":
         from dhp_jax.planner.milp import solve_milp
-        mbs, extra = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s)
+        mbs, extra = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s, node_limit)
     elif strategy == "flexsp":
-        from dhp_jax.planner.milp import solve_flexsp
+        from dhp_jax.planner.flexsp import solve_flexsp
         mbs, extra = solve_flexsp(prob, num_micro_batches, time_limit_s)
         attention = "auto"
     else:
@@ -80,14 +90,15 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
 
 
 def reuse_placement(plan: Plan, lengths: Any, etas: Any, cost: CostModel, programs: ProgramCache,
-                    attention: str = "ring") -> Plan:
-    """The plan with equally fast rank tuples swapped so that groups land where their program is
-    already compiled (`dhp_jax.planner.programs.reuse_ranks`; group times unchanged); the result
-    is recorded in `programs`."""
+                    attention: str = "best") -> Plan:
+    """The plan with equally fast rank tuples swapped so that groups land where their program
+    (degree, padded tokens, attention kind) is already compiled (`dhp_jax.planner.programs.reuse_ranks`;
+    group times unchanged); the result is recorded in `programs`. `attention` is the mode the plan
+    was made with (plan_batch's; the groups' kinds are chosen again on the swapped tuples)."""
     rpn = plan.ranks_per_node or plan.num_ranks
     mbs = []
     for mb in plan.micro_batches:
-        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks) for g in mb.groups], rpn, programs)
+        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks, g.attention) for g in mb.groups], rpn, programs)
         mbs.append([(r, list(g.samples)) for r, g in zip(ranks, mb.groups)])
     out = build_plan(mbs, np.asarray(lengths), np.zeros(len(lengths)) if etas is None else np.asarray(etas, float),
                      cost, plan.num_ranks, dict(plan.solver), attention)

@@ -14,7 +14,7 @@ import numpy as np
 from dhp_jax.data.layout import bucket_lengths
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
-from dhp_jax.planner.pricing import attention_for, kind_times, price_groups
+from dhp_jax.planner.pricing import attention_for, best_kinds, kind_times, price_groups
 
 __all__ = ["attention_for", "build_plan", "kind_times", "padded_tokens"]  # (pricing names kept importable here)
 
@@ -35,7 +35,10 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     attn, lin, tok = cost.terms(lengths, etas)
     flat = [(m, tuple(int(r) for r in ranks), tuple(sorted(int(s) for s in samples)))
             for m, groups in enumerate(micro_batches) for ranks, samples in groups if len(samples)]
-    kinds = [attention_for(len(g[1]), cost, attention) for g in flat]
+    if attention == "best":         # each group on its fastest kind (dhp's per-group choice)
+        kinds = best_kinds(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok))
+    else:
+        kinds = [attention_for(len(g[1]), cost, attention) for g in flat]
     times, S, d = price_groups(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok), kinds, cost.ranks_per_node)
     # the padded stream is what a rank holds; the bucket rule clamps padding to the budget, so a
     # group is infeasible exactly when its real tokens are

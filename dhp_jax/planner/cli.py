@@ -80,10 +80,12 @@ def run(args: argparse.Namespace) -> int:
     for m, mb in enumerate(plan.micro_batches):
         print(f"\nmicro-batch {m}: {len(mb.groups)} groups, degrees {sorted((g.degree for g in mb.groups), reverse=True)}, "
               f"makespan {mb.est_makespan_s:.3f} s")
-        print(f"  {'ranks':>12} {'deg':>4} {'samples':>7} {'tokens':>9} {'longest':>8} {'time s':>8} {'mem GiB':>8}")
+        print(f"  {'ranks':>12} {'deg':>4} {'attention':>11} {'samples':>7} {'tokens':>9} {'longest':>8} {'time s':>8} "
+              f"{'mem GiB':>8}")
         for g in sorted(mb.groups, key=lambda g: (-g.degree, g.ranks)):
             ls = lengths[list(g.samples)]
-            print(f"  {_span(g.ranks):>12} {g.degree:>4} {len(g.samples):>7} {int(ls.sum()):>9,} {int(ls.max()):>8,} "
+            print(f"  {_span(g.ranks):>12} {g.degree:>4} {g.attention:>11} {len(g.samples):>7} {int(ls.sum()):>9,} "
+                  f"{int(ls.max()):>8,} "
                   f"{g.est_time_s:>8.3f} {g.est_memory_bytes / 2**30:>8.2f}")
     print(f"\nstep time {ours_s:.3f} s (micro-batches {sum(mb.est_makespan_s for mb in plan.micro_batches):.3f} s "
           f"+ gradient all-reduce {cost.allreduce_time(args.ranks):.3f} s)")

@@ -12,8 +12,20 @@ which is the paper's T_cp + T_cm - min(T_attn, T_cm) with compute split evenly o
 halves balance causal work) and the ring traffic overlapping the attention blocks. v and lat are the
 intra-node figures unless the group spans nodes (the slowest hop paces a ring). sqrt(eta_k) L_k is
 the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
-vision encoder without a second per-sample input. Ulysses (all-to-all) groups pay
-a2a_bytes_per_token S (d-1)/d / v_a2a without overlap. Memory per rank is sum_k L_k mem_per_token / d.
+vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d:
+linear in the local tokens, because the ring attention is tiled with a custom VJP (its per-token
+state is part of `planner.memory.activation_bytes_per_token`, its constant tile workspace is
+`presets.attention_workspace_bytes`, counted in `fixed_bytes`).
+
+Traffic of one rank, derived by hand (S stream tokens, d ranks, each rank holding S/d of them):
+
+- Ring: each of the d-1 steps passes the K/V block of S/d tokens to the next rank, so a rank sends
+  (d-1) S/d tokens' K/V: kv_bytes_per_token S (d-1)/d bytes.
+- Ulysses: an all-to-all re-shards Q, K, V from sequence to heads and another brings O back. A rank
+  starts with all heads of its S/d tokens and keeps 1/d of the heads, so it sends (d-1)/d of its
+  own S/d tokens' Q, K, V, O (a2a_bytes_per_token counts those four, all layers, fwd+bwd):
+  a2a_bytes_per_token (S/d) (d-1)/d bytes, a factor d less per token than the ring's hops. It is
+  paid without overlap:  T_cm = a2a_bytes_per_token / v_a2a (S/d) (d-1)/d + lat (d-1).
 
 Two optional terms describe what a given machine and executor really run (both off by default,
 which is the paper's model above):
@@ -36,7 +48,9 @@ which is the paper's model above):
 - `padded_attention`: how attention treats the padded stream. True (XLA:CPU, the fitted CPU
   profiles): every (query, key) pair of each ring block is evaluated under a mask (zigzag chunks are
   almost never wholly masked), so A = a1 P^2 whatever the packing and eta. False (the accelerator
-  presets: fused attention kernels skip masked tiles): A stays the real samples' attention.
+  presets: fused attention kernels skip masked tiles): A stays the real samples' attention. The
+  tiled ring skips the tile pairs with no allowed pair (other samples, the causal future, padding),
+  so on CPU A = a1 P^2 is an upper bound of its attention work.
 - `comm_overlap`: whether ring traffic runs alongside the attention blocks (True: a DMA engine or
   NIC moves K/V while the cores compute). Fake CPU devices copy with the same cores that compute,
   so nothing overlaps: T = (A + B)/p + b1 + T_cm.
@@ -55,9 +69,11 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_lengths
-from dhp_jax.planner import presets
+from dhp_jax.planner import memory as engine_memory, presets
+from dhp_jax.planner.plan import attention_split
 
 COST_SCHEMA = "dhp.cost/v1"
+DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (PAPER.md: 8 x 8)
 
 
 def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -95,7 +111,9 @@ class CostModel:
     lat_intra / lat_inter: s per ring step (all layers), b2 = lat (d-1).
     mem_per_token: activation bytes per token kept on a rank (checkpoints + one layer's working set).
     memory_budget: bytes per rank available for activations (HBM minus model states and reserve).
-    grad_bytes: gradient bytes all-reduced once per step.
+    grad_bytes: bytes of one all-reduce that costs what the step's state collectives cost (the
+        engine reduce-scatters fp32 gradients, 4P, and all-gathers params in the compute dtype, cb P;
+        each moves (r-1)/r of its bytes, an all-reduce 2 (r-1)/r: grad_bytes = (4 + cb) P / 2).
     compute_lanes: ranks whose work runs in parallel (None: all; fake CPU devices: physical cores);
         compute is split min(d, lanes) ways; the ranks' fixed work b1 and ring latency lat (d-1) are
         multiplied by d / min(d, lanes).
@@ -104,6 +122,14 @@ class CostModel:
     bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
         that replace the ladder for their degrees; the planner then uses only these degrees.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
+    The engine's memory choices (dhp_jax.planner.memory; `preset` derives mem_per_token and
+    memory_budget from them, so change them through `preset(...)`):
+    param_count: parameters P of the model (0: unknown, static bytes are then 0).
+    compute_bytes: bytes per element of the groups' compute dtype (2 bf16, 4 fp32).
+    state_shards: ranks the fp32 master params, Adam moments and gradient accumulator are sharded over.
+    remat: recompute policy of the blocks ("none", "layer", "selective"); sets the recompute passes.
+    usable_bytes: device bytes the engine may use (HBM x the usable fraction; 0: unknown).
+    fixed_bytes: token-independent temporaries of a group program (one loss chunk's logits).
     """
 
     a1: float
@@ -131,6 +157,12 @@ class CostModel:
     comm_overlap: bool = True
     padded_attention: bool = True
     bucket_menu: tuple = ()
+    param_count: float = 0.0
+    compute_bytes: int = 4
+    state_shards: int = 1
+    remat: str = "none"
+    usable_bytes: float = 0.0
+    fixed_bytes: float = 0.0
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -156,17 +188,26 @@ class CostModel:
             if deg < 1 or list(bs) != sorted(bs) or any(b < 1 or b % (2 * deg) for b in bs):
                 raise ValueError(f"CostModel.bucket_menu: degree {deg} needs ascending buckets that are multiples "
                                  f"of 2*degree, got {list(bs)}")
+        for name in ("compute_bytes", "state_shards"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"CostModel.{name} must be a positive integer, got {v!r}")
+        if self.remat not in engine_memory.REMATS:
+            raise ValueError(f"CostModel.remat must be one of {engine_memory.REMATS}, got {self.remat!r}")
         if self.bucket_min and not self.bucket_growth > 1.0:
             raise ValueError(f"CostModel.bucket_growth must be > 1 when bucket_min is set, got {self.bucket_growth}")
 
     # ------------------------------------------------------------------ presets
     @classmethod
     def preset(cls, model: str, hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
+               state_shards: int | None = None, compute_dtype: str | None = None, remat: str = "layer",
                zero_shards: int | None = None, **overrides: Any) -> "CostModel":
-        """Coefficients derived from FLOPs and bytes of `model` on `hardware` (see presets.py).
-
-        Assumes full per-layer recomputation, ZeRO-3 sharding of model states over `zero_shards`
-        ranks (default: one node), bf16 activations (fp32 on "cpu"). `overrides` replace fields.
+        """Coefficients derived from FLOPs and bytes of `model` on `hardware` (see presets.py) for
+        this engine (see memory.py): fp32 master params + Adam state sharded over `state_shards`
+        ranks (default 64, the paper's 8 x 8 cluster: the engine shards the state over every
+        rank of the run, so pass the run's rank count; `zero_shards` is the old name), groups computing in
+        `compute_dtype` (default bfloat16, float32 on "cpu"), blocks recomputed per `remat`.
+        `overrides` replace fields.
         """
         key_m, key_h = str(model).lower(), str(hardware).lower()
         if key_m not in presets.MODELS:
@@ -174,11 +215,16 @@ class CostModel:
         if key_h not in presets.HARDWARE:
             raise ValueError(f"unknown hardware {hardware!r}; known hardware: {', '.join(presets.HARDWARE)}")
         m, hw = presets.MODELS[key_m], presets.HARDWARE[key_h]
-        el = hw.bytes_per_element
-        passes = presets.RECOMPUTE_PASSES
+        dtype = compute_dtype or ("float32" if hw.bytes_per_element == 4 else "bfloat16")
+        if dtype not in engine_memory.COMPUTE_BYTES:
+            raise ValueError(f"compute_dtype must be one of {sorted(engine_memory.COMPUTE_BYTES)}, got {dtype!r}")
+        if remat not in engine_memory.REMATS:
+            raise ValueError(f"remat must be one of {engine_memory.REMATS}, got {remat!r}")
+        el = engine_memory.COMPUTE_BYTES[dtype]
+        attn_passes, passes = engine_memory.REMAT_PASSES[remat]
         # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
         # attention touches L^2/2 pairs.
-        a1 = passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
+        a1 = attn_passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
         a2 = passes * 2.0 * (m.layers * m.llm_layer_params + m.vocab * m.hidden) / (hw.peak_flops * hw.mfu_linear)
         vit_fwd = m.patches_per_token * m.vision_layers * (
             2.0 * m.vision_layer_params + 4.0 * m.vision_hidden * m.frame_patches)
@@ -189,28 +235,55 @@ class CostModel:
         b1 = m.layers * passes * 100e-6
         kv_bytes = passes * m.layers * 2 * m.kv_heads * m.head_dim * el
         a2a_bytes = passes * m.layers * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
-        working = 2 * (4 * m.hidden + 2 * m.heads * m.head_dim + 2 * m.kv_heads * m.head_dim + 3 * m.intermediate)
-        mem_per_token = el * (m.layers * m.hidden + working)
-        shards = ranks_per_node if zero_shards is None else zero_shards
-        states = presets.OPTIMIZER_BYTES_PER_PARAM * m.params / shards + 2 * 2 * m.llm_layer_params * el
-        budget = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION - states
+        shards = int(state_shards or zero_shards or DEFAULT_STATE_SHARDS)
+        params = float(engine_memory.engine_params(m))
+        usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
+        # + the tiled ring's constant tile workspace (presets.py documents it); its per-token state is
+        # part of activation_bytes_per_token
+        fixed = engine_memory.fixed_bytes(m, el) + presets.attention_workspace_bytes(m)
+        static = engine_memory.program_static_bytes(params, el) + fixed + engine_memory.state_bytes(params, shards)
+        budget = usable - static
         if budget <= 0:
-            raise ValueError(f"{model} does not fit on {hardware} with ZeRO-3 over {shards} ranks "
-                             f"(model states need {states / 2**30:.1f} GiB per rank)")
+            raise ValueError(f"{model} does not fit on {hardware} with its state sharded over {shards} ranks "
+                             f"(static bytes {static / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable per rank)")
         fields = dict(
             a1=a1, a2=a2, a2_vision=a2_vision, b1=b1, kv_bytes_per_token=float(kv_bytes),
             a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
-            lat_inter=m.layers * passes * hw.lat_inter, mem_per_token=float(mem_per_token),
+            lat_inter=m.layers * passes * hw.lat_inter,
+            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, el)),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
-            grad_bytes=float(2 * m.params), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
-            compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap,
-            bucket_min=MIN_BUCKET, bucket_growth=GROWTH, padded_attention=hw.padded_attention)
+            grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
+            compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
+            compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
+            fixed_bytes=float(fixed), bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
+            padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
         fields.update(overrides)
         return cls(**fields)
+
+    # ------------------------------------------------------------------ memory of the engine
+    @property
+    def state_bytes(self) -> float:
+        """Bytes per rank of the sharded fp32 state (outside the group program)."""
+        return engine_memory.state_bytes(self.param_count, self.state_shards)
+
+    @property
+    def program_static_bytes(self) -> float:
+        """Token-independent bytes of a group program (params in, gradient row out, fixed temps)."""
+        return engine_memory.program_static_bytes(self.param_count, self.compute_bytes) + self.fixed_bytes
+
+    @property
+    def static_bytes(self) -> float:
+        """Every byte per rank that does not depend on the tokens: program static + state shard."""
+        return self.program_static_bytes + self.state_bytes
+
+    def program_bytes(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
+        """Bytes per device of the group program holding these sequences: what XLA's
+        `memory_analysis()` of the compiled program reports (arguments + outputs + temp - aliases)."""
+        return self.program_static_bytes + self.memory(lengths, degree)
 
     # ------------------------------------------------------------------ the model
     def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
@@ -223,15 +296,26 @@ class CostModel:
         return attn, lin, L
 
     def comm_per_token(self, inter_node: bool | np.ndarray, attention: str = "ring") -> np.ndarray | float:
-        """Seconds of traffic per stream token per unit of (d-1)/d."""
+        """Seconds per token one rank puts on the wire (K/V for "ring", Q/K/V/O for "ulysses")."""
         if attention == "ring":
             return self.kv_bytes_per_token / np.where(inter_node, self.bw_inter, self.bw_intra)
         a2a_bw = self.a2a_bw_intra if self.a2a_bw_intra > 0 else self.bw_intra
         return self.a2a_bytes_per_token / np.where(inter_node, self.bw_inter, a2a_bw)
 
+    def sent_tokens(self, tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray:
+        """Tokens' worth of traffic one rank sends for a stream of `tokens` on `degree` ranks (see the
+        module docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses (`traffic` counts them)."""
+        if attention not in ("ring", "ulysses"):
+            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
+        ring_tok, a2a_tok, _, _ = self.traffic(tokens, degree, attention)
+        return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
+
     def group_times(self, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
-                    attention: str = "ring") -> np.ndarray:
-        """Vectorised T for groups with summed terms A, B, S at `degree` (all broadcast together)."""
+                    attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
+        """Vectorised T for groups with summed terms A, B, S at `degree` (all broadcast together).
+
+        `attention` is a group's kind; the family "hybrid" with `ulysses` = u prices Ulysses over u
+        ranks times a ring over degree/u for groups of varying degree (e.g. every degree at once)."""
         A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
         d = np.asarray(degree, dtype=np.float64)
         inter = d > self.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
@@ -243,16 +327,49 @@ class CostModel:
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
-        comm = self.comm_per_token(inter, attention) * S * (d - 1.0) / d + lat * (d - 1.0) * (d / p)
-        if attention == "ring" and not self.comm_overlap:
-            excess = comm
-        elif attention == "ring":
-            excess = np.maximum(comm - A / p, 0.0)
-        elif attention == "ulysses":
-            excess = comm
+        ring_tok, a2a_tok, msgs, u = self.traffic(S, d, attention, ulysses)
+        ring = 0.0 if attention == "ulysses" else self.comm_per_token(inter, "ring") * ring_tok
+        # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
+        a2a_inter = inter if attention in ("ring", "ulysses") else u > self.ranks_per_node
+        a2a = 0.0 if attention == "ring" else self.comm_per_token(a2a_inter, "ulysses") * a2a_tok
+        lat_s = lat * msgs * (d / p)
+        # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
+        # all-to-alls sit between attention and the layers around it and never do
+        hidden = ring + (lat_s if attention == "ring" else 0.0)
+        exposed = a2a + (0.0 if attention == "ring" else lat_s)
+        if self.comm_overlap:
+            hidden = np.maximum(hidden - A / p, 0.0)
+        return (A + B) / p + self.b1 * (d / p) + exposed + hidden
+
+    def traffic(self, S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
+                ) -> tuple[Any, Any, Any, Any]:
+        """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
+        and at the all-to-all's per-token Q/K/V/O size, and how many messages in sequence:
+
+        ring:           S (d-1)/d ring tokens,              d-1 messages
+        ulysses:        (S/d) (d-1)/d all-to-all tokens,    d-1 messages
+        hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
+                        tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
+                        keeps 1/u of the heads), (u-1) + (r-1) messages.
+        The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
+        per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
+        the family "hybrid" takes u from `ulysses` and r = d / u per group."""
+        S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
+        if attention == "ring":
+            return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
+        if attention == "ulysses":
+            return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
+        if attention == "hybrid":
+            if ulysses is None or int(ulysses) < 1 or np.any(d % int(ulysses)):
+                raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
+            u = float(ulysses)
         else:
-            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
-        return (A + B) / p + self.b1 * (d / p) + excess
+            degrees = np.unique(d).astype(int).tolist()
+            if len(degrees) != 1:
+                raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
+            u = float(attention_split(attention, degrees[0])[0])
+        r = d / u
+        return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.full(np.shape(d), u)
 
     def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
                   ) -> np.ndarray:
@@ -358,7 +475,8 @@ class CostModel:
             kw["bucket_menu"] = tuple((int(deg), tuple(int(b) for b in bs)) for deg, bs in kw["bucket_menu"])
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
-                                                                                  "compute_lanes", "bucket_min"):
+                                                                                  "compute_lanes", "bucket_min", "compute_bytes",
+                                                                                  "state_shards"):
                 kw[k] = float(v)
         return cls(**kw)
 

@@ -1,5 +1,7 @@
-"""The "dhp" strategy: micro-batch count search -> memory-aware packing -> exact degree allocation
--> refinement -> node-aware placement, with the shared-lanes fallback on fake CPU devices.
+"""The "dhp" strategy: micro-batch count search (candidate splits per count, `microbatch.py`, ranked
+by a step-time bound; then local moves of sequences between micro-batches) -> memory-aware packing
+-> exact degree allocation -> refinement -> node-aware placement, with the shared-lanes fallback on
+fake CPU devices.
 Deterministic: no wall-clock limits.
 """
 
@@ -15,6 +17,7 @@ from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place, spans_nodes
+from dhp_jax.planner.pricing import attention_for, best_kinds
 from dhp_jax.planner.plan import PlanningError, PlanValidationError
 from dhp_jax.planner.problem import Problem
 from dhp_jax.planner.programs import ProgramCache
@@ -26,6 +29,9 @@ _MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep th
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
+_MOVES = 2  # local moves tried between micro-batches once the split is chosen
+_ALONE_TOP = 32  # sequences whose time alone enters the split bound (the rest: their work / N + b1)
+_SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could win by this fraction
 
 def coarsen_factors(num_ranks: int) -> list[float]:
     """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks."""
@@ -136,12 +142,13 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     return best
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
-              node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None
-              ) -> tuple[list, dict[str, Any]]:
+              node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None,
+              attention: str = "ring") -> tuple[list, dict[str, Any]]:
     """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
     micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
     and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
-    and keep the one with the least placed step time."""
+    and keep the one with the least placed step time. `attention` ("ring" or "best", plan_batch's
+    mode) names the kinds whose programs `programs` prices."""
     N, cost = prob.num_ranks, prob.cost
     if isinstance(degrees, str) and degrees == "any" and cost.bucket_menu and cost.bucket_min:
         degrees = [d for d, _ in cost.bucket_menu]  # a menu of programs bounds the degrees too
@@ -170,25 +177,21 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     all_f = coarsen_factors(N)
     factors = None  # the first count tries every granularity; later ones its winners' neighbours
     total_work = float(prob.work.sum())
+    alone = alone_times(prob, allowed)
     for M in counts:
         # M micro-batches take at least total work / N + M b1; stop once that cannot win enough
         if best is not None and total_work / N + M * cost.b1 >= best[0] * (1 - _MB_MIN_GAIN):
             break
-        parts = microbatch.split(prob.work, M)
-        sols = []
-        for idx in parts:
-            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
-            if s is None:
-                break
-            sols.append(s)
-        if len(sols) < len(parts):
+        got = _solve_split(prob, M, allowed, packing, factors, alone,
+                           np.inf if best is None else best[0] * (1 - _MB_MIN_GAIN))
+        if got is None:
             if best is not None:
                 stale += 1
                 if stale >= _MB_PATIENCE:
                     break
             continue
         tries += 1
-        total = sum(s[2] for s in sols)
+        total, sols = got
         won = sorted({all_f.index(s[3]) for s in sols if s[3] in all_f})
         near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
         factors = [all_f[j] for j in near] + [all_f[-1]]
@@ -209,8 +212,10 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     finalists = feasible[:_FINALISTS] + ([fewest] if fewest not in feasible[:_FINALISTS] else [])
     chosen = None
     for total, M, sols in finalists:
+        if num_micro_batches is None:
+            sols = move_sequences(prob, sols, allowed, packing, factors)
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
-        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs)
+        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs, attention)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
@@ -219,6 +224,96 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     if cost.compute_lanes is not None and num_micro_batches is None and packing:
         mbs, info = _shared_lanes_fallback(prob, allowed, mbs, info)
     return mbs, info
+
+
+def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
+    """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
+    alone on any allowed degree it fits for the _ALONE_TOP heaviest, work / N + b1 for the rest (no
+    group is faster than its work spread over all N ranks, and only heavy sequences make the bound)."""
+    ds = allowed.astype(np.float64)
+    out = prob.work / prob.num_ranks + prob.cost.b1
+    top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
+    t = prob.cost.group_times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None], ds[None, :])
+    out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
+    return out
+
+
+def split_bound(prob: Problem, parts: Sequence[np.ndarray], alone: np.ndarray) -> float:
+    """A lower bound on the summed makespans of a split: each micro-batch takes at least its work
+    spread over all N ranks plus b1, and at least its slowest sequence alone."""
+    N, b1 = prob.num_ranks, prob.cost.b1
+    return sum(max(float(prob.work[p].sum()) / N + b1, float(alone[p].max())) for p in parts)
+
+
+def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, factors: Sequence[float] | None,
+                 alone: np.ndarray, cutoff: float = np.inf) -> tuple[float, list] | None:
+    """The best candidate split for M micro-batches (`microbatch.candidates`), each micro-batch solved
+    (packed, allocated; not yet refined); candidates are solved in order of `split_bound` until the
+    next bound cannot win by more than _SPLIT_MARGIN, and never when the bound reaches `cutoff` (what
+    another count already achieved). None when no candidate fits or none can beat the cutoff."""
+    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap)
+    if not cands:
+        return None
+    ranked = sorted(((split_bound(prob, parts, alone), i, parts) for i, (_, parts) in enumerate(cands)),
+                    key=lambda c: (c[0], c[1]))
+    best = None
+    for bound, _, parts in ranked:
+        if bound >= cutoff or (best is not None and bound >= best[0] * (1 - _SPLIT_MARGIN)):
+            break
+        sols = []
+        for idx in parts:
+            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
+            if s is None:
+                break
+            sols.append(s)
+        if len(sols) < len(parts):
+            continue
+        total = sum(s[2] for s in sols)
+        if best is None or total < best[0]:
+            best = (total, sols)
+    return best
+
+
+def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool,
+                   factors: Sequence[float] | None) -> list:
+    """Local moves between solved micro-batches, scored by the estimated step time: the micro-batch
+    furthest above its work bound (makespan - work / N - b1) hands its heaviest, then its lightest,
+    sequence to the one least above its bound that has memory room; both are solved again and the
+    move is kept when their makespans sum lower. At most _MOVES tries (deterministic order)."""
+    N, b1, room = prob.num_ranks, prob.cost.b1, prob.num_ranks * prob.cap
+    parts = [np.asarray(sorted(k for g in s[0] for k in g), dtype=np.int64) for s in sols]
+    sols = list(sols)
+    tries = 0
+    while tries < _MOVES and len(sols) > 1:
+        excess = [s[2] - float(prob.work[p].sum()) / N - b1 for s, p in zip(sols, parts)]
+        src = int(np.argmax(excess))
+        dsts = [m for m in np.argsort(excess, kind="stable").tolist()
+                if m != src and float(prob.tok[parts[m]].sum()) < room]
+        if not dsts:
+            return sols
+        dst = dsts[0]
+        free = room - float(prob.tok[parts[dst]].sum())
+        movable = parts[src][prob.tok[parts[src]] <= free]
+        if movable.size == 0 or parts[src].size == 1:
+            return sols
+        w = prob.work[movable]
+        moved = False
+        for k in dict.fromkeys((int(movable[np.argmax(w)]), int(movable[np.argmin(w)]))):
+            tries += 1
+            a = parts[src][parts[src] != k]
+            b = np.sort(np.append(parts[dst], k))
+            sa = solve_microbatch(prob, a, allowed, packing, False, factors)
+            sb = solve_microbatch(prob, b, allowed, packing, False, factors)
+            if sa is not None and sb is not None and sa[2] + sb[2] < (sols[src][2] + sols[dst][2]) * (1 - 1e-9):
+                parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
+                moved = True
+                break
+            if tries >= _MOVES:
+                break
+        if not moved:
+            return sols
+    return sols
+
 
 def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: dict[str, Any]
                            ) -> tuple[list, dict[str, Any]]:
@@ -251,12 +346,18 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
     return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
                      "shared_lanes_uniform_degree": best[2]}
 
-def _compile_price(prob: Problem, done: list, programs: ProgramCache | None) -> float:
-    """Seconds a candidate pays for the programs it needs that no earlier plan needed."""
+
+def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring") -> float:
+    """Seconds a candidate pays for the programs (degree, padded tokens, attention kind) it needs
+    that no earlier plan needed; the kinds are those `build_plan` will give its groups."""
     if programs is None or not programs.compile_s:
         return 0.0
-    keys = [(len(r), int(p), ()) for groups, ranks, _ in done for g, r in zip(groups, ranks)
-            for p in padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost).reshape(1)]
+    groups = [(tuple(r), g) for gs, ranks, _ in done for g, r in zip(gs, ranks)]
+    terms = (prob.attn, prob.lin, prob.tok)
+    kinds = best_kinds(prob.cost, groups, terms) if attention == "best" else \
+        [attention_for(len(r), prob.cost, attention) for r, _ in groups]
+    keys = [(len(r), int(padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost)), (), kind)
+            for (r, g), kind in zip(groups, kinds)]
     return programs.compile_s * len(programs.new_programs(keys))
 
 

@@ -1,4 +1,14 @@
-"""Split a global batch into micro-batches of balanced work (longest first onto the lightest)."""
+"""Split a global batch into micro-batches: candidate splits per count, checked for memory as they
+are cut, ranked by a cheap step-time bound.
+
+Three candidates for a count M:
+- "length": sequences sorted longest first and cut into M consecutive runs of about equal tokens, so
+  the longest sequences share micro-batches (their groups run side by side instead of each long
+  sequence stretching its own micro-batch), as FlexSP cuts its global batch;
+- "work": compute balanced (longest first onto the lightest part, then a snake deal);
+- "mixed": length-sorted runs cut at equal shares of tokens plus work (half each).
+Memory is checked while cutting: a run closes before its tokens exceed what the N ranks hold. Everything is deterministic: ties are broken by position.
+"""
 
 from __future__ import annotations
 
@@ -44,3 +54,61 @@ def split(work: np.ndarray, num_micro_batches: int) -> list[np.ndarray]:
         lane = np.where(rnd % 2 == 0, off, M - 1 - off)
         owner[rest] = np.asarray(by_load)[lane]
     return [np.flatnonzero(owner == m) for m in range(M) if np.any(owner == m)]
+
+
+def by_length(share: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num_ranks: int,
+              max_tokens_per_rank: float) -> list[np.ndarray] | None:
+    """Longest first, cut into `num_micro_batches` consecutive runs of about equal `share` each;
+    a run also closes before its tokens exceed what `num_ranks` ranks hold. None when the last run
+    does not fit (this count is too small for this cut)."""
+    K = len(tokens)
+    M = max(1, min(num_micro_batches, K))
+    order = np.lexsort((np.arange(K), -tokens))
+    sh = share[order].astype(np.float64)
+    target = np.cumsum(sh) - sh / 2  # a sequence goes to the run its midpoint falls in
+    run = np.minimum((target * M // max(float(sh.sum()), 1e-300)).astype(np.int64), M - 1)
+    # memory while cutting: a run closes before its tokens exceed what all N ranks hold at once (one
+    # group on every rank holds exactly that much, so every run that passes has a feasible plan)
+    room = num_ranks * max_tokens_per_rank
+    csum = np.concatenate(([0.0], np.cumsum(tokens[order].astype(np.float64))))
+    parts: list[np.ndarray] = []
+    start = 0
+    for m in range(M):
+        end = int(np.searchsorted(run, m, side="right")) if m < M - 1 else K
+        end = max(end, start + 1) if start < K else start
+        fits = int(np.searchsorted(csum, csum[start] + room * (1 + 1e-12), side="right")) - 1
+        if fits < end:
+            if m == M - 1 or fits <= start:
+                return None
+            end = fits
+        if end > start:
+            parts.append(np.sort(order[start:end]))
+        start = end
+    if start < K:
+        return None
+    return parts
+
+
+def candidates(work: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num_ranks: int,
+               max_tokens_per_rank: float) -> list[tuple[str, list[np.ndarray]]]:
+    """The candidate splits for one count (see the module docstring), those whose cut fits; a split
+    equal to an earlier one (as every split of one micro-batch is) is left out."""
+    out: list[tuple[str, list[np.ndarray]]] = []
+    seen: set[bytes] = set()
+    tok_share = tokens / max(float(tokens.sum()), 1e-300)
+    work_share = work / max(float(work.sum()), 1e-300)
+    for name in ("length", "mixed", "work"):
+        if name == "work":
+            parts = split(work, num_micro_batches)
+            if any(float(tokens[p].sum()) > num_ranks * max_tokens_per_rank for p in parts):
+                continue
+        else:
+            share = tokens if name == "length" else tok_share + work_share
+            parts = by_length(share, tokens, num_micro_batches, num_ranks, max_tokens_per_rank)
+            if parts is None:
+                continue
+        key = b"|".join(p.tobytes() for p in sorted(parts, key=lambda q: int(q[0])))
+        if key not in seen:
+            seen.add(key)
+            out.append((name, parts))
+    return out

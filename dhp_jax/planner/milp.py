@@ -1,4 +1,4 @@
-"""MILP planners: "milp" (any degree, exact reference for small instances) and "flexsp".
+"""The "milp" planner: an exact reference over any degrees, for small instances.
 
 One micro-batch as a mixed-integer programme (HiGHS through scipy.optimize.milp):
 slot g takes degree d (y[g,d] binary, at most one), sequence k goes to one slot (x[k,g] binary),
@@ -6,19 +6,20 @@ a used slot holds at most d * (tokens per rank), the degrees sum to at most N, a
 of every slot. Given its degree a slot's time is linear in x:
     T >= sum_k x_kg (A_k + B_k) / d + b1 + e_g            (big-M, active when y[g,d] = 1)
     e_g >= sum_k x_kg (c_d S_k (d-1)/d - A_k / d) + lat_d (d-1),   e_g >= 0
-which is exactly `CostModel.group_times` (ring; Ulysses drops the -A_k/d overlap). Sequence k may
-only use slots g <= k and used slots come first (symmetry breaking). The only wall-clock limit of
-the planner lives here; the result records whether optimality was proven.
+Sequence k may only use slots g <= k and used slots come first (symmetry breaking).
 
-"flexsp" follows FlexSP (ASPLOS'25): power-of-two groups, all-to-all attention where the head count
-allows it (ring otherwise, so models with 28 heads stay feasible), chosen by the same kind of MILP
-over the packed bins of each micro-batch, with FlexSP's 10 s default limit; the exact power-of-two
-allocation of the same bins is its warm start and fallback.
+What it leaves out of `CostModel.group_times`, so its makespan can differ from the plan's estimate:
+- the link class: a slot is priced inter-node exactly when d > ranks_per_node (placement comes after);
+- the shared-lanes scaling of `compute_lanes` (compute, b1 and latency over min(d, lanes) cores, and the
+  machine-wide cap of `CostModel.makespans`);
+- padding to the executor's buckets (`bucket_min`);
+- `comm_overlap=False`: the -A_k/d overlap term is always there.
+The plan is priced exactly afterwards by `build_plan`. Its only limit is wall-clock (`time_limit_s`);
+the result records whether optimality was proven. The "flexsp" baseline lives in flexsp.py.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -26,20 +27,19 @@ from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from dhp_jax.planner import microbatch
-from dhp_jax.planner.allocate import allocate, allowed_degrees
-from dhp_jax.planner.build import attention_for
-from dhp_jax.planner.packing import bin_sums, bins_of, pack
+from dhp_jax.planner.allocate import allowed_degrees
+from dhp_jax.planner.pricing import attention_for
 from dhp_jax.planner.placement import place
 from dhp_jax.planner.plan import PlanningError
 
 MAX_MILP_SEQUENCES = 64  # per micro-batch; beyond this "milp" refuses (it is a reference solver)
 MAX_MILP_RANKS = 64
-FLEXSP_TIME_LIMIT_S = 10.0
 MIP_REL_GAP = 1e-6  # "optimal" means proven within this relative gap
 
 
 def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int, cost: Any, ds: np.ndarray,
-                     attention: str, time_limit_s: float | None) -> tuple[list[list[int]], list[int], float, bool] | None:
+                     attention: str, time_limit_s: float | None, node_limit: int | None = None
+                     ) -> tuple[list[list[int]], list[int], float, bool] | None:
     """Slots (item positions), their degrees, makespan and proven-optimal flag; None if no solution."""
     K = len(A)
     order = np.lexsort((np.arange(K), -(A + B)))  # heaviest first, for the symmetry breaking
@@ -82,7 +82,7 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
         kind = attention_for(d, cost, attention)
         c = float(cost.comm_per_token(inter, kind))
         lat = (cost.lat_inter if inter else cost.lat_intra) * (d - 1)
-        coef = c * S * (d - 1) / d - (A / d if kind == "ring" else 0.0)
+        coef = c * cost.sent_tokens(S, d, kind) - (A / d if kind == "ring" else 0.0)
         m2 = float(np.maximum(coef, 0).sum()) + lat
         excess_max = max(excess_max, m2)
         ex_rows.append((j, d, coef, lat, m2))
@@ -121,6 +121,8 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     opts = {"disp": False, "mip_rel_gap": MIP_REL_GAP}
     if time_limit_s is not None:
         opts["time_limit"] = float(time_limit_s)
+    if node_limit is not None:        # a work limit: the same answer on any machine, at any load
+        opts["node_limit"] = int(node_limit)
     res = milp(cobj, constraints=LinearConstraint(Amat, lo, hi), integrality=integrality,
                bounds=Bounds(lb, ub), options=opts)
     if res.x is None:
@@ -138,15 +140,10 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     return slots, degs, float(x[iT]), res.status == 0
 
 
-def _split(prob: Any, num_micro_batches: int | None) -> list[np.ndarray]:
-    lo = microbatch.min_micro_batches(prob.tok, prob.num_ranks, prob.cap)
-    M = lo if num_micro_batches is None else int(num_micro_batches)
-    return microbatch.split(prob.work, M)
-
-
 def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_aware: bool,
-               time_limit_s: float | None) -> tuple[list, dict[str, Any]]:
-    """Any-degree exact MILP per micro-batch (the memory-minimal count unless one is given)."""
+               time_limit_s: float | None, node_limit: int | None = None) -> tuple[list, dict[str, Any]]:
+    """Any-degree exact MILP per micro-batch (the memory-minimal count unless one is given), within
+    `time_limit_s` seconds and `node_limit` branch-and-bound nodes per micro-batch (None: none)."""
     N, cost = prob.num_ranks, prob.cost
     if N > MAX_MILP_RANKS:
         raise PlanningError(f"milp is an exact reference for small instances: {N} ranks > {MAX_MILP_RANKS}")
@@ -159,10 +156,11 @@ def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_awar
                                 f"{max(len(p) for p in parts)} sequences > {MAX_MILP_SEQUENCES}")
         mbs, optimal, spans = [], True, []
         for idx in parts:
-            sol = _milp_microbatch(prob.attn[idx], prob.lin[idx], prob.tok[idx], N, cost, ds, "ring", time_limit_s)
+            sol = _milp_microbatch(prob.attn[idx], prob.lin[idx], prob.tok[idx], N, cost, ds, "ring", time_limit_s,
+                                   node_limit)
             if sol is None:
                 raise PlanningError(f"milp found no plan for a micro-batch of {len(idx)} sequences"
-                                    f" within {time_limit_s} s")
+                                    f" within {time_limit_s} s and {node_limit} nodes")
             if sol == "infeasible":
                 break
             slots, degs, mk, opt = sol
@@ -177,49 +175,3 @@ def solve_milp(prob: Any, num_micro_batches: int | None, degrees: Any, node_awar
         M += 1
     return mbs, {"optimal": bool(optimal), "mip_rel_gap": MIP_REL_GAP, "num_micro_batches": len(parts),
                  "milp_makespans_s": spans}
-
-
-def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None) -> tuple[list, dict[str, Any]]:
-    """Power-of-two groups per micro-batch, chosen by a MILP over packed bins (FlexSP-style)."""
-    N, cost = prob.num_ranks, prob.cost
-    limit = FLEXSP_TIME_LIMIT_S if time_limit_s is None else time_limit_s
-    ds = allowed_degrees(N, "pow2")
-    too_big = np.flatnonzero(prob.dmin > ds.max())
-    if too_big.size:
-        k = int(too_big[0])
-        raise PlanningError(f"flexsp: sample {k} ({int(prob.lengths[k])} tokens) needs {int(prob.dmin[k])} ranks, "
-                            f"more than the largest power of two {int(ds.max())} <= {N}")
-    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
-    t0 = time.perf_counter()
-    M = lo if num_micro_batches is None else int(num_micro_batches)
-    while True:
-        parts = microbatch.split(prob.work, M)
-        mbs, optimal, used_milp, ok = [], True, 0, True
-        for idx in parts:
-            bins = bins_of(pack(prob.work[idx], prob.tok[idx], prob.dmin[idx], N, prob.cap), idx)
-            A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
-            warm = allocate(A, B, S, cost.min_degree(S), N, cost, ds, "ring") if len(bins) <= N else None
-            sol = None
-            if len(bins) <= MAX_MILP_SEQUENCES and N <= 4 * MAX_MILP_RANKS:
-                sol = _milp_microbatch(A, B, S, N, cost, ds, "auto", limit)
-            if sol == "infeasible":
-                sol = None
-            if sol is not None and (warm is None or sol[2] <= warm[1]):
-                slots, degs, _, opt = sol
-                groups = [[k for i in s for k in bins[i]] for s in slots]
-                optimal &= opt
-                used_milp += 1
-            elif warm is not None:
-                groups, degs, optimal = bins, [int(d) for d in warm[0]], False
-            else:
-                ok = False
-                break
-            ranks = place(degs, N, cost.ranks_per_node, True)
-            mbs.append(list(zip(ranks, groups)))
-        if ok:
-            break
-        if num_micro_batches is not None or M >= len(prob.lengths):
-            raise PlanningError(f"flexsp found no power-of-two plan with {M} micro-batches on {N} ranks")
-        M += 1
-    return mbs, {"optimal": bool(optimal), "milp_micro_batches": used_milp, "num_micro_batches": len(parts),
-                 "time_limit_s": limit, "milp_s": round(time.perf_counter() - t0, 3)}

@@ -28,6 +28,9 @@ class ModelShape:
     vision_intermediate: int  # GELU MLP width of the ViT
     patches_per_token: int = 4  # 2x2 patch merge (pixel shuffle) before the LLM, both families
     frame_patches: int = 1024  # ViT attention span: one 448px tile / one frame of about 1k patches
+    vision_heads: int = 16
+    vision_head_dim: int = 64
+    patch_dim: int = 2352      # input features per merged patch: 2x2 x 14x14x3 (InternViT), 2x2 x 16x16x3 x 2 (Qwen)
 
     @property
     def llm_layer_params(self) -> int:
@@ -55,9 +58,10 @@ MODELS: dict[str, ModelShape] = {
     "internvl3-2b": ModelShape(28, 12, 2, 1536, 8960, 128, 151674, 24, 1024, 4096),
     "internvl2.5-4b": ModelShape(36, 16, 8, 2048, 11008, 128, 151674, 24, 1024, 4096),
     "internvl3-8b": ModelShape(28, 28, 4, 3584, 18944, 128, 151674, 24, 1024, 4096),
-    "qwen3-vl-2b": ModelShape(28, 16, 8, 2048, 6144, 128, 151936, 24, 1024, 4096),
-    "qwen3-vl-4b": ModelShape(36, 32, 8, 2560, 9728, 128, 151936, 24, 1024, 4096),
-    "qwen3-vl-8b": ModelShape(36, 32, 8, 4096, 12288, 128, 151936, 27, 1152, 4304),
+    "qwen3-vl-2b": ModelShape(28, 16, 8, 2048, 6144, 128, 151936, 24, 1024, 4096, patch_dim=6144),
+    "qwen3-vl-4b": ModelShape(36, 32, 8, 2560, 9728, 128, 151936, 24, 1024, 4096, patch_dim=6144),
+    "qwen3-vl-8b": ModelShape(36, 32, 8, 4096, 12288, 128, 151936, 27, 1152, 4304, vision_head_dim=72,
+                              patch_dim=6144),
 }
 
 
@@ -105,17 +109,37 @@ HARDWARE: dict[str, Hardware] = {
     "h100": Hardware(989e12, 80 * GIB, 350 * GB, 400 * GB, 50 * GB, 6e-6, 12e-6, 0.45, 0.35,
                      source="NVIDIA H100 SXM datasheet; DGX H100 (8x NDR 400 Gb/s)"),
     # A host CPU "device" (the fake XLA CPU devices of the tests): about 100 GFLOP/s fp32 per device,
-    # a 32 GiB share of host memory, shared-memory copies of a few GB/s, loopback TCP between processes.
+    # host memory (128 GiB: the fp32 engine state of the 8B presets must fit for planning; CPU runs
+    # train the tiny model, so this limit never binds there), shared-memory copies of a few GB/s, loopback TCP between processes.
     # The fake devices of one host share its physical cores: this project's development and CI
     # machines have 2, so at most 2 devices compute at once (compute_lanes=2; override with
     # `CostModel.preset(..., compute_lanes=os.cpu_count())` on a larger host). The "ring hops" are
     # memory copies done by those same cores, so they do not overlap the attention.
-    "cpu": Hardware(100e9, 32 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
+    "cpu": Hardware(100e9, 128 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
                     source="assumed desktop-class CPU core group, fp32; 2 physical cores per host",
                     compute_lanes=2, comm_overlap=False, padded_attention=True),
 }
 
-# Training-recipe assumptions shared by every preset (documented, not tuned):
-RECOMPUTE_PASSES = 4.0  # full per-layer activation recomputation: fwd + recomputed fwd + bwd (2x fwd)
-OPTIMIZER_BYTES_PER_PARAM = 16  # bf16 param + bf16 grad + fp32 master + two fp32 Adam moments
+# Training-recipe assumptions shared by every preset (documented, not tuned); the recompute passes,
+# state bytes and dtypes of the engine are in dhp_jax.planner.memory and are CostModel fields:
 USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, communicator buffers, vision workspace
+
+
+# Ring attention (dhp_jax.sharding.ring, npu_backend.ring): what it holds per rank beyond the
+# per-layer working set above, for the layer being recomputed and differentiated. Linear in the
+# local tokens: no [S_l, S_l] block is ever materialised, only score tiles of a fixed size.
+ATTENTION_TILE = 512  # tokens per tile (dhp_jax.data.tiling.DEFAULT_TILE)
+
+
+def ring_attention_bytes_per_token(m: ModelShape, bytes_per_element: int) -> float:
+    """Bytes per local token that the tiled ring adds: the log-sum-exp kept from the forward pass
+    (fp32 per head), the K/V block in flight (one more K/V copy), the dK/dV accumulators that travel
+    with the blocks (the held one and the one in flight, fp32) and the dQ accumulator (fp32)."""
+    kv = 2 * m.kv_heads * m.head_dim
+    return 4.0 * m.heads + bytes_per_element * kv + 4.0 * 2 * kv + 4.0 * m.heads * m.head_dim
+
+
+def attention_workspace_bytes(m: ModelShape) -> float:
+    """Per-rank constant of the tiled ring: scores, probabilities, dP and dS of one
+    (query tile, key tile) pair, fp32 [heads, tile, tile] each; taken off the activation budget."""
+    return 4.0 * 4 * m.heads * ATTENTION_TILE ** 2

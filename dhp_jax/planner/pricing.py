@@ -15,10 +15,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.kinds import attention_kinds
 from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
+from dhp_jax.planner.plan import attention_split
 
-__all__ = ["attention_for", "kind_times", "plan_group_times", "plan_makespans", "price_groups", "spans_nodes",
+__all__ = ["attention_for", "best_kinds", "kind_times", "plan_group_times", "plan_makespans", "price_groups", "spans_nodes",
            "step_time"]
 
 
@@ -43,6 +45,40 @@ def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
         m = kinds == kind
         out[m] = cost.group_times(A[m], B[m], S[m], d[m], inter[m], kind)
     return out
+
+
+def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
+    """Whether every Ulysses sub-group (u consecutive ranks of the group) sits inside one node."""
+    return all(len({r // ranks_per_node for r in ranks[i:i + ulysses]}) == 1
+               for i in range(0, len(ranks), ulysses))
+
+
+def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
+               terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[str]:
+    """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
+    Ulysses over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and
+    the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node. Ties
+    keep the ring; the choice never prices a group above its ring time."""
+    A, B, S = bin_sums([samples for _, samples in groups], *terms)
+    d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
+    rpn = cost.ranks_per_node
+    inter = np.fromiter((spans_nodes(ranks, rpn) for ranks, _ in groups), dtype=bool, count=len(groups))
+    kinds = ["ring"] * len(groups)
+    times = cost.group_times(A, B, S, d, inter, "ring")
+    for deg in sorted(set(d.tolist()) - {1}):
+        idx = np.flatnonzero(d == deg)
+        for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
+            u = attention_split(kind, deg)[0]
+            # a group inside one node has node-local sub-groups; only spanning groups need a look
+            ok = idx[[not inter[i] or node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
+            if not ok.size:
+                continue
+            t = cost.group_times(A[ok], B[ok], S[ok], deg, inter[ok], kind)
+            better = t < times[ok]
+            for i in ok[better].tolist():
+                kinds[i] = kind
+            times[ok[better]] = t[better]
+    return kinds
 
 
 def price_groups(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],

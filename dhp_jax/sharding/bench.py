@@ -86,7 +86,7 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
         work = ex.prepare(samples, plan)
         t1 = time.perf_counter()
         for w in work:
-            ex.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+            ex.executable(params, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         t2 = time.perf_counter()
         rows = ex.dispatch(ex.flat_params(params), work)
         t3 = time.perf_counter()
@@ -108,8 +108,9 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
     view = ex._views(flat, [devs])[devs]
 
     def static_step():
-        out = exe(view, ints, floats)
-        return ex.reduce([{s.device: s.data for s in out.addressable_shards}])
+        stats, grads = exe(view, ints, floats)
+        rows = {s.device: s.data for s in grads.addressable_shards}
+        return ex.reduce([{s.device: (s.data, rows[s.device]) for s in stats.addressable_shards}])
 
     jax.block_until_ready(static_step())
     ts = []

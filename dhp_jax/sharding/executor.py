@@ -1,23 +1,29 @@
 """`PlanExecutor`: one DHP step (all micro-batches of a `Plan`) as per-group executables.
 
-Data flow of `loss_and_grads(params, samples, plan)`:
+The state is sharded over the full mesh (`dhp_jax.sharding.flat`): master params (fp32) and the
+optimizer state are flat vectors x[P_pad] sharded P("dp"), each rank owning P_pad/N elements.
+Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's path):
 1. Check the plan and lay out every group's samples (`dhp_jax.data.layout.pack_group`) before any
    device work, so bad input fails fast, naming the group or the sample; compile what is missing.
-2. The params (replicated on the full mesh) become one flat float32 vector by one jit on the full
-   mesh. For each group: the sub-mesh over its devices (cached), a view of that vector on the
-   sub-mesh made from the same per-device buffers (no copy), the layout put on the sub-mesh
-   sharded over `cp` as two arrays, and the executable for (degree, bucket, devices). The group
-   program (shard_map + ring attention) returns one row per device: [loss sum, loss-token count,
-   gradient of the loss sum (flat)], a [degree, 2 + P] array sharded over `cp`.
+2. One all-gather (one jit on the full mesh) turns the master shards into the params flat[P_pad]
+   in the compute dtype (bf16 or fp32), replicated. For each group: the sub-mesh over its devices
+   (cached), a view of that vector on the sub-mesh made from the same per-device buffers (no
+   copy), the layout put on the sub-mesh sharded over `cp` as two arrays, and the executable for
+   (degree, bucket, devices). The group program (shard_map + ring attention) returns, per device,
+   stats f32[1, 2] (loss sum, loss-token count) and the gradient of its loss sum grads[1, P_pad]
+   in the compute dtype.
 3. Every group of every micro-batch is dispatched before anything is awaited.
-4. Per micro-batch, the devices' rows (zeros for idle devices) are assembled into one [N, 2 + P]
+4. Per micro-batch, the devices' rows (zeros for idle devices) are assembled into one [N, P_pad]
    array over the full `dp` mesh with `jax.make_array_from_single_device_arrays` (no copy, no host
-   round trip) and added to the previous micro-batches' rows on each device (no communication);
-   at the end one jit sums over devices (the one all-reduce of the step), divides by the total
-   token count and unflattens: loss and grads replicated on the full mesh, grads shaped like params.
+   round trip) and reduce-scattered in fp32 (`psum_scatter` over `dp`) into an fp32[P_pad/N] shard
+   per device, added to the shards of earlier micro-batches (the accumulator is donated): no device
+   keeps a full gradient past its micro-batch. At the end the 2N stats are summed and the shards
+   divided by the token count: the token-weighted mean, each group counted once.
+`loss_and_grads(params, samples, plan)` wraps this for a float32 params tree: shard it, run the
+step, gather the grads back into a replicated tree (the exactness tests' path).
 
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
-device tuple); `num_programs` counts distinct (degree, bucket) programs, `num_compiles` the XLA
+device tuple, attention kind); `num_programs` counts distinct (degree, bucket, attention) programs, `num_compiles` the XLA
 executables built. Multi-process JAX: a process launches the groups that touch its addressable
 devices and contributes only its addressable rows (`_local`); groups may span processes
 (tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
@@ -33,16 +39,22 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
                                   pack_group, planned_bucket)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
-from dhp_jax.model.mllm import apply_model, token_loss_sum
+from dhp_jax.model.mllm import chunked_loss_sum, init_params
+from dhp_jax.planner.kinds import RING, check_attention
 from dhp_jax.planner.plan import Plan, PlanValidationError
-from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, RankLayout
+from dhp_jax.sharding.flat import FlatLayout
+from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
+from dhp_jax.sharding.tiles import DEFAULT_TILE
+from dhp_jax.sharding.ulysses import group_attention_fn
 
 
 @dataclasses.dataclass
@@ -53,11 +65,12 @@ class _GroupWork:
     index: int
     devices: tuple[jax.Device, ...]
     layout: GroupLayout
+    attention: str = RING
 
 
 # Host -> device traffic per group is two arrays: every int column in one int32[S, 8] and the
 # float columns in one float32[S, patch_dim + 1] (pixels, then loss_weights).
-ATTENTION_KINDS = ("ring",)     # the group attention kinds this executor runs (Plan Group.attention)
+COMPUTE_DTYPES = ("float32", "bfloat16")
 INT_COLUMNS = tuple(k for k in ARRAY_NAMES if k not in FLOAT_ARRAYS)
 
 
@@ -68,13 +81,18 @@ def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
-def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array], Any]):
-    """The per-device body: (flat params, ints, floats) -> [1, 2 + P] = (loss sum, count, grads)."""
-    attn = ring_attention_fn(CP_AXIS, degree)
+def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
+                  attn: Callable[..., jax.Array] | None = None):
+    """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
+    (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype).
+
+    `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`)."""
+    attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
 
     def body(flat, ints, floats):
         s_l = ints.shape[0]
         assert ints.shape == (s_l, len(INT_COLUMNS)) and floats.shape == (s_l, config.patch_dim + 1)
+        assert flat.shape == (layout.padded,), flat.shape
         cols = {k: ints[:, i] for i, k in enumerate(INT_COLUMNS)}
         batch = {k: cols[k] for k in MODEL_INPUTS if k in cols}
         batch["vision_mask"] = cols["vision_mask"] > 0
@@ -82,12 +100,12 @@ def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array]
         weights = floats[:, config.patch_dim]
 
         def loss_sum(f):
-            return token_loss_sum(apply_model(config, unravel(f), batch, attn), cols["targets"], weights)
+            return chunked_loss_sum(config, layout.unravel(f), batch, cols["targets"], weights, attn)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
-        # reduction is the one over the full mesh at the end of the step.
+        # reduction is the reduce-scatter over the full mesh after the group program.
         value, grads = jax.value_and_grad(loss_sum)(flat)
-        return jnp.concatenate([value[None], jnp.sum(weights)[None], grads])[None]
+        return jnp.stack([value, jnp.sum(weights)])[None], grads[None]
 
     return body
 
@@ -95,56 +113,62 @@ def group_program(config: MLLMConfig, degree: int, unravel: Callable[[jax.Array]
 class PlanExecutor:
     """Runs a `Plan` on device sub-meshes with ring attention; exact token-mean loss and grads.
 
-    `executor.mesh` is the full 1-D mesh, `executor.replicated` the P() sharding on it (params
-    and returned grads live there), `executor.num_compiles` the group executables built.
-    Internally the parameters travel as one flat fp32 vector (made once per step by one jit on
-    the full mesh), so a group costs O(1) host work whatever the number of parameter leaves.
+    `executor.mesh` is the full 1-D mesh, `executor.replicated` the P() sharding on it and
+    `executor.sharded` the P("dp") sharding of the train state's flat vectors (`executor.layout`).
+    `compute_dtype` is the dtype the groups compute in ("float32": exact; "bfloat16": params cast
+    once per step, fp32 softmax statistics, loss and reductions). `attention_tile` is the ring's
+    largest tile (tokens, `dhp_jax.sharding.tiles`); `attention`, if given, builds the attention
+    function from (axis name, degree) instead of the tiled ring.
     """
 
     def __init__(self, config: MLLMConfig, devices: Sequence[jax.Device] | None = None, *,
-                 min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
-                 compiler_options: Mapping[str, Any] | None = None) -> None:
+                 compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
+                 compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
+                 attention: Callable[[str, int], Callable[..., jax.Array]] | None = None) -> None:
         if not isinstance(config, MLLMConfig):
             raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
+        if compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
         self.config = config
+        self.compute_dtype = jnp.dtype(compute_dtype)
         self.ranks = RankLayout(jax.devices() if devices is None else devices)
         self.mesh = self.ranks.full_mesh
         self.replicated = NamedSharding(self.mesh, P())
-        self._stacked = NamedSharding(self.mesh, P(DP_AXIS))
+        self.sharded = NamedSharding(self.mesh, P(DP_AXIS))
         ladder(1, min_bucket, growth)                 # rejects a bad ladder now, not mid-step
         self.min_bucket, self.growth = min_bucket, growth
+        self.attention_tile, self._attention = positive_int(attention_tile, "attention_tile"), attention
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
             # most of the compile time (about 4x here) and buys little; other backends keep defaults.
             cpu = all(d.platform == "cpu" for d in self.ranks.devices)
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
-        self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
+        abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+        self.layout = FlatLayout.of(abstract, len(self.ranks.devices))
+        self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
         self._building_lock = threading.Lock()
         self.compile_seconds: list[float] = []           # wall time of every executable built
-        self.last_compile_wait_s = 0.0                    # what the last loss_and_grads waited for compiles
-        self._reducers: dict[str, Any] = {}
-        self._zeros: dict[jax.Device, jax.Array] = {}
-        self._struct: Any = None          # (treedef, shapes, dtypes) of the params tree
-        self._unravel: Callable[[jax.Array], Any] | None = None
-        self._num_flat = 0
-        self._flatten = None
+        self.last_compile_wait_s = 0.0                    # what the last step waited for compiles
+        self._jits: dict[str, Any] = {}
+        self._zeros: dict[jax.Device, tuple[jax.Array, jax.Array]] = {}
 
     # ------------------------------------------------------------------ counters
     @property
     def num_compiles(self) -> int:
-        """XLA executables built for groups so far (one per (degree, bucket, devices))."""
+        """XLA executables built for groups so far (one per (degree, bucket, devices, attention))."""
         return len(self._executables)
 
     @property
     def num_programs(self) -> int:
-        """Distinct (degree, bucket) group programs so far."""
-        return len({(d, b) for d, b, _ in self._executables})
+        """Distinct (degree, bucket, attention) group programs so far."""
+        return len({(d, b, a) for d, b, _, a in self._executables})
 
     @property
-    def executable_keys(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        return [(d, b, tuple(x.id for x in devs)) for d, b, devs in list(self._executables)]
+    def executable_keys(self) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """(degree, bucket, device ids, attention kind) of every executable built."""
+        return [(d, b, tuple(x.id for x in devs), a) for d, b, devs, a in self._executables]
 
     # ------------------------------------------------------------------ planning-side work
     def prepare(self, samples: Sequence[Sample], plan: Plan) -> list[_GroupWork]:
@@ -156,10 +180,10 @@ class PlanExecutor:
         self.ranks.check_plan(plan, len(samples))
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
-                if g.attention not in ATTENTION_KINDS:
-                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): attention "
-                                              f"{g.attention!r} cannot run here; this executor runs "
-                                              f"{', '.join(ATTENTION_KINDS)} groups")
+                try:
+                    check_attention(g.attention, g.degree, self.config.num_heads)
+                except ValueError as e:
+                    raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
         work = []
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
@@ -169,43 +193,50 @@ class PlanExecutor:
                                      min_bucket=self.min_bucket, growth=self.growth)
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
-                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay))
+                work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay, g.attention))
         if sum(w.layout.num_loss_tokens for w in work) == 0:
             raise ValueError("the batch has no text token followed by a text token: the loss is undefined")
         return work
 
-    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The executable keys (degree, bucket, device ids) a plan needs, without compiling."""
-        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices))
+    def plan_keys(self, samples: Sequence[Sample], plan: Plan) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """The executable keys (degree, bucket, device ids, attention) a plan needs, without compiling."""
+        return [(w.layout.degree, w.layout.bucket, tuple(d.id for d in w.devices), w.attention)
                 for w in self.prepare(samples, plan)]
 
     def _bind(self, params: Any) -> None:
-        """Fix the params structure on first use; later params must have the same structure."""
-        leaves, treedef = jax.tree.flatten(params)
-        struct = (treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
-        if self._struct is None:
-            bad = [str(x.dtype) for x in leaves if x.dtype != jnp.float32]
-            if bad:
-                raise TypeError(f"PlanExecutor expects float32 params, got dtypes {sorted(set(bad))}")
-            shapes = [tuple(x.shape) for x in leaves]
-            sizes = [int(np.prod(sh)) for sh in shapes]
-            offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+        """Check that a params tree is this model's (tree, shapes, float32 leaves)."""
+        if params is None:
+            return
+        leaves = jax.tree.leaves(params)
+        if not self.layout.matches(params):
+            bad = sorted({str(x.dtype) for x in leaves if x.dtype != jnp.float32})
+            if bad and FlatLayout.of(params, 1).shapes == self.layout.shapes:
+                raise TypeError(f"PlanExecutor expects float32 params (the master weights), got dtypes {bad}")
+            raise ValueError("params do not have the structure (tree, shapes, dtypes) of this executor's "
+                             f"model {self.config.name!r}")
 
-            def unravel(flat):
-                return jax.tree.unflatten(treedef, [flat[int(o):int(o) + n].reshape(sh)
-                                                    for o, n, sh in zip(offsets, sizes, shapes)])
+    def _mesh(self, devices: tuple[jax.Device, ...], attention: str):
+        """(sub-mesh, stream spec) of a group: the `cp` ring mesh, or the 2-D (cp, sp) view of a
+        Ulysses or hybrid group with the stream split over both axes in rank order."""
+        u = check_attention(attention, len(devices), self.config.num_heads)[0]
+        return self.ranks.submesh(devices, u), P(CP_AXIS) if u == 1 else P((CP_AXIS, SP_AXIS))
 
-            self._unravel, self._num_flat, self._struct = unravel, int(offsets[-1]), struct
-            self._flatten = jax.jit(lambda p: jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(p)]),
-                                    out_shardings=self.replicated)
-        elif struct != self._struct:
-            raise ValueError("params do not have the structure (tree, shapes, dtypes) this executor was "
-                             "first called with")
+    def _attention_fn(self, degree: int, attention: str):
+        """The model's attention for a group: the tiled ring (or the executor's own function) for
+        "ring", the all-to-all layouts of `dhp_jax.sharding.ulysses` for the other kinds."""
+        u, r = check_attention(attention, degree, self.config.num_heads)
+        if u > 1:
+            return group_attention_fn(u, r)
+        if self._attention is not None:
+            return self._attention(CP_AXIS, degree)
+        return ring_attention_fn(CP_AXIS, degree, tile=self.attention_tile)
 
-    def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...]):
-        """The compiled group program for (degree, bucket) on `devices`, built once (thread-safe:
-        a background thread may build the next plan's programs while a step runs)."""
-        key = (degree, bucket, devices)
+    def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...],
+                   attention: str = RING):
+        """The compiled group program for (degree, bucket, attention kind) on `devices`, built once
+        (thread-safe: a background thread may build the next plan's programs while a step runs).
+        `params` (a tree of arrays or `jax.ShapeDtypeStruct`s, or None) is only checked against the model."""
+        key = (degree, bucket, devices, attention)
         exe = self._executables.get(key)
         if exe is not None:
             return exe
@@ -214,111 +245,168 @@ class PlanExecutor:
         with lock:
             return self._build(params, key)
 
-    def _build(self, params: Any, key: tuple[int, int, tuple[jax.Device, ...]]):
-        degree, bucket, devices = key
+    def _build(self, params: Any, key: tuple[int, int, tuple[jax.Device, ...], str]):
+        degree, bucket, devices, attention = key
         exe = self._executables.get(key)
         if exe is None:
+            if degree < 1 or bucket < 2 * degree or bucket % (2 * degree) or len(devices) != degree:
+                raise ValueError(f"executable: bucket {bucket} must be a positive multiple of 2*degree "
+                                 f"(degree {degree}, {len(devices)} devices)")
             t0 = time.perf_counter()
             self._bind(params)
-            mesh = self.ranks.submesh(devices)
-            fn = jax.shard_map(group_program(self.config, degree, self._unravel), mesh=mesh,
-                               in_specs=(P(), P(CP_AXIS), P(CP_AXIS)), out_specs=P(CP_AXIS), check_vma=False)
-            rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, P(CP_AXIS))
-            args = (jax.ShapeDtypeStruct((self._num_flat,), jnp.float32, sharding=rep),
-                    jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),
-                    jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
-            lowered = jax.jit(fn).lower(*args)
-            exe = self._executables[key] = lowered.compile(compiler_options=self.compiler_options)
+            exe = self._executables[key] = self.lower(degree, bucket, devices, attention).compile(
+                compiler_options=self.compiler_options)
             self.compile_seconds.append(time.perf_counter() - t0)
         return exe
 
+    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
+        """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
+        mesh, spec = self._mesh(devices, attention)
+        fn = jax.shard_map(group_program(self.config, degree, self.layout, self._attention_fn(degree, attention)),
+                           mesh=mesh, in_specs=(P(), spec, spec), out_specs=(spec, spec), check_vma=False)
+        rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
+        args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),
+                jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),
+                jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
+        return jax.jit(fn).lower(*args)
+
     def compile_plan(self, samples: Sequence[Sample], plan: Plan, params: Any) -> int:
         """Build (without running) every executable the plan needs on this process's devices;
-        returns how many were new."""
+        returns how many were new. `params` may be a params tree, master shards or None."""
         before = self.num_compiles
+        tree = None if isinstance(params, jax.Array) and params.ndim == 1 else params
         for w in self._local(self.prepare(samples, plan)):
-            self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
+            self.executable(tree, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         return self.num_compiles - before
 
-    # ------------------------------------------------------------------ device-side work
+    # ------------------------------------------------------------------ the sharded state
+    def _jit(self, name: str):
+        """The small full-mesh programs of a step, built once: shard, gather, unshard, scatter
+        (first micro-batch), scatter_add (later ones, accumulator donated), finish."""
+        if not self._jits:
+            lay, cd, mesh = self.layout, self.compute_dtype, self.mesh
+
+            def scatter_rows(rows):
+                # rows[N, P_pad] one row per device -> this device's shard of the sum over devices,
+                # reduced in fp32 (the reduce-scatter of the step; no device keeps a full sum).
+                return jax.shard_map(
+                    lambda r: lax.psum_scatter(r[0].astype(jnp.float32), DP_AXIS, scatter_dimension=0, tiled=True),
+                    mesh=mesh, in_specs=P(DP_AXIS), out_specs=P(DP_AXIS))(rows)
+
+            def finish(acc, stats):
+                total = jnp.sum(stats, axis=0)                  # [loss sum, count]: 2N floats all-reduced
+                return total[0] / total[1], acc / total[1]
+
+            rep, shd = self.replicated, self.sharded
+            self._jits.update(
+                shard=jax.jit(lambda p: lay.ravel(p), out_shardings=shd),
+                gather=jax.jit(lambda m: m.astype(cd), out_shardings=rep),
+                unshard=jax.jit(lambda g: lay.unravel(g), out_shardings=rep),
+                scatter=jax.jit(lambda rows, st: (scatter_rows(rows), st), out_shardings=(shd, shd)),
+                scatter_add=jax.jit(lambda acc, sacc, rows, st: (acc + scatter_rows(rows), sacc + st),
+                                    out_shardings=(shd, shd), donate_argnums=(0, 1)),
+                finish=jax.jit(finish, out_shardings=(rep, shd)))
+        return self._jits[name]
+
+    def state_sharding(self, leaf: Any) -> NamedSharding:
+        """Where a train-state leaf lives: flat vectors of the layout (master params, optimizer
+        moments, grads) sharded over the full mesh, everything else (step, counts, keys) replicated."""
+        return self.sharded if tuple(getattr(leaf, "shape", ())) == (self.layout.padded,) else self.replicated
+
     def replicate(self, params: Any) -> Any:
         """Params replicated on the full mesh (a no-op for params already there)."""
         return jax.tree.map(lambda x: x if getattr(x, "sharding", None) == self.replicated
                             else jax.device_put(x, self.replicated), params)
 
-    def flat_params(self, params: Any) -> jax.Array:
-        """The params as one float32 vector replicated on the full mesh (one jit, no transfer)."""
+    def shard(self, params: Any) -> jax.Array:
+        """A float32 params tree as the master vector fp32[P_pad], sharded over the full mesh."""
         self._bind(params)
-        return self._flatten(self.replicate(params))
+        return self._jit("shard")(self.replicate(params))
 
-    def _views(self, flat: jax.Array, device_sets: Sequence[tuple[jax.Device, ...]]) -> dict:
-        """The flat params seen on each sub-mesh: the same per-device buffers, no copy."""
+    def unshard(self, flat: jax.Array) -> Any:
+        """A sharded flat vector (params or grads) as a params-shaped tree replicated on the mesh."""
+        return self._jit("unshard")(flat)
+
+    def gather(self, master: jax.Array) -> jax.Array:
+        """The step's one all-gather: master shards -> params flat[P_pad] in the compute dtype,
+        replicated on the full mesh."""
+        if not isinstance(master, jax.Array) or master.shape != (self.layout.padded,):
+            raise ValueError(f"master params must be a flat array of {self.layout.padded} elements "
+                             f"(PlanExecutor.shard), got {getattr(master, 'shape', type(master).__name__)}")
+        return self._jit("gather")(master)
+
+    def flat_params(self, params: Any) -> jax.Array:
+        """A params tree as the gathered compute-dtype flat vector the group programs take."""
+        return self.gather(self.shard(params))
+
+    # ------------------------------------------------------------------ device-side work
+    def _views(self, flat: jax.Array, groups: Sequence[tuple[tuple[jax.Device, ...], str]]) -> dict:
+        """The flat params seen on each (devices, attention) sub-mesh: the same per-device buffers, no copy."""
         by_dev = {s.device: s.data for s in flat.addressable_shards}
-        return {devs: jax.make_array_from_single_device_arrays(
-                    flat.shape, NamedSharding(self.ranks.submesh(devs), P()),
+        return {(devs, kind): jax.make_array_from_single_device_arrays(
+                    flat.shape, NamedSharding(self._mesh(devs, kind)[0], P()),
                     [by_dev[d] for d in devs if d in by_dev])
-                for devs in device_sets}
+                for devs, kind in groups}
 
     def _local(self, work: Sequence[_GroupWork]) -> list[_GroupWork]:
         """The groups this process takes part in (all of them in a single-process run)."""
         me = jax.process_index()
         return [w for w in work if any(d.process_index == me for d in w.devices)]
 
-    def _zero_row(self, device: jax.Device) -> jax.Array:
-        """A [1, 2 + P] row of zeros on an idle device (cached)."""
+    def _zero_rows(self, device: jax.Device) -> tuple[jax.Array, jax.Array]:
+        """(stats, grads) rows of zeros on an idle device (cached)."""
         z = self._zeros.get(device)
         if z is None:
-            z = self._zeros[device] = jax.device_put(np.zeros((1, 2 + self._num_flat), np.float32), device)
+            z = self._zeros[device] = (jax.device_put(np.zeros((1, 2), np.float32), device),
+                                       jax.device_put(np.zeros((1, self.layout.padded), self.compute_dtype), device))
         return z
 
-    def _reducer(self):
-        """(accumulate, finish): rows summed micro-batch by micro-batch on each device (no
-        communication), then one all-reduce over the full mesh, / token count, unflattened."""
-        if not self._reducers:
-            unravel = self._unravel
-
-            def finish(acc):
-                v = jnp.sum(acc, axis=0)                       # the all-reduce over every device
-                return v[0] / v[1], unravel(v[2:] / v[1])
-
-            # No donation: rows of idle devices are cached zero buffers that must survive.
-            self._reducers["add"] = jax.jit(jnp.add, out_shardings=self._stacked)
-            self._reducers["finish"] = jax.jit(finish, out_shardings=self.replicated)
-        return self._reducers["add"], self._reducers["finish"]
-
-    def dispatch(self, flat: jax.Array, work: Sequence[_GroupWork]) -> list[dict[jax.Device, jax.Array]]:
-        """Launch every group (asynchronously); per micro-batch, the [1, 2 + P] row of each device."""
-        rows: dict[int, dict[jax.Device, jax.Array]] = {m: {} for m in sorted({w.micro_batch for w in work})}
+    def dispatch(self, flat: jax.Array, work: Sequence[_GroupWork]) -> list[dict[jax.Device, tuple]]:
+        """Launch every group (asynchronously); per micro-batch, each device's (stats, grads) rows."""
+        rows: dict[int, dict[jax.Device, tuple]] = {m: {} for m in sorted({w.micro_batch for w in work})}
         work = self._local(work)
-        views = self._views(flat, {w.devices for w in work})
+        views = self._views(flat, {(w.devices, w.attention) for w in work})
         for w in work:
             lay = w.layout
-            exe = self.executable(None, lay.degree, lay.bucket, w.devices)
-            cp = NamedSharding(self.ranks.submesh(w.devices), P(CP_AXIS))
+            exe = self.executable(None, lay.degree, lay.bucket, w.devices, w.attention)
+            cp = NamedSharding(*self._mesh(w.devices, w.attention))
             ints, floats = pack_inputs(lay)
-            out = exe(views[w.devices], jax.device_put(ints, cp), jax.device_put(floats, cp))
-            rows[w.micro_batch].update((s.device, s.data) for s in out.addressable_shards)
+            stats, grads = exe(views[(w.devices, w.attention)], jax.device_put(ints, cp), jax.device_put(floats, cp))
+            gby = {s.device: s.data for s in grads.addressable_shards}
+            rows[w.micro_batch].update((s.device, (s.data, gby[s.device])) for s in stats.addressable_shards)
         return [rows[m] for m in sorted(rows)]
 
-    def reduce(self, partials: Sequence[Mapping[jax.Device, jax.Array]]) -> tuple[jax.Array, Any]:
-        """Token-weighted sum over all devices and micro-batches, replicated on the full mesh."""
-        add, finish = self._reducer()
+    def reduce(self, partials: Sequence[Mapping[jax.Device, tuple]]) -> tuple[jax.Array, jax.Array]:
+        """Per micro-batch, the devices' gradient rows reduce-scattered into the state's shards and
+        accumulated there (never a full gradient per device); at the end / the token count.
+        Returns (loss replicated, grads fp32[P_pad] sharded like the master params)."""
+        n = len(self.ranks.devices)
+        me = jax.process_index()
         acc = None
         for mb in partials:
-            rows = jax.make_array_from_single_device_arrays(
-                (len(self.ranks.devices), 2 + self._num_flat), self._stacked,
-                [mb[d] if d in mb else self._zero_row(d) for d in self.ranks.devices
-                 if d.process_index == jax.process_index()])
-            acc = rows if acc is None else add(acc, rows)
-        return finish(acc)
+            mine = [mb[d] if d in mb else self._zero_rows(d) for d in self.ranks.devices if d.process_index == me]
+            stats = jax.make_array_from_single_device_arrays((n, 2), self.sharded, [r[0] for r in mine])
+            rows = jax.make_array_from_single_device_arrays((n, self.layout.padded), self.sharded,
+                                                            [r[1] for r in mine])
+            acc = self._jit("scatter")(rows, stats) if acc is None else self._jit("scatter_add")(*acc, rows, stats)
+        return self._jit("finish")(*acc)
+
+    def loss_and_grad_shards(self, master: jax.Array, samples: Sequence[Sample], plan: Plan
+                             ) -> tuple[jax.Array, jax.Array]:
+        """The training step's path: master params fp32[P_pad] sharded over the mesh in, batch
+        token-mean loss (replicated) and its gradient fp32[P_pad] (sharded the same way) out."""
+        work = self.prepare(samples, plan)
+        t0 = time.perf_counter()
+        missing = [w for w in self._local(work)
+                   if (w.layout.degree, w.layout.bucket, w.devices, w.attention) not in self._executables]
+        for w in missing:                       # compile (or wait for a background compile of) what is missing
+            self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
+        self.last_compile_wait_s = time.perf_counter() - t0 if missing else 0.0
+        return self.reduce(self.dispatch(self.gather(master), work))
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""
-        work = self.prepare(samples, plan)
-        flat = self.flat_params(params)
-        t0 = time.perf_counter()
-        missing = [w for w in self._local(work) if (w.layout.degree, w.layout.bucket, w.devices) not in self._executables]
-        for w in missing:                       # compile (or wait for a background compile of) what is missing
-            self.executable(params, w.layout.degree, w.layout.bucket, w.devices)
-        self.last_compile_wait_s = time.perf_counter() - t0 if missing else 0.0
-        return self.reduce(self.dispatch(flat, work))
+        self._bind(params)
+        self.prepare(samples, plan)             # bad input fails before any device work
+        loss, grads = self.loss_and_grad_shards(self.shard(params), samples, plan)
+        return loss, self.unshard(grads)

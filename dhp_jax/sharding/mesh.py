@@ -16,6 +16,7 @@ from jax.sharding import Mesh
 from dhp_jax.planner.plan import Plan, PlanValidationError
 
 CP_AXIS = "cp"      # the ring axis of a group's sub-mesh
+SP_AXIS = "sp"      # the Ulysses (all-to-all) axis of a Ulysses or hybrid group's 2-D sub-mesh
 DP_AXIS = "dp"      # the full mesh: one entry per rank, for the cross-group reduction
 
 
@@ -36,7 +37,7 @@ class RankLayout:
         self.devices_per_rank = devices_per_rank
         self.num_ranks = len(devices) // devices_per_rank
         self.full_mesh = Mesh(np.array(self.devices), (DP_AXIS,))
-        self._submeshes: dict[tuple[jax.Device, ...], Mesh] = {}
+        self._submeshes: dict[tuple[tuple[jax.Device, ...], int], Mesh] = {}
 
     def rank_devices(self, rank: int) -> tuple[jax.Device, ...]:
         if not 0 <= rank < self.num_ranks:
@@ -48,11 +49,18 @@ class RankLayout:
         """Devices of a group, in ring order (the order of `ranks`)."""
         return tuple(d for r in ranks for d in self.rank_devices(int(r)))
 
-    def submesh(self, devices: tuple[jax.Device, ...]) -> Mesh:
-        """The 1-D `cp` mesh over `devices`, built once per device tuple."""
-        mesh = self._submeshes.get(devices)
+    def submesh(self, devices: tuple[jax.Device, ...], ulysses: int = 1) -> Mesh:
+        """The group's mesh over `devices`, built once per (device tuple, Ulysses size): the 1-D
+        `cp` ring mesh, or for `ulysses` = u > 1 the 2-D (cp: d/u, sp: u) view, row-major in rank
+        order, so each Ulysses sub-group is u consecutive ranks."""
+        key = (devices, int(ulysses))
+        mesh = self._submeshes.get(key)
         if mesh is None:
-            mesh = self._submeshes[devices] = Mesh(np.array(devices), (CP_AXIS,))
+            if len(devices) % ulysses:
+                raise ValueError(f"{len(devices)} devices do not split into Ulysses sub-groups of {ulysses}")
+            mesh = (Mesh(np.array(devices), (CP_AXIS,)) if ulysses == 1 else
+                    Mesh(np.array(devices).reshape(len(devices) // ulysses, ulysses), (CP_AXIS, SP_AXIS)))
+            self._submeshes[key] = mesh
         return mesh
 
     @property

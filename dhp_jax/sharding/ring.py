@@ -1,73 +1,171 @@
 """Ring attention for any CP degree, written for the body of a `shard_map` over one mesh axis.
 
 Each device holds `q[S_l, H, D]`, `k, v[S_l, KVH, D]` and the ids of its S_l = S/degree tokens
-(two zigzag chunks). K/V and their ids travel around the ring with `ppermute` (device i sends to
-i+1 mod degree) for degree-1 steps; every step folds one K/V block into an online softmax
-(running max m[H, S_l], denominator l[H, S_l], numerator o[H, S_l, D]). Masks come from ids
-(`dhp_jax.model.attention.attention_mask`), so order inside the stream does not matter. A block
-with no allowed (query, key) pair is skipped with `lax.cond` (other samples, future chunks).
-Gradients come from autodiff: the transpose of `ppermute` is the reverse ring.
+(two zigzag chunks). The key block (K/V, their ids and per-tile summaries, in tiles:
+`dhp_jax.sharding.tiles.Block`) travels around the ring with `ppermute` (device i sends to
+i+1 mod degree); every step folds one block into a tiled online softmax (`tiles.fold`), skipping
+the (query tile, key tile) pairs with no allowed pair (other samples, the causal future, padding).
+
+Memory: a custom VJP. The forward pass keeps only the output and the log-sum-exp of each local
+query (besides its inputs); the backward pass runs the ring again: K/V travel as in the forward
+pass, their dK/dV accumulators travel with them (one hop behind), score tiles are recomputed, and
+after `degree` hops each accumulator is back on the device that owns its block. Temporaries are
+one score tile per (query tile, key tile) pair, so attention memory is linear in S_l.
+
+Overlap: inside each ring step the `ppermute` of the block for step k+1 is issued before step k's
+compute and does not depend on it (tests/test_ring.py reads this off the jaxpr). The dK/dV
+accumulators of a block can only leave once that block's compute is done.
+
+Masks come from ids (`dhp_jax.model.attention.attention_mask`), so order inside the stream does
+not matter. `fused=True` (degree 1 only) hands the whole block to `jax.nn.dot_product_attention`
+with the cuDNN implementation, in bf16, where the platform has it; the tiled path is the default
+and the reference.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dhp_jax.model.attention import AttnIds, attention_mask, repeat_kv
+from dhp_jax.model.attention import AttnIds, attention_mask
+from dhp_jax.sharding import tiles
+from dhp_jax.sharding.tiles import DEFAULT_TILE, TileSpec
 
-_NEG = -1e30
+
+def _shift(x, axis_name: str, degree: int):
+    return lax.ppermute(x, axis_name, [(i, (i + 1) % degree) for i in range(degree)])
 
 
-def _fold_block(acc, q, k, v, q_ids: AttnIds, k_ids: AttnIds):
-    """Fold one K/V block into the online-softmax state (m, l, o)."""
-    m, l, o = acc
-    mask = attention_mask(q_ids, k_ids)                                   # mask[S_q, S_k]
+def _shift_block(blk: tiles.Block, axis_name: str, degree: int) -> tiles.Block:
+    """Send a key block to the next device as two arrays (float K/V, int ids + summaries): one
+    collective per dtype rather than one per field."""
+    n, t = blk.ids.segment.shape
+    meta = jnp.concatenate([jnp.stack(blk.ids, axis=-1).reshape(n, 3 * t), blk.summary], axis=1)
+    kv, meta = _shift((jnp.stack([blk.k, blk.v]), meta), axis_name, degree)
+    ids = meta[:, :3 * t].reshape(n, t, 3)
+    return tiles.Block(kv[0], kv[1], AttnIds(ids[..., 0], ids[..., 1], ids[..., 2]), meta[:, 3 * t:])
 
-    def compute(_):
-        group = q.shape[1] // k.shape[1]
-        kk, vv = repeat_kv(k, group), repeat_kv(v, group)
-        s = jnp.einsum("qhd,khd->hqk", q, kk) / jnp.sqrt(jnp.float32(q.shape[-1]))
-        # The running max only stabilises exp(); the result does not depend on it.
-        m_new = lax.stop_gradient(jnp.maximum(m, jnp.max(jnp.where(mask[None], s, _NEG), axis=-1)))
-        p = jnp.exp(jnp.where(mask[None], s - m_new[..., None], -jnp.inf))  # p[H, S_q, S_k]
-        corr = jnp.exp(m - m_new)
-        return (m_new, l * corr + jnp.sum(p, axis=-1),
-                o * corr[..., None] + jnp.einsum("hqk,khd->hqd", p, vv))
 
-    return lax.cond(jnp.any(mask), compute, lambda _: (m, l, o), None)
+def _shift_pair(a: jax.Array, b: jax.Array, axis_name: str, degree: int) -> tuple[jax.Array, jax.Array]:
+    ab = _shift(jnp.stack([a, b]), axis_name, degree)
+    return ab[0], ab[1]
+
+
+def _prepare(q, k, v, q_ids, k_ids, tile, chunks):
+    spec = TileSpec.make(q.shape[0], tile, chunks)
+    return spec, tiles.make_queries(q, q_ids, spec, k.shape[1]), tiles.make_block(k, v, k_ids, spec)
+
+
+def _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
+    """(out[S_l, H, D], lse tiles, computed tile pairs) of the ring."""
+    spec, qs, blk = _prepare(q, k, v, q_ids, k_ids, tile, chunks)
+    state, count = tiles.init_state(qs), jnp.int32(0)
+    if degree > 1:
+        def step(carry, _):
+            state, blk, count = carry
+            nxt = _shift_block(blk, axis_name, degree)    # issued first; the fold does not need it
+            state, c = tiles.fold(state, qs, blk)
+            return (state, nxt, count + c), None
+
+        (state, blk, count), _ = lax.scan(step, (state, blk, count), None, length=degree - 1)
+    state, c = tiles.fold(state, qs, blk)
+    out, lse = tiles.finish(state, spec)
+    return out, lse, count + c
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
+    return _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks)[0]
+
+
+def _ring_fwd(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
+    out, lse, _ = _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks)
+    return out, (q, k, v, q_ids, k_ids, out, lse)
+
+
+def _ring_bwd(axis_name, degree, tile, chunks, res, dout):
+    q, k, v, q_ids, k_ids, out, lse = res
+    spec, qs, blk = _prepare(q, k, v, q_ids, k_ids, tile, chunks)
+    kvh = k.shape[1]
+    do = tiles.heads_first(dout, spec, kvh)                                # do[n, KVH, G*t, D]
+    delta = jnp.sum(do * tiles.heads_first(out, spec, kvh), axis=-1)       # delta[n, KVH, G*t]
+    zero = jnp.zeros_like(blk.k)
+    dq, acc = jnp.zeros_like(qs.q), (zero, zero)
+    if degree > 1:
+        def step(carry, _):
+            dq, blk, acc = carry
+            nxt = _shift_block(blk, axis_name, degree)    # K/V for the next step, issued first
+            dq_b, dk_b, dv_b = tiles.backward(qs, do, lse, delta, blk)
+            acc = _shift_pair(acc[0] + dk_b, acc[1] + dv_b, axis_name, degree)
+            return (dq + dq_b, nxt, acc), None
+
+        (dq, blk, acc), _ = lax.scan(step, (dq, blk, acc), None, length=degree - 1)
+    dq_b, dk_b, dv_b = tiles.backward(qs, do, lse, delta, blk)
+    dk, dv = acc[0] + dk_b, acc[1] + dv_b
+    if degree > 1:                                       # home: the next device owns this block
+        dk, dv = _shift_pair(dk, dv, axis_name, degree)
+    dq = tiles.tokens_first(dq + dq_b, spec) * (1.0 / math.sqrt(q.shape[-1]))    # queries were pre-scaled
+    return dq, tiles.tokens_first(dk, spec), tiles.tokens_first(dv, spec), None, None
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds, *,
-                   axis_name: str, degree: int) -> jax.Array:
+                   axis_name: str, degree: int, tile: int = DEFAULT_TILE, chunks: int = 2,
+                   fused: bool = False) -> jax.Array:
     """Attention of the local queries over the whole ring's keys; returns o[S_l, H, D].
 
     Must run inside `shard_map` with `axis_name` of size `degree`; has the signature of the
-    model's attention function once `axis_name` and `degree` are bound.
+    model's attention function once the keywords are bound. `tile` is the largest tile (tokens);
+    `chunks` the contiguous chunks of the local block (2 for the zigzag layout).
     """
     s_l, h, d = q.shape
     assert k.shape[0] == s_l and q_ids.segment.shape == (s_l,), (q.shape, k.shape, q_ids.segment.shape)
-    acc = (jnp.full((h, s_l), _NEG, jnp.float32), jnp.zeros((h, s_l), jnp.float32),
-           jnp.zeros((h, s_l, d), jnp.float32))
-    acc = _fold_block(acc, q, k, v, q_ids, k_ids)
-    if degree > 1:
-        perm = [(i, (i + 1) % degree) for i in range(degree)]
-
-        def step(carry, _):
-            acc, kv = carry
-            kv = lax.ppermute(kv, axis_name, perm)
-            kb, vb, ids = kv
-            return (_fold_block(acc, q, kb, vb, q_ids, AttnIds(*ids)), kv), None
-
-        (acc, _), _ = lax.scan(step, (acc, (k, v, tuple(k_ids))), None, length=degree - 1)
-    _, l, o = acc
-    out = o / jnp.where(l > 0, l, 1.0)[..., None]                         # rows with no key -> 0
-    return jnp.transpose(out, (1, 0, 2))
+    if fused:
+        if degree != 1:
+            raise ValueError(f"the fused attention kernel runs degree-1 groups only, got degree {degree}")
+        return fused_attention(q, k, v, q_ids, k_ids)
+    # The kernel runs in fp32 whatever the compute dtype (softmax statistics, scores and the dK/dV
+    # accumulators stay fp32); the casts sit outside the custom VJP, so autodiff casts the grads back.
+    f32 = jnp.float32
+    out = _ring(q.astype(f32), k.astype(f32), v.astype(f32), AttnIds(*q_ids), AttnIds(*k_ids),
+                axis_name, degree, tile, chunks)
+    return out.astype(q.dtype)
 
 
-def ring_attention_fn(axis_name: str, degree: int):
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds, *,
+                    tile: int = DEFAULT_TILE, chunks: int = 1) -> jax.Array:
+    """Tiled attention of one device's queries over its own keys, with the ring's custom VJP
+    (memory linear in tokens, empty tile pairs skipped); no collective, usable outside shard_map
+    (e.g. the local attention of an all-to-all layout). `chunks`: contiguous chunks of the block."""
+    return ring_attention(q, k, v, q_ids, k_ids, axis_name="", degree=1, tile=tile, chunks=chunks)
+
+
+def ring_tile_count(q, k, v, q_ids: AttnIds, k_ids: AttnIds, *, axis_name: str, degree: int,
+                    tile: int = DEFAULT_TILE, chunks: int = 2) -> jax.Array:
+    """Tile pairs this device's forward pass computed (the kernel's own counter; inside shard_map)."""
+    return _forward(q, k, v, AttnIds(*q_ids), AttnIds(*k_ids), axis_name, degree, tile, chunks)[2]
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds) -> jax.Array:
+    """One block through `jax.nn.dot_product_attention(implementation="cudnn")` in bf16.
+
+    The mask comes from the same ids; rows with no allowed key give 0 like the tiled path.
+    """
+    mask = attention_mask(q_ids, k_ids)
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (jnp.repeat(x, group, axis=1) if group > 1 else x for x in (k, v))
+    out = jax.nn.dot_product_attention(q[None].astype(jnp.bfloat16), kk[None].astype(jnp.bfloat16),
+                                       vv[None].astype(jnp.bfloat16), mask=mask[None, None],
+                                       implementation="cudnn")[0]
+    return jnp.where(jnp.any(mask, axis=1)[:, None, None], out.astype(q.dtype), 0.0)
+
+
+def ring_attention_fn(axis_name: str, degree: int, *, tile: int = DEFAULT_TILE, fused: bool = False):
     """The model-facing attention function for a ring of `degree` devices on `axis_name`."""
-    return functools.partial(ring_attention, axis_name=axis_name, degree=degree)
+    return functools.partial(ring_attention, axis_name=axis_name, degree=degree, tile=tile, fused=fused)

@@ -8,7 +8,8 @@ a sequence is added. Hence, for every plan:
   group lasts at least (sum_p W_p)/(sum_p d_p) + b1; summed over micro-batches: W/N + M b1, where M is
   at least the number of micro-batches the memory budget forces (tokens / (N x tokens-per-rank));
 - longest-sequence bound: the micro-batch holding sequence k lasts at least min over the degrees d it
-  fits in of T({k}, d) (ring or all-to-all attention, intra-node links where d fits one node).
+  fits in and the attention kinds of T({k}, d) (ring, all-to-all, or all-to-all over u ranks x a
+  ring over d/u; intra-node links where d fits one node).
 
 Step >= max(work bound, longest-sequence bound) + the gradient all-reduce, which every plan pays.
 """
@@ -62,5 +63,15 @@ def lower_bound(lengths: Sequence[int], num_ranks: int, cost: Any, etas: Sequenc
         ul = np.array([cost.ulysses_ok(int(x)) for x in d]) if cost.a2a_bytes_per_token > 0 else np.zeros(N, bool)
         if ul.any():
             t = np.where(ul, np.minimum(t, cost.group_times(attn[k], lin[k], tok[k], d, inter, "ulysses")), t)
+        for u in _hybrid_sizes(cost, N):         # Ulysses over u ranks x a ring over d/u >= 2
+            h = np.flatnonzero((d % u == 0) & (d >= 2 * u))
+            t[h] = np.minimum(t[h], cost.group_times(attn[k], lin[k], tok[k], d[h], inter[h], "hybrid", ulysses=u))
         longest = max(longest, float(t[ok].min()))
     return LowerBound(work, longest, float(cost.allreduce_time(N)), m_min)
+
+
+def _hybrid_sizes(cost: Any, num_ranks: int) -> list[int]:
+    """Ulysses sizes u >= 2 of any hybrid the head count allows (u divides it, 2u <= num_ranks)."""
+    if cost.a2a_bytes_per_token <= 0:
+        return []
+    return [u for u in range(2, num_ranks // 2 + 1) if cost.num_heads % u == 0]

@@ -1,7 +1,8 @@
 """orbax checkpoints of the whole train state plus the data-loader position, written atomically.
 
 Each checkpoint holds two items: `state` (the `TrainState` pytree, restored straight into its
-sharding) and `meta` (JSON: the next data position, the model config, the run config). orbax writes
+sharding; the trainer's state is sharded over the full mesh, so each process writes and reads only
+the shards it holds) and `meta` (JSON: the next data position, the model config, the run config). orbax writes
 into a temporary directory and renames it when complete, so a crash never leaves a half checkpoint
 that `latest` would pick. Before any array is read, `meta` is checked against the model config of
 the run: resuming a different model is a clear error, not a shape mismatch deep inside orbax.
@@ -16,6 +17,10 @@ from typing import Any, Mapping
 
 import jax
 import orbax.checkpoint as ocp
+
+
+# Model fields that change how a step runs, never the params: a run may resume with another value.
+RUN_ONLY_MODEL_FIELDS = ("remat",)
 
 
 class CheckpointError(ValueError):
@@ -81,7 +86,8 @@ class Checkpointer:
         meta = self.read_meta(step)
         saved = meta.get("model_config", {})
         mine = _jsonable(dict(model_config))
-        diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k))
+        diff = sorted(k for k in set(saved) | set(mine)
+                      if saved.get(k) != mine.get(k) and k not in RUN_ONLY_MODEL_FIELDS)
         if diff:
             details = ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs run {mine.get(k)!r}" for k in diff[:8])
             raise CheckpointError(f"checkpoint in {str(self.directory)!r} (step {meta.get('step')}) is from a "

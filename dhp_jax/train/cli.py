@@ -1,4 +1,4 @@
-"""`dhp train [CONFIG.yaml] [key=value ...]`: the main job (default: experiments/configs/demo.yaml).
+"""`dhp train [CONFIG.yaml] [key=value ...]`: the main job (default: the packaged demo, dhp_jax/train/configs/demo.yaml).
 
 jax is imported only inside `run`, after XLA_FLAGS has been set for the fake CPU devices the
 config asks for (the flag only works before jax's first import).

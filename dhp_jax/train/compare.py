@@ -21,7 +21,7 @@ def _time_plan(executor: Any, params: Any, samples: list, plan: Any) -> float:
     import jax
 
     t0 = time.perf_counter()
-    jax.block_until_ready(executor.loss_and_grads(params, samples, plan))
+    jax.block_until_ready(executor.loss_and_grad_shards(params, samples, plan))
     return time.perf_counter() - t0
 
 

@@ -2,9 +2,9 @@
 
 Plans `--steps` real batches (`make_dataset`, a fresh seed per step) on `--ranks` ranks and counts,
 without compiling anything:
-- programs: distinct (degree, padded_tokens) group shapes over the run;
-- executables per process: distinct (degree, padded_tokens, ranks) touching each process of
-  `--ranks-per-process` ranks (max and median), and their ratio to the programs it runs;
+- programs: distinct (degree, padded_tokens, attention kind) group programs over the run;
+- executables per process: distinct (degree, padded_tokens, ranks, attention) touching each
+  process of `--ranks-per-process` ranks (max and median), and their ratio to the programs it runs;
 - padded / real tokens summed over every group of every step (the bucket rule's waste);
 - simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset)
   with the placement policy (`planner.programs.reuse_ranks`) and without it, and without padding.
@@ -95,8 +95,8 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
         samples = make_dataset(dataset, batch, seed * 1_000_003 + step, vision=vision)
         lengths, etas = sample_lengths(samples), sample_etas(samples)
         t0 = time.perf_counter()
-        plan = plan_batch(lengths, ranks, cost, etas=etas)
-        moved = reuse_placement(plan, lengths, etas, cost, placed)
+        plan = plan_batch(lengths, ranks, cost, etas=etas, attention="best")
+        moved = reuse_placement(plan, lengths, etas, cost, placed, attention="best")
         plan_ms.append((time.perf_counter() - t0) * 1e3)
         free.add(plan)
         t_free.append(plan.est_step_time_s)
@@ -145,9 +145,9 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
     for step in range(steps):
         batch = pipe.batch(seed + step)
         plan = plan_batch(batch.samples, n, cost, programs=programs)
-        for d, p, ids in dict.fromkeys(ex.plan_keys(batch.samples, plan)):
+        for d, p, ids, kind in dict.fromkeys(ex.plan_keys(batch.samples, plan)):
             before, t0 = ex.num_compiles, time.perf_counter()
-            ex.executable(params, d, p, tuple(by_id[i] for i in ids))
+            ex.executable(params, d, p, tuple(by_id[i] for i in ids), kind)
             if ex.num_compiles > before:
                 seconds.append(time.perf_counter() - t0)
     return {"devices": f"{n} x {devices[0].platform}", "model": "tiny", "steps": steps,

@@ -17,7 +17,7 @@ from dhp_jax.typed_config import valid_keys as _valid_keys
 __all__ = ["ConfigError", "TrainConfig", "apply_overrides", "config_from_dict", "load_config", "parse_override",
            "valid_keys"]
 
-DEMO_CONFIG = Path(__file__).resolve().parents[2] / "experiments" / "configs" / "demo.yaml"
+DEMO_CONFIG = Path(__file__).resolve().parent / "configs" / "demo.yaml"   # package data: installed with dhp_jax
 
 
 @dataclasses.dataclass
@@ -91,6 +91,8 @@ class TrainConfig:
     kind: str = "train"
     name: str = "demo"
     model: str = "tiny"            # MLLMConfig preset
+    compute_dtype: str = "float32"  # the groups' compute dtype: float32 (exact) | bfloat16; master + Adam fp32
+    remat: str = "none"            # recompute in backward: none | layer | selective (MLLMConfig.remat)
     num_ranks: int = 8
     min_bucket: int | None = None  # smallest padded group length (None: the executor's default)
     compilation_cache: str | None = "auto"  # JAX persistent compilation cache: "auto" = <metrics.out_dir>/jax-cache,
@@ -132,6 +134,10 @@ class TrainConfig:
             raise ConfigError(f"optim.learning_rate must be > 0, got {self.optim.learning_rate}")
         if self.compare.repeats < 1:
             raise ConfigError(f"compare.repeats must be >= 1, got {self.compare.repeats}")
+        if self.compute_dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
+        if self.remat not in ("none", "layer", "selective"):
+            raise ConfigError(f"remat must be none, layer or selective, got {self.remat!r}")
         if self.devices.platform not in ("cpu", "gpu", "tpu", "default"):
             raise ConfigError(f"devices.platform must be cpu, gpu, tpu or default, got {self.devices.platform!r}")
         if self.num_ranks > self.devices.count:

@@ -1,57 +1,18 @@
 """Where a step's plan comes from: a planner strategy, or a plan file replayed step by step.
 
 Plan files make runs comparable and reproducible: a run writes `plans.jsonl` (one plan a step) and
-`planner.plan_file=<that file>` replays it. Accepted files: `.json` holding one plan (used for
-every step) or `{"plans": [...]}`; `.jsonl` with one plan (or `{"step": t, "plan": {...}}`) a line.
-Every plan in a file is parsed and validated against the run before the first step.
+`planner.plan_file=<that file>` replays it. The format and the replay rule are
+`dhp_jax.planner.planfile`'s, shared with the torch backend.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, Sequence
 
-from dhp_jax.planner.plan import Plan, PlanValidationError
+from dhp_jax.planner.plan import Plan
+from dhp_jax.planner.planfile import PlanFileError, load_plan_file, plan_at
 
-
-class PlanFileError(ValueError):
-    """A plan file cannot be read or does not fit the run; the message names the file and plan."""
-
-
-def load_plan_file(path: str | Path, num_samples: int, num_ranks: int, steps: int | None = None) -> list[Plan]:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise PlanFileError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
-    raw: list[Any]
-    try:
-        if path.suffix == ".jsonl":
-            raw = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
-            data = json.loads(text)
-            raw = data["plans"] if isinstance(data, dict) and "plans" in data else [data]
-    except (json.JSONDecodeError, TypeError) as e:
-        raise PlanFileError(f"plan file {str(path)!r} is not valid JSON: {e}") from None
-    if not raw:
-        raise PlanFileError(f"plan file {str(path)!r} holds no plans")
-    plans = []
-    for i, d in enumerate(raw):
-        if isinstance(d, dict) and "plan" in d and "schema" not in d:
-            d = d["plan"]
-        try:
-            plan = Plan.from_json(d, num_samples=num_samples)
-        except PlanValidationError as e:
-            raise PlanFileError(f"plan file {str(path)!r}, plan {i}: {e}") from None
-        if plan.num_ranks != num_ranks:
-            raise PlanFileError(f"plan file {str(path)!r}, plan {i}: plan is for {plan.num_ranks} ranks, "
-                                f"the run has num_ranks={num_ranks}")
-        plans.append(plan)
-    if steps is not None and len(plans) > 1 and len(plans) < steps:
-        raise PlanFileError(f"plan file {str(path)!r} holds {len(plans)} plans but the run has {steps} steps "
-                            f"(give one plan, to reuse every step, or one per step)")
-    return plans
+__all__ = ["PlanFileError", "PlanSource", "load_plan_file", "make_cost"]
 
 
 class PlanSource:
@@ -73,7 +34,7 @@ class PlanSource:
 
     def __call__(self, step: int, batch: Any) -> Plan:
         if self.plans is not None:
-            plan = self.plans[step] if len(self.plans) > 1 else self.plans[0]
+            plan = plan_at(self.plans, step)
         else:
             from dhp_jax.planner import plan_batch
 

@@ -1,7 +1,8 @@
 """Profile the cost model on the current devices: time one-group executables, fit, check held out.
 
 A profile point is one CP group: `lengths` (the sequences it holds) on `degree` devices (ranks
-0..degree-1). Each point is timed through the public `PlanExecutor` (forward + backward of a
+0..degree-1) running one attention kind (ring, Ulysses or a Ulysses x ring hybrid), so the fit
+covers every kind the planner may choose. Each point is timed through the public `PlanExecutor` (forward + backward of a
 one-group plan, compile excluded, minimum over repeats and passes). The planner's `fit_cost_model` fits the
 coefficients on a training subset of the points; the rest are held out and the relative error of
 the fitted `cost.time` on them is the estimator error reported (the paper reports 4-8 %).
@@ -21,8 +22,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-# measure(lengths, etas, degree) -> seconds for one group holding these sequences.
-MeasureFn = Callable[[Sequence[int], Sequence[float], int], float]
+# measure(lengths, etas, degree, attention) -> seconds for one group holding these sequences.
+MeasureFn = Callable[[Sequence[int], Sequence[float], int, str], float]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,26 +31,42 @@ class ProfilePoint:
     lengths: tuple[int, ...]
     etas: tuple[float, ...]
     degree: int
+    attention: str = "ring"
 
     def to_dict(self) -> dict:
-        return {"lengths": list(self.lengths), "etas": list(self.etas), "degree": self.degree}
+        return {"lengths": list(self.lengths), "etas": list(self.etas), "degree": self.degree,
+                "attention": self.attention}
 
 
 def default_points(degrees: Sequence[int], lengths: Sequence[int], eta: float = 0.5,
-                   packs: Sequence[int] = (1, 2)) -> list[ProfilePoint]:
-    """A grid: every degree x total length, as `p` equal sequences for each p in `packs`.
+                   packs: Sequence[int] = (1, 2), kinds: Sequence[str] = ("ring",),
+                   num_heads: int | None = None) -> list[ProfilePoint]:
+    """A grid: every degree x total length, as `p` equal sequences for each p in `packs`, on the ring;
+    with `kinds` also "ulysses" and/or "hybrid" (every Ulysses x ring split the `num_heads` allow,
+    `dhp_jax.planner.kinds.attention_kinds`) at every degree x length, one sequence each.
 
     Packing several sequences into one group separates the quadratic (per sequence) from the
-    linear (per token) terms; mixing etas separates bidirectional from causal attention work.
+    linear (per token) terms; mixing etas separates bidirectional from causal attention work; the
+    other kinds' points add all-to-all traffic, which the ring never has.
     """
+    from dhp_jax.planner.kinds import attention_kinds
+
+    unknown = set(kinds) - {"ring", "ulysses", "hybrid"}
+    if unknown or "ring" not in kinds:
+        raise ValueError(f"profile kinds must include 'ring' and be among ring, ulysses, hybrid; got {list(kinds)}")
     points = []
     for d in degrees:
+        others = [k for k in attention_kinds(d, num_heads)[1:]
+                  if ("ulysses" if k == "ulysses" else "hybrid") in kinds] if num_heads else []
         for n in lengths:
             for i, p in enumerate(packs):
                 if n // p < 1:
                     continue
                 e = eta if (i + d) % 2 == 0 else 0.0
                 points.append(ProfilePoint(tuple([n // p] * p), tuple([e] * p), int(d)))
+            for j, k in enumerate(others):
+                e = eta if (j + d) % 2 else 0.0
+                points.append(ProfilePoint((n,), (e,), int(d), k))
     return points
 
 
@@ -70,7 +87,8 @@ def split_points(points: Sequence[ProfilePoint], holdout_every: int = 4, seed: i
 def relative_errors(cost: Any, measurements: Sequence[dict]) -> list[float]:
     out = []
     for m in measurements:
-        est = float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas")))
+        est = float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
+                              attention=m.get("attention", "ring")))
         out.append(abs(est - m["seconds"]) / m["seconds"])
     return out
 
@@ -87,9 +105,9 @@ def measure_points(points: Sequence[ProfilePoint], measure: MeasureFn,
     best = [float("inf")] * len(points)
     for _ in range(max(1, passes)):
         for i, p in enumerate(points):
-            seconds = float(measure(list(p.lengths), list(p.etas), p.degree))
+            seconds = float(measure(list(p.lengths), list(p.etas), p.degree, p.attention))
             if not seconds > 0:
-                raise ValueError(f"profile point {i} (degree {p.degree}, lengths {list(p.lengths)}) measured "
+                raise ValueError(f"profile point {i} (degree {p.degree}, {p.attention}, lengths {list(p.lengths)}) measured "
                                  f"{seconds} s; a timing must be > 0")
             best[i] = min(best[i], seconds)
             if progress is not None:
@@ -101,8 +119,8 @@ def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4,
     """Fit on the training split, report the error on the held-out split. Returns (cost, report)."""
     from dhp_jax.planner.fit import fit_cost_model
 
-    points = [ProfilePoint(tuple(m["lengths"]), tuple(m.get("etas") or [0.0] * len(m["lengths"])), m["degree"])
-              for m in measurements]
+    points = [ProfilePoint(tuple(m["lengths"]), tuple(m.get("etas") or [0.0] * len(m["lengths"])), m["degree"],
+                           m.get("attention", "ring")) for m in measurements]
     train_idx, held_idx = split_points(points, holdout_every, seed)
     train = [measurements[i] for i in train_idx]
     held = [measurements[i] for i in held_idx]
@@ -114,7 +132,8 @@ def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4,
         "train_mean_rel_error": float(np.mean(train_err)) if train_err else None,
         "held_out_mean_rel_error": float(np.mean(held_err)) if held_err else None,
         "held_out_max_rel_error": float(np.max(held_err)) if held_err else None,
-        "held_out": [{**m, "estimate_s": float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"))),
+        "held_out": [{**m, "estimate_s": float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
+                                                        attention=m.get("attention", "ring"))),
                       "rel_error": e} for m, e in zip(held, held_err)],
         "fit": fit_report,
     }
@@ -153,7 +172,7 @@ class ExecutorTimer:
             out.append(Sample(tuple(segs), sample_id=i))
         return out
 
-    def __call__(self, lengths: Sequence[int], etas: Sequence[float], degree: int) -> float:
+    def __call__(self, lengths: Sequence[int], etas: Sequence[float], degree: int, attention: str = "ring") -> float:
         import jax
 
         from dhp_jax.planner.plan import Group, MicroBatch, Plan
@@ -162,7 +181,7 @@ class ExecutorTimer:
             raise ValueError(f"profile degree {degree} exceeds the {self.num_devices} devices available")
         samples = self.samples(lengths, etas)
         plan = Plan(num_ranks=self.num_devices, micro_batches=(MicroBatch((
-            Group(tuple(range(degree)), degree, tuple(range(len(samples)))),)),),
+            Group(tuple(range(degree)), degree, tuple(range(len(samples))), attention=attention),)),),
             solver={"strategy": "profile"})
 
         def once() -> float:
@@ -170,9 +189,9 @@ class ExecutorTimer:
             jax.block_until_ready(self.executor.loss_and_grads(self.params, samples, plan))
             return time.perf_counter() - t0
 
-        if (degree, tuple(lengths)) not in self._warm:
+        if (degree, tuple(lengths), attention) not in self._warm:
             once()  # compile, once per point
-            self._warm.add((degree, tuple(lengths)))
+            self._warm.add((degree, tuple(lengths), attention))
         # one untimed run first on every call: passes interleave the points, so the previous call
         # ran another program and left other buffers and code in the caches
         once()

@@ -31,6 +31,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # off-rung points check that the model prices the padded stream, not the real tokens
     parser.add_argument("--lengths", type=_ints, default=[32, 64, 96, 128, 256, 384, 512], help="group token totals")
     parser.add_argument("--packs", type=_ints, default=[1, 2], help="sequences per group at each point")
+    parser.add_argument("--kinds", default="ring,ulysses,hybrid",
+                        help="attention kinds to time: ring plus any of ulysses, hybrid (every split the heads allow)")
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point and pass (minimum kept)")
     parser.add_argument("--passes", type=int, default=3, help="passes over the whole grid (minimum kept)")
     parser.add_argument("--holdout-every", type=int, default=4, help="every k-th point is held out of the fit")
@@ -137,12 +139,14 @@ def _time_grid(args: argparse.Namespace, model) -> tuple[list[dict], int, float]
     params = executor.replicate(init_params(model, jax.random.PRNGKey(0))) if hasattr(executor, "replicate") \
         else jax.device_put(init_params(model, jax.random.PRNGKey(0)), executor.replicated)
     timer = ExecutorTimer(executor, params, model, repeats=args.repeats)
-    points = default_points(args.degrees, args.lengths, packs=args.packs)
+    points = default_points(args.degrees, args.lengths, packs=args.packs,
+                            kinds=[k.strip() for k in args.kinds.split(",") if k.strip()], num_heads=model.num_heads)
     quiet = args.json
 
     def progress(i, p, s):
         if not quiet:
-            print(f"  point {i + 1}/{len(points)}: degree {p.degree}, lengths {list(p.lengths)}: {s * 1e3:.2f} ms",
+            print(f"  point {i + 1}/{len(points)}: degree {p.degree} {p.attention}, lengths {list(p.lengths)}: "
+                  f"{s * 1e3:.2f} ms",
                   file=sys.stderr)
 
     args.load_before = load_average()

@@ -1,13 +1,16 @@
 """The train state and its update: optax AdamW with warm-up + cosine and clipping, created sharded.
 
 The state (params, optimizer state, step, PRNG key) is created directly with the sharding it lives
-in (replicated over the full mesh: every rank is a full model replica) and the update is one jit
-over the full mesh that donates the old state, so a step holds one copy of it.
+in and the update is one jit over the full mesh that donates the old state, so a step holds one
+copy of it. The trainer's state is sharded over the full mesh: params are the fp32 master vector
+`PlanExecutor.layout` lays out, and AdamW's moments follow it, so each rank holds 1/N of
+params + moments and the update runs on the shards (`PlanExecutor.state_sharding`). `sharding`
+arguments below are one `Sharding` for every leaf or a function leaf -> `Sharding`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import flax.struct
 import jax
@@ -15,6 +18,15 @@ import jax.numpy as jnp
 import optax
 
 from dhp_jax.train.config import OptimConfig
+
+
+ShardingSpec = Union[jax.sharding.Sharding, Callable[[Any], jax.sharding.Sharding]]
+
+
+def _per_leaf(sharding: ShardingSpec, tree: Any) -> Any:
+    """The sharding of every leaf of `tree` (a state or its abstract shapes)."""
+    fn = sharding if callable(sharding) and not isinstance(sharding, jax.sharding.Sharding) else (lambda _: sharding)
+    return jax.tree.map(fn, tree)
 
 
 @flax.struct.dataclass
@@ -42,8 +54,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 
 def make_init(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
-              sharding: jax.sharding.Sharding) -> Callable[[jax.Array], TrainState]:
-    """`init(key) -> TrainState`, jitted with every leaf's output sharding fixed to `sharding`.
+              sharding: ShardingSpec) -> Callable[[jax.Array], TrainState]:
+    """`init(key) -> TrainState`, jitted with every leaf's output sharding fixed by `sharding`.
 
     The key is split once into named streams: "params" for initialisation, "train" kept in the
     state for anything random during training.
@@ -56,22 +68,24 @@ def make_init(init_params: Callable[[jax.Array], Any], optimizer: optax.Gradient
                           rng=k_train)
 
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-    return jax.jit(init, out_shardings=jax.tree.map(lambda _: sharding, abstract))
+    return jax.jit(init, out_shardings=_per_leaf(sharding, abstract))
 
 
 def create_state(init_params: Callable[[jax.Array], Any], optimizer: optax.GradientTransformation,
-                 seed: int, sharding: jax.sharding.Sharding) -> TrainState:
+                 seed: int, sharding: ShardingSpec) -> TrainState:
     """Initialise the state already placed with `sharding` (no host copy, no later re-shard)."""
     return make_init(init_params, optimizer, sharding)(jax.random.PRNGKey(seed))
 
 
-def state_shardings(state: TrainState, sharding: jax.sharding.Sharding) -> TrainState:
-    return jax.tree.map(lambda _: sharding, state)
+def state_shardings(state: TrainState, sharding: ShardingSpec) -> TrainState:
+    return _per_leaf(sharding, state)
 
 
-def make_update(optimizer: optax.GradientTransformation, sharding: jax.sharding.Sharding,
+def make_update(optimizer: optax.GradientTransformation, sharding: ShardingSpec,
                 state_like: TrainState) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array]]:
-    """`update(state, grads) -> (new_state, grad_norm)`, jitted over the full mesh, state donated."""
+    """`update(state, grads) -> (new_state, grad_norm)`, jitted over the full mesh, state donated;
+    grads are sharded like the params (on the shards, AdamW is elementwise and the global norm
+    for clipping is one small all-reduce)."""
 
     def update(state: TrainState, grads: Any) -> tuple[TrainState, jax.Array]:
         grad_norm = optax.tree.norm(grads)
@@ -80,6 +94,5 @@ def make_update(optimizer: optax.GradientTransformation, sharding: jax.sharding.
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), grad_norm
 
     shardings = state_shardings(state_like, sharding)
-    grad_shardings = jax.tree.map(lambda _: sharding, state_like.params)
-    return jax.jit(update, in_shardings=(shardings, grad_shardings), out_shardings=(shardings, sharding),
+    return jax.jit(update, in_shardings=(shardings, shardings.params), out_shardings=(shardings, None),
                    donate_argnums=(0,))

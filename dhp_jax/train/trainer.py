@@ -10,7 +10,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,13 +19,15 @@ import numpy as np
 
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.planner.planfile import PlanLog
 from dhp_jax.train.plans import PlanSource, load_plan_file, make_cost
 
 
 @functools.lru_cache(maxsize=8)
-def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any) -> tuple[Any, Any]:
-    """Jitted state init and update, shared by every run with the same model, optimizer and mesh
-    (a resumed run, or the runs of one test module, compile them once)."""
+def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any) -> tuple[Any, Any]:
+    """Jitted state init and update, shared by every run with the same model, optimizer and executor
+    (a resumed run, or the runs of one test module, compile them once). The state is sharded over
+    the executor's full mesh: params are its fp32 master vector, AdamW's moments follow it."""
     import jax
 
     from dhp_jax.model import init_params
@@ -34,7 +35,8 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, sharding: Any)
     from dhp_jax.train.state import make_init, make_optimizer, make_update
 
     optimizer = make_optimizer(OptimConfig(*optim), steps)
-    init = make_init(lambda k: init_params(model_config, k), optimizer, sharding)
+    layout, sharding = executor.layout, executor.state_sharding
+    init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
     update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)))
     return init, update
 
@@ -87,7 +89,7 @@ class Trainer:
         self.config = config.validate()
         self.process_index = jax.process_index()
         self.multi_process = jax.process_count() > 1
-        self.model_config = MLLMConfig.preset(config.model)
+        self.model_config = MLLMConfig.preset(config.model, remat=config.remat)
         available = list(devices) if devices is not None else jax.devices()
         if len(available) < config.num_ranks:
             raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
@@ -121,7 +123,7 @@ class Trainer:
             from dhp_jax.sharding import PlanExecutor
 
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
-            executor = PlanExecutor(self.model_config, self.devices, **kwargs)
+            executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
         self.executor = executor
         if getattr(executor, "min_bucket", None) and self.plan_source.cost is not None:
             # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
@@ -146,7 +148,7 @@ class Trainer:
         import jax
 
         init, update = _state_functions(self.model_config, dataclasses.astuple(self.config.optim),
-                                        self.config.steps, self.executor.replicated)
+                                        self.config.steps, self.executor)
         state = init(jax.random.PRNGKey(self.config.seed))
         self._update = update
         return state
@@ -193,11 +195,11 @@ class Trainer:
         metrics = MetricsWriter(metrics_dir, total_steps=cfg.steps, start_step=start,
                                 progress=cfg.metrics.progress, tensorboard=cfg.metrics.tensorboard,
                                 append=resume)
-        plan_log = (metrics_dir / "plans.jsonl").open("a" if resume else "w") if cfg.metrics.log_plans else None
+        plan_log = PlanLog(metrics_dir / "plans.jsonl", append=resume) if cfg.metrics.log_plans else None
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
-            ahead = None if self.multi_process else self._compile_ahead(state.params, start)
+            ahead = None if self.multi_process else self._compile_ahead(start)
             self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
             with PlannerThread(self.pipeline.batch, ahead[0] if ahead else self.plan_source, start, stop,
                                lookahead=cfg.planner.lookahead, after_plan=ahead[1] if ahead else None) as planned:
@@ -209,7 +211,8 @@ class Trainer:
                         self.executor.compile_plan(item.batch.samples, item.plan, state.params)
                     t0 = time.perf_counter()
                     with sync.watch(done) if sync is not None else contextlib.nullcontext():
-                        loss, grads = self.executor.loss_and_grads(state.params, item.batch.samples, item.plan)
+                        loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples,
+                                                                         item.plan)
                         state, grad_norm = self._update(state, grads)
                         jax.block_until_ready((loss, grad_norm, state.params))
                     step_time = time.perf_counter() - t0
@@ -227,8 +230,7 @@ class Trainer:
                         self.plan_source.programs.compile_s = float(np.median(seconds))
                     metrics.log_step(rec)
                     if plan_log is not None:
-                        plan_log.write(json.dumps({"step": item.step, "plan": item.plan.to_dict()}) + "\n")
-                        plan_log.flush()
+                        plan_log.write(item.step, item.plan)
                     if ckpt.should_save(done) or done == stop:
                         ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
                                   run_config=cfg.to_dict())
@@ -250,32 +252,31 @@ class Trainer:
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
 
-    def _compile_ahead(self, params: Any, start: int) -> tuple[Any, Any] | None:
+    def _compile_ahead(self, start: int) -> tuple[Any, Any] | None:
         """(make_plan, after_plan) for the planner thread, so that no step after warm-up waits for
-        a compile: the next plan's programs compile in the background (ahead of time, with the
-        params' shapes) while the current step runs; after the first WARMUP_STEPS steps a plan
-        whose programs are not all compiled yet runs its groups in the smallest compiled bucket
-        of their degree and ranks that holds them (`planner.programs.promote`; if a group is larger
-        than every compiled bucket, the batch is re-planned in up to 3 more micro-batches first),
+        a compile: the next plan's programs compile in the background (ahead of time: the executor
+        knows the params' layout) while the current step runs; after the first WARMUP_STEPS steps
+        a plan whose programs are not all compiled yet runs its groups in the smallest compiled
+        bucket of their degree, attention kind and ranks that holds them (`planner.programs.promote`;
+        if a group is larger than every compiled bucket, the batch is re-planned in up to 3 more
+        micro-batches first),
         while its own programs compile for later steps. Single process only (plans must not
         depend on timing)."""
-        import jax
-
         from dhp_jax.planner.programs import promote
 
         executor = self.executor
         if not hasattr(executor, "compile_plan"):
             return None
-        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         rank_of = {d.id: r for r, d in enumerate(self.devices)}
         wanted: dict[int, Any] = {}
 
         def make_plan(step: int, batch: Any) -> Any:
             plan = self.plan_source(step, batch)
-            if step < start + WARMUP_STEPS or getattr(executor, "_struct", None) is None:
+            if step < start + WARMUP_STEPS:
                 return plan
-            have = {(d, b, tuple(rank_of[i] for i in ids)) for d, b, ids in executor.executable_keys}
-            need = {(d, b, tuple(rank_of[i] for i in ids)) for d, b, ids in executor.plan_keys(batch.samples, plan)}
+            have = {(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.executable_keys}
+            need = {(d, b, tuple(rank_of[i] for i in ids), a)
+                    for d, b, ids, a in executor.plan_keys(batch.samples, plan)}
             if need <= have:
                 return plan
             ready = promote(plan, have, self.cost)
@@ -299,13 +300,11 @@ class Trainer:
         def compile_plans(batch: Any, plans: list) -> None:
             for plan in plans:
                 try:
-                    executor.compile_plan(batch.samples, plan, shapes)
+                    executor.compile_plan(batch.samples, plan, None)
                 except Exception:  # the step that runs the plan compiles in place and raises there
                     pass
 
         def compile_plan(step: int, batch: Any, plan: Any) -> None:
-            if getattr(executor, "_struct", None) is None:
-                return  # the first step binds the params structure; it compiles its own programs
             # what this step runs, then what the planner wanted; on a worker thread, so that
             # planning the steps after it never waits behind a compile
             self._compiler.submit(compile_plans, batch, [plan] + ([wanted.pop(step)] if step in wanted else []))
@@ -354,7 +353,7 @@ def dry_run(config: TrainConfig) -> dict:
     from dhp_jax.model import MLLMConfig
 
     config.validate()
-    model_config = MLLMConfig.preset(config.model)
+    model_config = MLLMConfig.preset(config.model, remat=config.remat)
     devices = jax.devices()
     if len(devices) < config.num_ranks:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "

@@ -1,0 +1,95 @@
+"""The engine's memory per rank, from model shapes: what `CostModel.preset` puts in its memory fields.
+
+The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) holds, per rank:
+
+- state (outside the group program): fp32 master params, AdamW's two fp32 moments and the fp32
+  gradient accumulator, each a 1/`state_shards` shard of the flat vector:
+  `STATE_BYTES_PER_PARAM` x P / state_shards;
+- the group program's static part: the gathered params and the gradient row it returns, both in
+  the compute dtype (2 x P x cb), plus the gradient leaves the row is assembled from (P x cb);
+- one loss chunk's logits (`fixed_bytes`: the LM head and cross entropy run over token chunks);
+- activations, linear in the rank's local tokens S_l = S / d: `activation_bytes_per_token` below.
+  Attention holds O(S_l x tile) temporaries (custom-VJP tiled ring: output + log-sum-exp per query
+  saved), so attention adds a per-token term, not S_l^2.
+
+Counts are per local token and in elements of the compute dtype (cb bytes) unless marked fp32. The
+recompute policy (`MLLMConfig.remat`) decides what a block keeps for its backward pass:
+"layer" keeps the block input only; "selective" keeps the outputs of the block's weight GEMMs;
+"none" keeps every intermediate. One block is live at a time in the backward pass (its working set).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+REMATS = ("none", "layer", "selective")
+COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
+STATE_BYTES_PER_PARAM = 16       # fp32 master + two fp32 Adam moments + fp32 gradient accumulator
+# Passes over each term's FLOPs per step: forward + backward (2x forward) + recomputed forward.
+# (attention, linear): "selective" keeps GEMM outputs, so only attention and cheap elementwise ops
+# run again.
+REMAT_PASSES = {"none": (3.0, 3.0), "layer": (4.0, 4.0), "selective": (4.0, 3.0)}
+LOSS_CHUNK = 512                 # tokens per LM-head chunk (dhp_jax.model.mllm.LOSS_CHUNK)
+INT_COLUMNS = 8                  # int32 input columns per token (dhp_jax.sharding.executor)
+
+
+def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str) -> tuple[int, int]:
+    """(elements kept per token by one block for backward, elements of its backward working set)."""
+    qkv = (heads + 2 * kv_heads) * head_dim
+    every = 6 * hidden + 2 * qkv + heads * head_dim + 4 * ff      # norms, q/k/v (+rotary), attn out, MLP
+    kept = {"layer": hidden, "selective": hidden + qkv + 2 * hidden + 2 * ff, "none": every}[remat]
+    return kept, every
+
+
+def _attention_fp32(heads: int, head_dim: int) -> int:
+    """fp32 elements per token the ring attention keeps per block: accumulator o, m, l, lse."""
+    return heads * head_dim + 3 * heads
+
+
+def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int) -> float:
+    """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape)."""
+    if remat not in REMATS:
+        raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
+    cb = float(compute_bytes)
+    dec_kept, dec_work = _block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, remat)
+    vit_kept, vit_work = _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
+                                m.vision_intermediate, remat)
+    kept = cb * (m.layers * dec_kept + m.vision_layers * vit_kept)
+    attn_f32 = 4.0 * max(_attention_fp32(m.heads, m.head_dim), _attention_fp32(m.vision_heads, m.vision_head_dim))
+    if remat == "none":
+        kept += 4.0 * (m.layers * _attention_fp32(m.heads, m.head_dim)
+                       + m.vision_layers * _attention_fp32(m.vision_heads, m.vision_head_dim))
+    work = cb * max(dec_work, vit_work) + attn_f32
+    # Inputs (int32 columns, fp32 pixels + loss weight); projector and embedding (vision out, fc1,
+    # gelu, fc2, token embedding, merged stream) and the LM head's input; the logits live one loss
+    # chunk at a time (`fixed_bytes`).
+    inputs = 4.0 * (INT_COLUMNS + m.patch_dim + 1)
+    tail = cb * (m.vision_hidden + 5 * m.hidden)
+    return inputs + kept + work + tail
+
+
+def fixed_bytes(m: Any, compute_bytes: int) -> float:
+    """Token-independent temporaries: one loss chunk's logits (cb), their fp32 copy and fp32
+    gradient (`dhp_jax.model.mllm.LOSS_CHUNK` tokens)."""
+    return LOSS_CHUNK * m.vocab * (compute_bytes + 8.0)
+
+
+def engine_params(m: Any) -> int:
+    """Parameters of the engine's model for shape `m`: `dhp_jax.model.MLLMConfig.num_params` of the
+    same preset (the engine's vision encoder runs one SwiGLU block stack over merged patches; a
+    test checks that the two counts agree)."""
+    d, v, vf = m.hidden, m.vision_hidden, m.vision_intermediate
+    attn = d * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
+    dec = m.layers * (attn + 3 * d * m.intermediate + 2 * d)
+    vis = m.vision_layers * (4 * v * m.vision_heads * m.vision_head_dim + 3 * v * vf + 2 * v)
+    return m.vocab * d + m.patch_dim * v + v + vis + v + v * d + d + d * d + d + dec + d + d * m.vocab
+
+
+def program_static_bytes(params: float, compute_bytes: int) -> float:
+    """Token-independent bytes of the group program: params in, gradient row out, gradient leaves."""
+    return 3.0 * params * compute_bytes
+
+
+def state_bytes(params: float, state_shards: int) -> float:
+    """Bytes per rank of the sharded fp32 state (master, Adam moments, gradient accumulator)."""
+    return STATE_BYTES_PER_PARAM * params / state_shards

@@ -1,0 +1,145 @@
+"""`dhp bench memory`: XLA's compiled bytes of the group program next to the planner's memory model.
+
+For each model preset, degree and tokens per group, the group program is lowered with abstract
+arguments (`jax.ShapeDtypeStruct`; nothing is allocated) and compiled for `degree` local devices;
+`memory_analysis()` gives arguments + outputs + temp - aliases per device. Next to it,
+`CostModel.program_bytes` (static + activation bytes) of the same preset and engine choices.
+Full-depth compiles of the big presets are slow on CPU, so by default the program is compiled at
+(1 decoder, 1 vision) layers, (2, 1) and (1, 2) and extrapolated linearly to full depth (rows say
+`"extrapolated": true`); `--full-depth` compiles the real depth. `"fits"` answers the sizing
+question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
+compiled bytes + the state shard against the device's usable bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Sequence
+
+DEGREES = (1, 2, 4, 8)
+TOKENS = (8192, 32768, 65536)
+FITS = {"model": "internvl3-8b", "hardware": "ascend-910b", "degree": 8, "tokens": 65536, "state_shards": 64}
+
+
+def compiled_bytes(config: Any, degree: int, tokens: int, compute_dtype: str, devices: Sequence[Any]) -> int:
+    """Per-device bytes of the compiled group program (arguments + outputs + temp - aliases)."""
+    from dhp_jax.sharding.executor import PlanExecutor
+
+    ex = PlanExecutor(config, devices, compute_dtype=compute_dtype)
+    stream = -(-tokens // (2 * degree)) * 2 * degree        # the tokens, divisible by 2 x degree
+    m = ex.lower(degree, stream, tuple(devices[:degree])).compile(
+        compiler_options=ex.compiler_options).memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, devices: Sequence[Any],
+                  full_depth: bool = False) -> tuple[int, bool]:
+    """(compiled bytes of model config `full`, whether they were extrapolated from 1- and 2-layer
+    compiles: b(L, V) = b(1, 1) + (L - 1) [b(2, 1) - b(1, 1)] + (V - 1) [b(1, 2) - b(1, 1)])."""
+    if full_depth:
+        return compiled_bytes(full, degree, tokens, compute_dtype, devices), False
+
+    def at(layers: int, vision: int) -> int:
+        cfg = dataclasses.replace(full, num_layers=layers, vision_layers=vision)
+        return compiled_bytes(cfg, degree, tokens, compute_dtype, devices)
+
+    b11, b21, b12 = at(1, 1), at(2, 1), at(1, 2)
+    est = b11 + (full.num_layers - 1) * (b21 - b11) + (full.vision_layers - 1) * (b12 - b11)
+    return int(est), True
+
+
+def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *, hardware: str = "ascend-910b",
+            remat: str = "layer", compute_dtype: str = "bfloat16", state_shards: int = 64,
+            full_depth: bool = False, fits: bool = True) -> dict:
+    import jax
+
+    from dhp_jax.model import MLLMConfig
+    from dhp_jax.planner import CostModel
+
+    devices = jax.devices()
+    if max(degrees) > len(devices):
+        raise SystemExit(f"degree {max(degrees)} needs {max(degrees)} devices, found {len(devices)}")
+    rows = []
+    for model in models:
+        cost = CostModel.preset(model, hardware, state_shards=state_shards, remat=remat, compute_dtype=compute_dtype)
+        for d in degrees:
+            for s in tokens:
+                t0 = time.perf_counter()
+                got, extra = program_bytes(MLLMConfig.preset(model, remat=remat), d, s, compute_dtype=compute_dtype,
+                                           devices=devices, full_depth=full_depth)
+                want = cost.program_bytes([s], d)
+                rows.append({"model": model, "degree": d, "tokens": s, "compiled_bytes": got,
+                             "model_bytes": int(want), "rel_error": round(want / got - 1.0, 4),
+                             "extrapolated": extra, "compile_s": round(time.perf_counter() - t0, 1)})
+    out: dict[str, Any] = {
+        "label": f"XLA memory_analysis of the group program compiled for {devices[0].platform} devices "
+                 f"(abstract arguments) vs CostModel.program_bytes ({hardware} preset)",
+        "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "rows": rows}
+    if fits:
+        f = FITS
+        row = next((r for r in rows if r["model"] == f["model"] and r["degree"] == f["degree"]
+                    and r["tokens"] == f["tokens"]), None)
+        got = row["compiled_bytes"] if row else program_bytes(
+            MLLMConfig.preset(f["model"], remat=remat), f["degree"], f["tokens"], compute_dtype=compute_dtype,
+            devices=devices, full_depth=full_depth)[0]
+        cost = CostModel.preset(f["model"], f["hardware"], state_shards=f["state_shards"], remat=remat,
+                                compute_dtype=compute_dtype)
+        total = got + cost.state_bytes
+        out["fits"] = {**f, "compiled_bytes": int(got), "state_bytes": int(cost.state_bytes),
+                       "total_bytes": int(total), "usable_bytes": int(cost.usable_bytes),
+                       "fits": bool(total <= cost.usable_bytes)}
+    return out
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    from dhp_jax.planner import CostModel
+
+    parser.add_argument("--model", action="append", choices=CostModel.MODELS,
+                        help="model preset (repeatable; default: all six)")
+    parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
+    parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
+    parser.add_argument("--remat", default="layer", choices=("none", "layer", "selective"))
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
+    parser.add_argument("--state-shards", type=int, default=64, help="ranks the fp32 state is sharded over")
+    parser.add_argument("--full-depth", action="store_true", help="compile every layer instead of extrapolating")
+    parser.add_argument("--no-fits", action="store_true", help="skip the internvl3-8b sizing check")
+    parser.add_argument("--devices", type=int, default=8, help="fake CPU devices if jax is not yet imported")
+    parser.add_argument("--json", action="store_true", help="print only JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from dhp_jax.planner import CostModel
+
+    if "jax" not in sys.modules:
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
+    res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
+                  hardware=args.hardware, remat=args.remat, compute_dtype=args.dtype,
+                  state_shards=args.state_shards, full_depth=args.full_depth, fits=not args.no_fits)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(res["label"])
+    if any(r["extrapolated"] for r in res["rows"]):
+        print("compiled at 1 and 2 layers (decoder and vision) and extrapolated linearly to full depth")
+    print(f"{'model':16s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} {'error':>7s}")
+    for r in res["rows"]:
+        print(f"{r['model']:16s} {r['degree']:6d} {r['tokens']:7d} {r['compiled_bytes'] / 1e9:12.2f} "
+              f"{r['model_bytes'] / 1e9:9.2f} {r['rel_error']:+7.1%}")
+    if "fits" in res:
+        f = res["fits"]
+        print(f"{f['model']} degree {f['degree']}, {f['tokens']} tokens on {f['hardware']}, state over "
+              f"{f['state_shards']} ranks: {f['compiled_bytes'] / 1e9:.2f} GB compiled + {f['state_bytes'] / 1e9:.2f} "
+              f"GB state = {f['total_bytes'] / 1e9:.2f} GB of {f['usable_bytes'] / 1e9:.2f} GB usable: "
+              f"{'fits' if f['fits'] else 'does NOT fit'}")
+    return 0

@@ -1,0 +1,61 @@
+"""dhp's per-group attention choice and the prices it rests on: a hybrid is priced from the two base
+kinds' pieces, the choice never prices a group above its ring time, picks a hybrid where the cost
+model says it wins, and the simulator's lower bound stays below every plan."""
+
+import numpy as np
+import pytest
+
+from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.pricing import best_kinds, step_time
+from dhp_jax.sim.bounds import lower_bound
+
+COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)     # 28 query heads
+
+
+def test_hybrid_price_is_the_all_to_all_plus_a_thinner_ring():
+    A, B, S = 40.0, 10.0, 60000.0
+    c = COST.replace(bucket_min=0)  # the unpadded form (padding is priced the same for every kind)
+    t = float(c.group_times(A, B, S, 8, False, "hybrid:2x4"))
+    a2a = c.comm_per_token(False, "ulysses") * (S / 4) * (2 - 1) / 2           # Ulysses over 2 on S/4 tokens
+    ring = c.comm_per_token(False, "ring") / 2 * S * (4 - 1) / 4               # half the K/V heads, ring of 4
+    lat = c.lat_intra * (1 + 3)
+    assert t == pytest.approx((A + B) / 8 + c.b1 + a2a + lat + max(ring - A / 8, 0.0), rel=1e-12)
+    # the "hybrid" family over several degrees at once equals each named kind
+    fam = c.group_times(A, B, S, np.array([4, 8, 16]), np.array([False, False, True]), "hybrid", ulysses=2)
+    named = [c.group_times(A, B, S, d, d > 8, f"hybrid:2x{d // 2}") for d in (4, 8, 16)]
+    np.testing.assert_allclose(fam, np.ravel(named), rtol=1e-12)
+    with pytest.raises(ValueError, match="degree"):
+        c.group_times(A, B, S, np.array([4, 8]), False, "hybrid:2x2")
+
+
+def test_choice_never_above_ring_and_takes_a_hybrid_across_nodes():
+    # short sequences on 16 ranks over 2 nodes: the ring's slow inter-node hops are not hidden
+    lengths = np.array([8000, 6000, 30000, 20000, 9000, 40000, 3000, 5000, 7000, 2000, 4000, 6000], float)
+    terms = COST.terms(lengths)
+    groups = [(tuple(range(0, 16)), (0, 1)), (tuple(range(16, 20)), (2, 3, 4)), ((20,), (5,)),
+              (tuple(range(24, 32)), tuple(range(6, 12)))]
+    kinds = best_kinds(COST, groups, terms)
+    assert kinds[2] == "ring"                                    # one rank: nothing to exchange
+    assert kinds[0].startswith("hybrid:"), kinds                 # 16 ranks over 2 nodes: all-to-all inside
+    u = int(kinds[0].split(":")[1].split("x")[0])
+    assert u <= 8 and 28 % u == 0
+    for (ranks, samples), kind in zip(groups, kinds):
+        A, B, S = (float(x[list(samples)].sum()) for x in terms)
+        inter = len({r // 8 for r in ranks}) > 1
+        assert COST.group_times(A, B, S, len(ranks), inter, kind) <= COST.group_times(A, B, S, len(ranks), inter, "ring")
+
+
+def test_dhp_with_choice_is_never_slower_than_ring_only_and_above_the_bound():
+    # ring traffic that does not overlap attention: where all-to-all kinds can win
+    cost = CostModel.preset("qwen3-vl-8b", "ascend-910b", ranks_per_node=8, comm_overlap=False)
+    for seed in range(2):
+        samples = make_dataset("msrvtt", 128, seed=seed, vision="qwen")
+        L, E = sample_lengths(samples), sample_etas(samples)
+        chosen, ring = plan_batch(samples, 16, cost), plan_batch(samples, 16, cost, attention="ring")
+        assert {g.attention for g in chosen.groups} - {"ring"}, "expected some all-to-all groups here"
+        t, t_ring = step_time(chosen, L, cost, E), step_time(ring, L, cost, E)
+        assert t <= t_ring * (1 + 1e-12)
+        assert lower_bound(L, 16, cost, E).step_s <= t * (1 + 1e-9)
+    with pytest.raises(Exception, match="attention must be"):
+        plan_batch(samples, 16, cost, attention="ulysses")

@@ -1,0 +1,181 @@
+"""Every command and snippet of README.md, experiments/REPORT.md, CONTRIBUTING.md and docs/ runs, or is checked as far as
+one machine allows. How each is checked (`how` below):
+
+- run: executed as written (cheap: `dhp plan`, `dhp plan --freeze-vision --json`,
+  `dhp analyze openvid ...`, `python -m experiments.report` on a copy of REPORT.md, every
+  ```python block of README.md in a fresh process);
+- parsed: the command line is parsed by the real argument parser of the program (`dhp`,
+  `torchrun` with `npu_backend.train`'s own parser, `experiments.run`, `experiments.torch_vs_jax`),
+  and for `dhp train` the config is loaded with its overrides and the multi-process flags
+  resolved, for `experiments.run` each config loaded: a wrong flag, a config of the wrong kind or a
+  bad override fails here. Running them is what other tests do (training, profiling, torchrun,
+  the tiny experiments), at test sizes;
+- skipped, with the reason: installs (`test_wheel_install.py` installs a wheel), `pytest` itself,
+  `jupyter lab` (the notebooks are executed by `test_notebooks.py`).
+
+Placeholders: `my.yaml` / `cfg.yaml` stand for a train config (the packaged demo), `N` for a
+number, shell variables for sample values; `[...]` marks options, which are checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "experiments" / "REPORT.md", *sorted((ROOT / "docs").glob("*.md"))] + \
+    ([ROOT / "CONTRIBUTING.md"] if (ROOT / "CONTRIBUTING.md").exists() else [])
+SHELL_VARS = {"SLURM_JOB_ID": "4242", "NODE_RANK": "0", "MASTER": "hostA", "JOB_ID": "4242"}
+SKIP = {"pip": "an install (test_wheel_install.py builds and installs a wheel)",
+        "jupyter": "opens an editor (test_notebooks.py executes every notebook)",
+        "python -m pytest": "the test suite itself"}
+RUN = {"dhp plan", "dhp plan --freeze-vision --json", "dhp analyze openvid --model internvl3-8b"}
+
+
+def _blocks(path: Path, lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+
+
+def _commands() -> list[tuple[str, str]]:
+    out = []
+    for path in DOCS:
+        for block in _blocks(path, "bash"):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = re.sub(r"\$(\w+)", lambda m: SHELL_VARS[m.group(1)], line)
+                for part in line.split("&&"):
+                    words = shlex.split(part, comments=True)
+                    if words and words[-1] == "&":
+                        words = words[:-1]
+                    if words:
+                        out.append((path.name, " ".join(words)))
+    return out
+
+
+COMMANDS = _commands()
+
+
+def _argv(cmd: str) -> list[str]:
+    cmd = re.sub(r"\[(-[^\]]*)\]", r"\1", cmd)       # [--json] -> --json: options are checked too
+    demo = str(ROOT / "dhp_jax" / "train" / "configs" / "demo.yaml")
+    subst = {"N": "3", "my.yaml": demo, "cfg.yaml": demo}
+    return [subst.get(w, w) for w in shlex.split(cmd)]
+
+
+def _check_dhp(argv: list[str], tmp_path, capsys) -> str:
+    from dhp_jax import cli
+
+    if " ".join(["dhp", *argv]) in RUN:
+        os.chdir(tmp_path)
+        assert cli.main(argv) == 0
+        return "run"
+    command = next((a for a in argv if not a.startswith("-")), None)
+    try:
+        args = cli._parser(command).parse_args(argv)
+    except SystemExit as e:                           # --help prints and exits 0; a bad flag exits 2
+        assert e.code == 0, capsys.readouterr().err
+        return "run (--help)"
+    if args.command == "train":
+        from dhp_jax.train.cli import _split_args
+        from dhp_jax.train.config import load_config
+        from dhp_jax.train.distributed import resolve
+
+        path, overrides = _split_args(list(args.args))
+        overrides += [f"planner.strategy={args.strategy}"] * bool(args.strategy)
+        overrides += [f"planner.plan_file={args.plan_file}"] * bool(args.plan_file)
+        load_config(path, overrides).validate()
+        resolve(args.coordinator, args.num_processes, args.process_id, env={})
+    return "parsed"
+
+
+def _check_torchrun(argv: list[str]) -> str:
+    pytest.importorskip("torch")
+    from torch.distributed.run import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    assert args.module and args.training_script == "npu_backend.train", argv
+    from npu_backend.train import build_parser
+
+    build_parser().parse_args(args.training_script_args)
+    return "parsed"
+
+
+def _check_python_module(argv: list[str], tmp_path) -> str:
+    module, rest = argv[2], argv[3:]
+    if module == "experiments.report":
+        from experiments import report
+
+        copy = tmp_path / "REPORT.md"
+        shutil.copy(ROOT / "experiments" / "REPORT.md", copy)
+        assert report.update(copy) and copy.read_text().count("<!-- table:") >= 9
+        return "run (on a copy of REPORT.md)"
+    if module == "experiments.run":
+        from experiments.run import build_parser
+        from experiments.runner import config_files, load_config, parse_override
+
+        args = build_parser().parse_intermixed_args(rest)
+        overrides = dict(parse_override(a) for a in args.configs if "=" in a)
+        paths = [p for p in args.configs if "=" not in p] + ([str(p) for p in config_files()] if args.all else [])
+        assert paths
+        for p in paths:
+            load_config(p, tiny=args.tiny, overrides=overrides)
+        return "parsed"
+    if module == "experiments.torch_vs_jax":
+        from experiments.torch_vs_jax import build_parser
+
+        build_parser().parse_args(rest)
+        return "parsed"
+    raise AssertionError(f"no check for python -m {module}: add one to this test")
+
+
+@pytest.mark.parametrize("doc, cmd", COMMANDS, ids=[f"{d}: {c[:60]}" for d, c in COMMANDS])
+def test_documented_command(doc, cmd, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    for prefix, reason in SKIP.items():
+        if cmd.startswith(prefix):
+            pytest.skip(reason)
+    argv = _argv(cmd)
+    if argv[0] == "srun":
+        argv = argv[1:]
+    if argv[0] == "dhp":
+        how = _check_dhp(argv[1:], tmp_path, capsys)
+    elif argv[0] == "torchrun":
+        how = _check_torchrun(argv[1:])
+    elif argv[:2] == ["python", "-m"]:
+        how = _check_python_module(argv, tmp_path)
+    else:
+        raise AssertionError(f"{doc}: no check for {cmd!r}: add one to this test")
+    print(f"{doc}: {how}: {cmd}")
+
+
+def test_the_pages_show_commands():
+    docs = {d for d, _ in COMMANDS}
+    assert {"README.md", "CLUSTER.md"} <= docs
+    assert any(c.startswith("srun dhp train devices.platform=gpu") for _, c in COMMANDS)   # the SLURM line
+
+
+@pytest.mark.parametrize("index", range(len(_blocks(ROOT / "README.md", "python"))))
+def test_readme_python_snippet_runs_as_written(index, tmp_path):
+    """Each ```python block of README.md, alone, in a fresh interpreter outside the repository."""
+    code = _blocks(ROOT / "README.md", "python")[index]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, f"README python block {index}:\n{code}\n{out.stderr[-3000:]}"
+
+
+def test_report_latencies_are_labelled_as_assumptions():
+    """No source the project cites gives per-message latencies: REPORT.md's preset table says so."""
+    rows = [r for r in (ROOT / "experiments" / "REPORT.md").read_text().splitlines()
+            if r.startswith("|") and re.search(r"\d+ us\b", r)]
+    assert rows, "the preset table lists the message latencies"
+    for r in rows:
+        source = r.rstrip(" |").rsplit("|", 1)[-1]
+        assert "assumption" in source and "datasheet" not in source and "PAPER.md" not in source.split("(")[0], r

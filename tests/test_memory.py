@@ -1,0 +1,88 @@
+"""The engine's memory: the planner's memory model (fields, not hidden constants), the chunked LM
+head, remat, and the compiled-bytes bench on tiny settings."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from dhp_jax.data import random_samples
+from dhp_jax.model import MLLMConfig, init_params
+from dhp_jax.model.mllm import apply_model, chunked_loss_sum, token_loss_sum
+from dhp_jax.model.reference import reference_stream
+from dhp_jax.planner import CostModel, memory, presets
+
+
+@pytest.mark.parametrize("name", sorted(presets.MODELS))
+def test_engine_params_match_the_model(name):
+    assert memory.engine_params(presets.MODELS[name]) == MLLMConfig.preset(name).num_params()
+
+
+def test_memory_choices_are_fields_that_move_the_memory():
+    base = CostModel.preset("internvl3-2b", "ascend-910b", state_shards=8)
+    assert (base.remat, base.compute_bytes, base.state_shards) == ("layer", 2, 8)
+    wide = CostModel.preset("internvl3-2b", "ascend-910b", state_shards=64)
+    assert wide.state_bytes == pytest.approx(base.state_bytes / 8)
+    assert wide.memory_budget - base.memory_budget == pytest.approx(base.state_bytes - wide.state_bytes)
+    per_token = {r: CostModel.preset("internvl3-2b", "ascend-910b", remat=r).mem_per_token
+                 for r in ("layer", "selective", "none")}
+    assert per_token["layer"] < per_token["selective"] < per_token["none"]
+    fp32 = CostModel.preset("internvl3-2b", "ascend-910b", compute_dtype="float32")
+    assert fp32.compute_bytes == 4 and fp32.program_static_bytes > base.program_static_bytes
+    # recompute factor follows the policy: per-layer remat runs the forward twice
+    none = CostModel.preset("internvl3-2b", "ascend-910b", remat="none")
+    sel = CostModel.preset("internvl3-2b", "ascend-910b", remat="selective")
+    assert base.a2 / none.a2 == pytest.approx(4 / 3) and sel.a2 == pytest.approx(none.a2)
+    assert sel.a1 == pytest.approx(base.a1)
+    assert base.program_bytes([8192], 4) == pytest.approx(base.program_static_bytes + 2048 * base.mem_per_token)
+    assert CostModel.from_dict(base.to_dict()) == base
+    with pytest.raises(ValueError, match="remat"):
+        CostModel.preset("internvl3-2b", "ascend-910b", remat="sometimes")
+    with pytest.raises(ValueError, match="does not fit.*sharded over 1 ranks"):
+        CostModel.preset("internvl3-8b", "ascend-910b", state_shards=1)
+
+
+def test_chunked_loss_equals_full_logits_loss():
+    c = MLLMConfig.preset("tiny")
+    params = init_params(c, jax.random.key(1))
+    st = reference_stream(c, random_samples(c, [40, 3, 25], seed=2))
+    batch = {k: v for k, v in st.items() if k not in ("targets", "loss_weights")}
+
+    def full(p):
+        return token_loss_sum(apply_model(c, p, batch), st["targets"], st["loss_weights"])
+
+    def chunked(p):
+        return chunked_loss_sum(c, p, batch, st["targets"], st["loss_weights"], chunk=7)  # 68 tokens: 10 chunks
+
+    (a, ga), (b, gb) = jax.value_and_grad(full)(params), jax.value_and_grad(chunked)(params)
+    assert abs(float(a) - float(b)) <= 1e-5 * abs(float(a))
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        assert float(np.max(np.abs(x - y))) <= 1e-5 * max(float(np.max(np.abs(x))), 1e-30)
+
+
+def test_remat_changes_memory_not_values():
+    from dhp_jax.sharding.memory_bench import compiled_bytes
+
+    devs = jax.devices()
+    got = {r: compiled_bytes(MLLMConfig.preset("tiny", remat=r, num_layers=4), 2, 256, "float32", devs)
+           for r in ("none", "layer")}
+    assert got["layer"] < got["none"]
+    c = MLLMConfig.preset("tiny", remat="layer")
+    params = init_params(c, jax.random.key(1))
+    st = reference_stream(c, random_samples(c, [30, 12], seed=3))
+    batch = {k: v for k, v in st.items() if k not in ("targets", "loss_weights")}
+    def grads(cfg):
+        return jax.grad(lambda p: token_loss_sum(apply_model(cfg, p, batch), st["targets"], st["loss_weights"]))(params)
+
+    for x, y in zip(jax.tree.leaves(grads(c)), jax.tree.leaves(grads(dataclasses.replace(c, remat="none")))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+
+def test_bench_extrapolates_depth_linearly():
+    from dhp_jax.sharding.memory_bench import program_bytes
+
+    cfg = MLLMConfig.preset("tiny", num_layers=4, vision_layers=3, remat="layer")
+    est, extrapolated = program_bytes(cfg, 2, 512, compute_dtype="bfloat16", devices=jax.devices())
+    full, _ = program_bytes(cfg, 2, 512, compute_dtype="bfloat16", devices=jax.devices(), full_depth=True)
+    assert extrapolated and abs(est / full - 1) < 0.1, (est, full)

@@ -1,0 +1,157 @@
+"""Ulysses and hybrid (Ulysses x ring) attention: values and gradients equal dense attention on the
+zigzag packed layout; a DHP step whose micro-batches mix ring, Ulysses and hybrid groups equals
+`reference_loss`; the compiled program exchanges the sequence by all-to-all (no all-gather of
+activations) and its per-device temp memory at a fixed local length is flat in the degree."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dhp_jax.data import random_samples
+from dhp_jax.data.layout import pack_group
+from dhp_jax.model import MLLMConfig, init_params, reference_loss
+from dhp_jax.model.attention import AttnIds, dense_attention
+from dhp_jax.planner import Group, MicroBatch, Plan
+from dhp_jax.planner.kinds import attention_kinds, check_attention, head_plan
+from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.ring import local_attention
+from dhp_jax.sharding.ulysses import ulysses_attention
+
+C = MLLMConfig.preset("tiny")      # 4 query heads, 2 KV heads; vision encoder 2 heads
+TOL = 1e-5
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _case(degree: int, h: int, kvh: int, seed: int):
+    lay = pack_group(random_samples(C, [19, 1, 30, 7], seed=seed), degree, C)
+    rng = np.random.default_rng(seed)
+    s, d = lay.bucket, 8
+    q, k, v, ct = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                   for shape in ((s, h, d), (s, kvh, d), (s, kvh, d), (s, h, d)))
+    ids = AttnIds(*(jnp.asarray(a) for a in (lay.segment_ids, lay.positions, lay.span_ids)))
+    return lay, q, k, v, ct, ids
+
+
+def _value_and_grads(f, q, k, v, ids, ct):
+    """(out, (dq, dk, dv)) of f under the cotangent ct, in one compiled program."""
+    @jax.jit
+    def both(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, ids), q, k, v)
+        return out, vjp(ct)
+
+    return both(q, k, v)
+
+
+@pytest.mark.parametrize("u,r,h,kvh,devices", [
+    (4, 1, 4, 2, (7, 0, 3, 1)),           # GQA: 2 KV heads repeated to 4 for 4 ranks
+    (2, 2, 4, 1, (0, 1, 2, 3)),           # hybrid 2x2, one KV head
+    (2, 3, 6, 2, (6, 1, 2, 3, 4, 5)),     # hybrid 2x3
+    (4, 1, 2, 2, (0, 1, 2, 3)),           # 2 heads on 4 ranks: zero heads pad (the vision encoder's case)
+])
+def test_ulysses_and_hybrid_equal_dense(u, r, h, kvh, devices):
+    lay, q, k, v, ct, ids = _case(u * r, h, kvh, seed=u * 10 + r)
+    mesh = Mesh(np.array([jax.devices()[i] for i in devices]).reshape(r, u), ("cp", "sp"))
+    spec = P(("cp", "sp"))
+
+    def uly(q, k, v, ids):
+        body = functools.partial(ulysses_attention, ulysses=u, ring=r)
+        return jax.shard_map(lambda q, k, v, i: body(q, k, v, i, i), mesh=mesh, in_specs=spec,
+                             out_specs=spec, check_vma=False)(q, k, v, ids)
+
+    out, grads = _value_and_grads(uly, q, k, v, ids, ct)
+    ref_out, ref_grads = _value_and_grads(lambda q, k, v, i: dense_attention(q, k, v, i, i), q, k, v, ids, ct)
+    assert _rel(out, ref_out) <= TOL
+    for name, a, b in zip("qkv", grads, ref_grads):
+        assert _rel(a, b) <= TOL, f"d{name}"
+    pad = lay.segment_ids == 0
+    assert pad.any() and not np.any(np.asarray(out)[pad]), "padding queries must give zeros"
+
+
+def test_local_attention_with_small_tiles_equals_dense_on_one_device():
+    """The local kernel of a Ulysses group (the ring's tiled custom-VJP kernel on one device), with
+    tiles smaller than a chunk and the 2u-chunk layout of a head-sharded stream."""
+    _, q, k, v, ct, ids = _case(4, 4, 2, seed=3)
+    fn = lambda q, k, v, i: local_attention(q, k, v, i, i, tile=q.shape[0] // 8, chunks=4)
+    out, grads = _value_and_grads(fn, q, k, v, ids, ct)
+    ref_out, ref_grads = _value_and_grads(lambda q, k, v, i: dense_attention(q, k, v, i, i), q, k, v, ids, ct)
+    assert _rel(out, ref_out) <= TOL and max(_rel(a, b) for a, b in zip(grads, ref_grads)) <= TOL
+
+
+def test_kinds_and_head_plan():
+    assert attention_kinds(8, 4) == ["ring", "hybrid:2x4", "hybrid:4x2"]
+    assert attention_kinds(8, 32, max_ulysses=8) == ["ring", "hybrid:2x4", "hybrid:4x2", "ulysses"]
+    assert attention_kinds(6, 28) == ["ring", "hybrid:2x3"]
+    assert check_attention("hybrid:2x3", 6, 4) == (2, 3)
+    with pytest.raises(ValueError, match="4 query heads do not split over 3 Ulysses ranks"):
+        check_attention("ulysses", 3, 4)
+    with pytest.raises(ValueError, match="degree 6"):
+        check_attention("hybrid:2x2", 6, 4)
+    assert head_plan(4, 2, 4) == (4, 4) and head_plan(28, 4, 7) == (28, 28) and head_plan(32, 8, 4) == (32, 8)
+    assert head_plan(2, 2, 4) == (4, 4)                   # padded with zero heads
+
+
+def _attention_program(u: int, h: int, kvh: int, s_l: int):
+    """fwd+bwd of Ulysses attention over u devices at local length s_l, compiled."""
+    mesh = Mesh(np.array(jax.devices()[:u]).reshape(1, u), ("cp", "sp"))
+    spec = P(("cp", "sp"))
+    body = functools.partial(ulysses_attention, ulysses=u, ring=1)
+
+    def loss(q, k, v, ids, ct):
+        o = jax.shard_map(lambda q, k, v, i: body(q, k, v, i, i), mesh=mesh, in_specs=spec, out_specs=spec,
+                          check_vma=False)(q, k, v, ids)
+        return jnp.sum(o * ct)
+
+    sh = NamedSharding(mesh, spec)
+    s = u * s_l
+    arr = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    args = (arr((s, h, 8)), arr((s, kvh, 8)), arr((s, kvh, 8)), AttnIds(*[arr((s,), jnp.int32)] * 3), arr((s, h, 8)))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+
+
+def test_ulysses_memory_flat_in_degree_and_all_to_all_hlo():
+    temps = {}
+    for u in (2, 4, 8):
+        exe = _attention_program(u, h=8, kvh=2, s_l=128)
+        temps[u] = exe.memory_analysis().temp_size_in_bytes
+        hlo = exe.as_text()
+        assert "all-to-all" in hlo
+        # the only all-gathers are of the int32 token ids, never of activations
+        gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
+        assert gathers and all(g.startswith(("s32", "(s32")) for g in gathers), gathers
+    # fixed local length: a 4x larger stream on 4x the devices needs no more temp memory per device
+    assert temps[8] <= 1.1 * temps[2] and temps[4] <= 1.1 * temps[2], temps
+
+
+# ----------------------------------------------------------------------------- whole DHP steps
+MIXED = Plan(8, (
+    MicroBatch((Group((0, 1), 2, (0, 1)), Group((2, 3), 2, (2, 3), attention="ulysses"),
+                Group((4, 5, 6, 7), 4, (4, 5), attention="hybrid:2x2"))),
+    MicroBatch((Group((1, 0), 2, (6,), attention="ulysses"),
+                Group((2, 3, 4, 5, 6, 7), 6, (7,), attention="hybrid:2x3"))),
+))
+
+
+def test_mixed_kinds_step_matches_reference_and_group_hlo():
+    params = init_params(C, jax.random.key(0))
+    samples = random_samples(C, [37, 1, 22, 50, 64, 9, 30, 41], seed=0)
+    ex = PlanExecutor(C)
+    loss, grads = ex.loss_and_grads(params, samples, MIXED)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: reference_loss(C, p, samples))(params)
+    assert abs(float(loss) - float(ref_loss)) <= TOL * abs(float(ref_loss))
+    worst = {"/".join(map(str, k)): _rel(a, b) for (k, a), b in
+             zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads))}
+    assert max(worst.values()) <= TOL, max(worst.items(), key=lambda kv: kv[1])
+    assert {k[3] for k in ex.executable_keys} == {"ring", "ulysses", "hybrid:2x2", "hybrid:2x3"}
+    d, b, ids, kind = next(k for k in ex.executable_keys if k[3] == "ulysses")
+    hlo = ex.executable(params, d, b, tuple(jax.devices()[i] for i in ids), kind).as_text()
+    assert "all-to-all" in hlo and "collective-permute" not in hlo
+    assert all(g.startswith(("s32", "(s32")) for g in re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo))
