@@ -17,7 +17,8 @@ def test_hybrid_price_is_the_all_to_all_plus_a_thinner_ring():
     A, B, S = 40.0, 10.0, 60000.0
     c = COST.replace(bucket_min=0)  # the unpadded form (padding is priced the same for every kind)
     t = float(c.group_times(A, B, S, 8, False, "hybrid:2x4"))
-    a2a = c.comm_per_token(False, "ulysses") * (S / 4) * (2 - 1) / 2           # Ulysses over 2 on S/4 tokens
+    # Ulysses over 2 on a sub-group's S/4 tokens: a rank holds S/8 of them and sends (2-1)/2 of those
+    a2a = c.comm_per_token(False, "ulysses") * (S / 8) * (2 - 1) / 2
     ring = c.comm_per_token(False, "ring") / 2 * S * (4 - 1) / 4               # half the K/V heads, ring of 4
     lat = c.lat_intra * (1 + 3)
     assert t == pytest.approx((A + B) / 8 + c.b1 + a2a + lat + max(ring - A / 8, 0.0), rel=1e-12)

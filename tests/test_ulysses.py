@@ -100,10 +100,12 @@ def test_kinds_and_head_plan():
 
 
 def _attention_program(u: int, h: int, kvh: int, s_l: int):
-    """fwd+bwd of Ulysses attention over u devices at local length s_l, compiled."""
+    """fwd+bwd of Ulysses attention over u devices at local length s_l, compiled (tiles of s_l / 2
+    tokens: the kernel's temporaries are one score tile, so a tile above the local length would
+    measure the tile, not the layout)."""
     mesh = Mesh(np.array(jax.devices()[:u]).reshape(1, u), ("cp", "sp"))
     spec = P(("cp", "sp"))
-    body = functools.partial(ulysses_attention, ulysses=u, ring=1)
+    body = functools.partial(ulysses_attention, ulysses=u, ring=1, tile=s_l // 2)
 
     def loss(q, k, v, ids, ct):
         o = jax.shard_map(lambda q, k, v, i: body(q, k, v, i, i), mesh=mesh, in_specs=spec, out_specs=spec,

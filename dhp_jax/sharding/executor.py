@@ -226,7 +226,7 @@ class PlanExecutor:
         "ring", the all-to-all layouts of `dhp_jax.sharding.ulysses` for the other kinds."""
         u, r = check_attention(attention, degree, self.config.num_heads)
         if u > 1:
-            return group_attention_fn(u, r)
+            return group_attention_fn(u, r, tile=self.attention_tile)
         if self._attention is not None:
             return self._attention(CP_AXIS, degree)
         return ring_attention_fn(CP_AXIS, degree, tile=self.attention_tile)

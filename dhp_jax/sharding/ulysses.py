@@ -39,6 +39,7 @@ from dhp_jax.model.attention import AttnIds, repeat_kv
 from dhp_jax.planner.kinds import head_plan
 from dhp_jax.sharding.mesh import CP_AXIS, SP_AXIS
 from dhp_jax.sharding.ring import local_attention, ring_attention, ring_attention_fn
+from dhp_jax.sharding.tiles import DEFAULT_TILE
 
 
 def _pad_heads(x: jax.Array, heads: int) -> jax.Array:
@@ -46,7 +47,8 @@ def _pad_heads(x: jax.Array, heads: int) -> jax.Array:
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds, *,
-                      ulysses: int, ring: int, cp_axis: str = CP_AXIS, sp_axis: str = SP_AXIS) -> jax.Array:
+                      ulysses: int, ring: int, cp_axis: str = CP_AXIS, sp_axis: str = SP_AXIS,
+                      tile: int = DEFAULT_TILE) -> jax.Array:
     """Attention of the local queries over the whole group's keys; returns o[S_l, H, D].
 
     Must run inside `shard_map` over a mesh with `sp_axis` of size `ulysses` and `cp_axis` of size
@@ -68,15 +70,18 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, 
     ki = qi if k_ids is q_ids else gather(k_ids)
     # the head-sharded stream is the u ranks' local streams one after another: 2u zigzag chunks
     if ring == 1:
-        oh = local_attention(qh, kh, vh, qi, ki, chunks=2 * ulysses)
+        oh = local_attention(qh, kh, vh, qi, ki, tile=tile, chunks=2 * ulysses)
     else:
-        oh = ring_attention(qh, kh, vh, qi, ki, axis_name=cp_axis, degree=ring, chunks=2 * ulysses)
+        oh = ring_attention(qh, kh, vh, qi, ki, axis_name=cp_axis, degree=ring, tile=tile, chunks=2 * ulysses)
     o = lax.all_to_all(oh, sp_axis, split_axis=0, concat_axis=1, tiled=True)  # o[S_l, H', D]
     return o[:, :h]
 
 
-def group_attention_fn(ulysses: int, ring: int, cp_axis: str = CP_AXIS, sp_axis: str = SP_AXIS):
-    """The model-facing attention of a group shaped (Ulysses u) x (ring r): the ring for u = 1."""
+def group_attention_fn(ulysses: int, ring: int, cp_axis: str = CP_AXIS, sp_axis: str = SP_AXIS,
+                       tile: int = DEFAULT_TILE):
+    """The model-facing attention of a group shaped (Ulysses u) x (ring r): the ring for u = 1.
+    `tile`: the tiled kernel's largest tile (temporaries are one score tile per head)."""
     if ulysses == 1:
-        return ring_attention_fn(cp_axis, ring)
-    return functools.partial(ulysses_attention, ulysses=ulysses, ring=ring, cp_axis=cp_axis, sp_axis=sp_axis)
+        return ring_attention_fn(cp_axis, ring, tile=tile)
+    return functools.partial(ulysses_attention, ulysses=ulysses, ring=ring, cp_axis=cp_axis, sp_axis=sp_axis,
+                             tile=tile)
