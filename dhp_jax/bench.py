@@ -16,6 +16,7 @@ TARGETS: dict[str, tuple[str, str]] = {
                   "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
     "memory": ("dhp_jax.sharding.memory_bench", "compiled bytes of the group program vs the CostModel memory"),
     "ulysses": ("dhp_jax.train.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
+    "compiles": ("dhp_jax.train.compiles_bench", "programs, executables per process and padding of DHP plans"),
 }
 
 

@@ -196,11 +196,25 @@ def attention_choice(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def compiles(r: dict[str, Any]) -> str:
+    steps = r["config"]["steps"]
+    lines = [f"| bucket rule | padded / real tokens | programs over {steps} steps | executables per process, max "
+             "(x programs it runs: placement / none) | step (s) | unpadded (s) | lost to padding | how |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in r["rows"]:
+        lines.append(f"| {row.get('rule', row['growth'])} | {row['padded_over_real']:.3f} | {row['programs']} | "
+                     f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
+                     f"{row['executables_per_program_per_process_max_no_placement']:.2f}x) | {row['step_s']:.2f} | "
+                     f"{row['step_s_unpadded']:.2f} | {100 * row['step_time_lost']:+.1f} % | {_short(r['label'])} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
     "case_study": case_study, "optimality": optimality, "ablations": ablations, "sensitivity": sensitivity,
     "tail_sweep": tail_sweep,
     "attention_choice": attention_choice,
+    "compiles": compiles,
 }
 
 

@@ -37,6 +37,7 @@ REGISTRY: dict[str, str] = {
     "sensitivity": "experiments.exp_sensitivity",
     "tail_sweep": "experiments.exp_tail_sweep",
     "attention_choice": "experiments.exp_attention_choice",
+    "compiles": "experiments.exp_compiles",
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")

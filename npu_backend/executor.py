@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dhp_jax.data.layout import MODEL_INPUTS, pack_group
+from dhp_jax.data.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.data.sample import Sample
 from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import Group, Plan, PlanValidationError
@@ -102,7 +102,8 @@ class TorchPlanExecutor:
 
     # ------------------------------------------------------------------ pieces
     def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[dict[str, torch.Tensor], int]:
-        layout = pack_group([samples[i] for i in group.samples], group.degree, self.config)
+        members = [samples[i] for i in group.samples]
+        layout = pack_group(members, group.degree, self.config, bucket=planned_bucket(group, members))
         n = layout.bucket // group.degree
         i = group.ranks.index(self.rank)
         arrays = layout.arrays()

@@ -59,7 +59,7 @@ def _by_hand(c, lengths, etas, d, inter):
     ([1000], [0.0], 1), ([90000], [1.0], 3), ([500, 700, 300], [0.2, 0.0, 0.9], 5),
     ([120000, 4000], [0.81, 0.0], 8), ([2000] * 10, [0.5] * 10, 12), ([64], [0.0], 64)])
 def test_time_matches_the_paper_form(lengths, etas, d):
-    c = CostModel.preset("qwen3-vl-4b", "h100")
+    c = CostModel.preset("qwen3-vl-4b", "h100", bucket_min=0)  # the paper's form: no padding
     inter = d > c.ranks_per_node
     assert c.time(lengths, d, etas) == pytest.approx(_by_hand(c, lengths, etas, d, inter), rel=1e-12)
     # an explicit link class overrides the degree rule
@@ -68,7 +68,7 @@ def test_time_matches_the_paper_form(lengths, etas, d):
 
 
 def test_ulysses_pays_all_to_all_without_overlap():
-    c = CostModel.preset("qwen3-vl-8b", "a100")
+    c = CostModel.preset("qwen3-vl-8b", "a100", bucket_min=0)
     t_ring = c.time([50000], 4)
     t_uly = c.time([50000], 4, attention="ulysses")
     A = c.a1 * 50000 ** 2
@@ -100,7 +100,7 @@ def _all_to_all_sent(S: int, d: int, heads: int) -> int:
 @pytest.mark.parametrize("S,d", [(48, 2), (96, 4), (64, 8), (384, 16)])
 def test_ulysses_traffic_is_the_per_rank_all_to_all_volume(S, d):
     heads = 16
-    c = CostModel.preset("qwen3-vl-8b", "a100")
+    c = CostModel.preset("qwen3-vl-8b", "a100", bucket_min=0)  # the unpadded form
     per_token_head = c.a2a_bytes_per_token / (4 * heads)  # Q, K, V, O of one head of one token
     by_hand = _all_to_all_sent(S, d, heads) * per_token_head  # bytes one rank sends
     assert float(c.sent_tokens(S, d, "ulysses")) * c.a2a_bytes_per_token == pytest.approx(by_hand, rel=1e-12)
@@ -115,7 +115,9 @@ def test_ulysses_traffic_is_the_per_rank_all_to_all_volume(S, d):
 
 def test_memory_and_min_degree():
     c = CostModel.preset("internvl3-8b", "ascend-910b")
-    assert c.memory([1000, 3000], 4) == pytest.approx(4000 * c.mem_per_token / 4)
+    # the padded stream is what a rank holds: 4000 tokens at degree 4 run as the 4096 bucket
+    assert c.memory([1000, 3000], 4) == pytest.approx(4096 * c.mem_per_token / 4)
+    assert c.replace(bucket_min=0).memory([1000, 3000], 4) == pytest.approx(4000 * c.mem_per_token / 4)
     cap = c.max_tokens_per_rank
     assert list(c.min_degree([1, int(cap), int(cap) + 1, int(3 * cap)])) == [1, 1, 2, 3]
 
@@ -183,8 +185,8 @@ def _synthetic(true, rng, n=48):
 
 @pytest.mark.parametrize("model", ["qwen3-vl-2b", "internvl3-8b"])
 def test_fit_recovers_known_coefficients(model):
-    true = CostModel.preset(model, "ascend-910b")
-    base = CostModel.preset(model, "a100")  # a wrong starting point: other peak rates and links
+    true = CostModel.preset(model, "ascend-910b", bucket_min=0)  # unpadded: the paper's form
+    base = CostModel.preset(model, "a100", bucket_min=0)  # a wrong starting point: other peak rates and links
     fitted, report = fit_cost_model(_synthetic(true, np.random.default_rng(1)), base)
     assert report["max_abs_rel_err"] < 1e-9
     for name in ("a1", "a2", "a2_vision", "b1", "bw_intra", "bw_inter", "lat_intra", "lat_inter"):
@@ -193,8 +195,8 @@ def test_fit_recovers_known_coefficients(model):
 
 
 def test_fit_keeps_uninformed_coefficients_and_rejects_bad_points():
-    true = CostModel.preset("qwen3-vl-2b", "ascend-910b")
-    base = CostModel.preset("qwen3-vl-2b", "a100")
+    true = CostModel.preset("qwen3-vl-2b", "ascend-910b", bucket_min=0)
+    base = CostModel.preset("qwen3-vl-2b", "a100", bucket_min=0)
     ms = [m for m in _synthetic(true, np.random.default_rng(2), 60) if m["degree"] <= 8]
     fitted, report = fit_cost_model(ms, base)
     assert "c_inter" in report["kept_from_base"] and fitted.bw_inter == base.bw_inter
@@ -218,7 +220,7 @@ def test_padded_length_is_the_layouts_bucket():
         for d in (1, 2, 3, 5, 6, 8):
             want = [bucket_length(int(k), d, min_bucket, growth) for k in n]
             assert c.padded_length(n, d).tolist() == want, (min_bucket, growth, d)
-    off = CostModel.preset("internvl3-2b", "cpu")
+    off = CostModel.preset("internvl3-2b", "cpu", bucket_min=0)
     assert off.padded_length([100, 7], 3).tolist() == [100.0, 7.0]
 
 
@@ -244,7 +246,7 @@ def _by_hand_machine(c, lengths, etas, d, lanes, bucket, overlap):
 def test_compute_lanes_and_padding_by_hand(lengths, etas, d):
     from dhp_jax.data.layout import bucket_length
 
-    base = CostModel.preset("internvl3-2b", "cpu").replace(
+    base = CostModel.preset("internvl3-2b", "cpu", bucket_min=0).replace(
         a1=2e-7, a2=5e-5, a2_vision=3e-5, b1=4e-3, kv_bytes_per_token=4096.0, bw_intra=2e8, lat_intra=3e-4)
     assert base.compute_lanes == 2 and not base.comm_overlap
     assert base.time(lengths, d, etas) == pytest.approx(
@@ -258,7 +260,7 @@ def test_compute_lanes_and_padding_by_hand(lengths, etas, d):
 
 
 def test_lanes_make_large_degrees_pay_on_shared_cores():
-    c = CostModel.preset("internvl3-2b", "cpu").replace(kv_bytes_per_token=0.0, lat_intra=0.0)
+    c = CostModel.preset("internvl3-2b", "cpu", bucket_min=0).replace(kv_bytes_per_token=0.0, lat_intra=0.0)
     # with no traffic, degree 8 on 2 cores does the compute of degree 2 and 4x the fixed work;
     # with 8 lanes the compute is 4x cheaper and the fixed work that of one rank
     assert c.time([4000], 8) - 4 * c.b1 == pytest.approx(c.time([4000], 2) - c.b1, rel=1e-12)
@@ -281,3 +283,24 @@ def test_structure_round_trips_and_bad_values_are_named(tmp_path):
         c.replace(bucket_min=-1)
     with pytest.raises(ValueError, match="bucket_growth must be > 1"):
         c.replace(bucket_growth=1.0)
+
+
+def test_accelerator_presets_price_the_padding_by_hand():
+    """Every preset prices the executor's bucket: pad tokens go through the linear layers, around
+    the ring and into memory; on accelerators attention stays that of the real samples."""
+    from dhp_jax.data.layout import bucket_length
+
+    c = CostModel.preset("internvl3-8b", "ascend-910b")
+    assert c.bucket_min > 0 and not c.padded_attention
+    assert CostModel.preset("internvl3-8b", "cpu").padded_attention
+    lengths, etas, d = [15000, 5000], [0.5, 0.0], 3
+    P = bucket_length(sum(lengths), d, c.bucket_min, c.bucket_growth)
+    assert sum(lengths) < P <= c.max_tokens_per_rank * d  # a rung the memory clamp leaves alone
+    A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
+    B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (P - sum(lengths))
+    t_cm = c.kv_bytes_per_token / c.bw_intra * P * (d - 1) / d + c.lat_intra * (d - 1)
+    assert c.time(lengths, d, etas) == pytest.approx((A + B) / d + c.b1 + t_cm - min(A / d, t_cm), rel=1e-12)
+    assert c.memory(lengths, d) == pytest.approx(P * c.mem_per_token / d)
+    # the rung is clamped to the memory budget: padding never makes a fitting group overflow
+    near = int(c.max_tokens_per_rank * 2) - 10
+    assert c.memory([near], 2) <= c.memory_budget * (1 + 1e-9) < c.replace(bucket_min=0).memory([2 * near], 2)

@@ -19,7 +19,7 @@ def _instances(n, seed=0):
     rng = np.random.default_rng(seed)
     for i in range(n):
         model, hw = MODELS[i % len(MODELS)]
-        cost = CostModel.preset(model, hw, ranks_per_node=16)
+        cost = CostModel.preset(model, hw, ranks_per_node=16, bucket_min=0)  # the MILP prices no buckets
         cap = cost.max_tokens_per_rank
         N = int(rng.integers(2, 17))
         K = int(rng.integers(1, 25))

@@ -27,7 +27,9 @@ and never stream order, the permutation and the padding change no result.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import math
 from typing import Any, Sequence
 
@@ -46,26 +48,103 @@ MIN_BUCKET = 16
 GROWTH = 2.0
 
 
-def ladder(n: int, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> int:
-    """Smallest rung of the geometric ladder ceil(min_bucket * growth**k) that holds n tokens."""
+def _check_ladder(min_bucket: int, growth: float) -> None:
     if min_bucket < 1 or growth <= 1.0:
         raise ValueError(f"bucket ladder needs min_bucket >= 1 and growth > 1, got {min_bucket}, {growth}")
-    n = max(int(n), 1)
-    k, rung = 0, min_bucket
-    while rung < n:
+
+
+def ladder(n: int, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> int:
+    """Smallest rung of the geometric ladder ceil(min_bucket * growth**k) that holds n tokens."""
+    return int(ladders(n, min_bucket, growth))
+
+
+@functools.lru_cache(maxsize=32)
+def _rungs(min_bucket: int, growth: float) -> tuple[list[float], np.ndarray]:
+    """Every rung ceil(min_bucket * growth**k) up to 2**48 tokens, walked once, as a list (scalar
+    lookups by bisection) and an array (vectorised lookups)."""
+    _check_ladder(min_bucket, growth)
+    out, k, rung = [], 0, float(min_bucket)
+    while rung < 2.0 ** 48:
+        if not out or rung > out[-1]:
+            out.append(rung)
         k += 1
-        rung = int(math.ceil(min_bucket * growth ** k))
-    return rung
+        rung = float(math.ceil(min_bucket * growth ** k))
+    out.append(rung)
+    return out, np.asarray(out)
+
+
+def ladders(tokens: Any, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> np.ndarray:
+    """`ladder` for an array of token counts (float64, same shape): the smallest rung that holds
+    each count, looked up in the walked ladder (no float log, so rounding never moves a rung)."""
+    lst, arr = _rungs(int(min_bucket), float(growth))
+    if np.ndim(tokens) == 0:  # the planner's scalar path: plain floats
+        return np.float64(lst[bisect.bisect_left(lst, max(math.ceil(float(tokens)), 1))])
+    n = np.maximum(np.ceil(np.asarray(tokens, dtype=np.float64)), 1.0)
+    return arr[np.searchsorted(arr, n, side="left")]
+
+
+def bucket_lengths(tokens: Any, degree: Any, min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
+                   max_per_device: float | None = None, menu: Any = ()) -> np.ndarray:
+    """The bucket rule, vectorised: the padded stream length for `tokens` on `degree` devices is
+    the ladder rung, rounded up to a multiple of 2*degree (two zigzag chunks per device). The
+    planner's cost model, the simulator and both executors all price and run this length.
+
+    `max_per_device` (a memory limit in tokens per device) clamps the rung: padding never takes a
+    group that fits unpadded over it (one extra, memory-sized bucket per degree at most); the
+    result still holds the tokens, rounded up to 2*degree.
+
+    `menu` (pairs `(degree, (bucket, ...))`, buckets ascending multiples of 2*degree, e.g. a fitted
+    `planner.menu.BucketMenu`) replaces the ladder for its degrees: the smallest menu bucket that
+    holds the tokens (the ladder only where none does)."""
+    if isinstance(tokens, (int, float)) and isinstance(degree, (int, float)):
+        out = _bucket_scalar(tokens, degree, int(min_bucket), float(growth), max_per_device)
+        for d, buckets in menu:
+            if d == degree:
+                k = bisect.bisect_left(buckets, tokens)
+                return float(buckets[k]) if k < len(buckets) else out
+        return out
+    d = np.asarray(degree, dtype=np.float64)
+    if np.any(d < 1):
+        raise ValueError(f"degree must be >= 1, got {degree}")
+    step = 2.0 * d
+    rung = ladders(tokens, min_bucket, growth)
+    if max_per_device is not None:
+        rung = np.maximum(np.minimum(rung, np.floor(max_per_device * d / step) * step), np.asarray(tokens, float))
+    out = np.ceil(rung / step) * step
+    if menu:
+        n, d = np.broadcast_arrays(np.asarray(tokens, dtype=np.float64), d)
+        out = np.array(np.broadcast_to(out, n.shape), dtype=np.float64)
+        for deg, buckets in menu:
+            on = d == deg
+            if on.any():
+                table = np.asarray(buckets, dtype=np.float64)
+                k = np.searchsorted(table, n[on], side="left")
+                fit = k < table.size
+                sub = out[on]
+                sub[fit] = table[k[fit]]
+                out[on] = sub
+    return out
+
+
+def _bucket_scalar(tokens: float, degree: float, min_bucket: int, growth: float,
+                   max_per_device: float | None) -> float:
+    """`bucket_lengths` of one group in plain floats (the planner evaluates thousands)."""
+    if degree < 1:
+        raise ValueError(f"degree must be >= 1, got {degree}")
+    lst = _rungs(min_bucket, growth)[0]
+    rung = lst[bisect.bisect_left(lst, max(math.ceil(tokens), 1))]
+    step = 2.0 * degree
+    if max_per_device is not None:
+        rung = max(min(rung, (max_per_device * degree // step) * step), tokens)
+    return math.ceil(rung / step) * step
 
 
 def bucket_length(n: int, degree: int, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> int:
-    """Padded stream length for n tokens on `degree` devices: the ladder rung, rounded up to a
-    multiple of 2*degree (two zigzag chunks per device). One bucket per (rung, degree), so the
-    number of distinct shapes is bounded by #rungs x #degrees."""
+    """`bucket_lengths` of one group. One bucket per (rung, degree), so the number of distinct
+    shapes is bounded by #rungs x #degrees."""
     if int(degree) < 1:
         raise ValueError(f"degree must be >= 1, got {degree}")
-    step = 2 * int(degree)
-    return -(-ladder(n, min_bucket, growth) // step) * step
+    return int(bucket_lengths(n, int(degree), min_bucket, growth))
 
 
 def zigzag_permutation(length: int, degree: int) -> np.ndarray:
@@ -112,6 +191,14 @@ class GroupLayout:
 def _where(sample: Sample, index: int) -> str:
     sid = sample.sample_id if sample.sample_id is not None else index
     return f"sample {sid!r}"
+
+
+def planned_bucket(group: Any, samples: Sequence[Sample]) -> int | None:
+    """The stream length a plan chose for a group (its `padded_tokens`), when the plan describes
+    these very samples (its `tokens` is their total; a plan of unscaled batches does not); None:
+    the executor's own ladder. Both executors pack with it, so they run what the planner priced."""
+    padded, tokens = int(getattr(group, "padded_tokens", 0) or 0), int(getattr(group, "tokens", 0) or 0)
+    return padded if padded and tokens == sum(s.num_tokens for s in samples) else None
 
 
 def pack_group(samples: Sequence[Sample], degree: int, config: Any, *, bucket: int | None = None,

@@ -13,6 +13,7 @@ _LAZY = {
     "step_time": "dhp_jax.planner.pricing",
     "compare_strategies": "dhp_jax.planner.compare",
     "Comparison": "dhp_jax.planner.compare",
+    "ProgramCache": "dhp_jax.planner.programs",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 __all__ = ["SCHEMA", "Group", "MicroBatch", "Plan", "PlanningError", "PlanValidationError", *_LAZY]

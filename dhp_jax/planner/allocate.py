@@ -49,11 +49,12 @@ class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
 
     def __init__(self, cost: CostModel, attention: str):
-        # shared lanes or padded buckets: the closed form below does not hold; price
-        # every evaluation with the cost model itself so the search stays exact for it
+        # shared lanes: the closed form below does not hold; price every evaluation with the
+        # cost model itself so the search stays exact for it
         self.exact = None
-        if cost.compute_lanes is not None or cost.bucket_min:
+        if cost.compute_lanes is not None:
             self.exact = (cost, attention)
+        self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
@@ -65,6 +66,12 @@ class _ScalarTime:
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
             return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
+        c = self.cost
+        if c.bucket_min:
+            P = c.padded_length(S, d)
+            if c.padded_attention:
+                A = c.a1 * P * P
+            B, S = B + c.a2 * (P - S), P
         sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
         if d > self.rpn:
             comm = self.c_inter * sent + self.l_inter * (d - 1)

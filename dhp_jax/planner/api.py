@@ -20,8 +20,9 @@ from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.dhp import solve_dhp
 from dhp_jax.planner.plan import Plan, PlanningError
 from dhp_jax.planner.problem import Problem, prepare
+from dhp_jax.planner.programs import ProgramCache, reuse_ranks
 
-__all__ = ["STRATEGIES", "Problem", "plan_batch", "prepare"]
+__all__ = ["STRATEGIES", "Problem", "plan_batch", "prepare", "reuse_placement"]
 
 STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>", "static-ulysses:best",
               "flexsp", "milp")
@@ -31,8 +32,8 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
                node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
-               node_limit: int | None = None,
-               every_rank: bool = False, attention: str = "best") -> Plan:
+               node_limit: int | None = None, every_rank: bool = False, attention: str = "best",
+               programs: ProgramCache | None = None) -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
 
     Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
@@ -47,6 +48,9 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     `every_rank=True` is for executors in which every rank must run some group (the torch backend):
     a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
     samples than ranks) joins the slowest group instead.
+    `programs` (a `ProgramCache` of the plans issued so far; the plan is recorded in it) makes the
+    placement reuse compiled executables and prices new programs at `programs.compile_s` (see
+    `dhp_jax.planner.programs`).
     """
     if not isinstance(strategy, str):
         raise PlanningError(f"strategy must be a string, got {strategy!r}")
@@ -58,7 +62,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     mode, attention = attention, "ring"
     extra: dict[str, Any] = {}
     if strategy == "dhp":
-        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine)
+        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, mode)
         attention = mode
     elif strategy.startswith("static-ring:") or strategy.startswith("static-ulysses:"):
         kind, _, arg = strategy.partition(":")
@@ -79,8 +83,27 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     plan = build_plan(mbs, prob.lengths, prob.etas, cost, N, solver, attention)  # checks memory, vectorised
     if every_rank:
         plan = _use_every_rank(plan, prob, solver, attention)
+    if programs is not None:
+        plan = reuse_placement(plan, prob.lengths, prob.etas, cost, programs, attention)
     plan.validate(num_samples=len(prob.lengths))
     return plan
+
+
+def reuse_placement(plan: Plan, lengths: Any, etas: Any, cost: CostModel, programs: ProgramCache,
+                    attention: str = "best") -> Plan:
+    """The plan with equally fast rank tuples swapped so that groups land where their program
+    (degree, padded tokens, attention kind) is already compiled (`dhp_jax.planner.programs.reuse_ranks`;
+    group times unchanged); the result is recorded in `programs`. `attention` is the mode the plan
+    was made with (plan_batch's; the groups' kinds are chosen again on the swapped tuples)."""
+    rpn = plan.ranks_per_node or plan.num_ranks
+    mbs = []
+    for mb in plan.micro_batches:
+        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks, g.attention) for g in mb.groups], rpn, programs)
+        mbs.append([(r, list(g.samples)) for r, g in zip(ranks, mb.groups)])
+    out = build_plan(mbs, np.asarray(lengths), np.zeros(len(lengths)) if etas is None else np.asarray(etas, float),
+                     cost, plan.num_ranks, dict(plan.solver), attention)
+    programs.add(out)
+    return out
 
 
 def _use_every_rank(plan: Plan, prob: Problem, solver: dict[str, Any], attention: str) -> Plan:

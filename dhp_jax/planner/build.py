@@ -1,7 +1,7 @@
 """Turn solved micro-batches (rank tuples + sample ids) into a `Plan` with its estimates filled in.
 
 Each group records its own attention kind, its tokens and its padded stream length (the one bucket
-rule, `dhp_jax.data.layout.bucket_length`, on the cost model's ladder; the executors' default ladder
+rule, `dhp_jax.data.layout.bucket_lengths`, on the cost model's ladder; the executors' default ladder
 when the cost model prices no padding). Times come from `planner.pricing`, the one place plans are priced.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_length
+from dhp_jax.data.layout import bucket_lengths
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.planner.pricing import attention_for, best_kinds, kind_times, price_groups
@@ -19,12 +19,13 @@ from dhp_jax.planner.pricing import attention_for, best_kinds, kind_times, price
 __all__ = ["attention_for", "build_plan", "kind_times", "padded_tokens"]  # (pricing names kept importable here)
 
 
-def padded_tokens(tokens: int, degree: int, cost: CostModel) -> int:
-    """The stream length an executor runs for `tokens` on `degree` ranks, on the cost model's ladder
-    (the executors' default one when the model prices no padding)."""
+def padded_tokens(tokens: Any, degree: Any, cost: CostModel) -> np.ndarray:
+    """The stream lengths an executor runs for `tokens` on `degree` ranks (int64, vectorised): the one
+    bucket rule on the cost model's ladder (memory clamp and menu included, `CostModel.padded_length`);
+    the executors' default ladder when the model prices no padding."""
     if cost.bucket_min:
-        return bucket_length(tokens, degree, cost.bucket_min, cost.bucket_growth)
-    return bucket_length(tokens, degree, MIN_BUCKET, GROWTH)
+        return np.asarray(cost.padded_length(np.asarray(tokens, float), degree)).astype(np.int64)
+    return bucket_lengths(np.asarray(tokens, float), degree).astype(np.int64)
 
 
 def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]], lengths: np.ndarray,
@@ -39,18 +40,21 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     else:
         kinds = [attention_for(len(g[1]), cost, attention) for g in flat]
     times, S, d = price_groups(cost, [(g[1], g[2]) for g in flat], (attn, lin, tok), kinds, cost.ranks_per_node)
-    mems = S * cost.mem_per_token / d
-    over = np.flatnonzero(mems > cost.memory_budget * (1 + 1e-9))
+    # the padded stream is what a rank holds; the bucket rule clamps padding to the budget, so a
+    # group is infeasible exactly when its real tokens are
+    mems = cost.padded_length(S, d) * cost.mem_per_token / d
+    over = np.flatnonzero(S * cost.mem_per_token / d > cost.memory_budget * (1 + 1e-9))
     if over.size:
         m, ranks, samples = flat[int(over[0])]
         raise PlanValidationError(f"micro-batch {m} group on ranks {list(ranks)}: needs "
                                   f"{mems[over[0]] / 2**30:.2f} GiB per rank for samples {list(samples)}, "
                                   f"budget is {cost.memory_budget / 2**30:.2f} GiB")
     per_mb: list[list[Group]] = [[] for _ in micro_batches]
-    for (m, ranks, samples), kind, n, t, mem in zip(flat, kinds, S.tolist(), times.tolist(), mems.tolist()):
-        n = int(round(n))
+    padded = padded_tokens(S, d, cost)
+    for (m, ranks, samples), kind, n, t, mem, pn in zip(flat, kinds, S.tolist(), times.tolist(), mems.tolist(),
+                                                         padded.tolist()):
         per_mb[m].append(Group(ranks=ranks, degree=len(ranks), samples=samples, attention=kind, est_time_s=t,
-                               est_memory_bytes=mem, tokens=n, padded_tokens=padded_tokens(n, len(ranks), cost)))
+                               est_memory_bytes=mem, tokens=int(round(n)), padded_tokens=int(pn)))
     mbs = []
     total = 0.0
     for gs in per_mb:

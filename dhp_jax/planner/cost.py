@@ -41,11 +41,16 @@ which is the paper's model above):
   its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
   planner's exact allocation is exact for the per-group model, and candidates are compared with it).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
-  `dhp_jax.data.layout.bucket_length(S, d)` (a geometric ladder of lengths rounded up to 2d). With
-  `bucket_min > 0` a group costs A = a1 P^2 (dense, whatever the packing and eta),
-  B = sum_k (...) L_k + a2 (P - S) and ring traffic of P tokens, where P is the padded length. The
-  ring skips the tile pairs with no allowed pair (other samples, the causal future, padding), so
-  A = a1 P^2 is an upper bound of its attention work.
+  `dhp_jax.data.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
+  clamped to the memory budget), the one bucket rule. With `bucket_min > 0` the pad tokens go
+  through the linear layers and around the ring: B = sum_k (...) L_k + a2 (P - S), ring traffic of P
+  tokens, memory P mem_per_token / d, where P is the padded length. Every preset prices it.
+- `padded_attention`: how attention treats the padded stream. True (XLA:CPU, the fitted CPU
+  profiles): every (query, key) pair of each ring block is evaluated under a mask (zigzag chunks are
+  almost never wholly masked), so A = a1 P^2 whatever the packing and eta. False (the accelerator
+  presets: fused attention kernels skip masked tiles): A stays the real samples' attention. The
+  tiled ring skips the tile pairs with no allowed pair (other samples, the causal future, padding),
+  so on CPU A = a1 P^2 is an upper bound of its attention work.
 - `comm_overlap`: whether ring traffic runs alongside the attention blocks (True: a DMA engine or
   NIC moves K/V while the cores compute). Fake CPU devices copy with the same cores that compute,
   so nothing overlaps: T = (A + B)/p + b1 + T_cm.
@@ -63,7 +68,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import bucket_length
+from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_lengths
 from dhp_jax.planner import memory as engine_memory, presets
 from dhp_jax.planner.plan import attention_split
 
@@ -113,6 +118,9 @@ class CostModel:
         compute is split min(d, lanes) ways; the ranks' fixed work b1 and ring latency lat (d-1) are
         multiplied by d / min(d, lanes).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
+    padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
+    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
+        that replace the ladder for their degrees; the planner then uses only these degrees.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     The engine's memory choices (dhp_jax.planner.memory; `preset` derives mem_per_token and
     memory_budget from them, so change them through `preset(...)`):
@@ -147,6 +155,8 @@ class CostModel:
     bucket_min: int = 0
     bucket_growth: float = 2.0
     comm_overlap: bool = True
+    padded_attention: bool = True
+    bucket_menu: tuple = ()
     param_count: float = 0.0
     compute_bytes: int = 4
     state_shards: int = 1
@@ -174,6 +184,10 @@ class CostModel:
         if isinstance(self.bucket_min, bool) or not isinstance(self.bucket_min, (int, np.integer)) \
                 or self.bucket_min < 0:
             raise ValueError(f"CostModel.bucket_min must be an integer >= 0 (0: no padding), got {self.bucket_min!r}")
+        for deg, bs in self.bucket_menu:
+            if deg < 1 or list(bs) != sorted(bs) or any(b < 1 or b % (2 * deg) for b in bs):
+                raise ValueError(f"CostModel.bucket_menu: degree {deg} needs ascending buckets that are multiples "
+                                 f"of 2*degree, got {list(bs)}")
         for name in ("compute_bytes", "state_shards"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -242,7 +256,8 @@ class CostModel:
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
-            fixed_bytes=float(fixed))
+            fixed_bytes=float(fixed), bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
+            padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
@@ -307,7 +322,8 @@ class CostModel:
         lat = np.where(inter, self.lat_inter, self.lat_intra)
         if self.bucket_min:
             P = self.padded_length(S, d)
-            A = self.a1 * P * P           # dense blocks: every pair of the padded stream
+            if self.padded_attention:
+                A = self.a1 * P * P       # dense blocks: every pair of the padded stream
             B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
             S = P                         # and around the ring
         p = self.compute_divisor(d)
@@ -391,17 +407,10 @@ class CostModel:
         return d if self.compute_lanes is None else np.minimum(d, float(self.compute_lanes))
 
     def padded_length(self, tokens: Any, degree: Any) -> np.ndarray:
-        """The executor's padded stream length for `tokens` on `degree` ranks: the one bucket rule,
-        `dhp_jax.data.layout.bucket_length`, with this model's ladder, element-wise (broadcast);
-        `tokens` itself when unpadded."""
-        S = np.asarray(tokens, dtype=np.float64)
-        if not self.bucket_min:
-            return S
-        n, d = np.broadcast_arrays(np.ceil(S), np.asarray(degree, dtype=np.float64))
-        pairs, inverse = np.unique(np.stack([n.reshape(-1), d.reshape(-1)]), axis=1, return_inverse=True)
-        rungs = np.array([_bucket(int(k), int(g), int(self.bucket_min), float(self.bucket_growth))
-                          for k, g in pairs.T.tolist()], dtype=np.float64)
-        return rungs[inverse.reshape(-1)].reshape(n.shape)
+        """The executor's padded stream length for `tokens` on `degree` ranks (the one bucket rule,
+        `dhp_jax.data.layout.bucket_lengths`, with this model's ladder); `tokens` when unpadded."""
+        return bucket_lengths(tokens, degree, self.bucket_min, self.bucket_growth, self.max_tokens_per_rank,
+                              self.bucket_menu) if self.bucket_min else np.asarray(tokens, dtype=np.float64)
 
     def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
              inter_node: bool | None = None, attention: str = "ring") -> float:
@@ -411,9 +420,10 @@ class CostModel:
         return float(self.group_times(attn.sum(), lin.sum(), tok.sum(), degree, inter_node, attention))
 
     def memory(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
-        """Activation bytes per rank of a group of `degree` ranks holding these sequences."""
+        """Activation bytes per rank of a group of `degree` ranks holding these sequences (the
+        padded stream: `padded_length`)."""
         _check_degree(degree)
-        return float(_as_lengths(lengths).sum() * self.mem_per_token / degree)
+        return float(self.padded_length(_as_lengths(lengths).sum(), degree) * self.mem_per_token / degree)
 
     def min_degree(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
         """Least degree at which each single sequence fits the memory budget (int64[K])."""
@@ -461,6 +471,8 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model is missing field(s) {sorted(missing)}")
         kw = {k: v for k, v in d.items() if k in names}
+        if "bucket_menu" in kw:
+            kw["bucket_menu"] = tuple((int(deg), tuple(int(b) for b in bs)) for deg, bs in kw["bucket_menu"])
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
                                                                                   "compute_lanes", "bucket_min", "compute_bytes",
@@ -482,11 +494,6 @@ class CostModel:
 
     def replace(self, **changes: Any) -> "CostModel":
         return dataclasses.replace(self, **changes)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _bucket(tokens: int, degree: int, min_bucket: int, growth: float) -> int:
-    return bucket_length(tokens, degree, min_bucket, growth)
 
 
 def _check_degree(degree: Any, name: str = "degree") -> None:

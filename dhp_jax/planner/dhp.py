@@ -13,12 +13,14 @@ import numpy as np
 
 from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
-from dhp_jax.planner.build import build_plan
+from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place, spans_nodes
+from dhp_jax.planner.pricing import attention_for, best_kinds
 from dhp_jax.planner.plan import PlanningError, PlanValidationError
 from dhp_jax.planner.problem import Problem
+from dhp_jax.planner.programs import ProgramCache
 from dhp_jax.planner.refine import refine as refine_groups
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
@@ -140,12 +142,16 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     return best
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
-              node_aware: bool = True, refine: bool = True) -> tuple[list, dict[str, Any]]:
+              node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None,
+              attention: str = "ring") -> tuple[list, dict[str, Any]]:
     """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
     micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
     and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
-    and keep the one with the least placed step time."""
+    and keep the one with the least placed step time. `attention` ("ring" or "best", plan_batch's
+    mode) names the kinds whose programs `programs` prices."""
     N, cost = prob.num_ranks, prob.cost
+    if isinstance(degrees, str) and degrees == "any" and cost.bucket_menu and cost.bucket_min:
+        degrees = [d for d, _ in cost.bucket_menu]  # a menu of programs bounds the degrees too
     allowed = allowed_degrees(N, degrees)
     if allowed.size == 0:
         raise PlanningError(f"no allowed degree fits {N} ranks (degrees={degrees!r})")
@@ -209,7 +215,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         if num_micro_batches is None:
             sols = move_sequences(prob, sols, allowed, packing, factors)
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
-        actual = sum(d[2] for d in done)
+        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs, attention)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
@@ -218,6 +224,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     if cost.compute_lanes is not None and num_micro_batches is None and packing:
         mbs, info = _shared_lanes_fallback(prob, allowed, mbs, info)
     return mbs, info
+
 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
@@ -338,6 +345,21 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
         return mbs, {**info, "est_makespan_sum_s": best[0]}
     return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
                      "shared_lanes_uniform_degree": best[2]}
+
+
+def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring") -> float:
+    """Seconds a candidate pays for the programs (degree, padded tokens, attention kind) it needs
+    that no earlier plan needed; the kinds are those `build_plan` will give its groups."""
+    if programs is None or not programs.compile_s:
+        return 0.0
+    groups = [(tuple(r), g) for gs, ranks, _ in done for g, r in zip(gs, ranks)]
+    terms = (prob.attn, prob.lin, prob.tok)
+    kinds = best_kinds(prob.cost, groups, terms) if attention == "best" else \
+        [attention_for(len(r), prob.cost, attention) for r, _ in groups]
+    keys = [(len(r), int(padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost)), (), kind)
+            for (r, g), kind in zip(groups, kinds)]
+    return programs.compile_s * len(programs.new_programs(keys))
+
 
 def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bool, node_aware: bool
                       ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:

@@ -16,7 +16,8 @@ fitted when some points are Ulysses or hybrid groups. The structural terms of
 `base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d
 (and b1 and the ring latency multiplied by d/p),
 ring traffic simply adds when `base.comm_overlap` is False, and when `base.bucket_min` is set
-the features are those of the padded stream of length P (A0 = P^2, L1 = S = P; see `CostModel`). The fit alternates between
+the features are those of the padded stream of length P (L1 = S = P, and A0 = P^2 with
+`base.padded_attention`; see `CostModel`). The fit alternates between
 classifying the points with the current coefficients and a non-negative least-squares solve on
 relative errors, from a few starting points, and keeps the best. Coefficients no measurement
 informs (e.g. inter-node links when every group was inside a node) stay those of `base`.
@@ -62,7 +63,8 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
         inter = bool(d > base.ranks_per_node) if inter is None else bool(inter)
         if base.bucket_min:
             P = float(base.padded_length(L.sum(), d))
-            A0, L1 = P * P, P
+            A0 = P * P if base.padded_attention else float(((1 + e) * L * L).sum())
+            L1 = P
         else:
             A0, L1 = float(((1 + e) * L * L).sum()), float(L.sum())
         kind = m.get("attention", "ring")

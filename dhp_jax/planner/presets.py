@@ -84,6 +84,10 @@ class Hardware:
     compute_lanes: int | None = None
     # ring traffic runs beside compute (False where the same cores do the copies)
     comm_overlap: bool = True
+    # attention evaluated over every (query, key) pair of the padded stream (XLA:CPU's masked
+    # blocks); False where fused attention kernels skip masked tiles, so only the linear layers,
+    # the ring traffic and the memory pay for padding
+    padded_attention: bool = False
 
 
 GB = 1e9
@@ -113,7 +117,7 @@ HARDWARE: dict[str, Hardware] = {
     # memory copies done by those same cores, so they do not overlap the attention.
     "cpu": Hardware(100e9, 128 * GIB, 5 * GB, 5 * GB, 1 * GB, 20e-6, 50e-6, 0.30, 0.20, bytes_per_element=4,
                     source="assumed desktop-class CPU core group, fp32; 2 physical cores per host",
-                    compute_lanes=2, comm_overlap=False),
+                    compute_lanes=2, comm_overlap=False, padded_attention=True),
 }
 
 # Training-recipe assumptions shared by every preset (documented, not tuned); the recompute passes,

@@ -23,7 +23,7 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
 step, gather the grads back into a replicated tree (the exactness tests' path).
 
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
-device tuple); `num_programs` counts distinct (degree, bucket) programs, `num_compiles` the XLA
+device tuple, attention kind); `num_programs` counts distinct (degree, bucket, attention) programs, `num_compiles` the XLA
 executables built. Multi-process JAX: a process launches the groups that touch its addressable
 devices and contributes only its addressable rows (`_local`); groups may span processes
 (tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
@@ -32,7 +32,9 @@ devices and contributes only its addressable rows (`_local`); groups may span pr
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+import threading
+import time
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
-                                  pack_group)
+                                  pack_group, planned_bucket)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import chunked_loss_sum, init_params
@@ -144,7 +146,11 @@ class PlanExecutor:
         self.compiler_options = dict(compiler_options)
         abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
         self.layout = FlatLayout.of(abstract, len(self.ranks.devices))
-        self._executables: dict[tuple[int, int, tuple[jax.Device, ...]], Any] = {}
+        self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
+        self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
+        self._building_lock = threading.Lock()
+        self.compile_seconds: list[float] = []           # wall time of every executable built
+        self.last_compile_wait_s = 0.0                    # what the last step waited for compiles
         self._jits: dict[str, Any] = {}
         self._zeros: dict[jax.Device, tuple[jax.Array, jax.Array]] = {}
 
@@ -182,7 +188,8 @@ class PlanExecutor:
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
                 try:
-                    lay = pack_group([samples[s] for s in g.samples], g.degree, self.config,
+                    group = [samples[s] for s in g.samples]
+                    lay = pack_group(group, g.degree, self.config, bucket=planned_bucket(g, group),
                                      min_bucket=self.min_bucket, growth=self.growth)
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
@@ -226,17 +233,30 @@ class PlanExecutor:
 
     def executable(self, params: Any, degree: int, bucket: int, devices: tuple[jax.Device, ...],
                    attention: str = RING):
-        """The compiled group program for (degree, bucket, attention kind) on `devices`, built once.
+        """The compiled group program for (degree, bucket, attention kind) on `devices`, built once
+        (thread-safe: a background thread may build the next plan's programs while a step runs).
         `params` (a tree of arrays or `jax.ShapeDtypeStruct`s, or None) is only checked against the model."""
         key = (degree, bucket, devices, attention)
+        exe = self._executables.get(key)
+        if exe is not None:
+            return exe
+        with self._building_lock:
+            lock = self._building.setdefault(key, threading.Lock())
+        with lock:
+            return self._build(params, key)
+
+    def _build(self, params: Any, key: tuple[int, int, tuple[jax.Device, ...], str]):
+        degree, bucket, devices, attention = key
         exe = self._executables.get(key)
         if exe is None:
             if degree < 1 or bucket < 2 * degree or bucket % (2 * degree) or len(devices) != degree:
                 raise ValueError(f"executable: bucket {bucket} must be a positive multiple of 2*degree "
                                  f"(degree {degree}, {len(devices)} devices)")
+            t0 = time.perf_counter()
             self._bind(params)
             exe = self._executables[key] = self.lower(degree, bucket, devices, attention).compile(
                 compiler_options=self.compiler_options)
+            self.compile_seconds.append(time.perf_counter() - t0)
         return exe
 
     def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
@@ -376,8 +396,12 @@ class PlanExecutor:
         """The training step's path: master params fp32[P_pad] sharded over the mesh in, batch
         token-mean loss (replicated) and its gradient fp32[P_pad] (sharded the same way) out."""
         work = self.prepare(samples, plan)
-        for w in self._local(work):             # compile anything missing (this process's groups)
+        t0 = time.perf_counter()
+        missing = [w for w in self._local(work)
+                   if (w.layout.degree, w.layout.bucket, w.devices, w.attention) not in self._executables]
+        for w in missing:                       # compile (or wait for a background compile of) what is missing
             self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
+        self.last_compile_wait_s = time.perf_counter() - t0 if missing else 0.0
         return self.reduce(self.dispatch(self.gather(master), work))
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:

@@ -163,6 +163,9 @@ def format_summary(s: dict[str, Any]) -> list[str]:
     lines.append(f"planning: {_seconds(s['plan_solve_median_s'])} median per batch in the planner thread; "
                  f"wait per step in steady state median {s['plan_wait_median_s'] * 1e3:.2f} ms, "
                  f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")
+    if s.get("steps_waiting_for_compile_after_warmup") is not None:
+        lines.append(f"steps after the first {s['warmup_steps']} that waited for a compile: "
+                     f"{s['steps_waiting_for_compile_after_warmup']} (measured; programs compile ahead in the planner thread)")
     if s.get("compare"):
         lines.extend(format_comparison(s["compare"]))
     if s.get("plan_png"):

@@ -102,6 +102,8 @@ class TrainConfig:
     remat: str = "none"            # recompute in backward: none | layer | selective (MLLMConfig.remat)
     num_ranks: int = 8
     min_bucket: int | None = None  # smallest padded group length (None: the executor's default)
+    compilation_cache: str | None = "auto"  # JAX persistent compilation cache: "auto" = <metrics.out_dir>/jax-cache,
+                                   # a directory, or null (off)
     steps: int = 40
     seed: int = 0
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)

@@ -34,14 +34,18 @@ class PlannerThread:
     """Iterator over `PlannedBatch` for steps `start, start+1, ..., stop-1`.
 
     `make_batch(step)` and `make_plan(step, batch)` run in the thread. An exception there is
-    re-raised in the consumer at the step it concerns, with the step named.
+    re-raised in the consumer at the step it concerns, with the step named. `after_plan(step, batch,
+    plan)` (optional) runs in the thread once the planned batch is queued: work the step will need,
+    done ahead of it, such as compiling the plan's programs. It must be work the consumer would
+    otherwise do itself, so an exception there is dropped: the consumer meets it again in place.
     """
 
     def __init__(self, make_batch: Callable[[int], Any], make_plan: Callable[[int, Any], Plan],
-                 start: int, stop: int, lookahead: int = 2):
+                 start: int, stop: int, lookahead: int = 2,
+                 after_plan: Callable[[int, Any, Plan], Any] | None = None):
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
-        self._make_batch, self._make_plan = make_batch, make_plan
+        self._make_batch, self._make_plan, self._after_plan = make_batch, make_plan, after_plan
         self._start, self._stop = start, stop
         self._queue: queue.Queue = queue.Queue(maxsize=lookahead)
         self._stop_event = threading.Event()
@@ -80,6 +84,11 @@ class PlannerThread:
                 return
             if not self._put(PlannedBatch(step, batch, plan, plan_s=t2 - t1, build_s=t1 - t0)):
                 return
+            if self._after_plan is not None:
+                try:
+                    self._after_plan(step, batch, plan)
+                except Exception:  # the consumer does this work itself and raises it there
+                    pass
         self._put(_DONE)
 
     def __iter__(self) -> Iterator[PlannedBatch]:

@@ -25,6 +25,7 @@ class PlanSource:
         self.num_ranks, self.cost, self.strategy, self.full_size = num_ranks, cost, strategy, full_size
         self.plans = list(plans) if plans else None
         self.num_micro_batches, self.ranks_per_node = num_micro_batches, ranks_per_node
+        self.programs = None  # a planner.programs.ProgramCache: reuse compiled programs, price new ones
         if self.plans is None and cost is None:
             raise ValueError("a PlanSource needs a cost model or a list of plans")
 
@@ -43,6 +44,8 @@ class PlanSource:
                 kwargs["num_micro_batches"] = self.num_micro_batches
             if self.ranks_per_node is not None:
                 kwargs["ranks_per_node"] = self.ranks_per_node
+            if self.programs is not None and self.strategy == "dhp":
+                kwargs["programs"] = self.programs
             # full_size: plan the batch at the token counts the cost model describes (the unscaled
             # source samples, one per executed sample, same ids); the executor runs the scaled ones
             samples = batch.source_samples if self.full_size else batch.samples

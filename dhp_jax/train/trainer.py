@@ -9,6 +9,7 @@ step runs; `prepare_run` is shared with `dry_run`.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -49,6 +50,24 @@ def plan_hash(plan: Any) -> str:
     """Short digest of a plan's decisions (`Plan.digest`): equal on every process that planned the
     same batch the same way; solver timings and flags never enter it."""
     return plan.digest()
+
+
+WARMUP_STEPS = 5  # steps allowed to compile in place (the summary counts later steps that waited)
+
+
+def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
+    """Turn on JAX's persistent compilation cache ("auto": <out_dir>/jax-cache; None: off), so a
+    rerun or a resumed run loads its programs instead of compiling them. JAX reads the directory
+    when it first compiles: the first setting in a process holds."""
+    if not setting:
+        return None
+    import jax
+
+    path = out_dir / "jax-cache" if setting == "auto" else Path(setting)
+    path.mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return path
 
 
 class TrainError(RuntimeError):
@@ -141,12 +160,23 @@ class Trainer:
         setup = prepare_run(config, devices)
         self.config, self.model_config, self.devices = setup.config, setup.model_config, setup.devices
         self.cost, self.plan_source, self.pipeline = setup.cost, setup.plan_source, setup.pipeline
+        enable_compilation_cache(config.compilation_cache, Path(config.metrics.out_dir))
         if executor is None:
             from dhp_jax.sharding import PlanExecutor
 
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
         self.executor = executor
+        if getattr(executor, "min_bucket", None) and self.plan_source.cost is not None:
+            # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
+            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth))
+            self.plan_source.cost = self.cost
+        if not self.multi_process and self.plan_source.plans is None:
+            from dhp_jax.planner.programs import ProgramCache
+
+            # the programs issued so far; a plan needing a new one pays its measured compile time
+            # (single process only: a measured figure would let processes plan differently)
+            self.plan_source.programs = ProgramCache()
         self.out_dir = Path(config.metrics.out_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
         self._state = None
@@ -194,7 +224,7 @@ class Trainer:
             self._sync.agree(done, digest)
         # compile outside the step's timing (and outside the multi-process watchdog)
         t0 = time.perf_counter()
-        new = self._compile(item, state.params, on_compile)
+        new, missing = self._compile(item, state.params, on_compile)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
@@ -205,20 +235,26 @@ class Trainer:
         rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(self._lr(item.step)),
                "tokens": item.batch.num_tokens, "samples": len(item.batch.samples), "step_time_s": step_time,
                "compile_s": compile_s, "new_compiles": new,
+               # measured: the step waited for a compile (its own or one in flight in the background)
+               "compile_wait_s": compile_s if missing else 0.0,
                "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
                "num_compiles": getattr(self.executor, "num_compiles", None)}
         return state, rec
 
-    def _compile(self, item: Any, params: Any, on_compile: Any) -> int:
+    def _compile(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
+        """Build what the plan needs: (executables this call built, executables missing when the
+        step started, built here or by the compile-ahead worker while this step waited)."""
         compile_plan = getattr(self.executor, "compile_plan", None)
         if compile_plan is None:
-            return 0
-        if on_compile is not None and hasattr(self.executor, "plan_keys"):
-            missing = set(self.executor.plan_keys(item.batch.samples, item.plan)) - set(self.executor.executable_keys)
-            if missing:
-                on_compile(len(missing))
-        return int(compile_plan(item.batch.samples, item.plan, params))
+            return 0, 0
+        missing = 0
+        if hasattr(self.executor, "plan_keys"):
+            missing = len(set(self.executor.plan_keys(item.batch.samples, item.plan))
+                          - set(self.executor.executable_keys))
+            if missing and on_compile is not None:
+                on_compile(missing)
+        return int(compile_plan(item.batch.samples, item.plan, params)), missing
 
     # ------------------------------------------------------------------ the loop
     def run(self, resume: bool = False, stop_after: int | None = None, overwrite: bool = False) -> RunResult:
@@ -279,11 +315,16 @@ class Trainer:
         t_run = time.perf_counter()
         records: list[dict] = []
         try:
-            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop,
-                               lookahead=cfg.planner.lookahead) as planned:
+            ahead = None if self.multi_process else self._compile_ahead(start)
+            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
+            with PlannerThread(self.pipeline.batch, ahead[0] if ahead else self.plan_source, start, stop,
+                               lookahead=cfg.planner.lookahead, after_plan=ahead[1] if ahead else None) as planned:
                 for item in planned:
                     state, rec = self.train_step(state, item, on_compile=metrics.compiling)
                     records.append(rec)
+                    seconds = getattr(self.executor, "compile_seconds", None)
+                    if self.plan_source.programs is not None and seconds:  # the planner's price of a new program
+                        self.plan_source.programs.compile_s = float(np.median(seconds))
                     for hook in hooks:
                         hook(rec, item, state)
             metrics.close()
@@ -304,6 +345,9 @@ class Trainer:
             if records or earlier:  # never a summary without real figures
                 metrics.write_json("summary.json", summary)
         finally:
+            if getattr(self, "_compiler", None) is not None:
+                self._compiler.shutdown(wait=True, cancel_futures=True)  # at most one compile in flight
+                self._compiler = None
             metrics.close()
             if plan_log is not None:
                 plan_log.close()
@@ -326,6 +370,66 @@ class Trainer:
                 ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
                           run_config=self.config.to_dict())
         return save
+
+    def _compile_ahead(self, start: int) -> tuple[Any, Any] | None:
+        """(make_plan, after_plan) for the planner thread, so that no step after warm-up waits for
+        a compile: the next plan's programs compile in the background (ahead of time: the executor
+        knows the params' layout) while the current step runs; after the first WARMUP_STEPS steps
+        a plan whose programs are not all compiled yet runs its groups in the smallest compiled
+        bucket of their degree, attention kind and ranks that holds them (`planner.programs.promote`;
+        if a group is larger than every compiled bucket, the batch is re-planned in up to 3 more
+        micro-batches first),
+        while its own programs compile for later steps. Single process only (plans must not
+        depend on timing)."""
+        from dhp_jax.planner.programs import promote
+
+        executor = self.executor
+        if not hasattr(executor, "compile_plan"):
+            return None
+        rank_of = {d.id: r for r, d in enumerate(self.devices)}
+        wanted: dict[int, Any] = {}
+
+        def make_plan(step: int, batch: Any) -> Any:
+            plan = self.plan_source(step, batch)
+            # a plan made at full token counts names no bucket of the scaled batch: nothing to promote
+            if step < start + WARMUP_STEPS or self.plan_source.full_size:
+                return plan
+            have = {(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.executable_keys}
+            need = {(d, b, tuple(rank_of[i] for i in ids), a)
+                    for d, b, ids, a in executor.plan_keys(batch.samples, plan)}
+            if need <= have:
+                return plan
+            ready = promote(plan, have, self.cost)
+            source = self.plan_source
+            if ready is None and source.plans is None and source.strategy == "dhp":
+                # a group larger than every compiled bucket: more micro-batches make smaller groups
+                saved, first = source.num_micro_batches, len(plan.micro_batches) + 1
+                try:
+                    for m in range(first, min(len(batch.samples), first + 2) + 1):
+                        source.num_micro_batches = m
+                        ready = promote(source(step, batch), have, self.cost)
+                        if ready is not None:
+                            break
+                finally:
+                    source.num_micro_batches = saved
+            if ready is None:
+                return plan
+            wanted[step] = plan
+            return ready
+
+        def compile_plans(batch: Any, plans: list) -> None:
+            for plan in plans:
+                try:
+                    executor.compile_plan(batch.samples, plan, None)
+                except Exception:  # the step that runs the plan compiles in place and raises there
+                    pass
+
+        def compile_plan(step: int, batch: Any, plan: Any) -> None:
+            # what this step runs, then what the planner wanted; on a worker thread, so that
+            # planning the steps after it never waits behind a compile
+            self._compiler.submit(compile_plans, batch, [plan] + ([wanted.pop(step)] if step in wanted else []))
+
+        return make_plan, compile_plan
 
     def _lr(self, step: int) -> float:
         from dhp_jax.train.state import make_schedule
@@ -379,6 +483,10 @@ class Trainer:
             "plan_wait_max_steady_s": max(steady) if steady else 0.0,
             "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records),
             "num_compiles": getattr(self.executor, "num_compiles", None),
+            # measured: a step waited when a program it runs was not compiled yet when it started
+            "steps_waiting_for_compile_after_warmup": sum(
+                1 for r in records if r["step"] > start + WARMUP_STEPS and r.get("compile_wait_s", 0.0) > 0),
+            "warmup_steps": WARMUP_STEPS,
             "groups_by_degree": {str(d): n for d, n in sorted(groups.items())},
             "planning": f"{self.plan_source.label}: " + describe_cost(self.cost, cfg.planner.cost_profile,
                                                                       cfg.planner.full_size),

@@ -1,0 +1,83 @@
+"""Experiment 10: the bucket rule's trade-off at cluster scale: padding vs programs vs step time.
+
+For each bucket ladder growth (and each menu of programs fitted to calibration batches, see
+`dhp_jax.planner.menu`), `dhp bench compiles`' planning pass (`plan_run`: real batches
+planned with padding priced, nothing compiled) counts the distinct (degree, padded tokens)
+programs, the executables each process would hold (with and without the reuse placement), the
+padded / real tokens, and the simulated step time against planning and pricing without padding.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from dhp_jax.train.compiles_bench import cost_for, menu_cost, plan_run
+
+DEFAULTS: dict[str, Any] = {
+    "model": "internvl3-8b",
+    "hardware": "ascend-910b",
+    "dataset": "openvid",
+    "ranks": 64,
+    "ranks_per_node": 8,
+    "ranks_per_process": 8,
+    "batch": 512,
+    "steps": 1000,
+    "min_bucket": 16,
+    "growths": [2.0, 1.5, 1.25, 1.1],
+    "menu_budgets": [64, 80, 96],  # menus of programs (planner.menu) fitted on the calibration ladder
+    "menu_growth": 1.1,
+    "menu_calibration_batches": 60,
+}
+
+
+def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+    rows = []
+    settings = [(f"ladder {g:g}", g, None) for g in p["growths"]]
+    settings += [(f"menu of {b}", p["menu_growth"], b) for b in p["menu_budgets"]]
+    for name, g, budget in settings:
+        cost = cost_for(p["model"], p["hardware"], p["ranks_per_node"], g, p["min_bucket"])
+        if budget:
+            cost = menu_cost(cost, p["ranks"], p["menu_calibration_batches"], budget, p["batch"], p["dataset"])
+        r = plan_run(cost, p["ranks"], p["steps"], p["batch"], p["dataset"], p["ranks_per_process"], True, seed)
+        row = {"rule": name, "growth": g, "menu_budget": budget, "menu_degrees": [d for d, _ in cost.bucket_menu],
+               "programs": r["placement"]["programs"], "padded_over_real": r["padded_over_real"],
+               "executables_per_process_max": r["placement"]["executables_per_process_max"],
+               "executables_per_program_per_process_max": r["placement"]["executables_per_program_per_process_max"],
+               "executables_per_program_per_process_max_no_placement":
+                   r["no_placement"]["executables_per_program_per_process_max"],
+               "step_s": r["step_s_mean"], "step_s_unpadded": r["step_s_mean_unpadded"],
+               "step_time_lost": r["step_time_lost"], "placement_step_time_lost": r["placement_step_time_lost"],
+               "plan_ms_median": r["plan_ms_median"]}
+        log(f"{name}: {row['programs']} programs, padded/real {row['padded_over_real']:.3f}, "
+            f"step {row['step_s']:.3f} s vs {row['step_s_unpadded']:.3f} s unpadded")
+        rows.append(row)
+    ok = [r for r in rows if r["padded_over_real"] <= 1.05 and r["programs"] <= 64]
+    summary = [f"{r['rule']}: padded/real {r['padded_over_real']:.3f}, {r['programs']} programs, "
+               f"{r['executables_per_program_per_process_max']:.2f} executables per program per process (max), "
+               f"step time +{100 * r['step_time_lost']:.1f} % vs unpadded" for r in rows]
+    summary.append(f"settings meeting padded/real <= 1.05 and <= 64 programs over {p['steps']} steps: "
+                   f"{[r['rule'] for r in ok] or 'none'}")
+    return {"label": f"simulated ({p['model']} on {p['hardware']} preset), counts from real plans, nothing compiled",
+            "rows": rows, "summary": summary}
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.6))
+    pad = [100 * (r["padded_over_real"] - 1) for r in rows]
+    ax[0].plot([r["programs"] for r in rows], pad, "o-")
+    for r, y in zip(rows, pad):
+        ax[0].annotate(r["rule"], (r["programs"], y), fontsize=7)
+    ax[0].axhline(5, color="k", lw=0.6, ls="--")
+    ax[0].axvline(64, color="k", lw=0.6, ls="--")
+    ax[0].set_xlabel(f"programs over {result['config']['steps']} steps")
+    ax[0].set_ylabel("padding (% of real tokens)")
+    ax[1].plot(pad, [100 * r["step_time_lost"] for r in rows], "o-")
+    ax[1].set_xlabel("padding (% of real tokens)")
+    ax[1].set_ylabel("simulated step time vs unpadded (%)")
+    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,261 @@
+"""One bucket rule, programs and executables, compile-ahead: the planner prices and writes the padded
+stream length the executors run; the reuse placement keeps step times and bounds executables."""
+
+import json
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dhp_jax.data.layout import bucket_length, bucket_lengths
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.api import reuse_placement
+from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.programs import ProgramCache, group_keys, reuse_ranks
+
+
+def _walk(n, d, m, g):
+    """The ladder written out independently: smallest ceil(m g^k) >= n, rounded up to 2d."""
+    n, k, r = max(int(n), 1), 0, m
+    while r < n:
+        k += 1
+        r = int(math.ceil(m * g ** k))
+    return -(-r // (2 * d)) * (2 * d)
+
+
+@pytest.mark.parametrize("m, g", [(16, 2.0), (16, 1.1), (7, 1.05), (1, 1.5)])
+def test_bucket_rule_vectorised_scalar_and_walk_agree(m, g):
+    n = np.arange(0, 2500)
+    for d in (1, 3, 8):
+        want = [_walk(k, d, m, g) for k in n]
+        assert bucket_lengths(n, d, m, g).tolist() == want
+        assert [bucket_length(int(k), d, m, g) for k in n[::37]] == want[::37]
+        assert [bucket_lengths(float(k), d, m, g) for k in n[::41]] == want[::41]
+
+
+def test_memory_clamp_keeps_the_tokens_and_the_zigzag_split():
+    # 1000 tokens on 3 devices would pad to 1026 (rung 1024 -> 6 | 1026); a 340-token device limit
+    # clamps the rung to 1020 >= 1000; below the tokens it never goes
+    assert bucket_lengths(1000.0, 3, 16, 2.0) == 1026
+    assert bucket_lengths(1000.0, 3, 16, 2.0, max_per_device=340) == 1020
+    assert bucket_lengths(np.array([1000.0, 90.0]), 3, 16, 2.0, max_per_device=340).tolist() == [1020, 132]
+    assert bucket_lengths(1000.0, 3, 16, 2.0, max_per_device=10) == 1002  # real tokens always fit
+
+
+def test_plan_groups_carry_the_padded_length_the_cost_model_prices():
+    from dhp_jax.data import make_dataset, sample_lengths
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.25)
+    samples = make_dataset("openvid", 128, 3, vision="internvl")
+    plan = plan_batch(samples, 16, cost)
+    L = sample_lengths(samples)
+    d = json.loads(plan.to_json())
+    for g, gd in zip(plan.groups, (g for mb in d["micro_batches"] for g in mb["groups"])):
+        assert g.tokens == int(L[list(g.samples)].sum()) == gd["tokens"]
+        assert g.padded_tokens == cost.padded_length(g.tokens, g.degree) == gd["padded_tokens"]
+        assert g.padded_tokens % (2 * g.degree) == 0
+        assert g.est_memory_bytes == pytest.approx(g.padded_tokens * cost.mem_per_token / g.degree)
+    assert Plan.from_json(plan.to_json()).groups[0].padded_tokens == plan.groups[0].padded_tokens
+
+
+def _plan(*micro_batches, n=8):
+    return Plan(n, tuple(MicroBatch(tuple(Group(tuple(r), len(r), (i,), tokens=p - 1, padded_tokens=p)
+                                          for i, (r, p) in enumerate(mb))) for mb in micro_batches))
+
+
+def test_program_cache_counts_by_hand():
+    c = ProgramCache(ranks_per_process=4)
+    assert c.add(_plan([((0, 1, 2), 96), ((3, 4), 64), ((5,), 32)])) == 3
+    assert c.add(_plan([((0, 1, 2), 96), ((4, 5), 64)])) == 1      # (2, 64) on a new device set
+    # process 0 holds (3,96,(0,1,2)), (2,64,(3,4)); process 1: (2,64,(3,4)), (1,32,(5,)), (2,64,(4,5))
+    assert c.per_process() == {0: (2, 2), 1: (3, 2)}
+    s = c.summary()
+    assert (s["programs"], s["executables"], s["executables_per_process_max"]) == (3, 4, 3)
+    assert s["executables_per_program_per_process_max"] == 1.5
+    with pytest.raises(ValueError, match="no padded_tokens"):
+        group_keys(Plan(8, (MicroBatch((Group((0,), 1, (0,)),)),)))
+
+
+def test_reuse_ranks_swaps_only_equally_fast_tuples():
+    c = ProgramCache(ranks_per_process=8)
+    c.executables.add((2, 64, (0, 1), "ring"))
+    c.programs.add((2, 64, "ring"))
+    groups = [(2, 32, (0, 1), "ring"), (2, 64, (2, 3), "ring"), (2, 64, (4, 5), "ring"),
+              (3, 96, (8, 9, 10), "ring"), (2, 64, (7, 8), "ring")]
+    out = reuse_ranks(groups, 8, c)
+    assert out[1] == (0, 1)                                  # the program's compiled device set
+    assert sorted(out[:3]) == [(0, 1), (2, 3), (4, 5)]       # a permutation of the same tuples
+    assert out[3] == (8, 9, 10) and out[4] == (7, 8)         # another degree; spanning nodes: untouched
+    # the attention kind is part of the program: a Ulysses group never takes the ring's executable
+    kinds = [(2, 32, (0, 1), "ring"), (2, 64, (2, 3), "ulysses")]
+    assert reuse_ranks(kinds, 8, c) == [(0, 1), (2, 3)]
+    assert reuse_ranks([(2, 32, (2, 3), "ring"), (2, 64, (0, 1), "ulysses")], 8, c) == [(2, 3), (0, 1)]
+
+
+def test_reuse_placement_keeps_step_time_and_never_adds_executables():
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.25)
+    placed, free = ProgramCache(8), ProgramCache(8)
+    for step in range(6):
+        samples = make_dataset("openvid", 256, 100 + step, vision="internvl")
+        L, E = sample_lengths(samples), sample_etas(samples)
+        plan = plan_batch(L, 32, cost, etas=E)
+        moved = reuse_placement(plan, L, E, cost, placed)
+        free.add(plan)
+        assert moved.est_step_time_s == pytest.approx(plan.est_step_time_s, rel=1e-12)
+        assert [sorted(g.samples) for g in moved.groups if True] and len(moved.groups) == len(plan.groups)
+        assert placed.programs == free.programs
+        assert len(placed.executables) <= len(free.executables)
+    # the same through plan_batch: the plan is recorded in the cache
+    c = ProgramCache(8)
+    p = plan_batch(L, 32, cost, etas=E, programs=c)
+    assert set(group_keys(p)) <= c.executables
+
+
+def test_compile_price_counts_new_programs_only():
+    from dhp_jax.planner.dhp import _compile_price
+    from dhp_jax.planner.problem import prepare
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b")
+    prob = prepare([30000, 9000, 1000], 8, cost)  # buckets 32768 and 16384 at degree 4
+    done = [([[0], [1, 2]], [(0, 1, 2, 3), (4, 5, 6, 7)], 1.0)]
+    c = ProgramCache(compile_s=30.0)
+    assert _compile_price(prob, done, None) == 0.0
+    assert _compile_price(prob, done, c) == 60.0
+    c.programs.add((4, int(cost.padded_length(30000, 4)), "ulysses"))  # another kind: still new
+    assert _compile_price(prob, done, c) == 60.0
+    c.programs.add((4, int(cost.padded_length(30000, 4)), "ring"))
+    assert _compile_price(prob, done, c) == 30.0
+
+
+def test_planner_thread_runs_after_plan_once_queued_and_drops_its_errors():
+    from dhp_jax.train.planner_thread import PlannerThread
+
+    seen, lock = [], threading.Lock()
+
+    def after(step, batch, plan):
+        with lock:
+            seen.append(step)
+        if step == 1:
+            raise RuntimeError("the consumer redoes this work")
+
+    with PlannerThread(lambda s: s, lambda s, b: f"plan{s}", 0, 4, lookahead=1, after_plan=after) as it:
+        got = [item.plan for item in it]
+    deadline = time.time() + 5
+    while len(seen) < 4 and time.time() < deadline:
+        time.sleep(0.01)
+    assert got == ["plan0", "plan1", "plan2", "plan3"] and sorted(seen) == [0, 1, 2, 3]
+
+
+def test_bench_compiles_json(capsys):
+    from dhp_jax.cli import main
+
+    assert main(["bench", "compiles", "--ranks", "16", "--steps", "2", "--batch", "64", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    p = out["placement"]
+    assert 1 <= p["programs"] <= p["executables"]
+    assert p["executables_per_process_max"] >= p["executables_per_process_median"] >= 1
+    assert out["padded_over_real"] > 1.0 and out["step_s_mean"] > out["step_s_mean_unpadded"] > 0
+    assert out["step_s_mean"] == pytest.approx(out["step_s_mean_no_placement"], rel=1e-12)
+
+
+def test_promote_runs_a_plan_on_compiled_executables_only():
+    from dhp_jax.planner.programs import promote
+
+    plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])          # tokens 95 and 63
+    have = {(3, 96, (0, 1, 2), "ring"), (2, 128, (3, 4), "ring"), (2, 64, (5, 6), "ring")}
+    out = promote(plan, have)                              # the free (5, 6) has the smaller bucket
+    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (64, (5, 6))]
+    assert out.solver["promoted_groups"] == 1 and set(group_keys(out)) <= have
+    out = promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 128, (3, 4), "ring")})  # its own ranks, a larger bucket
+    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (128, (3, 4))]
+    assert promote(plan, have | {(2, 64, (3, 4), "ring")}) is plan  # everything compiled: unchanged
+    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 62, (3, 4), "ring")}) is None  # too small a bucket
+    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 64, (1, 2), "ring")}) is None  # its ranks are taken
+    # a compiled program of another attention kind never serves the group
+    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 64, (5, 6), "ulysses")}) is None
+    # two groups of one degree trade device sets: the larger takes the larger compiled bucket
+    two = _plan([((0,), 32), ((1,), 16)])
+    out = promote(two, {(1, 16, (0,), "ring"), (1, 32, (1,), "ring")})
+    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(16, (0,)), (32, (1,))]
+    # no compiled bucket of its degree holds it: a larger degree on idle ranks of one node does
+    out = promote(two, {(1, 16, (0,), "ring"), (1, 16, (1,), "ring"), (2, 64, (4, 5), "ring"),
+                        (2, 64, (9, 10), "ring")})
+    assert [(g.degree, g.padded_tokens, g.ranks) for g in out.groups] == [(1, 16, (1,)), (2, 64, (4, 5))]
+    cost = CostModel.preset("internvl3-8b", "ascend-910b")
+    big = int(cost.max_tokens_per_rank * 2) + 100
+    over = {(3, 96, (0, 1, 2), "ring"), (2, big, (3, 4), "ring")}
+    assert promote(plan, over, cost) is None  # over the memory budget
+
+
+def test_menu_quantisation_is_exact_against_brute_force():
+    import itertools
+
+    from dhp_jax.planner.menu import _quantise
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n, k = int(rng.integers(1, 8)), int(rng.integers(1, 4))
+        v = np.sort(rng.integers(1, 50, n).astype(float))
+        w = rng.integers(1, 5, n).astype(float)
+        best = min(sum(wi * (min(b for b in sorted(set(c)) + [60.0] if b >= vi) - vi) for vi, wi in zip(v, w))
+                   for r in range(k) for c in itertools.combinations(v, r))
+        buckets, pad = _quantise(v, w, k, 60.0)
+        assert pad == pytest.approx(best) and len(buckets) <= k and buckets[-1] == 60.0
+
+
+def test_menu_is_the_bucket_rule_for_its_degrees_and_bounds_the_plan():
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.planner.menu import BucketMenu, fit_menu
+
+    menu = BucketMenu({1: (64, 512), 3: (96, 600)})
+    assert bucket_lengths(np.array([10.0, 64, 65, 600]), 1, 16, 2.0, menu=menu.as_cost_field()).tolist() == \
+        [64, 64, 512, 1024]                               # past the menu: the ladder
+    assert bucket_lengths(97.0, 3, 16, 2.0, menu=menu.as_cost_field()) == 600
+    assert bucket_lengths(97.0, 2, 16, 2.0, menu=menu.as_cost_field()) == 128  # degree not on the menu
+    fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
+    with pytest.raises(ValueError, match="multiples of 2\\*degree"):
+        fine.replace(bucket_menu=((3, (100,)),))
+    cal = []
+    for i in range(3):
+        s = make_dataset("openvid", 128, 500 + i, vision="internvl")
+        cal.append((sample_lengths(s), sample_etas(s)))
+    menu = fit_menu(fine, cal, 16, budget=12, max_degrees=4)
+    assert menu.num_programs <= 12 and {1, 16} <= set(menu.degrees) and len(menu.degrees) <= 6
+    cost = fine.replace(bucket_menu=menu.as_cost_field())
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+    for L, E in cal:
+        plan = plan_batch(L, 16, cost, etas=E)
+        for g in plan.groups:
+            assert g.degree in menu.buckets and g.padded_tokens == menu.padded(g.tokens, g.degree)
+
+
+def test_plan_keys_agree_with_the_plans_padded_tokens():
+    """The executor runs each group's `padded_tokens`, whatever its own ladder: a plan priced on a
+    1.25 ladder runs 1.25-ladder buckets on an executor whose default ladder is 2.0 (nothing compiles)."""
+    import jax
+
+    from dhp_jax.data import random_samples
+    from dhp_jax.model import MLLMConfig
+    from dhp_jax.sharding import PlanExecutor
+
+    cfg = MLLMConfig.preset("tiny")
+    samples = random_samples(cfg, [37, 1, 22, 50, 9, 31, 17, 26, 90, 5], seed=3)
+    cost = CostModel.preset("internvl2.5-4b", "cpu", ranks_per_node=8, bucket_growth=1.25)
+    ex = PlanExecutor(cfg, jax.devices()[:8])
+    assert ex.growth == 2.0
+    for strategy in ("dhp", "static-ring:2", "static-ring:3"):
+        plan = plan_batch(samples, 8, cost, strategy=strategy)
+        keys = ex.plan_keys(samples, plan)
+        assert [(d, b, a) for d, b, _, a in keys] == [(g.degree, g.padded_tokens, g.attention) for g in plan.groups]
+        assert [ids for _, _, ids, _ in keys] == [tuple(ex.ranks.devices[r].id for r in g.ranks)
+                                                  for g in plan.groups]
+    # where the plan's tokens disagree with the samples (sample 0 is one token longer here), that
+    # group falls back to the executor's own ladder
+    other = random_samples(cfg, [38, 1, 22, 50, 9, 31, 17, 26, 90, 5], seed=3)
+    keys = ex.plan_keys(other, plan)
+    assert [b for _, b, _, _ in keys] == [bucket_length(g.tokens + 1, g.degree) if 0 in g.samples else g.padded_tokens
+                                       for g in plan.groups]
