@@ -94,7 +94,7 @@ def test_cli_bad_lines(manifest, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(open(manifest).read() + '{"image": "a.jpg", "width": "wide", "height": 3}\n')
     assert main(["analyze", str(bad), "--ranks", "8", "--batch", "8", "--batches", "1"]) == 2
-    assert "line 61: field 'width'" in capsys.readouterr().out
+    assert "line 61: field 'width'" in capsys.readouterr().err      # errors go to stderr
     assert main(["analyze", str(bad), "--skip-bad", "--ranks", "8", "--batch", "8", "--batches", "1", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)["data"]
     assert d["skipped"] == 1 and d["samples"] == 60 and "line 61" in d["errors"][0]

@@ -175,6 +175,9 @@ def solve_microbatch_milp(prob: Any, idx: np.ndarray, ds: np.ndarray, node_limit
         ks = list(range(nK))
         rows.append(([iN(k, p) for k in ks] + [iM + p], [float(Lmax[k]) for k in ks] + [-d * cap], -np.inf, 0.0))
         rows.append(([iN(k, p) for k in ks] + [iM + p], [1.0] * nK + [-1.0], 0.0, np.inf))
+        # a slot holds sequences only if it is used (the capacity row above cannot say so for
+        # sequences of length 0)
+        rows.append(([iN(k, p) for k in ks] + [iM + p], [1.0] * nK + [-float(size.sum())], -np.inf, 0.0))
         rows.append(([iN(k, p) for k in ks] + [iM + p, iE + p, iT], [float(t_seq[d][k]) for k in ks]
                      + [fixed[d], 1.0, -1.0], -np.inf, 0.0))
         if d in overlap:  # e_p >= sum_k n c S (d-1)/d - A/d

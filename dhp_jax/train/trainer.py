@@ -157,6 +157,8 @@ class Trainer:
                  step_timeout_s: float = 300.0):
         import jax
 
+        self.process_index = jax.process_index()
+        self.multi_process = jax.process_count() > 1
         setup = prepare_run(config, devices)
         self.config, self.model_config, self.devices = setup.config, setup.model_config, setup.devices
         self.cost, self.plan_source, self.pipeline = setup.cost, setup.plan_source, setup.pipeline
@@ -184,8 +186,6 @@ class Trainer:
         # Multi-process (jax.distributed): each step the processes agree on the plan hash and a
         # watchdog bounds the wait for a dead peer (see dhp_jax.train.distributed).
         self.step_timeout_s = float(step_timeout_s)
-        self.process_index = jax.process_index()
-        self.multi_process = jax.process_count() > 1
         self._sync = None
 
     # ------------------------------------------------------------------ state
