@@ -48,5 +48,8 @@ def test_wheel_in_fresh_venv_runs_dhp_train_dry_run(tmp_path):
     out = _run([str(venv / "bin" / "dhp"), "train", "--dry-run", "--json"], work, env)
     report = json.loads(out.stdout)
     assert report["name"] == "demo" and report["devices"].startswith("8 x cpu"), report
-    assert report["batch_samples"] == 16 and sum(len(mb) for mb in report["degrees"]) >= 1
+    import yaml
+
+    demo = yaml.safe_load((ROOT / "dhp_jax" / "train" / "configs" / "demo.yaml").read_text())
+    assert report["batch_samples"] == demo["data"]["batch_size"] and sum(len(mb) for mb in report["degrees"]) >= 1
     print("wheel install:", wheel.name, "->", report)

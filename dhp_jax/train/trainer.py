@@ -169,7 +169,10 @@ class Trainer:
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
         self.executor = executor
-        if getattr(executor, "min_bucket", None) and self.plan_source.cost is not None:
+        # (a plan made at full token counts prices the preset's own rule: the executor's ladder is
+        # for the scaled batch it runs)
+        if (getattr(executor, "min_bucket", None) and self.plan_source.cost is not None
+                and not self.plan_source.full_size):
             # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
             self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth))
             self.plan_source.cost = self.cost
