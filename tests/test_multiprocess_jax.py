@@ -75,6 +75,18 @@ def _run_together(cmds: list[list[str]], cwd, timeout: float) -> list[tuple[int,
     return out
 
 
+def _outputs(procs: list, timeout: float = 240) -> list[str]:
+    """Each process's output once it ends (killed, with what it printed, if it outlives `timeout`)."""
+    texts = []
+    for p in procs:
+        try:
+            texts.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            texts.append(p.communicate()[0])
+    return texts
+
+
 def _train_cmd(pid: int, port: int, out_dir, plan_file=None) -> list[str]:
     source = f"planner.plan_file={plan_file}" if plan_file else "planner.strategy=dhp"
     return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, f"metrics.out_dir={out_dir}",
@@ -101,13 +113,7 @@ def test_two_processes_match_single_process(tmp_path):
         ref = Trainer(load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
                                              f"planner.plan_file={plan_file}"])).run()
     finally:
-        texts = []
-        for p in procs:
-            try:
-                texts.append(p.communicate(timeout=240)[0])
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                texts.append(p.communicate()[0])
+        texts = _outputs(procs)
     for p, text in zip(procs, texts):
         assert p.returncode == 0, text[-4000:]
     assert "dhp train: process 1 of 2, coordinator 127.0.0.1" in texts[1]
@@ -148,13 +154,7 @@ def test_two_processes_plan_live_and_match_single_process(tmp_path):
         ref = Trainer(load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
                                              "planner.strategy=dhp"])).run()
     finally:
-        texts = []
-        for p in procs:
-            try:
-                texts.append(p.communicate(timeout=240)[0])
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                texts.append(p.communicate()[0])
+        texts = _outputs(procs)
     for p, text in zip(procs, texts):
         assert p.returncode == 0, text[-4000:]
     per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
