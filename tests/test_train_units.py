@@ -38,6 +38,8 @@ def test_bad_values_are_named(tmp_path):
         load_config(overrides=["num_ranks=16"])
     with pytest.raises(ConfigError, match="not of the form key=value"):
         load_config(overrides=["steps"])
+    with pytest.raises(ConfigError, match="attention_tile must be >= 1"):
+        load_config(overrides=["attention_tile=0"])
     p = tmp_path / "x.yaml"
     p.write_text("kind: experiment\n")
     with pytest.raises(ConfigError, match="kind: train"):

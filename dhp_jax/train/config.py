@@ -102,6 +102,7 @@ class TrainConfig:
     remat: str = "none"            # recompute in backward: none | layer | selective (MLLMConfig.remat)
     num_ranks: int = 8
     min_bucket: int | None = None  # smallest padded group length (None: the executor's default)
+    attention_tile: int | None = None  # ring attention tile, tokens (None: the executor's default, 512)
     compilation_cache: str | None = "auto"  # JAX persistent compilation cache: "auto" = <metrics.out_dir>/jax-cache,
                                    # a directory, or null (off)
     steps: int = 40
@@ -125,6 +126,7 @@ class TrainConfig:
                     "data.num_classes": self.data.num_classes, "planner.lookahead": self.planner.lookahead,
                     "checkpoint.keep": self.checkpoint.keep, "compare.sim_ranks_per_node": self.compare.sim_ranks_per_node}
         for key, v in {"planner.ranks_per_node": self.planner.ranks_per_node, "compare.sim_ranks": self.compare.sim_ranks,
+                       "attention_tile": self.attention_tile,
                        "compare.sim_batch_size": self.compare.sim_batch_size}.items():
             if v is not None and v < 1:
                 raise ConfigError(f"{key} must be >= 1 (or null), got {v}")

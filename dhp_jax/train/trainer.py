@@ -167,6 +167,8 @@ class Trainer:
             from dhp_jax.sharding import PlanExecutor
 
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
+            if config.attention_tile:
+                kwargs["attention_tile"] = config.attention_tile
             executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
         self.executor = executor
         # (a plan made at full token counts prices the preset's own rule: the executor's ladder is
