@@ -22,6 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dhp_jax.data.layout import scalar_bucketer
 from dhp_jax.planner.cost import CostModel
 
 
@@ -55,6 +56,8 @@ class _ScalarTime:
         if cost.compute_lanes is not None:
             self.exact = (cost, attention)
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
+        self.bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, cost.max_tokens_per_rank,
+                                      cost.bucket_menu) if cost.bucket_min else None
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
@@ -67,8 +70,8 @@ class _ScalarTime:
         if self.exact is not None:
             return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
         c = self.cost
-        if c.bucket_min:
-            P = c.padded_length(S, d)
+        if self.bucket is not None:
+            P = self.bucket(S, d)  # = c.padded_length(S, d)
             if c.padded_attention:
                 A = c.a1 * P * P
             B, S = B + c.a2 * (P - S), P

@@ -107,8 +107,12 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
     out = np.empty(len(shorts), dtype=np.int64)
     btok = [0.0] * n_bins
     heap = [(0.0, b) for b in range(n_bins)]
+    toks = [tok_l[k] for k in shorts]
+    # the least tokens of any sequence still to place: a bin with less room than that is full for
+    # good and leaves the heap (same result as skipping it every time, without the repeated pops)
+    least = list(itertools.accumulate(reversed(toks), min))[::-1]
     for i, k in enumerate(shorts):
-        tk = tok_l[k]
+        tk = toks[i]
         skipped = []
         placed = False
         while heap:
@@ -119,7 +123,8 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
                 heapq.heappush(heap, (load + work_l[k], b))
                 placed = True
                 break
-            skipped.append((load, b))
+            if i + 1 < len(shorts) and btok[b] + least[i + 1] <= cap:
+                skipped.append((load, b))
         for item in skipped:
             heapq.heappush(heap, item)
         if not placed:
