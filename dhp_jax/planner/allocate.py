@@ -96,9 +96,24 @@ class _LazyFloats:
 
 
 @functools.lru_cache(maxsize=64)
-def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
-    """A cached `_ScalarTime` (CostModel is frozen, hence hashable)."""
+def _scalar_time(cost: CostModel, attention: str) -> _ScalarTime:
     return _ScalarTime(cost, attention)
+
+
+_last: tuple = (None, None, None)  # (cost, attention, _ScalarTime) of the latest call, one reference
+
+
+def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
+    """A cached `_ScalarTime` (CostModel is frozen, hence hashable). The same model object as the
+    latest call skips hashing it: a plan asks hundreds of times, and a model's hash walks all its
+    fields. (The tuple is read and replaced whole, so planner threads never mix two entries.)"""
+    global _last
+    last = _last
+    if last[0] is cost and last[1] == attention:
+        return last[2]
+    t = _scalar_time(cost, attention)
+    _last = (cost, attention, t)
+    return t
 
 
 def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,

@@ -75,6 +75,7 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     bound = float(w.sum()) / N + cost.b1
     best = None
     stale = 0
+    seen: dict[bytes, bool] = {}  # packings already allocated (granularities often agree): usable or not
     for c, make in enumerate(makers):
         near = best is not None and best[2] <= bound * (1 + _NEAR_BOUND)
         if (near or stale >= _COARSEN_PATIENCE) and c < len(makers) - 1:
@@ -82,6 +83,11 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
             # group on all ranks, a cheap allocation) is still tried
             continue
         assign = make()
+        key = assign.tobytes()
+        if key in seen:  # the same packing again: its allocation cannot beat the best one
+            stale += seen[key]
+            continue
+        seen[key] = False
         n = int(assign.max()) + 1
         if n > N:
             continue
@@ -90,6 +96,7 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
         res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed)
         if res is None:
             continue
+        seen[key] = True
         if best is None or res[1] < best[2]:
             best, stale = (assign, res[0], res[1], fs[c]), 0
         else:
