@@ -235,3 +235,19 @@ def test_allocation_prices_padded_groups_as_the_cost_model_does():
                                                     cost.max_tokens_per_rank, menu))
         A, B = cost.a1 * S * S, cost.a2 * S
         assert t(A, B, S, d) == pytest.approx(float(cost.group_times(A, B, S, d)), rel=1e-12)
+
+
+def test_counts_are_compared_with_the_attention_kinds_the_plan_will_use():
+    # a text batch with one 131,072-token sequence: on the ring two micro-batches lose to three, but
+    # with all-to-all inside the wide groups (attention="best", the default) two win; the count
+    # search must judge its finalists the way the plan is priced
+    from dhp_jax.sim.simulate import make_batches
+
+    L = sample_lengths(make_batches("text-longtail", 512, 1, 2000, "qwen-vl")[0])
+    assert L.max() == 131072
+    free = plan_batch(L, 64, FLEXSP, "dhp")
+    forced = {M: plan_batch(L, 64, FLEXSP, "dhp", num_micro_batches=M).est_step_time_s for M in (2, 3)}
+    ring = {M: plan_batch(L, 64, FLEXSP, "dhp", num_micro_batches=M, attention="ring").est_step_time_s for M in (2, 3)}
+    assert ring[2] > ring[3] and forced[2] < forced[3]  # the ranking flips with the attention choice
+    assert free.est_step_time_s <= min(forced.values()) * (1 + 1e-9)
+    assert free.solver["est_makespan_sum_s"] == pytest.approx(free.est_step_time_s - FLEXSP.allreduce_time(64))

@@ -18,7 +18,7 @@ from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place, spans_nodes
-from dhp_jax.planner.pricing import attention_for, best_kinds
+from dhp_jax.planner.pricing import attention_for, best_kinds, price_groups
 from dhp_jax.planner.plan import PlanningError, PlanValidationError
 from dhp_jax.planner.problem import Problem
 from dhp_jax.planner.programs import ProgramCache
@@ -244,7 +244,10 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         if num_micro_batches is None:
             sols = move_sequences(prob, sols, allowed, packing, None)
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
-        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs, attention)
+        # judged as the plan will be priced: with each group's fastest attention kind in "best" mode
+        # (a count that loses on the ring can win once its wide groups use all-to-all)
+        spans = _kind_makespans(prob, done) if attention == "best" else [d[2] for d in done]
+        actual = sum(spans) + _compile_price(prob, done, programs, attention)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
@@ -435,6 +438,17 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
         return mbs, {**info, "est_makespan_sum_s": best[0]}
     return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
                      "shared_lanes_uniform_degree": best[2]}
+
+
+def _kind_makespans(prob: Problem, done: list) -> list[float]:
+    """Makespan of each finished micro-batch with every group on its fastest attention kind
+    (`pricing.best_kinds`, as `build_plan` prices a plan in "best" mode)."""
+    terms, out = (prob.attn, prob.lin, prob.tok), []
+    for groups, ranks, _ in done:
+        gs = list(zip(ranks, groups))
+        t, _, d = price_groups(prob.cost, gs, terms, best_kinds(prob.cost, gs, terms), prob.cost.ranks_per_node)
+        out.append(float(prob.cost.makespan(t, d)))
+    return out
 
 
 def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring") -> float:
