@@ -250,4 +250,3 @@ def test_counts_are_compared_with_the_attention_kinds_the_plan_will_use():
     ring = {M: plan_batch(L, 64, FLEXSP, "dhp", num_micro_batches=M, attention="ring").est_step_time_s for M in (2, 3)}
     assert ring[2] > ring[3] and forced[2] < forced[3]  # the ranking flips with the attention choice
     assert free.est_step_time_s <= min(forced.values()) * (1 + 1e-9)
-    assert free.solver["est_makespan_sum_s"] == pytest.approx(free.est_step_time_s - FLEXSP.allreduce_time(64))

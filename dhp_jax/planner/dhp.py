@@ -245,8 +245,9 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
             sols = move_sequences(prob, sols, allowed, packing, None)
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
         # judged as the plan will be priced: with each group's fastest attention kind in "best" mode
-        # (a count that loses on the ring can win once its wide groups use all-to-all)
-        spans = _kind_makespans(prob, done) if attention == "best" else [d[2] for d in done]
+        # (a count that loses on the ring can win once its wide groups use all-to-all); a lone
+        # finalist needs no judging
+        spans = _kind_makespans(prob, done) if attention == "best" and len(finalists) > 1 else [d[2] for d in done]
         actual = sum(spans) + _compile_price(prob, done, programs, attention)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
@@ -443,12 +444,11 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
 def _kind_makespans(prob: Problem, done: list) -> list[float]:
     """Makespan of each finished micro-batch with every group on its fastest attention kind
     (`pricing.best_kinds`, as `build_plan` prices a plan in "best" mode)."""
-    terms, out = (prob.attn, prob.lin, prob.tok), []
-    for groups, ranks, _ in done:
-        gs = list(zip(ranks, groups))
-        t, _, d = price_groups(prob.cost, gs, terms, best_kinds(prob.cost, gs, terms), prob.cost.ranks_per_node)
-        out.append(float(prob.cost.makespan(t, d)))
-    return out
+    terms = (prob.attn, prob.lin, prob.tok)
+    gs = [(r, g) for groups, ranks, _ in done for g, r in zip(groups, ranks)]
+    mb = np.repeat(np.arange(len(done)), [len(groups) for groups, _, _ in done])
+    t, _, d = price_groups(prob.cost, gs, terms, best_kinds(prob.cost, gs, terms), prob.cost.ranks_per_node)
+    return prob.cost.makespans(t, d, mb, len(done)).tolist()
 
 
 def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring") -> float:
