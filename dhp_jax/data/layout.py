@@ -73,6 +73,12 @@ def _rungs(min_bucket: int, growth: float) -> tuple[list[float], np.ndarray]:
     return out, np.asarray(out)
 
 
+def rung_list(min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> list[float]:
+    """The walked ladder (ascending rungs, as floats): `bisect_left` on it for max(ceil(tokens), 1)
+    gives `ladders` of one count. Shared, do not modify."""
+    return _rungs(int(min_bucket), float(growth))[0]
+
+
 def ladders(tokens: Any, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> np.ndarray:
     """`ladder` for an array of token counts (float64, same shape): the smallest rung that holds
     each count, looked up in the walked ladder (no float log, so rounding never moves a rung)."""

@@ -16,13 +16,15 @@ plus the scalar evaluations walked, O((K' + N) log K') overall.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
-from typing import Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import scalar_bucketer
+from dhp_jax.data.layout import rung_list, scalar_bucketer
 from dhp_jax.planner.cost import CostModel
 
 
@@ -47,7 +49,13 @@ def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: 
 
 
 class _ScalarTime:
-    """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
+    """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
+
+    Same arithmetic, in the same order, as the bucket rule (`data.layout.bucket_lengths`) followed by
+    `CostModel.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
+    constants (the memory clamp of the bucket rule, the link's per-token and per-message terms) are
+    tabulated once per model and attention kind; `group_times_of` also takes each group's ladder rung
+    once, since the rung depends on the tokens only."""
 
     def __init__(self, cost: CostModel, attention: str):
         # shared lanes: the closed form below does not hold; price every evaluation with the
@@ -58,6 +66,13 @@ class _ScalarTime:
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         self.bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, cost.max_tokens_per_rank,
                                       cost.bucket_menu) if cost.bucket_min else None
+        # the ladder walked inline (no menu: a menu's buckets replace it per degree, so that case
+        # keeps calling the scalar bucketer)
+        self.rungs = rung_list(cost.bucket_min, cost.bucket_growth) if cost.bucket_min and not cost.bucket_menu \
+            else None
+        self.mpd = cost.max_tokens_per_rank
+        self.padded_attention = bool(cost.padded_attention)
+        self.a1, self.a2 = cost.a1, cost.a2
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
@@ -65,16 +80,53 @@ class _ScalarTime:
         self.c_inter = float(cost.comm_per_token(True, attention))
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
         self.ring = attention == "ring"
+        self._tables: tuple[list, list, list, list] = ([], [], [], [])
+        self._degrees(64)
+
+    def _degrees(self, top: int) -> tuple[list, list, list, list]:
+        """Per-degree tables for degrees 0..top: 2d, the bucket rule's memory clamp, the link's
+        per-token seconds and its latency term (entry 0 unused)."""
+        step, clamp, coef, lat = self._tables
+        if len(step) > top:
+            return self._tables
+        step, clamp, coef, lat = [], [], [], []
+        mpd = self.mpd
+        for d in range(0, 2 * top + 1):
+            s = 2.0 * d
+            step.append(s)
+            clamp.append((mpd * d // s) * s if d and mpd is not None else None)
+            if d > self.rpn:
+                coef.append(self.c_inter)
+                lat.append(self.l_inter * (d - 1))
+            else:
+                coef.append(self.c_intra)
+                lat.append(self.l_intra * (d - 1))
+        self._tables = (step, clamp, coef, lat)
+        return self._tables
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
             return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
-        c = self.cost
+        if self.rungs is not None:  # the bucket rule inline (`_rung_scalar`), per-degree constants tabulated
+            step, clamp, coef, lat = self._tables if d < len(self._tables[0]) else self._degrees(d)
+            st = step[d]
+            r = self.rungs[bisect.bisect_left(self.rungs, max(math.ceil(S), 1))]
+            if self.mpd is not None:
+                r = max(min(r, clamp[d]), S)
+            P = math.ceil(r / st) * st
+            if self.padded_attention:
+                A = self.a1 * P * P
+            B = B + self.a2 * (P - S)
+            sent = P * (d - 1) / d if self.ring else P / d * (d - 1) / d
+            comm = coef[d] * sent + lat[d]
+            if self.overlap:
+                comm = max(comm - A / d, 0.0)
+            return (A + B) / d + self.b1 + comm
         if self.bucket is not None:
             P = self.bucket(S, d)  # = c.padded_length(S, d)
-            if c.padded_attention:
-                A = c.a1 * P * P
-            B, S = B + c.a2 * (P - S), P
+            if self.padded_attention:
+                A = self.a1 * P * P
+            B, S = B + self.a2 * (P - S), P
         sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
         if d > self.rpn:
             comm = self.c_inter * sent + self.l_inter * (d - 1)
@@ -83,6 +135,50 @@ class _ScalarTime:
         if self.overlap:
             comm = max(comm - A / d, 0.0)
         return (A + B) / d + self.b1 + comm
+
+    def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
+        """`ev(i, d)` = this T for group i (terms A[i], B[i], S[i], indexable) at degree d; each
+        group's ladder rung is looked up once, on first use. `top`: the largest degree expected
+        (larger ones extend the tables)."""
+        if self.exact is not None or (self.bucket is not None and self.rungs is None):
+            return lambda i, d: self(A[i], B[i], S[i], d)  # shared lanes, or a menu of buckets
+        step, clamp, coef, lat = self._degrees(top)
+        lst, bisect_left, ceil = self.rungs, bisect.bisect_left, math.ceil
+        rung: dict[int, float] = {}
+        a1, a2, b1, dense, overlap = self.a1, self.a2, self.b1, self.padded_attention, self.overlap
+        ring, clamped, padded = self.ring, self.mpd is not None, self.rungs is not None
+        tables = self._degrees
+
+        def ev(i: int, d: int) -> float:
+            nonlocal step, clamp, coef, lat
+            if d >= len(step):
+                step, clamp, coef, lat = tables(d)
+            if padded:
+                Si = S[i]
+                r = rung.get(i)
+                if r is None:
+                    r = rung[i] = lst[bisect_left(lst, max(ceil(Si), 1))]
+                st = step[d]
+                if clamped:  # the rung clamped to the memory of d ranks, never below the tokens:
+                    c = clamp[d]  # max(min(r, c), Si) without the builtins' call overhead
+                    if c < r:
+                        r = c
+                    if Si > r:
+                        r = Si
+                P = ceil(r / st) * st
+                Ai = a1 * P * P if dense else A[i]
+                Bi = B[i] + a2 * (P - Si)
+            else:
+                P, Ai, Bi = S[i], A[i], B[i]
+            sent = P * (d - 1) / d if ring else P / d * (d - 1) / d
+            comm = coef[d] * sent + lat[d]
+            if overlap:
+                comm = comm - Ai / d
+                if comm < 0.0:  # max(comm, 0.0)
+                    comm = 0.0
+            return (Ai + Bi) / d + b1 + comm
+
+        return ev
 
 
 class _LazyFloats:
@@ -128,7 +224,7 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if K == 0:
         return np.zeros(0, dtype=np.int64), 0.0
     ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
-    ds_list = [int(x) for x in ds]
+    ds_list = ds.tolist()
     if not ds_list:
         return None
     t = scalar_time(cost, attention)
@@ -147,10 +243,10 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
         starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention)
         t0 = cost.group_times(An, Bn, Sn, ds[starts], attention=attention).tolist()
-        Af, Bf, Sf = _LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn)  # few entries are ever read
+        ev = t.group_times_of(_LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn), ds_list[-1])  # few entries are read
     else:
-        Af, Bf, Sf = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
-        t0 = [t(Af[i], Bf[i], Sf[i], ds_list[p]) for i, p in enumerate(starts.tolist())]
+        ev = t.group_times_of(*(np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S)), ds_list[-1])
+        t0 = [ev(i, ds_list[p]) for i, p in enumerate(starts.tolist())]
     pos = starts.tolist()
     deg = [ds_list[p] for p in pos]
     used = sum(deg)
@@ -162,22 +258,26 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         cur = -neg
         budget = num_ranks - used + deg[i]  # the most ranks group i could hold
         p = pos[i] + 1
-        found = -1
-        while p < last and ds_list[p] <= budget:
-            if t(Af[i], Bf[i], Sf[i], ds_list[p]) < cur:
-                found = p
+        while p < last:
+            d = ds_list[p]
+            if d > budget:
+                p = last
+                break
+            ti = ev(i, d)
+            if ti < cur:
                 break
             p += 1
-        if found < 0:
+        if p >= last:
             break
-        used += ds_list[found] - deg[i]
-        pos[i], deg[i] = found, ds_list[found]
-        heapq.heapreplace(heap, (-t(Af[i], Bf[i], Sf[i], deg[i]), i))
+        used += d - deg[i]
+        pos[i], deg[i] = p, d
+        heapq.heapreplace(heap, (-ti, i))
     return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
 
 
 _WARM_MIN_GROUPS = 24  # below this the scalar search is cheaper than the vectorised bisection
 _WARM_ITERS = 14  # the bound only needs to be good, not tight: exactness never depends on it
+_WARM_LEVELS = 4  # bisection steps decided per vectorised feasibility test (2**4 - 1 mids at once)
 
 
 def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel,
@@ -194,7 +294,7 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     b1 = cost.b1
     last = len(ds) - 1
 
-    def degrees_for(T: float) -> np.ndarray:
+    def degrees_for(T: Any) -> np.ndarray:  # T: a float, or a column of them (one row each)
         need = np.ceil(work / (T - b1) * (1 - 1e-12))
         return np.maximum(starts, np.searchsorted(ds, need, side="left"))
 
@@ -202,13 +302,10 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     lo = b1 + float(work.sum()) / num_ranks
     if not hi > lo:
         return starts
-    for _ in range(_WARM_ITERS):
-        mid = 0.5 * (lo + hi)
-        p = degrees_for(mid)
-        if p.max() <= last and int(ds[p].sum()) <= num_ranks:
-            hi = mid
-        else:
-            lo = mid
+    # a degree past the last allowed one costs more than all ranks: such a row is never feasible
+    ds_over = np.append(ds, num_ranks + 1)
+    lo, hi = _bisect(lo, hi, _WARM_ITERS,
+                     lambda T: (ds_over[degrees_for(T[:, None])].sum(axis=1) <= num_ranks).tolist())
     p = degrees_for(hi)
     if p.max() > last or int(ds[p].sum()) > num_ranks:
         return starts
@@ -216,6 +313,31 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     if t_ub <= b1:
         return starts
     return degrees_for(t_ub)
+
+
+def _bisect(lo: float, hi: float, iters: int, feasible: Callable[[np.ndarray], list]) -> tuple[float, float]:
+    """`iters` bisection steps (mid = (lo + hi) / 2; feasible: hi = mid, else lo = mid), the same
+    floats as one step at a time, but _WARM_LEVELS steps per call of `feasible`: it gets every mid
+    those steps could visit (a binary tree in heap order: node k's children are 2k+1 when k was
+    feasible, 2k+2 when not) and says which are feasible."""
+    while iters > 0:
+        levels = min(_WARM_LEVELS, iters)
+        n = 2 ** levels - 1
+        los, his, mids = [lo] * n, [hi] * n, [0.0] * n
+        for k in range(n):
+            m = mids[k] = 0.5 * (los[k] + his[k])
+            if 2 * k + 2 < n:
+                los[2 * k + 1], his[2 * k + 1] = los[k], m
+                los[2 * k + 2], his[2 * k + 2] = m, his[k]
+        ok = feasible(np.asarray(mids))
+        k = 0
+        for _ in range(levels):
+            if ok[k]:
+                hi, k = mids[k], 2 * k + 1
+            else:
+                lo, k = mids[k], 2 * k + 2
+        iters -= levels
+    return lo, hi
 
 
 def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
