@@ -396,9 +396,12 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
             tries += 1
             a = parts[src][parts[src] != k]
             b = np.sort(np.append(parts[dst], k))
+            limit = (sols[src][2] + sols[dst][2]) * (1 - 1e-9)
+            # no solve of b comes in under its work bound: b is solved only if the move can still win
             sa = solve_microbatch(prob, a, allowed, packing, False, factors)
-            sb = solve_microbatch(prob, b, allowed, packing, False, factors)
-            if sa is not None and sb is not None and sa[2] + sb[2] < (sols[src][2] + sols[dst][2]) * (1 - 1e-9):
+            sb = None if sa is None or sa[2] + float(prob.work[b].sum()) / N + b1 >= limit else \
+                solve_microbatch(prob, b, allowed, packing, False, factors)
+            if sa is not None and sb is not None and sa[2] + sb[2] < limit:
                 parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
                 moved = True
                 break
