@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import rung_list, scalar_bucketer
+from dhp_jax.data.layout import ladders, rung_list, scalar_bucketer
 from dhp_jax.planner.cost import CostModel
 
 
@@ -80,8 +80,11 @@ class _ScalarTime:
         self.c_inter = float(cost.comm_per_token(True, attention))
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
         self.ring = attention == "ring"
+        self.attention = attention
         self._tables: tuple[list, list, list, list] = ([], [], [], [])
         self._degrees(64)
+        self._vec: tuple = ((),)
+        self._vector_tables(64)
 
     def _degrees(self, top: int) -> tuple[list, list, list, list]:
         """Per-degree tables for degrees 0..top: 2d, the bucket rule's memory clamp, the link's
@@ -103,6 +106,45 @@ class _ScalarTime:
                 lat.append(self.l_intra * (d - 1))
         self._tables = (step, clamp, coef, lat)
         return self._tables
+
+    def times(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> np.ndarray:
+        """`CostModel.group_times(A, B, S, degree, attention=...)` (integer degrees, inter-node
+        exactly above a node), the same floats with fewer NumPy calls: the per-degree terms are
+        taken from tables. Ring groups without shared lanes or a bucket menu; others call the model."""
+        if self.exact is not None or not self.ring or (self.bucket is not None and self.rungs is None):
+            return self.cost.group_times(A, B, S, degree, attention="ring" if self.ring else self.attention)
+        d = np.asarray(degree, dtype=np.int64)
+        top = int(d.max()) if d.size else 0
+        if top >= len(self._vec[0]):
+            self._vector_tables(top)
+        step, clamp, coef, lat, dm1, df = (t[d] for t in self._vec)
+        S = np.asarray(S, dtype=np.float64)
+        if self.rungs is not None:  # bucket_lengths (no menu), as CostModel.padded_length calls it
+            rung = ladders(S, self.cost.bucket_min, self.cost.bucket_growth)
+            if self.mpd is not None:
+                rung = np.maximum(np.minimum(rung, clamp), S)
+            P = np.ceil(rung / step) * step
+            if self.padded_attention:
+                A = self.a1 * P * P
+            B = B + self.a2 * (P - S)
+        else:
+            P = S
+        hidden = coef * (P * dm1 / df) + lat
+        if self.overlap:
+            hidden = np.maximum(hidden - A / df, 0.0)
+        return (A + B) / df + self.b1 + hidden
+
+    def _vector_tables(self, top: int) -> None:
+        """Arrays over degrees 0..top of `times`: 2d, the memory clamp (as `bucket_lengths` computes
+        it), the link's per-token seconds, its latency term, d - 1 and d (entry 0 unused)."""
+        d = np.arange(max(top, 64) + 1, dtype=np.float64)
+        inter = d > self.rpn
+        with np.errstate(divide="ignore", invalid="ignore"):
+            step = 2.0 * d
+            clamp = np.floor(self.mpd * d / step) * step if self.mpd is not None else d
+        coef = np.where(inter, self.c_inter, self.c_intra)
+        lat = np.where(inter, self.l_inter, self.l_intra) * (d - 1.0)
+        self._vec = (step, clamp, coef, lat, d - 1.0, d)
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
@@ -236,13 +278,13 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if K == 1:  # one group: the least degree among those reaching its least time, vectorised
         cand = ds[starts[0]:]
         cand = cand[cand <= num_ranks]
-        times = cost.group_times(A[0], B[0], S[0], cand, attention=attention)
+        times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
         j = int(np.argmin(times))
         return np.asarray([cand[j]], dtype=np.int64), float(times[j])
     if K >= _WARM_MIN_GROUPS:
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
-        starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention)
-        t0 = cost.group_times(An, Bn, Sn, ds[starts], attention=attention).tolist()
+        starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention, t.times)
+        t0 = t.times(An, Bn, Sn, ds[starts]).tolist()
         ev = t.group_times_of(_LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn), ds_list[-1])  # few entries are read
     else:
         ev = t.group_times_of(*(np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S)), ds_list[-1])
@@ -281,7 +323,8 @@ _WARM_LEVELS = 4  # bisection steps decided per vectorised feasibility test (2**
 
 
 def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel,
-                A: np.ndarray, B: np.ndarray, S: np.ndarray, attention: str) -> np.ndarray:
+                A: np.ndarray, B: np.ndarray, S: np.ndarray, attention: str,
+                times: Callable[..., np.ndarray] | None = None) -> np.ndarray:
     """Raise the starting degrees without losing exactness.
 
     If T_ub is the makespan of some feasible degree vector, the optimum V <= T_ub. Since
@@ -309,7 +352,8 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     p = degrees_for(hi)
     if p.max() > last or int(ds[p].sum()) > num_ranks:
         return starts
-    t_ub = float(np.max(cost.group_times(A, B, S, ds[p], attention=attention)))
+    t_ub = float(np.max(cost.group_times(A, B, S, ds[p], attention=attention) if times is None
+                        else times(A, B, S, ds[p])))
     if t_ub <= b1:
         return starts
     return degrees_for(t_ub)
