@@ -132,35 +132,40 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
     # the least tokens of any sequence still to place: a bin with less room than that is full for
     # good and leaves the heap (same result as skipping it every time, without the repeated pops)
     least = list(itertools.accumulate(reversed(toks), min))[::-1]
-    out_l = [0] * len(shorts)
-    for i, k in enumerate(shorts):
-        tk = toks[i]
+    n = len(shorts)
+    out_l = [0] * n
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for i in range(n):
+        k, tk = shorts[i], toks[i]
         if heap:  # the least loaded bin has room: a plain LPT step
             load, b = heap[0]
             if btok[b] + tk <= cap:
                 out_l[i] = b
                 btok[b] += tk
-                heapq.heapreplace(heap, (load + work_l[k], b))
+                replace(heap, (load + work_l[k], b))
                 continue
         skipped = []
         placed = False
+        after = least[i + 1] if i + 1 < n else None
         while heap:
-            load, b = heapq.heappop(heap)
+            load, b = pop(heap)
             if btok[b] + tk <= cap:
                 out_l[i] = b
                 btok[b] += tk
-                heapq.heappush(heap, (load + work_l[k], b))
+                push(heap, (load + work_l[k], b))
                 placed = True
                 break
-            if i + 1 < len(shorts) and btok[b] + least[i + 1] <= cap:
+            if after is not None and btok[b] + after <= cap:
                 skipped.append((load, b))
         for item in skipped:
-            heapq.heappush(heap, item)
+            push(heap, item)
         if not placed:
             b = len(btok)
             btok.append(tk)
             out_l[i] = b
-            heapq.heappush(heap, (work_l[k], b))
+            push(heap, (work_l[k], b))
+    if len(set(out_l)) == len(btok):  # every bin used: the ids are already dense
+        return np.asarray(out_l, dtype=np.int64)
     # drop bins left empty (possible only when new ones were opened) and renumber densely
     _, dense = np.unique(np.asarray(out_l, dtype=np.int64), return_inverse=True)
     return dense.astype(np.int64)
