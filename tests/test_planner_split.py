@@ -237,6 +237,44 @@ def test_allocation_prices_padded_groups_as_the_cost_model_does():
         assert t(A, B, S, d) == pytest.approx(float(cost.group_times(A, B, S, d)), rel=1e-12)
 
 
+@pytest.mark.parametrize("cost", [CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8),
+                                  CostModel.preset("internvl3-8b", "ascend-910b").replace(padded_attention=True,
+                                                                                           comm_overlap=False),
+                                  FLEXSP], ids=["padded", "dense-padded", "unpadded"])
+def test_tabulated_group_times_are_the_cost_models_floats(cost):
+    # the allocation's tables must give exactly CostModel.group_times' floats (not merely close ones):
+    # a last-bit difference can flip a comparison and change a plan
+    from dhp_jax.planner.allocate import _ScalarTime
+
+    rng = np.random.default_rng(5)
+    for attention in ("ring", "ulysses"):
+        t = _ScalarTime(cost, attention)
+        for _ in range(40):
+            K = int(rng.integers(1, 40))
+            S = rng.integers(1, 500_000, K).astype(float)
+            A, B = cost.a1 * S * S * rng.random(K), cost.a2 * S * (1 + rng.random(K))
+            d = rng.integers(1, 129, K)  # past the tables' first 64 degrees too
+            want = cost.group_times(A, B, S, d, attention=attention)
+            assert np.array_equal(t.times(A, B, S, d), want)
+            ev = t.group_times_of(A.tolist(), B.tolist(), S.tolist())
+            assert [ev(i, int(d[i])) for i in range(K)] == [t(A[i], B[i], S[i], int(d[i])) for i in range(K)]
+            assert [t(A[i], B[i], S[i], int(d[i])) for i in range(K)] == pytest.approx(want.tolist(), rel=1e-12)
+
+
+def test_blocked_bisection_visits_the_same_floats_as_one_step_at_a_time():
+    from dhp_jax.planner.allocate import _bisect
+
+    rng = np.random.default_rng(6)
+    for _ in range(200):
+        lo, hi = sorted(rng.random(2) * 10)
+        cut, iters = lo + (hi - lo) * rng.random(), int(rng.integers(1, 20))
+        a, b = lo, hi
+        for _ in range(iters):
+            mid = 0.5 * (a + b)
+            a, b = (a, mid) if mid >= cut else (mid, b)
+        assert _bisect(lo, hi, iters, lambda T: (T >= cut).tolist()) == (a, b)
+
+
 def test_counts_are_compared_with_the_attention_kinds_the_plan_will_use():
     # a text batch with one 131,072-token sequence: on the ring two micro-batches lose to three, but
     # with all-to-all inside the wide groups (attention="best", the default) two win; the count
