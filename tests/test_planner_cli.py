@@ -32,6 +32,10 @@ def test_bench_planner_json(capsys):
     out = json.loads(capsys.readouterr().out)
     assert [(r["ranks"], r["batch"]) for r in out["results"]] == [(8, 32), (16, 64)]
     assert all(r["solve_ms_median"] > 0 and r["total_cpu_ms_p99"] > 0 for r in out["results"])
+    assert "global batch" in out["target"]  # the targets are per batch; per micro-batch is reported beside
+    for r in out["results"]:
+        assert r["micro_batches_median"] >= 1
+        assert 0 < r["solve_ms_per_micro_batch_median"] <= r["solve_ms_p99"]
 
 
 def _dhp_cmd(*args: str) -> list[str]:

@@ -31,7 +31,7 @@ import bisect
 import dataclasses
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -71,6 +71,12 @@ def _rungs(min_bucket: int, growth: float) -> tuple[list[float], np.ndarray]:
         rung = float(math.ceil(min_bucket * growth ** k))
     out.append(rung)
     return out, np.asarray(out)
+
+
+def rung_list(min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> list[float]:
+    """The walked ladder (ascending rungs, as floats): `bisect_left` on it for max(ceil(tokens), 1)
+    gives `ladders` of one count. Shared, do not modify."""
+    return _rungs(int(min_bucket), float(growth))[0]
 
 
 def ladders(tokens: Any, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> np.ndarray:
@@ -131,12 +137,36 @@ def _bucket_scalar(tokens: float, degree: float, min_bucket: int, growth: float,
     """`bucket_lengths` of one group in plain floats (the planner evaluates thousands)."""
     if degree < 1:
         raise ValueError(f"degree must be >= 1, got {degree}")
-    lst = _rungs(min_bucket, growth)[0]
+    return _rung_scalar(_rungs(min_bucket, growth)[0], tokens, degree, max_per_device)
+
+
+def _rung_scalar(lst: list[float], tokens: float, degree: float, max_per_device: float | None) -> float:
     rung = lst[bisect.bisect_left(lst, max(math.ceil(tokens), 1))]
     step = 2.0 * degree
     if max_per_device is not None:
         rung = max(min(rung, (max_per_device * degree // step) * step), tokens)
     return math.ceil(rung / step) * step
+
+
+def scalar_bucketer(min_bucket: int = MIN_BUCKET, growth: float = GROWTH, max_per_device: float | None = None,
+                    menu: Any = ()) -> Callable[[float, int], float]:
+    """`bucket_lengths` of one group (plain float tokens, integer degree >= 1) as a function with
+    the ladder and the menu looked up once: the degree search of the planner's allocation evaluates
+    it tens of thousands of times per plan."""
+    lst = _rungs(int(min_bucket), float(growth))[0]
+    table: dict[int, list] = {}
+    for d, b in menu:
+        table.setdefault(int(d), list(b))  # the first entry of a degree wins, as in bucket_lengths
+
+    def bucket(tokens: float, degree: int) -> float:
+        buckets = table.get(degree)
+        if buckets is not None:
+            k = bisect.bisect_left(buckets, tokens)
+            if k < len(buckets):
+                return float(buckets[k])
+        return _rung_scalar(lst, tokens, degree, max_per_device)
+
+    return bucket
 
 
 def bucket_length(n: int, degree: int, min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> int:

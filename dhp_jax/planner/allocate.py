@@ -16,12 +16,15 @@ plus the scalar evaluations walked, O((K' + N) log K') overall.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import heapq
-from typing import Sequence
+import math
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dhp_jax.data.layout import ladders, rung_list, scalar_bucketer
 from dhp_jax.planner.cost import CostModel
 
 
@@ -46,7 +49,13 @@ def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: 
 
 
 class _ScalarTime:
-    """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them)."""
+    """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
+
+    Same arithmetic, in the same order, as the bucket rule (`data.layout.bucket_lengths`) followed by
+    `CostModel.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
+    constants (the memory clamp of the bucket rule, the link's per-token and per-message terms) are
+    tabulated once per model and attention kind; `group_times_of` also takes each group's ladder rung
+    once, since the rung depends on the tokens only."""
 
     def __init__(self, cost: CostModel, attention: str):
         # shared lanes: the closed form below does not hold; price every evaluation with the
@@ -55,6 +64,15 @@ class _ScalarTime:
         if cost.compute_lanes is not None:
             self.exact = (cost, attention)
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
+        self.bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, cost.max_tokens_per_rank,
+                                      cost.bucket_menu) if cost.bucket_min else None
+        # the ladder walked inline (no menu: a menu's buckets replace it per degree, so that case
+        # keeps calling the scalar bucketer)
+        self.rungs = rung_list(cost.bucket_min, cost.bucket_growth) if cost.bucket_min and not cost.bucket_menu \
+            else None
+        self.mpd = cost.max_tokens_per_rank
+        self.padded_attention = bool(cost.padded_attention)
+        self.a1, self.a2 = cost.a1, cost.a2
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
@@ -62,16 +80,95 @@ class _ScalarTime:
         self.c_inter = float(cost.comm_per_token(True, attention))
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
         self.ring = attention == "ring"
+        self.attention = attention
+        self._tables: tuple[list, list, list, list] = ([], [], [], [])
+        self._degrees(64)
+        self._vec: tuple = ((),)
+        self._vector_tables(64)
+
+    def _degrees(self, top: int) -> tuple[list, list, list, list]:
+        """Per-degree tables for degrees 0..top: 2d, the bucket rule's memory clamp, the link's
+        per-token seconds and its latency term (entry 0 unused)."""
+        step, clamp, coef, lat = self._tables
+        if len(step) > top:
+            return self._tables
+        step, clamp, coef, lat = [], [], [], []
+        mpd = self.mpd
+        for d in range(0, 2 * top + 1):
+            s = 2.0 * d
+            step.append(s)
+            clamp.append((mpd * d // s) * s if d and mpd is not None else None)
+            if d > self.rpn:
+                coef.append(self.c_inter)
+                lat.append(self.l_inter * (d - 1))
+            else:
+                coef.append(self.c_intra)
+                lat.append(self.l_intra * (d - 1))
+        self._tables = (step, clamp, coef, lat)
+        return self._tables
+
+    def times(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> np.ndarray:
+        """`CostModel.group_times(A, B, S, degree, attention=...)` (integer degrees, inter-node
+        exactly above a node), the same floats with fewer NumPy calls: the per-degree terms are
+        taken from tables. Ring groups without shared lanes or a bucket menu; others call the model."""
+        if self.exact is not None or not self.ring or (self.bucket is not None and self.rungs is None):
+            return self.cost.group_times(A, B, S, degree, attention="ring" if self.ring else self.attention)
+        d = np.asarray(degree, dtype=np.int64)
+        top = int(d.max()) if d.size else 0
+        if top >= len(self._vec[0]):
+            self._vector_tables(top)
+        step, clamp, coef, lat, dm1, df = (t[d] for t in self._vec)
+        S = np.asarray(S, dtype=np.float64)
+        if self.rungs is not None:  # bucket_lengths (no menu), as CostModel.padded_length calls it
+            rung = ladders(S, self.cost.bucket_min, self.cost.bucket_growth)
+            if self.mpd is not None:
+                rung = np.maximum(np.minimum(rung, clamp), S)
+            P = np.ceil(rung / step) * step
+            if self.padded_attention:
+                A = self.a1 * P * P
+            B = B + self.a2 * (P - S)
+        else:
+            P = S
+        hidden = coef * (P * dm1 / df) + lat
+        if self.overlap:
+            hidden = np.maximum(hidden - A / df, 0.0)
+        return (A + B) / df + self.b1 + hidden
+
+    def _vector_tables(self, top: int) -> None:
+        """Arrays over degrees 0..top of `times`: 2d, the memory clamp (as `bucket_lengths` computes
+        it), the link's per-token seconds, its latency term, d - 1 and d (entry 0 unused)."""
+        d = np.arange(max(top, 64) + 1, dtype=np.float64)
+        inter = d > self.rpn
+        with np.errstate(divide="ignore", invalid="ignore"):
+            step = 2.0 * d
+            clamp = np.floor(self.mpd * d / step) * step if self.mpd is not None else d
+        coef = np.where(inter, self.c_inter, self.c_intra)
+        lat = np.where(inter, self.l_inter, self.l_intra) * (d - 1.0)
+        self._vec = (step, clamp, coef, lat, d - 1.0, d)
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
             return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
-        c = self.cost
-        if c.bucket_min:
-            P = c.padded_length(S, d)
-            if c.padded_attention:
-                A = c.a1 * P * P
-            B, S = B + c.a2 * (P - S), P
+        if self.rungs is not None:  # the bucket rule inline (`_rung_scalar`), per-degree constants tabulated
+            step, clamp, coef, lat = self._tables if d < len(self._tables[0]) else self._degrees(d)
+            st = step[d]
+            r = self.rungs[bisect.bisect_left(self.rungs, max(math.ceil(S), 1))]
+            if self.mpd is not None:
+                r = max(min(r, clamp[d]), S)
+            P = math.ceil(r / st) * st
+            if self.padded_attention:
+                A = self.a1 * P * P
+            B = B + self.a2 * (P - S)
+            sent = P * (d - 1) / d if self.ring else P / d * (d - 1) / d
+            comm = coef[d] * sent + lat[d]
+            if self.overlap:
+                comm = max(comm - A / d, 0.0)
+            return (A + B) / d + self.b1 + comm
+        if self.bucket is not None:
+            P = self.bucket(S, d)  # = c.padded_length(S, d)
+            if self.padded_attention:
+                A = self.a1 * P * P
+            B, S = B + self.a2 * (P - S), P
         sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
         if d > self.rpn:
             comm = self.c_inter * sent + self.l_inter * (d - 1)
@@ -80,6 +177,50 @@ class _ScalarTime:
         if self.overlap:
             comm = max(comm - A / d, 0.0)
         return (A + B) / d + self.b1 + comm
+
+    def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
+        """`ev(i, d)` = this T for group i (terms A[i], B[i], S[i], indexable) at degree d; each
+        group's ladder rung is looked up once, on first use. `top`: the largest degree expected
+        (larger ones extend the tables)."""
+        if self.exact is not None or (self.bucket is not None and self.rungs is None):
+            return lambda i, d: self(A[i], B[i], S[i], d)  # shared lanes, or a menu of buckets
+        step, clamp, coef, lat = self._degrees(top)
+        lst, bisect_left, ceil = self.rungs, bisect.bisect_left, math.ceil
+        rung: dict[int, float] = {}
+        a1, a2, b1, dense, overlap = self.a1, self.a2, self.b1, self.padded_attention, self.overlap
+        ring, clamped, padded = self.ring, self.mpd is not None, self.rungs is not None
+        tables = self._degrees
+
+        def ev(i: int, d: int) -> float:
+            nonlocal step, clamp, coef, lat
+            if d >= len(step):
+                step, clamp, coef, lat = tables(d)
+            if padded:
+                Si = S[i]
+                r = rung.get(i)
+                if r is None:
+                    r = rung[i] = lst[bisect_left(lst, max(ceil(Si), 1))]
+                st = step[d]
+                if clamped:  # the rung clamped to the memory of d ranks, never below the tokens:
+                    c = clamp[d]  # max(min(r, c), Si) without the builtins' call overhead
+                    if c < r:
+                        r = c
+                    if Si > r:
+                        r = Si
+                P = ceil(r / st) * st
+                Ai = a1 * P * P if dense else A[i]
+                Bi = B[i] + a2 * (P - Si)
+            else:
+                P, Ai, Bi = S[i], A[i], B[i]
+            sent = P * (d - 1) / d if ring else P / d * (d - 1) / d
+            comm = coef[d] * sent + lat[d]
+            if overlap:
+                comm = comm - Ai / d
+                if comm < 0.0:  # max(comm, 0.0)
+                    comm = 0.0
+            return (Ai + Bi) / d + b1 + comm
+
+        return ev
 
 
 class _LazyFloats:
@@ -93,9 +234,24 @@ class _LazyFloats:
 
 
 @functools.lru_cache(maxsize=64)
-def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
-    """A cached `_ScalarTime` (CostModel is frozen, hence hashable)."""
+def _scalar_time(cost: CostModel, attention: str) -> _ScalarTime:
     return _ScalarTime(cost, attention)
+
+
+_last: tuple = (None, None, None)  # (cost, attention, _ScalarTime) of the latest call, one reference
+
+
+def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
+    """A cached `_ScalarTime` (CostModel is frozen, hence hashable). The same model object as the
+    latest call skips hashing it: a plan asks hundreds of times, and a model's hash walks all its
+    fields. (The tuple is read and replaced whole, so planner threads never mix two entries.)"""
+    global _last
+    last = _last
+    if last[0] is cost and last[1] == attention:
+        return last[2]
+    t = _scalar_time(cost, attention)
+    _last = (cost, attention, t)
+    return t
 
 
 def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
@@ -110,7 +266,7 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if K == 0:
         return np.zeros(0, dtype=np.int64), 0.0
     ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
-    ds_list = [int(x) for x in ds]
+    ds_list = ds.tolist()
     if not ds_list:
         return None
     t = scalar_time(cost, attention)
@@ -122,17 +278,17 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if K == 1:  # one group: the least degree among those reaching its least time, vectorised
         cand = ds[starts[0]:]
         cand = cand[cand <= num_ranks]
-        times = cost.group_times(A[0], B[0], S[0], cand, attention=attention)
+        times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
         j = int(np.argmin(times))
         return np.asarray([cand[j]], dtype=np.int64), float(times[j])
     if K >= _WARM_MIN_GROUPS:
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
-        starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention)
-        t0 = cost.group_times(An, Bn, Sn, ds[starts], attention=attention).tolist()
-        Af, Bf, Sf = _LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn)  # few entries are ever read
+        starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention, t.times)
+        t0 = t.times(An, Bn, Sn, ds[starts]).tolist()
+        ev = t.group_times_of(_LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn), ds_list[-1])  # few entries are read
     else:
-        Af, Bf, Sf = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
-        t0 = [t(Af[i], Bf[i], Sf[i], ds_list[p]) for i, p in enumerate(starts.tolist())]
+        ev = t.group_times_of(*(np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S)), ds_list[-1])
+        t0 = [ev(i, ds_list[p]) for i, p in enumerate(starts.tolist())]
     pos = starts.tolist()
     deg = [ds_list[p] for p in pos]
     used = sum(deg)
@@ -144,26 +300,31 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         cur = -neg
         budget = num_ranks - used + deg[i]  # the most ranks group i could hold
         p = pos[i] + 1
-        found = -1
-        while p < last and ds_list[p] <= budget:
-            if t(Af[i], Bf[i], Sf[i], ds_list[p]) < cur:
-                found = p
+        while p < last:
+            d = ds_list[p]
+            if d > budget:
+                p = last
+                break
+            ti = ev(i, d)
+            if ti < cur:
                 break
             p += 1
-        if found < 0:
+        if p >= last:
             break
-        used += ds_list[found] - deg[i]
-        pos[i], deg[i] = found, ds_list[found]
-        heapq.heapreplace(heap, (-t(Af[i], Bf[i], Sf[i], deg[i]), i))
+        used += d - deg[i]
+        pos[i], deg[i] = p, d
+        heapq.heapreplace(heap, (-ti, i))
     return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
 
 
 _WARM_MIN_GROUPS = 24  # below this the scalar search is cheaper than the vectorised bisection
 _WARM_ITERS = 14  # the bound only needs to be good, not tight: exactness never depends on it
+_WARM_LEVELS = 4  # bisection steps decided per vectorised feasibility test (2**4 - 1 mids at once)
 
 
 def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel,
-                A: np.ndarray, B: np.ndarray, S: np.ndarray, attention: str) -> np.ndarray:
+                A: np.ndarray, B: np.ndarray, S: np.ndarray, attention: str,
+                times: Callable[..., np.ndarray] | None = None) -> np.ndarray:
     """Raise the starting degrees without losing exactness.
 
     If T_ub is the makespan of some feasible degree vector, the optimum V <= T_ub. Since
@@ -176,7 +337,7 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     b1 = cost.b1
     last = len(ds) - 1
 
-    def degrees_for(T: float) -> np.ndarray:
+    def degrees_for(T: Any) -> np.ndarray:  # T: a float, or a column of them (one row each)
         need = np.ceil(work / (T - b1) * (1 - 1e-12))
         return np.maximum(starts, np.searchsorted(ds, need, side="left"))
 
@@ -184,20 +345,43 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     lo = b1 + float(work.sum()) / num_ranks
     if not hi > lo:
         return starts
-    for _ in range(_WARM_ITERS):
-        mid = 0.5 * (lo + hi)
-        p = degrees_for(mid)
-        if p.max() <= last and int(ds[p].sum()) <= num_ranks:
-            hi = mid
-        else:
-            lo = mid
+    # a degree past the last allowed one costs more than all ranks: such a row is never feasible
+    ds_over = np.append(ds, num_ranks + 1)
+    lo, hi = _bisect(lo, hi, _WARM_ITERS,
+                     lambda T: (ds_over[degrees_for(T[:, None])].sum(axis=1) <= num_ranks).tolist())
     p = degrees_for(hi)
     if p.max() > last or int(ds[p].sum()) > num_ranks:
         return starts
-    t_ub = float(np.max(cost.group_times(A, B, S, ds[p], attention=attention)))
+    t_ub = float(np.max(cost.group_times(A, B, S, ds[p], attention=attention) if times is None
+                        else times(A, B, S, ds[p])))
     if t_ub <= b1:
         return starts
     return degrees_for(t_ub)
+
+
+def _bisect(lo: float, hi: float, iters: int, feasible: Callable[[np.ndarray], list]) -> tuple[float, float]:
+    """`iters` bisection steps (mid = (lo + hi) / 2; feasible: hi = mid, else lo = mid), the same
+    floats as one step at a time, but _WARM_LEVELS steps per call of `feasible`: it gets every mid
+    those steps could visit (a binary tree in heap order: node k's children are 2k+1 when k was
+    feasible, 2k+2 when not) and says which are feasible."""
+    while iters > 0:
+        levels = min(_WARM_LEVELS, iters)
+        n = 2 ** levels - 1
+        los, his, mids = [lo] * n, [hi] * n, [0.0] * n
+        for k in range(n):
+            m = mids[k] = 0.5 * (los[k] + his[k])
+            if 2 * k + 2 < n:
+                los[2 * k + 1], his[2 * k + 1] = los[k], m
+                los[2 * k + 2], his[2 * k + 2] = m, his[k]
+        ok = feasible(np.asarray(mids))
+        k = 0
+        for _ in range(levels):
+            if ok[k]:
+                hi, k = mids[k], 2 * k + 1
+            else:
+                lo, k = mids[k], 2 * k + 2
+        iters -= levels
+    return lo, hi
 
 
 def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,

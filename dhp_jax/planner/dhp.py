@@ -1,5 +1,6 @@
 """The "dhp" strategy: micro-batch count search (candidate splits per count, `microbatch.py`, ranked
-by a step-time bound; then local moves of sequences between micro-batches) -> memory-aware packing
+by a step-time bound; then the best split with one micro-batch dissolved into the others, and local
+moves of sequences between micro-batches) -> memory-aware packing
 -> exact degree allocation -> refinement -> node-aware placement, with the shared-lanes fallback on
 fake CPU devices.
 Deterministic: no wall-clock limits.
@@ -17,7 +18,7 @@ from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import bin_sums, bins_of, pack
 from dhp_jax.planner.placement import place, spans_nodes
-from dhp_jax.planner.pricing import attention_for, best_kinds
+from dhp_jax.planner.pricing import attention_for, best_kinds, price_groups
 from dhp_jax.planner.plan import PlanningError, PlanValidationError
 from dhp_jax.planner.problem import Problem
 from dhp_jax.planner.programs import ProgramCache
@@ -32,6 +33,8 @@ _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skippi
 _MOVES = 2  # local moves tried between micro-batches once the split is chosen
 _ALONE_TOP = 32  # sequences whose time alone enters the split bound (the rest: their work / N + b1)
 _SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could win by this fraction
+_DISSOLVE_SLACK = 0.02  # fill above the even share a dissolved micro-batch's sequences may first use
+_MERGES = 2  # times the best split may lose a micro-batch by dissolving one into the others
 
 def coarsen_factors(num_ranks: int) -> list[float]:
     """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks."""
@@ -40,6 +43,14 @@ def coarsen_factors(num_ranks: int) -> list[float]:
         fs.append(float(f))
         f *= 2
     return fs + [float(num_ranks)]
+
+def near_factors(sols: Sequence[tuple], all_f: Sequence[float]) -> list[float]:
+    """The packing granularities worth trying on micro-batches like those of `sols`: the ones that
+    won there and their neighbours in `all_f` (`coarsen_factors`), and always the coarsest."""
+    won = sorted({all_f.index(s[3]) for s in sols if s[3] in all_f})
+    near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
+    return [all_f[j] for j in near] + [all_f[-1]]
+
 
 def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packing: bool = True,
                      do_refine: bool = True, factors: Sequence[float] | None = None
@@ -64,6 +75,7 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     bound = float(w.sum()) / N + cost.b1
     best = None
     stale = 0
+    seen: dict[bytes, bool] = {}  # packings already allocated (granularities often agree): usable or not
     for c, make in enumerate(makers):
         near = best is not None and best[2] <= bound * (1 + _NEAR_BOUND)
         if (near or stale >= _COARSEN_PATIENCE) and c < len(makers) - 1:
@@ -71,6 +83,11 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
             # group on all ranks, a cheap allocation) is still tried
             continue
         assign = make()
+        key = assign.tobytes()
+        if key in seen:  # the same packing again: its allocation cannot beat the best one
+            stale += seen[key]
+            continue
+        seen[key] = False
         n = int(assign.max()) + 1
         if n > N:
             continue
@@ -79,6 +96,7 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
         res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed)
         if res is None:
             continue
+        seen[key] = True
         if best is None or res[1] < best[2]:
             best, stale = (assign, res[0], res[1], fs[c]), 0
         else:
@@ -146,8 +164,10 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
               attention: str = "ring") -> tuple[list, dict[str, Any]]:
     """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
     micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
-    and allocate every micro-batch; finish the best count and the fewest (refine, place, repair)
-    and keep the one with the least placed step time. `attention` ("ring" or "best", plan_batch's
+    and allocate every micro-batch; then dissolve one micro-batch of the lowest split into the
+    others while that lowers it (at most _MERGES times, never below the memory minimum); finish the
+    best count and the fewest (local moves, refine, place, repair) and keep the one with the least
+    placed step time. `attention` ("ring" or "best", plan_batch's
     mode) names the kinds whose programs `programs` prices."""
     N, cost = prob.num_ranks, prob.cost
     if isinstance(degrees, str) and degrees == "any" and cost.bucket_menu and cost.bucket_min:
@@ -183,7 +203,8 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         if best is not None and total_work / N + M * cost.b1 >= best[0] * (1 - _MB_MIN_GAIN):
             break
         got = _solve_split(prob, M, allowed, packing, factors, alone,
-                           np.inf if best is None else best[0] * (1 - _MB_MIN_GAIN))
+                           np.inf if best is None else best[0] * (1 - _MB_MIN_GAIN),
+                           np.inf if best is None else best[0])
         if got is None:
             if best is not None:
                 stale += 1
@@ -192,9 +213,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
             continue
         tries += 1
         total, sols = got
-        won = sorted({all_f.index(s[3]) for s in sols if s[3] in all_f})
-        near = sorted({j for i in won for j in (i - 1, i, i + 1) if 0 <= j < len(all_f) - 1})
-        factors = [all_f[j] for j in near] + [all_f[-1]]
+        factors = near_factors(sols, all_f)
         feasible.append((total, M, sols))
         if best is None or total < best[0] * (1 - _MB_MIN_GAIN):
             best, stale = (total, M, sols), 0
@@ -205,6 +224,16 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     if best is None:
         raise PlanningError(f"no micro-batch split fits {N} ranks"
                             + (f" with num_micro_batches={num_micro_batches}" if num_micro_batches else ""))
+    low = min(feasible, key=lambda x: (x[0], x[1]))
+    for _ in range(_MERGES if num_micro_batches is None else 0):
+        # one micro-batch fewer: the lowest split with one micro-batch dissolved into the others
+        if low[1] <= lo:
+            break
+        got = dissolve_micro_batch(prob, low[2], allowed, packing, near_factors(low[2], all_f), low[0], alone)
+        if got is None:
+            break
+        low = (got[0], low[1] - 1, got[1])
+        feasible.append(low)
     # the best few counts by allocation makespan are finished (refined, placed on nodes, repaired)
     # and judged by their placed makespans: placement can cost what the allocation did not see
     fewest = min(feasible, key=lambda x: x[1])  # refinement helps the fewest micro-batches most
@@ -213,9 +242,13 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     chosen = None
     for total, M, sols in finalists:
         if num_micro_batches is None:
-            sols = move_sequences(prob, sols, allowed, packing, factors)
+            sols = move_sequences(prob, sols, allowed, packing, None)
         done = [finish_microbatch(prob, s, allowed, refine, node_aware) for s in sols]
-        actual = sum(d[2] for d in done) + _compile_price(prob, done, programs, attention)
+        # judged as the plan will be priced: with each group's fastest attention kind in "best" mode
+        # (a count that loses on the ring can win once its wide groups use all-to-all); a lone
+        # finalist needs no judging
+        spans = _kind_makespans(prob, done) if attention == "best" and len(finalists) > 1 else [d[2] for d in done]
+        actual = sum(spans) + _compile_price(prob, done, programs, attention)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
@@ -238,40 +271,101 @@ def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     return out
 
 
-def split_bound(prob: Problem, parts: Sequence[np.ndarray], alone: np.ndarray) -> float:
-    """A lower bound on the summed makespans of a split: each micro-batch takes at least its work
-    spread over all N ranks plus b1, and at least its slowest sequence alone."""
+def part_bounds(prob: Problem, parts: Sequence[np.ndarray], alone: np.ndarray) -> np.ndarray:
+    """A lower bound on each micro-batch's makespan: its work spread over all N ranks plus b1, and
+    at least its slowest sequence alone."""
     N, b1 = prob.num_ranks, prob.cost.b1
-    return sum(max(float(prob.work[p].sum()) / N + b1, float(alone[p].max())) for p in parts)
+    return np.asarray([max(float(prob.work[p].sum()) / N + b1, float(alone[p].max())) for p in parts])
+
+
+def solve_parts(prob: Problem, parts: Sequence[np.ndarray], allowed: np.ndarray, packing: bool,
+                factors: Sequence[float] | None, bounds: np.ndarray, limit: float = np.inf) -> tuple[float, list] | None:
+    """Every micro-batch of `parts` solved (packed, allocated; not refined) and the summed makespans;
+    None when one does not fit, or as soon as the makespans so far plus the `bounds` (lower bounds
+    per part) of the rest reach `limit` (the split cannot come in under it)."""
+    rest = float(np.sum(bounds))
+    done, sols = 0.0, []
+    for idx, b in zip(parts, bounds.tolist()):
+        if done + rest >= limit:
+            return None
+        s = solve_microbatch(prob, idx, allowed, packing, False, factors)
+        if s is None:
+            return None
+        sols.append(s)
+        done += s[2]
+        rest -= b
+    return (done, sols) if done < limit else None
 
 
 def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, factors: Sequence[float] | None,
-                 alone: np.ndarray, cutoff: float = np.inf) -> tuple[float, list] | None:
+                 alone: np.ndarray, cutoff: float = np.inf, limit: float = np.inf) -> tuple[float, list] | None:
     """The best candidate split for M micro-batches (`microbatch.candidates`), each micro-batch solved
-    (packed, allocated; not yet refined); candidates are solved in order of `split_bound` until the
+    (packed, allocated; not yet refined); candidates are solved in order of their bound (the sum of `part_bounds`) until the
     next bound cannot win by more than _SPLIT_MARGIN, and never when the bound reaches `cutoff` (what
-    another count already achieved). None when no candidate fits or none can beat the cutoff."""
+    another count must beat). A candidate is abandoned once its bound shows it cannot come in under
+    `limit` (what another count achieved) or the best candidate so far. None when no candidate fits
+    or none comes in under the cutoff and limit."""
     cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap)
     if not cands:
         return None
-    ranked = sorted(((split_bound(prob, parts, alone), i, parts) for i, (_, parts) in enumerate(cands)),
-                    key=lambda c: (c[0], c[1]))
+    ranked = sorted(((part_bounds(prob, parts, alone), i, parts) for i, (_, parts) in enumerate(cands)),
+                    key=lambda c: (float(c[0].sum()), c[1]))
     best = None
-    for bound, _, parts in ranked:
+    for bounds, _, parts in ranked:
+        bound = float(bounds.sum())
         if bound >= cutoff or (best is not None and bound >= best[0] * (1 - _SPLIT_MARGIN)):
             break
-        sols = []
-        for idx in parts:
-            s = solve_microbatch(prob, idx, allowed, packing, False, factors)
-            if s is None:
-                break
-            sols.append(s)
-        if len(sols) < len(parts):
-            continue
-        total = sum(s[2] for s in sols)
-        if best is None or total < best[0]:
-            best = (total, sols)
+        got = solve_parts(prob, parts, allowed, packing, factors, bounds, min(limit, np.inf if best is None else best[0]))
+        if got is not None:
+            best = got
     return best
+
+
+def dissolve_micro_batch(prob: Problem, sols: list, allowed: np.ndarray, packing: bool,
+                        factors: Sequence[float] | None, total: float, alone: np.ndarray
+                        ) -> tuple[float, list] | None:
+    """The solved split `sols` with one micro-batch fewer, if that lowers the summed makespans below
+    `total`: the micro-batch of least makespan is dissolved, its sequences (heaviest first) each
+    going to the micro-batch of least estimated makespan (makespan + added work / N) that has
+    memory room; the micro-batches that received sequences are solved again. None when a sequence
+    fits nowhere or the result is not lower. The count search climbs from the token bound and
+    stops at the first count that does not win; this is its step back from the count it kept,
+    with a split that keeps that count's placement of the long sequences."""
+    N, room = prob.num_ranks, prob.num_ranks * prob.cap
+    M = len(sols)
+    if M < 2:
+        return None
+    parts = [np.asarray(sorted(k for g in s[0] for k in g), dtype=np.int64) for s in sols]
+    mk = np.asarray([s[2] for s in sols])
+    src = int(np.argmin(mk))
+    keep = [m for m in range(M) if m != src]
+    est = mk[keep].copy()
+    tok = np.asarray([float(prob.tok[parts[m]].sum()) for m in keep])
+    moved = parts[src][np.lexsort((parts[src], -prob.work[parts[src]]))]
+    dest = np.empty(len(moved), dtype=np.int64)
+    # an even fill first: a micro-batch near its memory cap needs large, slow groups
+    even = min(room, float(prob.tok.sum()) / (M - 1) * (1 + _DISSOLVE_SLACK))
+    for i, k in enumerate(moved.tolist()):
+        ok = np.flatnonzero(tok + prob.tok[k] <= even)
+        if ok.size == 0:
+            ok = np.flatnonzero(tok + prob.tok[k] <= room)
+        if ok.size == 0:
+            return None
+        j = int(ok[np.argmin(est[ok])])
+        dest[i] = j
+        est[j] += prob.work[k] / N
+        tok[j] += prob.tok[k]
+    hit = [j for j in range(M - 1) if np.any(dest == j)]
+    grown = [np.sort(np.concatenate([parts[keep[j]], moved[dest == j]])) for j in hit]
+    same = sum(float(mk[keep[j]]) for j in range(M - 1) if j not in hit)
+    got = solve_parts(prob, grown, allowed, packing, factors, part_bounds(prob, grown, alone),
+                      total * (1 - 1e-9) - same)
+    if got is None:
+        return None
+    new = [sols[m] for m in keep]
+    for j, s in zip(hit, got[1]):
+        new[j] = s
+    return same + got[0], new
 
 
 def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool,
@@ -302,9 +396,12 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
             tries += 1
             a = parts[src][parts[src] != k]
             b = np.sort(np.append(parts[dst], k))
+            limit = (sols[src][2] + sols[dst][2]) * (1 - 1e-9)
+            # no solve of b comes in under its work bound: b is solved only if the move can still win
             sa = solve_microbatch(prob, a, allowed, packing, False, factors)
-            sb = solve_microbatch(prob, b, allowed, packing, False, factors)
-            if sa is not None and sb is not None and sa[2] + sb[2] < (sols[src][2] + sols[dst][2]) * (1 - 1e-9):
+            sb = None if sa is None or sa[2] + float(prob.work[b].sum()) / N + b1 >= limit else \
+                solve_microbatch(prob, b, allowed, packing, False, factors)
+            if sa is not None and sb is not None and sa[2] + sb[2] < limit:
                 parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
                 moved = True
                 break
@@ -345,6 +442,16 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
         return mbs, {**info, "est_makespan_sum_s": best[0]}
     return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
                      "shared_lanes_uniform_degree": best[2]}
+
+
+def _kind_makespans(prob: Problem, done: list) -> list[float]:
+    """Makespan of each finished micro-batch with every group on its fastest attention kind
+    (`pricing.best_kinds`, as `build_plan` prices a plan in "best" mode)."""
+    terms = (prob.attn, prob.lin, prob.tok)
+    gs = [(r, g) for groups, ranks, _ in done for g, r in zip(groups, ranks)]
+    mb = np.repeat(np.arange(len(done)), [len(groups) for groups, _, _ in done])
+    t, _, d = price_groups(prob.cost, gs, terms, best_kinds(prob.cost, gs, terms), prob.cost.ranks_per_node)
+    return prob.cost.makespans(t, d, mb, len(done)).tolist()
 
 
 def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring") -> float:

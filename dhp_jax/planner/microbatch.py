@@ -19,7 +19,13 @@ import numpy as np
 
 
 def min_micro_batches(tokens: np.ndarray, num_ranks: int, max_tokens_per_rank: float) -> int:
-    """A lower bound on the micro-batch count: all activations must fit on the ranks at once."""
+    """A lower bound on the micro-batch count: all activations must fit on the ranks at once.
+
+    A micro-batch fits memory exactly when its tokens fit `num_ranks * max_tokens_per_rank` (a
+    group of d ranks holds d * max_tokens_per_rank tokens, and one group on all ranks holds any
+    micro-batch within that), so the least count is a bin-packing optimum with bins of that size
+    and this is its fractional bound: valid always, short of the optimum only by the granularity
+    of whole sequences. The planner may still use more micro-batches when that is faster."""
     return max(1, math.ceil(float(tokens.sum()) / (num_ranks * max_tokens_per_rank) - 1e-12))
 
 

@@ -13,6 +13,7 @@ a memory-checked LPT that opens new bins when needed runs instead.
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -51,6 +52,7 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
     keys = work[short_arr].tolist()
     stoks = tokens[short_arr].tolist()  # aligned with shorts / keys
     ranks_taken = 0
+    filled, fill_bin = [], []  # shorts placed into the long bins' headroom, and those bins
     for b, (k, wk, tk, dk) in enumerate(zip(longs.tolist(), work[longs].tolist(), tokens[longs].tolist(),
                                             dmin[longs].tolist())):
         share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
@@ -63,10 +65,11 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
                 j -= 1
             if j < 0:
                 break
-            s = shorts.pop(j)
+            filled.append(shorts.pop(j))
+            fill_bin.append(b)
             head -= keys.pop(j)
             room -= stoks.pop(j)
-            assign[s] = b
+    assign[filled] = fill_bin
     if not shorts:
         return assign
     shorts.reverse()  # heaviest first
@@ -85,50 +88,86 @@ def _deal(shorts: np.ndarray, work: np.ndarray, tokens: np.ndarray, n_bins: int,
     bin; None if a bin would overflow `cap` tokens."""
     head = min(len(shorts), _LPT_ROUNDS * n_bins)
     out = np.empty(len(shorts), dtype=np.int64)
-    heap = [(0.0, b) for b in range(n_bins)]
     wl = work[shorts[:head]].tolist()
-    for i in range(head):
+    first = min(head, n_bins)
+    if min(wl[:first], default=1.0) > 0:
+        # the first round goes to bins 0, 1, ... in turn (each empty bin is the least loaded, ties
+        # by bin id); the heap's pop order depends only on its (load, bin) entries, not its layout
+        heap = [(wl[b], b) for b in range(first)] + [(0.0, b) for b in range(first, n_bins)]
+        heapq.heapify(heap)
+        got = list(range(first))
+    else:
+        heap, got, first = [(0.0, b) for b in range(n_bins)], [], 0
+    replace = heapq.heapreplace
+    for i in range(first, head):
         load, b = heap[0]
-        out[i] = b
-        heapq.heapreplace(heap, (load + wl[i], b))
+        got.append(b)
+        replace(heap, (load + wl[i], b))
+    out[:head] = got
     if head < len(shorts):
         lanes = np.asarray([b for _, b in sorted(heap)], dtype=np.int64)
-        pos = np.arange(len(shorts) - head)
-        rnd, off = pos // n_bins, pos % n_bins
-        out[head:] = lanes[np.where(rnd % 2 == 0, off, n_bins - 1 - off)]
+        out[head:] = lanes[_boustrophedon(len(shorts) - head, n_bins)]
     if np.bincount(out, tokens[shorts], minlength=n_bins).max() > cap:
         return None
     return out
 
 
+@functools.lru_cache(maxsize=512)
+def _boustrophedon(m: int, n_bins: int) -> np.ndarray:
+    """Lane of each of m items dealt back and forth over n_bins lanes (0, 1, .., n-1, n-1, .., 0, 0, ..);
+    read-only, shared between calls."""
+    pos = np.arange(m)
+    rnd, off = pos // n_bins, pos % n_bins
+    lanes = np.where(rnd % 2 == 0, off, n_bins - 1 - off)
+    lanes.flags.writeable = False
+    return lanes
+
+
 def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float], n_bins: int, cap: float
                      ) -> np.ndarray:
     """Longest first onto the least loaded bin that has memory room; a new bin when none has."""
-    out = np.empty(len(shorts), dtype=np.int64)
     btok = [0.0] * n_bins
     heap = [(0.0, b) for b in range(n_bins)]
-    for i, k in enumerate(shorts):
-        tk = tok_l[k]
+    toks = [tok_l[k] for k in shorts]
+    # the least tokens of any sequence still to place: a bin with less room than that is full for
+    # good and leaves the heap (same result as skipping it every time, without the repeated pops)
+    least = list(itertools.accumulate(reversed(toks), min))[::-1]
+    n = len(shorts)
+    out_l = [0] * n
+    pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
+    for i in range(n):
+        k, tk = shorts[i], toks[i]
+        if heap:  # the least loaded bin has room: a plain LPT step
+            load, b = heap[0]
+            if btok[b] + tk <= cap:
+                out_l[i] = b
+                btok[b] += tk
+                replace(heap, (load + work_l[k], b))
+                continue
         skipped = []
         placed = False
+        after = least[i + 1] if i + 1 < n else None
         while heap:
-            load, b = heapq.heappop(heap)
+            load, b = pop(heap)
             if btok[b] + tk <= cap:
-                out[i] = b
+                out_l[i] = b
                 btok[b] += tk
-                heapq.heappush(heap, (load + work_l[k], b))
+                push(heap, (load + work_l[k], b))
                 placed = True
                 break
-            skipped.append((load, b))
+            if after is not None and btok[b] + after <= cap:
+                skipped.append((load, b))
         for item in skipped:
-            heapq.heappush(heap, item)
+            push(heap, item)
         if not placed:
             b = len(btok)
             btok.append(tk)
-            out[i] = b
-            heapq.heappush(heap, (work_l[k], b))
+            out_l[i] = b
+            push(heap, (work_l[k], b))
+    if len(set(out_l)) == len(btok):  # every bin used: the ids are already dense
+        return np.asarray(out_l, dtype=np.int64)
     # drop bins left empty (possible only when new ones were opened) and renumber densely
-    _, dense = np.unique(out, return_inverse=True)
+    _, dense = np.unique(np.asarray(out_l, dtype=np.int64), return_inverse=True)
     return dense.astype(np.int64)
 
 
