@@ -56,3 +56,19 @@ def degree_multiset(degrees: Sequence[int]) -> str:
     """[8, 6, 6, 4] -> '8x1, 6x2, 4x1' (the paper's case-study notation: degree x group count)."""
     vals, counts = np.unique(np.asarray(degrees), return_counts=True)
     return ", ".join(f"{v}x{c}" for v, c in sorted(zip(vals.tolist(), counts.tolist()), reverse=True))
+
+
+def save_figure(fig: Any, path: Any, title: str, *, ax: Any = None, fontsize: int = 9, legend: bool = False) -> None:
+    """Title a figure (on `ax`, else as the figure's suptitle), lay it out, write it to `path` and
+    close it: the common end of every experiment's plot."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig.suptitle(title, fontsize=fontsize)
+    else:
+        ax.set_title(title, fontsize=fontsize)
+        if legend:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -9,6 +9,7 @@ import numpy as np
 
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches, simulate
+from experiments.common import save_figure
 
 DEFAULTS: dict[str, Any] = {
     "model": "internvl3-8b",
@@ -86,8 +87,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.set_xticks(x + w * (len(datasets) - 1) / 2)
     ax.set_xticklabels(variants, rotation=30, ha="right", fontsize=7)
     ax.set_ylabel("step time / full DHP")
-    ax.set_title(f"{result['name']}: {result['label']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", ax=ax, fontsize=9, legend=True)

@@ -16,6 +16,7 @@ from dhp_jax.planner.pricing import step_time
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches
 from experiments.exp_end_to_end import DEFAULTS as E1
+from experiments.common import save_figure
 
 # experiment 1's settings (models, mixes, cluster, batch), two batches per setting
 DEFAULTS: dict[str, Any] = {
@@ -78,7 +79,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.set_xticklabels([f"{r['model']}\n{r['dataset']}" + (f"\n{r['variant']}" if multi else "") for r in rows],
                        rotation=90, fontsize=6)
     ax.set_ylabel("ring-only step / per-group-choice step")
-    ax.set_title(f"{result['name']}: {result['label']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", ax=ax, fontsize=9)

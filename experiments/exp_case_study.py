@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from experiments.common import STATIC, best_static, degree_multiset, run_strategies, simulated_label
+from experiments.common import STATIC, best_static, degree_multiset, run_strategies, save_figure, simulated_label
 from dhp_jax.sim.cluster import Cluster
 
 DEFAULTS: dict[str, Any] = {
@@ -58,7 +58,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
         ax.set_xlabel("CP degree")
         ax.set_ylabel("groups in the batch")
         ax.set_title(f"{r['dataset']}: DHP {r['speedup']:.2f}x over {r['baseline_config']}", fontsize=9)
-    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=8)

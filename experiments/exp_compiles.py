@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dhp_jax.train.compiles_bench import cost_for, menu_cost, plan_run
+from experiments.common import save_figure
 
 DEFAULTS: dict[str, Any] = {
     "model": "internvl3-8b",
@@ -77,7 +78,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax[1].plot(pad, [100 * r["step_time_lost"] for r in rows], "o-")
     ax[1].set_xlabel("padding (% of real tokens)")
     ax[1].set_ylabel("simulated step time vs unpadded (%)")
-    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=8)

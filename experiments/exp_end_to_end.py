@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments.common import LABELS, STATIC, best_static, run_strategies, simulated_label
+from experiments.common import LABELS, STATIC, best_static, run_strategies, save_figure, simulated_label
 from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches
@@ -74,8 +74,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.set_xticks(x + w * (len(strategies) - 1) / 2)
     ax.set_xticklabels([f"{r['model']}\n{r['dataset']}" for r in rows], rotation=90, fontsize=7)
     ax.set_ylabel("step time relative to DHP (higher = DHP faster)")
-    ax.set_title(f"{result['name']}: {result['label']}", fontsize=9)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", ax=ax, fontsize=9, legend=True)

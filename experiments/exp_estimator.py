@@ -21,6 +21,7 @@ from typing import Any, Callable
 import numpy as np
 
 from experiments.runner import REPO, describe_machine
+from experiments.common import save_figure
 
 DEFAULTS: dict[str, Any] = {
     "model_preset": "tiny",
@@ -142,7 +143,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     else:
         ax.text(0.5, 0.5, "not measured:\n" + result.get("reason", "")[:200], ha="center", va="center",
                 wrap=True, fontsize=7, transform=ax.transAxes)
-    ax.set_title(f"{result['name']}: {result['label']}"[:90], fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}"[:90], ax=ax, fontsize=7)

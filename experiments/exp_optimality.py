@@ -18,6 +18,7 @@ import numpy as np
 from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster, vision_family
 from dhp_jax.sim.simulate import evaluate, make_batches
+from experiments.common import save_figure
 
 DEFAULTS: dict[str, Any] = {
     "model": "internvl3-8b",
@@ -210,10 +211,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
         a2.legend(fontsize=7)
     a2.set_xlabel("ranks")
     a2.set_ylabel("step time / lower bound")
-    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=8)
 
 
 def _plot_versus(result: dict[str, Any], path: Any) -> None:
@@ -237,7 +235,4 @@ def _plot_versus(result: dict[str, Any], path: Any) -> None:
         ax.set_xlabel("batch (micro-batches dhp / flexsp / token bound)", fontsize=8)
         ax.set_ylabel("step time / lower bound")
         ax.legend(fontsize=7)
-    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=8)

@@ -18,6 +18,7 @@ import numpy as np
 from experiments.runner import describe_machine
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import evaluate, make_batches
+from experiments.common import save_figure
 
 DEFAULTS: dict[str, Any] = {
     "model": "internvl3-8b",
@@ -85,8 +86,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.set_xticks(x)
     ax.set_xticklabels([f"{r['ranks']} r\nGBS {r['batch']}" for r in rows], fontsize=7)
     ax.set_ylabel("ms (measured)")
-    ax.set_title(f"{result['name']}: {result['label']}", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", ax=ax, fontsize=8, legend=True)

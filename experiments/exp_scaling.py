@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments.common import LABELS, run_strategies
+from experiments.common import LABELS, run_strategies, save_figure
 from dhp_jax.sim.cluster import Cluster
 
 DEFAULTS: dict[str, Any] = {
@@ -65,7 +65,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     a1.set_ylabel("tokens / s / rank")
     a2.set_ylabel("scaling efficiency (vs smallest)")
     a2.axhline(0.9, color="grey", ls=":", lw=0.8)
-    fig.suptitle(f"{result['name']}: {result['label']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=9)

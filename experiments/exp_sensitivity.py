@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from experiments.common import best_static, run_strategies
+from experiments.common import best_static, run_strategies, save_figure
 from dhp_jax.sim.cluster import Cluster
 
 DEFAULTS: dict[str, Any] = {
@@ -56,8 +56,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("inter-node GB/s per rank (preset: 12.5)")
     ax.set_ylabel("DHP speed-up over best static")
-    ax.set_title(f"{result['name']}: {result['label']}", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", ax=ax, fontsize=8, legend=True)

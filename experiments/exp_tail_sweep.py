@@ -10,7 +10,7 @@ from typing import Any, Callable
 from dhp_jax.data.datasets import DATASETS, sample_mix
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import simulate
-from experiments.common import best_static
+from experiments.common import best_static, save_figure
 
 DEFAULTS: dict[str, Any] = {
     "models": ["internvl3-8b"],
@@ -64,8 +64,4 @@ def plot(result: dict[str, Any], path: Any) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xlabel("share of long clips (%), * = the built-in mix")
     ax.set_ylabel("DHP speed-up over best static")
-    ax.set_title(f"{result['name']}: {result['label']}", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, f"{result['name']}: {result['label']}", ax=ax, fontsize=8, legend=True)
