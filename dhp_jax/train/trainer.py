@@ -381,40 +381,53 @@ class Trainer:
         a plan whose programs are not all compiled yet runs its groups in the smallest compiled
         bucket of their degree, attention kind and ranks that holds them (`planner.programs.promote`;
         if a group is larger than every compiled bucket, the batch is re-planned in up to 3 more
-        micro-batches first),
-        while its own programs compile for later steps. Single process only (plans must not
-        depend on timing)."""
-        from dhp_jax.planner.programs import promote
+        micro-batches first; failing that, its samples are packed onto compiled executables,
+        `planner.programs.pack_on`), while its own programs compile for later steps. A plan made at
+        full token counts is promoted in the executor's view of it (`planner.programs.executed_view`:
+        the scaled tokens, the executor's buckets). Single process only (plans must not depend on
+        timing)."""
+        from dhp_jax.planner.programs import executed_view, pack_on, promote
 
         executor = self.executor
         if not hasattr(executor, "compile_plan"):
             return None
         rank_of = {d.id: r for r, d in enumerate(self.devices)}
         wanted: dict[int, Any] = {}
+        source = self.plan_source
+
+        def keys(batch: Any, plan: Any) -> list:
+            return [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.plan_keys(batch.samples, plan)]
+
+        def executed(batch: Any, plan: Any) -> Any:
+            # a plan made at full token counts names no bucket of the scaled batch it runs: it is
+            # promoted in the executor's view (the scaled tokens and the executor's buckets)
+            if not source.full_size:
+                return plan
+            return executed_view(plan, keys(batch, plan), [s.num_tokens for s in batch.samples])
 
         def make_plan(step: int, batch: Any) -> Any:
-            plan = self.plan_source(step, batch)
-            # a plan made at full token counts names no bucket of the scaled batch: nothing to promote
-            if step < start + WARMUP_STEPS or self.plan_source.full_size:
+            plan = source(step, batch)
+            if step < start + WARMUP_STEPS:
                 return plan
             have = {(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.executable_keys}
-            need = {(d, b, tuple(rank_of[i] for i in ids), a)
-                    for d, b, ids, a in executor.plan_keys(batch.samples, plan)}
-            if need <= have:
+            if set(keys(batch, plan)) <= have:
                 return plan
-            ready = promote(plan, have, self.cost)
-            source = self.plan_source
+            # (the memory check prices full-size tokens: the executed view is checked by its executor)
+            budget = None if source.full_size else self.cost
+            ready = promote(executed(batch, plan), have, budget)
             if ready is None and source.plans is None and source.strategy == "dhp":
                 # a group larger than every compiled bucket: more micro-batches make smaller groups
                 saved, first = source.num_micro_batches, len(plan.micro_batches) + 1
                 try:
                     for m in range(first, min(len(batch.samples), first + 2) + 1):
                         source.num_micro_batches = m
-                        ready = promote(source(step, batch), have, self.cost)
+                        ready = promote(executed(batch, source(step, batch)), have, budget)
                         if ready is not None:
                             break
                 finally:
                     source.num_micro_batches = saved
+            if ready is None:  # the last resort: the samples packed onto compiled executables
+                ready = pack_on(plan, [s.num_tokens for s in batch.samples], have)
             if ready is None:
                 return plan
             wanted[step] = plan
