@@ -238,6 +238,9 @@ class Trainer:
         rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(self._lr(item.step)),
                "tokens": item.batch.num_tokens, "samples": len(item.batch.samples), "step_time_s": step_time,
                "compile_s": compile_s, "new_compiles": new,
+               # the planned programs were not compiled yet: the step ran on compiled ones instead
+               "ran_on_compiled_substitute": bool(item.plan.solver.get("promoted_groups")
+                                                  or item.plan.solver.get("packed_on_executables")),
                # measured: the step waited for a compile (its own or one in flight in the background)
                "compile_wait_s": compile_s if missing else 0.0,
                "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
@@ -503,6 +506,8 @@ class Trainer:
             "steps_waiting_for_compile_after_warmup": sum(
                 1 for r in records if r["step"] > start + WARMUP_STEPS and r.get("compile_wait_s", 0.0) > 0),
             "warmup_steps": WARMUP_STEPS,
+            # steps whose own programs were still compiling: promoted to compiled buckets or packed
+            "steps_on_compiled_substitutes": sum(1 for r in records if r.get("ran_on_compiled_substitute")),
             "groups_by_degree": {str(d): n for d, n in sorted(groups.items())},
             "planning": f"{self.plan_source.label}: " + describe_cost(self.cost, cfg.planner.cost_profile,
                                                                       cfg.planner.full_size),
