@@ -47,6 +47,8 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                    r["no_placement"]["executables_per_program_per_process_max"],
                "step_s": r["step_s_mean"], "step_s_unpadded": r["step_s_mean_unpadded"],
                "step_time_lost": r["step_time_lost"], "placement_step_time_lost": r["placement_step_time_lost"],
+               "menu_degrees_step_time_lost": r.get("menu_degrees_step_time_lost"),
+               "padding_step_time_lost": r.get("padding_step_time_lost"),
                "plan_ms_median": r["plan_ms_median"]}
         log(f"{name}: {row['programs']} programs, padded/real {row['padded_over_real']:.3f}, "
             f"step {row['step_s']:.3f} s vs {row['step_s_unpadded']:.3f} s unpadded")

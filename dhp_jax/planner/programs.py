@@ -142,17 +142,16 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
     def from_anchor(free: Iterable[int], node: int, k: int, start: int) -> list[int]:
         return sorted(sorted(free, key=lambda r: (r - node * rpn - start) % rpn)[:k])
 
-    def slot(free: set[int], node: int, k: int, start: int) -> tuple[int, ...]:
+    def slot(free: set[int], node: int, k: int, start: int) -> tuple[int, tuple[int, ...]]:
         # an aligned block (offset a multiple of the power of two >= k) from the canonical offset
-        # on, where one is free; else the free ranks from that offset on
+        # on, where one is free; else the free ranks from that offset on. (its rank in that order, ranks)
         w = 1 << (k - 1).bit_length()
-        if w <= size[node]:
-            offs = sorted(range(0, size[node] - k + 1, w), key=lambda o: (o - start) % rpn)
-            for o in offs:
-                t = tuple(range(node * rpn + o, node * rpn + o + k))
-                if free.issuperset(t):
-                    return t
-        return tuple(from_anchor(free, node, k, start))
+        offs = sorted(range(0, size[node] - k + 1, w), key=lambda o: (o - start) % rpn) if w <= size[node] else []
+        for j, o in enumerate(offs):
+            t = tuple(range(node * rpn + o, node * rpn + o + k))
+            if free.issuperset(t):
+                return j, t
+        return len(offs), tuple(from_anchor(free, node, k, start))
 
     # 1. spanning groups: a node permutation pi (original node -> node) and their ranks
     pi: dict[int, int] = {}
@@ -214,7 +213,7 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
         d, p, _, a = groups[i]
         have, off = runs(d, p, a), anchor(d, p, a, rpn)
         options = [slot(free_at[n], n, d, off) for n in sorted(places) if places[n].get(d, 0) > 0]
-        t = min(options, key=lambda t: (len(cache.processes(t) & have), t[0] // rpn))
+        t = min(options, key=lambda jt: (len(cache.processes(jt[1]) & have), jt[0], jt[1][0]))[1]
         places[t[0] // rpn][d] -= 1
         free_at[t[0] // rpn].difference_update(t)
         out[i] = t
