@@ -56,7 +56,10 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     ok = [r for r in rows if r["padded_over_real"] <= 1.05 and r["programs"] <= 64]
     summary = [f"{r['rule']}: padded/real {r['padded_over_real']:.3f}, {r['programs']} programs, "
                f"{r['executables_per_program_per_process_max']:.2f} executables per program per process (max), "
-               f"step time +{100 * r['step_time_lost']:.1f} % vs unpadded" for r in rows]
+               f"step time +{100 * r['step_time_lost']:.1f} % vs unpadded"
+               + (f" (menu degrees {100 * r['menu_degrees_step_time_lost']:+.1f} %, padding "
+                  f"{100 * r['padding_step_time_lost']:+.1f} %)" if r.get("padding_step_time_lost") is not None else "")
+               for r in rows]
     summary.append(f"settings meeting padded/real <= 1.05 and <= 64 programs over {p['steps']} steps: "
                    f"{[r['rule'] for r in ok] or 'none'}")
     return {"label": f"simulated ({p['model']} on {p['hardware']} preset), counts from real plans, nothing compiled",
