@@ -24,7 +24,7 @@ DEFAULTS: dict[str, Any] = {
     "steps": 1000,
     "min_bucket": 16,
     "growths": [2.0, 1.5, 1.25, 1.1],
-    "menu_budgets": [64, 80, 96],  # menus of programs (planner.menu) fitted on the calibration ladder
+    "menu_budgets": [56, 64, 80, 96],  # menus of programs (planner.menu) fitted on the calibration ladder
     "menu_growth": 1.1,
     "menu_calibration_batches": 60,
 }
