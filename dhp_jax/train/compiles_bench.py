@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
           f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}"
           f"{menu}; "
           f"planning {out['plan_ms_median']:.1f} ms/step median ({out['labels']['plan_ms']})")
-    print(f"  programs (degree, padded tokens): {p['programs']}")
+    print(f"  programs (degree, padded tokens, attention kind): {p['programs']}")
     print(f"  padded / real tokens: {out['padded_over_real']:.3f}")
     print(f"  executables per process ({out['ranks_per_process']} ranks each), max / median: with placement "
           f"{p['executables_per_process_max']} / {p['executables_per_process_median']:g} "
