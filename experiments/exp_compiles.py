@@ -25,7 +25,7 @@ DEFAULTS: dict[str, Any] = {
     "steps": 1000,
     "min_bucket": 16,
     "growths": [2.0, 1.5, 1.25, 1.1],
-    "menu_budgets": [64, 80, 96],  # menus of programs (planner.menu) fitted on the calibration ladder
+    "menu_budgets": [56, 64, 80, 96],  # menus of programs (planner.menu) fitted on the calibration ladder
     "menu_growth": 1.1,
     "menu_calibration_batches": 60,
 }
@@ -48,6 +48,8 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                    r["no_placement"]["executables_per_program_per_process_max"],
                "step_s": r["step_s_mean"], "step_s_unpadded": r["step_s_mean_unpadded"],
                "step_time_lost": r["step_time_lost"], "placement_step_time_lost": r["placement_step_time_lost"],
+               "menu_degrees_step_time_lost": r.get("menu_degrees_step_time_lost"),
+               "padding_step_time_lost": r.get("padding_step_time_lost"),
                "plan_ms_median": r["plan_ms_median"]}
         log(f"{name}: {row['programs']} programs, padded/real {row['padded_over_real']:.3f}, "
             f"step {row['step_s']:.3f} s vs {row['step_s_unpadded']:.3f} s unpadded")
@@ -55,7 +57,10 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     ok = [r for r in rows if r["padded_over_real"] <= 1.05 and r["programs"] <= 64]
     summary = [f"{r['rule']}: padded/real {r['padded_over_real']:.3f}, {r['programs']} programs, "
                f"{r['executables_per_program_per_process_max']:.2f} executables per program per process (max), "
-               f"step time +{100 * r['step_time_lost']:.1f} % vs unpadded" for r in rows]
+               f"step time +{100 * r['step_time_lost']:.1f} % vs unpadded"
+               + (f" (menu degrees {100 * r['menu_degrees_step_time_lost']:+.1f} %, padding "
+                  f"{100 * r['padding_step_time_lost']:+.1f} %)" if r.get("padding_step_time_lost") is not None else "")
+               for r in rows]
     summary.append(f"settings meeting padded/real <= 1.05 and <= 64 programs over {p['steps']} steps: "
                    f"{[r['rule'] for r in ok] or 'none'}")
     return {"label": f"simulated ({p['model']} on {p['hardware']} preset), counts from real plans, nothing compiled",

@@ -205,13 +205,18 @@ def attention_choice(r: dict[str, Any]) -> str:
 def compiles(r: dict[str, Any]) -> str:
     steps = r["config"]["steps"]
     lines = [f"| bucket rule | padded / real tokens | programs over {steps} steps | executables per process, max "
-             "(x programs it runs: placement / none) | step (s) | unpadded (s) | lost to padding | how |",
+             "(x programs it runs: placement / none) | step (s) | unpadded (s) | lost to the rule and placement "
+             "(of which: menu degrees / padding) | how |",
              "|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
+        split = ""
+        if row.get("padding_step_time_lost") is not None:
+            split = (f" ({100 * row['menu_degrees_step_time_lost']:+.1f} % / "
+                     f"{100 * row['padding_step_time_lost']:+.1f} %)")
         lines.append(f"| {row.get('rule', row['growth'])} | {row['padded_over_real']:.3f} | {row['programs']} | "
                      f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
                      f"{row['executables_per_program_per_process_max_no_placement']:.2f}x) | {row['step_s']:.2f} | "
-                     f"{row['step_s_unpadded']:.2f} | {100 * row['step_time_lost']:+.1f} % | {_short(r['label'])} |")
+                     f"{row['step_s_unpadded']:.2f} | {100 * row['step_time_lost']:+.1f} %{split} | {_short(r['label'])} |")
     return "\n".join(lines)
 
 

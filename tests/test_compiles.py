@@ -78,20 +78,32 @@ def test_program_cache_counts_by_hand():
         group_keys(Plan(8, (MicroBatch((Group((0,), 1, (0,)),)),)))
 
 
-def test_reuse_ranks_swaps_only_equally_fast_tuples():
+def _profile(t, rpn=8):
+    """(inside one node?, sorted part sizes per node): what a group's time depends on."""
+    parts = {}
+    for r in t:
+        parts[r // rpn] = parts.get(r // rpn, 0) + 1
+    return len(parts) == 1, sorted(parts.values())
+
+
+def test_reuse_ranks_keeps_group_times_and_takes_compiled_device_sets():
     c = ProgramCache(ranks_per_process=8)
-    c.executables.add((2, 64, (0, 1), "ring"))
-    c.programs.add((2, 64, "ring"))
+    c.executables.update({(2, 64, (0, 1), "ring"), (9, 128, tuple(range(8, 17)), "ring")})
     groups = [(2, 32, (0, 1), "ring"), (2, 64, (2, 3), "ring"), (2, 64, (4, 5), "ring"),
-              (3, 96, (8, 9, 10), "ring"), (2, 64, (7, 8), "ring")]
-    out = reuse_ranks(groups, 8, c)
-    assert out[1] == (0, 1)                                  # the program's compiled device set
-    assert sorted(out[:3]) == [(0, 1), (2, 3), (4, 5)]       # a permutation of the same tuples
-    assert out[3] == (8, 9, 10) and out[4] == (7, 8)         # another degree; spanning nodes: untouched
+              (3, 96, (9, 10, 11), "ring"), (9, 128, tuple(range(16, 25)), "ring"), (1, 16, (12,), "ring"),
+              (2, 64, (30, 38), "ring")]
+    out = reuse_ranks(groups, 8, c, 40)
+    assert len({r for t in out for r in t}) == sum(len(t) for t in out)          # disjoint
+    assert [_profile(t) for t in out] == [_profile(g[2]) for g in groups]         # the same group times
+    assert out[4] == tuple(range(8, 17))       # the spanning program's executable: nodes 2, 3 -> 1, 2
+    assert out[1] == (0, 1) and out[2] != (0, 1)  # one of two groups of a program takes its device set
+    # node 1's content (the groups of degree 3 and 1) moved whole to a node the permutation left free
+    assert len({out[3][0] // 8, out[5][0] // 8}) == 1 and out[3][0] // 8 not in (0, 1, 2)
     # the attention kind is part of the program: a Ulysses group never takes the ring's executable
-    kinds = [(2, 32, (0, 1), "ring"), (2, 64, (2, 3), "ulysses")]
-    assert reuse_ranks(kinds, 8, c) == [(0, 1), (2, 3)]
-    assert reuse_ranks([(2, 32, (2, 3), "ring"), (2, 64, (0, 1), "ulysses")], 8, c) == [(2, 3), (0, 1)]
+    c.executables.add((2, 64, (6, 7), "ulysses"))
+    kinds = [(2, 64, (0, 1), "ring"), (2, 64, (2, 3), "ulysses")]
+    assert reuse_ranks(kinds, 8, c) == [(0, 1), (6, 7)]
+    assert reuse_ranks([], 8, c) == []
 
 
 def test_reuse_placement_keeps_step_time_and_never_adds_executables():
@@ -189,6 +201,31 @@ def test_promote_runs_a_plan_on_compiled_executables_only():
     big = int(cost.max_tokens_per_rank * 2) + 100
     over = {(3, 96, (0, 1, 2), "ring"), (2, big, (3, 4), "ring")}
     assert promote(plan, over, cost) is None  # over the memory budget
+
+
+def test_executed_view_and_pack_on_run_a_plan_on_compiled_executables():
+    from dhp_jax.planner.programs import executed_view, pack_on, promote
+
+    # a plan made at full token counts (tokens 95 and 63): the executor runs 10 and 6 tokens per sample
+    plan = Plan(8, (MicroBatch((Group((0, 1, 2), 3, (0, 1), tokens=95, padded_tokens=96),
+                                Group((3,), 1, (2,), tokens=63, padded_tokens=64))),), ranks_per_node=1)
+    tokens = [10, 4, 6]
+    view = executed_view(plan, [(3, 24, (0, 1, 2), "ring"), (1, 16, (3,), "ring")], tokens)
+    assert [(g.tokens, g.padded_tokens, g.ranks) for g in view.groups] == [(14, 24, (0, 1, 2)), (6, 16, (3,))]
+    assert view.ranks_per_node == 8 and view.est_step_time_s == plan.est_step_time_s
+    with pytest.raises(ValueError, match="does not match"):
+        executed_view(plan, [(3, 24, (0, 1, 2), "ring"), (1, 16, (4,), "ring")], tokens)
+    # on one host the single-rank group may take a compiled degree-2 program on idle ranks
+    have = {(3, 24, (0, 1, 2), "ring"), (2, 16, (6, 7), "ring")}
+    assert [(g.degree, g.ranks) for g in promote(view, have).groups] == [(3, (0, 1, 2)), (2, (6, 7))]
+    # packing: largest first into the fullest bucket per rank, new micro-batches when ranks run out
+    out = pack_on(plan, tokens, {(1, 12, (0,), "ring"), (2, 12, (0, 1), "ulysses")})
+    assert [[(g.ranks, g.samples, g.padded_tokens, g.attention) for g in mb.groups] for mb in out.micro_batches] \
+        == [[((0,), (0,), 12, "ring")], [((0,), (1, 2), 12, "ring")]]
+    assert out.solver["packed_on_executables"] and set(group_keys(out)) <= {(1, 12, (0,), "ring")}
+    out.validate(num_samples=3)
+    assert pack_on(plan, tokens, {(1, 8, (0,), "ring")}) is None     # sample 0 fits no compiled bucket
+    assert pack_on(plan, tokens, set()) is None
 
 
 def test_menu_quantisation_is_exact_against_brute_force():

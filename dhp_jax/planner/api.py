@@ -98,7 +98,8 @@ def reuse_placement(plan: Plan, lengths: Any, etas: Any, cost: CostModel, progra
     rpn = plan.ranks_per_node or plan.num_ranks
     mbs = []
     for mb in plan.micro_batches:
-        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks, g.attention) for g in mb.groups], rpn, programs)
+        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks, g.attention) for g in mb.groups], rpn, programs,
+                            plan.num_ranks)
         mbs.append([(r, list(g.samples)) for r, g in zip(ranks, mb.groups)])
     out = build_plan(mbs, np.asarray(lengths), np.zeros(len(lengths)) if etas is None else np.asarray(etas, float),
                      cost, plan.num_ranks, dict(plan.solver), attention)

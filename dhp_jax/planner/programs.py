@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import zlib
 from typing import Any, Iterable, Sequence
 
 Key = tuple[int, int, tuple[int, ...], str]  # (degree, padded_tokens, ranks, attention)
@@ -97,39 +98,157 @@ class ProgramCache:
                 "executables_per_program_per_process_median": statistics.median(ratio)}
 
 
-def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache) -> list[tuple[int, ...]]:
-    """New rank tuples for one micro-batch's groups `(degree, padded_tokens, ranks, attention)`:
-    tuples are only exchanged between groups of one degree and attention kind whose tuples are both inside a node or both
-    spanning nodes (so every group time stays the same); a group gets a tuple on which its program
-    already has an executable where one is free, else one on processes that do not run the program
-    yet (a new executable there adds a program too, keeping executables per program low).
-    Deterministic: ties go to plan order and the lowest tuple."""
-    out = [tuple(r) for _, _, r, _ in groups]
-    classes: dict[tuple[int, str, bool], list[int]] = {}
-    for i, (d, _, r, a) in enumerate(groups):
-        span = len({x // ranks_per_node for x in r}) > 1
-        classes.setdefault((d, a, span), []).append(i)
-    for members in classes.values():
-        if len(members) < 2:
+def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
+                num_ranks: int | None = None) -> list[tuple[int, ...]]:
+    """New rank tuples for one micro-batch's groups `(degree, padded_tokens, ranks, attention)`,
+    every group time unchanged: a group inside one node stays inside one node and a group spanning
+    nodes spans as many nodes with the same number of ranks in each (group times depend on nothing
+    else). `num_ranks` (default: the highest rank used, rounded up to a node). Deterministic.
+
+    - Nodes are permuted (each node's content moves whole to another node of the same size):
+      spanning groups, largest first, go onto the nodes of an executable of their program where
+      the permutation so far allows it, else onto the program's canonical nodes (`anchor`).
+    - Within a node, a spanning group's part takes an executable's ranks there, else the free
+      ranks from the program's canonical offset on.
+    - Groups inside a node keep the degrees of each node's content, but any group of a degree may
+      take any node's place of that degree, on the ranks no spanning group holds (idle ranks too):
+      largest first, a device set on which the program has an executable where one is free; the
+      others take the node whose process does not run the program yet where one can (a new
+      executable there adds a program too), else the lowest, and there the free ranks from the
+      program's canonical offset on, so that a program keeps landing on the same device sets."""
+    rpn = int(ranks_per_node)
+    out = [tuple(int(r) for r in t) for _, _, t, _ in groups]
+    if not out:
+        return out
+    n_ranks = int(num_ranks) if num_ranks else -(-(max(r for t in out for r in t) + 1) // rpn) * rpn
+    num_nodes = -(-n_ranks // rpn)
+    size = {n: min(rpn, n_ranks - n * rpn) for n in range(num_nodes)}
+    span = [span_of(t, rpn) for t in out]
+    known: dict[tuple[int, int, str], list[tuple[int, ...]]] = {}
+    for d, p, t, a in cache.executables:
+        known.setdefault((d, p, a), []).append(t)
+    for v in known.values():
+        v.sort()
+
+    def runs(d: int, p: int, a: str) -> set[int]:
+        return {q for t in known.get((d, p, a), ()) for q in cache.processes(t)}
+
+    def parts(t: Sequence[int]) -> dict[int, list[int]]:
+        got: dict[int, list[int]] = {}
+        for r in t:
+            got.setdefault(r // rpn, []).append(r)
+        return got
+
+    def from_anchor(free: Iterable[int], node: int, k: int, start: int) -> list[int]:
+        return sorted(sorted(free, key=lambda r: (r - node * rpn - start) % rpn)[:k])
+
+    def slot(free: set[int], node: int, k: int, start: int) -> tuple[int, tuple[int, ...]]:
+        # an aligned block (offset a multiple of the power of two >= k) from the canonical offset
+        # on, where one is free; else the free ranks from that offset on. (its rank in that order, ranks)
+        w = 1 << (k - 1).bit_length()
+        offs = sorted(range(0, size[node] - k + 1, w), key=lambda o: (o - start) % rpn) if w <= size[node] else []
+        for j, o in enumerate(offs):
+            t = tuple(range(node * rpn + o, node * rpn + o + k))
+            if free.issuperset(t):
+                return j, t
+        return len(offs), tuple(from_anchor(free, node, k, start))
+
+    # 1. spanning groups: a node permutation pi (original node -> node) and their ranks
+    pi: dict[int, int] = {}
+    taken: set[int] = set()
+    for i in sorted((i for i in range(len(out)) if span[i]), key=lambda i: (-groups[i][0], i)):
+        d, p, _, a = groups[i]
+        mine = parts(out[i])
+        placed = None
+        for t in known.get((d, p, a), ()):  # an executable of the program, where pi allows it
+            theirs = parts(t)
+            if len(theirs) != len(mine) or taken.intersection(t):
+                continue
+            m = _match(mine, theirs, pi, size)
+            if m is not None:
+                placed = (m, t)
+                break
+        if placed is None:
+            m = dict((n, pi[n]) for n in mine if n in pi)
+            free_nodes = [x for x in range(num_nodes) if x not in pi.values()]
+            for n in sorted((n for n in mine if n not in m), key=lambda n: (-len(mine[n]), n)):
+                # its own node where still free (the node-aware placement's choice), else the lowest
+                cands = sorted((x for x in free_nodes if size[x] == size[n] and x not in m.values()),
+                               key=lambda x: (x != n, x))
+                m[n] = cands[0] if cands else n   # a node of its size is always free (pi is a bijection)
+            off = anchor(d, p, a, rpn)
+            t = tuple(sorted(r for n in mine for r in from_anchor(
+                (x for x in range(m[n] * rpn, m[n] * rpn + size[m[n]]) if x not in taken), m[n], len(mine[n]), off)))
+            placed = (m, t)
+        m, t = placed
+        pi.update(m)
+        taken.update(t)
+        out[i] = t
+    rest = [x for x in range(num_nodes) if x not in pi.values()]
+    for n in range(num_nodes):  # the other nodes: in order, onto the nodes left of their size
+        if n not in pi:
+            x = next(x for x in rest if size[x] == size[n])
+            pi[n] = x
+            rest.remove(x)
+    # 2. groups inside a node: places (node, degree) moved by pi, on ranks no spanning group holds
+    inside = [i for i in range(len(out)) if not span[i]]
+    places: dict[int, dict[int, int]] = {}
+    for i in inside:
+        n = pi[out[i][0] // rpn]
+        places.setdefault(n, {}).setdefault(len(out[i]), 0)
+        places[n][len(out[i])] += 1
+    free_at = {n: {r for r in range(n * rpn, n * rpn + size[n]) if r not in taken} for n in places}
+    todo = []
+    for i in sorted(inside, key=lambda i: (-groups[i][0], i)):  # an executable of the program on free ranks
+        d, p, _, a = groups[i]
+        hit = next((t for t in known.get((d, p, a), ()) if not span_of(t, rpn)
+                    and places.get(t[0] // rpn, {}).get(d, 0) > 0 and free_at[t[0] // rpn].issuperset(t)), None)
+        if hit is None:
+            todo.append(i)
             continue
-        free = sorted(out[i] for i in members)
-        todo = []
-        for i in members:  # first pass: programs with an executable on a free tuple keep it
-            d, p, _, a = groups[i]
-            hit = next((t for t in free if (d, p, t, a) in cache.executables), None)
-            if hit is None:
-                todo.append(i)
-            else:
-                out[i] = hit
-                free.remove(hit)
-        for i in todo:  # the rest: a tuple on processes that already run the program, else the first
-            d, p, _, a = groups[i]
-            known = {q for dd, pp, t, aa in cache.executables if (dd, pp, aa) == (d, p, a)
-                     for q in cache.processes(t)}
-            best = min(free, key=lambda t: (len(cache.processes(t) & known), t))
-            out[i] = best
-            free.remove(best)
+        places[hit[0] // rpn][d] -= 1
+        free_at[hit[0] // rpn].difference_update(hit)
+        out[i] = hit
+    for i in todo:
+        d, p, _, a = groups[i]
+        have, off = runs(d, p, a), anchor(d, p, a, rpn)
+        options = [slot(free_at[n], n, d, off) for n in sorted(places) if places[n].get(d, 0) > 0]
+        t = min(options, key=lambda jt: (len(cache.processes(jt[1]) & have), jt[0], jt[1][0]))[1]
+        places[t[0] // rpn][d] -= 1
+        free_at[t[0] // rpn].difference_update(t)
+        out[i] = t
     return out
+
+
+def _match(mine: dict[int, list[int]], theirs: dict[int, list[int]], pi: dict[int, int],
+           size: dict[int, int]) -> dict[int, int] | None:
+    """A map of `mine`'s nodes onto `theirs`' with the same part sizes and node sizes, consistent
+    with the permutation `pi` so far; None if there is none (greedy: parts by size)."""
+    used = set(pi.values())
+    m: dict[int, int] = {}
+    left = dict(theirs)
+    for n in sorted(mine, key=lambda n: (n not in pi, -len(mine[n]), n)):
+        if n in pi:
+            x = pi[n]
+            if x not in left or len(left[x]) != len(mine[n]):
+                return None
+        else:
+            x = next((x for x in sorted(left) if len(left[x]) == len(mine[n]) and x not in used
+                      and size.get(x) == size.get(n)), None)
+            if x is None:
+                return None
+        m[n] = x
+        del left[x]
+    return m
+
+
+def span_of(ranks: Sequence[int], ranks_per_node: int) -> bool:
+    return len({r // ranks_per_node for r in ranks}) > 1
+
+
+def anchor(degree: int, padded_tokens: int, attention: str, ranks_per_node: int) -> int:
+    """A program's canonical first rank within a node (the same on every process and run)."""
+    return zlib.crc32(f"{degree},{padded_tokens},{attention}".encode()) % int(ranks_per_node)
 
 
 def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
@@ -184,3 +303,75 @@ def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
     if not moved:
         return plan
     return dataclasses.replace(plan, micro_batches=tuple(mbs), solver={**dict(plan.solver), "promoted_groups": moved})
+
+
+def executed_view(plan: Any, keys: Sequence[Key], tokens: Sequence[int]) -> Any:
+    """The plan as an executor runs it: each group's `tokens` the total of `tokens` (the executed
+    samples' token counts, e.g. of a scaled-down batch) over its samples and `padded_tokens` the
+    bucket of `keys` (`PlanExecutor.plan_keys`, one per group in plan order, ranks as plan ranks);
+    one node (`ranks_per_node` = the plan's ranks: the executor's devices share a host). Estimates
+    stay the plan's. A plan made at other token counts (full-size planning) is promoted in this view."""
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    if len(keys) != len(groups):
+        raise ValueError(f"executed_view: {len(keys)} keys for {len(groups)} groups")
+    it = iter(keys)
+    mbs = []
+    for mb in plan.micro_batches:
+        out = []
+        for g in mb.groups:
+            d, bucket, ranks, _ = next(it)
+            if (int(d), tuple(ranks)) != (g.degree, tuple(g.ranks)):
+                raise ValueError(f"executed_view: key ({d}, {bucket}, {tuple(ranks)}) does not match the group on "
+                                 f"ranks {list(g.ranks)}")
+            out.append(dataclasses.replace(g, tokens=int(sum(int(tokens[s]) for s in g.samples)),
+                                           padded_tokens=int(bucket)))
+        mbs.append(dataclasses.replace(mb, groups=tuple(out)))
+    return dataclasses.replace(plan, micro_batches=tuple(mbs), ranks_per_node=plan.num_ranks)
+
+
+def pack_on(plan: Any, tokens: Sequence[int], available: Iterable[Key]) -> Any:
+    """The plan's samples re-packed onto compiled executables only, or None when some sample is
+    larger than every compiled bucket: the last resort of a step that must not wait for a compile.
+
+    Samples go largest first (first-fit decreasing) into the open group with the least room that
+    holds them; failing that, a compiled executable whose ranks no open group of the micro-batch
+    uses opens a group (the largest bucket per rank first, so fewer, fuller groups); failing that,
+    a new micro-batch begins. Each group takes its executable's degree, bucket, ranks and attention
+    kind; `tokens` are the executed samples' counts. Estimates are not re-priced (they stay the
+    plan's); `solver["packed_on_executables"]` says it happened."""
+    exes = sorted(set(available), key=lambda k: (-k[1] / k[0], -k[1], k[2], k[3]))
+    if not exes:
+        return None
+    order = sorted((s for mb in plan.micro_batches for g in mb.groups for s in g.samples),
+                   key=lambda s: (-int(tokens[s]), s))
+    if int(tokens[order[0]]) > max(b for _, b, _, _ in exes):
+        return None
+    proto = plan.micro_batches[0].groups[0]
+    mbs: list[list[list]] = []          # micro-batch -> [key, room, samples]
+    cur: list[list] = []
+    for s in order:
+        n = int(tokens[s])
+        while True:
+            fits = [g for g in cur if g[1] >= n]
+            if fits:
+                g = min(fits, key=lambda g: (g[1], g[0][2]))
+                g[1] -= n
+                g[2].append(s)
+                break
+            used = {r for g in cur for r in g[0][2]}
+            key = next((k for k in exes if k[1] >= n and not used.intersection(k[2])), None)
+            if key is not None:
+                cur.append([key, key[1] - n, [s]])
+                break
+            mbs.append(cur)
+            cur = []
+    mbs.append(cur)
+    out = []
+    for mb in mbs:
+        groups = [dataclasses.replace(proto, ranks=tuple(k[2]), degree=int(k[0]), samples=tuple(sorted(ss)),
+                                      attention=str(k[3]), tokens=int(sum(int(tokens[s]) for s in ss)),
+                                      padded_tokens=int(k[1]))
+                  for k, _, ss in sorted(mb, key=lambda g: g[0][2][0])]
+        out.append(dataclasses.replace(plan.micro_batches[0], groups=tuple(groups)))
+    return dataclasses.replace(plan, micro_batches=tuple(out),
+                               solver={**dict(plan.solver), "packed_on_executables": True})

@@ -165,7 +165,9 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                  f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")
     if s.get("steps_waiting_for_compile_after_warmup") is not None:
         lines.append(f"steps after the first {s['warmup_steps']} that waited for a compile: "
-                     f"{s['steps_waiting_for_compile_after_warmup']} (measured; programs compile ahead in the planner thread)")
+                     f"{s['steps_waiting_for_compile_after_warmup']} (measured; programs compile ahead in the planner thread"
+                     + (f"; {s['steps_on_compiled_substitutes']} steps ran on compiled programs while their own compiled"
+                        if s.get("steps_on_compiled_substitutes") else "") + ")")
     if s.get("compare"):
         lines.extend(format_comparison(s["compare"]))
     if s.get("plan_png"):

@@ -7,7 +7,8 @@ without compiling anything:
   process of `--ranks-per-process` ranks (max and median), and their ratio to the programs it runs;
 - padded / real tokens summed over every group of every step (the bucket rule's waste);
 - simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset)
-  with the placement policy (`planner.programs.reuse_ranks`) and without it, and without padding.
+  with the placement policy (`planner.programs.reuse_ranks`) and without it, and without padding
+  (with a menu also unpadded on the menu's degrees: the loss split between degrees and padding).
 `--compile` also compiles every program of a small run of the tiny model on 8 fake CPU devices
 (`PlanExecutor.executable`, ahead of time) and reports the compile seconds measured here.
 """
@@ -90,7 +91,8 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     placed, free = ProgramCache(ranks_per_process), ProgramCache(ranks_per_process)
     plain = cost.replace(bucket_min=0)
     real = padded = 0
-    t_free, t_placed, t_plain, plan_ms = [], [], [], []
+    menu_degrees = [d for d, _ in cost.bucket_menu]
+    t_free, t_placed, t_plain, t_plain_menu, plan_ms = [], [], [], [], []
     for step in range(steps):
         samples = make_dataset(dataset, batch, seed * 1_000_003 + step, vision=vision)
         lengths, etas = sample_lengths(samples), sample_etas(samples)
@@ -105,6 +107,8 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
         padded += sum(g.padded_tokens for g in plan.groups)
         if unpadded_reference:
             t_plain.append(plan_batch(lengths, ranks, plain, etas=etas).est_step_time_s)
+            if menu_degrees:  # unpadded on the menu's degrees: what the menu's degree bound costs alone
+                t_plain_menu.append(plan_batch(lengths, ranks, plain, etas=etas, degrees=menu_degrees).est_step_time_s)
     out = {"ranks": ranks, "steps": steps, "batch": batch, "dataset": dataset, "model": cost.model,
            "hardware": cost.hardware, "bucket_min": cost.bucket_min, "bucket_growth": cost.bucket_growth,
            "menu": {str(d): list(b) for d, b in cost.bucket_menu} or None,
@@ -117,6 +121,10 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     if t_plain:
         out["step_s_mean_unpadded"] = float(np.mean(t_plain))
         out["step_time_lost"] = out["step_s_mean"] / out["step_s_mean_unpadded"] - 1.0
+    if t_plain_menu:  # the loss split: the menu's degrees (unpadded), then the padding on them
+        out["step_s_mean_unpadded_menu_degrees"] = float(np.mean(t_plain_menu))
+        out["menu_degrees_step_time_lost"] = out["step_s_mean_unpadded_menu_degrees"] / out["step_s_mean_unpadded"] - 1.0
+        out["padding_step_time_lost"] = out["step_s_mean"] / out["step_s_mean_unpadded_menu_degrees"] - 1.0
     out["placement_step_time_lost"] = out["step_s_mean"] / out["step_s_mean_no_placement"] - 1.0
     return out
 
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
           f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}"
           f"{menu}; "
           f"planning {out['plan_ms_median']:.1f} ms/step median ({out['labels']['plan_ms']})")
-    print(f"  programs (degree, padded tokens): {p['programs']}")
+    print(f"  programs (degree, padded tokens, attention kind): {p['programs']}")
     print(f"  padded / real tokens: {out['padded_over_real']:.3f}")
     print(f"  executables per process ({out['ranks_per_process']} ranks each), max / median: with placement "
           f"{p['executables_per_process_max']} / {p['executables_per_process_median']:g} "
@@ -194,6 +202,10 @@ def run(args: argparse.Namespace) -> int:
     if "step_s_mean_unpadded" in out:
         line += (f"; {out['step_s_mean_unpadded']:.3f} s planned and priced unpadded "
                  f"(bucket rule + placement cost {100 * out['step_time_lost']:+.2f} %)")
+        if "step_s_mean_unpadded_menu_degrees" in out:
+            line += (f"; of which the menu's degrees {100 * out['menu_degrees_step_time_lost']:+.2f} % (unpadded "
+                     f"on them: {out['step_s_mean_unpadded_menu_degrees']:.3f} s), padding "
+                     f"{100 * out['padding_step_time_lost']:+.2f} %")
     print(line)
     if "compile" in out:
         c = out["compile"]

@@ -240,6 +240,9 @@ class Trainer:
         rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(self._lr(item.step)),
                "tokens": item.batch.num_tokens, "samples": len(item.batch.samples), "step_time_s": step_time,
                "compile_s": compile_s, "new_compiles": new,
+               # the planned programs were not compiled yet: the step ran on compiled ones instead
+               "ran_on_compiled_substitute": bool(item.plan.solver.get("promoted_groups")
+                                                  or item.plan.solver.get("packed_on_executables")),
                # measured: the step waited for a compile (its own or one in flight in the background)
                "compile_wait_s": compile_s if missing else 0.0,
                "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
@@ -383,40 +386,53 @@ class Trainer:
         a plan whose programs are not all compiled yet runs its groups in the smallest compiled
         bucket of their degree, attention kind and ranks that holds them (`planner.programs.promote`;
         if a group is larger than every compiled bucket, the batch is re-planned in up to 3 more
-        micro-batches first),
-        while its own programs compile for later steps. Single process only (plans must not
-        depend on timing)."""
-        from dhp_jax.planner.programs import promote
+        micro-batches first; failing that, its samples are packed onto compiled executables,
+        `planner.programs.pack_on`), while its own programs compile for later steps. A plan made at
+        full token counts is promoted in the executor's view of it (`planner.programs.executed_view`:
+        the scaled tokens, the executor's buckets). Single process only (plans must not depend on
+        timing)."""
+        from dhp_jax.planner.programs import executed_view, pack_on, promote
 
         executor = self.executor
         if not hasattr(executor, "compile_plan"):
             return None
         rank_of = {d.id: r for r, d in enumerate(self.devices)}
         wanted: dict[int, Any] = {}
+        source = self.plan_source
+
+        def keys(batch: Any, plan: Any) -> list:
+            return [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.plan_keys(batch.samples, plan)]
+
+        def executed(batch: Any, plan: Any) -> Any:
+            # a plan made at full token counts names no bucket of the scaled batch it runs: it is
+            # promoted in the executor's view (the scaled tokens and the executor's buckets)
+            if not source.full_size:
+                return plan
+            return executed_view(plan, keys(batch, plan), [s.num_tokens for s in batch.samples])
 
         def make_plan(step: int, batch: Any) -> Any:
-            plan = self.plan_source(step, batch)
-            # a plan made at full token counts names no bucket of the scaled batch: nothing to promote
-            if step < start + WARMUP_STEPS or self.plan_source.full_size:
+            plan = source(step, batch)
+            if step < start + WARMUP_STEPS:
                 return plan
             have = {(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.executable_keys}
-            need = {(d, b, tuple(rank_of[i] for i in ids), a)
-                    for d, b, ids, a in executor.plan_keys(batch.samples, plan)}
-            if need <= have:
+            if set(keys(batch, plan)) <= have:
                 return plan
-            ready = promote(plan, have, self.cost)
-            source = self.plan_source
+            # (the memory check prices full-size tokens: the executed view is checked by its executor)
+            budget = None if source.full_size else self.cost
+            ready = promote(executed(batch, plan), have, budget)
             if ready is None and source.plans is None and source.strategy == "dhp":
                 # a group larger than every compiled bucket: more micro-batches make smaller groups
                 saved, first = source.num_micro_batches, len(plan.micro_batches) + 1
                 try:
                     for m in range(first, min(len(batch.samples), first + 2) + 1):
                         source.num_micro_batches = m
-                        ready = promote(source(step, batch), have, self.cost)
+                        ready = promote(executed(batch, source(step, batch)), have, budget)
                         if ready is not None:
                             break
                 finally:
                     source.num_micro_batches = saved
+            if ready is None:  # the last resort: the samples packed onto compiled executables
+                ready = pack_on(plan, [s.num_tokens for s in batch.samples], have)
             if ready is None:
                 return plan
             wanted[step] = plan
@@ -492,6 +508,8 @@ class Trainer:
             "steps_waiting_for_compile_after_warmup": sum(
                 1 for r in records if r["step"] > start + WARMUP_STEPS and r.get("compile_wait_s", 0.0) > 0),
             "warmup_steps": WARMUP_STEPS,
+            # steps whose own programs were still compiling: promoted to compiled buckets or packed
+            "steps_on_compiled_substitutes": sum(1 for r in records if r.get("ran_on_compiled_substitute")),
             "groups_by_degree": {str(d): n for d, n in sorted(groups.items())},
             "planning": f"{self.plan_source.label}: " + describe_cost(self.cost, cfg.planner.cost_profile,
                                                                       cfg.planner.full_size),
