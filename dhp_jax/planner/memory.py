@@ -85,9 +85,23 @@ def engine_params(m: Any) -> int:
     return m.vocab * d + m.patch_dim * v + v + vis + v + v * d + d + d * d + d + dec + d + d * m.vocab
 
 
-def program_static_bytes(params: float, compute_bytes: int) -> float:
-    """Token-independent bytes of the group program: params in, gradient row out, gradient leaves."""
-    return 3.0 * params * compute_bytes
+def block_params(m: Any) -> int:
+    """Parameters of the decoder and vision blocks (the scanned stacks): the rest of `engine_params`
+    is the embedding, LM head, patch embedding, projector and final norms."""
+    d, v = m.hidden, m.vision_hidden
+    dec = m.layers * (d * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * d * m.intermediate + 2 * d)
+    vis = m.vision_layers * (4 * v * m.vision_heads * m.vision_head_dim + 3 * v * m.vision_intermediate + 2 * v)
+    return dec + vis
+
+
+def program_static_bytes(params: float, compute_bytes: int, stacked_params: float = 0.0,
+                         activation_bytes: int | None = None) -> float:
+    """Token-independent bytes of the group program: params in and gradient row out (compute
+    dtype), plus the gradient leaves it assembles the row from: the blocks' gradients are stacked
+    by the backward scan in the loop-state dtype (`activation_bytes`), the others in the compute
+    dtype."""
+    ab = compute_bytes if activation_bytes is None else activation_bytes
+    return 3.0 * params * compute_bytes + stacked_params * (ab - compute_bytes)
 
 
 def state_bytes(params: float, state_shards: int) -> float:
