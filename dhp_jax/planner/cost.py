@@ -136,6 +136,9 @@ class CostModel:
         arithmetic: it computes bf16 values in fp32 and keeps the scans' loop state in fp32, so a
         bf16 program compiled for CPU devices holds them in 4 bytes (`dhp bench memory` on CPU).
     stacked_params: parameters of the scanned block stacks (their gradients are loop state).
+    assemble_bytes: what the program's last phase (the gradient row assembled from the stacked
+        gradients, after every activation is freed) holds beyond `program_static_bytes - fixed_bytes`
+        (`planner.memory.assemble_bytes`); `program_bytes` is the larger of the two phases.
     """
 
     a1: float
@@ -171,6 +174,7 @@ class CostModel:
     fixed_bytes: float = 0.0
     activation_bytes: int = 0
     stacked_params: float = 0.0
+    assemble_bytes: float = 0.0
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -264,7 +268,10 @@ class CostModel:
         stacked = float(engine_memory.block_params(m))
         static = (engine_memory.program_static_bytes(params, el, stacked, ab) + fixed
                   + engine_memory.state_bytes(params, shards))
+        assemble = engine_memory.assemble_bytes(m, el, ab)
         budget = usable - static
+        if static - fixed + assemble > usable:      # the last phase (no activations) must fit too
+            budget = min(budget, usable - (static - fixed + assemble))
         if budget <= 0 and not require_fit:
             budget = 1.0
         elif budget <= 0:
@@ -280,7 +287,7 @@ class CostModel:
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
-            fixed_bytes=float(fixed), activation_bytes=ab, stacked_params=stacked,
+            fixed_bytes=float(fixed), activation_bytes=ab, stacked_params=stacked, assemble_bytes=assemble,
             bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
             padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
@@ -309,7 +316,8 @@ class CostModel:
     def program_bytes(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
         """Bytes per device of the group program holding these sequences: what XLA's
         `memory_analysis()` of the compiled program reports (arguments + outputs + temp - aliases)."""
-        return self.program_static_bytes + self.memory(lengths, degree)
+        blocks = self.program_static_bytes + self.memory(lengths, degree)
+        return max(blocks, self.program_static_bytes - self.fixed_bytes + self.assemble_bytes)
 
     # ------------------------------------------------------------------ the model
     def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
