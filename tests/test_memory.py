@@ -86,3 +86,20 @@ def test_bench_extrapolates_depth_linearly():
     est, extrapolated = program_bytes(cfg, 2, 512, compute_dtype="bfloat16", devices=jax.devices())
     full, _ = program_bytes(cfg, 2, 512, compute_dtype="bfloat16", devices=jax.devices(), full_depth=True)
     assert extrapolated and abs(est / full - 1) < 0.1, (est, full)
+
+
+def test_cost_model_matches_compiled_bytes():
+    """CostModel.program_bytes (the planner's memory formula) against XLA's compiled bytes of the
+    group program, bf16, layer remat, on a small model at a few degrees and token counts: within
+    10 % (the bench's CPU setting: activations and loop state held in fp32)."""
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, compiled_bytes, model_shape
+
+    cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
+                     vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
+    cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16",
+                            activation_bytes=CPU_ACTIVATION_BYTES)
+    assert cost.param_count == cfg.num_params()
+    for degree, tokens in ((1, 16384), (2, 16384), (4, 16384), (4, 8192)):
+        got = compiled_bytes(cfg, degree, tokens, "bfloat16", jax.devices())
+        want = cost.program_bytes([tokens], degree)
+        assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)

@@ -154,6 +154,9 @@ class MLLM(nn.Module):
     config: MLLMConfig
     attn_fn: AttentionFn = dense_attention
     head: bool = True      # False: return final_norm(x)[S, d], the LM head's input (chunked loss)
+    # (vision, decoder) block stacks run outside the module, (x, ids) -> x (`block_stack`); None:
+    # the module's own `vision_layers_i` / `layers_i` blocks
+    stacks: tuple[Callable[[jax.Array, AttnIds], jax.Array], Callable[[jax.Array, AttnIds], jax.Array]] | None = None
 
     @nn.compact
     def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -161,7 +164,9 @@ class MLLM(nn.Module):
         block = block_class(c.remat)
         vis_ids = AttnIds(batch["frame_ids"], batch["frame_positions"], batch["frame_ids"])
         v = nn.Dense(c.vision_dim, name="patch_embed")(batch["pixels"])
-        for i in range(c.vision_layers):
+        if self.stacks is not None:
+            v = self.stacks[0](v, vis_ids)
+        for i in range(0 if self.stacks is not None else c.vision_layers):
             v = block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
                       c.rms_eps, self.attn_fn, name=f"vision_layers_{i}")(v, vis_ids)
         v = RMSNorm(c.rms_eps, name="vision_norm")(v)
@@ -170,13 +175,47 @@ class MLLM(nn.Module):
         t = nn.Embed(c.vocab_size, c.d_model, name="embed")(batch["token_ids"])
         x = jnp.where(batch["vision_mask"][:, None], v, t)
         ids = AttnIds(batch["segment_ids"], batch["positions"], batch["span_ids"])
-        for i in range(c.num_layers):
+        if self.stacks is not None:
+            x = self.stacks[1](x, ids)
+        for i in range(0 if self.stacks is not None else c.num_layers):
             x = block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
                       self.attn_fn, name=f"layers_{i}")(x, ids)
         x = RMSNorm(c.rms_eps, name="final_norm")(x)
         if not self.head:
             return x
         return nn.Dense(c.vocab_size, use_bias=False, name="lm_head")(x)
+
+
+def block_stack(config: MLLMConfig, rows: jax.Array, row_params: Callable[[jax.Array], Params], vision: bool,
+                attn_fn: AttentionFn = dense_attention) -> Callable[[jax.Array, AttnIds], jax.Array]:
+    """The decoder (or vision) blocks as one `lax.scan` over their params, rows[count, n] (one row
+    per block, `row_params` makes its params subtree): (x, ids) -> x, the same math as the
+    module's `layers_i` loop. Under `config.remat` the scanned body is `jax.checkpoint`ed, so the
+    forward pass keeps only each block's input and the backward pass recomputes one block at a
+    time inside the loop: a block's working set is live for one block, whatever the scheduler."""
+    c = config
+    shape = ((c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff) if vision
+             else (c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff))
+    block = Block(*shape, c.rope_base, c.rms_eps, attn_fn)
+
+    def body(x, row, ids):
+        return block.apply({"params": row_params(row)}, x, ids)
+
+    if c.remat != "none":
+        body = jax.checkpoint(body, policy=remat_policy(c.remat))
+
+    def step(h, xs):
+        row, ids = xs
+        return body(h, row, AttnIds(*ids)), None
+
+    def run(x: jax.Array, ids: AttnIds) -> jax.Array:
+        # ids go in as one copy per block (scanned, not loop constants): from loop constants,
+        # autodiff of the scan hoists everything computed from them alone out of the loop and
+        # keeps it (every tile pair's attention mask, [tiles, tiles, heads, t, t])
+        per_block = tuple(jnp.broadcast_to(i, (rows.shape[0],) + i.shape) for i in ids)
+        return jax.lax.scan(step, x, (rows, per_block))[0]
+
+    return run
 
 
 def dummy_batch(config: MLLMConfig, length: int = 2) -> dict[str, np.ndarray]:
@@ -215,14 +254,15 @@ LOSS_CHUNK = 512      # tokens per LM-head chunk in `chunked_loss_sum`
 
 
 def chunked_loss_sum(config: MLLMConfig, params: Params, batch: Mapping[str, jax.Array], targets: jax.Array,
-                     weights: jax.Array, attn_fn: AttentionFn = dense_attention, chunk: int = LOSS_CHUNK
-                     ) -> jax.Array:
+                     weights: jax.Array, attn_fn: AttentionFn = dense_attention, chunk: int = LOSS_CHUNK,
+                     stacks: tuple | None = None) -> jax.Array:
     """`token_loss_sum(apply_model(...), targets, weights)` without the [S, V] logits: the LM head
     and the cross entropy run over chunks of `chunk` tokens under `jax.checkpoint`, so forward and
-    backward hold one chunk's logits (fp32) at a time instead of all S x V of them."""
+    backward hold one chunk's logits (fp32) at a time instead of all S x V of them. `stacks`:
+    (vision, decoder) `block_stack`s that replace the module's block loops."""
     dtype = params["patch_embed"]["kernel"].dtype
     batch = {**batch, "pixels": jnp.asarray(batch["pixels"]).astype(dtype)}
-    x = MLLM(config, attn_fn, head=False).apply({"params": params}, batch)          # x[S, d]
+    x = MLLM(config, attn_fn, head=False, stacks=stacks).apply({"params": params}, batch)          # x[S, d]
     kernel = params["lm_head"]["kernel"]                                             # [d, V]
     s = x.shape[0]
     n = -(-s // chunk)

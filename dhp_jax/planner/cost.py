@@ -15,7 +15,8 @@ the number of vision tokens when a sample has one vision span (eta = v^2/L^2), w
 vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d:
 linear in the local tokens, because the ring attention is tiled with a custom VJP (its per-token
 state is part of `planner.memory.activation_bytes_per_token`, its constant tile workspace is
-`presets.attention_workspace_bytes`, counted in `fixed_bytes`).
+`presets.attention_workspace_bytes`; `fixed_bytes` counts it or one loss chunk's logits, whichever is
+larger: they are live in different phases of the program).
 
 Traffic of one rank, derived by hand (S stream tokens, d ranks, each rank holding S/d of them):
 
@@ -130,6 +131,14 @@ class CostModel:
     remat: recompute policy of the blocks ("none", "layer", "selective"); sets the recompute passes.
     usable_bytes: device bytes the engine may use (HBM x the usable fraction; 0: unknown).
     fixed_bytes: token-independent temporaries of a group program (one loss chunk's logits).
+    activation_bytes: bytes per element in which the compiled program holds activations, the
+        blocks' saved inputs and their stacked gradients (0: compute_bytes). XLA:CPU has no bf16
+        arithmetic: it computes bf16 values in fp32 and keeps the scans' loop state in fp32, so a
+        bf16 program compiled for CPU devices holds them in 4 bytes (`dhp bench memory` on CPU).
+    stacked_params: parameters of the scanned block stacks (their gradients are loop state).
+    assemble_bytes: what the program's last phase (the gradient row assembled from the stacked
+        gradients, after every activation is freed) holds beyond `program_static_bytes - fixed_bytes`
+        (`planner.memory.assemble_bytes`); `program_bytes` is the larger of the two phases.
     """
 
     a1: float
@@ -163,6 +172,9 @@ class CostModel:
     remat: str = "none"
     usable_bytes: float = 0.0
     fixed_bytes: float = 0.0
+    activation_bytes: int = 0
+    stacked_params: float = 0.0
+    assemble_bytes: float = 0.0
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -192,6 +204,9 @@ class CostModel:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"CostModel.{name} must be a positive integer, got {v!r}")
+        ab = self.activation_bytes
+        if isinstance(ab, bool) or not isinstance(ab, (int, np.integer)) or ab < 0:
+            raise ValueError(f"CostModel.activation_bytes must be an integer >= 0 (0: compute_bytes), got {ab!r}")
         if self.remat not in engine_memory.REMATS:
             raise ValueError(f"CostModel.remat must be one of {engine_memory.REMATS}, got {self.remat!r}")
         if self.bucket_min and not self.bucket_growth > 1.0:
@@ -199,28 +214,35 @@ class CostModel:
 
     # ------------------------------------------------------------------ presets
     @classmethod
-    def preset(cls, model: str, hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
+    def preset(cls, model: "str | presets.ModelShape", hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
                state_shards: int | None = None, compute_dtype: str | None = None, remat: str = "layer",
-               zero_shards: int | None = None, **overrides: Any) -> "CostModel":
-        """Coefficients derived from FLOPs and bytes of `model` on `hardware` (see presets.py) for
+               zero_shards: int | None = None, activation_bytes: int | None = None, require_fit: bool = True,
+               **overrides: Any) -> "CostModel":
+        """Coefficients derived from FLOPs and bytes of `model` (a preset name or a
+        `presets.ModelShape`) on `hardware` (see presets.py) for
         this engine (see memory.py): fp32 master params + Adam state sharded over `state_shards`
         ranks (default 64, the paper's 8 x 8 cluster: the engine shards the state over every
         rank of the run, so pass the run's rank count; `zero_shards` is the old name), groups computing in
-        `compute_dtype` (default bfloat16, float32 on "cpu"), blocks recomputed per `remat`.
-        `overrides` replace fields.
+        `compute_dtype` (default bfloat16, float32 on "cpu"), blocks recomputed per `remat`,
+        activations held in `activation_bytes` per element (default: the compute dtype's; 4 for
+        a bf16 program compiled by XLA:CPU). A model whose static bytes exceed the usable bytes is an
+        error unless `require_fit=False` (the budget is then 1 byte: the memory bench sizes such
+        programs). `overrides` replace fields.
         """
-        key_m, key_h = str(model).lower(), str(hardware).lower()
-        if key_m not in presets.MODELS:
+        shape = model if isinstance(model, presets.ModelShape) else None
+        key_m, key_h = ("custom" if shape else str(model).lower()), str(hardware).lower()
+        if shape is None and key_m not in presets.MODELS:
             raise ValueError(f"unknown model {model!r}; known models: {', '.join(presets.MODELS)}")
         if key_h not in presets.HARDWARE:
             raise ValueError(f"unknown hardware {hardware!r}; known hardware: {', '.join(presets.HARDWARE)}")
-        m, hw = presets.MODELS[key_m], presets.HARDWARE[key_h]
+        m, hw = shape or presets.MODELS[key_m], presets.HARDWARE[key_h]
         dtype = compute_dtype or ("float32" if hw.bytes_per_element == 4 else "bfloat16")
         if dtype not in engine_memory.COMPUTE_BYTES:
             raise ValueError(f"compute_dtype must be one of {sorted(engine_memory.COMPUTE_BYTES)}, got {dtype!r}")
         if remat not in engine_memory.REMATS:
             raise ValueError(f"remat must be one of {engine_memory.REMATS}, got {remat!r}")
         el = engine_memory.COMPUTE_BYTES[dtype]
+        ab = int(activation_bytes or el)
         attn_passes, passes = engine_memory.REMAT_PASSES[remat]
         # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
         # attention touches L^2/2 pairs.
@@ -238,12 +260,21 @@ class CostModel:
         shards = int(state_shards or zero_shards or DEFAULT_STATE_SHARDS)
         params = float(engine_memory.engine_params(m))
         usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
-        # + the tiled ring's constant tile workspace (presets.py documents it); its per-token state is
-        # part of activation_bytes_per_token
-        fixed = engine_memory.fixed_bytes(m, el) + presets.attention_workspace_bytes(m)
-        static = engine_memory.program_static_bytes(params, el) + fixed + engine_memory.state_bytes(params, shards)
+        # the loss chunk's logits and the tiled ring's constant tile workspace (presets.py documents
+        # it; its per-token state is part of activation_bytes_per_token) are live in different
+        # phases (the loss before the blocks' backward pass, the tiles inside one block's), so the
+        # larger of the two counts
+        fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m))
+        stacked = float(engine_memory.block_params(m))
+        static = (engine_memory.program_static_bytes(params, el, stacked, ab) + fixed
+                  + engine_memory.state_bytes(params, shards))
+        assemble = engine_memory.assemble_bytes(m, el, ab)
         budget = usable - static
-        if budget <= 0:
+        if static - fixed + assemble > usable:      # the last phase (no activations) must fit too
+            budget = min(budget, usable - (static - fixed + assemble))
+        if budget <= 0 and not require_fit:
+            budget = 1.0
+        elif budget <= 0:
             raise ValueError(f"{model} does not fit on {hardware} with its state sharded over {shards} ranks "
                              f"(static bytes {static / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable per rank)")
         fields = dict(
@@ -251,12 +282,13 @@ class CostModel:
             a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
             lat_inter=m.layers * passes * hw.lat_inter,
-            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, el)),
+            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, ab)),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
-            fixed_bytes=float(fixed), bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
+            fixed_bytes=float(fixed), activation_bytes=ab, stacked_params=stacked, assemble_bytes=assemble,
+            bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
             padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -273,7 +305,8 @@ class CostModel:
     @property
     def program_static_bytes(self) -> float:
         """Token-independent bytes of a group program (params in, gradient row out, fixed temps)."""
-        return engine_memory.program_static_bytes(self.param_count, self.compute_bytes) + self.fixed_bytes
+        return engine_memory.program_static_bytes(self.param_count, self.compute_bytes, self.stacked_params,
+                                                  self.activation_bytes or self.compute_bytes) + self.fixed_bytes
 
     @property
     def static_bytes(self) -> float:
@@ -283,7 +316,8 @@ class CostModel:
     def program_bytes(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
         """Bytes per device of the group program holding these sequences: what XLA's
         `memory_analysis()` of the compiled program reports (arguments + outputs + temp - aliases)."""
-        return self.program_static_bytes + self.memory(lengths, degree)
+        blocks = self.program_static_bytes + self.memory(lengths, degree)
+        return max(blocks, self.program_static_bytes - self.fixed_bytes + self.assemble_bytes)
 
     # ------------------------------------------------------------------ the model
     def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
@@ -476,7 +510,7 @@ class CostModel:
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
                                                                                   "compute_lanes", "bucket_min", "compute_bytes",
-                                                                                  "state_shards"):
+                                                                                  "state_shards", "activation_bytes"):
                 kw[k] = float(v)
         return cls(**kw)
 

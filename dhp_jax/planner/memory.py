@@ -6,16 +6,21 @@ The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) hold
   gradient accumulator, each a 1/`state_shards` shard of the flat vector:
   `STATE_BYTES_PER_PARAM` x P / state_shards;
 - the group program's static part: the gathered params and the gradient row it returns, both in
-  the compute dtype (2 x P x cb), plus the gradient leaves the row is assembled from (P x cb);
-- one loss chunk's logits (`fixed_bytes`: the LM head and cross entropy run over token chunks);
+  the compute dtype (2 x P x cb), plus the gradient leaves the row is assembled from: the blocks'
+  gradients stacked by the backward scans (`block_params` x ab, ab = the width of the loop state,
+  `CostModel.activation_bytes`) and the others (x cb);
+- one loss chunk's logits (`fixed_bytes`: the LM head and cross entropy run over token chunks), or
+  the ring's tile workspace if larger (they are live in different phases);
 - activations, linear in the rank's local tokens S_l = S / d: `activation_bytes_per_token` below.
   Attention holds O(S_l x tile) temporaries (custom-VJP tiled ring: output + log-sum-exp per query
   saved), so attention adds a per-token term, not S_l^2.
 
-Counts are per local token and in elements of the compute dtype (cb bytes) unless marked fp32. The
-recompute policy (`MLLMConfig.remat`) decides what a block keeps for its backward pass:
-"layer" keeps the block input only; "selective" keeps the outputs of the block's weight GEMMs;
-"none" keeps every intermediate. One block is live at a time in the backward pass (its working set).
+Counts are per local token and in elements of ab bytes (the compute dtype's, or 4 for a bf16
+program compiled by XLA:CPU, which computes bf16 in fp32 and keeps the loop state in fp32) unless
+marked fp32. The blocks run as scans (`dhp_jax.model.mllm.block_stack`); the recompute policy
+(`MLLMConfig.remat`) decides what a block keeps for its backward pass: "layer" keeps the block
+input only; "selective" keeps the outputs of the block's weight GEMMs; "none" keeps every
+intermediate. One block is live at a time in the backward loop (its working set).
 """
 
 from __future__ import annotations
@@ -85,9 +90,36 @@ def engine_params(m: Any) -> int:
     return m.vocab * d + m.patch_dim * v + v + vis + v + v * d + d + d * d + d + dec + d + d * m.vocab
 
 
-def program_static_bytes(params: float, compute_bytes: int) -> float:
-    """Token-independent bytes of the group program: params in, gradient row out, gradient leaves."""
-    return 3.0 * params * compute_bytes
+def stack_params(m: Any) -> tuple[int, int]:
+    """Parameters of the decoder and of the vision block stacks (the scans)."""
+    d, v = m.hidden, m.vision_hidden
+    dec = m.layers * (d * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * d * m.intermediate + 2 * d)
+    vis = m.vision_layers * (4 * v * m.vision_heads * m.vision_head_dim + 3 * v * m.vision_intermediate + 2 * v)
+    return dec, vis
+
+
+def block_params(m: Any) -> int:
+    """Parameters of the decoder and vision blocks (the scanned stacks): the rest of `engine_params`
+    is the embedding, LM head, patch embedding, projector and final norms."""
+    return sum(stack_params(m))
+
+
+def assemble_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
+    """Bytes the program's last phase holds beyond its static bytes (less `fixed_bytes`): when the
+    loop state is wider than the compute dtype (XLA:CPU), a stack's stacked gradients are converted
+    to the compute dtype for the gradient row, one stack at a time, so the larger stack's
+    gradients exist twice. This phase holds no activations."""
+    return float(max(stack_params(m)) * compute_bytes) if activation_bytes != compute_bytes else 0.0
+
+
+def program_static_bytes(params: float, compute_bytes: int, stacked_params: float = 0.0,
+                         activation_bytes: int | None = None) -> float:
+    """Token-independent bytes of the group program: params in and gradient row out (compute
+    dtype), plus the gradient leaves it assembles the row from: the blocks' gradients are stacked
+    by the backward scan in the loop-state dtype (`activation_bytes`), the others in the compute
+    dtype."""
+    ab = compute_bytes if activation_bytes is None else activation_bytes
+    return 3.0 * params * compute_bytes + stacked_params * (ab - compute_bytes)
 
 
 def state_bytes(params: float, state_shards: int) -> float:

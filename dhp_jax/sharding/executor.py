@@ -47,7 +47,7 @@ from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, 
                                   pack_group, planned_bucket)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
-from dhp_jax.model.mllm import chunked_loss_sum, init_params
+from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
 from dhp_jax.planner.kinds import RING, check_attention
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.flat import FlatLayout
@@ -100,7 +100,12 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
         weights = floats[:, config.patch_dim]
 
         def loss_sum(f):
-            return chunked_loss_sum(config, layout.unravel(f), batch, cols["targets"], weights, attn)
+            # the block stacks run as scans over rows of `f` (no copy of the params)
+            stacks = tuple(block_stack(config, *layout.rows(f, prefix, count), vision, attn)
+                           for prefix, count, vision in (("vision_layers_", config.vision_layers, True),
+                                                         ("layers_", config.num_layers, False)))
+            return chunked_loss_sum(config, layout.unravel(f), batch, cols["targets"], weights, attn,
+                                    stacks=stacks)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
         # reduction is the reduce-scatter over the full mesh after the group program.

@@ -4,9 +4,11 @@ For each model preset, degree and tokens per group, the group program is lowered
 arguments (`jax.ShapeDtypeStruct`; nothing is allocated) and compiled for `degree` local devices;
 `memory_analysis()` gives arguments + outputs + temp - aliases per device. Next to it,
 `CostModel.program_bytes` (static + activation bytes) of the same preset and engine choices.
-Full-depth compiles of the big presets are slow on CPU, so by default the program is compiled at
-(1 decoder, 1 vision) layers, (2, 1) and (1, 2) and extrapolated linearly to full depth (rows say
-`"extrapolated": true`); `--full-depth` compiles the real depth. `"fits"` answers the sizing
+The block stacks are scans (`dhp_jax.model.mllm.block_stack`), so a full-depth compile costs about
+what a shallow one does (internvl3-2b: about 20 s on CPU) and the bench compiles the real depth.
+`--extrapolate` compiles (2 decoder, 2 vision) layers, (3, 2) and (2, 3) instead and extrapolates
+linearly (rows say `"extrapolated": true`). On CPU devices the bench compiles
+with XLA:CPU's memory-minimising scheduler (`CPU_MEMORY_SCHEDULER`). `"fits"` answers the sizing
 question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
 compiled bytes + the state shard against the device's usable bytes.
 """
@@ -25,36 +27,64 @@ TOKENS = (8192, 32768, 65536)
 FITS = {"model": "internvl3-8b", "hardware": "ascend-910b", "degree": 8, "tokens": 65536, "state_shards": 64}
 
 
+# XLA:CPU's default scheduler orders the program for concurrency, not memory: it holds up to twice
+# the bytes its memory-minimising scheduler does (internvl3-2b, 1 layer, 4k tokens: 6.67 vs 5.59 GB).
+# Accelerator compilers schedule under a memory limit, so the bench measures the CPU program
+# under the memory-minimising scheduler.
+CPU_MEMORY_SCHEDULER = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"}
+# XLA:CPU has no bf16 arithmetic: a bf16 program compiled for CPU devices computes in fp32 and keeps
+# the scans' loop state (the blocks' saved inputs, their stacked gradients) in fp32, so the bench's
+# CostModel holds activations in 4 bytes (`CostModel.activation_bytes`) when the devices are CPUs.
+CPU_ACTIVATION_BYTES = 4
+BASE_DEPTH = 2      # extrapolation base: (2, 2) layers, steps to (3, 2) and (2, 3)
+
+
+def model_shape(config: Any) -> Any:
+    """The planner's `presets.ModelShape` of an `MLLMConfig` (for `CostModel.preset` of any model)."""
+    from dhp_jax.planner.presets import ModelShape
+
+    c = config
+    return ModelShape(c.num_layers, c.num_heads, c.num_kv_heads, c.d_model, c.d_ff, c.head_dim, c.vocab_size,
+                      c.vision_layers, c.vision_dim, c.vision_ff, vision_heads=c.vision_heads,
+                      vision_head_dim=c.vision_head_dim, patch_dim=c.patch_dim)
+
+
 def compiled_bytes(config: Any, degree: int, tokens: int, compute_dtype: str, devices: Sequence[Any]) -> int:
     """Per-device bytes of the compiled group program (arguments + outputs + temp - aliases)."""
     from dhp_jax.sharding.executor import PlanExecutor
 
     ex = PlanExecutor(config, devices, compute_dtype=compute_dtype)
     stream = -(-tokens // (2 * degree)) * 2 * degree        # the tokens, divisible by 2 x degree
-    m = ex.lower(degree, stream, tuple(devices[:degree])).compile(
-        compiler_options=ex.compiler_options).memory_analysis()
+    options = dict(ex.compiler_options)
+    if all(d.platform == "cpu" for d in devices[:degree]):
+        options.update(CPU_MEMORY_SCHEDULER)
+    m = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options).memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, devices: Sequence[Any],
                   full_depth: bool = False) -> tuple[int, bool]:
-    """(compiled bytes of model config `full`, whether they were extrapolated from 1- and 2-layer
-    compiles: b(L, V) = b(1, 1) + (L - 1) [b(2, 1) - b(1, 1)] + (V - 1) [b(1, 2) - b(1, 1)])."""
-    if full_depth:
+    """(compiled bytes of model config `full`, whether they were extrapolated from shallow
+    compiles: with B = `BASE_DEPTH`, b(L, V) = b(B, B) + (L - B) [b(B+1, B) - b(B, B)]
+    + (V - B) [b(B, B+1) - b(B, B)]. The base is 2 layers, not 1: the peak of a 1-layer program
+    is the loss (vocabulary-sized buffers), from 2 layers on it is a block's backward, and only
+    from there do the bytes grow linearly with depth)."""
+    b = BASE_DEPTH
+    if full_depth or full.num_layers <= b or full.vision_layers <= b:
         return compiled_bytes(full, degree, tokens, compute_dtype, devices), False
 
     def at(layers: int, vision: int) -> int:
         cfg = dataclasses.replace(full, num_layers=layers, vision_layers=vision)
         return compiled_bytes(cfg, degree, tokens, compute_dtype, devices)
 
-    b11, b21, b12 = at(1, 1), at(2, 1), at(1, 2)
-    est = b11 + (full.num_layers - 1) * (b21 - b11) + (full.vision_layers - 1) * (b12 - b11)
+    base, deeper, wider = at(b, b), at(b + 1, b), at(b, b + 1)
+    est = base + (full.num_layers - b) * (deeper - base) + (full.vision_layers - b) * (wider - base)
     return int(est), True
 
 
 def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *, hardware: str = "ascend-910b",
             remat: str = "layer", compute_dtype: str = "bfloat16", state_shards: int = 64,
-            full_depth: bool = False, fits: bool = True) -> dict:
+            full_depth: bool = True, fits: bool = True) -> dict:
     import jax
 
     from dhp_jax.model import MLLMConfig
@@ -64,8 +94,11 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     if max(degrees) > len(devices):
         raise SystemExit(f"degree {max(degrees)} needs {max(degrees)} devices, found {len(devices)}")
     rows = []
+    cpu = devices[0].platform == "cpu"
+    ab = CPU_ACTIVATION_BYTES if cpu else None
     for model in models:
-        cost = CostModel.preset(model, hardware, state_shards=state_shards, remat=remat, compute_dtype=compute_dtype)
+        cost = CostModel.preset(model, hardware, state_shards=state_shards, remat=remat, compute_dtype=compute_dtype,
+                                activation_bytes=ab, require_fit=False)
         for d in degrees:
             for s in tokens:
                 t0 = time.perf_counter()
@@ -87,11 +120,18 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
             MLLMConfig.preset(f["model"], remat=remat), f["degree"], f["tokens"], compute_dtype=compute_dtype,
             devices=devices, full_depth=full_depth)[0]
         cost = CostModel.preset(f["model"], f["hardware"], state_shards=f["state_shards"], remat=remat,
-                                compute_dtype=compute_dtype)
+                                compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False)
         total = got + cost.state_bytes
+        # the same program priced at the preset's own widths (bf16 loop state, as an accelerator
+        # compiler keeps it), next to what the CPU compile holds
+        native = CostModel.preset(f["model"], f["hardware"], state_shards=f["state_shards"], remat=remat,
+                                  compute_dtype=compute_dtype, require_fit=False)
+        native_total = native.program_bytes([f["tokens"]], f["degree"]) + native.state_bytes
         out["fits"] = {**f, "compiled_bytes": int(got), "state_bytes": int(cost.state_bytes),
                        "total_bytes": int(total), "usable_bytes": int(cost.usable_bytes),
-                       "fits": bool(total <= cost.usable_bytes)}
+                       "fits": bool(total <= cost.usable_bytes),
+                       "model_total_bytes_native": int(native_total),
+                       "fits_native_model": bool(native_total <= native.usable_bytes)}
     return out
 
 
@@ -106,7 +146,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", default="layer", choices=("none", "layer", "selective"))
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     parser.add_argument("--state-shards", type=int, default=64, help="ranks the fp32 state is sharded over")
-    parser.add_argument("--full-depth", action="store_true", help="compile every layer instead of extrapolating")
+    parser.add_argument("--extrapolate", action="store_true",
+                        help="compile 2 and 3 layers and extrapolate linearly instead of compiling every layer")
     parser.add_argument("--no-fits", action="store_true", help="skip the internvl3-8b sizing check")
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices if jax is not yet imported")
     parser.add_argument("--json", action="store_true", help="print only JSON")
@@ -125,13 +166,14 @@ def run(args: argparse.Namespace) -> int:
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=args.remat, compute_dtype=args.dtype,
-                  state_shards=args.state_shards, full_depth=args.full_depth, fits=not args.no_fits)
+                  state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(res["label"])
     if any(r["extrapolated"] for r in res["rows"]):
-        print("compiled at 1 and 2 layers (decoder and vision) and extrapolated linearly to full depth")
+        print(f"compiled at {BASE_DEPTH} and {BASE_DEPTH + 1} layers (decoder and vision) and extrapolated linearly "
+              "to full depth")
     print(f"{'model':16s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} {'error':>7s}")
     for r in res["rows"]:
         print(f"{r['model']:16s} {r['degree']:6d} {r['tokens']:7d} {r['compiled_bytes'] / 1e9:12.2f} "
@@ -141,5 +183,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{f['model']} degree {f['degree']}, {f['tokens']} tokens on {f['hardware']}, state over "
               f"{f['state_shards']} ranks: {f['compiled_bytes'] / 1e9:.2f} GB compiled + {f['state_bytes'] / 1e9:.2f} "
               f"GB state = {f['total_bytes'] / 1e9:.2f} GB of {f['usable_bytes'] / 1e9:.2f} GB usable: "
-              f"{'fits' if f['fits'] else 'does NOT fit'}")
+              f"{'fits' if f['fits'] else 'does NOT fit'}; CostModel at the preset's widths (bf16 loop "
+              f"state): {f['model_total_bytes_native'] / 1e9:.2f} GB "
+              f"({'fits' if f['fits_native_model'] else 'does NOT fit'})")
     return 0
