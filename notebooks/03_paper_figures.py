@@ -74,8 +74,10 @@ def table(r: dict) -> None:
 print("results folder:", RESULTS)
 for p in sorted(RESULTS.glob("*.json")):
     r = json.loads(p.read_text())
-    print(f"  {p.name:<28} {r.get('label', '?'):<62} commit {r['versions'].get('dhp_jax_commit')}, "
-          f"{r.get('created_utc', '?')}")
+    # experiments record their commit; a bench's JSON kept here (memory_bench.json) records its command
+    source = (f"commit {r['versions'].get('dhp_jax_commit')}" if "versions" in r
+              else f"`{r.get('command', '?')}`")
+    print(f"  {p.name:<28} {r.get('label', '?'):<62} {source}, {r.get('created_utc', '?')}")
 
 # %% [markdown]
 # ## End-to-end speed-up (experiments 1 and 2)
