@@ -40,6 +40,9 @@ def test_bad_values_are_named(tmp_path):
         load_config(overrides=["steps"])
     with pytest.raises(ConfigError, match="attention_tile must be >= 1"):
         load_config(overrides=["attention_tile=0"])
+    with pytest.raises(ConfigError, match="compare.batches must be >= 1 when the comparison runs"):
+        load_config(overrides=["compare.batches=0"])
+    assert load_config(overrides=["compare.batches=0", "compare.enabled=false"]).compare.batches == 0
     p = tmp_path / "x.yaml"
     p.write_text("kind: experiment\n")
     with pytest.raises(ConfigError, match="kind: train"):

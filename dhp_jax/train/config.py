@@ -134,7 +134,7 @@ class TrainConfig:
             if v < 1:
                 raise ConfigError(f"{key} must be >= 1, got {v}")
         for key, v in {"steps": self.steps, "optim.warmup_steps": self.optim.warmup_steps,
-                       "checkpoint.every": self.checkpoint.every, "compare.batches": self.compare.batches,
+                       "checkpoint.every": self.checkpoint.every,
                        "data.min_text_tokens": self.data.min_text_tokens}.items():
             if v < 0:
                 raise ConfigError(f"{key} must be >= 0, got {v}")
@@ -145,6 +145,9 @@ class TrainConfig:
                               f"data.min_text_tokens={self.data.min_text_tokens} plus a vision token")
         if self.optim.learning_rate <= 0:
             raise ConfigError(f"optim.learning_rate must be > 0, got {self.optim.learning_rate}")
+        if self.compare.enabled and self.compare.batches < 1:
+            raise ConfigError(f"compare.batches must be >= 1 when the comparison runs, got {self.compare.batches} "
+                              "(compare.enabled=false skips it)")
         if self.compare.repeats < 1:
             raise ConfigError(f"compare.repeats must be >= 1, got {self.compare.repeats}")
         if self.compute_dtype not in ("float32", "bfloat16"):
