@@ -27,6 +27,8 @@ import statistics
 import zlib
 from typing import Any, Iterable, Sequence
 
+from dhp_jax.planner.placement import spans_nodes
+
 Key = tuple[int, int, tuple[int, ...], str]  # (degree, padded_tokens, ranks, attention)
 
 
@@ -123,7 +125,7 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
     n_ranks = int(num_ranks) if num_ranks else -(-(max(r for t in out for r in t) + 1) // rpn) * rpn
     num_nodes = -(-n_ranks // rpn)
     size = {n: min(rpn, n_ranks - n * rpn) for n in range(num_nodes)}
-    span = [span_of(t, rpn) for t in out]
+    span = [spans_nodes(t, rpn) for t in out]
     known: dict[tuple[int, int, str], list[tuple[int, ...]]] = {}
     for d, p, t, a in cache.executables:
         known.setdefault((d, p, a), []).append(t)
@@ -201,7 +203,7 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
     todo = []
     for i in sorted(inside, key=lambda i: (-groups[i][0], i)):  # an executable of the program on free ranks
         d, p, _, a = groups[i]
-        hit = next((t for t in known.get((d, p, a), ()) if not span_of(t, rpn)
+        hit = next((t for t in known.get((d, p, a), ()) if not spans_nodes(t, rpn)
                     and places.get(t[0] // rpn, {}).get(d, 0) > 0 and free_at[t[0] // rpn].issuperset(t)), None)
         if hit is None:
             todo.append(i)
@@ -240,10 +242,6 @@ def _match(mine: dict[int, list[int]], theirs: dict[int, list[int]], pi: dict[in
         m[n] = x
         del left[x]
     return m
-
-
-def span_of(ranks: Sequence[int], ranks_per_node: int) -> bool:
-    return len({r // ranks_per_node for r in ranks}) > 1
 
 
 def anchor(degree: int, padded_tokens: int, attention: str, ranks_per_node: int) -> int:
