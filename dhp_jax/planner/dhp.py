@@ -247,8 +247,9 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         # judged as the plan will be priced: with each group's fastest attention kind in "best" mode
         # (a count that loses on the ring can win once its wide groups use all-to-all); a lone
         # finalist needs no judging
-        spans = _kind_makespans(prob, done) if attention == "best" and len(finalists) > 1 else [d[2] for d in done]
-        actual = sum(spans) + _compile_price(prob, done, programs, attention)
+        kinds = _kinds(prob, done, attention) if attention == "best" and len(finalists) > 1 else None
+        spans = [d[2] for d in done] if kinds is None else _kind_makespans(prob, done, kinds)
+        actual = sum(spans) + _compile_price(prob, done, programs, attention, kinds)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
@@ -444,25 +445,38 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
                      "shared_lanes_uniform_degree": best[2]}
 
 
-def _kind_makespans(prob: Problem, done: list) -> list[float]:
-    """Makespan of each finished micro-batch with every group on its fastest attention kind
-    (`pricing.best_kinds`, as `build_plan` prices a plan in "best" mode)."""
-    terms = (prob.attn, prob.lin, prob.tok)
-    gs = [(r, g) for groups, ranks, _ in done for g, r in zip(groups, ranks)]
+def _groups(done: list) -> list[tuple[tuple[int, ...], list[int]]]:
+    """(ranks, sample ids) of every group of finished micro-batches, in order."""
+    return [(tuple(r), g) for gs, ranks, _ in done for g, r in zip(gs, ranks)]
+
+
+def _kinds(prob: Problem, done: list, attention: str) -> list[str]:
+    """The attention kind `build_plan` gives each group of finished micro-batches (`_groups` order):
+    the fastest one (`pricing.best_kinds`) in "best" mode, else `attention_for`."""
+    groups = _groups(done)
+    if attention == "best":
+        return best_kinds(prob.cost, groups, (prob.attn, prob.lin, prob.tok))
+    return [attention_for(len(r), prob.cost, attention) for r, _ in groups]
+
+
+def _kind_makespans(prob: Problem, done: list, kinds: list[str]) -> list[float]:
+    """Makespan of each finished micro-batch with every group on its attention kind (`_kinds`, as
+    `build_plan` prices the plan)."""
     mb = np.repeat(np.arange(len(done)), [len(groups) for groups, _, _ in done])
-    t, _, d = price_groups(prob.cost, gs, terms, best_kinds(prob.cost, gs, terms), prob.cost.ranks_per_node)
+    t, _, d = price_groups(prob.cost, _groups(done), (prob.attn, prob.lin, prob.tok), kinds, prob.cost.ranks_per_node)
     return prob.cost.makespans(t, d, mb, len(done)).tolist()
 
 
-def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring") -> float:
+def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring",
+                   kinds: list[str] | None = None) -> float:
     """Seconds a candidate pays for the programs (degree, padded tokens, attention kind) it needs
-    that no earlier plan needed; the kinds are those `build_plan` will give its groups."""
+    that no earlier plan needed; the kinds are those `build_plan` will give its groups (`_kinds`,
+    computed here unless given)."""
     if programs is None or not programs.compile_s:
         return 0.0
-    groups = [(tuple(r), g) for gs, ranks, _ in done for g, r in zip(gs, ranks)]
-    terms = (prob.attn, prob.lin, prob.tok)
-    kinds = best_kinds(prob.cost, groups, terms) if attention == "best" else \
-        [attention_for(len(r), prob.cost, attention) for r, _ in groups]
+    groups = _groups(done)
+    if kinds is None:
+        kinds = _kinds(prob, done, attention)
     keys = [(len(r), int(padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost)), (), kind)
             for (r, g), kind in zip(groups, kinds)]
     return programs.compile_s * len(programs.new_programs(keys))

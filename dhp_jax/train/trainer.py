@@ -400,26 +400,30 @@ class Trainer:
         wanted: dict[int, Any] = {}
         source = self.plan_source
 
-        def keys(batch: Any, plan: Any) -> list:
-            return [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.plan_keys(batch.samples, plan)]
+        def by_rank(keys: Any) -> list:
+            """Executable keys (degree, bucket, device ids, attention) with plan ranks for device ids."""
+            return [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in keys]
 
-        def executed(batch: Any, plan: Any) -> Any:
+        def executed(batch: Any, plan: Any, keys: list | None = None) -> Any:
             # a plan made at full token counts names no bucket of the scaled batch it runs: it is
             # promoted in the executor's view (the scaled tokens and the executor's buckets)
             if not source.full_size:
                 return plan
-            return executed_view(plan, keys(batch, plan), [s.num_tokens for s in batch.samples])
+            if keys is None:
+                keys = by_rank(executor.plan_keys(batch.samples, plan))
+            return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
 
         def make_plan(step: int, batch: Any) -> Any:
             plan = source(step, batch)
             if step < start + WARMUP_STEPS:
                 return plan
-            have = {(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in executor.executable_keys}
-            if set(keys(batch, plan)) <= have:
+            have = set(by_rank(executor.executable_keys))
+            need = by_rank(executor.plan_keys(batch.samples, plan))
+            if set(need) <= have:
                 return plan
             # (the memory check prices full-size tokens: the executed view is checked by its executor)
             budget = None if source.full_size else self.cost
-            ready = promote(executed(batch, plan), have, budget)
+            ready = promote(executed(batch, plan, need), have, budget)
             if ready is None and source.plans is None and source.strategy == "dhp":
                 # a group larger than every compiled bucket: more micro-batches make smaller groups
                 saved, first = source.num_micro_batches, len(plan.micro_batches) + 1
