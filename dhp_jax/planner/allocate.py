@@ -255,12 +255,18 @@ def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
 
 
 def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
-             cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring"
-             ) -> tuple[np.ndarray, float] | None:
+             cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring",
+             limit: float = math.inf) -> tuple[np.ndarray, float] | None:
     """Optimal degrees (int64[K']) and makespan, or None when the groups cannot fit on `num_ranks`.
 
     Group times use `cost` with inter-node links exactly when d > ranks_per_node (placement keeps
     smaller groups inside a node where it can).
+
+    `limit` (what the caller must beat): the result is the same as without it whenever its makespan
+    is below `limit`; otherwise the makespan returned is inf (no allocation comes in under `limit`,
+    the degrees are not meaningful). Every group then starts at the least degree whose work bound
+    (work / d + b1) is below `limit`, which saves the raises below it and decides a hopeless packing
+    in a few steps.
     """
     K = len(A)
     if K == 0:
@@ -275,12 +281,18 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         return None
     if int(ds[starts].sum()) > num_ranks:
         return None
+    bounded = limit < math.inf
+    if bounded:
+        starts, hopeless = _limit_start(starts, ds, num_ranks, cost, A, B, limit)
+        if hopeless:
+            return np.asarray(ds[np.minimum(starts, len(ds_list) - 1)], dtype=np.int64), math.inf
     if K == 1:  # one group: the least degree among those reaching its least time, vectorised
         cand = ds[starts[0]:]
         cand = cand[cand <= num_ranks]
         times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
         j = int(np.argmin(times))
-        return np.asarray([cand[j]], dtype=np.int64), float(times[j])
+        best = float(times[j])
+        return np.asarray([cand[j]], dtype=np.int64), best if best < limit else math.inf
     if K >= _WARM_MIN_GROUPS:
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
         starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention, t.times)
@@ -314,7 +326,24 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         used += d - deg[i]
         pos[i], deg[i] = p, d
         heapq.heapreplace(heap, (-ti, i))
-    return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
+    span = float(-heap[0][0])
+    return np.asarray(deg, dtype=np.int64), span if span < limit else math.inf
+
+
+def _limit_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel, A: Any, B: Any,
+                 limit: float) -> tuple[np.ndarray, bool]:
+    """Start positions (into `ds`) raised to the least degree whose work bound is below `limit`, and
+    whether that already needs more than `num_ranks` ranks (no allocation comes in under `limit`).
+    A degree below work / (limit - b1) has time >= work / d + b1 >= limit (the margin covers
+    rounding), so no allocation under `limit` uses it, and the search's invariant holds from there."""
+    b1 = cost.b1
+    if not limit > b1:
+        return starts, True
+    need = (np.asarray(A, dtype=np.float64) + np.asarray(B, dtype=np.float64)) / (limit - b1) * (1 - 1e-9)
+    pos = np.maximum(starts, np.searchsorted(ds, need, side="left"))
+    if pos.max() >= len(ds) or int(ds[pos].sum()) > num_ranks:
+        return pos, True
+    return pos, False
 
 
 _WARM_MIN_GROUPS = 24  # below this the scalar search is cheaper than the vectorised bisection

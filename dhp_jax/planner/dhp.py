@@ -93,7 +93,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
             continue
         A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
         dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
-        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed)
+        # bounded by the best so far: a packing that cannot beat it costs only a few raises
+        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed, np.inf if best is None else best[2])
         if res is None:
             continue
         seen[key] = True
@@ -111,7 +112,7 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
     bins, deg, mk, f = sol
     new = [g for g in refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, prob.cost) if g]
     if new != bins:
-        res = _allocate_bins(prob, new, allowed)
+        res = _allocate_bins(prob, new, allowed, mk)
         if res is not None and res[1] < mk:
             return (new, res[0], res[1], f)
         # the refined groups at their old degrees are never worse than before
@@ -121,16 +122,17 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
             return (new, deg, t_new, f)
     return sol
 
-def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) -> tuple[np.ndarray, float] | None:
+def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray, limit: float = np.inf
+                   ) -> tuple[np.ndarray, float] | None:
     A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
-    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed)
+    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed, limit)
 
 def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any) -> float:
     """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `CostModel.makespan`)."""
     return cost.makespan(cost.group_times(A, B, S, deg), deg)
 
 def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, cost: CostModel,
-                    allowed: np.ndarray | None) -> tuple[np.ndarray, float] | None:
+                    allowed: np.ndarray | None, limit: float = np.inf) -> tuple[np.ndarray, float] | None:
     """`allocate`, judged by the micro-batch makespan that the plan's estimates use.
 
     Without `compute_lanes` this is `allocate` itself (exact for max_g T_g). On shared cores the
@@ -138,9 +140,13 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     work on the same p cores. So the allocations on N/2, N/4, ... ranks and the one giving every
     bin its least allowed degree are scored too, and the lowest lanes-aware makespan is kept (ties:
     the full allocation). Exactness of `allocate` holds for the per-group model only.
+    `limit` (per-group model only): a result that cannot come in under it has makespan inf
+    (`allocate`'s `limit`).
     """
+    if cost.compute_lanes is None:
+        return allocate(A, B, S, dmin, num_ranks, cost, allowed, limit=limit)
     res = allocate(A, B, S, dmin, num_ranks, cost, allowed)
-    if res is None or cost.compute_lanes is None:
+    if res is None:
         return res
     ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
     least = ds[np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")]
