@@ -216,7 +216,7 @@ def test_memory_lpt_matches_the_plain_rule():
             btok[b] += tok[k]
             want.append(b)
         _, dense = np.unique(want, return_inverse=True)
-        assert _lpt_with_memory(shorts, work.tolist(), tok.tolist(), n, cap).tolist() == dense.tolist()
+        assert _lpt_with_memory(work[shorts].tolist(), tok[shorts].tolist(), n, cap).tolist() == dense.tolist()
 
 
 def test_allocation_prices_padded_groups_as_the_cost_model_does():

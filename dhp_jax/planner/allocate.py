@@ -276,37 +276,45 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if not ds_list:
         return None
     t = scalar_time(cost, attention)
-    starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
-    if np.any(starts >= len(ds_list)):
-        return None
-    if int(ds[starts].sum()) > num_ranks:
-        return None
-    bounded = limit < math.inf
-    if bounded:
-        starts, hopeless = _limit_start(starts, ds, num_ranks, cost, A, B, limit)
-        if hopeless:
-            return np.asarray(ds[np.minimum(starts, len(ds_list) - 1)], dtype=np.int64), math.inf
-    if K == 1:  # one group: the least degree among those reaching its least time, vectorised
-        cand = ds[starts[0]:]
-        cand = cand[cand <= num_ranks]
-        times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
-        j = int(np.argmin(times))
-        best = float(times[j])
-        return np.asarray([cand[j]], dtype=np.int64), best if best < limit else math.inf
-    if K >= _WARM_MIN_GROUPS:
+    last = len(ds_list)
+    if 1 < K < _WARM_MIN_GROUPS:  # few groups: the set-up in plain Python (NumPy's calls cost more here)
+        Al, Bl, Sl = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
+        pos = [bisect.bisect_left(ds_list, d) for d in np.asarray(dmin, dtype=np.int64).tolist()]
+        if max(pos) >= last or sum(ds_list[p] for p in pos) > num_ranks:
+            return None
+        if limit < math.inf:  # as `_limit_start`, the same floats
+            room = limit - cost.b1
+            if room > 0:
+                pos = [max(p, bisect.bisect_left(ds_list, (a + b) / room * (1 - 1e-9))) for p, a, b in zip(pos, Al, Bl)]
+            if not room > 0 or max(pos) >= last or sum(ds_list[p] for p in pos) > num_ranks:
+                return np.asarray([ds_list[min(p, last - 1)] for p in pos], dtype=np.int64), math.inf
+        ev = t.group_times_of(Al, Bl, Sl, ds_list[-1])
+        t0 = [ev(i, ds_list[p]) for i, p in enumerate(pos)]
+    else:
+        starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
+        if np.any(starts >= last) or int(ds[starts].sum()) > num_ranks:
+            return None
+        if limit < math.inf:
+            starts, hopeless = _limit_start(starts, ds, num_ranks, cost, A, B, limit)
+            if hopeless:
+                return np.asarray(ds[np.minimum(starts, last - 1)], dtype=np.int64), math.inf
+        if K == 1:  # one group: the least degree among those reaching its least time, vectorised
+            cand = ds[starts[0]:]
+            cand = cand[cand <= num_ranks]
+            times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
+            j = int(np.argmin(times))
+            best = float(times[j])
+            return np.asarray([cand[j]], dtype=np.int64), best if best < limit else math.inf
+        # many groups: a vectorised warm start
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
         starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention, t.times)
         t0 = t.times(An, Bn, Sn, ds[starts]).tolist()
         ev = t.group_times_of(_LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn), ds_list[-1])  # few entries are read
-    else:
-        ev = t.group_times_of(*(np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S)), ds_list[-1])
-        t0 = [ev(i, ds_list[p]) for i, p in enumerate(starts.tolist())]
-    pos = starts.tolist()
+        pos = starts.tolist()
     deg = [ds_list[p] for p in pos]
     used = sum(deg)
     heap = [(-t0[i], i) for i in range(K)]
     heapq.heapify(heap)
-    last = len(ds_list)
     while True:
         neg, i = heap[0]
         cur = -neg

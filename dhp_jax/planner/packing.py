@@ -41,6 +41,9 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
     if order is None:
         order = np.lexsort((np.arange(K), -work))
     is_long = (dmin > slots) | ((work >= W) & (W > 0))
+    if slots >= num_ranks and not is_long.any() and float(tokens.sum()) <= cap * (1 - 1e-12):
+        assign[:] = 0  # the coarsest packing: one bin holds everything (what the deal below gives)
+        return assign
     longs = order[is_long[order]]
     n_long = len(longs)
     assign[longs] = np.arange(n_long)
@@ -73,27 +76,33 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
     if not shorts:
         return assign
     shorts.reverse()  # heaviest first
+    keys.reverse()
+    stoks.reverse()
     rest = float(sum(keys))
     free = max(1, (num_ranks - ranks_taken) // slots)
     n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
-    local = _deal(np.asarray(shorts, dtype=np.int64), work, tokens, n_bins, cap)
+    idx = np.asarray(shorts, dtype=np.int64)
+    local = _deal(keys, tokens[idx], n_bins, cap)
     if local is None:
-        local = _lpt_with_memory(shorts, work.tolist(), tokens.tolist(), n_bins, cap)
-    assign[shorts] = n_long + local
+        local = _lpt_with_memory(keys, stoks, n_bins, cap)
+    assign[idx] = n_long + local
     return assign
 
 
-def _deal(shorts: np.ndarray, work: np.ndarray, tokens: np.ndarray, n_bins: int, cap: float) -> np.ndarray | None:
+def _deal(wl: list[float], toks: np.ndarray, n_bins: int, cap: float) -> np.ndarray | None:
     """LPT for the first rounds, then a vectorised boustrophedon deal starting from the lightest
-    bin; None if a bin would overflow `cap` tokens."""
-    head = min(len(shorts), _LPT_ROUNDS * n_bins)
-    out = np.empty(len(shorts), dtype=np.int64)
-    wl = work[shorts[:head]].tolist()
+    bin; None if a bin would overflow `cap` tokens. `wl`: the items' work, heaviest first; `toks`:
+    their tokens."""
+    m = len(wl)
+    if n_bins == 1:
+        return None if sum(toks.tolist()) > cap else np.zeros(m, dtype=np.int64)  # bincount's order of sums
+    head = min(m, _LPT_ROUNDS * n_bins)
+    out = np.empty(m, dtype=np.int64)
     first = min(head, n_bins)
     if min(wl[:first], default=1.0) > 0:
         # the first round goes to bins 0, 1, ... in turn (each empty bin is the least loaded, ties
         # by bin id); the heap's pop order depends only on its (load, bin) entries, not its layout
-        heap = [(wl[b], b) for b in range(first)] + [(0.0, b) for b in range(first, n_bins)]
+        heap = list(zip(wl[:first], range(first))) + [(0.0, b) for b in range(first, n_bins)]
         heapq.heapify(heap)
         got = list(range(first))
     else:
@@ -104,10 +113,10 @@ def _deal(shorts: np.ndarray, work: np.ndarray, tokens: np.ndarray, n_bins: int,
         got.append(b)
         replace(heap, (load + wl[i], b))
     out[:head] = got
-    if head < len(shorts):
+    if head < m:
         lanes = np.asarray([b for _, b in sorted(heap)], dtype=np.int64)
-        out[head:] = lanes[_boustrophedon(len(shorts) - head, n_bins)]
-    if np.bincount(out, tokens[shorts], minlength=n_bins).max() > cap:
+        out[head:] = lanes[_boustrophedon(m - head, n_bins)]
+    if np.bincount(out, toks, minlength=n_bins).max() > cap:
         return None
     return out
 
@@ -123,26 +132,25 @@ def _boustrophedon(m: int, n_bins: int) -> np.ndarray:
     return lanes
 
 
-def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float], n_bins: int, cap: float
-                     ) -> np.ndarray:
-    """Longest first onto the least loaded bin that has memory room; a new bin when none has."""
+def _lpt_with_memory(work_l: list[float], toks: list[float], n_bins: int, cap: float) -> np.ndarray:
+    """Longest first onto the least loaded bin that has memory room; a new bin when none has.
+    `work_l`, `toks`: the items' work (heaviest first) and tokens."""
     btok = [0.0] * n_bins
     heap = [(0.0, b) for b in range(n_bins)]
-    toks = [tok_l[k] for k in shorts]
     # the least tokens of any sequence still to place: a bin with less room than that is full for
     # good and leaves the heap (same result as skipping it every time, without the repeated pops)
     least = list(itertools.accumulate(reversed(toks), min))[::-1]
-    n = len(shorts)
+    n = len(toks)
     out_l = [0] * n
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in range(n):
-        k, tk = shorts[i], toks[i]
+        tk, wk = toks[i], work_l[i]
         if heap:  # the least loaded bin has room: a plain LPT step
             load, b = heap[0]
             if btok[b] + tk <= cap:
                 out_l[i] = b
                 btok[b] += tk
-                replace(heap, (load + work_l[k], b))
+                replace(heap, (load + wk, b))
                 continue
         skipped = []
         placed = False
@@ -152,7 +160,7 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
             if btok[b] + tk <= cap:
                 out_l[i] = b
                 btok[b] += tk
-                push(heap, (load + work_l[k], b))
+                push(heap, (load + wk, b))
                 placed = True
                 break
             if after is not None and btok[b] + after <= cap:
@@ -163,7 +171,7 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
             b = len(btok)
             btok.append(tk)
             out_l[i] = b
-            push(heap, (work_l[k], b))
+            push(heap, (wk, b))
     if len(set(out_l)) == len(btok):  # every bin used: the ids are already dense
         return np.asarray(out_l, dtype=np.int64)
     # drop bins left empty (possible only when new ones were opened) and renumber densely
