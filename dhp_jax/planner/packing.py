@@ -13,7 +13,6 @@ a memory-checked LPT that opens new bins when needed runs instead.
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 import itertools
 import math
@@ -82,7 +81,8 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
     free = max(1, (num_ranks - ranks_taken) // slots)
     n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
     idx = np.asarray(shorts, dtype=np.int64)
-    local = _deal(keys, tokens[idx], n_bins, cap)
+    # more tokens than the bins hold in all: the deal would overflow one, so it is not tried
+    local = _deal(keys, tokens[idx], n_bins, cap) if sum(stoks) <= n_bins * cap * (1 + 1e-9) else None
     if local is None:
         local = _lpt_with_memory(keys, stoks, n_bins, cap)
     assign[idx] = n_long + local
@@ -115,20 +115,25 @@ def _deal(wl: list[float], toks: np.ndarray, n_bins: int, cap: float) -> np.ndar
     out[:head] = got
     if head < m:
         lanes = np.asarray([b for _, b in sorted(heap)], dtype=np.int64)
-        out[head:] = lanes[_boustrophedon(m - head, n_bins)]
+        out[head:] = lanes[_boustrophedon(n_bins, m - head)[:m - head]]
     if np.bincount(out, toks, minlength=n_bins).max() > cap:
         return None
     return out
 
 
-@functools.lru_cache(maxsize=512)
-def _boustrophedon(m: int, n_bins: int) -> np.ndarray:
-    """Lane of each of m items dealt back and forth over n_bins lanes (0, 1, .., n-1, n-1, .., 0, 0, ..);
-    read-only, shared between calls."""
-    pos = np.arange(m)
-    rnd, off = pos // n_bins, pos % n_bins
-    lanes = np.where(rnd % 2 == 0, off, n_bins - 1 - off)
-    lanes.flags.writeable = False
+_LANES: dict[int, np.ndarray] = {}  # lanes of the deal per bin count, grown as needed (read-only)
+
+
+def _boustrophedon(n_bins: int, m: int) -> np.ndarray:
+    """Lanes of at least m items dealt back and forth over n_bins lanes (0, 1, .., n-1, n-1, .., 0,
+    0, ..); read-only, shared between calls (one array per bin count, extended when too short)."""
+    lanes = _LANES.get(n_bins)
+    if lanes is None or lanes.size < m:
+        pos = np.arange(max(m, 512))
+        rnd, off = pos // n_bins, pos % n_bins
+        lanes = np.where(rnd % 2 == 0, off, n_bins - 1 - off)
+        lanes.flags.writeable = False
+        _LANES[n_bins] = lanes
     return lanes
 
 
