@@ -16,7 +16,7 @@ from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
 from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import bin_sums, bins_of, pack
+from dhp_jax.planner.packing import Packer, bin_sums, bins_of
 from dhp_jax.planner.placement import place, spans_nodes
 from dhp_jax.planner.pricing import attention_for, best_kinds, price_groups
 from dhp_jax.planner.plan import PlanningError, PlanValidationError
@@ -67,7 +67,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     order = np.lexsort((np.arange(len(idx)), -w))
     if packing:
         fs = list(coarsen_factors(N) if factors is None else factors)
-        makers = [lambda f=f: pack(w, tok, dm, N, prob.cap, f, order) for f in fs]
+        packer = Packer(w, tok, dm, N, prob.cap, order)  # the set-up shared by the granularities
+        makers = [lambda f=f: packer(f) for f in fs]
     else:
         fs = [1.0]
         makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin

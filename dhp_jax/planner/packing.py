@@ -28,65 +28,83 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
 
     `coarsen` >= 1 scales the fair share W (bins of about `coarsen` ranks' work, so fewer, larger
     groups; coarsen = N packs everything into one bin when memory allows). `order` may pass the
-    positions sorted heaviest first (stable) to save the sort.
+    positions sorted heaviest first (stable) to save the sort. (`Packer` packs one micro-batch at
+    several granularities with the set-up done once.)
     """
-    K = len(work)
-    assign = np.full(K, -1, dtype=np.int64)
-    if K == 0:
+    return Packer(work, tokens, dmin, num_ranks, max_tokens_per_rank, order)(coarsen)
+
+
+class Packer:
+    """`pack` of one set of sequences at any granularity: what does not depend on the granularity
+    (the total work and tokens, the heaviest-first order, the values in that order) is computed once."""
+
+    def __init__(self, work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
+                 max_tokens_per_rank: float, order: np.ndarray | None = None):
+        K = len(work)
+        self.K, self.num_ranks, self.max_tokens_per_rank = K, num_ranks, max_tokens_per_rank
+        self.total = float(work.sum())
+        self.total_tokens = float(tokens.sum())
+        if order is None:
+            order = np.lexsort((np.arange(K), -work))
+        self.order = order
+        # work, tokens and least degrees in heaviest-first order
+        self.w, self.t, self.d = work[order], tokens[order], dmin[order]
+
+    def __call__(self, coarsen: float = 1.0) -> np.ndarray:
+        K, num_ranks, order = self.K, self.num_ranks, self.order
+        assign = np.full(K, -1, dtype=np.int64)
+        if K == 0:
+            return assign
+        W = self.total / num_ranks * coarsen
+        slots = max(1, int(coarsen))  # ranks a short bin is expected to get: its memory room
+        cap = self.max_tokens_per_rank * slots
+        is_long = (self.d > slots) | ((self.w >= W) & (W > 0))  # in heaviest-first order
+        if slots >= num_ranks and not is_long.any() and self.total_tokens <= cap * (1 - 1e-12):
+            assign[:] = 0  # the coarsest packing: one bin holds everything (what the deal below gives)
+            return assign
+        longs = order[is_long]
+        n_long = len(longs)
+        assign[longs] = np.arange(n_long)
+        short = ~is_long
+        if not short.any():
+            return assign
+        # ascending by work, so bisect finds the largest that fits
+        shorts = order[short][::-1].tolist()
+        keys = self.w[short][::-1].tolist()
+        stoks = self.t[short][::-1].tolist()  # aligned with shorts / keys
+        ranks_taken = 0
+        filled, fill_bin = [], []  # shorts placed into the long bins' headroom, and those bins
+        for b, (wk, tk, dk) in enumerate(zip(self.w[is_long].tolist(), self.t[is_long].tolist(),
+                                             self.d[is_long].tolist())):
+            share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
+            ranks_taken += share * slots
+            head = share * W - wk
+            room = share * cap - tk
+            while shorts and head > 0:
+                j = bisect.bisect_right(keys, head) - 1
+                while j >= 0 and stoks[j] > room:
+                    j -= 1
+                if j < 0:
+                    break
+                filled.append(shorts.pop(j))
+                fill_bin.append(b)
+                head -= keys.pop(j)
+                room -= stoks.pop(j)
+        assign[filled] = fill_bin
+        if not shorts:
+            return assign
+        shorts.reverse()  # heaviest first
+        keys.reverse()
+        stoks.reverse()
+        rest = float(sum(keys))
+        free = max(1, (num_ranks - ranks_taken) // slots)
+        n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
+        # more tokens than the bins hold in all: the deal would overflow one, so it is not tried
+        local = _deal(keys, np.asarray(stoks), n_bins, cap) if sum(stoks) <= n_bins * cap * (1 + 1e-9) else None
+        if local is None:
+            local = _lpt_with_memory(keys, stoks, n_bins, cap)
+        assign[shorts] = n_long + local
         return assign
-    W = float(work.sum()) / num_ranks * coarsen
-    slots = max(1, int(coarsen))  # ranks a short bin is expected to get: its memory room
-    cap = max_tokens_per_rank * slots
-    if order is None:
-        order = np.lexsort((np.arange(K), -work))
-    is_long = (dmin > slots) | ((work >= W) & (W > 0))
-    if slots >= num_ranks and not is_long.any() and float(tokens.sum()) <= cap * (1 - 1e-12):
-        assign[:] = 0  # the coarsest packing: one bin holds everything (what the deal below gives)
-        return assign
-    longs = order[is_long[order]]
-    n_long = len(longs)
-    assign[longs] = np.arange(n_long)
-    rev = order[::-1]
-    short_arr = rev[~is_long[rev]]  # ascending by work, so bisect finds the largest that fits
-    if short_arr.size == 0:
-        return assign
-    shorts = short_arr.tolist()
-    keys = work[short_arr].tolist()
-    stoks = tokens[short_arr].tolist()  # aligned with shorts / keys
-    ranks_taken = 0
-    filled, fill_bin = [], []  # shorts placed into the long bins' headroom, and those bins
-    for b, (k, wk, tk, dk) in enumerate(zip(longs.tolist(), work[longs].tolist(), tokens[longs].tolist(),
-                                            dmin[longs].tolist())):
-        share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
-        ranks_taken += share * slots
-        head = share * W - wk
-        room = share * cap - tk
-        while shorts and head > 0:
-            j = bisect.bisect_right(keys, head) - 1
-            while j >= 0 and stoks[j] > room:
-                j -= 1
-            if j < 0:
-                break
-            filled.append(shorts.pop(j))
-            fill_bin.append(b)
-            head -= keys.pop(j)
-            room -= stoks.pop(j)
-    assign[filled] = fill_bin
-    if not shorts:
-        return assign
-    shorts.reverse()  # heaviest first
-    keys.reverse()
-    stoks.reverse()
-    rest = float(sum(keys))
-    free = max(1, (num_ranks - ranks_taken) // slots)
-    n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
-    idx = np.asarray(shorts, dtype=np.int64)
-    # more tokens than the bins hold in all: the deal would overflow one, so it is not tried
-    local = _deal(keys, tokens[idx], n_bins, cap) if sum(stoks) <= n_bins * cap * (1 + 1e-9) else None
-    if local is None:
-        local = _lpt_with_memory(keys, stoks, n_bins, cap)
-    assign[idx] = n_long + local
-    return assign
 
 
 def _deal(wl: list[float], toks: np.ndarray, n_bins: int, cap: float) -> np.ndarray | None:
