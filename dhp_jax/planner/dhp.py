@@ -53,13 +53,20 @@ def near_factors(sols: Sequence[tuple], all_f: Sequence[float]) -> list[float]:
 
 
 def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packing: bool = True,
-                     do_refine: bool = True, factors: Sequence[float] | None = None
+                     do_refine: bool = True, factors: Sequence[float] | None = None, limit: float = np.inf
                      ) -> tuple[list[list[int]], np.ndarray, float, float] | None:
     """Groups (global sample ids), degrees and makespan of one micro-batch; None if it cannot fit.
 
     Packs at the granularities `factors` (default `coarsen_factors`; stopping once the makespan
     gets worse), allocates degrees exactly for each packing, keeps the best, then refines it and
     re-allocates. The fourth entry is the granularity that won.
+
+    `limit`: what the caller needs the makespan to come in under (a split or a move that cannot
+    win otherwise). Each allocation is bounded by it and by the best so far, so a packing that
+    cannot come in under either costs a few steps (`allocate`'s limit). A packing cut off by
+    `limit` alone might still have beaten the best so far, so the granularity search goes on as if
+    it had: every packing tried without the limit is still tried, and the result is the same
+    whenever it comes in under `limit` (or, having tried more, better). None when nothing does.
     """
     N, cost = prob.num_ranks, prob.cost
     attn, lin, tok = prob.attn[idx], prob.lin[idx], prob.tok[idx]
@@ -95,8 +102,12 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
         A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
         dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
         # bounded by the best so far: a packing that cannot beat it costs only a few raises
-        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed, np.inf if best is None else best[2])
+        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed, limit if best is None else min(best[2], limit))
         if res is None:
+            continue
+        if res[1] == np.inf:  # cannot come in under the best so far, or under the limit
+            seen[key] = True
+            stale = 0 if best is None or best[2] > limit else stale + 1
             continue
         seen[key] = True
         if best is None or res[1] < best[2]:
@@ -141,8 +152,8 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     work on the same p cores. So the allocations on N/2, N/4, ... ranks and the one giving every
     bin its least allowed degree are scored too, and the lowest lanes-aware makespan is kept (ties:
     the full allocation). Exactness of `allocate` holds for the per-group model only.
-    `limit` (per-group model only): a result that cannot come in under it has makespan inf
-    (`allocate`'s `limit`).
+    `limit`: a result that cannot come in under it has makespan inf (`allocate`'s `limit`; on
+    shared lanes the candidates are scored in full first).
     """
     if cost.compute_lanes is None:
         return allocate(A, B, S, dmin, num_ranks, cost, allowed, limit=limit)
@@ -164,7 +175,7 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
         mk = score(cost, A, B, S, deg)
         if best is None or mk < best[1]:
             best = (np.asarray(deg, dtype=np.int64), mk)
-    return best
+    return best if best[1] < limit else (best[0], np.inf)
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
               node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None,
@@ -296,7 +307,8 @@ def solve_parts(prob: Problem, parts: Sequence[np.ndarray], allowed: np.ndarray,
     for idx, b in zip(parts, bounds.tolist()):
         if done + rest >= limit:
             return None
-        s = solve_microbatch(prob, idx, allowed, packing, False, factors)
+        # this micro-batch must come in under what the others' makespans and bounds leave
+        s = solve_microbatch(prob, idx, allowed, packing, False, factors, limit - done - (rest - b))
         if s is None:
             return None
         sols.append(s)
@@ -406,9 +418,10 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
             b = np.sort(np.append(parts[dst], k))
             limit = (sols[src][2] + sols[dst][2]) * (1 - 1e-9)
             # no solve of b comes in under its work bound: b is solved only if the move can still win
-            sa = solve_microbatch(prob, a, allowed, packing, False, factors)
-            sb = None if sa is None or sa[2] + float(prob.work[b].sum()) / N + b1 >= limit else \
-                solve_microbatch(prob, b, allowed, packing, False, factors)
+            bound_b = float(prob.work[b].sum()) / N + b1
+            sa = solve_microbatch(prob, a, allowed, packing, False, factors, limit - bound_b)
+            sb = None if sa is None or sa[2] + bound_b >= limit else \
+                solve_microbatch(prob, b, allowed, packing, False, factors, limit - sa[2])
             if sa is not None and sb is not None and sa[2] + sb[2] < limit:
                 parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
                 moved = True
