@@ -367,22 +367,21 @@ def dissolve_micro_batch(prob: Problem, sols: list, allowed: np.ndarray, packing
     mk = np.asarray([s[2] for s in sols])
     src = int(np.argmin(mk))
     keep = [m for m in range(M) if m != src]
-    est = mk[keep].copy()
-    tok = np.asarray([float(prob.tok[parts[m]].sum()) for m in keep])
+    est = mk[keep].tolist()
+    tok = [float(prob.tok[parts[m]].sum()) for m in keep]
     moved = parts[src][np.lexsort((parts[src], -prob.work[parts[src]]))]
     dest = np.empty(len(moved), dtype=np.int64)
     # an even fill first: a micro-batch near its memory cap needs large, slow groups
     even = min(room, float(prob.tok.sum()) / (M - 1) * (1 + _DISSOLVE_SLACK))
-    for i, k in enumerate(moved.tolist()):
-        ok = np.flatnonzero(tok + prob.tok[k] <= even)
-        if ok.size == 0:
-            ok = np.flatnonzero(tok + prob.tok[k] <= room)
-        if ok.size == 0:
+    near = range(M - 1)
+    for i, (tk, wk) in enumerate(zip(prob.tok[moved].tolist(), prob.work[moved].tolist())):
+        ok = [j for j in near if tok[j] + tk <= even] or [j for j in near if tok[j] + tk <= room]
+        if not ok:
             return None
-        j = int(ok[np.argmin(est[ok])])
+        j = min(ok, key=est.__getitem__)  # the first of the least estimates
         dest[i] = j
-        est[j] += prob.work[k] / N
-        tok[j] += prob.tok[k]
+        est[j] += wk / N
+        tok[j] += tk
     hit = [j for j in range(M - 1) if np.any(dest == j)]
     grown = [np.sort(np.concatenate([parts[keep[j]], moved[dest == j]])) for j in hit]
     same = sum(float(mk[keep[j]]) for j in range(M - 1) if j not in hit)
