@@ -43,9 +43,9 @@ def coarsen_factors(num_ranks: int) -> list[float]:
     """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks.
 
     From _FINEST_MIN_RANKS ranks up the finest (one rank's work per bin) is left out: at 64 ranks it
-    won 2 % of the micro-batches of `dhp bench planner`'s batches, its allocations (about 40 groups
-    each) took over a quarter of the allocation time, and without it the plans of experiment 7's 72 batches
-    were 0.5 % faster to 0.1 % slower by mix (geometric means; the worst batch 3 % slower)."""
+    won 2 % of the micro-batches of `dhp bench planner`'s batches and its allocations (about 40
+    groups each) took over a quarter of the allocation time; without it the plans of experiment 7's
+    72 batches were 0.5 % faster to 0.1 % slower by mix (geometric means; worst batch 3 % slower)."""
     fs, f = [], (2 if num_ranks >= _FINEST_MIN_RANKS else 1)
     while f < num_ranks:
         fs.append(float(f))
