@@ -123,6 +123,29 @@ def test_warm_started_allocation_equals_the_table_dp(seed):
         assert got[0].sum() <= N
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_allocation_under_a_limit_is_the_same_or_says_it_cannot_beat_it(seed):
+    # the limit only skips degrees whose work bound is above it: below the limit the degrees and the
+    # makespan are those of the unlimited search (ties of padded groups included), at or above it inf
+    rng = np.random.default_rng(300 + seed)
+    cost = CostModel.preset("internvl3-8b", "ascend-910b") if seed % 2 else COST.replace(ranks_per_node=8)
+    N = 64
+    K = int(rng.integers(1, 12)) if seed < 4 else int(rng.integers(24, 40))
+    L = np.exp(rng.uniform(np.log(300), np.log(2.5 * CAP), K)).astype(np.int64)
+    attn, lin, tok = cost.terms(L, rng.uniform(0, 1, K))
+    dmin = cost.min_degree(L)
+    for allowed in (allowed_degrees(N, "any"), allowed_degrees(N, "pow2")):
+        ref = allocate(attn, lin, tok, dmin, N, cost, allowed)
+        if ref is None:
+            assert allocate(attn, lin, tok, dmin, N, cost, allowed, limit=1.0) is None
+            continue
+        for f in (1.0 + 1e-12, 1.001, 1.05, 2.0, 1e6):
+            got = allocate(attn, lin, tok, dmin, N, cost, allowed, limit=ref[1] * f)
+            assert got[1] == ref[1] and np.array_equal(got[0], ref[0])
+        for f in (1.0, 0.99, 0.5, 0.0):
+            assert allocate(attn, lin, tok, dmin, N, cost, allowed, limit=ref[1] * f)[1] == np.inf
+
+
 def test_non_power_of_two_split_beats_every_power_of_two_plan():
     lengths = [1000, 1607]
     plan = plan_batch(lengths, 8, COST)

@@ -189,8 +189,12 @@ def test_solve_parts_stops_once_the_bounds_show_the_limit_cannot_be_met():
     total, sols = solve_parts(prob, parts, allowed, True, None, bounds)
     assert len(sols) == 3 and total >= bounds.sum() * (1 - 1e-12)
     assert all(s[2] >= b * (1 - 1e-12) for s, b in zip(sols, bounds))  # the bounds are lower bounds
-    assert solve_parts(prob, parts, allowed, True, None, bounds, limit=total) is None
-    assert solve_parts(prob, parts, allowed, True, None, bounds, limit=total * (1 + 1e-9))[0] == total
+    # under a limit a micro-batch's search may try more packings (solve_microbatch): never a worse
+    # split, and nothing at or above the limit
+    at = solve_parts(prob, parts, allowed, True, None, bounds, limit=total)
+    assert at is None or at[0] < total
+    assert solve_parts(prob, parts, allowed, True, None, bounds, limit=total * (1 + 1e-9))[0] <= total
+    assert solve_parts(prob, parts, allowed, True, None, bounds, limit=bounds.sum()) is None
 
 
 def test_memory_lpt_matches_the_plain_rule():
@@ -216,7 +220,7 @@ def test_memory_lpt_matches_the_plain_rule():
             btok[b] += tok[k]
             want.append(b)
         _, dense = np.unique(want, return_inverse=True)
-        assert _lpt_with_memory(shorts, work.tolist(), tok.tolist(), n, cap).tolist() == dense.tolist()
+        assert _lpt_with_memory(work[shorts].tolist(), tok[shorts].tolist(), n, cap).tolist() == dense.tolist()
 
 
 def test_allocation_prices_padded_groups_as_the_cost_model_does():
@@ -288,3 +292,27 @@ def test_counts_are_compared_with_the_attention_kinds_the_plan_will_use():
     ring = {M: plan_batch(L, 64, FLEXSP, "dhp", num_micro_batches=M, attention="ring").est_step_time_s for M in (2, 3)}
     assert ring[2] > ring[3] and forced[2] < forced[3]  # the ranking flips with the attention choice
     assert free.est_step_time_s <= min(forced.values()) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("draw", [0, 5])
+def test_a_micro_batch_solved_under_a_limit_is_the_same_or_better_and_never_over_it(draw):
+    # the limit cuts allocations short; the granularity search still tries every packing it tried
+    # without one, so a result under the limit is the unlimited one (or a better one), and nothing
+    # at or above the limit is returned
+    from dhp_jax.planner.allocate import allowed_degrees
+    from dhp_jax.planner.dhp import solve_microbatch
+    from dhp_jax.planner.problem import prepare
+
+    L = _openvid_draw(draw)
+    prob = prepare(L, 64, FLEXSP)
+    allowed = allowed_degrees(64)
+    lo = microbatch.min_micro_batches(prob.tok, 64, prob.cap)
+    for idx in microbatch.by_length(prob.tok, prob.tok, lo + 1, 64, prob.cap):
+        full = solve_microbatch(prob, idx, allowed, True, False)
+        for f in (2.0, 1.01, 1.0 + 1e-9):
+            got = solve_microbatch(prob, idx, allowed, True, False, None, full[2] * f)
+            assert got is not None and got[2] <= full[2]
+            assert got[2] < full[2] or (got[0] == full[0] and np.array_equal(got[1], full[1]))
+        for f in (1.0, 0.99, 0.5):
+            got = solve_microbatch(prob, idx, allowed, True, False, None, full[2] * f)
+            assert got is None or got[2] < full[2] * f

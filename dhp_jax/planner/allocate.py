@@ -255,12 +255,18 @@ def scalar_time(cost: CostModel, attention: str = "ring") -> _ScalarTime:
 
 
 def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: Sequence[int], num_ranks: int,
-             cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring"
-             ) -> tuple[np.ndarray, float] | None:
+             cost: CostModel, allowed: np.ndarray | None = None, attention: str = "ring",
+             limit: float = math.inf) -> tuple[np.ndarray, float] | None:
     """Optimal degrees (int64[K']) and makespan, or None when the groups cannot fit on `num_ranks`.
 
     Group times use `cost` with inter-node links exactly when d > ranks_per_node (placement keeps
     smaller groups inside a node where it can).
+
+    `limit` (what the caller must beat): the result is the same as without it whenever its makespan
+    is below `limit`; otherwise the makespan returned is inf (no allocation comes in under `limit`,
+    the degrees are not meaningful). Every group then starts at the least degree whose work bound
+    (work / d + b1) is below `limit`, which saves the raises below it and decides a hopeless packing
+    in a few steps.
     """
     K = len(A)
     if K == 0:
@@ -270,31 +276,45 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     if not ds_list:
         return None
     t = scalar_time(cost, attention)
-    starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
-    if np.any(starts >= len(ds_list)):
-        return None
-    if int(ds[starts].sum()) > num_ranks:
-        return None
-    if K == 1:  # one group: the least degree among those reaching its least time, vectorised
-        cand = ds[starts[0]:]
-        cand = cand[cand <= num_ranks]
-        times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
-        j = int(np.argmin(times))
-        return np.asarray([cand[j]], dtype=np.int64), float(times[j])
-    if K >= _WARM_MIN_GROUPS:
+    last = len(ds_list)
+    if 1 < K < _WARM_MIN_GROUPS:  # few groups: the set-up in plain Python (NumPy's calls cost more here)
+        Al, Bl, Sl = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
+        pos = [bisect.bisect_left(ds_list, d) for d in np.asarray(dmin, dtype=np.int64).tolist()]
+        if max(pos) >= last or sum(ds_list[p] for p in pos) > num_ranks:
+            return None
+        if limit < math.inf:  # as `_limit_start`, the same floats
+            room = limit - cost.b1
+            if room > 0:
+                pos = [max(p, bisect.bisect_left(ds_list, (a + b) / room * (1 - 1e-9))) for p, a, b in zip(pos, Al, Bl)]
+            if not room > 0 or max(pos) >= last or sum(ds_list[p] for p in pos) > num_ranks:
+                return np.asarray([ds_list[min(p, last - 1)] for p in pos], dtype=np.int64), math.inf
+        ev = t.group_times_of(Al, Bl, Sl, ds_list[-1])
+        t0 = [ev(i, ds_list[p]) for i, p in enumerate(pos)]
+    else:
+        starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
+        if np.any(starts >= last) or int(ds[starts].sum()) > num_ranks:
+            return None
+        if limit < math.inf:
+            starts, hopeless = _limit_start(starts, ds, num_ranks, cost, A, B, limit)
+            if hopeless:
+                return np.asarray(ds[np.minimum(starts, last - 1)], dtype=np.int64), math.inf
+        if K == 1:  # one group: the least degree among those reaching its least time, vectorised
+            cand = ds[starts[0]:]
+            cand = cand[cand <= num_ranks]
+            times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
+            j = int(np.argmin(times))
+            best = float(times[j])
+            return np.asarray([cand[j]], dtype=np.int64), best if best < limit else math.inf
+        # many groups: a vectorised warm start
         An, Bn, Sn = (np.asarray(x, dtype=np.float64) for x in (A, B, S))
         starts = _warm_start(starts, ds, num_ranks, cost, An, Bn, Sn, attention, t.times)
         t0 = t.times(An, Bn, Sn, ds[starts]).tolist()
         ev = t.group_times_of(_LazyFloats(An), _LazyFloats(Bn), _LazyFloats(Sn), ds_list[-1])  # few entries are read
-    else:
-        ev = t.group_times_of(*(np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S)), ds_list[-1])
-        t0 = [ev(i, ds_list[p]) for i, p in enumerate(starts.tolist())]
-    pos = starts.tolist()
+        pos = starts.tolist()
     deg = [ds_list[p] for p in pos]
     used = sum(deg)
     heap = [(-t0[i], i) for i in range(K)]
     heapq.heapify(heap)
-    last = len(ds_list)
     while True:
         neg, i = heap[0]
         cur = -neg
@@ -314,7 +334,24 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         used += d - deg[i]
         pos[i], deg[i] = p, d
         heapq.heapreplace(heap, (-ti, i))
-    return np.asarray(deg, dtype=np.int64), float(-heap[0][0])
+    span = float(-heap[0][0])
+    return np.asarray(deg, dtype=np.int64), span if span < limit else math.inf
+
+
+def _limit_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel, A: Any, B: Any,
+                 limit: float) -> tuple[np.ndarray, bool]:
+    """Start positions (into `ds`) raised to the least degree whose work bound is below `limit`, and
+    whether that already needs more than `num_ranks` ranks (no allocation comes in under `limit`).
+    A degree below work / (limit - b1) has time >= work / d + b1 >= limit (the margin covers
+    rounding), so no allocation under `limit` uses it, and the search's invariant holds from there."""
+    b1 = cost.b1
+    if not limit > b1:
+        return starts, True
+    need = (np.asarray(A, dtype=np.float64) + np.asarray(B, dtype=np.float64)) / (limit - b1) * (1 - 1e-9)
+    pos = np.maximum(starts, np.searchsorted(ds, need, side="left"))
+    if pos.max() >= len(ds) or int(ds[pos].sum()) > num_ranks:
+        return pos, True
+    return pos, False
 
 
 _WARM_MIN_GROUPS = 24  # below this the scalar search is cheaper than the vectorised bisection

@@ -16,7 +16,7 @@ from dhp_jax.planner import baselines, microbatch
 from dhp_jax.planner.allocate import allocate, allowed_degrees
 from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import bin_sums, bins_of, pack
+from dhp_jax.planner.packing import Packer, bin_sums, bins_of
 from dhp_jax.planner.placement import place, spans_nodes
 from dhp_jax.planner.pricing import attention_for, best_kinds, price_groups
 from dhp_jax.planner.plan import PlanningError, PlanValidationError
@@ -36,9 +36,17 @@ _SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could
 _DISSOLVE_SLACK = 0.02  # fill above the even share a dissolved micro-batch's sequences may first use
 _MERGES = 2  # times the best split may lose a micro-batch by dissolving one into the others
 
+_FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two ranks' work per bin
+
+
 def coarsen_factors(num_ranks: int) -> list[float]:
-    """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks."""
-    fs, f = [], 1
+    """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks.
+
+    From _FINEST_MIN_RANKS ranks up the finest (one rank's work per bin) is left out: at 64 ranks it
+    won 2 % of the micro-batches of `dhp bench planner`'s batches and its allocations (about 40
+    groups each) took over a quarter of the allocation time; without it the plans of experiment 7's
+    72 batches were 0.5 % faster to 0.1 % slower by mix (geometric means; worst batch 3 % slower)."""
+    fs, f = [], (2 if num_ranks >= _FINEST_MIN_RANKS else 1)
     while f < num_ranks:
         fs.append(float(f))
         f *= 2
@@ -53,13 +61,20 @@ def near_factors(sols: Sequence[tuple], all_f: Sequence[float]) -> list[float]:
 
 
 def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packing: bool = True,
-                     do_refine: bool = True, factors: Sequence[float] | None = None
+                     do_refine: bool = True, factors: Sequence[float] | None = None, limit: float = np.inf
                      ) -> tuple[list[list[int]], np.ndarray, float, float] | None:
     """Groups (global sample ids), degrees and makespan of one micro-batch; None if it cannot fit.
 
     Packs at the granularities `factors` (default `coarsen_factors`; stopping once the makespan
     gets worse), allocates degrees exactly for each packing, keeps the best, then refines it and
     re-allocates. The fourth entry is the granularity that won.
+
+    `limit`: what the caller needs the makespan to come in under (a split or a move that cannot
+    win otherwise). Each allocation is bounded by it and by the best so far, so a packing that
+    cannot come in under either costs a few steps (`allocate`'s limit). A packing cut off by
+    `limit` alone might still have beaten the best so far, so the granularity search goes on as if
+    it had: every packing tried without the limit is still tried, and the result is the same
+    whenever it comes in under `limit` (or, having tried more, better). None when nothing does.
     """
     N, cost = prob.num_ranks, prob.cost
     attn, lin, tok = prob.attn[idx], prob.lin[idx], prob.tok[idx]
@@ -67,7 +82,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     order = np.lexsort((np.arange(len(idx)), -w))
     if packing:
         fs = list(coarsen_factors(N) if factors is None else factors)
-        makers = [lambda f=f: pack(w, tok, dm, N, prob.cap, f, order) for f in fs]
+        packer = Packer(w, tok, dm, N, prob.cap, order)  # the set-up shared by the granularities
+        makers = [lambda f=f: packer(f) for f in fs]
     else:
         fs = [1.0]
         makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin
@@ -93,8 +109,13 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
             continue
         A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
         dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
-        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed)
+        # bounded by the best so far: a packing that cannot beat it costs only a few raises
+        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed, limit if best is None else min(best[2], limit))
         if res is None:
+            continue
+        if res[1] == np.inf:  # cannot come in under the best so far, or under the limit
+            seen[key] = True
+            stale = 0 if best is None or best[2] > limit else stale + 1
             continue
         seen[key] = True
         if best is None or res[1] < best[2]:
@@ -111,7 +132,7 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
     bins, deg, mk, f = sol
     new = [g for g in refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, prob.cost) if g]
     if new != bins:
-        res = _allocate_bins(prob, new, allowed)
+        res = _allocate_bins(prob, new, allowed, mk)
         if res is not None and res[1] < mk:
             return (new, res[0], res[1], f)
         # the refined groups at their old degrees are never worse than before
@@ -121,16 +142,17 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
             return (new, deg, t_new, f)
     return sol
 
-def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray) -> tuple[np.ndarray, float] | None:
+def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray, limit: float = np.inf
+                   ) -> tuple[np.ndarray, float] | None:
     A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
-    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed)
+    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed, limit)
 
 def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any) -> float:
     """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `CostModel.makespan`)."""
     return cost.makespan(cost.group_times(A, B, S, deg), deg)
 
 def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, cost: CostModel,
-                    allowed: np.ndarray | None) -> tuple[np.ndarray, float] | None:
+                    allowed: np.ndarray | None, limit: float = np.inf) -> tuple[np.ndarray, float] | None:
     """`allocate`, judged by the micro-batch makespan that the plan's estimates use.
 
     Without `compute_lanes` this is `allocate` itself (exact for max_g T_g). On shared cores the
@@ -138,9 +160,13 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     work on the same p cores. So the allocations on N/2, N/4, ... ranks and the one giving every
     bin its least allowed degree are scored too, and the lowest lanes-aware makespan is kept (ties:
     the full allocation). Exactness of `allocate` holds for the per-group model only.
+    `limit`: a result that cannot come in under it has makespan inf (`allocate`'s `limit`; on
+    shared lanes the candidates are scored in full first).
     """
+    if cost.compute_lanes is None:
+        return allocate(A, B, S, dmin, num_ranks, cost, allowed, limit=limit)
     res = allocate(A, B, S, dmin, num_ranks, cost, allowed)
-    if res is None or cost.compute_lanes is None:
+    if res is None:
         return res
     ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
     least = ds[np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")]
@@ -157,7 +183,7 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
         mk = score(cost, A, B, S, deg)
         if best is None or mk < best[1]:
             best = (np.asarray(deg, dtype=np.int64), mk)
-    return best
+    return best if best[1] < limit else (best[0], np.inf)
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
               node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None,
@@ -289,7 +315,8 @@ def solve_parts(prob: Problem, parts: Sequence[np.ndarray], allowed: np.ndarray,
     for idx, b in zip(parts, bounds.tolist()):
         if done + rest >= limit:
             return None
-        s = solve_microbatch(prob, idx, allowed, packing, False, factors)
+        # this micro-batch must come in under what the others' makespans and bounds leave
+        s = solve_microbatch(prob, idx, allowed, packing, False, factors, limit - done - (rest - b))
         if s is None:
             return None
         sols.append(s)
@@ -340,22 +367,21 @@ def dissolve_micro_batch(prob: Problem, sols: list, allowed: np.ndarray, packing
     mk = np.asarray([s[2] for s in sols])
     src = int(np.argmin(mk))
     keep = [m for m in range(M) if m != src]
-    est = mk[keep].copy()
-    tok = np.asarray([float(prob.tok[parts[m]].sum()) for m in keep])
+    est = mk[keep].tolist()
+    tok = [float(prob.tok[parts[m]].sum()) for m in keep]
     moved = parts[src][np.lexsort((parts[src], -prob.work[parts[src]]))]
     dest = np.empty(len(moved), dtype=np.int64)
     # an even fill first: a micro-batch near its memory cap needs large, slow groups
     even = min(room, float(prob.tok.sum()) / (M - 1) * (1 + _DISSOLVE_SLACK))
-    for i, k in enumerate(moved.tolist()):
-        ok = np.flatnonzero(tok + prob.tok[k] <= even)
-        if ok.size == 0:
-            ok = np.flatnonzero(tok + prob.tok[k] <= room)
-        if ok.size == 0:
+    near = range(M - 1)
+    for i, (tk, wk) in enumerate(zip(prob.tok[moved].tolist(), prob.work[moved].tolist())):
+        ok = [j for j in near if tok[j] + tk <= even] or [j for j in near if tok[j] + tk <= room]
+        if not ok:
             return None
-        j = int(ok[np.argmin(est[ok])])
+        j = min(ok, key=est.__getitem__)  # the first of the least estimates
         dest[i] = j
-        est[j] += prob.work[k] / N
-        tok[j] += prob.tok[k]
+        est[j] += wk / N
+        tok[j] += tk
     hit = [j for j in range(M - 1) if np.any(dest == j)]
     grown = [np.sort(np.concatenate([parts[keep[j]], moved[dest == j]])) for j in hit]
     same = sum(float(mk[keep[j]]) for j in range(M - 1) if j not in hit)
@@ -399,9 +425,10 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
             b = np.sort(np.append(parts[dst], k))
             limit = (sols[src][2] + sols[dst][2]) * (1 - 1e-9)
             # no solve of b comes in under its work bound: b is solved only if the move can still win
-            sa = solve_microbatch(prob, a, allowed, packing, False, factors)
-            sb = None if sa is None or sa[2] + float(prob.work[b].sum()) / N + b1 >= limit else \
-                solve_microbatch(prob, b, allowed, packing, False, factors)
+            bound_b = float(prob.work[b].sum()) / N + b1
+            sa = solve_microbatch(prob, a, allowed, packing, False, factors, limit - bound_b)
+            sb = None if sa is None or sa[2] + bound_b >= limit else \
+                solve_microbatch(prob, b, allowed, packing, False, factors, limit - sa[2])
             if sa is not None and sb is not None and sa[2] + sb[2] < limit:
                 parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
                 moved = True

@@ -13,7 +13,6 @@ a memory-checked LPT that opens new bins when needed runs instead.
 from __future__ import annotations
 
 import bisect
-import functools
 import heapq
 import itertools
 import math
@@ -29,71 +28,99 @@ def pack(work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
 
     `coarsen` >= 1 scales the fair share W (bins of about `coarsen` ranks' work, so fewer, larger
     groups; coarsen = N packs everything into one bin when memory allows). `order` may pass the
-    positions sorted heaviest first (stable) to save the sort.
+    positions sorted heaviest first (stable) to save the sort. (`Packer` packs one micro-batch at
+    several granularities with the set-up done once.)
     """
-    K = len(work)
-    assign = np.full(K, -1, dtype=np.int64)
-    if K == 0:
-        return assign
-    W = float(work.sum()) / num_ranks * coarsen
-    slots = max(1, int(coarsen))  # ranks a short bin is expected to get: its memory room
-    cap = max_tokens_per_rank * slots
-    if order is None:
-        order = np.lexsort((np.arange(K), -work))
-    is_long = (dmin > slots) | ((work >= W) & (W > 0))
-    longs = order[is_long[order]]
-    n_long = len(longs)
-    assign[longs] = np.arange(n_long)
-    rev = order[::-1]
-    short_arr = rev[~is_long[rev]]  # ascending by work, so bisect finds the largest that fits
-    if short_arr.size == 0:
-        return assign
-    shorts = short_arr.tolist()
-    keys = work[short_arr].tolist()
-    stoks = tokens[short_arr].tolist()  # aligned with shorts / keys
-    ranks_taken = 0
-    filled, fill_bin = [], []  # shorts placed into the long bins' headroom, and those bins
-    for b, (k, wk, tk, dk) in enumerate(zip(longs.tolist(), work[longs].tolist(), tokens[longs].tolist(),
-                                            dmin[longs].tolist())):
-        share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
-        ranks_taken += share * slots
-        head = share * W - wk
-        room = share * cap - tk
-        while shorts and head > 0:
-            j = bisect.bisect_right(keys, head) - 1
-            while j >= 0 and stoks[j] > room:
-                j -= 1
-            if j < 0:
-                break
-            filled.append(shorts.pop(j))
-            fill_bin.append(b)
-            head -= keys.pop(j)
-            room -= stoks.pop(j)
-    assign[filled] = fill_bin
-    if not shorts:
-        return assign
-    shorts.reverse()  # heaviest first
-    rest = float(sum(keys))
-    free = max(1, (num_ranks - ranks_taken) // slots)
-    n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
-    local = _deal(np.asarray(shorts, dtype=np.int64), work, tokens, n_bins, cap)
-    if local is None:
-        local = _lpt_with_memory(shorts, work.tolist(), tokens.tolist(), n_bins, cap)
-    assign[shorts] = n_long + local
-    return assign
+    return Packer(work, tokens, dmin, num_ranks, max_tokens_per_rank, order)(coarsen)
 
 
-def _deal(shorts: np.ndarray, work: np.ndarray, tokens: np.ndarray, n_bins: int, cap: float) -> np.ndarray | None:
+class Packer:
+    """`pack` of one set of sequences at any granularity: what does not depend on the granularity
+    (the total work and tokens, the heaviest-first order, the values in that order) is computed once."""
+
+    def __init__(self, work: np.ndarray, tokens: np.ndarray, dmin: np.ndarray, num_ranks: int,
+                 max_tokens_per_rank: float, order: np.ndarray | None = None):
+        K = len(work)
+        self.K, self.num_ranks, self.max_tokens_per_rank = K, num_ranks, max_tokens_per_rank
+        self.total = float(work.sum())
+        self.total_tokens = float(tokens.sum())
+        if order is None:
+            order = np.lexsort((np.arange(K), -work))
+        self.order = order
+        # work, tokens and least degrees in heaviest-first order
+        self.w, self.t, self.d = work[order], tokens[order], dmin[order]
+
+    def __call__(self, coarsen: float = 1.0) -> np.ndarray:
+        K, num_ranks, order = self.K, self.num_ranks, self.order
+        assign = np.full(K, -1, dtype=np.int64)
+        if K == 0:
+            return assign
+        W = self.total / num_ranks * coarsen
+        slots = max(1, int(coarsen))  # ranks a short bin is expected to get: its memory room
+        cap = self.max_tokens_per_rank * slots
+        is_long = (self.d > slots) | ((self.w >= W) & (W > 0))  # in heaviest-first order
+        if slots >= num_ranks and not is_long.any() and self.total_tokens <= cap * (1 - 1e-12):
+            assign[:] = 0  # the coarsest packing: one bin holds everything (what the deal below gives)
+            return assign
+        longs = order[is_long]
+        n_long = len(longs)
+        assign[longs] = np.arange(n_long)
+        short = ~is_long
+        if not short.any():
+            return assign
+        # ascending by work, so bisect finds the largest that fits
+        shorts = order[short][::-1].tolist()
+        keys = self.w[short][::-1].tolist()
+        stoks = self.t[short][::-1].tolist()  # aligned with shorts / keys
+        ranks_taken = 0
+        filled, fill_bin = [], []  # shorts placed into the long bins' headroom, and those bins
+        for b, (wk, tk, dk) in enumerate(zip(self.w[is_long].tolist(), self.t[is_long].tolist(),
+                                             self.d[is_long].tolist())):
+            share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
+            ranks_taken += share * slots
+            head = share * W - wk
+            room = share * cap - tk
+            while shorts and head > 0:
+                j = bisect.bisect_right(keys, head) - 1
+                while j >= 0 and stoks[j] > room:
+                    j -= 1
+                if j < 0:
+                    break
+                filled.append(shorts.pop(j))
+                fill_bin.append(b)
+                head -= keys.pop(j)
+                room -= stoks.pop(j)
+        assign[filled] = fill_bin
+        if not shorts:
+            return assign
+        shorts.reverse()  # heaviest first
+        keys.reverse()
+        stoks.reverse()
+        rest = float(sum(keys))
+        free = max(1, (num_ranks - ranks_taken) // slots)
+        n_bins = min(free, len(shorts), max(1, round(rest / W) if W > 0 else 1))
+        # more tokens than the bins hold in all: the deal would overflow one, so it is not tried
+        local = _deal(keys, np.asarray(stoks), n_bins, cap) if sum(stoks) <= n_bins * cap * (1 + 1e-9) else None
+        if local is None:
+            local = _lpt_with_memory(keys, stoks, n_bins, cap)
+        assign[shorts] = n_long + local
+        return assign
+
+
+def _deal(wl: list[float], toks: np.ndarray, n_bins: int, cap: float) -> np.ndarray | None:
     """LPT for the first rounds, then a vectorised boustrophedon deal starting from the lightest
-    bin; None if a bin would overflow `cap` tokens."""
-    head = min(len(shorts), _LPT_ROUNDS * n_bins)
-    out = np.empty(len(shorts), dtype=np.int64)
-    wl = work[shorts[:head]].tolist()
+    bin; None if a bin would overflow `cap` tokens. `wl`: the items' work, heaviest first; `toks`:
+    their tokens."""
+    m = len(wl)
+    if n_bins == 1:
+        return None if sum(toks.tolist()) > cap else np.zeros(m, dtype=np.int64)  # bincount's order of sums
+    head = min(m, _LPT_ROUNDS * n_bins)
+    out = np.empty(m, dtype=np.int64)
     first = min(head, n_bins)
     if min(wl[:first], default=1.0) > 0:
         # the first round goes to bins 0, 1, ... in turn (each empty bin is the least loaded, ties
         # by bin id); the heap's pop order depends only on its (load, bin) entries, not its layout
-        heap = [(wl[b], b) for b in range(first)] + [(0.0, b) for b in range(first, n_bins)]
+        heap = list(zip(wl[:first], range(first))) + [(0.0, b) for b in range(first, n_bins)]
         heapq.heapify(heap)
         got = list(range(first))
     else:
@@ -104,45 +131,49 @@ def _deal(shorts: np.ndarray, work: np.ndarray, tokens: np.ndarray, n_bins: int,
         got.append(b)
         replace(heap, (load + wl[i], b))
     out[:head] = got
-    if head < len(shorts):
+    if head < m:
         lanes = np.asarray([b for _, b in sorted(heap)], dtype=np.int64)
-        out[head:] = lanes[_boustrophedon(len(shorts) - head, n_bins)]
-    if np.bincount(out, tokens[shorts], minlength=n_bins).max() > cap:
+        out[head:] = lanes[_boustrophedon(n_bins, m - head)[:m - head]]
+    if np.bincount(out, toks, minlength=n_bins).max() > cap:
         return None
     return out
 
 
-@functools.lru_cache(maxsize=512)
-def _boustrophedon(m: int, n_bins: int) -> np.ndarray:
-    """Lane of each of m items dealt back and forth over n_bins lanes (0, 1, .., n-1, n-1, .., 0, 0, ..);
-    read-only, shared between calls."""
-    pos = np.arange(m)
-    rnd, off = pos // n_bins, pos % n_bins
-    lanes = np.where(rnd % 2 == 0, off, n_bins - 1 - off)
-    lanes.flags.writeable = False
+_LANES: dict[int, np.ndarray] = {}  # lanes of the deal per bin count, grown as needed (read-only)
+
+
+def _boustrophedon(n_bins: int, m: int) -> np.ndarray:
+    """Lanes of at least m items dealt back and forth over n_bins lanes (0, 1, .., n-1, n-1, .., 0,
+    0, ..); read-only, shared between calls (one array per bin count, extended when too short)."""
+    lanes = _LANES.get(n_bins)
+    if lanes is None or lanes.size < m:
+        pos = np.arange(max(m, 512))
+        rnd, off = pos // n_bins, pos % n_bins
+        lanes = np.where(rnd % 2 == 0, off, n_bins - 1 - off)
+        lanes.flags.writeable = False
+        _LANES[n_bins] = lanes
     return lanes
 
 
-def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float], n_bins: int, cap: float
-                     ) -> np.ndarray:
-    """Longest first onto the least loaded bin that has memory room; a new bin when none has."""
+def _lpt_with_memory(work_l: list[float], toks: list[float], n_bins: int, cap: float) -> np.ndarray:
+    """Longest first onto the least loaded bin that has memory room; a new bin when none has.
+    `work_l`, `toks`: the items' work (heaviest first) and tokens."""
     btok = [0.0] * n_bins
     heap = [(0.0, b) for b in range(n_bins)]
-    toks = [tok_l[k] for k in shorts]
     # the least tokens of any sequence still to place: a bin with less room than that is full for
     # good and leaves the heap (same result as skipping it every time, without the repeated pops)
     least = list(itertools.accumulate(reversed(toks), min))[::-1]
-    n = len(shorts)
+    n = len(toks)
     out_l = [0] * n
     pop, push, replace = heapq.heappop, heapq.heappush, heapq.heapreplace
     for i in range(n):
-        k, tk = shorts[i], toks[i]
+        tk, wk = toks[i], work_l[i]
         if heap:  # the least loaded bin has room: a plain LPT step
             load, b = heap[0]
             if btok[b] + tk <= cap:
                 out_l[i] = b
                 btok[b] += tk
-                replace(heap, (load + work_l[k], b))
+                replace(heap, (load + wk, b))
                 continue
         skipped = []
         placed = False
@@ -152,7 +183,7 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
             if btok[b] + tk <= cap:
                 out_l[i] = b
                 btok[b] += tk
-                push(heap, (load + work_l[k], b))
+                push(heap, (load + wk, b))
                 placed = True
                 break
             if after is not None and btok[b] + after <= cap:
@@ -163,7 +194,7 @@ def _lpt_with_memory(shorts: list[int], work_l: list[float], tok_l: list[float],
             b = len(btok)
             btok.append(tk)
             out_l[i] = b
-            push(heap, (work_l[k], b))
+            push(heap, (wk, b))
     if len(set(out_l)) == len(btok):  # every bin used: the ids are already dense
         return np.asarray(out_l, dtype=np.int64)
     # drop bins left empty (possible only when new ones were opened) and renumber densely
