@@ -31,7 +31,9 @@ DEFAULTS: dict[str, Any] = {
     "growths": [2.0, 1.5, 1.25, 1.1],
     "menu_budgets": [48, 56, 64, 80],  # menus of programs (planner.menu) fitted on the calibration ladder
     "menu_kinds": "bucket",            # each program's attention kind: per "bucket" or per "degree"
+    "menu_max_degrees": 16,            # degrees a menu keeps (by token mass, plus 1 and all ranks)
     "kind_variants": ["degree", "group"],  # at kind_budget: kinds per degree, kinds chosen per group
+    "degree_variants": [],             # at kind_budget: other menu_max_degrees
     "kind_budget": 64,
     "menu_growth": 1.1,
     "menu_calibration_batches": 60,
@@ -48,19 +50,20 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
         if k not in KIND_PER:
             raise ValueError(f"compiles: menu kinds must be one of {sorted(KIND_PER)}, got {k!r}")
     rows = []
-    settings = [(f"ladder {g:g}", g, None, None) for g in p["growths"]]
-    settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"]) for b in p["menu_budgets"]]
-    settings += [(f"menu of {p['kind_budget']}, kinds per {k}", p["menu_growth"], p["kind_budget"], k)
-                 for k in p["kind_variants"]]
+    md, kb = p["menu_max_degrees"], p["kind_budget"]
+    settings = [(f"ladder {g:g}", g, None, None, None) for g in p["growths"]]
+    settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"], md) for b in p["menu_budgets"]]
+    settings += [(f"menu of {kb}, kinds per {k}", p["menu_growth"], kb, k, md) for k in p["kind_variants"]]
+    settings += [(f"menu of {kb}, {m} degrees", p["menu_growth"], kb, p["menu_kinds"], m) for m in p["degree_variants"]]
     references: dict = {}  # the unpadded reference plans, shared by the rows
-    for name, g, budget, kinds in settings:
+    for name, g, budget, kinds, max_degrees in settings:
         cost = cost_for(p["model"], p["hardware"], p["ranks_per_node"], g, p["min_bucket"])
         if budget:
             cost = menu_cost(cost, p["ranks"], p["menu_calibration_batches"], budget, p["batch"], p["dataset"],
-                             kind_per=KIND_PER[kinds])
+                             max_degrees, kind_per=KIND_PER[kinds])
         r = plan_run(cost, p["ranks"], p["steps"], p["batch"], p["dataset"], p["ranks_per_process"], True, seed,
                      references)
-        row = {"rule": name, "growth": g, "menu_budget": budget, "menu_kinds": kinds,
+        row = {"rule": name, "growth": g, "menu_budget": budget, "menu_kinds": kinds, "menu_max_degrees": max_degrees,
                "menu_degrees": [d for d, _ in cost.bucket_menu], "off_menu_programs": r.get("off_menu_programs"),
                "programs": r["placement"]["programs"], "padded_over_real": r["padded_over_real"],
                "executables_per_process_max": r["placement"]["executables_per_process_max"],

@@ -44,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fit a menu of programs (planner.menu) on this many calibration batches (other seeds), "
                              "planned on the --growth ladder (default 1.1), and plan with it")
     parser.add_argument("--budget", type=int, default=64, help="programs in the fitted menu (default 64)")
+    parser.add_argument("--max-degrees", type=int, default=16,
+                        help="degrees the menu keeps, by token mass (plus 1 and --ranks; default 16)")
     parser.add_argument("--kinds", choices=KINDS, default="bucket",
                         help="the menu's attention kinds: one per (degree, bucket) program (default), one per "
                              "degree, or chosen per group (then a program budget does not bound the programs)")
@@ -191,14 +193,15 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ranks < 1 or args.steps < 1 or args.batch < 1 or args.ranks_per_process < 1:
-        print("dhp bench compiles: --ranks, --steps, --batch and --ranks-per-process must be >= 1", file=sys.stderr)
+    if min(args.ranks, args.steps, args.batch, args.ranks_per_process, args.max_degrees) < 1:
+        print("dhp bench compiles: --ranks, --steps, --batch, --ranks-per-process and --max-degrees must be >= 1",
+              file=sys.stderr)
         return 2
     if args.menu and args.growth is None:
         args.growth = 1.1
     cost = cost_for(args.model, args.hardware, args.ranks_per_node, args.growth, args.min_bucket)
     if args.menu:
-        cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset,
+        cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset, args.max_degrees,
                          kind_per=None if args.kinds == "group" else args.kinds)
     out = plan_run(cost, args.ranks, args.steps, args.batch, args.dataset, args.ranks_per_process,
                    not args.no_padding_baseline)
