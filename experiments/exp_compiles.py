@@ -31,7 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "growths": [2.0, 1.5, 1.25, 1.1],
     "menu_budgets": [48, 56, 64, 80],  # menus of programs (planner.menu) fitted on the calibration ladder
     "menu_kinds": "bucket",            # each program's attention kind: per "bucket" or per "degree"
-    "menu_max_degrees": 16,            # degrees a menu keeps (by token mass, plus 1 and all ranks)
+    "menu_max_degrees": 8,             # degrees a menu keeps (by token mass, plus 1 and all ranks)
     "kind_variants": ["degree", "group"],  # at kind_budget: kinds per degree, kinds chosen per group
     "degree_variants": [],             # at kind_budget: other menu_max_degrees
     "kind_budget": 64,

@@ -174,6 +174,17 @@ def test_bench_compiles_json(capsys):
     assert out["step_s_mean"] == pytest.approx(out["step_s_mean_no_placement"], rel=1e-12)
 
 
+def test_bench_compiles_menu_json(capsys):
+    from dhp_jax.cli import main
+
+    assert main(["bench", "compiles", "--ranks", "16", "--steps", "2", "--batch", "64", "--menu", "2", "--budget", "10",
+                 "--max-degrees", "3", "--kinds", "degree", "--no-padding-baseline", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["menu_programs"] <= 10 and len(out["menu"]) <= 5 and out["menu_kinds"]
+    assert out["off_menu_programs"] == 0 and out["placement"]["programs"] <= out["menu_programs"]
+    assert main(["bench", "compiles", "--steps", "1", "--max-degrees", "0"]) == 2
+
+
 def test_promote_runs_a_plan_on_compiled_executables_only():
     from dhp_jax.planner.programs import promote
 

@@ -203,7 +203,7 @@ def _menu_kinds(buckets: Mapping[int, Sequence[int]], timed: Mapping[int, Sequen
     return out
 
 
-def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64, max_degrees: int | None = 16,
+def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64, max_degrees: int | None = 8,
              kind_per: str | None = "bucket", **plan_options: Any) -> BucketMenu:
     """Plan calibration `batches` (lists of samples, or (lengths, etas) pairs) with `cost` (a fine
     ladder) and fit a menu of at most `budget` programs to their groups, each program with one

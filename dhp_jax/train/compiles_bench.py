@@ -44,8 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fit a menu of programs (planner.menu) on this many calibration batches (other seeds), "
                              "planned on the --growth ladder (default 1.1), and plan with it")
     parser.add_argument("--budget", type=int, default=64, help="programs in the fitted menu (default 64)")
-    parser.add_argument("--max-degrees", type=int, default=16,
-                        help="degrees the menu keeps, by token mass (plus 1 and --ranks; default 16)")
+    parser.add_argument("--max-degrees", type=int, default=8,
+                        help="degrees the menu keeps, by token mass (plus 1 and --ranks; default 8)")
     parser.add_argument("--kinds", choices=KINDS, default="bucket",
                         help="the menu's attention kinds: one per (degree, bucket) program (default), one per "
                              "degree, or chosen per group (then a program budget does not bound the programs)")
@@ -69,7 +69,7 @@ def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | Non
 
 
 def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int = 512, dataset: str = "openvid",
-              max_degrees: int | None = 16, kind_per: str | None = "bucket") -> Any:
+              max_degrees: int | None = 8, kind_per: str | None = "bucket") -> Any:
     """`cost` with a menu of `budget` programs fitted to `batches` calibration batches (seeds
     10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
     with its one attention kind (`kind_per`, see `planner.menu.fit_menu`; None: chosen per group)."""
