@@ -98,15 +98,23 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.6))
-    pad = [100 * (r["padded_over_real"] - 1) for r in rows]
-    ax[0].plot([r["programs"] for r in rows], pad, "o-")
-    for r, y in zip(rows, pad):
-        ax[0].annotate(r["rule"], (r["programs"], y), fontsize=7)
+    ladders = [r for r in rows if not r["menu_budget"]]
+    variants = [r for r in rows if r["menu_budget"] and "," in r["rule"]]
+    menus = [r for r in rows if r["menu_budget"] and "," not in r["rule"]]
+    for sel, style, name in ((ladders, "o-", "ladders"), (menus, "s-", "menus (budget sweep)"),
+                             (variants, "^", "menu variants")):
+        if not sel:
+            continue
+        pad = [100 * (r["padded_over_real"] - 1) for r in sel]
+        ax[0].plot([r["programs"] for r in sel], pad, style, label=name)
+        ax[1].plot(pad, [100 * r["step_time_lost"] for r in sel], style, label=name)
+        for r, y in zip(sel, pad):
+            ax[0].annotate(r["rule"].replace("menu of ", ""), (r["programs"], y), fontsize=6)
     ax[0].axhline(5, color="k", lw=0.6, ls="--")
     ax[0].axvline(64, color="k", lw=0.6, ls="--")
     ax[0].set_xlabel(f"programs over {result['config']['steps']} steps")
     ax[0].set_ylabel("padding (% of real tokens)")
-    ax[1].plot(pad, [100 * r["step_time_lost"] for r in rows], "o-")
+    ax[0].legend(fontsize=7)
     ax[1].set_xlabel("padding (% of real tokens)")
     ax[1].set_ylabel("simulated step time vs unpadded (%)")
     save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=8)
