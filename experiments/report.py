@@ -213,7 +213,8 @@ def compiles(r: dict[str, Any]) -> str:
         if row.get("padding_step_time_lost") is not None:
             split = (f" ({100 * row['menu_degrees_step_time_lost']:+.1f} % / "
                      f"{100 * row['padding_step_time_lost']:+.1f} %)")
-        lines.append(f"| {row.get('rule', row['growth'])} | {row['padded_over_real']:.3f} | {row['programs']} | "
+        off = f" ({row['off_menu_programs']} off the menu)" if row.get("off_menu_programs") else ""
+        lines.append(f"| {row.get('rule', row['growth'])} | {row['padded_over_real']:.3f} | {row['programs']}{off} | "
                      f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
                      f"{row['executables_per_program_per_process_max_no_placement']:.2f}x) | {row['step_s']:.2f} | "
                      f"{row['step_s_unpadded']:.2f} | {100 * row['step_time_lost']:+.1f} %{split} | {_short(r['label'])} |")

@@ -174,6 +174,17 @@ def test_bench_compiles_json(capsys):
     assert out["step_s_mean"] == pytest.approx(out["step_s_mean_no_placement"], rel=1e-12)
 
 
+def test_bench_compiles_menu_json(capsys):
+    from dhp_jax.cli import main
+
+    assert main(["bench", "compiles", "--ranks", "16", "--steps", "2", "--batch", "64", "--menu", "2", "--budget", "10",
+                 "--max-degrees", "3", "--kinds", "degree", "--no-padding-baseline", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["menu_programs"] <= 10 and len(out["menu"]) <= 5 and out["menu_kinds"]
+    assert out["off_menu_programs"] == 0 and out["placement"]["programs"] <= out["menu_programs"]
+    assert main(["bench", "compiles", "--steps", "1", "--max-degrees", "0"]) == 2
+
+
 def test_promote_runs_a_plan_on_compiled_executables_only():
     from dhp_jax.planner.programs import promote
 
@@ -268,6 +279,75 @@ def test_menu_is_the_bucket_rule_for_its_degrees_and_bounds_the_plan():
         plan = plan_batch(L, 16, cost, etas=E)
         for g in plan.groups:
             assert g.degree in menu.buckets and g.padded_tokens == menu.padded(g.tokens, g.degree)
+
+
+def test_menu_kinds_least_total_time_per_bucket_or_degree():
+    from dhp_jax.planner.menu import _menu_kinds
+
+    timed = {8: [(100.0, {"ring": 3.0, "hybrid:2x4": 1.0}),        # bucket 160: the hybrid is faster
+                 (150.0, {"ring": 1.0}),                            # cannot run the hybrid: counts its ring
+                 (300.0, {"ring": 2.0, "hybrid:2x4": 5.0}),         # bucket 320: the ring is faster
+                 (310.0, {"ring": 2.0, "hybrid:2x4": 2.0})]}
+    per_bucket = _menu_kinds({8: (160, 320, 480)}, timed, "bucket")
+    assert per_bucket == {(8, 160): "hybrid:2x4", (8, 320): "ring", (8, 480): "ring"}  # no groups: ring
+    per_degree = _menu_kinds({8: (160, 320, 480)}, timed, "degree")     # 8 s ring vs 9 s hybrid overall
+    assert set(per_degree.values()) == {"ring"}
+    tie = _menu_kinds({4: (64,)}, {4: [(60.0, {"ring": 1.0, "ulysses": 1.0})]}, "bucket")
+    assert tie == {(4, 64): "ring"}
+
+
+def test_menu_kinds_are_validated_and_round_trip():
+    from dhp_jax.planner.menu import BucketMenu
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
+    menu = BucketMenu({1: (64,), 8: (160, 320)}, {(1, 64): "ring", (8, 160): "hybrid:2x4", (8, 320): "ring"})
+    with_menu = menu.apply(cost)
+    assert with_menu.menu_kinds == ((1, 64, "ring"), (8, 160, "hybrid:2x4"), (8, 320, "ring"))
+    assert CostModel.from_dict(json.loads(json.dumps(with_menu.to_dict()))) == with_menu
+    assert menu.to_dict()["kinds"]["8,160"] == "hybrid:2x4" and menu.kind(8, 320) == "ring"
+    with pytest.raises(ValueError, match="not a program of bucket_menu"):
+        with_menu.replace(menu_kinds=((8, 480, "ring"),))
+    with pytest.raises(ValueError, match="do not split"):                  # 28 query heads over 8
+        with_menu.replace(menu_kinds=((8, 160, "ulysses"),))
+    with pytest.raises(ValueError, match="kind_per"):
+        BucketMenu.fit([(1, 10.0)], 1, 100.0, 1, kind_per="group")
+
+
+@pytest.mark.parametrize("kind_per", ["bucket", "degree"])
+def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind_per):
+    """A program is (degree, bucket, kind): with kinds chosen per group, a menu of B (degree, bucket)
+    shapes runs more than B programs; with the menu's kinds, the programs of a menu-planned run
+    (reuse placement included) are menu programs, so at most its budget."""
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.planner.menu import fit_menu
+
+    fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
+    batches = []
+    for i in range(8):
+        s = make_dataset("openvid", 512, 700 + i, vision="internvl")
+        batches.append((sample_lengths(s), sample_etas(s)))
+    cal, runs = batches[:3], batches[3:]
+    budget = 24
+    menu = fit_menu(fine, cal, 64, budget=budget, max_degrees=8, kind_per=kind_per)
+    assert menu.num_programs <= budget and set(menu.kinds) == {(d, b) for d in menu.buckets for b in menu.buckets[d]}
+    assert any(k != "ring" for k in menu.kinds.values())                   # the choice is not trivial
+    if kind_per == "degree":
+        assert all(len({menu.kind(d, b) for b in bs}) == 1 for d, bs in menu.buckets.items())
+    free = fine.replace(bucket_menu=menu.as_cost_field())                  # the same shapes, kinds per group
+    fixed = menu.apply(fine)
+    counts = {}
+    for name, cost in (("free", free), ("menu", fixed)):
+        cache = ProgramCache(8)
+        for L, E in runs:
+            plan = plan_batch(L, 64, cost, etas=E, attention="best")
+            placed = reuse_placement(plan, L, E, cost, cache, attention="best")
+            for g in placed.groups:
+                if name == "menu":
+                    assert g.attention == menu.kind(g.degree, g.padded_tokens), (g.degree, g.padded_tokens)
+        counts[name] = (len(cache.programs), len({(d, p) for d, p, _ in cache.programs}))
+    assert counts["free"][0] > counts["free"][1]                             # some shape ran two kinds
+    assert counts["menu"][0] == counts["menu"][1] <= budget                  # one kind per shape
+    assert {(d, p) for d, p, _ in cache.programs} <= set(menu.kinds)
 
 
 def test_plan_keys_agree_with_the_plans_padded_tokens():

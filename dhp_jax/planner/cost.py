@@ -71,6 +71,7 @@ import numpy as np
 from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_lengths
 from dhp_jax.planner import memory as engine_memory, presets
+from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import attention_split
 
 COST_SCHEMA = "dhp.cost/v1"
@@ -122,6 +123,9 @@ class CostModel:
     padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
     bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
         that replace the ladder for their degrees; the planner then uses only these degrees.
+    menu_kinds: ((degree, bucket, kind), ...): the one attention kind each menu program runs
+        (`BucketMenu.kinds`); the per-group kind choice (`pricing.best_kinds`) gives a group of that
+        degree and bucket this kind, so that the menu's budget bounds the programs that run.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     The engine's memory choices (dhp_jax.planner.memory; `preset` derives mem_per_token and
     memory_budget from them, so change them through `preset(...)`):
@@ -166,6 +170,7 @@ class CostModel:
     comm_overlap: bool = True
     padded_attention: bool = True
     bucket_menu: tuple = ()
+    menu_kinds: tuple = ()
     param_count: float = 0.0
     compute_bytes: int = 4
     state_shards: int = 1
@@ -200,6 +205,11 @@ class CostModel:
             if deg < 1 or list(bs) != sorted(bs) or any(b < 1 or b % (2 * deg) for b in bs):
                 raise ValueError(f"CostModel.bucket_menu: degree {deg} needs ascending buckets that are multiples "
                                  f"of 2*degree, got {list(bs)}")
+        on_menu = {(int(deg), int(b)) for deg, bs in self.bucket_menu for b in bs}
+        for deg, b, kind in self.menu_kinds:
+            if (int(deg), int(b)) not in on_menu:
+                raise ValueError(f"CostModel.menu_kinds: ({deg}, {b}) is not a program of bucket_menu")
+            check_attention(kind, int(deg), self.num_heads)
         for name in ("compute_bytes", "state_shards"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -507,6 +517,8 @@ class CostModel:
         kw = {k: v for k, v in d.items() if k in names}
         if "bucket_menu" in kw:
             kw["bucket_menu"] = tuple((int(deg), tuple(int(b) for b in bs)) for deg, bs in kw["bucket_menu"])
+        if "menu_kinds" in kw:
+            kw["menu_kinds"] = tuple((int(deg), int(b), str(k)) for deg, b, k in kw["menu_kinds"])
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
                                                                                   "compute_lanes", "bucket_min", "compute_bytes",

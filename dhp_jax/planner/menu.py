@@ -6,15 +6,22 @@ the degrees that carry the most tokens and, per degree, the buckets that minimis
 (an exact 1-D quantisation by dynamic programming), within a total program budget. Every degree's
 largest bucket is its memory limit, so any group that fits in memory has a bucket.
 
+A program is also its attention kind (`dhp_jax.planner.programs`): a degree whose groups choose
+between ring and Ulysses x ring hybrids per group would run up to one program per kind and bucket.
+So each menu program carries one kind (`BucketMenu.kinds`), the one that prices its calibration
+groups fastest in total (per bucket, or per degree), and the planner's kind choice respects it
+(`CostModel.menu_kinds`): the budget bounds the programs that run.
+
 Pure Python/NumPy: executors never need the menu, since every plan group carries the
 `padded_tokens` it runs.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -58,9 +65,13 @@ def _quantise(values: np.ndarray, weights: np.ndarray, k: int, top: float) -> tu
 
 @dataclasses.dataclass(frozen=True)
 class BucketMenu:
-    """degree -> sorted padded lengths (each a multiple of 2*degree; the last the memory limit)."""
+    """degree -> sorted padded lengths (each a multiple of 2*degree; the last the memory limit);
+    `kinds`: (degree, bucket) -> the attention kind that program runs (absent: chosen per group)."""
 
     buckets: dict[int, tuple[int, ...]]
+    kinds: dict[tuple[int, int], str] = dataclasses.field(default_factory=dict)
+
+    KIND_PER = ("bucket", "degree")
 
     @property
     def degrees(self) -> list[int]:
@@ -78,17 +89,30 @@ class BucketMenu:
         return None
 
     @classmethod
-    def fit(cls, groups: Sequence[tuple[int, float]], budget: int, max_tokens_per_rank: float,
-            num_ranks: int, max_degrees: int | None = None, resolution: int = 64) -> "BucketMenu":
-        """Fit a menu of at most `budget` programs to calibration groups `(degree, tokens)`.
+    def fit(cls, groups: Sequence[tuple], budget: int, max_tokens_per_rank: float,
+            num_ranks: int, max_degrees: int | None = None, resolution: int = 64,
+            kind_per: str = "bucket") -> "BucketMenu":
+        """Fit a menu of at most `budget` programs to calibration groups `(degree, tokens)` or
+        `(degree, tokens, times)`, `times` the group's seconds under each attention kind it can run
+        ({kind: s}, "ring" always among them).
 
         Degrees are kept by token mass (at most `max_degrees`, and always 1 and `num_ranks` so
         that short and the longest samples have a home); buckets are given out one at a time to
         the degree whose padding falls most (exact quantisation of its groups' token counts,
-        binned to `resolution` quantiles to bound the work)."""
+        binned to `resolution` quantiles to bound the work). With `times`, each program gets the
+        kind of least total time over its groups (`kind_per="bucket"`) or each degree one kind for
+        all its buckets (`"degree"`); a group that cannot run that kind counts its ring time."""
+        if kind_per not in cls.KIND_PER:
+            raise ValueError(f"kind_per must be one of {cls.KIND_PER}, got {kind_per!r}")
         by_d: dict[int, list[float]] = {}
-        for d, s in groups:
-            by_d.setdefault(int(d), []).append(float(s))
+        timed: dict[int, list[tuple[float, Mapping[str, float]]]] = {}
+        for g in groups:
+            d, s = int(g[0]), float(g[1])
+            by_d.setdefault(d, []).append(s)
+            if len(g) > 2 and g[2] is not None:
+                if "ring" not in g[2]:
+                    raise ValueError(f"calibration group (degree {d}, {s:g} tokens): its times need a 'ring' entry")
+                timed.setdefault(d, []).append((s, g[2]))
         mass = sorted(by_d, key=lambda d: -sum(by_d[d]))
         keep = set(mass[: max_degrees or len(mass)]) | {1, int(num_ranks)}
         keep = sorted(d for d in keep if d <= num_ranks)
@@ -127,25 +151,76 @@ class BucketMenu:
                 break
             k[d] += 1
             pad[d] = new
-        return cls({d: tuple(int(b) for b in _quantise(*data[d], k[d], top_of(d))[0]) for d in keep})
+        buckets = {d: tuple(int(b) for b in _quantise(*data[d], k[d], top_of(d))[0]) for d in keep}
+        return cls(buckets, _menu_kinds(buckets, timed, kind_per) if timed else {})
+
+    @property
+    def num_kinds(self) -> int:
+        """Programs whose kind the menu fixes."""
+        return len(self.kinds)
+
+    def kind(self, degree: int, bucket: int) -> str | None:
+        return self.kinds.get((int(degree), int(bucket)))
 
     def as_cost_field(self) -> tuple:
         """The `CostModel.bucket_menu` value: `cost.replace(bucket_menu=menu.as_cost_field())`."""
         return tuple((d, tuple(self.buckets[d])) for d in self.degrees)
 
+    def kinds_field(self) -> tuple:
+        """The `CostModel.menu_kinds` value ((degree, bucket, kind), ...), sorted."""
+        return tuple((d, b, k) for (d, b), k in sorted(self.kinds.items()))
+
+    def apply(self, cost: Any) -> Any:
+        """`cost` planning with this menu: its buckets and its kinds."""
+        return cost.replace(bucket_menu=self.as_cost_field(), menu_kinds=self.kinds_field())
+
     def to_dict(self) -> dict[str, Any]:
-        return {str(d): list(b) for d, b in sorted(self.buckets.items())}
+        out: dict[str, Any] = {str(d): list(b) for d, b in sorted(self.buckets.items())}
+        if self.kinds:
+            out["kinds"] = {f"{d},{b}": k for (d, b), k in sorted(self.kinds.items())}
+        return out
 
 
-def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64, max_degrees: int | None = 16,
-             **plan_options: Any) -> BucketMenu:
+def _menu_kinds(buckets: Mapping[int, Sequence[int]], timed: Mapping[int, Sequence[tuple[float, Mapping[str, float]]]],
+                kind_per: str) -> dict[tuple[int, int], str]:
+    """(degree, bucket) -> the kind of least summed time over the calibration groups that bucket
+    holds (its smallest bucket >= the tokens); per degree with `kind_per="degree"`. A group lacking
+    a kind (it cannot run it) counts its ring time; ties and buckets without groups take the ring."""
+    out = {}
+    for d, bs in buckets.items():
+        groups = timed.get(d, ())
+        names = sorted({kind for _, times in groups for kind in times} | {"ring"})
+        total = {b: dict.fromkeys(names, 0.0) for b in bs}
+        for s, times in groups:
+            k = bisect.bisect_left(bs, s)
+            if k < len(bs):
+                sums = total[bs[0] if kind_per == "degree" else bs[k]]
+                for kind in names:
+                    sums[kind] += times.get(kind, times["ring"])
+        for b in bs:
+            sums = total[bs[0] if kind_per == "degree" else b]
+            out[(int(d), int(b))] = min(names, key=lambda kind: (sums[kind], kind != "ring", kind))
+    return out
+
+
+def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64, max_degrees: int | None = 8,
+             kind_per: str | None = "bucket", **plan_options: Any) -> BucketMenu:
     """Plan calibration `batches` (lists of samples, or (lengths, etas) pairs) with `cost` (a fine
-    ladder) and fit a menu of at most `budget` programs to their groups."""
+    ladder) and fit a menu of at most `budget` programs to their groups, each program with one
+    attention kind (`kind_per`: "bucket" or "degree", see `BucketMenu.fit`; None: kinds stay a
+    per-group choice, so a budget of programs does not bound the (degree, bucket, kind) programs)."""
+    from dhp_jax.data import sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
+    from dhp_jax.planner.pricing import group_kind_times
 
-    groups = []
+    groups: list[tuple] = []
     for b in batches:
-        lengths, etas = b if isinstance(b, tuple) else (b, None)
+        lengths, etas = b if isinstance(b, tuple) else (sample_lengths(b), sample_etas(b))
         plan = plan_batch(lengths, num_ranks, cost, etas=etas, **plan_options)
-        groups += [(g.degree, g.tokens) for g in plan.groups]
-    return BucketMenu.fit(groups, budget, cost.max_tokens_per_rank, num_ranks, max_degrees=max_degrees)
+        if kind_per is None:
+            groups += [(g.degree, g.tokens) for g in plan.groups]
+        else:
+            times = group_kind_times(cost, plan, lengths, etas)
+            groups += [(g.degree, g.tokens, t) for g, t in zip(plan.groups, times)]
+    return BucketMenu.fit(groups, budget, cost.max_tokens_per_rank, num_ranks, max_degrees=max_degrees,
+                          kind_per=kind_per or "bucket")

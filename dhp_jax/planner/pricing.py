@@ -20,7 +20,7 @@ from dhp_jax.planner.packing import bin_sums
 from dhp_jax.planner.placement import spans_nodes
 from dhp_jax.planner.plan import attention_split
 
-__all__ = ["attention_for", "best_kinds", "kind_times", "plan_group_times", "plan_makespans", "price_groups", "spans_nodes",
+__all__ = ["attention_for", "best_kinds", "group_kind_times", "kind_times", "plan_group_times", "plan_makespans", "price_groups", "spans_nodes",
            "step_time"]
 
 
@@ -58,15 +58,33 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
     """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
     Ulysses over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and
     the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node. Ties
-    keep the ring; the choice never prices a group above its ring time."""
+    keep the ring; a free choice never prices a group above its ring time.
+
+    With `cost.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
+    padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
+    inside nodes (else the ring, a program off the menu); only groups off the menu choose."""
     A, B, S = bin_sums([samples for _, samples in groups], *terms)
     d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
     rpn = cost.ranks_per_node
     inter = np.fromiter((spans_nodes(ranks, rpn) for ranks, _ in groups), dtype=bool, count=len(groups))
     kinds = ["ring"] * len(groups)
     times = cost.group_times(A, B, S, d, inter, "ring")
+    free = np.ones(len(groups), dtype=bool)
+    if cost.menu_kinds and len(groups):
+        fixed = {(deg, b): k for deg, b, k in cost.menu_kinds}
+        padded = np.broadcast_to(cost.padded_length(S, d), d.shape)
+        for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
+            kind = fixed.get((deg, int(p)))
+            if kind is None:
+                continue
+            free[i] = False
+            u = attention_split(kind, deg)[0]
+            if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
+                kinds[i] = kind
     for deg in sorted(set(d.tolist()) - {1}):
-        idx = np.flatnonzero(d == deg)
+        idx = np.flatnonzero((d == deg) & free)
+        if not idx.size:
+            continue
         for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
             u = attention_split(kind, deg)[0]
             # a group inside one node has node-local sub-groups; only spanning groups need a look
@@ -79,6 +97,24 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
                 kinds[i] = kind
             times[ok[better]] = t[better]
     return kinds
+
+
+def group_kind_times(cost: CostModel, plan: Any, lengths: Sequence[int] | np.ndarray,
+                     etas: Sequence[float] | np.ndarray | None = None) -> list[dict[str, float]]:
+    """Each group of `plan` (plan order): its seconds under every attention kind it can run on its
+    ranks (the kinds `best_kinds` considers: ring, and each Ulysses size whose sub-groups sit inside
+    nodes), {kind: s}."""
+    attn, lin, tok = cost.terms(np.asarray(lengths), etas)
+    groups = list(plan.groups)
+    A, B, S = bin_sums([list(g.samples) for g in groups], attn, lin, tok)
+    rpn = cost.ranks_per_node
+    out = []
+    for i, g in enumerate(groups):
+        inter = spans_nodes(g.ranks, rpn)
+        kinds = [k for k in attention_kinds(g.degree, cost.num_heads, rpn)
+                 if k == "ring" or not inter or node_local(g.ranks, attention_split(k, g.degree)[0], rpn)]
+        out.append({k: float(cost.group_times(A[i], B[i], S[i], g.degree, inter, k)) for k in kinds})
+    return out
 
 
 def price_groups(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],

@@ -8,7 +8,8 @@ without compiling anything:
 - padded / real tokens summed over every group of every step (the bucket rule's waste);
 - simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset)
   with the placement policy (`planner.programs.reuse_ranks`) and without it, and without padding
-  (with a menu also unpadded on the menu's degrees: the loss split between degrees and padding).
+  (with a menu also unpadded on the menu's degrees: the loss split between degrees and padding);
+- with a menu whose programs carry their attention kinds (`--kinds`), the programs off the menu.
 `--compile` also compiles every program of a small run of the tiny model on 8 fake CPU devices
 (`PlanExecutor.executable`, ahead of time) and reports the compile seconds measured here.
 """
@@ -23,6 +24,9 @@ import statistics
 import sys
 import time
 from typing import Any
+
+
+KINDS = ("bucket", "degree", "group")  # --kinds: planner.menu's kind_per, "group" for none
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +44,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="fit a menu of programs (planner.menu) on this many calibration batches (other seeds), "
                              "planned on the --growth ladder (default 1.1), and plan with it")
     parser.add_argument("--budget", type=int, default=64, help="programs in the fitted menu (default 64)")
+    parser.add_argument("--max-degrees", type=int, default=8,
+                        help="degrees the menu keeps, by token mass (plus 1 and --ranks; default 8)")
+    parser.add_argument("--kinds", choices=KINDS, default="bucket",
+                        help="the menu's attention kinds: one per (degree, bucket) program (default), one per "
+                             "degree, or chosen per group (then a program budget does not bound the programs)")
     parser.add_argument("--no-padding-baseline", action="store_true",
                         help="skip re-planning every batch unpadded (the step-time reference of the bucket rule)")
     parser.add_argument("--compile", action="store_true",
@@ -60,9 +69,10 @@ def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | Non
 
 
 def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int = 512, dataset: str = "openvid",
-              max_degrees: int | None = 16) -> Any:
+              max_degrees: int | None = 8, kind_per: str | None = "bucket") -> Any:
     """`cost` with a menu of `budget` programs fitted to `batches` calibration batches (seeds
-    10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder."""
+    10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
+    with its one attention kind (`kind_per`, see `planner.menu.fit_menu`; None: chosen per group)."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.menu import fit_menu
@@ -72,13 +82,16 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     for i in range(batches):
         samples = make_dataset(dataset, batch, 10_000_000 + i, vision=vision)
         cal.append((sample_lengths(samples), sample_etas(samples)))
-    menu = fit_menu(cost, cal, ranks, budget, max_degrees)
-    return cost.replace(bucket_menu=menu.as_cost_field())
+    return fit_menu(cost, cal, ranks, budget, max_degrees, kind_per).apply(cost)
 
 
 def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str = "openvid",
-             ranks_per_process: int | None = 8, unpadded_reference: bool = True, seed: int = 0) -> dict[str, Any]:
-    """Plan `steps` batches and count programs, executables and padding (nothing is compiled)."""
+             ranks_per_process: int | None = 8, unpadded_reference: bool = True, seed: int = 0,
+             references: dict | None = None) -> dict[str, Any]:
+    """Plan `steps` batches and count programs, executables and padding (nothing is compiled).
+    `references`: a dict shared by runs of one model, hardware, data and ranks, keeping the
+    unpadded reference step times (they depend on neither the ladder nor the menu's buckets), so
+    that a sweep plans them once."""
     import numpy as np
 
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
@@ -89,7 +102,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
 
     vision = family_for_model(cost.model)
     placed, free = ProgramCache(ranks_per_process), ProgramCache(ranks_per_process)
-    plain = cost.replace(bucket_min=0)
+    plain = cost.replace(bucket_min=0, bucket_menu=(), menu_kinds=())  # the reference: no ladder, no menu
     real = padded = 0
     menu_degrees = [d for d, _ in cost.bucket_menu]
     t_free, t_placed, t_plain, t_plain_menu, plan_ms = [], [], [], [], []
@@ -106,9 +119,11 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
         real += sum(g.tokens for g in plan.groups)
         padded += sum(g.padded_tokens for g in plan.groups)
         if unpadded_reference:
-            t_plain.append(plan_batch(lengths, ranks, plain, etas=etas).est_step_time_s)
+            t_plain.append(_reference(references, (seed, step, batch, None), lambda: plan_batch(
+                lengths, ranks, plain, etas=etas).est_step_time_s))
             if menu_degrees:  # unpadded on the menu's degrees: what the menu's degree bound costs alone
-                t_plain_menu.append(plan_batch(lengths, ranks, plain, etas=etas, degrees=menu_degrees).est_step_time_s)
+                t_plain_menu.append(_reference(references, (seed, step, batch, tuple(menu_degrees)), lambda: plan_batch(
+                    lengths, ranks, plain, etas=etas, degrees=menu_degrees).est_step_time_s))
     out = {"ranks": ranks, "steps": steps, "batch": batch, "dataset": dataset, "model": cost.model,
            "hardware": cost.hardware, "bucket_min": cost.bucket_min, "bucket_growth": cost.bucket_growth,
            "menu": {str(d): list(b) for d, b in cost.bucket_menu} or None,
@@ -126,7 +141,20 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
         out["menu_degrees_step_time_lost"] = out["step_s_mean_unpadded_menu_degrees"] / out["step_s_mean_unpadded"] - 1.0
         out["padding_step_time_lost"] = out["step_s_mean"] / out["step_s_mean_unpadded_menu_degrees"] - 1.0
     out["placement_step_time_lost"] = out["step_s_mean"] / out["step_s_mean_no_placement"] - 1.0
+    if cost.bucket_menu:
+        out["menu_programs"] = sum(len(b) for _, b in cost.bucket_menu)
+        out["menu_kinds"] = {f"{d},{b}": k for d, b, k in cost.menu_kinds} or None
+        on_menu = {(d, b, k) for d, b, k in cost.menu_kinds}
+        out["off_menu_programs"] = len(placed.programs - on_menu) if on_menu else None
     return out
+
+
+def _reference(cache: dict | None, key: tuple, make: Any) -> float:
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
@@ -165,14 +193,16 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.ranks < 1 or args.steps < 1 or args.batch < 1 or args.ranks_per_process < 1:
-        print("dhp bench compiles: --ranks, --steps, --batch and --ranks-per-process must be >= 1", file=sys.stderr)
+    if min(args.ranks, args.steps, args.batch, args.ranks_per_process, args.max_degrees) < 1:
+        print("dhp bench compiles: --ranks, --steps, --batch, --ranks-per-process and --max-degrees must be >= 1",
+              file=sys.stderr)
         return 2
     if args.menu and args.growth is None:
         args.growth = 1.1
     cost = cost_for(args.model, args.hardware, args.ranks_per_node, args.growth, args.min_bucket)
     if args.menu:
-        cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset)
+        cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset, args.max_degrees,
+                         kind_per=None if args.kinds == "group" else args.kinds)
     out = plan_run(cost, args.ranks, args.steps, args.batch, args.dataset, args.ranks_per_process,
                    not args.no_padding_baseline)
     if args.compile:
@@ -185,12 +215,15 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     p, f = out["placement"], out["no_placement"]
-    menu = f" with a menu of {sum(len(b) for b in out['menu'].values())} programs" if out["menu"] else ""
+    menu = (f" with a menu of {out['menu_programs']} programs"
+            f"{' with one attention kind each' if out['menu_kinds'] else ', attention kinds chosen per group'}"
+            if out["menu"] else "")
     print(f"dhp bench compiles: {out['steps']} batches of {out['batch']} ({out['dataset']}) on {out['ranks']} ranks, "
           f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}"
           f"{menu}; "
           f"planning {out['plan_ms_median']:.1f} ms/step median ({out['labels']['plan_ms']})")
-    print(f"  programs (degree, padded tokens, attention kind): {p['programs']}")
+    off = f" ({out['off_menu_programs']} off the menu)" if out.get("off_menu_programs") is not None else ""
+    print(f"  programs (degree, padded tokens, attention kind): {p['programs']}{off}")
     print(f"  padded / real tokens: {out['padded_over_real']:.3f}")
     print(f"  executables per process ({out['ranks_per_process']} ranks each), max / median: with placement "
           f"{p['executables_per_process_max']} / {p['executables_per_process_median']:g} "
