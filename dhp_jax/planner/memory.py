@@ -5,12 +5,16 @@ The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) hold
 - state (outside the group program): fp32 master params, AdamW's two fp32 moments and the fp32
   gradient accumulator, each a 1/`state_shards` shard of the flat vector:
   `STATE_BYTES_PER_PARAM` x P / state_shards;
-- the group program's static part: the gathered params and the gradient row it returns, both in
-  the compute dtype (2 x P x cb), plus the gradient pieces the row is concatenated from (P x cb):
-  the blocks' gradients, stacked by the backward scans in the compute dtype (stored bit-cast, so
-  no compiler widens them), and the others;
-- one loss chunk's logits (`fixed_bytes`: the LM head and cross entropy run over token chunks), or
-  the ring's tile workspace if larger (they are live in different phases);
+- the group program in two phases. Both hold the gathered params and the gradient row it returns,
+  in the compute dtype (2 x P x cb; XLA allocates the outputs for the whole program). The blocks'
+  phase (the peak is a decoder block's backward pass) adds the gradients that exist by then
+  (`backward_bytes`: the decoder's stacked block gradients, kept in the compute dtype by the
+  block scans' own VJP and stored bit-cast, so no compiler widens them, and the LM head's), one
+  loss chunk's logits or the ring's tile workspace (`fixed_bytes`) and the activations. The last
+  phase (no activations) concatenates the row from the gradient pieces (`assemble_bytes`: all P
+  of them, plus the embedding's and the LM head's accumulators before their conversion);
+- `fixed_bytes`: one loss chunk's logits (the LM head and cross entropy run over token chunks), or
+  the ring's tile workspace if larger (they are live in different parts of the blocks' phase);
 - activations, linear in the rank's local tokens S_l = S / d: `activation_bytes_per_token` below.
   Attention holds O(S_l x tile) temporaries (custom-VJP tiled ring: output + log-sum-exp per query
   saved), so attention adds a per-token term, not S_l^2.
