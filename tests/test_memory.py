@@ -97,7 +97,7 @@ def test_bench_extrapolates_depth_linearly():
 def test_cost_model_matches_compiled_bytes():
     """CostModel.program_bytes (the planner's memory formula) against XLA's compiled bytes of the
     group program, bf16, layer remat, on a small model at a few degrees and token counts: within
-    10 % (the bench's CPU setting: activations and loop state held in fp32)."""
+    10 % (the bench's CPU setting: activations computed in fp32, the blocks' loop state in bf16)."""
     from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, compiled_bytes, model_shape
 
     cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
