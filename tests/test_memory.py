@@ -35,7 +35,13 @@ def test_memory_choices_are_fields_that_move_the_memory():
     sel = CostModel.preset("internvl3-2b", "ascend-910b", remat="selective")
     assert base.a2 / none.a2 == pytest.approx(4 / 3) and sel.a2 == pytest.approx(none.a2)
     assert sel.a1 == pytest.approx(base.a1)
-    assert base.program_bytes([8192], 4) == pytest.approx(base.program_static_bytes + 2048 * base.mem_per_token)
+    # two phases: the blocks' (static + tokens x bytes per token) and the last (params, row, every
+    # gradient piece; no activations)
+    last = 2 * base.param_count * base.compute_bytes + base.assemble_bytes
+    assert base.assemble_bytes > base.param_count * base.compute_bytes > base.backward_bytes
+    assert base.program_bytes([8192], 4) == pytest.approx(max(base.program_static_bytes + 2048 * base.mem_per_token, last))
+    assert base.program_bytes([65536], 1) == pytest.approx(base.program_static_bytes + 65536 * base.mem_per_token)
+    assert base.program_bytes([2], 1) == pytest.approx(last)
     assert CostModel.from_dict(base.to_dict()) == base
     with pytest.raises(ValueError, match="remat"):
         CostModel.preset("internvl3-2b", "ascend-910b", remat="sometimes")
@@ -91,7 +97,7 @@ def test_bench_extrapolates_depth_linearly():
 def test_cost_model_matches_compiled_bytes():
     """CostModel.program_bytes (the planner's memory formula) against XLA's compiled bytes of the
     group program, bf16, layer remat, on a small model at a few degrees and token counts: within
-    10 % (the bench's CPU setting: activations and loop state held in fp32)."""
+    10 % (the bench's CPU setting: activations computed in fp32, the blocks' loop state in bf16)."""
     from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, compiled_bytes, model_shape
 
     cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
@@ -103,3 +109,48 @@ def test_cost_model_matches_compiled_bytes():
         got = compiled_bytes(cfg, degree, tokens, "bfloat16", jax.devices())
         want = cost.program_bytes([tokens], degree)
         assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
+
+
+@pytest.mark.parametrize("remat", ["none", "layer", "selective"])
+def test_block_stack_vjp_matches_autodiff(remat):
+    """The block stacks' own VJP (`mllm.block_stack`) against autodiff of the module's block loop,
+    fp32: loss and gradient at 1e-5. In bf16 the forward scan of "layer" keeps the block inputs
+    only, bit-cast to uint16 (never the params rows), and the rows' gradient comes out in bf16."""
+    import jax.numpy as jnp
+
+    from dhp_jax.model.attention import AttnIds
+    from dhp_jax.model.mllm import block_stack
+    from dhp_jax.sharding.flat import FlatLayout
+
+    c = MLLMConfig.preset("tiny", remat=remat)
+    params = init_params(c, jax.random.key(1))
+    st = reference_stream(c, random_samples(c, [30, 12], seed=3))
+    batch = {k: v for k, v in st.items() if k not in ("targets", "loss_weights")}
+    lay = FlatLayout.of(params, 1)
+
+    def loss(f, stacked):
+        stacks = tuple(block_stack(c, *lay.rows(f, p, n), v) for p, n, v in
+                       (("vision_layers_", c.vision_layers, True), ("layers_", c.num_layers, False)))
+        return chunked_loss_sum(c, lay.unravel(f), batch, st["targets"], st["loss_weights"],
+                                stacks=stacks if stacked else None)
+
+    flat = lay.ravel(params)
+    (a, ga), (b, gb) = (jax.value_and_grad(loss)(flat, s) for s in (True, False))
+    assert abs(float(a) - float(b)) <= 1e-5 * abs(float(b))
+    assert float(jnp.max(jnp.abs(ga - gb))) <= 1e-5 * float(jnp.max(jnp.abs(gb)))
+
+    rows, tree = lay.rows(flat.astype(jnp.bfloat16), "layers_", c.num_layers)
+    run = block_stack(c, rows, tree, False)
+    s = 16
+    ids = AttnIds(jnp.ones(s, jnp.int32), jnp.arange(s, dtype=jnp.int32), jnp.zeros(s, jnp.int32))
+    x = jnp.ones((s, c.d_model), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda x, r: jax.vjp(lambda x_, r_: block_stack(c, r_, tree, False)(x_, ids), x, r))(
+        x, rows)
+    scan = next(e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan")
+    kept = [(v.aval.shape, str(v.aval.dtype)) for v in scan.outvars[1:]]
+    if remat == "layer":
+        assert kept == [((c.num_layers, s, c.d_model), "uint16")]
+    else:
+        assert len(kept) > 1 and all(shape[1:] != rows.shape[1:] for shape, _ in kept)
+    drows = jax.grad(lambda r: jnp.sum(run(x, ids).astype(jnp.float32)))(rows)
+    assert drows.dtype == jnp.bfloat16 and drows.shape == rows.shape

@@ -190,32 +190,104 @@ def block_stack(config: MLLMConfig, rows: jax.Array, row_params: Callable[[jax.A
                 attn_fn: AttentionFn = dense_attention) -> Callable[[jax.Array, AttnIds], jax.Array]:
     """The decoder (or vision) blocks as one `lax.scan` over their params, rows[count, n] (one row
     per block, `row_params` makes its params subtree): (x, ids) -> x, the same math as the
-    module's `layers_i` loop. Under `config.remat` the scanned body is `jax.checkpoint`ed, so the
-    forward pass keeps only each block's input and the backward pass recomputes one block at a
-    time inside the loop: a block's working set is live for one block, whatever the scheduler."""
+    module's `layers_i` loop, with its own VJP (`_scan_vjp`):
+
+    - forward: a scan over the blocks that keeps, per block, the residuals of `jax.vjp` of the
+      block under `config.remat` ("layer": `jax.checkpoint` saving nothing, so the block input
+      only; "selective": the block input and the outputs of its weight GEMMs; "none": every
+      intermediate the block's backward pass reads), never the block's params (they are `rows`);
+    - backward: a reverse scan that rebuilds one block's pullback from its residuals and its row
+      of `rows` (recomputing what the policy did not keep) and emits that block's param gradient
+      as a scan output: the gradient of `rows` comes out stacked, [count, n], in the dtype of
+      `rows` (the compute dtype).
+
+    So a block's working set is live for one block, whatever the scheduler. Saved residuals and
+    stacked gradients in a 2-byte float dtype are stored bit-cast to uint16 inside the loops and
+    bit-cast back outside: bit-identical values, but a compiler that has no bf16 arithmetic
+    (XLA:CPU) cannot widen the loop state to fp32. In fp32 nothing is bit-cast."""
     c = config
     shape = ((c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff) if vision
              else (c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff))
     block = Block(*shape, c.rope_base, c.rms_eps, attn_fn)
 
     def body(x, row, ids):
-        return block.apply({"params": row_params(row)}, x, ids)
+        return block.apply({"params": row_params(row)}, x, AttnIds(*ids))
 
     if c.remat != "none":
         body = jax.checkpoint(body, policy=remat_policy(c.remat))
-
-    def step(h, xs):
-        row, ids = xs
-        return body(h, row, AttnIds(*ids)), None
+    stack = _scan_vjp(body)
 
     def run(x: jax.Array, ids: AttnIds) -> jax.Array:
         # ids go in as one copy per block (scanned, not loop constants): from loop constants,
         # autodiff of the scan hoists everything computed from them alone out of the loop and
         # keeps it (every tile pair's attention mask, [tiles, tiles, heads, t, t])
         per_block = tuple(jnp.broadcast_to(i, (rows.shape[0],) + i.shape) for i in ids)
-        return jax.lax.scan(step, x, (rows, per_block))[0]
+        return stack(x, rows, per_block)
 
     return run
+
+
+def _store(x: jax.Array) -> jax.Array:
+    """A loop-state value as stored inside a scan: 2-byte floats bit-cast to uint16."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+
+def _load(x: jax.Array, dtype: Any) -> jax.Array:
+    """Inverse of `_store` for a value of `dtype`."""
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _scan_vjp(body: Callable[[jax.Array, jax.Array, tuple], jax.Array]):
+    """(x, rows[count, n], ids (arrays with a leading count axis)) -> x after `body` ran once per
+    row, as a `jax.custom_vjp` (see `block_stack`): the forward scan keeps each block's pullback
+    residuals minus its params row and ids; the backward scan restores them, runs the pullback
+    and emits the row's gradient."""
+    meta: dict[str, Any] = {}
+
+    def pullback(h, row, ids):
+        y, pull = jax.vjp(lambda h_, r_: body(h_, r_, ids), h, row)
+        leaves, tree = jax.tree.flatten(pull)
+        given = [row, *ids]             # restored in the backward scan: not saved per block
+        slots = tuple(next((j for j, g in enumerate(given) if leaf is g), None) for leaf in leaves)
+        kept = [leaf for leaf, s in zip(leaves, slots) if s is None]
+        meta.update(tree=tree, slots=slots, dtypes=tuple(leaf.dtype for leaf in kept))
+        return y, kept
+
+    def forward(x, rows, ids):
+        def step(h, xs):
+            row, blk_ids = xs
+            y, kept = pullback(h, _load(row, rows.dtype), blk_ids)
+            return y, [_store(k) for k in kept]
+
+        return jax.lax.scan(step, x, (_store(rows), ids))
+
+    @jax.custom_vjp
+    def stack(x, rows, ids):
+        def step(h, xs):
+            return body(h, _load(xs[0], rows.dtype), xs[1]), None
+
+        return jax.lax.scan(step, x, (_store(rows), ids))[0]
+
+    def fwd(x, rows, ids):
+        y, saved = forward(x, rows, ids)
+        return y, (saved, rows, ids)
+
+    def bwd(res, dy):
+        saved, rows, ids = res
+
+        def step(dh, xs):
+            kept, row, blk_ids = xs
+            given = [_load(row, rows.dtype), *blk_ids]
+            kept = iter(_load(k, d) for k, d in zip(kept, meta["dtypes"]))
+            leaves = [next(kept) if s is None else given[s] for s in meta["slots"]]
+            dh, drow = jax.tree.unflatten(meta["tree"], leaves)(dh)
+            return dh, _store(drow)
+
+        dx, drows = jax.lax.scan(step, dy, (saved, _store(rows), ids), reverse=True)
+        return dx, _load(drows, rows.dtype), None
+
+    stack.defvjp(fwd, bwd)
+    return stack
 
 
 def dummy_batch(config: MLLMConfig, length: int = 2) -> dict[str, np.ndarray]:

@@ -135,14 +135,17 @@ class CostModel:
     remat: recompute policy of the blocks ("none", "layer", "selective"); sets the recompute passes.
     usable_bytes: device bytes the engine may use (HBM x the usable fraction; 0: unknown).
     fixed_bytes: token-independent temporaries of a group program (one loss chunk's logits).
-    activation_bytes: bytes per element in which the compiled program holds activations, the
-        blocks' saved inputs and their stacked gradients (0: compute_bytes). XLA:CPU has no bf16
-        arithmetic: it computes bf16 values in fp32 and keeps the scans' loop state in fp32, so a
-        bf16 program compiled for CPU devices holds them in 4 bytes (`dhp bench memory` on CPU).
-    stacked_params: parameters of the scanned block stacks (their gradients are loop state).
-    assemble_bytes: what the program's last phase (the gradient row assembled from the stacked
-        gradients, after every activation is freed) holds beyond `program_static_bytes - fixed_bytes`
-        (`planner.memory.assemble_bytes`); `program_bytes` is the larger of the two phases.
+    activation_bytes: bytes per element in which the compiled program holds activations other than
+        what the blocks keep for their backward pass (0: compute_bytes; the kept values and the
+        stacked gradients are stored in the compute dtype). XLA:CPU has no bf16 arithmetic: it
+        computes bf16 values in fp32, so a bf16 program compiled for CPU devices holds its block
+        working set in 4 bytes (`dhp bench memory` on CPU).
+    backward_bytes: gradient bytes that exist in the blocks' phase of the group program (the
+        decoder's stacked block gradients and the LM head's; `planner.memory.backward_bytes`).
+    assemble_bytes: gradient bytes of the program's last phase besides the row: every gradient
+        piece the row is concatenated from and the embedding's and LM head's accumulators
+        (`planner.memory.assemble_bytes`). That phase holds no activations; `program_bytes` is
+        the larger of the two phases.
     """
 
     a1: float
@@ -178,7 +181,7 @@ class CostModel:
     usable_bytes: float = 0.0
     fixed_bytes: float = 0.0
     activation_bytes: int = 0
-    stacked_params: float = 0.0
+    backward_bytes: float = 0.0
     assemble_bytes: float = 0.0
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
@@ -275,13 +278,13 @@ class CostModel:
         # phases (the loss before the blocks' backward pass, the tiles inside one block's), so the
         # larger of the two counts
         fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m))
-        stacked = float(engine_memory.block_params(m))
-        static = (engine_memory.program_static_bytes(params, el, stacked, ab) + fixed
-                  + engine_memory.state_bytes(params, shards))
-        assemble = engine_memory.assemble_bytes(m, el, ab)
+        backward = engine_memory.backward_bytes(m, el, ab)
+        assemble = engine_memory.assemble_bytes(params, m, el, ab)
+        static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
         budget = usable - static
-        if static - fixed + assemble > usable:      # the last phase (no activations) must fit too
-            budget = min(budget, usable - (static - fixed + assemble))
+        last = engine_memory.program_static_bytes(params, el, assemble) + engine_memory.state_bytes(params, shards)
+        if last > usable:                            # the last phase (no activations) must fit too
+            budget = min(budget, usable - last)
         if budget <= 0 and not require_fit:
             budget = 1.0
         elif budget <= 0:
@@ -292,12 +295,12 @@ class CostModel:
             a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
             lat_inter=m.layers * passes * hw.lat_inter,
-            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, ab)),
+            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, el, ab)),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
-            fixed_bytes=float(fixed), activation_bytes=ab, stacked_params=stacked, assemble_bytes=assemble,
+            fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
             bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
             padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
@@ -315,8 +318,8 @@ class CostModel:
     @property
     def program_static_bytes(self) -> float:
         """Token-independent bytes of a group program (params in, gradient row out, fixed temps)."""
-        return engine_memory.program_static_bytes(self.param_count, self.compute_bytes, self.stacked_params,
-                                                  self.activation_bytes or self.compute_bytes) + self.fixed_bytes
+        return engine_memory.program_static_bytes(self.param_count, self.compute_bytes,
+                                                  self.backward_bytes) + self.fixed_bytes
 
     @property
     def static_bytes(self) -> float:
@@ -326,8 +329,8 @@ class CostModel:
     def program_bytes(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
         """Bytes per device of the group program holding these sequences: what XLA's
         `memory_analysis()` of the compiled program reports (arguments + outputs + temp - aliases)."""
-        blocks = self.program_static_bytes + self.memory(lengths, degree)
-        return max(blocks, self.program_static_bytes - self.fixed_bytes + self.assemble_bytes)
+        last = engine_memory.program_static_bytes(self.param_count, self.compute_bytes, self.assemble_bytes)
+        return max(self.program_static_bytes + self.memory(lengths, degree), last)
 
     # ------------------------------------------------------------------ the model
     def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None

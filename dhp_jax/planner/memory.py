@@ -5,22 +5,27 @@ The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) hold
 - state (outside the group program): fp32 master params, AdamW's two fp32 moments and the fp32
   gradient accumulator, each a 1/`state_shards` shard of the flat vector:
   `STATE_BYTES_PER_PARAM` x P / state_shards;
-- the group program's static part: the gathered params and the gradient row it returns, both in
-  the compute dtype (2 x P x cb), plus the gradient leaves the row is assembled from: the blocks'
-  gradients stacked by the backward scans (`block_params` x ab, ab = the width of the loop state,
-  `CostModel.activation_bytes`) and the others (x cb);
-- one loss chunk's logits (`fixed_bytes`: the LM head and cross entropy run over token chunks), or
-  the ring's tile workspace if larger (they are live in different phases);
+- the group program in two phases. Both hold the gathered params and the gradient row it returns,
+  in the compute dtype (2 x P x cb; XLA allocates the outputs for the whole program). The blocks'
+  phase (the peak is a decoder block's backward pass) adds the gradients that exist by then
+  (`backward_bytes`: the decoder's stacked block gradients, kept in the compute dtype by the
+  block scans' own VJP and stored bit-cast, so no compiler widens them, and the LM head's), one
+  loss chunk's logits or the ring's tile workspace (`fixed_bytes`) and the activations. The last
+  phase (no activations) concatenates the row from the gradient pieces (`assemble_bytes`: all P
+  of them, plus the embedding's and the LM head's accumulators before their conversion);
+- `fixed_bytes`: one loss chunk's logits (the LM head and cross entropy run over token chunks), or
+  the ring's tile workspace if larger (they are live in different parts of the blocks' phase);
 - activations, linear in the rank's local tokens S_l = S / d: `activation_bytes_per_token` below.
   Attention holds O(S_l x tile) temporaries (custom-VJP tiled ring: output + log-sum-exp per query
   saved), so attention adds a per-token term, not S_l^2.
 
-Counts are per local token and in elements of ab bytes (the compute dtype's, or 4 for a bf16
-program compiled by XLA:CPU, which computes bf16 in fp32 and keeps the loop state in fp32) unless
-marked fp32. The blocks run as scans (`dhp_jax.model.mllm.block_stack`); the recompute policy
-(`MLLMConfig.remat`) decides what a block keeps for its backward pass: "layer" keeps the block
-input only; "selective" keeps the outputs of the block's weight GEMMs; "none" keeps every
-intermediate. One block is live at a time in the backward loop (its working set).
+Counts are per local token. What the blocks keep for their backward pass is loop state of the
+block scans (`dhp_jax.model.mllm.block_stack`), stored in the compute dtype (cb bytes; bit-cast,
+so no compiler widens it); the working set of the one block live at a time and the rest are in
+elements of ab bytes (`CostModel.activation_bytes`: the compute dtype's, or 4 for a bf16 program
+compiled by XLA:CPU, which computes bf16 in fp32) unless marked fp32. The recompute policy
+(`MLLMConfig.remat`) decides what a block keeps: "layer" keeps the block input only; "selective"
+keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate.
 """
 
 from __future__ import annotations
@@ -51,15 +56,17 @@ def _attention_fp32(heads: int, head_dim: int) -> int:
     return heads * head_dim + 3 * heads
 
 
-def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int) -> float:
-    """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape)."""
+def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activation_bytes: int | None = None) -> float:
+    """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
+    the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same)."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
-    cb = float(compute_bytes)
+    kb = float(compute_bytes)
+    cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     dec_kept, dec_work = _block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, remat)
     vit_kept, vit_work = _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
                                 m.vision_intermediate, remat)
-    kept = cb * (m.layers * dec_kept + m.vision_layers * vit_kept)
+    kept = kb * (m.layers * dec_kept + m.vision_layers * vit_kept)
     attn_f32 = 4.0 * max(_attention_fp32(m.heads, m.head_dim), _attention_fp32(m.vision_heads, m.vision_head_dim))
     if remat == "none":
         kept += 4.0 * (m.layers * _attention_fp32(m.heads, m.head_dim)
@@ -98,28 +105,27 @@ def stack_params(m: Any) -> tuple[int, int]:
     return dec, vis
 
 
-def block_params(m: Any) -> int:
-    """Parameters of the decoder and vision blocks (the scanned stacks): the rest of `engine_params`
-    is the embedding, LM head, patch embedding, projector and final norms."""
-    return sum(stack_params(m))
+def backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
+    """Gradient bytes that exist while the decoder blocks run backward (the peak of the blocks'
+    phase): the decoder's stacked block gradients (compute dtype) and the LM head's, summed over
+    the loss chunks in the loop state (`activation_bytes`); the embedding's, the vision stack's
+    and the projector's come after."""
+    return float(stack_params(m)[0] * compute_bytes + m.vocab * m.hidden * activation_bytes)
 
 
-def assemble_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
-    """Bytes the program's last phase holds beyond its static bytes (less `fixed_bytes`): when the
-    loop state is wider than the compute dtype (XLA:CPU), a stack's stacked gradients are converted
-    to the compute dtype for the gradient row, one stack at a time, so the larger stack's
-    gradients exist twice. This phase holds no activations."""
-    return float(max(stack_params(m)) * compute_bytes) if activation_bytes != compute_bytes else 0.0
+def assemble_bytes(params: float, m: Any, compute_bytes: int, activation_bytes: int) -> float:
+    """Gradient bytes of the program's last phase besides the row (no activations): every piece the
+    row is concatenated from (P x compute bytes), and the embedding's and the LM head's gradients
+    as accumulated (scatter-add over tokens, sum over loss chunks, in `activation_bytes`) before
+    they are converted into their pieces."""
+    return float(params * compute_bytes + 2 * m.vocab * m.hidden * activation_bytes)
 
 
-def program_static_bytes(params: float, compute_bytes: int, stacked_params: float = 0.0,
-                         activation_bytes: int | None = None) -> float:
-    """Token-independent bytes of the group program: params in and gradient row out (compute
-    dtype), plus the gradient leaves it assembles the row from: the blocks' gradients are stacked
-    by the backward scan in the loop-state dtype (`activation_bytes`), the others in the compute
-    dtype."""
-    ab = compute_bytes if activation_bytes is None else activation_bytes
-    return 3.0 * params * compute_bytes + stacked_params * (ab - compute_bytes)
+def program_static_bytes(params: float, compute_bytes: int, gradient_bytes: float) -> float:
+    """Token-independent bytes of the group program: params in and the gradient row out, in the
+    compute dtype (XLA allocates the outputs for the whole program), plus `gradient_bytes` of the
+    gradients that exist at the time (`backward_bytes` or `assemble_bytes`)."""
+    return 2.0 * params * compute_bytes + gradient_bytes
 
 
 def state_bytes(params: float, state_shards: int) -> float:

@@ -81,6 +81,11 @@ def pack_inputs(layout: GroupLayout) -> tuple[np.ndarray, np.ndarray]:
     return ints, floats
 
 
+def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
+    """(params prefix, block count, vision) of the model's scanned block stacks."""
+    return (("vision_layers_", config.vision_layers, True), ("layers_", config.num_layers, False))
+
+
 def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
                   attn: Callable[..., jax.Array] | None = None):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
@@ -88,6 +93,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
 
     `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`)."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
+    cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
 
     def body(flat, ints, floats):
         s_l = ints.shape[0]
@@ -99,18 +105,19 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
         batch["pixels"] = floats[:, :config.patch_dim]
         weights = floats[:, config.patch_dim]
 
-        def loss_sum(f):
-            # the block stacks run as scans over rows of `f` (no copy of the params)
-            stacks = tuple(block_stack(config, *layout.rows(f, prefix, count), vision, attn)
-                           for prefix, count, vision in (("vision_layers_", config.vision_layers, True),
-                                                         ("layers_", config.num_layers, False)))
-            return chunked_loss_sum(config, layout.unravel(f), batch, cols["targets"], weights, attn,
-                                    stacks=stacks)
+        def loss_sum(pieces):
+            # the block stacks run as scans over rows of their pieces (no copy of the params)
+            stacks = tuple(block_stack(config, *layout.piece_rows(pieces, cuts, prefix, count), vision, attn)
+                           for prefix, count, vision in stacks_of(config))
+            return chunked_loss_sum(config, layout.unravel_pieces(pieces, cuts), batch, cols["targets"], weights,
+                                    attn, stacks=stacks)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
-        # reduction is the reduce-scatter over the full mesh after the group program.
-        value, grads = jax.value_and_grad(loss_sum)(flat)
-        return jnp.stack([value, jnp.sum(weights)])[None], grads[None]
+        # reduction is the reduce-scatter over the full mesh after the group program. The
+        # gradient is taken piece by piece (the stacks' pieces get their stacked gradients as
+        # they are) and the row is their concatenation: no zero-padded parts summed.
+        value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
+        return jnp.stack([value, jnp.sum(weights)])[None], jnp.concatenate(grads)[None]
 
     return body
 

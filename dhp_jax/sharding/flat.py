@@ -4,7 +4,9 @@ The train state lives as flat vectors `x[P_pad]` sharded `P("dp")` over the full
 elements [r P_pad/N, (r+1) P_pad/N). Leaves are laid end to end in the natural order of their
 paths (`layers_2` before `layers_10`), so the blocks of a stack ("layers_0", "layers_1", ...) are
 rows of one [count, block size] matrix (`rows`): the group program scans over them without a
-copy. The tail (P_pad - P < N elements) is zero; its gradient is zero, so AdamW keeps it at zero. The
+copy. The group program differentiates with respect to the flat vector cut into pieces at the
+stacks' bounds (`cuts`, `split`): the stacks' gradients come out stacked and are joined with the
+others by one concatenation. The tail (P_pad - P < N elements) is zero; its gradient is zero, so AdamW keeps it at zero. The
 executor gathers the flat vector (in the compute dtype) once per step and reduce-scatters the
 groups' flat gradients back into these shards.
 """
@@ -88,9 +90,10 @@ class FlatLayout:
         return jax.tree.unflatten(self.treedef, [flat[offsets[i]:offsets[i] + n].reshape(sh)
                                                  for i, (n, sh) in enumerate(zip(self.sizes, self.shapes))])
 
-    def rows(self, flat: jax.Array, prefix: str, count: int) -> tuple[jax.Array, Any]:
-        """The blocks `prefix0` .. `prefix{count-1}` of `flat` as rows[count, n] (a slice and a
-        reshape, no copy), and a function from one row to that block's params subtree."""
+    def stack(self, prefix: str, count: int) -> tuple[int, int, Any]:
+        """The blocks `prefix0` .. `prefix{count-1}` as rows of one [count, n] matrix at offset
+        `start` of the flat vector: (start, n, a function from one row to that block's params
+        subtree)."""
         offsets = self._offsets()
         members = [[i for i in self.order if self.paths[i].startswith(f"{prefix}{b}/")] for b in range(count)]
         if not members[0]:
@@ -114,7 +117,52 @@ class FlatLayout:
                 d[keys[-1]] = row[o:o + size].reshape(shape)
             return out
 
+        return start, n, tree
+
+    def rows(self, flat: jax.Array, prefix: str, count: int) -> tuple[jax.Array, Any]:
+        """The blocks `prefix0` .. `prefix{count-1}` of `flat` as rows[count, n] (a slice and a
+        reshape, no copy), and a function from one row to that block's params subtree."""
+        start, n, tree = self.stack(prefix, count)
         return flat[start:start + count * n].reshape(count, n), tree
+
+    def cuts(self, stacks: Any) -> tuple[int, ...]:
+        """The offsets where `split` cuts the flat vector: 0, then each stack's start and end
+        (`stacks`: (prefix, count) pairs), in order."""
+        bounds = set()
+        for prefix, count in stacks:
+            start, n, _ = self.stack(prefix, count)
+            bounds |= {start, start + count * n}
+        return tuple(sorted(bounds | {0}))
+
+    def split(self, flat: jax.Array, cuts: tuple[int, ...]) -> tuple[jax.Array, ...]:
+        """`flat[P_pad]` cut at `cuts` (`FlatLayout.cuts`) into pieces; `jnp.concatenate` joins
+        them again. Differentiating with respect to the pieces gives each its own gradient, joined
+        by a concatenation (no arithmetic) instead of a sum of zero-padded parts."""
+        ends = (*cuts[1:], self.padded)
+        return tuple(flat[a:b] for a, b in zip(cuts, ends) if b > a)
+
+    def unravel_pieces(self, pieces: Any, cuts: tuple[int, ...]) -> Any:
+        """`unravel` of the flat vector `split` into `pieces` at `cuts`, reading every leaf from the
+        piece that holds it (a leaf across a cut is an error)."""
+        ends = (*cuts[1:], self.padded)
+        spans = [(a, b) for a, b in zip(cuts, ends) if b > a]
+        offsets, leaves = self._offsets(), []
+        for i, (n, sh) in enumerate(zip(self.sizes, self.shapes)):
+            o = offsets[i]
+            j = next(j for j, (a, b) in enumerate(spans) if a <= o < b or (n == 0 and a <= o <= b))
+            a, b = spans[j]
+            if o + n > b:
+                raise ValueError(f"leaf {self.paths[i]} crosses the cut at {b}")
+            leaves.append(pieces[j][o - a:o - a + n].reshape(sh))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def piece_rows(self, pieces: Any, cuts: tuple[int, ...], prefix: str, count: int) -> tuple[jax.Array, Any]:
+        """`rows` of the flat vector `split` into `pieces` at `cuts` (a stack is one piece)."""
+        start, n, tree = self.stack(prefix, count)
+        if start not in cuts or (start + count * n < self.padded and start + count * n not in cuts):
+            raise ValueError(f"the stack {prefix}* is not a piece of the split at {cuts}")
+        j = [c for c, e in zip(cuts, (*cuts[1:], self.padded)) if e > c].index(start)
+        return pieces[j].reshape(count, n), tree
 
 
 def _natural(path: str) -> tuple:
