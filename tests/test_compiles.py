@@ -323,10 +323,10 @@ def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind
 
     fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     batches = []
-    for i in range(8):
+    for i in range(12):    # 4 calibration batches, then 8 runs: enough that kinds chosen per group put two kinds on some shape
         s = make_dataset("openvid", 512, 700 + i, vision="internvl")
         batches.append((sample_lengths(s), sample_etas(s)))
-    cal, runs = batches[:3], batches[3:]
+    cal, runs = batches[:4], batches[4:]
     budget = 24
     menu = fit_menu(fine, cal, 64, budget=budget, max_degrees=8, kind_per=kind_per)
     assert menu.num_programs <= budget and set(menu.kinds) == {(d, b) for d in menu.buckets for b in menu.buckets[d]}
