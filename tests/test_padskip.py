@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.data import random_samples
-from dhp_jax.data.layout import bucket_length, pack_group
+from dhp_jax.data.layout import bucket_length, chunk_size, linear_tokens, pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.mllm import live_chunks
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
@@ -87,9 +87,13 @@ def test_computed_chunks_per_rank_are_ceil_of_real_tokens(setup):
         seg = jax.device_put(lay.segment_ids, NamedSharding(mesh, P(CP_AXIS)))
         count = jax.jit(jax.shard_map(lambda s: jnp.sum(live_chunks(s, CHUNK))[None], mesh=mesh,
                                       in_specs=P(CP_AXIS), out_specs=P(CP_AXIS)))(seg)
-        want = [math.ceil(r / CHUNK) for r in lay.real_per_shard]
+        c = chunk_size(lay.bucket // d, CHUNK)
+        want = [math.ceil(r / c) for r in lay.real_per_shard]
         assert np.asarray(count).tolist() == want
-        assert sum(want) < d * math.ceil(lay.bucket // d / CHUNK)    # padding chunks were skipped
+        assert sum(want) < d * math.ceil(lay.bucket // d / c)    # padding chunks were skipped
+        # what the cost model prices: the busiest shard's chunks
+        assert linear_tokens(lay.num_tokens, lay.bucket, d, CHUNK) == max(want) * c
+        assert linear_tokens([lay.num_tokens], [lay.bucket], [d], CHUNK).tolist() == [max(want) * c]
 
 
 def test_linear_chunk_is_checked():

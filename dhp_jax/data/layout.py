@@ -53,6 +53,7 @@ INT_ARRAYS = tuple(k for k in ARRAY_NAMES if k not in FLOAT_ARRAYS and k != "vis
 
 MIN_BUCKET = 16
 GROWTH = 2.0
+LINEAR_CHUNK = 256    # the executors' default pad-skipping chunk (tokens; `linear_tokens`)
 
 
 def _check_ladder(min_bucket: int, growth: float) -> None:
@@ -199,6 +200,34 @@ def real_counts(n: int, length: int, degree: int) -> np.ndarray:
     if n < 0 or length < n or length % (2 * degree):
         raise ValueError(f"a stream of {length} slots cannot hold {n} tokens in 2*{degree} chunks")
     return n // degree + (np.arange(degree) < n % degree).astype(np.int64)
+
+
+def chunk_size(shard: int, chunk: int) -> int:
+    """Rows per chunk when a shard of `shard` slots is cut into ceil(shard / chunk) equal chunks
+    (the last padded by fewer rows than there are chunks); the whole shard when `chunk` is 0."""
+    if chunk <= 0 or shard <= chunk:
+        return max(int(shard), 1)
+    return -(-int(shard) // -(-int(shard) // chunk))
+
+
+def linear_tokens(tokens: Any, padded: Any, degree: Any, chunk: int) -> Any:
+    """Tokens the linear layers of a group's busiest shard compute, for `tokens` real tokens in a
+    stream of `padded` slots on `degree` shards: the shard's S/d slots when `chunk` is 0, else its
+    ceil(tokens/d) real tokens (`real_counts`) rounded up to whole chunks of
+    `chunk_size(S/d, chunk)` rows (the executors skip the chunks of a shard's padding tail).
+    Plain numbers in, a float out (the planner's scalar path); arrays broadcast."""
+    if isinstance(tokens, (int, float)) and isinstance(padded, (int, float)) and isinstance(degree, (int, float)):
+        shard = padded / degree
+        if chunk <= 0:
+            return float(shard)
+        c = chunk_size(shard, chunk)
+        return float(math.ceil(math.ceil(tokens / degree) / c) * c)
+    n, p, d = (np.asarray(x, dtype=np.float64) for x in (tokens, padded, degree))
+    shard = p / d
+    if chunk <= 0:
+        return shard
+    c = np.where(shard <= chunk, np.maximum(shard, 1.0), np.ceil(shard / np.ceil(shard / chunk)))
+    return np.ceil(np.ceil(n / d) / c) * c
 
 
 def real_slots(n: int, length: int, degree: int) -> np.ndarray:

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dhp_jax.data.layout import chunk_size
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.model.config import MLLMConfig
 
@@ -143,11 +144,9 @@ class Block(nn.Module):
         return block_apply(self.variables["params"], x, ids, self, self.chunk)
 
 
-DEFAULT_LINEAR_CHUNK = 256     # the executors' default `MLLMConfig.linear_chunk` (tokens)
-
-
 def _split(x: jax.Array, chunk: int) -> jax.Array:
-    """x[S, ...] -> x[n, chunk, ...], zero rows appended to whole chunks."""
+    """x[S, ...] -> x[n, c, ...] with c = `chunk_size(S, chunk)`, zero rows appended to whole chunks."""
+    chunk = chunk_size(x.shape[0], chunk)
     n = -(-x.shape[0] // chunk)
     pad = n * chunk - x.shape[0]
     if pad:
@@ -160,13 +159,13 @@ def _merge(x: jax.Array, length: int) -> jax.Array:
 
 
 def live_chunks(segment: jax.Array, chunk: int) -> jax.Array:
-    """bool[n]: which chunks of `chunk` tokens hold a live token (segment > 0)."""
+    """bool[n]: which chunks (`chunk_size(S, chunk)` tokens) hold a live token (segment > 0)."""
     return jnp.any(_split(segment > 0, chunk), axis=1)
 
 
 def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 0) -> jax.Array:
     """One block on params `p` (a `layers_i` subtree): `Block`'s math with its token-local work in
-    chunks of `chunk` tokens, dead chunks skipped (`lax.cond`: zero q/k/v, the residual passed
+    chunks of at most `chunk` tokens (`chunk_size`), dead chunks skipped (`lax.cond`: zero q/k/v, the residual passed
     through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the `Block` fields
     num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
     s, dim = x.shape
@@ -190,6 +189,7 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
         return finish(x, shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd))
     live = live_chunks(ids.segment, chunk)
     xs, ps = _split(x, chunk), _split(ids.position, chunk)
+    chunk = xs.shape[1]
 
     def project_chunk(args):
         xc, pc, ok = args

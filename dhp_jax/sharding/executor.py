@@ -43,11 +43,12 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
+from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, LINEAR_CHUNK, MIN_BUCKET, MODEL_INPUTS, GroupLayout,
+                                  ladder,
                                   pack_group, planned_bucket)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
-from dhp_jax.model.mllm import DEFAULT_LINEAR_CHUNK, block_stack, chunked_loss_sum, init_params
+from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
 from dhp_jax.planner.kinds import RING, check_attention
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.flat import FlatLayout
@@ -124,7 +125,7 @@ class PlanExecutor:
     once per step, fp32 softmax statistics, loss and reductions). `attention_tile` is the ring's
     largest tile (tokens, `dhp_jax.sharding.tiles`); `attention`, if given, builds the attention
     function from (axis name, degree) instead of the tiled ring. `linear_chunk` (tokens, default
-    `DEFAULT_LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
+    `dhp_jax.data.layout.LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
     of a shard's padding tail (`MLLMConfig.linear_chunk`): a rank computes ceil(real / chunk)
     chunks, what `CostModel(pad_compute="skip")` prices.
     """
@@ -133,7 +134,7 @@ class PlanExecutor:
                  compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
-                 linear_chunk: int = DEFAULT_LINEAR_CHUNK) -> None:
+                 linear_chunk: int = LINEAR_CHUNK) -> None:
         if not isinstance(config, MLLMConfig):
             raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
         if compute_dtype not in COMPUTE_DTYPES:
