@@ -21,7 +21,11 @@ Inputs (one packed stream of S tokens, see `dhp_jax.data.layout`): `token_ids` i
   GQA: query head h uses kv head h // (H / KVH) (repeat-interleave);
   softmax(q k^T / sqrt(D) + mask) v; rows with no allowed key give 0; out = concat_heads @ o.kernel.
 - SwiGLU MLP: down(silu(gate(x)) * up(x)), no biases.
-- Block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)).
+- Block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)). With `MLLMConfig.linear_chunk`
+  > 0 everything but attention runs over chunks of the stream, and a chunk with no live token
+  (segment 0: padding; in the vision encoder, no vision token) is skipped (`block_apply`); live
+  rows are unchanged, and no result reads a dead row (masks exclude it, the loss weights it 0, the
+  decoder input takes vision rows only from vision tokens).
 - Vision encoder (per frame, bidirectional): v = pixels @ patch_embed.kernel + patch_embed.bias;
   `vision_layers` blocks (H = KVH = vision_heads) with ids (segment = frame_id,
   position = frame_position, span = frame_id), i.e. full attention inside a frame and rotary
