@@ -101,3 +101,29 @@ def test_linear_chunk_is_checked():
         PlanExecutor(C, linear_chunk=-1)
     with pytest.raises(ValueError, match="linear_chunk"):
         MLLMConfig.preset("tiny", linear_chunk=1.5)
+
+
+def test_skipped_chunks_are_never_computed():
+    """NaN in the rows of dead chunks: the full pass lets them into the real rows (0 * NaN in the
+    attention's p @ v), the chunked pass never reads them, forward or backward."""
+    from dhp_jax.model.attention import AttnIds, dense_attention
+    from dhp_jax.model.mllm import Block, block_apply
+
+    p = init_params(C, jax.random.key(0))["layers_0"]
+    s, real, chunk = 64, 21, 8                       # chunks 0-2 live, 3-7 dead
+    ids = AttnIds(jnp.asarray((np.arange(s) < real).astype(np.int32)), jnp.arange(s, dtype=jnp.int32),
+                  jnp.zeros(s, jnp.int32))
+    x = np.random.default_rng(0).normal(size=(s, C.d_model)).astype(np.float32)
+    x[3 * chunk:] = np.nan
+    blk = Block(C.num_heads, C.num_kv_heads, C.head_dim, C.d_ff, C.rope_base, C.rms_eps, dense_attention)
+
+    def real_sum(params, c):
+        return jnp.sum(block_apply(params, jnp.asarray(x), ids, blk, c)[:real])
+
+    assert not np.isfinite(float(real_sum(p, 0)))
+    value, grads = jax.value_and_grad(real_sum)(p, chunk)
+    assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    clean = x.copy()
+    clean[3 * chunk:] = 0.0                          # and the real rows are the unchunked block's
+    want = block_apply(p, jnp.asarray(clean), ids, blk, 0)[:real]
+    np.testing.assert_allclose(block_apply(p, jnp.asarray(x), ids, blk, chunk)[:real], want, rtol=1e-5, atol=1e-6)
