@@ -120,7 +120,7 @@ class Block(nn.Module):
         qkv = self.attn.project(self.attn_norm(xl), ids[live, 1])
         q, k, v = (t.new_zeros((x.shape[0],) + t.shape[1:]).index_copy(0, live, t) for t in qkv)
         o = attn(q, k, v, ids)[live]
-        h = xl + self.attn.o(o.reshape(live.numel(), -1))
+        h = xl + self.attn.o(o.reshape(live.numel(), self.attn.heads * self.attn.head_dim))
         return x.index_copy(0, live, h + self.mlp(self.mlp_norm(h)))
 
 
