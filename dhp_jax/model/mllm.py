@@ -194,6 +194,11 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     live = live_chunks(ids.segment, chunk)
     xs, ps = _split(x, chunk), _split(ids.position, chunk)
     chunk = xs.shape[1]
+    # the loops keep only each chunk's GEMM outputs for the backward pass (norms, rotary and the
+    # SwiGLU product are recomputed per chunk): a loop's residuals are materialised, where the
+    # one-pass block leaves elementwise work fused
+    keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    project, finish = jax.checkpoint(project, policy=keep), jax.checkpoint(finish, policy=keep)
 
     def project_chunk(args):
         xc, pc, ok = args
