@@ -74,14 +74,17 @@ class Attention(nn.Module):
         self.v = nn.Linear(dim, kv_heads * head_dim, bias=False)
         self.o = nn.Linear(heads * head_dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+    def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q[S, H, D], k, v[S, KVH, D] of (normed) rows x at positions pos, rotary applied."""
         s = x.shape[0]
         q = self.q(x).reshape(s, self.heads, self.head_dim)
         k = self.k(x).reshape(s, self.kv_heads, self.head_dim)
         v = self.v(x).reshape(s, self.kv_heads, self.head_dim)
-        pos = ids[:, 1]
-        q, k = rope(q, pos, self.rope_base), rope(k, pos, self.rope_base)
-        return self.o(attn(q, k, v, ids).reshape(s, self.heads * self.head_dim))
+        return rope(q, pos, self.rope_base), rope(k, pos, self.rope_base), v
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        q, k, v = self.project(x, ids[:, 1])
+        return self.o(attn(q, k, v, ids).reshape(x.shape[0], self.heads * self.head_dim))
 
 
 class SwiGLU(nn.Module):
@@ -105,8 +108,20 @@ class Block(nn.Module):
         self.mlp = SwiGLU(dim, d_ff)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), ids, attn)
-        return h + self.mlp(self.mlp_norm(h))
+        """h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)) on the live rows (ids segment > 0:
+        real tokens in the decoder, vision tokens in the vision encoder) only: the linear layers
+        skip padding, attention sees zero q/k/v there, and dead rows pass x through (as the JAX
+        model's skipped chunks; nothing reads them)."""
+        live = torch.nonzero(ids[:, 0] > 0, as_tuple=True)[0]
+        if live.numel() == x.shape[0]:
+            h = x + self.attn(self.attn_norm(x), ids, attn)
+            return h + self.mlp(self.mlp_norm(h))
+        xl = x[live]
+        qkv = self.attn.project(self.attn_norm(xl), ids[live, 1])
+        q, k, v = (t.new_zeros((x.shape[0],) + t.shape[1:]).index_copy(0, live, t) for t in qkv)
+        o = attn(q, k, v, ids)[live]
+        h = xl + self.attn.o(o.reshape(live.numel(), self.attn.heads * self.attn.head_dim))
+        return x.index_copy(0, live, h + self.mlp(self.mlp_norm(h)))
 
 
 class TorchMLLM(nn.Module):

@@ -283,11 +283,14 @@ def test_structure_round_trips_and_bad_values_are_named(tmp_path):
         c.replace(bucket_min=-1)
     with pytest.raises(ValueError, match="bucket_growth must be > 1"):
         c.replace(bucket_growth=1.0)
+    with pytest.raises(ValueError, match="linear_chunk must be an integer >= 0"):
+        c.replace(linear_chunk=-4)
 
 
 def test_accelerator_presets_price_the_padding_by_hand():
-    """Every preset prices the executor's bucket: pad tokens go through the linear layers, around
-    the ring and into memory; on accelerators attention stays that of the real samples."""
+    """Every preset prices the executor's bucket: pad tokens go around the ring and into memory,
+    through the linear layers only in the busiest rank's last real chunk (`linear_chunk`; all of
+    them with 0); on accelerators attention stays that of the real samples."""
     from dhp_jax.data.layout import bucket_length
 
     c = CostModel.preset("internvl3-8b", "ascend-910b")
@@ -297,9 +300,16 @@ def test_accelerator_presets_price_the_padding_by_hand():
     P = bucket_length(sum(lengths), d, c.bucket_min, c.bucket_growth)
     assert sum(lengths) < P <= c.max_tokens_per_rank * d  # a rung the memory clamp leaves alone
     A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
-    B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (P - sum(lengths))
     t_cm = c.kv_bytes_per_token / c.bw_intra * P * (d - 1) / d + c.lat_intra * (d - 1)
-    assert c.time(lengths, d, etas) == pytest.approx((A + B) / d + c.b1 + t_cm - min(A / d, t_cm), rel=1e-12)
+    # the executor skips its pad chunks: the busiest rank computes ceil(S/d) real tokens rounded up
+    # to chunks; P/d = 10924 slots cut into ceil(10924/256) = 43 chunks of 255 rows
+    assert c.linear_chunk == 256 and P // d == 10924
+    computed = {256: d * math.ceil(math.ceil(sum(lengths) / d) / 255) * 255, 0: P}
+    assert computed[256] == 3 * 27 * 255 < P
+    for chunk, W in computed.items():
+        B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (W - sum(lengths))
+        got = c.replace(linear_chunk=chunk).time(lengths, d, etas)
+        assert got == pytest.approx((A + B) / d + c.b1 + t_cm - min(A / d, t_cm), rel=1e-12)
     assert c.memory(lengths, d) == pytest.approx(P * c.mem_per_token / d)
     # the rung is clamped to the memory budget: padding never makes a fitting group overflow
     near = int(c.max_tokens_per_rank * 2) - 10

@@ -56,10 +56,29 @@ def test_pack_matches_independent_stream(degree):
     assert lay.num_loss_tokens == int(ref["loss_weights"].sum())
     for name, arr in lay.arrays().items():
         assert arr.shape[0] == lay.bucket, name
-        flat = lay.unpermute(arr)
-        np.testing.assert_array_equal(flat[:n], ref[name], err_msg=name)
-        assert not np.any(flat[n:]), f"{name} is not zero on padding"
+        np.testing.assert_array_equal(lay.tokens(arr), ref[name], err_msg=name)
+        pad = np.ones(lay.bucket, bool)
+        pad[lay.real_index] = False
+        assert not np.any(arr[pad]), f"{name} is not zero on padding"
     assert lay.sample_offsets == tuple(np.cumsum([0] + [s.num_tokens for s in samples[:-1]]))
+
+
+@pytest.mark.parametrize("degree", [1, 2, 3, 8])
+def test_padding_sits_at_the_end_of_every_shard_and_real_tokens_balance(degree):
+    for lengths in ([23, 1, 40, 9, 31], [3], [5, 2]):
+        samples = random_samples(C, lengths, seed=5)
+        for bucket in (None, bucket_length(sum(lengths), degree) + 4 * degree):
+            lay = pack_group(samples, degree, C, bucket=bucket)
+            n, shard = lay.num_tokens, lay.bucket // degree
+            real = lay.segment_ids.reshape(degree, shard) > 0
+            counts = real.sum(axis=1)
+            assert counts.tolist() == lay.real_per_shard.tolist() and counts.sum() == n
+            assert counts.max() - counts.min() <= 1 and counts.tolist() == sorted(counts, reverse=True)
+            for i in range(degree):                     # real prefix, padding tail
+                assert real[i, :counts[i]].all() and not real[i, counts[i]:].any()
+            # real tokens follow the stream (unpermuted) order, so the zigzag keeps its balance
+            stream_pos = lay.permutation[lay.real_index]
+            assert np.all(np.diff(stream_pos) > 0)
 
 
 def test_video_frames_and_spans():
@@ -69,13 +88,13 @@ def test_video_frames_and_spans():
                 Segment("image", 2, pixels=pix[:2]),
                 Segment("text", 3, token_ids=np.array([5, 6, 7], np.int32))))
     lay = pack_group([s], 1, C)
-    f = lay.unpermute(lay.frame_ids)[:14]
+    f = lay.tokens(lay.frame_ids)
     assert f.tolist() == [0, 0, 1, 1, 1, 2, 2, 2, 3, 4, 4, 0, 0, 0]
-    assert lay.unpermute(lay.frame_positions)[:14].tolist() == [0, 0, 0, 1, 2, 0, 1, 2, 0, 0, 1, 0, 0, 0]
-    assert lay.unpermute(lay.span_ids)[:14].tolist() == [0, 0] + [1] * 7 + [2] * 2 + [0] * 3
-    w = lay.unpermute(lay.loss_weights)[:14]
+    assert lay.tokens(lay.frame_positions).tolist() == [0, 0, 0, 1, 2, 0, 1, 2, 0, 0, 1, 0, 0, 0]
+    assert lay.tokens(lay.span_ids).tolist() == [0, 0] + [1] * 7 + [2] * 2 + [0] * 3
+    w = lay.tokens(lay.loss_weights)
     assert w.tolist() == [1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0]
-    assert lay.unpermute(lay.targets)[:14].tolist() == [4] + [0] * 10 + [6, 7, 0]
+    assert lay.tokens(lay.targets).tolist() == [4] + [0] * 10 + [6, 7, 0]
 
 
 def test_dense_model_on_layout_equals_reference():

@@ -244,7 +244,8 @@ def test_allocation_prices_padded_groups_as_the_cost_model_does():
 @pytest.mark.parametrize("cost", [CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8),
                                   CostModel.preset("internvl3-8b", "ascend-910b").replace(padded_attention=True,
                                                                                            comm_overlap=False),
-                                  FLEXSP], ids=["padded", "dense-padded", "unpadded"])
+                                  CostModel.preset("internvl3-8b", "ascend-910b").replace(linear_chunk=0),
+                                  FLEXSP], ids=["padded", "dense-padded", "pad-computed", "unpadded"])
 def test_tabulated_group_times_are_the_cost_models_floats(cost):
     # the allocation's tables must give exactly CostModel.group_times' floats (not merely close ones):
     # a last-bit difference can flip a comparison and change a plan

@@ -3,9 +3,16 @@
 Pure NumPy (no jax): the JAX sharding compiler and the torch backend both consume it.
 
 `pack_group(samples, degree, config)` concatenates the group's samples in the given order into one
-stream of `num_tokens` real tokens, pads it to `bucket_length(num_tokens, degree)` and permutes it
-with the zigzag order for `degree`. All per-token arrays below are in that final (permuted) order,
-length S = bucket; shard i of a degree-d group is `array[i*S/d:(i+1)*S/d]`.
+sequence of `num_tokens` real tokens and lays it out in a stream of S = `bucket_length(num_tokens,
+degree)` slots permuted with the zigzag order for `degree`. All per-token arrays below are in that
+final (permuted) order, length S; shard i of a degree-d group is `array[i*S/d:(i+1)*S/d]`.
+
+Where the padding goes (`real_slots`): every shard holds n // d or n // d + 1 real tokens (the
+first n % d shards one more) as a prefix of the shard, its padding at the shard's end, so each
+rank has the same real work and can skip its pad tail (the executors' linear layers do, chunk by
+chunk). The real tokens fill, in order, the stream positions (unpermuted) left free by those
+tails: zigzag order, so the causal attention work stays balanced. `GroupLayout.real_index` is
+the slot of each real token in the permuted arrays; `tokens(x)` reads them back in order.
 
 Per-token arrays (`GroupLayout.arrays()`):
 - token_ids int32: text token ids (0 on vision and pad tokens);
@@ -22,7 +29,7 @@ Per-token arrays (`GroupLayout.arrays()`):
 - loss_weights float32: 1 on a text token whose next token (same sample) is text, else 0.
 
 The mask rule that goes with these ids is in `dhp_jax.model.attention`; because it reads ids
-and never stream order, the permutation and the padding change no result.
+and never stream order, the permutation and the padding (wherever it sits) change no result.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ INT_ARRAYS = tuple(k for k in ARRAY_NAMES if k not in FLOAT_ARRAYS and k != "vis
 
 MIN_BUCKET = 16
 GROWTH = 2.0
+LINEAR_CHUNK = 256    # the executors' default pad-skipping chunk (tokens; `linear_tokens`)
 
 
 def _check_ladder(min_bucket: int, growth: float) -> None:
@@ -186,16 +194,70 @@ def zigzag_permutation(length: int, degree: int) -> np.ndarray:
     return np.concatenate([np.arange(j * c, (j + 1) * c) for j in order]).astype(np.int64)
 
 
+def real_counts(n: int, length: int, degree: int) -> np.ndarray:
+    """Real tokens on each of the `degree` shards of a stream of `length` slots holding `n` tokens:
+    n // d each, one more on the first n % d shards (int64[degree])."""
+    if n < 0 or length < n or length % (2 * degree):
+        raise ValueError(f"a stream of {length} slots cannot hold {n} tokens in 2*{degree} chunks")
+    return n // degree + (np.arange(degree) < n % degree).astype(np.int64)
+
+
+def chunk_size(shard: int, chunk: int) -> int:
+    """Rows per chunk when a shard of `shard` slots is cut into ceil(shard / chunk) equal chunks
+    (the last padded by fewer rows than there are chunks); the whole shard when `chunk` is 0."""
+    if chunk <= 0 or shard <= chunk:
+        return max(int(shard), 1)
+    return -(-int(shard) // -(-int(shard) // chunk))
+
+
+def linear_tokens(tokens: Any, padded: Any, degree: Any, chunk: int) -> Any:
+    """Tokens the linear layers of a group's busiest shard compute, for `tokens` real tokens in a
+    stream of `padded` slots on `degree` shards: the shard's S/d slots when `chunk` is 0, else its
+    ceil(tokens/d) real tokens (`real_counts`) rounded up to whole chunks of
+    `chunk_size(S/d, chunk)` rows (the executors skip the chunks of a shard's padding tail).
+    Plain numbers in, a float out (the planner's scalar path); arrays broadcast."""
+    if isinstance(tokens, (int, float)) and isinstance(padded, (int, float)) and isinstance(degree, (int, float)):
+        shard = padded / degree
+        if chunk <= 0:
+            return float(shard)
+        c = chunk_size(shard, chunk)
+        return float(math.ceil(math.ceil(tokens / degree) / c) * c)
+    n, p, d = (np.asarray(x, dtype=np.float64) for x in (tokens, padded, degree))
+    shard = p / d
+    if chunk <= 0:
+        return shard
+    c = np.where(shard <= chunk, np.maximum(shard, 1.0), np.ceil(shard / np.ceil(shard / chunk)))
+    return np.ceil(np.ceil(n / d) / c) * c
+
+
+def real_slots(n: int, length: int, degree: int) -> np.ndarray:
+    """int64[n]: the slot, in the permuted (device-order) stream, of real token k of the group.
+
+    Shard i holds `real_counts` r_i real tokens as its prefix and r_i..S/d-1 as padding; real
+    tokens take the free stream positions in increasing (unpermuted) order, so token k precedes
+    token k+1 in the zigzag stream."""
+    perm = zigzag_permutation(length, degree)
+    shard = length // degree
+    real = (np.arange(length) % shard) < np.repeat(real_counts(n, length, degree), shard)  # permuted order
+    free = np.empty(length, bool)
+    free[perm] = real                                    # the same mask in stream (unpermuted) order
+    inverse = np.empty(length, np.int64)
+    inverse[perm] = np.arange(length)
+    return inverse[np.flatnonzero(free)]
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class GroupLayout:
-    """One group's packed stream (arrays already zigzag-permuted and padded to `bucket`)."""
+    """One group's packed stream (arrays already zigzag-permuted and padded to `bucket`; real
+    token k sits at slot `real_index[k]`, see `real_slots`)."""
 
     degree: int
     bucket: int
     num_tokens: int
     num_loss_tokens: int
     permutation: np.ndarray
-    sample_offsets: tuple[int, ...]
+    sample_offsets: tuple[int, ...]       # offset of each sample among the real tokens (`tokens`)
+    real_index: np.ndarray
     token_ids: np.ndarray
     pixels: np.ndarray
     vision_mask: np.ndarray
@@ -212,10 +274,19 @@ class GroupLayout:
         return {k: getattr(self, k) for k in ARRAY_NAMES}
 
     def unpermute(self, x: np.ndarray) -> np.ndarray:
-        """Back to the packed (unpermuted) order along axis 0."""
+        """Back to the stream (unpermuted) order along axis 0, padding slots included."""
         out = np.empty_like(x)
         out[self.permutation] = x
         return out
+
+    def tokens(self, x: np.ndarray) -> np.ndarray:
+        """The real tokens' rows of a per-slot array (axis 0, permuted order), in sample order."""
+        return np.asarray(x)[self.real_index]
+
+    @property
+    def real_per_shard(self) -> np.ndarray:
+        """Real tokens on each shard (int64[degree]); shard i's padding is its last S/d - r_i slots."""
+        return real_counts(self.num_tokens, self.bucket, self.degree)
 
 
 def _where(sample: Sample, index: int) -> str:
@@ -251,11 +322,11 @@ def pack_group(samples: Sequence[Sample], degree: int, config: Any, *, bucket: i
     if bucket < n or bucket % (2 * degree):
         raise ValueError(f"bucket {bucket} cannot hold {n} tokens split in 2*{degree} chunks")
 
-    ids = np.zeros(bucket, np.int32)
-    pix = np.zeros((bucket, patch_dim), np.float32)
-    vis = np.zeros(bucket, bool)
-    seg, pos, span, frame, fpos, tgt = (np.zeros(bucket, np.int32) for _ in range(6))
-    w = np.zeros(bucket, np.float32)
+    ids = np.zeros(n, np.int32)
+    pix = np.zeros((n, patch_dim), np.float32)
+    vis = np.zeros(n, bool)
+    seg, pos, span, frame, fpos, tgt = (np.zeros(n, np.int32) for _ in range(6))
+    w = np.zeros(n, np.float32)
     offsets, off, n_span, n_frame = [], 0, 0, 0
     for si, s in enumerate(samples):
         offsets.append(off)
@@ -303,10 +374,14 @@ def pack_group(samples: Sequence[Sample], degree: int, config: Any, *, bucket: i
         w[start:off] = nxt
         if off - start > 1:
             tgt[start:off - 1] = np.where(nxt[:-1], ids[start + 1:off], 0)
-    perm = zigzag_permutation(bucket, degree)
     arr = {"token_ids": ids, "pixels": pix, "vision_mask": vis, "segment_ids": seg,
            "positions": pos, "span_ids": span, "frame_ids": frame, "frame_positions": fpos,
            "targets": tgt, "loss_weights": w}
-    arr = {k: np.ascontiguousarray(v[perm]) for k, v in arr.items()}
+    slots = real_slots(n, bucket, degree)
+    out = {}
+    for k, v in arr.items():                          # zeros on padding, each real token at its slot
+        out[k] = np.zeros((bucket,) + v.shape[1:], v.dtype)
+        out[k][slots] = v
     return GroupLayout(degree=degree, bucket=bucket, num_tokens=n, num_loss_tokens=int(w.sum()),
-                       permutation=perm, sample_offsets=tuple(offsets), **arr)
+                       permutation=zigzag_permutation(bucket, degree), sample_offsets=tuple(offsets),
+                       real_index=slots, **out)

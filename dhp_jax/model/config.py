@@ -24,6 +24,9 @@ class MLLMConfig:
     `remat`: recompute policy of every block in the backward pass ("none": keep everything;
     "layer": keep only each block's input; "selective": keep the block's GEMM outputs). It changes
     memory and time, never params or values, so checkpoints ignore it.
+    `linear_chunk`: tokens per chunk of every block's token-local work (norms, projections, MLP);
+    a chunk with no real token (padding) is skipped (`dhp_jax.model.mllm.block_apply`); 0: one
+    pass over the whole stream. Like `remat` it changes time, never values.
     """
 
     name: str = "tiny"
@@ -43,11 +46,12 @@ class MLLMConfig:
     rope_base: float = 10000.0
     rms_eps: float = 1e-6
     remat: str = "none"      # "none" | "layer" | "selective": jax.checkpoint around every block
+    linear_chunk: int = 0    # tokens per skippable chunk of the blocks' linear work (0: no chunks)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("name", "rope_base", "rms_eps", "remat"):
+            if f.name in ("name", "rope_base", "rms_eps", "remat", "linear_chunk"):
                 continue
             positive_int(v, f"MLLMConfig.{f.name}")
         if self.num_heads % self.num_kv_heads:
@@ -57,6 +61,8 @@ class MLLMConfig:
             raise ValueError("MLLMConfig: head_dim and vision_head_dim must be even (rotary halves)")
         if self.remat not in ("none", "layer", "selective"):
             raise ValueError(f"MLLMConfig.remat must be 'none', 'layer' or 'selective', got {self.remat!r}")
+        if isinstance(self.linear_chunk, bool) or not isinstance(self.linear_chunk, int) or self.linear_chunk < 0:
+            raise ValueError(f"MLLMConfig.linear_chunk must be an integer >= 0 (0: no chunks), got {self.linear_chunk!r}")
         if not self.rms_eps > 0 or not self.rope_base > 1:
             raise ValueError("MLLMConfig: rms_eps must be > 0 and rope_base > 1")
 

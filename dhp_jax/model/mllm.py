@@ -21,7 +21,11 @@ Inputs (one packed stream of S tokens, see `dhp_jax.data.layout`): `token_ids` i
   GQA: query head h uses kv head h // (H / KVH) (repeat-interleave);
   softmax(q k^T / sqrt(D) + mask) v; rows with no allowed key give 0; out = concat_heads @ o.kernel.
 - SwiGLU MLP: down(silu(gate(x)) * up(x)), no biases.
-- Block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)).
+- Block: h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)). With `MLLMConfig.linear_chunk`
+  > 0 everything but attention runs over chunks of the stream, and a chunk with no live token
+  (segment 0: padding; in the vision encoder, no vision token) is skipped (`block_apply`); live
+  rows are unchanged, and no result reads a dead row (masks exclude it, the loss weights it 0, the
+  decoder input takes vision rows only from vision tokens).
 - Vision encoder (per frame, bidirectional): v = pixels @ patch_embed.kernel + patch_embed.bias;
   `vision_layers` blocks (H = KVH = vision_heads) with ids (segment = frame_id,
   position = frame_position, span = frame_id), i.e. full attention inside a frame and rotary
@@ -54,7 +58,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from dhp_jax.data.layout import chunk_size
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.model.config import MLLMConfig
 
@@ -74,14 +80,18 @@ def rope(x: jax.Array, pos: jax.Array, base: float) -> jax.Array:
     return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
 
 
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+    """RMSNorm of x[..., d] (statistics in fp32 whatever the compute dtype)."""
+    xf = x.astype(jnp.float32)
+    return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(x.dtype) * scale
+
+
 class RMSNorm(nn.Module):
     eps: float
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        xf = x.astype(jnp.float32)                  # statistics in fp32 whatever the compute dtype
-        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(x.dtype) * scale
+        return rms_norm(x, self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32), self.eps)
 
 
 class Attention(nn.Module):
@@ -113,6 +123,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
+    """h = x + attn(attn_norm(x)); out = h + mlp(mlp_norm(h)) (the module docstring's math).
+
+    `chunk` > 0: the token-local work (norms, q/k/v projections and rotary, o projection, MLP)
+    runs over chunks of `chunk` tokens (`block_apply`), and a chunk with no live token
+    (`ids.segment > 0`: a real token in the decoder, a vision token in the vision encoder) is
+    skipped under `lax.cond`. Values of live rows are unchanged; dead rows are never read."""
+
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -120,12 +137,79 @@ class Block(nn.Module):
     rope_base: float
     eps: float
     attn_fn: AttentionFn
+    chunk: int = 0
 
     @nn.compact
     def __call__(self, x: jax.Array, ids: AttnIds) -> jax.Array:
-        h = x + Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base,
-                          self.attn_fn, name="attn")(RMSNorm(self.eps, name="attn_norm")(x), ids)
-        return h + SwiGLU(self.d_ff, name="mlp")(RMSNorm(self.eps, name="mlp_norm")(h))
+        if self.is_initializing():       # declares the parameter tree of the module docstring
+            h = x + Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.rope_base,
+                              self.attn_fn, name="attn")(RMSNorm(self.eps, name="attn_norm")(x), ids)
+            return h + SwiGLU(self.d_ff, name="mlp")(RMSNorm(self.eps, name="mlp_norm")(h))
+        return block_apply(self.variables["params"], x, ids, self, self.chunk)
+
+
+def _split(x: jax.Array, chunk: int) -> jax.Array:
+    """x[S, ...] -> x[n, c, ...] with c = `chunk_size(S, chunk)`, zero rows appended to whole chunks."""
+    chunk = chunk_size(x.shape[0], chunk)
+    n = -(-x.shape[0] // chunk)
+    pad = n * chunk - x.shape[0]
+    if pad:
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+    return x.reshape((n, chunk) + x.shape[1:])
+
+
+def _merge(x: jax.Array, length: int) -> jax.Array:
+    return x.reshape((-1,) + x.shape[2:])[:length]
+
+
+def live_chunks(segment: jax.Array, chunk: int) -> jax.Array:
+    """bool[n]: which chunks (`chunk_size(S, chunk)` tokens) hold a live token (segment > 0)."""
+    return jnp.any(_split(segment > 0, chunk), axis=1)
+
+
+def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 0) -> jax.Array:
+    """One block on params `p` (a `layers_i` subtree): `Block`'s math with its token-local work in
+    chunks of at most `chunk` tokens (`chunk_size`), dead chunks skipped (`lax.cond`: zero q/k/v, the residual passed
+    through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the `Block` fields
+    num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
+    s, dim = x.shape
+    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    a, m = p["attn"], p["mlp"]
+
+    def project(xc, pos):
+        y = rms_norm(xc, p["attn_norm"]["scale"], shape.eps)
+        q = (y @ a["q"]["kernel"]).reshape(-1, h, hd)
+        k = (y @ a["k"]["kernel"]).reshape(-1, kvh, hd)
+        v = (y @ a["v"]["kernel"]).reshape(-1, kvh, hd)
+        return rope(q, pos, shape.rope_base), rope(k, pos, shape.rope_base), v
+
+    def finish(xc, oc):
+        y = xc + oc @ a["o"]["kernel"]
+        z = rms_norm(y, p["mlp_norm"]["scale"], shape.eps)
+        return y + (jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"]
+
+    if chunk <= 0 or chunk >= s:
+        q, k, v = project(x, ids.position)
+        return finish(x, shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd))
+    live = live_chunks(ids.segment, chunk)
+    xs, ps = _split(x, chunk), _split(ids.position, chunk)
+    chunk = xs.shape[1]
+    # the loops keep only each chunk's GEMM outputs for the backward pass (norms, rotary and the
+    # SwiGLU product are recomputed per chunk): a loop's residuals are materialised, where the
+    # one-pass block leaves elementwise work fused
+    keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    project, finish = jax.checkpoint(project, policy=keep), jax.checkpoint(finish, policy=keep)
+
+    def project_chunk(args):
+        xc, pc, ok = args
+        dead = lambda xc, pc: (jnp.zeros((chunk, h, hd), x.dtype), jnp.zeros((chunk, kvh, hd), x.dtype),
+                               jnp.zeros((chunk, kvh, hd), x.dtype))
+        return lax.cond(ok, project, dead, xc, pc)
+
+    q, k, v = (_merge(t, s) for t in lax.map(project_chunk, (xs, ps, live)))
+    o = _split(shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd), chunk)
+    out = lax.map(lambda args: lax.cond(args[2], finish, lambda xc, oc: xc, args[0], args[1]), (xs, o, live))
+    return _merge(out, s)
 
 
 REMAT_POLICIES = ("none", "layer", "selective")
@@ -168,7 +252,7 @@ class MLLM(nn.Module):
             v = self.stacks[0](v, vis_ids)
         for i in range(0 if self.stacks is not None else c.vision_layers):
             v = block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
-                      c.rms_eps, self.attn_fn, name=f"vision_layers_{i}")(v, vis_ids)
+                      c.rms_eps, self.attn_fn, c.linear_chunk, name=f"vision_layers_{i}")(v, vis_ids)
         v = RMSNorm(c.rms_eps, name="vision_norm")(v)
         v = nn.Dense(c.d_model, name="proj_fc1")(v)
         v = nn.Dense(c.d_model, name="proj_fc2")(jax.nn.gelu(v, approximate=False))
@@ -179,7 +263,7 @@ class MLLM(nn.Module):
             x = self.stacks[1](x, ids)
         for i in range(0 if self.stacks is not None else c.num_layers):
             x = block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
-                      self.attn_fn, name=f"layers_{i}")(x, ids)
+                      self.attn_fn, c.linear_chunk, name=f"layers_{i}")(x, ids)
         x = RMSNorm(c.rms_eps, name="final_norm")(x)
         if not self.head:
             return x
@@ -208,7 +292,7 @@ def block_stack(config: MLLMConfig, rows: jax.Array, row_params: Callable[[jax.A
     c = config
     shape = ((c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff) if vision
              else (c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff))
-    block = Block(*shape, c.rope_base, c.rms_eps, attn_fn)
+    block = Block(*shape, c.rope_base, c.rms_eps, attn_fn, c.linear_chunk)
 
     def body(x, row, ids):
         return block.apply({"params": row_params(row)}, x, AttnIds(*ids))

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import ladders, rung_list, scalar_bucketer
+from dhp_jax.data.layout import ladders, linear_tokens, rung_list, scalar_bucketer
 from dhp_jax.planner.cost import CostModel
 
 
@@ -73,6 +73,7 @@ class _ScalarTime:
         self.mpd = cost.max_tokens_per_rank
         self.padded_attention = bool(cost.padded_attention)
         self.a1, self.a2 = cost.a1, cost.a2
+        self.chunk = int(cost.linear_chunk)
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
@@ -126,7 +127,7 @@ class _ScalarTime:
             P = np.ceil(rung / step) * step
             if self.padded_attention:
                 A = self.a1 * P * P
-            B = B + self.a2 * (P - S)
+            B = B + self.a2 * (df * linear_tokens(S, P, df, self.chunk) - S)
         else:
             P = S
         hidden = coef * (P * dm1 / df) + lat
@@ -158,7 +159,7 @@ class _ScalarTime:
             P = math.ceil(r / st) * st
             if self.padded_attention:
                 A = self.a1 * P * P
-            B = B + self.a2 * (P - S)
+            B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
             sent = P * (d - 1) / d if self.ring else P / d * (d - 1) / d
             comm = coef[d] * sent + lat[d]
             if self.overlap:
@@ -168,7 +169,7 @@ class _ScalarTime:
             P = self.bucket(S, d)  # = c.padded_length(S, d)
             if self.padded_attention:
                 A = self.a1 * P * P
-            B, S = B + self.a2 * (P - S), P
+            B, S = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S), P
         sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
         if d > self.rpn:
             comm = self.c_inter * sent + self.l_inter * (d - 1)
@@ -188,6 +189,7 @@ class _ScalarTime:
         lst, bisect_left, ceil = self.rungs, bisect.bisect_left, math.ceil
         rung: dict[int, float] = {}
         a1, a2, b1, dense, overlap = self.a1, self.a2, self.b1, self.padded_attention, self.overlap
+        chunk = self.chunk
         ring, clamped, padded = self.ring, self.mpd is not None, self.rungs is not None
         tables = self._degrees
 
@@ -209,7 +211,7 @@ class _ScalarTime:
                         r = Si
                 P = ceil(r / st) * st
                 Ai = a1 * P * P if dense else A[i]
-                Bi = B[i] + a2 * (P - Si)
+                Bi = B[i] + a2 * ((d * linear_tokens(Si, P, d, chunk) if chunk else P) - Si)
             else:
                 P, Ai, Bi = S[i], A[i], B[i]
             sent = P * (d - 1) / d if ring else P / d * (d - 1) / d

@@ -46,6 +46,14 @@ which is the paper's model above):
   clamped to the memory budget), the one bucket rule. With `bucket_min > 0` the pad tokens go
   through the linear layers and around the ring: B = sum_k (...) L_k + a2 (P - S), ring traffic of P
   tokens, memory P mem_per_token / d, where P is the padded length. Every preset prices it.
+- `linear_chunk` (C > 0): the executor skips the padding in the linear layers, chunk by chunk
+  (`dhp_jax.data.layout`: each rank holds ceil(S/d) or floor(S/d) real tokens as a prefix of its
+  shard, its padding at the end; chunks of at most C tokens with no real token are skipped). The
+  busiest rank then computes W/d = `layout.linear_tokens(S, P, d, C)` tokens, its real tokens
+  rounded up to whole chunks, so B = sum_k (...) L_k + a2 (W - S); ring traffic and memory stay on
+  the padded P. C = 0 prices the pad tokens in full (W = P). The accelerator presets set the
+  executors' default chunk (`layout.LINEAR_CHUNK`), which the JAX executor runs (the torch
+  executor skips every pad row, so the price is an upper bound there).
 - `padded_attention`: how attention treats the padded stream. True (XLA:CPU, the fitted CPU
   profiles): every (query, key) pair of each ring block is evaluated under a mask (zigzag chunks are
   almost never wholly masked), so A = a1 P^2 whatever the packing and eta. False (the accelerator
@@ -69,7 +77,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_lengths
+from dhp_jax.data.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET, bucket_lengths, linear_tokens
 from dhp_jax.planner import memory as engine_memory, presets
 from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import attention_split
@@ -120,6 +128,8 @@ class CostModel:
         compute is split min(d, lanes) ways; the ranks' fixed work b1 and ring latency lat (d-1) are
         multiplied by d / min(d, lanes).
     bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
+    linear_chunk: the executor's pad-skipping chunk, tokens (0: pad tokens go through the linear
+        layers; see the module docstring).
     padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
     bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
         that replace the ladder for their degrees; the planner then uses only these degrees.
@@ -170,6 +180,7 @@ class CostModel:
     compute_lanes: int | None = None
     bucket_min: int = 0
     bucket_growth: float = 2.0
+    linear_chunk: int = 0
     comm_overlap: bool = True
     padded_attention: bool = True
     bucket_menu: tuple = ()
@@ -213,6 +224,9 @@ class CostModel:
             if (int(deg), int(b)) not in on_menu:
                 raise ValueError(f"CostModel.menu_kinds: ({deg}, {b}) is not a program of bucket_menu")
             check_attention(kind, int(deg), self.num_heads)
+        lc = self.linear_chunk
+        if isinstance(lc, bool) or not isinstance(lc, (int, np.integer)) or lc < 0:
+            raise ValueError(f"CostModel.linear_chunk must be an integer >= 0 (0: pad tokens computed), got {lc!r}")
         for name in ("compute_bytes", "state_shards"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -301,7 +315,7 @@ class CostModel:
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
             fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
-            bucket_min=MIN_BUCKET, bucket_growth=GROWTH,
+            bucket_min=MIN_BUCKET, bucket_growth=GROWTH, linear_chunk=LINEAR_CHUNK,
             padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -371,7 +385,9 @@ class CostModel:
             P = self.padded_length(S, d)
             if self.padded_attention:
                 A = self.a1 * P * P       # dense blocks: every pair of the padded stream
-            B = B + self.a2 * (P - S)     # pad tokens go through the linear layers too
+            # the pad tokens the linear layers compute: all of them (linear_chunk 0), or the busiest
+            # rank's real tokens rounded up to whole chunks
+            B = B + self.a2 * (d * linear_tokens(S, P, d, self.linear_chunk) - S)
             S = P                         # and around the ring
         p = self.compute_divisor(d)
         ring_tok, a2a_tok, msgs, u = self.traffic(S, d, attention, ulysses)
@@ -524,7 +540,8 @@ class CostModel:
             kw["menu_kinds"] = tuple((int(deg), int(b), str(k)) for deg, b, k in kw["menu_kinds"])
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
-                                                                                  "compute_lanes", "bucket_min", "compute_bytes",
+                                                                                  "compute_lanes", "bucket_min", "linear_chunk",
+                                                                                  "compute_bytes",
                                                                                   "state_shards", "activation_bytes"):
                 kw[k] = float(v)
         return cls(**kw)

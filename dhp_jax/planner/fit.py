@@ -16,7 +16,8 @@ fitted when some points are Ulysses or hybrid groups. The structural terms of
 `base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d
 (and b1 and the ring latency multiplied by d/p),
 ring traffic simply adds when `base.comm_overlap` is False, and when `base.bucket_min` is set
-the features are those of the padded stream of length P (L1 = S = P, and A0 = P^2 with
+the features are those of the padded stream of length P (S = P, L1 = the tokens the linear layers
+compute, P or with `base.linear_chunk` the busiest rank's real chunks times d, and A0 = P^2 with
 `base.padded_attention`; see `CostModel`). The fit alternates between
 classifying the points with the current coefficients and a non-negative least-squares solve on
 relative errors, from a few starting points, and keeps the best. Coefficients no measurement
@@ -33,6 +34,7 @@ import numpy as np
 from scipy.optimize import least_squares, nnls
 
 from dhp_jax.checks import positive_int
+from dhp_jax.data.layout import linear_tokens
 from dhp_jax.planner.cost import CostModel
 
 _NAMES = ("a1", "a2", "a2_vision", "b1", "c_intra", "c_inter", "lat_intra", "lat_inter", "c_a2a")
@@ -65,14 +67,16 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
             P = float(base.padded_length(L.sum(), d))
             A0 = P * P if base.padded_attention else float(((1 + e) * L * L).sum())
             L1 = P
+            W = d * linear_tokens(float(L.sum()), P, d, base.linear_chunk)   # what the linear layers compute
         else:
             A0, L1 = float(((1 + e) * L * L).sum()), float(L.sum())
+            W = L1
         kind = m.get("attention", "ring")
         try:
             R, X, msgs, _ = (float(np.asarray(x)) for x in base.traffic(L1, d, kind))
         except ValueError as err:
             raise ValueError(f"measurement {i}: {err}") from None
-        rows.append((A0, L1, float((np.sqrt(e) * L).sum()), int(d), inter, t, R, X, msgs, kind == "ring"))
+        rows.append((A0, W, float((np.sqrt(e) * L).sum()), int(d), inter, t, R, X, msgs, kind == "ring"))
     A0, L1, V1, d, inter, t, R, X, msgs, ring = (np.array(c) for c in zip(*rows))
     d = d.astype(np.float64)
     return A0, L1, V1, d, inter.astype(bool), t, base.compute_divisor(d), _Traffic(R, X, msgs, ring.astype(bool))

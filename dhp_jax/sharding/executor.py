@@ -43,7 +43,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, MIN_BUCKET, MODEL_INPUTS, GroupLayout, ladder,
+from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, LINEAR_CHUNK, MIN_BUCKET, MODEL_INPUTS, GroupLayout,
+                                  ladder,
                                   pack_group, planned_bucket)
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
@@ -130,13 +131,17 @@ class PlanExecutor:
     `compute_dtype` is the dtype the groups compute in ("float32": exact; "bfloat16": params cast
     once per step, fp32 softmax statistics, loss and reductions). `attention_tile` is the ring's
     largest tile (tokens, `dhp_jax.sharding.tiles`); `attention`, if given, builds the attention
-    function from (axis name, degree) instead of the tiled ring.
+    function from (axis name, degree) instead of the tiled ring. `linear_chunk` (tokens, default
+    `dhp_jax.data.layout.LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
+    of a shard's padding tail (`MLLMConfig.linear_chunk`): a rank computes ceil(real / chunk)
+    chunks, what `CostModel(pad_compute="skip")` prices.
     """
 
     def __init__(self, config: MLLMConfig, devices: Sequence[jax.Device] | None = None, *,
                  compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
-                 attention: Callable[[str, int], Callable[..., jax.Array]] | None = None) -> None:
+                 attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
+                 linear_chunk: int = LINEAR_CHUNK) -> None:
         if not isinstance(config, MLLMConfig):
             raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
         if compute_dtype not in COMPUTE_DTYPES:
@@ -150,6 +155,10 @@ class PlanExecutor:
         ladder(1, min_bucket, growth)                 # rejects a bad ladder now, not mid-step
         self.min_bucket, self.growth = min_bucket, growth
         self.attention_tile, self._attention = positive_int(attention_tile, "attention_tile"), attention
+        if isinstance(linear_chunk, bool) or not isinstance(linear_chunk, int) or linear_chunk < 0:
+            raise ValueError(f"linear_chunk must be an integer >= 0 (0: no pad skipping), got {linear_chunk!r}")
+        self.linear_chunk = linear_chunk
+        self._program_config = dataclasses.replace(config, linear_chunk=linear_chunk)
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
             # most of the compile time (about 4x here) and buys little; other backends keep defaults.
@@ -274,7 +283,7 @@ class PlanExecutor:
     def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
         """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
         mesh, spec = self._mesh(devices, attention)
-        fn = jax.shard_map(group_program(self.config, degree, self.layout, self._attention_fn(degree, attention)),
+        fn = jax.shard_map(group_program(self._program_config, degree, self.layout, self._attention_fn(degree, attention)),
                            mesh=mesh, in_specs=(P(), spec, spec), out_specs=(spec, spec), check_vma=False)
         rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
         args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),

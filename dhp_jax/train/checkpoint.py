@@ -20,7 +20,7 @@ import orbax.checkpoint as ocp
 
 
 # Model fields that change how a step runs, never the params: a run may resume with another value.
-RUN_ONLY_MODEL_FIELDS = ("remat",)
+RUN_ONLY_MODEL_FIELDS = ("remat", "linear_chunk")
 
 
 class CheckpointError(ValueError):

@@ -6,9 +6,10 @@ without compiling anything:
 - executables per process: distinct (degree, padded_tokens, ranks, attention) touching each
   process of `--ranks-per-process` ranks (max and median), and their ratio to the programs it runs;
 - padded / real tokens summed over every group of every step (the bucket rule's waste);
-- simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset)
-  with the placement policy (`planner.programs.reuse_ranks`) and without it, and without padding
-  (with a menu also unpadded on the menu's degrees: the loss split between degrees and padding);
+- simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset,
+  pad tokens priced as the executor skips them: `CostModel.linear_chunk`) with the placement policy
+  (`planner.programs.reuse_ranks`) and without it, and without padding (with a menu also unpadded on
+  the menu's degrees: the loss split between degrees and padding);
 - with a menu whose programs carry their attention kinds (`--kinds`), the programs off the menu.
 `--compile` also compiles every program of a small run of the tiny model on 8 fake CPU devices
 (`PlanExecutor.executable`, ahead of time) and reports the compile seconds measured here.
@@ -126,6 +127,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
                     lengths, ranks, plain, etas=etas, degrees=menu_degrees).est_step_time_s))
     out = {"ranks": ranks, "steps": steps, "batch": batch, "dataset": dataset, "model": cost.model,
            "hardware": cost.hardware, "bucket_min": cost.bucket_min, "bucket_growth": cost.bucket_growth,
+           "linear_chunk": cost.linear_chunk,
            "menu": {str(d): list(b) for d, b in cost.bucket_menu} or None,
            "ranks_per_process": ranks_per_process, "padded_over_real": padded / real if real else None,
            "placement": placed.summary(), "no_placement": free.summary(),
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
             if out["menu"] else "")
     print(f"dhp bench compiles: {out['steps']} batches of {out['batch']} ({out['dataset']}) on {out['ranks']} ranks, "
           f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}"
-          f"{menu}; "
+          f"{menu}, pad skipped in chunks of {out['linear_chunk']} (0: computed); "
           f"planning {out['plan_ms_median']:.1f} ms/step median ({out['labels']['plan_ms']})")
     off = f" ({out['off_menu_programs']} off the menu)" if out.get("off_menu_programs") is not None else ""
     print(f"  programs (degree, padded tokens, attention kind): {p['programs']}{off}")

@@ -176,7 +176,8 @@ class Trainer:
         if (getattr(executor, "min_bucket", None) and self.plan_source.cost is not None
                 and not self.plan_source.full_size):
             # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
-            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth))
+            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth),
+                                          linear_chunk=int(getattr(executor, "linear_chunk", 0)))
             self.plan_source.cost = self.cost
         if not self.multi_process and self.plan_source.plans is None:
             from dhp_jax.planner.programs import ProgramCache
