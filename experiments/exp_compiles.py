@@ -34,13 +34,16 @@ DEFAULTS: dict[str, Any] = {
     "menu_max_degrees": 8,             # degrees a menu keeps (by token mass, plus 1 and all ranks)
     "kind_variants": ["degree", "group"],  # at kind_budget: kinds per degree, kinds chosen per group
     "degree_variants": [],             # at kind_budget: other menu_max_degrees
+    "menu_degree_set": "aligned",      # a menu's degrees: "aligned" (tile nodes, planner.menu.aligned_degrees) or "any"
+    "degree_set_variants": ["any"],    # at kind_budget: the other degree set
     "kind_budget": 64,
     "menu_growth": 1.1,
     "menu_calibration_batches": 60,
 }
 
-# issue targets at 64 ranks over 1,000 steps (the summary names the rows meeting all three)
-TARGETS = {"padded_over_real": 1.05, "programs": 64, "executables_per_program_per_process_max": 2.0}
+# issue targets at 64 ranks over 1,000 steps (the summary names the rows meeting all four)
+TARGETS = {"padded_over_real": 1.05, "programs": 64, "executables_per_program_per_process_max": 2.0,
+           "step_time_lost": 0.01}
 
 KIND_PER = {"bucket": "bucket", "degree": "degree", "group": None}
 
@@ -49,21 +52,31 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     for k in [p["menu_kinds"], *p["kind_variants"]]:
         if k not in KIND_PER:
             raise ValueError(f"compiles: menu kinds must be one of {sorted(KIND_PER)}, got {k!r}")
+    from dhp_jax.planner.menu import DEGREE_SETS
+
+    for v in [p["menu_degree_set"], *p["degree_set_variants"]]:
+        if v not in DEGREE_SETS:
+            raise ValueError(f"compiles: a menu's degree set must be one of {DEGREE_SETS}, got {v!r}")
     rows = []
     md, kb = p["menu_max_degrees"], p["kind_budget"]
-    settings = [(f"ladder {g:g}", g, None, None, None) for g in p["growths"]]
-    settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"], md) for b in p["menu_budgets"]]
-    settings += [(f"menu of {kb}, kinds per {k}", p["menu_growth"], kb, k, md) for k in p["kind_variants"]]
-    settings += [(f"menu of {kb}, {m} degrees", p["menu_growth"], kb, p["menu_kinds"], m) for m in p["degree_variants"]]
+    ds = p["menu_degree_set"]
+    settings = [(f"ladder {g:g}", g, None, None, None, None) for g in p["growths"]]
+    settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"], md, ds) for b in p["menu_budgets"]]
+    settings += [(f"menu of {kb}, kinds per {k}", p["menu_growth"], kb, k, md, ds) for k in p["kind_variants"]]
+    settings += [(f"menu of {kb}, {m} degrees", p["menu_growth"], kb, p["menu_kinds"], m, ds)
+                 for m in p["degree_variants"]]
+    settings += [(f"menu of {kb}, {v} degrees", p["menu_growth"], kb, p["menu_kinds"], md, v)
+                 for v in p["degree_set_variants"]]
     references: dict = {}  # the unpadded reference plans, shared by the rows
-    for name, g, budget, kinds, max_degrees in settings:
+    for name, g, budget, kinds, max_degrees, degree_set in settings:
         cost = cost_for(p["model"], p["hardware"], p["ranks_per_node"], g, p["min_bucket"])
         if budget:
             cost = menu_cost(cost, p["ranks"], p["menu_calibration_batches"], budget, p["batch"], p["dataset"],
-                             max_degrees, kind_per=KIND_PER[kinds])
+                             max_degrees, kind_per=KIND_PER[kinds], degree_set=degree_set)
         r = plan_run(cost, p["ranks"], p["steps"], p["batch"], p["dataset"], p["ranks_per_process"], True, seed,
                      references)
         row = {"rule": name, "growth": g, "menu_budget": budget, "menu_kinds": kinds, "menu_max_degrees": max_degrees,
+               "menu_degree_set": degree_set,
                "menu_degrees": [d for d, _ in cost.bucket_menu], "off_menu_programs": r.get("off_menu_programs"),
                "programs": r["placement"]["programs"], "padded_over_real": r["padded_over_real"],
                "executables_per_process_max": r["placement"]["executables_per_process_max"],
@@ -87,8 +100,9 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                   f"{100 * r['padding_step_time_lost']:+.1f} %)" if r.get("padding_step_time_lost") is not None else "")
                for r in rows]
     summary.append(f"settings meeting padded/real <= {t['padded_over_real']}, <= {t['programs']} programs over "
-                   f"{p['steps']} steps and <= {t['executables_per_program_per_process_max']}x executables per "
-                   f"program per process: {[r['rule'] for r in ok] or 'none'}")
+                   f"{p['steps']} steps, <= {t['executables_per_program_per_process_max']}x executables per "
+                   f"program per process and <= {100 * t['step_time_lost']:g} % step time lost: "
+                   f"{[r['rule'] for r in ok] or 'none'}")
     return {"label": f"simulated ({p['model']} on {p['hardware']} preset), counts from real plans, nothing compiled",
             "rows": rows, "summary": summary}
 

@@ -203,12 +203,33 @@ def _menu_kinds(buckets: Mapping[int, Sequence[int]], timed: Mapping[int, Sequen
     return out
 
 
+DEGREE_SETS = ("aligned", "any")
+
+
+def aligned_degrees(num_ranks: int, ranks_per_node: int) -> list[int]:
+    """Degrees that tile nodes: divisors of `ranks_per_node` (a group inside one node, placed on an
+    aligned block) and multiples of it (whole nodes). No group of these degrees leaves a partial node
+    behind, so device sets repeat and executables per process stay near the programs it runs."""
+    n, r = int(num_ranks), int(ranks_per_node)
+    if n < 1 or r < 1:
+        raise ValueError(f"aligned_degrees needs positive num_ranks and ranks_per_node, got {num_ranks}, {ranks_per_node}")
+    return [d for d in range(1, n + 1) if r % d == 0 or d % r == 0]
+
+
 def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64, max_degrees: int | None = 8,
-             kind_per: str | None = "bucket", **plan_options: Any) -> BucketMenu:
+             kind_per: str | None = "bucket", degree_set: str = "any", **plan_options: Any) -> BucketMenu:
     """Plan calibration `batches` (lists of samples, or (lengths, etas) pairs) with `cost` (a fine
     ladder) and fit a menu of at most `budget` programs to their groups, each program with one
     attention kind (`kind_per`: "bucket" or "degree", see `BucketMenu.fit`; None: kinds stay a
-    per-group choice, so a budget of programs does not bound the (degree, bucket, kind) programs)."""
+    per-group choice, so a budget of programs does not bound the (degree, bucket, kind) programs).
+    `degree_set`: "any" degree, or "aligned" (`aligned_degrees`: the calibration plans, hence the
+    menu, use only degrees that tile the cost model's nodes)."""
+    if degree_set not in DEGREE_SETS:
+        raise ValueError(f"fit_menu: degree_set must be one of {DEGREE_SETS}, got {degree_set!r}")
+    if degree_set == "aligned":
+        if "degrees" in plan_options:
+            raise ValueError("fit_menu: give either degree_set='aligned' or degrees=, not both")
+        plan_options["degrees"] = aligned_degrees(num_ranks, cost.ranks_per_node or num_ranks)
     from dhp_jax.data import sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
     from dhp_jax.planner.pricing import group_kind_times

@@ -50,6 +50,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kinds", choices=KINDS, default="bucket",
                         help="the menu's attention kinds: one per (degree, bucket) program (default), one per "
                              "degree, or chosen per group (then a program budget does not bound the programs)")
+    parser.add_argument("--degrees", choices=("aligned", "any"), default="aligned",
+                        help="the menu's degrees: those that tile nodes (divisors and multiples of "
+                             "--ranks-per-node; default) or any")
     parser.add_argument("--no-padding-baseline", action="store_true",
                         help="skip re-planning every batch unpadded (the step-time reference of the bucket rule)")
     parser.add_argument("--compile", action="store_true",
@@ -70,10 +73,11 @@ def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | Non
 
 
 def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int = 512, dataset: str = "openvid",
-              max_degrees: int | None = 8, kind_per: str | None = "bucket") -> Any:
+              max_degrees: int | None = 8, kind_per: str | None = "bucket", degree_set: str = "aligned") -> Any:
     """`cost` with a menu of `budget` programs fitted to `batches` calibration batches (seeds
     10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
-    with its one attention kind (`kind_per`, see `planner.menu.fit_menu`; None: chosen per group)."""
+    with its one attention kind (`kind_per`, see `planner.menu.fit_menu`; None: chosen per group), on
+    `degree_set` degrees ("aligned": those that tile nodes, `planner.menu.aligned_degrees`; "any")."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.menu import fit_menu
@@ -83,7 +87,7 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     for i in range(batches):
         samples = make_dataset(dataset, batch, 10_000_000 + i, vision=vision)
         cal.append((sample_lengths(samples), sample_etas(samples)))
-    return fit_menu(cost, cal, ranks, budget, max_degrees, kind_per).apply(cost)
+    return fit_menu(cost, cal, ranks, budget, max_degrees, kind_per, degree_set).apply(cost)
 
 
 def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str = "openvid",
@@ -204,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     cost = cost_for(args.model, args.hardware, args.ranks_per_node, args.growth, args.min_bucket)
     if args.menu:
         cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset, args.max_degrees,
-                         kind_per=None if args.kinds == "group" else args.kinds)
+                         kind_per=None if args.kinds == "group" else args.kinds, degree_set=args.degrees)
     out = plan_run(cost, args.ranks, args.steps, args.batch, args.dataset, args.ranks_per_process,
                    not args.no_padding_baseline)
     if args.compile:
