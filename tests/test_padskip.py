@@ -127,3 +127,17 @@ def test_skipped_chunks_are_never_computed():
     clean[3 * chunk:] = 0.0                          # and the real rows are the unchunked block's
     want = block_apply(p, jnp.asarray(clean), ids, blk, 0)[:real]
     np.testing.assert_allclose(block_apply(p, jnp.asarray(x), ids, blk, chunk)[:real], want, rtol=1e-5, atol=1e-6)
+
+
+def test_chunk_loops_keep_the_weights_as_loop_constants():
+    """The chunk loops' autodiff must not stack a block's weights once per chunk (a bare `lax.cond`
+    does: its forwarded operands become per-iteration residuals; internvl3-8b at 64k tokens compiled
+    29 GB larger): with 32 chunks per shard, the chunked group program is about as large as the
+    one-pass one."""
+    devices = jax.devices()
+    sizes = {}
+    for chunk in (0, 8):
+        ex = PlanExecutor(C, devices, linear_chunk=chunk)
+        m = ex.lower(2, 512, tuple(devices[:2])).compile().memory_analysis()
+        sizes[chunk] = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+    assert sizes[8] <= 1.2 * sizes[0], sizes

@@ -167,48 +167,73 @@ def live_chunks(segment: jax.Array, chunk: int) -> jax.Array:
     return jnp.any(_split(segment > 0, chunk), axis=1)
 
 
+def _skippable(live_fn: Callable, dead_fn: Callable) -> Callable:
+    """(params, ok, *xs) -> `live_fn(params, *xs)` if `ok` else `dead_fn(params, *xs)` (`lax.cond`),
+    with a VJP whose residuals are its inputs; the backward pass is the `lax.cond` of the two
+    pullbacks. Autodiff of a bare `lax.cond` keeps what the cond forwards (here every weight) as a
+    residual computed inside the loop over chunks, so that loop stacked each block's weights once per
+    chunk (XLA:CPU: 29 GB more for internvl3-8b at 64k tokens); a residual that is an input stays a
+    loop constant. The backward pass recomputes the chunk's forward work that its pullback reads
+    (what no pullback reads, e.g. the projections' outputs, is left to dead-code elimination)."""
+
+    @jax.custom_vjp
+    def run(params, ok, *xs):
+        return lax.cond(ok, live_fn, dead_fn, params, *xs)
+
+    def fwd(params, ok, *xs):
+        return run(params, ok, *xs), (params, ok, xs)
+
+    def bwd(res, ct):
+        params, ok, xs = res
+
+        def pull(fn):
+            return lambda c: jax.vjp(fn, params, *xs)[1](c)
+
+        grads = lax.cond(ok, pull(live_fn), pull(dead_fn), ct)
+        return (grads[0], None, *grads[1:])
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 0) -> jax.Array:
     """One block on params `p` (a `layers_i` subtree): `Block`'s math with its token-local work in
-    chunks of at most `chunk` tokens (`chunk_size`), dead chunks skipped (`lax.cond`: zero q/k/v, the residual passed
-    through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the `Block` fields
-    num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
+    chunks of at most `chunk` tokens (`chunk_size`), dead chunks skipped (`_skippable`: zero q/k/v,
+    the residual passed through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the
+    `Block` fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
     s, dim = x.shape
     h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    a, m = p["attn"], p["mlp"]
 
-    def project(xc, pos):
-        y = rms_norm(xc, p["attn_norm"]["scale"], shape.eps)
+    def project(pp, xc, pos):
+        a = pp["attn"]
+        y = rms_norm(xc, pp["attn_norm"]["scale"], shape.eps)
         q = (y @ a["q"]["kernel"]).reshape(-1, h, hd)
         k = (y @ a["k"]["kernel"]).reshape(-1, kvh, hd)
         v = (y @ a["v"]["kernel"]).reshape(-1, kvh, hd)
         return rope(q, pos, shape.rope_base), rope(k, pos, shape.rope_base), v
 
-    def finish(xc, oc):
+    def finish(pp, xc, oc):
+        a, m = pp["attn"], pp["mlp"]
         y = xc + oc @ a["o"]["kernel"]
-        z = rms_norm(y, p["mlp_norm"]["scale"], shape.eps)
+        z = rms_norm(y, pp["mlp_norm"]["scale"], shape.eps)
         return y + (jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"]
 
     if chunk <= 0 or chunk >= s:
-        q, k, v = project(x, ids.position)
-        return finish(x, shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd))
+        q, k, v = project(p, x, ids.position)
+        return finish(p, x, shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd))
     live = live_chunks(ids.segment, chunk)
     xs, ps = _split(x, chunk), _split(ids.position, chunk)
     chunk = xs.shape[1]
-    # the loops keep only each chunk's GEMM outputs for the backward pass (norms, rotary and the
-    # SwiGLU product are recomputed per chunk): a loop's residuals are materialised, where the
-    # one-pass block leaves elementwise work fused
-    keep = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-    project, finish = jax.checkpoint(project, policy=keep), jax.checkpoint(finish, policy=keep)
 
-    def project_chunk(args):
-        xc, pc, ok = args
-        dead = lambda xc, pc: (jnp.zeros((chunk, h, hd), x.dtype), jnp.zeros((chunk, kvh, hd), x.dtype),
-                               jnp.zeros((chunk, kvh, hd), x.dtype))
-        return lax.cond(ok, project, dead, xc, pc)
+    def no_project(pp, xc, pos):
+        return (jnp.zeros((chunk, h, hd), x.dtype), jnp.zeros((chunk, kvh, hd), x.dtype),
+                jnp.zeros((chunk, kvh, hd), x.dtype))
 
-    q, k, v = (_merge(t, s) for t in lax.map(project_chunk, (xs, ps, live)))
+    project_chunk = _skippable(project, no_project)
+    finish_chunk = _skippable(finish, lambda pp, xc, oc: xc)
+    q, k, v = (_merge(t, s) for t in lax.map(lambda a: project_chunk(p, a[2], a[0], a[1]), (xs, ps, live)))
     o = _split(shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd), chunk)
-    out = lax.map(lambda args: lax.cond(args[2], finish, lambda xc, oc: xc, args[0], args[1]), (xs, o, live))
+    out = lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live))
     return _merge(out, s)
 
 
