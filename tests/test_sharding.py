@@ -196,7 +196,7 @@ def test_small_attention_tiles_match_reference_and_any_bucket_compiles(setup):
 def test_bf16_mode_against_the_fp32_reference(setup):
     """bf16 compute (params cast once per step, fp32 statistics and reductions) vs the fp32
     reference: loss within 1e-3 relative and gradient cosine >= 0.999 (measured on this plan:
-    1.8e-5 and 0.99981; the documented bounds leave headroom for other seeds and layouts)."""
+    1.4e-4 and 0.99981; the documented bounds leave headroom for other seeds and layouts)."""
     _, params, samples, (ref_loss, ref_grads) = setup
     ex = PlanExecutor(C, compute_dtype="bfloat16")
     p = PLANS["two-micro-batches"]

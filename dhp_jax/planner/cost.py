@@ -291,7 +291,10 @@ class CostModel:
         # it; its per-token state is part of activation_bytes_per_token) are live in different
         # phases (the loss before the blocks' backward pass, the tiles inside one block's), so the
         # larger of the two counts
-        fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m))
+        # (and one chunk's working set when the blocks run their token-local work in chunks)
+        chunked = LINEAR_CHUNK > 0
+        fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
+                    + (engine_memory.chunk_bytes(m, LINEAR_CHUNK, ab) if chunked else 0.0))
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
         static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
@@ -309,7 +312,7 @@ class CostModel:
             a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
             lat_inter=m.layers * passes * hw.lat_inter,
-            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, el, ab)),
+            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)),
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,

@@ -43,12 +43,27 @@ LOSS_CHUNK = 512                 # tokens per LM-head chunk (dhp_jax.model.mllm.
 INT_COLUMNS = 8                  # int32 input columns per token (dhp_jax.sharding.executor)
 
 
-def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str) -> tuple[int, int]:
-    """(elements kept per token by one block for backward, elements of its backward working set)."""
+def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str,
+           chunked: bool = False) -> tuple[int, int]:
+    """(elements kept per token by one block for backward, elements of its backward working set).
+    `chunked` (`MLLMConfig.linear_chunk` > 0): the token-local work runs chunk by chunk, each chunk
+    a custom VJP that recomputes its own intermediates, so over the whole stream a block's backward
+    holds only q, k, v and the attention output with their gradients, and the input and its
+    gradient; the MLP's and the norms' intermediates live one chunk at a time (`chunk_bytes`)."""
     qkv = (heads + 2 * kv_heads) * head_dim
     every = 6 * hidden + 2 * qkv + heads * head_dim + 4 * ff      # norms, q/k/v (+rotary), attn out, MLP
     kept = {"layer": hidden, "selective": hidden + qkv + 2 * hidden + 2 * ff, "none": every}[remat]
-    return kept, every
+    work = 2 * hidden + 2 * qkv + heads * head_dim if chunked and remat != "none" else every
+    return kept, work
+
+
+def chunk_bytes(m: Any, chunk: int, activation_bytes: int) -> float:
+    """Token-independent: one chunk's working set of the larger block (`_block`'s whole-stream
+    working set over `chunk` tokens), live inside a block's backward pass."""
+    work = max(_block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, "layer")[1],
+               _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
+                      m.vision_intermediate, "layer")[1])
+    return float(chunk * work * activation_bytes)
 
 
 def _attention_fp32(heads: int, head_dim: int) -> int:
@@ -56,16 +71,18 @@ def _attention_fp32(heads: int, head_dim: int) -> int:
     return heads * head_dim + 3 * heads
 
 
-def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activation_bytes: int | None = None) -> float:
+def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activation_bytes: int | None = None,
+                               chunked: bool = False) -> float:
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
-    the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same)."""
+    the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
+    `chunked`: the blocks' token-local work runs in chunks (`_block`)."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
-    dec_kept, dec_work = _block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, remat)
+    dec_kept, dec_work = _block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, remat, chunked)
     vit_kept, vit_work = _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
-                                m.vision_intermediate, remat)
+                                m.vision_intermediate, remat, chunked)
     kept = kb * (m.layers * dec_kept + m.vision_layers * vit_kept)
     attn_f32 = 4.0 * max(_attention_fp32(m.heads, m.head_dim), _attention_fp32(m.vision_heads, m.vision_head_dim))
     if remat == "none":
