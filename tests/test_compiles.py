@@ -301,17 +301,17 @@ def test_aligned_menu_degrees_tile_nodes():
     fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     cal = []
     for i in range(3):
-        s = make_dataset("openvid", 256, 900 + i, vision="internvl")
+        s = make_dataset("openvid", 512, 700 + i, vision="internvl")
         cal.append((sample_lengths(s), sample_etas(s)))
-    free = fit_menu(fine, cal, 32, budget=16, max_degrees=6)
-    assert set(free.degrees) - set(aligned_degrees(32, 8))        # unconstrained, odd degrees appear
-    menu = fit_menu(fine, cal, 32, budget=16, max_degrees=6, degree_set="aligned")
-    assert set(menu.degrees) <= set(aligned_degrees(32, 8)) and menu.num_programs <= 16
+    free = fit_menu(fine, cal, 64, budget=24, max_degrees=8)
+    assert set(free.degrees) - set(aligned_degrees(64, 8))        # unconstrained, odd degrees appear
+    menu = fit_menu(fine, cal, 64, budget=24, max_degrees=8, degree_set="aligned")
+    assert set(menu.degrees) <= set(aligned_degrees(64, 8)) and menu.num_programs <= 24
     cost = menu.apply(fine)
     for L, E in cal:
-        assert {g.degree for g in plan_batch(L, 32, cost, etas=E, attention="best").groups} <= set(menu.degrees)
+        assert {g.degree for g in plan_batch(L, 64, cost, etas=E, attention="best").groups} <= set(menu.degrees)
     with pytest.raises(ValueError, match="degree_set"):
-        fit_menu(fine, cal, 32, degree_set="pow2")
+        fit_menu(fine, cal, 64, degree_set="pow2")
 
 
 def test_menu_kinds_least_total_time_per_bucket_or_degree():
@@ -356,11 +356,11 @@ def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind
 
     fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     batches = []
-    for i in range(20):    # 12 calibration batches, then 8 runs
+    for i in range(24):    # 8 calibration batches, then 16 runs
         s = make_dataset("openvid", 512, 700 + i, vision="internvl")
         batches.append((sample_lengths(s), sample_etas(s)))
-    cal, runs = batches[:12], batches[12:]
-    budget = 48
+    cal, runs = batches[:8], batches[8:]
+    budget = 32
     menu = fit_menu(fine, cal, 64, budget=budget, max_degrees=8, kind_per=kind_per, degree_set="aligned")
     assert menu.num_programs <= budget and set(menu.kinds) == {(d, b) for d in menu.buckets for b in menu.buckets[d]}
     if kind_per == "bucket":
