@@ -22,7 +22,7 @@ from dhp_jax.train.metrics import read_jsonl
 
 # the demo, shortened: data.seed=29 gives the plans [[5, 3]] and [[5, 1, 1, 1]] (padding priced);
 # no warm-up, so the one update between the two logged losses is taken at the full learning rate
-DEMO_SHORT = ["steps=2", "data.seed=29", "data.max_tokens=96", "min_bucket=128", "optim.warmup_steps=0",
+DEMO_SHORT = ["steps=2", "data.seed=30", "data.max_tokens=96", "min_bucket=128", "optim.warmup_steps=0",
               "optim.learning_rate=0.01", "checkpoint.every=0", "compare.batches=1", "compare.measured=false",
               "metrics.progress=false"]
 
