@@ -154,3 +154,17 @@ def test_block_stack_vjp_matches_autodiff(remat):
         assert len(kept) > 1 and all(shape[1:] != rows.shape[1:] for shape, _ in kept)
     drows = jax.grad(lambda r: jnp.sum(run(x, ids).astype(jnp.float32)))(rows)
     assert drows.dtype == jnp.bfloat16 and drows.shape == rows.shape
+
+
+def test_preset_memory_follows_its_linear_chunk():
+    """A preset prices the blocks the executor runs: chunked (the default chunk) or one pass
+    (`linear_chunk=0`, every intermediate over the whole stream)."""
+    from dhp_jax.planner import memory as engine_memory, presets
+
+    m = presets.MODELS["internvl3-8b"]
+    chunked = CostModel.preset("internvl3-8b", "ascend-910b")
+    one_pass = CostModel.preset("internvl3-8b", "ascend-910b", linear_chunk=0)
+    assert chunked.linear_chunk > 0 and one_pass.linear_chunk == 0
+    assert one_pass.mem_per_token > chunked.mem_per_token
+    assert one_pass.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2)
+    assert chunked.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2, chunked=True)

@@ -201,7 +201,7 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     chunks of at most `chunk` tokens (`chunk_size`), dead chunks skipped (`_skippable`: zero q/k/v,
     the residual passed through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the
     `Block` fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
-    s, dim = x.shape
+    s = x.shape[0]
     h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
 
     def project(pp, xc, pos):

@@ -292,9 +292,11 @@ class CostModel:
         # phases (the loss before the blocks' backward pass, the tiles inside one block's), so the
         # larger of the two counts
         # (and one chunk's working set when the blocks run their token-local work in chunks)
-        chunked = LINEAR_CHUNK > 0
+        # (the chunk an override names, so that `linear_chunk=0` prices one-pass blocks)
+        chunk = overrides.get("linear_chunk", LINEAR_CHUNK)
+        chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
         fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
-                    + (engine_memory.chunk_bytes(m, LINEAR_CHUNK, ab) if chunked else 0.0))
+                    + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
         static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
@@ -318,7 +320,7 @@ class CostModel:
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
             fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
-            bucket_min=MIN_BUCKET, bucket_growth=GROWTH, linear_chunk=LINEAR_CHUNK,
+            bucket_min=MIN_BUCKET, bucket_growth=GROWTH, linear_chunk=chunk,
             padded_attention=hw.padded_attention)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
