@@ -53,7 +53,12 @@ which is the paper's model above):
   rounded up to whole chunks, so B = sum_k (...) L_k + a2 (W - S); ring traffic and memory stay on
   the padded P. C = 0 prices the pad tokens in full (W = P). The accelerator presets set the
   executors' default chunk (`layout.LINEAR_CHUNK`), which the JAX executor runs (the torch
-  executor skips every pad row, so the price is an upper bound there).
+  executor skips every pad row, so the price is an upper bound there). The vision encoder's term
+  a2_vision sqrt(eta_k) L_k prices the group's vision tokens split evenly over the ranks; the JAX
+  executor's vision blocks compute each rank's vision rows rounded up to whole chunks (vision rows
+  first, `dhp_jax.model.mllm.vision_first`): at most one partly filled chunk more per rank. A rank
+  may also hold more than its share of vision rows (the layout balances tokens, not vision
+  tokens); neither is priced (the group terms carry no vision count per rank).
 - `padded_attention`: how attention treats the padded stream. True (XLA:CPU, the fitted CPU
   profiles): every (query, key) pair of each ring block is evaluated under a mask (zigzag chunks are
   almost never wholly masked), so A = a1 P^2 whatever the packing and eta. False (the accelerator
