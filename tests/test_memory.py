@@ -168,3 +168,25 @@ def test_preset_memory_follows_its_linear_chunk():
     assert one_pass.mem_per_token > chunked.mem_per_token
     assert one_pass.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2)
     assert chunked.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2, chunked=True)
+
+
+def test_replace_linear_chunk_rederives_a_presets_memory():
+    """A preset's chunk change through `replace` (the trainer follows its executor's chunk so) prices
+    the memory of the new block form, exactly as the preset made with that chunk; figures the preset
+    did not derive (an override, a field the change names, a cost loaded from a profile) are kept."""
+    kw = {"remat": "selective", "state_shards": 16}
+    base = CostModel.preset("internvl3-2b", "ascend-910b", **kw)
+    for chunk in (0, 128, 8192, base.linear_chunk):
+        assert base.replace(linear_chunk=chunk) == CostModel.preset("internvl3-2b", "ascend-910b", linear_chunk=chunk, **kw)
+    one_pass = base.replace(linear_chunk=0)
+    assert one_pass.mem_per_token > base.mem_per_token
+    wide = base.replace(linear_chunk=8192)     # a chunk whose working set outgrows the loss chunk's logits
+    assert wide.fixed_bytes > base.fixed_bytes and wide.memory_budget < base.memory_budget
+    assert one_pass.replace(linear_chunk=base.linear_chunk) == base
+    pinned = CostModel.preset("internvl3-2b", "ascend-910b", memory_budget=5e9, **kw).replace(linear_chunk=0)
+    assert pinned.memory_budget == 5e9 and pinned.mem_per_token == one_pass.mem_per_token
+    named = base.replace(linear_chunk=0, mem_per_token=123.0)
+    assert named.mem_per_token == 123.0 and named.fixed_bytes == one_pass.fixed_bytes
+    loaded = CostModel.from_dict(base.to_dict()).replace(linear_chunk=0)
+    assert (loaded.mem_per_token, loaded.fixed_bytes, loaded.memory_budget) == \
+        (base.mem_per_token, base.fixed_bytes, base.memory_budget)

@@ -141,3 +141,44 @@ def test_chunk_loops_keep_the_weights_as_loop_constants():
         m = ex.lower(2, 512, tuple(devices[:2])).compile().memory_analysis()
         sizes[chunk] = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     assert sizes[8] <= 1.2 * sizes[0], sizes
+
+
+def test_vision_encoder_computes_its_vision_rows_in_whole_chunks(monkeypatch):
+    """On a layout that mixes text and vision inside chunks, the vision encoder's blocks compute,
+    on each rank, that rank's vision rows rounded up to whole chunks (`vision_first`): no chunk
+    that a vision span starts or ends in drags its text rows in. The cost model prices the same
+    vision tokens (sqrt(eta) L per sample, one span each), split over the ranks: the executor
+    computes at most one partly filled chunk more per rank."""
+    from dhp_jax.model import mllm
+    from dhp_jax.planner.cost import CostModel
+
+    config = MLLMConfig.preset("tiny", linear_chunk=CHUNK)
+    params = init_params(config, jax.random.key(0))
+    samples = random_samples(config, [37, 22, 50, 31, 26, 45, 19], seed=3, kinds=("text", "image", "video"))
+    assert all(len(s.vision_spans) <= 1 for s in samples) and any(s.vision_tokens for s in samples)
+    d = 2
+    lay = pack_group(samples, d, config, bucket=bucket_length(sum(s.num_tokens for s in samples), d) + 2 * d * 24)
+    shard = lay.bucket // d
+    c = chunk_size(shard, CHUNK)
+    seen = []
+    real_live = mllm.live_chunks
+    monkeypatch.setattr(mllm, "live_chunks", lambda seg, chunk: seen.append(real_live(seg, chunk)) or seen[-1])
+    rows, scattered = [], []
+    for i in range(d):     # the model the executor runs, on each rank's shard (eager: the predicate's values)
+        batch = {k: jnp.asarray(v[i * shard:(i + 1) * shard]) for k, v in lay.arrays().items()}
+        batch["vision_mask"] = batch["vision_mask"].astype(bool)
+        seen.clear()
+        mllm.apply_model(config, params, batch)
+        vision_calls = seen[:config.vision_layers]          # the vision blocks run first
+        assert all(np.array_equal(a, vision_calls[0]) for a in vision_calls)
+        rows.append(int(np.sum(vision_calls[0])) * c)
+        scattered.append(int(np.sum(real_live(batch["frame_ids"], CHUNK))))
+        vision = int(np.sum(lay.vision_mask[i * shard:(i + 1) * shard]))
+        assert rows[-1] == math.ceil(vision / c) * c, (i, rows[-1], vision, c)
+    assert sum(scattered) * c > sum(rows)      # the layout's order would have computed mixed chunks
+    etas = [s.bidirectional_share for s in samples]
+    cost = CostModel.preset("internvl3-2b", "cpu")
+    _, lin, L = cost.terms([s.num_tokens for s in samples], etas)
+    priced = float(np.sum(lin - cost.a2 * L)) / cost.a2_vision    # the vision tokens the cost model prices
+    assert priced == pytest.approx(int(lay.vision_mask.sum()), rel=1e-12)
+    assert 0 <= sum(rows) - priced < d * c

@@ -163,3 +163,17 @@ def test_profiler_times_real_group_executables(tmp_path, executor):
     assert report["num_held_out"] == 2 and report["held_out_mean_rel_error"] >= 0
     path, _ = write_profile(tmp_path / "p.json", cost, report, measurements)
     assert CostModel.from_profile(path).time([100], 1) > 0
+
+
+def test_trainer_prices_the_memory_of_its_executors_chunk(tmp_path):
+    """The trainer's cost follows its executor's chunk, memory fields included (one-pass blocks here)."""
+    from dhp_jax.planner.cost import CostModel
+    from dhp_jax.sharding import PlanExecutor
+
+    ex = PlanExecutor(MLLMConfig.preset("tiny"), jax.devices(), min_bucket=512, linear_chunk=0)
+    trainer = Trainer(_config(tmp_path, "one-pass", "steps=1", "planner.full_size=false"), executor=ex)
+    p, n = trainer.config.planner, trainer.config.num_ranks
+    want = CostModel.preset(p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or n, state_shards=n,
+                            linear_chunk=0)
+    fields = ("linear_chunk", "mem_per_token", "fixed_bytes", "memory_budget")
+    assert [getattr(trainer.cost, f) for f in fields] == [getattr(want, f) for f in fields]

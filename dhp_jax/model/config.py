@@ -25,7 +25,8 @@ class MLLMConfig:
     "layer": keep only each block's input; "selective": keep the block's GEMM outputs). It changes
     memory and time, never params or values, so checkpoints ignore it.
     `linear_chunk`: tokens per chunk of every block's token-local work (norms, projections, MLP);
-    a chunk with no real token (padding) is skipped (`dhp_jax.model.mllm.block_apply`); 0: one
+    a chunk with no real token (padding) is skipped (`dhp_jax.model.mllm.block_apply`); in the
+    vision encoder, whose rows run vision rows first, a chunk with no vision token; 0: one
     pass over the whole stream. Like `remat` it changes time, never values.
     """
 

@@ -25,7 +25,9 @@ Inputs (one packed stream of S tokens, see `dhp_jax.data.layout`): `token_ids` i
   > 0 everything but attention runs over chunks of the stream, and a chunk with no live token
   (segment 0: padding; in the vision encoder, no vision token) is skipped (`block_apply`); live
   rows are unchanged, and no result reads a dead row (masks exclude it, the loss weights it 0, the
-  decoder input takes vision rows only from vision tokens).
+  decoder input takes vision rows only from vision tokens). The vision encoder's blocks then run
+  on the stream's rows reordered vision rows first (`vision_first`), so its live chunks are the
+  vision rows rounded up to whole chunks.
 - Vision encoder (per frame, bidirectional): v = pixels @ patch_embed.kernel + patch_embed.bias;
   `vision_layers` blocks (H = KVH = vision_heads) with ids (segment = frame_id,
   position = frame_position, span = frame_id), i.e. full attention inside a frame and rotary
@@ -237,6 +239,22 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     return _merge(out, s)
 
 
+def vision_first(vision_mask: jax.Array, chunk: int) -> tuple[jax.Array | None, jax.Array | None]:
+    """(order, back): `x[order]` puts the vision rows of a stream (or of one rank's shard) first, in
+    their order, then the others; `y[back]` undoes it. The vision encoder's blocks run on that
+    order, so that, in chunks (`block_apply`), a rank computes its vision rows rounded up to whole
+    chunks and no chunk of text or padding (rows in the order of the stream would put text rows in
+    every chunk that a vision span starts or ends in). The masks read ids, never the order, so
+    values are unchanged. (None, None) when the blocks run in one pass (`chunk` 0 or >= S)."""
+    s = vision_mask.shape[0]
+    if chunk <= 0 or chunk >= s:
+        return None, None
+    vis = vision_mask.astype(jnp.int32)
+    back = jnp.where(vision_mask, jnp.cumsum(vis) - 1, jnp.sum(vis) + jnp.cumsum(1 - vis) - 1)
+    order = jnp.zeros(s, jnp.int32).at[back].set(jnp.arange(s, dtype=jnp.int32))
+    return order, back
+
+
 REMAT_POLICIES = ("none", "layer", "selective")
 
 
@@ -273,11 +291,16 @@ class MLLM(nn.Module):
         block = block_class(c.remat)
         vis_ids = AttnIds(batch["frame_ids"], batch["frame_positions"], batch["frame_ids"])
         v = nn.Dense(c.vision_dim, name="patch_embed")(batch["pixels"])
+        order, back = vision_first(batch["vision_mask"], c.linear_chunk)
+        if order is not None:       # the vision rows as a prefix: chunks of vision rows only
+            v, vis_ids = v[order], AttnIds(*(i[order] for i in vis_ids))
         if self.stacks is not None:
             v = self.stacks[0](v, vis_ids)
         for i in range(0 if self.stacks is not None else c.vision_layers):
             v = block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
                       c.rms_eps, self.attn_fn, c.linear_chunk, name=f"vision_layers_{i}")(v, vis_ids)
+        if back is not None:
+            v = v[back]
         v = RMSNorm(c.rms_eps, name="vision_norm")(v)
         v = nn.Dense(c.d_model, name="proj_fc1")(v)
         v = nn.Dense(c.d_model, name="proj_fc2")(jax.nn.gelu(v, approximate=False))

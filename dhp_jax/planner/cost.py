@@ -53,7 +53,12 @@ which is the paper's model above):
   rounded up to whole chunks, so B = sum_k (...) L_k + a2 (W - S); ring traffic and memory stay on
   the padded P. C = 0 prices the pad tokens in full (W = P). The accelerator presets set the
   executors' default chunk (`layout.LINEAR_CHUNK`), which the JAX executor runs (the torch
-  executor skips every pad row, so the price is an upper bound there).
+  executor skips every pad row, so the price is an upper bound there). The vision encoder's term
+  a2_vision sqrt(eta_k) L_k prices the group's vision tokens split evenly over the ranks; the JAX
+  executor's vision blocks compute each rank's vision rows rounded up to whole chunks (vision rows
+  first, `dhp_jax.model.mllm.vision_first`): at most one partly filled chunk more per rank. A rank
+  may also hold more than its share of vision rows (the layout balances tokens, not vision
+  tokens); neither is priced (the group terms carry no vision count per rank).
 - `padded_attention`: how attention treats the padded stream. True (XLA:CPU, the fitted CPU
   profiles): every (query, key) pair of each ring block is evaluated under a mask (zigzag chunks are
   almost never wholly masked), so A = a1 P^2 whatever the packing and eta. False (the accelerator
@@ -138,7 +143,8 @@ class CostModel:
         degree and bucket this kind, so that the menu's budget bounds the programs that run.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     The engine's memory choices (dhp_jax.planner.memory; `preset` derives mem_per_token and
-    memory_budget from them, so change them through `preset(...)`):
+    memory_budget from them, so change them through `preset(...)`; `replace(linear_chunk=...)` on a
+    preset re-derives its memory fields for the new chunk):
     param_count: parameters P of the model (0: unknown, static bytes are then 0).
     compute_bytes: bytes per element of the groups' compute dtype (2 bf16, 4 fp32).
     state_shards: ranks the fp32 master params, Adam moments and gradient accumulator are sharded over.
@@ -287,26 +293,12 @@ class CostModel:
         shards = int(state_shards or zero_shards or DEFAULT_STATE_SHARDS)
         params = float(engine_memory.engine_params(m))
         usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
-        # the loss chunk's logits and the tiled ring's constant tile workspace (presets.py documents
-        # it; its per-token state is part of activation_bytes_per_token) are live in different
-        # phases (the loss before the blocks' backward pass, the tiles inside one block's), so the
-        # larger of the two counts
-        # (and one chunk's working set when the blocks run their token-local work in chunks)
-        # (the chunk an override names, so that `linear_chunk=0` prices one-pass blocks)
-        chunk = overrides.get("linear_chunk", LINEAR_CHUNK)
-        chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
-        fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
-                    + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
+        chunk = overrides.get("linear_chunk", LINEAR_CHUNK)     # the blocks of the chunk an override names
+        per_token, fixed = _chunk_memory(m, remat, el, ab, chunk)
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
-        static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
-        budget = usable - static
-        last = engine_memory.program_static_bytes(params, el, assemble) + engine_memory.state_bytes(params, shards)
-        if last > usable:                            # the last phase (no activations) must fit too
-            budget = min(budget, usable - last)
-        if budget <= 0 and not require_fit:
-            budget = 1.0
-        elif budget <= 0:
+        budget, static = _budget(usable, params, el, backward, assemble, fixed, shards, require_fit)
+        if budget <= 0:
             raise ValueError(f"{model} does not fit on {hardware} with its state sharded over {shards} ranks "
                              f"(static bytes {static / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable per rank)")
         fields = dict(
@@ -314,7 +306,7 @@ class CostModel:
             a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
             lat_inter=m.layers * passes * hw.lat_inter,
-            mem_per_token=float(engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)),
+            mem_per_token=per_token,
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
@@ -326,7 +318,9 @@ class CostModel:
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
         fields.update(overrides)
-        return cls(**fields)
+        cost = cls(**fields)
+        object.__setattr__(cost, "_derivation", (m, bool(require_fit)))   # for `replace(linear_chunk=...)`
+        return cost
 
     # ------------------------------------------------------------------ memory of the engine
     @property
@@ -563,8 +557,68 @@ class CostModel:
             raise ValueError(f"cost profile {path}: not valid JSON ({e})") from None
         return cls.from_dict(d)
 
+    def _memory_derived(self, m: "presets.ModelShape", require_fit: bool) -> tuple[float, float, float]:
+        """(mem_per_token, fixed_bytes, memory_budget) that `preset` derives for model shape `m` from
+        this cost's engine fields and chunk."""
+        el, ab = self.compute_bytes, self.activation_bytes or self.compute_bytes
+        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.linear_chunk)
+        budget, _ = _budget(self.usable_bytes, self.param_count, el, self.backward_bytes, self.assemble_bytes,
+                            fixed, self.state_shards, require_fit)
+        return per_token, fixed, float(budget)
+
     def replace(self, **changes: Any) -> "CostModel":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` applied. A cost made by `preset` keeps the blocks its memory prices in
+        step with `linear_chunk`: a new chunk re-derives mem_per_token, fixed_bytes and memory_budget
+        (chunked blocks' working set, or the one-pass working set for 0) from the preset's model
+        shape and this cost's engine fields, as `preset(..., linear_chunk=...)` would; a memory
+        field that `changes` names, or that no longer holds the preset's figure (an override or an
+        earlier replace), is kept as given. A cost with no preset behind it (`from_profile`,
+        `from_dict`, built field by field) has no model shape to re-derive from: it keeps its
+        memory fields whatever the chunk (they are the profile's own figures)."""
+        new = dataclasses.replace(self, **changes)
+        derivation = getattr(self, "_derivation", None)
+        if derivation is None:
+            return new
+        if new.linear_chunk != self.linear_chunk:
+            m, require_fit = derivation
+            old_per_token, old_fixed, old_budget = self._memory_derived(m, require_fit)
+            per_token, fixed, budget = new._memory_derived(m, require_fit)
+            derived = {"mem_per_token": (self.mem_per_token == old_per_token, per_token),
+                       "fixed_bytes": (self.fixed_bytes == old_fixed, fixed),
+                       "memory_budget": (self.memory_budget == old_budget, budget)}
+            again = {k: v for k, (held, v) in derived.items() if held and k not in changes}
+            if again.get("memory_budget", 1.0) <= 0:
+                raise ValueError(f"CostModel.replace(linear_chunk={new.linear_chunk}): {self.model} no longer "
+                                 f"fits on {self.hardware} (budget {again['memory_budget'] / 2**30:.2f} GiB)")
+            new = dataclasses.replace(new, **again)
+        object.__setattr__(new, "_derivation", derivation)
+        return new
+
+
+def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any) -> tuple[float, float]:
+    """(mem_per_token, fixed_bytes) of model shape `m` when the blocks run their token-local work in
+    chunks of `chunk` tokens (0: one pass over the stream; `planner.memory._block`). The loss chunk's
+    logits and the tiled ring's constant tile workspace (presets.py documents it; its per-token state
+    is part of activation_bytes_per_token) are live in different phases (the loss before the blocks'
+    backward pass, the tiles inside one block's), so the larger of the two counts, the latter with
+    one chunk's working set when the blocks run in chunks."""
+    chunked = isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk > 0
+    fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
+                + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
+    return float(engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)), float(fixed)
+
+
+def _budget(usable: float, params: float, el: int, backward: float, assemble: float, fixed: float, shards: int,
+            require_fit: bool) -> tuple[float, float]:
+    """(memory_budget, static bytes) of a preset: the usable bytes less every token-independent byte
+    of the blocks' phase; the last phase (no activations) must fit too. A model that does not fit
+    gets a budget <= 0, or 1 byte when `require_fit` is False (the memory bench sizes such programs)."""
+    static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
+    budget = usable - static
+    last = engine_memory.program_static_bytes(params, el, assemble) + engine_memory.state_bytes(params, shards)
+    if last > usable:
+        budget = min(budget, usable - last)
+    return (1.0 if budget <= 0 and not require_fit else budget), static
 
 
 def _check_degree(degree: Any, name: str = "degree") -> None:
