@@ -26,7 +26,7 @@ from dhp_jax.planner.refine import refine as refine_groups
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
 _MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
-_MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep the search going
+_MB_MIN_GAIN = 2e-2  # one more micro-batch must win by this fraction to keep the search going
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
@@ -35,6 +35,7 @@ _ALONE_TOP = 32  # sequences whose time alone enters the split bound (the rest: 
 _SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could win by this fraction
 _DISSOLVE_SLACK = 0.02  # fill above the even share a dissolved micro-batch's sequences may first use
 _MERGES = 2  # times the best split may lose a micro-batch by dissolving one into the others
+_MOVE_NEAR = 0.05  # a move between micro-batches this close to their work bounds keeps their granularities
 
 _FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two ranks' work per bin
 
@@ -400,7 +401,15 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
     """Local moves between solved micro-batches, scored by the estimated step time: the micro-batch
     furthest above its work bound (makespan - work / N - b1) hands its heaviest, then its lightest,
     sequence to the one least above its bound that has memory room; both are solved again and the
-    move is kept when their makespans sum lower. At most _MOVES tries (deterministic order)."""
+    move is kept when their makespans sum lower. At most _MOVES tries (deterministic order).
+
+    Granularities (`factors` None): when both micro-batches are within _MOVE_NEAR of their work
+    bounds (makespan - work / N - b1 below that fraction of the makespan), one sequence more or
+    less keeps the packing that fits them, so they are solved again at the granularities that won
+    for them and their neighbours (`near_factors`). A micro-batch further above its bound is held
+    back by memory or a long sequence, and a move can change which granularity fits it best (at 5
+    micro-batches of qwen3-vl-8b openvid, one move took a micro-batch from granularity 2 to 16 and
+    6 % faster), so then every granularity is tried."""
     N, b1, room = prob.num_ranks, prob.cost.b1, prob.num_ranks * prob.cap
     parts = [np.asarray(sorted(k for g in s[0] for k in g), dtype=np.int64) for s in sols]
     sols = list(sols)
@@ -426,9 +435,12 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
             limit = (sols[src][2] + sols[dst][2]) * (1 - 1e-9)
             # no solve of b comes in under its work bound: b is solved only if the move can still win
             bound_b = float(prob.work[b].sum()) / N + b1
-            sa = solve_microbatch(prob, a, allowed, packing, False, factors, limit - bound_b)
+            fs = factors
+            if fs is None and max(excess[src] / sols[src][2], excess[dst] / sols[dst][2]) < _MOVE_NEAR:
+                fs = near_factors([sols[src], sols[dst]], coarsen_factors(N))
+            sa = solve_microbatch(prob, a, allowed, packing, False, fs, limit - bound_b)
             sb = None if sa is None or sa[2] + bound_b >= limit else \
-                solve_microbatch(prob, b, allowed, packing, False, factors, limit - sa[2])
+                solve_microbatch(prob, b, allowed, packing, False, fs, limit - sa[2])
             if sa is not None and sb is not None and sa[2] + sb[2] < limit:
                 parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
                 moved = True
