@@ -48,6 +48,15 @@ def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: 
     return ds.astype(np.int64)
 
 
+def _linear_whole(S: float, P: float, d: int, chunk: int) -> float:
+    """`d * layout.linear_tokens(S, P, d, chunk)` for chunk > 0 and a stream of P slots whose shards
+    P / d are whole (the ladder's streams are multiples of 2d), with the same floats: the scalar
+    search calls it thousands of times, so without the type checks and the call of `chunk_size`."""
+    shard = int(P / d)
+    c = (shard or 1) if shard <= chunk else -(-shard // -(-shard // chunk))
+    return d * float(math.ceil(math.ceil(S / d) / c) * c)
+
+
 class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
 
@@ -159,7 +168,7 @@ class _ScalarTime:
             P = math.ceil(r / st) * st
             if self.padded_attention:
                 A = self.a1 * P * P
-            B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
+            B = B + self.a2 * ((_linear_whole(S, P, d, self.chunk) if self.chunk else P) - S)
             sent = P * (d - 1) / d if self.ring else P / d * (d - 1) / d
             comm = coef[d] * sent + lat[d]
             if self.overlap:
@@ -211,7 +220,7 @@ class _ScalarTime:
                         r = Si
                 P = ceil(r / st) * st
                 Ai = a1 * P * P if dense else A[i]
-                Bi = B[i] + a2 * ((d * linear_tokens(Si, P, d, chunk) if chunk else P) - Si)
+                Bi = B[i] + a2 * ((_linear_whole(Si, P, d, chunk) if chunk else P) - Si)
             else:
                 P, Ai, Bi = S[i], A[i], B[i]
             sent = P * (d - 1) / d if ring else P / d * (d - 1) / d

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.planner import baselines, microbatch
-from dhp_jax.planner.allocate import allocate, allowed_degrees
+from dhp_jax.planner.allocate import allocate, allowed_degrees, scalar_time
 from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import Packer, bin_sums, bins_of
@@ -294,7 +294,9 @@ def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     ds = allowed.astype(np.float64)
     out = prob.work / prob.num_ranks + prob.cost.b1
     top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
-    t = prob.cost.group_times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None], ds[None, :])
+    # = cost.group_times(...) on the ring (`_ScalarTime.times`: the same floats, per-degree tables)
+    t = scalar_time(prob.cost).times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None],
+                                     allowed[None, :])
     out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
     return out
 
@@ -334,7 +336,7 @@ def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, fact
     another count must beat). A candidate is abandoned once its bound shows it cannot come in under
     `limit` (what another count achieved) or the best candidate so far. None when no candidate fits
     or none comes in under the cutoff and limit."""
-    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap)
+    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap, prob.orders())
     if not cands:
         return None
     ranked = sorted(((part_bounds(prob, parts, alone), i, parts) for i, (_, parts) in enumerate(cands)),
