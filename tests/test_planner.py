@@ -146,6 +146,74 @@ def test_allocation_under_a_limit_is_the_same_or_says_it_cannot_beat_it(seed):
             assert allocate(attn, lin, tok, dmin, N, cost, allowed, limit=ref[1] * f)[1] == np.inf
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_one_group_allocation_is_the_least_degree_of_its_least_time(seed):
+    # one group walks its degrees from the largest down and stops by the work bound: the result must
+    # be the argmin over every allowed degree of the model's vectorised times (least degree on ties),
+    # with and without a limit, on padded presets and an unpadded profile
+    rng = np.random.default_rng(500 + seed)
+    cost = (CostModel.preset("internvl3-8b", "ascend-910b"), CostModel.preset("qwen3-vl-8b", "h100"),
+            COST.replace(ranks_per_node=8))[seed % 3]
+    for _ in range(40):
+        N = int(rng.choice([8, 17, 64]))
+        L = np.asarray([int(np.exp(rng.uniform(np.log(50), np.log(max(60, 0.9 * N * cost.max_tokens_per_rank)))))])
+        attn, lin, tok = cost.terms(L, rng.uniform(0, 1, 1))
+        dmin = cost.min_degree(L)
+        for allowed in (allowed_degrees(N, "any"), allowed_degrees(N, "pow2")):
+            cand = allowed[allowed >= dmin[0]]
+            got = allocate(attn, lin, tok, dmin, N, cost, allowed)
+            if cand.size == 0:
+                assert got is None
+                continue
+            times = cost.group_times(attn[0], lin[0], tok[0], cand)
+            j = int(np.argmin(times))
+            assert got[1] == float(times[j]) and got[0].tolist() == [int(cand[j])]
+            for f in (1.0 + 1e-12, 1.3):
+                lim = allocate(attn, lin, tok, dmin, N, cost, allowed, limit=got[1] * f)
+                assert lim[1] == got[1] and np.array_equal(lim[0], got[0])
+            assert allocate(attn, lin, tok, dmin, N, cost, allowed, limit=got[1])[1] == np.inf
+
+
+def test_scalar_chunked_tokens_match_the_layout_rule():
+    from dhp_jax.data.layout import linear_tokens
+    from dhp_jax.planner.allocate import _linear_whole
+
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        d = int(rng.integers(1, 65))
+        P = float(2 * d * int(rng.integers(1, 4000)))
+        S = float(rng.integers(0, int(P) + 1))
+        chunk = int(rng.choice([1, 7, 64, 256, 1000]))
+        assert _linear_whole(S, P, d, chunk) == d * linear_tokens(S, P, d, chunk)
+
+
+def test_packing_opens_a_bin_for_every_long_sequence():
+    # long = needs more ranks than a bin has, or carries a bin's share of work; found by bisection
+    # when they are the heaviest, by a mask when a light sequence needs many ranks: both must agree
+    from dhp_jax.planner.packing import Packer
+
+    rng = np.random.default_rng(11)
+    for trial in range(300):
+        K, N = int(rng.integers(1, 120)), int(rng.choice([8, 64]))
+        work = rng.exponential(1.0, K) * (rng.random(K) < 0.95)
+        tokens = rng.integers(1, 4000, K).astype(np.float64)
+        dmin = np.ones(K, dtype=np.int64)
+        wide = rng.random(K) < (0.1 if trial % 2 else 0.0)
+        dmin[wide] = rng.integers(2, N + 1, int(wide.sum()))  # light or heavy, many ranks
+        packer = Packer(work, tokens, dmin, N, 2000.0)
+        order = np.lexsort((np.arange(K), -work))
+        for f in (1.0, 2.0, 4.0, float(N)):
+            W, slots = work.sum() / N * f, max(1, int(f))
+            is_long = (dmin[order] > slots) | ((work[order] >= W) & (W > 0))
+            assign = packer(f)
+            assert np.all(assign >= 0)
+            if slots >= N and not is_long.any() and tokens.sum() <= 2000.0 * slots * (1 - 1e-12):
+                assert np.all(assign == 0)
+                continue
+            assert assign[order[is_long]].tolist() == list(range(int(is_long.sum())))
+            assert np.unique(assign).tolist() == list(range(int(assign.max()) + 1))  # dense bin ids
+
+
 def test_non_power_of_two_split_beats_every_power_of_two_plan():
     lengths = [1000, 1607]
     plan = plan_batch(lengths, 8, COST)

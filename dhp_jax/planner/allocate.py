@@ -48,6 +48,15 @@ def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: 
     return ds.astype(np.int64)
 
 
+def _linear_whole(S: float, P: float, d: int, chunk: int) -> float:
+    """`d * layout.linear_tokens(S, P, d, chunk)` for chunk > 0 and a stream of P slots whose shards
+    P / d are whole (the ladder's streams are multiples of 2d), with the same floats: the scalar
+    search calls it thousands of times, so without the type checks and the call of `chunk_size`."""
+    shard = int(P / d)
+    c = (shard or 1) if shard <= chunk else -(-shard // -(-shard // chunk))
+    return d * float(math.ceil(math.ceil(S / d) / c) * c)
+
+
 class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
 
@@ -108,11 +117,17 @@ class _ScalarTime:
         self._tables = (step, clamp, coef, lat)
         return self._tables
 
+    @property
+    def tabled(self) -> bool:
+        """Whether `times` prices from the per-degree tables (ring groups, no shared lanes, no
+        bucket menu), so `group_times_of` gives the same floats as `times`."""
+        return self.exact is None and self.ring and not (self.bucket is not None and self.rungs is None)
+
     def times(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> np.ndarray:
         """`CostModel.group_times(A, B, S, degree, attention=...)` (integer degrees, inter-node
         exactly above a node), the same floats with fewer NumPy calls: the per-degree terms are
         taken from tables. Ring groups without shared lanes or a bucket menu; others call the model."""
-        if self.exact is not None or not self.ring or (self.bucket is not None and self.rungs is None):
+        if not self.tabled:
             return self.cost.group_times(A, B, S, degree, attention="ring" if self.ring else self.attention)
         d = np.asarray(degree, dtype=np.int64)
         top = int(d.max()) if d.size else 0
@@ -159,7 +174,7 @@ class _ScalarTime:
             P = math.ceil(r / st) * st
             if self.padded_attention:
                 A = self.a1 * P * P
-            B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
+            B = B + self.a2 * ((_linear_whole(S, P, d, self.chunk) if self.chunk else P) - S)
             sent = P * (d - 1) / d if self.ring else P / d * (d - 1) / d
             comm = coef[d] * sent + lat[d]
             if self.overlap:
@@ -211,7 +226,7 @@ class _ScalarTime:
                         r = Si
                 P = ceil(r / st) * st
                 Ai = a1 * P * P if dense else A[i]
-                Bi = B[i] + a2 * ((d * linear_tokens(Si, P, d, chunk) if chunk else P) - Si)
+                Bi = B[i] + a2 * ((_linear_whole(Si, P, d, chunk) if chunk else P) - Si)
             else:
                 P, Ai, Bi = S[i], A[i], B[i]
             sent = P * (d - 1) / d if ring else P / d * (d - 1) / d
@@ -279,6 +294,8 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         return None
     t = scalar_time(cost, attention)
     last = len(ds_list)
+    if K == 1 and t.tabled:
+        return _one_group(float(A[0]), float(B[0]), float(S[0]), int(dmin[0]), ds_list, num_ranks, cost.b1, t, limit)
     if 1 < K < _WARM_MIN_GROUPS:  # few groups: the set-up in plain Python (NumPy's calls cost more here)
         Al, Bl, Sl = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
         pos = [bisect.bisect_left(ds_list, d) for d in np.asarray(dmin, dtype=np.int64).tolist()]
@@ -300,7 +317,7 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
             starts, hopeless = _limit_start(starts, ds, num_ranks, cost, A, B, limit)
             if hopeless:
                 return np.asarray(ds[np.minimum(starts, last - 1)], dtype=np.int64), math.inf
-        if K == 1:  # one group: the least degree among those reaching its least time, vectorised
+        if K == 1:  # one group, priced by the model: the least degree reaching its least time
             cand = ds[starts[0]:]
             cand = cand[cand <= num_ranks]
             times = t.times(A[0], B[0], S[0], cand)  # = cost.group_times(..., attention=attention)
@@ -338,6 +355,38 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         heapq.heapreplace(heap, (-ti, i))
     span = float(-heap[0][0])
     return np.asarray(deg, dtype=np.int64), span if span < limit else math.inf
+
+
+def _one_group(a: float, b: float, s: float, dmin: int, ds_list: list[int], num_ranks: int, b1: float,
+               t: _ScalarTime, limit: float) -> tuple[np.ndarray, float] | None:
+    """`allocate` of one group (terms a, b, s; least degree dmin) with the per-degree tables: the least
+    degree reaching its least time, as the vectorised pricing of every allowed degree finds it.
+
+    The degrees are walked from the largest down. Since T(d) >= work / d + b1, which grows as d
+    falls, the walk stops once that bound passes the least time found (or `limit`): no smaller
+    degree can reach it, nor tie it, so the result is the same (the least degree of the least time;
+    inf when that is not below `limit`) for a few evaluations instead of every degree."""
+    last = len(ds_list)
+    p = bisect.bisect_left(ds_list, dmin)
+    if p >= last or ds_list[p] > num_ranks:
+        return None
+    work = a + b
+    if limit < math.inf:  # as `_limit_start`, the same floats
+        room = limit - b1
+        if room > 0:
+            p = max(p, bisect.bisect_left(ds_list, work / room * (1 - 1e-9)))
+        if not room > 0 or p >= last or ds_list[p] > num_ranks:
+            return np.asarray([ds_list[min(p, last - 1)]], dtype=np.int64), math.inf
+    ev = t.group_times_of((a,), (b,), (s,), ds_list[-1])
+    best, best_d = math.inf, ds_list[p]
+    for j in range(bisect.bisect_right(ds_list, num_ranks) - 1, p - 1, -1):
+        d = ds_list[j]
+        if work / d + b1 > min(best, limit) * (1 + 1e-9):
+            break
+        tj = ev(0, d)
+        if tj <= best:
+            best, best_d = tj, d
+    return np.asarray([best_d], dtype=np.int64), best if best < limit else math.inf
 
 
 def _limit_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostModel, A: Any, B: Any,

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.planner import baselines, microbatch
-from dhp_jax.planner.allocate import allocate, allowed_degrees
+from dhp_jax.planner.allocate import allocate, allowed_degrees, scalar_time
 from dhp_jax.planner.build import build_plan, padded_tokens
 from dhp_jax.planner.cost import CostModel
 from dhp_jax.planner.packing import Packer, bin_sums, bins_of
@@ -26,7 +26,12 @@ from dhp_jax.planner.refine import refine as refine_groups
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
 _MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
-_MB_MIN_GAIN = 5e-3  # one more micro-batch must win by this fraction to keep the search going
+# One more micro-batch must win by this fraction of the summed makespans to keep the count search
+# going (and to be tried at all, by its bound). At 0.5 % the search went on for gains that finishing
+# the fewest count (moves, refinement) mostly erases: on `dhp bench planner`'s batches that search
+# took about 40 % of the solve time, and 2 % changed the plans of 248 preset and matched-profile
+# batches by 0.9997-1.0002 (geometric means by set; worst batch 0.5 % slower, best 1.3 % faster).
+_MB_MIN_GAIN = 2e-2
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
 _COARSEN_PATIENCE = 2  # packing granularities tried past the best before skipping to the coarsest
@@ -35,6 +40,7 @@ _ALONE_TOP = 32  # sequences whose time alone enters the split bound (the rest: 
 _SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could win by this fraction
 _DISSOLVE_SLACK = 0.02  # fill above the even share a dissolved micro-batch's sequences may first use
 _MERGES = 2  # times the best split may lose a micro-batch by dissolving one into the others
+_MOVE_NEAR = 0.05  # a move between micro-batches this close to their work bounds keeps their granularities
 
 _FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two ranks' work per bin
 
@@ -293,7 +299,9 @@ def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     ds = allowed.astype(np.float64)
     out = prob.work / prob.num_ranks + prob.cost.b1
     top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
-    t = prob.cost.group_times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None], ds[None, :])
+    # = cost.group_times(...) on the ring (`_ScalarTime.times`: the same floats, per-degree tables)
+    t = scalar_time(prob.cost).times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None],
+                                     allowed[None, :])
     out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
     return out
 
@@ -333,7 +341,7 @@ def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, fact
     another count must beat). A candidate is abandoned once its bound shows it cannot come in under
     `limit` (what another count achieved) or the best candidate so far. None when no candidate fits
     or none comes in under the cutoff and limit."""
-    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap)
+    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap, prob.orders())
     if not cands:
         return None
     ranked = sorted(((part_bounds(prob, parts, alone), i, parts) for i, (_, parts) in enumerate(cands)),
@@ -400,7 +408,16 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
     """Local moves between solved micro-batches, scored by the estimated step time: the micro-batch
     furthest above its work bound (makespan - work / N - b1) hands its heaviest, then its lightest,
     sequence to the one least above its bound that has memory room; both are solved again and the
-    move is kept when their makespans sum lower. At most _MOVES tries (deterministic order)."""
+    move is kept when their makespans sum lower. At most _MOVES tries (deterministic order).
+
+    Granularities (`factors` None): when both micro-batches are within _MOVE_NEAR of their work
+    bounds (makespan - work / N - b1 below that fraction of the makespan), one sequence more or
+    less keeps the packing that fits them, so they are solved again at the granularities that won
+    for them (their neighbours too cost 1.2x the solve time for the same plans within 0.7 % on 218
+    batches of `dhp bench planner`'s kind and the presets). A micro-batch further above its bound is held
+    back by memory or a long sequence, and a move can change which granularity fits it best (at 5
+    micro-batches of qwen3-vl-8b openvid, one move took a micro-batch from granularity 2 to 16 and
+    6 % faster), so then every granularity is tried."""
     N, b1, room = prob.num_ranks, prob.cost.b1, prob.num_ranks * prob.cap
     parts = [np.asarray(sorted(k for g in s[0] for k in g), dtype=np.int64) for s in sols]
     sols = list(sols)
@@ -426,9 +443,12 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
             limit = (sols[src][2] + sols[dst][2]) * (1 - 1e-9)
             # no solve of b comes in under its work bound: b is solved only if the move can still win
             bound_b = float(prob.work[b].sum()) / N + b1
-            sa = solve_microbatch(prob, a, allowed, packing, False, factors, limit - bound_b)
+            fs = factors
+            if fs is None and max(excess[src] / sols[src][2], excess[dst] / sols[dst][2]) < _MOVE_NEAR:
+                fs = sorted({sols[src][3], sols[dst][3]})
+            sa = solve_microbatch(prob, a, allowed, packing, False, fs, limit - bound_b)
             sb = None if sa is None or sa[2] + bound_b >= limit else \
-                solve_microbatch(prob, b, allowed, packing, False, factors, limit - sa[2])
+                solve_microbatch(prob, b, allowed, packing, False, fs, limit - sa[2])
             if sa is not None and sb is not None and sa[2] + sb[2] < limit:
                 parts[src], parts[dst], sols[src], sols[dst] = a, b, sa, sb
                 moved = True

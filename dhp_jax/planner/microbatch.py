@@ -32,18 +32,19 @@ def min_micro_batches(tokens: np.ndarray, num_ranks: int, max_tokens_per_rank: f
 _LPT_ITEMS_PER_PART = 8  # the heaviest items go by LPT; the light rest by a vectorised snake deal
 
 
-def split(work: np.ndarray, num_micro_batches: int) -> list[np.ndarray]:
+def split(work: np.ndarray, num_micro_batches: int, order: np.ndarray | None = None) -> list[np.ndarray]:
     """`num_micro_batches` arrays of sample positions, each sorted, of balanced work.
 
     Heaviest first: the first few items per part by LPT (least loaded part), the rest dealt in
     boustrophedon order (0..M-1, M-1..0, ...), whose imbalance is at most one light item.
-    Deterministic: ties broken by position.
+    Deterministic: ties broken by position. `order` may pass the positions heaviest first (stable).
     """
     K = len(work)
     M = max(1, min(num_micro_batches, K))
     if M == 1:
         return [np.arange(K, dtype=np.int64)]
-    order = np.lexsort((np.arange(K), -work))
+    if order is None:
+        order = np.lexsort((np.arange(K), -work))
     head = min(K, _LPT_ITEMS_PER_PART * M)
     owner = np.empty(K, dtype=np.int64)
     heap = [(0.0, 0, m) for m in range(M)]  # (work, count, part): equal work fills by count
@@ -63,13 +64,15 @@ def split(work: np.ndarray, num_micro_batches: int) -> list[np.ndarray]:
 
 
 def by_length(share: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num_ranks: int,
-              max_tokens_per_rank: float) -> list[np.ndarray] | None:
+              max_tokens_per_rank: float, order: np.ndarray | None = None) -> list[np.ndarray] | None:
     """Longest first, cut into `num_micro_batches` consecutive runs of about equal `share` each;
     a run also closes before its tokens exceed what `num_ranks` ranks hold. None when the last run
-    does not fit (this count is too small for this cut)."""
+    does not fit (this count is too small for this cut). `order` may pass the positions longest
+    first (stable)."""
     K = len(tokens)
     M = max(1, min(num_micro_batches, K))
-    order = np.lexsort((np.arange(K), -tokens))
+    if order is None:
+        order = np.lexsort((np.arange(K), -tokens))
     sh = share[order].astype(np.float64)
     target = np.cumsum(sh) - sh / 2  # a sequence goes to the run its midpoint falls in
     run = np.minimum((target * M // max(float(sh.sum()), 1e-300)).astype(np.int64), M - 1)
@@ -96,21 +99,24 @@ def by_length(share: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num
 
 
 def candidates(work: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num_ranks: int,
-               max_tokens_per_rank: float) -> list[tuple[str, list[np.ndarray]]]:
+               max_tokens_per_rank: float, orders: tuple[np.ndarray, np.ndarray] | None = None
+               ) -> list[tuple[str, list[np.ndarray]]]:
     """The candidate splits for one count (see the module docstring), those whose cut fits; a split
-    equal to an earlier one (as every split of one micro-batch is) is left out."""
+    equal to an earlier one (as every split of one micro-batch is) is left out. `orders` may pass
+    the positions longest first and heaviest first (stable; `sort_orders`), which every count shares."""
+    by_tokens, by_work = sort_orders(work, tokens) if orders is None else orders
     out: list[tuple[str, list[np.ndarray]]] = []
     seen: set[bytes] = set()
     tok_share = tokens / max(float(tokens.sum()), 1e-300)
     work_share = work / max(float(work.sum()), 1e-300)
     for name in ("length", "mixed", "work"):
         if name == "work":
-            parts = split(work, num_micro_batches)
+            parts = split(work, num_micro_batches, by_work)
             if any(float(tokens[p].sum()) > num_ranks * max_tokens_per_rank for p in parts):
                 continue
         else:
             share = tokens if name == "length" else tok_share + work_share
-            parts = by_length(share, tokens, num_micro_batches, num_ranks, max_tokens_per_rank)
+            parts = by_length(share, tokens, num_micro_batches, num_ranks, max_tokens_per_rank, by_tokens)
             if parts is None:
                 continue
         key = b"|".join(p.tobytes() for p in sorted(parts, key=lambda q: int(q[0])))
@@ -118,3 +124,9 @@ def candidates(work: np.ndarray, tokens: np.ndarray, num_micro_batches: int, num
             seen.add(key)
             out.append((name, parts))
     return out
+
+
+def sort_orders(work: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The positions longest first and heaviest first, ties by position (what `candidates` cuts)."""
+    K = len(tokens)
+    return np.lexsort((np.arange(K), -tokens)), np.lexsort((np.arange(K), -work))

@@ -49,6 +49,10 @@ class Packer:
         self.order = order
         # work, tokens and least degrees in heaviest-first order
         self.w, self.t, self.d = work[order], tokens[order], dmin[order]
+        # the work ascending (bisect finds how many reach a share) and the least degrees descending
+        # (how many exceed a bin's ranks): a granularity's long sequences without a pass over all
+        self._neg_w = (-self.w).tolist()
+        self._d_asc = np.sort(self.d).tolist()
 
     def __call__(self, coarsen: float = 1.0) -> np.ndarray:
         K, num_ranks, order = self.K, self.num_ranks, self.order
@@ -58,24 +62,32 @@ class Packer:
         W = self.total / num_ranks * coarsen
         slots = max(1, int(coarsen))  # ranks a short bin is expected to get: its memory room
         cap = self.max_tokens_per_rank * slots
-        is_long = (self.d > slots) | ((self.w >= W) & (W > 0))  # in heaviest-first order
-        if slots >= num_ranks and not is_long.any() and self.total_tokens <= cap * (1 - 1e-12):
+        # long: more least degree than the bin's ranks, or at least W of work (heaviest first, so
+        # the heavy ones are a prefix; a sequence of large least degree past it needs the mask)
+        heavy = bisect.bisect_right(self._neg_w, -W) if W > 0 else 0
+        wide = K - bisect.bisect_right(self._d_asc, slots)  # least degrees above the bin's ranks
+        if wide and heavy < K and self.d[heavy:].max() > slots:
+            is_long = (self.d > slots) | ((self.w >= W) & (W > 0))
+            long_at, short_at = is_long, ~is_long
+        else:
+            is_long = None
+            long_at, short_at = slice(0, heavy), slice(heavy, K)
+        n_long = heavy if is_long is None else int(np.count_nonzero(is_long))
+        if slots >= num_ranks and n_long == 0 and self.total_tokens <= cap * (1 - 1e-12):
             assign[:] = 0  # the coarsest packing: one bin holds everything (what the deal below gives)
             return assign
-        longs = order[is_long]
-        n_long = len(longs)
+        longs = order[long_at]
         assign[longs] = np.arange(n_long)
-        short = ~is_long
-        if not short.any():
+        if n_long == K:
             return assign
         # ascending by work, so bisect finds the largest that fits
-        shorts = order[short][::-1].tolist()
-        keys = self.w[short][::-1].tolist()
-        stoks = self.t[short][::-1].tolist()  # aligned with shorts / keys
+        shorts = order[short_at][::-1].tolist()
+        keys = self.w[short_at][::-1].tolist()
+        stoks = self.t[short_at][::-1].tolist()  # aligned with shorts / keys
         ranks_taken = 0
         filled, fill_bin = [], []  # shorts placed into the long bins' headroom, and those bins
-        for b, (wk, tk, dk) in enumerate(zip(self.w[is_long].tolist(), self.t[is_long].tolist(),
-                                             self.d[is_long].tolist())):
+        for b, (wk, tk, dk) in enumerate(zip(self.w[long_at].tolist(), self.t[long_at].tolist(),
+                                             self.d[long_at].tolist())):
             share = max(dk, math.ceil(wk / W - 1e-9)) if W > 0 else dk
             ranks_taken += share * slots
             head = share * W - wk

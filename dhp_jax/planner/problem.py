@@ -10,6 +10,7 @@ import numpy as np
 from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
 from dhp_jax.planner.cost import CostModel
+from dhp_jax.planner.microbatch import sort_orders
 from dhp_jax.planner.plan import PlanningError
 
 
@@ -22,6 +23,14 @@ class Problem:
         self.work = self.attn + self.lin
         self.dmin = cost.min_degree(lengths)
         self.cap = cost.max_tokens_per_rank
+        self._orders: tuple[np.ndarray, np.ndarray] | None = None
+
+    def orders(self) -> tuple[np.ndarray, np.ndarray]:
+        """The samples longest first and heaviest first, ties by position (computed once: every
+        micro-batch count's candidate splits cut these orders)."""
+        if self._orders is None:
+            self._orders = sort_orders(self.work, self.tok)
+        return self._orders
 
 
 def prepare(samples_or_lengths: Any, num_ranks: int, cost: CostModel, etas: Any = None,
