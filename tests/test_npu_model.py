@@ -37,7 +37,7 @@ def reference_case():
     config = MLLMConfig()
     params = jax.device_get(init_params(config, jax.random.PRNGKey(7)))
     samples = random_samples(config, LENGTHS, seed=11)
-    loss, grads = jax.jit(jax.value_and_grad(lambda p: reference_loss(config, p, samples)))(params)
+    loss, grads = jax.value_and_grad(lambda p: reference_loss(config, p, samples))(params)
     return config, params, samples, float(loss), flatten_tree(jax.device_get(grads))
 
 
