@@ -87,9 +87,9 @@ def _outputs(procs: list, timeout: float = 240) -> list[str]:
     return texts
 
 
-def _train_cmd(pid: int, port: int, out_dir, plan_file=None) -> list[str]:
+def _train_cmd(pid: int, port: int, out_dir, plan_file=None, *extra: str) -> list[str]:
     source = f"planner.plan_file={plan_file}" if plan_file else "planner.strategy=dhp"
-    return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, f"metrics.out_dir={out_dir}",
+    return [sys.executable, "-m", "dhp_jax", "train", *OVERRIDES, *extra, f"metrics.out_dir={out_dir}",
             source, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
             "--process-id", str(pid), "--step-timeout", "120"]
 
@@ -138,21 +138,26 @@ def test_two_processes_match_single_process(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
 
 
+LIVE_STEPS = 2     # two different live plans ([[4, 2, 1, 1]], [[2, 2, 2, 2]]): 7 group programs
+
+
 def test_two_processes_plan_live_and_match_single_process(tmp_path):
     """Each process runs the planner itself every step (no plan file): the solver's timings differ
     between the processes, its decisions do not, so the plan check passes at every step and the
-    losses are the single-process run's."""
+    losses are the single-process run's. Two steps: each step's plan needs new group programs
+    (every step compiles), and two steps already check agreement after a step has run."""
     from dhp_jax.train.config import load_config
     from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.trainer import Trainer
 
     port = free_port()
     multi = tmp_path / "multi"
-    procs = [subprocess.Popen(_train_cmd(pid, port, multi), cwd=tmp_path, env=_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for pid in (0, 1)]
+    procs = [subprocess.Popen(_train_cmd(pid, port, multi, None, f"steps={LIVE_STEPS}"), cwd=tmp_path, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for pid in (0, 1)]
     try:
-        single = Trainer(load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
-                                                "planner.strategy=dhp"]))
+        single = Trainer(load_config(overrides=[*OVERRIDES, f"steps={LIVE_STEPS}",
+                                                f"metrics.out_dir={tmp_path / 'single'}", "planner.strategy=dhp"]))
         # a single process also prices new programs at their measured compile time (ProgramCache);
         # processes of a multi-process run do not (the figure would differ between them): compare
         # the same planning rule
@@ -164,11 +169,12 @@ def test_two_processes_plan_live_and_match_single_process(tmp_path):
         assert p.returncode == 0, text[-4000:]
     per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
     for recs in per_process:
-        assert [r["step"] for r in recs] == [1, 2, 3]
-        assert [r["strategy"] for r in recs] == ["dhp"] * 3
+        assert [r["step"] for r in recs] == list(range(1, LIVE_STEPS + 1))
+        assert [r["strategy"] for r in recs] == ["dhp"] * LIVE_STEPS
         assert [r["plan_hash"] for r in recs] == [r["plan_hash"] for r in ref.records]
+        assert len({r["plan_hash"] for r in recs}) == LIVE_STEPS       # a new plan every step
     losses0, losses1 = ([r["loss"] for r in recs] for recs in per_process)
-    assert losses0 == losses1 and len(set(ref.losses)) == 3 and all(np.isfinite(ref.losses))
+    assert losses0 == losses1 and len(set(ref.losses)) == LIVE_STEPS and all(np.isfinite(ref.losses))
     np.testing.assert_allclose(losses0, ref.losses, rtol=1e-5, atol=0)
     print("two processes, live planner: steps", [r["step"] for r in per_process[0]], "losses", losses0,
           "single process", ref.losses, "degrees", [r["degrees"] for r in per_process[0]])

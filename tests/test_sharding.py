@@ -36,7 +36,7 @@ def setup():
     assert len(jax.devices()) == 8, "conftest must provide 8 fake CPU devices"
     params = init_params(C, jax.random.key(0))
     samples = random_samples(C, LENGTHS, seed=21)
-    ref = jax.value_and_grad(lambda p: reference_loss(C, p, samples))(params)
+    ref = jax.jit(jax.value_and_grad(lambda p: reference_loss(C, p, samples)))(params)
     ex = PlanExecutor(C)
     return ex, ex.replicate(params), samples, ref
 
