@@ -1,8 +1,8 @@
 """`dhp train` as a user runs it (subprocesses): the demo shows DHP's irregular groups and the
 simulated 64-rank comparison, and no run is ever lost (used directory, finished run, SIGKILL).
 
-Kept short: 2 steps of the demo on a data seed whose first batches need groups of 5 and 3 (few group
-programs), the simulated comparison only; the kill test runs a one-program static plan.
+Kept short: 2 steps of the demo on a data seed whose first batches need groups of three degrees,
+one not a power of two (few group programs), the simulated comparison only; the kill test runs a one-program static plan.
 """
 
 import hashlib
@@ -20,8 +20,9 @@ import numpy as np
 from dhp_jax.train.config import load_config
 from dhp_jax.train.metrics import read_jsonl
 
-# the demo, shortened: data.seed=29 gives the plans [[5, 3]] and [[5, 1, 1, 1]] (padding priced);
-# no warm-up, so the one update between the two logged losses is taken at the full learning rate
+# the demo, shortened: data.seed=30's two batches are planned on at least three degrees, one of them
+# not a power of two (the test asserts it, so a planner change that loses this shows here); no
+# warm-up, so the one update between the two logged losses is taken at the full learning rate
 DEMO_SHORT = ["steps=2", "data.seed=30", "data.max_tokens=96", "min_bucket=128", "optim.warmup_steps=0",
               "optim.learning_rate=0.01", "checkpoint.every=0", "compare.batches=1", "compare.measured=false",
               "metrics.progress=false"]
