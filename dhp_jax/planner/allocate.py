@@ -294,9 +294,8 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
         return None
     t = scalar_time(cost, attention)
     last = len(ds_list)
-    if K == 1 and t.tabled:
-        return _one_group(float(A[0]), float(B[0]), float(S[0]), int(dmin[0]), ds_list, num_ranks, cost.b1, t, limit)
-    if 1 < K < _WARM_MIN_GROUPS:  # few groups: the set-up in plain Python (NumPy's calls cost more here)
+    # few groups (one, when the tables price it): the set-up in plain Python (NumPy's calls cost more here)
+    if K < _WARM_MIN_GROUPS and (K > 1 or t.tabled):
         Al, Bl, Sl = (np.asarray(x, dtype=np.float64).tolist() for x in (A, B, S))
         pos = [bisect.bisect_left(ds_list, d) for d in np.asarray(dmin, dtype=np.int64).tolist()]
         if max(pos) >= last or sum(ds_list[p] for p in pos) > num_ranks:
@@ -308,6 +307,8 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
             if not room > 0 or max(pos) >= last or sum(ds_list[p] for p in pos) > num_ranks:
                 return np.asarray([ds_list[min(p, last - 1)] for p in pos], dtype=np.int64), math.inf
         ev = t.group_times_of(Al, Bl, Sl, ds_list[-1])
+        if K == 1:
+            return _one_group(ev, Al[0] + Bl[0], cost.b1, ds_list, pos[0], num_ranks, limit)
         t0 = [ev(i, ds_list[p]) for i, p in enumerate(pos)]
     else:
         starts = np.searchsorted(ds, np.asarray(dmin, dtype=np.int64), side="left")
@@ -357,27 +358,16 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     return np.asarray(deg, dtype=np.int64), span if span < limit else math.inf
 
 
-def _one_group(a: float, b: float, s: float, dmin: int, ds_list: list[int], num_ranks: int, b1: float,
-               t: _ScalarTime, limit: float) -> tuple[np.ndarray, float] | None:
-    """`allocate` of one group (terms a, b, s; least degree dmin) with the per-degree tables: the least
-    degree reaching its least time, as the vectorised pricing of every allowed degree finds it.
+def _one_group(ev: Callable[[int, int], float], work: float, b1: float, ds_list: list[int], p: int,
+               num_ranks: int, limit: float) -> tuple[np.ndarray, float]:
+    """`allocate` of one group (`ev(0, d)` its time at degree d, `work` its A + B) from position `p`
+    of `ds_list` (its least degree, raised by `limit`) up: the least degree reaching its least time,
+    as the vectorised pricing of every allowed degree finds it.
 
     The degrees are walked from the largest down. Since T(d) >= work / d + b1, which grows as d
     falls, the walk stops once that bound passes the least time found (or `limit`): no smaller
     degree can reach it, nor tie it, so the result is the same (the least degree of the least time;
     inf when that is not below `limit`) for a few evaluations instead of every degree."""
-    last = len(ds_list)
-    p = bisect.bisect_left(ds_list, dmin)
-    if p >= last or ds_list[p] > num_ranks:
-        return None
-    work = a + b
-    if limit < math.inf:  # as `_limit_start`, the same floats
-        room = limit - b1
-        if room > 0:
-            p = max(p, bisect.bisect_left(ds_list, work / room * (1 - 1e-9)))
-        if not room > 0 or p >= last or ds_list[p] > num_ranks:
-            return np.asarray([ds_list[min(p, last - 1)]], dtype=np.int64), math.inf
-    ev = t.group_times_of((a,), (b,), (s,), ds_list[-1])
     best, best_d = math.inf, ds_list[p]
     for j in range(bisect.bisect_right(ds_list, num_ranks) - 1, p - 1, -1):
         d = ds_list[j]

@@ -413,8 +413,8 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
     Granularities (`factors` None): when both micro-batches are within _MOVE_NEAR of their work
     bounds (makespan - work / N - b1 below that fraction of the makespan), one sequence more or
     less keeps the packing that fits them, so they are solved again at the granularities that won
-    for them (their neighbours too cost 1.2x the solve time for the same plans within 0.7 % on 218
-    batches of `dhp bench planner`'s kind and the presets). A micro-batch further above its bound is held
+    for them (their neighbours too cost 1.2x the solve time, for plans within 0.7 % on 224 batches:
+    the bench's kind, the presets and the FlexSP-matched profile). A micro-batch further above its bound is held
     back by memory or a long sequence, and a move can change which granularity fits it best (at 5
     micro-batches of qwen3-vl-8b openvid, one move took a micro-batch from granularity 2 to 16 and
     6 % faster), so then every granularity is tried."""

@@ -49,8 +49,8 @@ class Packer:
         self.order = order
         # work, tokens and least degrees in heaviest-first order
         self.w, self.t, self.d = work[order], tokens[order], dmin[order]
-        # the work ascending (bisect finds how many reach a share) and the least degrees descending
-        # (how many exceed a bin's ranks): a granularity's long sequences without a pass over all
+        # the work negated and the least degrees, both ascending: bisect finds how many sequences
+        # reach a share of work and how many need more than a bin's ranks, without a pass over all
         self._neg_w = (-self.w).tolist()
         self._d_asc = np.sort(self.d).tolist()
 
@@ -67,12 +67,10 @@ class Packer:
         heavy = bisect.bisect_right(self._neg_w, -W) if W > 0 else 0
         wide = K - bisect.bisect_right(self._d_asc, slots)  # least degrees above the bin's ranks
         if wide and heavy < K and self.d[heavy:].max() > slots:
-            is_long = (self.d > slots) | ((self.w >= W) & (W > 0))
-            long_at, short_at = is_long, ~is_long
+            long_at = (self.d > slots) | ((self.w >= W) & (W > 0))
+            short_at, n_long = ~long_at, int(np.count_nonzero(long_at))
         else:
-            is_long = None
-            long_at, short_at = slice(0, heavy), slice(heavy, K)
-        n_long = heavy if is_long is None else int(np.count_nonzero(is_long))
+            long_at, short_at, n_long = slice(0, heavy), slice(heavy, K), heavy
         if slots >= num_ranks and n_long == 0 and self.total_tokens <= cap * (1 - 1e-12):
             assign[:] = 0  # the coarsest packing: one bin holds everything (what the deal below gives)
             return assign
