@@ -185,7 +185,7 @@ def test_two_processes_plan_live_and_match_single_process(tmp_path):
 # dies at step 2 (before publishing its plan hash, or inside the step's device work), or the two
 # publish different plans at step 2.
 _WORKER = textwrap.dedent("""
-    import os, sys
+    import os, sys, time
     pid, port, mode = int(sys.argv[1]), sys.argv[2], sys.argv[3]
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     from dhp_jax.train import distributed as D
@@ -198,18 +198,27 @@ _WORKER = textwrap.dedent("""
         x = jax.make_array_from_callback((4,), NamedSharding(mesh, P("x")), lambda i: np.full(1, step, np.float32))
         return float(total(x))
     global_sum(0)       # compile and connect before the guarded steps (a shared CPU can be slow)
+    def die_after_peers_step_1():
+        # the peer's step-1 collective must be over first (else its all-reduce, not the guarded
+        # step 2, sees the socket close): wait for its mark, then die between steps
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{mode}.{1 - pid}.step1") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(9)
     sync = D.StepSync(TIMEOUT)
     try:
         for step in (1, 2, 3):
             if pid == 1 and step == 2 and mode == "before-agree":
-                os._exit(9)
+                die_after_peers_step_1()
             if pid == 0 and step == 2 and mode == "coordinator-dies":
-                os._exit(9)
+                die_after_peers_step_1()
             sync.agree(step, "planB" if mode == "mismatch" and pid == 1 and step == 2 else "planA")
             with sync.watch(step):
                 if pid == 1 and step == 2 and mode == "in-step":
                     os._exit(9)
                 print(f"process {pid} step {step} sum {global_sum(step)}", flush=True)
+            if step == 1:
+                open(f"{mode}.{pid}.step1", "w").close()
     except D.PlanMismatchError as e:   # every process is alive: a normal exit (jax's shutdown barrier)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(3)
