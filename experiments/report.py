@@ -2,23 +2,266 @@
 
 REPORT.md holds the prose; each table sits between `<!-- table:NAME -->` and `<!-- /table -->` and
 is rewritten from experiments/results/NAME.json: `python -m experiments.report` after a regeneration.
+
+A table is a `Table`: the rows it draws from a result and its columns, each a header and a cell
+function `(row, result) -> text`; `num`, `text` and `how` build the common cells. A new table is
+one more entry in `RENDER` (the experiment's name -> its `Table`, or any `result -> str`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
 
 from experiments.runner import REPO, RESULTS_DIR
 
 REPORT = REPO / "experiments" / "REPORT.md"
 
+Row = dict[str, Any]
+Cell = Callable[[Row, dict[str, Any]], str]  # (row, whole result) -> the cell's text
+
 
 def _fmt(x: Any, spec: str = ".2f") -> str:
     return "—" if x is None else format(x, spec)
+
+
+def _short(label: str) -> str:
+    """'simulated (ascend-910b preset, model, 8x8 ranks)' -> 'simulated (ascend-910b preset)'."""
+    head, _, rest = label.partition("(")
+    return f"{head}({rest.split(',')[0].rstrip(')')})" if rest else label
+
+
+def num(key: str, spec: str = ".2f", wrap: str = "{}", *, optional: bool = False) -> Cell:
+    """The row's number `key` formatted by `spec`, placed in `wrap` ('**{}x**'); an optional key that is
+    absent or None reads '—' (a required one that is absent is a KeyError: a broken result)."""
+    return lambda row, r: wrap.format(_fmt(row.get(key) if optional else row[key], spec))
+
+
+def text(key: str) -> Cell:
+    """The row's value `key` as it is."""
+    return lambda row, r: str(row[key])
+
+
+def how(source: str = "row") -> Cell:
+    """The provenance column: the row's own label ('row') or the result's ('result'), shortened."""
+    return lambda row, r: _short((row if source == "row" else r)["label"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+    """A Markdown table: `columns` (header, cell) or a function of the result giving them, one line
+    per element of `rows(result)`. Headers may name result fields: '{config[steps]}'."""
+
+    columns: Sequence[tuple[str, Cell]] | Callable[[dict[str, Any]], Sequence[tuple[str, Cell]]]
+    rows: Callable[[dict[str, Any]], Iterable[Row]] = lambda r: r["rows"]
+
+    def __call__(self, r: dict[str, Any]) -> str:
+        cols = self.columns(r) if callable(self.columns) else self.columns
+        lines = ["| " + " | ".join(h.format(**r) for h, _ in cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(cell(row, r) for _, cell in cols) + " |" for row in self.rows(r)]
+        return "\n".join(lines)
+
+
+def _end_to_end_columns(r: dict[str, Any]) -> list[tuple[str, Cell]]:
+    def step(s: str) -> Cell:
+        return lambda row, r: _fmt(row["step_s"].get(s))
+
+    def best(row: Row, r: dict[str, Any]) -> str:
+        return f"{row.get('best_static', '—')} <{','.join(str(d) for d in row.get('best_static_degrees', []))}>"
+
+    return [("model", text("model")), ("data", text("dataset")),
+            *[(f"{s} (s)", step(s)) for s in r["config"]["strategies"]],
+            ("lower bound (s)", num("lower_bound_s", optional=True)), ("best static <degrees>", best),
+            ("DHP speed-up vs best static", num("speedup_vs_best_static", wrap="**{}x**", optional=True)),
+            ("bound on any speed-up", num("max_attainable_speedup", wrap="{}x", optional=True)),
+            ("vs FlexSP-style", num("speedup_vs_flexsp", wrap="{}x", optional=True)), ("how", how())]
+
+
+def _pair(a: str, b: str, spec: str = ".1f") -> Cell:
+    return lambda row, r: f"{row[a]:{spec}} / {row[b]:{spec}}"
+
+
+def _measured(table: Table) -> Callable[[dict[str, Any]], str]:
+    """The table, or why nothing was measured."""
+    return lambda r: table(r) if r.get("measured") else f"**Not measured:** {r.get('reason')}"
+
+
+def _feasible(cell: Cell, infeasible: str = "—") -> Cell:
+    return lambda row, r: infeasible if "infeasible" in row else cell(row, r)
+
+
+def _stats(a: np.ndarray) -> dict[str, Any]:
+    """The distribution columns of the optimality tables: median, p90, max, share within 1 % / 3 %."""
+    return {"median": np.median(a), "p90": np.percentile(a, 90), "max": a.max(),
+            "within": f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%}"}
+
+
+def _optimality_rows(r: dict[str, Any]) -> list[Row]:
+    small = [x for x in r["small"] if "ratio" in x]
+    proven = [x["ratio"] for x in small if x["milp_optimal"]]
+    unproven = [x["ratio"] for x in small if not x["milp_optimal"]]
+    rows = []
+    if proven:
+        rows.append({"instances": "small, DHP / proven MILP optimum", "count": f"{len(proven)} of {len(small)}",
+                     **_stats(np.asarray(proven))})
+    if unproven:
+        rows.append({"instances": "small, MILP hit its time limit: DHP / MILP incumbent",
+                     "count": f"{len(unproven)} of {len(small)}", **_stats(np.asarray(unproven))})
+    if small:
+        rows.append({"instances": "small, DHP / lower bound (all)", "count": str(len(small)),
+                     **_stats(np.asarray([x["dhp_step_s"] / x["lower_bound_s"] for x in small]))})
+    for n in sorted({x["ranks"] for x in r["large"]}):
+        rs = [x for x in r["large"] if x["ranks"] == n]
+        static = np.median([x["static_over_bound"] for x in rs])
+        rows.append({"instances": f"{n} ranks, DHP / lower bound (static ring / bound: {static:.3f})",
+                     "count": str(len(rs)), **_stats(np.asarray([x["dhp_over_bound"] for x in rs]))})
+    return rows
+
+
+_OPTIMALITY = Table([("instances", text("instances")), ("count", text("count")), ("median", num("median", ".4f")),
+                     ("p90", num("p90", ".4f")), ("max", num("max", ".4f")),
+                     ("share within 1 % / 3 %", text("within")),
+                     ("how", lambda row, r: _short(r["label"].split(";")[0]))], rows=_optimality_rows)
+
+
+def _versus_flexsp_rows(r: dict[str, Any]) -> list[Row]:
+    rows = r["versus_flexsp"]
+    out = []
+    for ds in dict.fromkeys(x["dataset"] for x in rows):
+        rs = [x for x in rows if x["dataset"] == ds]
+        fx = [x for x in rs if "dhp_over_flexsp" in x]
+        q = np.asarray([x["dhp_over_flexsp"] for x in fx])
+        over = np.asarray([x["dhp_mb"] - x["token_lower_bound_mb"] for x in rs])
+        near = int(np.sum(over <= 1))
+        row = {"data": f"{ds}, {rs[0]['ranks']} ranks, GBS {rs[0]['samples']}", "batches": f"{len(fx)} / {len(rs)}",
+               "geo": "—", "worst": "—", "dhp_bound": "—", "flexsp_bound": "—", "mbs": "—",
+               "over": ", ".join(f"+{k}: {int(np.sum(over == k))}" for k in sorted(set(over.tolist()))),
+               "near": f"{near} of {len(rs)} ({near / len(rs):.0%})",
+               "dhp_solve": f"{np.median([x['dhp_solve_ms'] for x in rs]):.1f} ms "
+                            f"({np.median([x['dhp_solve_cpu_ms'] for x in rs]):.1f} ms)",
+               "flexsp_solve": "—", "how": "simulated (FlexSP-matched profile)"}
+        if fx:
+            row.update(geo=f"{np.exp(np.log(q).mean()):.4f}", worst=f"{q.max():.4f}",
+                       dhp_bound=f"{np.median([x['dhp_over_bound'] for x in fx]):.4f}",
+                       flexsp_bound=f"{np.median([x['flexsp_over_bound'] for x in fx]):.4f}",
+                       mbs=" ".join(f"{x['dhp_mb']}/{x['flexsp_mb']}/{x['token_lower_bound_mb']}" for x in fx),
+                       flexsp_solve=f"{np.median([x['flexsp_solve_s'] for x in fx]):.1f} s")
+        out.append(row)
+    sm = r.get("solve_ms", {})
+    if sm.get("preset_openvid_wall_ms"):
+        out.append({"data": "openvid, internvl3-8b / ascend-910b preset (solve time only)",
+                    "batches": f"— / {len(sm['preset_openvid_wall_ms'])}", "geo": "—", "worst": "—", "dhp_bound": "—",
+                    "flexsp_bound": "—", "mbs": "—", "over": "—", "near": "—",
+                    "dhp_solve": f"{np.median(sm['preset_openvid_wall_ms']):.1f} ms "
+                                 f"({np.median(sm['preset_openvid_cpu_ms']):.1f} ms)",
+                    "flexsp_solve": "—", "how": "measured on this machine"})
+    return out
+
+
+_VERSUS_FLEXSP = Table([(h, text(k)) for h, k in [
+    ("data", "data"), ("batches (flexsp / dhp)", "batches"), ("dhp / flexsp: geo. mean", "geo"), ("worst", "worst"),
+    ("dhp / bound (median)", "dhp_bound"), ("flexsp / bound (median)", "flexsp_bound"),
+    ("micro-batches dhp / flexsp / token bound", "mbs"), ("dhp micro-batches over the bound (+k: batches)", "over"),
+    ("dhp within 1 of the bound", "near"), ("dhp solve median (CPU)", "dhp_solve"),
+    ("flexsp solve median", "flexsp_solve"), ("how", "how")]], rows=_versus_flexsp_rows)
+
+
+def optimality(r: dict[str, Any]) -> str:
+    """Experiment 7: the small/large instance table, then (when run) the FlexSP comparison below it."""
+    parts = [_OPTIMALITY(r)] if _optimality_rows(r) else []
+    if r.get("versus_flexsp"):
+        parts.append(_VERSUS_FLEXSP(r))
+    return "\n\n".join(parts) or _OPTIMALITY(r)
+
+
+def _attention_kinds(row: Row, r: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {n}" for k, n in row["multi_rank_groups"].items())
+
+
+def _share(row: Row, r: dict[str, Any]) -> str:
+    return f"{row['tail_share']:.1%}" + (" (built-in)" if row["built_in"] else "")
+
+
+def _compiles_lost(row: Row, r: dict[str, Any]) -> str:
+    split = ""
+    if row.get("padding_step_time_lost") is not None:
+        split = f" ({100 * row['menu_degrees_step_time_lost']:+.1f} % / {100 * row['padding_step_time_lost']:+.1f} %)"
+    return f"{100 * row['step_time_lost']:+.1f} %{split}"
+
+
+def _compiles_programs(row: Row, r: dict[str, Any]) -> str:
+    off = f" ({row['off_menu_programs']} off the menu)" if row.get("off_menu_programs") else ""
+    return f"{row['programs']}{off}"
+
+
+def _compiles_executables(row: Row, r: dict[str, Any]) -> str:
+    return (f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
+            f"{row['executables_per_program_per_process_max_no_placement']:.2f}x)")
+
+
+RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
+    "end_to_end": Table(_end_to_end_columns),
+    "scaling": Table([
+        ("ranks", text("ranks")), ("GBS", text("batch")), ("strategy", text("strategy")), ("step (s)", num("step_s")),
+        ("tokens/s/rank", num("tokens_per_s_per_rank", ".0f")), ("scaling efficiency", num("scaling_efficiency", ".1%")),
+        ("DHP speed-up", num("dhp_speedup", wrap="{}x", optional=True)), ("utilisation", num("utilisation")),
+        ("plan (ms, measured)", num("plan_wall_ms", ".0f")), ("how", how())]),
+    "overhead": Table([
+        ("ranks", text("ranks")), ("GBS", text("batch")),
+        ("solver ms (median / max)", _pair("solver_ms_median", "solver_ms_max")),
+        ("whole scheduling ms (median / max)", _pair("scheduling_ms_median", "scheduling_ms_max")),
+        ("simulated step s", num("sim_step_s_mean")), ("scheduling / step", num("scheduling_share_of_step", ".2%")),
+        ("how", lambda row, r: f"{r['label']}; step simulated")]),
+    "estimator": _measured(Table([
+        ("model", text("model")), ("devices", lambda row, r: f"{r['config']['devices']} fake CPU"),
+        ("points (held out)", lambda row, r: f"{row['points']} ({row['held_out']})"),
+        ("held-out mean error", num("mean_rel_error", ".1%", "**{}**")), ("median", num("median_rel_error", ".1%")),
+        ("max", num("max_rel_error", ".1%")), ("train mean error", num("train_mean_rel_error", ".1%")),
+        ("how", text("label"))], rows=lambda r: r["table"])),
+    "case_study": Table([
+        ("data", text("dataset")),
+        ("best static (config, micro-batches, s)", lambda row, r: f"{row['baseline']} {row['baseline_config']}, "
+                                                                  f"{row['baseline_micro_batches']}, {row['baseline_step_s']:.2f}"),
+        ("DHP groups per micro-batch (degree x count)", lambda row, r: " ; ".join(row["dhp_micro_batches"])),
+        ("DHP s", num("dhp_step_s")), ("speed-up", num("speedup", wrap="**{}x**")), ("how", how())]),
+    "optimality": optimality,
+    "ablations": Table([
+        ("data", text("dataset")), ("variant", text("variant")), ("step (s)", _feasible(num("step_s"), "infeasible")),
+        ("vs full DHP", _feasible(num("slowdown_vs_full", ".3f", "{}x"))),
+        ("micro-batches", _feasible(num("micro_batches", ".1f"))), ("utilisation", _feasible(num("utilisation"))),
+        ("how", how())]),
+    "sensitivity": Table([
+        ("model", text("model")), ("inter-node GB/s per rank", num("inter_node_gbps", "g")), ("DHP (s)", num("dhp_step_s")),
+        ("best static (s)", lambda row, r: f"{row['best_static']} {row['best_static_step_s']:.2f}"),
+        ("DHP speed-up", num("speedup", wrap="**{}x**")), ("how", how())]),
+    "tail_sweep": Table([
+        ("model", text("model")), ("data", text("dataset")), ("long-clip share", _share), ("DHP (s)", num("dhp_step_s")),
+        ("best static (s)", lambda row, r: f"{row['best_static']} {row['best_static_step_s']:.2f}"),
+        ("DHP speed-up", num("speedup", wrap="**{}x**")), ("how", how())]),
+    "attention_choice": Table([
+        ("cost model", text("variant")), ("model", text("model")), ("data", text("dataset")),
+        ("DHP (s)", lambda row, r: f"{row['step_s']['dhp']:.2f}"),
+        ("DHP ring-only (s)", lambda row, r: f"{row['step_s']['dhp ring-only']:.2f}"),
+        ("speed-up", num("speedup", ".3f", "**{}x**")), ("multi-rank groups by kind", _attention_kinds),
+        ("how", how())]),
+    "compiles": Table([
+        ("bucket rule", lambda row, r: str(row.get("rule", row["growth"]))),
+        ("padded / real tokens", num("padded_over_real", ".3f")),
+        ("programs over {config[steps]} steps", _compiles_programs),
+        ("executables per process, max (x programs it runs: placement / none)", _compiles_executables),
+        ("step (s)", num("step_s")), ("unpadded (s)", num("step_s_unpadded")),
+        ("lost to the rule and placement (of which: menu degrees / padding)", _compiles_lost),
+        ("how", how("result"))]),
+}
+
+# Tables that already say everything skip the per-row summary lines.
+NO_SUMMARY = ("overhead", "ablations", "case_study")
 
 
 def _provenance(r: dict[str, Any]) -> str:
@@ -29,212 +272,10 @@ def _provenance(r: dict[str, Any]) -> str:
             f"load average {m.get('loadavg_1_5_15')}).*")
 
 
-def _short(label: str) -> str:
-    """'simulated (ascend-910b preset, model, 8x8 ranks)' -> 'simulated (ascend-910b preset)'."""
-    head, _, rest = label.partition("(")
-    return f"{head}({rest.split(',')[0].rstrip(')')})" if rest else label
-
-
-def end_to_end(r: dict[str, Any]) -> str:
-    strategies = r["config"]["strategies"]
-    head = "| model | data | " + " | ".join(f"{s} (s)" for s in strategies) + \
-           " | lower bound (s) | best static <degrees> | DHP speed-up vs best static | bound on any speed-up | vs FlexSP-style | how |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for row in r["rows"]:
-        cells = [row["model"], row["dataset"]] + [_fmt(row["step_s"].get(s), ".2f") for s in strategies]
-        degs = ",".join(str(d) for d in row.get("best_static_degrees", []))
-        cells += [_fmt(row.get("lower_bound_s")), f"{row.get('best_static', '—')} <{degs}>",
-                  f"**{_fmt(row.get('speedup_vs_best_static'))}x**", f"{_fmt(row.get('max_attainable_speedup'))}x",
-                  f"{_fmt(row.get('speedup_vs_flexsp'))}x", _short(row["label"])]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def scaling(r: dict[str, Any]) -> str:
-    lines = ["| ranks | GBS | strategy | step (s) | tokens/s/rank | scaling efficiency | DHP speed-up | utilisation | plan (ms, measured) | how |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        lines.append(f"| {row['ranks']} | {row['batch']} | {row['strategy']} | {row['step_s']:.2f} | "
-                     f"{row['tokens_per_s_per_rank']:.0f} | {row['scaling_efficiency']:.1%} | "
-                     f"{_fmt(row.get('dhp_speedup'))}x | {row['utilisation']:.2f} | {row['plan_wall_ms']:.0f} | {_short(row['label'])} |")
-    return "\n".join(lines)
-
-
-def overhead(r: dict[str, Any]) -> str:
-    lines = ["| ranks | GBS | solver ms (median / max) | whole scheduling ms (median / max) | simulated step s | scheduling / step | how |",
-             "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        lines.append(f"| {row['ranks']} | {row['batch']} | {row['solver_ms_median']:.1f} / {row['solver_ms_max']:.1f} | "
-                     f"{row['scheduling_ms_median']:.1f} / {row['scheduling_ms_max']:.1f} | {row['sim_step_s_mean']:.2f} | "
-                     f"{row['scheduling_share_of_step']:.2%} | {r['label']}; step simulated |")
-    return "\n".join(lines)
-
-
-def estimator(r: dict[str, Any]) -> str:
-    if not r.get("measured"):
-        return f"**Not measured:** {r.get('reason')}"
-    lines = ["| model | devices | points (held out) | held-out mean error | median | max | train mean error | how |",
-             "|---|---|---|---|---|---|---|---|"]
-    for t in r["table"]:
-        lines.append(f"| {t['model']} | {r['config']['devices']} fake CPU | {t['points']} ({t['held_out']}) | "
-                     f"**{t['mean_rel_error']:.1%}** | {t['median_rel_error']:.1%} | {t['max_rel_error']:.1%} | "
-                     f"{_fmt(t['train_mean_rel_error'], '.1%')} | {t['label']} |")
-    return "\n".join(lines)
-
-
-def case_study(r: dict[str, Any]) -> str:
-    lines = ["| data | best static (config, micro-batches, s) | DHP groups per micro-batch (degree x count) | DHP s | speed-up | how |",
-             "|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        lines.append(f"| {row['dataset']} | {row['baseline']} {row['baseline_config']}, {row['baseline_micro_batches']}, "
-                     f"{row['baseline_step_s']:.2f} | {' ; '.join(row['dhp_micro_batches'])} | {row['dhp_step_s']:.2f} | "
-                     f"**{row['speedup']:.2f}x** | {_short(row['label'])} |")
-    return "\n".join(lines)
-
-
-def optimality(r: dict[str, Any]) -> str:
-    import numpy as np
-
-    small = [x for x in r["small"] if "ratio" in x]
-    proven = [x["ratio"] for x in small if x["milp_optimal"]]
-    lines = ["| instances | count | median | p90 | max | share within 1 % / 3 % | how |", "|---|---|---|---|---|---|---|"]
-    how = _short(r["label"].split(";")[0])
-    if proven:
-        a = np.asarray(proven)
-        lines.append(f"| small, DHP / proven MILP optimum | {a.size} of {len(small)} | {np.median(a):.4f} | "
-                     f"{np.percentile(a, 90):.4f} | {a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
-    unproven = [x for x in small if not x["milp_optimal"]]
-    if unproven:
-        a = np.asarray([x["ratio"] for x in unproven])
-        lines.append(f"| small, MILP hit its time limit: DHP / MILP incumbent | {a.size} of {len(small)} | "
-                     f"{np.median(a):.4f} | {np.percentile(a, 90):.4f} | {a.max():.4f} | "
-                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
-    a = np.asarray([x["dhp_step_s"] / x["lower_bound_s"] for x in small])
-    if a.size:
-        lines.append(f"| small, DHP / lower bound (all) | {a.size} | {np.median(a):.4f} | {np.percentile(a, 90):.4f} | "
-                     f"{a.max():.4f} | {np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
-    for n in sorted({x["ranks"] for x in r["large"]}):
-        rs = [x for x in r["large"] if x["ranks"] == n]
-        a = np.asarray([x["dhp_over_bound"] for x in rs])
-        b = np.asarray([x["static_over_bound"] for x in rs])
-        lines.append(f"| {n} ranks, DHP / lower bound (static ring / bound: {np.median(b):.3f}) | {a.size} | "
-                     f"{np.median(a):.4f} | {np.percentile(a, 90):.4f} | {a.max():.4f} | "
-                     f"{np.mean(a <= 1.01):.0%} / {np.mean(a <= 1.03):.0%} | {how} |")
-    if r.get("versus_flexsp"):
-        lines = [] if len(lines) == 2 else lines + [""]
-        lines += _versus_flexsp(r)
-    return "\n".join(lines)
-
-
-def _versus_flexsp(r: dict[str, Any]) -> list[str]:
-    import numpy as np
-
-    rows = r["versus_flexsp"]
-    out = ["| data | batches (flexsp / dhp) | dhp / flexsp: geo. mean | worst | dhp / bound (median) | "
-           "flexsp / bound (median) | micro-batches dhp / flexsp / token bound | dhp micro-batches over the bound "
-           "(+k: batches) | dhp within 1 of the bound | dhp solve median (CPU) | flexsp solve median | how |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for ds in dict.fromkeys(x["dataset"] for x in rows):
-        rs = [x for x in rows if x["dataset"] == ds]
-        fx = [x for x in rs if "dhp_over_flexsp" in x]
-        q = np.asarray([x["dhp_over_flexsp"] for x in fx])
-        mbs = " ".join(f"{x['dhp_mb']}/{x['flexsp_mb']}/{x['token_lower_bound_mb']}" for x in fx)
-        over = np.asarray([x["dhp_mb"] - x["token_lower_bound_mb"] for x in rs])
-        hist = ", ".join(f"+{k}: {int(np.sum(over == k))}" for k in sorted(set(over.tolist())))
-        near = int(np.sum(over <= 1))
-        vs = (f"{np.exp(np.log(q).mean()):.4f} | {q.max():.4f} | "
-              f"{np.median([x['dhp_over_bound'] for x in fx]):.4f} | "
-              f"{np.median([x['flexsp_over_bound'] for x in fx]):.4f} | {mbs}") if fx else "— | — | — | — | —"
-        fx_s = f"{np.median([x['flexsp_solve_s'] for x in fx]):.1f} s" if fx else "—"
-        out.append(f"| {ds}, {rs[0]['ranks']} ranks, GBS {rs[0]['samples']} | {len(fx)} / {len(rs)} | {vs} | {hist} | "
-                   f"{near} of {len(rs)} ({near / len(rs):.0%}) | "
-                   f"{np.median([x['dhp_solve_ms'] for x in rs]):.1f} ms "
-                   f"({np.median([x['dhp_solve_cpu_ms'] for x in rs]):.1f} ms) | "
-                   f"{fx_s} | simulated (FlexSP-matched profile) |")
-    sm = r.get("solve_ms", {})
-    if sm.get("preset_openvid_wall_ms"):
-        out.append(f"| openvid, internvl3-8b / ascend-910b preset (solve time only) | — / {len(sm['preset_openvid_wall_ms'])} | "
-                   f"— | — | — | — | — | — | — | {np.median(sm['preset_openvid_wall_ms']):.1f} ms "
-                   f"({np.median(sm['preset_openvid_cpu_ms']):.1f} ms) | — | measured on this machine |")
-    return out
-
-
-def ablations(r: dict[str, Any]) -> str:
-    lines = ["| data | variant | step (s) | vs full DHP | micro-batches | utilisation | how |", "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        if "infeasible" in row:
-            lines.append(f"| {row['dataset']} | {row['variant']} | infeasible | — | — | — | {_short(row['label'])} |")
-            continue
-        lines.append(f"| {row['dataset']} | {row['variant']} | {row['step_s']:.2f} | {row['slowdown_vs_full']:.3f}x | "
-                     f"{row['micro_batches']:.1f} | {row['utilisation']:.2f} | {_short(row['label'])} |")
-    return "\n".join(lines)
-
-
-def sensitivity(r: dict[str, Any]) -> str:
-    lines = ["| model | inter-node GB/s per rank | DHP (s) | best static (s) | DHP speed-up | how |",
-             "|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        lines.append(f"| {row['model']} | {row['inter_node_gbps']:g} | {row['dhp_step_s']:.2f} | "
-                     f"{row['best_static']} {row['best_static_step_s']:.2f} | **{row['speedup']:.2f}x** | "
-                     f"{_short(row['label'])} |")
-    return "\n".join(lines)
-
-
-def tail_sweep(r: dict[str, Any]) -> str:
-    lines = ["| model | data | long-clip share | DHP (s) | best static (s) | DHP speed-up | how |",
-             "|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        share = f"{row['tail_share']:.1%}" + (" (built-in)" if row["built_in"] else "")
-        lines.append(f"| {row['model']} | {row['dataset']} | {share} | {row['dhp_step_s']:.2f} | "
-                     f"{row['best_static']} {row['best_static_step_s']:.2f} | **{row['speedup']:.2f}x** | "
-                     f"{_short(row['label'])} |")
-    return "\n".join(lines)
-
-
-def attention_choice(r: dict[str, Any]) -> str:
-    lines = ["| cost model | model | data | DHP (s) | DHP ring-only (s) | speed-up | multi-rank groups by kind | how |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        kinds = ", ".join(f"{k} {n}" for k, n in row["multi_rank_groups"].items())
-        lines.append(f"| {row['variant']} | {row['model']} | {row['dataset']} | {row['step_s']['dhp']:.2f} | "
-                     f"{row['step_s']['dhp ring-only']:.2f} | **{row['speedup']:.3f}x** | {kinds} | "
-                     f"{_short(row['label'])} |")
-    return "\n".join(lines)
-
-
-def compiles(r: dict[str, Any]) -> str:
-    steps = r["config"]["steps"]
-    lines = [f"| bucket rule | padded / real tokens | programs over {steps} steps | executables per process, max "
-             "(x programs it runs: placement / none) | step (s) | unpadded (s) | lost to the rule and placement "
-             "(of which: menu degrees / padding) | how |",
-             "|---|---|---|---|---|---|---|---|"]
-    for row in r["rows"]:
-        split = ""
-        if row.get("padding_step_time_lost") is not None:
-            split = (f" ({100 * row['menu_degrees_step_time_lost']:+.1f} % / "
-                     f"{100 * row['padding_step_time_lost']:+.1f} %)")
-        off = f" ({row['off_menu_programs']} off the menu)" if row.get("off_menu_programs") else ""
-        lines.append(f"| {row.get('rule', row['growth'])} | {row['padded_over_real']:.3f} | {row['programs']}{off} | "
-                     f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
-                     f"{row['executables_per_program_per_process_max_no_placement']:.2f}x) | {row['step_s']:.2f} | "
-                     f"{row['step_s_unpadded']:.2f} | {100 * row['step_time_lost']:+.1f} %{split} | {_short(r['label'])} |")
-    return "\n".join(lines)
-
-
-RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
-    "end_to_end": end_to_end, "scaling": scaling, "overhead": overhead, "estimator": estimator,
-    "case_study": case_study, "optimality": optimality, "ablations": ablations, "sensitivity": sensitivity,
-    "tail_sweep": tail_sweep,
-    "attention_choice": attention_choice,
-    "compiles": compiles,
-}
-
-
 def render(name: str, results_dir: Path = RESULTS_DIR) -> str:
     r = json.loads((results_dir / f"{name}.json").read_text())
     body = RENDER[r["experiment"]](r)
-    # Tables that already say everything skip the per-row summary lines.
-    lines = [] if r["experiment"] in ("overhead", "ablations", "case_study") else r.get("summary", [])
+    lines = [] if r["experiment"] in NO_SUMMARY else r.get("summary", [])
     summary = "\n".join(f"- {s}" for s in lines)
     return f"{body}\n\n{summary}\n\n{_provenance(r)}"
 

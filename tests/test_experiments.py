@@ -126,3 +126,19 @@ def test_e5_refits_saved_timings_and_reports_a_fresh_split(tmp_path):
     bad = run_experiment(load_config(path, overrides={"refit_from": str(tmp_path / "none.json")}), tmp_path,
                          plot=False)
     assert bad["label"].startswith("not measured") and "cannot be read" in bad["reason"]
+
+
+def test_report_tables_are_the_renderers_output_of_the_stored_results(tmp_path):
+    """REPORT.md's tables regenerate byte for byte from experiments/results/*.json (so a change to a
+    table spec that changes a published table shows up here), and an infeasible ablation row reads so."""
+    import shutil
+
+    from experiments import report
+
+    copy = tmp_path / "REPORT.md"
+    shutil.copy(report.REPORT, copy)
+    assert len(report.update(copy)) >= 13
+    assert copy.read_text() == report.REPORT.read_text()
+    row = {"dataset": "openvid", "variant": "no packing", "infeasible": "no plan fits", "label": "simulated (x, y)"}
+    table = report.RENDER["ablations"]({"rows": [row]})
+    assert table.splitlines()[-1] == "| openvid | no packing | infeasible | — | — | — | simulated (x) |"
