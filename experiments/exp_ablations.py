@@ -11,26 +11,6 @@ from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches, simulate
 from experiments.common import save_figure
 
-DEFAULTS: dict[str, Any] = {
-    "model": "internvl3-8b",
-    "datasets": ["openvid", "msrvtt"],
-    "hardware": "ascend-910b",
-    "nodes": 8,
-    "ranks_per_node": 8,
-    "batch": 512,
-    "steps": 3,
-    # name -> plan_batch keyword options ("full" is the reference)
-    "variants": {
-        "full": {},
-        "no packing": {"packing": False},
-        "power-of-two degrees": {"degrees": "pow2"},
-        "placement ignores nodes": {"node_aware": False},
-        "1 micro-batch": {"num_micro_batches": 1},
-        "8 micro-batches": {"num_micro_batches": 8},
-        "no refinement": {"refine": False},
-    },
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     from dhp_jax.planner import PlanningError

@@ -15,16 +15,7 @@ from dhp_jax.planner import plan_batch
 from dhp_jax.planner.pricing import step_time
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches
-from experiments.exp_end_to_end import DEFAULTS as E1
 from experiments.common import save_figure
-
-# experiment 1's settings (models, mixes, cluster, batch), two batches per setting
-DEFAULTS: dict[str, Any] = {
-    **{k: E1[k] for k in ("models", "datasets", "hardware", "nodes", "ranks_per_node", "batch", "freeze_vision")},
-    "steps": 2,
-    # name -> CostModel field overrides ("preset": the hardware preset as it is)
-    "variants": {"preset": {}, "ring traffic not overlapped": {"comm_overlap": False}},
-}
 
 
 def _family(kind: str) -> str:

@@ -8,16 +8,6 @@ from typing import Any, Callable
 from experiments.common import STATIC, best_static, degree_multiset, run_strategies, save_figure, simulated_label
 from dhp_jax.sim.cluster import Cluster
 
-DEFAULTS: dict[str, Any] = {
-    "model": "internvl3-8b",
-    "datasets": ["openvid", "msrvtt"],
-    "hardware": "ascend-910b",
-    "nodes": 4,
-    "ranks_per_node": 8,
-    "batch": 512,
-    "strategies": ["dhp", "static-ring:best", "static-ulysses:best"],
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     cluster = Cluster(nodes=p["nodes"], ranks_per_node=p["ranks_per_node"], model=p["model"], hardware=p["hardware"])

@@ -18,28 +18,6 @@ from typing import Any, Callable
 from dhp_jax.train.compiles_bench import cost_for, menu_cost, plan_run
 from experiments.common import save_figure
 
-DEFAULTS: dict[str, Any] = {
-    "model": "internvl3-8b",
-    "hardware": "ascend-910b",
-    "dataset": "openvid",
-    "ranks": 64,
-    "ranks_per_node": 8,
-    "ranks_per_process": 8,
-    "batch": 512,
-    "steps": 1000,
-    "min_bucket": 16,
-    "growths": [2.0, 1.5, 1.25, 1.1],
-    "menu_budgets": [48, 56, 64, 80],  # menus of programs (planner.menu) fitted on the calibration ladder
-    "menu_kinds": "bucket",            # each program's attention kind: per "bucket" or per "degree"
-    "menu_max_degrees": 8,             # degrees a menu keeps (by token mass, plus 1 and all ranks)
-    "kind_variants": ["degree", "group"],  # at kind_budget: kinds per degree, kinds chosen per group
-    "degree_variants": [],             # at kind_budget: other menu_max_degrees
-    "menu_degree_set": "aligned",      # a menu's degrees: "aligned" (tile nodes, planner.menu.aligned_degrees) or "any"
-    "degree_set_variants": ["any"],    # at kind_budget: the other degree set
-    "kind_budget": 64,
-    "menu_growth": 1.1,
-    "menu_calibration_batches": 60,
-}
 
 # issue targets at 64 ranks over 1,000 steps (the summary names the rows meeting all four)
 TARGETS = {"padded_over_real": 1.05, "programs": 64, "executables_per_program_per_process_max": 2.0,

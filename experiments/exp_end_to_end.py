@@ -12,18 +12,6 @@ from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches
 
-DEFAULTS: dict[str, Any] = {
-    "models": ["internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b"],
-    "datasets": ["openvid", "internvid", "msrvtt"],
-    "hardware": "ascend-910b",
-    "nodes": 8,
-    "ranks_per_node": 8,
-    "batch": 512,
-    "steps": 3,
-    "freeze_vision": False,
-    "strategies": ["dhp", "static-ring:best", "static-ulysses:best", "flexsp"],
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     rows = []

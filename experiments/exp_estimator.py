@@ -23,24 +23,10 @@ import numpy as np
 from experiments.runner import REPO, describe_machine
 from experiments.common import save_figure
 
-DEFAULTS: dict[str, Any] = {
-    "model_preset": "tiny",
-    "devices": 8,
-    "degrees": [1, 2, 3, 4, 5, 8],
-    "lengths": [128, 256, 512, 1024],
-    "packs": [1, 2],
-    "repeats": 5,
-    "holdout_every": 4,
-    "base_model": "qwen3-vl-2b",
-    "timeout_s": 1500,
-    "fresh_split_seed": 1,       # a held-out split the model form was never tuned against
-    "refit_from": None,          # path of an earlier e5 result: refit its timings, do not profile
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     where = describe_machine()
-    if p.get("refit_from"):
+    if p["refit_from"]:
         return _refit(p, where)
     params = {k: p[k] for k in ("model_preset", "devices", "degrees", "lengths", "packs", "repeats",
                                 "holdout_every", "base_model")}
@@ -100,7 +86,7 @@ def _analyse(prof: dict[str, Any], p: dict[str, Any], label: str, log: Callable[
     table = [_errors_row(model, rep["num_points"], rep["num_held_out"], [r["rel_error"] for r in rows],
                          rep.get("train_mean_rel_error"), label)]
     base = CostModel.from_dict(prof["cost"])
-    seed = int(p.get("fresh_split_seed", 1))
+    seed = int(p["fresh_split_seed"])
     _, fresh = fit_profile(prof["measurements"], base, holdout_every=p["holdout_every"], seed=seed)
     table.append(_errors_row(f"{model} (fresh split, seed {seed})", fresh["num_points"], fresh["num_held_out"],
                              [h["rel_error"] for h in fresh["held_out"]], fresh.get("train_mean_rel_error"), label))

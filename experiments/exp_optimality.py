@@ -20,28 +20,6 @@ from dhp_jax.sim.cluster import Cluster, vision_family
 from dhp_jax.sim.simulate import evaluate, make_batches
 from experiments.common import save_figure
 
-DEFAULTS: dict[str, Any] = {
-    "model": "internvl3-8b",
-    "hardware": "ascend-910b",
-    "ranks_per_node": 8,
-    "small_dataset": "msrvtt",
-    "small_instances": 60,
-    "small_ranks": [2, 16],  # inclusive range drawn from
-    "small_sequences": [2, 24],
-    "milp_time_limit_s": 10.0,
-    "large_dataset": "openvid",
-    "large_ranks": [64, 256, 1024, 4096],
-    "large_batch_per_rank": 8,
-    "large_seeds": 3,
-    "flexsp_profile": "experiments/profiles/flexsp-gpt-7b-matched.json",
-    "flexsp_datasets": ["openvid", "text-longtail"],
-    "flexsp_ranks": 64,
-    "flexsp_batch": 512,
-    "flexsp_batches": 4,
-    "count_batches": 0,  # batches per mix for dhp's micro-batch count and solve time (>= flexsp_batches)
-    "solve_repeats": 5,
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     from dhp_jax.data import sample_etas, sample_lengths

@@ -20,17 +20,6 @@ from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import evaluate, make_batches
 from experiments.common import save_figure
 
-DEFAULTS: dict[str, Any] = {
-    "model": "internvl3-8b",
-    "dataset": "openvid",
-    "hardware": "ascend-910b",
-    "ranks_per_node": 8,
-    "strategy": "dhp",
-    # (ranks, global batch) points: the paper's three, then growing clusters at 8 samples per rank
-    "points": [[64, 128], [64, 256], [64, 512], [8, 64], [256, 2048], [1024, 8192], [4096, 32768]],
-    "repeats": 5,
-}
-
 
 def _schedule(samples: list[Any], cluster: Cluster, cost: Any, strategy: str) -> tuple[float, float, Any, list[int], list[float]]:
     from dhp_jax.data import sample_etas, sample_lengths

@@ -9,17 +9,6 @@ import numpy as np
 from experiments.common import LABELS, run_strategies, save_figure
 from dhp_jax.sim.cluster import Cluster
 
-DEFAULTS: dict[str, Any] = {
-    "model": "internvl3-8b",
-    "dataset": "openvid",
-    "hardware": "ascend-910b",
-    "ranks_per_node": 8,
-    "ranks": [8, 16, 32, 64, 256, 1024, 4096],
-    "batch_per_rank": 8,  # 512 at 64 ranks, as in the paper
-    "steps": 2,
-    "strategies": ["dhp", "static-ring:best", "static-ulysses:best"],
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     rows = []

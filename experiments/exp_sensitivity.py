@@ -10,18 +10,6 @@ import numpy as np
 from experiments.common import best_static, run_strategies, save_figure
 from dhp_jax.sim.cluster import Cluster
 
-DEFAULTS: dict[str, Any] = {
-    "models": ["internvl3-8b", "qwen3-vl-8b"],
-    "dataset": "openvid",
-    "hardware": "ascend-910b",
-    "nodes": 8,
-    "ranks_per_node": 8,
-    "batch": 512,
-    "steps": 2,
-    "inter_node_gbps": [1.5625, 3.125, 6.25, 12.5, 25.0, 50.0],  # 12.5 = 100 Gb/s per NPU; 1.5625 = per node of 8
-    "strategies": ["dhp", "static-ring:best", "static-ulysses:best"],
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     rows = []

@@ -12,18 +12,6 @@ from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import simulate
 from experiments.common import best_static, save_figure
 
-DEFAULTS: dict[str, Any] = {
-    "models": ["internvl3-8b"],
-    "datasets": ["openvid", "internvid"],
-    "hardware": "ascend-910b",
-    "nodes": 8,
-    "ranks_per_node": 8,
-    "batch": 512,
-    "steps": 2,
-    "tail_shares": [0.0, 0.005, 0.01, 0.02, 0.04],
-    "strategies": ["dhp", "static-ring:best", "static-ulysses:best"],
-}
-
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     rows = []

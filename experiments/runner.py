@@ -2,9 +2,12 @@
 
 A config is a YAML file with `kind: experiment`, `experiment: <registry name>`, a `seed`, the
 experiment's parameters at top level and a `tiny:` block of overrides for a seconds-long variant.
-The runner checks every key against the experiment's defaults (unknown keys are errors naming the
-key and listing the valid ones), runs it, and writes `<name>.json` (config, seed, versions, machine,
-rows) and `<name>.png` (matplotlib, Agg backend).
+The YAML is the one home of the parameters: each experiment has a base config (`REGISTRY`) that
+gives every parameter its script reads, and its value and type; another config of the same
+experiment (e2 of e1, e7_flexsp of e7_optimality) starts from the base and states what differs.
+The runner checks every key against the base (unknown keys are errors naming the key and listing
+the valid ones), runs it, and writes `<name>.json` (config, seed, versions, machine, rows) and
+`<name>.png` (matplotlib, Agg backend).
 """
 
 from __future__ import annotations
@@ -25,19 +28,20 @@ REPO = Path(__file__).resolve().parent.parent
 CONFIG_DIR = REPO / "experiments" / "configs"
 RESULTS_DIR = REPO / "experiments" / "results"
 
-# registry name -> module under experiments/ defining DEFAULTS, run(cfg) -> dict, plot(result, path)
-REGISTRY: dict[str, str] = {
-    "end_to_end": "experiments.exp_end_to_end",
-    "scaling": "experiments.exp_scaling",
-    "overhead": "experiments.exp_overhead",
-    "estimator": "experiments.exp_estimator",
-    "case_study": "experiments.exp_case_study",
-    "optimality": "experiments.exp_optimality",
-    "ablations": "experiments.exp_ablations",
-    "sensitivity": "experiments.exp_sensitivity",
-    "tail_sweep": "experiments.exp_tail_sweep",
-    "attention_choice": "experiments.exp_attention_choice",
-    "compiles": "experiments.exp_compiles",
+# registry name -> (module under experiments/ defining run(params, seed, log) -> dict and
+# plot(result, path), its base config under experiments/configs/)
+REGISTRY: dict[str, tuple[str, str]] = {
+    "end_to_end": ("experiments.exp_end_to_end", "e1_end_to_end.yaml"),
+    "scaling": ("experiments.exp_scaling", "e3_scaling.yaml"),
+    "overhead": ("experiments.exp_overhead", "e4_overhead.yaml"),
+    "estimator": ("experiments.exp_estimator", "e5_estimator.yaml"),
+    "case_study": ("experiments.exp_case_study", "e6_case_study.yaml"),
+    "optimality": ("experiments.exp_optimality", "e7_optimality.yaml"),
+    "ablations": ("experiments.exp_ablations", "e8_ablations.yaml"),
+    "sensitivity": ("experiments.exp_sensitivity", "e9_bandwidth.yaml"),
+    "tail_sweep": ("experiments.exp_tail_sweep", "e10_tail_sweep.yaml"),
+    "attention_choice": ("experiments.exp_attention_choice", "e11_attention_choice.yaml"),
+    "compiles": ("experiments.exp_compiles", "e12_compiles.yaml"),
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")
@@ -56,7 +60,18 @@ class Experiment:
 def _module(kind: str) -> Any:
     if kind not in REGISTRY:
         raise ConfigError(f"unknown experiment {kind!r}; known: {sorted(REGISTRY)}")
-    return importlib.import_module(REGISTRY[kind])
+    return importlib.import_module(REGISTRY[kind][0])
+
+
+def base_params(kind: str) -> dict[str, Any]:
+    """Every parameter of experiment `kind` with its value: the top level of its base config."""
+    if kind not in REGISTRY:
+        raise ConfigError(f"unknown experiment {kind!r}; known: {sorted(REGISTRY)}")
+    path = CONFIG_DIR / REGISTRY[kind][1]
+    raw = read_yaml(path)
+    if raw.get("experiment") != kind:
+        raise ConfigError(f"{path}: the base config of {kind!r} runs experiment {raw.get('experiment')!r}")
+    return {k: v for k, v in raw.items() if k not in RESERVED}
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -78,9 +93,8 @@ def load_config(path: str | Path | Mapping[str, Any], *, tiny: bool = False,
     if "experiment" not in raw:
         raise ConfigError(f"{source}: missing key 'experiment' (one of {sorted(REGISTRY)})")
     kind = raw["experiment"]
-    mod = _module(kind)
-    defaults: dict[str, Any] = dict(mod.DEFAULTS)
-    params = dataclass_of(f"{kind}_params", defaults)()  # typed by the defaults: a value of the wrong type is named
+    defaults = base_params(kind)
+    params = dataclass_of(f"{kind}_params", defaults)()  # typed by the base: a value of the wrong type is named
 
     def apply_block(block: Mapping[str, Any], where: str) -> None:
         unknown = [k for k in block if k not in RESERVED and k not in defaults]

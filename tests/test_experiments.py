@@ -142,3 +142,29 @@ def test_report_tables_are_the_renderers_output_of_the_stored_results(tmp_path):
     row = {"dataset": "openvid", "variant": "no packing", "infeasible": "no plan fits", "label": "simulated (x, y)"}
     table = report.RENDER["ablations"]({"rows": [row]})
     assert table.splitlines()[-1] == "| openvid | no packing | infeasible | — | — | — | simulated (x) |"
+
+
+def test_each_parameter_lives_in_the_yaml_and_is_read():
+    """The base config of each experiment is the one home of its parameters: the script keeps no
+    defaults, every `p[...]` its `run` reads is a key of the base, and every key of the base is read."""
+    import ast
+    import importlib
+
+    from experiments.runner import REGISTRY, base_params
+
+    for kind, (module, base) in REGISTRY.items():
+        mod = importlib.import_module(module)
+        assert not hasattr(mod, "DEFAULTS"), f"{module} keeps defaults: move them into configs/{base}"
+        tree = ast.parse(Path(mod.__file__).read_text())
+        read = set()
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Subscript) and isinstance(n.value, ast.Name) and n.value.id == "p":
+                if isinstance(n.slice, ast.Constant):
+                    read.add(n.slice.value)                                  # p["key"]
+            elif isinstance(n, ast.comprehension) and isinstance(n.iter, ast.Tuple):
+                read |= {c.value for c in n.iter.elts if isinstance(c, ast.Constant)}  # p[k] for k in (...)
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "p":
+                raise AssertionError(f"{module}: p.{n.attr}(...) (a default beside the YAML?): read p[key]")
+        keys = set(base_params(kind))
+        assert read <= keys, f"{module} reads {sorted(read - keys)}, which configs/{base} does not give"
+        assert keys <= read, f"configs/{base} gives {sorted(keys - read)}, which {module} never reads"
