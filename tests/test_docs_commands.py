@@ -178,4 +178,4 @@ def test_report_latencies_are_labelled_as_assumptions():
     assert rows, "the preset table lists the message latencies"
     for r in rows:
         source = r.rstrip(" |").rsplit("|", 1)[-1]
-        assert "assumption" in source and "datasheet" not in source and "PAPER.md" not in source.split("(")[0], r
+        assert "assumption" in source and "datasheet" not in source and "arXiv" not in source.split("(")[0], r

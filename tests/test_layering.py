@@ -1,4 +1,4 @@
-"""The import arrows of DESIGN.md, enforced by an AST walk of every module (imports inside
+"""The import arrows of docs/DESIGN.md (section 3), enforced by an AST walk of every module (imports inside
 functions included, since a lazy import is still an import).
 
 `cli` -> `train` -> `sharding` -> `model`; `sharding`, `train`, `sim`, `npu_backend`, `experiments`
@@ -128,7 +128,7 @@ def test_part_imports_only_what_design_allows(part):
             other = part_of(name)
             if other not in (part, "base") and other not in ALLOWED[part]:
                 bad.append(f"{MODULES[mod].relative_to(ROOT)}:{line} imports {name} ({part} -> {other})")
-    assert not bad, "import arrows of DESIGN.md broken:\n" + "\n".join(bad)
+    assert not bad, "import arrows of docs/DESIGN.md broken:\n" + "\n".join(bad)
 
 
 def _chain_to_jax(start: str) -> list[str] | None:

@@ -89,7 +89,7 @@ def _fake_installed_torch_npu(root) -> None:
 
 
 def test_broken_installed_extension_trap_in_a_fresh_process(tmp_path):
-    """The trap from DESIGN.md, reproduced: with auto-load on (torch's default) `import torch`
+    """The trap `npu_backend/device.py` guards against (docs/DESIGN.md, section 6), reproduced: with auto-load on (torch's default) `import torch`
     fails; importing npu_backend first turns auto-load off and selection falls back to CPU with
     one warning line."""
     _fake_installed_torch_npu(tmp_path)

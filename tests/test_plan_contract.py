@@ -7,7 +7,7 @@ import pytest
 
 from dhp_jax.planner import Plan, PlanValidationError
 
-GOOD = {"schema": "dhp.plan/v2", "num_ranks": 8, "ranks_per_node": 8,     # DESIGN.md's example
+GOOD = {"schema": "dhp.plan/v2", "num_ranks": 8, "ranks_per_node": 8,     # docs/DESIGN.md's example (section 5)
         "micro_batches": [{"groups": [{"ranks": [0, 1, 2], "degree": 3, "samples": [4, 7], "attention": "ring",
                                        "tokens": 5000, "padded_tokens": 5184, "est_time_s": 0.12},
                                       {"ranks": [3, 4, 5, 6, 7], "degree": 5, "samples": [0, 1, 2, 3, 5, 6],

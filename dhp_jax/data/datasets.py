@@ -2,8 +2,8 @@
 
 Each mix draws the *shape* of real multimodal training data (clip durations, resolutions,
 caption lengths) and turns it into token counts with a vision family's rules (vision.py). Facts
-are published statistics of the dataset a mix is named after, cited next to the numbers (most via
-PAPER.md's "Facts for realistic data"); every other parameter is marked as our choice. Where a
+are published statistics of the dataset a mix is named after, cited next to the numbers (sources: docs/DESIGN.md,
+section 10); every other parameter is marked as our choice. Where a
 speed-up depends on a choice (the long-tail share of openvid and internvid), experiment e10
 (experiments/configs/e10_tail_sweep.yaml) shows how it moves with it. A name ending in ".jsonl" (or naming an existing file) is a manifest:
 `num_samples` lines are drawn from it by seed (manifest.py).
@@ -145,8 +145,8 @@ _FPS = (24.0, 25.0, 30.0)                     # choice
 OPENVID = VideoMix(
     name="openvid",
     description="OpenVid-1M-like: short high-resolution clips with long captions, 2% long tail 64-240 s",
-    # Fact (PAPER.md): the DHP paper's video data is long-tailed, most clips under 8 s, a few past 64 s.
-    # No published duration statistics of OpenVid-1M are cited here: the body and the tail share are
+    # Fact (DHP, arXiv 2602.21788, evaluation): the paper's video data is long-tailed, most clips under 8 s, a few past 64 s.
+    # No published duration statistics of OpenVid-1M (Nan et al., arXiv 2407.02371) are cited here: the body and the tail share are
     # our choice (e10 shows how the speed-up moves with the tail share).
     # Choice: median 5.5 s (sigma 0.6, 1.5..60 s) so that most clips are under 8 s; 2% tail 64..240 s.
     body_s=LogNormal(5.5, 0.6, 1.5, 60.0), tail_share=0.02, tail_s=(64.0, 240.0),
@@ -159,7 +159,7 @@ OPENVID = VideoMix(
 INTERNVID = VideoMix(
     name="internvid",
     description="InternVid-like: mean ~11.7 s, most clips under 10 s, 1.5% tail 64-300 s, short captions",
-    # Fact (InternVid, Wang et al., 2023; PAPER.md): 234M clips from 760k hours: mean ~11.7 s, most
+    # Fact (InternVid, Wang et al., arXiv 2307.06942): 234M clips from 760k hours: mean ~11.7 s, most
     # clips under 10 s. The share and range of clips past 64 s are not published: our choice (e10
     # shows how the speed-up moves with the tail share).
     # Choice: body median 7 s, sigma 0.8 (2..60 s): P(< 10 s) ~ 0.67, body mean ~9.6 s; with a 1.5%
@@ -173,7 +173,7 @@ INTERNVID = VideoMix(
 MSRVTT = VideoMix(
     name="msrvtt",
     description="MSR-VTT-like: clips of 10-30 s, mean 14.8 s, no clip longer; low resolution, short captions",
-    # Facts (MSR-VTT, Xu et al., CVPR 2016; PAPER.md): 10k clips of 10-30 s each, 41.2 h in all,
+    # Facts (MSR-VTT, Xu et al., CVPR 2016): 10k clips of 10-30 s each, 41.2 h in all,
     # so the mean clip is 41.2 * 3600 / 10000 = 14.8 s. No clip is longer than 30 s: no tail.
     # Choice: the shape inside 10..30 s, a log-normal of sigma 0.4 truncated to 10..30 s, whose
     # median 11.42 s makes the truncated mean 14.8 s.
@@ -202,9 +202,10 @@ LLAVA_MIX = ImageMix(
 TEXT_LONGTAIL = TextMix(
     name="text-longtail",
     description="Wikipedia-like documents: mean 1014, median 347, p99 ~10.9k tokens",
-    # Fact (PAPER.md): a 1M-document Wikipedia sample has mean 1014, median 347, p99 10921 tokens.
+    # Assumption (no primary source cited): a 1M-document Wikipedia sample has mean 1014, median 347,
+    # p99 10921 tokens.
     # A log-normal fitted to the median and the mean: mu = ln 347, sigma = sqrt(2 ln(1014/347))
-    # = 1.4645; its p99 is ~10470 (4% under the measured 10921). Clipped to 1..131072 tokens.
+    # = 1.4645; its p99 is ~10470 (4% under the assumed 10921). Clipped to 1..131072 tokens.
     tokens=LogNormal(347, math.sqrt(2 * math.log(1014 / 347)), 1, 131072),
 )
 

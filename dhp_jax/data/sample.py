@@ -95,7 +95,8 @@ class Sample:
 
         Causal attention over L tokens touches about L^2/2 query-key pairs; a bidirectional span
         of v tokens adds about v^2/2 more. eta = sum v^2 / L^2, so a pure-vision sample costs
-        about twice a causal one (eta = 1), as PAPER.md's mask-efficiency factor states.
+        about twice a causal one (eta = 1), as the mask-efficiency factor of DHP's cost model states
+        (arXiv 2602.21788, section 4.2).
         """
         total = self.num_tokens
         if total == 0:

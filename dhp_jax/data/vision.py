@@ -1,6 +1,7 @@
 """Vision-token rules: how many LLM tokens an image or a video clip becomes, per encoder family.
 
-Three families, chosen to match the model being planned (PAPER.md, "Facts for realistic data"):
+Three families, chosen to match the model being planned (each family's published
+image processor in Hugging Face transformers; docs/DESIGN.md, section 10):
 
 - "qwen-vl" (Qwen2-VL / Qwen2.5-VL / Qwen3-VL-like): 14-px patches merged 2x2, so one LLM token
   per 28x28 pixels. An image is resized to multiples of 28 keeping its aspect ratio, with pixel

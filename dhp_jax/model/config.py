@@ -1,7 +1,7 @@
 """`MLLMConfig`: the shape of the multimodal model (vision encoder + projector + decoder LLM).
 
 "tiny" is the model the tests and the CPU demo instantiate. The six named presets carry the public
-shapes of the models in PAPER.md; they feed cost-model presets and are never instantiated here.
+shapes of the six models DHP evaluates (arXiv 2602.21788; docs/DESIGN.md, Sources); they feed cost-model presets and are never instantiated here.
 """
 
 from __future__ import annotations
@@ -87,14 +87,16 @@ class MLLMConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "MLLMConfig":
-        """A named shape ("tiny" or one of PAPER.md's six models), with optional field overrides."""
+        """A named shape ("tiny" or one of the six models DHP evaluates), with optional field overrides."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
-# Public shapes (decoder layers/heads/kv/hidden and vision hidden as PAPER.md lists them; the
-# head size, MLP widths, vocabularies and vision depths from the models' published configs).
+# Public shapes (decoder layers/heads/kv/hidden and vision hidden as DHP, arXiv 2602.21788, lists its
+# models; the head size, MLP widths, vocabularies and vision depths from the models' published
+# config.json on the Hugging Face Hub: OpenGVLab/InternVL3-2B, OpenGVLab/InternVL2_5-4B,
+# OpenGVLab/InternVL3-8B, Qwen/Qwen3-VL-{2B,4B,8B}-Instruct).
 # InternViT merges 2x2 patches of 14x14x3 (patch_dim 2352); Qwen3-VL merges 2x2 patches of
 # 16x16x3 over 2 frames (patch_dim 6144).
 _INTERNVIT = dict(patch_dim=2352, vision_dim=1024, vision_layers=24, vision_heads=16,

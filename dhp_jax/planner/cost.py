@@ -1,4 +1,4 @@
-"""The planner's cost model (PAPER.md, "Cost model"): time and memory of one CP group.
+"""The planner's cost model (DHP, arXiv 2602.21788, section 4.2): time and memory of one CP group.
 
 For a group of degree d holding sequences of lengths L_k with bidirectional shares eta_k:
 
@@ -88,7 +88,7 @@ from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import attention_split
 
 COST_SCHEMA = "dhp.cost/v1"
-DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (PAPER.md: 8 x 8)
+DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (DHP's 8 x 8 testbed)
 
 
 def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The `Plan` contract: micro-batches of CP groups `(ranks, degree, samples, attention)`, as versioned JSON.
 
 Shared by the planner, the JAX sharding compiler, the torch backend, the simulator and the
-experiments. `validate()` checks every invariant of DESIGN.md and names what is wrong.
+experiments. `validate()` checks every invariant (docs/DESIGN.md, section 5) and names what is wrong.
 Schema `dhp.plan/v2`: each group also carries its attention kind ("ring", "ulysses" or
 "hybrid:<u>x<r>") and its real and padded token counts; `dhp.plan/v1` files load as ring groups
 with no token figures.

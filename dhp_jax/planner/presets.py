@@ -2,9 +2,9 @@
 
 Everything here is a documented physical figure or a stated assumption; nothing is tuned to a
 benchmark result. The planner keeps its own copy of the six model shapes (it must not import the
-model package, which imports jax); the shapes are those of PAPER.md (layers/heads/kv heads/hidden/
-vision hidden), completed with the FFN widths and head dims of the public model configs
-(Hugging Face `config.json` of each checkpoint).
+model package, which imports jax); the shapes are those DHP (arXiv 2602.21788) lists for its six
+models (layers/heads/kv heads/hidden/vision hidden), completed with the FFN widths and head dims of
+the public model configs (Hugging Face `config.json` of each checkpoint; repo ids below).
 """
 
 from __future__ import annotations
@@ -50,10 +50,11 @@ class ModelShape:
         return llm + vit + proj
 
 
-# layers/heads/kv/hidden/vision hidden: PAPER.md. FFN widths, head dims, vocab and ViT depth/MLP:
+# layers/heads/kv/hidden/vision hidden: DHP (arXiv 2602.21788), evaluation. FFN widths, head dims, vocab and ViT depth/MLP:
 # InternVL3-2B = InternViT-300M + Qwen2.5-1.5B; InternVL2.5-4B = InternViT-300M + Qwen2.5-3B;
 # InternVL3-8B = InternViT-300M + Qwen2.5-7B; Qwen3-VL-{2,4,8}B = Qwen3-{1.7,4,8}B decoders with
-# the Qwen3-VL ViT (24 x 1024 for 2B/4B, 27 x 1152 for 8B).
+# the Qwen3-VL ViT (24 x 1024 for 2B/4B, 27 x 1152 for 8B). config.json on the Hugging Face Hub:
+# OpenGVLab/InternVL3-2B, OpenGVLab/InternVL2_5-4B, OpenGVLab/InternVL3-8B, Qwen/Qwen3-VL-{2B,4B,8B}-Instruct.
 MODELS: dict[str, ModelShape] = {
     "internvl3-2b": ModelShape(28, 12, 2, 1536, 8960, 128, 151674, 24, 1024, 4096),
     "internvl2.5-4b": ModelShape(36, 16, 8, 2048, 11008, 128, 151674, 24, 1024, 4096),
@@ -95,11 +96,11 @@ GIB = 2 ** 30
 
 HARDWARE: dict[str, Hardware] = {
     # Ascend 910B (64 GB HBM): 313 TFLOPS fp16 (910B3 datasheet; 280-376 across variants); HCCS full
-    # mesh of 8 NPUs, 56 GB/s per link one way (7 links, 392 GB/s aggregate); PAPER.md: 100 Gb/s
-    # InfiniBand between nodes, taken as one 12.5 GB/s link per NPU.
+    # mesh of 8 NPUs, 56 GB/s per link one way (7 links, 392 GB/s aggregate); DHP's testbed
+    # (arXiv 2602.21788, evaluation): 100 Gb/s InfiniBand between nodes, taken as one 12.5 GB/s link per NPU.
     "ascend-910b": Hardware(313e12, 64 * GIB, 56 * GB, 392 * GB, 12.5 * GB, 10e-6, 20e-6, 0.45, 0.35,
                             source="Ascend 910B datasheet (313 TFLOPS fp16, 64 GB HBM, HCCS 56 GB/s/link); "
-                                   "PAPER.md (100 Gb/s IB)"),
+                                   "DHP testbed, arXiv 2602.21788 (100 Gb/s IB)"),
     # A100 SXM 80 GB: 312 TFLOPS bf16; NVLink3 300 GB/s per direction through NVSwitch (about 200 GB/s
     # achieved point to point); HDR InfiniBand 200 Gb/s per GPU (DGX A100).
     "a100": Hardware(312e12, 80 * GIB, 200 * GB, 240 * GB, 25 * GB, 8e-6, 15e-6, 0.50, 0.40,
