@@ -79,3 +79,19 @@ def test_a_planted_reference_is_caught(tmp_path):
     assert len(bad) == 4, bad
     assert "B.md:1: names 'NOTES.md'" in bad[0] and "docs/C.md" in bad[1] and "#nope" in bad[2]
     assert "m.py:1: names '../outside/GUIDE.md'" in bad[3]
+
+
+def test_design_page_names_the_public_api_that_exists():
+    """Every `from X import names` of docs/DESIGN.md's Python blocks imports: the page's API list is
+    the package's, and a renamed public name fails here."""
+    import importlib
+
+    text = (ROOT / "docs" / "DESIGN.md").read_text()
+    lines = [line for block in re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+             for line in block.splitlines() if line.startswith("from ")]
+    assert len(lines) >= 5, lines
+    for line in lines:
+        module, names = re.match(r"from ([\w.]+) import ([\w, ]+)", line).groups()
+        mod = importlib.import_module(module)
+        missing = [n.strip() for n in names.split(",") if not hasattr(mod, n.strip())]
+        assert not missing, f"docs/DESIGN.md: {module} has no {missing}"
