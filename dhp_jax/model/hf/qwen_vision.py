@@ -1,0 +1,161 @@
+"""What Qwen2.5-VL and Qwen3-VL share: the host-side index arithmetic over `grid_thw` (patch
+positions, attention segments, M-RoPE positions of the LLM tokens) and the patch embedding.
+
+All of it is computed in numpy from the processor's outputs before the model runs, and all of it
+is per token (per patch for the encoder, per LLM token for the decoder), so it can travel with its
+tokens through any layout of a packed stream.
+
+Patch order: the Qwen processors emit an image's patches block-major over spatial-merge blocks
+(merge block row, merge block column, row in block, column in block), frame after frame; the
+encoder's merger joins each `merge**2` consecutive patches into one LLM token.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def as_numpy(x: Any) -> np.ndarray:
+    """A processor output (torch tensor, numpy or jax array, list) as a numpy array."""
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+    return np.asarray(x)
+
+
+def grids(inputs: Mapping[str, Any], key: str) -> np.ndarray:
+    """int64[n, 3] (t, h, w) patch grids of `key` (empty when absent)."""
+    g = inputs.get(key)
+    return np.zeros((0, 3), np.int64) if g is None else as_numpy(g).astype(np.int64).reshape(-1, 3)
+
+
+def patch_positions(grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    """int32[N, 2]: (row, column) of every patch in its frame, in the processor's patch order."""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        rows, cols = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        shape = (h // merge, merge, w // merge, merge)
+        rows = rows.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        cols = cols.reshape(shape).transpose(0, 2, 1, 3).reshape(-1)
+        out.append(np.tile(np.stack([rows, cols], axis=-1), (t, 1)))
+    return np.concatenate(out).astype(np.int32) if out else np.zeros((0, 2), np.int32)
+
+
+def frame_segments(grid_thw: np.ndarray) -> np.ndarray:
+    """int32[N]: 1-based frame index of every patch (the encoder attends within a frame)."""
+    sizes = np.repeat(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return np.repeat(np.arange(1, len(sizes) + 1), sizes).astype(np.int32)
+
+
+def window_segments(grid_thw: np.ndarray, merge: int, window_size: int, patch_size: int) -> np.ndarray:
+    """int32[N]: 1-based window index of every patch (Qwen2.5-VL's window attention): the merged
+    tokens of a frame are tiled by square windows of `window_size // merge // patch_size` merged
+    tokens a side; a window never spans two frames. As a mask over the patches in their own order
+    this is transformers' window attention without its reordering of the tokens."""
+    side = window_size // merge // patch_size
+    if side < 1:
+        raise ValueError(f"vision window_size {window_size} is smaller than one merged token "
+                         f"({merge} x {patch_size} px)")
+    out, base = [], 0
+    for t, h, w in grid_thw.tolist():
+        lh, lw = h // merge, w // merge
+        nwh, nww = -(-lh // side), -(-lw // side)
+        frame = np.arange(t)[:, None, None]
+        win = (np.arange(lh) // side)[None, :, None] * nww + (np.arange(lw) // side)[None, None, :]
+        ids = base + frame * (nwh * nww) + win                       # [t, lh, lw], one per merged token
+        out.append(np.repeat(ids.reshape(-1), merge * merge))
+        base += t * nwh * nww
+    return (np.concatenate(out) + 1).astype(np.int32) if out else np.zeros(0, np.int32)
+
+
+def patch_rows(pixels: Any, grid_thw: np.ndarray, patch_dim: int, what: str) -> np.ndarray:
+    """float32[N, patch_dim] flattened patches, checked against the grids."""
+    x = as_numpy(pixels)
+    n = int(np.sum(np.prod(grid_thw, axis=1)))
+    if x.ndim != 2 or x.shape != (n, patch_dim):
+        raise ValueError(f"{what}: shape {x.shape}, but its grid_thw {grid_thw.tolist()} needs ({n}, {patch_dim})")
+    return x
+
+
+def mrope_positions(input_ids: np.ndarray, token_types: np.ndarray | None, keep: np.ndarray,
+                    image_grid: np.ndarray, video_grid: np.ndarray, merge: int,
+                    video_intervals: np.ndarray | None) -> np.ndarray:
+    """int64[L, 3] (t, h, w) rotary positions of the LLM tokens of one sample.
+
+    Text tokens count on from where the previous span ended, on all three axes. A vision span
+    (a run of tokens of one type in `token_types`: 1 image, 2 video) takes the next grid of its
+    kind: t = start + frame * interval (interval 1 for images, `video_intervals[i]` for video i,
+    truncated to an integer), h = start + row, w = start + column over the merged grid; the text
+    after it resumes at start + max(h, w) // merge. Tokens `keep` drops (padding) get 0. Without
+    any grid every axis is the plain offset 0..L-1."""
+    n = input_ids.shape[0]
+    if len(image_grid) == 0 and len(video_grid) == 0:
+        return np.repeat(np.arange(n, dtype=np.int64)[:, None], 3, axis=1)
+    if token_types is None:
+        raise ValueError("inputs have image/video grids but no mm_token_type_ids; the M-RoPE positions "
+                         "depend on them (the processor returns them with input_ids)")
+    kept = np.nonzero(keep)[0]
+    types = token_types[kept].tolist()
+    queues = {1: list(image_grid), 2: list(video_grid)}
+    intervals = {1: [1.0] * len(image_grid), 2: list(video_intervals if video_intervals is not None
+                                                       else [1.0] * len(video_grid))}
+    pos, chunks, start = 0, [], 0
+    for kind, run in itertools.groupby(types):
+        length = len(list(run))
+        if kind == 0:
+            chunks.append(np.repeat((pos + np.arange(length))[:, None], 3, axis=1))
+        else:
+            if kind not in queues or not queues[kind]:
+                raise ValueError(f"token {start}: a run of mm_token_type {kind} with no {('image', 'video')[kind - 1]} "
+                                 f"grid left for it")
+            t, h, w = (int(v) for v in queues[kind].pop(0))
+            interval = np.float32(intervals[kind].pop(0))
+            lh, lw = h // merge, w // merge
+            if t * lh * lw != length:
+                raise ValueError(f"token {start}: a run of {length} {('image', 'video')[kind - 1]} tokens, but its "
+                                 f"grid (t, h, w) = {(t, h, w)} makes {t * lh * lw}")
+            tt = (np.arange(t, dtype=np.float32) * interval).astype(np.int64)
+            tt, hh, ww = np.meshgrid(tt, np.arange(lh), np.arange(lw), indexing="ij")
+            chunks.append(np.stack([tt.reshape(-1), hh.reshape(-1), ww.reshape(-1)], axis=1) + pos)
+            pos += max(h, w) // merge
+            start += length
+            continue
+        pos += length
+        start += length
+    out = np.zeros((n, 3), np.int64)
+    out[kept] = np.concatenate(chunks)
+    return out
+
+
+def vision_scatter_index(input_ids: np.ndarray, token_id: int, count: int, what: str) -> np.ndarray:
+    """Token offsets of the `token_id` placeholders, which must number `count` (the features)."""
+    where = np.nonzero(input_ids == token_id)[0]
+    if len(where) != count:
+        raise ValueError(f"{what}: {len(where)} placeholder tokens (id {token_id}) in input_ids, "
+                         f"but the encoder makes {count} features")
+    return where
+
+
+def token_arrays(inputs: Mapping[str, Any], merge: int, video_intervals: np.ndarray | None,
+                 split_video_frames: bool) -> dict[str, np.ndarray]:
+    """Per-token arrays of one sample (batch size 1): `input_ids` int32[L], `keep` bool[L] (the
+    attention mask), `positions` int32[L, 3] (M-RoPE). Qwen3-VL puts a timestamp between video
+    frames, so each frame is its own span (`split_video_frames`)."""
+    ids = as_numpy(inputs["input_ids"])
+    if ids.ndim != 2 or ids.shape[0] != 1:
+        raise ValueError(f"input_ids: shape {ids.shape}, expected [1, L] (one sample)")
+    ids = ids[0].astype(np.int64)
+    mask = inputs.get("attention_mask")
+    keep = np.ones(ids.shape, bool) if mask is None else as_numpy(mask).reshape(-1).astype(bool)
+    if keep.shape != ids.shape:
+        raise ValueError(f"attention_mask: {keep.shape[0]} tokens, input_ids has {ids.shape[0]}")
+    types = inputs.get("mm_token_type_ids")
+    types = None if types is None else as_numpy(types).reshape(-1).astype(np.int64)
+    image_grid, video_grid = grids(inputs, "image_grid_thw"), grids(inputs, "video_grid_thw")
+    if split_video_frames and len(video_grid):
+        video_grid = np.repeat(video_grid, video_grid[:, 0], axis=0)
+        video_grid[:, 0] = 1
+    positions = mrope_positions(ids, types, keep, image_grid, video_grid, merge, video_intervals)
+    return {"input_ids": ids.astype(np.int32), "keep": keep, "positions": positions.astype(np.int32)}
