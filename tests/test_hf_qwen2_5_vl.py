@@ -2,6 +2,8 @@
 logits with text, image and video inputs (fp32, relative error <= 1e-5), checkpoint names, and
 save_pretrained / from_pretrained both ways."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ import hf_cases as hc
 from hf_cases import torch, transformers
 
 from dhp_jax.model import hf
+from dhp_jax.model.hf import safetensors_io
 
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
 
@@ -89,11 +92,28 @@ def test_legacy_checkpoint_names(case, tmp_path):
     for name, w in hf.to_state_dict(cfg, params).items():
         name = name.replace("model.visual.", "visual.").replace("model.language_model.", "model.")
         legacy[name] = w
-    from dhp_jax.model.hf import safetensors_io
     safetensors_io.write_checkpoint(str(tmp_path), legacy)
-    import json
     with open(tmp_path / "config.json", "w") as f:
         json.dump(dict(cfg.raw), f)
     _, params2 = hf.load_pretrained(str(tmp_path))
     a, b = hf.to_state_dict(cfg, params), hf.to_state_dict(cfg, params2)
     assert sorted(a) == sorted(b) and all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_bf16_checkpoint_and_shards(case, tmp_path):
+    """A bf16 checkpoint written by transformers reads back exactly (fp32 or bf16 leaves); our
+    sharded save (index + shards) loads in transformers."""
+    model, cfg, params = case
+    model16 = hc.build(transformers.Qwen2_5_VLForConditionalGeneration, model.config, str(tmp_path / "bf16"))
+    model16.to(torch.bfloat16).save_pretrained(str(tmp_path / "bf16"))
+    _, p32 = hf.load_pretrained(str(tmp_path / "bf16"), dtype="float32")
+    _, p16 = hf.load_pretrained(str(tmp_path / "bf16"), dtype="bfloat16")
+    ours32, ours16 = hf.to_state_dict(cfg, p32), hf.to_state_dict(cfg, p16)
+    for name, w in model16.state_dict().items():
+        np.testing.assert_array_equal(ours32[name], w.float().numpy(), err_msg=name)
+        assert ours16[name].dtype == np.dtype("bfloat16"), name
+    hf.save_pretrained(cfg, params, str(tmp_path / "sharded"), max_shard_bytes=64 * 1024)
+    assert len(list((tmp_path / "sharded").glob("model-*-of-*.safetensors"))) > 1
+    reloaded = type(model).from_pretrained(str(tmp_path / "sharded")).eval()
+    inputs = image_inputs(hc.rng(3))
+    np.testing.assert_array_equal(hc.reference_logits(reloaded, inputs), hc.reference_logits(model, inputs))
