@@ -97,3 +97,22 @@ def text_inputs(ids: list[int]) -> dict:
 
 def model_dir(tmp_path_factory, name: str) -> str:
     return os.fspath(tmp_path_factory.mktemp(name))
+
+
+def check_sample_roundtrip(config, params, inputs: dict, label: str):
+    """sample_from_inputs: one segment per modality run, lengths and positions of the tokens,
+    labels carried; inputs_from_sample of it gives the same logits."""
+    n = inputs["input_ids"].shape[1]
+    labels = np.where(np.arange(n) % 3 == 0, -100, inputs["input_ids"][0])[None]
+    sample = hf.sample_from_inputs(config, inputs, labels, sample_id=label)
+    assert sample.num_tokens == n and sample.source == config.family
+    batch = hf.prepare(config, inputs)
+    np.testing.assert_array_equal(np.concatenate([s.meta["positions"] for s in sample.segments]), batch["positions"])
+    np.testing.assert_array_equal(np.concatenate([s.meta["labels"] for s in sample.segments]), labels[0])
+    vision = [s for s in sample.segments if s.is_vision]
+    assert vision and all(s.pixels.shape[0] == s.num_tokens and s.tokens_per_frame for s in vision)
+    again = hf.inputs_from_sample(config, sample)
+    np.testing.assert_array_equal(again["input_ids"], inputs["input_ids"])
+    err = relative_error(hf.logits(config, params, again), np.asarray(hf.logits(config, params, inputs)))
+    assert err <= 1e-6, f"{label}: sample round trip changed the logits by {err:.2e}"
+    return sample

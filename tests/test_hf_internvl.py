@@ -61,3 +61,12 @@ def test_state_dict_names_and_shapes(case):
 def test_save_pretrained_loads_in_transformers(case, tmp_path):
     model, cfg, params = case
     hc.check_save_roundtrip(model, cfg, params, image_inputs(hc.rng(2)), str(tmp_path))
+
+
+def test_sample_from_inputs(case):
+    _, cfg, params = case
+    sample = hc.check_sample_roundtrip(cfg, params, image_inputs(hc.rng(5), tiles=2), "internvl image")
+    image = sample.segments[1]
+    assert image.modality == "image" and image.pixels.shape == (8, 4 * 48) and image.tokens_per_frame == 4
+    np.testing.assert_array_equal(hf.inputs_from_sample(cfg, sample)["pixel_values"],
+                                  image_inputs(hc.rng(5), tiles=2)["pixel_values"])

@@ -117,3 +117,12 @@ def test_bf16_checkpoint_and_shards(case, tmp_path):
     reloaded = type(model).from_pretrained(str(tmp_path / "sharded")).eval()
     inputs = image_inputs(hc.rng(3))
     np.testing.assert_array_equal(hc.reference_logits(reloaded, inputs), hc.reference_logits(model, inputs))
+
+
+def test_sample_from_inputs(case):
+    _, cfg, params = case
+    sample = hc.check_sample_roundtrip(cfg, params, video_inputs(hc.rng(5)), "qwen2_5_vl video")
+    assert [s.modality for s in sample.segments] == ["text", "video", "text", "image", "text"]
+    video = sample.segments[1]
+    assert video.pixels.shape == (16, 4 * 96) and video.tokens_per_frame == 8
+    assert video.meta["grid_thw"] == (2, 4, 8) and video.meta["second_per_grid_ts"] == 1.5

@@ -88,3 +88,11 @@ def test_state_dict_names_and_shapes(case):
 def test_save_pretrained_loads_in_transformers(case, tmp_path):
     model, cfg, params = case
     hc.check_save_roundtrip(model, cfg, params, video_inputs(hc.rng(2)), str(tmp_path))
+
+
+def test_sample_from_inputs(case):
+    """A video's frames are separate runs (timestamps between them): one segment per frame."""
+    _, cfg, params = case
+    sample = hc.check_sample_roundtrip(cfg, params, video_inputs(hc.rng(5)), "qwen3_vl video")
+    assert [s.modality for s in sample.segments] == ["text", "video", "text", "video", "text", "image", "text"]
+    assert sample.segments[1].meta["grid_thw"] == (1, 4, 8) and sample.segments[1].pixels.shape == (8, 4 * 96)
