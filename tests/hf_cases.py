@@ -95,6 +95,13 @@ def text_inputs(ids: list[int]) -> dict:
     return {"input_ids": ids_arr, "attention_mask": np.ones_like(ids_arr)}
 
 
+def qwen_text_inputs() -> dict:
+    """A text-only Qwen processor output (mm_token_type_ids all 0)."""
+    inputs = text_inputs([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
+    return inputs
+
+
 def model_dir(tmp_path_factory, name: str) -> str:
     return os.fspath(tmp_path_factory.mktemp(name))
 

@@ -54,17 +54,11 @@ def video_inputs(g):
             "video_grid_thw": np.array([[2, 4, 8]]), "second_per_grid_ts": np.array([1.5], np.float32)}
 
 
-def text_inputs():
-    inputs = hc.text_inputs([5, 6, 7, 8, 9, 10, 11, 12, 13])
-    inputs["mm_token_type_ids"] = np.zeros_like(inputs["input_ids"])
-    return inputs
-
-
 @pytest.mark.parametrize("kind", ["text", "image", "video"])
 def test_logits_match_transformers(case, kind):
     model, cfg, params = case
     g = hc.rng(1)
-    inputs = {"text": text_inputs, "image": lambda: image_inputs(g), "video": lambda: video_inputs(g)}[kind]()
+    inputs = {"text": hc.qwen_text_inputs, "image": lambda: image_inputs(g), "video": lambda: video_inputs(g)}[kind]()
     hc.check_logits(model, cfg, params, inputs, f"qwen2_5_vl {kind}")
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from dhp_jax.model.hf.config import HFConfig, tied_embeddings
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, rms_norm,
                                      segment_ids)
-from dhp_jax.model.hf.qwen_vision import as_numpy, vision_scatter_index
+from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
 from dhp_jax.model.hf.text import TextConfig, text_forward
 
 MODEL_TYPES = ("internvl",)
@@ -89,12 +89,8 @@ def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Host-side arrays of one sample: `input_ids`, `keep`, `positions` [L, 1]; with an image, its
     tiles as flattened patches [tiles, (H/P)(W/P), C*P*P] and the placeholder offsets."""
     v = cfg.vision
-    ids = as_numpy(inputs["input_ids"])
-    if ids.ndim != 2 or ids.shape[0] != 1:
-        raise ValueError(f"input_ids: shape {ids.shape}, expected [1, L] (one sample)")
-    ids = ids[0].astype(np.int32)
-    mask = inputs.get("attention_mask")
-    keep = np.ones(ids.shape, bool) if mask is None else as_numpy(mask).reshape(-1).astype(bool)
+    ids, keep = sample_tokens(inputs)
+    ids = ids.astype(np.int32)
     batch: dict[str, Any] = {"input_ids": ids, "keep": keep,
                              "positions": np.arange(len(ids), dtype=np.int32)[:, None]}
     if inputs.get("pixel_values") is not None:

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
-from dhp_jax.model.hf.config import HFConfig, tied_embeddings
-from dhp_jax.model.hf.layers import (AttentionFn, Params, RopeSpec, activation, causal_ids, linear, rms_norm,
-                                     segment_ids, vision_qkv_attention)
-from dhp_jax.model.hf.text import TextConfig, rope_parameters, text_forward
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, linear, rms_norm, segment_ids,
+                                     vision_qkv_attention)
+from dhp_jax.model.hf.text import text_forward
 
 MODEL_TYPES = ("qwen2_5_vl",)
 LEGACY_RENAMES = ((r"^visual", "model.visual"),
@@ -35,44 +35,22 @@ VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, no
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    act: str
-    in_channels: int
-    temporal_patch_size: int
-    patch_size: int
-    merge: int
+class VisionConfig(qv.QwenVision):
     window_size: int
     full_attention_blocks: tuple[int, ...]
     tokens_per_second: float
-    rope: RopeSpec
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
 def parse(raw: Mapping[str, Any]) -> HFConfig:
     """HFConfig of a Qwen2.5-VL config.json."""
     v = raw["vision_config"]
-    heads = int(v["num_heads"])
-    vision = VisionConfig(
-        int(v["depth"]), int(v["hidden_size"]), heads, v.get("hidden_act", "silu"), int(v.get("in_channels", 3)),
-        int(v.get("temporal_patch_size", 2)), int(v.get("patch_size", 14)), int(v.get("spatial_merge_size", 2)),
-        int(v.get("window_size", 112)), tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-        float(v.get("tokens_per_second", 4)),
-        RopeSpec.vision_2d(float(rope_parameters(v)["rope_theta"]), int(v["hidden_size"]) // heads))
-    return HFConfig("qwen2_5_vl", raw, TextConfig.from_dict(raw["text_config"]), vision,
-                    tied_embeddings(raw, False),
-                    {"image": int(raw["image_token_id"]), "video": int(raw["video_token_id"])})
+    vision = VisionConfig(**qv.QwenVision.fields(v, "silu", 14), window_size=int(v.get("window_size", 112)),
+                          full_attention_blocks=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
+                          tokens_per_second=float(v.get("tokens_per_second", 4)))
+    return qv.qwen_config("qwen2_5_vl", raw, vision)
 
 
-def conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
-    v = cfg.vision
-    return {"model.visual.patch_embed.proj.weight":
-            (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
+conv_shapes = qv.conv_shapes
 
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -86,19 +64,8 @@ def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
         s = np.ones(len(video_grid), np.float32) if seconds is None else qv.as_numpy(seconds).reshape(-1)
         intervals = np.float32(v.tokens_per_second) * s.astype(np.float32)
     batch = qv.token_arrays(inputs, v.merge, intervals, split_video_frames=False)
-    for kind, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                      ("video", "pixel_values_videos", "video_grid_thw")):
-        if inputs.get(pixel_key) is None:
-            continue
-        grid = qv.grids(inputs, grid_key)
-        batch[kind] = {
-            "pixels": qv.patch_rows(inputs[pixel_key], grid, v.patch_dim, pixel_key),
-            "patch_positions": qv.patch_positions(grid, v.merge),
-            "frames": qv.frame_segments(grid),
-            "windows": qv.window_segments(grid, v.merge, v.window_size, v.patch_size),
-            "scatter": qv.vision_scatter_index(batch["input_ids"], cfg.token_ids[kind],
-                                               len(qv.frame_segments(grid)) // v.merge ** 2, pixel_key),
-        }
+    for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
+        batch[kind] = {**arrays, "windows": qv.window_segments(grid, v.merge, v.window_size, v.patch_size)}
     return batch
 
 

@@ -26,10 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
-from dhp_jax.model.hf.config import HFConfig, tied_embeddings
-from dhp_jax.model.hf.layers import (AttentionFn, Params, RopeSpec, activation, causal_ids, layer_norm, linear,
-                                     segment_ids, vision_qkv_attention)
-from dhp_jax.model.hf.text import TextConfig, rope_parameters, text_forward
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, segment_ids,
+                                     vision_qkv_attention)
+from dhp_jax.model.hf.text import text_forward
 
 MODEL_TYPES = ("qwen3_vl",)
 LEGACY_RENAMES = ((r"^visual", "model.visual"),
@@ -38,43 +38,21 @@ VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and t
 
 
 @dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    act: str
-    in_channels: int
-    temporal_patch_size: int
-    patch_size: int
-    merge: int
+class VisionConfig(qv.QwenVision):
     grid_side: int
     deepstack_blocks: tuple[int, ...]
-    rope: RopeSpec
-
-    @property
-    def patch_dim(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
 
 def parse(raw: Mapping[str, Any]) -> HFConfig:
     """HFConfig of a Qwen3-VL config.json."""
     v = raw["vision_config"]
-    heads = int(v["num_heads"])
-    vision = VisionConfig(
-        int(v["depth"]), int(v["hidden_size"]), heads, v.get("hidden_act", "gelu_pytorch_tanh"),
-        int(v.get("in_channels", 3)), int(v.get("temporal_patch_size", 2)), int(v.get("patch_size", 16)),
-        int(v.get("spatial_merge_size", 2)), int(int(v.get("num_position_embeddings", 2304)) ** 0.5),
-        tuple(int(i) for i in v.get("deepstack_visual_indexes", ())),
-        RopeSpec.vision_2d(float(rope_parameters(v)["rope_theta"]), int(v["hidden_size"]) // heads))
-    return HFConfig("qwen3_vl", raw, TextConfig.from_dict(raw["text_config"]), vision,
-                    tied_embeddings(raw, False),
-                    {"image": int(raw["image_token_id"]), "video": int(raw["video_token_id"])})
+    vision = VisionConfig(**qv.QwenVision.fields(v, "gelu_pytorch_tanh", 16),
+                          grid_side=int(int(v.get("num_position_embeddings", 2304)) ** 0.5),
+                          deepstack_blocks=tuple(int(i) for i in v.get("deepstack_visual_indexes", ())))
+    return qv.qwen_config("qwen3_vl", raw, vision)
 
 
-def conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
-    v = cfg.vision
-    return {"model.visual.patch_embed.proj.weight":
-            (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
+conv_shapes = qv.conv_shapes
 
 
 def interpolation_taps(grid_thw: np.ndarray, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,20 +81,9 @@ def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """Host-side arrays of one sample (see `qwen2_5_vl.prepare`), with the position-table taps."""
     v = cfg.vision
     batch = qv.token_arrays(inputs, v.merge, None, split_video_frames=True)
-    for kind, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                      ("video", "pixel_values_videos", "video_grid_thw")):
-        if inputs.get(pixel_key) is None:
-            continue
-        grid = qv.grids(inputs, grid_key)
+    for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
         taps, weights = interpolation_taps(grid, v.grid_side, v.merge)
-        frames = qv.frame_segments(grid)
-        batch[kind] = {
-            "pixels": qv.patch_rows(inputs[pixel_key], grid, v.patch_dim, pixel_key),
-            "patch_positions": qv.patch_positions(grid, v.merge), "frames": frames,
-            "taps": taps, "tap_weights": weights,
-            "scatter": qv.vision_scatter_index(batch["input_ids"], cfg.token_ids[kind],
-                                               len(frames) // v.merge ** 2, pixel_key),
-        }
+        batch[kind] = {**arrays, "taps": taps, "tap_weights": weights}
     return batch
 
 

@@ -12,17 +12,78 @@ encoder's merger joins each `merge**2` consecutive patches into one LLM token.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
+from dhp_jax.model.hf.config import HFConfig, tied_embeddings
+from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
+from dhp_jax.model.hf.layers import RopeSpec
+from dhp_jax.model.hf.text import TextConfig, rope_parameters
 
-def as_numpy(x: Any) -> np.ndarray:
-    """A processor output (torch tensor, numpy or jax array, list) as a numpy array."""
-    if hasattr(x, "detach"):
-        x = x.detach().cpu()
-    return np.asarray(x)
+# (modality, pixel key, grid key) of the processor outputs, in the order the model encodes them
+MODALITIES = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVision:
+    """The vision-encoder fields both Qwen families have (a family's VisionConfig adds its own)."""
+
+    depth: int
+    hidden_size: int
+    num_heads: int
+    act: str
+    in_channels: int
+    temporal_patch_size: int
+    patch_size: int
+    merge: int
+    rope: RopeSpec
+
+    @property
+    def patch_dim(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @staticmethod
+    def fields(v: Mapping[str, Any], act: str, patch_size: int) -> dict[str, Any]:
+        """The shared fields from a `vision_config` dict (`act`, `patch_size`: the family's defaults)."""
+        heads = int(v["num_heads"])
+        return dict(depth=int(v["depth"]), hidden_size=int(v["hidden_size"]), num_heads=heads,
+                    act=v.get("hidden_act", act), in_channels=int(v.get("in_channels", 3)),
+                    temporal_patch_size=int(v.get("temporal_patch_size", 2)),
+                    patch_size=int(v.get("patch_size", patch_size)), merge=int(v.get("spatial_merge_size", 2)),
+                    rope=RopeSpec.vision_2d(float(rope_parameters(v)["rope_theta"]), int(v["hidden_size"]) // heads))
+
+
+def qwen_config(family: str, raw: Mapping[str, Any], vision: QwenVision) -> HFConfig:
+    """HFConfig of a Qwen-VL config.json once its vision config is parsed."""
+    return HFConfig(family, raw, TextConfig.from_dict(raw["text_config"]), vision, tied_embeddings(raw, False),
+                    {"image": int(raw["image_token_id"]), "video": int(raw["video_token_id"])})
+
+
+def conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
+    """The patch embedding's Conv3d weight shape (out, C, T, P, P)."""
+    v = cfg.vision
+    return {"model.visual.patch_embed.proj.weight":
+            (v.hidden_size, v.in_channels, v.temporal_patch_size, v.patch_size, v.patch_size)}
+
+
+def encoder_inputs(cfg: HFConfig, inputs: Mapping[str, Any], input_ids: np.ndarray
+                   ) -> Iterator[tuple[str, np.ndarray, dict[str, np.ndarray]]]:
+    """(modality, grid_thw, arrays) for each modality present: its flattened `pixels`, per-patch
+    `patch_positions` (row, column) and `frames`, and `scatter` (the placeholder offsets)."""
+    v = cfg.vision
+    for kind, pixel_key, grid_key in MODALITIES:
+        if inputs.get(pixel_key) is None:
+            continue
+        grid = grids(inputs, grid_key)
+        frames = frame_segments(grid)
+        yield kind, grid, {
+            "pixels": patch_rows(inputs[pixel_key], grid, v.patch_dim, pixel_key),
+            "patch_positions": patch_positions(grid, v.merge), "frames": frames,
+            "scatter": vision_scatter_index(input_ids, cfg.token_ids[kind], len(frames) // v.merge ** 2, pixel_key),
+        }
 
 
 def grids(inputs: Mapping[str, Any], key: str) -> np.ndarray:
@@ -129,28 +190,12 @@ def mrope_positions(input_ids: np.ndarray, token_types: np.ndarray | None, keep:
     return out
 
 
-def vision_scatter_index(input_ids: np.ndarray, token_id: int, count: int, what: str) -> np.ndarray:
-    """Token offsets of the `token_id` placeholders, which must number `count` (the features)."""
-    where = np.nonzero(input_ids == token_id)[0]
-    if len(where) != count:
-        raise ValueError(f"{what}: {len(where)} placeholder tokens (id {token_id}) in input_ids, "
-                         f"but the encoder makes {count} features")
-    return where
-
-
 def token_arrays(inputs: Mapping[str, Any], merge: int, video_intervals: np.ndarray | None,
                  split_video_frames: bool) -> dict[str, np.ndarray]:
     """Per-token arrays of one sample (batch size 1): `input_ids` int32[L], `keep` bool[L] (the
     attention mask), `positions` int32[L, 3] (M-RoPE). Qwen3-VL puts a timestamp between video
     frames, so each frame is its own span (`split_video_frames`)."""
-    ids = as_numpy(inputs["input_ids"])
-    if ids.ndim != 2 or ids.shape[0] != 1:
-        raise ValueError(f"input_ids: shape {ids.shape}, expected [1, L] (one sample)")
-    ids = ids[0].astype(np.int64)
-    mask = inputs.get("attention_mask")
-    keep = np.ones(ids.shape, bool) if mask is None else as_numpy(mask).reshape(-1).astype(bool)
-    if keep.shape != ids.shape:
-        raise ValueError(f"attention_mask: {keep.shape[0]} tokens, input_ids has {ids.shape[0]}")
+    ids, keep = sample_tokens(inputs)
     types = inputs.get("mm_token_type_ids")
     types = None if types is None else as_numpy(types).reshape(-1).astype(np.int64)
     image_grid, video_grid = grids(inputs, "image_grid_thw"), grids(inputs, "video_grid_thw")

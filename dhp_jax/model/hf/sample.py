@@ -27,7 +27,8 @@ import numpy as np
 from dhp_jax.data.sample import Sample, Segment
 from dhp_jax.model.hf import api
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.qwen_vision import as_numpy, grids
+from dhp_jax.model.hf.inputs import as_numpy
+from dhp_jax.model.hf.qwen_vision import MODALITIES, grids
 
 QWEN = ("qwen2_5_vl", "qwen3_vl")
 
@@ -95,8 +96,7 @@ def _qwen_vision_runs(config: HFConfig, inputs: Mapping[str, Any]) -> dict[str, 
     out: dict[str, list] = {"image": [], "video": []}
     seconds = inputs.get("second_per_grid_ts")
     seconds = None if seconds is None else as_numpy(seconds).reshape(-1)
-    for modality, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                          ("video", "pixel_values_videos", "video_grid_thw")):
+    for modality, pixel_key, grid_key in MODALITIES:
         if inputs.get(pixel_key) is None:
             continue
         rows = as_numpy(inputs[pixel_key]).astype(np.float32)
@@ -158,8 +158,7 @@ def inputs_from_sample(config: HFConfig, sample: Sample) -> dict[str, np.ndarray
     if config.family in QWEN:
         out["mm_token_type_ids"] = np.concatenate(kinds)[None]
         unit = config.vision.merge ** 2
-        for modality, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                              ("video", "pixel_values_videos", "video_grid_thw")):
+        for modality, pixel_key, grid_key in MODALITIES:
             if pixels[modality]:
                 rows = np.concatenate(pixels[modality])
                 out[pixel_key] = rows.reshape(rows.shape[0] * unit, rows.shape[1] // unit)
