@@ -120,3 +120,25 @@ def test_sample_from_inputs(case):
     video = sample.segments[1]
     assert video.pixels.shape == (16, 4 * 96) and video.tokens_per_frame == 8
     assert video.meta["grid_thw"] == (2, 4, 8) and video.meta["second_per_grid_ts"] == 1.5
+
+
+def test_forward_traces_with_a_handed_in_attention(case):
+    """The engine's contract: the prepared per-token arrays are jit arguments, and every attention
+    call goes through the `attn_fn` handed in, with (q, k, v, q_ids, k_ids) and id-based masks."""
+    import jax
+
+    from dhp_jax.model.attention import dense_attention
+    from dhp_jax.model.hf import qwen2_5_vl
+
+    _, cfg, params = case
+    inputs = image_inputs(hc.rng(1))
+    batch = hf.prepare(cfg, inputs)
+    calls = []
+
+    def attn(q, k, v, q_ids, k_ids):
+        calls.append(q.shape)
+        return dense_attention(q, k, v, q_ids, k_ids)
+
+    traced = jax.jit(lambda p, b: qwen2_5_vl.hidden(cfg, p, b, attn))(params, batch)
+    assert len(calls) == 3 + 2                                     # 3 vision blocks, 2 LLM layers
+    assert hc.relative_error(traced, np.asarray(hf.hidden_states(cfg, params, inputs))) <= 1e-6

@@ -181,16 +181,15 @@ def vision_qkv_attention(p: Params, x: jax.Array, num_heads: int, angles: jax.Ar
     return linear(p["proj"], attn_fn(q, k, v, ids, ids).reshape(s, d))
 
 
-def causal_ids(attention_mask: np.ndarray) -> AttnIds:
-    """Decoder ids of one sample: segment 1 on tokens the mask keeps (0: padding), position =
-    offset in the sample, no bidirectional span (the three families are causal over vision too)."""
-    keep = np.asarray(attention_mask).reshape(-1).astype(bool)
-    n = keep.shape[0]
-    return AttnIds(jnp.asarray(keep.astype(np.int32)), jnp.arange(n, dtype=jnp.int32),
-                   jnp.zeros(n, jnp.int32))
+def causal_ids(keep: Any) -> AttnIds:
+    """Decoder ids of one sample: segment 1 on tokens the attention mask keeps (0: padding),
+    position = offset in the sample, no bidirectional span (the three families are causal over
+    vision too). Works on host arrays and on traced ones."""
+    seg = jnp.asarray(keep).reshape(-1).astype(jnp.int32)
+    return AttnIds(seg, jnp.arange(seg.shape[0], dtype=jnp.int32), jnp.zeros_like(seg))
 
 
-def segment_ids(segments: np.ndarray) -> AttnIds:
+def segment_ids(segments: Any) -> AttnIds:
     """Vision ids: full (bidirectional) attention among tokens of the same segment id (> 0)."""
-    seg = jnp.asarray(np.asarray(segments, np.int32))
+    seg = jnp.asarray(segments).astype(jnp.int32)
     return AttnIds(seg, jnp.zeros_like(seg), seg)
