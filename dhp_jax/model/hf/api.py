@@ -1,0 +1,106 @@
+"""Load, run and save Hugging Face checkpoints of the supported families (no transformers needed)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from types import ModuleType
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.model.attention import dense_attention
+from dhp_jax.model.hf import safetensors_io
+from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
+from dhp_jax.model.hf.config import HFConfig, read_config_json
+from dhp_jax.model.hf.layers import AttentionFn, Params
+from dhp_jax.model.hf.text import lm_head
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
+LM_HEAD = "lm_head.weight"
+
+
+def family_module(family: str) -> ModuleType:
+    """The module that holds one family's differences."""
+    if family not in FAMILIES:
+        raise ValueError(f"model family {family!r} is not supported (known: {FAMILIES})")
+    return importlib.import_module(f"dhp_jax.model.hf.{family}")
+
+
+def parse_config(raw: Mapping[str, Any]) -> HFConfig:
+    """HFConfig of a config.json dict, by its model_type."""
+    model_type = raw.get("model_type")
+    for family in FAMILIES:
+        module = family_module(family)
+        if model_type in module.MODEL_TYPES:
+            return module.parse(raw)
+    raise ValueError(f"config.json model_type {model_type!r} is not one of the supported families {FAMILIES}")
+
+
+def load_pretrained(path: str, dtype: str = "float32") -> tuple[HFConfig, dict]:
+    """(config, params) of a directory written by transformers' `save_pretrained`: config.json and
+    model.safetensors (or its shards), read memory-mapped and converted leaf by leaf to `dtype`."""
+    config = parse_config(read_config_json(path))
+    module = family_module(config.family)
+    target = jnp.dtype(dtype)
+    params = tree_from_weights(safetensors_io.read_checkpoint(path), module.LEGACY_RENAMES,
+                               skip=(LM_HEAD,) if config.tied else (),
+                               convert=lambda a: jnp.asarray(np.asarray(a, dtype=target)))
+    check_params(config, params)
+    return config, params
+
+
+def check_params(config: HFConfig, params: Mapping) -> None:
+    """Raise if the tree lacks the top-level parts the forward pass reads."""
+    need = [("model", "language_model", "embed_tokens"), ("model", "language_model", "norm")]
+    if not config.tied:
+        need.append(("lm_head",))
+    for path in need:
+        node = params
+        for key in path:
+            if not isinstance(node, Mapping) or key not in node:
+                raise ValueError(f"{config.family} checkpoint has no {'.'.join(path)}.* weights")
+            node = node[key]
+
+
+def prepare(config: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The host-side arrays of one processor output (token ids, rotary positions, encoder ids)."""
+    return family_module(config.family).prepare(config, inputs)
+
+
+def hidden_states(config: HFConfig, params: Params, inputs: Mapping[str, Any],
+                  attn_fn: AttentionFn = dense_attention) -> jax.Array:
+    """Final LLM hidden states [L, d] of one sample (before the LM head)."""
+    module = family_module(config.family)
+    return module.hidden(config, params, module.prepare(config, inputs), attn_fn)
+
+
+def logits(config: HFConfig, params: Params, inputs: Mapping[str, Any],
+           attn_fn: AttentionFn = dense_attention) -> jax.Array:
+    """float32[L, vocab] logits of one sample, `inputs` as the family's processor emits them
+    (batch size 1); `attn_fn` is the attention every block calls (the engine hands in its own)."""
+    return lm_head(params, hidden_states(config, params, inputs, attn_fn), config.tied)
+
+
+def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
+    """{transformers parameter name: numpy array} of a parameter or gradient tree. A tied LM head
+    appears once, as the embedding (`lm_head.weight` is not repeated)."""
+    conv = family_module(config.family).conv_shapes(config)
+    return {k: np.asarray(v) for k, v in weights_from_tree(tree, conv).items()}
+
+
+def save_pretrained(config: HFConfig, params: Params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and model.safetensors (sharded above `max_shard_bytes`) that transformers'
+    `from_pretrained` loads. The weights keep the dtype of `params`; config.json its own fields."""
+    os.makedirs(out_dir, exist_ok=True)
+    weights = to_state_dict(config, params)
+    safetensors_io.write_checkpoint(out_dir, weights, max_shard_bytes)
+    raw = dict(config.raw)
+    dtypes = {str(w.dtype) for w in weights.values()}
+    if len(dtypes) == 1:
+        raw["dtype"] = dtypes.pop()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2, sort_keys=True)

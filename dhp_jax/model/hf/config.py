@@ -1,0 +1,43 @@
+"""`HFConfig`: a checkpoint's config.json, parsed once into what the forward pass needs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Mapping
+
+from dhp_jax.model.hf.text import TextConfig
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class HFConfig:
+    """One model of a supported family. `raw` is config.json as read (written back unchanged by
+    `save_pretrained`); `text` the LLM's shape; `vision` the family's own vision-encoder config;
+    `tied`: the LM head is the token embedding; `token_ids`: placeholder ids ("image", "video")."""
+
+    family: str
+    raw: Mapping[str, Any]
+    text: TextConfig
+    vision: Any
+    tied: bool
+    token_ids: Mapping[str, int]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.text.vocab_size
+
+
+def read_config_json(path: str) -> dict:
+    """config.json of a checkpoint directory."""
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"{path}: no config.json (a directory written by save_pretrained)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def tied_embeddings(raw: Mapping[str, Any], default: bool) -> bool:
+    """Whether the LM head is the token embedding (the top-level flag, or the text model's)."""
+    return bool(raw.get("tie_word_embeddings", default)) or bool(
+        (raw.get("text_config") or {}).get("tie_word_embeddings", False))

@@ -1,0 +1,165 @@
+"""InternVL (InternVL2.5 arXiv:2412.05271, InternVL3 arXiv:2504.10479) in the transformers-native
+layout of the `-hf` releases, as transformers' `InternVLForConditionalGeneration` defines it.
+
+Vision encoder, InternViT (`model.vision_tower`), per tile of pixel_values [tiles, C, H, W]:
+- patch embedding: a Conv2d with bias over P x P patches (raster order), a CLS token in front,
+  plus the absolute position table (1 + (H/P)(W/P) rows; the tile size must be the config's);
+- layers: h = x + lambda_1 * proj(attn(norm_before(x))); out = h + lambda_2 * fc2(act(fc1(norm_after(h))))
+  (norm: LayerNorm with bias or RMSNorm, `norm_type`; optional q/k biases and RMSNorm over
+  the whole q and k, `use_qk_norm`); full bidirectional attention inside a tile, no rotary;
+- a final LayerNorm unless `use_mean_pooling`.
+Projector: drop the CLS token, pixel shuffle (each 2 x 2 patches -> one token of 4x width, for
+`downsample_ratio` 0.5), LayerNorm (eps 1e-5), linear_2(act(linear_1(.))).
+LLM (`model.language_model`): the `text_config` model (Qwen2 with q/k/v biases in InternVL2.5 /
+InternVL3), 1-D RoPE over the token offset; image features replace the image placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.model.hf.config import HFConfig, tied_embeddings
+from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, rms_norm,
+                                     segment_ids)
+from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
+from dhp_jax.model.hf.text import TextConfig, text_forward
+
+MODEL_TYPES = ("internvl",)
+LEGACY_RENAMES = ((r"^language_model\.lm_head", "lm_head"),
+                  (r"^language_model\.model\.", "model.language_model."),
+                  (r"^language_model", "model.language_model"),
+                  (r"^vision_tower", "model.vision_tower"),
+                  (r"^multi_modal_projector", "model.multi_modal_projector"))
+PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
+QK_NORM_EPS = 1e-6
+
+
+def _pair(x: Any) -> tuple[int, int]:
+    return (int(x[0]), int(x[1])) if isinstance(x, (list, tuple)) else (int(x), int(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    act: str
+    channels: int
+    image_size: tuple[int, int]
+    patch_size: tuple[int, int]
+    norm: str
+    eps: float
+    qk_norm: bool
+    final_norm: bool
+    shuffle: int
+    projector_act: str
+
+
+def parse(raw: Mapping[str, Any]) -> HFConfig:
+    """HFConfig of an InternVL (`-hf` layout) config.json."""
+    v = raw["vision_config"]
+    if raw.get("vision_feature_layer", -1) != -1:
+        raise ValueError(f"internvl: vision_feature_layer {raw['vision_feature_layer']} is not supported (only -1)")
+    if raw.get("vision_feature_select_strategy", "default") != "default":
+        raise ValueError("internvl: only vision_feature_select_strategy 'default' (drop the CLS token) is supported")
+    if v.get("norm_type", "layer_norm") not in ("layer_norm", "rms_norm"):
+        raise ValueError(f"internvl: vision norm_type {v['norm_type']!r} is not layer_norm or rms_norm")
+    ratio = float(raw.get("downsample_ratio", 0.5))
+    vision = VisionConfig(
+        int(v["num_hidden_layers"]), int(v["hidden_size"]), int(v["num_attention_heads"]), v.get("hidden_act", "gelu"),
+        int(v.get("num_channels", 3)), _pair(v.get("image_size", 448)), _pair(v.get("patch_size", 14)),
+        v.get("norm_type", "layer_norm"), float(v.get("layer_norm_eps", 1e-6)), bool(v.get("use_qk_norm", False)),
+        not v.get("use_mean_pooling", True), int(round(1 / ratio)), raw.get("projector_hidden_act", "gelu"))
+    return HFConfig("internvl", raw, TextConfig.from_dict(raw["text_config"]), vision, tied_embeddings(raw, True),
+                    {"image": int(raw["image_token_id"])})
+
+
+def conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
+    v = cfg.vision
+    return {"model.vision_tower.embeddings.patch_embeddings.projection.weight":
+            (v.hidden_size, v.channels) + v.patch_size}
+
+
+def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Host-side arrays of one sample: `input_ids`, `keep`, `positions` [L, 1]; with an image, its
+    tiles as flattened patches [tiles, (H/P)(W/P), C*P*P] and the placeholder offsets."""
+    v = cfg.vision
+    ids, keep = sample_tokens(inputs)
+    ids = ids.astype(np.int32)
+    batch: dict[str, Any] = {"input_ids": ids, "keep": keep,
+                             "positions": np.arange(len(ids), dtype=np.int32)[:, None]}
+    if inputs.get("pixel_values") is not None:
+        px = as_numpy(inputs["pixel_values"])
+        (ph, pw), (h, w) = v.patch_size, v.image_size
+        if px.ndim != 4 or px.shape[1:] != (v.channels, h, w):
+            raise ValueError(f"pixel_values: shape {px.shape}, expected [tiles, {v.channels}, {h}, {w}] (the "
+                             f"config's image_size; other tile sizes would need the position table resampled)")
+        n = px.shape[0]
+        patches = px.reshape(n, v.channels, h // ph, ph, w // pw, pw).transpose(0, 2, 4, 1, 3, 5)
+        batch["image"] = {
+            "patches": patches.reshape(n, (h // ph) * (w // pw), v.channels * ph * pw),
+            "scatter": vision_scatter_index(ids, cfg.token_ids["image"],
+                                            n * (h // ph) * (w // pw) // v.shuffle ** 2, "pixel_values"),
+        }
+    return batch
+
+
+def pixel_shuffle(x: jax.Array, k: int) -> jax.Array:
+    """[n, s, s, c] -> [n, s/k, s/k, c*k*k], transformers' `InternVLModel.pixel_shuffle` order."""
+    n, a, b, c = x.shape
+    x = x.reshape(n, a, b // k, c * k).transpose(0, 2, 1, 3)
+    x = x.reshape(n, b // k, a // k, c * k * k).transpose(0, 2, 1, 3)
+    return x
+
+
+def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
+    """LLM-token features [tiles * (H/P)(W/P) / k**2, d] of the tiles (subtrees `model.vision_tower`
+    and `model.multi_modal_projector`)."""
+    v = cfg.vision
+    p = params["model"]["vision_tower"]
+    emb = p["embeddings"]
+    proj = emb["patch_embeddings"]["projection"]
+    x = linear(proj, jnp.asarray(enc["patches"]).astype(proj["kernel"].dtype))                # [n, hw, d]
+    n, hw, d = x.shape
+    x = jnp.concatenate([jnp.broadcast_to(emb["cls_token"].reshape(1, 1, d), (n, 1, d)), x], axis=1)
+    if "position_embeddings" in emb:
+        x = x + emb["position_embeddings"].reshape(1, hw + 1, d)
+    x = x.reshape(n * (hw + 1), d)                                   # the tiles as one stream
+    ids = segment_ids(np.repeat(np.arange(1, n + 1), hw + 1))
+    norm = layer_norm if v.norm == "layer_norm" else rms_norm
+    act, heads = activation(v.act), v.num_heads
+    for i in range(v.num_layers):
+        b = p["encoder"]["layer"][str(i)]
+        a = b["attention"]
+        y = norm(x, b["layernorm_before"], v.eps)
+        q, k = linear(a["q_proj"], y), linear(a["k_proj"], y)
+        if v.qk_norm:
+            q, k = rms_norm(q, a["q_norm"], QK_NORM_EPS), rms_norm(k, a["k_norm"], QK_NORM_EPS)
+        shape = (x.shape[0], heads, d // heads)
+        o = attn_fn(q.reshape(shape), k.reshape(shape), linear(a["v_proj"], y).reshape(shape), ids, ids)
+        x = x + b["lambda_1"] * linear(a["projection_layer"], o.reshape(x.shape))
+        m = b["mlp"]
+        x = x + b["lambda_2"] * linear(m["fc2"], act(linear(m["fc1"], norm(x, b["layernorm_after"], v.eps))))
+    if v.final_norm:
+        x = layer_norm(x, p["layernorm"], v.eps)
+    side = int(round(hw ** 0.5))
+    x = pixel_shuffle(x.reshape(n, hw + 1, d)[:, 1:].reshape(n, side, side, d), v.shuffle)
+    x = x.reshape(-1, x.shape[-1])
+    pr = params["model"]["multi_modal_projector"]
+    y = linear(pr["linear_1"], layer_norm(x, pr["layer_norm"], PROJECTOR_EPS))
+    return linear(pr["linear_2"], activation(v.projector_act)(y))
+
+
+def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
+    """Final LLM hidden states [L, d] of one prepared sample."""
+    lm = params["model"]["language_model"]
+    x = lm["embed_tokens"]["embedding"][jnp.asarray(batch["input_ids"])]
+    if "image" in batch:
+        feats = encode(cfg, params, batch["image"], attn_fn)
+        x = x.at[jnp.asarray(batch["image"]["scatter"])].set(feats.astype(x.dtype))
+    return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn)

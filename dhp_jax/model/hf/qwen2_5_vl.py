@@ -1,0 +1,99 @@
+"""Qwen2.5-VL (arXiv:2502.13923) as transformers' `Qwen2_5_VLForConditionalGeneration` defines it.
+
+Vision encoder (`model.visual`), per image or video, over flattened patches x[N, C*T*P*P]:
+- patch_embed: a Conv3d without bias = x @ kernel;
+- `depth` blocks: x += proj(attn(RMSNorm1(x))); x += down(silu(gate(y)) * up(y)), y = RMSNorm2(x)
+  (eps 1e-6; q/k/v fused in `qkv`, all vision Linears with bias); 2-D rotary over (row, column);
+  attention within a window of merged tokens (`window_segments`), except in the
+  `fullatt_block_indexes` blocks, which attend within a frame;
+- merger: RMSNorm(x) per patch, each merge**2 consecutive patches concatenated, then
+  mlp.2(GELU(mlp.0(.))) (exact GELU) -> one LLM token.
+LLM (`model.language_model`): Qwen2 blocks (q/k/v biases) with 3-D M-RoPE in sections
+(`RopeSpec.mrope_sections`); vision features replace the embeddings of the image / video
+placeholder tokens; video frames are `tokens_per_second * second_per_grid_ts` apart in time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.model.hf import qwen_vision as qv
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, linear, rms_norm, segment_ids,
+                                     vision_qkv_attention)
+from dhp_jax.model.hf.text import text_forward
+
+MODEL_TYPES = ("qwen2_5_vl",)
+LEGACY_RENAMES = ((r"^visual", "model.visual"),
+                  (r"^model(?!\.(language_model|visual))", "model.language_model"))
+VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig(qv.QwenVision):
+    window_size: int
+    full_attention_blocks: tuple[int, ...]
+    tokens_per_second: float
+
+
+def parse(raw: Mapping[str, Any]) -> HFConfig:
+    """HFConfig of a Qwen2.5-VL config.json."""
+    v = raw["vision_config"]
+    vision = VisionConfig(**qv.QwenVision.fields(v, "silu", 14), window_size=int(v.get("window_size", 112)),
+                          full_attention_blocks=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
+                          tokens_per_second=float(v.get("tokens_per_second", 4)))
+    return qv.qwen_config("qwen2_5_vl", raw, vision)
+
+
+conv_shapes = qv.conv_shapes
+
+
+def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Host-side arrays of one sample: the per-token arrays of `qwen_vision.token_arrays` and, per
+    modality present, the encoder's patches and per-patch ids."""
+    v = cfg.vision
+    video_grid = qv.grids(inputs, "video_grid_thw")
+    seconds = inputs.get("second_per_grid_ts")
+    intervals = None
+    if len(video_grid):
+        s = np.ones(len(video_grid), np.float32) if seconds is None else qv.as_numpy(seconds).reshape(-1)
+        intervals = np.float32(v.tokens_per_second) * s.astype(np.float32)
+    batch = qv.token_arrays(inputs, v.merge, intervals, split_video_frames=False)
+    for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
+        batch[kind] = {**arrays, "windows": qv.window_segments(grid, v.merge, v.window_size, v.patch_size)}
+    return batch
+
+
+def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
+    """LLM-token features [N / merge**2, d] of one modality's patches (subtree `model.visual`)."""
+    v = cfg.vision
+    x = jnp.asarray(enc["pixels"]).astype(p["patch_embed"]["proj"]["kernel"].dtype) @ p["patch_embed"]["proj"]["kernel"]
+    angles = v.rope.angles(jnp.asarray(enc["patch_positions"]))
+    frames, windows = segment_ids(enc["frames"]), segment_ids(enc["windows"])
+    act = activation(v.act)
+    for i in range(v.depth):
+        b = p["blocks"][str(i)]
+        ids = frames if i in v.full_attention_blocks else windows
+        x = x + vision_qkv_attention(b["attn"], rms_norm(x, b["norm1"], VISION_EPS), v.num_heads, angles, ids, attn_fn)
+        y = rms_norm(x, b["norm2"], VISION_EPS)
+        m = b["mlp"]
+        x = x + linear(m["down_proj"], act(linear(m["gate_proj"], y)) * linear(m["up_proj"], y))
+    m = p["merger"]
+    y = rms_norm(x, m["ln_q"], VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
+    return linear(m["mlp"]["2"], jax.nn.gelu(linear(m["mlp"]["0"], y), approximate=False))
+
+
+def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
+    """Final LLM hidden states [L, d] of one prepared sample."""
+    lm = params["model"]["language_model"]
+    x = lm["embed_tokens"]["embedding"][jnp.asarray(batch["input_ids"])]
+    for kind in ("image", "video"):
+        if kind in batch:
+            feats = encode(cfg, params["model"]["visual"], batch[kind], attn_fn)
+            x = x.at[jnp.asarray(batch[kind]["scatter"])].set(feats.astype(x.dtype))
+    return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn)

@@ -1,0 +1,141 @@
+"""Qwen3-VL (arXiv:2511.21631) as transformers' `Qwen3VLForConditionalGeneration` defines it.
+
+Vision encoder (`model.visual`), per image or video, over flattened patches x[N, C*T*P*P]:
+- patch_embed: a Conv3d with bias = x @ kernel + bias, plus a learned position embedding: the
+  square table `pos_embed` [side**2, d] resampled to the image's (h, w) patch grid by bilinear
+  interpolation with aligned corners (4 taps per patch, `interpolation_taps`);
+- `depth` blocks: x += proj(attn(LayerNorm1(x))); x += fc2(act(fc1(LayerNorm2(x)))) (eps 1e-6,
+  `hidden_act`, gelu-tanh in the released configs); 2-D rotary over (row, column); attention
+  within a frame;
+- merger: LayerNorm per patch, merge**2 consecutive patches concatenated, fc2(GELU(fc1(.)));
+- DeepStack (arXiv:2406.04334): after block `deepstack_visual_indexes[k]`, merger k (LayerNorm
+  over the concatenated merge**2 patches instead) makes features that are added to the hidden
+  states of the vision tokens after LLM layer k.
+LLM (`model.language_model`): Qwen3 blocks (QK RMSNorm per head, no biases by default) with
+interleaved M-RoPE (`RopeSpec.mrope_interleaved`); a video's frames are separate spans (the
+processor puts a timestamp between them), each at temporal position = its start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.model.hf import qwen_vision as qv
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, segment_ids,
+                                     vision_qkv_attention)
+from dhp_jax.model.hf.text import text_forward
+
+MODEL_TYPES = ("qwen3_vl",)
+LEGACY_RENAMES = ((r"^visual", "model.visual"),
+                  (r"^model(?!\.(language_model|visual))", "model.language_model"))
+VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and the mergers
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionConfig(qv.QwenVision):
+    grid_side: int
+    deepstack_blocks: tuple[int, ...]
+
+
+def parse(raw: Mapping[str, Any]) -> HFConfig:
+    """HFConfig of a Qwen3-VL config.json."""
+    v = raw["vision_config"]
+    vision = VisionConfig(**qv.QwenVision.fields(v, "gelu_pytorch_tanh", 16),
+                          grid_side=int(int(v.get("num_position_embeddings", 2304)) ** 0.5),
+                          deepstack_blocks=tuple(int(i) for i in v.get("deepstack_visual_indexes", ())))
+    return qv.qwen_config("qwen3_vl", raw, vision)
+
+
+conv_shapes = qv.conv_shapes
+
+
+def interpolation_taps(grid_thw: np.ndarray, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
+    """(int32[N, 4] rows of `pos_embed`, float32[N, 4] weights): bilinear resampling with aligned
+    corners of the side x side table to each frame's h x w patch grid, patches in the processor's
+    order. Weights are computed in fp32 like transformers' (`src = i * (side - 1) / (n - 1)`)."""
+    pos = qv.patch_positions(grid_thw, merge)
+    sizes = np.repeat(grid_thw[:, 1:], grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2], axis=0)
+
+    def axis(index: np.ndarray, size: np.ndarray):
+        src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
+        floor = np.floor(src)
+        taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
+        weights = np.clip(np.float32(1) - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)),
+                          0, None).astype(np.float32)
+        return taps, weights
+
+    ht, hw = axis(pos[:, 0], sizes[:, 0])
+    wt, ww = axis(pos[:, 1], sizes[:, 1])
+    taps = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
+    weights = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
+    return taps.astype(np.int32), weights.astype(np.float32)
+
+
+def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """Host-side arrays of one sample (see `qwen2_5_vl.prepare`), with the position-table taps."""
+    v = cfg.vision
+    batch = qv.token_arrays(inputs, v.merge, None, split_video_frames=True)
+    for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
+        taps, weights = interpolation_taps(grid, v.grid_side, v.merge)
+        batch[kind] = {**arrays, "taps": taps, "tap_weights": weights}
+    return batch
+
+
+def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool) -> jax.Array:
+    """A patch merger: LayerNorm (per patch, or over the merged row), fc2(GELU(fc1(.)))."""
+    width = cfg.vision.hidden_size * cfg.vision.merge ** 2
+    if norm_after_merge:
+        y = layer_norm(x.reshape(-1, width), p["norm"], VISION_EPS)
+    else:
+        y = layer_norm(x, p["norm"], VISION_EPS).reshape(-1, width)
+    return linear(p["linear_fc2"], jax.nn.gelu(linear(p["linear_fc1"], y), approximate=False))
+
+
+def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> tuple[jax.Array, list]:
+    """(LLM-token features [N / merge**2, d], DeepStack features [levels] of the same shape)."""
+    v = cfg.vision
+    kernel = p["patch_embed"]["proj"]["kernel"]
+    x = linear(p["patch_embed"]["proj"], jnp.asarray(enc["pixels"]).astype(kernel.dtype))
+    table = p["pos_embed"]["embedding"]
+    x = x + jnp.sum(table[jnp.asarray(enc["taps"])] * jnp.asarray(enc["tap_weights"])[:, :, None], axis=1).astype(x.dtype)
+    angles = v.rope.angles(jnp.asarray(enc["patch_positions"]))
+    ids = segment_ids(enc["frames"])
+    act = activation(v.act)
+    deep = []
+    for i in range(v.depth):
+        b = p["blocks"][str(i)]
+        x = x + vision_qkv_attention(b["attn"], layer_norm(x, b["norm1"], VISION_EPS), v.num_heads, angles, ids, attn_fn)
+        m = b["mlp"]
+        x = x + linear(m["linear_fc2"], act(linear(m["linear_fc1"], layer_norm(x, b["norm2"], VISION_EPS))))
+        if i in v.deepstack_blocks:
+            k = v.deepstack_blocks.index(i)
+            deep.append(merge_patches(cfg, p["deepstack_merger_list"][str(k)], x, norm_after_merge=True))
+    return merge_patches(cfg, p["merger"], x, norm_after_merge=False), deep
+
+
+def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
+    """Final LLM hidden states [L, d] of one prepared sample. DeepStack features are per-token
+    rows [levels, L, d] (zero off the vision tokens) added after the first LLM layers."""
+    lm = params["model"]["language_model"]
+    x = lm["embed_tokens"]["embedding"][jnp.asarray(batch["input_ids"])]
+    deep = None
+    for kind in ("image", "video"):
+        if kind in batch:
+            feats, levels = encode(cfg, params["model"]["visual"], batch[kind], attn_fn)
+            where = jnp.asarray(batch[kind]["scatter"])
+            x = x.at[where].set(feats.astype(x.dtype))
+            if levels:
+                rows = jnp.stack(levels).astype(x.dtype)
+                deep = (jnp.zeros((len(levels),) + x.shape, x.dtype) if deep is None else deep).at[:, where].set(rows)
+
+    def add_deepstack(i: int, h: jax.Array) -> jax.Array:
+        return h + deep[i] if deep is not None and i < deep.shape[0] else h
+
+    return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn,
+                        after_layer=add_deepstack)

@@ -1,0 +1,124 @@
+"""Reading and writing the safetensors format with numpy only (no transformers, no torch).
+
+The format (https://github.com/huggingface/safetensors, "Format"): 8 bytes little-endian u64 N,
+N bytes of JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
+{str: str}?}, then the raw little-endian tensor bytes, offsets relative to the end of the header.
+Reads are memory-mapped: a tensor's bytes are paged in only when the array is used, so a large
+checkpoint is read shard by shard, tensor by tensor. bfloat16 is jax's numpy dtype (`ml_dtypes`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from typing import Iterator, Mapping
+
+import jax.numpy as jnp
+import numpy as np
+
+DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+    "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def _header(path: str) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > os.path.getsize(path) - 8:
+            raise ValueError(f"{path}: header length {n} runs past the end of the file")
+        header = json.loads(f.read(n))
+    return header, 8 + n
+
+
+def read_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for each tensor of one .safetensors file, memory-mapped read-only."""
+    header, start = _header(path)
+    header.pop("__metadata__", None)
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start) if header else None
+    for name, info in header.items():
+        if info["dtype"] not in DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not one of {sorted(DTYPES)}")
+        dtype = DTYPES[info["dtype"]]
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - begin != int(np.prod(shape)) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs "
+                             f"{int(np.prod(shape)) * dtype.itemsize}")
+        yield name, data[begin:end].view(dtype).reshape(shape)
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The .safetensors files of a checkpoint directory (one file, or the shards its index names)."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, SINGLE_FILE)
+    if os.path.exists(single):
+        return [single]
+    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (a directory written by save_pretrained)")
+
+
+def read_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, memory-mapped array) for every tensor of a checkpoint directory, shard by shard."""
+    for file in checkpoint_files(path):
+        yield from read_file(file)
+
+
+def write_file(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
+    """Write `tensors` as one .safetensors file (names sorted, 8-byte aligned header)."""
+    header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        if a.dtype not in NAMES:
+            raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
+        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+    os.replace(tmp, path)
+
+
+def write_checkpoint(path: str, tensors: Mapping[str, np.ndarray], max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write a checkpoint directory's weights: one model.safetensors, or shards of at most
+    `max_shard_bytes` with the index transformers reads (`model.safetensors.index.json`)."""
+    os.makedirs(path, exist_ok=True)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors):
+        nbytes = np.asarray(tensors[name]).nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    if len(shards) == 1:
+        write_file(os.path.join(path, SINGLE_FILE), shards[0])
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        write_file(os.path.join(path, file), shard)
+        weight_map.update({name: file for name in shard})
+    total = sum(np.asarray(t).nbytes for t in tensors.values())
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
