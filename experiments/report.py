@@ -204,8 +204,10 @@ def attention_choice(r: dict[str, Any]) -> str:
 
 def compiles(r: dict[str, Any]) -> str:
     steps = r["config"]["steps"]
+    early = r["rows"][0].get("early_steps") if r["rows"] else None
+    first = f"; placement over the first {early} steps" if early else ""
     lines = [f"| bucket rule | padded / real tokens | programs over {steps} steps | executables per process, max "
-             "(x programs it runs: placement / none) | step (s) | unpadded (s) | lost to the rule and placement "
+             f"(x programs it runs: placement / none{first}) | step (s) | unpadded (s) | lost to the rule and placement "
              "(of which: menu degrees / padding) | how |",
              "|---|---|---|---|---|---|---|---|"]
     for row in r["rows"]:
@@ -214,9 +216,10 @@ def compiles(r: dict[str, Any]) -> str:
             split = (f" ({100 * row['menu_degrees_step_time_lost']:+.1f} % / "
                      f"{100 * row['padding_step_time_lost']:+.1f} %)")
         off = f" ({row['off_menu_programs']} off the menu)" if row.get("off_menu_programs") else ""
+        at = f"; {row['executables_per_program_per_process_max_early']:.2f}x" if early else ""
         lines.append(f"| {row.get('rule', row['growth'])} | {row['padded_over_real']:.3f} | {row['programs']}{off} | "
                      f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
-                     f"{row['executables_per_program_per_process_max_no_placement']:.2f}x) | {row['step_s']:.2f} | "
+                     f"{row['executables_per_program_per_process_max_no_placement']:.2f}x{at}) | {row['step_s']:.2f} | "
                      f"{row['step_s_unpadded']:.2f} | {100 * row['step_time_lost']:+.1f} %{split} | {_short(r['label'])} |")
     return "\n".join(lines)
 
