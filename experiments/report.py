@@ -202,7 +202,8 @@ def _compiles_programs(row: Row, r: dict[str, Any]) -> str:
 
 def _compiles_executables(row: Row, r: dict[str, Any]) -> str:
     return (f"{row['executables_per_process_max']} ({row['executables_per_program_per_process_max']:.2f}x / "
-            f"{row['executables_per_program_per_process_max_no_placement']:.2f}x)")
+            f"{row['executables_per_program_per_process_max_no_placement']:.2f}x; "
+            f"{row['executables_per_program_per_process_max_early']:.2f}x)")
 
 
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
@@ -254,7 +255,8 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
         ("bucket rule", lambda row, r: str(row.get("rule", row["growth"]))),
         ("padded / real tokens", num("padded_over_real", ".3f")),
         ("programs over {config[steps]} steps", _compiles_programs),
-        ("executables per process, max (x programs it runs: placement / none)", _compiles_executables),
+        ("executables per process, max (x programs it runs: placement / none; placement over the first "
+         "{config[early_steps]} steps)", _compiles_executables),
         ("step (s)", num("step_s")), ("unpadded (s)", num("step_s_unpadded")),
         ("lost to the rule and placement (of which: menu degrees / padding)", _compiles_lost),
         ("how", how("result"))]),

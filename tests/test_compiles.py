@@ -106,6 +106,24 @@ def test_reuse_ranks_keeps_group_times_and_takes_compiled_device_sets():
     assert reuse_ranks([], 8, c) == []
 
 
+def test_reuse_ranks_puts_partial_node_parts_at_the_node_end():
+    """A spanning group's part smaller than a node takes the node's last free ranks, whatever its
+    program, so a degree-7 group beside the one-rank parts of four different spanning programs keeps
+    one device set (one executable) instead of one per place the part happened to take."""
+    c = ProgramCache(ranks_per_process=8)
+    for p in (1026, 2052, 4104, 8208):           # four degree-9 programs, each one rank into node 1
+        for part in (8, 11, 15):
+            inside = tuple(r for r in range(8, 16) if r != part)
+            groups = [(9, p, tuple(range(8)) + (part,), "ring"), (7, 518, inside, "ring")]
+            out = reuse_ranks(groups, 8, c, 16)
+            assert [_profile(t) for t in out] == [_profile(g[2]) for g in groups]
+            assert len({r for t in out for r in t}) == 16
+            c.executables.update((d, q, t, a) for (d, q, _, a), t in zip(groups, out))
+    sevens = {t for d, _, t, _ in c.executables if d == 7}
+    assert sevens == {tuple(range(8, 15))}                      # the aligned block at the node's start
+    assert {t for d, _, t, _ in c.executables if d == 9} == {tuple(range(8)) + (15,)}
+
+
 def test_reuse_placement_keeps_step_time_and_reuses_what_it_placed():
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
 

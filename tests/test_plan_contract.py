@@ -149,3 +149,27 @@ def test_plan_hash_is_the_decisions_only():
     other = next(g for g in groups if g is not big)
     other["samples"].append(big["samples"].pop())
     assert plan_hash(Plan.from_json(d)) != plan_hash(plans[0])
+
+
+def test_plan_hash_covers_the_program_each_group_runs():
+    """`padded_tokens` fixes the program shape the executors run: two plans with equal groups but
+    another bucket for one group hash differently (processes must agree on the programs, not only on
+    the groups). A v1 plan (no padded tokens) still hashes, and so does a v2 group without the field;
+    the real token count follows from the samples and is left out."""
+    plan = Plan.from_json(GOOD)
+    moved = json.loads(json.dumps(GOOD))
+    moved["micro_batches"][0]["groups"][0]["padded_tokens"] = 5376       # a larger bucket, still 2*3 | it
+    assert Plan.from_json(moved).digest() != plan.digest()
+    assert Plan.from_json(moved).decisions()["micro_batches"][0][0]["padded_tokens"] == 5376
+    counted = json.loads(json.dumps(GOOD))
+    counted["micro_batches"][0]["groups"][0]["tokens"] = 4990            # real tokens are not a decision
+    assert Plan.from_json(counted).digest() == plan.digest()
+    v1 = json.loads(json.dumps(GOOD))
+    v1["schema"] = "dhp.plan/v1"
+    bare = json.loads(json.dumps(GOOD))
+    for d in (v1, bare):
+        for gd in d["micro_batches"][0]["groups"]:
+            del gd["tokens"], gd["padded_tokens"]
+    old = Plan.from_json(v1)
+    assert len(old.digest()) == 16 and old.digest() == Plan.from_json(bare).digest() != plan.digest()
+    assert "padded_tokens" not in old.decisions()["micro_batches"][0][0]

@@ -114,14 +114,17 @@ class Plan:
 
     def decisions(self) -> dict[str, Any]:
         """What the plan decides, and nothing else: the rank count and, per micro-batch, each
-        group's ranks, degree, samples and attention kind. Estimates and solver metadata (timings, flags) are left
-        out, so processes that planned the same batch the same way get equal decisions."""
+        group's ranks, degree, samples, attention kind and `padded_tokens` (the stream length, hence
+        the program, that the executors run; left out where it is 0: v1 plans and hand-built groups,
+        whose executors pick the length). Estimates, real token counts (they follow from the samples)
+        and solver metadata (timings, flags) are left out, so processes that planned the same batch
+        the same way get equal decisions."""
         return {"num_ranks": self.num_ranks,
-                "micro_batches": [[{"ranks": list(g.ranks), "degree": g.degree, "samples": list(g.samples),
-                                    "attention": g.attention} for g in mb.groups] for mb in self.micro_batches]}
+                "micro_batches": [[_group_decisions(g) for g in mb.groups] for mb in self.micro_batches]}
 
     def digest(self) -> str:
-        """Short hash of `decisions()`: equal on every process that derived the same plan."""
+        """Short hash of `decisions()`: equal on every process that derived the same plan, down to
+        the programs it runs (two processes whose bucket rules differ get different digests)."""
         import hashlib
 
         return hashlib.sha256(json.dumps(self.decisions(), sort_keys=True).encode()).hexdigest()[:16]
@@ -236,6 +239,14 @@ class Plan:
                     raise PlanValidationError(
                         f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "
                         f"per rank for samples {list(g.samples)}, budget is {budget / 2**30:.2f} GiB")
+
+
+def _group_decisions(g: Group) -> dict[str, Any]:
+    d: dict[str, Any] = {"ranks": list(g.ranks), "degree": g.degree, "samples": list(g.samples),
+                         "attention": g.attention}
+    if g.padded_tokens:  # absent rather than 0, so a plan without the figure hashes as before
+        d["padded_tokens"] = g.padded_tokens
+    return d
 
 
 def _check_attention(g: Group, where: str, num_heads: int | None) -> None:

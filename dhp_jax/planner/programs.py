@@ -109,9 +109,11 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
 
     - Nodes are permuted (each node's content moves whole to another node of the same size):
       spanning groups, largest first, go onto the nodes of an executable of their program where
-      the permutation so far allows it, else onto the program's canonical nodes (`anchor`).
-    - Within a node, a spanning group's part takes an executable's ranks there, else the free
-      ranks from the program's canonical offset on.
+      the permutation so far allows it, else onto their own nodes where still free (else the lowest).
+    - Within a node, a spanning group's part takes an executable's ranks there, else the node's
+      last free ranks (any program's part smaller than a node sits at the node's end, so a group
+      inside the node, e.g. of degree 7 beside a one-rank part, keeps its aligned block and one
+      executable, whichever spanning program shares its node).
     - Groups inside a node keep the degrees of each node's content, but any group of a degree may
       take any node's place of that degree, on the ranks no spanning group holds (idle ranks too):
       largest first, a device set on which the program has an executable where one is free; the
@@ -178,9 +180,10 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
                 cands = sorted((x for x in free_nodes if size[x] == size[n] and x not in m.values()),
                                key=lambda x: (x != n, x))
                 m[n] = cands[0] if cands else n   # a node of its size is always free (pi is a bijection)
-            off = anchor(d, p, a, rpn)
-            t = tuple(sorted(r for n in mine for r in from_anchor(
-                (x for x in range(m[n] * rpn, m[n] * rpn + size[m[n]]) if x not in taken), m[n], len(mine[n]), off)))
+            # each part on its node's last free ranks, whatever the program: the groups inside the
+            # node then keep the aligned blocks from its start and meet the same device sets again
+            t = tuple(sorted(r for n in mine for r in sorted(
+                (x for x in range(m[n] * rpn, m[n] * rpn + size[m[n]]) if x not in taken), reverse=True)[:len(mine[n])]))
             placed = (m, t)
         m, t = placed
         pi.update(m)

@@ -24,7 +24,7 @@ import platform
 import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, Sequence
 
 
 KINDS = ("bucket", "degree", "group")  # --kinds: planner.menu's kind_per, "group" for none
@@ -92,11 +92,13 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
 
 def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str = "openvid",
              ranks_per_process: int | None = 8, unpadded_reference: bool = True, seed: int = 0,
-             references: dict | None = None) -> dict[str, Any]:
+             references: dict | None = None, counts_at: Sequence[int] = ()) -> dict[str, Any]:
     """Plan `steps` batches and count programs, executables and padding (nothing is compiled).
     `references`: a dict shared by runs of one model, hardware, data and ranks, keeping the
     unpadded reference step times (they depend on neither the ladder nor the menu's buckets), so
-    that a sweep plans them once."""
+    that a sweep plans them once. `counts_at`: step counts at which the placement's counts are
+    also kept (`placement_at`: {"200": summary after the first 200 batches}), since executables
+    per program fall as a run meets its programs again."""
     import numpy as np
 
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
@@ -111,6 +113,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     real = padded = 0
     menu_degrees = [d for d, _ in cost.bucket_menu]
     t_free, t_placed, t_plain, t_plain_menu, plan_ms = [], [], [], [], []
+    at: dict[str, Any] = {}
     for step in range(steps):
         samples = make_dataset(dataset, batch, seed * 1_000_003 + step, vision=vision)
         lengths, etas = sample_lengths(samples), sample_etas(samples)
@@ -119,6 +122,8 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
         moved = reuse_placement(plan, lengths, etas, cost, placed, attention="best")
         plan_ms.append((time.perf_counter() - t0) * 1e3)
         free.add(plan)
+        if step + 1 in counts_at:
+            at[str(step + 1)] = placed.summary()
         t_free.append(plan.est_step_time_s)
         t_placed.append(moved.est_step_time_s)
         real += sum(g.tokens for g in plan.groups)
@@ -134,7 +139,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
            "linear_chunk": cost.linear_chunk,
            "menu": {str(d): list(b) for d, b in cost.bucket_menu} or None,
            "ranks_per_process": ranks_per_process, "padded_over_real": padded / real if real else None,
-           "placement": placed.summary(), "no_placement": free.summary(),
+           "placement": placed.summary(), "no_placement": free.summary(), "placement_at": at,
            "step_s_mean": float(np.mean(t_placed)), "step_s_mean_no_placement": float(np.mean(t_free)),
            "plan_ms_median": float(np.median(plan_ms)),
            "labels": {"step_s": f"simulated, preset {cost.model} on {cost.hardware}",
