@@ -140,6 +140,8 @@ def write_video(path: str, width: int, height: int, frames: int, fps: int, seed:
     """A square moving across a background, encoded with PyAV (MPEG-4 part 2, yuv420p)."""
     import av
 
+    if frames < 1:
+        raise ValueError(f"{path}: a video needs at least one frame, got {frames}")
     rng = np.random.default_rng(seed)
     bg = rng.integers(0, 256, 3).astype(np.uint8)
     fg = rng.integers(0, 256, 3).astype(np.uint8)

@@ -176,3 +176,13 @@ def _media(fn, kind: str, where: str):
     except MediaError as e:
         k = {"missing": "missing_media", "no_frames": "no_frames"}.get(e.kind, f"corrupt_{kind}")
         raise DataError(k, where, str(e)) from None
+
+
+def write_issues(path: str, issues: Iterable[DataError]) -> int:
+    """One line per problem ("kind<TAB>where<TAB>message"); returns how many were written."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for e in issues:
+            f.write(e.line() + "\n")
+            n += 1
+    return n
