@@ -50,6 +50,9 @@ def test_planned_counts_equal_processed(example, family):
             if p.video_plans:
                 assert out["pixel_values_videos"].shape[0] == int(out["video_grid_thw"].prod(1).sum())
                 assert int((out["mm_token_type_ids"] == 2).sum()) == int(out["video_grid_thw"].prod(1).sum()) // 4
+        sample = p.to_sample()  # what the planner packs: same length, vision spans where the placeholders are
+        assert sample.num_tokens == p.num_tokens
+        assert sample.vision_tokens == int((out["mm_token_type_ids"] != 0).sum())
     assert kinds == {"image", "video"}
     assert {n.kind for n in notes} == {"converted_image"}  # the example's grey/RGBA images, converted
 
@@ -193,3 +196,23 @@ def test_loader_seeded_bounded_resumable(example):
     resumed = Loader(data, planned, 5, seed=3)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert ids(resumed, 3) == a[4:7]
+
+
+def test_example_writes_what_transformers_reads(example):
+    """The example's files: transformers loads the tokenizer with the family's token names, and the
+    JSONL mixes single/multi-image, video, LLaVA and messages records, with non-RGB images."""
+    transformers = pytest.importorskip("transformers")
+    manifest, cks = example
+    root = os.path.dirname(manifest)
+    recs = [json.loads(line) for line in open(manifest)]
+    assert {"image", "images", "video", "conversations", "messages"} <= set().union(*map(set, recs))
+    from PIL import Image
+    modes = {Image.open(os.path.join(root, r["image"])).mode for r in recs if "image" in r}
+    assert {"RGB", "L"} <= modes or {"RGB", "RGBA"} <= modes
+    for fam, d in cks.items():
+        tok = transformers.AutoTokenizer.from_pretrained(d)
+        assert tok.eos_token == "<|im_end|>"
+        name = "context_image_token" if fam == "internvl" else "image_token"
+        assert tok.convert_tokens_to_ids(getattr(tok, name)) == FinetuneData(d).chat.image_ids[0]
+        proc = json.load(open(os.path.join(d, "processor_config.json")))
+        assert {"image_processor", "video_processor", "processor_class"} <= set(proc)

@@ -23,6 +23,7 @@ import numpy as np
 from dhp_jax.data.chat import ChatError, ChatTokenizer, Encoded, to_messages
 from dhp_jax.data.media import MediaError, image_size, load_image, load_video_frames, video_info
 from dhp_jax.data.processors import VideoPlan, VisionProcessor, family_of
+from dhp_jax.data.sample import Sample, Segment
 from dhp_jax.data.sources import Record
 
 ISSUE_KINDS = ("unreadable_line", "missing_media", "corrupt_image", "corrupt_video", "no_frames",
@@ -55,6 +56,17 @@ class Planned:
     @property
     def num_tokens(self) -> int:
         return len(self.encoded)
+
+    def to_sample(self) -> Sample:
+        """The planner's view: text / image / video segments in stream order (runs of the
+        mm_token_type_ids), text segments with their token ids; no pixels."""
+        mm, ids = self.encoded.mm_token_type_ids, self.encoded.input_ids
+        cuts = np.flatnonzero(np.diff(mm)) + 1
+        segs = []
+        for b, e in zip(np.r_[0, cuts], np.r_[cuts, len(mm)]):
+            kind = ("text", "image", "video")[int(mm[b])]
+            segs.append(Segment(kind, int(e - b), token_ids=ids[b:e] if kind == "text" else None))
+        return Sample(tuple(segs), sample_id=self.sample_id, source=self.where)
 
 
 class FinetuneData:
