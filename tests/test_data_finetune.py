@@ -216,3 +216,9 @@ def test_example_writes_what_transformers_reads(example):
         assert tok.convert_tokens_to_ids(getattr(tok, name)) == FinetuneData(d).chat.image_ids[0]
         proc = json.load(open(os.path.join(d, "processor_config.json")))
         assert {"image_processor", "video_processor", "processor_class"} <= set(proc)
+
+
+def test_bench_data_runs():
+    from dhp_jax.data.loader_bench import measure
+    r = measure("internvl", samples=6, batch=2, workers=2, batches=2)
+    assert r["samples"] == 4 and r["tokens"] > 0 and r["samples_per_s"] > 0 and r["planned_samples"] == 6

@@ -39,6 +39,7 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 BICUBIC = 3
+MAX_ASPECT_RATIO = 200  # the Qwen processors refuse longer strips
 
 # The transformers classes' own defaults, used for keys a checkpoint's config leaves out.
 _IMAGE_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -317,8 +318,8 @@ class VisionProcessor:
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL's resize rule: multiples of `factor`, pixels within [min, max], aspect kept."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if h * w > max_pixels:
@@ -340,8 +341,8 @@ def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor
     if height < factor or width < factor:
         scale = max(factor / height, factor / width)
         height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above 200")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     t = round(num_frames / temporal_factor) * temporal_factor

@@ -22,13 +22,11 @@ import math
 import numbers
 from typing import Any
 
+from dhp_jax.data.processors import MAX_ASPECT_RATIO, smart_resize  # noqa: F401 (MAX_ASPECT_RATIO: public)
 from dhp_jax.data.sample import Segment
 
 VISION_FAMILIES = ("qwen-vl", "qwen3-vl", "internvl", "llava")
 
-# Aspect ratios beyond this are rejected by the Qwen-VL resize rule (the public processors refuse
-# them too); a 1x10000 strip would otherwise become a degenerate grid.
-MAX_ASPECT_RATIO = 200.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,19 +76,7 @@ class QwenVLRules:
     def resize(self, width: int, height: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
         """Resize to multiples of `factor`, aspect kept, pixels within [min_pixels, max_pixels]."""
         _check_size(width, height)
-        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-            raise ValueError(f"image {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO:g} is not supported")
-        f = self.factor
-        h = max(f, round(height / f) * f)
-        w = max(f, round(width / f) * f)
-        if h * w > max_pixels:
-            beta = math.sqrt(height * width / max_pixels)
-            h = max(f, math.floor(height / beta / f) * f)
-            w = max(f, math.floor(width / beta / f) * f)
-        elif h * w < min_pixels:
-            beta = math.sqrt(min_pixels / (height * width))
-            h = math.ceil(height * beta / f) * f
-            w = math.ceil(width * beta / f) * f
+        h, w = smart_resize(height, width, self.factor, min_pixels, max_pixels)
         return w, h
 
     def image_tokens(self, width: int, height: int) -> int:
