@@ -3,6 +3,7 @@ the same samples as JSONL, every kind of bad data is named, and the loader is se
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -196,6 +197,23 @@ def test_loader_seeded_bounded_resumable(example):
     resumed = Loader(data, planned, 5, seed=3)
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert ids(resumed, 3) == a[4:7]
+
+
+def test_loader_runs_at_most_prefetch_ahead(example):
+    manifest, cks = example
+    data = FinetuneData(cks["internvl"])
+    planned = list(data.scan(iter_jsonl(manifest)))
+    loader = Loader(data, planned, 2, seed=0, workers=2, prefetch=3)
+    started = []
+    real = loader._load
+    loader._load = lambda idx: started.append(1) or real(idx)
+    it = iter(loader)
+    for k in range(1, 6):
+        next(it)
+        time.sleep(0.05)  # give the workers time to run ahead as far as they may
+        # the batch handed out plus at most `prefetch - 1` waiting or in flight
+        assert len(started) <= k + loader.prefetch - 1, (k, len(started))
+    it.close()
 
 
 def test_example_writes_what_transformers_reads(example):

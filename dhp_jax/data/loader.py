@@ -32,7 +32,8 @@ class Loader:
         self.on_error = on_error
         self.epoch, self.position = 0, 0  # position: batches of `epoch` already handed out
         self.issues: list[DataError] = []
-        self.wait_s = 0.0  # time the consumer spent waiting for a batch
+        self.wait_s = 0.0  # time the consumer spent waiting for batches, in all
+        self.waits: collections.deque = collections.deque(maxlen=1024)  # the latest batches' waits
 
     # --- order ---------------------------------------------------------------------------------
     def batches_per_epoch(self) -> int:
@@ -80,7 +81,9 @@ class Loader:
                     (e, pos), fut = pending.popleft()
                     t0 = time.perf_counter()
                     batch = fut.result()
-                    self.wait_s += time.perf_counter() - t0
+                    waited = time.perf_counter() - t0
+                    self.wait_s += waited
+                    self.waits.append(waited)
                     self.epoch, self.position = (e, pos + 1) if pos + 1 < self.batches_per_epoch() else (e + 1, 0)
                     yield batch
             finally:

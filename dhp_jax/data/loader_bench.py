@@ -9,9 +9,13 @@ import os
 import tempfile
 import time
 
+import numpy as np
+
 
 def measure(family: str, samples: int, batch: int, workers: int, batches: int, data_dir: str | None = None,
-            checkpoint: str | None = None) -> dict:
+            checkpoint: str | None = None, step_s: float = 0.0) -> dict:
+    """Throughput (`step_s` = 0: the consumer takes batches as fast as they come) or, with a
+    simulated step time, the consumer's wait per step once the loader runs ahead."""
     from dhp_jax.data.example import write_example_data, write_processor_files
     from dhp_jax.data.finetune import FinetuneData
     from dhp_jax.data.loader import Loader
@@ -31,14 +35,18 @@ def measure(family: str, samples: int, batch: int, workers: int, batches: int, d
         next(it)  # the first batch includes the pool's start-up
         n = tokens = 0
         cpu0, t0 = time.process_time(), time.perf_counter()
+        loader.waits.clear()
         for _ in range(batches):
             for s in next(it):
                 n += 1
                 tokens += s["num_tokens"]
+            if step_s:
+                time.sleep(step_s)  # the train step the loader has to keep ahead of
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     return {"family": data.family, "samples": n, "tokens": tokens, "planned_samples": len(planned),
             "plan_samples_per_s": len(planned) / plan_s, "samples_per_s": n / wall, "tokens_per_s": tokens / wall,
-            "cpu_s_per_wall_s": cpu / wall, "workers": workers, "batch": batch,
+            "cpu_s_per_wall_s": cpu / wall, "step_s": step_s,
+            "wait_ms_median": 1e3 * float(np.median(loader.waits)), "wait_ms_max": 1e3 * max(loader.waits), "workers": workers, "batch": batch,
             "loadavg": os.getloadavg()[0], "cpus": os.cpu_count()}
 
 
@@ -50,11 +58,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--batches", type=int, default=12, help="batches timed after the first")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="simulated train step: report the data wait per step instead of raw throughput")
     parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    r = measure(args.family, args.samples, args.batch, args.workers, args.batches, args.data, args.checkpoint)
+    r = measure(args.family, args.samples, args.batch, args.workers, args.batches, args.data, args.checkpoint,
+                args.step_ms / 1e3)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
@@ -62,4 +73,7 @@ def run(args: argparse.Namespace) -> int:
               f"({r['workers']} workers, batch {r['batch']}, {r['samples']} samples timed; "
               f"{r['cpu_s_per_wall_s']:.2f} CPU s per s; load average {r['loadavg']:.1f} on {r['cpus']} CPUs)")
         print(f"planning from headers: {r['plan_samples_per_s']:.0f} samples/s ({r['planned_samples']} samples)")
+        if r["step_s"]:
+            print(f"data wait per {1e3 * r['step_s']:.0f} ms step: median {r['wait_ms_median']:.2f} ms, "
+                  f"max {r['wait_ms_max']:.2f} ms")
     return 0
