@@ -82,14 +82,33 @@ _WORDS = ("what is in the picture video image a red green blue yellow square cir
           "there are two three shapes on background the color of it describe this clip frame shows").split()
 
 
-def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, image_seq_length: int | None = None) -> None:
+# The released checkpoints' processor settings where they differ from the transformers classes'
+# defaults (Qwen3-VL's 16-px patches and 0.5 mean/std; InternVL's 448-px tiles, ImageNet mean/std).
+_PUBLISHED = {
+    "qwen2_5_vl": ({}, {}, {}),
+    "qwen3_vl": ({"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                  "size": {"shortest_edge": 65536, "longest_edge": 16777216}}, {}, {}),
+    "internvl": ({"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                  "image_std": [0.229, 0.224, 0.225]},
+                 {"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                  "image_std": [0.229, 0.224, 0.225]}, {"image_seq_length": 256}),
+}
+
+
+def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, image_seq_length: int | None = None,
+                          published: bool = False) -> None:
     """A tiny BPE tokenizer trained offline plus the family's template and processor configs,
-    in the files and layout transformers 5 saves."""
+    in the files and layout transformers 5 saves. `published`: the released models' pixel
+    bounds and video sampling instead of the tiny example's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if family not in _PROCESSORS:
         raise ValueError(f"unknown family {family!r}; known: {', '.join(_PROCESSORS)}")
     cls, template, image_cfg, video_cfg, extra = _PROCESSORS[family]
+    if published:
+        image_cfg, video_cfg, extra = _PUBLISHED[family]
+        image_cfg = {"image_processor_type": _PROCESSORS[family][2]["image_processor_type"], **image_cfg}
+        video_cfg = {"video_processor_type": _PROCESSORS[family][3]["video_processor_type"], **video_cfg}
     os.makedirs(out_dir, exist_ok=True)
     specials = INTERNVL_SPECIALS if family == "internvl" else QWEN_SPECIALS
     tok = Tokenizer(models.BPE())
@@ -161,10 +180,11 @@ def write_video(path: str, width: int, height: int, frames: int, fps: int, seed:
     return path
 
 
-def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0) -> str:
+def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0, max_side: int = 300) -> str:
     """`out_dir/train.jsonl` with images, videos and conversations; returns the JSONL path.
 
-    Every third sample has a short video (8 fps, 2-4 s), the others one or two images of 40-300 px;
+    Every third sample has a short video (8 fps, 2-4 s, sides up to about max_side / 2), the others
+    one or two images with sides of 40 px to `max_side`;
     some use `conversations` (LLaVA) and some `messages`; one image in eight is grey or RGBA."""
     rng = np.random.default_rng(seed)
     media = os.path.join(out_dir, "media")
@@ -175,7 +195,8 @@ def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0) -> st
         a = " ".join(rng.choice(_WORDS, int(rng.integers(3, 20)))) + "."
         rec: dict = {"id": f"sample-{i:04d}"}
         if i % 3 == 2:
-            w, h = int(rng.integers(4, 11)) * 16, int(rng.integers(4, 9)) * 16
+            w, h = (int(rng.integers(4, 11)) * max_side // 300 * 16 // 2 * 2,
+                    int(rng.integers(4, 9)) * max_side // 300 * 16 // 2 * 2)
             rec["video"] = os.path.relpath(write_video(os.path.join(media, f"v{i:04d}.mp4"), w, h,
                                                        int(rng.integers(16, 33)), 8, seed * 1000 + i), out_dir)
             marker = "<video>\n"
@@ -186,7 +207,7 @@ def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0) -> st
                 mode = ("L", "RGBA")[i % 2] if i % 8 == 7 else "RGB"
                 ext = "png" if mode != "RGB" else "jpg"
                 names.append(os.path.relpath(write_image(os.path.join(media, f"i{i:04d}_{j}.{ext}"),
-                                                         int(rng.integers(40, 300)), int(rng.integers(40, 300)),
+                                                         int(rng.integers(40, max_side)), int(rng.integers(40, max_side)),
                                                          seed * 1000 + i * 10 + j, mode), out_dir))
             if k == 1:
                 rec["image"] = names[0]
