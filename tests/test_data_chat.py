@@ -102,3 +102,18 @@ def test_to_messages_rules():
         to_messages({"conversations": [{"from": "human", "value": "<image><image>"}, {"from": "gpt", "value": "x"}]}, 1, 0)
     with pytest.raises(ValueError, match="unknown role"):
         to_messages({"messages": [{"role": "robot", "content": "x"}]}, 0, 0)
+
+
+def test_end_of_turn_when_eos_is_not_the_turn_end(tmp_path):
+    """A base checkpoint whose eos is <|endoftext|>: the turn still ends at <|im_end|>, and the
+    newline the template writes after it is not learned."""
+    import json
+    write_processor_files(str(tmp_path), "qwen2_5_vl")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    cfg["eos_token"] = "<|endoftext|>"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    ct = ChatTokenizer.from_pretrained(str(tmp_path), "qwen2_5_vl")
+    msgs = to_messages({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}, 0, 0)
+    enc = ct.encode_conversation(msgs, [], [])
+    learned = [int(i) for i in enc.labels if i != IGNORE]
+    assert ct.tok.decode(learned, skip_special_tokens=False) == "yo<|im_end|>"

@@ -119,7 +119,10 @@ class ChatTokenizer:
             if v:
                 names[k] = _token_text(v)
         self.names = names
-        self.end_of_turn = self.special["eos_token"]
+        # the end-of-turn token: eos for chat checkpoints; base checkpoints whose eos is
+        # <|endoftext|> still close turns with their template's own end token
+        self.end_of_turn = [t for t in (self.special["eos_token"], "<|im_end|>", "<|eot_id|>", "<end_of_turn>")
+                            if t and self.tok.token_to_id(t) is not None]
         missing = [t for t in names.values() if self.tok.token_to_id(t) is None]
         if missing:
             raise ValueError(f"{tokenizer_json}: the tokenizer has no token for {', '.join(missing)}")
@@ -199,10 +202,11 @@ class ChatTokenizer:
                 raise ChatError("template", "the chat template does not render a conversation's prefix as a "
                                             "prefix of it; cannot find the assistant's tokens")
             end = len(upto)
-            if self.end_of_turn:
-                k = upto.rfind(self.end_of_turn, len(before))
+            for eot in self.end_of_turn:
+                k = upto.rfind(eot, len(before))
                 if k >= 0:
-                    end = k + len(self.end_of_turn)
+                    end = k + len(eot)
+                    break
             spans.append((len(before), end))
         # expand placeholders in order, moving the spans with the text
         pat = "|".join(re.escape(p) for p in (self.image_placeholder, self.video_placeholder))
