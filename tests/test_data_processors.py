@@ -130,3 +130,21 @@ def test_internvl_video_sampling_rule(num):
         assert np.array_equal(idx, _torch_indices(shift, info.total_frames, num)), (info, num)
         assert vp.video_plan(info).tokens == num * 256
     assert np.array_equal(_torch_float_arange_int(0.0, 23, 23 / 6), _torch_indices(0, 23, 6))
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "LA", "L", "P", "CMYK"])
+def test_non_rgb_images_convert_as_transformers_does(tmp_path, mode):
+    """Grey, palette, CMYK and transparent images: `load_image`'s conversion (alpha composited onto
+    white) then our processing equals transformers' processor given the original image."""
+    from transformers import Qwen2VLImageProcessorPil
+    from dhp_jax.data.media import load_image
+    rng = np.random.default_rng(2)
+    a = rng.integers(0, 256, (50, 70, 4), dtype=np.uint8)
+    im = Image.fromarray(a, "RGBA").convert(mode) if mode != "RGBA" else Image.fromarray(a, "RGBA")
+    path = tmp_path / f"x.{'jpg' if mode == 'CMYK' else 'png'}"
+    im.save(path)
+    rgb, got_mode = load_image(str(path))
+    assert got_mode == mode and rgb.mode == "RGB"
+    ours, _ = VisionProcessor("qwen2_5_vl").process_image(rgb)
+    ref = Qwen2VLImageProcessorPil()(Image.open(path), return_tensors="np")["pixel_values"]
+    assert np.array_equal(ours, ref)
