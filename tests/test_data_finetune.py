@@ -240,3 +240,26 @@ def test_bench_data_runs():
     from dhp_jax.data.loader_bench import measure
     r = measure("internvl", samples=6, batch=2, workers=2, batches=2)
     assert r["samples"] == 4 and r["tokens"] > 0 and r["samples_per_s"] > 0 and r["planned_samples"] == 6
+
+
+def test_webm_without_a_frame_count(tmp_path):
+    """WebM stores no frame count: it comes from the duration, and the frames decode."""
+    av = pytest.importorskip("av")
+    from dhp_jax.data.media import load_video_frames, video_info
+    path = str(tmp_path / "v.webm")
+    try:
+        with av.open(path, "w") as c:
+            s = c.add_stream("libvpx", rate=10)
+            s.width, s.height, s.pix_fmt = 64, 48, "yuv420p"
+            for i in range(23):
+                frame = av.VideoFrame.from_ndarray(np.full((48, 64, 3), i * 10, np.uint8), format="rgb24")
+                for pkt in s.encode(frame):
+                    c.mux(pkt)
+            for pkt in s.encode():
+                c.mux(pkt)
+    except (av.FFmpegError, ValueError) as e:  # pragma: no cover - a PyAV build without libvpx
+        pytest.skip(f"no VP8 encoder: {e}")
+    with av.open(path) as c:
+        assert c.streams.video[0].frames == 0
+    assert video_info(path).total_frames == 23
+    assert load_video_frames(path, [0, 22]).shape == (2, 48, 64, 3)

@@ -59,7 +59,7 @@ def image_size(src: Source, name: str | None = None) -> tuple[int, int]:
     try:
         with Image.open(f) as im:
             return int(im.width), int(im.height)
-    except (UnidentifiedImageError, OSError, ValueError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as e:
         raise MediaError("corrupt", name, f"not a readable image ({e})") from None
 
 
@@ -89,7 +89,7 @@ def load_image(src: Source, name: str | None = None):
                 rgb = Image.fromarray(np.clip(a / top * 255.0 + 0.5, 0, 255).astype(np.uint8)).convert("RGB")
             else:
                 rgb = im.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as e:
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise MediaError("corrupt", name, f"not a readable image ({e})") from None
     return rgb, mode
 
@@ -106,8 +106,9 @@ def video_info(src: Source, name: str | None = None) -> VideoInfo:
                 raise MediaError("no_frames", name, "the file has no video stream")
             s = c.streams.video[0]
             frames, rate = int(s.frames or 0), s.average_rate
-            if frames <= 0 and s.duration and rate:  # containers that do not store a frame count
-                frames = int(round(float(s.duration * s.time_base) * float(rate)))
+            if frames <= 0 and rate:  # containers that store no frame count (WebM, some MKV): from the duration
+                seconds = float(s.duration * s.time_base) if s.duration else (c.duration or 0) / 1e6
+                frames = int(round(seconds * float(rate)))
             info = VideoInfo(frames, float(rate) if rate else 0.0, int(s.width), int(s.height))
     except MediaError:
         raise
