@@ -12,6 +12,7 @@ TARGETS: dict[str, tuple[str, str]] = {
     "planner": ("dhp_jax.planner.bench", "solve time median/p99 over (ranks, batch) sizes"),
     "executor": ("dhp_jax.sharding.bench", "host overhead of a DHP step on the local devices"),
     "manifest": ("dhp_jax.data.manifest_bench", "manifest lines parsed per second"),
+    "data": ("dhp_jax.data.loader_bench", "fine-tuning loader: samples/s and tokens/s of images and short videos"),
     "attention": ("dhp_jax.train.attention_bench",
                   "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
     "memory": ("dhp_jax.sharding.memory_bench", "compiled bytes of the group program vs the CostModel memory"),

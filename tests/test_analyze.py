@@ -39,11 +39,11 @@ def manifest(tmp_path):
 
 def test_profile_matches_direct_count(manifest):
     rep = analyze(manifest, "qwen3-vl-8b", ranks=8, batch=16, num_batches=1, hardware="a100")
-    ss = read_manifest(manifest)
+    ss = read_manifest(manifest, "qwen3-vl")
     mods = {m: sum(g.num_tokens for s in ss for g in s.segments if g.modality == m) for m in ("text", "image", "video")}
     total = np.array([s.num_tokens for s in ss])
     d = rep["data"]
-    assert d["samples"] == 60 and d["tokens"] == total.sum() and d["vision"] == "qwen-vl"
+    assert d["samples"] == 60 and d["tokens"] == total.sum() and d["vision"] == "qwen3-vl"
     assert d["length"]["median"] == np.median(total) and d["length"]["max"] == total.max()
     for m in mods:
         assert d["token_share"][m] == pytest.approx(mods[m] / total.sum(), rel=1e-12)

@@ -42,7 +42,7 @@ def test_cluster_shape_and_errors():
     assert c.num_ranks == 32 and c.vision == "internvl"
     assert Cluster.with_ranks(4096).nodes == 512
     assert Cluster.with_ranks(4).ranks_per_node == 4  # less than a node: one partial node
-    assert vision_family("qwen3-vl-8b") == "qwen-vl"
+    assert vision_family("qwen3-vl-8b") == "qwen3-vl"
     with pytest.raises(ValueError, match="nodes"):
         Cluster(nodes=0)
     with pytest.raises(ValueError, match="ranks_per_node"):

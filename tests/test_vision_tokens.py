@@ -100,9 +100,17 @@ def test_segments_and_families():
     assert v.modality == "video" and v.num_tokens == 7200 and v.tokens_per_frame == 720
     assert v.meta["frames"] == 20 and math.isclose(v.meta["duration_s"], 10.0)
     assert family_for_model("internvl3-8b") == "internvl"
-    assert family_for_model("Qwen3-VL-8B") == "qwen-vl"
+    assert family_for_model("Qwen3-VL-8B") == "qwen3-vl"
+    assert family_for_model("qwen2.5-vl-7b") == "qwen-vl"
     assert vision_rules("qwen2.5-vl").name == "qwen-vl"
-    with pytest.raises(ValueError, match="known: qwen-vl, internvl, llava"):
+    with pytest.raises(ValueError, match="known: qwen-vl, qwen3-vl, internvl, llava"):
         vision_rules("clip")
     with pytest.raises(ValueError, match="duration_s"):
         video_tokens(-1, 10, 10)
+
+
+def test_qwen3_vl_uses_16px_patches():
+    # Qwen3-VL's vision encoder has 16-px patches merged 2x2: 640x480 -> 20 x 15 cells of 32 px
+    assert image_tokens(640, 480, "qwen3-vl") == 300
+    assert image_tokens(640, 480, "qwen-vl") == 391
+    assert vision_rules("qwen3_vl").factor == 32

@@ -13,6 +13,14 @@ _LAZY = {
     "image_tokens": "dhp_jax.data.vision",
     "video_tokens": "dhp_jax.data.vision",
     "VISION_FAMILIES": "dhp_jax.data.vision",
+    "FinetuneData": "dhp_jax.data.finetune",
+    "DataError": "dhp_jax.data.finetune",
+    "Loader": "dhp_jax.data.loader",
+    "iter_source": "dhp_jax.data.sources",
+    "VisionProcessor": "dhp_jax.data.processors",
+    "ChatTokenizer": "dhp_jax.data.chat",
+    "write_example_data": "dhp_jax.data.example",
+    "write_processor_files": "dhp_jax.data.example",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
 __all__ = ["MODALITIES", "Sample", "Segment", "sample_etas", "sample_lengths", *_LAZY]

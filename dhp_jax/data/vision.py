@@ -3,7 +3,7 @@
 Three families, chosen to match the model being planned (each family's published
 image processor in Hugging Face transformers; docs/DESIGN.md, section 10):
 
-- "qwen-vl" (Qwen2-VL / Qwen2.5-VL / Qwen3-VL-like): 14-px patches merged 2x2, so one LLM token
+- "qwen-vl" (Qwen2-VL / Qwen2.5-VL-like): 14-px patches merged 2x2, so one LLM token
   per 28x28 pixels. An image is resized to multiples of 28 keeping its aspect ratio, with pixel
   bounds that give 4..16384 tokens. Video frames are sampled (2 fps by default) and merged in
   temporal pairs (temporal patch 2); a per-frame pixel budget shrinks frames of long clips.
@@ -23,13 +23,11 @@ import math
 import numbers
 from typing import Any
 
+from dhp_jax.data.processors import MAX_ASPECT_RATIO, smart_resize  # noqa: F401 (MAX_ASPECT_RATIO: public)
 from dhp_jax.data.sample import Segment
 
-VISION_FAMILIES = ("qwen-vl", "internvl", "llava")
+VISION_FAMILIES = ("qwen-vl", "qwen3-vl", "internvl", "llava")
 
-# Aspect ratios beyond this are rejected by the Qwen-VL resize rule (the public processors refuse
-# them too); a 1x10000 strip would otherwise become a degenerate grid.
-MAX_ASPECT_RATIO = 200.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,19 +77,7 @@ class QwenVLRules:
     def resize(self, width: int, height: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
         """Resize to multiples of `factor`, aspect kept, pixels within [min_pixels, max_pixels]."""
         _check_size(width, height)
-        if max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
-            raise ValueError(f"image {width}x{height}: aspect ratio above {MAX_ASPECT_RATIO:g} is not supported")
-        f = self.factor
-        h = max(f, round(height / f) * f)
-        w = max(f, round(width / f) * f)
-        if h * w > max_pixels:
-            beta = math.sqrt(height * width / max_pixels)
-            h = max(f, math.floor(height / beta / f) * f)
-            w = max(f, math.floor(width / beta / f) * f)
-        elif h * w < min_pixels:
-            beta = math.sqrt(min_pixels / (height * width))
-            h = math.ceil(height * beta / f) * f
-            w = math.ceil(width * beta / f) * f
+        h, w = smart_resize(height, width, self.factor, min_pixels, max_pixels)
         return w, h
 
     def image_tokens(self, width: int, height: int) -> int:
@@ -197,8 +183,10 @@ class LlavaRules:
 
 VisionRules = QwenVLRules | InternVLRules | LlavaRules
 
-_FAMILIES: dict[str, VisionRules] = {"qwen-vl": QwenVLRules(), "internvl": InternVLRules(), "llava": LlavaRules()}
-_ALIASES = {"qwen": "qwen-vl", "qwen2-vl": "qwen-vl", "qwen2.5-vl": "qwen-vl", "qwen3-vl": "qwen-vl",
+_FAMILIES: dict[str, VisionRules] = {"qwen-vl": QwenVLRules(), "qwen3-vl": QwenVLRules(patch=16, name="qwen3-vl"),
+                                     "internvl": InternVLRules(), "llava": LlavaRules()}
+_ALIASES = {"qwen": "qwen-vl", "qwen2-vl": "qwen-vl", "qwen2.5-vl": "qwen-vl", "qwen2_5_vl": "qwen-vl",
+            "qwen3_vl": "qwen3-vl",
             "intern-vl": "internvl", "llava-1.5": "llava", "llava-onevision": "llava"}
 
 
@@ -213,9 +201,10 @@ def vision_rules(family: str | VisionRules) -> VisionRules:
 
 
 def family_for_model(model: str) -> str:
-    """The vision family of a model name: "internvl3-8b" -> "internvl", "qwen3-vl-8b" -> "qwen-vl"."""
+    """The vision family of a model name: "internvl3-8b" -> "internvl", "qwen3-vl-8b" -> "qwen3-vl"."""
     m = model.lower()
-    for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen", "qwen-vl"), ("llava", "llava")):
+    for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen3", "qwen3-vl"),
+                        ("qwen", "qwen-vl"), ("llava", "llava")):
         if m.startswith(prefix):
             return fam
     raise ValueError(f"cannot tell the vision family of model {model!r}; "

@@ -1,0 +1,234 @@
+"""Example data written offline: a tiny tokenizer with the family's chat template and processor
+files, and a LLaVA-style JSONL of generated images, short PyAV-encoded videos and conversations.
+
+`write_processor_files(dir, family)` writes what transformers 5 saves next to a checkpoint
+(`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`, `processor_config.json` with the
+image and video processors nested); `write_example_data(dir, family)` writes `train.jsonl` and its
+media. `dhp example` pairs them with a tiny random checkpoint of the family.
+
+The Qwen2.5-VL template is the published one; the Qwen3-VL and InternVL templates keep the
+published ones' turn and vision-token layout without their tool-calling and reasoning branches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+                 "<|image_pad|>", "<|video_pad|>"]
+INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+
+QWEN2_5_VL_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
+    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
+    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
+    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
+    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
+    "<|im_start|>assistant\n{% endif %}")
+QWEN3_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
+    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "{{ '<IMG_CONTEXT>\n' }}{% elif content['type'] == 'video' %}{{ '<video>\n' }}{% elif content['type'] == 'text' %}"
+    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+# Processor settings of the tiny example: the published families' values, with pixel bounds
+# small enough that a sample is a few hundred tokens.
+_PROCESSORS = {
+    "qwen2_5_vl": ("Qwen2_5_VLProcessor", QWEN2_5_VL_TEMPLATE,
+                   {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                    "merge_size": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256},
+                    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                    "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3,
+                    "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
+                    "do_convert_rgb": True},
+                   {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
+                    "merge_size": 2, "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28},
+                    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                    "image_std": [0.26862954, 0.26130258, 0.27577711], "do_sample_frames": True, "fps": 2.0,
+                    "min_frames": 4, "max_frames": 16, "resample": 3}, {}),
+    "qwen3_vl": ("Qwen3VLProcessor", QWEN3_VL_TEMPLATE,
+                 {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
+                  "merge_size": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 256},
+                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
+                  "rescale_factor": 1 / 255},
+                 {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "temporal_patch_size": 2,
+                  "merge_size": 2, "size": {"shortest_edge": 8 * 32 * 32, "longest_edge": 256 * 32 * 32},
+                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_sample_frames": True, "fps": 2,
+                  "min_frames": 4, "max_frames": 16, "resample": 3}, {}),
+    "internvl": ("InternVLProcessor", INTERNVL_TEMPLATE,
+                 {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": 112, "width": 112},
+                  "crop_to_patches": False, "min_patches": 1, "max_patches": 4,
+                  "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225], "resample": 3},
+                 {"video_processor_type": "InternVLVideoProcessor", "size": {"height": 112, "width": 112},
+                  "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225],
+                  "do_sample_frames": True, "num_frames": 4, "initial_shift": True, "resample": 3},
+                 {"image_seq_length": 16}),
+}
+_WORDS = ("what is in the picture video image a red green blue yellow square circle moves left right up down "
+          "there are two three shapes on background the color of it describe this clip frame shows").split()
+
+
+# The released checkpoints' processor settings where they differ from the transformers classes'
+# defaults (Qwen3-VL's 16-px patches and 0.5 mean/std; InternVL's 448-px tiles, ImageNet mean/std).
+_PUBLISHED = {
+    "qwen2_5_vl": ({}, {}, {}),
+    "qwen3_vl": ({"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+                  "size": {"shortest_edge": 65536, "longest_edge": 16777216}}, {}, {}),
+    "internvl": ({"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                  "image_std": [0.229, 0.224, 0.225]},
+                 {"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
+                  "image_std": [0.229, 0.224, 0.225]}, {"image_seq_length": 256}),
+}
+
+
+def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, image_seq_length: int | None = None,
+                          published: bool = False) -> None:
+    """A tiny BPE tokenizer trained offline plus the family's template and processor configs,
+    in the files and layout transformers 5 saves. `published`: the released models' pixel
+    bounds and video sampling instead of the tiny example's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if family not in _PROCESSORS:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(_PROCESSORS)}")
+    cls, template, image_cfg, video_cfg, extra = _PROCESSORS[family]
+    if published:
+        image_cfg, video_cfg, extra = _PUBLISHED[family]
+        image_cfg = {"image_processor_type": _PROCESSORS[family][2]["image_processor_type"], **image_cfg}
+        video_cfg = {"video_processor_type": _PROCESSORS[family][3]["video_processor_type"], **video_cfg}
+    os.makedirs(out_dir, exist_ok=True)
+    specials = INTERNVL_SPECIALS if family == "internvl" else QWEN_SPECIALS
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    rng = np.random.default_rng(0)
+    corpus = [" ".join(rng.choice(_WORDS, 12)) + f" {i}.{i * 7 % 10} seconds Frame{i % 9}: \n" for i in range(400)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size - len(specials), show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_special_tokens(specials)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    cfg = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "eos_token": "<|im_end|>",
+           "pad_token": "<|endoftext|>", "extra_special_tokens": [], "model_max_length": 32768,
+           "processor_class": cls}
+    if family == "internvl":
+        cfg.update(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>",
+                   video_token="<video>")
+    else:
+        cfg.update(image_token="<|image_pad|>", video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
+                   vision_end_token="<|vision_end|>")
+    _dump(os.path.join(out_dir, "tokenizer_config.json"), cfg)
+    with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(template)
+    proc = {"processor_class": cls, "image_processor": image_cfg, "video_processor": video_cfg, **extra}
+    if image_seq_length is not None and family == "internvl":
+        proc["image_seq_length"] = int(image_seq_length)
+    _dump(os.path.join(out_dir, "processor_config.json"), proc)
+
+
+def write_image(path: str, width: int, height: int, seed: int, mode: str = "RGB") -> str:
+    """A background with a few coloured shapes; `mode` other than RGB tests the conversions."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    im = Image.new("RGB", (width, height), tuple(int(v) for v in rng.integers(0, 256, 3)))
+    d = ImageDraw.Draw(im)
+    for _ in range(3):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        x1, y1 = x0 + int(rng.integers(1, width)), y0 + int(rng.integers(1, height))
+        d.rectangle((x0, y0, x1, y1), fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+    if mode != "RGB":
+        im = im.convert(mode)
+    im.save(path)
+    return path
+
+
+def write_video(path: str, width: int, height: int, frames: int, fps: int, seed: int) -> str:
+    """A square moving across a background, encoded with PyAV (MPEG-4 part 2, yuv420p)."""
+    import av
+
+    if frames < 1:
+        raise ValueError(f"{path}: a video needs at least one frame, got {frames}")
+    rng = np.random.default_rng(seed)
+    bg = rng.integers(0, 256, 3).astype(np.uint8)
+    fg = rng.integers(0, 256, 3).astype(np.uint8)
+    side = max(2, min(width, height) // 3)
+    with av.open(path, "w") as c:
+        s = c.add_stream("mpeg4", rate=fps)
+        s.width, s.height, s.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            a = np.empty((height, width, 3), np.uint8)
+            a[:] = bg
+            x = int((width - side) * i / max(1, frames - 1))
+            a[height // 3:height // 3 + side, x:x + side] = fg
+            for pkt in s.encode(av.VideoFrame.from_ndarray(a, format="rgb24")):
+                c.mux(pkt)
+        for pkt in s.encode():
+            c.mux(pkt)
+    return path
+
+
+def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0, max_side: int = 300) -> str:
+    """`out_dir/train.jsonl` with images, videos and conversations; returns the JSONL path.
+
+    Every third sample has a short video (8 fps, 2-4 s, sides up to about max_side / 2), the others
+    one or two images with sides of 40 px to `max_side`;
+    some use `conversations` (LLaVA) and some `messages`; one image in eight is grey or RGBA."""
+    rng = np.random.default_rng(seed)
+    media = os.path.join(out_dir, "media")
+    os.makedirs(media, exist_ok=True)
+    lines = []
+    for i in range(num_samples):
+        q = " ".join(rng.choice(_WORDS, int(rng.integers(4, 10))))
+        a = " ".join(rng.choice(_WORDS, int(rng.integers(3, 20)))) + "."
+        rec: dict = {"id": f"sample-{i:04d}"}
+        if i % 3 == 2:
+            w, h = (int(rng.integers(4, 11)) * max_side // 300 * 16 // 2 * 2,
+                    int(rng.integers(4, 9)) * max_side // 300 * 16 // 2 * 2)
+            rec["video"] = os.path.relpath(write_video(os.path.join(media, f"v{i:04d}.mp4"), w, h,
+                                                       int(rng.integers(16, 33)), 8, seed * 1000 + i), out_dir)
+            marker = "<video>\n"
+        else:
+            k = 1 + int(i % 5 == 4)
+            names = []
+            for j in range(k):
+                mode = ("L", "RGBA")[i % 2] if i % 8 == 7 else "RGB"
+                ext = "png" if mode != "RGB" else "jpg"
+                names.append(os.path.relpath(write_image(os.path.join(media, f"i{i:04d}_{j}.{ext}"),
+                                                         int(rng.integers(40, max_side)), int(rng.integers(40, max_side)),
+                                                         seed * 1000 + i * 10 + j, mode), out_dir))
+            if k == 1:
+                rec["image"] = names[0]
+            else:
+                rec["images"] = names
+            marker = "<image>\n" * k
+        if i % 4 == 1:
+            rec["messages"] = [{"role": "user", "content": marker + q}, {"role": "assistant", "content": a}]
+        else:
+            rec["conversations"] = [{"from": "human", "value": marker + q}, {"from": "gpt", "value": a}]
+            if i % 6 == 0:
+                rec["conversations"] += [{"from": "human", "value": "and " + q},
+                                         {"from": "gpt", "value": " ".join(rng.choice(_WORDS, 5)) + "."}]
+        lines.append(json.dumps(rec))
+    path = os.path.join(out_dir, "train.jsonl")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
+
+
+def _dump(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
