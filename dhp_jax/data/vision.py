@@ -201,8 +201,14 @@ def vision_rules(family: str | VisionRules) -> VisionRules:
 
 
 def family_for_model(model: str) -> str:
-    """The vision family of a model name: "internvl3-8b" -> "internvl", "qwen3-vl-8b" -> "qwen3-vl"."""
+    """The vision family of a model name: a stored model's (`dhp_jax.data.model_configs`: the rule
+    its config.json's patch size and merge give, "qwen3-vl-8b" -> "qwen3-vl"), else by the name's
+    prefix: "internvl3-8b" -> "internvl", "qwen2.5-vl-7b" -> "qwen-vl"."""
+    from dhp_jax.data import model_configs
+
     m = model.lower()
+    if (model_configs.MODELS_DIR / f"{m}.json").is_file():
+        return model_configs.model_facts(m).vision_rule
     for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen3", "qwen3-vl"),
                         ("qwen", "qwen-vl"), ("llava", "llava")):
         if m.startswith(prefix):

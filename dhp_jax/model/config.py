@@ -1,15 +1,20 @@
 """`MLLMConfig`: the shape of the multimodal model (vision encoder + projector + decoder LLM).
 
-"tiny" is the model the tests and the CPU demo instantiate. The six named presets carry the public
-shapes of the six models DHP evaluates (arXiv 2602.21788; docs/DESIGN.md, Sources); they feed cost-model presets and are never instantiated here.
+"tiny" is the model the tests and the CPU demo instantiate. The other presets are the six models DHP
+evaluates (arXiv 2602.21788), built by `MLLMConfig.from_hf` from their published config.json
+fields, stored once in `dhp_jax/data/models/` (the planner's cost presets read the same files). The
+engine's model is a stand-in architecture (one SwiGLU block stack over merged patches) at those
+widths and depths; the real families are `dhp_jax.model.hf`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+from typing import Any, Mapping
 
 from dhp_jax.checks import positive_int
+from dhp_jax.data import model_configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,25 @@ class MLLMConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def from_hf(cls, config: "Mapping[str, Any] | str | os.PathLike", **overrides: Any) -> "MLLMConfig":
+        """The engine's config at the widths and depths of a published model: `config` is its
+        config.json (a dict, a checkpoint directory or the file; `internvl`, `internvl_chat`,
+        `qwen2_5_vl` or `qwen3_vl`). The LLM is the config's; the stand-in encoder gets the real
+        encoder's depth, width, heads and MLP width, and `patch_dim` = the pixels of the patches
+        one LLM token merges (2x2 x C x T x P x P). `overrides` replace fields (e.g. `name`,
+        `remat`). The planner prices the real family from the same fields
+        (`dhp_jax.planner.presets.ModelShape.from_config`)."""
+        raw = model_configs.read_config(config)
+        f = model_configs.facts_from_config(raw, where=str(overrides.get("name") or "config"))
+        fields = dict(name=str(raw.get("model_type", "hf")), vocab_size=f.vocab, d_model=f.hidden,
+                      num_layers=f.layers, num_heads=f.heads, num_kv_heads=f.kv_heads, head_dim=f.head_dim,
+                      d_ff=f.intermediate, patch_dim=f.patch_dim, vision_dim=f.vision_hidden,
+                      vision_layers=f.vision_layers, vision_heads=f.vision_heads,
+                      vision_head_dim=f.vision_head_dim, vision_ff=f.vision_intermediate,
+                      rope_base=f.rope_theta, rms_eps=f.rms_eps)
+        return cls(**{**fields, **overrides})
+
+    @classmethod
     def preset(cls, name: str, **overrides: Any) -> "MLLMConfig":
         """A named shape ("tiny" or one of the six models DHP evaluates), with optional field overrides."""
         if name not in PRESETS:
@@ -93,29 +117,6 @@ class MLLMConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
-# Public shapes (decoder layers/heads/kv/hidden and vision hidden as DHP, arXiv 2602.21788, lists its
-# models; the head size, MLP widths, vocabularies and vision depths from the models' published
-# config.json on the Hugging Face Hub: OpenGVLab/InternVL3-2B, OpenGVLab/InternVL2_5-4B,
-# OpenGVLab/InternVL3-8B, Qwen/Qwen3-VL-{2B,4B,8B}-Instruct).
-# InternViT merges 2x2 patches of 14x14x3 (patch_dim 2352); Qwen3-VL merges 2x2 patches of
-# 16x16x3 over 2 frames (patch_dim 6144).
-_INTERNVIT = dict(patch_dim=2352, vision_dim=1024, vision_layers=24, vision_heads=16,
-                  vision_head_dim=64, vision_ff=4096)
-_QWEN3_VIT = dict(patch_dim=6144, vision_dim=1024, vision_layers=24, vision_heads=16,
-                  vision_head_dim=64, vision_ff=4096)
-PRESETS: dict[str, MLLMConfig] = {
-    "tiny": MLLMConfig(),
-    "internvl3-2b": MLLMConfig("internvl3-2b", 151674, 1536, 28, 12, 2, 128, 8960, **_INTERNVIT,
-                               rope_base=1e6),
-    "internvl2.5-4b": MLLMConfig("internvl2.5-4b", 151674, 2048, 36, 16, 8, 128, 11008, **_INTERNVIT,
-                                 rope_base=1e6),
-    "internvl3-8b": MLLMConfig("internvl3-8b", 151674, 3584, 28, 28, 4, 128, 18944, **_INTERNVIT,
-                               rope_base=1e6),
-    "qwen3-vl-2b": MLLMConfig("qwen3-vl-2b", 151936, 2048, 28, 16, 8, 128, 6144, **_QWEN3_VIT,
-                              rope_base=5e6),
-    "qwen3-vl-4b": MLLMConfig("qwen3-vl-4b", 151936, 2560, 36, 32, 8, 128, 9728, **_QWEN3_VIT,
-                              rope_base=5e6),
-    "qwen3-vl-8b": MLLMConfig("qwen3-vl-8b", 151936, 4096, 36, 32, 8, 128, 12288,
-                              patch_dim=6144, vision_dim=1152, vision_layers=27, vision_heads=16,
-                              vision_head_dim=72, vision_ff=4304, rope_base=5e6),
-}
+PRESETS: dict[str, MLLMConfig] = {"tiny": MLLMConfig()}
+PRESETS.update({name: MLLMConfig.from_hf(model_configs.model_config(name), name=name)
+                for name in model_configs.model_names()})

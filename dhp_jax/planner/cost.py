@@ -281,9 +281,9 @@ class CostModel:
         # attention touches L^2/2 pairs.
         a1 = attn_passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
         a2 = passes * 2.0 * (m.layers * m.llm_layer_params + m.vocab * m.hidden) / (hw.peak_flops * hw.mfu_linear)
-        vit_fwd = m.patches_per_token * m.vision_layers * (
-            2.0 * m.vision_layer_params + 4.0 * m.vision_hidden * m.frame_patches)
-        proj_fwd = 2.0 * (m.vision_hidden * m.patches_per_token * m.hidden + m.hidden ** 2)
+        vit_fwd = _encoder_flops(m)
+        # the projector (patch merger), and Qwen3-VL's DeepStack mergers beside it
+        proj_fwd = (1 + m.deepstack) * 2.0 * m.projector_params
         vision_passes = 1.0 if freeze_vision else passes
         a2_vision = (vision_passes * vit_fwd + passes * proj_fwd) / (hw.peak_flops * hw.mfu_linear)
         # about 100 us of launches/syncs per layer and pass (Ascend/CUDA launch costs are 5-50 us/op)
@@ -593,6 +593,17 @@ class CostModel:
             new = dataclasses.replace(new, **again)
         object.__setattr__(new, "_derivation", derivation)
         return new
+
+
+def _encoder_flops(m: "presets.ModelShape") -> float:
+    """Forward FLOPs of the vision encoder per LLM vision token: the patch embedding and every layer
+    over the `patches_per_token` patches the token merges (the merge comes after the encoder), each
+    patch attending (QK^T and PV: 4 x heads x head_dim FLOPs per pair) over its frame in full-
+    attention layers and over its window in window-attention layers (Qwen2.5-VL)."""
+    width = m.vision_heads * m.vision_head_dim
+    spans = (m.vision_layers - m.window_layers) * m.frame_patches + m.window_layers * m.window_patches
+    per_patch = 2.0 * m.vision_layers * m.vision_layer_params + 4.0 * width * spans
+    return m.patches_per_token * per_patch + 2.0 * m.patch_dim * m.vision_hidden
 
 
 def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any) -> tuple[float, float]:

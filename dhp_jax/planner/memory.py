@@ -44,15 +44,17 @@ INT_COLUMNS = 8                  # int32 input columns per token (dhp_jax.shardi
 
 
 def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str,
-           chunked: bool = False) -> tuple[int, int]:
+           chunked: bool = False, mlp: int = 3) -> tuple[int, int]:
     """(elements kept per token by one block for backward, elements of its backward working set).
     `chunked` (`MLLMConfig.linear_chunk` > 0): the token-local work runs chunk by chunk, each chunk
     a custom VJP that recomputes its own intermediates, so over the whole stream a block's backward
     holds only q, k, v and the attention output with their gradients, and the input and its
-    gradient; the MLP's and the norms' intermediates live one chunk at a time (`chunk_bytes`)."""
+    gradient; the MLP's and the norms' intermediates live one chunk at a time (`chunk_bytes`).
+    `mlp`: the MLP's matrices, 3 (SwiGLU: gate, up, their activation and product; the GEMM outputs
+    gate and up) or 2 (GELU: fc1 and its activation; the GEMM output fc1)."""
     qkv = (heads + 2 * kv_heads) * head_dim
-    every = 6 * hidden + 2 * qkv + heads * head_dim + 4 * ff      # norms, q/k/v (+rotary), attn out, MLP
-    kept = {"layer": hidden, "selective": hidden + qkv + 2 * hidden + 2 * ff, "none": every}[remat]
+    every = 6 * hidden + 2 * qkv + heads * head_dim + 2 * (mlp - 1) * ff   # norms, q/k/v (+rotary), attn out, MLP
+    kept = {"layer": hidden, "selective": hidden + qkv + 2 * hidden + (mlp - 1) * ff, "none": every}[remat]
     work = 2 * hidden + 2 * qkv + heads * head_dim if chunked and remat != "none" else every
     return kept, work
 
@@ -62,8 +64,15 @@ def chunk_bytes(m: Any, chunk: int, activation_bytes: int) -> float:
     working set over `chunk` tokens), live inside a block's backward pass."""
     work = max(_block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, "layer")[1],
                _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
-                      m.vision_intermediate, "layer")[1])
+                      m.vision_intermediate, "layer", mlp=_encoder(m)[1])[1])
     return float(chunk * work * activation_bytes)
+
+
+def _encoder(m: Any) -> tuple[int, int, int, int]:
+    """(encoder patches per LLM token, MLP matrices, DeepStack mergers, projector middle width) of
+    shape `m`; a shape without these fields is the engine's stand-in (1, 3, 0, hidden)."""
+    return (int(getattr(m, "patches_per_token", 1)), int(getattr(m, "vision_mlp", 3)),
+            int(getattr(m, "deepstack", 0)), int(getattr(m, "projector_hidden", 0) or m.hidden))
 
 
 def _attention_fp32(heads: int, head_dim: int) -> int:
@@ -80,20 +89,26 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
+    # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
+    # terms count ppt rows per token; every token is priced as a vision token (the bound for an
+    # all-vision stream: the memory model has no per-sample vision share).
+    ppt, mlp, deepstack, mid = _encoder(m)
     dec_kept, dec_work = _block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, remat, chunked)
     vit_kept, vit_work = _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
-                                m.vision_intermediate, remat, chunked)
-    kept = kb * (m.layers * dec_kept + m.vision_layers * vit_kept)
-    attn_f32 = 4.0 * max(_attention_fp32(m.heads, m.head_dim), _attention_fp32(m.vision_heads, m.vision_head_dim))
+                                m.vision_intermediate, remat, chunked, mlp)
+    # DeepStack: each merger's output waits (compute dtype) for the LLM layer it is added to
+    kept = kb * (m.layers * dec_kept + ppt * m.vision_layers * vit_kept + deepstack * m.hidden)
+    attn_f32 = 4.0 * max(_attention_fp32(m.heads, m.head_dim),
+                         ppt * _attention_fp32(m.vision_heads, m.vision_head_dim))
     if remat == "none":
         kept += 4.0 * (m.layers * _attention_fp32(m.heads, m.head_dim)
-                       + m.vision_layers * _attention_fp32(m.vision_heads, m.vision_head_dim))
-    work = cb * max(dec_work, vit_work) + attn_f32
-    # Inputs (int32 columns, fp32 pixels + loss weight); projector and embedding (vision out, fc1,
-    # gelu, fc2, token embedding, merged stream) and the LM head's input; the logits live one loss
-    # chunk at a time (`fixed_bytes`).
+                       + ppt * m.vision_layers * _attention_fp32(m.vision_heads, m.vision_head_dim))
+    work = cb * max(dec_work, ppt * vit_work) + attn_f32
+    # Inputs (int32 columns, fp32 pixels + loss weight); each projector / merger (its input, fc1,
+    # gelu, fc2), the token embedding, the merged stream and the LM head's input; the logits live
+    # one loss chunk at a time (`fixed_bytes`).
     inputs = 4.0 * (INT_COLUMNS + m.patch_dim + 1)
-    tail = cb * (m.vision_hidden + 5 * m.hidden)
+    tail = cb * ((1 + deepstack) * (ppt * m.vision_hidden + 2 * mid + m.hidden) + 2 * m.hidden)
     return inputs + kept + work + tail
 
 
@@ -104,9 +119,12 @@ def fixed_bytes(m: Any, compute_bytes: int) -> float:
 
 
 def engine_params(m: Any) -> int:
-    """Parameters of the engine's model for shape `m`: `dhp_jax.model.MLLMConfig.num_params` of the
-    same preset (the engine's vision encoder runs one SwiGLU block stack over merged patches; a
-    test checks that the two counts agree)."""
+    """Parameters of the model of shape `m`: a published model's exact count (`param_count`, from
+    its config.json; a test checks it against transformers' model), else the stand-in's,
+    `dhp_jax.model.MLLMConfig.num_params` (one SwiGLU block stack over merged patches; a test
+    checks that the two counts agree)."""
+    if getattr(m, "param_count", 0):
+        return int(m.param_count)
     d, v, vf = m.hidden, m.vision_hidden, m.vision_intermediate
     attn = d * m.head_dim * (2 * m.heads + 2 * m.kv_heads)
     dec = m.layers * (attn + 3 * d * m.intermediate + 2 * d)
@@ -118,7 +136,8 @@ def stack_params(m: Any) -> tuple[int, int]:
     """Parameters of the decoder and of the vision block stacks (the scans)."""
     d, v = m.hidden, m.vision_hidden
     dec = m.layers * (d * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * d * m.intermediate + 2 * d)
-    vis = m.vision_layers * (4 * v * m.vision_heads * m.vision_head_dim + 3 * v * m.vision_intermediate + 2 * v)
+    mlp = _encoder(m)[1]
+    vis = m.vision_layers * (4 * v * m.vision_heads * m.vision_head_dim + mlp * v * m.vision_intermediate + 2 * v)
     return dec, vis
 
 

@@ -1,20 +1,34 @@
 """Model shapes and hardware figures from which `CostModel.preset` derives its coefficients.
 
 Everything here is a documented physical figure or a stated assumption; nothing is tuned to a
-benchmark result. The planner keeps its own copy of the six model shapes (it must not import the
-model package, which imports jax); the shapes are those DHP (arXiv 2602.21788) lists for its six
-models (layers/heads/kv heads/hidden/vision hidden), completed with the FFN widths and head dims of
-the public model configs (Hugging Face `config.json` of each checkpoint; repo ids below).
+benchmark result. The model shapes are not kept here: each named model is its published Hugging
+Face config.json, stored once in `dhp_jax/data/models/` (with the Hub repository it comes from)
+and read by `dhp_jax.data.model_configs`; `MODELS` derives the planner's `ModelShape` of each from
+those fields, as `dhp_jax.model.MLLMConfig.from_hf` derives the engine's config. A new model is one
+config file.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
+
+from dhp_jax.data import model_configs
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
-    """Transformer shapes of one MLLM: an LLM decoder plus a ViT vision encoder."""
+    """Transformer shapes of one MLLM: an LLM decoder plus a ViT vision encoder, as the cost and
+    memory models price it.
+
+    The defaults of the vision fields describe the engine's stand-in encoder
+    (`dhp_jax.model.mllm`): one SwiGLU block stack (`vision_mlp` 3) over already merged patches
+    (`patches_per_token` 1), a projector vision -> hidden -> hidden, full attention. `from_facts`
+    sets the real family's: the encoder runs on `patches_per_token` patches per LLM vision token
+    (the 2x2 merge comes after it), GELU MLPs of 2 matrices (InternViT, Qwen3-VL) or SwiGLU of 3
+    (Qwen2.5-VL), window attention in `window_layers` layers (Qwen2.5-VL), `deepstack` extra
+    mergers (Qwen3-VL), and the exact parameter count of the published model (`param_count`).
+    """
 
     layers: int
     heads: int
@@ -25,12 +39,34 @@ class ModelShape:
     vocab: int
     vision_layers: int
     vision_hidden: int
-    vision_intermediate: int  # GELU MLP width of the ViT
-    patches_per_token: int = 4  # 2x2 patch merge (pixel shuffle) before the LLM, both families
-    frame_patches: int = 1024  # ViT attention span: one 448px tile / one frame of about 1k patches
+    vision_intermediate: int  # MLP width of the ViT
+    patches_per_token: int = 1  # encoder patches per LLM vision token (4: a 2x2 merge after the encoder)
+    frame_patches: int = 1024  # span of the encoder's full attention: one tile / frame, in patches
     vision_heads: int = 16
     vision_head_dim: int = 64
-    patch_dim: int = 2352      # input features per merged patch: 2x2 x 14x14x3 (InternViT), 2x2 x 16x16x3 x 2 (Qwen)
+    patch_dim: int = 2352      # input features per LLM vision token (all its patches' pixels)
+    vision_mlp: int = 3        # matrices of the ViT MLP: 3 SwiGLU (stand-in, Qwen2.5-VL), 2 GELU
+    window_patches: int = 0    # span of window attention, in patches (Qwen2.5-VL: (112/14)^2 = 64)
+    window_layers: int = 0     # encoder layers that attend within windows; the rest attend over the frame
+    deepstack: int = 0         # DeepStack mergers (Qwen3-VL: 3), each as wide as the main merger
+    projector_hidden: int = 0  # middle width of the projector / merger (0: the LLM's hidden)
+    param_count: int = 0       # exact parameters of the published model (0: the stand-in's formula)
+    vision_rule: str = ""      # token rule of dhp_jax.data.vision ("" : from the model's name)
+
+    @classmethod
+    def from_facts(cls, f: "model_configs.ModelFacts") -> "ModelShape":
+        """The shape of a published model (`dhp_jax.data.model_configs.ModelFacts`)."""
+        return cls(f.layers, f.heads, f.kv_heads, f.hidden, f.intermediate, f.head_dim, f.vocab, f.vision_layers,
+                   f.vision_hidden, f.vision_intermediate, patches_per_token=f.patches_per_token,
+                   frame_patches=f.frame_patches, vision_heads=f.vision_heads, vision_head_dim=f.vision_head_dim,
+                   patch_dim=f.patch_dim, vision_mlp=f.vision_mlp, window_patches=f.window_patches,
+                   window_layers=f.window_layers, deepstack=f.deepstack, projector_hidden=f.projector_hidden,
+                   param_count=f.params, vision_rule=f.vision_rule)
+
+    @classmethod
+    def from_config(cls, config: "Mapping[str, Any] | str") -> "ModelShape":
+        """The shape of a published config.json (a dict, a checkpoint directory or the file)."""
+        return cls.from_facts(model_configs.facts_from_config(model_configs.read_config(config)))
 
     @property
     def llm_layer_params(self) -> int:
@@ -39,31 +75,22 @@ class ModelShape:
 
     @property
     def vision_layer_params(self) -> int:
-        return 4 * self.vision_hidden ** 2 + 2 * self.vision_hidden * self.vision_intermediate
+        """Weights of one encoder layer's GEMMs: q, k, v, o and the MLP's matrices."""
+        width = self.vision_heads * self.vision_head_dim
+        return 4 * self.vision_hidden * width + self.vision_mlp * self.vision_hidden * self.vision_intermediate
 
     @property
-    def params(self) -> int:
-        """All parameters: LLM layers, embedding + untied head, ViT, MLP projector."""
-        llm = self.layers * self.llm_layer_params + 2 * self.vocab * self.hidden
-        vit = self.vision_layers * self.vision_layer_params
-        proj = self.vision_hidden * self.patches_per_token * self.hidden + self.hidden ** 2
-        return llm + vit + proj
+    def projector_width(self) -> int:
+        return self.projector_hidden or self.hidden
+
+    @property
+    def projector_params(self) -> int:
+        """Weights of the projector's (or one merger's) two GEMMs: merged patches -> middle -> LLM."""
+        return self.vision_hidden * self.patches_per_token * self.projector_width + self.projector_width * self.hidden
 
 
-# layers/heads/kv/hidden/vision hidden: DHP (arXiv 2602.21788), evaluation. FFN widths, head dims, vocab and ViT depth/MLP:
-# InternVL3-2B = InternViT-300M + Qwen2.5-1.5B; InternVL2.5-4B = InternViT-300M + Qwen2.5-3B;
-# InternVL3-8B = InternViT-300M + Qwen2.5-7B; Qwen3-VL-{2,4,8}B = Qwen3-{1.7,4,8}B decoders with
-# the Qwen3-VL ViT (24 x 1024 for 2B/4B, 27 x 1152 for 8B). config.json on the Hugging Face Hub:
-# OpenGVLab/InternVL3-2B, OpenGVLab/InternVL2_5-4B, OpenGVLab/InternVL3-8B, Qwen/Qwen3-VL-{2B,4B,8B}-Instruct.
-MODELS: dict[str, ModelShape] = {
-    "internvl3-2b": ModelShape(28, 12, 2, 1536, 8960, 128, 151674, 24, 1024, 4096),
-    "internvl2.5-4b": ModelShape(36, 16, 8, 2048, 11008, 128, 151674, 24, 1024, 4096),
-    "internvl3-8b": ModelShape(28, 28, 4, 3584, 18944, 128, 151674, 24, 1024, 4096),
-    "qwen3-vl-2b": ModelShape(28, 16, 8, 2048, 6144, 128, 151936, 24, 1024, 4096, patch_dim=6144),
-    "qwen3-vl-4b": ModelShape(36, 32, 8, 2560, 9728, 128, 151936, 24, 1024, 4096, patch_dim=6144),
-    "qwen3-vl-8b": ModelShape(36, 32, 8, 4096, 12288, 128, 151936, 27, 1152, 4304, vision_head_dim=72,
-                              patch_dim=6144),
-}
+MODELS: dict[str, ModelShape] = {name: ModelShape.from_facts(model_configs.model_facts(name))
+                                 for name in model_configs.model_names()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,8 +98,9 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     cpu = devices[0].platform == "cpu"
     ab = CPU_ACTIVATION_BYTES if cpu else None
     for model in models:
-        cost = CostModel.preset(model, hardware, state_shards=state_shards, remat=remat, compute_dtype=compute_dtype,
-                                activation_bytes=ab, require_fit=False)
+        # the engine runs the stand-in at the preset's shape: price that, not the real family
+        cost = CostModel.preset(model_shape(MLLMConfig.preset(model)), hardware, state_shards=state_shards,
+                                remat=remat, compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False)
         for d in degrees:
             for s in tokens:
                 t0 = time.perf_counter()
@@ -120,12 +121,13 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
         got = row["compiled_bytes"] if row else program_bytes(
             MLLMConfig.preset(f["model"], remat=remat), f["degree"], f["tokens"], compute_dtype=compute_dtype,
             devices=devices, full_depth=full_depth)[0]
-        cost = CostModel.preset(f["model"], f["hardware"], state_shards=f["state_shards"], remat=remat,
+        shape = model_shape(MLLMConfig.preset(f["model"]))
+        cost = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
                                 compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False)
         total = got + cost.state_bytes
         # the same program priced at the preset's own widths (bf16 activations, as an accelerator
         # compiler keeps them), next to what the CPU compile holds
-        native = CostModel.preset(f["model"], f["hardware"], state_shards=f["state_shards"], remat=remat,
+        native = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
                                   compute_dtype=compute_dtype, require_fit=False)
         native_total = native.program_bytes([f["tokens"]], f["degree"]) + native.state_bytes
         out["fits"] = {**f, "compiled_bytes": int(got), "state_bytes": int(cost.state_bytes),

@@ -1,0 +1,252 @@
+"""The one source of model shapes: published Hugging Face `config.json` fields, read into `ModelFacts`.
+
+Each named model is one file `dhp_jax/data/models/<name>.json`: the published config fields of a
+checkpoint (`config`), its Hub repository id (`hub_id`), the file's address (`source`) and notes
+on what was kept or assumed. A new model is one such file. Three layouts are read:
+
+- `internvl` (transformers-native, the `-hf` releases): `text_config` + `vision_config` (InternViT);
+- `internvl_chat` (InternVL's own layout): `llm_config` + `vision_config`, converted field by
+  field to the `-hf` layout (`hf_layout`), as InternVL's conversion to `-hf` does;
+- `qwen2_5_vl`, `qwen3_vl` (transformers-native): `text_config` + `vision_config`.
+
+`ModelFacts` is what the planner prices (`dhp_jax.planner.presets.ModelShape.from_facts`), what
+`dhp_jax.model.MLLMConfig.from_hf` sizes, and what picks the vision-token rule: every consumer
+reads the same fields. Pure Python (the planner imports it and must not import jax).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+MODELS_DIR = Path(__file__).with_name("models")
+FAMILIES = ("internvl", "qwen2_5_vl", "qwen3_vl")
+# The encoders' attention span when it is the image's own patch count (Qwen's encoders attend
+# over a whole image or frame): an assumed typical image of 1024 patches (512x512 px at 16 px,
+# 448x448 px at 14 px). InternViT's span is fixed by its tile: (448/14)^2 patches + the CLS token.
+ASSUMED_FRAME_PATCHES = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """The shape of one published model, as its config.json gives it (field names are the planner's).
+
+    LLM: `layers` decoder blocks of width `hidden`, `heads` query / `kv_heads` key-value heads of
+    `head_dim`, SwiGLU width `intermediate`, `vocab` tokens, `tied` LM head.
+    Vision encoder: `vision_layers` blocks of width `vision_hidden`, `vision_heads` x
+    `vision_head_dim`, MLP width `vision_intermediate` with `vision_mlp` matrices (2: GELU
+    fc1/fc2, InternViT and Qwen3-VL; 3: SwiGLU gate/up/down, Qwen2.5-VL); `patch_size` px patches
+    over `temporal_patch` frames, `merge` x `merge` of them merged after the encoder into one LLM
+    token (`patches_per_token`). Attention: full over `frame_patches` patches, except
+    `window_layers` layers that attend within windows of `window_patches` (Qwen2.5-VL).
+    `deepstack`: vision layers whose features a merger of their own adds to the first LLM layers
+    (Qwen3-VL). `projector_hidden`: the middle width of the projector / patch merger.
+    `params`: the exact parameter count of transformers' model built from this config.
+    `vision_rule`: the name of the token rule of `dhp_jax.data.vision`.
+    """
+
+    family: str
+    layers: int
+    heads: int
+    kv_heads: int
+    hidden: int
+    intermediate: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    rope_theta: float
+    rms_eps: float
+    vision_layers: int
+    vision_hidden: int
+    vision_intermediate: int
+    vision_heads: int
+    vision_head_dim: int
+    vision_mlp: int
+    patch_size: int
+    temporal_patch: int
+    channels: int
+    merge: int
+    frame_patches: int
+    window_patches: int
+    window_layers: int
+    deepstack: int
+    projector_hidden: int
+    params: int
+    vision_rule: str
+
+    @property
+    def patches_per_token(self) -> int:
+        """Encoder patches per LLM vision token (the merge after the encoder)."""
+        return self.merge * self.merge
+
+    @property
+    def patch_dim(self) -> int:
+        """Input features per LLM vision token: `patches_per_token` patches of C x T x P x P pixels."""
+        return self.patches_per_token * self.channels * self.temporal_patch * self.patch_size ** 2
+
+
+def model_names() -> tuple[str, ...]:
+    """The stored models, by family and then by size (the order DHP, arXiv 2602.21788, lists them)."""
+    names = [p.stem for p in MODELS_DIR.glob("*.json")]
+    facts = {n: model_facts(n) for n in names}
+    return tuple(sorted(names, key=lambda n: (facts[n].family, facts[n].params)))
+
+
+def model_record(name: str) -> dict[str, Any]:
+    """The stored file of model `name`: {"name", "hub_id", "source", "notes", "config", ...}."""
+    path = MODELS_DIR / f"{str(name).lower()}.json"
+    if not path.is_file():
+        known = sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+        raise ValueError(f"unknown model {name!r}; known models: {', '.join(known)}")
+    with open(path) as f:
+        record = json.load(f)
+    if not isinstance(record.get("config"), dict) or not record.get("hub_id"):
+        raise ValueError(f"{path}: a model file needs 'hub_id' and a 'config' object (the published config.json)")
+    return record
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """The published config.json fields of model `name`."""
+    return model_record(name)["config"]
+
+
+def model_facts(name: str) -> ModelFacts:
+    return facts_from_config(model_config(name), where=f"model {name!r}")
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A config dict as is, or config.json of a checkpoint directory (or the file itself)."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    path = Path(config)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no config.json (a directory written by save_pretrained)")
+    with open(file) as f:
+        return json.load(f)
+
+
+def hf_layout(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The transformers-native layout of a config: InternVL's chat layout (`llm_config`) converted
+    to the `-hf` one (text_config = llm_config; vision fields renamed: qkv_bias -> attention_bias,
+    qk_normalization -> use_qk_norm; no final vision norm, as InternViT has none); others as is."""
+    if config.get("model_type") != "internvl_chat":
+        return dict(config)
+    v = config["vision_config"]
+    vision = {"model_type": "internvl_vision", "hidden_size": v["hidden_size"],
+              "intermediate_size": v["intermediate_size"], "num_attention_heads": v["num_attention_heads"],
+              "num_hidden_layers": v["num_hidden_layers"], "hidden_act": v.get("hidden_act", "gelu"),
+              "image_size": v.get("image_size", 448), "patch_size": v.get("patch_size", 14),
+              "num_channels": v.get("num_channels", 3), "norm_type": v.get("norm_type", "layer_norm"),
+              "layer_norm_eps": v.get("layer_norm_eps", 1e-6), "attention_bias": v.get("qkv_bias", True),
+              "use_qk_norm": v.get("qk_normalization", False), "use_mean_pooling": True,
+              "use_absolute_position_embeddings": True, "use_mask_token": False}
+    if int(config.get("select_layer", -1)) != -1:
+        raise ValueError(f"internvl_chat: select_layer {config['select_layer']} is not supported (only -1)")
+    return {"model_type": "internvl", "downsample_ratio": config.get("downsample_ratio", 0.5),
+            "projector_hidden_act": "gelu", "text_config": dict(config["llm_config"]), "vision_config": vision,
+            "tie_word_embeddings": bool(config["llm_config"].get("tie_word_embeddings", False)),
+            "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
+
+
+def _pair(x: Any) -> int:
+    if isinstance(x, (list, tuple)):
+        if len(set(x)) != 1:
+            raise ValueError(f"non-square size {list(x)} is not supported")
+        return int(x[0])
+    return int(x)
+
+
+def _text(t: Mapping[str, Any], where: str) -> dict[str, Any]:
+    heads = int(t["num_attention_heads"])
+    kv = int(t.get("num_key_value_heads") or heads)
+    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
+    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
+    theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
+    if heads % kv:
+        raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    return dict(layers=int(t["num_hidden_layers"]), heads=heads, kv_heads=kv, hidden=int(t["hidden_size"]),
+                intermediate=int(t["intermediate_size"]), head_dim=head_dim, vocab=int(t["vocab_size"]),
+                rope_theta=theta, rms_eps=float(t.get("rms_norm_eps", 1e-6)))
+
+
+def _text_params(t: Mapping[str, Any], f: dict[str, Any], tied: bool) -> int:
+    """Parameters of the decoder, embedding and LM head, as transformers builds them."""
+    d, hd = f["hidden"], f["head_dim"]
+    q, kv = f["heads"] * hd, f["kv_heads"] * hd
+    bias = bool(t.get("attention_bias", t.get("model_type") in ("qwen2", "qwen2_5_vl_text", "qwen2_vl_text")))
+    qk_norm = t.get("model_type") in ("qwen3", "qwen3_vl_text")
+    layer = d * (q + 2 * kv) + q * d + 3 * d * f["intermediate"] + 2 * d
+    layer += (q + 2 * kv) * bias + 2 * hd * qk_norm
+    return f["layers"] * layer + d + f["vocab"] * d * (1 if tied else 2)
+
+
+def facts_from_config(config: Mapping[str, Any], where: str = "config") -> ModelFacts:
+    """`ModelFacts` of a published config dict (any of the three layouts)."""
+    raw = hf_layout(config)
+    family = raw.get("model_type")
+    if family not in FAMILIES:
+        raise ValueError(f"{where}: model_type {family!r} is not one of {', '.join(FAMILIES)} (or internvl_chat)")
+    for key in ("text_config", "vision_config"):
+        if not isinstance(raw.get(key), Mapping):
+            raise ValueError(f"{where}: config has no {key} object")
+    t, v = raw["text_config"], raw["vision_config"]
+    text = _text(t, where)
+    d = text["hidden"]
+    # as transformers 5 and dhp_jax.model.hf read it: the top-level flag (default: tied for internvl,
+    # untied for Qwen), or the text model's
+    tied = bool(raw.get("tie_word_embeddings", family == "internvl")) or bool(t.get("tie_word_embeddings", False))
+    if family == "internvl":
+        vh, vi, vn = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_attention_heads"])
+        depth, patch, image = int(v["num_hidden_layers"]), _pair(v.get("patch_size", 14)), _pair(v.get("image_size", 448))
+        shuffle = int(round(1 / float(raw.get("downsample_ratio", 0.5))))
+        grid = (image // patch) ** 2
+        channels, temporal, merge, mlp = int(v.get("num_channels", 3)), 1, shuffle, 2
+        frame, window, window_layers, deepstack, proj_hidden = grid + 1, 0, 0, 0, d
+        norm = 2 * vh if v.get("norm_type", "layer_norm") == "layer_norm" else vh
+        layer = 4 * vh * vh + vh + 2 * vh * vi + vi + vh + 2 * norm + 2 * vh + (3 * vh if v.get("attention_bias") else 0) \
+            + (2 * vh if v.get("use_qk_norm") else 0)
+        vision = (channels * patch * patch * vh + vh + vh + (grid + 1) * vh * bool(v.get("use_absolute_position_embeddings", True))
+                  + vh * bool(v.get("use_mask_token")) + depth * layer
+                  + (0 if v.get("use_mean_pooling", True) else 2 * vh))
+        wide = vh * merge * merge
+        projector = 2 * wide + wide * d + d + d * d + d
+        rule = "internvl" if (image, grid // (merge * merge)) == (448, 256) else f"internvl-{image}"
+    else:
+        vh, vi, vn = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_heads"])
+        depth, patch = int(v["depth"]), int(v.get("patch_size", 14))
+        channels, temporal, merge = int(v.get("in_channels", 3)), int(v.get("temporal_patch_size", 2)), \
+            int(v.get("spatial_merge_size", 2))
+        out = int(v.get("out_hidden_size", d))
+        if out != d:
+            raise ValueError(f"{where}: vision_config.out_hidden_size {out} is not the LLM's hidden_size {d}")
+        wide = vh * merge * merge
+        frame, proj_hidden = ASSUMED_FRAME_PATCHES, wide
+        qkv = 3 * vh * vh + 3 * vh + vh * vh + vh
+        if family == "qwen2_5_vl":
+            mlp, deepstack = 3, 0
+            window_layers = depth - len(v.get("fullatt_block_indexes", ()))
+            window = (int(v.get("window_size", 112)) // patch) ** 2
+            layer = qkv + 3 * vh * vi + 2 * vi + vh + 2 * vh        # SwiGLU with biases, two RMSNorms
+            embed, merger_norm = channels * temporal * patch * patch * vh, vh   # Conv3d without bias; RMSNorm
+        else:
+            mlp, window, window_layers = 2, 0, 0
+            deepstack = len(v.get("deepstack_visual_indexes", ()))
+            layer = qkv + 2 * vh * vi + vi + vh + 4 * vh            # GELU MLP with biases, two LayerNorms
+            embed = channels * temporal * patch * patch * vh + vh + int(v.get("num_position_embeddings", 2304)) * vh
+            merger_norm = 2 * vh
+        merger = wide * wide + wide + wide * d + d
+        vision = embed + depth * layer
+        projector = merger + merger_norm + deepstack * (merger + 2 * wide)   # DeepStack mergers: LayerNorm(4v)
+        rule = {(14, 2): "qwen-vl", (16, 2): "qwen3-vl"}.get((patch, merge), f"{family}-{patch}")
+    if vh % vn:
+        raise ValueError(f"{where}: vision hidden_size {vh} is not a multiple of its {vn} heads")
+    params = _text_params(t, text, tied) + vision + projector
+    return ModelFacts(family=family, **text, tied=tied, vision_layers=depth, vision_hidden=vh, vision_intermediate=vi,
+                      vision_heads=vn, vision_head_dim=vh // vn, vision_mlp=mlp, patch_size=patch,
+                      temporal_patch=temporal, channels=channels, merge=merge, frame_patches=frame,
+                      window_patches=window, window_layers=window_layers, deepstack=deepstack,
+                      projector_hidden=proj_hidden, params=params, vision_rule=rule)

@@ -1,0 +1,137 @@
+"""One source of model shapes: the published config.json files in dhp_jax/data/models, read by
+dhp_jax.data.model_configs, are what the planner prices, what MLLMConfig.from_hf sizes and what
+picks the vision-token rule; the parameter counts are transformers' own."""
+
+import dataclasses
+import json
+
+import pytest
+
+from dhp_jax.data import model_configs
+from dhp_jax.data.vision import family_for_model, image_tokens, vision_rules
+from dhp_jax.model import MLLMConfig
+from dhp_jax.planner import CostModel, memory, presets
+from dhp_jax.planner.cost import _encoder_flops
+
+NAMES = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b")
+
+# A Qwen2.5-VL-7B-shaped config (transformers' qwen2_5_vl layout): no stored model uses this family,
+# so its window attention and SwiGLU encoder are checked on this one.
+QWEN25_VL = {
+    "model_type": "qwen2_5_vl", "tie_word_embeddings": False, "image_token_id": 151655, "video_token_id": 151656,
+    "text_config": {"model_type": "qwen2_5_vl_text", "hidden_size": 3584, "intermediate_size": 18944,
+                    "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4,
+                    "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}},
+    "vision_config": {"model_type": "qwen2_5_vl", "depth": 32, "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "hidden_act": "silu", "in_channels": 3, "out_hidden_size": 3584,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2},
+}
+
+
+def _transformers_params(raw: dict) -> int:
+    """Parameters of transformers' own model built from `raw` (on the meta device: no memory)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(**model_configs.hf_layout(raw))
+    with torch.device("meta"):
+        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_six_models_are_stored_once_and_listed_in_the_papers_order():
+    assert model_configs.model_names() == NAMES
+    assert tuple(presets.MODELS) == NAMES == CostModel.MODELS
+    for name in NAMES:
+        rec = model_configs.model_record(name)
+        assert rec["source"] == f"https://huggingface.co/{rec['hub_id']}/blob/main/config.json"
+        assert presets.MODELS[name] == presets.ModelShape.from_facts(model_configs.model_facts(name))
+        assert MLLMConfig.preset(name) == MLLMConfig.from_hf(rec["config"], name=name)
+
+
+@pytest.mark.parametrize("name", NAMES + ("qwen2.5-vl-7b-shaped",))
+def test_parameter_count_is_transformers_own(name):
+    raw = QWEN25_VL if name.startswith("qwen2.5") else model_configs.model_config(name)
+    facts = model_configs.facts_from_config(raw)
+    assert facts.params == _transformers_params(raw)
+    if name in NAMES:
+        assert memory.engine_params(presets.MODELS[name]) == facts.params == CostModel.preset(
+            name, "h100").param_count
+
+
+def test_the_fixed_facts():
+    # InternVL2.5-4B's LLM is Qwen2.5-3B: 16 query heads over 2 key/value heads
+    assert (presets.MODELS["internvl2.5-4b"].heads, presets.MODELS["internvl2.5-4b"].kv_heads) == (16, 2)
+    assert MLLMConfig.preset("internvl2.5-4b").num_kv_heads == 2
+    for name in NAMES:
+        m, f = presets.MODELS[name], model_configs.model_facts(name)
+        # GELU MLPs of two matrices (InternViT, the Qwen3-VL ViT); the encoder runs before the 2x2 merge
+        assert m.vision_mlp == 2 and m.patches_per_token == 4
+        rules = vision_rules(family_for_model(name))
+        if f.family == "qwen3_vl":
+            assert (rules.patch, rules.merge) == (f.patch_size, f.merge) == (16, 2) and m.deepstack == 3
+            assert image_tokens(640, 480, family_for_model(name)) == 300
+        else:
+            assert rules.name == "internvl" and m.frame_patches == (448 // 14) ** 2 + 1
+    qwen25 = presets.ModelShape.from_config(QWEN25_VL)
+    assert (qwen25.vision_mlp, qwen25.window_layers, qwen25.window_patches, qwen25.deepstack) == (3, 28, 64, 0)
+    assert model_configs.facts_from_config(QWEN25_VL).vision_rule == "qwen-vl"
+
+
+def test_encoder_flops_by_hand():
+    """InternViT-300M per LLM vision token: 4 patches x 24 layers of GEMMs (q, k, v, o and two MLP
+    matrices) and full attention over the 1025-token tile, plus the patch embedding."""
+    m = presets.MODELS["internvl3-8b"]
+    v, ff = 1024, 4096
+    per_patch = 24 * (2 * (4 * v * v + 2 * v * ff) + 4 * v * 1025)
+    assert _encoder_flops(m) == pytest.approx(4 * per_patch + 2 * 4 * 588 * v, rel=1e-12)
+    # Qwen2.5-VL: 28 of its 32 layers attend within 8x8-patch windows
+    q = presets.ModelShape.from_config(QWEN25_VL)
+    full = presets.ModelShape.from_config({**QWEN25_VL, "vision_config": {
+        **QWEN25_VL["vision_config"], "fullatt_block_indexes": list(range(32))}})
+    assert _encoder_flops(full) - _encoder_flops(q) == pytest.approx(4 * 4 * 1280 * 28 * (1024 - 64), rel=1e-12)
+    # DeepStack: Qwen3-VL prices four mergers (the main one and three DeepStack ones)
+    c = CostModel.preset("qwen3-vl-8b", "h100")
+    m8 = presets.MODELS["qwen3-vl-8b"]
+    no_ds = CostModel.preset(presets.ModelShape(**{**m8.__dict__, "deepstack": 0}), "h100")
+    assert c.a2_vision - no_ds.a2_vision == pytest.approx(
+        4 * 3 * 2 * m8.projector_params / (989e12 * 0.45), rel=1e-9)
+
+
+def test_from_hf_reads_a_checkpoint_directory(tmp_path):
+    raw = model_configs.model_config("qwen3-vl-4b")
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = MLLMConfig.from_hf(tmp_path, remat="layer")
+    assert cfg == dataclasses.replace(MLLMConfig.preset("qwen3-vl-4b", remat="layer"), name="qwen3_vl")
+    assert (cfg.patch_dim, cfg.vision_ff, cfg.rope_base) == (4 * 3 * 2 * 16 * 16, 4096, 5e6)
+    assert presets.ModelShape.from_config(tmp_path) == presets.MODELS["qwen3-vl-4b"]
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        MLLMConfig.from_hf(tmp_path / "missing")
+
+
+def test_the_hf_package_reads_the_same_shapes():
+    """dhp_jax.model.hf parses the stored transformers-native configs into the same LLM shapes."""
+    from dhp_jax.model.hf import internvl, qwen3_vl
+
+    for name in NAMES:
+        raw = model_configs.hf_layout(model_configs.model_config(name))
+        f = model_configs.model_facts(name)
+        cfg = (internvl if f.family == "internvl" else qwen3_vl).parse(raw)
+        t = cfg.text
+        assert (t.num_layers, t.hidden_size, t.vocab_size, t.shape.num_heads, t.shape.num_kv_heads, t.shape.head_dim) == \
+            (f.layers, f.hidden, f.vocab, f.heads, f.kv_heads, f.head_dim)
+        depth = cfg.vision.num_layers if f.family == "internvl" else cfg.vision.depth
+        assert cfg.tied == f.tied and depth == f.vision_layers
+
+
+def test_bad_configs_name_the_problem():
+    with pytest.raises(ValueError, match="unknown model 'llama-70b'; known models: internvl2.5-4b"):
+        model_configs.model_record("llama-70b")
+    with pytest.raises(ValueError, match="model_type 'llava' is not one of"):
+        model_configs.facts_from_config({"model_type": "llava"})
+    bad = {**QWEN25_VL, "vision_config": {**QWEN25_VL["vision_config"], "out_hidden_size": 1000}}
+    with pytest.raises(ValueError, match="out_hidden_size 1000 is not the LLM's hidden_size 3584"):
+        model_configs.facts_from_config(bad)
+    with pytest.raises(ValueError, match="config has no text_config"):
+        model_configs.facts_from_config({"model_type": "qwen3_vl", "vision_config": {}})
