@@ -28,6 +28,7 @@ FAMILIES = ("internvl", "qwen2_5_vl", "qwen3_vl")
 # over a whole image or frame): an assumed typical image of 1024 patches (512x512 px at 16 px,
 # 448x448 px at 14 px). InternViT's span is fixed by its tile: (448/14)^2 patches + the CLS token.
 ASSUMED_FRAME_PATCHES = 1024
+INTERNVL_IMAGE_TOKEN = 151667
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +150,10 @@ def hf_layout(config: Mapping[str, Any]) -> dict[str, Any]:
     return {"model_type": "internvl", "downsample_ratio": config.get("downsample_ratio", 0.5),
             "projector_hidden_act": "gelu", "text_config": dict(config["llm_config"]), "vision_config": vision,
             "tie_word_embeddings": bool(config["llm_config"].get("tie_word_embeddings", False)),
-            "vision_feature_layer": -1, "vision_feature_select_strategy": "default"}
+            "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+            # the chat layout keeps the image placeholder (<IMG_CONTEXT>) in its tokenizer, not its
+            # config; assumed 151667, transformers' InternVLConfig default (the -hf releases' id)
+            "image_token_id": int(config.get("image_token_id", INTERNVL_IMAGE_TOKEN))}
 
 
 def _pair(x: Any) -> int:
