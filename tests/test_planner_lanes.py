@@ -91,10 +91,11 @@ _GOLDEN = {
 @pytest.mark.parametrize("strategy", sorted(_GOLDEN))
 def test_no_lanes_plans_unchanged(strategy):
     # the memory and gradient figures of the preset the goldens were computed with (before the
-    # engine's memory model; the goldens pin planning for fixed coefficients)
+    # engine's memory model; the goldens pin planning for fixed coefficients), and its vision
+    # coefficient (before the encoder's patch embedding was priced)
     cost = CostModel.preset("internvl3-8b", "h100", ranks_per_node=8, mem_per_token=518144.0,
                             memory_budget=59561037824.0, grad_bytes=15884005376.0,
-                            bucket_min=0)  # unpadded, as then
+                            a2_vision=2.5827412901921132e-05, bucket_min=0)  # unpadded, as then
     assert cost.compute_lanes is None
     plan = plan_batch(_L, 16, cost, strategy=strategy, etas=_E)
     est, samples, ranks = _GOLDEN[strategy]
