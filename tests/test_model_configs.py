@@ -60,6 +60,18 @@ def test_parameter_count_is_transformers_own(name):
             name, "h100").param_count
 
 
+# The checkpoints' sizes as the Hub lists them (billions of parameters, from their safetensors):
+# an untied LM head in the three InternVL models, tied in Qwen3-VL-2B/4B.
+HUB_SIZES_B = {"internvl3-2b": 2.09, "internvl2.5-4b": 3.71, "internvl3-8b": 7.94,
+               "qwen3-vl-2b": 2.13, "qwen3-vl-4b": 4.44, "qwen3-vl-8b": 8.77}
+
+
+def test_parameter_counts_are_the_checkpoints_sizes():
+    for name in NAMES:
+        assert round(model_configs.model_facts(name).params / 1e9, 2) == HUB_SIZES_B[name], name
+    assert [model_configs.model_facts(n).tied for n in NAMES] == [False] * 3 + [True, True, False]
+
+
 def test_the_fixed_facts():
     # InternVL2.5-4B's LLM is Qwen2.5-3B: 16 query heads over 2 key/value heads
     assert (presets.MODELS["internvl2.5-4b"].heads, presets.MODELS["internvl2.5-4b"].kv_heads) == (16, 2)
