@@ -17,6 +17,7 @@ reads the same fields. Pure Python (the planner imports it and must not import j
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -89,9 +90,12 @@ class ModelFacts:
         return self.patches_per_token * self.channels * self.temporal_patch * self.patch_size ** 2
 
 
+@functools.lru_cache(maxsize=None)
 def model_names() -> tuple[str, ...]:
     """The stored models, by family and then by size (the order DHP, arXiv 2602.21788, lists them)."""
     names = [p.stem for p in MODELS_DIR.glob("*.json")]
+    if not names:
+        raise FileNotFoundError(f"no model config files under {MODELS_DIR} (is the package installed with its data?)")
     facts = {n: model_facts(n) for n in names}
     return tuple(sorted(names, key=lambda n: (facts[n].family, facts[n].params)))
 
@@ -114,7 +118,9 @@ def model_config(name: str) -> dict[str, Any]:
     return model_record(name)["config"]
 
 
+@functools.lru_cache(maxsize=None)
 def model_facts(name: str) -> ModelFacts:
+    """`ModelFacts` of stored model `name` (read once)."""
     return facts_from_config(model_config(name), where=f"model {name!r}")
 
 
