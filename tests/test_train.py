@@ -73,6 +73,39 @@ def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
     assert [r["step"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def _plan_lines(path):
+    """plans.jsonl without the solver's timings (wall and CPU milliseconds): everything else a
+    plan holds (decisions, padded tokens, estimates, solver choices) must repeat exactly."""
+    out = []
+    for rec in read_jsonl(path):
+        solver = rec["plan"].get("solver", {})
+        rec["plan"]["solver"] = {k: v for k, v in solver.items() if not k.endswith("_ms")}
+        out.append(rec)
+    return out
+
+
+def test_live_plans_depend_on_config_and_step_only_resumed_too(tmp_path, executor):
+    """Two runs of one config, and a run stopped after 3 steps and resumed, log the same plans
+    (what the planner may assume compiled at a step is the programs of the earlier steps' plans,
+    restored from the checkpoint, priced at the config's fixed figure) and bit-identical losses;
+    every step ran the plan the planner returned. The compile price is set high so that the
+    program record decides plans here (a resume without it plans differently)."""
+    args = ("steps=6", "planner.strategy=dhp", "planner.compile_price_s=60")
+    runs = [Trainer(_config(tmp_path, name, *args), executor=executor).run() for name in ("a", "b")]
+    cut = _config(tmp_path, "cut", *args, "checkpoint.every=3")
+    first = Trainer(cut, executor=executor).run(stop_after=3)
+    second = Trainer(cut, executor=executor).run(resume=True)
+    assert runs[0].losses == runs[1].losses == first.losses + second.losses   # bitwise
+    plans = [_plan_lines(tmp_path / name / "plans.jsonl") for name in ("a", "b", "cut")]
+    assert [r["step"] for r in plans[2]] == list(range(6))
+    assert plans[0] == plans[1] == plans[2]
+    assert len({json.dumps(r["plan"]["micro_batches"]) for r in plans[0]}) > 1      # the plans do change
+    for summary in (runs[0].summary, runs[1].summary, second.summary):
+        assert summary["steps_on_compiled_substitutes"] == 0
+        assert summary["steps_waiting_for_compile_after_warmup"] >= 0
+        assert set(summary["compile_wait_after_warmup_s"]) == {"median", "max"}
+
+
 def test_a_used_directory_needs_resume_or_overwrite(tmp_path, executor, capsys):
     cfg = _config(tmp_path, "used", "steps=2", "planner.strategy=dhp")  # the DHP run's first plans
     first = Trainer(cfg, executor=executor).run()
