@@ -78,6 +78,18 @@ def test_program_cache_counts_by_hand():
         group_keys(Plan(8, (MicroBatch((Group((0,), 1, (0,)),)),)))
 
 
+def test_program_cache_records_the_buckets_the_executor_runs_and_round_trips():
+    # a plan made at full token counts: the executor runs its groups in its own buckets (`executed`)
+    plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])
+    c = ProgramCache(executed=lambda degree, ids: 8 * degree * len(ids))
+    assert c.keys(plan) == [(3, 24, (0, 1, 2), "ring"), (2, 16, (3, 4), "ring")]
+    assert c.add(plan) == 2 and c.programs == {(3, 24, "ring"), (2, 16, "ring")}
+    assert c.new_programs([(2, 16, (5, 6), "ring"), (2, 64, (3, 4), "ring")]) == {(2, 64, "ring")}
+    again = ProgramCache()
+    again.add_keys(json.loads(json.dumps(c.to_json())))       # what a checkpoint stores and restores
+    assert (again.executables, again.programs) == (c.executables, c.programs)
+
+
 def _profile(t, rpn=8):
     """(inside one node?, sorted part sizes per node): what a group's time depends on."""
     parts = {}

@@ -210,3 +210,24 @@ def test_trainer_prices_the_memory_of_its_executors_chunk(tmp_path):
                             linear_chunk=0)
     fields = ("linear_chunk", "mem_per_token", "fixed_bytes", "memory_budget")
     assert [getattr(trainer.cost, f) for f in fields] == [getattr(want, f) for f in fields]
+
+
+def test_the_trainer_calls_the_step_executor_protocol(tmp_path, executor):
+    """PlanExecutor implements every member of `StepExecutor`; an executor that lacks some is
+    refused up front with their names (the trainer calls members, it never probes for them)."""
+    import typing
+
+    from dhp_jax.sharding.protocol import MEMBERS, StepExecutor, check_executor
+
+    assert sorted(MEMBERS) == sorted(typing._get_protocol_attrs(StepExecutor))
+    assert isinstance(executor, StepExecutor) and check_executor(executor) is executor
+
+    class Partial:
+        min_bucket, growth, linear_chunk = 512, 1.25, 0
+
+        def plan_keys(self, samples, plan):
+            return []
+
+    with pytest.raises(TypeError, match=r"Partial lacks layout, compile_seconds, num_compiles, .*replicate of the "
+                                        r"StepExecutor protocol"):
+        Trainer(_config(tmp_path, "partial", "steps=1"), executor=Partial())

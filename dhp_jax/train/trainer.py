@@ -201,6 +201,7 @@ class Trainer:
                                                  compile_s=float(config.planner.compile_price_s))
         self.plan_source.executed_ladder = (int(executor.min_bucket), float(executor.growth))
         self._ran = ProgramCache()  # the executables of the plans of the steps run (what a checkpoint stores)
+        self._local_ids = {d.id for d in self.devices if d.process_index == self.process_index}
         self.out_dir = Path(config.metrics.out_dir)
         self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
         self._state = None
@@ -270,7 +271,9 @@ class Trainer:
     def _compile(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
         """Build what the plan needs: (executables this call built, executables missing when the
         step started, built here or by the compile-ahead worker while this step waited)."""
-        missing = len(set(self.executor.plan_keys(item.batch.samples, item.plan)) - set(self.executor.executable_keys))
+        # (this process builds the groups touching its devices only)
+        need = {k for k in self.executor.plan_keys(item.batch.samples, item.plan) if self._local_ids.intersection(k[2])}
+        missing = len(need - set(self.executor.executable_keys))
         if missing and on_compile is not None:
             on_compile(missing)
         return int(self.executor.compile_plan(item.batch.samples, item.plan, params)), missing
