@@ -303,12 +303,12 @@ class Trainer:
             if resume:
                 restored = ckpt.restore(state, self.model_config.to_dict())
                 state, start = restored.state, restored.data_position
-                self._restore_programs(restored.meta, start)
                 if start >= cfg.steps:
                     self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
                               f"{ckpt.directory / str(restored.step)}); nothing to do")
                     self._state = state
                     return RunResult([], [], self._stored_summary(), state, finished_before=True)
+                self._restore_programs(restored.meta, start)
                 self._say(f"resumed from step {restored.step} (checkpoint {ckpt.directory / str(restored.step)})")
             elif latest is not None:
                 old = ckpt.clear()
@@ -460,8 +460,8 @@ class Trainer:
         losses = [r["loss"] for r in records]
         k = max(1, min(3, len(losses) // 4))
         groups = collections.Counter(d for r in records for mb in r["degrees"] for d in mb)
-        waited = [r["compile_wait_s"] for r in records
-                  if r["step"] > start + WARMUP_STEPS and r.get("compile_wait_s", 0.0) > 0]
+        after = [r.get("compile_wait_s", 0.0) for r in records if r["step"] > start + WARMUP_STEPS]
+        waited = [w for w in after if w > 0]
         return {
             "name": cfg.name, "config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
             "devices": f"{len(self.devices)} x {self.devices[0].platform} ({self.devices[0].device_kind})",
@@ -479,8 +479,10 @@ class Trainer:
             "num_compiles": self.executor.num_compiles,
             # measured: a step waited when a program it runs was not compiled yet when it started
             "steps_waiting_for_compile_after_warmup": len(waited),
+            # (median and max over the steps that waited; median over every step after warm-up)
             "compile_wait_after_warmup_s": {"median": statistics.median(waited) if waited else 0.0,
-                                            "max": max(waited, default=0.0)},
+                                            "max": max(waited, default=0.0),
+                                            "median_all_steps": statistics.median(after) if after else 0.0},
             "warmup_steps": WARMUP_STEPS,
             # steps that ran another plan than the planner returned (plan digests compared): 0
             "steps_on_compiled_substitutes": sum(1 for r in records if r.get("ran_on_compiled_substitute")),
