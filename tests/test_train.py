@@ -91,7 +91,8 @@ def test_live_plans_depend_on_config_and_step_only_resumed_too(tmp_path, executo
     every step ran the plan the planner returned. The compile price is set high so that the
     program record decides plans here (a resume without it plans differently)."""
     args = ("steps=6", "planner.strategy=dhp", "planner.compile_price_s=60")
-    runs = [Trainer(_config(tmp_path, name, *args), executor=executor).run() for name in ("a", "b")]
+    trainers = [Trainer(_config(tmp_path, name, *args), executor=executor) for name in ("a", "b")]
+    runs = [t.run() for t in trainers]
     cut = _config(tmp_path, "cut", *args, "checkpoint.every=3")
     first = Trainer(cut, executor=executor).run(stop_after=3)
     second = Trainer(cut, executor=executor).run(resume=True)
@@ -100,6 +101,8 @@ def test_live_plans_depend_on_config_and_step_only_resumed_too(tmp_path, executo
     assert [r["step"] for r in plans[2]] == list(range(6))
     assert plans[0] == plans[1] == plans[2]
     assert len({json.dumps(r["plan"]["micro_batches"]) for r in plans[0]}) > 1      # the plans do change
+    # the price of a new program stays the config's figure (a measured one would depend on timing)
+    assert [t.plan_source.programs.compile_s for t in trainers] == [60.0, 60.0]
     for summary in (runs[0].summary, runs[1].summary, second.summary):
         assert summary["steps_on_compiled_substitutes"] == 0
         assert summary["steps_waiting_for_compile_after_warmup"] >= 0
