@@ -164,10 +164,13 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                  f"wait per step in steady state median {s['plan_wait_median_s'] * 1e3:.2f} ms, "
                  f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")
     if s.get("steps_waiting_for_compile_after_warmup") is not None:
+        wait = s.get("compile_wait_after_warmup_s") or {}
         lines.append(f"steps after the first {s['warmup_steps']} that waited for a compile: "
-                     f"{s['steps_waiting_for_compile_after_warmup']} (measured; programs compile ahead in the planner thread"
-                     + (f"; {s['steps_on_compiled_substitutes']} steps ran on compiled programs while their own compiled"
-                        if s.get("steps_on_compiled_substitutes") else "") + ")")
+                     f"{s['steps_waiting_for_compile_after_warmup']}"
+                     + (f" (median wait {_seconds(wait['median'])}, max {_seconds(wait['max'])})"
+                        if s['steps_waiting_for_compile_after_warmup'] and wait else "")
+                     + "; measured: each plan's programs compile in the background once it is planned, and "
+                     f"{s.get('steps_on_compiled_substitutes', 0)} steps ran another plan than the planner's")
     if s.get("compare"):
         lines.extend(format_comparison(s["compare"]))
     if s.get("plan_png"):

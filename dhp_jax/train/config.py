@@ -61,7 +61,11 @@ class PlannerConfig:
     full_size: bool = False        # plan the unscaled batch (the token counts a preset describes); the
                                    # executor runs the scaled samples in the same groups
     num_micro_batches: int | None = None
-    lookahead: int = 2             # batches planned ahead by the planner thread (queue bound)
+    lookahead: int = 2             # batches planned ahead by the planner thread (queue bound); their
+                                   # programs compile in the background as soon as they are planned
+    compile_price_s: float = 3.0   # planner seconds charged for each group program no earlier step's plan
+                                   # needed (a fixed figure, never a live measurement: plans must not
+                                   # depend on timing); 0: programs are free
 
 
 @dataclasses.dataclass
@@ -138,6 +142,8 @@ class TrainConfig:
                        "data.min_text_tokens": self.data.min_text_tokens}.items():
             if v < 0:
                 raise ConfigError(f"{key} must be >= 0, got {v}")
+        if not self.planner.compile_price_s >= 0:
+            raise ConfigError(f"planner.compile_price_s must be >= 0 (seconds), got {self.planner.compile_price_s}")
         if self.data.token_scale <= 0:
             raise ConfigError(f"data.token_scale must be > 0, got {self.data.token_scale}")
         if self.data.min_text_tokens + 1 > self.data.max_tokens:
