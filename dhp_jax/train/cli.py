@@ -64,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"dhp train: config error: {e}", file=sys.stderr)
         return 2
+    if config.metrics.progress or args.dry_run:
+        # said at once: importing jax and planning the first batch take seconds before the run's own line
+        print(f"dhp train: {'checking' if args.dry_run else 'starting'} {config.name!r} "
+              f"({config.num_ranks} ranks on {config.devices.count} {config.devices.platform} devices): importing jax, "
+              f"planning the first batch ...", file=sys.stderr, flush=True)
     from dhp_jax.train.distributed import DistributedError, PlanMismatchError, describe, initialize, resolve
 
     try:
