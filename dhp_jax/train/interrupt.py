@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from typing import Any, Callable, Iterator
 
@@ -49,6 +50,8 @@ class SigintGuard:
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested += 1
         if self._defer and self.requested == 1:
+            print("\ndhp train: Ctrl-C: stopping after this step (Ctrl-C again: at once, without saving it)",
+                  file=sys.stderr, flush=True)
             return                  # the run checks `requested` once the step is over
         self.forced = bool(self._defer)
         raise KeyboardInterrupt
