@@ -21,13 +21,14 @@ def rank_runs(ranks: Sequence[int]) -> list[tuple[int, int]]:
     return [(a, n) for a, n in runs]
 
 
-def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "") -> float:
+def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "", key: bool = True) -> float:
     """Draw `plan` on `ax` as ranks (y) x estimated time (x); returns the end time drawn.
 
-    Micro-batches run back to back (black lines end them), then the gradient all-reduce
+    Micro-batches run back to back (dashed lines end them), then the gradient all-reduce
     (`allreduce_s`, grey). Colour = group degree on a log scale from 1 to all ranks, so plans on
     the same ranks compare; solid lines are node boundaries. A group whose ranks are not one
-    consecutive run draws one block per run, each labelled. A colour bar and a legend say all this.
+    consecutive run draws one block per run, each labelled. A colour bar and a legend say all this
+    (`key=False` leaves them out, for a figure of several plans that draws one key for all).
     """
     import matplotlib.pyplot as plt
     from matplotlib.cm import ScalarMappable
@@ -51,7 +52,7 @@ def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "") -> 
                     ax.text(t0 + g.est_time_s / 2, first + (n - 1) / 2, text,
                             ha="center", va="center", fontsize=6, color="white")
         t0 += mb.est_makespan_s
-        ax.axvline(t0, color="black", lw=0.5)
+        ax.axvline(t0, color="black", lw=0.6, ls="--")
     if allreduce_s > 0:
         ax.add_patch(Rectangle((t0, -0.5), allreduce_s, plan.num_ranks, facecolor="lightgrey"))
     end = t0 + allreduce_s
@@ -62,13 +63,15 @@ def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "") -> 
     ax.set_ylim(plan.num_ranks - 0.5, -0.5)
     ax.set_xlabel("estimated time (s)")
     ax.set_ylabel("rank")
+    if not key:
+        return end
     bar = plt.colorbar(ScalarMappable(norm=norm, cmap=cmap), ax=ax, pad=0.01, fraction=0.03)
     degrees = sorted({g.degree for mb in plan.micro_batches for g in mb.groups})
     bar.set_ticks(degrees)
     bar.set_ticklabels([str(d) for d in degrees])
     bar.minorticks_off()
     bar.set_label("group degree (colour)", fontsize=8)
-    handles = [Line2D([], [], color="black", lw=0.8, label="end of a micro-batch")]
+    handles = [Line2D([], [], color="black", lw=0.6, ls="--", label="end of a micro-batch")]
     if allreduce_s > 0:
         handles.append(Patch(facecolor="lightgrey", label="gradient all-reduce"))
     if rpn < plan.num_ranks:
