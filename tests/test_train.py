@@ -234,3 +234,31 @@ def test_the_trainer_calls_the_step_executor_protocol(tmp_path, executor):
     with pytest.raises(TypeError, match=r"Partial lacks layout, compile_seconds, num_compiles, .*replicate of the "
                                         r"StepExecutor protocol"):
         Trainer(_config(tmp_path, "partial", "steps=1"), executor=Partial())
+
+
+def test_full_size_plans_are_logged_as_run_and_the_measured_comparison_is_opt_in(tmp_path, executor):
+    """plans.jsonl has one format: every step's plan as these devices ran it (executed tokens, the
+    executor's buckets, one node), also when the plans were made at full token counts for a preset;
+    the measured comparison runs only when asked for."""
+    from dhp_jax.train.config import CompareConfig
+
+    assert CompareConfig().measured is False and load_config().compare.measured is False
+    cfg = _config(tmp_path, "full", "steps=2", "planner.full_size=true", "planner.cost_model=qwen3-vl-4b",
+                  "planner.hardware=ascend-910b", "planner.ranks_per_node=1", "planner.comm_overlap=false",
+                  "compare.enabled=true", "compare.measured=true", "compare.batches=1", "compare.repeats=1",
+                  "compare.static_strategy=static-ring:8", "compare.sim_ranks=8", "compare.sim_batch_size=16",
+                  "compare.sim_model=qwen3-vl-4b")
+    trainer = Trainer(cfg, executor=executor)
+    result = trainer.run()
+    lines = read_jsonl(tmp_path / "full" / "plans.jsonl")
+    assert [x["step"] for x in lines] == [0, 1]
+    for line in lines:
+        plan = Plan.from_json(line["plan"])
+        batch = trainer.pipeline.batch(line["step"])
+        assert plan.ranks_per_node == 8
+        groups = [g for mb in plan.micro_batches for g in mb.groups]
+        for g, (_, bucket, _, _) in zip(groups, executor.plan_keys(batch.samples, plan), strict=True):
+            assert g.tokens == sum(batch.samples[s].num_tokens for s in g.samples) and g.padded_tokens == bucket
+    measured = result.summary["compare"]["measured"]
+    assert set(measured["strategies"]) == {"dhp", "static-ring:8"}
+    assert measured["strategies"]["dhp"]["step_time_s"] > 0 and "measured on 8 cpu" in measured["label"]

@@ -131,6 +131,31 @@ class ProgramCache:
                 "executables_per_program_per_process_median": statistics.median(ratio)}
 
 
+def executed_view(plan: Any, keys: Sequence[Key], tokens: Sequence[int]) -> Any:
+    """The plan as an executor runs it: each group's `tokens` the total of `tokens` (the executed
+    samples' token counts, e.g. of a scaled-down batch) over its samples and `padded_tokens` the
+    bucket of `keys` (`PlanExecutor.plan_keys`, one per group in plan order, ranks as plan ranks);
+    one node (`ranks_per_node` = the plan's ranks: the executor's devices share a host). Estimates
+    stay the plan's. The run log's one format for a plan made at other token counts (full-size
+    planning): the same decisions, with the token counts and buckets the devices ran."""
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    if len(keys) != len(groups):
+        raise ValueError(f"executed_view: {len(keys)} keys for {len(groups)} groups")
+    it = iter(keys)
+    mbs = []
+    for mb in plan.micro_batches:
+        out = []
+        for g in mb.groups:
+            d, bucket, ranks, _ = next(it)
+            if (int(d), tuple(ranks)) != (g.degree, tuple(g.ranks)):
+                raise ValueError(f"executed_view: key ({d}, {bucket}, {tuple(ranks)}) does not match the group on "
+                                 f"ranks {list(g.ranks)}")
+            out.append(dataclasses.replace(g, tokens=int(sum(int(tokens[s]) for s in g.samples)),
+                                           padded_tokens=int(bucket)))
+        mbs.append(dataclasses.replace(mb, groups=tuple(out)))
+    return dataclasses.replace(plan, micro_batches=tuple(mbs), ranks_per_node=plan.num_ranks)
+
+
 def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
                 num_ranks: int | None = None) -> list[tuple[int, ...]]:
     """New rank tuples for one micro-batch's groups `(degree, padded_tokens, ranks, attention)`,

@@ -85,8 +85,9 @@ class MetricsConfig:
 
 @dataclasses.dataclass
 class CompareConfig:
-    enabled: bool = True
-    measured: bool = True          # time DHP and the static plans on these devices (false: simulated only)
+    enabled: bool = True           # the simulated comparison at scale (and its Gantt PNG) after the run
+    measured: bool = False         # also time DHP and the static plans on these devices (opt-in: on fake CPU
+                                   # devices that share the host's cores it is an overhead check, not a speed-up)
     static_strategy: str = "static-ring:best"  # the static baseline measured on these devices
     batches: int = 3               # batches timed with both plans after training
     repeats: int = 3               # timed repeats per batch and plan (median)
@@ -205,9 +206,13 @@ _INPUT_PATHS = (("planner", "plan_file"), ("planner", "cost_profile"))
 
 
 def _resolve_inputs(config: TrainConfig, base: Path) -> None:
+    from dhp_jax.planner.cli_args import profile_path
+
     for section, key in _INPUT_PATHS:
         obj = getattr(config, section)
         value = getattr(obj, key)
+        if key == "cost_profile" and value and not (base / value).exists() and profile_path(value) != value:
+            continue  # a packaged profile named by name (tiny-cpu8)
         if value and not os.path.isabs(value):
             setattr(obj, key, str((base / value).resolve()))
 

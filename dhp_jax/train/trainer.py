@@ -24,6 +24,7 @@ import numpy as np
 
 from dhp_jax.planner.planfile import PlanLog
 from dhp_jax.train.config import TrainConfig
+from dhp_jax.train.interrupt import RunInterrupted, SigintGuard
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
 
@@ -86,6 +87,21 @@ class TrainError(RuntimeError):
     """The run cannot start; the message says what is missing or wrong."""
 
 
+def checkpoint_dir(config: TrainConfig) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(config.metrics.out_dir) / "checkpoints"
+
+
+def check_resumable(config: TrainConfig) -> None:
+    """`--resume` of a run that has no checkpoint directory: a `CheckpointError`, raised before
+    anything (the checkpoint or compilation-cache directory) is created."""
+    from dhp_jax.train.checkpoint import CheckpointError
+
+    path = checkpoint_dir(config)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume: no checkpoint in {str(path.resolve())!r} (no run was saved there; "
+                              f"drop --resume to start one)")
+
+
 @dataclasses.dataclass
 class RunResult:
     losses: list[float]
@@ -143,7 +159,10 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
                         num_micro_batches=p.num_micro_batches, full_size=p.full_size)
     pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
-    batch = pipeline.batch(0)
+    try:  # an unknown mix, a manifest path that is not there or a bad manifest line: one line, no traceback
+        batch = pipeline.batch(0)
+    except (ValueError, OSError) as e:
+        raise TrainError(f"data.dataset={config.data.dataset!r}: {e}") from None
     try:  # one plan now: a bad strategy or data setting is an error before anything is compiled
         plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(available))
     except (ValueError, TypeError) as e:
@@ -203,13 +222,14 @@ class Trainer:
         self._ran = ProgramCache()  # the executables of the plans of the steps run (what a checkpoint stores)
         self._local_ids = {d.id for d in self.devices if d.process_index == self.process_index}
         self.out_dir = Path(config.metrics.out_dir)
-        self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
+        self.ckpt_dir = checkpoint_dir(config)
         self._state = None
         self._update = None
         # Multi-process (jax.distributed): each step the processes agree on the plan hash and a
         # watchdog bounds the wait for a dead peer (see dhp_jax.train.distributed).
         self.step_timeout_s = float(step_timeout_s)
         self._sync = None
+        self._guard = None  # the Ctrl-C guard while run() runs (dhp_jax.train.interrupt)
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
@@ -247,7 +267,7 @@ class Trainer:
             self._sync.agree(done, digest)
         # compile outside the step's timing (and outside the multi-process watchdog)
         t0 = time.perf_counter()
-        new, missing = self._compile(item, state.params, on_compile)
+        new, missing = self._compile_waiting(item, state.params, on_compile)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
@@ -267,6 +287,27 @@ class Trainer:
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
                "num_compiles": self.executor.num_compiles}
         return state, rec
+
+    def _compile_waiting(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
+        """`_compile` on a helper thread while the main thread waits: `on_compile(missing, done,
+        elapsed_s)` shows the progress every quarter second, and Ctrl-C ends the wait at once
+        (`interrupt.SigintGuard`), leaving the compile to finish on its own."""
+        from dhp_jax.train.interrupt import wait_polling
+
+        first = self.executor.num_compiles
+        missing = [0]
+
+        def said(count: int) -> None:
+            missing[0] = count
+            if on_compile is not None:
+                on_compile(count)
+
+        def poll(elapsed_s: float) -> None:
+            if on_compile is not None and missing[0]:
+                on_compile(missing[0], self.executor.num_compiles - first, elapsed_s)
+
+        with self._guard.allowed() if self._guard is not None else contextlib.nullcontext():
+            return wait_polling(self._compile, (item, params, said), poll)
 
     def _compile(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
         """Build what the plan needs: (executables this call built, executables missing when the
@@ -290,6 +331,8 @@ class Trainer:
         from dhp_jax.train.planner_thread import PlannerThread
 
         cfg = self.config
+        if resume:
+            check_resumable(cfg)   # before the checkpointer creates its directory
         ckpt = self.checkpointer()
         try:
             latest = ckpt.latest_step()
@@ -338,15 +381,21 @@ class Trainer:
         t_run = time.perf_counter()
         records: list[dict] = []
         compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
+        # Ctrl-C: stop within seconds at a point where the state is whole, checkpoint the last
+        # finished step, raise RunInterrupted (dhp_jax.train.interrupt)
+        guard = self._guard = SigintGuard().__enter__()
+        interrupted = False
         try:
             with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
                                after_plan=self._compile_ahead(compiler)) as planned:
                 for item in planned:
-                    state, rec = self.train_step(state, item, on_compile=metrics.compiling)
-                    records.append(rec)
-                    self._ran.add_keys(self.plan_source.issued.pop(item.step, ()))
-                    for hook in hooks:
-                        hook(rec, item, state)
+                    with guard.deferred():  # a Ctrl-C here stops after this step
+                        state, rec = self.train_step(state, item, on_compile=metrics.compiling)
+                        records.append(rec)
+                        self._ran.add_keys(self.plan_source.issued.pop(item.step, ()))
+                        for hook in hooks:
+                            hook(rec, item, state)
+                    guard.check()
             metrics.close()
             loop_s = time.perf_counter() - t_run
             summary = self.summarize(earlier + records, loop_s, start)
@@ -364,8 +413,16 @@ class Trainer:
                 summary["time_s"]["wall"] = summary["wall_time_s"] = time.perf_counter() - t_run
             if records or earlier:  # never a summary without real figures
                 metrics.write_json("summary.json", summary)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise self._interrupted(ckpt, state, start + len(records), guard.forced,
+                                    [metrics.path] + ([plan_log.path] if plan_log is not None else []),
+                                    fresh=not (records or earlier)) from None
         finally:
-            compiler.shutdown(wait=True, cancel_futures=True)  # at most one compile in flight
+            guard.__exit__()
+            self._guard = None
+            # at most one compile in flight; after Ctrl-C it is left to finish on its own
+            compiler.shutdown(wait=not interrupted, cancel_futures=True)
             metrics.close()
             if plan_log is not None:
                 plan_log.close()
@@ -373,13 +430,45 @@ class Trainer:
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
 
+    def _interrupted(self, ckpt: Any, state: Any, done: int, forced: bool, logs: list[Path],
+                     fresh: bool) -> RunInterrupted:
+        """After Ctrl-C: checkpoint the last finished step `done` (unless it has one, or a second
+        Ctrl-C cut an update short, or peers would have to join the save), drop the run's logs
+        when they hold nothing, and say where the run can resume from."""
+        latest = ckpt.latest_step()
+        detail = ""
+        if done and latest != done and not forced and not self.multi_process:
+            ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
+                      run_config=self.config.to_dict())
+            latest = done
+        elif done and latest != done:
+            detail = f"step {done} has no checkpoint (" + ("stopped mid-update" if forced else "multi-process run") + ")"
+        if fresh:
+            for path in logs:   # nothing was written: leave no empty files behind
+                with contextlib.suppress(OSError):
+                    if path.stat().st_size == 0:
+                        path.unlink()
+        return RunInterrupted(done, self.config.steps, str(ckpt.directory / str(latest)) if latest else None, detail)
+
     # ------------------------------------------------------------------ hooks
-    @staticmethod
-    def _plan_log_hook(plan_log: Any):
+    def _plan_log_hook(self, plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
-                plan_log.write(item.step, item.plan)
+                plan_log.write(item.step, self.as_executed(item.plan, item.batch))
         return log_plan
+
+    def as_executed(self, plan: Any, batch: Any) -> Any:
+        """The plan as these devices ran it, the one format of plans.jsonl: a plan made at full token
+        counts (`planner.full_size`) gets the executed batch's tokens, the executor's buckets and one
+        node (`planner.programs.executed_view`); the decisions and estimates stay the planner's.
+        Other plans are logged as they are."""
+        if not self.plan_source.full_size:
+            return plan
+        from dhp_jax.planner.programs import executed_view
+
+        rank_of = {d.id: r for r, d in enumerate(self.devices)}
+        keys = [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
+        return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
 
     def _checkpoint_hook(self, ckpt: Any, stop: int):
         def save(rec: dict, item: Any, state: Any) -> None:
