@@ -10,8 +10,9 @@ device, the host adds 1 to `name`. A branch not taken never calls it; work run u
 calls it every time.
 
 Off (the default), `tick` traces nothing and the programs are unchanged. The mode is read when a
-function is traced: build the programs to count (a `jax.jit`, a `PlanExecutor`) inside the
-context; a program traced outside it counts nothing.
+function is traced: build the programs to count (a fresh `jax.jit`, a new `PlanExecutor`) inside
+the context; a program traced outside it counts nothing (a jitted function traced earlier is
+reused from JAX's cache), and one traced inside it keeps its callbacks (debug use only).
 
     with counting() as counts:
         jax.block_until_ready(jax.jit(f)(x))
@@ -24,9 +25,10 @@ import collections
 import contextlib
 import functools
 import threading
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
+import jax.numpy as jnp
 
 __all__ = ["Counts", "counting", "tick"]
 
@@ -34,7 +36,7 @@ _ACTIVE: list["Counts"] = []
 
 
 class Counts:
-    """Executions per name, added to by the host callbacks of the programs traced while counting."""
+    """Executions per name, added to by the host callbacks that run while this context is open."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()          # the callbacks of several devices run on their own threads
@@ -53,25 +55,32 @@ class Counts:
     def __getitem__(self, name: str) -> int:
         return self.as_dict().get(name, 0)
 
-    def reset(self) -> None:
-        jax.effects_barrier()
-        with self._lock:
-            self._n.clear()
-
 
 @contextlib.contextmanager
 def counting() -> Iterator[Counts]:
-    """Programs traced inside the context count their executed work into the yielded `Counts`."""
+    """Programs traced inside the context count their executed work; the callbacks that run while it
+    is open add to the yielded `Counts` (the innermost context, when they nest)."""
     counts = Counts()
     _ACTIVE.append(counts)
     try:
         yield counts
     finally:
-        _ACTIVE.remove(counts)
         jax.effects_barrier()
+        _ACTIVE.remove(counts)
 
 
-def tick(name: str) -> None:
-    """Call inside the branch that does the work: while `counting()`, each execution adds 1 to `name`."""
+def _executed(name: str, _: Any) -> None:
+    if _ACTIVE:                 # a program traced while counting, run after: counts nothing
+        _ACTIVE[-1]._add(name)
+
+
+def tick(name: str, data: jax.Array) -> None:
+    """Call inside the branch that does the work: while `counting()`, each execution adds 1 to `name`.
+
+    `data`: an array the branch reads that changes from one loop iteration to the next (a tile, a
+    chunk). The callback takes one element of it: a callback on no operand is loop-invariant, and
+    autodiff's partial evaluation hoists such work out of a loop, so it would run once instead of
+    once per iteration, wherever the branch sits.
+    """
     if _ACTIVE:
-        jax.debug.callback(functools.partial(_ACTIVE[-1]._add, name))
+        jax.debug.callback(functools.partial(_executed, name), jnp.ravel(data)[0])

@@ -210,7 +210,7 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
 
     def project(pp, xc, pos):
         if chunked:                    # a live chunk's work ran (`executed`: counted only in debug mode)
-            tick("linear_chunks")
+            tick("linear_chunks", xc)
         a = pp["attn"]
         y = rms_norm(xc, pp["attn_norm"]["scale"], shape.eps)
         q = (y @ a["q"]["kernel"]).reshape(-1, h, hd)
@@ -220,7 +220,7 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
 
     def finish(pp, xc, oc):
         if chunked:
-            tick("linear_chunks")
+            tick("linear_chunks", xc)
         a, m = pp["attn"], pp["mlp"]
         y = xc + oc @ a["o"]["kernel"]
         z = rms_norm(y, pp["mlp_norm"]["scale"], shape.eps)
