@@ -69,18 +69,18 @@ def counting() -> Iterator[Counts]:
         _ACTIVE.remove(counts)
 
 
-def _executed(name: str, _: Any) -> None:
+def _executed(name: str, *_: Any) -> None:
     if _ACTIVE:                 # a program traced while counting, run after: counts nothing
         _ACTIVE[-1]._add(name)
 
 
-def tick(name: str, data: jax.Array) -> None:
+def tick(name: str, *data: jax.Array) -> None:
     """Call inside the branch that does the work: while `counting()`, each execution adds 1 to `name`.
 
-    `data`: an array the branch reads that changes from one loop iteration to the next (a tile, a
-    chunk). The callback takes one element of it: a callback on no operand is loop-invariant, and
-    autodiff's partial evaluation hoists such work out of a loop, so it would run once instead of
-    once per iteration, wherever the branch sits.
+    `data`: the arrays the branch reads that change from one loop iteration to the next (a tile of
+    each loop it sits in, a chunk). The callback takes one element of each: a callback on no operand
+    is loop-invariant, and autodiff's partial evaluation hoists such work out of a loop, so it would
+    run once instead of once per iteration, wherever the branch sits.
     """
     if _ACTIVE:
-        jax.debug.callback(functools.partial(_executed, name), jnp.ravel(data)[0])
+        jax.debug.callback(functools.partial(_executed, name), *(jnp.ravel(d)[0] for d in data))

@@ -122,7 +122,7 @@ def fold(state, qs: Queries, blk: Block):
             k, v, kid, ok = ys
 
             def compute(st):
-                tick("tile_pairs_fwd", k)
+                tick("tile_pairs_fwd", q, k)
                 m, l, o = st
                 mask = attention_mask(qid, kid)                                 # mask[t, t]
                 s = jnp.einsum("hqd,hkd->hqk", q, k)
@@ -164,7 +164,7 @@ def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: 
             q, qid, do_i, lse_i, delta_i, ok = ys
 
             def compute(carry):
-                tick("tile_pairs_bwd", q)
+                tick("tile_pairs_bwd", q, k)
                 dk, dv = carry
                 mask = attention_mask(qid, kid)
                 s = jnp.einsum("hqd,hkd->hqk", q, k)
