@@ -41,6 +41,11 @@ STATE_BYTES_PER_PARAM = 16       # fp32 master + two fp32 Adam moments + fp32 gr
 REMAT_PASSES = {"none": (3.0, 3.0), "layer": (4.0, 4.0), "selective": (4.0, 3.0)}
 LOSS_CHUNK = 512                 # tokens per LM-head chunk (dhp_jax.model.mllm.LOSS_CHUNK)
 INT_COLUMNS = 8                  # int32 input columns per token (dhp_jax.sharding.executor)
+# The step's reduce-scatter takes a device's gradient row in pieces (`reduce_pieces`): one piece is
+# at most REDUCE_PIECE_BYTES in fp32 (internvl3-8b over 64 ranks: 120 pieces), and a row is cut
+# into at least MIN_REDUCE_PIECES, so even a small model's row is never held whole in fp32.
+REDUCE_PIECE_BYTES = 256 * 2**20
+MIN_REDUCE_PIECES = 4
 
 
 def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str,
@@ -143,6 +148,31 @@ def program_static_bytes(params: float, compute_bytes: int, gradient_bytes: floa
     compute dtype (XLA allocates the outputs for the whole program), plus `gradient_bytes` of the
     gradients that exist at the time (`backward_bytes` or `assemble_bytes`)."""
     return 2.0 * params * compute_bytes + gradient_bytes
+
+
+def reduce_pieces(padded: int, shards: int, piece_bytes: int = REDUCE_PIECE_BYTES) -> tuple[int, int]:
+    """(c, k) of the step's reduce-scatter of a row of `padded` elements over `shards` devices: the
+    row seen as [shards, padded / shards] is reduce-scattered in k pieces of c columns (each cast
+    to fp32 on its own), then the tail of padded / shards - k c columns; one piece is [shards, c]
+    fp32, at most `piece_bytes`."""
+    shard = padded // shards
+    k = min(max(MIN_REDUCE_PIECES, -(-4 * padded // piece_bytes)), max(shard, 1))
+    return shard // k, k
+
+
+def reduce_bytes(params: float, compute_bytes: int, state_shards: int) -> float:
+    """Bytes per device of the reduction of one micro-batch, besides the state: the gathered params
+    (still held for the next micro-batch), the device's gradient row (compute dtype) and one piece
+    of it in fp32 with its reduce-scattered part (`reduce_pieces`)."""
+    padded = -(-int(params) // state_shards) * state_shards
+    c, _ = reduce_pieces(padded, state_shards)
+    return 2.0 * params * compute_bytes + 4.0 * c * (state_shards + 1)
+
+
+def update_bytes(params: float, state_shards: int) -> float:
+    """Bytes per device of the optimizer update besides the state (donated, updated in place): the
+    clipped gradient shard it computes before AdamW (fp32)."""
+    return 4.0 * params / state_shards
 
 
 def state_bytes(params: float, state_shards: int) -> float:
