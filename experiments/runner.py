@@ -38,6 +38,7 @@ REGISTRY: dict[str, str] = {
     "tail_sweep": "experiments.exp_tail_sweep",
     "attention_choice": "experiments.exp_attention_choice",
     "compiles": "experiments.exp_compiles",
+    "memory": "experiments.exp_memory",
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")

@@ -9,6 +9,7 @@ from dhp_jax.data import Sample, Segment, random_samples
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.executor import row_dtype
 
 C = MLLMConfig.preset("tiny")
 LENGTHS = [37, 1, 22, 50, 9, 31, 17, 26]      # group totals are not multiples of their degrees
@@ -110,7 +111,7 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=ex.sharded)
     gather = ex._jit("gather").lower(master).compile().as_text()
     assert "all-gather" in gather and "all-reduce" not in gather
-    rows = jax.ShapeDtypeStruct((8, P_pad), ex.compute_dtype, sharding=ex.sharded)
+    rows = jax.ShapeDtypeStruct((8, P_pad), row_dtype(ex.compute_dtype), sharding=ex.sharded)
     stats = jax.ShapeDtypeStruct((8, 2), np.float32, sharding=ex.sharded)
     hlo = ex._jit("accumulate").lower(master, stats, rows, stats).compile().as_text()
     assert "reduce-scatter" in hlo
@@ -127,13 +128,15 @@ def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
 
     ex, params, samples, ref = setup
     P_pad, n = ex.layout.padded, 8
-    master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=ex.sharded)
-    rows = jax.ShapeDtypeStruct((n, P_pad), ex.compute_dtype, sharding=ex.sharded)
-    stats = jax.ShapeDtypeStruct((n, 2), np.float32, sharding=ex.sharded)
-    m = ex._jit("accumulate").lower(master, stats, rows, stats).compile().memory_analysis()
-    c, _ = reduce_pieces(P_pad, n)
-    # temp: one fp32 piece [N, c] and its scattered part, against 4 P_pad for an fp32 copy of the row
-    assert m.temp_size_in_bytes <= 4 * c * (n + 1) + 4096 < 4 * P_pad / 2, (m.temp_size_in_bytes, 4 * P_pad)
+    for dtype in ("bfloat16", "float32"):
+        x = PlanExecutor(C, compute_dtype=dtype)
+        master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=x.sharded)
+        rows = jax.ShapeDtypeStruct((n, P_pad), row_dtype(x.compute_dtype), sharding=x.sharded)
+        stats = jax.ShapeDtypeStruct((n, 2), np.float32, sharding=x.sharded)
+        m = x._jit("accumulate").lower(master, stats, rows, stats).compile().memory_analysis()
+        c, _ = reduce_pieces(P_pad, n)
+        # temp: one fp32 piece [N, c] and its scattered part, against 4 P_pad for an fp32 copy of the row
+        assert m.temp_size_in_bytes <= 4 * c * (n + 1) + 4096 < 4 * P_pad / 2, (dtype, m.temp_size_in_bytes, 4 * P_pad)
 
     seen = []                        # (micro-batches dispatched, live gradient rows per device) per reduction
     dispatched = []

@@ -345,6 +345,18 @@ class CostModel:
         last = engine_memory.program_static_bytes(self.param_count, self.compute_bytes, self.assemble_bytes)
         return max(self.program_static_bytes + self.memory(lengths, degree), last)
 
+    def step_bytes(self, groups: Sequence[tuple[Sequence[int], int] | None]) -> float:
+        """Peak bytes per device of a training step besides the state shard (`state_bytes`): the
+        device's group program of each micro-batch (`groups[m]`: (lengths, degree) of its group,
+        None if idle), each micro-batch's reduction, the gather and the update, as the engine
+        runs them (`planner.memory.step_phases`)."""
+        return max(b for _, b in self.step_phases(groups))
+
+    def step_phases(self, groups: Sequence[tuple[Sequence[int], int] | None]) -> list[tuple[str, float]]:
+        """(phase, bytes besides the state) of a device's step, in order (`step_bytes`)."""
+        programs = [None if g is None else self.program_bytes(g[0], g[1]) for g in groups]
+        return engine_memory.step_phases(programs, self.param_count, self.compute_bytes, self.state_shards)
+
     # ------------------------------------------------------------------ the model
     def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

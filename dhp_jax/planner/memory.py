@@ -30,7 +30,7 @@ keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 REMATS = ("none", "layer", "selective")
 COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -160,19 +160,49 @@ def reduce_pieces(padded: int, shards: int, piece_bytes: int = REDUCE_PIECE_BYTE
     return shard // k, k
 
 
-def reduce_bytes(params: float, compute_bytes: int, state_shards: int) -> float:
-    """Bytes per device of the reduction of one micro-batch, besides the state: the gathered params
-    (still held for the next micro-batch), the device's gradient row (compute dtype) and one piece
-    of it in fp32 with its reduce-scattered part (`reduce_pieces`)."""
+def gather_bytes(params: float, compute_bytes: int) -> float:
+    """Bytes per device of the step's all-gather besides the state: the gathered params in the
+    compute dtype, and for a 2-byte dtype the bit-cast copy XLA:CPU makes of them."""
+    return params * compute_bytes * (2.0 if compute_bytes < 4 else 1.0)
+
+
+def reduce_bytes(params: float, compute_bytes: int, state_shards: int, params_held: bool = True) -> float:
+    """Bytes per device of the reduction of one micro-batch, besides the state: the device's
+    gradient row (compute dtype), one piece of it in fp32 with its reduce-scattered part
+    (`reduce_pieces`), and the gathered params while a later micro-batch still needs them."""
     padded = -(-int(params) // state_shards) * state_shards
     c, _ = reduce_pieces(padded, state_shards)
-    return 2.0 * params * compute_bytes + 4.0 * c * (state_shards + 1)
+    return params * compute_bytes * (2.0 if params_held else 1.0) + 4.0 * c * (state_shards + 1)
+
+
+def finish_bytes(params: float, state_shards: int) -> float:
+    """Bytes per device after the last reduction, besides the state: the mean gradient shard
+    (fp32), made next to the accumulator it is divided from."""
+    return 4.0 * params / state_shards
 
 
 def update_bytes(params: float, state_shards: int) -> float:
-    """Bytes per device of the optimizer update besides the state (donated, updated in place): the
-    clipped gradient shard it computes before AdamW (fp32)."""
+    """Bytes per device of the optimizer update besides the state (donated, updated in place): one
+    fp32 shard-sized temporary (the clipped update before it is applied)."""
     return 4.0 * params / state_shards
+
+
+def step_phases(programs: Sequence[float], params: float, compute_bytes: int, state_shards: int
+                ) -> list[tuple[str, float]]:
+    """A device's bytes besides the state through one step, in the order it runs them: the
+    all-gather, then per micro-batch its group program (`programs[m]`: bytes of the program, None
+    if the device is idle in it) and the reduction of its gradient row, then the update. A device
+    holds one row at a time: each micro-batch's reduction runs before its next group program. The
+    step's peak is the largest of these (`CostModel.step_bytes`); the state comes on top."""
+    out = [("gather", gather_bytes(params, compute_bytes))]
+    for m, prog in enumerate(programs):
+        if prog is not None:
+            out.append((f"micro-batch {m} group program", float(prog)))
+        out.append((f"micro-batch {m} reduction",
+                    reduce_bytes(params, compute_bytes, state_shards, params_held=m + 1 < len(programs))))
+    out.append(("finish", finish_bytes(params, state_shards)))
+    out.append(("update", update_bytes(params, state_shards)))
+    return out
 
 
 def state_bytes(params: float, state_shards: int) -> float:

@@ -11,7 +11,7 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    copy), the layout put on the sub-mesh sharded over `cp` as two arrays, and the executable for
    (degree, bucket, devices). The group program (shard_map + ring attention) returns, per device,
    stats f32[1, 2] (loss sum, loss-token count) and the gradient of its loss sum grads[1, P_pad]
-   in the compute dtype.
+   in the compute dtype (a bf16 row bit-cast to uint16, `row_dtype`).
 3. Micro-batch by micro-batch: its groups are dispatched, then its reduction is enqueued before the
    next micro-batch's groups, so a device's gradient row is consumed before that device starts its
    next group program (a device runs what it is given in order) and the step holds at most one row
@@ -97,7 +97,8 @@ def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
 def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
                   attn: Callable[..., jax.Array] | None = None):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
-    (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype).
+    (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype, a
+    2-byte dtype bit-cast to its unsigned integer (`row_dtype`)).
 
     `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`)."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
@@ -125,9 +126,21 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
         # gradient is taken piece by piece (the stacks' pieces get their stacked gradients as
         # they are) and the row is their concatenation: no zero-padded parts summed.
         value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
-        return jnp.stack([value, jnp.sum(weights)])[None], jnp.concatenate(grads)[None]
+        row = jnp.concatenate(grads)
+        if row_dtype(row.dtype) != row.dtype:
+            # the reduction reads the row piece by piece: as uint16 no compiler widens it whole
+            # (XLA:CPU has no bf16 slicing, it would copy the whole row to fp32 first)
+            row = lax.bitcast_convert_type(row, row_dtype(row.dtype))
+        return jnp.stack([value, jnp.sum(weights)])[None], row[None]
 
     return body
+
+
+def row_dtype(compute_dtype: Any) -> Any:
+    """How a group program returns its gradient row and the gather moves the params: a 2-byte
+    compute dtype bit-cast to uint16 (XLA:CPU computes bf16 in fp32 and would widen a whole bf16
+    vector before slicing or moving it), fp32 as itself."""
+    return jnp.dtype(jnp.uint16) if jnp.dtype(compute_dtype).itemsize == 2 else jnp.dtype(compute_dtype)
 
 
 class PlanExecutor:
@@ -324,7 +337,8 @@ class PlanExecutor:
                 grid = row.reshape(n, shard)
 
                 def piece(start, width, acc):
-                    part = lax.dynamic_slice_in_dim(grid, start, width, axis=1).astype(jnp.float32)
+                    part = lax.dynamic_slice_in_dim(grid, start, width, axis=1)
+                    part = lax.bitcast_convert_type(part, cd).astype(jnp.float32)
                     got = lax.psum_scatter(part, DP_AXIS, scatter_dimension=0, tiled=True)[0]
                     return lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, start, width) + got,
                                                            start, 0)
@@ -337,6 +351,12 @@ class PlanExecutor:
                                     out_specs=P(DP_AXIS))(acc, rows)
                 return acc, sacc + stats
 
+            def gather(shard):
+                # cast the shard, then all-gather it (bf16 as uint16, `row_dtype`): no fp32 copy of
+                # the whole vector
+                got = lax.all_gather(lax.bitcast_convert_type(shard.astype(cd), row_dtype(cd)), DP_AXIS, tiled=True)
+                return lax.bitcast_convert_type(got, cd)
+
             def finish(acc, stats):
                 total = jnp.sum(stats, axis=0)                  # [loss sum, count]: 2N floats all-reduced
                 return total[0] / total[1], acc / total[1]
@@ -344,7 +364,8 @@ class PlanExecutor:
             rep, shd = self.replicated, self.sharded
             self._jits.update(
                 shard=jax.jit(lambda p: lay.ravel(p), out_shardings=shd),
-                gather=jax.jit(lambda m: m.astype(cd), out_shardings=rep),
+                gather=jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(DP_AXIS), out_specs=P(), check_vma=False),
+                               out_shardings=rep),
                 unshard=jax.jit(lambda g: lay.unravel(g), out_shardings=rep),
                 zeros=jax.jit(lambda: (jnp.zeros((lay.padded,), jnp.float32), jnp.zeros((n, 2), jnp.float32)),
                               out_shardings=(shd, shd)),
@@ -404,7 +425,7 @@ class PlanExecutor:
         z = self._zeros.get(device)
         if z is None:
             z = self._zeros[device] = (jax.device_put(np.zeros((1, 2), np.float32), device),
-                                       jax.jit(lambda: jnp.zeros((1, self.layout.padded), self.compute_dtype),
+                                       jax.jit(lambda: jnp.zeros((1, self.layout.padded), row_dtype(self.compute_dtype)),
                                                out_shardings=jax.sharding.SingleDeviceSharding(device)))
         return z[0], z[1]()
 

@@ -154,16 +154,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only JSON")
 
 
-def run(args: argparse.Namespace) -> int:
+def use_cpu_devices(count: int) -> None:
+    """Ask for `count` fake CPU devices, if jax is not imported yet (later it is too late)."""
     import sys
-
-    from dhp_jax.planner import CostModel
 
     if "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dhp_jax.planner import CostModel
+
+    use_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=args.remat, compute_dtype=args.dtype,
