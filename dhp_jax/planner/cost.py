@@ -623,11 +623,15 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
 def _budget(usable: float, params: float, el: int, backward: float, assemble: float, fixed: float, shards: int,
             require_fit: bool) -> tuple[float, float]:
     """(memory_budget, static bytes) of a preset: the usable bytes less every token-independent byte
-    of the blocks' phase; the last phase (no activations) must fit too. A model that does not fit
+    of the blocks' phase; the last phase and the step's phases outside the group program (no
+    activations) must fit too. A model that does not fit
     gets a budget <= 0, or 1 byte when `require_fit` is False (the memory bench sizes such programs)."""
     static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
     budget = usable - static
     last = engine_memory.program_static_bytes(params, el, assemble) + engine_memory.state_bytes(params, shards)
+    # the step's other phases (gather, a reduction with the params still held) hold no activations
+    between = max(engine_memory.gather_bytes(params, el), engine_memory.reduce_bytes(params, el, shards))
+    last = max(last, between + engine_memory.state_bytes(params, shards))
     if last > usable:
         budget = min(budget, usable - last)
     return (1.0 if budget <= 0 and not require_fit else budget), static

@@ -19,6 +19,13 @@ The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) hold
   Attention holds O(S_l x tile) temporaries (custom-VJP tiled ring: output + log-sum-exp per query
   saved), so attention adds a per-token term, not S_l^2.
 
+- the step around the group programs (`step_phases`): the all-gather of the params, then per
+  micro-batch the device's group program and the reduction of its gradient row (the row in the
+  compute dtype and one fp32 piece of it, `reduce_pieces`; the executor reduces a micro-batch
+  before the device starts its next one, so one row is held at a time), then the mean gradient and
+  the optimizer update. `CostModel.step_bytes` is the largest of these besides the state;
+  `dhp bench memory --step` measures the same sequence from the compiled programs.
+
 Counts are per local token. What the blocks keep for their backward pass is loop state of the
 block scans (`dhp_jax.model.mllm.block_stack`), stored in the compute dtype (cb bytes; bit-cast,
 so no compiler widens it); the working set of the one block live at a time and the rest are in

@@ -10,7 +10,8 @@ what a shallow one does (internvl3-2b: about 20 s on CPU) and the bench compiles
 linearly (rows say `"extrapolated": true`). On CPU devices the bench compiles
 with XLA:CPU's memory-minimising scheduler (`CPU_MEMORY_SCHEDULER`). `"fits"` answers the sizing
 question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
-compiled bytes + the state shard against the device's usable bytes.
+compiled bytes + the state shard against the device's usable bytes. A whole step (every program
+it runs, in dispatch order) is `dhp bench memory --step` (`dhp_jax.train.step_memory`).
 """
 
 from __future__ import annotations
