@@ -232,9 +232,10 @@ def memory(r: dict[str, Any]) -> str:
     head = " / ".join(f"{t // 1024}k" for t in tokens)
     lines = [f"| model | degree | compiled GB ({head} tokens) | CostModel GB | error |", "|---|---|---|---|---|"]
     for (model, degree), d in by.items():
-        lines.append(f"| {model} | {degree} | {cells(d, lambda x: f'{x['compiled_bytes'] / 1e9:.1f}')} | "
-                     f"{cells(d, lambda x: f'{x['model_bytes'] / 1e9:.1f}')} | "
-                     f"{cells(d, lambda x: f'{100 * x['rel_error']:+.1f}%')} |")
+        got = cells(d, lambda x: format(x["compiled_bytes"] / 1e9, ".1f"))
+        want = cells(d, lambda x: format(x["model_bytes"] / 1e9, ".1f"))
+        err = cells(d, lambda x: format(100 * x["rel_error"], "+.1f") + "%")
+        lines.append(f"| {model} | {degree} | {got} | {want} | {err} |")
     lines += ["", "| model | degree | tokens per micro-batch | micro-batches | compiled step peak GB | "
                   "CostModel.step_bytes GB | error | + state GB | of usable GB | peak in |",
               "|---|---|---|---|---|---|---|---|---|---|"]
