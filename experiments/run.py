@@ -1,6 +1,7 @@
-"""Run experiment configs: `python -m experiments.run CONFIG.yaml [--tiny] [--out DIR] [key=value ...]`.
+"""Run experiment configs: `python -m experiments.run CONFIG.yaml [--tiny] [--out DIR] [--report] [key=value ...]`.
 
-`python -m experiments.run --all` regenerates every result under experiments/results/.
+`python -m experiments.run --all` regenerates every result under experiments/results/; `--report`
+then rewrites the tables of experiments/REPORT.md from them (`python -m experiments.report`).
 """
 
 from __future__ import annotations
