@@ -24,15 +24,16 @@ def _bench(args: list[str], log: Callable[[str], None]) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def run(cfg: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
+def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
     del seed                                                        # nothing random: compiled sizes
-    common = ["--hardware", cfg["hardware"], "--state-shards", str(cfg["state_shards"])]
-    common += ["--extrapolate"] if cfg["extrapolate"] else []
-    program = _bench([*(a for m in cfg["models"] for a in ("--model", m)),
-                      "--degrees", ",".join(map(str, cfg["degrees"])), "--tokens", ",".join(map(str, cfg["tokens"])),
-                      *common, *([] if cfg["fits"] else ["--no-fits"])], log)
-    step = _bench(["--step", "--rows", ";".join(f"{m},{d},{t}" for m, d, t in cfg["step_rows"]),
-                   "--micro-batches", ",".join(map(str, cfg["micro_batches"])), *common], log)
+    common = ["--hardware", p["hardware"], "--state-shards", str(p["state_shards"])]
+    common += ["--extrapolate"] if p["extrapolate"] else []
+    models = [arg for m in p["models"] for arg in ["--model", m]]
+    program = _bench([*models,
+                      "--degrees", ",".join(map(str, p["degrees"])), "--tokens", ",".join(map(str, p["tokens"])),
+                      *common, *([] if p["fits"] else ["--no-fits"])], log)
+    step = _bench(["--step", "--rows", ";".join(f"{m},{d},{t}" for m, d, t in p["step_rows"]),
+                   "--micro-batches", ",".join(map(str, p["micro_batches"])), *common], log)
     worst = max(program["rows"], key=lambda r: abs(r["rel_error"]))
     worst_step = max(step["rows"], key=lambda r: abs(r["rel_error"]))
     summary = [f"group program: worst model error {worst['rel_error']:+.1%} over {len(program['rows'])} rows "
