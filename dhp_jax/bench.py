@@ -15,7 +15,8 @@ TARGETS: dict[str, tuple[str, str]] = {
     "data": ("dhp_jax.data.loader_bench", "fine-tuning loader: samples/s and tokens/s of images and short videos"),
     "attention": ("dhp_jax.train.attention_bench",
                   "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
-    "memory": ("dhp_jax.sharding.memory_bench", "compiled bytes of the group program vs the CostModel memory"),
+    "memory": ("dhp_jax.train.step_memory",
+               "compiled bytes of the group program (--step: of a whole step) vs the CostModel memory"),
     "ulysses": ("dhp_jax.train.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
     "compiles": ("dhp_jax.train.compiles_bench", "programs, executables per process and padding of DHP plans"),
 }

@@ -206,6 +206,34 @@ def _compiles_executables(row: Row, r: dict[str, Any]) -> str:
             f"{row['executables_per_program_per_process_max_early']:.2f}x)")
 
 
+def memory(r: dict[str, Any]) -> str:
+    """The group program table (compiled vs CostModel.program_bytes by model and degree, one cell per
+    token count) and the whole-step table (compiled step peak vs CostModel.step_bytes)."""
+    tokens = r["config"]["tokens"]
+    by = {}
+    for row in r["rows"]:
+        by.setdefault((row["model"], row["degree"]), {})[row["tokens"]] = row
+    cells = lambda d, f: " / ".join(f(d[t]) if t in d else "—" for t in tokens)  # noqa: E731
+    head = " / ".join(f"{t // 1024}k" for t in tokens)
+    lines = [f"| model | degree | compiled GB ({head} tokens) | CostModel GB | error |", "|---|---|---|---|---|"]
+    for (model, degree), d in by.items():
+        got = cells(d, lambda x: format(x["compiled_bytes"] / 1e9, ".1f"))
+        want = cells(d, lambda x: format(x["model_bytes"] / 1e9, ".1f"))
+        err = cells(d, lambda x: format(100 * x["rel_error"], "+.1f") + "%")
+        lines.append(f"| {model} | {degree} | {got} | {want} | {err} |")
+    lines += ["", "| model | degree | tokens per micro-batch | micro-batches | compiled step peak GB | "
+                  "CostModel.step_bytes GB | error | + state GB | of usable GB | peak in |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in r["step_rows"]:
+        total = (row["compiled_step_bytes"] + row["state_bytes"]) / 1e9
+        lines.append(f"| {row['model']} | {row['degree']} | {row['tokens']} | {row['micro_batches']} | "
+                     f"{row['compiled_step_bytes'] / 1e9:.2f} | {row['model_step_bytes'] / 1e9:.2f} | "
+                     f"{100 * row['rel_error']:+.1f}% | **{total:.2f}** ({'fits' if row['fits'] else 'does NOT fit'}) | "
+                     f"{row['usable_bytes'] / 1e9:.2f} | {row['peak_phase']}"
+                     f"{' (extrapolated depth)' if row['extrapolated'] else ''} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": Table(_end_to_end_columns),
     "scaling": Table([
@@ -260,6 +288,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
         ("step (s)", num("step_s")), ("unpadded (s)", num("step_s_unpadded")),
         ("lost to the rule and placement (of which: menu degrees / padding)", _compiles_lost),
         ("how", how("result"))]),
+    "memory": memory,
 }
 
 # Tables that already say everything skip the per-row summary lines.

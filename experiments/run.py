@@ -1,6 +1,7 @@
-"""Run experiment configs: `python -m experiments.run CONFIG.yaml [--tiny] [--out DIR] [key=value ...]`.
+"""Run experiment configs: `python -m experiments.run CONFIG.yaml [--tiny] [--out DIR] [--report] [key=value ...]`.
 
-`python -m experiments.run --all` regenerates every result under experiments/results/.
+`python -m experiments.run --all` regenerates every result under experiments/results/; `--report`
+then rewrites the tables of experiments/REPORT.md from them (`python -m experiments.report`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="apply each config's tiny: block (seconds)")
     p.add_argument("--out", default=None, help="output folder (default experiments/results/)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--report", action="store_true",
+                   help="then rewrite the REPORT.md tables from the results (python -m experiments.report)")
     return p
 
 
@@ -49,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"   wrote {out / (exp.name + '.json')} in {time.perf_counter() - t0:.1f} s", flush=True)
         for line in res.get("summary", []):
             print("   " + line)
+    if args.report:
+        from experiments.report import update
+
+        print(f"   updated the REPORT.md tables {', '.join(update())}")
     return 0
 
 

@@ -42,6 +42,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "tail_sweep": ("experiments.exp_tail_sweep", "e10_tail_sweep.yaml"),
     "attention_choice": ("experiments.exp_attention_choice", "e11_attention_choice.yaml"),
     "compiles": ("experiments.exp_compiles", "e12_compiles.yaml"),
+    "memory": ("experiments.exp_memory", "memory_bench.yaml"),
 }
 
 RESERVED = ("kind", "experiment", "seed", "name", "tiny")

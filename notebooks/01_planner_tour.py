@@ -136,16 +136,16 @@ print(plans["dhp"].to_json()[:400], "...")
 # all-reduce over all ranks (grey). Ranks idle inside a micro-batch show as white gaps.
 
 # %%
-def draw_plan(ax, plan: Plan, cost: CostModel, title: str = "") -> float:
-    """The planner's ranks x time drawing, with the step's gradient all-reduce at the end."""
-    return draw_plan_on(ax, plan, cost.allreduce_time(plan.num_ranks), title)
+def draw_plan(ax, plan: Plan, cost: CostModel, title: str = "", key: bool = True) -> float:
+    """The planner's ranks x time drawing, with the step's gradient all-reduce at the end (grey)."""
+    return draw_plan_on(ax, plan, cost.allreduce_time(plan.num_ranks), title, key=key)
 
 
 fig, axes = plt.subplots(len(plans), 1, figsize=(10, 2.3 * len(plans)), sharex=True, layout="constrained")
 ends = []
 for ax, (strategy, plan) in zip(axes, plans.items()):
     ends.append(draw_plan(ax, plan, cost, f"{strategy}: {plan.est_step_time_s:.1f} s, "
-                                          f"{len(plan.micro_batches)} micro-batch(es)"))
+                                          f"{len(plan.micro_batches)} micro-batch(es)", key=False))
     assert np.isclose(ends[-1], plan.est_step_time_s), strategy  # the picture adds up to the estimate
     ax.label_outer()
 axes[0].set_xlim(0, max(ends) * 1.02)

@@ -74,7 +74,7 @@ def table(r: dict) -> None:
 print("results folder:", RESULTS)
 for p in sorted(RESULTS.glob("*.json")):
     r = json.loads(p.read_text())
-    # experiments record their commit; a bench's JSON kept here (memory_bench.json) records its command
+    # experiments record their commit (memory_bench.json too, since experiments/configs/memory_bench.yaml)
     source = (f"commit {r['versions'].get('dhp_jax_commit')}" if "versions" in r
               else f"`{r.get('command', '?')}`")
     print(f"  {p.name:<28} {r.get('label', '?'):<62} {source}, {r.get('created_utc', '?')}")

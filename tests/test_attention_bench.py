@@ -1,4 +1,4 @@
-"""`dhp bench attention`: the tile figure, the memory probe on a small case, the CPU answer of
+"""`dhp bench attention`: the tile figures (allowed and executed), the memory probe on a small case, the CPU answer of
 --device-check (the GPU run itself is a prepared script, never run by the tests)."""
 
 import subprocess
@@ -11,9 +11,12 @@ from dhp_jax.train import attention_bench
 
 
 def test_tiles_of_a_causal_sample_on_a_zigzag_ring():
+    """The NumPy count of allowed pairs is the causal triangle, and the kernel executed exactly those,
+    forward and backward (counted as they ran)."""
     t = attention_bench.tiles(tokens=4096, degree=8, tile=128)
     n = 8 * 4                                     # 4 tiles of 128 per device
     assert t["dense_pairs"] == n * n and t["computed_pairs"] == n * (n + 1) // 2
+    assert t["executed_pairs_forward"] == t["executed_pairs_backward"] == t["computed_pairs"]
 
 
 def test_temp_memory_is_read_from_the_compiled_program_without_params():

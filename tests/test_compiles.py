@@ -78,6 +78,18 @@ def test_program_cache_counts_by_hand():
         group_keys(Plan(8, (MicroBatch((Group((0,), 1, (0,)),)),)))
 
 
+def test_program_cache_records_the_buckets_the_executor_runs_and_round_trips():
+    # a plan made at full token counts: the executor runs its groups in its own buckets (`executed`)
+    plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])
+    c = ProgramCache(executed=lambda degree, ids: 8 * degree * len(ids))
+    assert c.keys(plan) == [(3, 24, (0, 1, 2), "ring"), (2, 16, (3, 4), "ring")]
+    assert c.add(plan) == 2 and c.programs == {(3, 24, "ring"), (2, 16, "ring")}
+    assert c.new_programs([(2, 16, (5, 6), "ring"), (2, 64, (3, 4), "ring")]) == {(2, 64, "ring")}
+    again = ProgramCache()
+    again.add_keys(json.loads(json.dumps(c.to_json())))       # what a checkpoint stores and restores
+    assert (again.executables, again.programs) == (c.executables, c.programs)
+
+
 def _profile(t, rpn=8):
     """(inside one node?, sorted part sizes per node): what a group's time depends on."""
     parts = {}
@@ -208,60 +220,6 @@ def test_bench_compiles_menu_json(capsys):
     assert out["menu_programs"] <= 10 and len(out["menu"]) <= 5 and out["menu_kinds"]
     assert out["off_menu_programs"] == 0 and out["placement"]["programs"] <= out["menu_programs"]
     assert main(["bench", "compiles", "--steps", "1", "--max-degrees", "0"]) == 2
-
-
-def test_promote_runs_a_plan_on_compiled_executables_only():
-    from dhp_jax.planner.programs import promote
-
-    plan = _plan([((0, 1, 2), 96), ((3, 4), 64)])          # tokens 95 and 63
-    have = {(3, 96, (0, 1, 2), "ring"), (2, 128, (3, 4), "ring"), (2, 64, (5, 6), "ring")}
-    out = promote(plan, have)                              # the free (5, 6) has the smaller bucket
-    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (64, (5, 6))]
-    assert out.solver["promoted_groups"] == 1 and set(group_keys(out)) <= have
-    out = promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 128, (3, 4), "ring")})  # its own ranks, a larger bucket
-    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(96, (0, 1, 2)), (128, (3, 4))]
-    assert promote(plan, have | {(2, 64, (3, 4), "ring")}) is plan  # everything compiled: unchanged
-    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 62, (3, 4), "ring")}) is None  # too small a bucket
-    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 64, (1, 2), "ring")}) is None  # its ranks are taken
-    # a compiled program of another attention kind never serves the group
-    assert promote(plan, {(3, 96, (0, 1, 2), "ring"), (2, 64, (5, 6), "ulysses")}) is None
-    # two groups of one degree trade device sets: the larger takes the larger compiled bucket
-    two = _plan([((0,), 32), ((1,), 16)])
-    out = promote(two, {(1, 16, (0,), "ring"), (1, 32, (1,), "ring")})
-    assert [(g.padded_tokens, g.ranks) for g in out.groups] == [(16, (0,)), (32, (1,))]
-    # no compiled bucket of its degree holds it: a larger degree on idle ranks of one node does
-    out = promote(two, {(1, 16, (0,), "ring"), (1, 16, (1,), "ring"), (2, 64, (4, 5), "ring"),
-                        (2, 64, (9, 10), "ring")})
-    assert [(g.degree, g.padded_tokens, g.ranks) for g in out.groups] == [(1, 16, (1,)), (2, 64, (4, 5))]
-    cost = CostModel.preset("internvl3-8b", "ascend-910b")
-    big = int(cost.max_tokens_per_rank * 2) + 100
-    over = {(3, 96, (0, 1, 2), "ring"), (2, big, (3, 4), "ring")}
-    assert promote(plan, over, cost) is None  # over the memory budget
-
-
-def test_executed_view_and_pack_on_run_a_plan_on_compiled_executables():
-    from dhp_jax.planner.programs import executed_view, pack_on, promote
-
-    # a plan made at full token counts (tokens 95 and 63): the executor runs 10 and 6 tokens per sample
-    plan = Plan(8, (MicroBatch((Group((0, 1, 2), 3, (0, 1), tokens=95, padded_tokens=96),
-                                Group((3,), 1, (2,), tokens=63, padded_tokens=64))),), ranks_per_node=1)
-    tokens = [10, 4, 6]
-    view = executed_view(plan, [(3, 24, (0, 1, 2), "ring"), (1, 16, (3,), "ring")], tokens)
-    assert [(g.tokens, g.padded_tokens, g.ranks) for g in view.groups] == [(14, 24, (0, 1, 2)), (6, 16, (3,))]
-    assert view.ranks_per_node == 8 and view.est_step_time_s == plan.est_step_time_s
-    with pytest.raises(ValueError, match="does not match"):
-        executed_view(plan, [(3, 24, (0, 1, 2), "ring"), (1, 16, (4,), "ring")], tokens)
-    # on one host the single-rank group may take a compiled degree-2 program on idle ranks
-    have = {(3, 24, (0, 1, 2), "ring"), (2, 16, (6, 7), "ring")}
-    assert [(g.degree, g.ranks) for g in promote(view, have).groups] == [(3, (0, 1, 2)), (2, (6, 7))]
-    # packing: largest first into the fullest bucket per rank, new micro-batches when ranks run out
-    out = pack_on(plan, tokens, {(1, 12, (0,), "ring"), (2, 12, (0, 1), "ulysses")})
-    assert [[(g.ranks, g.samples, g.padded_tokens, g.attention) for g in mb.groups] for mb in out.micro_batches] \
-        == [[((0,), (0,), 12, "ring")], [((0,), (1, 2), 12, "ring")]]
-    assert out.solver["packed_on_executables"] and set(group_keys(out)) <= {(1, 12, (0,), "ring")}
-    out.validate(num_samples=3)
-    assert pack_on(plan, tokens, {(1, 8, (0,), "ring")}) is None     # sample 0 fits no compiled bucket
-    assert pack_on(plan, tokens, set()) is None
 
 
 def test_menu_quantisation_is_exact_against_brute_force():

@@ -3,7 +3,7 @@ one machine allows. How each is checked (`how` below):
 
 - run: executed as written (cheap: `dhp plan`, `dhp plan --freeze-vision --json`,
   `dhp analyze openvid ...`, `python -m experiments.report` on a copy of REPORT.md, every
-  ```python block of README.md in a fresh process);
+  ```python block of README.md and of the reference pages under docs/ (`PY_DOCS`) in a fresh process);
 - parsed: the command line is parsed by the real argument parser of the program (`dhp`,
   `torchrun` with `npu_backend.train`'s own parser, `experiments.run`, `experiments.torch_vs_jax`),
   and for `dhp train` the config is loaded with its overrides and the multi-process flags
@@ -34,9 +34,14 @@ DOCS = [ROOT / "README.md", ROOT / "experiments" / "REPORT.md", *sorted((ROOT / 
     ([ROOT / "CONTRIBUTING.md"] if (ROOT / "CONTRIBUTING.md").exists() else [])
 SHELL_VARS = {"SLURM_JOB_ID": "4242", "NODE_RANK": "0", "MASTER": "hostA", "JOB_ID": "4242"}
 SKIP = {"pip": "an install (test_wheel_install.py builds and installs a wheel)",
+        "python -m pip": "an install (test_wheel_install.py builds and installs a wheel; .ci/run runs these)",
         "jupyter": "opens an editor (test_notebooks.py executes every notebook)",
         "python -m pytest": "the test suite itself"}
 RUN = {"dhp plan", "dhp plan --freeze-vision --json", "dhp analyze openvid --model internvl3-8b"}
+# the pages whose ```python blocks run as written (docs/DESIGN.md illustrates; these are for copying)
+REFERENCE_PAGES = ("cli.md", "training.md", "plan.md", "executor.md", "experiments.md", "torch-backend.md",
+                   "README.md")
+PY_DOCS = [ROOT / "README.md", *(ROOT / "docs" / name for name in REFERENCE_PAGES)]
 
 
 def _blocks(path: Path, lang: str) -> list[str]:
@@ -156,19 +161,26 @@ def test_documented_command(doc, cmd, tmp_path, capsys, monkeypatch):
 
 def test_the_pages_show_commands():
     docs = {d for d, _ in COMMANDS}
-    assert {"README.md", "CLUSTER.md"} <= docs
+    assert {"README.md", "CLUSTER.md", "cli.md", "training.md", "torch-backend.md", "experiments.md"} <= docs
+    for name in REFERENCE_PAGES:     # the README's reference links point at pages that exist
+        assert (ROOT / "docs" / name).is_file(), name
+        assert f"docs/{name}" in (ROOT / "README.md").read_text() or name == "README.md", name
     assert any(c.startswith("srun dhp train devices.platform=gpu") for _, c in COMMANDS)   # the SLURM line
 
 
-@pytest.mark.parametrize("index", range(len(_blocks(ROOT / "README.md", "python"))))
-def test_readme_python_snippet_runs_as_written(index, tmp_path):
-    """Each ```python block of README.md, alone, in a fresh interpreter outside the repository."""
-    code = _blocks(ROOT / "README.md", "python")[index]
+PY_BLOCKS = [(page, i) for page in PY_DOCS if page.exists() for i in range(len(_blocks(page, "python")))]
+
+
+@pytest.mark.parametrize("page, index", PY_BLOCKS, ids=[f"{p.relative_to(ROOT)}#{i}" for p, i in PY_BLOCKS])
+def test_python_snippet_runs_as_written(page, index, tmp_path):
+    """Each ```python block of README.md and the reference pages, alone, in a fresh interpreter
+    outside the repository."""
+    code = _blocks(page, "python")[index]
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=300)
-    assert out.returncode == 0, f"README python block {index}:\n{code}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, f"{page.name} python block {index}:\n{code}\n{out.stderr[-3000:]}"
 
 
 def test_report_latencies_are_labelled_as_assumptions():

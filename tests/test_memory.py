@@ -116,6 +116,32 @@ def test_cost_model_matches_compiled_bytes():
         assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
 
 
+def test_cost_model_matches_the_compiled_step():
+    """CostModel.step_bytes against the compiled step (`dhp bench memory --step`): every program of
+    a 2-micro-batch step compiled abstractly on the 8 devices and laid out in dispatch order. The
+    peak and each phase other than the group program (gather, reductions, update) within 10 %, and
+    the step's peak is its group program: the reductions hold one row and one fp32 piece."""
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, compiled_bytes, model_shape
+    from dhp_jax.train.step_memory import compiled_phases, step_programs
+
+    cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
+                     vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
+    devices = jax.devices()
+    cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16", state_shards=len(devices),
+                            activation_bytes=CPU_ACTIVATION_BYTES)
+    options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_SCHEDULER}
+    group = compiled_bytes(cfg, 2, 8192, "bfloat16", devices)
+    got = compiled_phases(group, step_programs(cfg, "bfloat16", devices, options), 2)
+    want = cost.step_phases([([8192], 2)] * 2)
+    assert [k for k, _ in got] == [k for k, _ in want]
+    for (name, b), (_, m) in zip(got, want):
+        if "group" not in name:
+            assert abs(m / b - 1) <= 0.10, (name, b, m)
+    peak = max(got, key=lambda p: p[1])
+    assert peak[0] == "micro-batch 0 group program", got
+    assert abs(cost.step_bytes([([8192], 2)] * 2) / peak[1] - 1) <= 0.10
+
+
 @pytest.mark.parametrize("remat", ["none", "layer", "selective"])
 def test_block_stack_vjp_matches_autodiff(remat):
     """The block stacks' own VJP (`mllm.block_stack`) against autodiff of the module's block loop,

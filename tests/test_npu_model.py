@@ -12,7 +12,7 @@ from npu_backend.model import TorchMLLM, token_loss_sum
 from npu_backend.weights import (WeightsError, export_flax_params, flatten_tree, grads_as_flax,
                                  load_flax_params, load_npz, save_npz)
 
-TOL = 1e-4  # fp32, whole model
+TOL = 1e-5  # fp32, whole model
 
 
 def _rel(a, b) -> float:

@@ -7,15 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.data import random_samples
 from dhp_jax.data.layout import bucket_length, chunk_size, linear_tokens, pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
-from dhp_jax.model.mllm import live_chunks
+from dhp_jax.model.executed import counting
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
 from dhp_jax.sharding import PlanExecutor
-from dhp_jax.sharding.mesh import CP_AXIS
 
 C = MLLMConfig.preset("tiny")
 CHUNK = 16
@@ -77,23 +75,34 @@ def test_group_program_has_the_chunk_conditionals(setup):
     assert conds[CHUNK] >= conds[0] + 4, conds
 
 
-def test_computed_chunks_per_rank_are_ceil_of_real_tokens(setup):
-    _, samples, plan, _ = setup
-    ex = PlanExecutor(C, linear_chunk=CHUNK)
+def test_executed_chunks_are_the_real_tokens_in_whole_chunks(setup):
+    """Chunks counted as they run (`executed.counting`: a host callback in the work of a live chunk,
+    on every device; summed over ranks and blocks) equal each rank's real tokens (its vision rows,
+    for the vision encoder's blocks) in whole chunks: a chunk of padding never runs. Each live chunk ticks 4 times
+    per block and step: its q/k/v projection and its MLP, forward, and both again in the backward
+    pass (`_skippable`'s pullback recomputes the live branch). Switching the skip off (`lax.cond`
+    replaced, or every chunk live) counts the padding chunks too."""
+    params, samples, _, _ = setup
+    samples = [samples[i] for i in GROUPS[0][1]]            # one group (one compile): the degree-3 ring
+    plan = _plan(samples, [(GROUPS[0][0], tuple(range(len(samples))), "ring")])
+    with counting() as counts:
+        ex = PlanExecutor(C, linear_chunk=CHUNK)
+        jax.block_until_ready(ex.loss_and_grads(params, samples, plan))
+    want = vision = everything = 0
     for w in ex.prepare(samples, plan):
         lay, d = w.layout, w.layout.degree
-        mesh = jax.make_mesh((d,), (CP_AXIS,), devices=jax.devices()[:d])
-        # the predicate `block_apply` branches on, evaluated on each rank's shard of the stream
-        seg = jax.device_put(lay.segment_ids, NamedSharding(mesh, P(CP_AXIS)))
-        count = jax.jit(jax.shard_map(lambda s: jnp.sum(live_chunks(s, CHUNK))[None], mesh=mesh,
-                                      in_specs=P(CP_AXIS), out_specs=P(CP_AXIS)))(seg)
-        c = chunk_size(lay.bucket // d, CHUNK)
-        want = [math.ceil(r / c) for r in lay.real_per_shard]
-        assert np.asarray(count).tolist() == want
-        assert sum(want) < d * math.ceil(lay.bucket // d / c)    # padding chunks were skipped
+        shard = lay.bucket // d
+        c = chunk_size(shard, CHUNK)
+        real = [math.ceil(r / c) for r in lay.real_per_shard]
+        want += sum(real)
+        vision += sum(math.ceil(int(lay.vision_mask[i * shard:(i + 1) * shard].sum()) / c) for i in range(d))
+        everything += d * math.ceil(shard / c)
+        assert sum(real) < d * math.ceil(shard / c)        # this plan has padding chunks to skip
         # what the cost model prices: the busiest shard's chunks
-        assert linear_tokens(lay.num_tokens, lay.bucket, d, CHUNK) == max(want) * c
-        assert linear_tokens([lay.num_tokens], [lay.bucket], [d], CHUNK).tolist() == [max(want) * c]
+        assert linear_tokens(lay.num_tokens, lay.bucket, d, CHUNK) == max(real) * c
+        assert linear_tokens([lay.num_tokens], [lay.bucket], [d], CHUNK).tolist() == [max(real) * c]
+    assert vision > 0
+    assert counts["linear_chunks"] == 4 * (C.num_layers * want + C.vision_layers * vision), (want, vision, everything)
 
 
 def test_linear_chunk_is_checked():

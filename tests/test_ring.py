@@ -1,6 +1,7 @@
 """Ring attention alone: values and gradients equal dense attention on zigzag-ordered packed ids
-(several samples, vision spans, padding) for any degree and tile size; the tiles the kernel
-computes are the ones the NumPy counter predicts; the K/V send does not wait for the compute."""
+(several samples, vision spans, padding) for any degree and tile size; the tile pairs that
+run (counted at run time) are the ones the NumPy counter allows; temp memory is linear in
+tokens; the K/V send does not wait for the compute."""
 
 import functools
 
@@ -15,7 +16,8 @@ from dhp_jax.data import random_samples
 from dhp_jax.data.layout import pack_group
 from dhp_jax.model import MLLMConfig
 from dhp_jax.model.attention import AttnIds, dense_attention
-from dhp_jax.sharding.ring import local_attention, ring_attention, ring_tile_count
+from dhp_jax.model.executed import counting
+from dhp_jax.sharding.ring import local_attention, ring_attention
 from dhp_jax.data.tiling import TileSpec, count_ring_tiles
 from dhp_jax.sharding.tiles import blockwise_attention
 
@@ -89,23 +91,59 @@ def test_padding_plus_one_token():
     assert np.count_nonzero(np.abs(out).sum(axis=(1, 2))) == 1
 
 
-def test_computed_tiles_match_counter_and_skip_causal_work():
-    """The kernel's own counter equals `count_ring_tiles`; one causal sample on degree 4 with two
-    tiles per chunk computes about half the dense tile pairs."""
+def _ring_grad(degree, tile, ids, ct):
+    """fwd + bwd of the ring (the grads of sum(out * ct)), jitted: (q, k, v) -> (dq, dk, dv)."""
+    ring = _ring(_mesh(range(degree)), degree, tile)
+    return jax.jit(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v, ids) * ct), argnums=(0, 1, 2)))
+
+
+def test_executed_tile_pairs_are_the_allowed_ones_forward_and_backward():
+    """Counted as they run (`executed.counting`: a host callback inside the branch that computes a
+    pair, on every device), the forward and the backward pass each execute exactly the tile pairs
+    `count_ring_tiles` allows (NumPy), fewer than the dense pairs: a `lax.cond` replaced by
+    compute-everything-then-select would execute all of them. Without counting the program has no
+    callback and its compiled form keeps the pairs conditional (one per fold: forward ring step and
+    last block, backward the same). One causal sample on degree 4 computes the causal triangle."""
     samples = random_samples(C, [700, 37, 1, 80], seed=3, kinds=("text", "image", "video"))
     degree, tile = 4, 50
     lay = pack_group(samples, degree, C)
-    q, k, v, _, ids = _inputs(lay)
-    body = functools.partial(ring_tile_count, axis_name="cp", degree=degree, tile=tile)
-    count = jax.jit(jax.shard_map(lambda q, k, v, i: body(q, k, v, i, i)[None], mesh=_mesh(range(degree)),
-                                  in_specs=P("cp"), out_specs=P("cp"), check_vma=False))
-    per_device = np.asarray(count(q, k, v, ids))
+    q, k, v, ct, ids = _inputs(lay)
     computed, total = count_ring_tiles(lay.segment_ids, lay.positions, lay.span_ids, degree, tile)
-    assert int(per_device.sum()) == computed < total
+    with counting() as counts:
+        jax.block_until_ready(_ring_grad(degree, tile, ids, ct)(q, k, v))
+    assert counts.as_dict() == {"tile_pairs_fwd": computed, "tile_pairs_bwd": computed}, (computed, total)
+    assert computed < total
+    grad = _ring_grad(degree, tile, ids, ct)
+    assert "debug_callback" not in str(jax.make_jaxpr(grad)(q, k, v))
+    assert grad.lower(q, k, v).compile().as_text().count(" conditional(") == 4
     one = pack_group(random_samples(C, [1024], seed=0, kinds=("text",)), degree, C, bucket=1024)
     c1, t1 = count_ring_tiles(one.segment_ids, one.positions, one.span_ids, degree, 64)
     n = TileSpec.make(1024 // degree, 64, 2).num_tiles * degree
     assert t1 == n * n and c1 == n * (n + 1) // 2          # exactly the causal triangle of tiles
+
+
+def test_temp_memory_grows_linearly_in_tokens():
+    """The compiled fwd + bwd of a degree-2 ring (tile 32) at 4x the local tokens needs at most 4.5x
+    the temp memory: the temporaries are per-token buffers and one score tile. Dense score blocks
+    ([S_l, S_l] per head, no tiling) grow 16x (measured: 15.5x; tiled 3.8x)."""
+    degree = 2
+    mesh = _mesh(range(degree))
+    body = functools.partial(ring_attention, axis_name="cp", degree=degree, tile=32)
+
+    def temp(s_l):
+        def loss(q, k, v, ids, ct):
+            o = jax.shard_map(lambda q, k, v, i: body(q, k, v, i, i), mesh=mesh, in_specs=P("cp"),
+                              out_specs=P("cp"), check_vma=False)(q, k, v, ids)
+            return jnp.sum(o * ct)
+
+        sh, s = jax.sharding.NamedSharding(mesh, P("cp")), degree * s_l
+        arr = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+        args = (arr((s, 4, 8)), arr((s, 2, 8)), arr((s, 2, 8)), AttnIds(*[arr((s,), jnp.int32)] * 3), arr((s, 4, 8)))
+        exe = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(*args).compile()
+        return exe.memory_analysis().temp_size_in_bytes
+
+    small, big = temp(256), temp(1024)
+    assert 0 < small < big <= 4.5 * small, (small, big, big / small)
 
 
 def test_kv_send_is_issued_before_and_independent_of_the_compute():

@@ -9,6 +9,7 @@ from dhp_jax.data import Sample, Segment, random_samples
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.executor import row_dtype
 
 C = MLLMConfig.preset("tiny")
 LENGTHS = [37, 1, 22, 50, 9, 31, 17, 26]      # group totals are not multiples of their degrees
@@ -105,18 +106,59 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     for gather in ("all-gather", "all-to-all", "all-reduce"):
         assert gather not in hlo, f"group program contains {gather}"
     # The step's collectives on the full mesh: one all-gather of the (compute-dtype) params, and
-    # per micro-batch one reduce-scatter of the devices' gradient rows into the state's shards.
+    # per micro-batch reduce-scatters of the devices' gradient rows into the state's shards.
     P_pad = ex.layout.padded
     master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=ex.sharded)
     gather = ex._jit("gather").lower(master).compile().as_text()
     assert "all-gather" in gather and "all-reduce" not in gather
-    rows = jax.ShapeDtypeStruct((8, P_pad), ex.compute_dtype, sharding=ex.sharded)
+    rows = jax.ShapeDtypeStruct((8, P_pad), row_dtype(ex.compute_dtype), sharding=ex.sharded)
     stats = jax.ShapeDtypeStruct((8, 2), np.float32, sharding=ex.sharded)
-    for name, args in (("scatter", (rows, stats)), ("scatter_add", (master, stats, rows, stats))):
-        hlo = ex._jit(name).lower(*args).compile().as_text()
-        assert "reduce-scatter" in hlo, name
-        for other in ("all-reduce", "all-gather", "collective-permute"):
-            assert other not in hlo, (name, other)
+    hlo = ex._jit("accumulate").lower(master, stats, rows, stats).compile().as_text()
+    assert "reduce-scatter" in hlo
+    for other in ("all-reduce", "all-gather", "collective-permute"):
+        assert other not in hlo, other
+
+
+def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
+    """What a step holds per device beyond the state: one micro-batch's gradient row at a time (its
+    reduction is enqueued before the next micro-batch's groups, so the rows of earlier micro-batches
+    are gone by then), and the reduction casts one piece of the row to fp32 at a time, never the
+    whole row (`CostModel.step_bytes` prices exactly that)."""
+    from dhp_jax.planner.memory import reduce_pieces
+
+    ex, params, samples, ref = setup
+    P_pad, n = ex.layout.padded, 8
+    for dtype in ("bfloat16", "float32"):
+        x = PlanExecutor(C, compute_dtype=dtype)
+        master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=x.sharded)
+        rows = jax.ShapeDtypeStruct((n, P_pad), row_dtype(x.compute_dtype), sharding=x.sharded)
+        stats = jax.ShapeDtypeStruct((n, 2), np.float32, sharding=x.sharded)
+        m = x._jit("accumulate").lower(master, stats, rows, stats).compile().memory_analysis()
+        c, _ = reduce_pieces(P_pad, n)
+        # temp: one fp32 piece [N, c] and its scattered part, against 4 P_pad for an fp32 copy of the row
+        assert m.temp_size_in_bytes <= 4 * c * (n + 1) + 4096 < 4 * P_pad / 2, (dtype, m.temp_size_in_bytes, 4 * P_pad)
+
+    seen = []                        # (micro-batches dispatched, live gradient rows per device) per reduction
+    dispatched = []
+    dispatch, accumulate = ex.dispatch, ex.accumulate
+
+    def spy_dispatch(flat, work):
+        dispatched.extend({w.micro_batch for w in work})
+        return dispatch(flat, work)
+
+    def spy_accumulate(acc, mb):
+        live = [a for a in jax.live_arrays() if a.shape == (1, P_pad)]
+        per_device = max(sum(1 for a in live if d in a.devices()) for d in jax.devices())
+        seen.append((len(dispatched), per_device))
+        return accumulate(acc, mb)
+
+    monkeypatch.setattr(ex, "dispatch", spy_dispatch)
+    monkeypatch.setattr(ex, "accumulate", spy_accumulate)
+    for _ in range(2):          # twice: nothing a step leaves behind (e.g. an idle device's zero row) may stay
+        dispatched.clear()
+        loss, grads = ex.loss_and_grads(params, samples, PLANS["two-micro-batches"])
+        assert_exact(loss, grads, ref)
+    assert seen == [(1, 1), (2, 1)] * 2, f"(micro-batches dispatched, rows held per device) at each reduction: {seen}"
 
 
 def test_no_implicit_transfers(setup):

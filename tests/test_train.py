@@ -73,6 +73,42 @@ def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
     assert [r["step"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def _plan_lines(path):
+    """plans.jsonl without the solver's timings (wall and CPU milliseconds): everything else a
+    plan holds (decisions, padded tokens, estimates, solver choices) must repeat exactly."""
+    out = []
+    for rec in read_jsonl(path):
+        solver = rec["plan"].get("solver", {})
+        rec["plan"]["solver"] = {k: v for k, v in solver.items() if not k.endswith("_ms")}
+        out.append(rec)
+    return out
+
+
+def test_live_plans_depend_on_config_and_step_only_resumed_too(tmp_path, executor):
+    """Two runs of one config, and a run stopped after 3 steps and resumed, log the same plans
+    (what the planner may assume compiled at a step is the programs of the earlier steps' plans,
+    restored from the checkpoint, priced at the config's fixed figure) and bit-identical losses;
+    every step ran the plan the planner returned. The compile price is set high so that the
+    program record decides plans here (a resume without it plans differently)."""
+    args = ("steps=6", "planner.strategy=dhp", "planner.compile_price_s=60")
+    trainers = [Trainer(_config(tmp_path, name, *args), executor=executor) for name in ("a", "b")]
+    runs = [t.run() for t in trainers]
+    cut = _config(tmp_path, "cut", *args, "checkpoint.every=3")
+    first = Trainer(cut, executor=executor).run(stop_after=3)
+    second = Trainer(cut, executor=executor).run(resume=True)
+    assert runs[0].losses == runs[1].losses == first.losses + second.losses   # bitwise
+    plans = [_plan_lines(tmp_path / name / "plans.jsonl") for name in ("a", "b", "cut")]
+    assert [r["step"] for r in plans[2]] == list(range(6))
+    assert plans[0] == plans[1] == plans[2]
+    assert len({json.dumps(r["plan"]["micro_batches"]) for r in plans[0]}) > 1      # the plans do change
+    # the price of a new program stays the config's figure (a measured one would depend on timing)
+    assert [t.plan_source.programs.compile_s for t in trainers] == [60.0, 60.0]
+    for summary in (runs[0].summary, runs[1].summary, second.summary):
+        assert summary["steps_on_compiled_substitutes"] == 0
+        assert summary["steps_waiting_for_compile_after_warmup"] >= 0
+        assert set(summary["compile_wait_after_warmup_s"]) == {"median", "max", "median_all_steps"}
+
+
 def test_a_used_directory_needs_resume_or_overwrite(tmp_path, executor, capsys):
     cfg = _config(tmp_path, "used", "steps=2", "planner.strategy=dhp")  # the DHP run's first plans
     first = Trainer(cfg, executor=executor).run()
@@ -177,3 +213,52 @@ def test_trainer_prices_the_memory_of_its_executors_chunk(tmp_path):
                             linear_chunk=0)
     fields = ("linear_chunk", "mem_per_token", "fixed_bytes", "memory_budget")
     assert [getattr(trainer.cost, f) for f in fields] == [getattr(want, f) for f in fields]
+
+
+def test_the_trainer_calls_the_step_executor_protocol(tmp_path, executor):
+    """PlanExecutor implements every member of `StepExecutor`; an executor that lacks some is
+    refused up front with their names (the trainer calls members, it never probes for them)."""
+    import typing
+
+    from dhp_jax.sharding.protocol import MEMBERS, StepExecutor, check_executor
+
+    assert sorted(MEMBERS) == sorted(typing._get_protocol_attrs(StepExecutor))
+    assert isinstance(executor, StepExecutor) and check_executor(executor) is executor
+
+    class Partial:
+        min_bucket, growth, linear_chunk = 512, 1.25, 0
+
+        def plan_keys(self, samples, plan):
+            return []
+
+    with pytest.raises(TypeError, match=r"Partial lacks layout, compile_seconds, num_compiles, .*replicate of the "
+                                        r"StepExecutor protocol"):
+        Trainer(_config(tmp_path, "partial", "steps=1"), executor=Partial())
+
+
+def test_full_size_plans_are_logged_as_run_and_the_measured_comparison_is_opt_in(tmp_path, executor):
+    """plans.jsonl has one format: every step's plan as these devices ran it (executed tokens, the
+    executor's buckets, one node), also when the plans were made at full token counts for a preset;
+    the measured comparison runs only when asked for."""
+    from dhp_jax.train.config import CompareConfig
+
+    assert CompareConfig().measured is False and load_config().compare.measured is False
+    cfg = _config(tmp_path, "full", "steps=2", "planner.full_size=true", "planner.cost_model=qwen3-vl-4b",
+                  "planner.hardware=ascend-910b", "planner.ranks_per_node=1", "planner.comm_overlap=false",
+                  "compare.enabled=true", "compare.measured=true", "compare.batches=1", "compare.repeats=1",
+                  "compare.static_strategy=static-ring:8", "compare.sim_ranks=8", "compare.sim_batch_size=16",
+                  "compare.sim_model=qwen3-vl-4b")
+    trainer = Trainer(cfg, executor=executor)
+    result = trainer.run()
+    lines = read_jsonl(tmp_path / "full" / "plans.jsonl")
+    assert [x["step"] for x in lines] == [0, 1]
+    for line in lines:
+        plan = Plan.from_json(line["plan"])
+        batch = trainer.pipeline.batch(line["step"])
+        assert plan.ranks_per_node == 8
+        groups = [g for mb in plan.micro_batches for g in mb.groups]
+        for g, (_, bucket, _, _) in zip(groups, executor.plan_keys(batch.samples, plan), strict=True):
+            assert g.tokens == sum(batch.samples[s].num_tokens for s in g.samples) and g.padded_tokens == bucket
+    measured = result.summary["compare"]["measured"]
+    assert set(measured["strategies"]) == {"dhp", "static-ring:8"}
+    assert measured["strategies"]["dhp"]["step_time_s"] > 0 and "measured on 8 cpu" in measured["label"]

@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -49,7 +50,7 @@ def test_demo_shows_dhp_and_never_loses_the_run(tmp_path):
     assert s["loss_last"] < s["loss_first"]
     sim = s["compare"]["simulated"]
     assert sim["ranks"] == 64 and sim["batch_size"] == 512 and sim["speedup_vs_best_static"] > 0
-    assert "64 ranks" in r.stdout and "qwen3-vl-8b on ascend-910b" in r.stdout and "(simulated)" in r.stdout
+    assert "64 ranks" in r.stdout and "qwen3-vl-4b on ascend-910b" in r.stdout and "(simulated)" in r.stdout
     assert "not powers of two" in r.stdout and "correctness and overhead run" in r.stdout
     assert {"steps", "compiles", "comparison"} <= set(s["time_s"])
     assert (out / "plan_simulated_step.png").stat().st_size > 0
@@ -112,3 +113,90 @@ def test_truncate_jsonl_keeps_earlier_records_and_drops_a_torn_line(tmp_path):
     kept = truncate_jsonl(path, lambda r: r["step"] <= 3)
     assert [r["step"] for r in kept] == [1, 2, 3] == [r["step"] for r in read_jsonl(path)]
     assert truncate_jsonl(tmp_path / "none.jsonl", lambda r: True) == []
+
+
+class _Stderr:
+    """A child's stderr read as it comes (progress bars end lines with \\r, not \\n)."""
+
+    def __init__(self, proc):
+        import threading
+
+        self.text = ""
+        self._proc = proc
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self):
+        while True:
+            chunk = os.read(self._proc.stderr.fileno(), 65536)
+            if not chunk:
+                return
+            self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, cond, timeout=300):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._proc.poll() is None and not cond():
+            time.sleep(0.02)
+        assert cond(), f"never seen; stderr:\n{self.text[-3000:]}"
+
+    def last_line(self):
+        self._thread.join(timeout=10)
+        return self.text.replace("\r", "\n").strip().splitlines()[-1]
+
+
+def _interrupt(proc) -> float:
+    """SIGINT, as Ctrl-C sends it; the seconds until the process has ended."""
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    return time.monotonic() - t0
+
+
+# Ctrl-C: the kill test's one-program run, longer, with its progress bar, no compilation cache (so
+# the first step compiles)
+CTRL_C = ["steps=500", "checkpoint.every=0", "compilation_cache=null"] + \
+    [a for a in KILL if a.split("=")[0] not in ("steps", "checkpoint.every", "metrics.progress")]
+
+
+def test_ctrl_c_during_the_first_compile_stops_at_once_and_leaves_no_empty_files(tmp_path):
+    out = tmp_path / "cc"
+    proc = subprocess.Popen([sys.executable, "-m", "dhp_jax", "train", *CTRL_C, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    err = _Stderr(proc)
+    err.wait_for(lambda: "compiling group programs: 0/1" in err.text)
+    took = _interrupt(proc)
+    # the compile (seconds) runs on a helper thread: the main thread leaves its wait at once
+    assert proc.returncode == 130 and took < 4.0, (took, err.text[-2000:])
+    line = err.last_line()
+    assert line.startswith("dhp train: interrupted before a step finished, nothing new saved; run again with: "
+                           "dhp train steps=500"), line
+    assert "Traceback" not in err.text and "KeyboardInterrupt" not in err.text
+    assert not (out / "metrics.jsonl").exists() and not (out / "plans.jsonl").exists()
+    assert not (out / "summary.json").exists()
+
+
+def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_command(tmp_path):
+    from dhp_jax import cli
+    from dhp_jax.train.checkpoint import Checkpointer
+
+    out = tmp_path / "cc"
+    proc = subprocess.Popen([sys.executable, "-m", "dhp_jax", "train", *CTRL_C, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    err = _Stderr(proc)
+    metrics = out / "metrics.jsonl"
+    err.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    took = _interrupt(proc)
+    assert proc.returncode == 130 and took < 8.0, (took, err.text[-2000:])
+    line = err.last_line()
+    m = re.fullmatch(r"dhp train: interrupted after step (\d+) of 500, checkpoint (\S+); resume with: (.*)", line)
+    assert m, line
+    step = int(m.group(1))
+    assert "Traceback" not in err.text
+    assert [x["step"] for x in read_jsonl(metrics)] == list(range(1, step + 1))   # every finished step, once
+    assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(step))
+    ckpt = Checkpointer(out / "checkpoints")
+    assert ckpt.latest_step() == step and m.group(2) == str(ckpt.directory / str(step))
+    ckpt.close()
+    argv = shlex.split(m.group(3))
+    assert argv[:2] == ["dhp", "train"] and argv[-1] == "--resume" and f"--out={out}" in argv
+    assert cli._parser("train").parse_args(argv[1:]).resume

@@ -139,12 +139,15 @@ MIXED = Plan(8, (
                 Group((4, 5, 6, 7), 4, (4, 5), attention="hybrid:2x2"))),
     MicroBatch((Group((1, 0), 2, (6,), attention="ulysses"),
                 Group((2, 3, 4, 5, 6, 7), 6, (7,), attention="hybrid:2x3"))),
+    # Ulysses size 4 > 2 KV heads: each KV head is repeated (GQA order) before the all-to-all, and
+    # the vision encoder's 2 heads are padded to 4
+    MicroBatch((Group((7, 6, 5, 4, 3, 2, 1, 0), 8, (8, 9), attention="hybrid:4x2"),)),
 ))
 
 
 def test_mixed_kinds_step_matches_reference_and_group_hlo():
     params = init_params(C, jax.random.key(0))
-    samples = random_samples(C, [37, 1, 22, 50, 64, 9, 30, 41], seed=0)
+    samples = random_samples(C, [37, 1, 22, 50, 64, 9, 30, 41, 45, 27], seed=0)
     ex = PlanExecutor(C)
     loss, grads = ex.loss_and_grads(params, samples, MIXED)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: reference_loss(C, p, samples)))(params)
@@ -152,7 +155,7 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
     worst = {"/".join(map(str, k)): _rel(a, b) for (k, a), b in
              zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads))}
     assert max(worst.values()) <= TOL, max(worst.items(), key=lambda kv: kv[1])
-    assert {k[3] for k in ex.executable_keys} == {"ring", "ulysses", "hybrid:2x2", "hybrid:2x3"}
+    assert {k[3] for k in ex.executable_keys} == {"ring", "ulysses", "hybrid:2x2", "hybrid:2x3", "hybrid:4x2"}
     d, b, ids, kind = next(k for k in ex.executable_keys if k[3] == "ulysses")
     hlo = ex.executable(params, d, b, tuple(jax.devices()[i] for i in ids), kind).as_text()
     assert "all-to-all" in hlo and "collective-permute" not in hlo

@@ -22,6 +22,22 @@ def _run(cmd, cwd, env, timeout=300):
     return out
 
 
+def _see_this_interpreters_packages(py: Path, cwd: Path, env: dict) -> None:
+    """`--system-site-packages` gives the new venv the *base* interpreter's packages: when this suite
+    itself runs inside a venv (where the dependencies were installed), the new venv would miss them.
+    A .pth file adds this interpreter's site directories after the new venv's own, so the wheel
+    installed there is still the one imported (asserted below)."""
+    import site
+
+    if sys.prefix == sys.base_prefix:
+        return
+    dirs = [d for d in site.getsitepackages() + [site.getusersitepackages()] if os.path.isdir(d)]
+    target = _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd, env).stdout.strip()
+    # addsitedir (not a bare path line) also runs the .pth files there, as the venv's own start-up does
+    Path(target, "_outer_site_packages.pth").write_text(
+        "".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+
+
 @pytest.mark.slow
 def test_wheel_in_fresh_venv_runs_dhp_train_dry_run(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS", "JAX_PLATFORMS")}
@@ -39,6 +55,7 @@ def test_wheel_in_fresh_venv_runs_dhp_train_dry_run(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], tmp_path, env)
     py = venv / "bin" / "python"
+    _see_this_interpreters_packages(py, tmp_path, env)
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)], tmp_path, env)
     work = tmp_path / "elsewhere"
     work.mkdir()

@@ -65,6 +65,7 @@ from jax import lax
 from dhp_jax.data.layout import chunk_size
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.model.config import MLLMConfig
+from dhp_jax.model.executed import tick
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
@@ -205,8 +206,11 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     `Block` fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
     s = x.shape[0]
     h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    chunked = 0 < chunk < s
 
     def project(pp, xc, pos):
+        if chunked:                    # a live chunk's work ran (`executed`: counted only in debug mode)
+            tick("linear_chunks", xc)
         a = pp["attn"]
         y = rms_norm(xc, pp["attn_norm"]["scale"], shape.eps)
         q = (y @ a["q"]["kernel"]).reshape(-1, h, hd)
@@ -215,12 +219,14 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
         return rope(q, pos, shape.rope_base), rope(k, pos, shape.rope_base), v
 
     def finish(pp, xc, oc):
+        if chunked:
+            tick("linear_chunks", xc)
         a, m = pp["attn"], pp["mlp"]
         y = xc + oc @ a["o"]["kernel"]
         z = rms_norm(y, pp["mlp_norm"]["scale"], shape.eps)
         return y + (jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"]
 
-    if chunk <= 0 or chunk >= s:
+    if not chunked:
         q, k, v = project(p, x, ids.position)
         return finish(p, x, shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd))
     live = live_chunks(ids.segment, chunk)

@@ -92,14 +92,14 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
 def reuse_placement(plan: Plan, lengths: Any, etas: Any, cost: CostModel, programs: ProgramCache,
                     attention: str = "best") -> Plan:
     """The plan with equally fast rank tuples swapped so that groups land where their program
-    (degree, padded tokens, attention kind) is already compiled (`dhp_jax.planner.programs.reuse_ranks`;
-    group times unchanged); the result is recorded in `programs`. `attention` is the mode the plan
+    (degree, padded tokens as the executor runs them, attention kind) is already compiled
+    (`dhp_jax.planner.programs.reuse_ranks`; group times unchanged); the result is recorded in `programs`. `attention` is the mode the plan
     was made with (plan_batch's; the groups' kinds are chosen again on the swapped tuples)."""
     rpn = plan.ranks_per_node or plan.num_ranks
     mbs = []
     for mb in plan.micro_batches:
-        ranks = reuse_ranks([(g.degree, g.padded_tokens, g.ranks, g.attention) for g in mb.groups], rpn, programs,
-                            plan.num_ranks)
+        ranks = reuse_ranks([(g.degree, programs.padded(g.degree, g.samples, g.padded_tokens), g.ranks, g.attention)
+                             for g in mb.groups], rpn, programs, plan.num_ranks)
         mbs.append([(r, list(g.samples)) for r, g in zip(ranks, mb.groups)])
     out = build_plan(mbs, np.asarray(lengths), np.zeros(len(lengths)) if etas is None else np.asarray(etas, float),
                      cost, plan.num_ranks, dict(plan.solver), attention)

@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         lengths, etas = sample_lengths(samples), sample_etas(samples)
         ours = compare_strategies([(lengths, etas)], args.ranks, cost, [args.strategy], errors="raise",
                                   num_micro_batches=args.micro_batches)
-    except (PlanningError, ValueError) as e:
+    except (PlanningError, ValueError, OSError) as e:   # OSError: a manifest path that is not there
         print(f"dhp plan: {e}", file=sys.stderr)
         return 2
     plan, ours_s = ours.runs[args.strategy].plans[0], ours.mean(args.strategy)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from dhp_jax.checks import positive_int
@@ -69,8 +70,26 @@ def mllm_preset(args: argparse.Namespace, prog: str) -> str:
     return args.mllm_default
 
 
+# Fitted cost profiles shipped in the wheel (package data beside the trainer that fits them with
+# `dhp profile`): `--cost tiny-cpu8` / `planner.cost_profile=tiny-cpu8` name them from anywhere.
+PACKAGED_PROFILES = Path(__file__).resolve().parents[1] / "train" / "profiles"
+
+
+def packaged_profiles() -> list[str]:
+    """The names of the packaged cost profiles (file names without .json; reports left out)."""
+    return sorted(p.name[:-5] for p in PACKAGED_PROFILES.glob("*.json") if not p.name.endswith(".report.json"))
+
+
+def profile_path(source: str) -> str:
+    """A profile path as given, or the packaged profile a bare name (`tiny-cpu8`) stands for."""
+    if os.path.isfile(source) or os.sep in source or "/" in source:
+        return source
+    name = source[:-5] if source.endswith(".json") else source
+    return str(PACKAGED_PROFILES / f"{name}.json") if name in packaged_profiles() else source
+
+
 def is_profile(source: str) -> bool:
-    return source.endswith(".json") or os.path.isfile(source)
+    return source.endswith(".json") or os.path.isfile(source) or profile_path(source) != source
 
 
 def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int | None = None,
@@ -81,9 +100,10 @@ def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int 
     Raises ValueError naming an unreadable profile."""
     if is_profile(source) if profile is None else profile:
         try:
-            cost = CostModel.from_profile(source)
+            cost = CostModel.from_profile(profile_path(source))
         except OSError as e:
-            raise ValueError(f"cannot read cost profile {source!r}: {e.strerror or e}") from None
+            raise ValueError(f"cannot read cost profile {source!r}: {e.strerror or e} (packaged profiles, "
+                             f"named without a path: {', '.join(packaged_profiles()) or 'none'})") from None
         changes = {**overrides, **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node})}
         return cost.replace(**changes) if changes else cost
     model, _, hw = source.partition("/")

@@ -345,6 +345,18 @@ class CostModel:
         last = engine_memory.program_static_bytes(self.param_count, self.compute_bytes, self.assemble_bytes)
         return max(self.program_static_bytes + self.memory(lengths, degree), last)
 
+    def step_bytes(self, groups: Sequence[tuple[Sequence[int], int] | None]) -> float:
+        """Peak bytes per device of a training step besides the state shard (`state_bytes`): the
+        device's group program of each micro-batch (`groups[m]`: (lengths, degree) of its group,
+        None if idle), each micro-batch's reduction, the gather and the update, as the engine
+        runs them (`planner.memory.step_phases`)."""
+        return max(b for _, b in self.step_phases(groups))
+
+    def step_phases(self, groups: Sequence[tuple[Sequence[int], int] | None]) -> list[tuple[str, float]]:
+        """(phase, bytes besides the state) of a device's step, in order (`step_bytes`)."""
+        programs = [None if g is None else self.program_bytes(g[0], g[1]) for g in groups]
+        return engine_memory.step_phases(programs, self.param_count, self.compute_bytes, self.state_shards)
+
     # ------------------------------------------------------------------ the model
     def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -622,11 +634,15 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
 def _budget(usable: float, params: float, el: int, backward: float, assemble: float, fixed: float, shards: int,
             require_fit: bool) -> tuple[float, float]:
     """(memory_budget, static bytes) of a preset: the usable bytes less every token-independent byte
-    of the blocks' phase; the last phase (no activations) must fit too. A model that does not fit
+    of the blocks' phase; the last phase and the step's phases outside the group program (no
+    activations) must fit too. A model that does not fit
     gets a budget <= 0, or 1 byte when `require_fit` is False (the memory bench sizes such programs)."""
     static = engine_memory.program_static_bytes(params, el, backward) + fixed + engine_memory.state_bytes(params, shards)
     budget = usable - static
     last = engine_memory.program_static_bytes(params, el, assemble) + engine_memory.state_bytes(params, shards)
+    # the step's other phases (gather, a reduction with the params still held) hold no activations
+    between = max(engine_memory.gather_bytes(params, el), engine_memory.reduce_bytes(params, el, shards))
+    last = max(last, between + engine_memory.state_bytes(params, shards))
     if last > usable:
         budget = min(budget, usable - last)
     return (1.0 if budget <= 0 and not require_fit else budget), static

@@ -517,14 +517,15 @@ def _kind_makespans(prob: Problem, done: list, kinds: list[str]) -> list[float]:
 def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring",
                    kinds: list[str] | None = None) -> float:
     """Seconds a candidate pays for the programs (degree, padded tokens, attention kind) it needs
-    that no earlier plan needed; the kinds are those `build_plan` will give its groups (`_kinds`,
-    computed here unless given)."""
+    that no earlier plan needed (at the padded length the executor runs, `ProgramCache.padded`);
+    the kinds are those `build_plan` will give its groups (`_kinds`, computed here unless given)."""
     if programs is None or not programs.compile_s:
         return 0.0
     groups = _groups(done)
     if kinds is None:
         kinds = _kinds(prob, done, attention)
-    keys = [(len(r), int(padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r), prob.cost)), (), kind)
+    keys = [(len(r), programs.padded(len(r), g, padded_tokens(prob.tok[np.asarray(g, dtype=np.int64)].sum(), len(r),
+                                                              prob.cost)), (), kind)
             for (r, g), kind in zip(groups, kinds)]
     return programs.compile_s * len(programs.new_programs(keys))
 

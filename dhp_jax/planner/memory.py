@@ -19,6 +19,13 @@ The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) hold
   Attention holds O(S_l x tile) temporaries (custom-VJP tiled ring: output + log-sum-exp per query
   saved), so attention adds a per-token term, not S_l^2.
 
+- the step around the group programs (`step_phases`): the all-gather of the params, then per
+  micro-batch the device's group program and the reduction of its gradient row (the row in the
+  compute dtype and one fp32 piece of it, `reduce_pieces`; the executor reduces a micro-batch
+  before the device starts its next one, so one row is held at a time), then the mean gradient and
+  the optimizer update. `CostModel.step_bytes` is the largest of these besides the state;
+  `dhp bench memory --step` measures the same sequence from the compiled programs.
+
 Counts are per local token. What the blocks keep for their backward pass is loop state of the
 block scans (`dhp_jax.model.mllm.block_stack`), stored in the compute dtype (cb bytes; bit-cast,
 so no compiler widens it); the working set of the one block live at a time and the rest are in
@@ -30,7 +37,7 @@ keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 REMATS = ("none", "layer", "selective")
 COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -41,6 +48,11 @@ STATE_BYTES_PER_PARAM = 16       # fp32 master + two fp32 Adam moments + fp32 gr
 REMAT_PASSES = {"none": (3.0, 3.0), "layer": (4.0, 4.0), "selective": (4.0, 3.0)}
 LOSS_CHUNK = 512                 # tokens per LM-head chunk (dhp_jax.model.mllm.LOSS_CHUNK)
 INT_COLUMNS = 8                  # int32 input columns per token (dhp_jax.sharding.executor)
+# The step's reduce-scatter takes a device's gradient row in pieces (`reduce_pieces`): one piece is
+# at most REDUCE_PIECE_BYTES in fp32 (internvl3-8b over 64 ranks: 120 pieces), and a row is cut
+# into at least MIN_REDUCE_PIECES, so even a small model's row is never held whole in fp32.
+REDUCE_PIECE_BYTES = 256 * 2**20
+MIN_REDUCE_PIECES = 4
 
 
 def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str,
@@ -162,6 +174,61 @@ def program_static_bytes(params: float, compute_bytes: int, gradient_bytes: floa
     compute dtype (XLA allocates the outputs for the whole program), plus `gradient_bytes` of the
     gradients that exist at the time (`backward_bytes` or `assemble_bytes`)."""
     return 2.0 * params * compute_bytes + gradient_bytes
+
+
+def reduce_pieces(padded: int, shards: int, piece_bytes: int = REDUCE_PIECE_BYTES) -> tuple[int, int]:
+    """(c, k) of the step's reduce-scatter of a row of `padded` elements over `shards` devices: the
+    row seen as [shards, padded / shards] is reduce-scattered in k pieces of c columns (each cast
+    to fp32 on its own), then the tail of padded / shards - k c columns; one piece is [shards, c]
+    fp32, at most `piece_bytes`."""
+    shard = padded // shards
+    k = min(max(MIN_REDUCE_PIECES, -(-4 * padded // piece_bytes)), max(shard, 1))
+    return shard // k, k
+
+
+def gather_bytes(params: float, compute_bytes: int) -> float:
+    """Bytes per device of the step's all-gather besides the state: the gathered params in the
+    compute dtype, and for a 2-byte dtype the bit-cast copy XLA:CPU makes of them."""
+    return params * compute_bytes * (2.0 if compute_bytes < 4 else 1.0)
+
+
+def reduce_bytes(params: float, compute_bytes: int, state_shards: int, params_held: bool = True) -> float:
+    """Bytes per device of the reduction of one micro-batch, besides the state: the device's
+    gradient row (compute dtype), one piece of it in fp32 with its reduce-scattered part
+    (`reduce_pieces`), and the gathered params while a later micro-batch still needs them."""
+    padded = -(-int(params) // state_shards) * state_shards
+    c, _ = reduce_pieces(padded, state_shards)
+    return params * compute_bytes * (2.0 if params_held else 1.0) + 4.0 * c * (state_shards + 1)
+
+
+def finish_bytes(params: float, state_shards: int) -> float:
+    """Bytes per device after the last reduction, besides the state: the mean gradient shard
+    (fp32), made next to the accumulator it is divided from."""
+    return 4.0 * params / state_shards
+
+
+def update_bytes(params: float, state_shards: int) -> float:
+    """Bytes per device of the optimizer update besides the state (donated, updated in place): one
+    fp32 shard-sized temporary (the clipped update before it is applied)."""
+    return 4.0 * params / state_shards
+
+
+def step_phases(programs: Sequence[float], params: float, compute_bytes: int, state_shards: int
+                ) -> list[tuple[str, float]]:
+    """A device's bytes besides the state through one step, in the order it runs them: the
+    all-gather, then per micro-batch its group program (`programs[m]`: bytes of the program, None
+    if the device is idle in it) and the reduction of its gradient row, then the update. A device
+    holds one row at a time: each micro-batch's reduction runs before its next group program. The
+    step's peak is the largest of these (`CostModel.step_bytes`); the state comes on top."""
+    out = [("gather", gather_bytes(params, compute_bytes))]
+    for m, prog in enumerate(programs):
+        if prog is not None:
+            out.append((f"micro-batch {m} group program", float(prog)))
+        out.append((f"micro-batch {m} reduction",
+                    reduce_bytes(params, compute_bytes, state_shards, params_held=m + 1 < len(programs))))
+    out.append(("finish", finish_bytes(params, state_shards)))
+    out.append(("update", update_bytes(params, state_shards)))
+    return out
 
 
 def state_bytes(params: float, state_shards: int) -> float:

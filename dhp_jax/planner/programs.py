@@ -7,15 +7,22 @@ program to its device assignment, so each new rank tuple of a known program is o
 every process it touches (unless the backend can load a compiled program onto other devices;
 XLA:CPU cannot).
 
-`ProgramCache` records the plans issued so far. `plan_batch(..., programs=cache)` uses it twice:
+`ProgramCache` records the plans issued so far: what the planner may assume compiled when it plans
+step t is a function of the plans of steps before t only, never of when compiles finish, so two
+runs of one config (and a resumed run, which restores the cache) make the same plans.
+`plan_batch(..., programs=cache)` uses it twice:
 - *placement*: within a micro-batch, groups of the same degree and attention kind whose rank
   tuples are equally fast (both inside one node, or both spanning nodes) may swap tuples without
   changing any group time; the planner gives each group the tuple on which its program already
   has an executable, where one is free. Step time is unchanged by construction; executables stop
   multiplying.
 - *compile price*: each program the plan needs that no earlier plan needed costs `compile_s`
-  seconds in the score that picks between candidate plans (measured compile seconds, spread
-  over `amortize_steps` steps when the compile runs in the background).
+  seconds in the score that picks between candidate plans: a fixed figure of the run's config
+  (`planner.compile_price_s`), never a live measurement, which would make plans depend on timing.
+
+A plan made at other token counts than the executor runs (full-size planning of a scaled batch)
+names other buckets than the executor compiles: `executed` (set per batch by the caller) gives
+the padded length the executor runs for a group, and the cache records and prices those.
 
 Pure Python: the planner never imports jax.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import zlib
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from dhp_jax.planner.placement import spans_nodes
 
@@ -50,12 +57,16 @@ class ProgramCache:
     """Programs and executables that the plans issued so far need (see the module docstring).
 
     `ranks_per_process`: ranks whose devices one process drives (None: one process for all).
-    `compile_s`: the score price of one new program (0: programs are free)."""
+    `compile_s`: the score price of one new program (0: programs are free).
+    `executed(degree, samples)`: the padded length the executor runs for a group of `degree` ranks
+    holding these sample indices of the batch being planned (None: the plan's `padded_tokens`)."""
 
     ranks_per_process: int | None = None
     compile_s: float = 0.0
     programs: set = dataclasses.field(default_factory=set)
     executables: set = dataclasses.field(default_factory=set)
+    executed: Callable[[int, Sequence[int]], int] | None = dataclasses.field(default=None, repr=False,
+                                                                           compare=False)
 
     def __post_init__(self) -> None:
         rpp = self.ranks_per_process
@@ -64,16 +75,36 @@ class ProgramCache:
         if not self.compile_s >= 0:
             raise ValueError(f"compile_s must be >= 0, got {self.compile_s!r}")
 
+    def padded(self, degree: int, samples: Sequence[int], planned: int) -> int:
+        """The padded length of a group's program: the executor's (`executed`) or the planned one."""
+        return int(planned) if self.executed is None else int(self.executed(int(degree), samples))
+
+    def keys(self, plan: Any) -> list[Key]:
+        """`group_keys` of a plan with each group's padded length as the executor runs it."""
+        keys = group_keys(plan)
+        if self.executed is None:
+            return keys
+        groups = [g for mb in plan.micro_batches for g in mb.groups]
+        return [(d, self.padded(d, g.samples, p), r, a) for (d, p, r, a), g in zip(keys, groups)]
+
     def new_programs(self, keys: Iterable[Key]) -> set:
         return {(d, p, a) for d, p, _, a in keys} - self.programs
 
     def add(self, plan: Any) -> int:
-        """Record the plan's groups; returns how many executables are new."""
-        keys = group_keys(plan)
+        """Record the plan's groups (`keys`); returns how many executables are new."""
         before = len(self.executables)
-        self.executables.update(keys)
-        self.programs.update((d, p, a) for d, p, _, a in keys)
+        self.add_keys(self.keys(plan))
         return len(self.executables) - before
+
+    def add_keys(self, keys: Iterable[Key]) -> None:
+        """Record executables (e.g. restored from a checkpoint) and their programs."""
+        for d, p, r, a in keys:
+            self.executables.add((int(d), int(p), tuple(int(x) for x in r), str(a)))
+            self.programs.add((int(d), int(p), str(a)))
+
+    def to_json(self) -> list[list]:
+        """The executables, sorted, as JSON lists (what a checkpoint stores; `add_keys` reads them)."""
+        return [[d, p, list(r), a] for d, p, r, a in sorted(self.executables)]
 
     def processes(self, ranks: Sequence[int]) -> set[int]:
         rpp = self.ranks_per_process
@@ -98,6 +129,31 @@ class ProgramCache:
                 "executables_per_process_max": max(exe), "executables_per_process_median": statistics.median(exe),
                 "executables_per_program_per_process_max": max(ratio),
                 "executables_per_program_per_process_median": statistics.median(ratio)}
+
+
+def executed_view(plan: Any, keys: Sequence[Key], tokens: Sequence[int]) -> Any:
+    """The plan as an executor runs it: each group's `tokens` the total of `tokens` (the executed
+    samples' token counts, e.g. of a scaled-down batch) over its samples and `padded_tokens` the
+    bucket of `keys` (`PlanExecutor.plan_keys`, one per group in plan order, ranks as plan ranks);
+    one node (`ranks_per_node` = the plan's ranks: the executor's devices share a host). Estimates
+    stay the plan's. The run log's one format for a plan made at other token counts (full-size
+    planning): the same decisions, with the token counts and buckets the devices ran."""
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    if len(keys) != len(groups):
+        raise ValueError(f"executed_view: {len(keys)} keys for {len(groups)} groups")
+    it = iter(keys)
+    mbs = []
+    for mb in plan.micro_batches:
+        out = []
+        for g in mb.groups:
+            d, bucket, ranks, _ = next(it)
+            if (int(d), tuple(ranks)) != (g.degree, tuple(g.ranks)):
+                raise ValueError(f"executed_view: key ({d}, {bucket}, {tuple(ranks)}) does not match the group on "
+                                 f"ranks {list(g.ranks)}")
+            out.append(dataclasses.replace(g, tokens=int(sum(int(tokens[s]) for s in g.samples)),
+                                           padded_tokens=int(bucket)))
+        mbs.append(dataclasses.replace(mb, groups=tuple(out)))
+    return dataclasses.replace(plan, micro_batches=tuple(mbs), ranks_per_node=plan.num_ranks)
 
 
 def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
@@ -250,129 +306,3 @@ def _match(mine: dict[int, list[int]], theirs: dict[int, list[int]], pi: dict[in
 def anchor(degree: int, padded_tokens: int, attention: str, ranks_per_node: int) -> int:
     """A program's canonical first rank within a node (the same on every process and run)."""
     return zlib.crc32(f"{degree},{padded_tokens},{attention}".encode()) % int(ranks_per_node)
-
-
-def promote(plan: Any, available: Iterable[Key], cost: Any = None) -> Any:
-    """The plan run on compiled executables only, or None when that is impossible.
-
-    In each micro-batch whose groups are not all in `available`, the groups are matched, largest
-    first, to compiled executables of their own attention kind: of their own degree and link class
-    (inside a node / spanning nodes: the same group time) where one fits, the smallest compiled bucket that holds the group's
-    tokens, on a rank tuple that no other group of the micro-batch uses (its own, another group's,
-    or idle ranks); failing that, of a larger degree inside a node on idle ranks (more ranks for the
-    same work). More padding, nothing to compile. With `cost`, a bucket must also fit
-    the memory budget. Estimates stay those of the planned buckets; `solver["promoted_groups"]`
-    counts the micro-batches' groups that changed."""
-    available = set(available)
-    rpn = plan.ranks_per_node or plan.num_ranks
-
-    def span(ranks: Sequence[int]) -> bool:
-        return len({r // rpn for r in ranks}) > 1
-
-    by_degree: dict[tuple[int, str], list[tuple[int, tuple[int, ...]]]] = {}
-    for d, p, ranks, a in available:
-        by_degree.setdefault((int(d), str(a)), []).append((int(p), tuple(ranks)))
-    for v in by_degree.values():
-        v.sort()
-    moved = 0
-    mbs = []
-    for mb in plan.micro_batches:
-        if all((g.degree, g.padded_tokens, tuple(g.ranks), g.attention) in available for g in mb.groups):
-            mbs.append(mb)
-            continue
-        out = list(mb.groups)
-        taken: set[int] = set()
-        order = sorted(range(len(out)), key=lambda i: (-out[i].tokens, i))
-        for i in order:
-            g = out[i]
-            fits = []
-            # its degree first, then larger ones (a kind's name holds for every degree it was compiled at)
-            for d in sorted(x for x, a in by_degree if x >= g.degree and a == g.attention):
-                fits = [(p, t) for p, t in by_degree[(d, g.attention)] if p >= g.tokens and not taken.intersection(t)
-                        and (span(t) == span(g.ranks) or (d > g.degree and not span(t)))
-                        and (cost is None or p * cost.mem_per_token / d <= cost.memory_budget)]
-                if fits:
-                    break
-            if not fits:
-                return None
-            p, t = min(fits, key=lambda pt: (pt[0], pt[1] != tuple(g.ranks), pt[1]))
-            taken.update(t)
-            if (p, t) != (g.padded_tokens, tuple(g.ranks)):
-                out[i] = dataclasses.replace(g, padded_tokens=p, ranks=t, degree=len(t))
-                moved += 1
-        mbs.append(dataclasses.replace(mb, groups=tuple(sorted(out, key=lambda g: g.ranks[0]))))
-    if not moved:
-        return plan
-    return dataclasses.replace(plan, micro_batches=tuple(mbs), solver={**dict(plan.solver), "promoted_groups": moved})
-
-
-def executed_view(plan: Any, keys: Sequence[Key], tokens: Sequence[int]) -> Any:
-    """The plan as an executor runs it: each group's `tokens` the total of `tokens` (the executed
-    samples' token counts, e.g. of a scaled-down batch) over its samples and `padded_tokens` the
-    bucket of `keys` (`PlanExecutor.plan_keys`, one per group in plan order, ranks as plan ranks);
-    one node (`ranks_per_node` = the plan's ranks: the executor's devices share a host). Estimates
-    stay the plan's. A plan made at other token counts (full-size planning) is promoted in this view."""
-    groups = [g for mb in plan.micro_batches for g in mb.groups]
-    if len(keys) != len(groups):
-        raise ValueError(f"executed_view: {len(keys)} keys for {len(groups)} groups")
-    it = iter(keys)
-    mbs = []
-    for mb in plan.micro_batches:
-        out = []
-        for g in mb.groups:
-            d, bucket, ranks, _ = next(it)
-            if (int(d), tuple(ranks)) != (g.degree, tuple(g.ranks)):
-                raise ValueError(f"executed_view: key ({d}, {bucket}, {tuple(ranks)}) does not match the group on "
-                                 f"ranks {list(g.ranks)}")
-            out.append(dataclasses.replace(g, tokens=int(sum(int(tokens[s]) for s in g.samples)),
-                                           padded_tokens=int(bucket)))
-        mbs.append(dataclasses.replace(mb, groups=tuple(out)))
-    return dataclasses.replace(plan, micro_batches=tuple(mbs), ranks_per_node=plan.num_ranks)
-
-
-def pack_on(plan: Any, tokens: Sequence[int], available: Iterable[Key]) -> Any:
-    """The plan's samples re-packed onto compiled executables only, or None when some sample is
-    larger than every compiled bucket: the last resort of a step that must not wait for a compile.
-
-    Samples go largest first (first-fit decreasing) into the open group with the least room that
-    holds them; failing that, a compiled executable whose ranks no open group of the micro-batch
-    uses opens a group (the largest bucket per rank first, so fewer, fuller groups); failing that,
-    a new micro-batch begins. Each group takes its executable's degree, bucket, ranks and attention
-    kind; `tokens` are the executed samples' counts. Estimates are not re-priced (they stay the
-    plan's); `solver["packed_on_executables"]` says it happened."""
-    exes = sorted(set(available), key=lambda k: (-k[1] / k[0], -k[1], k[2], k[3]))
-    if not exes:
-        return None
-    order = sorted((s for mb in plan.micro_batches for g in mb.groups for s in g.samples),
-                   key=lambda s: (-int(tokens[s]), s))
-    if int(tokens[order[0]]) > max(b for _, b, _, _ in exes):
-        return None
-    proto = plan.micro_batches[0].groups[0]
-    mbs: list[list[list]] = []          # micro-batch -> [key, room, samples]
-    cur: list[list] = []
-    for s in order:
-        n = int(tokens[s])
-        while True:
-            fits = [g for g in cur if g[1] >= n]
-            if fits:
-                g = min(fits, key=lambda g: (g[1], g[0][2]))
-                g[1] -= n
-                g[2].append(s)
-                break
-            used = {r for g in cur for r in g[0][2]}
-            key = next((k for k in exes if k[1] >= n and not used.intersection(k[2])), None)
-            if key is not None:
-                cur.append([key, key[1] - n, [s]])
-                break
-            mbs.append(cur)
-            cur = []
-    mbs.append(cur)
-    out = []
-    for mb in mbs:
-        groups = [dataclasses.replace(proto, ranks=tuple(k[2]), degree=int(k[0]), samples=tuple(sorted(ss)),
-                                      attention=str(k[3]), tokens=int(sum(int(tokens[s]) for s in ss)),
-                                      padded_tokens=int(k[1]))
-                  for k, _, ss in sorted(mb, key=lambda g: g[0][2][0])]
-        out.append(dataclasses.replace(plan.micro_batches[0], groups=tuple(groups)))
-    return dataclasses.replace(plan, micro_batches=tuple(out),
-                               solver={**dict(plan.solver), "packed_on_executables": True})

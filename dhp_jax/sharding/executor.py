@@ -11,14 +11,20 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    copy), the layout put on the sub-mesh sharded over `cp` as two arrays, and the executable for
    (degree, bucket, devices). The group program (shard_map + ring attention) returns, per device,
    stats f32[1, 2] (loss sum, loss-token count) and the gradient of its loss sum grads[1, P_pad]
-   in the compute dtype.
-3. Every group of every micro-batch is dispatched before anything is awaited.
-4. Per micro-batch, the devices' rows (zeros for idle devices) are assembled into one [N, P_pad]
-   array over the full `dp` mesh with `jax.make_array_from_single_device_arrays` (no copy, no host
-   round trip) and reduce-scattered in fp32 (`psum_scatter` over `dp`) into an fp32[P_pad/N] shard
-   per device, added to the shards of earlier micro-batches (the accumulator is donated): no device
-   keeps a full gradient past its micro-batch. At the end the 2N stats are summed and the shards
-   divided by the token count: the token-weighted mean, each group counted once.
+   in the compute dtype (a bf16 row bit-cast to uint16, `row_dtype`).
+3. Micro-batch by micro-batch: its groups are dispatched, then its reduction is enqueued before the
+   next micro-batch's groups, so a device's gradient row is consumed before that device starts its
+   next group program (a device runs what it is given in order) and the step holds at most one row
+   per device, whatever the number of micro-batches.
+4. The reduction: the devices' rows (a fresh zero row for an idle device, freed with the
+   reduction) are assembled into one [N, P_pad] array over the full `dp` mesh with
+   `jax.make_array_from_single_device_arrays` (no copy, no host round trip) and reduce-scattered
+   piece by piece (`reduce_pieces`: a loop over column blocks of the row seen as [N, P_pad/N], each
+   block cast to fp32 and `psum_scatter`ed, so at most one piece is ever held in fp32, never the
+   whole row) into the fp32[P_pad/N] accumulator shard of each device (donated, updated in place).
+   At the end the 2N stats are summed and the shards divided by the token count: the token-weighted
+   mean, each group counted once. What a step holds per device is priced by
+   `dhp_jax.planner.memory` (`CostModel.step_bytes`) and measured by `dhp bench memory --step`.
 `loss_and_grads(params, samples, plan)` wraps this for a float32 params tree: shard it, run the
 step, gather the grads back into a replicated tree (the exactness tests' path).
 
@@ -50,6 +56,7 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
 from dhp_jax.planner.kinds import RING, check_attention
+from dhp_jax.planner.memory import reduce_pieces
 from dhp_jax.planner.plan import Plan, PlanValidationError
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
@@ -90,7 +97,8 @@ def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
 def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
                   attn: Callable[..., jax.Array] | None = None):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
-    (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype).
+    (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype, a
+    2-byte dtype bit-cast to its unsigned integer (`row_dtype`)).
 
     `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`)."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
@@ -118,9 +126,21 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
         # gradient is taken piece by piece (the stacks' pieces get their stacked gradients as
         # they are) and the row is their concatenation: no zero-padded parts summed.
         value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
-        return jnp.stack([value, jnp.sum(weights)])[None], jnp.concatenate(grads)[None]
+        row = jnp.concatenate(grads)
+        if row_dtype(row.dtype) != row.dtype:
+            # the reduction reads the row piece by piece: as uint16 no compiler widens it whole
+            # (XLA:CPU has no bf16 slicing, it would copy the whole row to fp32 first)
+            row = lax.bitcast_convert_type(row, row_dtype(row.dtype))
+        return jnp.stack([value, jnp.sum(weights)])[None], row[None]
 
     return body
+
+
+def row_dtype(compute_dtype: Any) -> Any:
+    """How a group program returns its gradient row and the gather moves the params: a 2-byte
+    compute dtype bit-cast to uint16 (XLA:CPU computes bf16 in fp32 and would widen a whole bf16
+    vector before slicing or moving it), fp32 as itself."""
+    return jnp.dtype(jnp.uint16) if jnp.dtype(compute_dtype).itemsize == 2 else jnp.dtype(compute_dtype)
 
 
 class PlanExecutor:
@@ -173,7 +193,7 @@ class PlanExecutor:
         self.compile_seconds: list[float] = []           # wall time of every executable built
         self.last_compile_wait_s = 0.0                    # what the last step waited for compiles
         self._jits: dict[str, Any] = {}
-        self._zeros: dict[jax.Device, tuple[jax.Array, jax.Array]] = {}
+        self._zeros: dict[jax.Device, tuple[jax.Array, Any]] = {}   # (stats row, zero-row maker)
 
     # ------------------------------------------------------------------ counters
     @property
@@ -302,17 +322,40 @@ class PlanExecutor:
 
     # ------------------------------------------------------------------ the sharded state
     def _jit(self, name: str):
-        """The small full-mesh programs of a step, built once: shard, gather, unshard, scatter
-        (first micro-batch), scatter_add (later ones, accumulator donated), finish."""
+        """The small full-mesh programs of a step, built once: shard, gather, unshard, accumulate
+        (one micro-batch's rows reduce-scattered into the donated accumulator), finish."""
         if not self._jits:
-            lay, cd, mesh = self.layout, self.compute_dtype, self.mesh
+            lay, cd, mesh, n = self.layout, self.compute_dtype, self.mesh, len(self.ranks.devices)
+            c, k = reduce_pieces(lay.padded, n)
+            shard = lay.shard_size
 
-            def scatter_rows(rows):
-                # rows[N, P_pad] one row per device -> this device's shard of the sum over devices,
-                # reduced in fp32 (the reduce-scatter of the step; no device keeps a full sum).
-                return jax.shard_map(
-                    lambda r: lax.psum_scatter(r[0].astype(jnp.float32), DP_AXIS, scatter_dimension=0, tiled=True),
-                    mesh=mesh, in_specs=P(DP_AXIS), out_specs=P(DP_AXIS))(rows)
+            def add_row(acc, row):
+                # acc f32[shard] (this device's accumulator), row [1, P_pad] (its gradient row):
+                # the row as [N, shard] (column block j of row r is device r's part of piece j) is
+                # reduce-scattered one column block at a time, each cast to fp32 alone, so no
+                # device ever holds its row, or the sum, whole in fp32.
+                grid = row.reshape(n, shard)
+
+                def piece(start, width, acc):
+                    part = lax.dynamic_slice_in_dim(grid, start, width, axis=1)
+                    part = lax.bitcast_convert_type(part, cd).astype(jnp.float32)
+                    got = lax.psum_scatter(part, DP_AXIS, scatter_dimension=0, tiled=True)[0]
+                    return lax.dynamic_update_slice_in_dim(acc, lax.dynamic_slice_in_dim(acc, start, width) + got,
+                                                           start, 0)
+
+                acc = lax.fori_loop(0, k, lambda j, a: piece(j * c, c, a), acc)
+                return piece(k * c, shard - k * c, acc) if shard > k * c else acc
+
+            def accumulate(acc, sacc, rows, stats):
+                acc = jax.shard_map(add_row, mesh=mesh, in_specs=(P(DP_AXIS), P(DP_AXIS)),
+                                    out_specs=P(DP_AXIS))(acc, rows)
+                return acc, sacc + stats
+
+            def gather(shard):
+                # cast the shard, then all-gather it (bf16 as uint16, `row_dtype`): no fp32 copy of
+                # the whole vector
+                got = lax.all_gather(lax.bitcast_convert_type(shard.astype(cd), row_dtype(cd)), DP_AXIS, tiled=True)
+                return lax.bitcast_convert_type(got, cd)
 
             def finish(acc, stats):
                 total = jnp.sum(stats, axis=0)                  # [loss sum, count]: 2N floats all-reduced
@@ -321,11 +364,12 @@ class PlanExecutor:
             rep, shd = self.replicated, self.sharded
             self._jits.update(
                 shard=jax.jit(lambda p: lay.ravel(p), out_shardings=shd),
-                gather=jax.jit(lambda m: m.astype(cd), out_shardings=rep),
+                gather=jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(DP_AXIS), out_specs=P(), check_vma=False),
+                               out_shardings=rep),
                 unshard=jax.jit(lambda g: lay.unravel(g), out_shardings=rep),
-                scatter=jax.jit(lambda rows, st: (scatter_rows(rows), st), out_shardings=(shd, shd)),
-                scatter_add=jax.jit(lambda acc, sacc, rows, st: (acc + scatter_rows(rows), sacc + st),
-                                    out_shardings=(shd, shd), donate_argnums=(0, 1)),
+                zeros=jax.jit(lambda: (jnp.zeros((lay.padded,), jnp.float32), jnp.zeros((n, 2), jnp.float32)),
+                              out_shardings=(shd, shd)),
+                accumulate=jax.jit(accumulate, out_shardings=(shd, shd), donate_argnums=(0, 1)),
                 finish=jax.jit(finish, out_shardings=(rep, shd)))
         return self._jits[name]
 
@@ -375,15 +419,19 @@ class PlanExecutor:
         return [w for w in work if any(d.process_index == me for d in w.devices)]
 
     def _zero_rows(self, device: jax.Device) -> tuple[jax.Array, jax.Array]:
-        """(stats, grads) rows of zeros on an idle device (cached)."""
+        """(stats, grads) rows of zeros for a device idle in a micro-batch. The stats row is cached;
+        the gradient row is made for this reduction only (a cached P_pad row would stay on the
+        device through every later group program it runs)."""
         z = self._zeros.get(device)
         if z is None:
             z = self._zeros[device] = (jax.device_put(np.zeros((1, 2), np.float32), device),
-                                       jax.device_put(np.zeros((1, self.layout.padded), self.compute_dtype), device))
-        return z
+                                       jax.jit(lambda: jnp.zeros((1, self.layout.padded), row_dtype(self.compute_dtype)),
+                                               out_shardings=jax.sharding.SingleDeviceSharding(device)))
+        return z[0], z[1]()
 
     def dispatch(self, flat: jax.Array, work: Sequence[_GroupWork]) -> list[dict[jax.Device, tuple]]:
-        """Launch every group (asynchronously); per micro-batch, each device's (stats, grads) rows."""
+        """Launch the given groups (asynchronously); per micro-batch, each device's (stats, grads)
+        rows. The step dispatches one micro-batch at a time (`loss_and_grad_shards`)."""
         rows: dict[int, dict[jax.Device, tuple]] = {m: {} for m in sorted({w.micro_batch for w in work})}
         work = self._local(work)
         views = self._views(flat, {(w.devices, w.attention) for w in work})
@@ -397,25 +445,32 @@ class PlanExecutor:
             rows[w.micro_batch].update((s.device, (s.data, gby[s.device])) for s in stats.addressable_shards)
         return [rows[m] for m in sorted(rows)]
 
-    def reduce(self, partials: Sequence[Mapping[jax.Device, tuple]]) -> tuple[jax.Array, jax.Array]:
-        """Per micro-batch, the devices' gradient rows reduce-scattered into the state's shards and
-        accumulated there (never a full gradient per device); at the end / the token count.
-        Returns (loss replicated, grads fp32[P_pad] sharded like the master params)."""
+    def accumulate(self, acc: tuple[jax.Array, jax.Array] | None, rows: Mapping[jax.Device, tuple]
+                   ) -> tuple[jax.Array, jax.Array]:
+        """Enqueue one micro-batch's reduction: the devices' (stats, grads) rows reduce-scattered in
+        pieces into the fp32 accumulator shards `acc` (None: zeros), which are donated."""
         n = len(self.ranks.devices)
         me = jax.process_index()
+        mine = [rows[d] if d in rows else self._zero_rows(d) for d in self.ranks.devices if d.process_index == me]
+        stats = jax.make_array_from_single_device_arrays((n, 2), self.sharded, [r[0] for r in mine])
+        grads = jax.make_array_from_single_device_arrays((n, self.layout.padded), self.sharded,
+                                                         [r[1] for r in mine])
+        return self._jit("accumulate")(*(self._jit("zeros")() if acc is None else acc), grads, stats)
+
+    def reduce(self, partials: Sequence[Mapping[jax.Device, tuple]]) -> tuple[jax.Array, jax.Array]:
+        """Every micro-batch's rows (`dispatch`) accumulated, then / the token count. Returns (loss
+        replicated, grads fp32[P_pad] sharded like the master params)."""
         acc = None
         for mb in partials:
-            mine = [mb[d] if d in mb else self._zero_rows(d) for d in self.ranks.devices if d.process_index == me]
-            stats = jax.make_array_from_single_device_arrays((n, 2), self.sharded, [r[0] for r in mine])
-            rows = jax.make_array_from_single_device_arrays((n, self.layout.padded), self.sharded,
-                                                            [r[1] for r in mine])
-            acc = self._jit("scatter")(rows, stats) if acc is None else self._jit("scatter_add")(*acc, rows, stats)
+            acc = self.accumulate(acc, mb)
         return self._jit("finish")(*acc)
 
     def loss_and_grad_shards(self, master: jax.Array, samples: Sequence[Sample], plan: Plan
                              ) -> tuple[jax.Array, jax.Array]:
         """The training step's path: master params fp32[P_pad] sharded over the mesh in, batch
-        token-mean loss (replicated) and its gradient fp32[P_pad] (sharded the same way) out."""
+        token-mean loss (replicated) and its gradient fp32[P_pad] (sharded the same way) out.
+        Each micro-batch's reduction is enqueued before the next micro-batch's groups, so a device
+        holds one gradient row at a time (module docstring, step 3)."""
         work = self.prepare(samples, plan)
         t0 = time.perf_counter()
         missing = [w for w in self._local(work)
@@ -423,7 +478,13 @@ class PlanExecutor:
         for w in missing:                       # compile (or wait for a background compile of) what is missing
             self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         self.last_compile_wait_s = time.perf_counter() - t0 if missing else 0.0
-        return self.reduce(self.dispatch(self.gather(master), work))
+        flat, acc = self.gather(master), None
+        for m in sorted({w.micro_batch for w in work}):
+            (rows,) = self.dispatch(flat, [w for w in work if w.micro_batch == m])
+            acc = self.accumulate(acc, rows)
+            del rows                            # the rows' buffers go when their reduction is done
+        del flat
+        return self._jit("finish")(*acc)
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""

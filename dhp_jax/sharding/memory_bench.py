@@ -10,7 +10,8 @@ what a shallow one does (internvl3-2b: about 20 s on CPU) and the bench compiles
 linearly (rows say `"extrapolated": true`). On CPU devices the bench compiles
 with XLA:CPU's memory-minimising scheduler (`CPU_MEMORY_SCHEDULER`). `"fits"` answers the sizing
 question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
-compiled bytes + the state shard against the device's usable bytes.
+compiled bytes + the state shard against the device's usable bytes. A whole step (every program
+it runs, in dispatch order) is `dhp bench memory --step` (`dhp_jax.train.step_memory`).
 """
 
 from __future__ import annotations
@@ -156,16 +157,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only JSON")
 
 
-def run(args: argparse.Namespace) -> int:
+def use_cpu_devices(count: int) -> None:
+    """Ask for `count` fake CPU devices, if jax is not imported yet (later it is too late)."""
     import sys
-
-    from dhp_jax.planner import CostModel
 
     if "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={args.devices}"])
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dhp_jax.planner import CostModel
+
+    use_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=args.remat, compute_dtype=args.dtype,

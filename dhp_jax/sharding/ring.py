@@ -61,20 +61,17 @@ def _prepare(q, k, v, q_ids, k_ids, tile, chunks):
 
 
 def _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
-    """(out[S_l, H, D], lse tiles, computed tile pairs) of the ring."""
+    """(out[S_l, H, D], lse tiles) of the ring."""
     spec, qs, blk = _prepare(q, k, v, q_ids, k_ids, tile, chunks)
-    state, count = tiles.init_state(qs), jnp.int32(0)
+    state = tiles.init_state(qs)
     if degree > 1:
         def step(carry, _):
-            state, blk, count = carry
+            state, blk = carry
             nxt = _shift_block(blk, axis_name, degree)    # issued first; the fold does not need it
-            state, c = tiles.fold(state, qs, blk)
-            return (state, nxt, count + c), None
+            return (tiles.fold(state, qs, blk), nxt), None
 
-        (state, blk, count), _ = lax.scan(step, (state, blk, count), None, length=degree - 1)
-    state, c = tiles.fold(state, qs, blk)
-    out, lse = tiles.finish(state, spec)
-    return out, lse, count + c
+        (state, blk), _ = lax.scan(step, (state, blk), None, length=degree - 1)
+    return tiles.finish(tiles.fold(state, qs, blk), spec)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -83,7 +80,7 @@ def _ring(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
 
 
 def _ring_fwd(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks):
-    out, lse, _ = _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks)
+    out, lse = _forward(q, k, v, q_ids, k_ids, axis_name, degree, tile, chunks)
     return out, (q, k, v, q_ids, k_ids, out, lse)
 
 
@@ -144,12 +141,6 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_
     (memory linear in tokens, empty tile pairs skipped); no collective, usable outside shard_map
     (e.g. the local attention of an all-to-all layout). `chunks`: contiguous chunks of the block."""
     return ring_attention(q, k, v, q_ids, k_ids, axis_name="", degree=1, tile=tile, chunks=chunks)
-
-
-def ring_tile_count(q, k, v, q_ids: AttnIds, k_ids: AttnIds, *, axis_name: str, degree: int,
-                    tile: int = DEFAULT_TILE, chunks: int = 2) -> jax.Array:
-    """Tile pairs this device's forward pass computed (the kernel's own counter; inside shard_map)."""
-    return _forward(q, k, v, AttnIds(*q_ids), AttnIds(*k_ids), axis_name, degree, tile, chunks)[2]
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds) -> jax.Array:

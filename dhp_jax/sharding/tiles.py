@@ -8,8 +8,9 @@ the other, and temporaries are one score tile `s[KVH, G, t, t]`, never `[S_q, S_
 Tiling and skipping follow `dhp_jax.data.tiling` (one home for the rule, shared with the torch
 ring and the benches): each zigzag chunk is cut into tiles, padded with segment-0 tokens to whole
 tiles; the per-tile summaries are computed once per block and travel with it, and a pair is
-computed under `lax.cond` only where `tile_pairs_allowed` says some pair may attend. The forward
-pass counts the pairs it computed, so a bench's NumPy count can be checked against the kernel.
+computed under `lax.cond` only where `tile_pairs_allowed` says some pair may attend. The branch
+that computes a pair ticks `tile_pairs_fwd` / `tile_pairs_bwd` (`dhp_jax.model.executed`: nothing
+unless counting), so the pairs that ran can be checked against a bench's NumPy count.
 
 Layouts are head-major inside the kernel (`heads_first`): q[n, KVH, G*t, D], k, v[n, KVH, t, D],
 so each product is one batched matmul over the KV heads. State of the online softmax for one
@@ -30,6 +31,7 @@ from jax import lax
 from dhp_jax.data.tiling import (DEFAULT_TILE, TileSpec, count_ring_tiles, from_tiles, summarize,
                                  tile_pairs_allowed, to_tiles)
 from dhp_jax.model.attention import AttnIds, attention_mask
+from dhp_jax.model.executed import tick
 
 __all__ = ["DEFAULT_TILE", "TileSpec", "count_ring_tiles", "blockwise_attention", "fold", "finish", "backward"]
 _NEG = -1e30
@@ -110,17 +112,17 @@ def _masked(mask: jax.Array, s: jax.Array, value: jax.Array, fill: float) -> jax
 
 
 def fold(state, qs: Queries, blk: Block):
-    """Fold one key block into the online-softmax state; returns (state, computed tile pairs)."""
+    """Fold one key block into the online-softmax state."""
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)                  # allowed[nq, nk]
 
     def q_tile(_, xs):
         q, qid, ok_row, st = xs
 
-        def k_tile(carry, ys):
-            st, count = carry
+        def k_tile(st, ys):
             k, v, kid, ok = ys
 
             def compute(st):
+                tick("tile_pairs_fwd", q, k)
                 m, l, o = st
                 mask = attention_mask(qid, kid)                                 # mask[t, t]
                 s = jnp.einsum("hqd,hkd->hqk", q, k)
@@ -129,14 +131,12 @@ def fold(state, qs: Queries, blk: Block):
                 corr = jnp.exp(m - m_new)
                 return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + jnp.einsum("hqk,hkd->hqd", p, v)
 
-            st = lax.cond(ok, compute, lambda st: st, st)
-            return (st, count + ok.astype(jnp.int32)), None
+            return lax.cond(ok, compute, lambda st: st, st), None
 
-        (st, count), _ = _scan(k_tile, (st, jnp.int32(0)), (blk.k, blk.v, blk.ids, ok_row))
-        return None, (st, count)
+        st, _ = _scan(k_tile, st, (blk.k, blk.v, blk.ids, ok_row))
+        return None, st
 
-    _, (state, counts) = _scan(q_tile, None, (qs.q, qs.ids, allowed, state))
-    return state, jnp.sum(counts)
+    return _scan(q_tile, None, (qs.q, qs.ids, allowed, state))[1]
 
 
 def finish(state, spec: TileSpec) -> tuple[jax.Array, jax.Array]:
@@ -164,6 +164,7 @@ def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: 
             q, qid, do_i, lse_i, delta_i, ok = ys
 
             def compute(carry):
+                tick("tile_pairs_bwd", q, k)
                 dk, dv = carry
                 mask = attention_mask(qid, kid)
                 s = jnp.einsum("hqd,hkd->hqk", q, k)
@@ -193,6 +194,6 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds
     """
     qspec, kspec = TileSpec.make(q.shape[0], tile, chunks), TileSpec.make(k.shape[0], tile, chunks)
     qs = make_queries(q, q_ids, qspec, k.shape[1])
-    state, _ = fold(init_state(qs), qs, make_block(k, v, k_ids, kspec))
+    state = fold(init_state(qs), qs, make_block(k, v, k_ids, kspec))
     out, lse = finish(state, qspec)
     return out, tokens_first(lse, qspec)

@@ -46,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch or 8 * cluster.num_ranks
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     t0 = time.perf_counter()
-    batches = make_batches(args.dataset, batch, args.steps, args.seed, cluster.vision)
+    try:
+        batches = make_batches(args.dataset, batch, args.steps, args.seed, cluster.vision)
+    except (ValueError, OSError) as e:   # an unknown mix, a manifest path that is not there, a bad line
+        print(f"dhp simulate: {e}", file=sys.stderr)
+        return 2
     runs = []
     for s in strategies:
         try:

@@ -4,9 +4,10 @@ Three measures on the local (fake CPU) devices, tiny model:
 - memory: temp bytes per device of the compiled group program (XLA `memory_analysis()`, params
   given as `jax.ShapeDtypeStruct`, nothing allocated) at the same local length S/d on d = 1 and
   d = 8, and at d = 4 for 4x more tokens;
-- tiles: computed (query tile, key tile) pairs of one causal sample on a zigzag ring of degree 8,
-  as a share of the dense pairs (`dhp_jax.data.tiling.count_ring_tiles`, the kernel's own
-  predicate);
+- tiles: (query tile, key tile) pairs of one causal sample on a zigzag ring of degree 8: the
+  pairs the skip rule allows, as a share of the dense pairs (`dhp_jax.data.tiling.count_ring_tiles`,
+  NumPy), beside the pairs the ring kernel executed, forward and backward, counted as they ran
+  (`dhp_jax.model.executed`: a callback inside the branch that computes a pair);
 - step time: DHP steps of the demo's batches (`dhp_jax/train/configs/demo.yaml`: same data,
   planner and planning cost model), this ring vs the earlier ring (a `lax.scan` over dense blocks with autodiff,
   kept here as the baseline), interleaved in one run, medians.
@@ -112,6 +113,32 @@ def memory(tile=None) -> dict[str, Any]:
             "d4_growth_for_4x_tokens": round(mib["d4_S16384"] / mib["d4_S4096"], 3)}
 
 
+def executed_tiles(segment, position, span, degree: int, tile: int) -> dict[str, int]:
+    """Tile pairs the ring kernel executed, summed over the devices, in one forward and backward
+    pass over a stream in device order (small heads: the count depends on the ids only)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    from dhp_jax.model.attention import AttnIds
+    from dhp_jax.model.executed import counting
+    from dhp_jax.sharding.mesh import CP_AXIS
+    from dhp_jax.sharding.ring import ring_attention
+
+    s = len(segment)
+    ids = AttnIds(*(jnp.asarray(a, jnp.int32) for a in (segment, position, span)))
+    q, k, v = (jax.random.normal(jax.random.key(i), (s, h, 8)) for i, h in enumerate((2, 1, 1)))
+    mesh = Mesh(np.array(jax.devices()[:degree]), (CP_AXIS,))
+    body = functools.partial(ring_attention, axis_name=CP_AXIS, degree=degree, tile=tile)
+    ring = jax.shard_map(lambda q, k, v, i: body(q, k, v, i, i), mesh=mesh, in_specs=P(CP_AXIS),
+                         out_specs=P(CP_AXIS), check_vma=False)
+    with counting() as counts:          # traced inside: the branches that compute a pair tick
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v, ids)), argnums=(0, 1, 2)))
+        jax.block_until_ready(grad(q, k, v))
+    return {"forward": counts["tile_pairs_fwd"], "backward": counts["tile_pairs_bwd"]}
+
+
 def tiles(tokens: int = 16384, degree: int = 8, tile=None) -> dict[str, Any]:
     import numpy as np
 
@@ -122,8 +149,10 @@ def tiles(tokens: int = 16384, degree: int = 8, tile=None) -> dict[str, Any]:
     perm = zigzag_permutation(tokens, degree)
     seg, pos, span = np.ones(tokens, np.int32), np.arange(tokens, dtype=np.int32)[perm], np.zeros(tokens, np.int32)
     computed, total = count_ring_tiles(seg, pos, span, degree, tile)
+    executed = executed_tiles(seg, pos, span, degree, tile)
     return {"tokens": tokens, "degree": degree, "tile": tile, "computed_pairs": computed, "dense_pairs": total,
-            "computed_over_dense": round(computed / total, 4)}
+            "computed_over_dense": round(computed / total, 4), "executed_pairs_forward": executed["forward"],
+            "executed_pairs_backward": executed["backward"]}
 
 
 def step_times(batches: int, repeats: int, tile=None, full_opt: bool = False) -> dict[str, Any]:
@@ -263,7 +292,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  same local length S/d=1024, d=8 over d=1: {m['same_local_d8_over_d1']}x; "
           f"d=4, 4x tokens: {m['d4_growth_for_4x_tokens']}x")
     print(f"  one causal sample of {t['tokens']} tokens, zigzag ring d={t['degree']}, tile {t['tile']}: "
-          f"{t['computed_pairs']}/{t['dense_pairs']} tile pairs computed ({t['computed_over_dense']} of dense)")
+          f"{t['computed_pairs']}/{t['dense_pairs']} tile pairs allowed by the skip rule ({t['computed_over_dense']} "
+          f"of dense, NumPy); executed by the kernel: {t['executed_pairs_forward']} forward, "
+          f"{t['executed_pairs_backward']} backward")
     if "step_time" in res:
         s = res["step_time"]
         for kind in ("wall", "cpu"):

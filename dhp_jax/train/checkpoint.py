@@ -2,7 +2,8 @@
 
 Each checkpoint holds two items: `state` (the `TrainState` pytree, restored straight into its
 sharding; the trainer's state is sharded over the full mesh, so each process writes and reads only
-the shards it holds) and `meta` (JSON: the next data position, the model config, the run config). orbax writes
+the shards it holds) and `meta` (JSON: the next data position, the model config, the run config, and
+the trainer's record of the programs its plans used, so a resumed run plans alike). orbax writes
 into a temporary directory and renames it when complete, so a crash never leaves a half checkpoint
 that `latest` would pick. Before any array is read, `meta` is checked against the model config of
 the run: resuming a different model is a clear error, not a shape mismatch deep inside orbax.
@@ -53,8 +54,9 @@ class Checkpointer:
         return self.every > 0 and step > 0 and step % self.every == 0
 
     def save(self, step: int, state: Any, data_position: int, model_config: Mapping[str, Any],
-             run_config: Mapping[str, Any] | None = None) -> None:
-        meta = {"step": int(step), "data_position": int(data_position),
+             run_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> None:
+        """`extra`: more JSON fields of `meta` (the trainer's program record)."""
+        meta = {**_jsonable(dict(extra or {})), "step": int(step), "data_position": int(data_position),
                 "model_config": _jsonable(dict(model_config)), "run_config": _jsonable(dict(run_config or {}))}
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          meta=ocp.args.JsonSave(meta)), force=True)

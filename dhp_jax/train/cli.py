@@ -64,6 +64,11 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as e:
         print(f"dhp train: config error: {e}", file=sys.stderr)
         return 2
+    if config.metrics.progress or args.dry_run:
+        # said at once: importing jax and planning the first batch take seconds before the run's own line
+        print(f"dhp train: {'checking' if args.dry_run else 'starting'} {config.name!r} "
+              f"({config.num_ranks} ranks on {config.devices.count} {config.devices.platform} devices): importing jax, "
+              f"planning the first batch ...", file=sys.stderr, flush=True)
     from dhp_jax.train.distributed import DistributedError, PlanMismatchError, describe, initialize, resolve
 
     try:
@@ -93,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.train.checkpoint import CheckpointError
     from dhp_jax.train.metrics import MetricsError
     from dhp_jax.train.plans import PlanFileError
-    from dhp_jax.train.trainer import TrainError, Trainer, dry_run
+    from dhp_jax.train.interrupt import RunInterrupted
+    from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
 
     try:
         if args.dry_run:
@@ -102,8 +108,16 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if args.resume and args.overwrite:
             raise TrainError("--resume continues a run and --overwrite replaces it: give one of them")
+        if args.resume:
+            check_resumable(config)   # before the Trainer creates its compilation cache directory
         trainer = Trainer(config, step_timeout_s=args.step_timeout)
         result = trainer.run(resume=args.resume, overwrite=args.overwrite)
+    except (RunInterrupted, KeyboardInterrupt) as e:
+        _say_interrupted(e if isinstance(e, RunInterrupted) else None, args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # a compile may still run on a worker thread (XLA cannot cancel one): do not wait for it
+        os._exit(130)
     except PlanMismatchError as e:
         # every process is alive and raised the same error: a normal exit, through jax.distributed's
         # shutdown barrier, so process 0 (the coordinator) does not vanish under the others
@@ -125,6 +139,22 @@ def run(args: argparse.Namespace) -> int:
         except KeyError:  # a finished run's summary.json from an older version: said so on stderr already
             pass
     return 0
+
+
+def _say_interrupted(e: Any, args: argparse.Namespace) -> None:
+    """One line: where the run stopped and the command that continues it."""
+    import shlex
+
+    again = ["dhp", "train", *args.args] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
+                                            ("strategy", "plan_file", "out") if getattr(args, k)]
+    if e is not None and e.checkpoint:
+        print(f"dhp train: interrupted after step {e.step} of {e.total}, checkpoint {e.checkpoint}"
+              + (f" ({e.detail})" if e.detail else "") + f"; resume with: {shlex.join(again + ['--resume'])}",
+              file=sys.stderr)
+    else:
+        flag = ["--resume"] if args.resume else ["--overwrite"] if args.overwrite else []
+        print("dhp train: interrupted before a step finished, nothing new saved; run again with: "
+              + shlex.join(again + flag), file=sys.stderr)
 
 
 def _format_dry_run(r: dict) -> str:
@@ -164,10 +194,13 @@ def format_summary(s: dict[str, Any]) -> list[str]:
                  f"wait per step in steady state median {s['plan_wait_median_s'] * 1e3:.2f} ms, "
                  f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")
     if s.get("steps_waiting_for_compile_after_warmup") is not None:
+        wait = s.get("compile_wait_after_warmup_s") or {}
         lines.append(f"steps after the first {s['warmup_steps']} that waited for a compile: "
-                     f"{s['steps_waiting_for_compile_after_warmup']} (measured; programs compile ahead in the planner thread"
-                     + (f"; {s['steps_on_compiled_substitutes']} steps ran on compiled programs while their own compiled"
-                        if s.get("steps_on_compiled_substitutes") else "") + ")")
+                     f"{s['steps_waiting_for_compile_after_warmup']}"
+                     + (f" (median wait {_seconds(wait['median'])}, max {_seconds(wait['max'])})"
+                        if s['steps_waiting_for_compile_after_warmup'] and wait else "")
+                     + "; measured: each plan's programs compile in the background once it is planned, and "
+                     f"{s.get('steps_on_compiled_substitutes', 0)} steps ran another plan than the planner's")
     if s.get("compare"):
         lines.extend(format_comparison(s["compare"]))
     if s.get("plan_png"):

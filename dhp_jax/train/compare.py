@@ -64,15 +64,23 @@ def measured_comparison(trainer: Any, params: Any, batches: list, strategies: li
     return {s: out[s] for s in strategies}
 
 
-def simulated_comparison(batches: list[list], strategies: list[str], cost: Any, num_ranks: int) -> tuple[dict, Any]:
+def simulated_comparison(batches: list[list], strategies: list[str], cost: Any, num_ranks: int,
+                         progress: bool = False) -> tuple[dict, Any]:
     """Mean simulated step time per strategy over `batches` (lists of unscaled samples); also the
-    first batch's DHP plan (for a picture)."""
+    first batch's DHP plan (for a picture). Strategy by strategy, each a tick of a progress bar."""
     from dhp_jax.planner.compare import compare_strategies
+    from dhp_jax.train.metrics import phase_bar
 
-    comp = compare_strategies(batches, num_ranks, cost, strategies)
+    runs = {}
+    with phase_bar(len(strategies), f"compare: simulating {len(strategies)} strategies on {num_ranks} ranks "
+                   f"({cost.model} on {cost.hardware})", progress) as bar:
+        for s in strategies:
+            bar.set_description_str(f"compare: simulating {s} on {num_ranks} ranks ({cost.model} on {cost.hardware})")
+            runs.update(compare_strategies(batches, num_ranks, cost, [s]).runs)
+            bar.update(1)
     out = {s: {"step_time_s": r.mean_step_time_s, "degrees": r.degrees} if r.ok else {"infeasible": r.error}
-           for s, r in comp.runs.items()}
-    dhp = comp.runs.get("dhp")
+           for s, r in runs.items()}
+    dhp = runs.get("dhp")
     return out, (dhp.plans[0] if dhp is not None and dhp.ok and dhp.plans else None)
 
 
@@ -103,11 +111,6 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
         }
     sim_ranks = c.sim_ranks or cfg.num_ranks
     rpn = min(c.sim_ranks_per_node, sim_ranks)
-    if progress:
-        import sys
-
-        print(f"compare: simulating DHP and static plans on {sim_ranks} ranks ({c.sim_model} on {c.sim_hardware}) ...",
-              file=sys.stderr, flush=True)
     cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn, state_shards=sim_ranks)
     if c.sim_batch_size:  # the run's mix at the simulated scale, one batch per compared batch
         sim_batches = [trainer.pipeline.source_batch(first_step + i, c.sim_batch_size) for i in range(c.batches)]
@@ -115,7 +118,7 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
         sim_batches = [b.source_samples for b in batches]
     # the simulation also knows Ulysses (all-to-all) baselines, which the JAX executor does not run
     sim_statics = list(dict.fromkeys([*statics, "static-ring:best", "static-ulysses:best"]))
-    simulated, plan = simulated_comparison(sim_batches, ["dhp", *sim_statics], cost, sim_ranks)
+    simulated, plan = simulated_comparison(sim_batches, ["dhp", *sim_statics], cost, sim_ranks, progress)
     scomp = _comparison(simulated)
     sbest = scomp.best_static(sim_statics)
     result["simulated"] = {

@@ -61,7 +61,11 @@ class PlannerConfig:
     full_size: bool = False        # plan the unscaled batch (the token counts a preset describes); the
                                    # executor runs the scaled samples in the same groups
     num_micro_batches: int | None = None
-    lookahead: int = 2             # batches planned ahead by the planner thread (queue bound)
+    lookahead: int = 2             # batches planned ahead by the planner thread (queue bound); their
+                                   # programs compile in the background as soon as they are planned
+    compile_price_s: float = 3.0   # planner seconds charged for each group program no earlier step's plan
+                                   # needed (a fixed figure, never a live measurement: plans must not
+                                   # depend on timing); 0: programs are free
 
 
 @dataclasses.dataclass
@@ -81,8 +85,9 @@ class MetricsConfig:
 
 @dataclasses.dataclass
 class CompareConfig:
-    enabled: bool = True
-    measured: bool = True          # time DHP and the static plans on these devices (false: simulated only)
+    enabled: bool = True           # the simulated comparison at scale (and its Gantt PNG) after the run
+    measured: bool = False         # also time DHP and the static plans on these devices (opt-in: on fake CPU
+                                   # devices that share the host's cores it is an overhead check, not a speed-up)
     static_strategy: str = "static-ring:best"  # the static baseline measured on these devices
     batches: int = 3               # batches timed with both plans after training
     repeats: int = 3               # timed repeats per batch and plan (median)
@@ -138,6 +143,8 @@ class TrainConfig:
                        "data.min_text_tokens": self.data.min_text_tokens}.items():
             if v < 0:
                 raise ConfigError(f"{key} must be >= 0, got {v}")
+        if not self.planner.compile_price_s >= 0:
+            raise ConfigError(f"planner.compile_price_s must be >= 0 (seconds), got {self.planner.compile_price_s}")
         if self.data.token_scale <= 0:
             raise ConfigError(f"data.token_scale must be > 0, got {self.data.token_scale}")
         if self.data.min_text_tokens + 1 > self.data.max_tokens:
@@ -199,9 +206,13 @@ _INPUT_PATHS = (("planner", "plan_file"), ("planner", "cost_profile"))
 
 
 def _resolve_inputs(config: TrainConfig, base: Path) -> None:
+    from dhp_jax.planner.cli_args import profile_path
+
     for section, key in _INPUT_PATHS:
         obj = getattr(config, section)
         value = getattr(obj, key)
+        if key == "cost_profile" and value and not (base / value).exists() and profile_path(value) != value:
+            continue  # a packaged profile named by name (tiny-cpu8)
         if value and not os.path.isabs(value):
             setattr(obj, key, str((base / value).resolve()))
 

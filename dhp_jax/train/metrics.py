@@ -41,6 +41,9 @@ def tensorboard_writer() -> Any:
     return SummaryWriter
 
 
+_SPINNER = "|/-\\"
+
+
 class _NoBar:
     def update(self, n: int = 1) -> None:
         pass
@@ -91,10 +94,13 @@ class MetricsWriter:
                              bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
         self.records: list[dict] = []
 
-    def compiling(self, count: int) -> None:
-        """Say on the bar that the next step first compiles `count` group programs."""
+    def compiling(self, count: int, done: int = 0, elapsed_s: float | None = None) -> None:
+        """Say on the bar that the next step first compiles `count` group programs, `done` of them
+        built so far (called every fraction of a second while the step waits, so the bar never sits
+        frozen through a compile)."""
         if self._bar is not None:
-            self._bar.set_description_str(f"train (compiling {count} group program{'s' if count > 1 else ''})")
+            spin = "" if elapsed_s is None else f" {_SPINNER[int(elapsed_s * 4) % 4]} {elapsed_s:.0f} s"
+            self._bar.set_description_str(f"train (compiling group programs: {min(done, count)}/{count} built{spin})")
 
     def log_step(self, record: Mapping[str, Any]) -> None:
         rec = _clean(dict(record))

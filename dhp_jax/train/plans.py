@@ -26,6 +26,11 @@ class PlanSource:
         self.plans = list(plans) if plans else None
         self.num_micro_batches, self.ranks_per_node = num_micro_batches, ranks_per_node
         self.programs = None  # a planner.programs.ProgramCache: reuse compiled programs, price new ones
+        # (min_bucket, growth) of the executor's ladder: a full-size plan's groups run in the
+        # executor's buckets of the scaled samples, and those are the programs the cache records
+        self.executed_ladder: tuple[int, float] | None = None
+        self.issued: dict[int, list] = {}   # step -> the executables its plan added to `programs`
+        self.decided: dict[int, str] = {}   # step -> digest of the plan returned (what ran is checked against it)
         if self.plans is None and cost is None:
             raise ValueError("a PlanSource needs a cost model or a list of plans")
 
@@ -44,13 +49,31 @@ class PlanSource:
                 kwargs["num_micro_batches"] = self.num_micro_batches
             if self.ranks_per_node is not None:
                 kwargs["ranks_per_node"] = self.ranks_per_node
-            if self.programs is not None and self.strategy == "dhp":
-                kwargs["programs"] = self.programs
+            programs = self.programs if self.strategy == "dhp" else None
+            if programs is not None:
+                programs.executed = self._executed(batch)
+                kwargs["programs"] = programs
+                before = set(programs.executables)
             # full_size: plan the batch at the token counts the cost model describes (the unscaled
             # source samples, one per executed sample, same ids); the executor runs the scaled ones
             samples = batch.source_samples if self.full_size else batch.samples
             plan = plan_batch(samples, self.num_ranks, self.cost, strategy=self.strategy, **kwargs)
-        return plan.validate(num_samples=len(batch.samples))
+            if programs is not None:
+                self.issued[step] = sorted(programs.executables - before)
+        plan.validate(num_samples=len(batch.samples))
+        self.decided[step] = plan.digest()
+        return plan
+
+    def _executed(self, batch: Any) -> Any:
+        """`ProgramCache.executed` for this batch: the executor's bucket of a group's scaled samples
+        when the plan is made at full size (None: the plan's own buckets are the executor's)."""
+        if not self.full_size or self.executed_ladder is None:
+            return None
+        from dhp_jax.data.layout import bucket_length
+
+        tokens = [s.num_tokens for s in batch.samples]
+        min_bucket, growth = self.executed_ladder
+        return lambda degree, ids: bucket_length(sum(tokens[i] for i in ids), degree, min_bucket, growth)
 
 
 def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_per_node: int,

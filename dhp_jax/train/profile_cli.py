@@ -136,8 +136,7 @@ def _time_grid(args: argparse.Namespace, model) -> tuple[list[dict], int, float]
     from dhp_jax.train.profile import ExecutorTimer, default_points, load_average, measure_points
 
     executor = PlanExecutor(model, jax.devices())
-    params = executor.replicate(init_params(model, jax.random.PRNGKey(0))) if hasattr(executor, "replicate") \
-        else jax.device_put(init_params(model, jax.random.PRNGKey(0)), executor.replicated)
+    params = executor.replicate(init_params(model, jax.random.PRNGKey(0)))
     timer = ExecutorTimer(executor, params, model, repeats=args.repeats)
     points = default_points(args.degrees, args.lengths, packs=args.packs,
                             kinds=[k.strip() for k in args.kinds.split(",") if k.strip()], num_heads=model.num_heads)

@@ -24,6 +24,7 @@ import numpy as np
 
 from dhp_jax.planner.planfile import PlanLog
 from dhp_jax.train.config import TrainConfig
+from dhp_jax.train.interrupt import RunInterrupted, SigintGuard
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
 
@@ -55,6 +56,18 @@ def plan_hash(plan: Any) -> str:
 WARMUP_STEPS = 5  # steps allowed to compile in place (the summary counts later steps that waited)
 
 
+def ranks_per_process(devices: Sequence[Any]) -> int | None:
+    """Ranks one process drives when each process holds a contiguous block of equal size (what
+    the program cache's per-process placement assumes); None for one process (or another layout)."""
+    procs = [d.process_index for d in devices]
+    n = len(set(procs))
+    if n == 1 or len(devices) % n:
+        return None
+    per = len(devices) // n
+    return per if all(procs[r] == procs[r - r % per] for r in range(len(devices))) \
+        and len({procs[r] for r in range(0, len(devices), per)}) == n else None
+
+
 def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
     """Turn on JAX's persistent compilation cache ("auto": <out_dir>/jax-cache; None: off), so a
     rerun or a resumed run loads its programs instead of compiling them. JAX reads the directory
@@ -72,6 +85,21 @@ def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
 
 class TrainError(RuntimeError):
     """The run cannot start; the message says what is missing or wrong."""
+
+
+def checkpoint_dir(config: TrainConfig) -> Path:
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(config.metrics.out_dir) / "checkpoints"
+
+
+def check_resumable(config: TrainConfig) -> None:
+    """`--resume` of a run that has no checkpoint directory: a `CheckpointError`, raised before
+    anything (the checkpoint or compilation-cache directory) is created."""
+    from dhp_jax.train.checkpoint import CheckpointError
+
+    path = checkpoint_dir(config)
+    if not path.is_dir():
+        raise CheckpointError(f"--resume: no checkpoint in {str(path.resolve())!r} (no run was saved there; "
+                              f"drop --resume to start one)")
 
 
 @dataclasses.dataclass
@@ -131,7 +159,10 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
                         num_micro_batches=p.num_micro_batches, full_size=p.full_size)
     pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
-    batch = pipeline.batch(0)
+    try:  # an unknown mix, a manifest path that is not there or a bad manifest line: one line, no traceback
+        batch = pipeline.batch(0)
+    except (ValueError, OSError) as e:
+        raise TrainError(f"data.dataset={config.data.dataset!r}: {e}") from None
     try:  # one plan now: a bad strategy or data setting is an error before anything is compiled
         plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(available))
     except (ValueError, TypeError) as e:
@@ -170,29 +201,35 @@ class Trainer:
             if config.attention_tile:
                 kwargs["attention_tile"] = config.attention_tile
             executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
-        self.executor = executor
-        # (a plan made at full token counts prices the preset's own rule: the executor's ladder is
-        # for the scaled batch it runs)
-        if (getattr(executor, "min_bucket", None) and self.plan_source.cost is not None
-                and not self.plan_source.full_size):
-            # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
-            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth),
-                                          linear_chunk=int(getattr(executor, "linear_chunk", 0)))
-            self.plan_source.cost = self.cost
-        if not self.multi_process and self.plan_source.plans is None:
-            from dhp_jax.planner.programs import ProgramCache
+        from dhp_jax.sharding.protocol import check_executor
 
-            # the programs issued so far; a plan needing a new one pays its measured compile time
-            # (single process only: a measured figure would let processes plan differently)
-            self.plan_source.programs = ProgramCache()
+        self.executor = check_executor(executor)
+        if self.plan_source.cost is not None and not self.plan_source.full_size:
+            # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
+            # (a plan made at full token counts prices the preset's own rule: the executor's ladder
+            # is for the scaled batch it runs)
+            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth),
+                                          linear_chunk=int(executor.linear_chunk))
+            self.plan_source.cost = self.cost
+        # What the planner may assume compiled at step t: the programs of the plans of steps < t
+        # (never what has finished compiling: that depends on timing); a plan needing a new one
+        # pays the config's fixed price. The same on every process, so processes plan alike.
+        from dhp_jax.planner.programs import ProgramCache
+
+        self.plan_source.programs = ProgramCache(ranks_per_process(self.devices),
+                                                 compile_s=float(config.planner.compile_price_s))
+        self.plan_source.executed_ladder = (int(executor.min_bucket), float(executor.growth))
+        self._ran = ProgramCache()  # the executables of the plans of the steps run (what a checkpoint stores)
+        self._local_ids = {d.id for d in self.devices if d.process_index == self.process_index}
         self.out_dir = Path(config.metrics.out_dir)
-        self.ckpt_dir = Path(config.checkpoint.dir) if config.checkpoint.dir else self.out_dir / "checkpoints"
+        self.ckpt_dir = checkpoint_dir(config)
         self._state = None
         self._update = None
         # Multi-process (jax.distributed): each step the processes agree on the plan hash and a
         # watchdog bounds the wait for a dead peer (see dhp_jax.train.distributed).
         self.step_timeout_s = float(step_timeout_s)
         self._sync = None
+        self._guard = None  # the Ctrl-C guard while run() runs (dhp_jax.train.interrupt)
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
@@ -225,12 +262,12 @@ class Trainer:
         import jax
 
         done = item.step + 1
-        digest = plan_hash(item.plan)
+        digest = plan_hash(item.plan)   # of the plan handed to the executor below: the plan that runs
         if self._sync is not None:
             self._sync.agree(done, digest)
         # compile outside the step's timing (and outside the multi-process watchdog)
         t0 = time.perf_counter()
-        new, missing = self._compile(item, state.params, on_compile)
+        new, missing = self._compile_waiting(item, state.params, on_compile)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
@@ -241,29 +278,46 @@ class Trainer:
         rec = {"step": done, "loss": float(loss), "grad_norm": float(grad_norm), "lr": float(self._lr(item.step)),
                "tokens": item.batch.num_tokens, "samples": len(item.batch.samples), "step_time_s": step_time,
                "compile_s": compile_s, "new_compiles": new,
-               # the planned programs were not compiled yet: the step ran on compiled ones instead
-               "ran_on_compiled_substitute": bool(item.plan.solver.get("promoted_groups")
-                                                  or item.plan.solver.get("packed_on_executables")),
+               # the plan that ran is not the one the planner returned (never, by construction: counted
+               # from the digests, so that a change that substitutes plans shows in every summary)
+               "ran_on_compiled_substitute": digest != self.plan_source.decided.pop(item.step, None),
                # measured: the step waited for a compile (its own or one in flight in the background)
                "compile_wait_s": compile_s if missing else 0.0,
                "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
-               "num_compiles": getattr(self.executor, "num_compiles", None)}
+               "num_compiles": self.executor.num_compiles}
         return state, rec
+
+    def _compile_waiting(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
+        """`_compile` on a helper thread while the main thread waits: `on_compile(missing, done,
+        elapsed_s)` shows the progress every quarter second, and Ctrl-C ends the wait at once
+        (`interrupt.SigintGuard`), leaving the compile to finish on its own."""
+        from dhp_jax.train.interrupt import wait_polling
+
+        first = self.executor.num_compiles
+        missing = [0]
+
+        def said(count: int) -> None:
+            missing[0] = count
+            if on_compile is not None:
+                on_compile(count)
+
+        def poll(elapsed_s: float) -> None:
+            if on_compile is not None and missing[0]:
+                on_compile(missing[0], self.executor.num_compiles - first, elapsed_s)
+
+        with self._guard.allowed() if self._guard is not None else contextlib.nullcontext():
+            return wait_polling(self._compile, (item, params, said), poll)
 
     def _compile(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
         """Build what the plan needs: (executables this call built, executables missing when the
         step started, built here or by the compile-ahead worker while this step waited)."""
-        compile_plan = getattr(self.executor, "compile_plan", None)
-        if compile_plan is None:
-            return 0, 0
-        missing = 0
-        if hasattr(self.executor, "plan_keys"):
-            missing = len(set(self.executor.plan_keys(item.batch.samples, item.plan))
-                          - set(self.executor.executable_keys))
-            if missing and on_compile is not None:
-                on_compile(missing)
-        return int(compile_plan(item.batch.samples, item.plan, params)), missing
+        # (this process builds the groups touching its devices only)
+        need = {k for k in self.executor.plan_keys(item.batch.samples, item.plan) if self._local_ids.intersection(k[2])}
+        missing = len(need - set(self.executor.executable_keys))
+        if missing and on_compile is not None:
+            on_compile(missing)
+        return int(self.executor.compile_plan(item.batch.samples, item.plan, params)), missing
 
     # ------------------------------------------------------------------ the loop
     def run(self, resume: bool = False, stop_after: int | None = None, overwrite: bool = False) -> RunResult:
@@ -277,6 +331,8 @@ class Trainer:
         from dhp_jax.train.planner_thread import PlannerThread
 
         cfg = self.config
+        if resume:
+            check_resumable(cfg)   # before the checkpointer creates its directory
         ckpt = self.checkpointer()
         try:
             latest = ckpt.latest_step()
@@ -295,6 +351,7 @@ class Trainer:
                               f"{ckpt.directory / str(restored.step)}); nothing to do")
                     self._state = state
                     return RunResult([], [], self._stored_summary(), state, finished_before=True)
+                self._restore_programs(restored.meta, start)
                 self._say(f"resumed from step {restored.step} (checkpoint {ckpt.directory / str(restored.step)})")
             elif latest is not None:
                 old = ckpt.clear()
@@ -323,19 +380,22 @@ class Trainer:
                  self._checkpoint_hook(ckpt, stop)]
         t_run = time.perf_counter()
         records: list[dict] = []
+        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
+        # Ctrl-C: stop within seconds at a point where the state is whole, checkpoint the last
+        # finished step, raise RunInterrupted (dhp_jax.train.interrupt)
+        guard = self._guard = SigintGuard().__enter__()
+        interrupted = False
         try:
-            ahead = None if self.multi_process else self._compile_ahead(start)
-            self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
-            with PlannerThread(self.pipeline.batch, ahead[0] if ahead else self.plan_source, start, stop,
-                               lookahead=cfg.planner.lookahead, after_plan=ahead[1] if ahead else None) as planned:
+            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
+                               after_plan=self._compile_ahead(compiler)) as planned:
                 for item in planned:
-                    state, rec = self.train_step(state, item, on_compile=metrics.compiling)
-                    records.append(rec)
-                    seconds = getattr(self.executor, "compile_seconds", None)
-                    if self.plan_source.programs is not None and seconds:  # the planner's price of a new program
-                        self.plan_source.programs.compile_s = float(np.median(seconds))
-                    for hook in hooks:
-                        hook(rec, item, state)
+                    with guard.deferred():  # a Ctrl-C here stops after this step
+                        state, rec = self.train_step(state, item, on_compile=metrics.compiling)
+                        records.append(rec)
+                        self._ran.add_keys(self.plan_source.issued.pop(item.step, ()))
+                        for hook in hooks:
+                            hook(rec, item, state)
+                    guard.check()
             metrics.close()
             loop_s = time.perf_counter() - t_run
             summary = self.summarize(earlier + records, loop_s, start)
@@ -353,10 +413,16 @@ class Trainer:
                 summary["time_s"]["wall"] = summary["wall_time_s"] = time.perf_counter() - t_run
             if records or earlier:  # never a summary without real figures
                 metrics.write_json("summary.json", summary)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise self._interrupted(ckpt, state, start + len(records), guard.forced,
+                                    [metrics.path] + ([plan_log.path] if plan_log is not None else []),
+                                    fresh=not (records or earlier)) from None
         finally:
-            if getattr(self, "_compiler", None) is not None:
-                self._compiler.shutdown(wait=True, cancel_futures=True)  # at most one compile in flight
-                self._compiler = None
+            guard.__exit__()
+            self._guard = None
+            # at most one compile in flight; after Ctrl-C it is left to finish on its own
+            compiler.shutdown(wait=not interrupted, cancel_futures=True)
             metrics.close()
             if plan_log is not None:
                 plan_log.close()
@@ -364,98 +430,87 @@ class Trainer:
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
 
+    def _interrupted(self, ckpt: Any, state: Any, done: int, forced: bool, logs: list[Path],
+                     fresh: bool) -> RunInterrupted:
+        """After Ctrl-C: checkpoint the last finished step `done` (unless it has one, or a second
+        Ctrl-C cut an update short, or peers would have to join the save), drop the run's logs
+        when they hold nothing, and say where the run can resume from."""
+        latest = ckpt.latest_step()
+        detail = ""
+        if done and latest != done and not forced and not self.multi_process:
+            ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
+                      run_config=self.config.to_dict())
+            latest = done
+        elif done and latest != done:
+            detail = f"step {done} has no checkpoint (" + ("stopped mid-update" if forced else "multi-process run") + ")"
+        if fresh:
+            for path in logs:   # nothing was written: leave no empty files behind
+                with contextlib.suppress(OSError):
+                    if path.stat().st_size == 0:
+                        path.unlink()
+        return RunInterrupted(done, self.config.steps, str(ckpt.directory / str(latest)) if latest else None, detail)
+
     # ------------------------------------------------------------------ hooks
-    @staticmethod
-    def _plan_log_hook(plan_log: Any):
+    def _plan_log_hook(self, plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
-                plan_log.write(item.step, item.plan)
+                plan_log.write(item.step, self.as_executed(item.plan, item.batch))
         return log_plan
+
+    def as_executed(self, plan: Any, batch: Any) -> Any:
+        """The plan as these devices ran it, the one format of plans.jsonl: a plan made at full token
+        counts (`planner.full_size`) gets the executed batch's tokens, the executor's buckets and one
+        node (`planner.programs.executed_view`); the decisions and estimates stay the planner's.
+        Other plans are logged as they are."""
+        if not self.plan_source.full_size:
+            return plan
+        from dhp_jax.planner.programs import executed_view
+
+        rank_of = {d.id: r for r, d in enumerate(self.devices)}
+        keys = [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
+        return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
 
     def _checkpoint_hook(self, ckpt: Any, stop: int):
         def save(rec: dict, item: Any, state: Any) -> None:
             done = rec["step"]
             if ckpt.should_save(done) or done == stop:
+                # with the executables of the plans run so far: a resumed run plans as this one does
                 ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
-                          run_config=self.config.to_dict())
+                          run_config=self.config.to_dict(), extra={"programs": self._ran.to_json()})
         return save
 
-    def _compile_ahead(self, start: int) -> tuple[Any, Any] | None:
-        """(make_plan, after_plan) for the planner thread, so that no step after warm-up waits for
-        a compile: the next plan's programs compile in the background (ahead of time: the executor
-        knows the params' layout) while the current step runs; after the first WARMUP_STEPS steps
-        a plan whose programs are not all compiled yet runs its groups in the smallest compiled
-        bucket of their degree, attention kind and ranks that holds them (`planner.programs.promote`;
-        if a group is larger than every compiled bucket, the batch is re-planned in up to 3 more
-        micro-batches first; failing that, its samples are packed onto compiled executables,
-        `planner.programs.pack_on`), while its own programs compile for later steps. A plan made at
-        full token counts is promoted in the executor's view of it (`planner.programs.executed_view`:
-        the scaled tokens, the executor's buckets). Single process only (plans must not depend on
-        timing)."""
-        from dhp_jax.planner.programs import executed_view, pack_on, promote
+    def _restore_programs(self, meta: dict, start: int) -> None:
+        """The program knowledge of the uninterrupted run at step `start`: the executables of the
+        plans of steps < start, stored in the checkpoint (a checkpoint without them, of a live
+        DHP run, is refused: its plans would differ from the uninterrupted run's)."""
+        keys = meta.get("programs")
+        if keys is None:
+            if self.plan_source.plans is None and self.plan_source.strategy == "dhp" and start:
+                from dhp_jax.train.checkpoint import CheckpointError
 
+                raise CheckpointError(f"checkpoint step {meta.get('step')} holds no program record (written by an "
+                                      "older dhp_jax): a resumed DHP run would plan differently from the "
+                                      "uninterrupted one; start the run again or replay its plans.jsonl "
+                                      "(planner.plan_file=...)")
+            keys = []
+        self._ran.add_keys(keys)
+        self.plan_source.programs.add_keys(keys)
+
+    def _compile_ahead(self, compiler: concurrent.futures.Executor):
+        """`after_plan` for the planner thread: as soon as a plan is made (up to `planner.lookahead`
+        steps ahead of the step that runs), its programs compile on the `compiler` worker (ahead of
+        time: the executor knows the params' layout), so that the step finds them built. The plan
+        runs as planned: a step whose programs are still compiling waits for them (its record says
+        how long, `compile_wait_s`). One worker: compiles run in plan order, one at a time."""
         executor = self.executor
-        if not hasattr(executor, "compile_plan"):
-            return None
-        rank_of = {d.id: r for r, d in enumerate(self.devices)}
-        wanted: dict[int, Any] = {}
-        source = self.plan_source
 
-        def by_rank(keys: Any) -> list:
-            """Executable keys (degree, bucket, device ids, attention) with plan ranks for device ids."""
-            return [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in keys]
+        def compile_plan(batch: Any, plan: Any) -> None:
+            try:
+                executor.compile_plan(batch.samples, plan, None)
+            except Exception:  # the step that runs the plan compiles in place and raises there
+                pass
 
-        def executed(batch: Any, plan: Any, keys: list | None = None) -> Any:
-            # a plan made at full token counts names no bucket of the scaled batch it runs: it is
-            # promoted in the executor's view (the scaled tokens and the executor's buckets)
-            if not source.full_size:
-                return plan
-            if keys is None:
-                keys = by_rank(executor.plan_keys(batch.samples, plan))
-            return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
-
-        def make_plan(step: int, batch: Any) -> Any:
-            plan = source(step, batch)
-            if step < start + WARMUP_STEPS:
-                return plan
-            have = set(by_rank(executor.executable_keys))
-            need = by_rank(executor.plan_keys(batch.samples, plan))
-            if set(need) <= have:
-                return plan
-            # (the memory check prices full-size tokens: the executed view is checked by its executor)
-            budget = None if source.full_size else self.cost
-            ready = promote(executed(batch, plan, need), have, budget)
-            if ready is None and source.plans is None and source.strategy == "dhp":
-                # a group larger than every compiled bucket: more micro-batches make smaller groups
-                saved, first = source.num_micro_batches, len(plan.micro_batches) + 1
-                try:
-                    for m in range(first, min(len(batch.samples), first + 2) + 1):
-                        source.num_micro_batches = m
-                        ready = promote(executed(batch, source(step, batch)), have, budget)
-                        if ready is not None:
-                            break
-                finally:
-                    source.num_micro_batches = saved
-            if ready is None:  # the last resort: the samples packed onto compiled executables
-                ready = pack_on(plan, [s.num_tokens for s in batch.samples], have)
-            if ready is None:
-                return plan
-            wanted[step] = plan
-            return ready
-
-        def compile_plans(batch: Any, plans: list) -> None:
-            for plan in plans:
-                try:
-                    executor.compile_plan(batch.samples, plan, None)
-                except Exception:  # the step that runs the plan compiles in place and raises there
-                    pass
-
-        def compile_plan(step: int, batch: Any, plan: Any) -> None:
-            # what this step runs, then what the planner wanted; on a worker thread, so that
-            # planning the steps after it never waits behind a compile
-            self._compiler.submit(compile_plans, batch, [plan] + ([wanted.pop(step)] if step in wanted else []))
-
-        return make_plan, compile_plan
+        return lambda step, batch, plan: compiler.submit(compile_plan, batch, plan)
 
     def _lr(self, step: int) -> float:
         from dhp_jax.train.state import make_schedule
@@ -494,6 +549,8 @@ class Trainer:
         losses = [r["loss"] for r in records]
         k = max(1, min(3, len(losses) // 4))
         groups = collections.Counter(d for r in records for mb in r["degrees"] for d in mb)
+        after = [r.get("compile_wait_s", 0.0) for r in records if r["step"] > start + WARMUP_STEPS]
+        waited = [w for w in after if w > 0]
         return {
             "name": cfg.name, "config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
             "devices": f"{len(self.devices)} x {self.devices[0].platform} ({self.devices[0].device_kind})",
@@ -508,12 +565,15 @@ class Trainer:
             "plan_wait_median_s": statistics.median(steady) if steady else 0.0,
             "plan_wait_max_steady_s": max(steady) if steady else 0.0,
             "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records),
-            "num_compiles": getattr(self.executor, "num_compiles", None),
+            "num_compiles": self.executor.num_compiles,
             # measured: a step waited when a program it runs was not compiled yet when it started
-            "steps_waiting_for_compile_after_warmup": sum(
-                1 for r in records if r["step"] > start + WARMUP_STEPS and r.get("compile_wait_s", 0.0) > 0),
+            "steps_waiting_for_compile_after_warmup": len(waited),
+            # (median and max over the steps that waited; median over every step after warm-up)
+            "compile_wait_after_warmup_s": {"median": statistics.median(waited) if waited else 0.0,
+                                            "max": max(waited, default=0.0),
+                                            "median_all_steps": statistics.median(after) if after else 0.0},
             "warmup_steps": WARMUP_STEPS,
-            # steps whose own programs were still compiling: promoted to compiled buckets or packed
+            # steps that ran another plan than the planner returned (plan digests compared): 0
             "steps_on_compiled_substitutes": sum(1 for r in records if r.get("ran_on_compiled_substitute")),
             "groups_by_degree": {str(d): n for d, n in sorted(groups.items())},
             "planning": f"{self.plan_source.label}: " + describe_cost(self.cost, cfg.planner.cost_profile,
