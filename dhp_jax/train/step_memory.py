@@ -103,7 +103,7 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
 
     from dhp_jax.model import MLLMConfig
     from dhp_jax.planner import CostModel
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, program_bytes
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape, program_bytes
 
     devices = jax.devices()
     shards = len(devices)
@@ -117,8 +117,10 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
             cache[model] = step_programs(config, compute_dtype, devices, options)
         group, extrapolated = program_bytes(config, degree, tokens, compute_dtype=compute_dtype, devices=devices,
                                             full_depth=full_depth)
-        cost = CostModel.preset(model, hardware, state_shards=shards, remat=remat, compute_dtype=compute_dtype,
-                                activation_bytes=CPU_ACTIVATION_BYTES if cpu else None, require_fit=False)
+        # the engine runs the stand-in at the preset's shape: price that, not the real family
+        cost = CostModel.preset(model_shape(config), hardware, state_shards=shards, remat=remat,
+                                compute_dtype=compute_dtype, activation_bytes=CPU_ACTIVATION_BYTES if cpu else None,
+                                require_fit=False)
         for mbs in micro_batches:
             phases = compiled_phases(group, cache[model], mbs)
             got = max(b for _, b in phases)
