@@ -80,14 +80,16 @@ def reference(model, batch, labels):
     return float(loss.detach()), {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
 
 
-def plan(*micro_batches, kinds=None):
-    kinds = kinds or {}
-    return Plan(8, tuple(MicroBatch(tuple(Group(tuple(r), len(r), tuple(s), kinds.get(len(r), "ring")) for r, s in mb))
-                      for mb in micro_batches))
+def plan(*groups):
+    """One micro-batch of (ranks, samples, attention kind) groups on 8 ranks."""
+    return Plan(8, (MicroBatch(tuple(Group(tuple(r), len(r), tuple(s), kind) for r, s, kind in groups)),))
 
 
-# degrees 3 and 5 on 8 devices; a group's samples are not in batch order
-IRREGULAR = [((0, 1, 2), (0, 3)), ((3, 4, 5, 6, 7), (2, 1, 4))]
+# degrees 3 and 5 on 8 devices (4 query heads: ring only); a group's samples are not in batch order
+IRREGULAR = plan(((0, 1, 2), (0, 3), "ring"), ((3, 4, 5, 6, 7), (2, 1, 4), "ring"))
+# Ulysses over 4 (2 KV heads repeated, 2 vision heads padded to 4) and Ulysses 2 x ring 2
+ALL_TO_ALL = plan(((0, 1, 2, 3), (0, 3), "ulysses"), ((7, 5, 6, 4), (2, 1, 4), "hybrid:2x2"))
+PLANS = {"ring-3+5": IRREGULAR, "ulysses-4+hybrid-2x2": ALL_TO_ALL}
 
 
 def relative_errors(ours, theirs):
@@ -112,12 +114,12 @@ def qwen2_5_vl(tmp_path_factory):
     return cfg, params, samples, ref, PlanExecutor(cfg)
 
 
-@pytest.mark.parametrize("kinds", [{}, {3: "ulysses", 5: "ring"}, {3: "ring", 5: "ring"}][:1], ids=["ring"])
-def test_qwen2_5_vl_step_matches_transformers(qwen2_5_vl, kinds):
+@pytest.mark.parametrize("name", list(PLANS))
+def test_qwen2_5_vl_step_matches_transformers(qwen2_5_vl, name):
     cfg, params, samples, (ref_loss, ref_grads), ex = qwen2_5_vl
-    loss, grads = ex.loss_and_grads(params, samples, plan(IRREGULAR, kinds=kinds))
+    loss, grads = ex.loss_and_grads(params, samples, PLANS[name])
     loss_err = abs(float(loss) - ref_loss) / abs(ref_loss)
     grad_err, worst = relative_errors(hf.to_state_dict(cfg, grads), ref_grads)
-    print(f"qwen2_5_vl {kinds or 'ring'}: loss {float(loss):.6f} vs {ref_loss:.6f} (rel {loss_err:.1e}), "
+    print(f"qwen2_5_vl {name}: loss {float(loss):.6f} vs {ref_loss:.6f} (rel {loss_err:.1e}), "
           f"grads max rel {grad_err:.1e} ({worst})")
     assert loss_err <= hc.TOL and grad_err <= hc.TOL, (loss_err, grad_err, worst)
