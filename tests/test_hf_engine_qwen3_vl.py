@@ -62,3 +62,20 @@ def case(tmp_path_factory):
 def test_qwen3_vl_step_matches_transformers(case):
     assert case[0].tied and case[0].vision.deepstack_blocks == (0, 1)
     ec.check_step(case, ec.MIXED, "qwen3_vl ring-3+5 / ulysses-4+hybrid-2x2")
+
+
+def test_qwen3_vl_bf16_step(case):
+    """compute_dtype="bfloat16" (params cast once per step; fp32 norms statistics, softmax and
+    loss): one hybrid 2 x 4 group of all samples stays close to transformers' fp32 step."""
+    from dhp_jax.model import hf
+    from dhp_jax.sharding import PlanExecutor
+    cfg, params, samples, (ref_loss, ref_grads), _ = case
+    ex = PlanExecutor(cfg, compute_dtype="bfloat16")
+    loss, grads = ex.loss_and_grads(params, samples, ec.plan([(tuple(range(8)), tuple(range(6)), "hybrid:2x4")]))
+    ours = hf.to_state_dict(cfg, grads)
+    a = np.concatenate([np.asarray(ours[k], np.float64).ravel() for k in ref_grads])
+    b = np.concatenate([ref_grads[k].astype(np.float64).ravel() for k in ref_grads])
+    cos = float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+    loss_err = abs(float(loss) - ref_loss) / ref_loss
+    print(f"qwen3_vl bf16 hybrid 2x4: loss rel {loss_err:.1e}, gradient cosine {cos:.6f}")
+    assert np.isfinite(a).all() and loss_err <= 1e-3 and cos >= 0.9995, (loss_err, cos)
