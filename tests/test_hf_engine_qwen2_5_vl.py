@@ -69,3 +69,28 @@ def qwen2_5_vl(tmp_path_factory):
 @pytest.mark.parametrize("name", list(PLANS))
 def test_qwen2_5_vl_step_matches_transformers(qwen2_5_vl, name):
     ec.check_step(qwen2_5_vl, PLANS[name], f"qwen2_5_vl {name}")
+
+
+def test_bad_samples_fail_before_device_work(qwen2_5_vl):
+    """A sample without its rotary positions, with labels of the wrong length or with pixels that
+    do not make its grid is rejected by `prepare`, naming the group, the sample and the segment."""
+    import dataclasses
+
+    from dhp_jax.data.sample import Sample
+    cfg, params, samples, _, ex = qwen2_5_vl
+    image = samples[0]
+
+    def with_segment(i, **changes):
+        segs = list(image.segments)
+        segs[i] = dataclasses.replace(segs[i], **changes)
+        return Sample(tuple(segs), sample_id="bad")
+
+    no_positions = with_segment(0, meta={k: v for k, v in image.segments[0].meta.items() if k != "positions"})
+    short_labels = with_segment(0, meta={**image.segments[0].meta, "labels": image.segments[0].meta["labels"][:-1]})
+    bad_grid = with_segment(1, meta={**image.segments[1].meta, "grid_thw": (1, 4, 8)})
+    for bad, words in [(no_positions, "sample 'bad' segment 0: no meta['positions']"),
+                       (short_labels, "sample 'bad' segment 0: labels have shape"),
+                       (bad_grid, "sample 'bad' segment 1: image pixels")]:
+        with pytest.raises(ValueError, match="micro-batch 0 group 0") as err:
+            ex.prepare([bad] + samples[1:], IRREGULAR)
+        assert words in str(err.value), str(err.value)
