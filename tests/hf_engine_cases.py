@@ -25,6 +25,20 @@ def labels_of(g: np.random.Generator, inputs: dict, vision_ids: tuple[int, ...])
     return np.where(drop, -100, ids)[None]
 
 
+IMAGE, START, END = 120, 122, 123
+
+
+def qwen_image(g, h, w, before, after):
+    """text, an h x w-patch image, text, as the Qwen processors emit it (ids of tests/test_hf_qwen*.py)."""
+    n = h * w // 4
+    ids = list(g.integers(3, 100, before)) + [START] + [IMAGE] * n + [END] + list(g.integers(3, 100, after))
+    types = [0] * (before + 1) + [1] * n + [0] * (after + 1)
+    return {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+            "mm_token_type_ids": np.array([types]),
+            "pixel_values": g.standard_normal((h * w, 96)).astype(np.float32),
+            "image_grid_thw": np.array([[1, h, w]])}
+
+
 def reference(model, batch: list[dict], labels: list[np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
     """(token-weighted batch loss, {name: grad}) by transformers' loss and autograd."""
     model.zero_grad()

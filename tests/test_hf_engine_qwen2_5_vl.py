@@ -9,6 +9,7 @@ import hf_cases as hc
 from hf_cases import transformers
 
 import hf_engine_cases as ec
+from test_hf_qwen2_5_vl import video_inputs
 
 IMAGE, VIDEO, START, END = 120, 121, 122, 123
 
@@ -26,31 +27,9 @@ def qwen2_5_vl_config():
         image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
 
 
-def qwen_image(g, h, w, before, after):
-    """text, an h x w-patch image, text (Qwen processor layout)."""
-    n = h * w // 4
-    ids = list(g.integers(3, 100, before)) + [START] + [IMAGE] * n + [END] + list(g.integers(3, 100, after))
-    types = [0] * (before + 1) + [1] * n + [0] * (after + 1)
-    return {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
-            "mm_token_type_ids": np.array([types]),
-            "pixel_values": g.standard_normal((h * w, 96)).astype(np.float32),
-            "image_grid_thw": np.array([[1, h, w]])}
-
-
-def qwen_video(g):
-    """a 2-frame 4 x 8-patch video 1.5 s per grid step, then a 4 x 4 image."""
-    ids = [5, START] + [VIDEO] * 16 + [END, 6, START] + [IMAGE] * 4 + [END, 7, 8]
-    types = [0] * 2 + [2] * 16 + [0] * 3 + [1] * 4 + [0] * 3
-    return {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
-            "mm_token_type_ids": np.array([types]),
-            "pixel_values": g.standard_normal((16, 96)).astype(np.float32), "image_grid_thw": np.array([[1, 4, 4]]),
-            "pixel_values_videos": g.standard_normal((64, 96)).astype(np.float32),
-            "video_grid_thw": np.array([[2, 4, 8]]), "second_per_grid_ts": np.array([1.5], np.float32)}
-
-
 def qwen2_5_vl_batch(g):
-    return [qwen_image(g, 8, 8, 3, 4), hc.qwen_text_inputs(), qwen_video(g), qwen_image(g, 4, 8, 5, 2),
-            qwen_image(g, 8, 4, 1, 6)]
+    return [ec.qwen_image(g, 8, 8, 3, 4), hc.qwen_text_inputs(), video_inputs(g), ec.qwen_image(g, 4, 8, 5, 2),
+            ec.qwen_image(g, 8, 4, 1, 6)]
 
 
 # degrees 3 and 5 on 8 devices (4 query heads: ring only); a group's samples are not in batch order
