@@ -473,7 +473,14 @@ def chunked_loss_sum(config: MLLMConfig, params: Params, batch: Mapping[str, jax
     dtype = params["patch_embed"]["kernel"].dtype
     batch = {**batch, "pixels": jnp.asarray(batch["pixels"]).astype(dtype)}
     x = MLLM(config, attn_fn, head=False, stacks=stacks).apply({"params": params}, batch)          # x[S, d]
-    kernel = params["lm_head"]["kernel"]                                             # [d, V]
+    return head_loss_sum(x, params["lm_head"]["kernel"], targets, weights, chunk)
+
+
+def head_loss_sum(x: jax.Array, kernel: jax.Array, targets: jax.Array, weights: jax.Array,
+                  chunk: int = LOSS_CHUNK) -> jax.Array:
+    """`token_loss_sum(x @ kernel, targets, weights)` over chunks of `chunk` tokens under
+    `jax.checkpoint` (one chunk's fp32 logits live at a time, forward and backward): the LM head
+    and loss of every model the executors run, x[S, d] the final hidden states, kernel [d, V]."""
     s = x.shape[0]
     n = -(-s // chunk)
     pad = n * chunk - s

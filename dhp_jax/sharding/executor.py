@@ -157,13 +157,20 @@ class PlanExecutor:
     chunks, what `CostModel(pad_compute="skip")` prices.
     """
 
+    def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> "PlanExecutor":
+        # A Hugging Face family's config (`dhp_jax.model.hf.HFConfig`) gets the family executor
+        # (`dhp_jax.sharding.family`): same public names, same state, same step.
+        if cls is PlanExecutor and not isinstance(config, MLLMConfig) and hasattr(config, "family"):
+            from dhp_jax.sharding.family import FamilyExecutor
+            cls = FamilyExecutor
+        return super().__new__(cls)
+
     def __init__(self, config: MLLMConfig, devices: Sequence[jax.Device] | None = None, *,
                  compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
                  linear_chunk: int = LINEAR_CHUNK) -> None:
-        if not isinstance(config, MLLMConfig):
-            raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
+        self._check_config(config)
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
         self.config = config
@@ -178,15 +185,15 @@ class PlanExecutor:
         if isinstance(linear_chunk, bool) or not isinstance(linear_chunk, int) or linear_chunk < 0:
             raise ValueError(f"linear_chunk must be an integer >= 0 (0: no pad skipping), got {linear_chunk!r}")
         self.linear_chunk = linear_chunk
-        self._program_config = dataclasses.replace(config, linear_chunk=linear_chunk)
+        self._program_config = self._chunked_config(config, linear_chunk)
         if compiler_options is None:
             # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
             # most of the compile time (about 4x here) and buys little; other backends keep defaults.
             cpu = all(d.platform == "cpu" for d in self.ranks.devices)
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
-        abstract = jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
-        self.layout = FlatLayout.of(abstract, len(self.ranks.devices))
+        abstract = self._abstract_params(config)
+        self.layout = None if abstract is None else FlatLayout.of(abstract, len(self.ranks.devices))
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
         self._building_lock = threading.Lock()
@@ -194,6 +201,29 @@ class PlanExecutor:
         self.last_compile_wait_s = 0.0                    # what the last step waited for compiles
         self._jits: dict[str, Any] = {}
         self._zeros: dict[jax.Device, tuple[jax.Array, Any]] = {}   # (stats row, zero-row maker)
+
+    # ------------------------------------------------------------------ model hooks (`family.py` overrides)
+    @staticmethod
+    def _check_config(config: Any) -> None:
+        if not isinstance(config, MLLMConfig):
+            raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
+
+    @staticmethod
+    def _chunked_config(config: Any, linear_chunk: int) -> Any:
+        return dataclasses.replace(config, linear_chunk=linear_chunk)
+
+    @staticmethod
+    def _abstract_params(config: Any) -> Any:
+        """The params tree as `jax.ShapeDtypeStruct`s (None: taken from the first params bound)."""
+        return jax.eval_shape(lambda k: init_params(config, k), jax.random.key(0))
+
+    def _pack(self, group: Sequence[Sample], degree: int, bucket: int | None) -> Any:
+        """One group's layout (`GroupLayout` here)."""
+        return pack_group(group, degree, self.config, bucket=bucket, min_bucket=self.min_bucket, growth=self.growth)
+
+    def _inputs(self, layout: Any) -> tuple[np.ndarray, ...]:
+        """The host arrays of a group layout that its program takes after the params."""
+        return pack_inputs(layout)
 
     # ------------------------------------------------------------------ counters
     @property
@@ -230,8 +260,7 @@ class PlanExecutor:
             for gi, g in enumerate(mb.groups):
                 try:
                     group = [samples[s] for s in g.samples]
-                    lay = pack_group(group, g.degree, self.config, bucket=planned_bucket(g, group),
-                                     min_bucket=self.min_bucket, growth=self.growth)
+                    lay = self._pack(group, g.degree, planned_bucket(g, group))
                 except ValueError as e:
                     raise ValueError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
                 work.append(_GroupWork(m, gi, self.ranks.group_devices(g.ranks), lay, g.attention))
@@ -439,8 +468,7 @@ class PlanExecutor:
             lay = w.layout
             exe = self.executable(None, lay.degree, lay.bucket, w.devices, w.attention)
             cp = NamedSharding(*self._mesh(w.devices, w.attention))
-            ints, floats = pack_inputs(lay)
-            stats, grads = exe(views[(w.devices, w.attention)], jax.device_put(ints, cp), jax.device_put(floats, cp))
+            stats, grads = exe(views[(w.devices, w.attention)], *(jax.device_put(a, cp) for a in self._inputs(lay)))
             gby = {s.device: s.data for s in grads.addressable_shards}
             rows[w.micro_batch].update((s.device, (s.data, gby[s.device])) for s in stats.addressable_shards)
         return [rows[m] for m in sorted(rows)]

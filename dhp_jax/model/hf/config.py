@@ -27,6 +27,15 @@ class HFConfig:
     def vocab_size(self) -> int:
         return self.text.vocab_size
 
+    @property
+    def num_heads(self) -> int:
+        """The LLM's query heads (what a Ulysses group splits)."""
+        return self.text.shape.num_heads
+
+    @property
+    def name(self) -> str:
+        return str(self.raw.get("_name_or_path") or self.family)
+
 
 def read_config_json(path: str) -> dict:
     """config.json of a checkpoint directory."""

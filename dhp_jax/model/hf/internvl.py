@@ -130,7 +130,17 @@ def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: Atten
     if "position_embeddings" in emb:
         x = x + emb["position_embeddings"].reshape(1, hw + 1, d)
     x = x.reshape(n * (hw + 1), d)                                   # the tiles as one stream
-    ids = segment_ids(np.repeat(np.arange(1, n + 1), hw + 1))
+    x = encoder_layers(cfg, p, x, segment_ids(np.repeat(np.arange(1, n + 1), hw + 1)), attn_fn)
+    side = int(round(hw ** 0.5))
+    x = pixel_shuffle(x.reshape(n, hw + 1, d)[:, 1:].reshape(n, side, side, d), v.shuffle)
+    return project(cfg, params, x.reshape(-1, x.shape[-1]))
+
+
+def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: AttentionFn) -> jax.Array:
+    """InternViT's layers and final norm over a stream of patch (and CLS) rows x[N, d] (subtree
+    `model.vision_tower`), attending within the segments of `ids` (one per tile)."""
+    v = cfg.vision
+    d = x.shape[-1]
     norm = layer_norm if v.norm == "layer_norm" else rms_norm
     act, heads = activation(v.act), v.num_heads
     for i in range(v.num_layers):
@@ -147,12 +157,14 @@ def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: Atten
         x = x + b["lambda_2"] * linear(m["fc2"], act(linear(m["fc1"], norm(x, b["layernorm_after"], v.eps))))
     if v.final_norm:
         x = layer_norm(x, p["layernorm"], v.eps)
-    side = int(round(hw ** 0.5))
-    x = pixel_shuffle(x.reshape(n, hw + 1, d)[:, 1:].reshape(n, side, side, d), v.shuffle)
-    x = x.reshape(-1, x.shape[-1])
+    return x
+
+
+def project(cfg: HFConfig, params: Params, x: jax.Array) -> jax.Array:
+    """The projector (subtree `model.multi_modal_projector`) on pixel-shuffled rows [tokens, k*k*d]."""
     pr = params["model"]["multi_modal_projector"]
     y = linear(pr["linear_1"], layer_norm(x, pr["layer_norm"], PROJECTOR_EPS))
-    return linear(pr["linear_2"], activation(v.projector_act)(y))
+    return linear(pr["linear_2"], activation(cfg.vision.projector_act)(y))
 
 
 def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

@@ -1,0 +1,276 @@
+"""The Hugging Face families on a packed, padded, zigzag-permuted group stream (what a DHP group runs).
+
+Two streams per group, sharded alike over the group's devices:
+
+- the LLM stream: S = bucket slots, the group's samples packed and permuted exactly as
+  `dhp_jax.data.layout.pack_group` packs them (`real_slots`: same zigzag, same pad tails). Each
+  slot carries its token id, whether it is a vision token, the decoder ids (segment = 1 + sample,
+  0 = padding; position = offset in the sample: causal), the sample's own rotary positions
+  (`meta["positions"]`, [n, 3] M-RoPE or [n, 1]) and its shifted label (target = label of the next
+  token of the same sample, weight 1 unless that label is -100, as transformers shifts them);
+- the vision stream: `unit` rows per LLM slot (S * unit rows), holding the encoder inputs of that
+  slot's token *before* the merge: the merge**2 patches the Qwen merger joins (unit = merge**2), or
+  the k*k patches InternVL's pixel shuffle joins plus one row for the tile's CLS token on the
+  tile's first token (unit = k*k + 1; the row is dead on the others). Text and padding slots have
+  dead vision rows (segment 0: they attend nowhere and nothing reads them). So the encoder runs on
+  4x (or 5x) the LLM vision tokens, the merge is a reshape of a device's own rows, and the merged
+  features (and the DeepStack features) land on the very slots of the tokens they replace or are
+  added to, whatever the degree, the permutation and the attention kind: no data moves between
+  the encoder and the LLM. Per vision row: the patch's (row, column) in its frame (2-D RoPE), its
+  frame / tile id and Qwen2.5-VL window id (segments, unique in the group), the Qwen3-VL position
+  table taps and weights, the InternVL position-table row.
+
+Masks read ids only (`dhp_jax.model.attention`), so every attention function (dense, ring,
+Ulysses, hybrid) gives the result of the unpacked sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_length, real_slots, zigzag_permutation
+from dhp_jax.data.sample import Sample
+from dhp_jax.model.attention import AttnIds
+from dhp_jax.model.hf import qwen_vision as qv
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.layers import AttentionFn, Params
+from dhp_jax.model.mllm import LOSS_CHUNK, head_loss_sum
+
+IGNORE = -100
+# int columns of the LLM stream (then the rotary axes), and of the vision stream
+LLM_INTS = ("token_ids", "vision", "segment", "position", "target")
+VISION_INTS = ("frame", "window", "row", "col", "tap0", "tap1", "tap2", "tap3", "table", "cls")
+TAPS = 4
+
+
+def rope_axes(config: HFConfig) -> int:
+    """Rotary position axes of the family's LLM: 3 (M-RoPE) or 1."""
+    return 1 if config.family == "internvl" else 3
+
+
+def patch_dim(config: HFConfig) -> int:
+    """Width of one encoder patch row (C*(T*)P*P)."""
+    v = config.vision
+    if config.family == "internvl":
+        return v.channels * v.patch_size[0] * v.patch_size[1]
+    return v.patch_dim
+
+
+def unit(config: HFConfig) -> int:
+    """Vision rows per LLM slot: the patches one LLM token merges (InternVL: + the CLS row)."""
+    if config.family == "internvl":
+        return config.vision.shuffle ** 2 + 1
+    return config.vision.merge ** 2
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FamilyLayout:
+    """One group's two streams (see the module docstring), permuted and padded to `bucket` slots.
+    `llm_ints` int32[S, 5 + axes], `llm_floats` float32[S, 1] (loss weight), `vision_ints`
+    int32[S * unit, 10], `vision_floats` float32[S * unit, patch_dim + 4] (pixels, tap weights)."""
+
+    degree: int
+    bucket: int
+    num_tokens: int
+    num_loss_tokens: int
+    permutation: np.ndarray
+    real_index: np.ndarray
+    llm_ints: np.ndarray
+    llm_floats: np.ndarray
+    vision_ints: np.ndarray
+    vision_floats: np.ndarray
+
+    def inputs(self) -> tuple[np.ndarray, ...]:
+        """The arrays a group program takes, in order (each sharded over the group along axis 0)."""
+        return self.llm_ints, self.llm_floats, self.vision_ints, self.vision_floats
+
+
+def _where(sample: Sample, index: int) -> str:
+    return f"sample {sample.sample_id if sample.sample_id is not None else index!r}"
+
+
+def _vision_rows(config: HFConfig, seg: Any, where: str, bases: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
+    """(ints [k, unit, 10], floats [k, unit, patch_dim + 4]) of one vision segment of k LLM tokens;
+    `bases` holds the group's frame / window counters (advanced here)."""
+    k, u, width = seg.num_tokens, unit(config), patch_dim(config)
+    v = config.vision
+    grid = seg.meta.get("grid_thw")
+    if seg.pixels is None or grid is None:
+        raise ValueError(f"{where}: a {seg.modality} segment needs pixels and meta['grid_thw'] "
+                         f"(a Sample made by hf.sample_from_inputs)")
+    pixels = np.asarray(seg.pixels, np.float32)
+    ints = np.zeros((k, u, len(VISION_INTS)), np.int32)
+    floats = np.zeros((k, u, width + TAPS), np.float32)
+    col = {name: i for i, name in enumerate(VISION_INTS)}
+    if config.family == "internvl":
+        kk = v.shuffle ** 2
+        tiles, side, _ = (int(x) for x in grid)
+        per_tile = side * side // kk
+        if pixels.shape != (k, kk * width) or tiles * per_tile != k:
+            raise ValueError(f"{where}: image pixels {pixels.shape} do not make {tiles} tiles of {per_tile} "
+                             f"tokens of {kk} x {width}")
+        from dhp_jax.model.hf.sample import _shuffle_groups
+        groups = _shuffle_groups(side, v.shuffle)                        # [per_tile, kk] raster patch index
+        floats[:, :kk, :width] = pixels.reshape(k, kk, width)
+        tile = np.arange(k) // per_tile
+        ints[:, :kk, col["frame"]] = bases["frame"] + 1 + tile[:, None]
+        ints[:, :kk, col["table"]] = 1 + groups[np.arange(k) % per_tile]
+        first = np.arange(k) % per_tile == 0                            # the CLS row of each tile
+        ints[first, kk, col["frame"]] = bases["frame"] + 1 + tile[first]
+        ints[first, kk, col["cls"]] = 1
+        bases["frame"] += tiles
+        return ints, floats
+    t, h, w = (int(x) for x in grid)
+    if pixels.shape != (k, u * width) or t * h * w != k * u:
+        raise ValueError(f"{where}: {seg.modality} pixels {pixels.shape} do not make the grid {(t, h, w)} "
+                         f"of {u}-patch tokens of width {width}")
+    g = np.array([[t, h, w]], np.int64)
+    floats[..., :width] = pixels.reshape(k, u, width)
+    pos = qv.patch_positions(g, v.merge).reshape(k, u, 2)
+    ints[..., col["row"]], ints[..., col["col"]] = pos[..., 0], pos[..., 1]
+    ints[..., col["frame"]] = (qv.frame_segments(g) + bases["frame"]).reshape(k, u)
+    bases["frame"] += t
+    if config.family == "qwen2_5_vl":
+        windows = qv.window_segments(g, v.merge, v.window_size, v.patch_size)
+        ints[..., col["window"]] = (windows + bases["window"]).reshape(k, u)
+        bases["window"] += int(windows.max())
+    else:
+        from dhp_jax.model.hf.qwen3_vl import interpolation_taps
+        taps, weights = interpolation_taps(g, v.grid_side, v.merge)
+        ints[..., col["tap0"]:col["tap0"] + TAPS] = taps.reshape(k, u, TAPS)
+        floats[..., width:] = weights.reshape(k, u, TAPS)
+    return ints, floats
+
+
+def pack_family_group(samples: Sequence[Sample], degree: int, config: HFConfig, *, bucket: int | None = None,
+                      min_bucket: int = MIN_BUCKET, growth: float = GROWTH) -> FamilyLayout:
+    """Pack `samples` (made by `hf.sample_from_inputs`) for a group of `degree` devices; raises
+    ValueError naming the sample and segment on a missing payload, position or label mismatch."""
+    degree = int(degree)
+    if degree < 1:
+        raise ValueError(f"degree must be >= 1, got {degree}")
+    if not samples:
+        raise ValueError("pack_family_group needs at least one sample")
+    n = sum(s.num_tokens for s in samples)
+    bucket = bucket_length(n, degree, min_bucket, growth) if bucket is None else int(bucket)
+    if bucket < n or bucket % (2 * degree):
+        raise ValueError(f"bucket {bucket} cannot hold {n} tokens split in 2*{degree} chunks")
+    axes, u, vocab = rope_axes(config), unit(config), config.vocab_size
+    llm = np.zeros((n, len(LLM_INTS) + axes), np.int32)
+    weights = np.zeros((n, 1), np.float32)
+    vis_i = np.zeros((n, u, len(VISION_INTS)), np.int32)
+    vis_f = np.zeros((n, u, patch_dim(config) + TAPS), np.float32)
+    bases = {"frame": 0, "window": 0}
+    off = 0
+    for si, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise TypeError(f"group sample {si} is a {type(s).__name__}, not a Sample")
+        where, start = _where(s, si), off
+        labels = []
+        for gi, seg in enumerate(s.segments):
+            k, sl = seg.num_tokens, slice(off, off + seg.num_tokens)
+            pos = seg.meta.get("positions")
+            if pos is None:
+                raise ValueError(f"{where} segment {gi}: no meta['positions'] (a Sample made by hf.sample_from_inputs)")
+            pos = np.asarray(pos).reshape(k, -1)
+            if pos.shape[1] != axes:
+                raise ValueError(f"{where} segment {gi}: positions have {pos.shape[1]} axes, "
+                                 f"{config.family} needs {axes}")
+            llm[sl, len(LLM_INTS):] = pos
+            if seg.is_vision:
+                llm[sl, 1] = 1
+                vis_i[sl], vis_f[sl] = _vision_rows(config, seg, f"{where} segment {gi}", bases)
+                lab = seg.meta.get("labels")
+                labels.append(np.full(k, IGNORE, np.int64) if lab is None else np.asarray(lab, np.int64))
+            else:
+                if seg.token_ids is None:
+                    raise ValueError(f"{where} segment {gi} (text) has no token_ids")
+                t = np.asarray(seg.token_ids, np.int64)
+                if k and (t.min() < 0 or t.max() >= vocab):
+                    raise ValueError(f"{where} segment {gi}: a token id is outside the vocabulary [0, {vocab})")
+                llm[sl, 0] = t
+                lab = seg.meta.get("labels")
+                labels.append(t if lab is None else np.asarray(lab, np.int64))
+            if labels[-1].shape != (k,):
+                raise ValueError(f"{where} segment {gi}: labels have shape {labels[-1].shape}, expected ({k},)")
+            off += k
+        lab = np.concatenate(labels)
+        if np.any((lab != IGNORE) & ((lab < 0) | (lab >= vocab))):
+            raise ValueError(f"{where}: a label is outside the vocabulary [0, {vocab}) and is not {IGNORE}")
+        llm[start:off, 2] = si + 1
+        llm[start:off, 3] = np.arange(off - start)
+        nxt = lab[1:]                                  # token i predicts the label of token i + 1
+        keep = nxt != IGNORE
+        llm[start:off - 1, 4] = np.where(keep, nxt, 0)
+        weights[start:off - 1, 0] = keep
+    slots = real_slots(n, bucket, degree)
+
+    def place(x: np.ndarray) -> np.ndarray:
+        out = np.zeros((bucket,) + x.shape[1:], x.dtype)
+        out[slots] = x
+        return out
+
+    return FamilyLayout(degree, bucket, n, int(weights.sum()), zigzag_permutation(bucket, degree), slots,
+                        place(llm), place(weights), place(vis_i).reshape(bucket * u, -1),
+                        place(vis_f).reshape(bucket * u, -1))
+
+
+def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
+            tap_weights: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, list]:
+    """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
+    s = pixels.shape[0] // unit(config)
+    if config.family == "qwen2_5_vl":
+        from dhp_jax.model.hf import qwen2_5_vl
+        enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
+               "frames": vi["frame"], "windows": vi["window"]}
+        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn), []
+    if config.family == "qwen3_vl":
+        from dhp_jax.model.hf import qwen3_vl
+        enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
+               "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
+               "tap_weights": tap_weights}
+        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn)
+    from dhp_jax.model.hf import internvl
+    from dhp_jax.model.hf.layers import linear, segment_ids
+    p = params["model"]["vision_tower"]
+    emb = p["embeddings"]
+    proj = emb["patch_embeddings"]["projection"]
+    x = linear(proj, pixels.astype(proj["kernel"].dtype))
+    d = x.shape[-1]
+    x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
+    if "position_embeddings" in emb:
+        x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
+    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn)
+    kk = config.vision.shuffle ** 2
+    x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
+    return internvl.project(config, params, x), []
+
+
+def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_floats: jax.Array,
+                    vision_ints: jax.Array, vision_floats: jax.Array, attn_fn: AttentionFn,
+                    loss_chunk: int = LOSS_CHUNK) -> jax.Array:
+    """Sum over the stream's tokens of weight * cross entropy (fp32): the family's forward pass on
+    one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`."""
+    from dhp_jax.model.hf.text import text_forward
+    col = {k: llm_ints[:, i] for i, k in enumerate(LLM_INTS)}
+    vi = {k: vision_ints[:, i] for i, k in enumerate(VISION_INTS)}
+    width = patch_dim(config)
+    lm = params["model"]["language_model"]
+    table = lm["embed_tokens"]["embedding"]
+    x = table[col["token_ids"]]
+    vision = col["vision"][:, None] > 0
+    feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn)
+    x = jnp.where(vision, feats.astype(x.dtype), x)
+
+    def add_deepstack(i: int, h: jax.Array) -> jax.Array:
+        return h + jnp.where(vision, deep[i].astype(h.dtype), 0) if i < len(deep) else h
+
+    ids = AttnIds(col["segment"], col["position"], jnp.zeros_like(col["segment"]))
+    h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, after_layer=add_deepstack)
+    kernel = table.T if config.tied else params["lm_head"]["kernel"]
+    return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk)

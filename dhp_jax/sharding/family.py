@@ -1,0 +1,110 @@
+"""`FamilyExecutor`: `PlanExecutor` for the Hugging Face families (`dhp_jax.model.hf`).
+
+`PlanExecutor(hf_config, devices=...)` builds one (the base class dispatches on the config). The
+step is the base executor's, unchanged: the plan is checked and every group laid out before any
+device work, the fp32 master params live as a flat vector sharded over the full mesh
+(`shard`, `loss_and_grad_shards`: the trainer's path), one all-gather per step, each group's
+program on its own sub-mesh (ring, Ulysses or hybrid attention of any degree), the groups'
+gradient rows reduce-scattered into the state's shards, the token-weighted mean at the end.
+
+What differs is the group: its samples are packed into the two streams of
+`dhp_jax.model.hf.packed` (the LLM tokens and the encoder's patches before the merge, sharded
+alike), and the program is the family's forward pass on a device's shard of them, attention by
+the group's kind, differentiated with respect to the flat params. The loss is transformers':
+each sample's labels shifted inside the sample (-100 ignored), summed over the batch and divided
+by the number of counted labels.
+
+The params tree (and so the flat layout) is taken from the first tree bound (`shard`,
+`loss_and_grads`, `bind`): the family's tree has no shape table apart from a checkpoint.
+Not yet for the families: `linear_chunk` pad skipping (the linear layers compute the whole
+shard), remat, the block stacks' scan (the layers are a Python loop).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dhp_jax.data.sample import Sample
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group, packed_loss_sum
+from dhp_jax.planner.kinds import RING
+from dhp_jax.sharding.executor import PlanExecutor
+from dhp_jax.sharding.flat import FlatLayout
+
+
+def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
+    """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
+    (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype)."""
+
+    def body(flat, llm_ints, llm_floats, vision_ints, vision_floats):
+        def loss_sum(f):
+            return packed_loss_sum(config, layout.unravel(f), llm_ints, llm_floats, vision_ints, vision_floats, attn)
+
+        # per device (check_vma=False: no implicit psum over the group); the reduction is the
+        # executor's reduce-scatter over the full mesh
+        value, grads = jax.value_and_grad(loss_sum)(flat)
+        return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], grads[None]
+
+    return body
+
+
+class FamilyExecutor(PlanExecutor):
+    """`PlanExecutor` of a Hugging Face family model (see the module docstring)."""
+
+    @staticmethod
+    def _check_config(config: Any) -> None:
+        if not isinstance(config, HFConfig):
+            raise TypeError(f"config must be an HFConfig (dhp_jax.model.hf), got {type(config).__name__}")
+
+    @staticmethod
+    def _chunked_config(config: Any, linear_chunk: int) -> Any:
+        return config                      # pad skipping is not implemented for the families
+
+    @staticmethod
+    def _abstract_params(config: Any) -> Any:
+        return None
+
+    def bind(self, params: Any) -> None:
+        """Take the flat layout from `params` (the family's float32 tree), or check it against it."""
+        self._bind(params)
+
+    def _bind(self, params: Any) -> None:
+        if params is None:
+            if self.layout is None:
+                raise ValueError(f"{self.config.family} executor: bind a params tree first "
+                                 f"(bind, shard or loss_and_grads) before compiling")
+            return
+        bad = sorted({str(x.dtype) for x in jax.tree.leaves(params) if x.dtype != jnp.float32})
+        if bad:
+            raise TypeError(f"PlanExecutor expects float32 params (the master weights), got dtypes {bad}")
+        if self.layout is None:
+            self.layout = FlatLayout.of(params, len(self.ranks.devices))
+        elif not self.layout.matches(params):
+            raise ValueError(f"params do not have the structure (tree, shapes) of the tree this "
+                             f"{self.config.family} executor was bound to")
+
+    def _pack(self, group: Sequence[Sample], degree: int, bucket: int | None) -> FamilyLayout:
+        return pack_family_group(group, degree, self.config, bucket=bucket, min_bucket=self.min_bucket,
+                                 growth=self.growth)
+
+    def _inputs(self, layout: FamilyLayout) -> tuple:
+        return layout.inputs()
+
+    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
+        """The lowered group program: abstract arguments, nothing allocated."""
+        self._bind(None)
+        from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit
+        mesh, spec = self._mesh(devices, attention)
+        fn = jax.shard_map(family_program(self.config, self.layout, self._attention_fn(degree, attention)),
+                           mesh=mesh, in_specs=(P(),) + (spec,) * 4, out_specs=(spec, spec), check_vma=False)
+        rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
+        rows = bucket * unit(self.config)
+        shapes = (((bucket, len(LLM_INTS) + rope_axes(self.config)), jnp.int32), ((bucket, 1), jnp.float32),
+                  ((rows, len(VISION_INTS)), jnp.int32), ((rows, patch_dim(self.config) + TAPS), jnp.float32))
+        args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),
+                *(jax.ShapeDtypeStruct(s, d, sharding=cp) for s, d in shapes))
+        return jax.jit(fn).lower(*args)

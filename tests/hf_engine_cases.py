@@ -1,0 +1,111 @@
+"""Shared by tests/test_hf_engine*.py: one DHP step of Hugging Face family samples in PlanExecutor
+vs transformers' own loss and autograd gradients.
+
+The reference: each sample through `*ForConditionalGeneration(**inputs, labels=labels)` (its loss
+is the mean over the sample's shifted labels); the batch loss is the token-weighted mean
+sum_i loss_i * n_i / sum_i n_i (n_i: the sample's counted labels), its gradient by autograd.
+Compared in fp32: |loss - ref| / |ref| and, per parameter (by transformers name through
+`hf.to_state_dict`), max |grad - ref| / max |ref|, both <= 1e-5."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import hf_cases as hc
+from hf_cases import torch
+
+from dhp_jax.model import hf
+from dhp_jax.planner.plan import Group, MicroBatch, Plan
+
+
+def labels_of(g: np.random.Generator, inputs: dict, vision_ids: tuple[int, ...]) -> np.ndarray:
+    """The input ids as labels, -100 on the vision placeholders and on a random quarter of the rest."""
+    ids = inputs["input_ids"][0]
+    drop = np.isin(ids, vision_ids) | (g.random(ids.shape) < 0.25)
+    return np.where(drop, -100, ids)[None]
+
+
+IMAGE, START, END = 120, 122, 123
+
+
+def qwen_image(g, h, w, before, after):
+    """text, an h x w-patch image, text, as the Qwen processors emit it (ids of tests/test_hf_qwen*.py)."""
+    n = h * w // 4
+    ids = list(g.integers(3, 100, before)) + [START] + [IMAGE] * n + [END] + list(g.integers(3, 100, after))
+    types = [0] * (before + 1) + [1] * n + [0] * (after + 1)
+    return {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+            "mm_token_type_ids": np.array([types]),
+            "pixel_values": g.standard_normal((h * w, 96)).astype(np.float32),
+            "image_grid_thw": np.array([[1, h, w]])}
+
+
+def reference(model, batch: list[dict], labels: list[np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
+    """(token-weighted batch loss, {name: grad}) by transformers' loss and autograd."""
+    model.zero_grad()
+    total, count = 0.0, 0
+    for inputs, lab in zip(batch, labels):
+        n = int((lab[0, 1:] != -100).sum())
+        out = model(**hc.torch_inputs(inputs), labels=torch.as_tensor(lab))
+        total = total + out.loss * n
+        count += n
+    loss = total / count
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def plan(*micro_batches) -> Plan:
+    """Micro-batches of (ranks, samples, attention kind) groups on 8 ranks."""
+    return Plan(8, tuple(MicroBatch(tuple(Group(tuple(r), len(r), tuple(s), kind) for r, s, kind in mb))
+                         for mb in micro_batches))
+
+
+# Two micro-batches on 8 devices (4 query heads): ring groups of degrees 3 and 5, then Ulysses over
+# 4 and Ulysses 2 x ring 2 (ranks out of order); a group's samples are not in batch order.
+MIXED = plan([((0, 1, 2), (0,), "ring"), ((3, 4, 5, 6, 7), (2, 1), "ring")],
+             [((0, 1, 2, 3), (3,), "ulysses"), ((7, 5, 6, 4), (5, 4), "hybrid:2x2")])
+
+
+ZERO = 1e-6      # a reference gradient below ZERO x the largest one is an exact zero up to rounding
+
+
+def relative_errors(ours: dict, theirs: dict) -> tuple[float, str]:
+    """(worst per-tensor max |ours - theirs| / max |theirs|, its name); the names must match.
+
+    A tensor whose exact gradient is zero (the key bias of attention without rotary: softmax does
+    not change when every score of a row moves by q . b) holds rounding noise on both sides, whose
+    ratio means nothing: where max |theirs| <= ZERO * the largest reference gradient, the error is
+    measured against the largest reference gradient instead."""
+    assert sorted(ours) == sorted(theirs), set(ours) ^ set(theirs)
+    largest = max(float(np.max(np.abs(v))) for v in theirs.values())
+    errs = {}
+    for k, ref in theirs.items():
+        diff = float(np.max(np.abs(np.asarray(ours[k], np.float64) - ref)))
+        scale = float(np.max(np.abs(ref)))
+        errs[k] = diff / (scale if scale > ZERO * largest else largest)
+    worst = max(errs, key=errs.get)
+    return errs[worst], worst
+
+
+def check_step(case, dhp_plan: Plan, label: str) -> tuple[float, float]:
+    """One step of `dhp_plan` on the case's executor vs the reference: (loss error, grads error)."""
+    cfg, params, samples, (ref_loss, ref_grads), ex = case
+    loss, grads = ex.loss_and_grads(params, samples, dhp_plan)
+    loss_err = abs(float(loss) - ref_loss) / abs(ref_loss)
+    grad_err, worst = relative_errors(hf.to_state_dict(cfg, grads), ref_grads)
+    print(f"{label}: loss {float(loss):.6f} vs {ref_loss:.6f} (rel {loss_err:.1e}), grads max rel {grad_err:.1e} "
+          f"({worst})")
+    assert loss_err <= hc.TOL and grad_err <= hc.TOL, (loss_err, grad_err, worst)
+    return loss_err, grad_err
+
+
+def build_case(tmp_path_factory, name: str, model_cls, config, batch_fn, vision_ids: tuple[int, ...]):
+    """(config, params, samples, reference, executor) of a tiny random model and a batch."""
+    from dhp_jax.sharding import PlanExecutor
+    path = hc.model_dir(tmp_path_factory, name)
+    model = hc.build(model_cls, config, path)
+    cfg, params = hf.load_pretrained(path)
+    g = hc.rng(3)
+    batch = batch_fn(g)
+    labels = [labels_of(g, x, vision_ids) for x in batch]
+    samples = [hf.sample_from_inputs(cfg, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
+    return cfg, params, samples, reference(model, batch, labels), PlanExecutor(cfg)
