@@ -17,7 +17,7 @@ TARGETS: dict[str, tuple[str, str]] = {
                   "ring attention: temp memory, computed tiles, step time vs the earlier ring; --device-check"),
     "memory": ("dhp_jax.train.step_memory",
                "compiled bytes of the group program (--step: of a whole step) vs the CostModel memory"),
-    "ulysses": ("dhp_jax.train.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
+    "ulysses": ("dhp_jax.sharding.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
     "compiles": ("dhp_jax.train.compiles_bench", "programs, executables per process and padding of DHP plans"),
 }
 

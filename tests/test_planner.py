@@ -38,7 +38,8 @@ def test_plan_invariants_for_every_strategy(batch, strategy):
     num_ranks, lengths, rpn = batch
     lengths = np.minimum(np.asarray(lengths), num_ranks * CAP)
     try:
-        plan = plan_batch(lengths, num_ranks, COST, strategy, ranks_per_node=rpn, time_limit_s=2.0)
+        limit = {"time_limit_s": 2.0} if strategy == "flexsp" else {}   # the static ones take no options
+        plan = plan_batch(lengths, num_ranks, COST, strategy, ranks_per_node=rpn, **limit)
     except PlanningError as e:
         # only the static/power-of-two strategies may be unable to hold a sample
         assert strategy != "dhp", e
@@ -366,3 +367,23 @@ def test_empty_sequences_are_planned(strategy):
 
 def test_strategies_listed():
     assert {"dhp", "flexsp", "milp", "static-ring:best", "static-ulysses:best"} <= set(STRATEGIES)
+
+
+def test_each_strategy_takes_only_its_own_options():
+    """The table: STRATEGIES lists its spellings; an option another strategy takes is refused with
+    the strategy's name and its valid options; an unknown strategy lists the known ones."""
+    from dhp_jax.planner.strategies import STRATEGY_TABLE
+
+    assert STRATEGIES == tuple(s for strat in STRATEGY_TABLE.values() for s in strat.spellings())
+    assert STRATEGY_TABLE["static-ring"].options == {}
+    assert set(STRATEGY_TABLE["milp"].options) >= {"time_limit_s", "node_limit", "num_micro_batches"}
+    with pytest.raises(PlanningError, match=r"'static-ring:4' takes no option 'num_micro_batches'; its options: none"):
+        plan_batch([10, 20], 4, COST, "static-ring:4", num_micro_batches=1)
+    with pytest.raises(PlanningError, match=r"'dhp' takes no option 'time_limit_s'; its options: num_micro_batches, "
+                                            r"packing, degrees, node_aware, refine, attention"):
+        plan_batch([10, 20], 4, COST, "dhp", time_limit_s=1.0)
+    for bad in ("ring", "static-ring", "dhp:2"):
+        with pytest.raises(PlanningError, match=r"unknown strategy .*known strategies: dhp, static-ring:<d>"):
+            plan_batch([10, 20], 4, COST, bad)
+    # options common to every strategy are still taken by a strategy without options of its own
+    assert plan_batch([10, 20], 4, COST, "static-ring:2", ranks_per_node=2, every_rank=True).num_ranks == 4

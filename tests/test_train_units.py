@@ -145,3 +145,19 @@ def test_input_paths_in_a_yaml_are_relative_to_it(tmp_path, monkeypatch):
     cfg = load_config(d / "run.yaml", overrides=["planner.plan_file=plans.jsonl"])
     assert cfg.planner.cost_profile == str(d / "profiles" / "p.json")
     assert cfg.planner.plan_file == "plans.jsonl"  # overrides stay relative to the cwd
+
+
+def test_plan_source_fixes_the_count_only_of_strategies_that_choose_one():
+    """planner.num_micro_batches (the demo sets 1) reaches dhp; a static baseline, whose count follows
+    from its degree and which takes no such option, plans as it would without it."""
+    from types import SimpleNamespace
+
+    from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.train.plans import PlanSource
+
+    cost = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=8)
+    batch = SimpleNamespace(samples=[4000, 3000, 200, 100, 50, 900, 30, 700])
+    one = PlanSource(8, cost, "dhp", num_micro_batches=1)(0, batch)
+    assert len(one.micro_batches) == 1
+    static = PlanSource(8, cost, "static-ring:2", num_micro_batches=1)(0, batch)
+    assert static.digest() == plan_batch(batch.samples, 8, cost, "static-ring:2").digest()

@@ -1,6 +1,7 @@
 """`plan_batch`: one entry point for DHP and every baseline, returning a validated `Plan`.
 
-The strategy table lives here; the input checks in `problem.py`, the "dhp" search in `dhp.py`,
+The strategy table (each strategy's solve function and options) lives in `strategies.py`; the input
+checks in `problem.py`, the "dhp" search in `dhp.py`,
 the static baselines in `baselines.py`, the exact MILP ("milp") in `milp.py`, FlexSP's planner
 ("flexsp") in `flexsp.py`. Only "milp" has a wall-clock limit ("flexsp" a node limit); both record
 whether they proved optimality.
@@ -14,69 +15,48 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.data.sample import Sample
-from dhp_jax.planner.baselines import solve_static
 from dhp_jax.planner.build import build_plan
 from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.dhp import solve_dhp
-from dhp_jax.planner.plan import Plan, PlanningError
+from dhp_jax.planner.plan import Plan
 from dhp_jax.planner.problem import Problem, prepare
 from dhp_jax.planner.programs import ProgramCache, reuse_ranks
+from dhp_jax.planner.strategies import lookup, strategy_names
 
 __all__ = ["STRATEGIES", "Problem", "plan_batch", "prepare", "reuse_placement"]
 
-STRATEGIES = ("dhp", "static-ring:<d>", "static-ring:best", "static-ulysses:<d>", "static-ulysses:best",
-              "flexsp", "milp")
+STRATEGIES = strategy_names()  # every spelling of the table's strategies, e.g. "static-ring:<d>"
 
 
 def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray, num_ranks: int, cost: CostModel,
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
-               num_micro_batches: int | None = None, packing: bool = True, degrees: str | Sequence[int] = "any",
-               node_aware: bool = True, refine: bool = True, time_limit_s: float | None = None,
-               node_limit: int | None = None, every_rank: bool = False, attention: str = "best",
-               programs: ProgramCache | None = None) -> Plan:
-    """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES).
+               every_rank: bool = False, programs: ProgramCache | None = None, **options: Any) -> Plan:
+    """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES), passing
+    `options` to that strategy (`dhp_jax.planner.strategies`: each takes only its own; another is a
+    PlanningError that names the strategy and its options).
 
-    Options (ablations of "dhp"): `num_micro_batches` fixes the count instead of searching it;
+    Options of "dhp" (its ablations): `num_micro_batches` fixes the count instead of searching it;
     `packing=False` makes every sequence its own atomic group; `degrees="pow2"` (or a list)
     restricts group degrees; `node_aware=False` places groups on consecutive ranks; `refine=False`
-    skips the re-balancing. `time_limit_s` bounds the MILP of "milp" (and, when given, "flexsp"'s,
-    which otherwise stops at its node limit only); `node_limit` bounds the "milp" reference by
-    branch-and-bound nodes, a work limit that gives the same answer on any machine at any load.
-    `attention` (for "dhp"): "best" gives each group the attention kind the cost model says is
-    fastest (ring, Ulysses, or a Ulysses x ring hybrid the head count allows); "ring" keeps every
-    group on the ring (the ablation).
-    `every_rank=True` is for executors in which every rank must run some group (the torch backend):
-    a rank the plan would leave idle in every micro-batch (shared CPU lanes, node repairs, fewer
-    samples than ranks) joins the slowest group instead.
+    skips the re-balancing; `attention`: "best" gives each group the attention kind the cost model
+    says is fastest (ring, Ulysses, or a Ulysses x ring hybrid the head count allows), "ring" keeps
+    every group on the ring (the ablation).
+    Options of "milp": `num_micro_batches`, `degrees`, `node_aware`, `time_limit_s` (its wall-clock
+    bound) and `node_limit` (branch-and-bound nodes, a work limit that gives the same answer on any
+    machine at any load). Options of "flexsp": `num_micro_batches`, `time_limit_s` (when given;
+    otherwise it stops at its node limit only). The static baselines take none.
+    For every strategy: `every_rank=True` is for executors in which every rank must run some group
+    (the torch backend): a rank the plan would leave idle in every micro-batch (shared CPU lanes,
+    node repairs, fewer samples than ranks) joins the slowest group instead.
     `programs` (a `ProgramCache` of the plans issued so far; the plan is recorded in it) makes the
     placement reuse compiled executables and prices new programs at `programs.compile_s` (see
     `dhp_jax.planner.programs`).
     """
-    if not isinstance(strategy, str):
-        raise PlanningError(f"strategy must be a string, got {strategy!r}")
+    strat, arg = lookup(strategy)
+    options = strat.bind(options, strategy)
     prob = prepare(samples_or_lengths, num_ranks, cost, etas, ranks_per_node)
     cost, N = prob.cost, prob.num_ranks
     t0, c0 = time.perf_counter(), time.thread_time()
-    if attention not in ("best", "ring"):
-        raise PlanningError(f"attention must be 'best' (per-group choice) or 'ring', got {attention!r}")
-    mode, attention = attention, "ring"
-    extra: dict[str, Any] = {}
-    if strategy == "dhp":
-        mbs, extra = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, mode)
-        attention = mode
-    elif strategy.startswith("static-ring:") or strategy.startswith("static-ulysses:"):
-        kind, _, arg = strategy.partition(":")
-        attention = "ring" if kind == "static-ring" else "ulysses"
-        mbs, extra = solve_static(prob, attention, arg, strategy)
-    elif strategy == "milp":
-        from dhp_jax.planner.milp import solve_milp
-        mbs, extra = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s, node_limit)
-    elif strategy == "flexsp":
-        from dhp_jax.planner.flexsp import solve_flexsp
-        mbs, extra = solve_flexsp(prob, num_micro_batches, time_limit_s)
-        attention = "auto"
-    else:
-        raise PlanningError(f"unknown strategy {strategy!r}; known strategies: {', '.join(STRATEGIES)}")
+    mbs, extra, attention = strat.solve(prob, arg, programs, **options)
     solve_ms = (time.perf_counter() - t0) * 1e3
     cpu_ms = (time.thread_time() - c0) * 1e3  # this thread's CPU: what a loaded machine does not inflate
     solver = {"strategy": strategy, "solve_ms": round(solve_ms, 3), "solve_cpu_ms": round(cpu_ms, 3), **extra}

@@ -50,8 +50,9 @@ def run(args: argparse.Namespace) -> int:
         # the batch's vision tokens follow the planned model's encoder (InternVL tiles, Qwen-VL patches)
         samples = make_dataset(args.dataset, args.batch, args.seed, vision=family_for_model(args.model))
         lengths, etas = sample_lengths(samples), sample_etas(samples)
-        ours = compare_strategies([(lengths, etas)], args.ranks, cost, [args.strategy], errors="raise",
-                                  num_micro_batches=args.micro_batches)
+        # --micro-batches only when given: a strategy that takes no count (the static ones) refuses it
+        fixed = {} if args.micro_batches is None else {"num_micro_batches": args.micro_batches}
+        ours = compare_strategies([(lengths, etas)], args.ranks, cost, [args.strategy], errors="raise", **fixed)
     except (PlanningError, ValueError, OSError) as e:   # OSError: a manifest path that is not there
         print(f"dhp plan: {e}", file=sys.stderr)
         return 2

@@ -60,7 +60,7 @@ class PlannerConfig:
     comm_overlap: bool | None = None  # preset only: ring traffic hides behind attention (None: the hardware's)
     full_size: bool = False        # plan the unscaled batch (the token counts a preset describes); the
                                    # executor runs the scaled samples in the same groups
-    num_micro_batches: int | None = None
+    num_micro_batches: int | None = None  # fixes the count of the strategies that choose one (not the static ones)
     lookahead: int = 2             # batches planned ahead by the planner thread (queue bound); their
                                    # programs compile in the background as soon as they are planned
     compile_price_s: float = 3.0   # planner seconds charged for each group program no earlier step's plan

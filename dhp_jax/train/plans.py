@@ -43,9 +43,12 @@ class PlanSource:
             plan = plan_at(self.plans, step)
         else:
             from dhp_jax.planner import plan_batch
+            from dhp_jax.planner.strategies import lookup
 
             kwargs: dict[str, Any] = {}
-            if self.num_micro_batches is not None:
+            # planner.num_micro_batches fixes the count of the strategies that choose one (the
+            # static baselines' count follows from their degree: they take no such option)
+            if self.num_micro_batches is not None and "num_micro_batches" in lookup(self.strategy)[0].options:
                 kwargs["num_micro_batches"] = self.num_micro_batches
             if self.ranks_per_node is not None:
                 kwargs["ranks_per_node"] = self.ranks_per_node

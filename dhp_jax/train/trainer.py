@@ -8,25 +8,21 @@ step runs; `prepare_run` is shared with `dry_run`.
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
-
-import numpy as np
 
 from dhp_jax.planner.planfile import PlanLog
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
+from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
 
 @functools.lru_cache(maxsize=8)
@@ -51,9 +47,6 @@ def plan_hash(plan: Any) -> str:
     """Short digest of a plan's decisions (`Plan.digest`): equal on every process that planned the
     same batch the same way; solver timings and flags never enter it."""
     return plan.digest()
-
-
-WARMUP_STEPS = 5  # steps allowed to compile in place (the summary counts later steps that waited)
 
 
 def ranks_per_process(devices: Sequence[Any]) -> int | None:
@@ -326,9 +319,70 @@ class Trainer:
         A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
         `overwrite` (replace it); resuming a finished run changes nothing.
         """
-        from dhp_jax.train.checkpoint import CheckpointError
-        from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
         from dhp_jax.train.planner_thread import PlannerThread
+
+        cfg = self.config
+        ckpt, state, start = self._begin(resume, overwrite)
+        if ckpt is None:   # a finished run resumed: nothing to do
+            return RunResult([], [], stored_summary(self.metrics_dir), state, finished_before=True)
+        stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+        if cfg.metrics.progress:
+            self._say(f"run {cfg.name!r}: steps {start + 1}-{stop} of {cfg.steps} on {len(self.devices)} "
+                      f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
+                      + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
+        if self.multi_process:
+            from dhp_jax.train.distributed import StepSync
+
+            self._sync = StepSync(self.step_timeout_s)
+        metrics, plan_log, earlier = self._open_logs(resume, start)
+        # after each step, in order: the step's programs recorded (the checkpoint stores them),
+        # its metrics, its plan as executed, a checkpoint when due
+        hooks = [self._programs_hook(), lambda rec, item, state: metrics.log_step(rec),
+                 self._plan_log_hook(plan_log), self._checkpoint_hook(ckpt, stop)]
+        t_run = time.perf_counter()
+        records: list[dict] = []
+        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
+        # Ctrl-C: stop within seconds at a point where the state is whole, checkpoint the last
+        # finished step, raise RunInterrupted (dhp_jax.train.interrupt)
+        guard = self._guard = SigintGuard().__enter__()
+        interrupted = False
+        try:
+            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
+                               after_plan=self._compile_ahead(compiler)) as planned:
+                for item in planned:
+                    with guard.deferred():  # a Ctrl-C here stops after this step
+                        state, rec = self.train_step(state, item, on_compile=metrics.compiling)
+                        records.append(rec)
+                        for hook in hooks:
+                            hook(rec, item, state)
+                    guard.check()
+            metrics.close()
+            summary = self._summary(state, earlier + records, t_run, start,
+                                    compare=cfg.compare.enabled and stop == cfg.steps and stop_after is None)
+            if records or earlier:  # never a summary without real figures
+                metrics.write_json("summary.json", summary)
+        except KeyboardInterrupt:
+            interrupted = True
+            raise self._interrupted(ckpt, state, start + len(records), guard.forced,
+                                    [metrics.path] + ([plan_log.path] if plan_log is not None else []),
+                                    fresh=not (records or earlier)) from None
+        finally:
+            guard.__exit__()
+            self._guard = None
+            # at most one compile in flight; after Ctrl-C it is left to finish on its own
+            compiler.shutdown(wait=not interrupted, cancel_futures=True)
+            metrics.close()
+            if plan_log is not None:
+                plan_log.close()
+            ckpt.close()
+        self._state = state
+        return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
+
+    def _begin(self, resume: bool, overwrite: bool) -> tuple[Any, Any, int]:
+        """The run's checkpointer, first state and first step: a fresh state, the restored one
+        (`resume`), or an earlier run's checkpoints cleared (`overwrite`); refused otherwise.
+        (None, state, start) when a resumed run is already finished."""
+        from dhp_jax.train.checkpoint import CheckpointError
 
         cfg = self.config
         if resume:
@@ -350,7 +404,8 @@ class Trainer:
                     self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
                               f"{ckpt.directory / str(restored.step)}); nothing to do")
                     self._state = state
-                    return RunResult([], [], self._stored_summary(), state, finished_before=True)
+                    ckpt.close()
+                    return None, state, start
                 self._restore_programs(restored.meta, start)
                 self._say(f"resumed from step {restored.step} (checkpoint {ckpt.directory / str(restored.step)})")
             elif latest is not None:
@@ -359,76 +414,42 @@ class Trainer:
         except BaseException:
             ckpt.close()
             raise
-        stop = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-        if cfg.metrics.progress:
-            self._say(f"run {cfg.name!r}: steps {start + 1}-{stop} of {cfg.steps} on {len(self.devices)} "
-                      f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
-                      + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
-        if self.multi_process:
-            from dhp_jax.train.distributed import StepSync
+        return ckpt, state, start
 
-            self._sync = StepSync(self.step_timeout_s)
-        mdir = self.metrics_dir
+    def _open_logs(self, resume: bool, start: int) -> tuple[Any, PlanLog | None, list[dict]]:
+        """The run's metrics writer, its plan log (None when `metrics.log_plans` is off) and, when
+        resuming, the metrics records up to `start` (later ones were never checkpointed: they are
+        cut from the files and redone)."""
+        from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
+
+        cfg, mdir = self.config, self.metrics_dir
         earlier: list[dict] = []
-        if resume:  # records past the restored step were never checkpointed: they are redone below
+        if resume:
             earlier = truncate_jsonl(mdir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
             truncate_jsonl(mdir / "plans.jsonl", lambda r: r.get("step", 0) < start)
         metrics = MetricsWriter(mdir, total_steps=cfg.steps, start_step=start, progress=cfg.metrics.progress,
                                 tensorboard=cfg.metrics.tensorboard, append=resume)
         plan_log = PlanLog(mdir / "plans.jsonl", append=resume) if cfg.metrics.log_plans else None
-        hooks = [lambda rec, item, state: metrics.log_step(rec), self._plan_log_hook(plan_log),
-                 self._checkpoint_hook(ckpt, stop)]
-        t_run = time.perf_counter()
-        records: list[dict] = []
-        compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
-        # Ctrl-C: stop within seconds at a point where the state is whole, checkpoint the last
-        # finished step, raise RunInterrupted (dhp_jax.train.interrupt)
-        guard = self._guard = SigintGuard().__enter__()
-        interrupted = False
-        try:
-            with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
-                               after_plan=self._compile_ahead(compiler)) as planned:
-                for item in planned:
-                    with guard.deferred():  # a Ctrl-C here stops after this step
-                        state, rec = self.train_step(state, item, on_compile=metrics.compiling)
-                        records.append(rec)
-                        self._ran.add_keys(self.plan_source.issued.pop(item.step, ()))
-                        for hook in hooks:
-                            hook(rec, item, state)
-                    guard.check()
-            metrics.close()
-            loop_s = time.perf_counter() - t_run
-            summary = self.summarize(earlier + records, loop_s, start)
-            if summary and cfg.compare.enabled and stop == cfg.steps and stop_after is None:
-                from dhp_jax.train.compare import compare_plans
+        return metrics, plan_log, earlier
 
-                t0 = time.perf_counter()
-                summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps,
-                                                   progress=cfg.metrics.progress and self.process_index == 0)
-                summary["time_s"]["comparison"] = time.perf_counter() - t0
-                png = self._plot_simulated(summary["compare"])
-                if png:
-                    summary["plan_png"] = str(png)
-            if summary:
-                summary["time_s"]["wall"] = summary["wall_time_s"] = time.perf_counter() - t_run
-            if records or earlier:  # never a summary without real figures
-                metrics.write_json("summary.json", summary)
-        except KeyboardInterrupt:
-            interrupted = True
-            raise self._interrupted(ckpt, state, start + len(records), guard.forced,
-                                    [metrics.path] + ([plan_log.path] if plan_log is not None else []),
-                                    fresh=not (records or earlier)) from None
-        finally:
-            guard.__exit__()
-            self._guard = None
-            # at most one compile in flight; after Ctrl-C it is left to finish on its own
-            compiler.shutdown(wait=not interrupted, cancel_futures=True)
-            metrics.close()
-            if plan_log is not None:
-                plan_log.close()
-            ckpt.close()
-        self._state = state
-        return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
+    def _summary(self, state: Any, records: list[dict], t_run: float, start: int, compare: bool) -> dict:
+        """`summary.run_summary` of `records`, with the end comparison of strategies on the trained
+        params when `compare` (`dhp_jax.train.compare`) and the wall time since `t_run`."""
+        cfg = self.config
+        summary = run_summary(self, records, time.perf_counter() - t_run, start)
+        if summary and compare:
+            from dhp_jax.train.compare import compare_plans
+
+            t0 = time.perf_counter()
+            summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps,
+                                               progress=cfg.metrics.progress and self.process_index == 0)
+            summary["time_s"]["comparison"] = time.perf_counter() - t0
+            png = plot_simulated_step(summary["compare"], self.metrics_dir, self.process_index)
+            if png:
+                summary["plan_png"] = str(png)
+        if summary:
+            summary["time_s"]["wall"] = summary["wall_time_s"] = time.perf_counter() - t_run
+        return summary
 
     def _interrupted(self, ckpt: Any, state: Any, done: int, forced: bool, logs: list[Path],
                      fresh: bool) -> RunInterrupted:
@@ -451,6 +472,11 @@ class Trainer:
         return RunInterrupted(done, self.config.steps, str(ckpt.directory / str(latest)) if latest else None, detail)
 
     # ------------------------------------------------------------------ hooks
+    def _programs_hook(self):
+        def record(rec: dict, item: Any, state: Any) -> None:
+            self._ran.add_keys(self.plan_source.issued.pop(item.step, ()))
+        return record
+
     def _plan_log_hook(self, plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
@@ -516,69 +542,3 @@ class Trainer:
         from dhp_jax.train.state import make_schedule
 
         return float(make_schedule(self.config.optim, self.config.steps)(step))
-
-    def _stored_summary(self) -> dict:
-        path = self.metrics_dir / "summary.json"
-        try:
-            return json.loads(path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def _plot_simulated(self, comp: dict) -> Path | None:
-        """The Gantt of one simulated DHP step (ranks x time) beside the metrics; None without matplotlib."""
-        plan = comp.get("simulated", {}).pop("_plan", None)
-        if plan is None or self.process_index:
-            return None
-        try:
-            from dhp_jax.planner.plot import plot_plan
-
-            path = self.metrics_dir / "plan_simulated_step.png"
-            sim = comp["simulated"]
-            title = (f"DHP plan of one simulated step: {sim['model']} on {sim['hardware']}, {sim['ranks']} ranks, "
-                     f"global batch {sim['batch_size']}")
-            plot_plan(plan, path, title=title, allreduce_s=sim.get("allreduce_s", 0.0))
-            return path
-        except ImportError:
-            return None
-
-    # ------------------------------------------------------------------ summary
-    def summarize(self, records: list[dict], loop_s: float, start: int) -> dict:
-        cfg = self.config
-        waits = [r["plan_wait_s"] for r in records]
-        steady = waits[2:] if len(waits) > 3 else waits[1:]  # first steps: thread start + compiles
-        losses = [r["loss"] for r in records]
-        k = max(1, min(3, len(losses) // 4))
-        groups = collections.Counter(d for r in records for mb in r["degrees"] for d in mb)
-        after = [r.get("compile_wait_s", 0.0) for r in records if r["step"] > start + WARMUP_STEPS]
-        waited = [w for w in after if w > 0]
-        return {
-            "name": cfg.name, "config": cfg.to_dict(), "model_config": self.model_config.to_dict(),
-            "devices": f"{len(self.devices)} x {self.devices[0].platform} ({self.devices[0].device_kind})",
-            "start_step": start, "steps_run": len(records),
-            # where the time went: step work, compiles, the end comparison (filled in by run), the rest
-            "time_s": {"steps": sum(r["step_time_s"] for r in records),
-                       "compiles": sum(r.get("compile_s", 0.0) for r in records), "loop": loop_s,
-                       "first_step": records[0]["step_time_s"] if start == 0 else None},
-            "loss_first": losses[0], "loss_last": losses[-1],
-            "loss_first_mean": float(np.mean(losses[:k])), "loss_last_mean": float(np.mean(losses[-k:])),
-            "step_time_median_s": statistics.median(r["step_time_s"] for r in records),
-            "plan_wait_median_s": statistics.median(steady) if steady else 0.0,
-            "plan_wait_max_steady_s": max(steady) if steady else 0.0,
-            "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records),
-            "num_compiles": self.executor.num_compiles,
-            # measured: a step waited when a program it runs was not compiled yet when it started
-            "steps_waiting_for_compile_after_warmup": len(waited),
-            # (median and max over the steps that waited; median over every step after warm-up)
-            "compile_wait_after_warmup_s": {"median": statistics.median(waited) if waited else 0.0,
-                                            "max": max(waited, default=0.0),
-                                            "median_all_steps": statistics.median(after) if after else 0.0},
-            "warmup_steps": WARMUP_STEPS,
-            # steps that ran another plan than the planner returned (plan digests compared): 0
-            "steps_on_compiled_substitutes": sum(1 for r in records if r.get("ran_on_compiled_substitute")),
-            "groups_by_degree": {str(d): n for d, n in sorted(groups.items())},
-            "planning": f"{self.plan_source.label}: " + describe_cost(self.cost, cfg.planner.cost_profile,
-                                                                      cfg.planner.full_size),
-            "labels": {"step_time": f"measured on {len(self.devices)} {self.devices[0].platform} devices of this "
-                                    f"machine" + ("; they share the host's cores: a correctness and overhead run, "
-                                                  "not a speed-up" if self.devices[0].platform == "cpu" else "")},
-        } if records else {}
