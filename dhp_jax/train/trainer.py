@@ -487,8 +487,9 @@ class Trainer:
         """The plan as these devices ran it, the one format of plans.jsonl: a plan made at full token
         counts (`planner.full_size`) gets the executed batch's tokens, the executor's buckets and one
         node (`planner.programs.executed_view`); the decisions and estimates stay the planner's.
-        Other plans are logged as they are."""
-        if not self.plan_source.full_size:
+        Other plans, and a replayed plan file's, are logged as they are (so a log replays to the
+        same log, across backends too)."""
+        if not self.plan_source.full_size or self.plan_source.plans is not None:
             return plan
         from dhp_jax.planner.programs import executed_view
 
