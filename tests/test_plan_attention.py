@@ -60,7 +60,12 @@ def test_ulysses_strategies_record_the_kind_per_group_and_the_simulator_prices_i
         MicroBatch(tuple(dataclasses.replace(g, attention="ring") for g in mb.groups)) for mb in plan.micro_batches))
     assert step_time(as_ring, lengths, cost, etas) == pytest.approx(_reference(as_ring, lengths, etas, cost),
                                                                    rel=1e-9)
-    assert step_time(as_ring, lengths, cost, etas) != pytest.approx(t, rel=1e-6)
+    # ... and the kind moves it: the largest Ulysses group alone, as ring, costs another time (the
+    # whole plan's step need not move: its slowest groups may not be the Ulysses ones)
+    big = max((g for g in plan.groups if g.attention == "ulysses"), key=lambda g: sum(lengths[s] for s in g.samples))
+    alone = [Plan(plan.num_ranks, (MicroBatch((dataclasses.replace(big, attention=kind),)),),
+                  ranks_per_node=plan.ranks_per_node) for kind in ("ulysses", "ring")]
+    assert step_time(alone[1], lengths, cost, etas) != pytest.approx(step_time(alone[0], lengths, cost, etas), rel=1e-6)
 
 
 def test_mixed_kinds_in_one_micro_batch_are_priced_each_by_its_own():
