@@ -19,6 +19,8 @@ TARGETS: dict[str, tuple[str, str]] = {
                "compiled bytes of the group program (--step: of a whole step) vs the CostModel memory"),
     "ulysses": ("dhp_jax.sharding.ulysses_bench", "temp memory per device of Ulysses/hybrid vs ring group programs"),
     "compiles": ("dhp_jax.train.compiles_bench", "programs, executables per process and padding of DHP plans"),
+    "load": ("dhp_jax.sharding.load_bench",
+             "peak host memory of loading a synthetic >= 1B-param bf16 checkpoint into the sharded state"),
 }
 
 

@@ -13,10 +13,10 @@ Checkpoints are read with numpy alone (memory-mapped safetensors); transformers 
 to check the results.
 """
 
-from dhp_jax.model.hf.api import (FAMILIES, hidden_states, load_pretrained, logits, parse_config, prepare,
+from dhp_jax.model.hf.api import (FAMILIES, hidden_states, load_config, load_pretrained, logits, parse_config, prepare,
                                   save_pretrained, to_state_dict)
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.sample import inputs_from_sample, sample_from_inputs
 
-__all__ = ["FAMILIES", "HFConfig", "hidden_states", "inputs_from_sample", "load_pretrained", "logits",
+__all__ = ["FAMILIES", "HFConfig", "hidden_states", "inputs_from_sample", "load_config", "load_pretrained", "logits",
            "parse_config", "prepare", "sample_from_inputs", "save_pretrained", "to_state_dict"]

@@ -40,10 +40,15 @@ def parse_config(raw: Mapping[str, Any]) -> HFConfig:
     raise ValueError(f"config.json model_type {model_type!r} is not one of the supported families {FAMILIES}")
 
 
+def load_config(path: str) -> HFConfig:
+    """The HFConfig of a checkpoint directory's config.json (no weights read)."""
+    return parse_config(read_config_json(path))
+
+
 def load_pretrained(path: str, dtype: str = "float32") -> tuple[HFConfig, dict]:
     """(config, params) of a directory written by transformers' `save_pretrained`: config.json and
     model.safetensors (or its shards), read memory-mapped and converted leaf by leaf to `dtype`."""
-    config = parse_config(read_config_json(path))
+    config = load_config(path)
     module = family_module(config.family)
     target = jnp.dtype(dtype)
     params = tree_from_weights(safetensors_io.read_checkpoint(path), module.LEGACY_RENAMES,

@@ -35,20 +35,24 @@ def rename(name: str, renames: Iterable[tuple[str, str]]) -> str:
     return name
 
 
-def leaf_from_weight(name: str, w: np.ndarray) -> tuple[list[str], np.ndarray]:
-    """(tree path, array) of one checkpoint weight, by the module docstring's rule."""
+def leaf_rule(name: str, ndim: int) -> tuple[list[str], bool]:
+    """(tree path, transposed) of a checkpoint weight of rank `ndim`, by the module docstring's
+    rule: a transposed leaf is weight.reshape(weight.shape[0], -1).T, any other the weight as stored."""
     parts = name.split(".")
-    leaf = parts[-1]
-    if leaf == "weight":
+    if parts[-1] == "weight":
         module = parts[-2] if len(parts) > 1 else ""
         if module in EMBEDDING_MODULES:
-            return parts[:-1] + ["embedding"], w
-        if w.ndim == 1:
-            return parts[:-1] + ["scale"], w
-        if w.ndim == 2:
-            return parts[:-1] + ["kernel"], w.T
-        return parts[:-1] + ["kernel"], w.reshape(w.shape[0], -1).T
-    return parts, w
+            return parts[:-1] + ["embedding"], False
+        if ndim == 1:
+            return parts[:-1] + ["scale"], False
+        return parts[:-1] + ["kernel"], True
+    return parts, False
+
+
+def leaf_from_weight(name: str, w: np.ndarray) -> tuple[list[str], np.ndarray]:
+    """(tree path, array) of one checkpoint weight, by the module docstring's rule."""
+    path, transposed = leaf_rule(name, w.ndim)
+    return path, (w.reshape(w.shape[0], -1).T if transposed else w)
 
 
 def weight_from_leaf(path: list[str], x: Any, conv_shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, Any]:
@@ -64,24 +68,24 @@ def weight_from_leaf(path: list[str], x: Any, conv_shapes: Mapping[str, tuple[in
     return ".".join(path), x
 
 
-def tree_from_weights(named: Iterable[tuple[str, np.ndarray]], renames: Iterable[tuple[str, str]] = (),
-                      skip: Iterable[str] = (), convert=lambda a: a) -> dict:
+def tree_from_weights(named: Iterable[tuple[str, Any]], renames: Iterable[tuple[str, str]] = (),
+                      skip: Iterable[str] = (), convert=lambda a: a, leaf=leaf_from_weight) -> dict:
     """The nested parameter tree of a checkpoint's (name, weight) pairs; `convert` turns each leaf
     into the stored array (e.g. a device array of the compute dtype), `skip` lists names left out
-    (a tied lm_head)."""
+    (a tied lm_head); `leaf(name, weight) -> (path, leaf)` places a weight (`leaf_from_weight`)."""
     renames, skip = list(renames), set(skip)
     tree: dict = {}
     for name, w in named:
         name = rename(name, renames)
         if name in skip:
             continue
-        path, leaf = leaf_from_weight(name, w)
+        path, value = leaf(name, w)
         node = tree
         for key in path[:-1]:
             node = node.setdefault(key, {})
         if path[-1] in node:
             raise ValueError(f"checkpoint weight {name!r} appears twice")
-        node[path[-1]] = convert(leaf)
+        node[path[-1]] = convert(value)
     return tree
 
 

@@ -39,21 +39,29 @@ def _header(path: str) -> tuple[dict, int]:
     return header, 8 + n
 
 
-def read_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) for each tensor of one .safetensors file, memory-mapped read-only."""
+def tensor_infos(path: str) -> Iterator[tuple[str, np.dtype, tuple[int, ...], int]]:
+    """(name, dtype, shape, byte offset in the file) of each tensor of one .safetensors file, from
+    its header alone (checked: known dtype, byte span matching the shape)."""
     header, start = _header(path)
     header.pop("__metadata__", None)
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=start) if header else None
     for name, info in header.items():
         if info["dtype"] not in DTYPES:
             raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not one of {sorted(DTYPES)}")
         dtype = DTYPES[info["dtype"]]
         begin, end = info["data_offsets"]
-        shape = tuple(info["shape"])
+        shape = tuple(int(s) for s in info["shape"])
         if end - begin != int(np.prod(shape)) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r} spans {end - begin} bytes, its shape {shape} needs "
                              f"{int(np.prod(shape)) * dtype.itemsize}")
-        yield name, data[begin:end].view(dtype).reshape(shape)
+        yield name, dtype, shape, start + begin
+
+
+def read_file(path: str) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) for each tensor of one .safetensors file, memory-mapped read-only."""
+    infos = list(tensor_infos(path))
+    data = np.memmap(path, dtype=np.uint8, mode="r") if infos else None
+    for name, dtype, shape, offset in infos:
+        yield name, data[offset:offset + int(np.prod(shape)) * dtype.itemsize].view(dtype).reshape(shape)
 
 
 def checkpoint_files(path: str) -> list[str]:
@@ -98,27 +106,31 @@ def write_file(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[s
     os.replace(tmp, path)
 
 
-def write_checkpoint(path: str, tensors: Mapping[str, np.ndarray], max_shard_bytes: int = 5 * 2**30) -> None:
+def write_checkpoint(path: str, tensors: Mapping[str, np.ndarray], max_shard_bytes: int = 5 * 2**30,
+                     sizes: Mapping[str, int] | None = None) -> None:
     """Write a checkpoint directory's weights: one model.safetensors, or shards of at most
-    `max_shard_bytes` with the index transformers reads (`model.safetensors.index.json`)."""
+    `max_shard_bytes` with the index transformers reads (`model.safetensors.index.json`).
+    With `sizes` ({name: bytes}), `tensors` may be a lazy mapping: each tensor is fetched once,
+    when its shard is written, so only one shard is ever held."""
     os.makedirs(path, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
+    if sizes is None:
+        sizes = {name: np.asarray(t).nbytes for name, t in tensors.items()}
+    shards: list[list[str]] = [[]]
     size = 0
-    for name in sorted(tensors):
-        nbytes = np.asarray(tensors[name]).nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+    for name in sorted(sizes):
+        if shards[-1] and size + sizes[name] > max_shard_bytes:
+            shards.append([])
             size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
+        shards[-1].append(name)
+        size += sizes[name]
     if len(shards) == 1:
-        write_file(os.path.join(path, SINGLE_FILE), shards[0])
+        write_file(os.path.join(path, SINGLE_FILE), {name: tensors[name] for name in shards[0]})
         return
     weight_map = {}
     for i, shard in enumerate(shards):
         file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_file(os.path.join(path, file), shard)
+        write_file(os.path.join(path, file), {name: tensors[name] for name in shard})
         weight_map.update({name: file for name in shard})
-    total = sum(np.asarray(t).nbytes for t in tensors.values())
     with open(os.path.join(path, INDEX_FILE), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+        json.dump({"metadata": {"total_size": int(sum(sizes.values()))}, "weight_map": weight_map}, f, indent=2,
+                  sort_keys=True)

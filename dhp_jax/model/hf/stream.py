@@ -1,0 +1,130 @@
+"""A checkpoint read piece by piece: any range of any leaf of the parameter tree, in float32, straight
+from the memory-mapped safetensors bytes, without ever building the tree.
+
+`checkpoint_sources(path)` reads config.json and the safetensors headers only and gives the
+parameter tree with a `TensorSource` at every leaf (the tree `load_pretrained` would build, same
+paths, same leaf shapes). `TensorSource.read(a, b, out)` writes elements [a, b) of its leaf,
+raveled in C order, into `out` as float32. A leaf kept as stored (embeddings, norms, biases) is a
+contiguous byte range of its file; a Linear or conv kernel is weight.reshape(out, -1).T, so a range
+of its elements is a band of kernel rows, i.e. of weight columns, gathered from all weight rows.
+Either way the file is mapped `block_bytes` at a time and each mapping is dropped once copied, so
+what a read holds is `out`, one mapped block and (for a kernel) the band of whole kernel rows it
+cuts from; the bytes stay in the OS page cache, not in the process.
+`dhp_jax.sharding.stream_load` fills the executor's sharded master vector this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+from typing import Any
+
+import jax
+import numpy as np
+
+from dhp_jax.model.hf import safetensors_io
+from dhp_jax.model.hf.api import LM_HEAD, check_params, family_module, load_config
+from dhp_jax.model.hf.checkpoint import leaf_rule, tree_from_weights
+from dhp_jax.model.hf.config import HFConfig
+
+BLOCK_BYTES = 16 * 2**20     # the most file bytes one read maps at a time
+PAGE = mmap.ALLOCATIONGRANULARITY
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+    """One checkpoint tensor as a leaf of the tree: `file`, byte `offset` of its data, stored
+    `dtype` and `stored` shape; `transposed`: the leaf is stored.reshape(rows, -1).T."""
+
+    name: str
+    file: str
+    offset: int
+    dtype: np.dtype
+    stored: tuple[int, ...]
+    transposed: bool
+
+    @property
+    def rows(self) -> int:
+        """Rows of the stored tensor seen as a matrix [rows, cols] (1 for a scalar)."""
+        return self.stored[0] if self.stored else 1
+
+    @property
+    def cols(self) -> int:
+        return int(np.prod(self.stored[1:], dtype=np.int64)) if self.stored else 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The leaf's shape in the tree."""
+        return (self.cols, self.rows) if self.transposed else self.stored
+
+    @property
+    def size(self) -> int:
+        return self.rows * self.cols
+
+    def _copy(self, first: int, count: int, block_bytes: int, sink) -> None:
+        """sink(element offset, view) over stored elements [first, first + count), each view a
+        fresh read-only mapping of at most about `block_bytes`, unmapped once `sink` returns."""
+        item = self.dtype.itemsize
+        step = max(1, block_bytes // item)
+        with open(self.file, "rb") as f:
+            for at in range(first, first + count, step):
+                n = min(step, first + count - at)
+                start = self.offset + at * item
+                base = start - start % PAGE
+                m = mmap.mmap(f.fileno(), start + n * item - base, access=mmap.ACCESS_READ, offset=base)
+                view = np.frombuffer(m, dtype=self.dtype, count=n, offset=start - base)
+                sink(at, view)
+                del view
+                m.close()
+
+    def read(self, a: int, b: int, out: np.ndarray, block_bytes: int = BLOCK_BYTES) -> None:
+        """out[:] = float32 elements [a, b) of the leaf raveled in C order."""
+        if not 0 <= a <= b <= self.size or out.shape != (b - a,):
+            raise ValueError(f"{self.name}: range [{a}, {b}) of {self.size} elements into {out.shape}")
+        if a == b:
+            return
+        if not self.transposed:
+            def put(at, view):
+                out[at - a:at - a + view.size] = view
+            self._copy(a, b - a, block_bytes, put)
+            return
+        # leaf[i, o] = stored[o, i]: elements [a, b) lie in leaf rows i0 .. i1 - 1 (stored columns)
+        rows, cols = self.rows, self.cols
+        i0, i1 = a // rows, (b - 1) // rows + 1
+        band = np.empty((i1 - i0, rows), np.float32)
+
+        def put_rows(at, view):
+            o0 = at // cols
+            band[:, o0:o0 + view.size // cols] = view.reshape(-1, cols)[:, i0:i1].T
+
+        # whole stored rows per mapping, so that every view is [rows, cols]
+        per = max(1, block_bytes // (cols * self.dtype.itemsize))
+        self._copy(0, rows * cols, per * cols * self.dtype.itemsize, put_rows)
+        out[:] = band.reshape(-1)[a - i0 * rows:b - i0 * rows]
+
+
+def checkpoint_sources(path: str) -> tuple[HFConfig, dict]:
+    """(config, the parameter tree with a `TensorSource` at each leaf) of a checkpoint directory,
+    from config.json and the safetensors headers alone (legacy names renamed, a tied lm_head
+    left out, as `load_pretrained` does)."""
+    config = load_config(path)
+    module = family_module(config.family)
+
+    def named():
+        for file in safetensors_io.checkpoint_files(path):
+            for name, dtype, shape, offset in safetensors_io.tensor_infos(file):
+                yield name, (file, dtype, shape, offset)
+
+    def leaf(name: str, info: Any) -> tuple[list[str], TensorSource]:
+        file, dtype, shape, offset = info
+        tree_path, transposed = leaf_rule(name, len(shape))
+        return tree_path, TensorSource(name, file, offset, dtype, shape, transposed)
+
+    tree = tree_from_weights(named(), module.LEGACY_RENAMES, skip=(LM_HEAD,) if config.tied else (), leaf=leaf)
+    check_params(config, tree)
+    return config, tree
+
+
+def abstract_params(sources: Any) -> Any:
+    """The float32 parameter tree of `checkpoint_sources` as `jax.ShapeDtypeStruct`s."""
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), sources)
