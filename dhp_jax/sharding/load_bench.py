@@ -156,13 +156,12 @@ class _RandomWeights(Mapping):
         return len(self.shapes)
 
 
-def write_synthetic(path: str, params: int, shard_bytes: int = 512 * 2**20) -> dict[str, Any]:
-    """Write a synthetic bf16 Qwen3-VL checkpoint of at least `params` parameters to `path`
-    (config.json, safetensors shards of at most `shard_bytes` and their index)."""
+def write_synthetic(path: str, raw: Mapping[str, Any], shard_bytes: int = 512 * 2**20) -> dict[str, Any]:
+    """Write a random bf16 checkpoint of the Qwen3-VL config `raw` (`synthetic_config`) to `path`:
+    config.json, safetensors shards of at most `shard_bytes` and their index."""
     from dhp_jax.model.hf import safetensors_io
 
-    raw = synthetic_config(params)
-    raw["dtype"] = "bfloat16"
+    raw = dict(raw, dtype="bfloat16")
     shapes = weight_shapes(raw)
     sizes = {name: int(np.prod(s)) * 2 for name, s in shapes.items()}
     os.makedirs(path, exist_ok=True)
@@ -232,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
     path = args.dir or tempfile.mkdtemp(prefix="dhp-bench-load-")
     try:
         t0 = time.perf_counter()
-        ckpt = write_synthetic(path, int(args.params), int(args.shard_mb * 2**20))
+        ckpt = write_synthetic(path, synthetic_config(int(args.params)), int(args.shard_mb * 2**20))
         ckpt["write_s"] = round(time.perf_counter() - t0, 2)
         env = dict(os.environ)
         from dhp_jax.devices import _set
