@@ -198,7 +198,6 @@ class PlanExecutor:
         self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
         self._building_lock = threading.Lock()
         self.compile_seconds: list[float] = []           # wall time of every executable built
-        self.last_compile_wait_s = 0.0                    # what the last step waited for compiles
         self._jits: dict[str, Any] = {}
         self._zeros: dict[jax.Device, tuple[jax.Array, Any]] = {}   # (stats row, zero-row maker)
 
@@ -500,12 +499,8 @@ class PlanExecutor:
         Each micro-batch's reduction is enqueued before the next micro-batch's groups, so a device
         holds one gradient row at a time (module docstring, step 3)."""
         work = self.prepare(samples, plan)
-        t0 = time.perf_counter()
-        missing = [w for w in self._local(work)
-                   if (w.layout.degree, w.layout.bucket, w.devices, w.attention) not in self._executables]
-        for w in missing:                       # compile (or wait for a background compile of) what is missing
+        for w in self._local(work):             # compile (or wait for a background compile of) what is missing
             self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
-        self.last_compile_wait_s = time.perf_counter() - t0 if missing else 0.0
         flat, acc = self.gather(master), None
         for m in sorted({w.micro_batch for w in work}):
             (rows,) = self.dispatch(flat, [w for w in work if w.micro_batch == m])
