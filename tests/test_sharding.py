@@ -216,6 +216,10 @@ def test_bad_input_rejected_before_running(setup):
         ex.loss_and_grads({**params, "extra": params["final_norm"]}, samples, PLANS["3+5"])
     with pytest.raises(ValueError, match="min_bucket"):
         PlanExecutor(C, min_bucket=0)
+    with pytest.raises(TypeError, match="float32 params"):
+        ex.shard(jax.tree.map(lambda x: x.astype(np.float16), params))
+    with pytest.raises(TypeError, match="config must be a dhp_jax.model.config.MLLMConfig, got dict"):
+        PlanExecutor({})
     assert ex.num_compiles == n
 
 

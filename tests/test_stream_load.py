@@ -11,6 +11,7 @@ import pytest
 from dhp_jax.model import hf
 from dhp_jax.sharding import PlanExecutor, load_sharded
 from dhp_jax.sharding import load_bench as lb
+from dhp_jax.sharding.family import FamilyExecutor
 from dhp_jax.data.model_configs import model_config, model_facts
 
 
@@ -70,12 +71,17 @@ def test_synthetic_layout_is_transformers(tmp_path):
     np.testing.assert_array_equal(bits(got), bits(ref))
 
 
-def test_wrong_executor_is_refused(synthetic, tmp_path):
-    path, config, _ = synthetic
+def test_wrong_executor_is_refused(synthetic):
+    path, config, params = synthetic
     other = json.load(open(f"{path}/config.json"))
     other["text_config"]["num_hidden_layers"] += 1
     with pytest.raises(ValueError, match="config.json is not the config of this executor"):
         load_sharded(path, PlanExecutor(hf.parse_config(other)))
+    # the family executor's own checks (shared with PlanExecutor's)
+    with pytest.raises(TypeError, match="float32 params"):
+        PlanExecutor(config).bind(jax.tree.map(lambda x: x.astype(np.float16), params))
+    with pytest.raises(TypeError, match="config must be a dhp_jax.model.hf.config.HFConfig, got dict"):
+        FamilyExecutor({})
 
 
 def test_bench_load_runs(tmp_path, capsys):

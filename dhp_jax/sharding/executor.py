@@ -143,6 +143,13 @@ def row_dtype(compute_dtype: Any) -> Any:
     return jnp.dtype(jnp.uint16) if jnp.dtype(compute_dtype).itemsize == 2 else jnp.dtype(compute_dtype)
 
 
+def require_float32(params: Any) -> None:
+    """Raise TypeError unless every leaf of `params` is float32 (the master weights)."""
+    bad = sorted({str(x.dtype) for x in jax.tree.leaves(params) if x.dtype != jnp.float32})
+    if bad:
+        raise TypeError(f"PlanExecutor expects float32 params (the master weights), got dtypes {bad}")
+
+
 class PlanExecutor:
     """Runs a `Plan` on device sub-meshes with ring attention; exact token-mean loss and grads.
 
@@ -202,10 +209,12 @@ class PlanExecutor:
         self._zeros: dict[jax.Device, tuple[jax.Array, Any]] = {}   # (stats row, zero-row maker)
 
     # ------------------------------------------------------------------ model hooks (`family.py` overrides)
-    @staticmethod
-    def _check_config(config: Any) -> None:
-        if not isinstance(config, MLLMConfig):
-            raise TypeError(f"config must be an MLLMConfig, got {type(config).__name__}")
+    config_type: type = MLLMConfig           # the config this executor runs (`family.py`: HFConfig)
+
+    def _check_config(self, config: Any) -> None:
+        if not isinstance(config, self.config_type):
+            raise TypeError(f"config must be a {self.config_type.__module__}.{self.config_type.__name__}, "
+                            f"got {type(config).__name__}")
 
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
@@ -276,11 +285,9 @@ class PlanExecutor:
         """Check that a params tree is this model's (tree, shapes, float32 leaves)."""
         if params is None:
             return
-        leaves = jax.tree.leaves(params)
         if not self.layout.matches(params):
-            bad = sorted({str(x.dtype) for x in leaves if x.dtype != jnp.float32})
-            if bad and FlatLayout.of(params, 1).shapes == self.layout.shapes:
-                raise TypeError(f"PlanExecutor expects float32 params (the master weights), got dtypes {bad}")
+            if FlatLayout.of(params, 1).shapes == self.layout.shapes:
+                require_float32(params)
             raise ValueError("params do not have the structure (tree, shapes, dtypes) of this executor's "
                              f"model {self.config.name!r}")
 

@@ -32,7 +32,7 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group, packed_loss_sum
 from dhp_jax.planner.kinds import RING
-from dhp_jax.sharding.executor import PlanExecutor
+from dhp_jax.sharding.executor import PlanExecutor, require_float32
 from dhp_jax.sharding.flat import FlatLayout
 
 
@@ -55,10 +55,7 @@ def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
 class FamilyExecutor(PlanExecutor):
     """`PlanExecutor` of a Hugging Face family model (see the module docstring)."""
 
-    @staticmethod
-    def _check_config(config: Any) -> None:
-        if not isinstance(config, HFConfig):
-            raise TypeError(f"config must be an HFConfig (dhp_jax.model.hf), got {type(config).__name__}")
+    config_type = HFConfig
 
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
@@ -78,9 +75,7 @@ class FamilyExecutor(PlanExecutor):
                 raise ValueError(f"{self.config.family} executor: bind a params tree first "
                                  f"(bind, shard or loss_and_grads) before compiling")
             return
-        bad = sorted({str(x.dtype) for x in jax.tree.leaves(params) if x.dtype != jnp.float32})
-        if bad:
-            raise TypeError(f"PlanExecutor expects float32 params (the master weights), got dtypes {bad}")
+        require_float32(params)
         if self.layout is None:
             self.layout = FlatLayout.of(params, len(self.ranks.devices))
         elif not self.layout.matches(params):
