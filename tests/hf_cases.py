@@ -17,6 +17,25 @@ from dhp_jax.model import hf  # noqa: E402
 TOL = 1e-5
 
 
+QWEN_IMAGE, QWEN_VIDEO, QWEN_START, QWEN_END = 120, 121, 122, 123     # the tiny Qwen configs' placeholder ids
+
+
+def qwen2_5_vl_config(depth: int):
+    """The tiny Qwen2.5-VL of the tests, with `depth` vision blocks: 4 query heads, 2 KV heads, 2
+    vision heads; window 16 px = 2 x 2 merged tokens (an 8 x 8 patch image has 4 windows), block 1
+    attends the whole frame."""
+    return transformers.Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+                         bos_token_id=1, eos_token_id=2),
+        vision_config=dict(depth=depth, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, out_hidden_size=64,
+                           fullatt_block_indexes=[1], tokens_per_second=2),
+        image_token_id=QWEN_IMAGE, video_token_id=QWEN_VIDEO, vision_start_token_id=QWEN_START,
+        vision_end_token_id=QWEN_END)
+
+
 def randomize(model, seed: int = 0) -> None:
     """Perturb every weight that its initialiser leaves constant (norm scales at 1, biases, layer
     scales, CLS token and position tables at 0), so that a dropped bias or norm shows in the logits."""

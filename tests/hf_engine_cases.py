@@ -25,7 +25,7 @@ def labels_of(g: np.random.Generator, inputs: dict, vision_ids: tuple[int, ...])
     return np.where(drop, -100, ids)[None]
 
 
-IMAGE, START, END = 120, 122, 123
+IMAGE, START, END = hc.QWEN_IMAGE, hc.QWEN_START, hc.QWEN_END
 
 
 def qwen_image(g, h, w, before, after):

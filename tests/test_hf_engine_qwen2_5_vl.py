@@ -11,20 +11,7 @@ from hf_cases import transformers
 import hf_engine_cases as ec
 from test_hf_qwen2_5_vl import video_inputs
 
-IMAGE, VIDEO, START, END = 120, 121, 122, 123
-
-
-def qwen2_5_vl_config():
-    # 4 query heads, 2 KV heads (Ulysses 4 repeats KV heads); 2 vision heads (padded under Ulysses 4)
-    return transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                         bos_token_id=1, eos_token_id=2),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, out_hidden_size=64,
-                           fullatt_block_indexes=[1], tokens_per_second=2),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+IMAGE, VIDEO = hc.QWEN_IMAGE, hc.QWEN_VIDEO
 
 
 def qwen2_5_vl_batch(g):
@@ -41,8 +28,9 @@ PLANS = {"ring-3+5": IRREGULAR, "ulysses-4+hybrid-2x2": ALL_TO_ALL}
 
 @pytest.fixture(scope="module")
 def qwen2_5_vl(tmp_path_factory):
+    # 4 query heads, 2 KV heads (Ulysses 4 repeats KV heads); 2 vision heads (padded under Ulysses 4)
     return ec.build_case(tmp_path_factory, "engine_qwen2_5_vl", transformers.Qwen2_5_VLForConditionalGeneration,
-                         qwen2_5_vl_config(), qwen2_5_vl_batch, (IMAGE, VIDEO))
+                         hc.qwen2_5_vl_config(depth=2), qwen2_5_vl_batch, (IMAGE, VIDEO))
 
 
 @pytest.mark.parametrize("name", list(PLANS))

@@ -13,21 +13,12 @@ from hf_cases import torch, transformers
 from dhp_jax.model import hf
 from dhp_jax.model.hf import safetensors_io
 
-IMAGE, VIDEO, START, END = 120, 121, 122, 123
+IMAGE, VIDEO, START, END = hc.QWEN_IMAGE, hc.QWEN_VIDEO, hc.QWEN_START, hc.QWEN_END
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    config = transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-                         bos_token_id=1, eos_token_id=2),
-        # window 16 px = 2 x 2 merged tokens: an 8 x 8 patch image has 4 windows; block 1 attends the whole frame
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
-                           spatial_merge_size=2, temporal_patch_size=2, window_size=16, out_hidden_size=64,
-                           fullatt_block_indexes=[1], tokens_per_second=2),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    config = hc.qwen2_5_vl_config(depth=3)
     path = hc.model_dir(tmp_path_factory, "qwen2_5_vl")
     model = hc.build(transformers.Qwen2_5_VLForConditionalGeneration, config, path)
     cfg, params = hf.load_pretrained(path)
