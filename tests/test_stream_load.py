@@ -52,6 +52,17 @@ def test_streamed_equals_whole_load(synthetic, chunk, block):
     assert ex.layout.matches(params)
 
 
+def test_fp32_checkpoint_streams(synthetic, tmp_path):
+    """An fp32 checkpoint (our save_pretrained of the loaded tree, sharded) streams onto 8 devices
+    as the tree itself shards."""
+    _, config, params = synthetic
+    hf.save_pretrained(config, params, str(tmp_path), max_shard_bytes=256 * 1024)
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ex = PlanExecutor(hf.load_config(str(tmp_path)))
+    got = load_sharded(str(tmp_path), ex, chunk_elements=30_001)
+    np.testing.assert_array_equal(bits(got), bits(PlanExecutor(config).shard(params)))
+
+
 def test_synthetic_layout_is_transformers(tmp_path):
     """transformers' own Qwen3-VL of a synthetic config has the bench's weight names and shapes;
     untied (an lm_head), that checkpoint streams onto 8 devices exactly."""
