@@ -16,10 +16,10 @@ from dhp_jax.model.attention import dense_attention
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json
+from dhp_jax.model.hf.families import FAMILIES, parse_config
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.text import lm_head
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 LM_HEAD = "lm_head.weight"
 
 
@@ -28,16 +28,6 @@ def family_module(family: str) -> ModuleType:
     if family not in FAMILIES:
         raise ValueError(f"model family {family!r} is not supported (known: {FAMILIES})")
     return importlib.import_module(f"dhp_jax.model.hf.{family}")
-
-
-def parse_config(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a config.json dict, by its model_type."""
-    model_type = raw.get("model_type")
-    for family in FAMILIES:
-        module = family_module(family)
-        if model_type in module.MODEL_TYPES:
-            return module.parse(raw)
-    raise ValueError(f"config.json model_type {model_type!r} is not one of the supported families {FAMILIES}")
 
 
 def load_pretrained(path: str, dtype: str = "float32") -> tuple[HFConfig, dict]:

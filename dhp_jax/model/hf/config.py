@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Mapping
 
-from dhp_jax.model.hf.text import TextConfig
+from dhp_jax.model.hf.spec import TextConfig
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
