@@ -19,7 +19,7 @@ place), then the LLM over the stream and the loss.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -30,7 +30,7 @@ from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename
 from dhp_jax.model.hf.config import HFConfig, read_config_json
 from dhp_jax.model.hf.families import REGISTRY, parse_config
-from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim, unit
+from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
 from dhp_jax.model.hf.spec import RopeSpec
 from npu_backend.model import AttnFn, dense_attn
 
@@ -177,7 +177,8 @@ def stream_tensors(layout: FamilyLayout, shard: int = 0, device: torch.device | 
     """Shard `shard` of a group's four stream arrays as torch tensors (LLM rows S/d each, vision
     rows S/d * unit each: the shards `pack_family_group` lays out for the JAX engine)."""
     n = layout.bucket // layout.degree
-    rows = (n, n, n * (layout.vision_ints.shape[0] // layout.bucket), n * (layout.vision_ints.shape[0] // layout.bucket))
+    per_slot = layout.vision_ints.shape[0] // layout.bucket           # `packed.unit`
+    rows = (n, n, n * per_slot, n * per_slot)
     return tuple(torch.from_numpy(np.ascontiguousarray(a[shard * r:(shard + 1) * r])).to(device or "cpu")
                  for a, r in zip(layout.inputs(), rows))
 
@@ -305,15 +306,3 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
             raise ValueError(f"{path}: checkpoint weight {name!r} appears twice")
         weights[name] = torch.from_numpy(np.array(array, np.float32)).to(device=device or "cpu", dtype=dtype)
     return TorchFamilyModel(config, weights)
-
-
-def group_shard(config: HFConfig, samples: Sequence[Sample], degree: int, index: int, bucket: int | None = None,
-                device: torch.device | None = None) -> tuple[FamilyLayout, tuple[torch.Tensor, ...]]:
-    """(layout, shard `index` of its four stream tensors) of one group's samples."""
-    layout = pack_family_group(samples, degree, config, bucket=bucket)
-    return layout, stream_tensors(layout, index, device)
-
-
-def vision_rows(config: HFConfig) -> int:
-    """Vision-stream rows per LLM slot (`dhp_jax.model.hf.packed.unit`)."""
-    return unit(config)

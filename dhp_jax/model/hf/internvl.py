@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES
+from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES  # noqa: F401
 from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
 from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, rms_norm,

@@ -28,7 +28,7 @@ backend packs with it too); the JAX forward pass over the streams is `packed_for
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 import jax
 import jax.numpy as jnp

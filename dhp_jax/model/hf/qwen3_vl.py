@@ -22,7 +22,6 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
