@@ -102,8 +102,8 @@ PLANS = {
 }
 
 
-def _world_worker(rank: int, world: int, jobs: dict) -> dict:
-    from npu_backend.executor import TorchPlanExecutor
+def _world_worker(rank: int, world: int, jobs: dict, bad: dict | None = None) -> dict:
+    from npu_backend.executor import StepError, TorchPlanExecutor
     from npu_backend.hf import load_family
     out = {}
     for family, (path, samples, plans) in jobs.items():
@@ -114,13 +114,36 @@ def _world_worker(rank: int, world: int, jobs: dict) -> dict:
             g = model.grads()
             out[family, name] = {"loss": loss, "checksum": float(sum(np.abs(v).sum() for v in g.values())),
                                  "grads": g if rank == 0 else None, "sent": ex.tensors_sent}
+        for name, samples_bad in (bad or {}).get(family, {}).items():
+            try:
+                ex.loss_and_grads(PLANS["ring 3 + dense 1"], samples_bad)
+            except StepError as e:
+                out[family, name] = str(e)
     return out
 
 
 def test_family_dhp_steps_in_processes_match_transformers(cases):
     """Every family, both plans, in one world of 4 gloo processes (start-up paid once)."""
+    import dataclasses
+
+    from dhp_jax.data.sample import Sample
     jobs = {f: (path, samples, PLANS) for f, (path, _, samples, _, _) in cases.items()}
-    res = run_world(_world_worker, 4, (jobs,), timeout=240)
+    samples = cases["qwen2_5_vl"][2]
+
+    def with_segment(i, j, **meta):
+        segs = list(samples[i].segments)
+        segs[j] = dataclasses.replace(segs[j], meta=meta)
+        return samples[:i] + [Sample(tuple(segs), sample_id=i)] + samples[i + 1:]
+
+    first = samples[0].segments[0].meta
+    image = samples[1].segments[1].meta                                # sample 1: rank 3's alone in the plan
+    bad = {"qwen2_5_vl": {"no positions": with_segment(0, 0, **{k: v for k, v in first.items() if k != "positions"}),
+                          "bad grid": with_segment(1, 1, **{**image, "grid_thw": (1, 8, 8)})}}
+    res = run_world(_world_worker, 4, (jobs, bad), timeout=240)
+    for r, o in enumerate(res):          # every rank raises, before any collective or through the status
+        assert "sample 0 segment 0: no meta['positions']" in o["qwen2_5_vl", "no positions"], (r, o)
+        want = "sample 1 segment 1: image pixels" if r == 3 else "ranks [3] could not pack"
+        assert want in o["qwen2_5_vl", "bad grid"], (r, o["qwen2_5_vl", "bad grid"])
     for family, (_, _, _, _, (ref_loss, ref_grads)) in cases.items():
         for name in PLANS:
             r0 = res[0][family, name]
