@@ -1,6 +1,6 @@
-"""The LLM half of every family: its config (from a `text_config` dict of config.json) and its
-forward pass from input embeddings to final hidden states, on per-token rotary positions and
-the engine's pluggable attention.
+"""The LLM half of every family: its forward pass from input embeddings to final hidden states, on
+per-token rotary positions and the engine's pluggable attention (its config, `TextConfig` from a
+`text_config` dict of config.json, is in `dhp_jax.model.hf.spec`).
 
 Which text models are covered: Qwen2 (InternVL3's LLM; q/k/v biases), the Qwen2.5-VL text model
 (q/k/v biases, 3-D M-RoPE), Qwen3 and the Qwen3-VL text model (per-head QK RMSNorm, optional
