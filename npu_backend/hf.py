@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename
-from dhp_jax.model.hf.config import HFConfig, read_config_json
+from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
 from dhp_jax.model.hf.families import REGISTRY, parse_config
 from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
 from dhp_jax.model.hf.spec import RopeSpec
@@ -306,3 +306,10 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
             raise ValueError(f"{path}: checkpoint weight {name!r} appears twice")
         weights[name] = torch.from_numpy(np.array(array, np.float32)).to(device=device or "cpu", dtype=dtype)
     return TorchFamilyModel(config, weights)
+
+
+def save_family(model: TorchFamilyModel, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and model.safetensors (sharded above `max_shard_bytes`) of `model`, as
+    `dhp_jax.model.hf.save_pretrained` does: transformers' `from_pretrained` and `load_family` load it."""
+    write_pretrained(out_dir, model.config.raw, {k: p.detach().cpu().numpy() for k, p in model.params.items()},
+                     max_shard_bytes)

@@ -74,10 +74,14 @@ def _dense_step(model, samples):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "internvl"])
-def test_family_forward_and_grads_match_transformers(cases, family):
-    from npu_backend.hf import load_family
+def test_family_forward_and_grads_match_transformers(cases, family, tmp_path):
+    from npu_backend.hf import load_family, save_family
     path, batch, samples, model, (ref_loss, ref_grads) = cases[family]
     ours = load_family(path)
+    save_family(ours, str(tmp_path))                 # what it writes loads back the same, names and values
+    again = load_family(str(tmp_path))
+    assert list(again.params) == list(ours.params)
+    assert all(torch.equal(again.params[k], p) for k, p in ours.params.items())
     kinds = {s.segments[i].modality for s in samples for i in range(len(s.segments))}
     assert kinds >= ({"text", "image", "video"} if family != "internvl" else {"text", "image"}), kinds
     worst = max(hc.relative_error(ours.logits(s).numpy(), hc.reference_logits(model, x)) for x, s in zip(batch, samples))

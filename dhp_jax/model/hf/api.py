@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
-import os
 from types import ModuleType
 from typing import Any, Mapping
 
@@ -15,7 +13,7 @@ import numpy as np
 from dhp_jax.model.attention import dense_attention
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
-from dhp_jax.model.hf.config import HFConfig, read_config_json
+from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
 from dhp_jax.model.hf.families import FAMILIES, parse_config
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.text import lm_head
@@ -85,12 +83,4 @@ def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
 def save_pretrained(config: HFConfig, params: Params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) that transformers'
     `from_pretrained` loads. The weights keep the dtype of `params`; config.json its own fields."""
-    os.makedirs(out_dir, exist_ok=True)
-    weights = to_state_dict(config, params)
-    safetensors_io.write_checkpoint(out_dir, weights, max_shard_bytes)
-    raw = dict(config.raw)
-    dtypes = {str(w.dtype) for w in weights.values()}
-    if len(dtypes) == 1:
-        raw["dtype"] = dtypes.pop()
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(raw, f, indent=2, sort_keys=True)
+    write_pretrained(out_dir, config.raw, to_state_dict(config, params), max_shard_bytes)
