@@ -19,6 +19,8 @@ _LAZY = {
     "RingComm": "npu_backend.ring",
     "ring_attention": "npu_backend.ring",
     "TorchMLLM": "npu_backend.model",
+    "TorchFamilyModel": "npu_backend.hf",
+    "load_family": "npu_backend.hf",
     "load_flax_params": "npu_backend.weights",
     "export_flax_params": "npu_backend.weights",
     "WeightsError": "npu_backend.weights",

@@ -1,7 +1,8 @@
 """Run one training step of a `Plan` on this rank with torch.distributed: one process, one rank.
 
 For every micro-batch the rank finds its CP group, packs the group's samples with
-`dhp_jax.data.layout` (the same packing, bucket padding and zigzag as the JAX side), runs its
+`dhp_jax.data.layout` (the same packing, bucket padding and zigzag as the JAX side; a Hugging Face
+family model: the two streams of `dhp_jax.model.hf.packed`, as `dhp_jax.sharding.family`), runs its
 shard forward and backward with ring attention over the group (point-to-point on the world
 group), and accumulates gradients. Then one all-reduce over the world sums every rank's partial
 gradient: each group's gradient is the sum over its ranks, each token counted once, and the loss
@@ -24,8 +25,11 @@ import torch.distributed as dist
 
 from dhp_jax.data.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.data.sample import Sample
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.packed import pack_family_group
 from dhp_jax.planner.kinds import check_attention
 from dhp_jax.planner.plan import Group, Plan, PlanValidationError
+from npu_backend.hf import TorchFamilyModel, stream_tensors
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
 from npu_backend.ulysses import UlyssesComm, ulysses_attention
@@ -65,6 +69,13 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
     idle = sorted(set(range(world_size)) - used)
     if idle:
         raise StepError(f"ranks {idle} are in no group of any micro-batch; a plan must use every rank (plan_batch(..., every_rank=True))")
+    check_payloads(samples, config)
+
+
+def check_payloads(samples: Sequence[Sample], config: Any) -> None:
+    """The stand-in model's payload checks (a family config: `check_family_payloads`)."""
+    if isinstance(config, HFConfig):
+        return check_family_payloads(samples, config)
     for i, s in enumerate(samples):
         if not isinstance(s, Sample):
             raise StepError(f"sample {i} is a {type(s).__name__}, not a Sample")
@@ -78,6 +89,22 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
                 raise StepError(f"sample {i} segment {j} (text) has no token_ids")
 
 
+def check_family_payloads(samples: Sequence[Sample], config: HFConfig) -> None:
+    """What every rank can check of Hugging Face family samples (`hf.sample_from_inputs`) before any
+    collective; packing checks the rest (grids, label and position shapes) on the group's ranks."""
+    for i, s in enumerate(samples):
+        if not isinstance(s, Sample):
+            raise StepError(f"sample {i} is a {type(s).__name__}, not a Sample")
+        for j, sg in enumerate(s.segments):
+            if sg.meta.get("positions") is None:
+                raise StepError(f"sample {i} segment {j}: no meta['positions'] (a Sample made by "
+                                f"hf.sample_from_inputs for {config.family})")
+            if sg.is_vision and sg.num_tokens and (sg.pixels is None or sg.meta.get("grid_thw") is None):
+                raise StepError(f"sample {i} segment {j} ({sg.modality}) needs pixels and meta['grid_thw']")
+            if not sg.is_vision and sg.num_tokens and sg.token_ids is None:
+                raise StepError(f"sample {i} segment {j} (text) has no token_ids")
+
+
 def my_group(plan_groups: Sequence[Group], rank: int) -> Group | None:
     for g in plan_groups:
         if rank in g.ranks:
@@ -86,14 +113,20 @@ def my_group(plan_groups: Sequence[Group], rank: int) -> Group | None:
 
 
 class TorchPlanExecutor:
-    """Executes plans for one rank of the world; the model's parameters are replicated on every rank."""
+    """Executes plans for one rank of the world; the model's parameters are replicated on every rank.
 
-    def __init__(self, model: TorchMLLM, device: torch.device | None = None,
+    `model` is the stand-in `TorchMLLM` or a Hugging Face family model (`npu_backend.hf.
+    TorchFamilyModel`, e.g. `load_family(checkpoint_dir)`): a group then runs the family's two packed
+    streams (`dhp_jax.model.hf.packed`) and the loss is transformers' (labels shifted inside each
+    sample, -100 ignored, token-weighted mean over the batch)."""
+
+    def __init__(self, model: TorchMLLM | TorchFamilyModel, device: torch.device | None = None,
                  optimizer: torch.optim.Optimizer | None = None):
         if not dist.is_initialized():
             raise StepError("torch.distributed is not initialised: call init_process_group first")
         self.model = model
         self.config = model.config
+        self.family = isinstance(model, TorchFamilyModel)
         self.device = device or torch.device("cpu")
         self.optimizer = optimizer
         self.rank = dist.get_rank()
@@ -101,19 +134,22 @@ class TorchPlanExecutor:
         self.tensors_sent = 0  # ring traffic of this rank, for tests and logs
 
     # ------------------------------------------------------------------ pieces
-    def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[dict[str, torch.Tensor], int]:
+    def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[Any, int]:
         members = [samples[i] for i in group.samples]
+        i = group.ranks.index(self.rank)
+        if self.family:     # the two streams of dhp_jax.model.hf.packed, as the JAX engine shards them
+            flayout = pack_family_group(members, group.degree, self.config, bucket=planned_bucket(group, members))
+            return stream_tensors(flayout, i, self.device), (flayout.num_loss_tokens if i == 0 else 0)
         layout = pack_group(members, group.degree, self.config, bucket=planned_bucket(group, members))
         n = layout.bucket // group.degree
-        i = group.ranks.index(self.rank)
         arrays = layout.arrays()
         shard = {k: torch.from_numpy(np.ascontiguousarray(v[i * n:(i + 1) * n])).to(self.device)
                  for k, v in arrays.items()}
         # Only the group's first rank reports the group's count, so each group is counted once.
         return shard, (layout.num_loss_tokens if i == 0 else 0)
 
-    def _forward_loss(self, group: Group, shard: dict[str, torch.Tensor]
-                      ) -> tuple[torch.Tensor, RingComm | UlyssesComm | None]:
+    def _attention(self, group: Group) -> tuple[Any, RingComm | UlyssesComm | None]:
+        """The group's attention callable (dense, ring, Ulysses or hybrid) and its communicator."""
         u, _ = check_attention(group.attention, group.degree, self.config.num_heads)
         if u > 1:           # Ulysses or hybrid: all-to-all over u ranks, ring over the sub-groups
             comm: RingComm | UlyssesComm | None = UlyssesComm(group.ranks, self.rank, u)
@@ -126,6 +162,12 @@ class TorchPlanExecutor:
             def attn(q, k, v, ids):
                 return ring_attention(q, k, v, ids, attention_mask, comm)
 
+        return attn, comm
+
+    def _forward_loss(self, group: Group, shard: Any) -> tuple[torch.Tensor, RingComm | UlyssesComm | None]:
+        attn, comm = self._attention(group)
+        if self.family:
+            return self.model.loss_sum(*shard, attn), comm
         logits = self.model({k: shard[k] for k in MODEL_INPUTS}, attn)
         return token_loss_sum(logits, shard["targets"], shard["loss_weights"]), comm
 
@@ -176,7 +218,7 @@ class TorchPlanExecutor:
             (loss_sum / total).backward()
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
-            local_tokens += int(shard["targets"].shape[0])
+            local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
         loss_sum = self._all_reduce_grads(local_loss)
         return loss_sum / total, total, local_tokens
 

@@ -10,13 +10,27 @@
 
 `inputs` is one sample as the family's transformers processor emits it (batch size 1, every key).
 Checkpoints are read with numpy alone (memory-mapped safetensors); transformers is only needed
-to check the results.
+to check the results. Names are imported on first use: `families`, `config`, `spec`, `packed`,
+`checkpoint` and `safetensors_io` need no jax (the torch backend `npu_backend.hf` uses them).
 """
 
-from dhp_jax.model.hf.api import (FAMILIES, hidden_states, load_config, load_pretrained, logits, parse_config, prepare,
-                                  save_pretrained, to_state_dict)
-from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.sample import inputs_from_sample, sample_from_inputs
+from dhp_jax._lazy import lazy_attributes
 
-__all__ = ["FAMILIES", "HFConfig", "hidden_states", "inputs_from_sample", "load_config", "load_pretrained", "logits",
-           "parse_config", "prepare", "sample_from_inputs", "save_pretrained", "to_state_dict"]
+# public name -> its module, imported on first use (the config and packing modules are NumPy only,
+# so the torch backend imports them without jax)
+_LAZY = {
+    "hidden_states": "dhp_jax.model.hf.api",
+    "load_config": "dhp_jax.model.hf.api",
+    "load_pretrained": "dhp_jax.model.hf.api",
+    "logits": "dhp_jax.model.hf.api",
+    "prepare": "dhp_jax.model.hf.api",
+    "save_pretrained": "dhp_jax.model.hf.api",
+    "to_state_dict": "dhp_jax.model.hf.api",
+    "FAMILIES": "dhp_jax.model.hf.families",
+    "parse_config": "dhp_jax.model.hf.families",
+    "HFConfig": "dhp_jax.model.hf.config",
+    "inputs_from_sample": "dhp_jax.model.hf.sample",
+    "sample_from_inputs": "dhp_jax.model.hf.sample",
+}
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY)
+__all__ = sorted(_LAZY)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import importlib
-import json
-import os
 from types import ModuleType
 from typing import Any, Mapping
 
@@ -15,11 +13,11 @@ import numpy as np
 from dhp_jax.model.attention import dense_attention
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
-from dhp_jax.model.hf.config import HFConfig, read_config_json
+from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
+from dhp_jax.model.hf.families import FAMILIES, parse_config
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.text import lm_head
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 LM_HEAD = "lm_head.weight"
 
 
@@ -28,16 +26,6 @@ def family_module(family: str) -> ModuleType:
     if family not in FAMILIES:
         raise ValueError(f"model family {family!r} is not supported (known: {FAMILIES})")
     return importlib.import_module(f"dhp_jax.model.hf.{family}")
-
-
-def parse_config(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a config.json dict, by its model_type."""
-    model_type = raw.get("model_type")
-    for family in FAMILIES:
-        module = family_module(family)
-        if model_type in module.MODEL_TYPES:
-            return module.parse(raw)
-    raise ValueError(f"config.json model_type {model_type!r} is not one of the supported families {FAMILIES}")
 
 
 def load_config(path: str) -> HFConfig:
@@ -100,12 +88,4 @@ def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
 def save_pretrained(config: HFConfig, params: Params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) that transformers'
     `from_pretrained` loads. The weights keep the dtype of `params`; config.json its own fields."""
-    os.makedirs(out_dir, exist_ok=True)
-    weights = to_state_dict(config, params)
-    safetensors_io.write_checkpoint(out_dir, weights, max_shard_bytes)
-    raw = dict(config.raw)
-    dtypes = {str(w.dtype) for w in weights.values()}
-    if len(dtypes) == 1:
-        raw["dtype"] = dtypes.pop()
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(raw, f, indent=2, sort_keys=True)
+    write_pretrained(out_dir, config.raw, to_state_dict(config, params), max_shard_bytes)

@@ -7,7 +7,8 @@ import json
 import os
 from typing import Any, Mapping
 
-from dhp_jax.model.hf.text import TextConfig
+from dhp_jax.model.hf import safetensors_io
+from dhp_jax.model.hf.spec import TextConfig
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,3 +51,16 @@ def tied_embeddings(raw: Mapping[str, Any], default: bool) -> bool:
     """Whether the LM head is the token embedding (the top-level flag, or the text model's)."""
     return bool(raw.get("tie_word_embeddings", default)) or bool(
         (raw.get("text_config") or {}).get("tie_word_embeddings", False))
+
+
+def write_pretrained(out_dir: str, raw: Mapping[str, Any], weights: Mapping[str, Any], max_shard_bytes: int) -> None:
+    """Write `weights` ({transformers name: numpy array}) as safetensors (sharded above
+    `max_shard_bytes`) and config.json (`raw`, with `dtype` set to the weights' when they share one)."""
+    os.makedirs(out_dir, exist_ok=True)
+    safetensors_io.write_checkpoint(out_dir, weights, max_shard_bytes)
+    raw = dict(raw)
+    dtypes = {str(w.dtype) for w in weights.values()}
+    if len(dtypes) == 1:
+        raw["dtype"] = dtypes.pop()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(raw, f, indent=2, sort_keys=True)

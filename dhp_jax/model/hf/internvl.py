@@ -16,73 +16,23 @@ InternVL3), 1-D RoPE over the token offset; image features replace the image pla
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dhp_jax.model.hf.config import HFConfig, tied_embeddings
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES  # noqa: F401
+from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
+from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, rms_norm,
                                      segment_ids)
 from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
-from dhp_jax.model.hf.text import TextConfig, text_forward
+from dhp_jax.model.hf.text import text_forward
 
-MODEL_TYPES = ("internvl",)
-LEGACY_RENAMES = ((r"^language_model\.lm_head", "lm_head"),
-                  (r"^language_model\.model\.", "model.language_model."),
-                  (r"^language_model", "model.language_model"),
-                  (r"^vision_tower", "model.vision_tower"),
-                  (r"^multi_modal_projector", "model.multi_modal_projector"))
 PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
 QK_NORM_EPS = 1e-6
-
-
-def _pair(x: Any) -> tuple[int, int]:
-    return (int(x[0]), int(x[1])) if isinstance(x, (list, tuple)) else (int(x), int(x))
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig:
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    act: str
-    channels: int
-    image_size: tuple[int, int]
-    patch_size: tuple[int, int]
-    norm: str
-    eps: float
-    qk_norm: bool
-    final_norm: bool
-    shuffle: int
-    projector_act: str
-
-
-def parse(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of an InternVL (`-hf` layout) config.json."""
-    v = raw["vision_config"]
-    if raw.get("vision_feature_layer", -1) != -1:
-        raise ValueError(f"internvl: vision_feature_layer {raw['vision_feature_layer']} is not supported (only -1)")
-    if raw.get("vision_feature_select_strategy", "default") != "default":
-        raise ValueError("internvl: only vision_feature_select_strategy 'default' (drop the CLS token) is supported")
-    if v.get("norm_type", "layer_norm") not in ("layer_norm", "rms_norm"):
-        raise ValueError(f"internvl: vision norm_type {v['norm_type']!r} is not layer_norm or rms_norm")
-    ratio = float(raw.get("downsample_ratio", 0.5))
-    vision = VisionConfig(
-        int(v["num_hidden_layers"]), int(v["hidden_size"]), int(v["num_attention_heads"]), v.get("hidden_act", "gelu"),
-        int(v.get("num_channels", 3)), _pair(v.get("image_size", 448)), _pair(v.get("patch_size", 14)),
-        v.get("norm_type", "layer_norm"), float(v.get("layer_norm_eps", 1e-6)), bool(v.get("use_qk_norm", False)),
-        not v.get("use_mean_pooling", True), int(round(1 / ratio)), raw.get("projector_hidden_act", "gelu"))
-    return HFConfig("internvl", raw, TextConfig.from_dict(raw["text_config"]), vision, tied_embeddings(raw, True),
-                    {"image": int(raw["image_token_id"])})
-
-
-def conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
-    v = cfg.vision
-    return {"model.vision_tower.embeddings.patch_embeddings.projection.weight":
-            (v.hidden_size, v.channels) + v.patch_size}
 
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -107,14 +57,6 @@ def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
                                             n * (h // ph) * (w // pw) // v.shuffle ** 2, "pixel_values"),
         }
     return batch
-
-
-def pixel_shuffle(x: jax.Array, k: int) -> jax.Array:
-    """[n, s, s, c] -> [n, s/k, s/k, c*k*k], transformers' `InternVLModel.pixel_shuffle` order."""
-    n, a, b, c = x.shape
-    x = x.reshape(n, a, b // k, c * k).transpose(0, 2, 1, 3)
-    x = x.reshape(n, b // k, a // k, c * k * k).transpose(0, 2, 1, 3)
-    return x
 
 
 def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

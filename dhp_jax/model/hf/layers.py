@@ -19,14 +19,13 @@ M-RoPE, (h, w) for the vision encoders' 2-D RoPE.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dhp_jax.model.attention import AttnIds
+from dhp_jax.model.hf.spec import DecoderShape, RopeSpec  # noqa: F401 (the blocks' shapes)
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
@@ -70,62 +69,6 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
-@dataclasses.dataclass(frozen=True)
-class RopeSpec:
-    """Which position axis and which inverse frequency drive each of the D/2 rotary angles."""
-
-    axis: tuple[int, ...]
-    inv_freq: tuple[float, ...]
-
-    @staticmethod
-    def inverse_frequencies(theta: float, dim: int) -> np.ndarray:
-        """1 / theta ** (arange(0, dim, 2) / dim), computed in fp32 like transformers."""
-        exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
-        return (np.float32(1.0) / np.power(np.float32(theta), exps, dtype=np.float32)).astype(np.float32)
-
-    @classmethod
-    def plain(cls, theta: float, head_dim: int) -> "RopeSpec":
-        """1-D RoPE over the whole head (one position axis)."""
-        inv = cls.inverse_frequencies(theta, head_dim)
-        return cls((0,) * len(inv), tuple(float(f) for f in inv))
-
-    @classmethod
-    def mrope_sections(cls, theta: float, head_dim: int, sections: tuple[int, ...]) -> "RopeSpec":
-        """Qwen2-VL / Qwen2.5-VL M-RoPE: the D/2 frequencies cut in consecutive sections
-        (t, h, w), section i rotated by position axis i % 3."""
-        inv = cls.inverse_frequencies(theta, head_dim)
-        if sum(sections) != len(inv):
-            raise ValueError(f"mrope_section {sections} must sum to head_dim/2 = {len(inv)}")
-        axis = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
-        return cls(tuple(axis), tuple(float(f) for f in inv))
-
-    @classmethod
-    def mrope_interleaved(cls, theta: float, head_dim: int, sections: tuple[int, ...]) -> "RopeSpec":
-        """Qwen3-VL interleaved M-RoPE: frequency j uses h when j % 3 == 1 and j < 3 * sections[1],
-        w when j % 3 == 2 and j < 3 * sections[2], t otherwise."""
-        inv = cls.inverse_frequencies(theta, head_dim)
-        axis = []
-        for j in range(len(inv)):
-            if j % 3 == 1 and j < 3 * sections[1]:
-                axis.append(1)
-            elif j % 3 == 2 and j < 3 * sections[2]:
-                axis.append(2)
-            else:
-                axis.append(0)
-        return cls(tuple(axis), tuple(float(f) for f in inv))
-
-    @classmethod
-    def vision_2d(cls, theta: float, head_dim: int) -> "RopeSpec":
-        """The Qwen vision encoders' axial 2-D RoPE: D/4 frequencies for h, the same D/4 for w."""
-        inv = cls.inverse_frequencies(theta, head_dim // 2)
-        return cls((0,) * len(inv) + (1,) * len(inv), tuple(float(f) for f in np.concatenate([inv, inv])))
-
-    def angles(self, positions: jax.Array) -> jax.Array:
-        """angles[S, D/2] (fp32) of integer positions[S, n_axes]."""
-        pos = positions.astype(jnp.float32)[:, np.asarray(self.axis)]
-        return pos * jnp.asarray(self.inv_freq, jnp.float32)[None, :]
-
-
 def rope(x: jax.Array, angles: jax.Array) -> jax.Array:
     """Rotate-half rotary embedding of x[S, H, D] by angles[S, D/2] (cos/sin in fp32)."""
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
@@ -134,20 +77,6 @@ def rope(x: jax.Array, angles: jax.Array) -> jax.Array:
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rotated * sin).astype(x.dtype)
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-    """What distinguishes the LLM blocks of the families: head counts, norm eps, whether the
-    attention has a per-head RMSNorm on q and k (Qwen3), the activation. Biases are read off the
-    parameter tree (Qwen2 / Qwen2.5 have q/k/v biases)."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    eps: float
-    qk_norm: bool = False
-    act: str = "silu"
 
 
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,

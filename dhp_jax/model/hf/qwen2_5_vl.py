@@ -15,7 +15,6 @@ placeholder tokens; video frames are `tokens_per_second * second_per_grid_ts` ap
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import jax
@@ -24,33 +23,15 @@ import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
+from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, linear, rms_norm, segment_ids,
                                      vision_qkv_attention)
 from dhp_jax.model.hf.text import text_forward
 
-MODEL_TYPES = ("qwen2_5_vl",)
-LEGACY_RENAMES = ((r"^visual", "model.visual"),
-                  (r"^model(?!\.(language_model|visual))", "model.language_model"))
-VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig(qv.QwenVision):
-    window_size: int
-    full_attention_blocks: tuple[int, ...]
-    tokens_per_second: float
-
-
-def parse(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a Qwen2.5-VL config.json."""
-    v = raw["vision_config"]
-    vision = VisionConfig(**qv.QwenVision.fields(v, "silu", 14), window_size=int(v.get("window_size", 112)),
-                          full_attention_blocks=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-                          tokens_per_second=float(v.get("tokens_per_second", 4)))
-    return qv.qwen_config("qwen2_5_vl", raw, vision)
-
-
 conv_shapes = qv.conv_shapes
+
+VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
 
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,63 +18,22 @@ processor puts a timestamp between them), each at temporal position = its start.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
+from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse, interpolation_taps  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, segment_ids,
                                      vision_qkv_attention)
 from dhp_jax.model.hf.text import text_forward
 
-MODEL_TYPES = ("qwen3_vl",)
-LEGACY_RENAMES = ((r"^visual", "model.visual"),
-                  (r"^model(?!\.(language_model|visual))", "model.language_model"))
-VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and the mergers
-
-
-@dataclasses.dataclass(frozen=True)
-class VisionConfig(qv.QwenVision):
-    grid_side: int
-    deepstack_blocks: tuple[int, ...]
-
-
-def parse(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a Qwen3-VL config.json."""
-    v = raw["vision_config"]
-    vision = VisionConfig(**qv.QwenVision.fields(v, "gelu_pytorch_tanh", 16),
-                          grid_side=int(int(v.get("num_position_embeddings", 2304)) ** 0.5),
-                          deepstack_blocks=tuple(int(i) for i in v.get("deepstack_visual_indexes", ())))
-    return qv.qwen_config("qwen3_vl", raw, vision)
-
-
 conv_shapes = qv.conv_shapes
 
-
-def interpolation_taps(grid_thw: np.ndarray, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """(int32[N, 4] rows of `pos_embed`, float32[N, 4] weights): bilinear resampling with aligned
-    corners of the side x side table to each frame's h x w patch grid, patches in the processor's
-    order. Weights are computed in fp32 like transformers' (`src = i * (side - 1) / (n - 1)`)."""
-    pos = qv.patch_positions(grid_thw, merge)
-    sizes = np.repeat(grid_thw[:, 1:], grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2], axis=0)
-
-    def axis(index: np.ndarray, size: np.ndarray):
-        src = index.astype(np.float32) * np.float32(side - 1) / np.maximum(size - 1, 1).astype(np.float32)
-        floor = np.floor(src)
-        taps = np.clip(floor.astype(np.int64)[:, None] + np.arange(2), 0, side - 1)
-        weights = np.clip(np.float32(1) - np.abs(src[:, None] - floor[:, None] - np.arange(2, dtype=np.float32)),
-                          0, None).astype(np.float32)
-        return taps, weights
-
-    ht, hw = axis(pos[:, 0], sizes[:, 0])
-    wt, ww = axis(pos[:, 1], sizes[:, 1])
-    taps = (ht[:, :, None] * side + wt[:, None, :]).reshape(-1, 4)
-    weights = (hw[:, :, None] * ww[:, None, :]).reshape(-1, 4)
-    return taps.astype(np.int32), weights.astype(np.float32)
+VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and the mergers
 
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,8 +20,7 @@ import numpy as np
 
 from dhp_jax.model.hf.config import HFConfig, tied_embeddings
 from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
-from dhp_jax.model.hf.layers import RopeSpec
-from dhp_jax.model.hf.text import TextConfig, rope_parameters
+from dhp_jax.model.hf.spec import RopeSpec, TextConfig, rope_parameters
 
 # (modality, pixel key, grid key) of the processor outputs, in the order the model encodes them
 MODALITIES = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))

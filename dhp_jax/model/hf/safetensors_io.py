@@ -4,7 +4,7 @@ The format (https://github.com/huggingface/safetensors, "Format"): 8 bytes littl
 N bytes of JSON header {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__":
 {str: str}?}, then the raw little-endian tensor bytes, offsets relative to the end of the header.
 Reads are memory-mapped: a tensor's bytes are paged in only when the array is used, so a large
-checkpoint is read shard by shard, tensor by tensor. bfloat16 is jax's numpy dtype (`ml_dtypes`).
+checkpoint is read shard by shard, tensor by tensor. bfloat16 is `ml_dtypes`' numpy dtype (as jax's).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import os
 import struct
 from typing import Iterator, Mapping
 
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(jnp.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
     "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
 NAMES = {v: k for k, v in DTYPES.items()}

@@ -27,6 +27,7 @@ import numpy as np
 from dhp_jax.data.sample import Sample, Segment
 from dhp_jax.model.hf import api
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.families import shuffle_groups
 from dhp_jax.model.hf.inputs import as_numpy
 from dhp_jax.model.hf.qwen_vision import MODALITIES, grids
 
@@ -41,13 +42,6 @@ def _runs(kinds: np.ndarray) -> list[tuple[int, int, int]]:
         out.append((int(kind), start, start + n))
         start += n
     return out
-
-
-def _shuffle_groups(side: int, k: int) -> np.ndarray:
-    """int[side*side / k**2, k**2]: the raster patch indices each InternVL LLM token joins."""
-    from dhp_jax.model.hf.internvl import pixel_shuffle
-    idx = np.asarray(pixel_shuffle(np.arange(side * side).reshape(1, side, side, 1), k))
-    return idx.reshape(-1, k * k)
 
 
 def sample_from_inputs(config: HFConfig, inputs: Mapping[str, Any], labels: Any = None,
@@ -124,7 +118,7 @@ def _internvl_vision_runs(config: HFConfig, inputs: Mapping[str, Any]) -> dict[s
     patches = batch["image"]["patches"].astype(np.float32)                  # [tiles, hw, C*P*P]
     tiles, hw, width = patches.shape
     side, k = int(round(hw ** 0.5)), v.shuffle
-    groups = _shuffle_groups(side, k)
+    groups = shuffle_groups(side, k)
     per_tile = hw // (k * k)
     ids = batch["input_ids"]
     runs = [(a, b) for kind, a, b in _runs((ids == config.token_ids["image"]).astype(np.int64)) if kind]
@@ -169,7 +163,7 @@ def inputs_from_sample(config: HFConfig, sample: Sample) -> dict[str, np.ndarray
         v = config.vision
         k, (ph, pw), (h, w) = v.shuffle, v.patch_size, v.image_size
         side = h // ph
-        groups = _shuffle_groups(side, k)
+        groups = shuffle_groups(side, k)
         rows = np.concatenate(pixels["image"])
         per_tile = groups.shape[0]
         tiles = rows.shape[0] // per_tile

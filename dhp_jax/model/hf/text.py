@@ -1,6 +1,6 @@
-"""The LLM half of every family: its config (from a `text_config` dict of config.json) and its
-forward pass from input embeddings to final hidden states, on per-token rotary positions and
-the engine's pluggable attention.
+"""The LLM half of every family: its forward pass from input embeddings to final hidden states, on
+per-token rotary positions and the engine's pluggable attention (its config, `TextConfig` from a
+`text_config` dict of config.json, is in `dhp_jax.model.hf.spec`).
 
 Which text models are covered: Qwen2 (InternVL3's LLM; q/k/v biases), the Qwen2.5-VL text model
 (q/k/v biases, 3-D M-RoPE), Qwen3 and the Qwen3-VL text model (per-head QK RMSNorm, optional
@@ -9,73 +9,14 @@ biases, interleaved M-RoPE), Llama (no biases). All are causal over the whole sa
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable, Mapping
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from dhp_jax.model.attention import AttnIds
-from dhp_jax.model.hf.layers import AttentionFn, DecoderShape, Params, RopeSpec, decoder_block, rms_norm
-
-# model_type -> (q/k/v bias, QK-norm, rotary kind); a bias given by config["attention_bias"] wins
-TEXT_MODELS: dict[str, tuple[bool, bool, str]] = {
-    "qwen2": (True, False, "plain"),
-    "qwen2_5_vl_text": (True, False, "mrope_sections"),
-    "qwen2_vl_text": (True, False, "mrope_sections"),
-    "qwen3": (False, True, "plain"),
-    "qwen3_vl_text": (False, True, "mrope_interleaved"),
-    "llama": (False, False, "plain"),
-}
-
-
-def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The rotary parameters of a config dict in transformers 5's form ({"rope_type", "rope_theta",
-    "mrope_section"?}), also from the older `rope_scaling` / `rope_theta` fields."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = "default" if kind == "mrope" else kind
-    return params
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TextConfig:
-    """The shape of a family's LLM, read from its `text_config`."""
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    shape: DecoderShape
-    rope: RopeSpec
-    bias: bool
-
-    @classmethod
-    def from_dict(cls, cfg: Mapping[str, Any]) -> "TextConfig":
-        model_type = cfg.get("model_type", "")
-        if model_type not in TEXT_MODELS:
-            raise ValueError(f"text_config.model_type {model_type!r} is not supported (known: {sorted(TEXT_MODELS)})")
-        if cfg.get("use_sliding_window"):
-            raise ValueError(f"text_config: sliding-window attention (use_sliding_window) is not supported")
-        bias, qk_norm, rope_kind = TEXT_MODELS[model_type]
-        bias = bool(cfg.get("attention_bias", bias))
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-        rp = rope_parameters(cfg)
-        if rp["rope_type"] != "default":
-            raise ValueError(f"text_config: rope_type {rp['rope_type']!r} is not supported (only 'default')")
-        theta = float(rp["rope_theta"])
-        if rope_kind == "plain":
-            rope = RopeSpec.plain(theta, head_dim)
-        else:
-            sections = tuple(int(s) for s in rp["mrope_section"])
-            rope = getattr(RopeSpec, rope_kind)(theta, head_dim, sections)
-        shape = DecoderShape(heads, int(cfg.get("num_key_value_heads") or heads), head_dim,
-                             float(cfg.get("rms_norm_eps", 1e-6)), qk_norm, cfg.get("hidden_act", "silu"))
-        return cls(model_type, int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
-                   shape, rope, bias)
-
+from dhp_jax.model.hf.layers import AttentionFn, Params, decoder_block, rms_norm
+from dhp_jax.model.hf.spec import TEXT_MODELS, TextConfig, rope_parameters  # noqa: F401 (re-exported)
 
 # A hook run after decoder layer i: (i, x) -> x (DeepStack adds vision features there).
 LayerHook = Callable[[int, jax.Array], jax.Array]

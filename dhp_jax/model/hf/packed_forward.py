@@ -1,0 +1,71 @@
+"""The families' forward pass and loss on one device's shard of the packed streams of
+`dhp_jax.model.hf.packed` (what a DHP group program runs; the torch twin is `npu_backend.hf`)."""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+
+from dhp_jax.model.attention import AttnIds
+from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.layers import AttentionFn, Params
+from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, unit
+from dhp_jax.model.mllm import LOSS_CHUNK, head_loss_sum
+
+
+def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
+            tap_weights: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, list]:
+    """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
+    s = pixels.shape[0] // unit(config)
+    if config.family == "qwen2_5_vl":
+        from dhp_jax.model.hf import qwen2_5_vl
+        enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
+               "frames": vi["frame"], "windows": vi["window"]}
+        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn), []
+    if config.family == "qwen3_vl":
+        from dhp_jax.model.hf import qwen3_vl
+        enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
+               "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
+               "tap_weights": tap_weights}
+        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn)
+    from dhp_jax.model.hf import internvl
+    from dhp_jax.model.hf.layers import linear, segment_ids
+    p = params["model"]["vision_tower"]
+    emb = p["embeddings"]
+    proj = emb["patch_embeddings"]["projection"]
+    x = linear(proj, pixels.astype(proj["kernel"].dtype))
+    d = x.shape[-1]
+    x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
+    if "position_embeddings" in emb:
+        x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
+    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn)
+    kk = config.vision.shuffle ** 2
+    x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
+    return internvl.project(config, params, x), []
+
+
+def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_floats: jax.Array,
+                    vision_ints: jax.Array, vision_floats: jax.Array, attn_fn: AttentionFn,
+                    loss_chunk: int = LOSS_CHUNK) -> jax.Array:
+    """Sum over the stream's tokens of weight * cross entropy (fp32): the family's forward pass on
+    one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`."""
+    from dhp_jax.model.hf.text import text_forward
+    col = {k: llm_ints[:, i] for i, k in enumerate(LLM_INTS)}
+    vi = {k: vision_ints[:, i] for i, k in enumerate(VISION_INTS)}
+    width = patch_dim(config)
+    lm = params["model"]["language_model"]
+    table = lm["embed_tokens"]["embedding"]
+    x = table[col["token_ids"]]
+    vision = col["vision"][:, None] > 0
+    feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn)
+    x = jnp.where(vision, feats.astype(x.dtype), x)
+
+    def add_deepstack(i: int, h: jax.Array) -> jax.Array:
+        return h + jnp.where(vision, deep[i].astype(h.dtype), 0) if i < len(deep) else h
+
+    ids = AttnIds(col["segment"], col["position"], jnp.zeros_like(col["segment"]))
+    h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, after_layer=add_deepstack)
+    kernel = table.T if config.tied else params["lm_head"]["kernel"]
+    return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk)

@@ -1,0 +1,147 @@
+"""The shapes of the families' blocks, read from config.json: rotary (`RopeSpec`), the LLM block
+(`DecoderShape`) and the LLM (`TextConfig`). Plain Python and NumPy (no jax): the torch backend
+(`npu_backend.hf`) reads the very same fields.
+
+Rotary: every rotary kind of these families is rotate-half with per-token angles
+`angles[s, j] = positions[s, axis[j]] * inv_freq[j]`, j < D/2; positions are int arrays
+[S, n_axes] that travel with their tokens (1 axis for 1-D RoPE, (t, h, w) for M-RoPE, (h, w) for
+the vision encoders' 2-D RoPE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeSpec:
+    """Which position axis and which inverse frequency drive each of the D/2 rotary angles."""
+
+    axis: tuple[int, ...]
+    inv_freq: tuple[float, ...]
+
+    @staticmethod
+    def inverse_frequencies(theta: float, dim: int) -> np.ndarray:
+        """1 / theta ** (arange(0, dim, 2) / dim), computed in fp32 like transformers."""
+        exps = np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim)
+        return (np.float32(1.0) / np.power(np.float32(theta), exps, dtype=np.float32)).astype(np.float32)
+
+    @classmethod
+    def plain(cls, theta: float, head_dim: int) -> "RopeSpec":
+        """1-D RoPE over the whole head (one position axis)."""
+        inv = cls.inverse_frequencies(theta, head_dim)
+        return cls((0,) * len(inv), tuple(float(f) for f in inv))
+
+    @classmethod
+    def mrope_sections(cls, theta: float, head_dim: int, sections: tuple[int, ...]) -> "RopeSpec":
+        """Qwen2-VL / Qwen2.5-VL M-RoPE: the D/2 frequencies cut in consecutive sections
+        (t, h, w), section i rotated by position axis i % 3."""
+        inv = cls.inverse_frequencies(theta, head_dim)
+        if sum(sections) != len(inv):
+            raise ValueError(f"mrope_section {sections} must sum to head_dim/2 = {len(inv)}")
+        axis = [i % 3 for i, n in enumerate(sections) for _ in range(n)]
+        return cls(tuple(axis), tuple(float(f) for f in inv))
+
+    @classmethod
+    def mrope_interleaved(cls, theta: float, head_dim: int, sections: tuple[int, ...]) -> "RopeSpec":
+        """Qwen3-VL interleaved M-RoPE: frequency j uses h when j % 3 == 1 and j < 3 * sections[1],
+        w when j % 3 == 2 and j < 3 * sections[2], t otherwise."""
+        inv = cls.inverse_frequencies(theta, head_dim)
+        axis = []
+        for j in range(len(inv)):
+            if j % 3 == 1 and j < 3 * sections[1]:
+                axis.append(1)
+            elif j % 3 == 2 and j < 3 * sections[2]:
+                axis.append(2)
+            else:
+                axis.append(0)
+        return cls(tuple(axis), tuple(float(f) for f in inv))
+
+    @classmethod
+    def vision_2d(cls, theta: float, head_dim: int) -> "RopeSpec":
+        """The Qwen vision encoders' axial 2-D RoPE: D/4 frequencies for h, the same D/4 for w."""
+        inv = cls.inverse_frequencies(theta, head_dim // 2)
+        return cls((0,) * len(inv) + (1,) * len(inv), tuple(float(f) for f in np.concatenate([inv, inv])))
+
+    def angles(self, positions: Any) -> Any:
+        """angles[S, D/2] (fp32) of integer positions[S, n_axes]."""
+        pos = positions.astype(np.float32)[:, np.asarray(self.axis)]     # numpy or jax alike
+        return pos * np.asarray(self.inv_freq, np.float32)[None, :]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderShape:
+    """What distinguishes the LLM blocks of the families: head counts, norm eps, whether the
+    attention has a per-head RMSNorm on q and k (Qwen3), the activation. Biases are read off the
+    parameter tree (Qwen2 / Qwen2.5 have q/k/v biases)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    qk_norm: bool = False
+    act: str = "silu"
+
+
+# model_type -> (q/k/v bias, QK-norm, rotary kind); a bias given by config["attention_bias"] wins
+TEXT_MODELS: dict[str, tuple[bool, bool, str]] = {
+    "qwen2": (True, False, "plain"),
+    "qwen2_5_vl_text": (True, False, "mrope_sections"),
+    "qwen2_vl_text": (True, False, "mrope_sections"),
+    "qwen3": (False, True, "plain"),
+    "qwen3_vl_text": (False, True, "mrope_interleaved"),
+    "llama": (False, False, "plain"),
+}
+
+
+def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The rotary parameters of a config dict in transformers 5's form ({"rope_type", "rope_theta",
+    "mrope_section"?}), also from the older `rope_scaling` / `rope_theta` fields."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = "default" if kind == "mrope" else kind
+    return params
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextConfig:
+    """The shape of a family's LLM, read from its `text_config`."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    shape: DecoderShape
+    rope: RopeSpec
+    bias: bool
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any]) -> "TextConfig":
+        model_type = cfg.get("model_type", "")
+        if model_type not in TEXT_MODELS:
+            raise ValueError(f"text_config.model_type {model_type!r} is not supported (known: {sorted(TEXT_MODELS)})")
+        if cfg.get("use_sliding_window"):
+            raise ValueError(f"text_config: sliding-window attention (use_sliding_window) is not supported")
+        bias, qk_norm, rope_kind = TEXT_MODELS[model_type]
+        bias = bool(cfg.get("attention_bias", bias))
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
+        rp = rope_parameters(cfg)
+        if rp["rope_type"] != "default":
+            raise ValueError(f"text_config: rope_type {rp['rope_type']!r} is not supported (only 'default')")
+        theta = float(rp["rope_theta"])
+        if rope_kind == "plain":
+            rope = RopeSpec.plain(theta, head_dim)
+        else:
+            sections = tuple(int(s) for s in rp["mrope_section"])
+            rope = getattr(RopeSpec, rope_kind)(theta, head_dim, sections)
+        shape = DecoderShape(heads, int(cfg.get("num_key_value_heads") or heads), head_dim,
+                             float(cfg.get("rms_norm_eps", 1e-6)), qk_norm, cfg.get("hidden_act", "silu"))
+        return cls(model_type, int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
+                   shape, rope, bias)
+
+

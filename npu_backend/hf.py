@@ -1,0 +1,315 @@
+"""The Hugging Face families (Qwen2.5-VL, Qwen3-VL, InternVL) in torch: the twin of the JAX forward
+pass over the packed streams (`dhp_jax.model.hf.packed_forward`), op for op.
+
+The parameters are a flat `{transformers name: tensor}` dict, loaded from the same checkpoint
+directory as `dhp_jax.model.hf.load_pretrained` (config.json + safetensors, read by the project's
+own NumPy reader, memory-mapped, tensor by tensor; transformers is not needed), so gradients are
+named exactly as transformers' `state_dict()` names them (a tied LM head once, as the embedding).
+The config is the same `HFConfig` (`dhp_jax.model.hf.families.parse_config`), the streams the
+same `pack_family_group` arrays, sharded alike: every token-local op runs on the local shard, and
+every attention call (the LLM's and the vision encoder's) goes through the `attn` callable the
+caller hands in, with the ids of `npu_backend.model.attention_mask`: the LLM (segment = 1 +
+sample, position = offset in the sample, span 0: causal), the encoders (segment = span = frame,
+window or tile id: bidirectional inside it, dead rows segment 0).
+
+Layout of this module: the shared blocks (norms, linear, rotary, the LLM decoder block, the Qwen
+vision attention), then one encoder per family (`ENCODERS`: each family's differences in one
+place), then the LLM over the stream and the loss.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from dhp_jax.data.sample import Sample
+from dhp_jax.model.hf import safetensors_io
+from dhp_jax.model.hf.checkpoint import rename
+from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
+from dhp_jax.model.hf.families import REGISTRY, parse_config
+from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
+from dhp_jax.model.hf.spec import RopeSpec
+from npu_backend.model import AttnFn, dense_attn
+
+LM_HEAD = "lm_head.weight"
+VISION_EPS = 1e-6         # the Qwen vision norms and mergers (fixed in transformers)
+PROJECTOR_EPS = 1e-5      # InternVL's projector LayerNorm (torch's default)
+QK_NORM_EPS = 1e-6        # InternViT's QK-norm
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": lambda x: F.gelu(x, approximate="none"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported (known: {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+class TorchFamilyModel:
+    """One model of a supported family: `config` (an `HFConfig`) and `params`, leaf tensors
+    (requires_grad) by transformers name. `parameters()` / `named_parameters()` as a torch module
+    has them, so `npu_backend.executor` all-reduces their gradients."""
+
+    def __init__(self, config: HFConfig, weights: Mapping[str, torch.Tensor]):
+        if not isinstance(config, HFConfig):
+            raise TypeError(f"config must be an HFConfig (dhp_jax.model.hf), got {type(config).__name__}")
+        self.config = config
+        self.params = {k: torch.nn.Parameter(torch.as_tensor(weights[k]).detach().clone()) for k in sorted(weights)}
+        need = ["model.language_model.embed_tokens.weight", "model.language_model.norm.weight"]
+        need += [] if config.tied else [LM_HEAD]
+        missing = [k for k in need if k not in self.params]
+        if missing:
+            raise ValueError(f"{config.family} weights lack {missing}")
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params.values())
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        return iter(self.params.items())
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """{transformers name: gradient} (zeros where none was computed)."""
+        return {k: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().cpu().numpy()
+                for k, p in self.params.items()}
+
+    # ------------------------------------------------------------------ blocks on named weights
+    def w(self, name: str) -> torch.Tensor:
+        if name not in self.params:
+            raise KeyError(f"{self.config.family}: no weight {name!r} in the checkpoint")
+        return self.params[name]
+
+    def linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T (+ bias when the checkpoint has one); a patch Conv weight is flattened."""
+        w = self.w(prefix + ".weight")
+        return F.linear(x, w.reshape(w.shape[0], -1), self.params.get(prefix + ".bias"))
+
+    def rms_norm(self, prefix: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
+        return self.w(prefix + ".weight") * y.to(x.dtype)
+
+    def layer_norm(self, prefix: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.w(prefix + ".weight"), self.w(prefix + ".bias"), eps)
+
+    def decoder_block(self, prefix: str, x: torch.Tensor, angles: torch.Tensor, ids: torch.Tensor,
+                      attn: AttnFn) -> torch.Tensor:
+        """One pre-norm LLM block (`dhp_jax.model.hf.layers.decoder_block`)."""
+        shape, s = self.config.text.shape, x.shape[0]
+        a = prefix + ".self_attn"
+        y = self.rms_norm(prefix + ".input_layernorm", x, shape.eps)
+        q = self.linear(a + ".q_proj", y).reshape(s, shape.num_heads, shape.head_dim)
+        k = self.linear(a + ".k_proj", y).reshape(s, shape.num_kv_heads, shape.head_dim)
+        v = self.linear(a + ".v_proj", y).reshape(s, shape.num_kv_heads, shape.head_dim)
+        if shape.qk_norm:
+            q, k = self.rms_norm(a + ".q_norm", q, shape.eps), self.rms_norm(a + ".k_norm", k, shape.eps)
+        o = attn(rope(q, angles), rope(k, angles), v, ids)
+        h = x + self.linear(a + ".o_proj", o.reshape(s, shape.num_heads * shape.head_dim))
+        z = self.rms_norm(prefix + ".post_attention_layernorm", h, shape.eps)
+        act, m = activation(shape.act), prefix + ".mlp"
+        return h + self.linear(m + ".down_proj", act(self.linear(m + ".gate_proj", z)) * self.linear(m + ".up_proj", z))
+
+    def vision_attention(self, prefix: str, x: torch.Tensor, heads: int, angles: torch.Tensor | None,
+                         ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """The Qwen vision attention: fused `qkv` (head-minor [3, H, D]), 2-D rotary, `proj`."""
+        s, d = x.shape
+        qkv = self.linear(prefix + ".qkv", x).reshape(s, 3, heads, d // heads)
+        q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
+        if angles is not None:
+            q, k = rope(q, angles), rope(k, angles)
+        return self.linear(prefix + ".proj", attn(q, k, v, ids).reshape(s, d))
+
+    # ------------------------------------------------------------------ the stream
+    def hidden(self, llm_ints: torch.Tensor, vision_ints: torch.Tensor, vision_floats: torch.Tensor,
+               attn: AttnFn = dense_attn) -> torch.Tensor:
+        """Final LLM hidden states [S, d] of one shard of the two streams (`FamilyLayout.inputs`)."""
+        cfg = self.config
+        col = {k: llm_ints[:, i].long() for i, k in enumerate(LLM_INTS)}
+        vi = {k: vision_ints[:, i].long() for i, k in enumerate(VISION_INTS)}
+        width = patch_dim(cfg)
+        x = F.embedding(col["token_ids"], self.w("model.language_model.embed_tokens.weight"))
+        vision = col["vision"][:, None] > 0
+        feats, deep = ENCODERS[cfg.family](self, vi, vision_floats[:, :width], vision_floats[:, width:], attn)
+        x = torch.where(vision, feats.to(x.dtype), x)
+        ids = torch.stack([col["segment"], col["position"], torch.zeros_like(col["segment"])], dim=1)
+        angles = rope_angles(cfg.text.rope, llm_ints[:, len(LLM_INTS):])
+        for i in range(cfg.text.num_layers):
+            x = self.decoder_block(f"model.language_model.layers.{i}", x, angles, ids, attn)
+            if i < len(deep):                    # DeepStack: added on the vision tokens after layer i
+                x = x + torch.where(vision, deep[i].to(x.dtype), torch.zeros_like(x))
+        return self.rms_norm("model.language_model.norm", x, cfg.text.shape.eps)
+
+    def head(self) -> torch.Tensor:
+        """The LM head weight [V, d] (the token embedding when tied)."""
+        return self.w("model.language_model.embed_tokens.weight" if self.config.tied else LM_HEAD)
+
+    def loss_sum(self, llm_ints: torch.Tensor, llm_floats: torch.Tensor, vision_ints: torch.Tensor,
+                 vision_floats: torch.Tensor, attn: AttnFn = dense_attn) -> torch.Tensor:
+        """Sum over the shard's tokens of weight * cross entropy (fp32), as `packed_loss_sum`."""
+        logits = (self.hidden(llm_ints, vision_ints, vision_floats, attn) @ self.head().T).float()
+        target = llm_ints[:, LLM_INTS.index("target")].long()
+        picked = torch.gather(logits, -1, target[:, None])[:, 0]
+        return torch.sum((torch.logsumexp(logits, dim=-1) - picked) * llm_floats[:, 0])
+
+    def logits(self, sample: Sample) -> torch.Tensor:
+        """float32[L, vocab] logits of one sample (`hf.sample_from_inputs`), dense on this process."""
+        layout = pack_family_group([sample], 1, self.config)
+        llm_ints, _, vision_ints, vision_floats = stream_tensors(layout)
+        with torch.no_grad():
+            h = self.hidden(llm_ints, vision_ints, vision_floats)
+            return (h[torch.from_numpy(layout.real_index)] @ self.head().T).float()
+
+
+def stream_tensors(layout: FamilyLayout, shard: int = 0, device: torch.device | None = None
+                   ) -> tuple[torch.Tensor, ...]:
+    """Shard `shard` of a group's four stream arrays as torch tensors (LLM rows S/d each, vision
+    rows S/d * unit each: the shards `pack_family_group` lays out for the JAX engine)."""
+    n = layout.bucket // layout.degree
+    per_slot = layout.vision_ints.shape[0] // layout.bucket           # `packed.unit`
+    rows = (n, n, n * per_slot, n * per_slot)
+    return tuple(torch.from_numpy(np.ascontiguousarray(a[shard * r:(shard + 1) * r])).to(device or "cpu")
+                 for a, r in zip(layout.inputs(), rows))
+
+
+def rope_angles(spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
+    """angles[S, D/2] (fp32) = positions[S, axis[j]] * inv_freq[j] (`RopeSpec.angles`)."""
+    axis = torch.as_tensor(spec.axis, dtype=torch.long, device=positions.device)
+    inv = torch.as_tensor(np.asarray(spec.inv_freq, np.float32), device=positions.device)
+    return positions.float()[:, axis] * inv[None, :]
+
+
+def rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding of x[S, H, D] by angles[S, D/2] (cos/sin in fp32)."""
+    cos = torch.cat([torch.cos(angles)] * 2, dim=-1)[:, None, :]
+    sin = torch.cat([torch.sin(angles)] * 2, dim=-1)[:, None, :]
+    xf, half = x.float(), x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def segment_ids(segments: torch.Tensor) -> torch.Tensor:
+    """Encoder ids [N, 3]: bidirectional inside a segment (> 0), dead rows (0) attend nowhere."""
+    return torch.stack([segments, torch.zeros_like(segments), segments], dim=1)
+
+
+# ---------------------------------------------------------------------------------------- encoders
+# Each: (model, vision int columns, pixels [S*unit, patch_dim], tap weights [S*unit, 4], attn) ->
+# (merged features [S, d], DeepStack features: a list of [S, d]).
+
+def _qwen2_5_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
+    v = m.config.vision
+    x = m.linear("model.visual.patch_embed.proj", pixels)
+    angles = rope_angles(v.rope, torch.stack([vi["row"], vi["col"]], dim=1))
+    frames, windows = segment_ids(vi["frame"]), segment_ids(vi["window"])
+    act = activation(v.act)
+    for i in range(v.depth):
+        b = f"model.visual.blocks.{i}"
+        ids = frames if i in v.full_attention_blocks else windows
+        x = x + m.vision_attention(b + ".attn", m.rms_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
+        y = m.rms_norm(b + ".norm2", x, VISION_EPS)
+        x = x + m.linear(b + ".mlp.down_proj", act(m.linear(b + ".mlp.gate_proj", y)) * m.linear(b + ".mlp.up_proj", y))
+    y = m.rms_norm("model.visual.merger.ln_q", x, VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
+    return m.linear("model.visual.merger.mlp.2", F.gelu(m.linear("model.visual.merger.mlp.0", y))), []
+
+
+def _qwen3_merge(m: TorchFamilyModel, prefix: str, x: torch.Tensor, norm_after_merge: bool) -> torch.Tensor:
+    width = m.config.vision.hidden_size * m.config.vision.merge ** 2
+    if norm_after_merge:
+        y = m.layer_norm(prefix + ".norm", x.reshape(-1, width), VISION_EPS)
+    else:
+        y = m.layer_norm(prefix + ".norm", x, VISION_EPS).reshape(-1, width)
+    return m.linear(prefix + ".linear_fc2", F.gelu(m.linear(prefix + ".linear_fc1", y)))
+
+
+def _qwen3_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
+    v = m.config.vision
+    x = m.linear("model.visual.patch_embed.proj", pixels)
+    taps = torch.stack([vi[f"tap{i}"] for i in range(TAPS)], dim=1)
+    table = m.w("model.visual.pos_embed.weight")
+    x = x + torch.sum(table[taps] * tap_weights[:, :, None], dim=1).to(x.dtype)
+    angles = rope_angles(v.rope, torch.stack([vi["row"], vi["col"]], dim=1))
+    ids = segment_ids(vi["frame"])
+    act = activation(v.act)
+    deep = []
+    for i in range(v.depth):
+        b = f"model.visual.blocks.{i}"
+        x = x + m.vision_attention(b + ".attn", m.layer_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
+        y = m.layer_norm(b + ".norm2", x, VISION_EPS)
+        x = x + m.linear(b + ".mlp.linear_fc2", act(m.linear(b + ".mlp.linear_fc1", y)))
+        if i in v.deepstack_blocks:
+            k = v.deepstack_blocks.index(i)
+            deep.append(_qwen3_merge(m, f"model.visual.deepstack_merger_list.{k}", x, norm_after_merge=True))
+    return _qwen3_merge(m, "model.visual.merger", x, norm_after_merge=False), deep
+
+
+def _internvl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
+    v, p = m.config.vision, "model.vision_tower"
+    emb = p + ".embeddings"
+    x = m.linear(emb + ".patch_embeddings.projection", pixels)
+    d = x.shape[-1]
+    x = torch.where(vi["cls"][:, None] > 0, m.w(emb + ".cls_token").reshape(1, d).to(x.dtype), x)
+    if emb + ".position_embeddings" in m.params:
+        x = x + m.w(emb + ".position_embeddings").reshape(-1, d)[vi["table"]].to(x.dtype)
+    ids = segment_ids(vi["frame"])
+    norm = m.layer_norm if v.norm == "layer_norm" else m.rms_norm
+    act, heads = activation(v.act), v.num_heads
+    for i in range(v.num_layers):
+        b = f"{p}.encoder.layer.{i}"
+        a = b + ".attention"
+        y = norm(b + ".layernorm_before", x, v.eps)
+        q, k = m.linear(a + ".q_proj", y), m.linear(a + ".k_proj", y)
+        if v.qk_norm:
+            q, k = m.rms_norm(a + ".q_norm", q, QK_NORM_EPS), m.rms_norm(a + ".k_norm", k, QK_NORM_EPS)
+        shape = (x.shape[0], heads, d // heads)
+        o = attn(q.reshape(shape), k.reshape(shape), m.linear(a + ".v_proj", y).reshape(shape), ids)
+        x = x + m.w(b + ".lambda_1") * m.linear(a + ".projection_layer", o.reshape(x.shape))
+        y = norm(b + ".layernorm_after", x, v.eps)
+        x = x + m.w(b + ".lambda_2") * m.linear(b + ".mlp.fc2", act(m.linear(b + ".mlp.fc1", y)))
+    if v.final_norm:
+        x = m.layer_norm(p + ".layernorm", x, v.eps)
+    kk = v.shuffle ** 2
+    x = x.reshape(-1, kk + 1, d)[:, :kk].reshape(-1, kk * d)       # drop the CLS row: pixel-shuffled rows
+    pr = "model.multi_modal_projector"
+    y = m.linear(pr + ".linear_1", m.layer_norm(pr + ".layer_norm", x, PROJECTOR_EPS))
+    return m.linear(pr + ".linear_2", activation(v.projector_act)(y)), []
+
+
+ENCODERS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "internvl": _internvl}
+
+
+# ---------------------------------------------------------------------------------------- loading
+def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
+                ) -> TorchFamilyModel:
+    """The model of a directory written by transformers' `save_pretrained` (config.json and
+    model.safetensors or its shards): read memory-mapped, tensor by tensor, renamed from older
+    layouts as `dhp_jax.model.hf.load_pretrained` does, converted to `dtype`."""
+    config = parse_config(read_config_json(path))
+    renames = REGISTRY[config.family].renames
+    weights = {}
+    for name, array in safetensors_io.read_checkpoint(path):
+        name = rename(name, renames)
+        if config.tied and name == LM_HEAD:
+            continue
+        if name in weights:
+            raise ValueError(f"{path}: checkpoint weight {name!r} appears twice")
+        weights[name] = torch.from_numpy(np.array(array, np.float32)).to(device=device or "cpu", dtype=dtype)
+    return TorchFamilyModel(config, weights)
+
+
+def save_family(model: TorchFamilyModel, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write config.json and model.safetensors (sharded above `max_shard_bytes`) of `model`, as
+    `dhp_jax.model.hf.save_pretrained` does: transformers' `from_pretrained` and `load_family` load it."""
+    write_pretrained(out_dir, model.config.raw, {k: p.detach().cpu().numpy() for k, p in model.params.items()},
+                     max_shard_bytes)
