@@ -340,6 +340,8 @@ class Trainer:
                "data_wait_s": float(getattr(item.batch, "data_wait_s", 0.0)),
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
                "num_compiles": self.executor.num_compiles}
+        if hasattr(item.batch, "sample_ids"):   # fine-tuning: the records the step trained on
+            rec["sample_ids"] = list(item.batch.sample_ids)
         return state, rec
 
     def _compile_waiting(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
