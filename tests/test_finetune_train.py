@@ -104,19 +104,20 @@ def test_loss_falls_and_bad_records_are_listed(run):
 
 
 def test_resume_takes_the_next_batch(example, run, tmp_path):
-    """Stop after step 1, resume: the same batches (the records' ids) and losses as the uninterrupted run."""
+    """Stop after step 2, resume: the same batches (the records' ids) and losses as the uninterrupted run
+    (the resumed run reads its first batch, then restarts the loader at the checkpoint's position)."""
     from dhp_jax.train.checkpoint import Checkpointer
     from dhp_jax.train.trainer import Trainer
 
     trainer, full, _ = run
     ckpt, manifest = example
     cfg = _config(ckpt, manifest, tmp_path)
-    first = Trainer(cfg, executor=trainer.executor).run(stop_after=1)
+    first = Trainer(cfg, executor=trainer.executor).run(stop_after=2)
     saved = Checkpointer(tmp_path / "checkpoints")
-    assert saved.read_meta(1)["loader"] == {"seed": 0, "epoch": 1, "position": 0}
+    assert saved.read_meta(2)["loader"] == {"seed": 0, "epoch": 2, "position": 0}
     saved.close()
     rest = Trainer(cfg, executor=trainer.executor).run(resume=True)
-    assert [r["step"] for r in rest.records] == [2, 3]
+    assert [r["step"] for r in rest.records] == [3]
     assert [r["sample_ids"] for r in first.records + rest.records] == [r["sample_ids"] for r in full.records]
     assert len({tuple(r["sample_ids"]) for r in full.records}) == 3   # each epoch reshuffled
     np.testing.assert_allclose(first.losses + rest.losses, full.losses, rtol=1e-6)
