@@ -192,3 +192,26 @@ def test_model_section_and_data_settings_are_checked():
                              (["model.pretrained=ck", "data.manifest=a.jsonl", "data.on_error=maybe"], "skip or fail")]:
         with pytest.raises(ConfigError, match=words):
             load_config(None, overrides)
+
+
+@pytest.mark.parametrize("family,cls", [("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+                                        ("qwen3_vl", "Qwen3VLForConditionalGeneration"),
+                                        ("internvl", "InternVLForConditionalGeneration")])
+def test_random_checkpoint_is_whole_for_transformers(family, cls, tmp_path):
+    """`dhp example`'s checkpoint of each family (hf.init, written by hf.save_pretrained): transformers
+    loads it with no missing, unexpected or mismatched weight, and reads back the same values."""
+    from dhp_jax.data.example import write_processor_files
+    from dhp_jax.model.hf.init import random_params, tiny_config
+    from dhp_jax.train.example import token_ids
+
+    write_processor_files(str(tmp_path), family)
+    config = hf.parse_config(tiny_config(family, token_ids(str(tmp_path), family), 512))
+    params = random_params(config, seed=1)
+    hf.save_pretrained(config, params, str(tmp_path))
+    model, info = getattr(transformers, cls).from_pretrained(str(tmp_path), output_loading_info=True)
+    assert not any(info.values()), info
+    ours = hf.to_state_dict(config, params)
+    theirs = {k: v.numpy() for k, v in model.state_dict().items()}
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name], value, err_msg=name)
