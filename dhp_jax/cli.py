@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("dhp_jax.train.profile_cli", "time group executables and fit the cost model"),
     "bench": ("dhp_jax.bench", "benchmarks: planner solve time, executor overhead, manifest speed, compiled memory"),
     "analyze": ("dhp_jax.sim.analyze_cli", "what DHP would do for a dataset manifest"),
+    "example": ("dhp_jax.train.example", "write a tiny random checkpoint of a family and example data (offline)"),
+    "export": ("dhp_jax.train.export", "a run's checkpoint as a Hugging Face checkpoint (safetensors)"),
 }
 
 

@@ -114,7 +114,10 @@ def apply(obj: Any, data: Mapping[str, Any], prefix: str = "") -> None:
             raise ConfigError(f"unknown config key {full!r}; valid keys"
                               f"{' in ' + prefix.rstrip('.') if prefix else ''}: {', '.join(sorted(fields))}")
         current = getattr(obj, key)
-        if dataclasses.is_dataclass(current):
+        if dataclasses.is_dataclass(current) and not isinstance(value, Mapping) and getattr(current, "SCALAR_KEY", None):
+            # a section that a single value may set (`model: tiny` sets model.preset)
+            apply(current, {current.SCALAR_KEY: value}, full + ".")
+        elif dataclasses.is_dataclass(current):
             apply(current, value, full + ".")
         else:
             setattr(obj, key, coerce(value, _field_type(type(obj), key), full))

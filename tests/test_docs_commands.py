@@ -8,7 +8,7 @@ one machine allows. How each is checked (`how` below):
   `torchrun` with `npu_backend.train`'s own parser, `experiments.run`, `experiments.torch_vs_jax`),
   and for `dhp train` the config is loaded with its overrides and the multi-process flags
   resolved, for `experiments.run` each config loaded: a wrong flag, a config of the wrong kind or a
-  bad override fails here. Running them is what other tests do (training, profiling, torchrun,
+  bad override fails here; `python -c` one-liners are compiled. Running them is what other tests do (training, profiling, torchrun,
   the tiny experiments), at test sizes;
 - skipped, with the reason: installs (`test_wheel_install.py` installs a wheel), `pytest` itself,
   `jupyter lab` (the notebooks are executed by `test_notebooks.py`).
@@ -59,7 +59,8 @@ def _commands() -> list[tuple[str, str]]:
                     if words and words[-1] == "&":
                         words = words[:-1]
                     if words:
-                        out.append((path.name, " ".join(words)))
+                        # (a python -c one-liner keeps its quoting: its code is one word)
+                        out.append((path.name, shlex.join(words) if words[:2] == ["python", "-c"] else " ".join(words)))
     return out
 
 
@@ -154,6 +155,9 @@ def test_documented_command(doc, cmd, tmp_path, capsys, monkeypatch):
         how = _check_torchrun(argv[1:])
     elif argv[:2] == ["python", "-m"]:
         how = _check_python_module(argv, tmp_path)
+    elif argv[:2] == ["python", "-c"]:   # a one-liner on files an earlier command wrote: compiled only
+        compile(argv[2], f"{doc}: python -c", "exec")
+        how = "parsed"
     else:
         raise AssertionError(f"{doc}: no check for {cmd!r}: add one to this test")
     print(f"{doc}: {how}: {cmd}")

@@ -164,7 +164,7 @@ def step_times(batches: int, repeats: int, tile=None, full_opt: bool = False) ->
     from dhp_jax.train.plans import PlanSource, make_cost
 
     cfg = load_config(DEMO_CONFIG)
-    config = MLLMConfig.preset(cfg.model)
+    config = MLLMConfig.preset(cfg.model.preset)
     n = min(cfg.num_ranks, len(jax.devices()))
     p = cfg.planner
     cost = make_cost(p.cost_profile, p.cost_model, p.hardware, p.ranks_per_node or n, num_ranks=n,

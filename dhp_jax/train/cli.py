@@ -193,6 +193,13 @@ def format_summary(s: dict[str, Any]) -> list[str]:
     lines.append(f"planning: {_seconds(s['plan_solve_median_s'])} median per batch in the planner thread; "
                  f"wait per step in steady state median {s['plan_wait_median_s'] * 1e3:.2f} ms, "
                  f"max {s['plan_wait_max_steady_s'] * 1e3:.2f} ms")
+    if s.get("data"):   # fine-tuning: the records, the skipped ones, the measured wait for decoded batches
+        d = s["data"]
+        lines.append(f"data: {d['samples']} records, {d['epochs']:.2f} epochs; {d['skipped']} skipped"
+                     + (f" ({', '.join(f'{n} {k}' for k, n in sorted(d['skipped_by_kind'].items()))}; listed in "
+                        f"{d['issues_file']})" if d["skipped"] else "")
+                     + f"; wait for decoded data per step median {d['data_wait_median_s'] * 1e3:.2f} ms, "
+                       f"max {d['data_wait_max_s'] * 1e3:.1f} ms")
     if s.get("steps_waiting_for_compile_after_warmup") is not None:
         wait = s.get("compile_wait_after_warmup_s") or {}
         lines.append(f"steps after the first {s['warmup_steps']} that waited for a compile: "

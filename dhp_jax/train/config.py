@@ -27,8 +27,24 @@ class DevicesConfig:
 
 
 @dataclasses.dataclass
+class ModelConfig:
+    SCALAR_KEY = "preset"          # `model=tiny` (a string) sets model.preset
+    preset: str = "tiny"           # MLLMConfig preset of the stand-in model (when no checkpoint is given)
+    pretrained: str | None = None  # a Hugging Face checkpoint directory of a supported family: fine-tune it
+                                   # (config.json + safetensors + its processor and tokenizer files)
+
+
+@dataclasses.dataclass
 class DataConfig:
     dataset: str = "openvid"       # a `make_dataset` name (or a manifest path)
+    # fine-tuning data (with model.pretrained; exactly one): a LLaVA-style JSONL, webdataset tar
+    # shards (a path or glob), a local `datasets` directory or parquet file(s)
+    manifest: str | None = None
+    webdataset: str | None = None
+    hf_dataset: str | None = None
+    on_error: str = "skip"         # bad records: skip (counted in the summary, listed in data_issues.tsv) | fail
+    workers: int = 2               # fine-tuning loader threads that decode ahead
+    prefetch: int = 4              # batches decoded ahead at most
     batch_size: int = 16           # samples per global batch
     token_scale: float = 1.0 / 64  # real token counts are scaled by this to fit the tiny model
     max_tokens: int = 384          # longest sample after scaling (longer ones are truncated)
@@ -53,7 +69,8 @@ class OptimConfig:
 class PlannerConfig:
     strategy: str = "dhp"          # any `plan_batch` strategy: dhp, static-ring:best, static-ring:4 ...
     plan_file: str | None = None   # replay plans (.json: one plan or {"plans": [...]}; .jsonl: one a step)
-    cost_model: str = "internvl3-2b"  # CostModel preset used for planning when no profile is given
+    cost_model: str | None = None  # CostModel preset used for planning when no profile is given (None:
+                                   # internvl3-2b, or with model.pretrained the checkpoint's config.json)
     hardware: str = "cpu"
     cost_profile: str | None = None   # JSON written by `dhp profile`; overrides the preset
     ranks_per_node: int | None = None  # preset only: ranks sharing a node's fast links (None: all ranks)
@@ -102,7 +119,7 @@ class CompareConfig:
 class TrainConfig:
     kind: str = "train"
     name: str = "demo"
-    model: str = "tiny"            # MLLMConfig preset
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     compute_dtype: str = "float32"  # the groups' compute dtype: float32 (exact) | bfloat16; master + Adam fp32
     remat: str = "none"            # recompute in backward: none | layer | selective (MLLMConfig.remat)
     num_ranks: int = 8
@@ -157,6 +174,19 @@ class TrainConfig:
                               "(compare.enabled=false skips it)")
         if self.compare.repeats < 1:
             raise ConfigError(f"compare.repeats must be >= 1, got {self.compare.repeats}")
+        sources = {k: v for k, v in (("data.manifest", self.data.manifest), ("data.webdataset", self.data.webdataset),
+                                     ("data.hf_dataset", self.data.hf_dataset)) if v}
+        if self.model.pretrained and len(sources) != 1:
+            raise ConfigError(f"model.pretrained needs exactly one of data.manifest, data.webdataset, "
+                              f"data.hf_dataset, got {sorted(sources) or 'none'}")
+        if sources and not self.model.pretrained:
+            raise ConfigError(f"{next(iter(sources))} is fine-tuning data: it needs model.pretrained=CHECKPOINT_DIR "
+                              f"(the stand-in model trains on data.dataset)")
+        if self.data.on_error not in ("skip", "fail"):
+            raise ConfigError(f"data.on_error must be skip or fail, got {self.data.on_error!r}")
+        if self.data.workers < 1 or self.data.prefetch < 1:
+            raise ConfigError(f"data.workers and data.prefetch must be >= 1, got {self.data.workers}, "
+                              f"{self.data.prefetch}")
         if self.compute_dtype not in ("float32", "bfloat16"):
             raise ConfigError(f"compute_dtype must be float32 or bfloat16, got {self.compute_dtype!r}")
         if self.remat not in ("none", "layer", "selective"):
@@ -181,7 +211,8 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
         nested: Any = value
         for part in reversed(path):
             nested = {part: nested}
-        if path and dataclasses.is_dataclass(getattr(config, path[0], None)) and len(path) == 1:
+        if path and dataclasses.is_dataclass(getattr(config, path[0], None)) and len(path) == 1 \
+                and not getattr(getattr(config, path[0]), "SCALAR_KEY", None):
             raise ConfigError(f"override {text!r} sets the whole section {path[0]!r}; set one key, "
                               f"e.g. {valid_keys(type(getattr(config, path[0])), path[0] + '.')[0]}=...")
         _apply(config, nested)
@@ -198,11 +229,16 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     _apply(config, data)
     _resolve_inputs(config, path.parent)
     apply_overrides(config, overrides)
+    if path == DEMO_CONFIG and config.model.pretrained and not any(
+            parse_override(o)[0] == ["planner", "cost_model"] for o in overrides):
+        # the demo prices its stand-in as a published model; a fine-tuned checkpoint is priced as itself
+        config.planner.cost_model = None
     return config.validate()
 
 
 # Input files named inside a YAML are relative to that YAML (overrides stay relative to the cwd).
-_INPUT_PATHS = (("planner", "plan_file"), ("planner", "cost_profile"))
+_INPUT_PATHS = (("planner", "plan_file"), ("planner", "cost_profile"), ("model", "pretrained"), ("data", "manifest"),
+                ("data", "webdataset"), ("data", "hf_dataset"))
 
 
 def _resolve_inputs(config: TrainConfig, base: Path) -> None:

@@ -79,10 +79,14 @@ class PlanSource:
         return lambda degree, ids: bucket_length(sum(tokens[i] for i in ids), degree, min_bucket, growth)
 
 
-def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_per_node: int,
-              num_ranks: int | None = None, comm_overlap: bool | None = None) -> Any:
+DEFAULT_COST_MODEL = "internvl3-2b"   # planner.cost_model unset, stand-in model
+
+
+def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, ranks_per_node: int,
+              num_ranks: int | None = None, comm_overlap: bool | None = None, checkpoint: str | None = None) -> Any:
     """The planning cost model: a `dhp profile` JSON when given, else a named preset.
 
+    `cost_model` None: the checkpoint's shape when fine-tuning `checkpoint`, else DEFAULT_COST_MODEL.
     A preset's fp32 engine state (master params, Adam moments) is sharded over all `num_ranks` ranks
     of the run (`CostModel.state_shards`; default: `ranks_per_node`); `comm_overlap` (None: the
     hardware's) says whether ring traffic hides behind attention.
@@ -92,7 +96,13 @@ def make_cost(cost_profile: str | None, cost_model: str, hardware: str, ranks_pe
     if cost_profile:
         return load(cost_profile, profile=True)
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
-    return load(cost_model, hardware, ranks_per_node=ranks_per_node, state_shards=num_ranks or ranks_per_node,
+    if cost_model is None and checkpoint:   # the fine-tuned checkpoint's own shape (its config.json)
+        from dhp_jax.planner import CostModel
+        from dhp_jax.planner.presets import ModelShape
+
+        return CostModel.preset(ModelShape.from_config(checkpoint), hardware, ranks_per_node=ranks_per_node,
+                                state_shards=num_ranks or ranks_per_node, **extra)
+    return load(cost_model or DEFAULT_COST_MODEL, hardware, ranks_per_node=ranks_per_node, state_shards=num_ranks or ranks_per_node,
                 **extra)
 
 
@@ -101,6 +111,6 @@ def describe_cost(cost: Any, profile: str | None = None, full_size: bool = False
     if profile:
         what = f"fitted profile {Path(profile).name}"
     else:
-        what = (f"preset {cost.model} on {cost.hardware}, {cost.ranks_per_node} rank(s) per node, ring traffic "
+        what = (f"{'the checkpoint config' if cost.model == 'custom' else 'preset ' + cost.model} on {cost.hardware}, {cost.ranks_per_node} rank(s) per node, ring traffic "
                 f"{'overlapped with' if cost.comm_overlap else 'not overlapped with'} attention")
     return what + (", planned at full (unscaled) token counts" if full_size else "")

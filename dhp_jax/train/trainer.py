@@ -8,6 +8,7 @@ step runs; `prepare_run` is shared with `dry_run`.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -41,6 +42,30 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any)
     init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
     update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)))
     return init, update
+
+
+def _pretrained_state(executor: Any, params: Any, optim: tuple, steps: int, seed: int) -> tuple[Any, Any]:
+    """(first state, jitted update) of a fine-tuning run: the checkpoint's params as the fp32
+    master vector, sharded over the executor's full mesh like the stand-in's (AdamW's moments
+    follow it)."""
+    import jax
+
+    from dhp_jax.train.config import OptimConfig
+    from dhp_jax.train.state import TrainState, make_optimizer, make_update, state_shardings
+
+    optimizer = make_optimizer(OptimConfig(*optim), steps)
+    flat = executor.shard(params)          # binds the layout; fp32[P_pad] sharded over the mesh
+
+    def init(flat: Any, key: Any) -> Any:
+        import jax.numpy as jnp
+
+        _, k_train = jax.random.split(key)
+        return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=optimizer.init(flat), rng=k_train)
+
+    key = jax.random.PRNGKey(seed)
+    abstract = jax.eval_shape(init, flat, key)
+    state = jax.jit(init, out_shardings=state_shardings(abstract, executor.state_sharding))(flat, key)
+    return state, make_update(optimizer, executor.state_sharding, abstract)
 
 
 def plan_hash(plan: Any) -> str:
@@ -117,6 +142,8 @@ class RunSetup:
     pipeline: DataPipeline
     first_batch: Any
     first_plan: Any
+    hf_config: Any = None          # fine-tuning: the checkpoint's family config and params
+    hf_params: Any = None
 
 
 def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> RunSetup:
@@ -127,7 +154,19 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     from dhp_jax.model import MLLMConfig
 
     config.validate()
-    model_config = MLLMConfig.preset(config.model, remat=config.remat)
+    hf_config = hf_params = None
+    if config.model.pretrained:
+        from dhp_jax.model import hf
+
+        try:
+            hf_config, hf_params = hf.load_pretrained(config.model.pretrained)
+            # the engine-side shape of the checkpoint: what the summary, the checkpoints' model check
+            # and the planner's cost model (`planner.cost_model` unset) describe
+            model_config = MLLMConfig.from_hf(config.model.pretrained, remat=config.remat)
+        except (OSError, ValueError, KeyError) as e:
+            raise TrainError(f"model.pretrained={config.model.pretrained!r}: {e}") from None
+    else:
+        model_config = MLLMConfig.preset(config.model.preset, remat=config.remat)
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
@@ -146,22 +185,36 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
         cost = make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
-                         num_ranks=config.num_ranks, comm_overlap=p.comm_overlap)
+                         num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained)
     except ValueError as e:
         raise TrainError(f"planning cost model: {e}") from None
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
                         num_micro_batches=p.num_micro_batches, full_size=p.full_size)
-    pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
-    try:  # an unknown mix, a manifest path that is not there or a bad manifest line: one line, no traceback
-        batch = pipeline.batch(0)
-    except (ValueError, OSError) as e:
-        raise TrainError(f"data.dataset={config.data.dataset!r}: {e}") from None
+    if hf_config is not None:
+        from dhp_jax.data.finetune import DataError
+        from dhp_jax.train.finetune import FinetunePipeline, source_spec
+
+        spec = "data.{}={!r}".format(*{"jsonl": ("manifest", config.data.manifest),
+                                       "webdataset": ("webdataset", config.data.webdataset),
+                                       "hf": ("hf_dataset", config.data.hf_dataset)}[source_spec(config.data)[1]])
+        try:   # every record planned from its headers; with on_error=fail the first bad one stops here
+            pipeline = FinetunePipeline(config.data, config.model.pretrained, hf_config, config.data.seed)
+            batch = pipeline.batch(0)
+        except (DataError, ValueError, OSError) as e:
+            raise TrainError(f"{spec}: {e}") from None
+    else:
+        pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
+        try:  # an unknown mix, a manifest path that is not there or a bad manifest line: one line, no traceback
+            batch = pipeline.batch(0)
+        except (ValueError, OSError) as e:
+            raise TrainError(f"data.dataset={config.data.dataset!r}: {e}") from None
     try:  # one plan now: a bad strategy or data setting is an error before anything is compiled
         plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(available))
     except (ValueError, TypeError) as e:
         raise TrainError(f"cannot plan the first batch with planner.strategy={p.strategy!r}"
                          f"{' (plan file)' if plans else ''}: {e}") from None
-    return RunSetup(config, model_config, available[: config.num_ranks], plans, cost, source, pipeline, batch, plan)
+    return RunSetup(config, model_config, available[: config.num_ranks], plans, cost, source, pipeline, batch, plan,
+                    hf_config, hf_params)
 
 
 def dry_run(config: TrainConfig) -> dict:
@@ -186,6 +239,8 @@ class Trainer:
         setup = prepare_run(config, devices)
         self.config, self.model_config, self.devices = setup.config, setup.model_config, setup.devices
         self.cost, self.plan_source, self.pipeline = setup.cost, setup.plan_source, setup.pipeline
+        self.hf_config, self._hf_params = setup.hf_config, setup.hf_params
+        self.finetune = setup.hf_config is not None
         enable_compilation_cache(config.compilation_cache, Path(config.metrics.out_dir))
         if executor is None:
             from dhp_jax.sharding import PlanExecutor
@@ -193,7 +248,8 @@ class Trainer:
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             if config.attention_tile:
                 kwargs["attention_tile"] = config.attention_tile
-            executor = PlanExecutor(self.model_config, self.devices, compute_dtype=config.compute_dtype, **kwargs)
+            executor = PlanExecutor(self.hf_config if self.finetune else self.model_config, self.devices,
+                                    compute_dtype=config.compute_dtype, **kwargs)
         from dhp_jax.sharding.protocol import check_executor
 
         self.executor = check_executor(executor)
@@ -228,6 +284,10 @@ class Trainer:
     def init_state(self) -> Any:
         import jax
 
+        if self.finetune:
+            state, self._update = _pretrained_state(self.executor, self._hf_params, dataclasses.astuple(self.config.optim),
+                                                    self.config.steps, self.config.seed)
+            return state
         init, update = _state_functions(self.model_config, dataclasses.astuple(self.config.optim),
                                         self.config.steps, self.executor)
         state = init(jax.random.PRNGKey(self.config.seed))
@@ -277,8 +337,11 @@ class Trainer:
                # measured: the step waited for a compile (its own or one in flight in the background)
                "compile_wait_s": compile_s if missing else 0.0,
                "plan_wait_s": item.wait_s, "plan_solve_s": item.plan_s, "batch_build_s": item.build_s,
+               "data_wait_s": float(getattr(item.batch, "data_wait_s", 0.0)),
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
                "num_compiles": self.executor.num_compiles}
+        if hasattr(item.batch, "sample_ids"):   # fine-tuning: the records the step trained on
+            rec["sample_ids"] = list(item.batch.sample_ids)
         return state, rec
 
     def _compile_waiting(self, item: Any, params: Any, on_compile: Any) -> tuple[int, int]:
@@ -375,6 +438,8 @@ class Trainer:
             if plan_log is not None:
                 plan_log.close()
             ckpt.close()
+            if self.finetune:
+                self.pipeline.close()
         self._state = state
         return RunResult(losses=[r["loss"] for r in records], records=records, summary=summary, state=state)
 
@@ -407,6 +472,7 @@ class Trainer:
                     ckpt.close()
                     return None, state, start
                 self._restore_programs(restored.meta, start)
+                self._restore_loader(restored.meta, start)
                 self._say(f"resumed from step {restored.step} (checkpoint {ckpt.directory / str(restored.step)})")
             elif latest is not None:
                 old = ckpt.clear()
@@ -437,6 +503,8 @@ class Trainer:
         params when `compare` (`dhp_jax.train.compare`) and the wall time since `t_run`."""
         cfg = self.config
         summary = run_summary(self, records, time.perf_counter() - t_run, start)
+        if summary and self.finetune:
+            summary["data"] = self._data_summary(records)
         if summary and compare:
             from dhp_jax.train.compare import compare_plans
 
@@ -451,6 +519,28 @@ class Trainer:
             summary["time_s"]["wall"] = summary["wall_time_s"] = time.perf_counter() - t_run
         return summary
 
+    def _data_summary(self, records: list[dict]) -> dict:
+        """Fine-tuning data: records used and skipped (listed in data_issues.tsv), epochs, and the
+        measured wait for decoded data per step (median)."""
+        import statistics
+
+        from dhp_jax.data.finetune import write_issues
+
+        p = self.pipeline
+        issues = p.issues
+        path = self.metrics_dir / "data_issues.tsv"
+        if self.process_index == 0:
+            write_issues(str(path), issues)
+        waits = [r.get("data_wait_s", 0.0) for r in records]
+        steady = waits[2:] if len(waits) > 3 else waits[1:]
+        return {"samples": len(p.planned), "skipped": len(issues),
+                "skipped_by_kind": dict(collections.Counter(e.kind for e in issues)),
+                "issues_file": str(path), "batches_per_epoch": p.loader.batches_per_epoch(),
+                "epochs": self.config.steps / p.loader.batches_per_epoch(),
+                "data_wait_median_s": statistics.median(waits) if waits else 0.0,
+                "data_wait_median_steady_s": statistics.median(steady) if steady else 0.0,
+                "data_wait_max_s": max(waits, default=0.0)}
+
     def _interrupted(self, ckpt: Any, state: Any, done: int, forced: bool, logs: list[Path],
                      fresh: bool) -> RunInterrupted:
         """After Ctrl-C: checkpoint the last finished step `done` (unless it has one, or a second
@@ -460,7 +550,7 @@ class Trainer:
         detail = ""
         if done and latest != done and not forced and not self.multi_process:
             ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
-                      run_config=self.config.to_dict())
+                      run_config=self.config.to_dict(), extra=self._checkpoint_extra(done))
             latest = done
         elif done and latest != done:
             detail = f"step {done} has no checkpoint (" + ("stopped mid-update" if forced else "multi-process run") + ")"
@@ -503,8 +593,29 @@ class Trainer:
             if ckpt.should_save(done) or done == stop:
                 # with the executables of the plans run so far: a resumed run plans as this one does
                 ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
-                          run_config=self.config.to_dict(), extra={"programs": self._ran.to_json()})
+                          run_config=self.config.to_dict(), extra=self._checkpoint_extra(done))
         return save
+
+    def _checkpoint_extra(self, done: int) -> dict:
+        """The trainer's part of a checkpoint's meta: the program record and, fine-tuning, the
+        loader state whose next batch is step `done`'s (a resumed run takes exactly that batch)."""
+        extra: dict[str, Any] = {"programs": self._ran.to_json()}
+        if self.finetune:
+            extra["loader"] = self.pipeline.loader_state(done)
+        return extra
+
+    def _restore_loader(self, meta: dict, start: int) -> None:
+        from dhp_jax.train.checkpoint import CheckpointError
+
+        if not self.finetune:
+            return
+        if "loader" not in meta:
+            raise CheckpointError(f"checkpoint step {meta.get('step')} holds no loader state: it is not a "
+                                  "fine-tuning run's checkpoint")
+        try:
+            self.pipeline.check_state(meta["loader"], start)
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint step {meta.get('step')}: {e}") from None
 
     def _restore_programs(self, meta: dict, start: int) -> None:
         """The program knowledge of the uninterrupted run at step `start`: the executables of the

@@ -1,0 +1,63 @@
+"""`dhp example OUT_DIR --family internvl|qwen2_5_vl|qwen3_vl`: everything a fine-tuning run needs,
+written offline: `OUT_DIR/checkpoint` (a tiny random model of the family, saved by
+`hf.save_pretrained`, with the tokenizer, chat template and processor files transformers saves
+next to a checkpoint) and `OUT_DIR/data/train.jsonl` (generated images, short PyAV videos and
+conversations, `dhp_jax.data.example`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def token_ids(checkpoint: str, family: str) -> dict[str, int]:
+    """The tokenizer's ids of the vision placeholders a family's config.json names."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
+    names = {"image": "<IMG_CONTEXT>"} if family == "internvl" else {
+        "image": "<|image_pad|>", "video": "<|video_pad|>", "vision_start": "<|vision_start|>",
+        "vision_end": "<|vision_end|>"}
+    names.update(bos="<|endoftext|>", eos="<|im_end|>")
+    return {k: int(tok.token_to_id(v)) for k, v in names.items()}
+
+
+def write_example(out_dir: str, family: str, num_samples: int = 24, seed: int = 0,
+                  vocab_size: int = 512) -> tuple[str, str]:
+    """(checkpoint dir, manifest path) under `out_dir` (see the module docstring)."""
+    from dhp_jax.data.example import write_example_data, write_processor_files
+    from dhp_jax.model import hf
+    from dhp_jax.model.hf.init import random_params, tiny_config
+
+    if family not in hf.FAMILIES:
+        raise ValueError(f"unknown family {family!r}; known: {', '.join(hf.FAMILIES)}")
+    ckpt = os.path.join(out_dir, "checkpoint")
+    write_processor_files(ckpt, family, vocab_size=vocab_size)
+    config = hf.parse_config(tiny_config(family, token_ids(ckpt, family), vocab_size))
+    hf.save_pretrained(config, random_params(config, seed), ckpt)
+    manifest = write_example_data(os.path.join(out_dir, "data"), num_samples=num_samples, seed=seed)
+    return ckpt, manifest
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write checkpoint/ and data/")
+    parser.add_argument("--family", default="qwen2_5_vl", choices=("internvl", "qwen2_5_vl", "qwen3_vl"),
+                        help="model family of the tiny checkpoint (default: qwen2_5_vl)")
+    parser.add_argument("--samples", type=int, default=24, help="records in data/train.jsonl (default: 24)")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.samples < 1:
+        print(f"dhp example: --samples must be >= 1, got {args.samples}", file=sys.stderr)
+        return 2
+    if os.path.exists(os.path.join(args.out_dir, "checkpoint", "config.json")):
+        print(f"dhp example: {os.path.join(args.out_dir, 'checkpoint')!r} already holds a checkpoint; "
+              "choose another OUT_DIR", file=sys.stderr)
+        return 2
+    ckpt, manifest = write_example(args.out_dir, args.family, args.samples, args.seed)
+    print(f"dhp example: {args.family} checkpoint in {ckpt}\n"
+          f"dhp example: {args.samples} records in {manifest}\n"
+          f"next: dhp train model.pretrained={ckpt} data.manifest={manifest}")
+    return 0

@@ -1,0 +1,124 @@
+"""Fine-tuning data for `dhp train model.pretrained=DIR data.manifest=FILE`: a user's records, through
+the checkpoint's processor and tokenizer (`dhp_jax.data.finetune`), as the trainer's batches.
+
+At start every record is planned from its headers (token counts final, no pixel decoded); bad
+records are skipped (`data.on_error=skip`, listed) or stop the run (`fail`). Step `s` takes batch
+`s` of the seeded loader (`dhp_jax.data.loader.Loader`: epoch `s // batches_per_epoch`, each epoch
+reshuffled by the seed), whose workers decode ahead; each sample's processor output becomes a
+`Sample` of the family (`hf.sample_from_inputs`) that the planner plans and the executor runs.
+A batch depends only on (data, seed, step), and the loader state of the next step is stored in
+each checkpoint: a resumed run takes exactly the next batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
+
+
+@dataclasses.dataclass
+class FinetuneBatch:
+    step: int
+    samples: list[Sample]          # with payloads: what the executor runs (and the planner plans)
+    source_samples: list[Sample]   # the same samples: the token counts are real, nothing is scaled
+    lengths: np.ndarray
+    etas: np.ndarray
+    sample_ids: list[str]          # the records' ids (or file:line)
+    data_wait_s: float             # how long this batch's decode was waited for
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def source_spec(data_cfg: Any) -> tuple[str, str]:
+    """(path or pattern, kind) of the configured fine-tuning data."""
+    for kind, value in (("jsonl", data_cfg.manifest), ("webdataset", data_cfg.webdataset), ("hf", data_cfg.hf_dataset)):
+        if value:
+            return value, kind
+    raise ValueError("no fine-tuning data: set data.manifest, data.webdataset or data.hf_dataset")
+
+
+class FinetunePipeline:
+    """`pipeline.batch(step) -> FinetuneBatch` in step order (another step restarts the loader there)."""
+
+    def __init__(self, data_cfg: Any, checkpoint: str, hf_config: Any, seed: int):
+        from dhp_jax.data.finetune import FinetuneData
+        from dhp_jax.data.loader import Loader
+        from dhp_jax.data.sources import iter_source
+
+        spec, kind = source_spec(data_cfg)
+        self.hf_config, self.on_error = hf_config, data_cfg.on_error
+        self.data = FinetuneData(checkpoint, family=hf_config.family)
+        self.scan_issues: list = []
+        records = iter_source(spec, kind)
+        self.planned = list(self.data.scan(records, on_error=data_cfg.on_error, issues=self.scan_issues))
+        if not self.planned:
+            raise ValueError(f"{spec}: no usable record ({len(self.scan_issues)} skipped: "
+                             + "; ".join(str(e) for e in self.scan_issues[:3]) + ")")
+        self.loader = Loader(self.data, self.planned, data_cfg.batch_size, seed=seed, workers=data_cfg.workers,
+                             prefetch=data_cfg.prefetch, on_error=data_cfg.on_error)
+        self._it = None
+        self._next = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ positions
+    def loader_state(self, step: int) -> dict[str, int]:
+        """The loader state whose next batch is step `step`'s."""
+        per = self.loader.batches_per_epoch()
+        return {"seed": self.loader.seed, "epoch": step // per, "position": step % per}
+
+    def check_state(self, state: dict, step: int) -> None:
+        """A checkpoint's loader state must be the one of its step (else the data changed)."""
+        if dict(state) != self.loader_state(step):
+            raise ValueError(f"the checkpoint's loader state {dict(state)} is not this data's state at step {step} "
+                             f"{self.loader_state(step)}: the data (its usable records: {len(self.planned)}) or "
+                             f"data.batch_size changed since the run was saved")
+
+    @property
+    def issues(self) -> list:
+        return self.scan_issues + self.loader.issues
+
+    # ------------------------------------------------------------------ batches
+    def _restart(self, step: int) -> None:
+        if self._it is not None:
+            self._it.close()
+        self.loader.load_state_dict(self.loader_state(step))
+        self._it, self._next = iter(self.loader), step
+
+    def batch(self, step: int) -> FinetuneBatch:
+        from dhp_jax.model import hf
+
+        with self._lock:
+            if step != self._next:
+                self._restart(step)
+            items = next(self._it)
+            self._next = step + 1
+            waited = self.loader.waits[-1] if self.loader.waits else 0.0
+        if not items:
+            raise ValueError(f"step {step}: every sample of the batch failed to decode (see data_issues.tsv)")
+        samples = []
+        for i, it in enumerate(items):
+            inputs = {k: v for k, v in it["inputs"].items() if k != "labels"}
+            samples.append(hf.sample_from_inputs(self.hf_config, inputs, it["inputs"]["labels"], sample_id=i))
+        return FinetuneBatch(step, samples, samples, sample_lengths(samples), sample_etas(samples),
+                             [it["sample_id"] for it in items], float(waited))
+
+    def source_batch(self, step: int, batch_size: int | None = None) -> list[Sample]:
+        """Payload-free samples of the records of step `step` (`batch_size` of them, from its epoch's order)."""
+        st = self.loader_state(step)
+        perm = np.random.default_rng([self.loader.seed, st["epoch"]]).permutation(len(self.planned))
+        n = batch_size or self.loader.batch_size
+        idx = np.resize(np.roll(perm, -st["position"] * self.loader.batch_size), n)
+        return [dataclasses.replace(self.planned[int(i)].to_sample(), sample_id=k) for k, i in enumerate(idx)]
+
+    def close(self) -> None:
+        with self._lock:
+            if self._it is not None:
+                self._it.close()
+                self._it, self._next = None, None
