@@ -398,7 +398,7 @@ class Trainer:
             state = self.init_state()
             start = 0
             if resume:
-                restored = ckpt.restore(state, self.model_config.to_dict())
+                restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout.record())
                 state, start = restored.state, restored.data_position
                 if start >= cfg.steps:
                     self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
@@ -460,7 +460,7 @@ class Trainer:
         detail = ""
         if done and latest != done and not forced and not self.multi_process:
             ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
-                      run_config=self.config.to_dict())
+                      run_config=self.config.to_dict(), extra=self._checkpoint_extra())
             latest = done
         elif done and latest != done:
             detail = f"step {done} has no checkpoint (" + ("stopped mid-update" if forced else "multi-process run") + ")"
@@ -503,14 +503,28 @@ class Trainer:
             if ckpt.should_save(done) or done == stop:
                 # with the executables of the plans run so far: a resumed run plans as this one does
                 ckpt.save(done, state, data_position=done, model_config=self.model_config.to_dict(),
-                          run_config=self.config.to_dict(), extra={"programs": self._ran.to_json()})
+                          run_config=self.config.to_dict(), extra=self._checkpoint_extra())
         return save
+
+    def _checkpoint_extra(self) -> dict:
+        """What a checkpoint stores beside the state: the executables of the plans run so far (a
+        resumed run plans as this one does) and the flat layout (a run on another rank count
+        re-pads the state, a reader without jax unflattens it)."""
+        return {"programs": self._ran.to_json(), "layout": self.executor.layout.record()}
 
     def _restore_programs(self, meta: dict, start: int) -> None:
         """The program knowledge of the uninterrupted run at step `start`: the executables of the
         plans of steps < start, stored in the checkpoint (a checkpoint without them, of a live
         DHP run, is refused: its plans would differ from the uninterrupted run's)."""
         keys = meta.get("programs")
+        saved_ranks = (meta.get("layout") or {}).get("num_shards")
+        if saved_ranks is not None and int(saved_ranks) != self.config.num_ranks:
+            # the record names groups of another rank count: no uninterrupted run on this count
+            # exists to plan like, so this run plans as a fresh one on its ranks would
+            self._say(f"the checkpoint was written on {saved_ranks} ranks, this run has {self.config.num_ranks}: "
+                      f"the state is re-laid onto {self.config.num_ranks} ranks and plans are made for them "
+                      f"from step {start + 1}, assuming no group program compiled")
+            return
         if keys is None:
             if self.plan_source.plans is None and self.plan_source.strategy == "dhp" and start:
                 from dhp_jax.train.checkpoint import CheckpointError
