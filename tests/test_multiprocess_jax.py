@@ -117,7 +117,7 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
     multi = tmp_path / "multi"
     shutil.copytree(tmp_path / "single", multi)
     port = free_port()
-    procs = [subprocess.Popen(_train_cmd(pid, port, multi, plan_file, "compilation_cache=null", "--resume"),
+    procs = [subprocess.Popen([*_train_cmd(pid, port, multi, plan_file, "compilation_cache=null"), "--resume"],
                               cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for pid in (0, 1)]
     try:
