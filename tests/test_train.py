@@ -130,7 +130,7 @@ def test_resume_on_other_device_counts_and_in_torch_gives_the_same_losses(tmp_pa
     params = [np.asarray(s.state.params)[:39392] for s in (legs[2], full)]
     np.testing.assert_allclose(*params, rtol=1e-4, atol=1e-6)
     with capsys.disabled():
-        print("resume 8 -> 6 -> 8 ranks vs uninterrupted 8: losses",
+        print("resume 8 -> 6 -> 8 ranks vs uninterrupted 8: losses", resumed, "vs", full.losses, "max rel diff",
               float(np.max(np.abs(np.subtract(resumed, full.losses)) / np.abs(full.losses))), "final params max abs diff",
               float(np.abs(params[0] - params[1]).max()), "| torch from the step-4 checkpoint:", torch_loss, "vs JAX",
               full.losses[4], "rel", abs(torch_loss - full.losses[4]) / abs(full.losses[4]))
