@@ -32,7 +32,8 @@ from dhp_jax.planner.plan import Plan, PlanValidationError  # noqa: E402
 from dhp_jax.planner.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
-from npu_backend.weights import WeightsError, export_flax_params, load_flax_params, load_npz, save_npz  # noqa: E402
+from npu_backend.weights import (WeightsError, check_model_config, export_flax_params, load_flax_params,  # noqa: E402
+                                 load_jax_checkpoint, load_npz, save_npz)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weights", help="initial weights: .npz in the flax layout ('a/b/c' keys)")
+    p.add_argument("--init-from", metavar="RUN_DIR",
+                   help="initial weights: the params of a `dhp train` checkpoint (a run directory, its "
+                        "checkpoints/ or one step's directory; the latest step unless a step directory)")
     p.add_argument("--save-weights", help="write the final weights (.npz, flax layout) from rank 0")
     p.add_argument("--plan-file", help="replay plans (dhp_jax.planner.planfile): a plan log of `dhp train` "
                                        "or of --dump-plans, one plan JSON (every step) or a JSON list")
@@ -139,8 +143,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _train(args, rank: int, world: int, device: torch.device, choice, say) -> int:
     config = MLLMConfig.preset(mllm_preset(args, "npu_backend.train"))
+    if args.weights and args.init_from:
+        raise WeightsError("give --weights or --init-from, not both")
+    init_from = None
+    if args.init_from:   # read and checked before the model is built
+        init_from = load_jax_checkpoint(args.init_from)
+        check_model_config(init_from.meta, config, f"checkpoint {str(init_from.path)!r}")
     model = TorchMLLM(config)
-    if args.weights:
+    if init_from is not None:
+        load_flax_params(model, init_from.params)
+        say(f"npu_backend: params from dhp train checkpoint {str(init_from.path)!r} (step {init_from.step}); "
+            f"the optimizer starts afresh")
+    elif args.weights:
         load_flax_params(model, load_npz(args.weights))
     else:
         model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same draws on every rank
@@ -177,6 +191,8 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
         with open(args.json_out, "w") as f:
             json.dump({"measured_on": f"{choice.kind} ({choice.backend}), {platform.machine()} {platform.node()}",
                        "world_size": world, "torch": torch.__version__, "config": config.to_dict(),
+                       "init_from": None if init_from is None else {"path": str(init_from.path),
+                                                                    "step": init_from.step},
                        "args": vars(args), "steps": records}, f, indent=1)
     return 0
 

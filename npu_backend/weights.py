@@ -3,12 +3,16 @@
 The flax tree (see `dhp_jax.model.mllm`) and `TorchMLLM` use the same names; a flax path
 `layers_0/attn/q/kernel` is the torch parameter `layers.0.attn.q.weight`, transposed (flax kernels
 are [in, out], torch Linear weights [out, in]). Arrays are plain NumPy here, so this module needs
-no jax: pass `jax.device_get(params)` or a tree loaded from `.npz`.
+no jax: pass `jax.device_get(params)` or a tree loaded from `.npz`. `load_jax_checkpoint` reads
+the params of a `dhp train` checkpoint the same way, without jax.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
@@ -149,3 +153,82 @@ def load_npz(path: str) -> dict[str, Any]:
 
 def _is_embedding(model: TorchMLLM, name: str) -> bool:
     return name == "embed.weight"
+
+
+# ------------------------------------------------------------------ a `dhp train` checkpoint
+@dataclasses.dataclass
+class JaxCheckpoint:
+    """The params of a `dhp train` checkpoint as a flax-layout tree of NumPy arrays."""
+
+    path: Path               # the step directory read
+    step: int                # steps the JAX run had taken
+    data_position: int       # the index of the batch the JAX run would take next
+    params: dict[str, Any]
+    meta: dict               # the checkpoint's JSON record (model and run config, layout)
+
+
+def checkpoint_step_dir(path: str | Path, step: int | None = None) -> Path:
+    """The step directory of a run directory (its `checkpoints/`), a checkpoints directory or a
+    step directory: `step`, else the latest complete one."""
+    p = Path(path)
+    if (p / "state").is_dir() and (p / "meta").is_dir():
+        return p
+    ck = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    steps = sorted(int(d.name) for d in ck.iterdir() if d.name.isdigit() and (d / "state").is_dir()) \
+        if ck.is_dir() else []
+    if not steps:
+        raise WeightsError(f"no dhp train checkpoint in {str(p)!r} (a run directory, its checkpoints/ or a "
+                           "step directory)")
+    if step is None:
+        return ck / str(steps[-1])
+    if step not in steps:
+        raise WeightsError(f"{str(ck)!r} has no checkpoint of step {step} (it has {steps})")
+    return ck / str(step)
+
+
+def load_jax_checkpoint(path: str | Path, step: int | None = None) -> JaxCheckpoint:
+    """Read the fp32 master params of a `dhp train` checkpoint without jax: orbax stores the flat
+    vector with tensorstore (zarr over OCDBT); the checkpoint's layout record (`FlatLayout.record`:
+    the leaves in flat order, P and the padding of the rank count that wrote it) cuts it into the
+    flax tree. The Adam moments are not read (see docs/torch-backend.md)."""
+    d = checkpoint_step_dir(path, step)
+    try:
+        meta = json.loads((d / "meta" / "metadata").read_text())
+        tree_meta = json.loads((d / "state" / "_METADATA").read_text())
+    except (OSError, ValueError) as e:
+        raise WeightsError(f"{str(d)!r} is not a readable dhp train checkpoint: {e}") from None
+    layout = meta.get("layout")
+    if not layout:
+        raise WeightsError(f"{str(d)!r} has no layout record (written by an older dhp_jax): resume it with "
+                           "`dhp train --resume` for a step, whose checkpoint then has one")
+    try:
+        import tensorstore as ts
+    except ImportError:
+        raise WeightsError("reading a dhp train checkpoint needs tensorstore (pip install tensorstore)") from None
+    driver = "zarr3" if tree_meta.get("use_zarr3") else "zarr"
+    spec = {"driver": driver, "kvstore": {"driver": "ocdbt", "base": (d / "state").resolve().as_uri(),
+                                          "path": "params"}}
+    flat = np.asarray(ts.open(spec, open=True, read=True).result().read().result())
+    if flat.shape != (int(layout["padded"]),):
+        raise WeightsError(f"{str(d)!r}: params have shape {flat.shape}, its layout record says "
+                           f"({layout['padded']},)")
+    out, at = {}, 0
+    for leaf_path, shape, _dtype in layout["leaves"]:
+        n = int(np.prod(shape, dtype=np.int64))
+        out[leaf_path] = flat[at:at + n].reshape(shape)
+        at += n
+    if at != int(layout["size"]):
+        raise WeightsError(f"{str(d)!r}: its layout record's leaves hold {at} values, not {layout['size']}")
+    return JaxCheckpoint(d, int(meta["step"]), int(meta["data_position"]), unflatten_tree(out), meta)
+
+
+def check_model_config(meta: Mapping[str, Any], config: Any, where: str) -> None:
+    """`WeightsError` naming every model field where the checkpoint's config and `config` differ
+    (those that only change how a step runs, remat and linear_chunk, may differ)."""
+    saved, mine = dict(meta.get("model_config", {})), config.to_dict()
+    diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in
+                  ("remat", "linear_chunk"))
+    if diff:
+        raise WeightsError(f"{where} is of another model than {mine.get('name')!r}: "
+                           + ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff[:8])
+                           + f" (pick it with --mllm {saved.get('name')})")

@@ -103,3 +103,30 @@ def test_clear_removes_every_step(tmp_path, replicated):
     ck.save(1, state, data_position=1, model_config={})  # the step number can be written again
     assert ck.latest_step() == 1
     ck.close()
+
+
+def test_flat_state_is_re_padded_for_another_rank_count_and_other_leaves_are_named(tmp_path):
+    """A flat state saved padded for 3 shards is read into the padding of 8 (and back): the same P
+    values, a zero tail; a layout with other leaves is refused naming them."""
+    from dhp_jax.sharding.flat import FlatLayout
+
+    def shard(n):
+        return NamedSharding(Mesh(np.array(jax.devices()[:n]), ("dp",)), P("dp"))
+
+    tree = {"a": jnp.arange(1.0, 8.0).reshape(7, 1), "b": {"c": jnp.arange(10.0, 16.0)}}   # P = 13
+    three, eight = FlatLayout.of(tree, 3), FlatLayout.of(tree, 8)
+    assert (three.padded, eight.padded) == (15, 16)
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(1, {"x": jax.device_put(three.ravel(tree), shard(3))}, data_position=1, model_config={},
+            extra={"layout": three.record()})
+    target = {"x": jax.ShapeDtypeStruct((16,), jnp.float32, sharding=shard(8))}
+    got = ck.restore(target, {}, layout=eight.record()).state["x"]
+    assert got.sharding == shard(8)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(eight.ravel(tree)))
+    with pytest.raises(CheckpointError, match="does not match this run's train state"):
+        ck.restore(target, {})                       # without the run's layout: no re-padding
+    other = FlatLayout.of({"a": tree["a"], "b": {"c": jnp.zeros(5)}, "d": jnp.zeros(2)}, 8).record()
+    with pytest.raises(CheckpointError, match=r"holds other parameters than this run's model \(13 vs 14 values; "
+                                              r"b/c: checkpoint \[6\] float32 vs run \[5\] float32; d only in the run\)"):
+        ck.restore(target, {}, layout=other)
+    ck.close()

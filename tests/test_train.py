@@ -73,6 +73,85 @@ def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
     assert [r["step"] for r in read_jsonl(tmp_path / "cut" / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
 
 
+def _torch_loss(run_dir, batch):
+    """The loss of `batch` under the params of the latest checkpoint of `run_dir`, read without
+    jax by the torch backend, on a world of one process (all samples in one group)."""
+    import torch.distributed as dist
+
+    from npu_backend.executor import TorchPlanExecutor
+    from npu_backend.model import TorchMLLM
+    from npu_backend.weights import load_flax_params, load_jax_checkpoint
+
+    ck = load_jax_checkpoint(run_dir)
+    model = TorchMLLM(MLLMConfig.preset("tiny"))
+    load_flax_params(model, ck.params)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        plan = Plan(1, (MicroBatch((Group((0,), 1, tuple(range(len(batch.samples)))),)),))
+        loss, _, _ = TorchPlanExecutor(model).loss_and_grads(plan, batch.samples)
+    finally:
+        dist.destroy_process_group()
+    return ck, float(loss)
+
+
+def test_resume_on_other_device_counts_and_in_torch_gives_the_same_losses(tmp_path, executor, capsys,
+                                                                          monkeypatch):
+    """8 ranks for 3 steps, resumed on 6 ranks for 1, then on 8 again: at every step the loss of
+    the uninterrupted 8-rank run, to fp32 1e-5 (a step's loss is a function of params and batch:
+    the plans differ with the rank count, only the order of the sums changes). 6, not 4: the tiny
+    model's 39392 parameters need no padding on 4 or 8 ranks, on 6 they do (39396), so the state
+    is re-padded on the way there and back. The torch backend starts from the checkpoint the
+    6-rank leg wrote, with the loss of the next JAX step."""
+    from dhp_jax.sharding import PlanExecutor
+
+    args = ("steps=6", "planner.strategy=dhp")   # the uninterrupted run of the resume test above
+    full = Trainer(_config(tmp_path, "full", *args), executor=executor).run()
+    cut = _config(tmp_path, "cut", *args)
+    six = PlanExecutor(MLLMConfig.preset("tiny"), jax.devices()[:6], min_bucket=512)
+    assert (six.layout.padded, executor.layout.padded) == (39396, 39392)
+    legs = [Trainer(cut, executor=executor).run(stop_after=3)]
+    capsys.readouterr()
+    legs.append(Trainer(_config(tmp_path, "cut", *args, "num_ranks=6"), executor=six).run(resume=True, stop_after=1))
+    assert "written on 8 ranks, this run has 6: the state is re-laid onto 6 ranks" in capsys.readouterr().err
+    flat = [x for x in jax.tree.leaves(legs[1].state) if x.shape == (six.layout.padded,)]
+    assert len(flat) == 3 and all(x.sharding == six.sharded for x in flat)
+
+    # the torch backend from the 6-rank checkpoint (step 4): the loss of JAX's step 5, its batch 4
+    ck, torch_loss = _torch_loss(tmp_path / "cut", Trainer(cut, executor=executor).pipeline.batch(4))
+    assert (ck.step, ck.meta["layout"]["num_shards"], ck.meta["layout"]["padded"]) == (4, 6, 39396)
+    assert abs(torch_loss - full.losses[4]) <= 1e-5 * abs(full.losses[4]), (torch_loss, full.losses[4])
+
+    legs.append(Trainer(cut, executor=executor).run(resume=True))
+    assert [[r["step"] for r in leg.records] for leg in legs] == [[1, 2, 3], [4], [5, 6]]
+    plans = read_jsonl(tmp_path / "cut" / "plans.jsonl")
+    assert [p["plan"]["num_ranks"] for p in plans] == [8, 8, 8, 6, 8, 8]
+    resumed = [x for leg in legs for x in leg.losses]
+    np.testing.assert_allclose(resumed, full.losses, rtol=1e-5, atol=0)
+    params = [np.asarray(s.state.params)[:39392] for s in (legs[2], full)]
+    np.testing.assert_allclose(*params, rtol=1e-4, atol=1e-6)
+    with capsys.disabled():
+        print("resume 8 -> 6 -> 8 ranks vs uninterrupted 8: losses", resumed, "vs", full.losses, "max rel diff",
+              float(np.max(np.abs(np.subtract(resumed, full.losses)) / np.abs(full.losses))), "final params max abs diff",
+              float(np.abs(params[0] - params[1]).max()), "| torch from the step-4 checkpoint:", torch_loss, "vs JAX",
+              full.losses[4], "rel", abs(torch_loss - full.losses[4]) / abs(full.losses[4]))
+
+    # the torch CLI starts from the run; a checkpoint of another model is named before anything is built
+    from npu_backend import train as torch_train
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DHP_TORCH_DEVICE", "cpu")
+    common = ["--init-from", str(tmp_path / "cut"), "--steps", "1", "--batch-size", "4", "--max-len", "24",
+              "--optimizer", "sgd", "--strategy", "static-ring:1"]
+    assert torch_train.main([*common, "--json", str(tmp_path / "torch.json")]) == 0
+    rec = json.loads((tmp_path / "torch.json").read_text())
+    assert rec["init_from"]["step"] == 6 and np.isfinite(rec["steps"][0]["loss"])
+    assert "params from dhp train checkpoint" in capsys.readouterr().out
+    assert torch_train.main([*common, "--mllm", "internvl3-2b"]) == 2
+    err = capsys.readouterr().err
+    assert "is of another model than 'internvl3-2b': d_ff: checkpoint 64 vs" in err and "--mllm tiny" in err, err
+
+
 def _plan_lines(path):
     """plans.jsonl without the solver's timings (wall and CPU milliseconds): everything else a
     plan holds (decisions, padded tokens, estimates, solver choices) must repeat exactly."""

@@ -71,6 +71,13 @@ class FlatLayout:
     def shard_size(self) -> int:
         return self.padded // self.num_shards
 
+    def record(self) -> dict:
+        """The layout as JSON (what a checkpoint stores, so that a run on another number of shards,
+        or a reader without jax, can lay the flat vector out again): the leaves in flat-vector
+        order as [path, shape, dtype], P, P_pad and the number of shards."""
+        return {"num_shards": self.num_shards, "size": self.size, "padded": self.padded,
+                "leaves": [[self.paths[i], list(self.shapes[i]), self.dtypes[i]] for i in self.order]}
+
     def matches(self, params: Any) -> bool:
         """Whether `params` has this tree structure, these shapes and these dtypes."""
         leaves, treedef = jax.tree.flatten(params)

@@ -7,6 +7,12 @@ the trainer's record of the programs its plans used, so a resumed run plans alik
 into a temporary directory and renames it when complete, so a crash never leaves a half checkpoint
 that `latest` would pick. Before any array is read, `meta` is checked against the model config of
 the run: resuming a different model is a clear error, not a shape mismatch deep inside orbax.
+
+`meta["layout"]` (`FlatLayout.record`) says how the flat state vectors are laid out: the leaves in
+order, the P parameters and the padding to a multiple of the rank count that wrote it. A run on
+another number of ranks pads differently; `restore` reads the same P parameters into the new
+padded length (the tail past P is zero, so cutting or extending it changes no value) and the new
+sharding. Leaves that differ are named.
 """
 
 from __future__ import annotations
@@ -96,14 +102,21 @@ class Checkpointer:
                                   f"different model config ({details})")
         return meta
 
-    def restore(self, abstract_state: Any, model_config: Mapping[str, Any], step: int | None = None) -> Restored:
-        """Restore into the shardings of `abstract_state` (a state or its `jax.ShapeDtypeStruct`s)."""
+    def restore(self, abstract_state: Any, model_config: Mapping[str, Any], step: int | None = None,
+                layout: Mapping[str, Any] | None = None) -> Restored:
+        """Restore into the shardings of `abstract_state` (a state or its `jax.ShapeDtypeStruct`s).
+
+        `layout`: this run's `FlatLayout.record`; with one stored in the checkpoint too, flat
+        vectors padded for another rank count are re-padded to this run's length."""
         step = self.latest_step() if step is None else step
         meta = self.check_compatible(model_config, step)
+        repad = check_layout(meta.get("layout"), layout, f"checkpoint in {str(self.directory)!r} "
+                                                          f"(step {meta.get('step')})")
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), abstract_state)
-        try:
-            out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+        try:   # strict=False: orbax cuts or zero-extends an array to the target's shape (the padding only)
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target, strict=not repad)))
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r} does not match this "
                                   f"run's train state: {type(e).__name__}: {e}") from None
@@ -112,3 +125,25 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+
+
+def check_layout(saved: Mapping[str, Any] | None, mine: Mapping[str, Any] | None, where: str) -> bool:
+    """Whether the flat vectors need re-padding (same parameters, another rank count's padding);
+    `CheckpointError` naming the first differing leaves when the parameters differ. Nothing to
+    check (False) when either side has no layout record (a checkpoint of an older dhp_jax)."""
+    if not saved or not mine:
+        return False
+    a = [tuple(map(str, x)) for x in saved["leaves"]]
+    b = [tuple(map(str, x)) for x in mine["leaves"]]
+    if a != b:
+        sa, sb = {x[0]: x[1:] for x in a}, {x[0]: x[1:] for x in b}
+        diff = ([f"{p}: checkpoint {sa[p][0]} {sa[p][1]} vs run {sb[p][0]} {sb[p][1]}"
+                 for p in sa if p in sb and sa[p] != sb[p]]
+                + [f"{p} only in the checkpoint" for p in sa if p not in sb]
+                + [f"{p} only in the run" for p in sb if p not in sa])
+        if not diff:
+            diff = ["the same leaves in another order"]
+        raise CheckpointError(f"{where} holds other parameters than this run's model ({saved['size']} vs "
+                              f"{mine['size']} values; " + "; ".join(diff[:6])
+                              + (f"; ... ({len(diff)} leaves differ)" if len(diff) > 6 else "") + ")")
+    return int(saved["padded"]) != int(mine["padded"])

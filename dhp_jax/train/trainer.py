@@ -463,7 +463,7 @@ class Trainer:
             state = self.init_state()
             start = 0
             if resume:
-                restored = ckpt.restore(state, self.model_config.to_dict())
+                restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout.record())
                 state, start = restored.state, restored.data_position
                 if start >= cfg.steps:
                     self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
@@ -597,9 +597,11 @@ class Trainer:
         return save
 
     def _checkpoint_extra(self, done: int) -> dict:
-        """The trainer's part of a checkpoint's meta: the program record and, fine-tuning, the
-        loader state whose next batch is step `done`'s (a resumed run takes exactly that batch)."""
-        extra: dict[str, Any] = {"programs": self._ran.to_json()}
+        """The trainer's part of a checkpoint's meta: the executables of the plans run so far (a
+        resumed run plans as this one does), the flat layout (a run on another rank count re-pads
+        the state, a reader without jax unflattens it) and, fine-tuning, the loader state whose
+        next batch is step `done`'s (a resumed run takes exactly that batch)."""
+        extra: dict[str, Any] = {"programs": self._ran.to_json(), "layout": self.executor.layout.record()}
         if self.finetune:
             extra["loader"] = self.pipeline.loader_state(done)
         return extra
@@ -622,6 +624,14 @@ class Trainer:
         plans of steps < start, stored in the checkpoint (a checkpoint without them, of a live
         DHP run, is refused: its plans would differ from the uninterrupted run's)."""
         keys = meta.get("programs")
+        saved_ranks = (meta.get("layout") or {}).get("num_shards")
+        if saved_ranks is not None and int(saved_ranks) != self.config.num_ranks:
+            # the record names groups of another rank count: no uninterrupted run on this count
+            # exists to plan like, so this run plans as a fresh one on its ranks would
+            self._say(f"the checkpoint was written on {saved_ranks} ranks, this run has {self.config.num_ranks}: "
+                      f"the state is re-laid onto {self.config.num_ranks} ranks and plans are made for them "
+                      f"from step {start + 1}, assuming no group program compiled")
+            return
         if keys is None:
             if self.plan_source.plans is None and self.plan_source.strategy == "dhp" and start:
                 from dhp_jax.train.checkpoint import CheckpointError
