@@ -245,17 +245,18 @@ def state_bytes(params: float, state_shards: int) -> float:
 # Python loop without recompute: every layer keeps what its backward pass reads. The counts below
 # are those values per row (elements), by the layer's parts; `dhp bench memory --families`
 # compares the sum with the compiled programs (docs/experiments.md).
-FAMILY_LLM_FF = 5          # SwiGLU: gate, up, silu(gate), the product, silu's sigmoid
+FAMILY_LLM_FF = 5          # SwiGLU: gate, up, silu(gate), the product, silu's sigmoid (JAX saves 6)
 FAMILY_LLM_WIDTH = 4       # the block input, its RMSNorm output, the residual sum, its RMSNorm output
 # encoder block, per row: (values as wide as the encoder, values as wide as its MLP)
 # - InternViT: two LayerNorms (input, centred input, output: 3 each), q, k, v, the attention output,
-#   the two layer-scaled branch outputs; exact GELU keeps fc1's output and two factors of its derivative
+#   the two layer-scaled branch outputs; exact GELU: 4 (JAX saves fc1's output, erfc, exp and a copy)
 # - Qwen2.5-VL: two RMSNorms (2 each), fused q, k, v and the rotated q, k, the attention output;
 #   SwiGLU as the LLM's
 # - Qwen3-VL: two LayerNorms (2 each), fused q, k, v and the rotated q, k, the attention output;
-#   tanh-GELU keeps fc1's output and its activation
+#   tanh-GELU: 3 (JAX saves 5, fc1's output, tanh and three products; XLA fuses two of them away)
+# The MLP counts are what the compiled programs keep (`dhp bench memory --families`, layer rows).
 POSITION_TAPS = 4          # Qwen3-VL's interpolated position embedding (dhp_jax.model.hf.packed.TAPS)
-FAMILY_ENCODER = {"internvl": (12, 3), "qwen2_5_vl": (10, 5), "qwen3_vl": (10, 2)}
+FAMILY_ENCODER = {"internvl": (12, 4), "qwen2_5_vl": (10, 5), "qwen3_vl": (10, 3)}
 
 
 def encoder_rows(m: Any) -> int:
