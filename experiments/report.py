@@ -234,6 +234,31 @@ def memory(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def memory_families(r: dict[str, Any]) -> str:
+    """The family group programs: model / compiled by model and degree, one cell per token count
+    ("not run" where the row was not measured), and the per-layer rows."""
+    tokens = r["config"]["tokens"]
+    by: dict[tuple[str, int], dict[int, Any]] = {}
+    for row in r["rows"]:
+        by.setdefault((row["model"], row["degree"]), {})[row["tokens"]] = row
+    for row in r["not_run"]:
+        by.setdefault((row["model"], row["degree"]), {})
+    head = " / ".join(f"{t // 1024}k" for t in tokens)
+    cell = lambda d, t: (f"{d[t]['compiled_bytes'] / 1e9:.1f} / {d[t]['model_bytes'] / 1e9:.1f} GB: "  # noqa: E731
+                         f"**{d[t]['ratio']:.3f}**") if t in d else "not run"
+    lines = [f"| model | degree | {' | '.join(f'{t // 1024}k: compiled / model, ratio' for t in tokens)} |",
+             "|---|---|" + "---|" * len(tokens)]
+    del head
+    for (model, degree), d in sorted(by.items()):
+        lines.append(f"| {model} | {degree} | {' | '.join(cell(d, t) for t in tokens)} |")
+    if r["layer_rows"]:
+        lines += ["", "| model | degree | tokens | one more | compiled MB | model MB | ratio |", "|---|---|---|---|---|---|---|"]
+        for row in r["layer_rows"]:
+            lines.append(f"| {row['model']} | {row['degree']} | {row['tokens']} | {row['added']} | "
+                         f"{row['compiled_bytes'] / 1e6:.0f} | {row['model_bytes'] / 1e6:.0f} | {row['ratio']:.3f} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": Table(_end_to_end_columns),
     "scaling": Table([
@@ -289,6 +314,7 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
         ("lost to the rule and placement (of which: menu degrees / padding)", _compiles_lost),
         ("how", how("result"))]),
     "memory": memory,
+    "memory_families": memory_families,
 }
 
 # Tables that already say everything skip the per-row summary lines.

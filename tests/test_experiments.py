@@ -22,7 +22,7 @@ CONFIGS = config_files()
 def test_there_is_a_config_for_every_experiment():
     kinds = {load_config(p).kind for p in CONFIGS}
     assert kinds == {"end_to_end", "scaling", "overhead", "estimator", "case_study", "optimality", "ablations",
-                     "sensitivity", "tail_sweep", "attention_choice", "compiles", "memory"}
+                     "sensitivity", "tail_sweep", "attention_choice", "compiles", "memory", "memory_families"}
     assert len(CONFIGS) >= 8  # experiment 1 and 2 share a runner, with two configs
 
 

@@ -151,20 +151,21 @@ def test_bad_configs_name_the_problem():
 
 def test_memory_counts_each_familys_encoder():
     """Per local token (every token priced as a vision token): each encoder layer keeps its input for
-    the 4 patches the token merges (remat "layer"); a GELU MLP (2 matrices) keeps 2 x ff elements per
-    patch without remat, SwiGLU (3) 4 x ff; DeepStack's three merger outputs wait for the LLM."""
+    the 4 patches the token merges (remat "layer"); without remat, what the family's program keeps
+    per encoder row; DeepStack's three merger outputs wait for the LLM."""
     rep = dataclasses.replace
     per_token = memory.activation_bytes_per_token
     m = presets.MODELS["internvl3-8b"]
     deeper = rep(m, vision_layers=m.vision_layers + 1)
     assert per_token(deeper, "layer", 2) - per_token(m, "layer", 2) == 2 * 4 * 1024
     wider = rep(m, vision_intermediate=m.vision_intermediate + 1)
-    assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 4 * 24 * 2
-    swiglu = rep(m, vision_mlp=3)
-    # (here 4 patches' SwiGLU working set also outgrows the decoder block's: one more ff element of
-    # work, 4 per patch, counts too)
-    assert per_token(rep(swiglu, vision_intermediate=4097), "none", 2) - per_token(swiglu, "none", 2) == \
-        2 * 4 * 24 * 4 + 2 * 4 * 4
+    # without remat a family is priced as its own program runs (memory.family_bytes_per_token):
+    # InternViT's exact GELU keeps 4 ff-wide values per row, on 5 rows per token (the 4 patches and
+    # the tile's CLS row); Qwen2.5-VL's SwiGLU 5, on 4 rows
+    assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 5 * 24 * 4
+    q25 = presets.ModelShape.from_config(QWEN25_VL)
+    assert per_token(rep(q25, vision_intermediate=q25.vision_intermediate + 1), "none", 2) \
+        - per_token(q25, "none", 2) == 2 * 4 * q25.vision_layers * 5
     q = presets.MODELS["qwen3-vl-8b"]
     v4, d = 4 * 1152, 4096
     assert per_token(q, "layer", 2) - per_token(rep(q, deepstack=0), "layer", 2) == 2 * 3 * d + 2 * 3 * (v4 + 2 * v4 + d)

@@ -96,9 +96,13 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
                                chunked: bool = False) -> float:
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
-    `chunked`: the blocks' token-local work runs in chunks (`_block`)."""
+    `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
+    shape (`m.family`) with remat "none" is priced as the family program runs
+    (`family_bytes_per_token`)."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
+    if getattr(m, "family", "") and remat == "none":
+        return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes))
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
@@ -234,3 +238,55 @@ def step_phases(programs: Sequence[float], params: float, compute_bytes: int, st
 def state_bytes(params: float, state_shards: int) -> float:
     """Bytes per rank of the sharded fp32 state (master, Adam moments, gradient accumulator)."""
     return STATE_BYTES_PER_PARAM * params / state_shards
+
+
+# ------------------------------------------------------------------ the Hugging Face families' program
+# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`) as a
+# Python loop without recompute: every layer keeps what its backward pass reads. The counts below
+# are those values per row (elements), by the layer's parts; `dhp bench memory --families`
+# compares the sum with the compiled programs (docs/experiments.md).
+FAMILY_LLM_FF = 5          # SwiGLU: gate, up, silu(gate), the product, silu's sigmoid (JAX saves 6)
+FAMILY_LLM_WIDTH = 4       # the block input, its RMSNorm output, the residual sum, its RMSNorm output
+# encoder block, per row: (values as wide as the encoder, values as wide as its MLP)
+# - InternViT: two LayerNorms (input, centred input, output: 3 each), q, k, v, the attention output,
+#   the two layer-scaled branch outputs; exact GELU: 4 (JAX saves fc1's output, erfc, exp and a copy)
+# - Qwen2.5-VL: two RMSNorms (2 each), fused q, k, v and the rotated q, k, the attention output;
+#   SwiGLU as the LLM's
+# - Qwen3-VL: two LayerNorms (2 each), fused q, k, v and the rotated q, k, the attention output;
+#   tanh-GELU: 3 (JAX saves 5, fc1's output, tanh and three products; XLA fuses two of them away)
+# The MLP counts are what the compiled programs keep (`dhp bench memory --families`, layer rows).
+POSITION_TAPS = 4          # Qwen3-VL's interpolated position embedding (dhp_jax.model.hf.packed.TAPS)
+FAMILY_ENCODER = {"internvl": (12, 4), "qwen2_5_vl": (10, 5), "qwen3_vl": (10, 3)}
+
+
+def encoder_rows(m: Any) -> int:
+    """Rows of the family program's vision stream per LLM token (`dhp_jax.model.hf.packed.unit`):
+    the patches one LLM token merges, and for InternVL one more for its tile's CLS token (a dead row
+    on all but the tile's first token). Every LLM slot has them, text and padding slots included:
+    the program's shapes do not depend on the group's vision share, so neither do its bytes."""
+    ppt = _encoder(m)[0]
+    return ppt + (1 if getattr(m, "family", "") == "internvl" else 0)
+
+
+def family_bytes_per_token(m: Any, ab: float) -> float:
+    """Bytes per local LLM token of a family's group program (no recompute), elements of `ab` bytes:
+    its inputs, every LLM layer's and every encoder block's kept values with the ring attention's
+    fp32 output and statistics, one block's backward working set, and the encoder's tail (the merge,
+    the projector or merger and the DeepStack mergers, the token embedding, the merged stream, the
+    final norm and the LM head's input)."""
+    rows = encoder_rows(m)
+    _, _, deepstack, mid = _encoder(m)
+    qkv = (m.heads + 2 * m.kv_heads) * m.head_dim
+    dec = FAMILY_LLM_WIDTH * m.hidden + 2 * qkv + m.heads * m.head_dim + FAMILY_LLM_FF * m.intermediate
+    wide, ffs = FAMILY_ENCODER[m.family]
+    vit = wide * m.vision_hidden + ffs * m.vision_intermediate
+    dec_attn = _attention_fp32(m.heads, m.head_dim)
+    vit_attn = _attention_fp32(m.vision_heads, m.vision_head_dim)
+    kept = m.layers * (dec + dec_attn) + rows * m.vision_layers * (vit + vit_attn)
+    work = max(dec + dec_attn, rows * (vit + vit_attn))
+    patch = m.patch_dim // _encoder(m)[0]
+    inputs = 8 + rows * (10 + patch + 4)        # LLM ints and weight, vision ints, pixels and taps
+    tail = (1 + deepstack) * (rows * m.vision_hidden + 2 * mid + m.hidden) + deepstack * m.hidden + 4 * m.hidden
+    if m.family == "qwen3_vl":     # the position table's 4 bilinear taps per row: the gathered table rows
+        tail += 2 * rows * POSITION_TAPS * m.vision_hidden      # and their weighted copies
+    return float(ab * (inputs + kept + tail))

@@ -52,6 +52,7 @@ class ModelShape:
     projector_hidden: int = 0  # middle width of the projector / merger (0: the LLM's hidden)
     param_count: int = 0       # exact parameters of the published model (0: the stand-in's formula)
     vision_rule: str = ""      # token rule of dhp_jax.data.vision ("" : from the model's name)
+    family: str = ""           # the Hugging Face family ("internvl", "qwen2_5_vl", "qwen3_vl"; "": the stand-in)
 
     @classmethod
     def from_facts(cls, f: "model_configs.ModelFacts") -> "ModelShape":
@@ -61,7 +62,7 @@ class ModelShape:
                    frame_patches=f.frame_patches, vision_heads=f.vision_heads, vision_head_dim=f.vision_head_dim,
                    patch_dim=f.patch_dim, vision_mlp=f.vision_mlp, window_patches=f.window_patches,
                    window_layers=f.window_layers, deepstack=f.deepstack, projector_hidden=f.projector_hidden,
-                   param_count=f.params, vision_rule=f.vision_rule)
+                   param_count=f.params, vision_rule=f.vision_rule, family=f.family)
 
     @classmethod
     def from_config(cls, config: "Mapping[str, Any] | str") -> "ModelShape":

@@ -41,14 +41,19 @@ def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
     (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype)."""
 
+    cuts = layout.leaf_cuts()
+
     def body(flat, llm_ints, llm_floats, vision_ints, vision_floats):
-        def loss_sum(f):
-            return packed_loss_sum(config, layout.unravel(f), llm_ints, llm_floats, vision_ints, vision_floats, attn)
+        def loss_sum(pieces):
+            return packed_loss_sum(config, layout.unravel_pieces(pieces, cuts), llm_ints, llm_floats, vision_ints,
+                                   vision_floats, attn)
 
         # per device (check_vma=False: no implicit psum over the group); the reduction is the
-        # executor's reduce-scatter over the full mesh
-        value, grads = jax.value_and_grad(loss_sum)(flat)
-        return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], grads[None]
+        # executor's reduce-scatter over the full mesh. Differentiated with respect to one piece
+        # per leaf, so the row is a concatenation of the leaves' gradients (differentiating the
+        # whole vector makes it a sum of zero-padded P-sized parts: several P-sized temporaries)
+        value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
+        return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], jnp.concatenate(grads)[None]
 
     return body
 

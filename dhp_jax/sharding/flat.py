@@ -141,6 +141,10 @@ class FlatLayout:
             bounds |= {start, start + count * n}
         return tuple(sorted(bounds | {0}))
 
+    def leaf_cuts(self) -> tuple[int, ...]:
+        """`cuts` at every leaf's start: `split` then gives one piece per leaf (and the pad tail)."""
+        return tuple(sorted(set(self._offsets().values()) | {0}))
+
     def split(self, flat: jax.Array, cuts: tuple[int, ...]) -> tuple[jax.Array, ...]:
         """`flat[P_pad]` cut at `cuts` (`FlatLayout.cuts`) into pieces; `jnp.concatenate` joins
         them again. Differentiating with respect to the pieces gives each its own gradient, joined

@@ -155,6 +155,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fits", action="store_true", help="skip the internvl3-8b sizing check")
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices if jax is not yet imported")
     parser.add_argument("--json", action="store_true", help="print only JSON")
+    parser.add_argument("--families", default="",
+                        help="comma-separated family models (stored names, or model files such as "
+                             "experiments/configs/models/qwen2.5-vl-7b.json): compile the Hugging Face family's own "
+                             "group program (dhp_jax.sharding.family_memory) instead of the stand-in's")
+    parser.add_argument("--layer-checks", default="",
+                        help="--families: semicolon-separated DEGREE,TOKENS points where one more LLM layer and one "
+                             "more encoder block are compiled too (the per-layer bytes)")
+    parser.add_argument("--rows-file", default=None,
+                        help="--families: append each row to this JSON-lines file as soon as it is measured")
 
 
 def use_cpu_devices(count: int) -> None:
@@ -173,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
 
     use_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
+    if args.families:
+        return run_families(args, ints)
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=args.remat, compute_dtype=args.dtype,
                   state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits)
@@ -195,4 +206,31 @@ def run(args: argparse.Namespace) -> int:
               f"{'fits' if f['fits'] else 'does NOT fit'}; CostModel at the preset's widths (bf16 "
               f"activations): {f['model_total_bytes_native'] / 1e9:.2f} GB "
               f"({'fits' if f['fits_native_model'] else 'does NOT fit'})")
+    return 0
+
+
+def run_families(args: argparse.Namespace, ints: Any) -> int:
+    """`dhp bench memory --families`: the family group programs (`family_memory.measure_families`)."""
+    import sys
+
+    from dhp_jax.sharding import family_memory
+
+    checks = [tuple(ints(x)) for x in str(args.layer_checks).split(";") if x.strip()]
+    if any(len(c) != 2 for c in checks):
+        raise SystemExit(f"--layer-checks: {args.layer_checks!r} is not DEGREE,TOKENS[;DEGREE,TOKENS...]")
+    res = family_memory.measure_families([m.strip() for m in args.families.split(",") if m.strip()],
+                                         ints(args.degrees), ints(args.tokens), layer_checks=checks,
+                                         hardware=args.hardware, log=lambda t: print(t, file=sys.stderr, flush=True),
+                                         rows_file=args.rows_file)
+    if args.json:
+        print(json.dumps(res, indent=2))
+        return 0
+    print(res["label"])
+    print(f"{'model':16s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} {'model/compiled':>15s}")
+    for r in res["rows"]:
+        print(f"{r['model']:16s} {r['degree']:6d} {r['tokens']:7d} {r['compiled_bytes'] / 1e9:12.2f} "
+              f"{r['model_bytes'] / 1e9:9.2f} {r['ratio']:15.3f}")
+    for r in res["layer_rows"]:
+        print(f"{r['model']:16s} {r['degree']:6d} {r['tokens']:7d} one more {r['added']}: compiled "
+              f"{r['compiled_bytes'] / 1e6:.0f} MB, model {r['model_bytes'] / 1e6:.0f} MB, ratio {r['ratio']:.3f}")
     return 0

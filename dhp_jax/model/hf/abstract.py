@@ -1,0 +1,85 @@
+"""The params tree of a family model as shapes only (`jax.ShapeDtypeStruct`), for abstract compiles.
+
+`abstract_params(config)` asks transformers (a test dependency, imported here only) to build the
+model of `config.raw` on torch's meta device (no weight allocated, a few seconds for an 8B model)
+and maps its state-dict names and shapes to our tree by the checkpoint rule
+(`dhp_jax.model.hf.checkpoint`), so the tree is exactly the one `load_pretrained` gives for a
+checkpoint of that config. `with_depth` makes the same config with fewer layers (the memory bench
+compiles a few layers and extrapolates: `dhp_jax.sharding.family_memory`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dhp_jax.model.hf.checkpoint import tree_from_weights
+
+
+class _Shape:
+    """A weight's shape standing in for the weight in `tree_from_weights` (reshape and .T only)."""
+
+    def __init__(self, shape: Any) -> None:
+        self.shape = tuple(int(s) for s in shape)
+        self.ndim = len(self.shape)
+
+    def reshape(self, *shape: Any) -> "_Shape":
+        dims = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+        if -1 in dims:
+            i = dims.index(-1)
+            dims[i] = int(np.prod(self.shape)) // int(np.prod([d for d in dims if d != -1]))
+        return _Shape(dims)
+
+    @property
+    def T(self) -> "_Shape":  # noqa: N802 (numpy's name)
+        return _Shape(self.shape[::-1])
+
+
+def state_dict_shapes(raw: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every weight of transformers' model of config.json dict `raw`, built on
+    torch's meta device."""
+    try:
+        import torch
+        import transformers
+    except ImportError as e:                                     # pragma: no cover - test dependency
+        raise ImportError("abstract params of a family model need transformers and torch "
+                          "(pip install transformers torch)") from e
+    raw = dict(raw)
+    model_type = raw.pop("model_type", None)
+    arch = (raw.get("architectures") or [None])[0]
+    if not arch or not hasattr(transformers, arch):
+        raise ValueError(f"config.json architectures {raw.get('architectures')!r}: not a transformers model class")
+    config = transformers.AutoConfig.for_model(model_type, **raw)
+    with torch.device("meta"):
+        model = getattr(transformers, arch)(config)
+    return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+
+
+def abstract_params(config: Any, dtype: Any = jnp.float32) -> dict:
+    """The params tree of family config `config` (an `HFConfig`) as `jax.ShapeDtypeStruct`s."""
+    from dhp_jax.model.hf.api import LM_HEAD, family_module
+    renames = family_module(config.family).LEGACY_RENAMES
+    return tree_from_weights(((k, _Shape(s)) for k, s in state_dict_shapes(config.raw)), renames,
+                             skip=(LM_HEAD,) if config.tied else (),
+                             convert=lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)))
+
+
+def with_depth(raw: Mapping[str, Any], layers: int, vision_layers: int) -> dict:
+    """config.json dict `raw` with `layers` LLM layers and `vision_layers` encoder blocks. The
+    blocks that differ keep their count where the depth allows: Qwen3-VL's DeepStack blocks become
+    the first ones (their features are added to the first LLM layers), Qwen2.5-VL's
+    full-attention blocks the last ones."""
+    out = copy.deepcopy(dict(raw))
+    out["text_config"]["num_hidden_layers"] = int(layers)
+    v = out["vision_config"]
+    v["depth" if "depth" in v else "num_hidden_layers"] = int(vision_layers)
+    if "deepstack_visual_indexes" in v:
+        v["deepstack_visual_indexes"] = list(range(min(len(v["deepstack_visual_indexes"]), vision_layers)))
+    if "fullatt_block_indexes" in v:
+        k = min(len(v["fullatt_block_indexes"]), vision_layers)
+        v["fullatt_block_indexes"] = list(range(vision_layers - k, vision_layers))
+    return out

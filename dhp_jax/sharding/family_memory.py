@@ -1,0 +1,156 @@
+"""`dhp bench memory --families`: XLA's compiled bytes of a family's group program vs the memory model.
+
+The group program of `FamilyExecutor` (`dhp_jax.sharding.family`) for (model, degree, tokens) is
+lowered with abstract arguments (the params tree's shapes from the model's config.json:
+`dhp_jax.model.hf.abstract`; nothing is allocated) and compiled for `degree` CPU devices with
+XLA:CPU's memory-minimising scheduler; `memory_analysis()` gives arguments + outputs + temp -
+aliases per device. Next to it, `CostModel.program_bytes` of the model's `ModelShape`
+(`planner.memory`, the family terms) for the engine's choices for the families: no recompute
+(the family program keeps every intermediate: remat "none"), no pad skipping, fp32.
+
+The packed vision stream gives every LLM slot `unit` encoder rows (`dhp_jax.model.hf.packed`), so
+the program's shapes, and its bytes, do not depend on the group's vision share: the encoder runs
+(on dead rows for text slots) as for an all-vision stream.
+
+Depth: the family program runs its layers as a Python loop (no scan), so a compile of a
+full-depth 8B model at 64k tokens takes minutes on a small host. The bench compiles the model at
+`BASE` (LLM layers, encoder blocks), at one LLM layer more and at one encoder block more, and
+extrapolates linearly to full depth (`extrapolate`); the model's bytes are computed at the same
+depths, and each row records the model / compiled ratio both at the compiled base depth and at
+full depth (the per-layer bytes, compiled and modelled, are compared in `layer_rows`).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Mapping, Sequence
+
+BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
+
+
+def load_model_config(name: str) -> tuple[str, dict]:
+    """(name, config.json dict) of a stored model (`dhp_jax/data/models`) or a model file (a path to
+    a JSON record with a "config" object, as stored there, or to a bare config.json)."""
+    import json
+    import os
+
+    from dhp_jax.data.model_configs import hf_layout, model_config
+    if os.path.isfile(name):
+        with open(name) as f:
+            record = json.load(f)
+        raw = record.get("config", record)
+        return str(record.get("name") or os.path.splitext(os.path.basename(name))[0]), hf_layout(raw)
+    return name, hf_layout(model_config(name))
+
+
+def model_shape(raw: Mapping[str, Any], params: int) -> Any:
+    """The planner's `ModelShape` of config.json dict `raw`, with `params` parameters."""
+    import dataclasses
+
+    from dhp_jax.planner.presets import ModelShape
+    return dataclasses.replace(ModelShape.from_config(raw), param_count=int(params))
+
+
+def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
+             compute_dtype: str = "float32") -> tuple[int, int]:
+    """(per-device bytes of the compiled group program, its parameter count) of the family model of
+    config.json dict `raw` for a group of `degree` devices and `tokens` LLM tokens (rounded up to a
+    multiple of 2 x degree)."""
+    from dhp_jax.model.hf.abstract import abstract_params
+    from dhp_jax.model.hf.api import parse_config
+    from dhp_jax.sharding.executor import PlanExecutor
+    from dhp_jax.sharding.memory_bench import CPU_MEMORY_SCHEDULER
+
+    config = parse_config(raw)
+    ex = PlanExecutor(config, devices[:degree], compute_dtype=compute_dtype)
+    ex.bind(abstract_params(config))
+    stream = -(-tokens // (2 * degree)) * 2 * degree
+    options = dict(ex.compiler_options)
+    if all(d.platform == "cpu" for d in devices[:degree]):
+        options.update(CPU_MEMORY_SCHEDULER)
+    m = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options).memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes), ex.layout.size
+
+
+def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
+             compute_dtype: str = "float32", state_shards: int = 64) -> float:
+    """`CostModel.program_bytes` of the family model of `raw` (with `params` parameters) for one
+    group of `degree` devices and `tokens` tokens, at the family program's engine choices."""
+    from dhp_jax.planner import CostModel
+
+    cost = CostModel.preset(model_shape(raw, params), hardware, remat=REMAT, compute_dtype=compute_dtype,
+                            state_shards=state_shards, require_fit=False)
+    return float(cost.program_bytes([int(tokens)], int(degree)))
+
+
+REMAT = "none"   # the family program keeps every intermediate (no recompute for the families yet)
+
+
+def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *,
+                     layer_checks: Sequence[tuple[int, int]] = (), depth: tuple[int, int] = BASE,
+                     hardware: str = "ascend-910b", compute_dtype: str = "float32", log=None,
+                     rows_file: str | None = None) -> dict:
+    """Rows (model, degree, tokens): compiled and modelled bytes of the group program at `depth`
+    (LLM layers, encoder blocks), their ratio; `layer_rows` (model, degree, tokens) at each of
+    `layer_checks`: the bytes one more LLM layer / one more encoder block adds, compiled and
+    modelled. The ratio of a full-depth program, (base + n dL + m dV) compiled vs modelled, lies
+    between the base ratio and the per-layer ratios (a mediant), so the full-depth agreement is
+    bounded by the rows and the layer rows (`full_depth_bound`)."""
+    import jax
+
+    from dhp_jax.model.hf.abstract import with_depth
+
+    devices = jax.devices()
+    if max(degrees, default=1) > len(devices):
+        raise SystemExit(f"degree {max(degrees)} needs {max(degrees)} devices, found {len(devices)}")
+    say = log or (lambda text: None)
+
+    def keep(row: dict) -> dict:
+        if rows_file:                                  # one JSON line per row as it is measured
+            import json
+            with open(rows_file, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        return row
+    rows, layer_rows = [], []
+    for spec in models:
+        name, raw = load_model_config(spec)
+        full = (int(raw["text_config"]["num_hidden_layers"]),
+                int(raw["vision_config"].get("depth", raw["vision_config"].get("num_hidden_layers", 0))))
+        base = with_depth(raw, *depth)
+
+        def point(cfg: Mapping[str, Any], d: int, s: int) -> tuple[int, float, float, int]:
+            t0 = time.perf_counter()
+            got, params = compiled(cfg, d, s, devices, compute_dtype)
+            want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype)
+            return got, want, time.perf_counter() - t0, params
+
+        done: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # the base program by (degree, tokens)
+        for d, s in layer_checks:
+            done[d, s] = got0, want0, _, params0 = point(base, d, s)
+            for what, cfg in (("llm_layer", with_depth(raw, depth[0] + 1, depth[1])),
+                              ("encoder_block", with_depth(raw, depth[0], depth[1] + 1))):
+                got, want, took, params = point(cfg, d, s)
+                dg, dw = got - got0, want - want0
+                layer_rows.append(keep({"model": name, "degree": d, "tokens": s, "added": what,
+                                   "compiled_bytes": int(dg), "model_bytes": int(dw), "ratio": round(dw / dg, 4),
+                                   "compile_s": round(took, 1), "base_compiled_bytes": got0, "base_params": params0,
+                                   "params": params}))
+                say(f"{name} degree {d} {s} tokens, one more {what}: compiled {dg / 1e6:.0f} MB, model "
+                    f"{dw / 1e6:.0f} MB, ratio {dw / dg:.3f}")
+        for s in tokens:
+            for d in degrees:
+                got, want, took, params = done.get((d, s)) or point(base, d, s)
+                rows.append(keep({"model": name, "family": raw["model_type"], "degree": d, "tokens": s,
+                             "layers": list(depth), "full_layers": list(full), "compiled_bytes": got,
+                             "model_bytes": int(want), "ratio": round(want / got, 4), "compile_s": round(took, 1),
+                             "params": params}))
+                say(f"{name} degree {d} {s} tokens at {depth}: compiled {got / 1e9:.2f} GB, model "
+                    f"{want / 1e9:.2f} GB, ratio {want / got:.3f} ({took:.0f} s)")
+    ratios = [r["ratio"] for r in rows] + [r["ratio"] for r in layer_rows]
+    return {"label": f"XLA memory_analysis of the family group program at {depth[0]} LLM layers and {depth[1]} "
+                     f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
+                     f"{devices[0].platform} devices) vs CostModel.program_bytes (remat {REMAT!r})",
+            "depth": list(depth), "compute_dtype": compute_dtype, "remat": REMAT, "rows": rows,
+            "layer_rows": layer_rows,
+            "full_depth_bound": [min(ratios), max(ratios)] if ratios else None}

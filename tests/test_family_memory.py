@@ -1,0 +1,50 @@
+"""The memory model vs the compiled group program of a Hugging Face family (`dhp bench memory
+--families` at published sizes; here a tiny Qwen3-VL with DeepStack): the family program compiled
+with abstract params (shapes from config.json, nothing allocated) for a ring group, and
+`CostModel.program_bytes` of the same shape, agree within 10 %."""
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+from test_hf_qwen3_vl import make_config  # noqa: E402
+
+TOLERANCE = 0.10
+
+
+def raw_config():
+    raw = make_config(tied=False).to_dict()
+    raw["architectures"] = ["Qwen3VLForConditionalGeneration"]
+    return raw
+
+
+def test_abstract_params_are_the_checkpoint_tree():
+    """The shape tree has every weight transformers' model has, under our checkpoint names."""
+    from dhp_jax.model import hf
+    from dhp_jax.model.hf.abstract import abstract_params, state_dict_shapes
+    from dhp_jax.model.hf.api import parse_config
+
+    raw = raw_config()
+    config = parse_config(raw)
+    import jax
+    import numpy as np
+    tree = abstract_params(config)
+    names = hf.to_state_dict(config, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), tree))
+    theirs = dict(state_dict_shapes(raw))
+    assert sorted(names) == sorted(theirs)
+    assert all(tuple(names[k].shape) == theirs[k] for k in theirs)
+
+
+@pytest.mark.parametrize("degree,tokens", [(2, 4096)])
+def test_family_program_bytes_match_the_memory_model(degree, tokens):
+    import jax
+
+    from dhp_jax.sharding.family_memory import compiled, modelled
+
+    raw = raw_config()
+    got, params = compiled(raw, degree, tokens, jax.devices())
+    want = modelled(raw, params, degree, tokens)
+    print(f"tiny qwen3_vl degree {degree}, {tokens} tokens: compiled {got / 1e6:.1f} MB, model {want / 1e6:.1f} MB, "
+          f"ratio {want / got:.3f}")
+    assert abs(want / got - 1.0) <= TOLERANCE, (got, want)
