@@ -75,61 +75,11 @@ def _with_depth(base: Mapping[str, Any], t: dict, v: dict, layers: int) -> dict[
 
 
 def weight_shapes(raw: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """{transformers name: shape} of every weight of a Qwen3-VL config (transformers'
-    `Qwen3VLForConditionalGeneration.state_dict()`, a tied lm_head left out as transformers saves it)."""
-    t, v = raw["text_config"], raw["vision_config"]
-    out: dict[str, tuple[int, ...]] = {}
-    h, hv, iv = t["hidden_size"], v["hidden_size"], v["intermediate_size"]
-    hd = t.get("head_dim") or h // t["num_attention_heads"]
-    q, kv = t["num_attention_heads"] * hd, t["num_key_value_heads"] * hd
-
-    def linear(name: str, n_out: int, n_in: int, bias: bool = True) -> None:
-        out[name + ".weight"] = (n_out, n_in)
-        if bias:
-            out[name + ".bias"] = (n_out,)
-
-    def norm(name: str, n: int, bias: bool) -> None:
-        out[name + ".weight"] = (n,)
-        if bias:
-            out[name + ".bias"] = (n,)
-
-    tp, ps = v.get("temporal_patch_size", 2), v["patch_size"]
-    out["model.visual.patch_embed.proj.weight"] = (hv, v.get("in_channels", 3), tp, ps, ps)
-    out["model.visual.patch_embed.proj.bias"] = (hv,)
-    out["model.visual.pos_embed.weight"] = (v["num_position_embeddings"], hv)
-    for i in range(v["depth"]):
-        b = f"model.visual.blocks.{i}"
-        norm(b + ".norm1", hv, True)
-        norm(b + ".norm2", hv, True)
-        linear(b + ".attn.qkv", 3 * hv, hv)
-        linear(b + ".attn.proj", hv, hv)
-        linear(b + ".mlp.linear_fc1", iv, hv)
-        linear(b + ".mlp.linear_fc2", hv, iv)
-    merged = hv * v.get("spatial_merge_size", 2) ** 2
-    for m, post in [("model.visual.merger", False)] + [(f"model.visual.deepstack_merger_list.{j}", True)
-                                                       for j in range(len(v.get("deepstack_visual_indexes", ())))]:
-        norm(m + ".norm", merged if post else hv, True)
-        linear(m + ".linear_fc1", merged, merged)
-        linear(m + ".linear_fc2", v["out_hidden_size"], merged)
-    out["model.language_model.embed_tokens.weight"] = (t["vocab_size"], h)
-    bias = bool(t.get("attention_bias", False))
-    for i in range(t["num_hidden_layers"]):
-        b = f"model.language_model.layers.{i}"
-        linear(b + ".self_attn.q_proj", q, h, bias)
-        linear(b + ".self_attn.k_proj", kv, h, bias)
-        linear(b + ".self_attn.v_proj", kv, h, bias)
-        linear(b + ".self_attn.o_proj", h, q, bias)
-        norm(b + ".self_attn.q_norm", hd, False)
-        norm(b + ".self_attn.k_norm", hd, False)
-        linear(b + ".mlp.gate_proj", t["intermediate_size"], h, False)
-        linear(b + ".mlp.up_proj", t["intermediate_size"], h, False)
-        linear(b + ".mlp.down_proj", h, t["intermediate_size"], False)
-        norm(b + ".input_layernorm", h, False)
-        norm(b + ".post_attention_layernorm", h, False)
-    norm("model.language_model.norm", h, False)
-    if not (raw.get("tie_word_embeddings") or t.get("tie_word_embeddings")):
-        linear("lm_head", t["vocab_size"], h, False)
-    return out
+    """{transformers name: shape} of every weight of a config.json dict (`hf.init.weight_shapes`:
+    transformers' `state_dict()`, a tied lm_head left out as transformers saves it)."""
+    from dhp_jax.model.hf.families import parse_config
+    from dhp_jax.model.hf.init import weight_shapes as named_shapes
+    return {name: shape for name, (_, shape) in named_shapes(parse_config(raw)).items()}
 
 
 def param_count(raw: Mapping[str, Any]) -> int:

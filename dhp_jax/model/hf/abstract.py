@@ -1,10 +1,9 @@
 """The params tree of a family model as shapes only (`jax.ShapeDtypeStruct`), for abstract compiles.
 
-`abstract_params(config)` asks transformers (a test dependency, imported here only) to build the
-model of `config.raw` on torch's meta device (no weight allocated, a few seconds for an 8B model)
-and maps its state-dict names and shapes to our tree by the checkpoint rule
+`abstract_params(config)` maps the weight names and shapes of the config (`hf.init.weight_shapes`,
+transformers' state-dict names; nothing allocated) to our tree by the checkpoint rule
 (`dhp_jax.model.hf.checkpoint`), so the tree is exactly the one `load_pretrained` gives for a
-checkpoint of that config. `with_depth` makes the same config with fewer layers (the memory bench
+checkpoint of that config (a test holds the names and shapes to transformers' own model). `with_depth` makes the same config with fewer layers (the memory bench
 compiles a few layers and extrapolates: `dhp_jax.sharding.family_memory`).
 """
 
@@ -39,31 +38,12 @@ class _Shape:
         return _Shape(self.shape[::-1])
 
 
-def state_dict_shapes(raw: Mapping[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every weight of transformers' model of config.json dict `raw`, built on
-    torch's meta device."""
-    try:
-        import torch
-        import transformers
-    except ImportError as e:                                     # pragma: no cover - test dependency
-        raise ImportError("abstract params of a family model need transformers and torch "
-                          "(pip install transformers torch)") from e
-    raw = dict(raw)
-    model_type = raw.pop("model_type", None)
-    arch = (raw.get("architectures") or [None])[0]
-    if not arch or not hasattr(transformers, arch):
-        raise ValueError(f"config.json architectures {raw.get('architectures')!r}: not a transformers model class")
-    config = transformers.AutoConfig.for_model(model_type, **raw)
-    with torch.device("meta"):
-        model = getattr(transformers, arch)(config)
-    return [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
-
-
 def abstract_params(config: Any, dtype: Any = jnp.float32) -> dict:
     """The params tree of family config `config` (an `HFConfig`) as `jax.ShapeDtypeStruct`s."""
     from dhp_jax.model.hf.api import LM_HEAD, family_module
+    from dhp_jax.model.hf.init import weight_shapes
     renames = family_module(config.family).LEGACY_RENAMES
-    return tree_from_weights(((k, _Shape(s)) for k, s in state_dict_shapes(config.raw)), renames,
+    return tree_from_weights(((k, _Shape(s)) for k, (_, s) in weight_shapes(config).items()), renames,
                              skip=(LM_HEAD,) if config.tied else (),
                              convert=lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)))
 
