@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dhp_jax.planner.memory import max_tokens_per_rank
 from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster, vision_family
 from dhp_jax.sim.simulate import evaluate, make_batches
@@ -130,7 +131,7 @@ def versus_flexsp(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -
             wall, cpu = _median_solve(lengths, n, cost, int(p["solve_repeats"]))
             row = {"dataset": ds, "batch": b, "ranks": n, "samples": len(lengths),
                    "token_lower_bound_mb": microbatch.min_micro_batches(lengths.astype(float), n,
-                                                                        cost.max_tokens_per_rank),
+                                                                        max_tokens_per_rank(cost)),
                    "dhp_mb": len(dhp.micro_batches), "dhp_step_s": t_dhp, "lower_bound_s": lb.step_s,
                    "dhp_over_bound": t_dhp / lb.step_s, "dhp_solve_ms": wall, "dhp_solve_cpu_ms": cpu}
             note = ""

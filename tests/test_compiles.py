@@ -12,6 +12,7 @@ import pytest
 from dhp_jax.data.layout import bucket_length, bucket_lengths
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
+from dhp_jax.planner.geometry import padded_length
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
 from dhp_jax.planner.programs import ProgramCache, group_keys, reuse_ranks
 
@@ -54,7 +55,7 @@ def test_plan_groups_carry_the_padded_length_the_cost_model_prices():
     d = json.loads(plan.to_json())
     for g, gd in zip(plan.groups, (g for mb in d["micro_batches"] for g in mb["groups"])):
         assert g.tokens == int(L[list(g.samples)].sum()) == gd["tokens"]
-        assert g.padded_tokens == cost.padded_length(g.tokens, g.degree) == gd["padded_tokens"]
+        assert g.padded_tokens == padded_length(cost, g.tokens, g.degree) == gd["padded_tokens"]
         assert g.padded_tokens % (2 * g.degree) == 0
         assert g.est_memory_bytes == pytest.approx(g.padded_tokens * cost.mem_per_token / g.degree)
     assert Plan.from_json(plan.to_json()).groups[0].padded_tokens == plan.groups[0].padded_tokens
@@ -174,9 +175,9 @@ def test_compile_price_counts_new_programs_only():
     c = ProgramCache(compile_s=30.0)
     assert _compile_price(prob, done, None) == 0.0
     assert _compile_price(prob, done, c) == 60.0
-    c.programs.add((4, int(cost.padded_length(30000, 4)), "ulysses"))  # another kind: still new
+    c.programs.add((4, int(padded_length(cost, 30000, 4)), "ulysses"))  # another kind: still new
     assert _compile_price(prob, done, c) == 60.0
-    c.programs.add((4, int(cost.padded_length(30000, 4)), "ring"))
+    c.programs.add((4, int(padded_length(cost, 30000, 4)), "ring"))
     assert _compile_price(prob, done, c) == 30.0
 
 

@@ -13,6 +13,7 @@ from dhp_jax.data.layout import bucket_length, chunk_size, linear_tokens, pack_g
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.executed import counting
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.pricing import sample_terms
 from dhp_jax.sharding import PlanExecutor
 
 C = MLLMConfig.preset("tiny")
@@ -187,7 +188,7 @@ def test_vision_encoder_computes_its_vision_rows_in_whole_chunks(monkeypatch):
     assert sum(scattered) * c > sum(rows)      # the layout's order would have computed mixed chunks
     etas = [s.bidirectional_share for s in samples]
     cost = CostModel.preset("internvl3-2b", "cpu")
-    _, lin, L = cost.terms([s.num_tokens for s in samples], etas)
+    _, lin, L = sample_terms(cost, [s.num_tokens for s in samples], etas)
     priced = float(np.sum(lin - cost.a2 * L)) / cost.a2_vision    # the vision tokens the cost model prices
     assert priced == pytest.approx(int(lay.vision_mask.sum()), rel=1e-12)
     assert 0 <= sum(rows) - priced < d * c

@@ -123,7 +123,7 @@ def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
     """What a step holds per device beyond the state: one micro-batch's gradient row at a time (its
     reduction is enqueued before the next micro-batch's groups, so the rows of earlier micro-batches
     are gone by then), and the reduction casts one piece of the row to fp32 at a time, never the
-    whole row (`CostModel.step_bytes` prices exactly that)."""
+    whole row (`memory.device_step_bytes` prices exactly that)."""
     from dhp_jax.planner.memory import reduce_pieces
 
     ex, params, samples, ref = setup

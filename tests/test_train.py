@@ -13,6 +13,7 @@ import pytest
 
 from dhp_jax.model import MLLMConfig
 from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.pricing import group_time
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.config import load_config
 from dhp_jax.train.metrics import read_jsonl
@@ -198,7 +199,7 @@ def test_profiler_times_real_group_executables(tmp_path, executor):
     cost, report = fit_profile(measurements, CostModel.preset("internvl3-2b", "cpu"), holdout_every=4)
     assert report["num_held_out"] == 2 and report["held_out_mean_rel_error"] >= 0
     path, _ = write_profile(tmp_path / "p.json", cost, report, measurements)
-    assert CostModel.from_profile(path).time([100], 1) > 0
+    assert group_time(CostModel.from_profile(path), [100], 1) > 0
 
 
 def test_trainer_prices_the_memory_of_its_executors_chunk(tmp_path):

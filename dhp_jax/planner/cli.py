@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from dhp_jax.planner.cli_args import add_cost_args, cost_from_args
+from dhp_jax.planner.pricing import allreduce_time
 
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
 
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         from dhp_jax.planner.plot import plot_plan
 
         plot_plan(plan, args.plot, title=f"{args.strategy}: {args.dataset}, {args.batch} samples, {args.ranks} ranks",
-                  allreduce_s=cost.allreduce_time(plan.num_ranks))
+                  allreduce_s=allreduce_time(cost, plan.num_ranks))
     if args.json:
         print(json.dumps({"config": config, "step_time_s": ours_s, "plan": plan.to_dict(), "comparison": comparison},
                          indent=2))
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{int(ls.max()):>8,} "
                   f"{g.est_time_s:>8.3f} {g.est_memory_bytes / 2**30:>8.2f}")
     print(f"\nstep time {ours_s:.3f} s (micro-batches {sum(mb.est_makespan_s for mb in plan.micro_batches):.3f} s "
-          f"+ gradient all-reduce {cost.allreduce_time(args.ranks):.3f} s)")
+          f"+ gradient all-reduce {allreduce_time(cost, args.ranks):.3f} s)")
     if comparison:
         print("\ncomparison (simulated step time):")
         print(f"  {args.strategy:<22} {ours_s:>9.3f} s")

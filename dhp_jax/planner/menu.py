@@ -25,6 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.planner.memory import max_tokens_per_rank
+
 
 def _quantise(values: np.ndarray, weights: np.ndarray, k: int, top: float) -> tuple[list[float], float]:
     """At most k buckets, the last one `top`, covering `values` (sorted ascending, <= top): the
@@ -243,5 +245,5 @@ def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64
         else:
             times = group_kind_times(cost, plan, lengths, etas)
             groups += [(g.degree, g.tokens, t) for g, t in zip(plan.groups, times)]
-    return BucketMenu.fit(groups, budget, cost.max_tokens_per_rank, num_ranks, max_degrees=max_degrees,
+    return BucketMenu.fit(groups, budget, max_tokens_per_rank(cost), num_ranks, max_degrees=max_degrees,
                           kind_per=kind_per or "bucket")

@@ -230,11 +230,15 @@ class Plan:
         return self
 
     def _check_memory(self, cost: Any, lengths: Sequence[int], etas: Sequence[float] | None) -> None:
+        # lazy: memory accounting imports the geometry, whose menu check imports kinds, which imports
+        # this module (the contract stays importable on its own)
+        from dhp_jax.planner.memory import group_activation_bytes
+
         budget = float(cost.memory_budget)
         for m, mb in enumerate(self.micro_batches):
             for gi, g in enumerate(mb.groups):
                 ls = [int(lengths[s]) for s in g.samples]
-                need = float(cost.memory(ls, g.degree))
+                need = float(group_activation_bytes(cost, ls, g.degree))
                 if need > budget * (1 + 1e-9):
                     raise PlanValidationError(
                         f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "

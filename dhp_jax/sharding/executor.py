@@ -24,7 +24,7 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    whole row) into the fp32[P_pad/N] accumulator shard of each device (donated, updated in place).
    At the end the 2N stats are summed and the shards divided by the token count: the token-weighted
    mean, each group counted once. What a step holds per device is priced by
-   `dhp_jax.planner.memory` (`CostModel.step_bytes`) and measured by `dhp bench memory --step`.
+   `dhp_jax.planner.memory` (`memory.device_step_bytes`) and measured by `dhp bench memory --step`.
 `loss_and_grads(params, samples, plan)` wraps this for a float32 params tree: shard it, run the
 step, gather the grads back into a replicated tree (the exactness tests' path).
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.pricing import plan_group_times
+from dhp_jax.planner.pricing import allreduce_time, makespans, plan_group_times
 from dhp_jax.sim.cluster import Cluster
 
 
@@ -41,8 +41,8 @@ def evaluate(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float]
     """Time one plan; raises ValueError naming the group if it references a missing sample."""
     t, d, mb = plan_group_times(plan, lengths, cost, etas)
     # the cost model owns how groups of one micro-batch combine (shared CPU lanes included)
-    makespans = cost.makespans(t, d, mb, len(plan.micro_batches))
-    return StepBreakdown(tuple(makespans.tolist()), float(cost.allreduce_time(plan.num_ranks)),
+    spans = makespans(cost, t, d, mb, len(plan.micro_batches))
+    return StepBreakdown(tuple(spans.tolist()), float(allreduce_time(cost, plan.num_ranks)),
                          float(np.dot(d, t)), plan.num_ranks)
 
 

@@ -5,7 +5,7 @@ A profile point is one CP group: `lengths` (the sequences it holds) on `degree` 
 covers every kind the planner may choose. Each point is timed through the public `PlanExecutor` (forward + backward of a
 one-group plan, compile excluded, minimum over repeats and passes). The planner's `fit_cost_model` fits the
 coefficients on a training subset of the points; the rest are held out and the relative error of
-the fitted `cost.time` on them is the estimator error reported (the paper reports 4-8 %).
+the fitted cost model's `pricing.group_time` on them is the estimator error reported (the paper reports 4-8 %).
 
 The timing function is a parameter, so the fitting path is tested with synthetic timings drawn
 from a cost model with known coefficients.
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from dhp_jax.planner.pricing import group_time
 
 # measure(lengths, etas, degree, attention) -> seconds for one group holding these sequences.
 MeasureFn = Callable[[Sequence[int], Sequence[float], int, str], float]
@@ -87,7 +89,7 @@ def split_points(points: Sequence[ProfilePoint], holdout_every: int = 4, seed: i
 def relative_errors(cost: Any, measurements: Sequence[dict]) -> list[float]:
     out = []
     for m in measurements:
-        est = float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
+        est = float(group_time(cost, list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
                               attention=m.get("attention", "ring")))
         out.append(abs(est - m["seconds"]) / m["seconds"])
     return out
@@ -132,7 +134,7 @@ def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4,
         "train_mean_rel_error": float(np.mean(train_err)) if train_err else None,
         "held_out_mean_rel_error": float(np.mean(held_err)) if held_err else None,
         "held_out_max_rel_error": float(np.max(held_err)) if held_err else None,
-        "held_out": [{**m, "estimate_s": float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
+        "held_out": [{**m, "estimate_s": float(group_time(cost, list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
                                                         attention=m.get("attention", "ring"))),
                       "rel_error": e} for m, e in zip(held, held_err)],
         "fit": fit_report,
