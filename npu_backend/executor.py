@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from dhp_jax.data.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.data.sample import Sample
-from dhp_jax.planner.kinds import check_attention
-from dhp_jax.planner.plan import Group, Plan, PlanValidationError
+from dhp_jax.planner.contract.kinds import check_attention
+from dhp_jax.planner.contract.plan import Group, Plan, PlanValidationError
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
 from npu_backend.ulysses import UlyssesComm, ulysses_attention

@@ -7,7 +7,7 @@ import pytest
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.pricing import best_kinds, comm_per_token, group_times, sample_terms, step_time
+from dhp_jax.planner.cost.pricing import best_kinds, comm_per_token, group_times, sample_terms, step_time
 from dhp_jax.sim.bounds import lower_bound
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)     # 28 query heads

@@ -12,9 +12,9 @@ import pytest
 from dhp_jax.data.layout import bucket_length, bucket_lengths
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
-from dhp_jax.planner.geometry import padded_length
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
-from dhp_jax.planner.programs import ProgramCache, group_keys, reuse_ranks
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.programs.cache import ProgramCache, group_keys, reuse_ranks
 
 
 def _walk(n, d, m, g):
@@ -166,8 +166,8 @@ def test_reuse_placement_keeps_step_time_and_reuses_what_it_placed():
 
 
 def test_compile_price_counts_new_programs_only():
-    from dhp_jax.planner.dhp import _compile_price
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.dhp import _compile_price
+    from dhp_jax.planner.solvers.problem import prepare
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     prob = prepare([30000, 9000, 1000], 8, cost)  # buckets 32768 and 16384 at degree 4
@@ -226,7 +226,7 @@ def test_bench_compiles_menu_json(capsys):
 def test_menu_quantisation_is_exact_against_brute_force():
     import itertools
 
-    from dhp_jax.planner.menu import _quantise
+    from dhp_jax.planner.programs.menu import _quantise
 
     rng = np.random.default_rng(0)
     for _ in range(60):
@@ -241,7 +241,7 @@ def test_menu_quantisation_is_exact_against_brute_force():
 
 def test_menu_is_the_bucket_rule_for_its_degrees_and_bounds_the_plan():
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.menu import BucketMenu, fit_menu
+    from dhp_jax.planner.programs.menu import BucketMenu, fit_menu
 
     menu = BucketMenu({1: (64, 512), 3: (96, 600)})
     assert bucket_lengths(np.array([10.0, 64, 65, 600]), 1, 16, 2.0, menu=menu.as_cost_field()).tolist() == \
@@ -269,7 +269,7 @@ def test_aligned_menu_degrees_tile_nodes():
     """degree_set="aligned": the calibration plans, hence the menu and the plans made with it, use
     only divisors and multiples of ranks_per_node (no group leaves a partial node)."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.menu import aligned_degrees, fit_menu
+    from dhp_jax.planner.programs.menu import aligned_degrees, fit_menu
 
     assert aligned_degrees(64, 8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert aligned_degrees(12, 6) == [1, 2, 3, 6, 12]
@@ -292,7 +292,7 @@ def test_aligned_menu_degrees_tile_nodes():
 
 
 def test_menu_kinds_least_total_time_per_bucket_or_degree():
-    from dhp_jax.planner.menu import _menu_kinds
+    from dhp_jax.planner.programs.menu import _menu_kinds
 
     timed = {8: [(100.0, {"ring": 3.0, "hybrid:2x4": 1.0}),        # bucket 160: the hybrid is faster
                  (150.0, {"ring": 1.0}),                            # cannot run the hybrid: counts its ring
@@ -307,7 +307,7 @@ def test_menu_kinds_least_total_time_per_bucket_or_degree():
 
 
 def test_menu_kinds_are_validated_and_round_trip():
-    from dhp_jax.planner.menu import BucketMenu
+    from dhp_jax.planner.programs.menu import BucketMenu
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     menu = BucketMenu({1: (64,), 8: (160, 320)}, {(1, 64): "ring", (8, 160): "hybrid:2x4", (8, 320): "ring"})
@@ -329,7 +329,7 @@ def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind
     shapes runs more than B programs; with the menu's kinds, the programs of a menu-planned run
     (reuse placement included) are menu programs, so at most its budget."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.menu import fit_menu
+    from dhp_jax.planner.programs.menu import fit_menu
 
     fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     batches = []

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.fit import fit_cost_model
-from dhp_jax.planner.geometry import padded_length
-from dhp_jax.planner.memory import group_activation_bytes, max_tokens_per_rank, min_degree
-from dhp_jax.planner.pricing import allreduce_time, group_time, sent_tokens
+from dhp_jax.planner.cost.fit import fit_cost_model
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import allreduce_time, group_time, sent_tokens
 
 
 def test_every_preset_builds_and_is_physical():

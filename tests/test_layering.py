@@ -161,5 +161,5 @@ def test_pure_parts_never_reach_jax(part):
 
 def test_walker_sees_function_level_and_lazy_imports():
     # `from dhp_jax.planner import CostModel` inside a method resolves through the lazy table
-    assert "dhp_jax.planner.cost" in [n for n, _ in imports_of("dhp_jax.sim.cluster")]
+    assert "dhp_jax.planner.cost.model" in [n for n, _ in imports_of("dhp_jax.sim.cluster")]
     assert part_of("dhp_jax.cli") == part_of("dhp_jax.bench") == "cli" and part_of("dhp_jax._lazy") == "base"

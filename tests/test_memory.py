@@ -11,8 +11,9 @@ from dhp_jax.data import random_samples
 from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.model.mllm import apply_model, chunked_loss_sum, token_loss_sum
 from dhp_jax.model.reference import reference_stream
-from dhp_jax.planner import CostModel, memory, presets
-from dhp_jax.planner.memory import (device_step_bytes, device_step_phases, group_program_bytes, group_static_bytes,
+from dhp_jax.planner import CostModel
+from dhp_jax.planner.cost import memory, presets
+from dhp_jax.planner.cost.memory import (device_step_bytes, device_step_phases, group_program_bytes, group_static_bytes,
     rank_state_bytes)
 
 
@@ -192,7 +193,7 @@ def test_block_stack_vjp_matches_autodiff(remat):
 def test_preset_memory_follows_its_linear_chunk():
     """A preset prices the blocks the executor runs: chunked (the default chunk) or one pass
     (`linear_chunk=0`, every intermediate over the whole stream)."""
-    from dhp_jax.planner import memory as engine_memory, presets
+    from dhp_jax.planner.cost import memory as engine_memory, presets
 
     m = presets.MODELS["internvl3-8b"]
     chunked = CostModel.preset("internvl3-8b", "ascend-910b")

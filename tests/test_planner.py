@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from dhp_jax.data import Sample
 from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
-from dhp_jax.planner.allocate import allocate, allowed_degrees, brute_force
-from dhp_jax.planner.memory import max_tokens_per_rank, min_degree
-from dhp_jax.planner.placement import place, spans_nodes
-from dhp_jax.planner.pricing import group_time, group_times, sample_terms
+from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.solvers.placement import place, spans_nodes
+from dhp_jax.planner.cost.pricing import group_time, group_times, sample_terms
 from dhp_jax.sim import step_time
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0)  # the paper's unpadded form (padding: test_compiles.py)
@@ -179,7 +179,7 @@ def test_one_group_allocation_is_the_least_degree_of_its_least_time(seed):
 
 def test_scalar_chunked_tokens_match_the_layout_rule():
     from dhp_jax.data.layout import linear_tokens
-    from dhp_jax.planner.allocate import _linear_whole
+    from dhp_jax.planner.solvers.allocate import _linear_whole
 
     rng = np.random.default_rng(7)
     for _ in range(3000):
@@ -193,7 +193,7 @@ def test_scalar_chunked_tokens_match_the_layout_rule():
 def test_packing_opens_a_bin_for_every_long_sequence():
     # long = needs more ranks than a bin has, or carries a bin's share of work; found by bisection
     # when they are the heaviest, by a mask when a light sequence needs many ranks: both must agree
-    from dhp_jax.planner.packing import Packer
+    from dhp_jax.planner.solvers.packing import Packer
 
     rng = np.random.default_rng(11)
     for trial in range(300):
@@ -374,7 +374,7 @@ def test_strategies_listed():
 def test_each_strategy_takes_only_its_own_options():
     """The table: STRATEGIES lists its spellings; an option another strategy takes is refused with
     the strategy's name and its valid options; an unknown strategy lists the known ones."""
-    from dhp_jax.planner.strategies import STRATEGY_TABLE
+    from dhp_jax.planner.solvers.strategies import STRATEGY_TABLE
 
     assert STRATEGIES == tuple(s for strat in STRATEGY_TABLE.values() for s in strat.spellings())
     assert STRATEGY_TABLE["static-ring"].options == {}

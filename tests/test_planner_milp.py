@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.memory import max_tokens_per_rank
-from dhp_jax.planner.milp import MIP_REL_GAP
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.solvers.milp import MIP_REL_GAP
 
 NODE_LIMIT = 20_000        # per micro-batch MILP
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import make_dataset, sample_lengths
-from dhp_jax.planner import CostModel, microbatch, plan_batch
-from dhp_jax.planner.build import build_plan
-from dhp_jax.planner.memory import max_tokens_per_rank
-from dhp_jax.planner.pricing import group_time, group_times
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.solvers import microbatch
+from dhp_jax.planner.solvers.build import build_plan
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import group_time, group_times
 
 PROFILE = Path(__file__).resolve().parent.parent / "experiments" / "profiles" / "flexsp-gpt-7b-matched.json"
 FLEXSP = CostModel.from_profile(PROFILE)
@@ -117,9 +118,9 @@ def test_flexsp_keeps_stdout_clean():
 
 
 def test_local_moves_lower_the_step_of_a_lopsided_split():
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import move_sequences, solve_microbatch
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import move_sequences, solve_microbatch
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = sample_lengths(make_dataset("text-longtail", 48, 3))
     prob = prepare(L, 16, FLEXSP)  # two nodes: groups that span them pay the network
@@ -153,9 +154,9 @@ def test_dhp_count_is_within_one_of_the_token_bound_where_climbing_overshot(draw
 
 
 def test_dissolving_a_micro_batch_keeps_every_sample_and_memory_and_lowers_the_sum():
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import alone_times, dissolve_micro_batch, solve_microbatch
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import alone_times, dissolve_micro_batch, solve_microbatch
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = _openvid_draw(2)
     prob = prepare(L, 64, FLEXSP)
@@ -179,9 +180,9 @@ def test_dissolving_a_micro_batch_keeps_every_sample_and_memory_and_lowers_the_s
 
 
 def test_solve_parts_stops_once_the_bounds_show_the_limit_cannot_be_met():
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import alone_times, part_bounds, solve_parts
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import alone_times, part_bounds, solve_parts
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = sample_lengths(make_dataset("text-longtail", 96, 4))
     prob = prepare(L, 16, FLEXSP)
@@ -202,7 +203,7 @@ def test_solve_parts_stops_once_the_bounds_show_the_limit_cannot_be_met():
 def test_memory_lpt_matches_the_plain_rule():
     # longest first onto the least loaded bin (ties: lower bin) that has memory room, a new bin when
     # none has; bins dropped for good once full must not change a single choice
-    from dhp_jax.planner.packing import _lpt_with_memory
+    from dhp_jax.planner.solvers.packing import _lpt_with_memory
 
     rng = np.random.default_rng(5)
     for _ in range(200):
@@ -227,7 +228,7 @@ def test_memory_lpt_matches_the_plain_rule():
 
 def test_allocation_prices_padded_groups_as_the_cost_model_does():
     from dhp_jax.data.layout import bucket_lengths, scalar_bucketer
-    from dhp_jax.planner.allocate import scalar_time
+    from dhp_jax.planner.solvers.allocate import scalar_time
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)
     assert cost.bucket_min  # this preset pads, so the scalar bucket rule is exercised
@@ -251,7 +252,7 @@ def test_allocation_prices_padded_groups_as_the_cost_model_does():
 def test_tabulated_group_times_are_the_cost_models_floats(cost):
     # the allocation's tables must give exactly pricing.group_times' floats (not merely close ones):
     # a last-bit difference can flip a comparison and change a plan
-    from dhp_jax.planner.allocate import _ScalarTime
+    from dhp_jax.planner.solvers.allocate import _ScalarTime
 
     rng = np.random.default_rng(5)
     for attention in ("ring", "ulysses"):
@@ -269,7 +270,7 @@ def test_tabulated_group_times_are_the_cost_models_floats(cost):
 
 
 def test_blocked_bisection_visits_the_same_floats_as_one_step_at_a_time():
-    from dhp_jax.planner.allocate import _bisect
+    from dhp_jax.planner.solvers.allocate import _bisect
 
     rng = np.random.default_rng(6)
     for _ in range(200):
@@ -302,9 +303,9 @@ def test_a_micro_batch_solved_under_a_limit_is_the_same_or_better_and_never_over
     # the limit cuts allocations short; the granularity search still tries every packing it tried
     # without one, so a result under the limit is the unlimited one (or a better one), and nothing
     # at or above the limit is returned
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import solve_microbatch
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import solve_microbatch
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = _openvid_draw(draw)
     prob = prepare(L, 64, FLEXSP)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.pricing import comm_per_token, group_time
+from dhp_jax.planner.cost.pricing import comm_per_token, group_time
 from dhp_jax.train.profile import default_points, fit_profile, measure_points, split_points, write_profile
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from dhp_jax.data import Sample, Segment, random_samples
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
-from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.executor import row_dtype
 
@@ -124,7 +124,7 @@ def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
     reduction is enqueued before the next micro-batch's groups, so the rows of earlier micro-batches
     are gone by then), and the reduction casts one piece of the row to fp32 at a time, never the
     whole row (`memory.device_step_bytes` prices exactly that)."""
-    from dhp_jax.planner.memory import reduce_pieces
+    from dhp_jax.planner.cost.memory import reduce_pieces
 
     ex, params, samples, ref = setup
     P_pad, n = ex.layout.padded, 8

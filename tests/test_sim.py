@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel, Group, MicroBatch, Plan, plan_batch
-from dhp_jax.planner.memory import group_activation_bytes, max_tokens_per_rank
-from dhp_jax.planner.pricing import allreduce_time, group_time
+from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import allreduce_time, group_time
 from dhp_jax.sim import step_time
 from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster, vision_family

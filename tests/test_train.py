@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.model import MLLMConfig
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
-from dhp_jax.planner.pricing import group_time
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.cost.pricing import group_time
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.config import load_config
 from dhp_jax.train.metrics import read_jsonl
@@ -204,7 +204,7 @@ def test_profiler_times_real_group_executables(tmp_path, executor):
 
 def test_trainer_prices_the_memory_of_its_executors_chunk(tmp_path):
     """The trainer's cost follows its executor's chunk, memory fields included (one-pass blocks here)."""
-    from dhp_jax.planner.cost import CostModel
+    from dhp_jax.planner.cost.model import CostModel
     from dhp_jax.sharding import PlanExecutor
 
     ex = PlanExecutor(MLLMConfig.preset("tiny"), jax.devices(), min_bucket=512, linear_chunk=0)

@@ -17,7 +17,7 @@ from dhp_jax.data.layout import pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.planner import Group, MicroBatch, Plan
-from dhp_jax.planner.kinds import attention_kinds, check_attention, head_plan
+from dhp_jax.planner.contract.kinds import attention_kinds, check_attention, head_plan
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.ring import local_attention
 from dhp_jax.sharding.ulysses import ulysses_attention

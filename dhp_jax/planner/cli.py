@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from dhp_jax.planner.cli_args import add_cost_args, cost_from_args
-from dhp_jax.planner.pricing import allreduce_time
+from dhp_jax.planner.cost.pricing import allreduce_time
 
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.compare import compare_strategies
-    from dhp_jax.planner.plan import PlanningError
+    from dhp_jax.planner.contract.plan import PlanningError
 
     others = [s for s in dict.fromkeys(s.strip() for s in args.compare.split(",")) if s and s != args.strategy]
     try:

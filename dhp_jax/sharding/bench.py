@@ -71,7 +71,7 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
     from dhp_jax.data.layout import pack_group
     from dhp_jax.data.synthetic import random_samples
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner.plan import Group, MicroBatch, Plan
+    from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
     from dhp_jax.sharding.executor import PlanExecutor, pack_inputs
 
     lengths = list(lengths or [300, 180, 120, 90, 60, 40, 30, 20, 12, 6, 3, 1])

@@ -24,7 +24,7 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    whole row) into the fp32[P_pad/N] accumulator shard of each device (donated, updated in place).
    At the end the 2N stats are summed and the shards divided by the token count: the token-weighted
    mean, each group counted once. What a step holds per device is priced by
-   `dhp_jax.planner.memory` (`memory.device_step_bytes`) and measured by `dhp bench memory --step`.
+   `dhp_jax.planner.cost.memory` (`memory.device_step_bytes`) and measured by `dhp bench memory --step`.
 `loss_and_grads(params, samples, plan)` wraps this for a float32 params tree: shard it, run the
 step, gather the grads back into a replicated tree (the exactness tests' path).
 
@@ -55,9 +55,9 @@ from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, LINEAR_CHUNK
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
-from dhp_jax.planner.kinds import RING, check_attention
-from dhp_jax.planner.memory import reduce_pieces
-from dhp_jax.planner.plan import Plan, PlanValidationError
+from dhp_jax.planner.contract.kinds import RING, check_attention
+from dhp_jax.planner.cost.memory import reduce_pieces
+from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group, packed_loss_sum
-from dhp_jax.planner.kinds import RING
+from dhp_jax.planner.contract.kinds import RING
 from dhp_jax.sharding.executor import PlanExecutor
 from dhp_jax.sharding.flat import FlatLayout
 

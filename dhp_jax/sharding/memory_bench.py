@@ -23,7 +23,7 @@ import os
 import time
 from typing import Any, Sequence
 
-from dhp_jax.planner.memory import group_program_bytes, rank_state_bytes
+from dhp_jax.planner.cost.memory import group_program_bytes, rank_state_bytes
 
 DEGREES = (1, 2, 4, 8)
 TOKENS = (8192, 32768, 65536)
@@ -45,7 +45,7 @@ BASE_DEPTH = 2      # extrapolation base: (2, 2) layers, steps to (3, 2) and (2,
 
 def model_shape(config: Any) -> Any:
     """The planner's `presets.ModelShape` of an `MLLMConfig` (for `CostModel.preset` of any model)."""
-    from dhp_jax.planner.presets import ModelShape
+    from dhp_jax.planner.cost.presets import ModelShape
 
     c = config
     return ModelShape(c.num_layers, c.num_heads, c.num_kv_heads, c.d_model, c.d_ff, c.head_dim, c.vocab_size,

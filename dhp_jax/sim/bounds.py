@@ -22,8 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.checks import positive_int
-from dhp_jax.planner.memory import max_tokens_per_rank, min_degree
-from dhp_jax.planner.pricing import allreduce_time, group_times, sample_terms
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import allreduce_time, group_times, sample_terms
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Simulate training steps: plan each global batch with a strategy, time the plan on a cluster.
 
-Times come from the planner's pricing of a plan (`dhp_jax.planner.pricing`, a cost-model preset,
+Times come from the planner's pricing of a plan (`dhp_jax.planner.cost.pricing`, a cost-model preset,
 i.e. *simulated*, never measured): each group's time for its samples at its degree, inter-node when
 its ranks span nodes; a micro-batch lasts as long as its slowest group; a step is the sum of
 micro-batch makespans plus one gradient all-reduce over all ranks. `evaluate` also reports where rank-time goes (busy vs idle), which `step_time` does not.
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.pricing import allreduce_time, makespans, plan_group_times
+from dhp_jax.planner.cost.pricing import allreduce_time, makespans, plan_group_times
 from dhp_jax.sim.cluster import Cluster
 
 

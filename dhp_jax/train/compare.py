@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from dhp_jax.planner.compare import Comparison
-from dhp_jax.planner.pricing import allreduce_time
+from dhp_jax.planner.cost.pricing import allreduce_time
 from dhp_jax.train.plans import PlanSource
 
 

@@ -2,7 +2,7 @@
 
 Plan files make runs comparable and reproducible: a run writes `plans.jsonl` (one plan a step) and
 `planner.plan_file=<that file>` replays it. The format and the replay rule are
-`dhp_jax.planner.planfile`'s, shared with the torch backend.
+`dhp_jax.planner.contract.planfile`'s, shared with the torch backend.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from dhp_jax.planner.plan import Plan
-from dhp_jax.planner.planfile import PlanFileError, load_plan_file, plan_at
+from dhp_jax.planner.contract.plan import Plan
+from dhp_jax.planner.contract.planfile import PlanFileError, load_plan_file, plan_at
 
 __all__ = ["PlanFileError", "PlanSource", "load_plan_file", "make_cost"]
 
@@ -25,7 +25,7 @@ class PlanSource:
         self.num_ranks, self.cost, self.strategy, self.full_size = num_ranks, cost, strategy, full_size
         self.plans = list(plans) if plans else None
         self.num_micro_batches, self.ranks_per_node = num_micro_batches, ranks_per_node
-        self.programs = None  # a planner.programs.ProgramCache: reuse compiled programs, price new ones
+        self.programs = None  # a planner.programs.cache.ProgramCache: reuse compiled programs, price new ones
         # (min_bucket, growth) of the executor's ladder: a full-size plan's groups run in the
         # executor's buckets of the scaled samples, and those are the programs the cache records
         self.executed_ladder: tuple[int, float] | None = None
@@ -43,7 +43,7 @@ class PlanSource:
             plan = plan_at(self.plans, step)
         else:
             from dhp_jax.planner import plan_batch
-            from dhp_jax.planner.strategies import lookup
+            from dhp_jax.planner.solvers.strategies import lookup
 
             kwargs: dict[str, Any] = {}
             # planner.num_micro_batches fixes the count of the strategies that choose one (the

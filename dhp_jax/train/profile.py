@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.pricing import group_time
+from dhp_jax.planner.cost.pricing import group_time
 
 # measure(lengths, etas, degree, attention) -> seconds for one group holding these sequences.
 MeasureFn = Callable[[Sequence[int], Sequence[float], int, str], float]
@@ -45,13 +45,13 @@ def default_points(degrees: Sequence[int], lengths: Sequence[int], eta: float = 
                    num_heads: int | None = None) -> list[ProfilePoint]:
     """A grid: every degree x total length, as `p` equal sequences for each p in `packs`, on the ring;
     with `kinds` also "ulysses" and/or "hybrid" (every Ulysses x ring split the `num_heads` allow,
-    `dhp_jax.planner.kinds.attention_kinds`) at every degree x length, one sequence each.
+    `dhp_jax.planner.contract.kinds.attention_kinds`) at every degree x length, one sequence each.
 
     Packing several sequences into one group separates the quadratic (per sequence) from the
     linear (per token) terms; mixing etas separates bidirectional from causal attention work; the
     other kinds' points add all-to-all traffic, which the ring never has.
     """
-    from dhp_jax.planner.kinds import attention_kinds
+    from dhp_jax.planner.contract.kinds import attention_kinds
 
     unknown = set(kinds) - {"ring", "ulysses", "hybrid"}
     if unknown or "ring" not in kinds:
@@ -119,7 +119,7 @@ def measure_points(points: Sequence[ProfilePoint], measure: MeasureFn,
 
 def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4, seed: int = 0) -> tuple[Any, dict]:
     """Fit on the training split, report the error on the held-out split. Returns (cost, report)."""
-    from dhp_jax.planner.fit import fit_cost_model
+    from dhp_jax.planner.cost.fit import fit_cost_model
 
     points = [ProfilePoint(tuple(m["lengths"]), tuple(m.get("etas") or [0.0] * len(m["lengths"])), m["degree"],
                            m.get("attention", "ring")) for m in measurements]
@@ -177,7 +177,7 @@ class ExecutorTimer:
     def __call__(self, lengths: Sequence[int], etas: Sequence[float], degree: int, attention: str = "ring") -> float:
         import jax
 
-        from dhp_jax.planner.plan import Group, MicroBatch, Plan
+        from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 
         if degree > self.num_devices:
             raise ValueError(f"profile degree {degree} exceeds the {self.num_devices} devices available")

@@ -6,7 +6,7 @@ optimizer update (`dhp_jax.sharding.PlanExecutor.loss_and_grad_shards`, `train.s
 Each of these programs is lowered with abstract arguments (`jax.ShapeDtypeStruct`; nothing is
 allocated), compiled, and its `memory_analysis()` read; the per-device bytes are then laid end to
 end in the order the device runs them, with what it holds across them (the state shards, the
-gathered params while a later micro-batch needs them), exactly as `planner.memory.step_phases`
+gathered params while a later micro-batch needs them), exactly as `planner.cost.memory.step_phases`
 does with the model's figures. The peak over that sequence, besides the state, is the row's
 `compiled_step_bytes`; `memory.device_step_bytes` of the same plan is `model_step_bytes`.
 
@@ -26,7 +26,7 @@ import json
 import time
 from typing import Any, Sequence
 
-from dhp_jax.planner.memory import device_step_bytes, rank_state_bytes
+from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
 
 MICRO_BATCHES = (2, 3)
 STEP_ROWS = (("internvl3-8b", 8, 65536), ("internvl3-2b", 8, 65536), ("internvl3-2b", 2, 32768))
@@ -82,7 +82,7 @@ def step_programs(config: Any, compute_dtype: str, devices: Sequence[Any], optio
 
 def compiled_phases(group: int, programs: dict[str, Compiled], micro_batches: int) -> list[tuple[str, int]]:
     """(phase, bytes besides the state) of a device's step from the compiled programs, in the order
-    the device runs them (`planner.memory.step_phases` with measured bytes). The state is what the
+    the device runs them (`planner.cost.memory.step_phases` with measured bytes). The state is what the
     update takes (master params, moments, gradient accumulator): arguments the other programs find
     already there are not counted again."""
     g, a, f, u = (programs[k] for k in ("gather", "accumulate", "finish", "update"))

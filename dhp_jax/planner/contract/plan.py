@@ -232,7 +232,7 @@ class Plan:
     def _check_memory(self, cost: Any, lengths: Sequence[int], etas: Sequence[float] | None) -> None:
         # lazy: memory accounting imports the geometry, whose menu check imports kinds, which imports
         # this module (the contract stays importable on its own)
-        from dhp_jax.planner.memory import group_activation_bytes
+        from dhp_jax.planner.cost.memory import group_activation_bytes
 
         budget = float(cost.memory_budget)
         for m, mb in enumerate(self.micro_batches):

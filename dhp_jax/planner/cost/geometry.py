@@ -4,7 +4,7 @@ A `CostModel` carries the geometry its executor runs (`bucket_min`, `bucket_grow
 `linear_chunk`, `bucket_menu`, `menu_kinds`, `padded_attention`); this module is where those
 fields mean something: `padded_length` is the one bucket rule (`dhp_jax.data.layout.bucket_lengths`
 with the cost's ladder, clamped to its memory budget), `check_geometry` the one check of them.
-Pricing (`dhp_jax.planner.pricing`) and memory accounting (`dhp_jax.planner.memory`) read the
+Pricing (`dhp_jax.planner.cost.pricing`) and memory accounting (`dhp_jax.planner.cost.memory`) read the
 padded length from here.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from dhp_jax.data.layout import bucket_lengths
-from dhp_jax.planner.kinds import check_attention
+from dhp_jax.planner.contract.kinds import check_attention
 
 __all__ = ["check_geometry", "padded_length"]
 

@@ -42,7 +42,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.checks import lengths_array, positive_int
-from dhp_jax.planner.geometry import padded_length
+from dhp_jax.planner.cost.geometry import padded_length
 
 REMATS = ("none", "layer", "selective")
 COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -252,7 +252,7 @@ def max_tokens_per_rank(cost: Any) -> float:
 
 def group_activation_bytes(cost: Any, lengths: Any, degree: int) -> float:
     """Activation bytes per rank of a group of `degree` ranks holding these sequences (the padded
-    stream: `planner.geometry.padded_length`)."""
+    stream: `planner.cost.geometry.padded_length`)."""
     positive_int(degree, "degree")
     return float(padded_length(cost, lengths_array(lengths).sum(), degree) * cost.mem_per_token / degree)
 

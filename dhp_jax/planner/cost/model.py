@@ -3,9 +3,9 @@ memory of one CP group.
 
 `CostModel` holds coefficients only (model/hardware figures, the engine's memory fields, the
 executor's geometry fields) and derives them (`preset`, `replace`, I/O). What uses them lives with
-its concept: pricing (the formula below, makespans, the all-reduce) in `dhp_jax.planner.pricing`,
-the stream geometry (padding ladder, pad-skipping chunk, menu) in `dhp_jax.planner.geometry`, the
-bytes of a group or a step in `dhp_jax.planner.memory`.
+its concept: pricing (the formula below, makespans, the all-reduce) in `dhp_jax.planner.cost.pricing`,
+the stream geometry (padding ladder, pad-skipping chunk, menu) in `dhp_jax.planner.cost.geometry`, the
+bytes of a group or a step in `dhp_jax.planner.cost.memory`.
 
 For a group of degree d holding sequences of lengths L_k with bidirectional shares eta_k:
 
@@ -21,7 +21,7 @@ intra-node figures unless the group spans nodes (the slowest hop paces a ring). 
 the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
 vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d:
 linear in the local tokens, because the ring attention is tiled with a custom VJP (its per-token
-state is part of `planner.memory.activation_bytes_per_token`, its constant tile workspace is
+state is part of `planner.cost.memory.activation_bytes_per_token`, its constant tile workspace is
 `presets.attention_workspace_bytes`; `fixed_bytes` counts it or one loss chunk's logits, whichever is
 larger: they are live in different phases of the program).
 
@@ -90,8 +90,8 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
-from dhp_jax.planner import memory as engine_memory, presets
-from dhp_jax.planner.geometry import check_geometry
+from dhp_jax.planner.cost import memory as engine_memory, presets
+from dhp_jax.planner.cost.geometry import check_geometry
 
 COST_SCHEMA = "dhp.cost/v1"
 DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (DHP's 8 x 8 testbed)
@@ -124,13 +124,13 @@ class CostModel:
     linear_chunk: the executor's pad-skipping chunk, tokens (0: pad tokens go through the linear
         layers; see the module docstring).
     padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
-    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
+    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.programs.menu.BucketMenu`)
         that replace the ladder for their degrees; the planner then uses only these degrees.
     menu_kinds: ((degree, bucket, kind), ...): the one attention kind each menu program runs
         (`BucketMenu.kinds`); the per-group kind choice (`pricing.best_kinds`) gives a group of that
         degree and bucket this kind, so that the menu's budget bounds the programs that run.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
-    The engine's memory choices (dhp_jax.planner.memory; `preset` derives mem_per_token and
+    The engine's memory choices (dhp_jax.planner.cost.memory; `preset` derives mem_per_token and
     memory_budget from them, so change them through `preset(...)`; `replace(linear_chunk=...)` on a
     preset re-derives its memory fields for the new chunk):
     param_count: parameters P of the model (0: unknown, static bytes are then 0).
@@ -145,10 +145,10 @@ class CostModel:
         computes bf16 values in fp32, so a bf16 program compiled for CPU devices holds its block
         working set in 4 bytes (`dhp bench memory` on CPU).
     backward_bytes: gradient bytes that exist in the blocks' phase of the group program (the
-        decoder's stacked block gradients and the LM head's; `planner.memory.backward_bytes`).
+        decoder's stacked block gradients and the LM head's; `planner.cost.memory.backward_bytes`).
     assemble_bytes: gradient bytes of the program's last phase besides the row: every gradient
         piece the row is concatenated from and the embedding's and LM head's accumulators
-        (`planner.memory.assemble_bytes`). That phase holds no activations; `memory.group_program_bytes` is
+        (`planner.cost.memory.assemble_bytes`). That phase holds no activations; `memory.group_program_bytes` is
         the larger of the two phases.
     """
 
@@ -398,7 +398,7 @@ def _encoder_flops(m: "presets.ModelShape") -> float:
 
 def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any) -> tuple[float, float]:
     """(mem_per_token, fixed_bytes) of model shape `m` when the blocks run their token-local work in
-    chunks of `chunk` tokens (0: one pass over the stream; `planner.memory._block`). The loss chunk's
+    chunks of `chunk` tokens (0: one pass over the stream; `planner.cost.memory._block`). The loss chunk's
     logits and the tiled ring's constant tile workspace (presets.py documents it; its per-token state
     is part of activation_bytes_per_token) are live in different phases (the loss before the blocks'
     backward pass, the tiles inside one block's), so the larger of the two counts, the latter with

@@ -149,7 +149,7 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 # Training-recipe assumptions shared by every preset (documented, not tuned); the recompute passes,
-# state bytes and dtypes of the engine are in dhp_jax.planner.memory and are CostModel fields:
+# state bytes and dtypes of the engine are in dhp_jax.planner.cost.memory and are CostModel fields:
 USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, communicator buffers, vision workspace
 
 

@@ -1,7 +1,7 @@
 """Pricing: the time of a group, of every group of a plan, each micro-batch's makespan and the step time.
 
 The group time model (`group_times`, its traffic counts `traffic` and per-token seconds
-`comm_per_token`; the formula is in `dhp_jax.planner.cost`'s docstring) and the one place a plan
+`comm_per_token`; the formula is in `dhp_jax.planner.cost.model`'s docstring) and the one place a plan
 is priced under a `CostModel`: `build_plan` fills a plan's estimates with it,
 the strategy comparison and the simulator (`dhp_jax.sim.step_time`, `sim.evaluate`) time plans
 with it. A group is priced under its own attention kind (`Group.attention`), with inter-node links
@@ -19,12 +19,12 @@ import numpy as np
 
 from dhp_jax.checks import etas_array, lengths_array, positive_int
 from dhp_jax.data.layout import linear_tokens
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.geometry import padded_length
-from dhp_jax.planner.kinds import attention_kinds
-from dhp_jax.planner.packing import bin_sums
-from dhp_jax.planner.placement import spans_nodes
-from dhp_jax.planner.plan import attention_split
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.contract.kinds import attention_kinds
+from dhp_jax.planner.solvers.packing import bin_sums
+from dhp_jax.planner.solvers.placement import spans_nodes
+from dhp_jax.planner.contract.plan import attention_split
 
 __all__ = ["allreduce_time", "attention_for", "best_kinds", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
@@ -51,7 +51,7 @@ def comm_per_token(cost: CostModel, inter_node: bool | np.ndarray, attention: st
 
 def sent_tokens(tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray:
     """Tokens' worth of traffic one rank sends for a stream of `tokens` on `degree` ranks (see
-    `dhp_jax.planner.cost`'s docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses
+    `dhp_jax.planner.cost.model`'s docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses
     (`traffic` counts them)."""
     if attention not in ("ring", "ulysses"):
         raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
@@ -98,7 +98,7 @@ def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
 
 def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
                 attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
-    """Vectorised T (`dhp_jax.planner.cost`'s docstring) for groups with summed terms A, B, S at
+    """Vectorised T (`dhp_jax.planner.cost.model`'s docstring) for groups with summed terms A, B, S at
     `degree` (all broadcast together).
 
     `attention` is a group's kind; the family "hybrid" with `ulysses` = u prices Ulysses over u

@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dhp_jax.data.layout import ladders, linear_tokens, rung_list, scalar_bucketer
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.memory import max_tokens_per_rank
-from dhp_jax.planner.pricing import comm_per_token, group_times
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import comm_per_token, group_times
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,

@@ -2,7 +2,7 @@
 
 Each group records its own attention kind, its tokens and its padded stream length (the one bucket
 rule, `dhp_jax.data.layout.bucket_lengths`, on the cost model's ladder; the executors' default ladder
-when the cost model prices no padding). Times come from `planner.pricing`, the one place plans are priced.
+when the cost model prices no padding). Times come from `planner.cost.pricing`, the one place plans are priced.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.data.layout import bucket_lengths
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.geometry import padded_length
-from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
-from dhp_jax.planner.pricing import (allreduce_time, attention_for, best_kinds, kind_times, makespan, price_groups,
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.cost.pricing import (allreduce_time, attention_for, best_kinds, kind_times, makespan, price_groups,
     sample_terms)
 
 __all__ = ["attention_for", "build_plan", "kind_times", "padded_tokens"]  # (pricing names kept importable here)

@@ -12,18 +12,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dhp_jax.planner import baselines, microbatch
-from dhp_jax.planner.allocate import allocate, allowed_degrees, scalar_time
-from dhp_jax.planner.build import build_plan, padded_tokens
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.memory import min_degree
-from dhp_jax.planner.packing import Packer, bin_sums, bins_of
-from dhp_jax.planner.placement import place, spans_nodes
-from dhp_jax.planner.plan import PlanningError, PlanValidationError
-from dhp_jax.planner.pricing import attention_for, best_kinds, group_times, makespan, makespans, price_groups
-from dhp_jax.planner.problem import Problem
-from dhp_jax.planner.programs import ProgramCache
-from dhp_jax.planner.refine import refine as refine_groups
+from dhp_jax.planner.solvers import baselines, microbatch
+from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, scalar_time
+from dhp_jax.planner.solvers.build import build_plan, padded_tokens
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.memory import min_degree
+from dhp_jax.planner.solvers.packing import Packer, bin_sums, bins_of
+from dhp_jax.planner.solvers.placement import place, spans_nodes
+from dhp_jax.planner.contract.plan import PlanningError, PlanValidationError
+from dhp_jax.planner.cost.pricing import attention_for, best_kinds, group_times, makespan, makespans, price_groups
+from dhp_jax.planner.solvers.problem import Problem
+from dhp_jax.planner.programs.cache import ProgramCache
+from dhp_jax.planner.solvers.refine import refine as refine_groups
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
 _MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
