@@ -36,8 +36,8 @@ from dhp_jax.data import DATASETS, make_dataset, sample_etas, sample_lengths
 from dhp_jax.data.token_profile import TokenProfile, summary
 from dhp_jax.planner import CostModel, Plan, PlanningError, plan_batch
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
-from dhp_jax.planner.plot import draw_plan as draw_plan_on
 from dhp_jax.planner.cost.pricing import allreduce_time
+from dhp_jax.planner.plot import draw_plan as draw_plan_on
 from dhp_jax.sim import step_time
 
 # %% [markdown]

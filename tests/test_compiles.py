@@ -12,8 +12,8 @@ import pytest
 from dhp_jax.data.layout import bucket_length, bucket_lengths
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
-from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.programs.cache import ProgramCache, group_keys, reuse_ranks
 
 

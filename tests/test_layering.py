@@ -4,7 +4,8 @@ functions included, since a lazy import is still an import).
 `cli` -> `train` -> `sharding` -> `model`; `sharding`, `train`, `sim`, `npu_backend`, `experiments`
 -> `planner` -> `data`. `data` imports no other part; the planner never imports `sim` or jax; the
 model never imports `sharding`; `npu_backend` never imports jax (not even through a module it
-imports); the library never imports `experiments`.
+imports); the library never imports `experiments`. Inside the planner, its rooms (docs/DESIGN.md,
+section 2) import only downwards: contract <- cost <- programs <- solvers <- the planner's top modules.
 """
 
 from __future__ import annotations
@@ -157,6 +158,35 @@ def test_pure_parts_never_reach_jax(part):
         if chain:
             bad.append(" -> ".join(chain))
     assert not bad, f"{part} must not import jax (directly or through another module):\n" + "\n".join(bad)
+
+
+# the planner's rooms, lowest first; a room imports only rooms before it (and itself)
+PLANNER_ROOMS = ("contract", "cost", "programs", "solvers", "top")
+# the two upward imports, each a lazy one inside a function, with why
+ROOM_EXCEPTIONS = {
+    # Plan.validate(cost=, lengths=) checks each group's bytes with the cost's memory accounting
+    ("dhp_jax.planner.contract.plan", "dhp_jax.planner.cost.memory"),
+    # fit_menu fits a menu to the groups of plans made for calibration batches
+    ("dhp_jax.planner.programs.menu", "dhp_jax.planner.api"),
+}
+
+
+def planner_room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["dhp_jax", "planner"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in PLANNER_ROOMS else "top"
+
+
+def test_planner_rooms_import_only_downwards():
+    bad = []
+    for mod in (m for m in MODULES if planner_room(m)):
+        rank = PLANNER_ROOMS.index(planner_room(mod))
+        for name, line in imports_of(mod):
+            other = planner_room(name)
+            if other and PLANNER_ROOMS.index(other) > rank and (mod, name) not in ROOM_EXCEPTIONS:
+                bad.append(f"{MODULES[mod].relative_to(ROOT)}:{line} imports {name} ({planner_room(mod)} -> {other})")
+    assert not bad, "planner rooms import upwards:\n" + "\n".join(bad)
 
 
 def test_walker_sees_function_level_and_lazy_imports():

@@ -11,10 +11,11 @@ from hypothesis import strategies as st
 
 from dhp_jax.data import Sample
 from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
-from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
+from dhp_jax.planner.contract.plan import spans_nodes
 from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
-from dhp_jax.planner.solvers.placement import place, spans_nodes
 from dhp_jax.planner.cost.pricing import group_time, group_times, sample_terms
+from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
+from dhp_jax.planner.solvers.placement import place
 from dhp_jax.sim import step_time
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0)  # the paper's unpadded form (padding: test_compiles.py)

@@ -11,8 +11,8 @@ import pytest
 
 import dhp_jax
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.solvers.build import build_plan
 from dhp_jax.planner.cost.pricing import allreduce_time, makespan
+from dhp_jax.planner.solvers.build import build_plan
 from dhp_jax.sim import step_time
 
 PROFILE = Path(dhp_jax.__file__).parent / "train" / "profiles" / "tiny-cpu8.json"

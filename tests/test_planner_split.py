@@ -9,10 +9,10 @@ import pytest
 
 from dhp_jax.data import make_dataset, sample_lengths
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.solvers import microbatch
-from dhp_jax.planner.solvers.build import build_plan
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.pricing import group_time, group_times
+from dhp_jax.planner.solvers import microbatch
+from dhp_jax.planner.solvers.build import build_plan
 
 PROFILE = Path(__file__).resolve().parent.parent / "experiments" / "profiles" / "flexsp-gpt-7b-matched.json"
 FLEXSP = CostModel.from_profile(PROFILE)

@@ -15,11 +15,11 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.data.sample import Sample
-from dhp_jax.planner.solvers.build import build_plan
-from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.contract.plan import Plan
-from dhp_jax.planner.solvers.problem import Problem, prepare
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.programs.cache import ProgramCache, reuse_ranks
+from dhp_jax.planner.solvers.build import build_plan
+from dhp_jax.planner.solvers.problem import Problem, prepare
 from dhp_jax.planner.solvers.strategies import lookup, strategy_names
 
 __all__ = ["STRATEGIES", "Problem", "plan_batch", "prepare", "reuse_placement"]

@@ -14,8 +14,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.contract.plan import Plan, PlanningError
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import step_time
 
 __all__ = ["Comparison", "StrategyRun", "compare_strategies", "is_static"]

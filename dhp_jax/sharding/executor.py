@@ -56,8 +56,8 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
 from dhp_jax.planner.contract.kinds import RING, check_attention
-from dhp_jax.planner.cost.memory import reduce_pieces
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
+from dhp_jax.planner.cost.memory import reduce_pieces
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn

@@ -72,6 +72,11 @@ def attention_split(kind: str, degree: int) -> tuple[int, int]:
     raise PlanValidationError(f"attention kind {kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
 
 
+def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
+    """Whether a group on these ranks spans nodes of `ranks_per_node` (its links are inter-node)."""
+    return len({r // ranks_per_node for r in ranks}) > 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MicroBatch:
     groups: tuple[Group, ...]

@@ -35,8 +35,8 @@ from scipy.optimize import least_squares, nnls
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.layout import linear_tokens
-from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import comm_per_token, compute_divisor, traffic
 
 _NAMES = ("a1", "a2", "a2_vision", "b1", "c_intra", "c_inter", "lat_intra", "lat_inter", "c_a2a")

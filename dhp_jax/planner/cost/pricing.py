@@ -12,6 +12,7 @@ all-reduce.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Sequence
 
@@ -19,16 +20,23 @@ import numpy as np
 
 from dhp_jax.checks import etas_array, lengths_array, positive_int
 from dhp_jax.data.layout import linear_tokens
-from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.contract.kinds import attention_kinds
-from dhp_jax.planner.solvers.packing import bin_sums
-from dhp_jax.planner.solvers.placement import spans_nodes
-from dhp_jax.planner.contract.plan import attention_split
+from dhp_jax.planner.contract.plan import attention_split, spans_nodes
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.model import CostModel
 
-__all__ = ["allreduce_time", "attention_for", "best_kinds", "comm_per_token", "compute_divisor", "group_kind_times",
+__all__ = ["allreduce_time", "attention_for", "best_kinds", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic"]
+
+
+
+def bin_sums(bins: list[list[int]], *values: np.ndarray) -> list[np.ndarray]:
+    """Per-bin sums of each array in `values` (one bincount per array, not one sum per bin)."""
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
+    gid = np.repeat(np.arange(len(bins)), sizes)
+    return [np.bincount(gid, v[flat], minlength=len(bins)) for v in values]
 
 
 def sample_terms(cost: CostModel, lengths: Sequence[int] | np.ndarray,

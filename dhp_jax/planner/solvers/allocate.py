@@ -25,8 +25,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dhp_jax.data.layout import ladders, linear_tokens, rung_list, scalar_bucketer
-from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import comm_per_token, group_times
 
 

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from dhp_jax.planner.solvers.build import build_plan
-from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import step_time
+from dhp_jax.planner.solvers.build import build_plan
 
 
 def static_groups(lengths: np.ndarray, num_ranks: int, cost: CostModel, degree: int, attention: str

@@ -12,9 +12,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.data.layout import bucket_lengths
-from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import (allreduce_time, attention_for, best_kinds, kind_times, makespan, price_groups,
     sample_terms)
 

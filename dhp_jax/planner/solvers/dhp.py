@@ -12,17 +12,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax.planner.contract.plan import PlanningError, PlanValidationError, spans_nodes
+from dhp_jax.planner.cost.memory import min_degree
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import (attention_for, best_kinds, bin_sums, group_times, makespan, makespans,
+                                         price_groups)
+from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers import baselines, microbatch
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, scalar_time
 from dhp_jax.planner.solvers.build import build_plan, padded_tokens
-from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.memory import min_degree
-from dhp_jax.planner.solvers.packing import Packer, bin_sums, bins_of
-from dhp_jax.planner.solvers.placement import place, spans_nodes
-from dhp_jax.planner.contract.plan import PlanningError, PlanValidationError
-from dhp_jax.planner.cost.pricing import attention_for, best_kinds, group_times, makespan, makespans, price_groups
+from dhp_jax.planner.solvers.packing import Packer, bins_of
+from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
-from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers.refine import refine as refine_groups
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement

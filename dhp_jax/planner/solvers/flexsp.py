@@ -42,13 +42,13 @@ from typing import Any
 
 import numpy as np
 
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import min_degree
+from dhp_jax.planner.cost.pricing import attention_for, comm_per_token, group_times, sent_tokens
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allowed_degrees
 from dhp_jax.planner.solvers.build import build_plan
-from dhp_jax.planner.cost.memory import min_degree
 from dhp_jax.planner.solvers.placement import place
-from dhp_jax.planner.contract.plan import PlanningError
-from dhp_jax.planner.cost.pricing import attention_for, comm_per_token, group_times, sent_tokens
 
 FLEXSP_EXTRA_COUNTS = 4  # counts tried beyond the least feasible one (FlexSP's solver: 5 in all)
 FLEXSP_NODE_LIMIT = 50  # HiGHS branch-and-bound nodes per micro-batch: the deterministic work limit

@@ -26,12 +26,12 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import attention_for, comm_per_token, group_times, sent_tokens
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allowed_degrees
-from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
 from dhp_jax.planner.solvers.placement import place
-from dhp_jax.planner.contract.plan import PlanningError
-from dhp_jax.planner.cost.pricing import attention_for, comm_per_token, group_times, sent_tokens
 
 MAX_MILP_SEQUENCES = 64  # per micro-batch; beyond this "milp" refuses (it is a reference solver)
 MAX_MILP_RANKS = 64

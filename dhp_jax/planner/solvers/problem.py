@@ -9,11 +9,11 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
-from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
-from dhp_jax.planner.solvers.microbatch import sort_orders
 from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import sample_terms
+from dhp_jax.planner.solvers.microbatch import sort_orders
 
 
 class Problem:

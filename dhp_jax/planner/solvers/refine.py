@@ -13,10 +13,10 @@ import heapq
 
 import numpy as np
 
-from dhp_jax.planner.solvers.allocate import scalar_time
-from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
-from dhp_jax.planner.solvers.packing import bin_sums
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import bin_sums
+from dhp_jax.planner.solvers.allocate import scalar_time
 
 _CANDIDATES = 4  # receiving groups tried per move: the fastest few
 _ITEMS = 8  # sequences of the bottleneck group tried per move

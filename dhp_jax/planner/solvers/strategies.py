@@ -14,11 +14,11 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers.baselines import solve_static
 from dhp_jax.planner.solvers.dhp import solve_dhp
-from dhp_jax.planner.contract.plan import PlanningError
 from dhp_jax.planner.solvers.problem import Problem
-from dhp_jax.planner.programs.cache import ProgramCache
 
 __all__ = ["Strategy", "STRATEGY_TABLE", "strategy_names", "lookup", "register"]
 
