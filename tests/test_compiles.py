@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from dhp_jax.data.layout import bucket_length, bucket_lengths
+from dhp_jax.geometry.layout import bucket_length, bucket_lengths
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan

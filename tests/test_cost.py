@@ -214,8 +214,8 @@ def test_fit_keeps_uninformed_coefficients_and_rejects_bad_points():
 
 # ------------------------------------------------------------------ machine/executor structure
 def test_padded_length_is_the_layouts_bucket():
-    """The vectorised ladder in the cost model equals dhp_jax.data.layout.bucket_length."""
-    from dhp_jax.data.layout import bucket_length
+    """The vectorised ladder in the cost model equals dhp_jax.geometry.layout.bucket_length."""
+    from dhp_jax.geometry.layout import bucket_length
 
     for min_bucket, growth in ((16, 2.0), (16, 1.5), (24, 1.25)):
         c = CostModel.preset("internvl3-2b", "cpu", bucket_min=min_bucket, bucket_growth=growth)
@@ -247,7 +247,7 @@ def _by_hand_machine(c, lengths, etas, d, lanes, bucket, overlap):
 @pytest.mark.parametrize("lengths, etas, d", [
     ([100], [0.0], 1), ([100], [0.25], 2), ([300, 50], [0.5, 0.0], 3), ([700], [0.0], 8), ([40, 40, 41], [0.1] * 3, 6)])
 def test_compute_lanes_and_padding_by_hand(lengths, etas, d):
-    from dhp_jax.data.layout import bucket_length
+    from dhp_jax.geometry.layout import bucket_length
 
     base = CostModel.preset("internvl3-2b", "cpu", bucket_min=0).replace(
         a1=2e-7, a2=5e-5, a2_vision=3e-5, b1=4e-3, kv_bytes_per_token=4096.0, bw_intra=2e8, lat_intra=3e-4)
@@ -294,7 +294,7 @@ def test_accelerator_presets_price_the_padding_by_hand():
     """Every preset prices the executor's bucket: pad tokens go around the ring and into memory,
     through the linear layers only in the busiest rank's last real chunk (`linear_chunk`; all of
     them with 0); on accelerators attention stays that of the real samples."""
-    from dhp_jax.data.layout import bucket_length
+    from dhp_jax.geometry.layout import bucket_length
 
     c = CostModel.preset("internvl3-8b", "ascend-910b")
     assert c.bucket_min > 0 and not c.padded_attention

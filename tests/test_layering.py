@@ -2,8 +2,8 @@
 functions included, since a lazy import is still an import).
 
 `cli` -> `train` -> `sharding` -> `model`; `sharding`, `train`, `sim`, `npu_backend`, `experiments`
--> `planner` -> `data`. `data` imports no other part; the planner never imports `sim` or jax; the
-model never imports `sharding`; `npu_backend` never imports jax (not even through a module it
+-> `planner` -> `geometry` -> `data` (`model` -> `geometry` too). `data` imports no other part; the
+planner never imports `sim` or jax; the model never imports `sharding`; `npu_backend` never imports jax (not even through a module it
 imports); the library never imports `experiments`. Inside the planner, its rooms (docs/DESIGN.md,
 section 2) import only downwards: contract <- cost <- programs <- solvers <- the planner's top modules.
 """
@@ -24,16 +24,17 @@ JAX_ROOTS = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 # typed_config)
 ALLOWED = {
     "data": set(),
-    "planner": {"data"},
-    "model": {"data"},
-    "sim": {"planner", "data"},
-    "sharding": {"model", "planner", "data"},
-    "train": {"sharding", "model", "planner", "data"},
-    "cli": {"train", "sharding", "model", "sim", "planner", "data"},
-    "npu_backend": {"model", "planner", "data"},
-    "experiments": {"cli", "train", "sharding", "model", "sim", "planner", "data", "npu_backend"},
+    "geometry": {"data"},
+    "planner": {"geometry", "data"},
+    "model": {"geometry", "data"},
+    "sim": {"planner", "geometry", "data"},
+    "sharding": {"model", "planner", "geometry", "data"},
+    "train": {"sharding", "model", "planner", "geometry", "data"},
+    "cli": {"train", "sharding", "model", "sim", "planner", "geometry", "data"},
+    "npu_backend": {"model", "planner", "geometry", "data"},
+    "experiments": {"cli", "train", "sharding", "model", "sim", "planner", "geometry", "data", "npu_backend"},
 }
-NO_JAX = ("data", "planner", "sim", "npu_backend")  # pure Python/NumPy (torch for npu_backend)
+NO_JAX = ("data", "geometry", "planner", "sim", "npu_backend")  # pure Python/NumPy (torch for npu_backend)
 
 
 def _modules() -> dict[str, Path]:

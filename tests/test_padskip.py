@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import random_samples
-from dhp_jax.data.layout import bucket_length, chunk_size, linear_tokens, pack_group
+from dhp_jax.geometry.layout import bucket_length, chunk_size, linear_tokens, pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.executed import counting
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan

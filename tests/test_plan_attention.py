@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-from dhp_jax.data.layout import bucket_length, pack_group
+from dhp_jax.geometry.layout import bucket_length, pack_group
 from dhp_jax.planner import CostModel, Group, MicroBatch, Plan, PlanValidationError, plan_batch
 from dhp_jax.planner.cost.pricing import allreduce_time, group_time, makespan
 from dhp_jax.sim import step_time

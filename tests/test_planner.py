@@ -179,7 +179,7 @@ def test_one_group_allocation_is_the_least_degree_of_its_least_time(seed):
 
 
 def test_scalar_chunked_tokens_match_the_layout_rule():
-    from dhp_jax.data.layout import linear_tokens
+    from dhp_jax.geometry.layout import linear_tokens
     from dhp_jax.planner.solvers.allocate import _linear_whole
 
     rng = np.random.default_rng(7)

@@ -227,7 +227,7 @@ def test_memory_lpt_matches_the_plain_rule():
 
 
 def test_allocation_prices_padded_groups_as_the_cost_model_does():
-    from dhp_jax.data.layout import bucket_lengths, scalar_bucketer
+    from dhp_jax.geometry.layout import bucket_lengths, scalar_bucketer
     from dhp_jax.planner.solvers.allocate import scalar_time
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)

@@ -172,7 +172,7 @@ def test_no_implicit_transfers(setup):
 
 
 def test_bounded_compiles_over_planner_plans(setup):
-    from dhp_jax.data.layout import ladder
+    from dhp_jax.geometry.layout import ladder
     from dhp_jax.planner import CostModel, plan_batch
     ex, _, _, _ = setup
     cost = CostModel.preset("internvl3-8b", "ascend-910b")

@@ -68,7 +68,7 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
     import jax
     import numpy as np
 
-    from dhp_jax.data.layout import pack_group
+    from dhp_jax.geometry.layout import pack_group
     from dhp_jax.data.synthetic import random_samples
     from dhp_jax.model import MLLMConfig, init_params
     from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan

@@ -72,7 +72,7 @@ class PlanSource:
         when the plan is made at full size (None: the plan's own buckets are the executor's)."""
         if not self.full_size or self.executed_ladder is None:
             return None
-        from dhp_jax.data.layout import bucket_length
+        from dhp_jax.geometry.layout import bucket_length
 
         tokens = [s.num_tokens for s in batch.samples]
         min_bucket, growth = self.executed_ladder

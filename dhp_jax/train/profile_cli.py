@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         force_cpu_devices(args.cpu_devices)
     import jax
 
-    from dhp_jax.data.layout import GROWTH, MIN_BUCKET
+    from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET
     from dhp_jax.model import MLLMConfig
     from dhp_jax.train.profile import fit_profile, host_cores, load_average, machine_label, write_profile
 

@@ -31,7 +31,7 @@ class Group:
     """One CP group: `degree` ranks running `samples` (indices into the global batch) together,
     with attention of kind `attention` ("ring", "ulysses" or "hybrid:<u>x<r>"). `tokens` is the
     group's real stream length and `padded_tokens` the length the executor runs after bucket
-    padding (`dhp_jax.data.layout.bucket_length`); 0 where unknown (v1 plans, hand-built groups)."""
+    padding (`dhp_jax.geometry.layout.bucket_length`); 0 where unknown (v1 plans, hand-built groups)."""
 
     ranks: tuple[int, ...]
     degree: int

@@ -34,7 +34,7 @@ import numpy as np
 from scipy.optimize import least_squares, nnls
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import linear_tokens
+from dhp_jax.geometry.layout import linear_tokens
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import comm_per_token, compute_divisor, traffic

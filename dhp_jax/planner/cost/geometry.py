@@ -2,7 +2,7 @@
 
 A `CostModel` carries the geometry its executor runs (`bucket_min`, `bucket_growth`,
 `linear_chunk`, `bucket_menu`, `menu_kinds`, `padded_attention`); this module is where those
-fields mean something: `padded_length` is the one bucket rule (`dhp_jax.data.layout.bucket_lengths`
+fields mean something: `padded_length` is the one bucket rule (`dhp_jax.geometry.layout.bucket_lengths`
 with the cost's ladder, clamped to its memory budget), `check_geometry` the one check of them.
 Pricing (`dhp_jax.planner.cost.pricing`) and memory accounting (`dhp_jax.planner.cost.memory`) read the
 padded length from here.
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dhp_jax.data.layout import bucket_lengths
+from dhp_jax.geometry.layout import bucket_lengths
 from dhp_jax.planner.contract.kinds import check_attention
 
 __all__ = ["check_geometry", "padded_length"]
@@ -22,7 +22,7 @@ __all__ = ["check_geometry", "padded_length"]
 
 def padded_length(cost: Any, tokens: Any, degree: Any) -> np.ndarray:
     """The executor's padded stream length for `tokens` on `degree` ranks (the one bucket rule,
-    `dhp_jax.data.layout.bucket_lengths`, with the cost's ladder); `tokens` when unpadded."""
+    `dhp_jax.geometry.layout.bucket_lengths`, with the cost's ladder); `tokens` when unpadded."""
     if not cost.bucket_min:
         return np.asarray(tokens, dtype=np.float64)
     return bucket_lengths(tokens, degree, cost.bucket_min, cost.bucket_growth,

@@ -49,12 +49,12 @@ which is the paper's model above):
   its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
   planner's exact allocation is exact for the per-group model, and candidates are compared with it).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
-  `dhp_jax.data.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
+  `dhp_jax.geometry.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
   clamped to the memory budget), the one bucket rule. With `bucket_min > 0` the pad tokens go
   through the linear layers and around the ring: B = sum_k (...) L_k + a2 (P - S), ring traffic of P
   tokens, memory P mem_per_token / d, where P is the padded length. Every preset prices it.
 - `linear_chunk` (C > 0): the executor skips the padding in the linear layers, chunk by chunk
-  (`dhp_jax.data.layout`: each rank holds ceil(S/d) or floor(S/d) real tokens as a prefix of its
+  (`dhp_jax.geometry.layout`: each rank holds ceil(S/d) or floor(S/d) real tokens as a prefix of its
   shard, its padding at the end; chunks of at most C tokens with no real token are skipped). The
   busiest rank then computes W/d = `layout.linear_tokens(S, P, d, C)` tokens, its real tokens
   rounded up to whole chunks, so B = sum_k (...) L_k + a2 (W - S); ring traffic and memory stay on
@@ -89,7 +89,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
+from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
 from dhp_jax.planner.cost import memory as engine_memory, presets
 from dhp_jax.planner.cost.geometry import check_geometry
 

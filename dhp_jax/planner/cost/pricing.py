@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.checks import etas_array, lengths_array, positive_int
-from dhp_jax.data.layout import linear_tokens
+from dhp_jax.geometry.layout import linear_tokens
 from dhp_jax.planner.contract.kinds import attention_kinds
 from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import ladders, linear_tokens, rung_list, scalar_bucketer
+from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import comm_per_token, group_times
@@ -62,7 +62,7 @@ def _linear_whole(S: float, P: float, d: int, chunk: int) -> float:
 class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
 
-    Same arithmetic, in the same order, as the bucket rule (`data.layout.bucket_lengths`) followed by
+    Same arithmetic, in the same order, as the bucket rule (`geometry.layout.bucket_lengths`) followed by
     `pricing.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
     constants (the memory clamp of the bucket rule, the link's per-token and per-message terms) are
     tabulated once per model and attention kind; `group_times_of` also takes each group's ladder rung

@@ -1,7 +1,7 @@
 """Turn solved micro-batches (rank tuples + sample ids) into a `Plan` with its estimates filled in.
 
 Each group records its own attention kind, its tokens and its padded stream length (the one bucket
-rule, `dhp_jax.data.layout.bucket_lengths`, on the cost model's ladder; the executors' default ladder
+rule, `dhp_jax.geometry.layout.bucket_lengths`, on the cost model's ladder; the executors' default ladder
 when the cost model prices no padding). Times come from `planner.cost.pricing`, the one place plans are priced.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import bucket_lengths
+from dhp_jax.geometry.layout import bucket_lengths
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
