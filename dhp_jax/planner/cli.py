@@ -40,6 +40,7 @@ def _span(ranks: tuple[int, ...]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `dhp --help` imports only the argument parsers
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.compare import compare_strategies
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
               "numbers": "simulated with the cost model"}
     if args.plot:
-        from dhp_jax.planner.plot import plot_plan
+        from dhp_jax.planner.plot import plot_plan  # lazy: matplotlib only with --plot
 
         plot_plan(plan, args.plot, title=f"{args.strategy}: {args.dataset}, {args.batch} samples, {args.ranks} ranks",
                   allreduce_s=allreduce_time(cost, plan.num_ranks))

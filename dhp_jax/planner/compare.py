@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.data.sample import sample_etas, sample_lengths
+from dhp_jax.planner.api import plan_batch
 from dhp_jax.planner.contract.plan import Plan, PlanningError
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import step_time
@@ -98,9 +100,6 @@ def compare_strategies(batches: Sequence[Any], num_ranks: int, cost: CostModel, 
     (`PlanningError`) stops there with `error` set (`errors="raise"` re-raises instead). `price`
     defaults to `step_time` (simulated).
     """
-    from dhp_jax.data.sample import sample_etas, sample_lengths
-    from dhp_jax.planner.api import plan_batch
-
     if errors not in ("record", "raise"):
         raise ValueError(f"errors must be 'record' or 'raise', got {errors!r}")
     price = step_time if price is None else price

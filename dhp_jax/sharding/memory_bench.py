@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Any, Sequence
 
@@ -161,8 +162,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def use_cpu_devices(count: int) -> None:
     """Ask for `count` fake CPU devices, if jax is not imported yet (later it is too late)."""
-    import sys
-
     if "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]

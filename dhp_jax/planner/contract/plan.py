@@ -10,6 +10,7 @@ with no token figures.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
@@ -130,8 +131,6 @@ class Plan:
     def digest(self) -> str:
         """Short hash of `decisions()`: equal on every process that derived the same plan, down to
         the programs it runs (two processes whose bucket rules differ get different digests)."""
-        import hashlib
-
         return hashlib.sha256(json.dumps(self.decisions(), sort_keys=True).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ JSON

@@ -25,7 +25,9 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.data.sample import sample_etas, sample_lengths
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import group_kind_times
 
 
 def _quantise(values: np.ndarray, weights: np.ndarray, k: int, top: float) -> tuple[list[float], float]:
@@ -232,9 +234,9 @@ def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64
         if "degrees" in plan_options:
             raise ValueError("fit_menu: give either degree_set='aligned' or degrees=, not both")
         plan_options["degrees"] = aligned_degrees(num_ranks, cost.ranks_per_node or num_ranks)
-    from dhp_jax.data import sample_etas, sample_lengths
+    # lazy: plan_batch's solvers import this room (programs <- solvers <- api), so the menu plans
+    # its calibration batches through an import at call time
     from dhp_jax.planner.api import plan_batch
-    from dhp_jax.planner.cost.pricing import group_kind_times
 
     groups: list[tuple] = []
     for b in batches:
