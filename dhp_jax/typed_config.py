@@ -6,6 +6,7 @@ Imports nothing from the project.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import types
@@ -45,8 +46,6 @@ def annotation_of(default: Any) -> Any:
 
 def dataclass_of(name: str, defaults: Mapping[str, Any]) -> type:
     """A dataclass with one field per default, typed by `annotation_of` (defaults deep-copied)."""
-    import copy
-
     return dataclasses.make_dataclass(name, [(k, annotation_of(v), dataclasses.field(
         default_factory=lambda v=v: copy.deepcopy(v))) for k, v in defaults.items()])
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from dhp_jax.data import sample_etas, sample_lengths
 from dhp_jax.planner import plan_batch
-from dhp_jax.planner.pricing import step_time
+from dhp_jax.planner.cost.pricing import step_time
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import make_batches
 from experiments.common import save_figure

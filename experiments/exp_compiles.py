@@ -1,7 +1,7 @@
 """Experiment 12: the bucket rule's trade-off at cluster scale: padding vs programs vs step time.
 
 For each bucket ladder growth (and each menu of programs fitted to calibration batches, see
-`dhp_jax.planner.menu`), `dhp bench compiles`' planning pass (`plan_run`: real batches
+`dhp_jax.planner.programs.menu`), `dhp bench compiles`' planning pass (`plan_run`: real batches
 planned with padding priced, nothing compiled) counts the distinct (degree, padded tokens,
 attention kind) programs, the executables each process would hold (with and without the reuse
 placement), the padded / real tokens, and the simulated step time against planning and pricing
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from dhp_jax.data.layout import GROWTH, MIN_BUCKET
+from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET
 from dhp_jax.train.compiles_bench import cost_for, menu_cost, plan_run
 from experiments.common import save_figure
 
@@ -32,7 +32,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     for k in [p["menu_kinds"], *p["kind_variants"]]:
         if k not in KIND_PER:
             raise ValueError(f"compiles: menu kinds must be one of {sorted(KIND_PER)}, got {k!r}")
-    from dhp_jax.planner.menu import DEGREE_SETS
+    from dhp_jax.planner.programs.menu import DEGREE_SETS
 
     for v in [p["menu_degree_set"], *p["degree_set_variants"]]:
         if v not in DEGREE_SETS:

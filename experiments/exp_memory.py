@@ -64,13 +64,13 @@ def plot(result: dict[str, Any], path: Any) -> None:
     a.scatter(got, [r["model_bytes"] / 1e9 for r in result["rows"]], s=12)
     top = max(got) * 1.05
     a.plot([0, top], [0, top], "k:", lw=1)
-    a.set(xlabel="compiled GB per device", ylabel="CostModel.program_bytes GB", title="group program")
+    a.set(xlabel="compiled GB per device", ylabel="memory.group_program_bytes GB", title="group program")
     rows = result["step_rows"]
     x = range(len(rows))
     b.bar([i - 0.2 for i in x], [(r["compiled_step_bytes"] + r["state_bytes"]) / 1e9 for r in rows], 0.4,
           label="compiled step peak + state")
     b.bar([i + 0.2 for i in x], [(r["model_step_bytes"] + r["model_state_bytes"]) / 1e9 for r in rows], 0.4,
-          label="CostModel.step_bytes + state")
+          label="memory.device_step_bytes + state")
     b.axhline(rows[0]["usable_bytes"] / 1e9, color="k", ls="--", lw=1, label="usable")
     b.set_xticks(list(x), [f"{r['model']}\nd={r['degree']} {r['tokens'] // 1024}k x{r['micro_batches']}" for r in rows],
                  fontsize=7)

@@ -106,7 +106,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                        f"({r['ratio']:.3f})")
     return {"label": "measured: XLA memory_analysis of the family group program (abstract params, fp32, remat none, "
                      f"{depth[0]} LLM layers + {depth[1]} encoder blocks, 8 fake CPU devices) vs "
-                     "CostModel.program_bytes of the same shape",
+                     "`group_program_bytes` of the same shape",
             "depth": depth, "rows": rows, "layer_rows": layer_rows, "not_run": not_run,
             "full_depth_bound": [min(ratios), max(ratios)] if ratios else None,
             "rows_file": str(rows_file.name), "summary": summary}

@@ -4,7 +4,7 @@ Small instances: DHP step time / the exact MILP's ("milp" strategy, HiGHS), coun
 proved optimality. Large instances: DHP step time / the lower bound of `dhp_jax.sim.bounds` (work / ranks,
 longest sequence alone), with the best static baseline beside it for scale. Versus FlexSP: at 64 ranks,
 GBS 512, with a cost profile matched to FlexSP's gpt-7b cost model, DHP against the "flexsp" baseline
-(planner/flexsp.py) and the lower bound, micro-batch counts against the token lower bound, and DHP's
+(planner/solvers/flexsp.py) and the lower bound, micro-batch counts against the token lower bound, and DHP's
 solve time (median of repeats; also on the internvl3-8b / ascend-910b preset).
 """
 
@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster, vision_family
 from dhp_jax.sim.simulate import evaluate, make_batches
@@ -112,7 +113,8 @@ def versus_flexsp(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -
     `flexsp_batches` batches of each mix (its MILPs take minutes); dhp plans `count_batches` of them
     (at least as many), for its micro-batch count against the token bound and its solve time."""
     from dhp_jax.data import sample_lengths
-    from dhp_jax.planner import CostModel, microbatch, plan_batch
+    from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.planner.solvers import microbatch
 
     from experiments.runner import REPO
 
@@ -130,7 +132,7 @@ def versus_flexsp(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -
             wall, cpu = _median_solve(lengths, n, cost, int(p["solve_repeats"]))
             row = {"dataset": ds, "batch": b, "ranks": n, "samples": len(lengths),
                    "token_lower_bound_mb": microbatch.min_micro_batches(lengths.astype(float), n,
-                                                                        cost.max_tokens_per_rank),
+                                                                        max_tokens_per_rank(cost)),
                    "dhp_mb": len(dhp.micro_batches), "dhp_step_s": t_dhp, "lower_bound_s": lb.step_s,
                    "dhp_over_bound": t_dhp / lb.step_s, "dhp_solve_ms": wall, "dhp_solve_cpu_ms": cpu}
             note = ""

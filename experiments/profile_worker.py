@@ -39,7 +39,7 @@ def main(out_path: str, params: dict) -> int:
     # on fewer devices (memory is not what this experiment measures).
     # The profiled model's own gradient size and head count, the executor's padding ladder and the
     # host's real parallelism are structure, not fitted figures (the same base `dhp profile` builds).
-    from dhp_jax.data.layout import GROWTH, MIN_BUCKET
+    from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET
 
     lanes = profile.host_cores() if devs[0].platform == "cpu" else None
     base = CostModel.preset(params.get("base_model", "qwen3-vl-2b"), "cpu", ranks_per_node=devices,

@@ -207,8 +207,8 @@ def _compiles_executables(row: Row, r: dict[str, Any]) -> str:
 
 
 def memory(r: dict[str, Any]) -> str:
-    """The group program table (compiled vs CostModel.program_bytes by model and degree, one cell per
-    token count) and the whole-step table (compiled step peak vs CostModel.step_bytes)."""
+    """The group program table (compiled vs memory.group_program_bytes by model and degree, one cell per
+    token count) and the whole-step table (compiled step peak vs memory.device_step_bytes)."""
     tokens = r["config"]["tokens"]
     by = {}
     for row in r["rows"]:
@@ -222,7 +222,7 @@ def memory(r: dict[str, Any]) -> str:
         err = cells(d, lambda x: format(100 * x["rel_error"], "+.1f") + "%")
         lines.append(f"| {model} | {degree} | {got} | {want} | {err} |")
     lines += ["", "| model | degree | tokens per micro-batch | micro-batches | compiled step peak GB | "
-                  "CostModel.step_bytes GB | error | + state GB | of usable GB | peak in |",
+                  "memory.device_step_bytes GB | error | + state GB | of usable GB | peak in |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for row in r["step_rows"]:
         total = (row["compiled_step_bytes"] + row["state_bytes"]) / 1e9

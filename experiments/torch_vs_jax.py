@@ -48,7 +48,7 @@ def make_case(args: argparse.Namespace) -> tuple[Any, list, Any]:
 def fixed_plan(samples: Sequence, degrees: Sequence[int]) -> Any:
     """One micro-batch with groups of the given degrees on consecutive ranks; longest samples first,
     each to the group with the least attention work (sum of length^2) per rank."""
-    from dhp_jax.planner.plan import Group, MicroBatch, Plan
+    from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 
     load = [0.0] * len(degrees)
     members: list[list[int]] = [[] for _ in degrees]

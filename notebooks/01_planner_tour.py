@@ -35,6 +35,8 @@ from matplotlib.colors import LogNorm
 from dhp_jax.data import DATASETS, make_dataset, sample_etas, sample_lengths
 from dhp_jax.data.token_profile import TokenProfile, summary
 from dhp_jax.planner import CostModel, Plan, PlanningError, plan_batch
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import allreduce_time
 from dhp_jax.planner.plot import draw_plan as draw_plan_on
 from dhp_jax.sim import step_time
 
@@ -55,7 +57,7 @@ print("hardware:", ", ".join(CostModel.HARDWARE))
 print("mixes:   ", ", ".join(DATASETS))
 cost = CostModel.preset(MODEL, HARDWARE)
 print(f"\n{MODEL} on {HARDWARE}: {cost.memory_budget / 2**30:.1f} GiB activations per rank "
-      f"= {cost.max_tokens_per_rank:,.0f} tokens per rank")
+      f"= {max_tokens_per_rank(cost):,.0f} tokens per rank")
 
 # %% [markdown]
 # ## 1. One batch from each mix: token lengths
@@ -81,12 +83,12 @@ fig, axes = plt.subplots(1, len(batches), figsize=(3.2 * len(batches), 2.8), sha
 bins = np.logspace(0, np.log10(2e5), 36)
 for ax, (name, samples) in zip(axes, batches.items()):
     ax.hist(sample_lengths(samples), bins=bins, color="tab:blue")
-    ax.axvline(cost.max_tokens_per_rank, color="tab:red", ls="--", lw=1)
+    ax.axvline(max_tokens_per_rank(cost), color="tab:red", ls="--", lw=1)
     ax.set_xscale("log")
     ax.set_title(name)
     ax.set_xlabel("tokens per sample")
 axes[0].set_ylabel(f"samples (of {BATCH})")
-axes[-1].text(cost.max_tokens_per_rank, axes[-1].get_ylim()[1] * 0.9, " one rank's\n memory", color="tab:red",
+axes[-1].text(max_tokens_per_rank(cost), axes[-1].get_ylim()[1] * 0.9, " one rank's\n memory", color="tab:red",
               fontsize=7, va="top")
 fig.tight_layout()
 
@@ -138,7 +140,7 @@ print(plans["dhp"].to_json()[:400], "...")
 # %%
 def draw_plan(ax, plan: Plan, cost: CostModel, title: str = "", key: bool = True) -> float:
     """The planner's ranks x time drawing, with the step's gradient all-reduce at the end (grey)."""
-    return draw_plan_on(ax, plan, cost.allreduce_time(plan.num_ranks), title, key=key)
+    return draw_plan_on(ax, plan, allreduce_time(cost, plan.num_ranks), title, key=key)
 
 
 fig, axes = plt.subplots(len(plans), 1, figsize=(10, 2.3 * len(plans)), sharex=True, layout="constrained")

@@ -41,7 +41,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from dhp_jax.data import make_dataset, random_samples, sample_lengths
-from dhp_jax.data.layout import pack_group
+from dhp_jax.geometry.layout import pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.sharding import PlanExecutor

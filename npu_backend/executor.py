@@ -1,7 +1,7 @@
 """Run one training step of a `Plan` on this rank with torch.distributed: one process, one rank.
 
 For every micro-batch the rank finds its CP group, packs the group's samples with
-`dhp_jax.data.layout` (the same packing, bucket padding and zigzag as the JAX side; a Hugging Face
+`dhp_jax.geometry.layout` (the same packing, bucket padding and zigzag as the JAX side; a Hugging Face
 family model: the two streams of `dhp_jax.model.hf.packed`, as `dhp_jax.sharding.family`), runs its
 shard forward and backward with ring attention over the group (point-to-point on the world
 group), and accumulates gradients. Then one all-reduce over the world sums every rank's partial
@@ -23,12 +23,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dhp_jax.data.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import pack_family_group
-from dhp_jax.planner.kinds import check_attention
-from dhp_jax.planner.plan import Group, Plan, PlanValidationError
+from dhp_jax.planner.contract.kinds import check_attention
+from dhp_jax.planner.contract.plan import Group, Plan, PlanValidationError
 from npu_backend.hf import TorchFamilyModel, stream_tensors
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention

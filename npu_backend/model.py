@@ -6,7 +6,7 @@ mapping in `npu_backend.weights` is mechanical). Every token-local op runs on th
 two attention calls (vision encoder, decoder) go through the `attn` callable the caller hands in:
 `ring_attention` over the CP group, or dense attention on one rank.
 
-Inputs are one (shard of a) packed stream, as `dhp_jax.data.layout` builds it: `token_ids[S]`,
+Inputs are one (shard of a) packed stream, as `dhp_jax.geometry.layout` builds it: `token_ids[S]`,
 `pixels[S, P]`, `vision_mask[S]`, `segment_ids, positions, span_ids, frame_ids, frame_positions[S]`.
 """
 

@@ -5,7 +5,7 @@ per-tile summaries) travel around it with `dist.batch_isend_irecv`, so no proces
 created per plan group (communicator memory is what hurts HCCL/NCCL users when plans change every
 step). The algorithm is the JAX ring's (`dhp_jax.sharding.ring`): inside each block a loop over
 (query tile, key tile) pairs with an online softmax, skipping the pairs that
-`dhp_jax.data.tiling.tile_pairs_allowed` rules out (other samples, the causal future, padding), so
+`dhp_jax.geometry.tiling.tile_pairs_allowed` rules out (other samples, the causal future, padding), so
 temporaries are one score tile; the custom autograd function saves only q, k, v, meta, the output
 and the log-sum-exp, and runs the backward as a second ring in which dK/dV accumulators travel
 one hop behind their K/V block and come home after `degree` hops. The next block is always
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dhp_jax.data.tiling import DEFAULT_TILE, TileSpec, summarize, tile_pairs_allowed, tile_ranges, to_tiles
+from dhp_jax.geometry.tiling import DEFAULT_TILE, TileSpec, summarize, tile_pairs_allowed, tile_ranges, to_tiles
 
 MaskFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -103,7 +103,7 @@ def _merge_heads(x4: torch.Tensor) -> torch.Tensor:
 
 
 def _summary(meta: torch.Tensor, spec: TileSpec) -> np.ndarray:
-    """Per-tile summaries int32[n, 6] of meta[S, 3] = (segment, position, span) (`dhp_jax.data.tiling`)."""
+    """Per-tile summaries int32[n, 6] of meta[S, 3] = (segment, position, span) (`dhp_jax.geometry.tiling`)."""
     ids = meta[:, :3].detach().cpu().numpy()
     return summarize(*(to_tiles(ids[:, c], spec, np) for c in range(3)), xp=np)
 

@@ -28,8 +28,8 @@ import torch.distributed as dist  # noqa: E402
 
 from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
 from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, is_profile, mllm_preset  # noqa: E402
-from dhp_jax.planner.plan import Plan, PlanValidationError  # noqa: E402
-from dhp_jax.planner.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
+from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E402
+from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
 from npu_backend.weights import (WeightsError, check_model_config, export_flax_params, load_flax_params,  # noqa: E402
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initial weights: the params of a `dhp train` checkpoint (a run directory, its "
                         "checkpoints/ or one step's directory; the latest step unless a step directory)")
     p.add_argument("--save-weights", help="write the final weights (.npz, flax layout) from rank 0")
-    p.add_argument("--plan-file", help="replay plans (dhp_jax.planner.planfile): a plan log of `dhp train` "
+    p.add_argument("--plan-file", help="replay plans (dhp_jax.planner.contract.planfile): a plan log of `dhp train` "
                                        "or of --dump-plans, one plan JSON (every step) or a JSON list")
     p.add_argument("--plan-source", choices=("local", "broadcast"), default="local",
                    help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")

@@ -13,7 +13,7 @@ communicators); the ring of a hybrid runs over the j-th ranks of the r sub-group
       -- all-to-all back -->  o[S_l, H, D]
 
 meta (segment, position, span) is sent to every peer of the sub-group once per call. Heads follow
-`dhp_jax.planner.kinds.head_plan`: KV heads repeated up to lcm(KVH, u), or zero heads padding an
+`dhp_jax.planner.contract.kinds.head_plan`: KV heads repeated up to lcm(KVH, u), or zero heads padding an
 encoder whose heads u does not split.
 """
 
@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from dhp_jax.planner.kinds import head_plan
+from dhp_jax.planner.contract.kinds import head_plan
 from npu_backend.ring import MaskFn, RingComm, ring_attention
 
 

@@ -15,7 +15,7 @@ import hf_cases as hc
 from hf_cases import torch
 
 from dhp_jax.model import hf
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 
 
 def labels_of(g: np.random.Generator, inputs: dict, vision_ids: tuple[int, ...]) -> np.ndarray:

@@ -7,7 +7,7 @@ import pytest
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.pricing import best_kinds, step_time
+from dhp_jax.planner.cost.pricing import best_kinds, comm_per_token, group_times, sample_terms, step_time
 from dhp_jax.sim.bounds import lower_bound
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)     # 28 query heads
@@ -16,24 +16,24 @@ COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)     # 2
 def test_hybrid_price_is_the_all_to_all_plus_a_thinner_ring():
     A, B, S = 40.0, 10.0, 60000.0
     c = COST.replace(bucket_min=0)  # the unpadded form (padding is priced the same for every kind)
-    t = float(c.group_times(A, B, S, 8, False, "hybrid:2x4"))
+    t = float(group_times(c, A, B, S, 8, False, "hybrid:2x4"))
     # Ulysses over 2 on a sub-group's S/4 tokens: a rank holds S/8 of them and sends (2-1)/2 of those
-    a2a = c.comm_per_token(False, "ulysses") * (S / 8) * (2 - 1) / 2
-    ring = c.comm_per_token(False, "ring") / 2 * S * (4 - 1) / 4               # half the K/V heads, ring of 4
+    a2a = comm_per_token(c, False, "ulysses") * (S / 8) * (2 - 1) / 2
+    ring = comm_per_token(c, False, "ring") / 2 * S * (4 - 1) / 4               # half the K/V heads, ring of 4
     lat = c.lat_intra * (1 + 3)
     assert t == pytest.approx((A + B) / 8 + c.b1 + a2a + lat + max(ring - A / 8, 0.0), rel=1e-12)
     # the "hybrid" family over several degrees at once equals each named kind
-    fam = c.group_times(A, B, S, np.array([4, 8, 16]), np.array([False, False, True]), "hybrid", ulysses=2)
-    named = [c.group_times(A, B, S, d, d > 8, f"hybrid:2x{d // 2}") for d in (4, 8, 16)]
+    fam = group_times(c, A, B, S, np.array([4, 8, 16]), np.array([False, False, True]), "hybrid", ulysses=2)
+    named = [group_times(c, A, B, S, d, d > 8, f"hybrid:2x{d // 2}") for d in (4, 8, 16)]
     np.testing.assert_allclose(fam, np.ravel(named), rtol=1e-12)
     with pytest.raises(ValueError, match="degree"):
-        c.group_times(A, B, S, np.array([4, 8]), False, "hybrid:2x2")
+        group_times(c, A, B, S, np.array([4, 8]), False, "hybrid:2x2")
 
 
 def test_choice_never_above_ring_and_takes_a_hybrid_across_nodes():
     # short sequences on 16 ranks over 2 nodes: the ring's slow inter-node hops are not hidden
     lengths = np.array([8000, 6000, 30000, 20000, 9000, 40000, 3000, 5000, 7000, 2000, 4000, 6000], float)
-    terms = COST.terms(lengths)
+    terms = sample_terms(COST, lengths)
     groups = [(tuple(range(0, 16)), (0, 1)), (tuple(range(16, 20)), (2, 3, 4)), ((20,), (5,)),
               (tuple(range(24, 32)), tuple(range(6, 12)))]
     kinds = best_kinds(COST, groups, terms)
@@ -44,7 +44,7 @@ def test_choice_never_above_ring_and_takes_a_hybrid_across_nodes():
     for (ranks, samples), kind in zip(groups, kinds):
         A, B, S = (float(x[list(samples)].sum()) for x in terms)
         inter = len({r // 8 for r in ranks}) > 1
-        assert COST.group_times(A, B, S, len(ranks), inter, kind) <= COST.group_times(A, B, S, len(ranks), inter, "ring")
+        assert group_times(COST, A, B, S, len(ranks), inter, kind) <= group_times(COST, A, B, S, len(ranks), inter, "ring")
 
 
 def test_dhp_with_choice_is_never_slower_than_ring_only_and_above_the_bound():

@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from dhp_jax.data.layout import bucket_length, bucket_lengths
+from dhp_jax.geometry.layout import bucket_length, bucket_lengths
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
-from dhp_jax.planner.programs import ProgramCache, group_keys, reuse_ranks
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.programs.cache import ProgramCache, group_keys, reuse_ranks
 
 
 def _walk(n, d, m, g):
@@ -54,7 +55,7 @@ def test_plan_groups_carry_the_padded_length_the_cost_model_prices():
     d = json.loads(plan.to_json())
     for g, gd in zip(plan.groups, (g for mb in d["micro_batches"] for g in mb["groups"])):
         assert g.tokens == int(L[list(g.samples)].sum()) == gd["tokens"]
-        assert g.padded_tokens == cost.padded_length(g.tokens, g.degree) == gd["padded_tokens"]
+        assert g.padded_tokens == padded_length(cost, g.tokens, g.degree) == gd["padded_tokens"]
         assert g.padded_tokens % (2 * g.degree) == 0
         assert g.est_memory_bytes == pytest.approx(g.padded_tokens * cost.mem_per_token / g.degree)
     assert Plan.from_json(plan.to_json()).groups[0].padded_tokens == plan.groups[0].padded_tokens
@@ -165,8 +166,8 @@ def test_reuse_placement_keeps_step_time_and_reuses_what_it_placed():
 
 
 def test_compile_price_counts_new_programs_only():
-    from dhp_jax.planner.dhp import _compile_price
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.dhp import _compile_price
+    from dhp_jax.planner.solvers.problem import prepare
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b")
     prob = prepare([30000, 9000, 1000], 8, cost)  # buckets 32768 and 16384 at degree 4
@@ -174,9 +175,9 @@ def test_compile_price_counts_new_programs_only():
     c = ProgramCache(compile_s=30.0)
     assert _compile_price(prob, done, None) == 0.0
     assert _compile_price(prob, done, c) == 60.0
-    c.programs.add((4, int(cost.padded_length(30000, 4)), "ulysses"))  # another kind: still new
+    c.programs.add((4, int(padded_length(cost, 30000, 4)), "ulysses"))  # another kind: still new
     assert _compile_price(prob, done, c) == 60.0
-    c.programs.add((4, int(cost.padded_length(30000, 4)), "ring"))
+    c.programs.add((4, int(padded_length(cost, 30000, 4)), "ring"))
     assert _compile_price(prob, done, c) == 30.0
 
 
@@ -225,7 +226,7 @@ def test_bench_compiles_menu_json(capsys):
 def test_menu_quantisation_is_exact_against_brute_force():
     import itertools
 
-    from dhp_jax.planner.menu import _quantise
+    from dhp_jax.planner.programs.menu import _quantise
 
     rng = np.random.default_rng(0)
     for _ in range(60):
@@ -240,7 +241,7 @@ def test_menu_quantisation_is_exact_against_brute_force():
 
 def test_menu_is_the_bucket_rule_for_its_degrees_and_bounds_the_plan():
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.menu import BucketMenu, fit_menu
+    from dhp_jax.planner.programs.menu import BucketMenu, fit_menu
 
     menu = BucketMenu({1: (64, 512), 3: (96, 600)})
     assert bucket_lengths(np.array([10.0, 64, 65, 600]), 1, 16, 2.0, menu=menu.as_cost_field()).tolist() == \
@@ -268,7 +269,7 @@ def test_aligned_menu_degrees_tile_nodes():
     """degree_set="aligned": the calibration plans, hence the menu and the plans made with it, use
     only divisors and multiples of ranks_per_node (no group leaves a partial node)."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.menu import aligned_degrees, fit_menu
+    from dhp_jax.planner.programs.menu import aligned_degrees, fit_menu
 
     assert aligned_degrees(64, 8) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert aligned_degrees(12, 6) == [1, 2, 3, 6, 12]
@@ -291,7 +292,7 @@ def test_aligned_menu_degrees_tile_nodes():
 
 
 def test_menu_kinds_least_total_time_per_bucket_or_degree():
-    from dhp_jax.planner.menu import _menu_kinds
+    from dhp_jax.planner.programs.menu import _menu_kinds
 
     timed = {8: [(100.0, {"ring": 3.0, "hybrid:2x4": 1.0}),        # bucket 160: the hybrid is faster
                  (150.0, {"ring": 1.0}),                            # cannot run the hybrid: counts its ring
@@ -306,7 +307,7 @@ def test_menu_kinds_least_total_time_per_bucket_or_degree():
 
 
 def test_menu_kinds_are_validated_and_round_trip():
-    from dhp_jax.planner.menu import BucketMenu
+    from dhp_jax.planner.programs.menu import BucketMenu
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     menu = BucketMenu({1: (64,), 8: (160, 320)}, {(1, 64): "ring", (8, 160): "hybrid:2x4", (8, 320): "ring"})
@@ -328,7 +329,7 @@ def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind
     shapes runs more than B programs; with the menu's kinds, the programs of a menu-planned run
     (reuse placement included) are menu programs, so at most its budget."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.menu import fit_menu
+    from dhp_jax.planner.programs.menu import fit_menu
 
     fine = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     batches = []

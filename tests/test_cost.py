@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.fit import fit_cost_model
+from dhp_jax.planner.cost.fit import fit_cost_model
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import allreduce_time, group_time, sent_tokens
 
 
 def test_every_preset_builds_and_is_physical():
@@ -16,8 +19,8 @@ def test_every_preset_builds_and_is_physical():
             c = CostModel.preset(m, h)
             assert c.memory_budget > 0 and c.a1 > 0 and c.a2 > 0 and c.b1 > 0
             # a longer sequence is slower; two ranks beat one for a long sequence
-            assert c.time([8000], 1) < c.time([16000], 1)
-            assert c.time([60000], 2) < c.time([60000], 1)
+            assert group_time(c, [8000], 1) < group_time(c, [16000], 1)
+            assert group_time(c, [60000], 2) < group_time(c, [60000], 1)
 
 
 def test_model_that_cannot_fit_says_so():
@@ -44,7 +47,7 @@ def test_attention_coefficient_from_flops():
 
 
 def _by_hand(c, lengths, etas, d, inter):
-    """The paper's form written out independently of CostModel.group_times."""
+    """The paper's form written out independently of pricing.group_times."""
     A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
     B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas))
     t_cp_attn = A / d
@@ -61,16 +64,16 @@ def _by_hand(c, lengths, etas, d, inter):
 def test_time_matches_the_paper_form(lengths, etas, d):
     c = CostModel.preset("qwen3-vl-4b", "h100", bucket_min=0)  # the paper's form: no padding
     inter = d > c.ranks_per_node
-    assert c.time(lengths, d, etas) == pytest.approx(_by_hand(c, lengths, etas, d, inter), rel=1e-12)
+    assert group_time(c, lengths, d, etas) == pytest.approx(_by_hand(c, lengths, etas, d, inter), rel=1e-12)
     # an explicit link class overrides the degree rule
-    assert c.time(lengths, d, etas, inter_node=not inter) == pytest.approx(
+    assert group_time(c, lengths, d, etas, inter_node=not inter) == pytest.approx(
         _by_hand(c, lengths, etas, d, not inter), rel=1e-12)
 
 
 def test_ulysses_pays_all_to_all_without_overlap():
     c = CostModel.preset("qwen3-vl-8b", "a100", bucket_min=0)
-    t_ring = c.time([50000], 4)
-    t_uly = c.time([50000], 4, attention="ulysses")
+    t_ring = group_time(c, [50000], 4)
+    t_uly = group_time(c, [50000], 4, attention="ulysses")
     A = c.a1 * 50000 ** 2
     B = c.a2 * 50000
     # a rank holds 50000/4 tokens and sends 3/4 of their Q, K, V, O
@@ -103,11 +106,11 @@ def test_ulysses_traffic_is_the_per_rank_all_to_all_volume(S, d):
     c = CostModel.preset("qwen3-vl-8b", "a100", bucket_min=0)  # the unpadded form
     per_token_head = c.a2a_bytes_per_token / (4 * heads)  # Q, K, V, O of one head of one token
     by_hand = _all_to_all_sent(S, d, heads) * per_token_head  # bytes one rank sends
-    assert float(c.sent_tokens(S, d, "ulysses")) * c.a2a_bytes_per_token == pytest.approx(by_hand, rel=1e-12)
+    assert float(sent_tokens(S, d, "ulysses")) * c.a2a_bytes_per_token == pytest.approx(by_hand, rel=1e-12)
     # a ring sends the K/V of its S/d tokens at each of d-1 steps
-    assert float(c.sent_tokens(S, d, "ring")) == pytest.approx((d - 1) * S / d, rel=1e-12)
+    assert float(sent_tokens(S, d, "ring")) == pytest.approx((d - 1) * S / d, rel=1e-12)
     bw = c.bw_inter if d > c.ranks_per_node else c.a2a_bw_intra
-    t = c.time([S], d, attention="ulysses")
+    t = group_time(c, [S], d, attention="ulysses")
     expect = (c.a1 * S ** 2 + c.a2 * S) / d + c.b1 + by_hand / bw \
         + (c.lat_inter if d > c.ranks_per_node else c.lat_intra) * (d - 1)
     assert t == pytest.approx(expect, rel=1e-12)
@@ -116,27 +119,27 @@ def test_ulysses_traffic_is_the_per_rank_all_to_all_volume(S, d):
 def test_memory_and_min_degree():
     c = CostModel.preset("internvl3-8b", "ascend-910b")
     # the padded stream is what a rank holds: 4000 tokens at degree 4 run as the 4096 bucket
-    assert c.memory([1000, 3000], 4) == pytest.approx(4096 * c.mem_per_token / 4)
-    assert c.replace(bucket_min=0).memory([1000, 3000], 4) == pytest.approx(4000 * c.mem_per_token / 4)
-    cap = c.max_tokens_per_rank
-    assert list(c.min_degree([1, int(cap), int(cap) + 1, int(3 * cap)])) == [1, 1, 2, 3]
+    assert group_activation_bytes(c, [1000, 3000], 4) == pytest.approx(4096 * c.mem_per_token / 4)
+    assert group_activation_bytes(c.replace(bucket_min=0), [1000, 3000], 4) == pytest.approx(4000 * c.mem_per_token / 4)
+    cap = max_tokens_per_rank(c)
+    assert list(min_degree(c, [1, int(cap), int(cap) + 1, int(3 * cap)])) == [1, 1, 2, 3]
 
 
 def test_allreduce_is_hierarchical():
     c = CostModel.preset("internvl3-8b", "ascend-910b")
-    assert c.allreduce_time(1) == 0.0
+    assert allreduce_time(c, 1) == 0.0
     g = c.grad_bytes
-    assert c.allreduce_time(8) == pytest.approx(2 * 7 / 8 * g / c.bw_intra)
-    assert c.allreduce_time(64) == pytest.approx(2 * 7 / 8 * g / c.bw_intra + 2 * 7 / 8 * (g / 8) / c.bw_inter)
-    assert c.allreduce_time(64) > c.allreduce_time(8)
+    assert allreduce_time(c, 8) == pytest.approx(2 * 7 / 8 * g / c.bw_intra)
+    assert allreduce_time(c, 64) == pytest.approx(2 * 7 / 8 * g / c.bw_intra + 2 * 7 / 8 * (g / 8) / c.bw_inter)
+    assert allreduce_time(c, 64) > allreduce_time(c, 8)
 
 
 def test_freeze_vision_drops_the_encoder_backward():
     c = CostModel.preset("qwen3-vl-2b", "ascend-910b")
     f = CostModel.preset("qwen3-vl-2b", "ascend-910b", freeze_vision=True)
     assert f.a2_vision < c.a2_vision / 2
-    assert f.time([20000], 2, [1.0]) < c.time([20000], 2, [1.0])
-    assert f.time([20000], 2, [0.0]) == c.time([20000], 2, [0.0])  # text only: unchanged
+    assert group_time(f, [20000], 2, [1.0]) < group_time(c, [20000], 2, [1.0])
+    assert group_time(f, [20000], 2, [0.0]) == group_time(c, [20000], 2, [0.0])  # text only: unchanged
 
 
 def test_json_round_trip(tmp_path):
@@ -161,11 +164,11 @@ def test_json_round_trip(tmp_path):
 def test_bad_inputs_are_named():
     c = CostModel.preset("internvl3-2b", "a100")
     with pytest.raises(ValueError, match="sequence 1: length must be"):
-        c.time([10, -5], 1)
+        group_time(c, [10, -5], 1)
     with pytest.raises(ValueError, match="degree must be a positive integer"):
-        c.time([10], 0)
+        group_time(c, [10], 0)
     with pytest.raises(ValueError, match="sequence 0: eta must be in"):
-        c.time([10], 1, [1.5])
+        group_time(c, [10], 1, [1.5])
     with pytest.raises(ValueError, match="ranks_per_node"):
         c.replace(ranks_per_node=0)
 
@@ -179,7 +182,7 @@ def _synthetic(true, rng, n=48):
         hi = 3000 if i % 2 else 80000
         L = rng.integers(128, hi, k).tolist()
         e = rng.uniform(0, 1, k).tolist()
-        ms.append({"lengths": L, "etas": e, "degree": d, "seconds": true.time(L, d, e)})
+        ms.append({"lengths": L, "etas": e, "degree": d, "seconds": group_time(true, L, d, e)})
     return ms
 
 
@@ -211,17 +214,17 @@ def test_fit_keeps_uninformed_coefficients_and_rejects_bad_points():
 
 # ------------------------------------------------------------------ machine/executor structure
 def test_padded_length_is_the_layouts_bucket():
-    """The vectorised ladder in the cost model equals dhp_jax.data.layout.bucket_length."""
-    from dhp_jax.data.layout import bucket_length
+    """The vectorised ladder in the cost model equals dhp_jax.geometry.layout.bucket_length."""
+    from dhp_jax.geometry.layout import bucket_length
 
     for min_bucket, growth in ((16, 2.0), (16, 1.5), (24, 1.25)):
         c = CostModel.preset("internvl3-2b", "cpu", bucket_min=min_bucket, bucket_growth=growth)
         n = np.arange(0, 1500)
         for d in (1, 2, 3, 5, 6, 8):
             want = [bucket_length(int(k), d, min_bucket, growth) for k in n]
-            assert c.padded_length(n, d).tolist() == want, (min_bucket, growth, d)
+            assert padded_length(c, n, d).tolist() == want, (min_bucket, growth, d)
     off = CostModel.preset("internvl3-2b", "cpu", bucket_min=0)
-    assert off.padded_length([100, 7], 3).tolist() == [100.0, 7.0]
+    assert padded_length(off, [100, 7], 3).tolist() == [100.0, 7.0]
 
 
 def _by_hand_machine(c, lengths, etas, d, lanes, bucket, overlap):
@@ -244,28 +247,28 @@ def _by_hand_machine(c, lengths, etas, d, lanes, bucket, overlap):
 @pytest.mark.parametrize("lengths, etas, d", [
     ([100], [0.0], 1), ([100], [0.25], 2), ([300, 50], [0.5, 0.0], 3), ([700], [0.0], 8), ([40, 40, 41], [0.1] * 3, 6)])
 def test_compute_lanes_and_padding_by_hand(lengths, etas, d):
-    from dhp_jax.data.layout import bucket_length
+    from dhp_jax.geometry.layout import bucket_length
 
     base = CostModel.preset("internvl3-2b", "cpu", bucket_min=0).replace(
         a1=2e-7, a2=5e-5, a2_vision=3e-5, b1=4e-3, kv_bytes_per_token=4096.0, bw_intra=2e8, lat_intra=3e-4)
     assert base.compute_lanes == 2 and not base.comm_overlap
-    assert base.time(lengths, d, etas) == pytest.approx(
+    assert group_time(base, lengths, d, etas) == pytest.approx(
         _by_hand_machine(base, lengths, etas, d, 2, None, False), rel=1e-12)
     padded = base.replace(bucket_min=16, compute_lanes=3, comm_overlap=True)
-    assert padded.time(lengths, d, etas) == pytest.approx(
+    assert group_time(padded, lengths, d, etas) == pytest.approx(
         _by_hand_machine(padded, lengths, etas, d, 3, bucket_length, True), rel=1e-12)
     # lanes >= degree and no padding is the paper's model
     wide = base.replace(compute_lanes=None)
-    assert wide.time(lengths, d, etas) == pytest.approx(base.replace(compute_lanes=64).time(lengths, d, etas), rel=1e-12)
+    assert group_time(wide, lengths, d, etas) == pytest.approx(group_time(base.replace(compute_lanes=64), lengths, d, etas), rel=1e-12)
 
 
 def test_lanes_make_large_degrees_pay_on_shared_cores():
     c = CostModel.preset("internvl3-2b", "cpu", bucket_min=0).replace(kv_bytes_per_token=0.0, lat_intra=0.0)
     # with no traffic, degree 8 on 2 cores does the compute of degree 2 and 4x the fixed work;
     # with 8 lanes the compute is 4x cheaper and the fixed work that of one rank
-    assert c.time([4000], 8) - 4 * c.b1 == pytest.approx(c.time([4000], 2) - c.b1, rel=1e-12)
+    assert group_time(c, [4000], 8) - 4 * c.b1 == pytest.approx(group_time(c, [4000], 2) - c.b1, rel=1e-12)
     eight = c.replace(compute_lanes=8)
-    assert eight.time([4000], 8) - eight.b1 == pytest.approx((c.time([4000], 2) - c.b1) / 4, rel=1e-12)
+    assert group_time(eight, [4000], 8) - eight.b1 == pytest.approx((group_time(c, [4000], 2) - c.b1) / 4, rel=1e-12)
     for hw in ("ascend-910b", "a100", "h100"):
         assert CostModel.preset("internvl3-8b", hw).compute_lanes is None
         assert CostModel.preset("internvl3-8b", hw).comm_overlap
@@ -276,7 +279,7 @@ def test_structure_round_trips_and_bad_values_are_named(tmp_path):
     c.save(tmp_path / "c.json")
     back = CostModel.from_profile(tmp_path / "c.json")
     assert back == c and back.compute_lanes == 2 and isinstance(back.bucket_min, int)
-    assert back.time([123, 45], 3) == c.time([123, 45], 3)
+    assert group_time(back, [123, 45], 3) == group_time(c, [123, 45], 3)
     with pytest.raises(ValueError, match="compute_lanes must be None or a positive integer, got 0"):
         c.replace(compute_lanes=0)
     with pytest.raises(ValueError, match="bucket_min must be an integer >= 0"):
@@ -291,14 +294,14 @@ def test_accelerator_presets_price_the_padding_by_hand():
     """Every preset prices the executor's bucket: pad tokens go around the ring and into memory,
     through the linear layers only in the busiest rank's last real chunk (`linear_chunk`; all of
     them with 0); on accelerators attention stays that of the real samples."""
-    from dhp_jax.data.layout import bucket_length
+    from dhp_jax.geometry.layout import bucket_length
 
     c = CostModel.preset("internvl3-8b", "ascend-910b")
     assert c.bucket_min > 0 and not c.padded_attention
     assert CostModel.preset("internvl3-8b", "cpu").padded_attention
     lengths, etas, d = [15000, 5000], [0.5, 0.0], 3
     P = bucket_length(sum(lengths), d, c.bucket_min, c.bucket_growth)
-    assert sum(lengths) < P <= c.max_tokens_per_rank * d  # a rung the memory clamp leaves alone
+    assert sum(lengths) < P <= max_tokens_per_rank(c) * d  # a rung the memory clamp leaves alone
     A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
     t_cm = c.kv_bytes_per_token / c.bw_intra * P * (d - 1) / d + c.lat_intra * (d - 1)
     # the executor skips its pad chunks: the busiest rank computes ceil(S/d) real tokens rounded up
@@ -308,9 +311,9 @@ def test_accelerator_presets_price_the_padding_by_hand():
     assert computed[256] == 3 * 27 * 255 < P
     for chunk, W in computed.items():
         B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (W - sum(lengths))
-        got = c.replace(linear_chunk=chunk).time(lengths, d, etas)
+        got = group_time(c.replace(linear_chunk=chunk), lengths, d, etas)
         assert got == pytest.approx((A + B) / d + c.b1 + t_cm - min(A / d, t_cm), rel=1e-12)
-    assert c.memory(lengths, d) == pytest.approx(P * c.mem_per_token / d)
+    assert group_activation_bytes(c, lengths, d) == pytest.approx(P * c.mem_per_token / d)
     # the rung is clamped to the memory budget: padding never makes a fitting group overflow
-    near = int(c.max_tokens_per_rank * 2) - 10
-    assert c.memory([near], 2) <= c.memory_budget * (1 + 1e-9) < c.replace(bucket_min=0).memory([2 * near], 2)
+    near = int(max_tokens_per_rank(c) * 2) - 10
+    assert group_activation_bytes(c, [near], 2) <= c.memory_budget * (1 + 1e-9) < group_activation_bytes(c.replace(bucket_min=0), [2 * near], 2)

@@ -1,7 +1,7 @@
 """The memory model vs the compiled group program of a Hugging Face family (`dhp bench memory
 --families` at published sizes; here a tiny Qwen3-VL with DeepStack): the family program compiled
 with abstract params (shapes from config.json, nothing allocated) for a ring group, and
-`CostModel.program_bytes` of the same shape, agree within 10 %."""
+`group_program_bytes` of the same shape, agree within 10 %."""
 
 import pytest
 

@@ -2,9 +2,10 @@
 functions included, since a lazy import is still an import).
 
 `cli` -> `train` -> `sharding` -> `model`; `sharding`, `train`, `sim`, `npu_backend`, `experiments`
--> `planner` -> `data`. `data` imports no other part; the planner never imports `sim` or jax; the
-model never imports `sharding`; `npu_backend` never imports jax (not even through a module it
-imports); the library never imports `experiments`.
+-> `planner` -> `geometry` -> `data` (`model` -> `geometry` too). `data` imports no other part; the
+planner never imports `sim` or jax; the model never imports `sharding`; `npu_backend` never imports jax (not even through a module it
+imports); the library never imports `experiments`. Inside the planner, its rooms (docs/DESIGN.md,
+section 2) import only downwards: contract <- cost <- programs <- solvers <- the planner's top modules.
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ JAX_ROOTS = {"jax", "jaxlib", "flax", "optax", "orbax", "chex"}
 # typed_config)
 ALLOWED = {
     "data": set(),
-    "planner": {"data"},
-    "model": {"data"},
-    "sim": {"planner", "data"},
-    "sharding": {"model", "planner", "data"},
-    "train": {"sharding", "model", "planner", "data"},
-    "cli": {"train", "sharding", "model", "sim", "planner", "data"},
-    "npu_backend": {"model", "planner", "data"},
-    "experiments": {"cli", "train", "sharding", "model", "sim", "planner", "data", "npu_backend"},
+    "geometry": {"data"},
+    "planner": {"geometry", "data"},
+    "model": {"geometry", "data"},
+    "sim": {"planner", "geometry", "data"},
+    "sharding": {"model", "planner", "geometry", "data"},
+    "train": {"sharding", "model", "planner", "geometry", "data"},
+    "cli": {"train", "sharding", "model", "sim", "planner", "geometry", "data"},
+    "npu_backend": {"model", "planner", "geometry", "data"},
+    "experiments": {"cli", "train", "sharding", "model", "sim", "planner", "geometry", "data", "npu_backend"},
 }
-NO_JAX = ("data", "planner", "sim", "npu_backend")  # pure Python/NumPy (torch for npu_backend)
+NO_JAX = ("data", "geometry", "planner", "sim", "npu_backend")  # pure Python/NumPy (torch for npu_backend)
 
 
 def _modules() -> dict[str, Path]:
@@ -159,7 +161,36 @@ def test_pure_parts_never_reach_jax(part):
     assert not bad, f"{part} must not import jax (directly or through another module):\n" + "\n".join(bad)
 
 
+# the planner's rooms, lowest first; a room imports only rooms before it (and itself)
+PLANNER_ROOMS = ("contract", "cost", "programs", "solvers", "top")
+# the two upward imports, each a lazy one inside a function, with why
+ROOM_EXCEPTIONS = {
+    # Plan.validate(cost=, lengths=) checks each group's bytes with the cost's memory accounting
+    ("dhp_jax.planner.contract.plan", "dhp_jax.planner.cost.memory"),
+    # fit_menu fits a menu to the groups of plans made for calibration batches
+    ("dhp_jax.planner.programs.menu", "dhp_jax.planner.api"),
+}
+
+
+def planner_room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["dhp_jax", "planner"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in PLANNER_ROOMS else "top"
+
+
+def test_planner_rooms_import_only_downwards():
+    bad = []
+    for mod in (m for m in MODULES if planner_room(m)):
+        rank = PLANNER_ROOMS.index(planner_room(mod))
+        for name, line in imports_of(mod):
+            other = planner_room(name)
+            if other and PLANNER_ROOMS.index(other) > rank and (mod, name) not in ROOM_EXCEPTIONS:
+                bad.append(f"{MODULES[mod].relative_to(ROOT)}:{line} imports {name} ({planner_room(mod)} -> {other})")
+    assert not bad, "planner rooms import upwards:\n" + "\n".join(bad)
+
+
 def test_walker_sees_function_level_and_lazy_imports():
     # `from dhp_jax.planner import CostModel` inside a method resolves through the lazy table
-    assert "dhp_jax.planner.cost" in [n for n, _ in imports_of("dhp_jax.sim.cluster")]
+    assert "dhp_jax.planner.cost.model" in [n for n, _ in imports_of("dhp_jax.sim.cluster")]
     assert part_of("dhp_jax.cli") == part_of("dhp_jax.bench") == "cli" and part_of("dhp_jax._lazy") == "base"

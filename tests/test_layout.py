@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import Sample, Segment, random_samples
-from dhp_jax.data.layout import bucket_length, ladder, pack_group, zigzag_permutation
+from dhp_jax.geometry.layout import bucket_length, ladder, pack_group, zigzag_permutation
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.mllm import apply_model, token_loss_sum
 from dhp_jax.model.reference import reference_stream
@@ -17,7 +17,7 @@ C = MLLMConfig.preset("tiny")
 
 
 def test_layout_imports_no_jax():
-    code = "import sys, dhp_jax.data.layout, dhp_jax.data.synthetic; assert 'jax' not in sys.modules"
+    code = "import sys, dhp_jax.geometry.layout, dhp_jax.data.synthetic; assert 'jax' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

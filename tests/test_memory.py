@@ -11,7 +11,10 @@ from dhp_jax.data import random_samples
 from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.model.mllm import apply_model, chunked_loss_sum, token_loss_sum
 from dhp_jax.model.reference import reference_stream
-from dhp_jax.planner import CostModel, memory, presets
+from dhp_jax.planner import CostModel
+from dhp_jax.planner.cost import memory, presets
+from dhp_jax.planner.cost.memory import (device_step_bytes, device_step_phases, group_program_bytes, group_static_bytes,
+    rank_state_bytes)
 
 
 @pytest.mark.parametrize("name", ["tiny"] + sorted(presets.MODELS))
@@ -27,13 +30,13 @@ def test_memory_choices_are_fields_that_move_the_memory():
     base = CostModel.preset("internvl3-2b", "ascend-910b", state_shards=8)
     assert (base.remat, base.compute_bytes, base.state_shards) == ("layer", 2, 8)
     wide = CostModel.preset("internvl3-2b", "ascend-910b", state_shards=64)
-    assert wide.state_bytes == pytest.approx(base.state_bytes / 8)
-    assert wide.memory_budget - base.memory_budget == pytest.approx(base.state_bytes - wide.state_bytes)
+    assert rank_state_bytes(wide) == pytest.approx(rank_state_bytes(base) / 8)
+    assert wide.memory_budget - base.memory_budget == pytest.approx(rank_state_bytes(base) - rank_state_bytes(wide))
     per_token = {r: CostModel.preset("internvl3-2b", "ascend-910b", remat=r).mem_per_token
                  for r in ("layer", "selective", "none")}
     assert per_token["layer"] < per_token["selective"] < per_token["none"]
     fp32 = CostModel.preset("internvl3-2b", "ascend-910b", compute_dtype="float32")
-    assert fp32.compute_bytes == 4 and fp32.program_static_bytes > base.program_static_bytes
+    assert fp32.compute_bytes == 4 and group_static_bytes(fp32) > group_static_bytes(base)
     # recompute factor follows the policy: per-layer remat runs the forward twice
     none = CostModel.preset("internvl3-2b", "ascend-910b", remat="none")
     sel = CostModel.preset("internvl3-2b", "ascend-910b", remat="selective")
@@ -43,9 +46,9 @@ def test_memory_choices_are_fields_that_move_the_memory():
     # gradient piece; no activations)
     last = 2 * base.param_count * base.compute_bytes + base.assemble_bytes
     assert base.assemble_bytes > base.param_count * base.compute_bytes > base.backward_bytes
-    assert base.program_bytes([8192], 4) == pytest.approx(max(base.program_static_bytes + 2048 * base.mem_per_token, last))
-    assert base.program_bytes([65536], 1) == pytest.approx(base.program_static_bytes + 65536 * base.mem_per_token)
-    assert base.program_bytes([2], 1) == pytest.approx(last)
+    assert group_program_bytes(base, [8192], 4) == pytest.approx(max(group_static_bytes(base) + 2048 * base.mem_per_token, last))
+    assert group_program_bytes(base, [65536], 1) == pytest.approx(group_static_bytes(base) + 65536 * base.mem_per_token)
+    assert group_program_bytes(base, [2], 1) == pytest.approx(last)
     assert CostModel.from_dict(base.to_dict()) == base
     with pytest.raises(ValueError, match="remat"):
         CostModel.preset("internvl3-2b", "ascend-910b", remat="sometimes")
@@ -99,7 +102,7 @@ def test_bench_extrapolates_depth_linearly():
 
 
 def test_cost_model_matches_compiled_bytes():
-    """CostModel.program_bytes (the planner's memory formula) against XLA's compiled bytes of the
+    """memory.group_program_bytes (the planner's memory formula) against XLA's compiled bytes of the
     group program, bf16, layer remat, on a small model at three degrees and two token counts (16k,
     8k and 2k tokens per device): within 10 % (the bench's CPU setting: activations computed in
     fp32, the blocks' loop state in bf16). The full grid of presets is `dhp bench memory`."""
@@ -112,12 +115,12 @@ def test_cost_model_matches_compiled_bytes():
     assert cost.param_count == cfg.num_params()
     for degree, tokens in ((1, 16384), (2, 16384), (4, 8192)):
         got = compiled_bytes(cfg, degree, tokens, "bfloat16", jax.devices())
-        want = cost.program_bytes([tokens], degree)
+        want = group_program_bytes(cost, [tokens], degree)
         assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
 
 
 def test_cost_model_matches_the_compiled_step():
-    """CostModel.step_bytes against the compiled step (`dhp bench memory --step`): every program of
+    """memory.device_step_bytes against the compiled step (`dhp bench memory --step`): every program of
     a 2-micro-batch step compiled abstractly on the 8 devices and laid out in dispatch order. The
     peak and each phase other than the group program (gather, reductions, update) within 10 %, and
     the step's peak is its group program: the reductions hold one row and one fp32 piece."""
@@ -132,14 +135,14 @@ def test_cost_model_matches_the_compiled_step():
     options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_SCHEDULER}
     group = compiled_bytes(cfg, 2, 8192, "bfloat16", devices)
     got = compiled_phases(group, step_programs(cfg, "bfloat16", devices, options), 2)
-    want = cost.step_phases([([8192], 2)] * 2)
+    want = device_step_phases(cost, [([8192], 2)] * 2)
     assert [k for k, _ in got] == [k for k, _ in want]
     for (name, b), (_, m) in zip(got, want):
         if "group" not in name:
             assert abs(m / b - 1) <= 0.10, (name, b, m)
     peak = max(got, key=lambda p: p[1])
     assert peak[0] == "micro-batch 0 group program", got
-    assert abs(cost.step_bytes([([8192], 2)] * 2) / peak[1] - 1) <= 0.10
+    assert abs(device_step_bytes(cost, [([8192], 2)] * 2) / peak[1] - 1) <= 0.10
 
 
 @pytest.mark.parametrize("remat", ["none", "layer", "selective"])
@@ -190,7 +193,7 @@ def test_block_stack_vjp_matches_autodiff(remat):
 def test_preset_memory_follows_its_linear_chunk():
     """A preset prices the blocks the executor runs: chunked (the default chunk) or one pass
     (`linear_chunk=0`, every intermediate over the whole stream)."""
-    from dhp_jax.planner import memory as engine_memory, presets
+    from dhp_jax.planner.cost import memory as engine_memory, presets
 
     m = presets.MODELS["internvl3-8b"]
     chunked = CostModel.preset("internvl3-8b", "ascend-910b")

@@ -10,8 +10,9 @@ import pytest
 from dhp_jax.data import model_configs
 from dhp_jax.data.vision import family_for_model, image_tokens, vision_rules
 from dhp_jax.model import MLLMConfig
-from dhp_jax.planner import CostModel, memory, presets
-from dhp_jax.planner.cost import _encoder_flops
+from dhp_jax.planner import CostModel
+from dhp_jax.planner.cost import memory, presets
+from dhp_jax.planner.cost.model import _encoder_flops
 
 NAMES = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b")
 

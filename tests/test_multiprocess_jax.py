@@ -24,7 +24,7 @@ import time
 import numpy as np
 import pytest
 
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from dhp_jax.train.distributed import (DistributedConfig, DistributedError, expand_nodelist, resolve, slurm_port)
 from npu_backend.launch import free_port
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.data.sample import Sample
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from npu_backend.launch import run_world
 from test_npu_model import reference_case
 

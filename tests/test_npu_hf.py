@@ -23,7 +23,7 @@ import hf_engine_cases as ec
 from hf_cases import torch, transformers
 
 from dhp_jax.model import hf
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from npu_backend.launch import run_world
 
 

@@ -72,7 +72,7 @@ def _ring_worker(rank: int, world: int, groups: list[list[int]], chunk: int, til
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    from dhp_jax.data.tiling import count_ring_tiles
+    from dhp_jax.geometry.tiling import count_ring_tiles
 
     pgs_before = c10d.get_pg_count()
     out = {}

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 
 
 def _torchrun(nproc: int, args: list[str], cwd) -> subprocess.CompletedProcess:
@@ -67,7 +67,7 @@ def test_plan_logs_replay_across_backends(tmp_path):
     """torch plans live and logs its plans -> `dhp train` replays that log (and logs its own) ->
     torch replays the log `dhp train` wrote. One line format, one replay rule (step t runs the plan
     logged for step t), so all three runs run the same plans."""
-    from dhp_jax.planner.planfile import load_plan_file
+    from dhp_jax.planner.contract.planfile import load_plan_file
 
     common = ["--batch-size", "8", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--steps", "2"]
     torch_log = tmp_path / "torch_plans.jsonl"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from npu_backend.launch import run_world
 from test_npu_executor import _check_exact, _exactness_worker, _setup
 from test_npu_model import reference_case

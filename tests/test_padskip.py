@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import random_samples
-from dhp_jax.data.layout import bucket_length, chunk_size, linear_tokens, pack_group
+from dhp_jax.geometry.layout import bucket_length, chunk_size, linear_tokens, pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.executed import counting
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.cost.pricing import sample_terms
 from dhp_jax.sharding import PlanExecutor
 
 C = MLLMConfig.preset("tiny")
@@ -159,7 +160,7 @@ def test_vision_encoder_computes_its_vision_rows_in_whole_chunks(monkeypatch):
     vision tokens (sqrt(eta) L per sample, one span each), split over the ranks: the executor
     computes at most one partly filled chunk more per rank."""
     from dhp_jax.model import mllm
-    from dhp_jax.planner.cost import CostModel
+    from dhp_jax.planner.cost.model import CostModel
 
     config = MLLMConfig.preset("tiny", linear_chunk=CHUNK)
     params = init_params(config, jax.random.key(0))
@@ -187,7 +188,7 @@ def test_vision_encoder_computes_its_vision_rows_in_whole_chunks(monkeypatch):
     assert sum(scattered) * c > sum(rows)      # the layout's order would have computed mixed chunks
     etas = [s.bidirectional_share for s in samples]
     cost = CostModel.preset("internvl3-2b", "cpu")
-    _, lin, L = cost.terms([s.num_tokens for s in samples], etas)
+    _, lin, L = sample_terms(cost, [s.num_tokens for s in samples], etas)
     priced = float(np.sum(lin - cost.a2 * L)) / cost.a2_vision    # the vision tokens the cost model prices
     assert priced == pytest.approx(int(lay.vision_mask.sum()), rel=1e-12)
     assert 0 <= sum(rows) - priced < d * c

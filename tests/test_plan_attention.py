@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-from dhp_jax.data.layout import bucket_length, pack_group
+from dhp_jax.geometry.layout import bucket_length, pack_group
 from dhp_jax.planner import CostModel, Group, MicroBatch, Plan, PlanValidationError, plan_batch
+from dhp_jax.planner.cost.pricing import allreduce_time, group_time, makespan
 from dhp_jax.sim import step_time
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)   # 28 heads: Ulysses at 2, 4, 7
@@ -23,14 +24,14 @@ COST32 = dataclasses.replace(COST, num_heads=32)                            # Ul
 
 
 def _reference(plan: Plan, lengths, etas, cost: CostModel) -> float:
-    """One `cost.time` per group under the kind written on that group (no vectorised path)."""
+    """One `pricing.group_time` per group under the kind written on that group (no vectorised path)."""
     total = 0.0
     for mb in plan.micro_batches:
-        total += cost.makespan([cost.time([lengths[s] for s in g.samples], g.degree, [etas[s] for s in g.samples],
+        total += makespan(cost, [group_time(cost, [lengths[s] for s in g.samples], g.degree, [etas[s] for s in g.samples],
                                           inter_node=len({r // plan.ranks_per_node for r in g.ranks}) > 1,
                                           attention=g.attention) for g in mb.groups],
                                [g.degree for g in mb.groups])
-    return total + cost.allreduce_time(plan.num_ranks)
+    return total + allreduce_time(cost, plan.num_ranks)
 
 
 def _limit(strategy):

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from dhp_jax.planner import Group, MicroBatch, Plan
-from dhp_jax.planner.planfile import PlanFileError, PlanLog, load_plan_file, plan_at, plan_line
+from dhp_jax.planner.contract.planfile import PlanFileError, PlanLog, load_plan_file, plan_at, plan_line
 
 
 def _plan(first: int) -> Plan:

@@ -11,12 +11,15 @@ from hypothesis import strategies as st
 
 from dhp_jax.data import Sample
 from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
-from dhp_jax.planner.allocate import allocate, allowed_degrees, brute_force
-from dhp_jax.planner.placement import place, spans_nodes
+from dhp_jax.planner.contract.plan import spans_nodes
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import group_time, group_times, sample_terms
+from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
+from dhp_jax.planner.solvers.placement import place
 from dhp_jax.sim import step_time
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0)  # the paper's unpadded form (padding: test_compiles.py)
-CAP = int(COST.max_tokens_per_rank)
+CAP = int(max_tokens_per_rank(COST))
 
 
 def _check(plan, lengths, cost=COST, etas=None):
@@ -79,8 +82,8 @@ def test_allocation_equals_brute_force(seed):
     N = int(rng.integers(2, 11))
     K = int(rng.integers(1, min(N, 5) + 1))
     L = rng.integers(100, 3 * CAP, size=K) if seed % 2 else rng.integers(100, 20000, size=K)
-    attn, lin, tok = cost.terms(L, rng.uniform(0, 1, K))
-    dmin = cost.min_degree(L)
+    attn, lin, tok = sample_terms(cost, L, rng.uniform(0, 1, K))
+    dmin = min_degree(cost, L)
     for allowed in (None, allowed_degrees(N, "pow2")):
         got = allocate(attn, lin, tok, dmin, N, cost, allowed)
         ref = brute_force(attn, lin, tok, dmin, N, cost, allowed)
@@ -90,7 +93,7 @@ def test_allocation_equals_brute_force(seed):
         deg, mk = got
         assert deg.sum() <= N and np.all(deg >= dmin)
         assert mk == pytest.approx(ref, rel=1e-12)
-        times = cost.group_times(attn, lin, tok, deg)
+        times = group_times(cost, attn, lin, tok, deg)
         assert times.max() == pytest.approx(mk, rel=1e-12)
 
 
@@ -99,7 +102,7 @@ def _table_dp(A, B, S, dmin, N, cost, allowed):
     inf = float("inf")
     best = [0.0] * (N + 1)
     for a, b, s_, lo in zip(A, B, S, dmin):
-        times = {int(d): float(cost.group_times(a, b, s_, int(d))) for d in allowed if lo <= d <= N}
+        times = {int(d): float(group_times(cost, a, b, s_, int(d))) for d in allowed if lo <= d <= N}
         best = [min((max(best[j - d], t) for d, t in times.items() if d <= j), default=inf) for j in range(N + 1)]
     return best[N]
 
@@ -112,8 +115,8 @@ def test_warm_started_allocation_equals_the_table_dp(seed):
     N = int(rng.integers(40, 81))
     K = int(rng.integers(24, 36))
     L = np.exp(rng.uniform(np.log(300), np.log(2.5 * CAP), K)).astype(np.int64)
-    attn, lin, tok = cost.terms(L, rng.uniform(0, 1, K))
-    dmin = cost.min_degree(L)
+    attn, lin, tok = sample_terms(cost, L, rng.uniform(0, 1, K))
+    dmin = min_degree(cost, L)
     for allowed in (allowed_degrees(N, "any"), allowed_degrees(N, "pow2")):
         got = allocate(attn, lin, tok, dmin, N, cost, allowed)
         ref = _table_dp(attn, lin, tok, dmin, N, cost, allowed)
@@ -133,8 +136,8 @@ def test_allocation_under_a_limit_is_the_same_or_says_it_cannot_beat_it(seed):
     N = 64
     K = int(rng.integers(1, 12)) if seed < 4 else int(rng.integers(24, 40))
     L = np.exp(rng.uniform(np.log(300), np.log(2.5 * CAP), K)).astype(np.int64)
-    attn, lin, tok = cost.terms(L, rng.uniform(0, 1, K))
-    dmin = cost.min_degree(L)
+    attn, lin, tok = sample_terms(cost, L, rng.uniform(0, 1, K))
+    dmin = min_degree(cost, L)
     for allowed in (allowed_degrees(N, "any"), allowed_degrees(N, "pow2")):
         ref = allocate(attn, lin, tok, dmin, N, cost, allowed)
         if ref is None:
@@ -157,16 +160,16 @@ def test_one_group_allocation_is_the_least_degree_of_its_least_time(seed):
             COST.replace(ranks_per_node=8))[seed % 3]
     for _ in range(40):
         N = int(rng.choice([8, 17, 64]))
-        L = np.asarray([int(np.exp(rng.uniform(np.log(50), np.log(max(60, 0.9 * N * cost.max_tokens_per_rank)))))])
-        attn, lin, tok = cost.terms(L, rng.uniform(0, 1, 1))
-        dmin = cost.min_degree(L)
+        L = np.asarray([int(np.exp(rng.uniform(np.log(50), np.log(max(60, 0.9 * N * max_tokens_per_rank(cost))))))])
+        attn, lin, tok = sample_terms(cost, L, rng.uniform(0, 1, 1))
+        dmin = min_degree(cost, L)
         for allowed in (allowed_degrees(N, "any"), allowed_degrees(N, "pow2")):
             cand = allowed[allowed >= dmin[0]]
             got = allocate(attn, lin, tok, dmin, N, cost, allowed)
             if cand.size == 0:
                 assert got is None
                 continue
-            times = cost.group_times(attn[0], lin[0], tok[0], cand)
+            times = group_times(cost, attn[0], lin[0], tok[0], cand)
             j = int(np.argmin(times))
             assert got[1] == float(times[j]) and got[0].tolist() == [int(cand[j])]
             for f in (1.0 + 1e-12, 1.3):
@@ -176,8 +179,8 @@ def test_one_group_allocation_is_the_least_degree_of_its_least_time(seed):
 
 
 def test_scalar_chunked_tokens_match_the_layout_rule():
-    from dhp_jax.data.layout import linear_tokens
-    from dhp_jax.planner.allocate import _linear_whole
+    from dhp_jax.geometry.layout import linear_tokens
+    from dhp_jax.planner.solvers.allocate import _linear_whole
 
     rng = np.random.default_rng(7)
     for _ in range(3000):
@@ -191,7 +194,7 @@ def test_scalar_chunked_tokens_match_the_layout_rule():
 def test_packing_opens_a_bin_for_every_long_sequence():
     # long = needs more ranks than a bin has, or carries a bin's share of work; found by bisection
     # when they are the heaviest, by a mask when a light sequence needs many ranks: both must agree
-    from dhp_jax.planner.packing import Packer
+    from dhp_jax.planner.solvers.packing import Packer
 
     rng = np.random.default_rng(11)
     for trial in range(300):
@@ -219,8 +222,8 @@ def test_non_power_of_two_split_beats_every_power_of_two_plan():
     lengths = [1000, 1607]
     plan = plan_batch(lengths, 8, COST)
     assert sorted(plan.degrees[0]) == [3, 5]
-    best_pow2 = min([COST.time(lengths, d) for d in (1, 2, 4, 8)]
-                    + [max(COST.time([lengths[0]], a), COST.time([lengths[1]], b))
+    best_pow2 = min([group_time(COST, lengths, d) for d in (1, 2, 4, 8)]
+                    + [max(group_time(COST, [lengths[0]], a), group_time(COST, [lengths[1]], b))
                        for a in (1, 2, 4) for b in (1, 2, 4) if a + b <= 8])
     assert plan.micro_batches[0].est_makespan_s < best_pow2 / 1.05
     pow2 = plan_batch(lengths, 8, COST, degrees="pow2", attention="ring")    # best_pow2 is ring-only
@@ -372,7 +375,7 @@ def test_strategies_listed():
 def test_each_strategy_takes_only_its_own_options():
     """The table: STRATEGIES lists its spellings; an option another strategy takes is refused with
     the strategy's name and its valid options; an unknown strategy lists the known ones."""
-    from dhp_jax.planner.strategies import STRATEGY_TABLE
+    from dhp_jax.planner.solvers.strategies import STRATEGY_TABLE
 
     assert STRATEGIES == tuple(s for strat in STRATEGY_TABLE.values() for s in strat.spellings())
     assert STRATEGY_TABLE["static-ring"].options == {}

@@ -11,7 +11,8 @@ import pytest
 
 import dhp_jax
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.build import build_plan
+from dhp_jax.planner.cost.pricing import allreduce_time, makespan
+from dhp_jax.planner.solvers.build import build_plan
 from dhp_jax.sim import step_time
 
 PROFILE = Path(dhp_jax.__file__).parent / "train" / "profiles" / "tiny-cpu8.json"
@@ -43,9 +44,9 @@ def test_shared_term_by_hand():
     plan_free = build_plan(mbs, lengths, np.zeros(4), free, 4, {"strategy": "hand"})
     assert plan_free.est_step_time_s == pytest.approx(1.01 + 0.51, rel=1e-12)
     assert step_time(plan_free, lengths, free) == pytest.approx(plan_free.est_step_time_s, rel=1e-12)
-    assert free.makespan([1.0, 3.0], [1, 1]) == 3.0
-    assert cost.makespan([1.0, 3.0], [1, 1]) == pytest.approx(3.0)
-    assert cost.makespan([2.0, 3.0], [1, 4]) == pytest.approx(max(3.0, (2.0 + 3.0 * 2) / 2))
+    assert makespan(free, [1.0, 3.0], [1, 1]) == 3.0
+    assert makespan(cost, [1.0, 3.0], [1, 1]) == pytest.approx(3.0)
+    assert makespan(cost, [2.0, 3.0], [1, 4]) == pytest.approx(max(3.0, (2.0 + 3.0 * 2) / 2))
 
 
 def _lanes_cost() -> CostModel:
@@ -103,7 +104,7 @@ def test_no_lanes_plans_unchanged(strategy):
     assert [[list(g.samples) for g in mb.groups] for mb in plan.micro_batches] == samples
     assert [[list(g.ranks) for g in mb.groups] for mb in plan.micro_batches] == ranks
     # and the estimate is the max-only formula
-    mx = sum(max(g.est_time_s for g in mb.groups) for mb in plan.micro_batches) + cost.allreduce_time(16)
+    mx = sum(max(g.est_time_s for g in mb.groups) for mb in plan.micro_batches) + allreduce_time(cost, 16)
     assert plan.est_step_time_s == mx
 
 

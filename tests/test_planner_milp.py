@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.milp import MIP_REL_GAP
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.solvers.milp import MIP_REL_GAP
 
 NODE_LIMIT = 20_000        # per micro-batch MILP
 
@@ -20,7 +21,7 @@ def _instances(n, seed=0):
     for i in range(n):
         model, hw = MODELS[i % len(MODELS)]
         cost = CostModel.preset(model, hw, ranks_per_node=16, bucket_min=0)  # the MILP prices no buckets
-        cap = cost.max_tokens_per_rank
+        cap = max_tokens_per_rank(cost)
         N = int(rng.integers(2, 17))
         K = int(rng.integers(1, 25))
         L = np.exp(rng.uniform(np.log(200), np.log(2.5 * cap), K)).astype(np.int64)

@@ -8,8 +8,11 @@ import numpy as np
 import pytest
 
 from dhp_jax.data import make_dataset, sample_lengths
-from dhp_jax.planner import CostModel, microbatch, plan_batch
-from dhp_jax.planner.build import build_plan
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import group_time, group_times
+from dhp_jax.planner.solvers import microbatch
+from dhp_jax.planner.solvers.build import build_plan
 
 PROFILE = Path(__file__).resolve().parent.parent / "experiments" / "profiles" / "flexsp-gpt-7b-matched.json"
 FLEXSP = CostModel.from_profile(PROFILE)
@@ -40,8 +43,8 @@ def test_length_split_cuts_sorted_runs_that_fit_memory():
 def test_candidates_are_deterministic_and_named():
     L = sample_lengths(make_dataset("openvid", 128, 1)).astype(float)
     work = FLEXSP.a1 * L * L + FLEXSP.a2 * L
-    a = microbatch.candidates(work, L, 3, 16, FLEXSP.max_tokens_per_rank)
-    b = microbatch.candidates(work, L, 3, 16, FLEXSP.max_tokens_per_rank)
+    a = microbatch.candidates(work, L, 3, 16, max_tokens_per_rank(FLEXSP))
+    b = microbatch.candidates(work, L, 3, 16, max_tokens_per_rank(FLEXSP))
     assert [n for n, _ in a] == [n for n, _ in b] and {n for n, _ in a} <= {"length", "mixed", "work"}
     assert all(np.array_equal(x, y) for (_, p), (_, q) in zip(a, b) for x, y in zip(p, q))
 
@@ -51,7 +54,7 @@ def test_dhp_micro_batch_count_is_near_the_token_bound_on_long_tailed_video(seed
     # compute-balanced splits put one long video in each micro-batch and then overflowed memory:
     # 10-12 micro-batches where the token bound is 8
     L = sample_lengths(make_dataset("openvid", 512, seed))
-    lo = microbatch.min_micro_batches(L.astype(float), 64, FLEXSP.max_tokens_per_rank)
+    lo = microbatch.min_micro_batches(L.astype(float), 64, max_tokens_per_rank(FLEXSP))
     plan = plan_batch(L, 64, FLEXSP, "dhp")
     assert len(plan.micro_batches) <= lo + 1
 
@@ -67,9 +70,9 @@ def _flexsp_published(L: float, d: int) -> float:
 
 
 def test_flexsp_profile_matches_the_published_cost_model():
-    cap = FLEXSP.max_tokens_per_rank
+    cap = max_tokens_per_rank(FLEXSP)
     assert 5980 < cap < 6000  # FlexSP's 28 GB budget: about 5,990 tokens per rank
-    errs = [abs(FLEXSP.time([f * d * cap], d, attention="ulysses") / _flexsp_published(f * d * cap, d) - 1)
+    errs = [abs(group_time(FLEXSP, [f * d * cap], d, attention="ulysses") / _flexsp_published(f * d * cap, d) - 1)
             for d in (1, 2, 4, 8, 16, 32, 64) for f in np.linspace(0.05, 1.0, 20)]
     assert max(errs) < 0.09
 
@@ -92,7 +95,7 @@ def test_flexsp_is_priced_as_it_runs():
     # all-to-all far dearer than the ring: a ring-priced allocation of two 2-rank groups looks fast,
     # but the plan runs them with all-to-all; judged the way it runs, one rank per sequence is best
     cost = CostModel.preset("qwen3-vl-8b", "a100").replace(a2a_bytes_per_token=1e12)
-    cap = int(cost.max_tokens_per_rank)
+    cap = int(max_tokens_per_rank(cost))
     lengths = [cap // 2, cap // 3]
     plan = plan_batch(lengths, 4, cost, "flexsp")
     alone = build_plan([[((k,), [k]) for k in range(2)]], np.asarray(lengths), np.zeros(2), cost, 4, {}, "auto")
@@ -115,9 +118,9 @@ def test_flexsp_keeps_stdout_clean():
 
 
 def test_local_moves_lower_the_step_of_a_lopsided_split():
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import move_sequences, solve_microbatch
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import move_sequences, solve_microbatch
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = sample_lengths(make_dataset("text-longtail", 48, 3))
     prob = prepare(L, 16, FLEXSP)  # two nodes: groups that span them pay the network
@@ -143,7 +146,7 @@ def test_dhp_count_is_within_one_of_the_token_bound_where_climbing_overshot(draw
     # the count search climbing from the bound kept bound + 2 on these draws (10 where the bound is 8);
     # the best split with one micro-batch dissolved into the others is faster and within one
     L = _openvid_draw(draw)
-    lo = microbatch.min_micro_batches(L.astype(float), 64, FLEXSP.max_tokens_per_rank)
+    lo = microbatch.min_micro_batches(L.astype(float), 64, max_tokens_per_rank(FLEXSP))
     plan = plan_batch(L, 64, FLEXSP, "dhp")
     assert len(plan.micro_batches) <= lo + 1
     for M in (lo + 2,):  # the count it used to keep is slower
@@ -151,9 +154,9 @@ def test_dhp_count_is_within_one_of_the_token_bound_where_climbing_overshot(draw
 
 
 def test_dissolving_a_micro_batch_keeps_every_sample_and_memory_and_lowers_the_sum():
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import alone_times, dissolve_micro_batch, solve_microbatch
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import alone_times, dissolve_micro_batch, solve_microbatch
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = _openvid_draw(2)
     prob = prepare(L, 64, FLEXSP)
@@ -177,9 +180,9 @@ def test_dissolving_a_micro_batch_keeps_every_sample_and_memory_and_lowers_the_s
 
 
 def test_solve_parts_stops_once_the_bounds_show_the_limit_cannot_be_met():
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import alone_times, part_bounds, solve_parts
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import alone_times, part_bounds, solve_parts
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = sample_lengths(make_dataset("text-longtail", 96, 4))
     prob = prepare(L, 16, FLEXSP)
@@ -200,7 +203,7 @@ def test_solve_parts_stops_once_the_bounds_show_the_limit_cannot_be_met():
 def test_memory_lpt_matches_the_plain_rule():
     # longest first onto the least loaded bin (ties: lower bin) that has memory room, a new bin when
     # none has; bins dropped for good once full must not change a single choice
-    from dhp_jax.planner.packing import _lpt_with_memory
+    from dhp_jax.planner.solvers.packing import _lpt_with_memory
 
     rng = np.random.default_rng(5)
     for _ in range(200):
@@ -224,21 +227,21 @@ def test_memory_lpt_matches_the_plain_rule():
 
 
 def test_allocation_prices_padded_groups_as_the_cost_model_does():
-    from dhp_jax.data.layout import bucket_lengths, scalar_bucketer
-    from dhp_jax.planner.allocate import scalar_time
+    from dhp_jax.geometry.layout import bucket_lengths, scalar_bucketer
+    from dhp_jax.planner.solvers.allocate import scalar_time
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)
     assert cost.bucket_min  # this preset pads, so the scalar bucket rule is exercised
     menu = ((4, (4096, 8192, 65536)), (8, (16384,)), (4, (8,)))
-    bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, cost.max_tokens_per_rank, menu)
+    bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, max_tokens_per_rank(cost), menu)
     t = scalar_time(cost)
     rng = np.random.default_rng(2)
     for _ in range(500):
         S, d = float(rng.integers(1, 400_000)), int(rng.integers(1, 65))
         assert bucket(S, d) == float(bucket_lengths(S, d, cost.bucket_min, cost.bucket_growth,
-                                                    cost.max_tokens_per_rank, menu))
+                                                    max_tokens_per_rank(cost), menu))
         A, B = cost.a1 * S * S, cost.a2 * S
-        assert t(A, B, S, d) == pytest.approx(float(cost.group_times(A, B, S, d)), rel=1e-12)
+        assert t(A, B, S, d) == pytest.approx(float(group_times(cost, A, B, S, d)), rel=1e-12)
 
 
 @pytest.mark.parametrize("cost", [CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8),
@@ -247,9 +250,9 @@ def test_allocation_prices_padded_groups_as_the_cost_model_does():
                                   CostModel.preset("internvl3-8b", "ascend-910b").replace(linear_chunk=0),
                                   FLEXSP], ids=["padded", "dense-padded", "pad-computed", "unpadded"])
 def test_tabulated_group_times_are_the_cost_models_floats(cost):
-    # the allocation's tables must give exactly CostModel.group_times' floats (not merely close ones):
+    # the allocation's tables must give exactly pricing.group_times' floats (not merely close ones):
     # a last-bit difference can flip a comparison and change a plan
-    from dhp_jax.planner.allocate import _ScalarTime
+    from dhp_jax.planner.solvers.allocate import _ScalarTime
 
     rng = np.random.default_rng(5)
     for attention in ("ring", "ulysses"):
@@ -259,7 +262,7 @@ def test_tabulated_group_times_are_the_cost_models_floats(cost):
             S = rng.integers(1, 500_000, K).astype(float)
             A, B = cost.a1 * S * S * rng.random(K), cost.a2 * S * (1 + rng.random(K))
             d = rng.integers(1, 129, K)  # past the tables' first 64 degrees too
-            want = cost.group_times(A, B, S, d, attention=attention)
+            want = group_times(cost, A, B, S, d, attention=attention)
             assert np.array_equal(t.times(A, B, S, d), want)
             ev = t.group_times_of(A.tolist(), B.tolist(), S.tolist())
             assert [ev(i, int(d[i])) for i in range(K)] == [t(A[i], B[i], S[i], int(d[i])) for i in range(K)]
@@ -267,7 +270,7 @@ def test_tabulated_group_times_are_the_cost_models_floats(cost):
 
 
 def test_blocked_bisection_visits_the_same_floats_as_one_step_at_a_time():
-    from dhp_jax.planner.allocate import _bisect
+    from dhp_jax.planner.solvers.allocate import _bisect
 
     rng = np.random.default_rng(6)
     for _ in range(200):
@@ -300,9 +303,9 @@ def test_a_micro_batch_solved_under_a_limit_is_the_same_or_better_and_never_over
     # the limit cuts allocations short; the granularity search still tries every packing it tried
     # without one, so a result under the limit is the unlimited one (or a better one), and nothing
     # at or above the limit is returned
-    from dhp_jax.planner.allocate import allowed_degrees
-    from dhp_jax.planner.dhp import solve_microbatch
-    from dhp_jax.planner.problem import prepare
+    from dhp_jax.planner.solvers.allocate import allowed_degrees
+    from dhp_jax.planner.solvers.dhp import solve_microbatch
+    from dhp_jax.planner.solvers.problem import prepare
 
     L = _openvid_draw(draw)
     prob = prepare(L, 64, FLEXSP)

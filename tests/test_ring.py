@@ -13,12 +13,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dhp_jax.data import random_samples
-from dhp_jax.data.layout import pack_group
+from dhp_jax.geometry.layout import pack_group
+from dhp_jax.geometry.tiling import TileSpec, count_ring_tiles
 from dhp_jax.model import MLLMConfig
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.model.executed import counting
 from dhp_jax.sharding.ring import local_attention, ring_attention
-from dhp_jax.data.tiling import TileSpec, count_ring_tiles
 from dhp_jax.sharding.tiles import blockwise_attention
 
 C = MLLMConfig.preset("tiny")

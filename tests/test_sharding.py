@@ -7,7 +7,7 @@ import pytest
 
 from dhp_jax.data import Sample, Segment, random_samples
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
-from dhp_jax.planner.plan import Group, MicroBatch, Plan, PlanValidationError
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.executor import row_dtype
 
@@ -123,8 +123,8 @@ def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
     """What a step holds per device beyond the state: one micro-batch's gradient row at a time (its
     reduction is enqueued before the next micro-batch's groups, so the rows of earlier micro-batches
     are gone by then), and the reduction casts one piece of the row to fp32 at a time, never the
-    whole row (`CostModel.step_bytes` prices exactly that)."""
-    from dhp_jax.planner.memory import reduce_pieces
+    whole row (`memory.device_step_bytes` prices exactly that)."""
+    from dhp_jax.planner.cost.memory import reduce_pieces
 
     ex, params, samples, ref = setup
     P_pad, n = ex.layout.padded, 8
@@ -172,7 +172,7 @@ def test_no_implicit_transfers(setup):
 
 
 def test_bounded_compiles_over_planner_plans(setup):
-    from dhp_jax.data.layout import ladder
+    from dhp_jax.geometry.layout import ladder
     from dhp_jax.planner import CostModel, plan_batch
     ex, _, _, _ = setup
     cost = CostModel.preset("internvl3-8b", "ascend-910b")

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel, Group, MicroBatch, Plan, plan_batch
+from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import allreduce_time, group_time
 from dhp_jax.sim import step_time
 from dhp_jax.sim.bounds import lower_bound
 from dhp_jax.sim.cluster import Cluster, vision_family
@@ -29,11 +31,11 @@ def reference_step(plan: Plan, lengths, cost: CostModel, etas) -> float:
         worst = 0.0
         for g in mb.groups:
             inter = len({r // plan.ranks_per_node for r in g.ranks}) > 1
-            t = cost.time([lengths[s] for s in g.samples], g.degree, etas=[etas[s] for s in g.samples],
+            t = group_time(cost, [lengths[s] for s in g.samples], g.degree, etas=[etas[s] for s in g.samples],
                           inter_node=inter, attention=g.attention)
             worst = max(worst, t)
         total += worst
-    return total + cost.allreduce_time(plan.num_ranks)
+    return total + allreduce_time(cost, plan.num_ranks)
 
 
 # ------------------------------------------------------------------------------------ cluster
@@ -61,8 +63,8 @@ def test_cluster_bandwidth_overrides_reach_the_cost_model():
     assert slow.bw_inter == 1e9 and slow.bw_intra == 1e9 * 10
     assert base.bw_inter != slow.bw_inter
     # a 16-rank group spans both nodes: slower network, slower group, slower all-reduce
-    assert slow.time([200_000], 16, inter_node=True) > base.time([200_000], 16, inter_node=True)
-    assert slow.allreduce_time(16) > base.allreduce_time(16)
+    assert group_time(slow, [200_000], 16, inter_node=True) > group_time(base, [200_000], 16, inter_node=True)
+    assert allreduce_time(slow, 16) > allreduce_time(base, 16)
     assert Cluster(nodes=1, freeze_vision=True).cost_model().freeze_vision
 
 
@@ -90,7 +92,7 @@ def test_evaluate_inter_node_group_is_priced_on_the_network(cost8):
     t_in = evaluate(plan((0, 1, 2, 3)), L, cost8, E).step_s
     t_out = evaluate(plan((6, 7, 8, 9)), L, cost8, E).step_s
     assert t_out > t_in
-    assert t_out - cost8.allreduce_time(16) == pytest.approx(cost8.time(L, 4, etas=E, inter_node=True), rel=1e-12)
+    assert t_out - allreduce_time(cost8, 16) == pytest.approx(group_time(cost8, L, 4, etas=E, inter_node=True), rel=1e-12)
 
 
 def test_evaluate_names_a_missing_sample(cost8):
@@ -157,17 +159,17 @@ def _brute_force_optimum(L, E, N, cost):
                 ok, worst = True, 0.0
                 for g, d in zip(groups, degs):
                     ls = [L[i] for i in g]
-                    if cost.memory(ls, d) > cost.memory_budget:
+                    if group_activation_bytes(cost, ls, d) > cost.memory_budget:
                         ok = False
                         break
-                    worst = max(worst, cost.time(ls, d, etas=[E[i] for i in g], inter_node=False))
+                    worst = max(worst, group_time(cost, ls, d, etas=[E[i] for i in g], inter_node=False))
                 if ok:
                     best = min(best, worst)
         best_mb[key] = best
         return best
 
     opt = min(sum(mb_time(mb) for mb in split) for split in _set_partitions(list(range(len(L)))))
-    return opt + cost.allreduce_time(N)
+    return opt + allreduce_time(cost, N)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -201,7 +203,7 @@ def test_lower_bound_errors(cost8):
     with pytest.raises(ValueError, match="empty batch"):
         lower_bound([], 4, cost8)
     with pytest.raises(ValueError, match="sample 1"):
-        lower_bound([10, int(cost8.max_tokens_per_rank * 5)], 4, cost8)
+        lower_bound([10, int(max_tokens_per_rank(cost8) * 5)], 4, cost8)
 
 
 # ------------------------------------------------------------------------------------ CLI

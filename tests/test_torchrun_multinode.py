@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from npu_backend.launch import free_port
 
 ARGS = ["--batch-size", "6", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--lr", "0.1"]

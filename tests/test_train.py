@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.model import MLLMConfig
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.cost.pricing import group_time
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.config import load_config
 from dhp_jax.train.metrics import read_jsonl
@@ -277,12 +278,12 @@ def test_profiler_times_real_group_executables(tmp_path, executor):
     cost, report = fit_profile(measurements, CostModel.preset("internvl3-2b", "cpu"), holdout_every=4)
     assert report["num_held_out"] == 2 and report["held_out_mean_rel_error"] >= 0
     path, _ = write_profile(tmp_path / "p.json", cost, report, measurements)
-    assert CostModel.from_profile(path).time([100], 1) > 0
+    assert group_time(CostModel.from_profile(path), [100], 1) > 0
 
 
 def test_trainer_prices_the_memory_of_its_executors_chunk(tmp_path):
     """The trainer's cost follows its executor's chunk, memory fields included (one-pass blocks here)."""
-    from dhp_jax.planner.cost import CostModel
+    from dhp_jax.planner.cost.model import CostModel
     from dhp_jax.sharding import PlanExecutor
 
     ex = PlanExecutor(MLLMConfig.preset("tiny"), jax.devices(), min_bucket=512, linear_chunk=0)

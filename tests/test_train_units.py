@@ -5,7 +5,7 @@ import time
 import numpy as np
 import pytest
 
-from dhp_jax.planner.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from dhp_jax.train.config import ConfigError, DataConfig, load_config, valid_keys
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread

@@ -13,11 +13,11 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dhp_jax.data import random_samples
-from dhp_jax.data.layout import pack_group
+from dhp_jax.geometry.layout import pack_group
 from dhp_jax.model import MLLMConfig, init_params, reference_loss
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.planner import Group, MicroBatch, Plan
-from dhp_jax.planner.kinds import attention_kinds, check_attention, head_plan
+from dhp_jax.planner.contract.kinds import attention_kinds, check_attention, head_plan
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.ring import local_attention
 from dhp_jax.sharding.ulysses import ulysses_attention

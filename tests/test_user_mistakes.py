@@ -83,7 +83,7 @@ def test_gantt_has_a_legend_and_labels_each_block_of_a_wrapped_group():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from dhp_jax.planner.plan import Group, MicroBatch, Plan
+    from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
     from dhp_jax.planner.plot import draw_plan
 
     # a degree-4 group on ranks 0, 1, 4, 5: two separate blocks

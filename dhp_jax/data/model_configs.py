@@ -9,7 +9,7 @@ on what was kept or assumed. A new model is one such file. Three layouts are rea
   field to the `-hf` layout (`hf_layout`), as InternVL's conversion to `-hf` does;
 - `qwen2_5_vl`, `qwen3_vl` (transformers-native): `text_config` + `vision_config`.
 
-`ModelFacts` is what the planner prices (`dhp_jax.planner.presets.ModelShape.from_facts`), what
+`ModelFacts` is what the planner prices (`dhp_jax.planner.cost.presets.ModelShape.from_facts`), what
 `dhp_jax.model.MLLMConfig.from_hf` sizes, and what picks the vision-token rule: every consumer
 reads the same fields. Pure Python (the planner imports it and must not import jax).
 """

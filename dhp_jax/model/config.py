@@ -98,7 +98,7 @@ class MLLMConfig:
         encoder's depth, width, heads and MLP width, and `patch_dim` = the pixels of the patches
         one LLM token merges (2x2 x C x T x P x P). `overrides` replace fields (e.g. `name`,
         `remat`). The planner prices the real family from the same fields
-        (`dhp_jax.planner.presets.ModelShape.from_config`)."""
+        (`dhp_jax.planner.cost.presets.ModelShape.from_config`)."""
         raw = model_configs.read_config(config)
         f = model_configs.facts_from_config(raw, where=str(overrides.get("name") or "config"))
         fields = dict(name=str(raw.get("model_type", "hf")), vocab_size=f.vocab, d_model=f.hidden,

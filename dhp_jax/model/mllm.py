@@ -6,7 +6,7 @@ RMSNorm statistics, rotary angles, softmax statistics and the loss stay fp32; wi
 cast is a no-op and the math below is exact. `MLLMConfig.remat` wraps every vision and decoder
 block in `jax.checkpoint` (`remat_policy`); it changes memory and recompute, never values.
 
-Inputs (one packed stream of S tokens, see `dhp_jax.data.layout`): `token_ids` int32[S],
+Inputs (one packed stream of S tokens, see `dhp_jax.geometry.layout`): `token_ids` int32[S],
 `pixels` float32[S, patch_dim] (zeros on text tokens), `vision_mask` bool[S], decoder ids
 `segment_ids`, `positions`, `span_ids` int32[S], vision-encoder ids `frame_ids`,
 `frame_positions` int32[S]. Masks come from ids only (`dhp_jax.model.attention`).
@@ -62,7 +62,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dhp_jax.data.layout import chunk_size
+from dhp_jax.geometry.layout import chunk_size
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.executed import tick

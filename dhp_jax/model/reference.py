@@ -1,7 +1,7 @@
 """`reference_loss`: the batch token-mean loss on one device, plain attention, no sharding.
 
 The independent reference every sharded step is checked against: it builds its own unpadded,
-unpermuted stream straight from the samples' segments (not through `dhp_jax.data.layout`) and
+unpermuted stream straight from the samples' segments (not through `dhp_jax.geometry.layout`) and
 runs the model with dense attention.
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dhp_jax.data.layout import INT_ARRAYS
 from dhp_jax.data.sample import Sample
+from dhp_jax.geometry.layout import INT_ARRAYS
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import apply_model, token_loss_sum
 

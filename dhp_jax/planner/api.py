@@ -15,12 +15,12 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.data.sample import Sample
-from dhp_jax.planner.build import build_plan
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.plan import Plan
-from dhp_jax.planner.problem import Problem, prepare
-from dhp_jax.planner.programs import ProgramCache, reuse_ranks
-from dhp_jax.planner.strategies import lookup, strategy_names
+from dhp_jax.planner.contract.plan import Plan
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.programs.cache import ProgramCache, reuse_ranks
+from dhp_jax.planner.solvers.build import build_plan
+from dhp_jax.planner.solvers.problem import Problem, prepare
+from dhp_jax.planner.solvers.strategies import lookup, strategy_names
 
 __all__ = ["STRATEGIES", "Problem", "plan_batch", "prepare", "reuse_placement"]
 
@@ -31,7 +31,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
                strategy: str = "dhp", *, ranks_per_node: int | None = None, etas: Sequence[float] | None = None,
                every_rank: bool = False, programs: ProgramCache | None = None, **options: Any) -> Plan:
     """Plan one global batch on `num_ranks` ranks with `strategy` (see STRATEGIES), passing
-    `options` to that strategy (`dhp_jax.planner.strategies`: each takes only its own; another is a
+    `options` to that strategy (`dhp_jax.planner.solvers.strategies`: each takes only its own; another is a
     PlanningError that names the strategy and its options).
 
     Options of "dhp" (its ablations): `num_micro_batches` fixes the count instead of searching it;
@@ -49,7 +49,7 @@ def plan_batch(samples_or_lengths: Sequence[Sample] | Sequence[int] | np.ndarray
     node repairs, fewer samples than ranks) joins the slowest group instead.
     `programs` (a `ProgramCache` of the plans issued so far; the plan is recorded in it) makes the
     placement reuse compiled executables and prices new programs at `programs.compile_s` (see
-    `dhp_jax.planner.programs`).
+    `dhp_jax.planner.programs.cache`).
     """
     strat, arg = lookup(strategy)
     options = strat.bind(options, strategy)
@@ -73,7 +73,7 @@ def reuse_placement(plan: Plan, lengths: Any, etas: Any, cost: CostModel, progra
                     attention: str = "best") -> Plan:
     """The plan with equally fast rank tuples swapped so that groups land where their program
     (degree, padded tokens as the executor runs them, attention kind) is already compiled
-    (`dhp_jax.planner.programs.reuse_ranks`; group times unchanged); the result is recorded in `programs`. `attention` is the mode the plan
+    (`dhp_jax.planner.programs.cache.reuse_ranks`; group times unchanged); the result is recorded in `programs`. `attention` is the mode the plan
     was made with (plan_batch's; the groups' kinds are chosen again on the swapped tuples)."""
     rpn = plan.ranks_per_node or plan.num_ranks
     mbs = []

@@ -20,7 +20,9 @@ import sys
 import time
 from typing import Any
 
-from dhp_jax.planner.cli_args import add_cost_args
+import numpy as np
+
+from dhp_jax.planner.cli_args import add_cost_args, cost_model
 
 SIZES = ((8, 128), (64, 512), (256, 2048), (1024, 4096), (4096, 16384))
 TARGETS_MS = {(64, 512): 5.0, (1024, 4096): 50.0}  # median solve time of one global batch
@@ -36,17 +38,15 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _pct(xs: list[float], q: float) -> float:
-    import numpy as np
-
     return float(np.percentile(np.asarray(xs), q))
 
 
 def bench(sizes: tuple[tuple[int, int], ...] = SIZES, repeats: int = 10, model: str = "internvl3-8b",
           hardware: str = "ascend-910b", strategy: str = "dhp", cost: str | None = None,
           progress: bool = False) -> dict[str, Any]:
+    # lazy: `dhp bench --help` imports only the argument parsers
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
-    from dhp_jax.planner.cli_args import cost_model
 
     cost = cost_model(cost or model, hardware)
     rows = []

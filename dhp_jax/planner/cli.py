@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from dhp_jax.planner.cli_args import add_cost_args, cost_from_args
+from dhp_jax.planner.cost.pricing import allreduce_time
 
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
 
@@ -39,10 +40,11 @@ def _span(ranks: tuple[int, ...]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    # lazy: `dhp --help` imports only the argument parsers
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.compare import compare_strategies
-    from dhp_jax.planner.plan import PlanningError
+    from dhp_jax.planner.contract.plan import PlanningError
 
     others = [s for s in dict.fromkeys(s.strip() for s in args.compare.split(",")) if s and s != args.strategy]
     try:
@@ -73,10 +75,10 @@ def run(args: argparse.Namespace) -> int:
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
               "numbers": "simulated with the cost model"}
     if args.plot:
-        from dhp_jax.planner.plot import plot_plan
+        from dhp_jax.planner.plot import plot_plan  # lazy: matplotlib only with --plot
 
         plot_plan(plan, args.plot, title=f"{args.strategy}: {args.dataset}, {args.batch} samples, {args.ranks} ranks",
-                  allreduce_s=cost.allreduce_time(plan.num_ranks))
+                  allreduce_s=allreduce_time(cost, plan.num_ranks))
     if args.json:
         print(json.dumps({"config": config, "step_time_s": ours_s, "plan": plan.to_dict(), "comparison": comparison},
                          indent=2))
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{int(ls.max()):>8,} "
                   f"{g.est_time_s:>8.3f} {g.est_memory_bytes / 2**30:>8.2f}")
     print(f"\nstep time {ours_s:.3f} s (micro-batches {sum(mb.est_makespan_s for mb in plan.micro_batches):.3f} s "
-          f"+ gradient all-reduce {cost.allreduce_time(args.ranks):.3f} s)")
+          f"+ gradient all-reduce {allreduce_time(cost, args.ranks):.3f} s)")
     if comparison:
         print("\ncomparison (simulated step time):")
         print(f"  {args.strategy:<22} {ours_s:>9.3f} s")

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from dhp_jax.checks import positive_int
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.presets import HARDWARE, MODELS
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.presets import HARDWARE, MODELS
 
 
 def positive(text: str) -> int:

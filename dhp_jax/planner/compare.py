@@ -2,7 +2,7 @@
 
 `compare_strategies` is the loop that `dhp plan`, `dhp analyze`, the simulator, the experiments and
 the trainer's end-of-run summary share; its `Comparison` holds one `StrategyRun` per strategy and
-answers `best_static()` and `speedup()`. Prices are `planner.pricing.step_time` (simulated with the
+answers `best_static()` and `speedup()`. Prices are `planner.cost.pricing.step_time` (simulated with the
 cost model) unless the caller measured them and builds the `Comparison` from its own figures.
 """
 
@@ -14,9 +14,11 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.plan import Plan, PlanningError
-from dhp_jax.planner.pricing import step_time
+from dhp_jax.data.sample import sample_etas, sample_lengths
+from dhp_jax.planner.api import plan_batch
+from dhp_jax.planner.contract.plan import Plan, PlanningError
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import step_time
 
 __all__ = ["Comparison", "StrategyRun", "compare_strategies", "is_static"]
 
@@ -98,9 +100,6 @@ def compare_strategies(batches: Sequence[Any], num_ranks: int, cost: CostModel, 
     (`PlanningError`) stops there with `error` set (`errors="raise"` re-raises instead). `price`
     defaults to `step_time` (simulated).
     """
-    from dhp_jax.data.sample import sample_etas, sample_lengths
-    from dhp_jax.planner.api import plan_batch
-
     if errors not in ("record", "raise"):
         raise ValueError(f"errors must be 'record' or 'raise', got {errors!r}")
     price = step_time if price is None else price

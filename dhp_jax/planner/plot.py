@@ -30,6 +30,7 @@ def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "", key
     consecutive run draws one block per run, each labelled. A colour bar and a legend say all this
     (`key=False` leaves them out, for a figure of several plans that draws one key for all).
     """
+    # lazy: matplotlib is an optional dependency, needed only to draw
     import matplotlib.pyplot as plt
     from matplotlib.cm import ScalarMappable
     from matplotlib.colors import LogNorm
@@ -85,7 +86,7 @@ def draw_plan(ax: Any, plan: Any, allreduce_s: float = 0.0, title: str = "", key
 
 def plot_plan(plan: Any, path: str | Path, title: str = "", allreduce_s: float = 0.0) -> None:
     """Write a PNG of `draw_plan` for one plan."""
-    import matplotlib
+    import matplotlib  # lazy: optional dependency
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

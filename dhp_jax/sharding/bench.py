@@ -22,8 +22,11 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from typing import Any
+
+import numpy as np
 
 PLANS = {
     "3+5": [[(0, 1, 2), "a"], [(3, 4, 5, 6, 7), "b"]],
@@ -57,21 +60,18 @@ def _split(lengths: list[int], groups: list) -> list[list[int]]:
 
 def _say(text: str, enabled: bool) -> None:
     if enabled:
-        import sys
-
         print(f"dhp bench executor: {text}", file=sys.stderr, flush=True)
 
 
 def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int = 15,
           compiler_options: dict[str, Any] | None = None, progress: bool = False) -> dict[str, Any]:
     """Host-side overhead of one DHP step on the local devices; `progress` says each phase on stderr."""
-    import jax
-    import numpy as np
+    import jax  # lazy: `dhp bench --help` and the target table stay jax-free
 
-    from dhp_jax.data.layout import pack_group
     from dhp_jax.data.synthetic import random_samples
+    from dhp_jax.geometry.layout import pack_group
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner.plan import Group, MicroBatch, Plan
+    from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
     from dhp_jax.sharding.executor import PlanExecutor, pack_inputs
 
     lengths = list(lengths or [300, 180, 120, 90, 60, 40, 30, 20, 12, 6, 3, 1])

@@ -3,7 +3,7 @@
 The state is sharded over the full mesh (`dhp_jax.sharding.flat`): master params (fp32) and the
 optimizer state are flat vectors x[P_pad] sharded P("dp"), each rank owning P_pad/N elements.
 Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's path):
-1. Check the plan and lay out every group's samples (`dhp_jax.data.layout.pack_group`) before any
+1. Check the plan and lay out every group's samples (`dhp_jax.geometry.layout.pack_group`) before any
    device work, so bad input fails fast, naming the group or the sample; compile what is missing.
 2. One all-gather (one jit on the full mesh) turns the master shards into the params flat[P_pad]
    in the compute dtype (bf16 or fp32), replicated. For each group: the sub-mesh over its devices
@@ -24,7 +24,7 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    whole row) into the fp32[P_pad/N] accumulator shard of each device (donated, updated in place).
    At the end the 2N stats are summed and the shards divided by the token count: the token-weighted
    mean, each group counted once. What a step holds per device is priced by
-   `dhp_jax.planner.memory` (`CostModel.step_bytes`) and measured by `dhp bench memory --step`.
+   `dhp_jax.planner.cost.memory` (`memory.device_step_bytes`) and measured by `dhp bench memory --step`.
 `loss_and_grads(params, samples, plan)` wraps this for a float32 params tree: shard it, run the
 step, gather the grads back into a replicated tree (the exactness tests' path).
 
@@ -49,15 +49,15 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, LINEAR_CHUNK, MIN_BUCKET, MODEL_INPUTS, GroupLayout,
+from dhp_jax.data.sample import Sample
+from dhp_jax.geometry.layout import (ARRAY_NAMES, FLOAT_ARRAYS, GROWTH, LINEAR_CHUNK, MIN_BUCKET, MODEL_INPUTS, GroupLayout,
                                   ladder,
                                   pack_group, planned_bucket)
-from dhp_jax.data.sample import Sample
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
-from dhp_jax.planner.kinds import RING, check_attention
-from dhp_jax.planner.memory import reduce_pieces
-from dhp_jax.planner.plan import Plan, PlanValidationError
+from dhp_jax.planner.contract.kinds import RING, check_attention
+from dhp_jax.planner.contract.plan import Plan, PlanValidationError
+from dhp_jax.planner.cost.memory import reduce_pieces
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
@@ -159,7 +159,7 @@ class PlanExecutor:
     once per step, fp32 softmax statistics, loss and reductions). `attention_tile` is the ring's
     largest tile (tokens, `dhp_jax.sharding.tiles`); `attention`, if given, builds the attention
     function from (axis name, degree) instead of the tiled ring. `linear_chunk` (tokens, default
-    `dhp_jax.data.layout.LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
+    `dhp_jax.geometry.layout.LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
     of a shard's padding tail (`MLLMConfig.linear_chunk`): a rank computes ceil(real / chunk)
     chunks, what `CostModel(pad_compute="skip")` prices.
     """

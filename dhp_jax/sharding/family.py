@@ -32,7 +32,7 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
-from dhp_jax.planner.kinds import RING
+from dhp_jax.planner.contract.kinds import RING
 from dhp_jax.sharding.executor import PlanExecutor, require_float32
 from dhp_jax.sharding.flat import FlatLayout
 

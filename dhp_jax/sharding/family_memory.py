@@ -4,8 +4,8 @@ The group program of `FamilyExecutor` (`dhp_jax.sharding.family`) for (model, de
 lowered with abstract arguments (the params tree's shapes from the model's config.json:
 `dhp_jax.model.hf.abstract`; nothing is allocated) and compiled for `degree` CPU devices with
 XLA:CPU's memory-minimising scheduler; `memory_analysis()` gives arguments + outputs + temp -
-aliases per device. Next to it, `CostModel.program_bytes` of the model's `ModelShape`
-(`planner.memory`, the family terms) for the engine's choices for the families: no recompute
+aliases per device. Next to it, `group_program_bytes` of the model's `ModelShape`
+(`planner.cost.memory`, the family terms) for the engine's choices for the families: no recompute
 (the family program keeps every intermediate: remat "none"), no pad skipping, fp32.
 
 The packed vision stream gives every LLM slot `unit` encoder rows (`dhp_jax.model.hf.packed`), so
@@ -47,7 +47,7 @@ def model_shape(raw: Mapping[str, Any], params: int) -> Any:
     """The planner's `ModelShape` of config.json dict `raw`, with `params` parameters."""
     import dataclasses
 
-    from dhp_jax.planner.presets import ModelShape
+    from dhp_jax.planner.cost.presets import ModelShape
     return dataclasses.replace(ModelShape.from_config(raw), param_count=int(params))
 
 
@@ -75,13 +75,14 @@ def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence
 
 def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
              compute_dtype: str = "float32", state_shards: int = 64) -> float:
-    """`CostModel.program_bytes` of the family model of `raw` (with `params` parameters) for one
+    """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
     group of `degree` devices and `tokens` tokens, at the family program's engine choices."""
     from dhp_jax.planner import CostModel
+    from dhp_jax.planner.cost.memory import group_program_bytes
 
     cost = CostModel.preset(model_shape(raw, params), hardware, remat=REMAT, compute_dtype=compute_dtype,
                             state_shards=state_shards, require_fit=False)
-    return float(cost.program_bytes([int(tokens)], int(degree)))
+    return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 
 REMAT = "none"   # the family program keeps every intermediate (no recompute for the families yet)
@@ -150,7 +151,7 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
     ratios = [r["ratio"] for r in rows] + [r["ratio"] for r in layer_rows]
     return {"label": f"XLA memory_analysis of the family group program at {depth[0]} LLM layers and {depth[1]} "
                      f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
-                     f"{devices[0].platform} devices) vs CostModel.program_bytes (remat {REMAT!r})",
+                     f"{devices[0].platform} devices) vs `group_program_bytes` (remat {REMAT!r})",
             "depth": list(depth), "compute_dtype": compute_dtype, "remat": REMAT, "rows": rows,
             "layer_rows": layer_rows,
             "full_depth_bound": [min(ratios), max(ratios)] if ratios else None}

@@ -3,7 +3,7 @@
 For each model preset, degree and tokens per group, the group program is lowered with abstract
 arguments (`jax.ShapeDtypeStruct`; nothing is allocated) and compiled for `degree` local devices;
 `memory_analysis()` gives arguments + outputs + temp - aliases per device. Next to it,
-`CostModel.program_bytes` (static + activation bytes) of the same preset and engine choices.
+`memory.group_program_bytes` (static + activation bytes) of the same preset and engine choices.
 The block stacks are scans (`dhp_jax.model.mllm.block_stack`), so a full-depth compile costs about
 what a shallow one does (internvl3-2b: about 20 s on CPU) and the bench compiles the real depth.
 `--extrapolate` compiles (2 decoder, 2 vision) layers, (3, 2) and (2, 3) instead and extrapolates
@@ -20,8 +20,11 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 import time
 from typing import Any, Sequence
+
+from dhp_jax.planner.cost.memory import group_program_bytes, rank_state_bytes
 
 DEGREES = (1, 2, 4, 8)
 TOKENS = (8192, 32768, 65536)
@@ -43,7 +46,7 @@ BASE_DEPTH = 2      # extrapolation base: (2, 2) layers, steps to (3, 2) and (2,
 
 def model_shape(config: Any) -> Any:
     """The planner's `presets.ModelShape` of an `MLLMConfig` (for `CostModel.preset` of any model)."""
-    from dhp_jax.planner.presets import ModelShape
+    from dhp_jax.planner.cost.presets import ModelShape
 
     c = config
     return ModelShape(c.num_layers, c.num_heads, c.num_kv_heads, c.d_model, c.d_ff, c.head_dim, c.vocab_size,
@@ -107,13 +110,13 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
                 t0 = time.perf_counter()
                 got, extra = program_bytes(MLLMConfig.preset(model, remat=remat), d, s, compute_dtype=compute_dtype,
                                            devices=devices, full_depth=full_depth)
-                want = cost.program_bytes([s], d)
+                want = group_program_bytes(cost, [s], d)
                 rows.append({"model": model, "degree": d, "tokens": s, "compiled_bytes": got,
                              "model_bytes": int(want), "rel_error": round(want / got - 1.0, 4),
                              "extrapolated": extra, "compile_s": round(time.perf_counter() - t0, 1)})
     out: dict[str, Any] = {
         "label": f"XLA memory_analysis of the group program compiled for {devices[0].platform} devices "
-                 f"(abstract arguments) vs CostModel.program_bytes ({hardware} preset)",
+                 f"(abstract arguments) vs memory.group_program_bytes ({hardware} preset)",
         "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "rows": rows}
     if fits:
         f = FITS
@@ -125,13 +128,13 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
         shape = model_shape(MLLMConfig.preset(f["model"]))
         cost = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
                                 compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False)
-        total = got + cost.state_bytes
+        total = got + rank_state_bytes(cost)
         # the same program priced at the preset's own widths (bf16 activations, as an accelerator
         # compiler keeps them), next to what the CPU compile holds
         native = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
                                   compute_dtype=compute_dtype, require_fit=False)
-        native_total = native.program_bytes([f["tokens"]], f["degree"]) + native.state_bytes
-        out["fits"] = {**f, "compiled_bytes": int(got), "state_bytes": int(cost.state_bytes),
+        native_total = group_program_bytes(native, [f["tokens"]], f["degree"]) + rank_state_bytes(native)
+        out["fits"] = {**f, "compiled_bytes": int(got), "state_bytes": int(rank_state_bytes(cost)),
                        "total_bytes": int(total), "usable_bytes": int(cost.usable_bytes),
                        "fits": bool(total <= cost.usable_bytes),
                        "model_total_bytes_native": int(native_total),
@@ -168,8 +171,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def use_cpu_devices(count: int) -> None:
     """Ask for `count` fake CPU devices, if jax is not imported yet (later it is too late)."""
-    import sys
-
     if "jax" not in sys.modules:
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]

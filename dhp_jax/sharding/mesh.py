@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from dhp_jax.planner.plan import Plan, PlanValidationError
+from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 
 CP_AXIS = "cp"      # the ring axis of a group's sub-mesh
 SP_AXIS = "sp"      # the Ulysses (all-to-all) axis of a Ulysses or hybrid group's 2-D sub-mesh

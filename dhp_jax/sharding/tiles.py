@@ -5,7 +5,7 @@ attention of an all-to-all layout): queries and keys are cut into tiles of `t` t
 (query tile, key tile) pair is computed only when some query of the one may attend some key of
 the other, and temporaries are one score tile `s[KVH, G, t, t]`, never `[S_q, S_k]`.
 
-Tiling and skipping follow `dhp_jax.data.tiling` (one home for the rule, shared with the torch
+Tiling and skipping follow `dhp_jax.geometry.tiling` (one home for the rule, shared with the torch
 ring and the benches): each zigzag chunk is cut into tiles, padded with segment-0 tokens to whole
 tiles; the per-tile summaries are computed once per block and travel with it, and a pair is
 computed under `lax.cond` only where `tile_pairs_allowed` says some pair may attend. The branch
@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dhp_jax.data.tiling import (DEFAULT_TILE, TileSpec, count_ring_tiles, from_tiles, summarize,
+from dhp_jax.geometry.tiling import (DEFAULT_TILE, TileSpec, count_ring_tiles, from_tiles, summarize,
                                  tile_pairs_allowed, to_tiles)
 from dhp_jax.model.attention import AttnIds, attention_mask
 from dhp_jax.model.executed import tick

@@ -23,7 +23,7 @@ Heads, what is supported:
   KVH'/KVH copies.
 - H not divisible by u: zero heads pad q, k, v to the next multiple of u and are dropped after the
   all-to-all back (exact; the padded heads cost compute). The planner never asks for this for the
-  decoder (`dhp_jax.planner.kinds.check_attention` refuses it); it serves an encoder whose head
+  decoder (`dhp_jax.planner.contract.kinds.check_attention` refuses it); it serves an encoder whose head
   count differs from the decoder's (the vision encoder) inside a group the decoder's heads allow.
 """
 
@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from dhp_jax.model.attention import AttnIds, repeat_kv
-from dhp_jax.planner.kinds import head_plan
+from dhp_jax.planner.contract.kinds import head_plan
 from dhp_jax.sharding.mesh import CP_AXIS, SP_AXIS
 from dhp_jax.sharding.ring import local_attention, ring_attention, ring_attention_fn
 from dhp_jax.sharding.tiles import DEFAULT_TILE

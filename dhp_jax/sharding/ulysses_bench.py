@@ -27,7 +27,7 @@ def measure(local_length: int, degrees: list[int]) -> list[dict[str, Any]]:
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner.kinds import attention_kinds
+    from dhp_jax.planner.contract.kinds import attention_kinds
     from dhp_jax.sharding import PlanExecutor
 
     config = MLLMConfig.preset("tiny", num_heads=8, num_kv_heads=2)

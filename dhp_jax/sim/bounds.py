@@ -22,6 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.checks import positive_int
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import allreduce_time, group_times, sample_terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,12 +45,12 @@ def lower_bound(lengths: Sequence[int], num_ranks: int, cost: Any, etas: Sequenc
     L = np.asarray(lengths, dtype=np.float64).reshape(-1)
     if L.size == 0:
         raise ValueError("empty batch: no lengths given")
-    attn, lin, tok = cost.terms(L, etas)
+    attn, lin, tok = sample_terms(cost, L, etas)
     N = int(num_ranks)
     # The memory budget caps each micro-batch at N * tokens-per-rank tokens.
-    m_min = max(1, int(np.ceil(tok.sum() / (N * cost.max_tokens_per_rank) - 1e-12)))
+    m_min = max(1, int(np.ceil(tok.sum() / (N * max_tokens_per_rank(cost)) - 1e-12)))
     work = float((attn.sum() + lin.sum()) / N + m_min * cost.b1)
-    dmin = cost.min_degree(L)
+    dmin = min_degree(cost, L)
     if int(dmin.max()) > N:
         k = int(np.argmax(dmin))
         raise ValueError(f"sample {k} ({int(L[k])} tokens) needs {int(dmin[k])} ranks, more than {N}")
@@ -59,15 +61,15 @@ def lower_bound(lengths: Sequence[int], num_ranks: int, cost: Any, etas: Sequenc
     longest = 0.0
     for k in order:
         ok = d >= dmin[k]
-        t = cost.group_times(attn[k], lin[k], tok[k], d, inter, "ring")
+        t = group_times(cost, attn[k], lin[k], tok[k], d, inter, "ring")
         ul = np.array([cost.ulysses_ok(int(x)) for x in d]) if cost.a2a_bytes_per_token > 0 else np.zeros(N, bool)
         if ul.any():
-            t = np.where(ul, np.minimum(t, cost.group_times(attn[k], lin[k], tok[k], d, inter, "ulysses")), t)
+            t = np.where(ul, np.minimum(t, group_times(cost, attn[k], lin[k], tok[k], d, inter, "ulysses")), t)
         for u in _hybrid_sizes(cost, N):         # Ulysses over u ranks x a ring over d/u >= 2
             h = np.flatnonzero((d % u == 0) & (d >= 2 * u))
-            t[h] = np.minimum(t[h], cost.group_times(attn[k], lin[k], tok[k], d[h], inter[h], "hybrid", ulysses=u))
+            t[h] = np.minimum(t[h], group_times(cost, attn[k], lin[k], tok[k], d[h], inter[h], "hybrid", ulysses=u))
         longest = max(longest, float(t[ok].min()))
-    return LowerBound(work, longest, float(cost.allreduce_time(N)), m_min)
+    return LowerBound(work, longest, float(allreduce_time(cost, N)), m_min)
 
 
 def _hybrid_sizes(cost: Any, num_ranks: int) -> list[int]:

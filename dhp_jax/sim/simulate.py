@@ -1,6 +1,6 @@
 """Simulate training steps: plan each global batch with a strategy, time the plan on a cluster.
 
-Times come from the planner's pricing of a plan (`dhp_jax.planner.pricing`, a cost-model preset,
+Times come from the planner's pricing of a plan (`dhp_jax.planner.cost.pricing`, a cost-model preset,
 i.e. *simulated*, never measured): each group's time for its samples at its degree, inter-node when
 its ranks span nodes; a micro-batch lasts as long as its slowest group; a step is the sum of
 micro-batch makespans plus one gradient all-reduce over all ranks. `evaluate` also reports where rank-time goes (busy vs idle), which `step_time` does not.
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.pricing import plan_group_times
+from dhp_jax.planner.cost.pricing import allreduce_time, makespans, plan_group_times
 from dhp_jax.sim.cluster import Cluster
 
 
@@ -41,8 +41,8 @@ def evaluate(plan: Any, lengths: Sequence[int], cost: Any, etas: Sequence[float]
     """Time one plan; raises ValueError naming the group if it references a missing sample."""
     t, d, mb = plan_group_times(plan, lengths, cost, etas)
     # the cost model owns how groups of one micro-batch combine (shared CPU lanes included)
-    makespans = cost.makespans(t, d, mb, len(plan.micro_batches))
-    return StepBreakdown(tuple(makespans.tolist()), float(cost.allreduce_time(plan.num_ranks)),
+    spans = makespans(cost, t, d, mb, len(plan.micro_batches))
+    return StepBreakdown(tuple(spans.tolist()), float(allreduce_time(cost, plan.num_ranks)),
                          float(np.dot(d, t)), plan.num_ranks)
 
 

@@ -5,7 +5,7 @@ Three measures on the local (fake CPU) devices, tiny model:
   given as `jax.ShapeDtypeStruct`, nothing allocated) at the same local length S/d on d = 1 and
   d = 8, and at d = 4 for 4x more tokens;
 - tiles: (query tile, key tile) pairs of one causal sample on a zigzag ring of degree 8: the
-  pairs the skip rule allows, as a share of the dense pairs (`dhp_jax.data.tiling.count_ring_tiles`,
+  pairs the skip rule allows, as a share of the dense pairs (`dhp_jax.geometry.tiling.count_ring_tiles`,
   NumPy), beside the pairs the ring kernel executed, forward and backward, counted as they ran
   (`dhp_jax.model.executed`: a callback inside the branch that computes a pair);
 - step time: DHP steps of the demo's batches (`dhp_jax/train/configs/demo.yaml`: same data,
@@ -142,8 +142,8 @@ def executed_tiles(segment, position, span, degree: int, tile: int) -> dict[str,
 def tiles(tokens: int = 16384, degree: int = 8, tile=None) -> dict[str, Any]:
     import numpy as np
 
-    from dhp_jax.data.layout import zigzag_permutation
-    from dhp_jax.data.tiling import DEFAULT_TILE, count_ring_tiles
+    from dhp_jax.geometry.layout import zigzag_permutation
+    from dhp_jax.geometry.tiling import DEFAULT_TILE, count_ring_tiles
 
     tile = DEFAULT_TILE if tile is None else tile
     perm = zigzag_permutation(tokens, degree)
@@ -226,7 +226,7 @@ def device_check(tile=None) -> dict[str, Any] | None:
     if jax.default_backend() != "gpu":
         return None
     from dhp_jax.data import random_samples
-    from dhp_jax.data.layout import pack_group
+    from dhp_jax.geometry.layout import pack_group
     from dhp_jax.model import MLLMConfig, init_params
     from dhp_jax.sharding.executor import pack_inputs
     from dhp_jax.sharding.ring import ring_attention_fn

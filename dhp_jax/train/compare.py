@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from dhp_jax.planner.compare import Comparison
+from dhp_jax.planner.cost.pricing import allreduce_time
 from dhp_jax.train.plans import PlanSource
 
 
@@ -128,7 +129,7 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
         "ranks": sim_ranks, "batch_size": len(sim_batches[0]), "model": c.sim_model, "hardware": c.sim_hardware,
         "strategies": simulated, "best_static": sbest,
         "speedup_vs_best_static": scomp.speedup("dhp", sbest) if sbest else None,
-        "allreduce_s": float(cost.allreduce_time(sim_ranks)), "_plan": plan,
+        "allreduce_s": float(allreduce_time(cost, sim_ranks)), "_plan": plan,
     }
     return result
 

@@ -8,7 +8,7 @@ without compiling anything:
 - padded / real tokens summed over every group of every step (the bucket rule's waste);
 - simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset,
   pad tokens priced as the executor skips them: `CostModel.linear_chunk`) with the placement policy
-  (`planner.programs.reuse_ranks`) and without it, and without padding (with a menu also unpadded on
+  (`planner.programs.cache.reuse_ranks`) and without it, and without padding (with a menu also unpadded on
   the menu's degrees: the loss split between degrees and padding);
 - with a menu whose programs carry their attention kinds (`--kinds`), the programs off the menu.
 `--compile` also compiles every program of a small run of the tiny model on 8 fake CPU devices
@@ -27,7 +27,7 @@ import time
 from typing import Any, Sequence
 
 
-KINDS = ("bucket", "degree", "group")  # --kinds: planner.menu's kind_per, "group" for none
+KINDS = ("bucket", "degree", "group")  # --kinds: planner.programs.menu's kind_per, "group" for none
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--growth", type=float, default=None, help="bucket ladder growth (default: the preset's)")
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest bucket (default: the preset's)")
     parser.add_argument("--menu", type=int, default=0, metavar="BATCHES",
-                        help="fit a menu of programs (planner.menu) on this many calibration batches (other seeds), "
+                        help="fit a menu of programs (planner.programs.menu) on this many calibration batches (other seeds), "
                              "planned on the --growth ladder (default 1.1), and plan with it")
     parser.add_argument("--budget", type=int, default=64, help="programs in the fitted menu (default 64)")
     parser.add_argument("--max-degrees", type=int, default=8,
@@ -76,11 +76,11 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
               max_degrees: int | None = 8, kind_per: str | None = "bucket", degree_set: str = "aligned") -> Any:
     """`cost` with a menu of `budget` programs fitted to `batches` calibration batches (seeds
     10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
-    with its one attention kind (`kind_per`, see `planner.menu.fit_menu`; None: chosen per group), on
-    `degree_set` degrees ("aligned": those that tile nodes, `planner.menu.aligned_degrees`; "any")."""
+    with its one attention kind (`kind_per`, see `planner.programs.menu.fit_menu`; None: chosen per group), on
+    `degree_set` degrees ("aligned": those that tile nodes, `planner.programs.menu.aligned_degrees`; "any")."""
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.vision import family_for_model
-    from dhp_jax.planner.menu import fit_menu
+    from dhp_jax.planner.programs.menu import fit_menu
 
     vision = family_for_model(cost.model)
     cal = []
@@ -104,7 +104,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.planner import plan_batch
     from dhp_jax.planner.api import reuse_placement
-    from dhp_jax.planner.programs import ProgramCache
+    from dhp_jax.planner.programs.cache import ProgramCache
     from dhp_jax.data.vision import family_for_model
 
     vision = family_for_model(cost.model)
@@ -174,7 +174,7 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
 
     from dhp_jax.model import MLLMConfig, init_params
     from dhp_jax.planner import CostModel, plan_batch
-    from dhp_jax.planner.programs import ProgramCache
+    from dhp_jax.planner.programs.cache import ProgramCache
     from dhp_jax.sharding import PlanExecutor
     from dhp_jax.train.config import DataConfig
     from dhp_jax.train.pipeline import DataPipeline

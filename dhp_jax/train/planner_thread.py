@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Iterator
 
-from dhp_jax.planner.plan import Plan
+from dhp_jax.planner.contract.plan import Plan
 
 
 @dataclasses.dataclass

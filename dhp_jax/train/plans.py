@@ -2,7 +2,7 @@
 
 Plan files make runs comparable and reproducible: a run writes `plans.jsonl` (one plan a step) and
 `planner.plan_file=<that file>` replays it. The format and the replay rule are
-`dhp_jax.planner.planfile`'s, shared with the torch backend.
+`dhp_jax.planner.contract.planfile`'s, shared with the torch backend.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
-from dhp_jax.planner.plan import Plan
-from dhp_jax.planner.planfile import PlanFileError, load_plan_file, plan_at
+from dhp_jax.planner.contract.plan import Plan
+from dhp_jax.planner.contract.planfile import PlanFileError, load_plan_file, plan_at
 
 __all__ = ["PlanFileError", "PlanSource", "load_plan_file", "make_cost"]
 
@@ -25,7 +25,7 @@ class PlanSource:
         self.num_ranks, self.cost, self.strategy, self.full_size = num_ranks, cost, strategy, full_size
         self.plans = list(plans) if plans else None
         self.num_micro_batches, self.ranks_per_node = num_micro_batches, ranks_per_node
-        self.programs = None  # a planner.programs.ProgramCache: reuse compiled programs, price new ones
+        self.programs = None  # a planner.programs.cache.ProgramCache: reuse compiled programs, price new ones
         # (min_bucket, growth) of the executor's ladder: a full-size plan's groups run in the
         # executor's buckets of the scaled samples, and those are the programs the cache records
         self.executed_ladder: tuple[int, float] | None = None
@@ -43,7 +43,7 @@ class PlanSource:
             plan = plan_at(self.plans, step)
         else:
             from dhp_jax.planner import plan_batch
-            from dhp_jax.planner.strategies import lookup
+            from dhp_jax.planner.solvers.strategies import lookup
 
             kwargs: dict[str, Any] = {}
             # planner.num_micro_batches fixes the count of the strategies that choose one (the
@@ -72,7 +72,7 @@ class PlanSource:
         when the plan is made at full size (None: the plan's own buckets are the executor's)."""
         if not self.full_size or self.executed_ladder is None:
             return None
-        from dhp_jax.data.layout import bucket_length
+        from dhp_jax.geometry.layout import bucket_length
 
         tokens = [s.num_tokens for s in batch.samples]
         min_bucket, growth = self.executed_ladder
@@ -98,7 +98,7 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
     if cost_model is None and checkpoint:   # the fine-tuned checkpoint's own shape (its config.json)
         from dhp_jax.planner import CostModel
-        from dhp_jax.planner.presets import ModelShape
+        from dhp_jax.planner.cost.presets import ModelShape
 
         return CostModel.preset(ModelShape.from_config(checkpoint), hardware, ranks_per_node=ranks_per_node,
                                 state_shards=num_ranks or ranks_per_node, **extra)

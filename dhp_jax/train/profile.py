@@ -5,7 +5,7 @@ A profile point is one CP group: `lengths` (the sequences it holds) on `degree` 
 covers every kind the planner may choose. Each point is timed through the public `PlanExecutor` (forward + backward of a
 one-group plan, compile excluded, minimum over repeats and passes). The planner's `fit_cost_model` fits the
 coefficients on a training subset of the points; the rest are held out and the relative error of
-the fitted `cost.time` on them is the estimator error reported (the paper reports 4-8 %).
+the fitted cost model's `pricing.group_time` on them is the estimator error reported (the paper reports 4-8 %).
 
 The timing function is a parameter, so the fitting path is tested with synthetic timings drawn
 from a cost model with known coefficients.
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from dhp_jax.planner.cost.pricing import group_time
 
 # measure(lengths, etas, degree, attention) -> seconds for one group holding these sequences.
 MeasureFn = Callable[[Sequence[int], Sequence[float], int, str], float]
@@ -43,13 +45,13 @@ def default_points(degrees: Sequence[int], lengths: Sequence[int], eta: float = 
                    num_heads: int | None = None) -> list[ProfilePoint]:
     """A grid: every degree x total length, as `p` equal sequences for each p in `packs`, on the ring;
     with `kinds` also "ulysses" and/or "hybrid" (every Ulysses x ring split the `num_heads` allow,
-    `dhp_jax.planner.kinds.attention_kinds`) at every degree x length, one sequence each.
+    `dhp_jax.planner.contract.kinds.attention_kinds`) at every degree x length, one sequence each.
 
     Packing several sequences into one group separates the quadratic (per sequence) from the
     linear (per token) terms; mixing etas separates bidirectional from causal attention work; the
     other kinds' points add all-to-all traffic, which the ring never has.
     """
-    from dhp_jax.planner.kinds import attention_kinds
+    from dhp_jax.planner.contract.kinds import attention_kinds
 
     unknown = set(kinds) - {"ring", "ulysses", "hybrid"}
     if unknown or "ring" not in kinds:
@@ -87,7 +89,7 @@ def split_points(points: Sequence[ProfilePoint], holdout_every: int = 4, seed: i
 def relative_errors(cost: Any, measurements: Sequence[dict]) -> list[float]:
     out = []
     for m in measurements:
-        est = float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
+        est = float(group_time(cost, list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
                               attention=m.get("attention", "ring")))
         out.append(abs(est - m["seconds"]) / m["seconds"])
     return out
@@ -117,7 +119,7 @@ def measure_points(points: Sequence[ProfilePoint], measure: MeasureFn,
 
 def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4, seed: int = 0) -> tuple[Any, dict]:
     """Fit on the training split, report the error on the held-out split. Returns (cost, report)."""
-    from dhp_jax.planner.fit import fit_cost_model
+    from dhp_jax.planner.cost.fit import fit_cost_model
 
     points = [ProfilePoint(tuple(m["lengths"]), tuple(m.get("etas") or [0.0] * len(m["lengths"])), m["degree"],
                            m.get("attention", "ring")) for m in measurements]
@@ -132,7 +134,7 @@ def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4,
         "train_mean_rel_error": float(np.mean(train_err)) if train_err else None,
         "held_out_mean_rel_error": float(np.mean(held_err)) if held_err else None,
         "held_out_max_rel_error": float(np.max(held_err)) if held_err else None,
-        "held_out": [{**m, "estimate_s": float(cost.time(list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
+        "held_out": [{**m, "estimate_s": float(group_time(cost, list(m["lengths"]), int(m["degree"]), etas=m.get("etas"),
                                                         attention=m.get("attention", "ring"))),
                       "rel_error": e} for m, e in zip(held, held_err)],
         "fit": fit_report,
@@ -175,7 +177,7 @@ class ExecutorTimer:
     def __call__(self, lengths: Sequence[int], etas: Sequence[float], degree: int, attention: str = "ring") -> float:
         import jax
 
-        from dhp_jax.planner.plan import Group, MicroBatch, Plan
+        from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 
         if degree > self.num_devices:
             raise ValueError(f"profile degree {degree} exceeds the {self.num_devices} devices available")

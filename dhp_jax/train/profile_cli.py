@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         force_cpu_devices(args.cpu_devices)
     import jax
 
-    from dhp_jax.data.layout import GROWTH, MIN_BUCKET
+    from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET
     from dhp_jax.model import MLLMConfig
     from dhp_jax.train.profile import fit_profile, host_cores, load_average, machine_label, write_profile
 
@@ -110,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                       grad_bytes=4.0 * model.num_params(), num_heads=model.num_heads,
                       compute_lanes=lanes, bucket_min=bucket_min, bucket_growth=growth)
     cost, report = fit_profile(measurements, base, holdout_every=args.holdout_every)
-    extra["label"] = "measured on this machine's devices; fitted with dhp_jax.planner.fit.fit_cost_model"
+    extra["label"] = "measured on this machine's devices; fitted with dhp_jax.planner.cost.fit.fit_cost_model"
     path, report_path = write_profile(args.out, cost, report, measurements, extra)
     if not args.from_report:
         os.remove(raw)

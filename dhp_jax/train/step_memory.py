@@ -6,9 +6,9 @@ optimizer update (`dhp_jax.sharding.PlanExecutor.loss_and_grad_shards`, `train.s
 Each of these programs is lowered with abstract arguments (`jax.ShapeDtypeStruct`; nothing is
 allocated), compiled, and its `memory_analysis()` read; the per-device bytes are then laid end to
 end in the order the device runs them, with what it holds across them (the state shards, the
-gathered params while a later micro-batch needs them), exactly as `planner.memory.step_phases`
+gathered params while a later micro-batch needs them), exactly as `planner.cost.memory.step_phases`
 does with the model's figures. The peak over that sequence, besides the state, is the row's
-`compiled_step_bytes`; `CostModel.step_bytes` of the same plan is `model_step_bytes`.
+`compiled_step_bytes`; `memory.device_step_bytes` of the same plan is `model_step_bytes`.
 
 The plans: `micro_batches` micro-batches, in each of which the device runs a group of `degree`
 ranks holding `tokens` tokens. The state is sharded over `state_shards` ranks, so the bench runs on
@@ -25,6 +25,8 @@ import dataclasses
 import json
 import time
 from typing import Any, Sequence
+
+from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
 
 MICRO_BATCHES = (2, 3)
 STEP_ROWS = (("internvl3-8b", 8, 65536), ("internvl3-2b", 8, 65536), ("internvl3-2b", 2, 32768))
@@ -80,7 +82,7 @@ def step_programs(config: Any, compute_dtype: str, devices: Sequence[Any], optio
 
 def compiled_phases(group: int, programs: dict[str, Compiled], micro_batches: int) -> list[tuple[str, int]]:
     """(phase, bytes besides the state) of a device's step from the compiled programs, in the order
-    the device runs them (`planner.memory.step_phases` with measured bytes). The state is what the
+    the device runs them (`planner.cost.memory.step_phases` with measured bytes). The state is what the
     update takes (master params, moments, gradient accumulator): arguments the other programs find
     already there are not counted again."""
     g, a, f, u = (programs[k] for k in ("gather", "accumulate", "finish", "update"))
@@ -124,7 +126,7 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
         for mbs in micro_batches:
             phases = compiled_phases(group, cache[model], mbs)
             got = max(b for _, b in phases)
-            want = cost.step_bytes([([tokens], degree)] * mbs)
+            want = device_step_bytes(cost, [([tokens], degree)] * mbs)
             state = cache[model]["update"].arguments
             rows.append({"model": model, "degree": degree, "tokens": tokens, "micro_batches": mbs,
                          "compiled_step_bytes": int(got), "model_step_bytes": int(want),
@@ -133,11 +135,11 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
                          "rel_error": round(want / got - 1.0, 4), "extrapolated": extrapolated,
                          "peak_phase": max(phases, key=lambda p: p[1])[0],
                          "compiled_phases": {k: int(b) for k, b in phases},
-                         "model_state_bytes": int(cost.state_bytes),
+                         "model_state_bytes": int(rank_state_bytes(cost)),
                          "compile_s": round(time.perf_counter() - t0, 1)})
     return {"label": f"whole-step peak per device: XLA memory_analysis of every program of the step compiled for "
                      f"{devices[0].platform} devices (abstract arguments), laid out in dispatch order, vs "
-                     f"CostModel.step_bytes ({hardware} preset); state sharded over {shards} devices",
+                     f"memory.device_step_bytes ({hardware} preset); state sharded over {shards} devices",
             "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "state_shards": shards,
             "rows": rows}
 

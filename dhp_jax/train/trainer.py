@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from dhp_jax.planner.planfile import PlanLog
+from dhp_jax.planner.contract.planfile import PlanLog
 from dhp_jax.train.config import TrainConfig
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard
 from dhp_jax.train.pipeline import DataPipeline
@@ -263,7 +263,7 @@ class Trainer:
         # What the planner may assume compiled at step t: the programs of the plans of steps < t
         # (never what has finished compiling: that depends on timing); a plan needing a new one
         # pays the config's fixed price. The same on every process, so processes plan alike.
-        from dhp_jax.planner.programs import ProgramCache
+        from dhp_jax.planner.programs.cache import ProgramCache
 
         self.plan_source.programs = ProgramCache(ranks_per_process(self.devices),
                                                  compile_s=float(config.planner.compile_price_s))
@@ -576,12 +576,12 @@ class Trainer:
     def as_executed(self, plan: Any, batch: Any) -> Any:
         """The plan as these devices ran it, the one format of plans.jsonl: a plan made at full token
         counts (`planner.full_size`) gets the executed batch's tokens, the executor's buckets and one
-        node (`planner.programs.executed_view`); the decisions and estimates stay the planner's.
+        node (`planner.programs.cache.executed_view`); the decisions and estimates stay the planner's.
         Other plans, and a replayed plan file's, are logged as they are (so a log replays to the
         same log, across backends too)."""
         if not self.plan_source.full_size or self.plan_source.plans is not None:
             return plan
-        from dhp_jax.planner.programs import executed_view
+        from dhp_jax.planner.programs.cache import executed_view
 
         rank_of = {d.id: r for r, d in enumerate(self.devices)}
         keys = [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]

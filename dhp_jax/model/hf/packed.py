@@ -3,7 +3,7 @@
 Two streams per group, sharded alike over the group's devices:
 
 - the LLM stream: S = bucket slots, the group's samples packed and permuted exactly as
-  `dhp_jax.data.layout.pack_group` packs them (`real_slots`: same zigzag, same pad tails). Each
+  `dhp_jax.geometry.layout.pack_group` packs them (`real_slots`: same zigzag, same pad tails). Each
   slot carries its token id, whether it is a vision token, the decoder ids (segment = 1 + sample,
   0 = padding; position = offset in the sample: causal), the sample's own rotary positions
   (`meta["positions"]`, [n, 3] M-RoPE or [n, 1]) and its shifted label (target = label of the next
@@ -32,8 +32,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import GROWTH, MIN_BUCKET, bucket_length, real_slots, zigzag_permutation
 from dhp_jax.data.sample import Sample
+from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET, bucket_length, real_slots, zigzag_permutation
 from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.families import interpolation_taps, shuffle_groups

@@ -220,10 +220,3 @@ def bins_of(assign: np.ndarray, ids: np.ndarray | None = None) -> list[list[int]
     members = order if ids is None else np.asarray(ids)[order]
     return [p.tolist() for p in np.split(members, cuts)]
 
-
-def bin_sums(bins: list[list[int]], *values: np.ndarray) -> list[np.ndarray]:
-    """Per-bin sums of each array in `values` (one bincount per array, not one sum per bin)."""
-    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
-    gid = np.repeat(np.arange(len(bins)), sizes)
-    return [np.bincount(gid, v[flat], minlength=len(bins)) for v in values]

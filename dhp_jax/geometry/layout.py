@@ -108,7 +108,7 @@ def bucket_lengths(tokens: Any, degree: Any, min_bucket: int = MIN_BUCKET, growt
     result still holds the tokens, rounded up to 2*degree.
 
     `menu` (pairs `(degree, (bucket, ...))`, buckets ascending multiples of 2*degree, e.g. a fitted
-    `planner.menu.BucketMenu`) replaces the ladder for its degrees: the smallest menu bucket that
+    `planner.programs.menu.BucketMenu`) replaces the ladder for its degrees: the smallest menu bucket that
     holds the tokens (the ladder only where none does)."""
     if isinstance(tokens, (int, float)) and isinstance(degree, (int, float)):
         out = _bucket_scalar(tokens, degree, int(min_bucket), float(growth), max_per_device)

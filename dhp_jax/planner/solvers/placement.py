@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-
-def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
-    return len({r // ranks_per_node for r in ranks}) > 1
+from dhp_jax.planner.contract.plan import spans_nodes
 
 
 def place(degrees: Sequence[int], num_ranks: int, ranks_per_node: int, node_aware: bool = True

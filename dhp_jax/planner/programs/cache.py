@@ -34,7 +34,7 @@ import statistics
 import zlib
 from typing import Any, Callable, Iterable, Sequence
 
-from dhp_jax.planner.placement import spans_nodes
+from dhp_jax.planner.contract.plan import spans_nodes
 
 Key = tuple[int, int, tuple[int, ...], str]  # (degree, padded_tokens, ranks, attention)
 

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import IO, Any, Sequence
 
-from dhp_jax.planner.plan import Plan, PlanValidationError
+from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 
 
 class PlanFileError(ValueError):

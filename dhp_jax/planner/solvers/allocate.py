@@ -10,7 +10,7 @@ does not fit in N. Invariant: every degree below d_i has time >= the makespan at
 last raised, so any plan with a smaller makespan needs more than N ranks; hence the result is
 optimal (ties included) for any per-group times, monotone in d or not. Exactness is for this
 per-group model (makespan = max_i T_i); on shared-core hosts (`CostModel.compute_lanes`) the
-machine-wide lanes cap of `CostModel.makespans` is applied by the caller when comparing candidates. Each raise costs O(log K')
+machine-wide lanes cap of `pricing.makespans` is applied by the caller when comparing candidates. Each raise costs O(log K')
 plus the scalar evaluations walked, O((K' + N) log K') overall.
 """
 
@@ -24,8 +24,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from dhp_jax.data.layout import ladders, linear_tokens, rung_list, scalar_bucketer
-from dhp_jax.planner.cost import CostModel
+from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import comm_per_token, group_times
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -60,8 +62,8 @@ def _linear_whole(S: float, P: float, d: int, chunk: int) -> float:
 class _ScalarTime:
     """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
 
-    Same arithmetic, in the same order, as the bucket rule (`data.layout.bucket_lengths`) followed by
-    `CostModel.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
+    Same arithmetic, in the same order, as the bucket rule (`geometry.layout.bucket_lengths`) followed by
+    `pricing.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
     constants (the memory clamp of the bucket rule, the link's per-token and per-message terms) are
     tabulated once per model and attention kind; `group_times_of` also takes each group's ladder rung
     once, since the rung depends on the tokens only."""
@@ -73,21 +75,21 @@ class _ScalarTime:
         if cost.compute_lanes is not None:
             self.exact = (cost, attention)
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
-        self.bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, cost.max_tokens_per_rank,
+        self.bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, max_tokens_per_rank(cost),
                                       cost.bucket_menu) if cost.bucket_min else None
         # the ladder walked inline (no menu: a menu's buckets replace it per degree, so that case
         # keeps calling the scalar bucketer)
         self.rungs = rung_list(cost.bucket_min, cost.bucket_growth) if cost.bucket_min and not cost.bucket_menu \
             else None
-        self.mpd = cost.max_tokens_per_rank
+        self.mpd = max_tokens_per_rank(cost)
         self.padded_attention = bool(cost.padded_attention)
         self.a1, self.a2 = cost.a1, cost.a2
         self.chunk = int(cost.linear_chunk)
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
-        self.c_intra = float(cost.comm_per_token(False, attention))
-        self.c_inter = float(cost.comm_per_token(True, attention))
+        self.c_intra = float(comm_per_token(cost, False, attention))
+        self.c_inter = float(comm_per_token(cost, True, attention))
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
         self.ring = attention == "ring"
         self.attention = attention
@@ -124,18 +126,18 @@ class _ScalarTime:
         return self.exact is None and self.ring and not (self.bucket is not None and self.rungs is None)
 
     def times(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> np.ndarray:
-        """`CostModel.group_times(A, B, S, degree, attention=...)` (integer degrees, inter-node
+        """`pricing.group_times(A, B, S, degree, attention=...)` (integer degrees, inter-node
         exactly above a node), the same floats with fewer NumPy calls: the per-degree terms are
         taken from tables. Ring groups without shared lanes or a bucket menu; others call the model."""
         if not self.tabled:
-            return self.cost.group_times(A, B, S, degree, attention="ring" if self.ring else self.attention)
+            return group_times(self.cost, A, B, S, degree, attention="ring" if self.ring else self.attention)
         d = np.asarray(degree, dtype=np.int64)
         top = int(d.max()) if d.size else 0
         if top >= len(self._vec[0]):
             self._vector_tables(top)
         step, clamp, coef, lat, dm1, df = (t[d] for t in self._vec)
         S = np.asarray(S, dtype=np.float64)
-        if self.rungs is not None:  # bucket_lengths (no menu), as CostModel.padded_length calls it
+        if self.rungs is not None:  # bucket_lengths (no menu), as geometry.padded_length calls it
             rung = ladders(S, self.cost.bucket_min, self.cost.bucket_growth)
             if self.mpd is not None:
                 rung = np.maximum(np.minimum(rung, clamp), S)
@@ -164,7 +166,7 @@ class _ScalarTime:
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
-            return float(self.exact[0].group_times(A, B, S, d, attention=self.exact[1]))
+            return float(group_times(self.exact[0], A, B, S, d, attention=self.exact[1]))
         if self.rungs is not None:  # the bucket rule inline (`_rung_scalar`), per-degree constants tabulated
             step, clamp, coef, lat = self._tables if d < len(self._tables[0]) else self._degrees(d)
             st = step[d]
@@ -185,7 +187,7 @@ class _ScalarTime:
             if self.padded_attention:
                 A = self.a1 * P * P
             B, S = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S), P
-        sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # CostModel.sent_tokens
+        sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # pricing.sent_tokens
         if d > self.rpn:
             comm = self.c_inter * sent + self.l_inter * (d - 1)
         else:
@@ -430,7 +432,7 @@ def _warm_start(starts: np.ndarray, ds: np.ndarray, num_ranks: int, cost: CostMo
     p = degrees_for(hi)
     if p.max() > last or int(ds[p].sum()) > num_ranks:
         return starts
-    t_ub = float(np.max(cost.group_times(A, B, S, ds[p], attention=attention) if times is None
+    t_ub = float(np.max(group_times(cost, A, B, S, ds[p], attention=attention) if times is None
                         else times(A, B, S, ds[p])))
     if t_ub <= b1:
         return starts
@@ -477,7 +479,7 @@ def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin
         for d in ds:
             if d < dmin[i] or d > left:
                 continue
-            ti = float(cost.group_times(A[i], B[i], S[i], d, attention=attention))
+            ti = float(group_times(cost, A[i], B[i], S[i], d, attention=attention))
             rec(i + 1, left - d, max(worst, ti))
 
     rec(0, num_ranks, 0.0)

@@ -12,7 +12,7 @@ What it does, after the paper and its published solver:
        minimise T  s.t.  sum_p n[k, p] = |bucket k|,  sum_k n[k, p] Lmax_k <= d_p cap m_p,
        sum_p d_p m_p <= N,  T >= sum_k n[k, p] t_k(d_p) + (b1 + lat (d_p - 1)) m_p   (+ e_p, ring)
    where t_k(d) is the bucket's mean per-sequence time on d ranks with Ulysses all-to-all
-   (`CostModel.group_times`, "ulysses": no overlap, traffic a2a (S/d)(d-1)/d). Degrees whose
+   (`pricing.group_times`, "ulysses": no overlap, traffic a2a (S/d)(d-1)/d). Degrees whose
    Ulysses the head count forbids run ring attention instead (priced as ring, with e_p for the
    overlap), so models with 28 heads stay feasible. Slots of one degree are ordered (m_p >= m_p+1).
 3. HiGHS (highspy) solves it under a node limit, not a wall-clock limit, single-threaded, so every
@@ -42,12 +42,13 @@ from typing import Any
 
 import numpy as np
 
-from dhp_jax.planner import microbatch
-from dhp_jax.planner.allocate import allowed_degrees
-from dhp_jax.planner.build import build_plan
-from dhp_jax.planner.pricing import attention_for
-from dhp_jax.planner.placement import place
-from dhp_jax.planner.plan import PlanningError
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import min_degree
+from dhp_jax.planner.cost.pricing import attention_for, comm_per_token, group_times, sent_tokens
+from dhp_jax.planner.solvers import microbatch
+from dhp_jax.planner.solvers.allocate import allowed_degrees
+from dhp_jax.planner.solvers.build import build_plan
+from dhp_jax.planner.solvers.placement import place
 
 FLEXSP_EXTRA_COUNTS = 4  # counts tried beyond the least feasible one (FlexSP's solver: 5 in all)
 FLEXSP_NODE_LIMIT = 50  # HiGHS branch-and-bound nodes per micro-batch: the deterministic work limit
@@ -135,19 +136,19 @@ def solve_microbatch_milp(prob: Any, idx: np.ndarray, ds: np.ndarray, node_limit
     A = np.array([float(prob.attn[idx][r].mean()) for r in buckets])
     B = np.array([float(prob.lin[idx][r].mean()) for r in buckets])
     S = np.array([float(prob.tok[idx][r].mean()) for r in buckets])
-    dmin_b = cost.min_degree(Lmax)
+    dmin_b = min_degree(cost, Lmax)
     ds = ds[ds >= int(dmin_b.min())]
     kinds = {int(d): attention_for(int(d), cost, "auto") for d in ds}
     # per-sequence time on d ranks without the fixed terms; the fixed part b1 + lat (d-1) per slot
     t_seq, fixed, overlap = {}, {}, {}
     for d in ds.tolist():
-        full = cost.group_times(A, B, S, d, attention=kinds[d])
-        fixed[d] = float(cost.group_times(0.0, 0.0, 0.0, d, attention=kinds[d]))
+        full = group_times(cost, A, B, S, d, attention=kinds[d])
+        fixed[d] = float(group_times(cost, 0.0, 0.0, 0.0, d, attention=kinds[d]))
         ring_overlap = kinds[d] == "ring" and cost.comm_overlap
         if ring_overlap:  # T = (A+B)/d + fixed + max(0, comm - A/d): comm part goes to e_p
             t_seq[d] = (A + B) / d
-            c = float(cost.comm_per_token(d > cost.ranks_per_node, "ring"))
-            overlap[d] = c * cost.sent_tokens(S, d, "ring") - A / d
+            c = float(comm_per_token(cost, d > cost.ranks_per_node, "ring"))
+            overlap[d] = c * sent_tokens(S, d, "ring") - A / d
         else:
             t_seq[d] = full - fixed[d]
     slots = _slots(ds, N, int(size.sum()))

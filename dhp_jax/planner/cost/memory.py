@@ -23,7 +23,7 @@ The engine (dhp_jax.sharding.PlanExecutor with the trainer's sharded state) hold
   micro-batch the device's group program and the reduction of its gradient row (the row in the
   compute dtype and one fp32 piece of it, `reduce_pieces`; the executor reduces a micro-batch
   before the device starts its next one, so one row is held at a time), then the mean gradient and
-  the optimizer update. `CostModel.step_bytes` is the largest of these besides the state;
+  the optimizer update. `memory.device_step_bytes` is the largest of these besides the state;
   `dhp bench memory --step` measures the same sequence from the compiled programs.
 
 Counts are per local token. What the blocks keep for their backward pass is loop state of the
@@ -38,6 +38,11 @@ keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate.
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.checks import lengths_array, positive_int
+from dhp_jax.planner.cost.geometry import padded_length
 
 REMATS = ("none", "layer", "selective")
 COMPUTE_BYTES = {"bfloat16": 2, "float32": 4}
@@ -223,7 +228,7 @@ def step_phases(programs: Sequence[float], params: float, compute_bytes: int, st
     all-gather, then per micro-batch its group program (`programs[m]`: bytes of the program, None
     if the device is idle in it) and the reduction of its gradient row, then the update. A device
     holds one row at a time: each micro-batch's reduction runs before its next group program. The
-    step's peak is the largest of these (`CostModel.step_bytes`); the state comes on top."""
+    step's peak is the largest of these (`memory.device_step_bytes`); the state comes on top."""
     out = [("gather", gather_bytes(params, compute_bytes))]
     for m, prog in enumerate(programs):
         if prog is not None:
@@ -290,3 +295,61 @@ def family_bytes_per_token(m: Any, ab: float) -> float:
     if m.family == "qwen3_vl":     # the position table's 4 bilinear taps per row: the gathered table rows
         tail += 2 * rows * POSITION_TAPS * m.vision_hidden      # and their weighted copies
     return float(ab * (inputs + kept + tail))
+
+
+# ---------------------------------------------------------------- a cost model's bytes per rank
+# The accounting of a `CostModel` (its memory fields, set by `CostModel.preset` from the formulas
+# above): the one place a group's or a step's bytes are counted.
+
+def max_tokens_per_rank(cost: Any) -> float:
+    """Tokens a rank may hold within the cost's activation budget."""
+    return cost.memory_budget / cost.mem_per_token
+
+
+def group_activation_bytes(cost: Any, lengths: Any, degree: int) -> float:
+    """Activation bytes per rank of a group of `degree` ranks holding these sequences (the padded
+    stream: `planner.cost.geometry.padded_length`)."""
+    positive_int(degree, "degree")
+    return float(padded_length(cost, lengths_array(lengths).sum(), degree) * cost.mem_per_token / degree)
+
+
+def min_degree(cost: Any, lengths: Any) -> Any:
+    """Least degree at which each single sequence fits the cost's memory budget (int64[K])."""
+    L = lengths_array(lengths)
+    return np.maximum(1, np.ceil(L * cost.mem_per_token / cost.memory_budget - 1e-12)).astype(np.int64)
+
+
+def rank_state_bytes(cost: Any) -> float:
+    """Bytes per rank of the cost's sharded fp32 state (outside the group program)."""
+    return state_bytes(cost.param_count, cost.state_shards)
+
+
+def group_static_bytes(cost: Any) -> float:
+    """Token-independent bytes of a group program (params in, gradient row out, fixed temps)."""
+    return program_static_bytes(cost.param_count, cost.compute_bytes, cost.backward_bytes) + cost.fixed_bytes
+
+
+def rank_static_bytes(cost: Any) -> float:
+    """Every byte per rank that does not depend on the tokens: group static bytes + state shard."""
+    return group_static_bytes(cost) + rank_state_bytes(cost)
+
+
+def group_program_bytes(cost: Any, lengths: Any, degree: int) -> float:
+    """Bytes per device of the group program holding these sequences: what XLA's
+    `memory_analysis()` of the compiled program reports (arguments + outputs + temp - aliases)."""
+    last = program_static_bytes(cost.param_count, cost.compute_bytes, cost.assemble_bytes)
+    return max(group_static_bytes(cost) + group_activation_bytes(cost, lengths, degree), last)
+
+
+def device_step_phases(cost: Any, groups: Sequence[tuple[Sequence[int], int] | None]) -> list[tuple[str, float]]:
+    """(phase, bytes besides the state) of a device's step, in order (`device_step_bytes`)."""
+    programs = [None if g is None else group_program_bytes(cost, g[0], g[1]) for g in groups]
+    return step_phases(programs, cost.param_count, cost.compute_bytes, cost.state_shards)
+
+
+def device_step_bytes(cost: Any, groups: Sequence[tuple[Sequence[int], int] | None]) -> float:
+    """Peak bytes per device of a training step besides the state shard (`rank_state_bytes`): the
+    device's group program of each micro-batch (`groups[m]`: (lengths, degree) of its group,
+    None if idle), each micro-batch's reduction, the gather and the update, as the engine
+    runs them (`step_phases`)."""
+    return max(b for _, b in device_step_phases(cost, groups))

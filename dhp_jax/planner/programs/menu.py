@@ -6,7 +6,7 @@ the degrees that carry the most tokens and, per degree, the buckets that minimis
 (an exact 1-D quantisation by dynamic programming), within a total program budget. Every degree's
 largest bucket is its memory limit, so any group that fits in memory has a bucket.
 
-A program is also its attention kind (`dhp_jax.planner.programs`): a degree whose groups choose
+A program is also its attention kind (`dhp_jax.planner.programs.cache`): a degree whose groups choose
 between ring and Ulysses x ring hybrids per group would run up to one program per kind and bucket.
 So each menu program carries one kind (`BucketMenu.kinds`), the one that prices its calibration
 groups fastest in total (per bucket, or per degree), and the planner's kind choice respects it
@@ -24,6 +24,10 @@ import math
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from dhp_jax.data.sample import sample_etas, sample_lengths
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.pricing import group_kind_times
 
 
 def _quantise(values: np.ndarray, weights: np.ndarray, k: int, top: float) -> tuple[list[float], float]:
@@ -230,9 +234,9 @@ def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64
         if "degrees" in plan_options:
             raise ValueError("fit_menu: give either degree_set='aligned' or degrees=, not both")
         plan_options["degrees"] = aligned_degrees(num_ranks, cost.ranks_per_node or num_ranks)
-    from dhp_jax.data import sample_etas, sample_lengths
+    # lazy: plan_batch's solvers import this room (programs <- solvers <- api), so the menu plans
+    # its calibration batches through an import at call time
     from dhp_jax.planner.api import plan_batch
-    from dhp_jax.planner.pricing import group_kind_times
 
     groups: list[tuple] = []
     for b in batches:
@@ -243,5 +247,5 @@ def fit_menu(cost: Any, batches: Sequence[Any], num_ranks: int, budget: int = 64
         else:
             times = group_kind_times(cost, plan, lengths, etas)
             groups += [(g.degree, g.tokens, t) for g, t in zip(plan.groups, times)]
-    return BucketMenu.fit(groups, budget, cost.max_tokens_per_rank, num_ranks, max_degrees=max_degrees,
+    return BucketMenu.fit(groups, budget, max_tokens_per_rank(cost), num_ranks, max_degrees=max_degrees,
                           kind_per=kind_per or "bucket")

@@ -12,17 +12,19 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dhp_jax.planner import baselines, microbatch
-from dhp_jax.planner.allocate import allocate, allowed_degrees, scalar_time
-from dhp_jax.planner.build import build_plan, padded_tokens
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import Packer, bin_sums, bins_of
-from dhp_jax.planner.placement import place, spans_nodes
-from dhp_jax.planner.pricing import attention_for, best_kinds, price_groups
-from dhp_jax.planner.plan import PlanningError, PlanValidationError
-from dhp_jax.planner.problem import Problem
-from dhp_jax.planner.programs import ProgramCache
-from dhp_jax.planner.refine import refine as refine_groups
+from dhp_jax.planner.contract.plan import PlanningError, PlanValidationError, spans_nodes
+from dhp_jax.planner.cost.memory import min_degree
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import (attention_for, best_kinds, bin_sums, group_times, makespan, makespans,
+                                         price_groups)
+from dhp_jax.planner.programs.cache import ProgramCache
+from dhp_jax.planner.solvers import baselines, microbatch
+from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, scalar_time
+from dhp_jax.planner.solvers.build import build_plan, padded_tokens
+from dhp_jax.planner.solvers.packing import Packer, bins_of
+from dhp_jax.planner.solvers.placement import place
+from dhp_jax.planner.solvers.problem import Problem
+from dhp_jax.planner.solvers.refine import refine as refine_groups
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
 _MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
@@ -151,11 +153,11 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
 def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray, limit: float = np.inf
                    ) -> tuple[np.ndarray, float] | None:
     A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
-    return allocate_scored(A, B, S, prob.cost.min_degree(S), prob.num_ranks, prob.cost, allowed, limit)
+    return allocate_scored(A, B, S, min_degree(prob.cost, S), prob.num_ranks, prob.cost, allowed, limit)
 
 def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any) -> float:
-    """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `CostModel.makespan`)."""
-    return cost.makespan(cost.group_times(A, B, S, deg), deg)
+    """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `pricing.makespan`)."""
+    return makespan(cost, group_times(cost, A, B, S, deg), deg)
 
 def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, cost: CostModel,
                     allowed: np.ndarray | None, limit: float = np.inf) -> tuple[np.ndarray, float] | None:
@@ -466,7 +468,7 @@ def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: 
 
     The packing balances unpadded work and the allocation is exact for max_g T_g only; with
     `compute_lanes` the padded buckets and the lanes cap can make a plain uniform packing better.
-    Each candidate is judged by the same lanes-aware makespan sum (`CostModel.makespans`); the
+    Each candidate is judged by the same lanes-aware makespan sum (`pricing.makespans`); the
     planner's own plan wins ties. Used only when `cost.compute_lanes` is set.
     """
     cost, N = prob.cost, prob.num_ranks
@@ -511,7 +513,7 @@ def _kind_makespans(prob: Problem, done: list, kinds: list[str]) -> list[float]:
     `build_plan` prices the plan)."""
     mb = np.repeat(np.arange(len(done)), [len(groups) for groups, _, _ in done])
     t, _, d = price_groups(prob.cost, _groups(done), (prob.attn, prob.lin, prob.tok), kinds, prob.cost.ranks_per_node)
-    return prob.cost.makespans(t, d, mb, len(done)).tolist()
+    return makespans(prob.cost, t, d, mb, len(done)).tolist()
 
 
 def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring",
@@ -541,7 +543,7 @@ def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bo
     A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
     rpn = cost.ranks_per_node
     inter = np.array([spans_nodes(r, rpn) for r in ranks], dtype=bool)
-    times = cost.group_times(A, B, S, np.asarray(deg), inter)
+    times = group_times(cost, A, B, S, np.asarray(deg), inter)
     if node_aware:
         for i in np.flatnonzero(inter & (np.asarray(deg) <= rpn)).tolist():
             # a small group cut by a node boundary: its largest piece alone may be faster
@@ -552,7 +554,7 @@ def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bo
             d = len(piece)
             if S[i] * cost.mem_per_token / d > cost.memory_budget:
                 continue
-            t = float(cost.group_times(A[i], B[i], S[i], d, False))
+            t = float(group_times(cost, A[i], B[i], S[i], d, False))
             if t < times[i]:
                 ranks[i], times[i] = tuple(piece), t
-    return groups, ranks, cost.makespan(times, [len(r) for r in ranks])
+    return groups, ranks, makespan(cost, times, [len(r) for r in ranks])

@@ -14,11 +14,11 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from dhp_jax.planner.baselines import solve_static
-from dhp_jax.planner.dhp import solve_dhp
-from dhp_jax.planner.plan import PlanningError
-from dhp_jax.planner.problem import Problem
-from dhp_jax.planner.programs import ProgramCache
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.programs.cache import ProgramCache
+from dhp_jax.planner.solvers.baselines import solve_static
+from dhp_jax.planner.solvers.dhp import solve_dhp
+from dhp_jax.planner.solvers.problem import Problem
 
 __all__ = ["Strategy", "STRATEGY_TABLE", "strategy_names", "lookup", "register"]
 
@@ -117,7 +117,7 @@ def _static_ulysses(prob: Problem, arg: str | None, programs: ProgramCache | Non
 @register("flexsp", "FlexSP's planner: power-of-two degrees, one MILP per length-sorted micro-batch count")
 def _flexsp(prob: Problem, arg: str | None, programs: ProgramCache | None, *, num_micro_batches: int | None = None,
             time_limit_s: float | None = None) -> tuple[list, dict[str, Any], str]:
-    from dhp_jax.planner.flexsp import solve_flexsp  # lazy: scipy's MILP loads only when used
+    from dhp_jax.planner.solvers.flexsp import solve_flexsp  # lazy: scipy's MILP loads only when used
 
     mbs, info = solve_flexsp(prob, num_micro_batches, time_limit_s)
     return mbs, info, "auto"
@@ -127,7 +127,7 @@ def _flexsp(prob: Problem, arg: str | None, programs: ProgramCache | None, *, nu
 def _milp(prob: Problem, arg: str | None, programs: ProgramCache | None, *, num_micro_batches: int | None = None,
           degrees: Any = "any", node_aware: bool = True, time_limit_s: float | None = None,
           node_limit: int | None = None) -> tuple[list, dict[str, Any], str]:
-    from dhp_jax.planner.milp import solve_milp  # lazy: scipy's MILP loads only when used
+    from dhp_jax.planner.solvers.milp import solve_milp  # lazy: scipy's MILP loads only when used
 
     mbs, info = solve_milp(prob, num_micro_batches, degrees, node_aware, time_limit_s, node_limit)
     return mbs, info, "ring"

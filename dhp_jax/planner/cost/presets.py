@@ -150,14 +150,14 @@ HARDWARE: dict[str, Hardware] = {
 }
 
 # Training-recipe assumptions shared by every preset (documented, not tuned); the recompute passes,
-# state bytes and dtypes of the engine are in dhp_jax.planner.memory and are CostModel fields:
+# state bytes and dtypes of the engine are in dhp_jax.planner.cost.memory and are CostModel fields:
 USABLE_MEMORY_FRACTION = 0.9  # allocator fragmentation, communicator buffers, vision workspace
 
 
 # Ring attention (dhp_jax.sharding.ring, npu_backend.ring): what it holds per rank beyond the
 # per-layer working set above, for the layer being recomputed and differentiated. Linear in the
 # local tokens: no [S_l, S_l] block is ever materialised, only score tiles of a fixed size.
-ATTENTION_TILE = 512  # tokens per tile (dhp_jax.data.tiling.DEFAULT_TILE)
+ATTENTION_TILE = 512  # tokens per tile (dhp_jax.geometry.tiling.DEFAULT_TILE)
 
 
 def ring_attention_bytes_per_token(m: ModelShape, bytes_per_element: int) -> float:

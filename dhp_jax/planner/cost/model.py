@@ -1,4 +1,11 @@
-"""The planner's cost model (DHP, arXiv 2602.21788, section 4.2): time and memory of one CP group.
+"""The planner's cost model (DHP, arXiv 2602.21788, section 4.2): the coefficients of the time and
+memory of one CP group.
+
+`CostModel` holds coefficients only (model/hardware figures, the engine's memory fields, the
+executor's geometry fields) and derives them (`preset`, `replace`, I/O). What uses them lives with
+its concept: pricing (the formula below, makespans, the all-reduce) in `dhp_jax.planner.cost.pricing`,
+the stream geometry (padding ladder, pad-skipping chunk, menu) in `dhp_jax.planner.cost.geometry`, the
+bytes of a group or a step in `dhp_jax.planner.cost.memory`.
 
 For a group of degree d holding sequences of lengths L_k with bidirectional shares eta_k:
 
@@ -14,7 +21,7 @@ intra-node figures unless the group spans nodes (the slowest hop paces a ring). 
 the number of vision tokens when a sample has one vision span (eta = v^2/L^2), which prices the
 vision encoder without a second per-sample input. Memory per rank is sum_k L_k mem_per_token / d:
 linear in the local tokens, because the ring attention is tiled with a custom VJP (its per-token
-state is part of `planner.memory.activation_bytes_per_token`, its constant tile workspace is
+state is part of `planner.cost.memory.activation_bytes_per_token`, its constant tile workspace is
 `presets.attention_workspace_bytes`; `fixed_bytes` counts it or one loss chunk's logits, whichever is
 larger: they are live in different phases of the program).
 
@@ -38,16 +45,16 @@ which is the paper's model above):
   p cores, so a group pays b1 d/p (b1 when every rank has its own chip or d <= n). Likewise the
   per-message cost of the ring: at each of the d-1 steps every rank hands one message over, and
   those d hand-overs run p at a time, so the latency term is lat (d-1) d/p. The groups of one
-  micro-batch also share the p cores, so `makespans` caps a micro-batch from below by the sum of
+  micro-batch also share the p cores, so `pricing.makespans` caps a micro-batch from below by the sum of
   its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
   planner's exact allocation is exact for the per-group model, and candidates are compared with it).
 - `bucket_min` / `bucket_growth`: the executor pads each group's stream to
-  `dhp_jax.data.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
+  `dhp_jax.geometry.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
   clamped to the memory budget), the one bucket rule. With `bucket_min > 0` the pad tokens go
   through the linear layers and around the ring: B = sum_k (...) L_k + a2 (P - S), ring traffic of P
   tokens, memory P mem_per_token / d, where P is the padded length. Every preset prices it.
 - `linear_chunk` (C > 0): the executor skips the padding in the linear layers, chunk by chunk
-  (`dhp_jax.data.layout`: each rank holds ceil(S/d) or floor(S/d) real tokens as a prefix of its
+  (`dhp_jax.geometry.layout`: each rank holds ceil(S/d) or floor(S/d) real tokens as a prefix of its
   shard, its padding at the end; chunks of at most C tokens with no real token are skipped). The
   busiest rank then computes W/d = `layout.linear_tokens(S, P, d, C)` tokens, its real tokens
   rounded up to whole chunks, so B = sum_k (...) L_k + a2 (W - S); ring traffic and memory stay on
@@ -82,33 +89,14 @@ from typing import Any, ClassVar, Mapping, Sequence
 import numpy as np
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET, bucket_lengths, linear_tokens
-from dhp_jax.planner import memory as engine_memory, presets
-from dhp_jax.planner.kinds import check_attention
-from dhp_jax.planner.plan import attention_split
+from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
+from dhp_jax.planner.cost import memory as engine_memory, presets
+from dhp_jax.planner.cost.geometry import check_geometry
 
 COST_SCHEMA = "dhp.cost/v1"
 DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (DHP's 8 x 8 testbed)
 
 
-def _as_lengths(lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    arr = np.asarray(lengths, dtype=np.float64).reshape(-1)
-    if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0):
-        bad = int(np.flatnonzero(~np.isfinite(arr) | (arr < 0))[0])
-        raise ValueError(f"sequence {bad}: length must be a finite number >= 0, got {arr[bad]}")
-    return arr
-
-
-def _as_etas(etas: Sequence[float] | np.ndarray | None, n: int) -> np.ndarray:
-    if etas is None:
-        return np.zeros(n)
-    arr = np.asarray(etas, dtype=np.float64).reshape(-1)
-    if arr.size != n:
-        raise ValueError(f"etas has {arr.size} entries for {n} lengths")
-    if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0 or arr.max() > 1):
-        bad = int(np.flatnonzero(~np.isfinite(arr) | (arr < 0) | (arr > 1))[0])
-        raise ValueError(f"sequence {bad}: eta must be in [0, 1], got {arr[bad]}")
-    return arr
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,13 +124,13 @@ class CostModel:
     linear_chunk: the executor's pad-skipping chunk, tokens (0: pad tokens go through the linear
         layers; see the module docstring).
     padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
-    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.menu.BucketMenu`)
+    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.programs.menu.BucketMenu`)
         that replace the ladder for their degrees; the planner then uses only these degrees.
     menu_kinds: ((degree, bucket, kind), ...): the one attention kind each menu program runs
         (`BucketMenu.kinds`); the per-group kind choice (`pricing.best_kinds`) gives a group of that
         degree and bucket this kind, so that the menu's budget bounds the programs that run.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
-    The engine's memory choices (dhp_jax.planner.memory; `preset` derives mem_per_token and
+    The engine's memory choices (dhp_jax.planner.cost.memory; `preset` derives mem_per_token and
     memory_budget from them, so change them through `preset(...)`; `replace(linear_chunk=...)` on a
     preset re-derives its memory fields for the new chunk):
     param_count: parameters P of the model (0: unknown, static bytes are then 0).
@@ -157,10 +145,10 @@ class CostModel:
         computes bf16 values in fp32, so a bf16 program compiled for CPU devices holds its block
         working set in 4 bytes (`dhp bench memory` on CPU).
     backward_bytes: gradient bytes that exist in the blocks' phase of the group program (the
-        decoder's stacked block gradients and the LM head's; `planner.memory.backward_bytes`).
+        decoder's stacked block gradients and the LM head's; `planner.cost.memory.backward_bytes`).
     assemble_bytes: gradient bytes of the program's last phase besides the row: every gradient
         piece the row is concatenated from and the embedding's and LM head's accumulators
-        (`planner.memory.assemble_bytes`). That phase holds no activations; `program_bytes` is
+        (`planner.cost.memory.assemble_bytes`). That phase holds no activations; `memory.group_program_bytes` is
         the larger of the two phases.
     """
 
@@ -218,21 +206,6 @@ class CostModel:
         lanes = self.compute_lanes
         if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1):
             raise ValueError(f"CostModel.compute_lanes must be None or a positive integer, got {lanes!r}")
-        if isinstance(self.bucket_min, bool) or not isinstance(self.bucket_min, (int, np.integer)) \
-                or self.bucket_min < 0:
-            raise ValueError(f"CostModel.bucket_min must be an integer >= 0 (0: no padding), got {self.bucket_min!r}")
-        for deg, bs in self.bucket_menu:
-            if deg < 1 or list(bs) != sorted(bs) or any(b < 1 or b % (2 * deg) for b in bs):
-                raise ValueError(f"CostModel.bucket_menu: degree {deg} needs ascending buckets that are multiples "
-                                 f"of 2*degree, got {list(bs)}")
-        on_menu = {(int(deg), int(b)) for deg, bs in self.bucket_menu for b in bs}
-        for deg, b, kind in self.menu_kinds:
-            if (int(deg), int(b)) not in on_menu:
-                raise ValueError(f"CostModel.menu_kinds: ({deg}, {b}) is not a program of bucket_menu")
-            check_attention(kind, int(deg), self.num_heads)
-        lc = self.linear_chunk
-        if isinstance(lc, bool) or not isinstance(lc, (int, np.integer)) or lc < 0:
-            raise ValueError(f"CostModel.linear_chunk must be an integer >= 0 (0: pad tokens computed), got {lc!r}")
         for name in ("compute_bytes", "state_shards"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
@@ -242,8 +215,7 @@ class CostModel:
             raise ValueError(f"CostModel.activation_bytes must be an integer >= 0 (0: compute_bytes), got {ab!r}")
         if self.remat not in engine_memory.REMATS:
             raise ValueError(f"CostModel.remat must be one of {engine_memory.REMATS}, got {self.remat!r}")
-        if self.bucket_min and not self.bucket_growth > 1.0:
-            raise ValueError(f"CostModel.bucket_growth must be > 1 when bucket_min is set, got {self.bucket_growth}")
+        check_geometry(self)
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -323,202 +295,8 @@ class CostModel:
         return cost
 
     # ------------------------------------------------------------------ memory of the engine
-    @property
-    def state_bytes(self) -> float:
-        """Bytes per rank of the sharded fp32 state (outside the group program)."""
-        return engine_memory.state_bytes(self.param_count, self.state_shards)
-
-    @property
-    def program_static_bytes(self) -> float:
-        """Token-independent bytes of a group program (params in, gradient row out, fixed temps)."""
-        return engine_memory.program_static_bytes(self.param_count, self.compute_bytes,
-                                                  self.backward_bytes) + self.fixed_bytes
-
-    @property
-    def static_bytes(self) -> float:
-        """Every byte per rank that does not depend on the tokens: program static + state shard."""
-        return self.program_static_bytes + self.state_bytes
-
-    def program_bytes(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
-        """Bytes per device of the group program holding these sequences: what XLA's
-        `memory_analysis()` of the compiled program reports (arguments + outputs + temp - aliases)."""
-        last = engine_memory.program_static_bytes(self.param_count, self.compute_bytes, self.assemble_bytes)
-        return max(self.program_static_bytes + self.memory(lengths, degree), last)
-
-    def step_bytes(self, groups: Sequence[tuple[Sequence[int], int] | None]) -> float:
-        """Peak bytes per device of a training step besides the state shard (`state_bytes`): the
-        device's group program of each micro-batch (`groups[m]`: (lengths, degree) of its group,
-        None if idle), each micro-batch's reduction, the gather and the update, as the engine
-        runs them (`planner.memory.step_phases`)."""
-        return max(b for _, b in self.step_phases(groups))
-
-    def step_phases(self, groups: Sequence[tuple[Sequence[int], int] | None]) -> list[tuple[str, float]]:
-        """(phase, bytes besides the state) of a device's step, in order (`step_bytes`)."""
-        programs = [None if g is None else self.program_bytes(g[0], g[1]) for g in groups]
-        return engine_memory.step_phases(programs, self.param_count, self.compute_bytes, self.state_shards)
 
     # ------------------------------------------------------------------ the model
-    def terms(self, lengths: Sequence[int] | np.ndarray, etas: Sequence[float] | np.ndarray | None = None
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per-sequence (attention work, linear work, tokens) on one rank: float64[K] each."""
-        L = _as_lengths(lengths)
-        e = _as_etas(etas, L.size)
-        attn = self.a1 * (1.0 + e) * L * L
-        lin = (self.a2 + self.a2_vision * np.sqrt(e)) * L
-        return attn, lin, L
-
-    def comm_per_token(self, inter_node: bool | np.ndarray, attention: str = "ring") -> np.ndarray | float:
-        """Seconds per token one rank puts on the wire (K/V for "ring", Q/K/V/O for "ulysses")."""
-        if attention == "ring":
-            return self.kv_bytes_per_token / np.where(inter_node, self.bw_inter, self.bw_intra)
-        a2a_bw = self.a2a_bw_intra if self.a2a_bw_intra > 0 else self.bw_intra
-        return self.a2a_bytes_per_token / np.where(inter_node, self.bw_inter, a2a_bw)
-
-    def sent_tokens(self, tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray:
-        """Tokens' worth of traffic one rank sends for a stream of `tokens` on `degree` ranks (see the
-        module docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses (`traffic` counts them)."""
-        if attention not in ("ring", "ulysses"):
-            raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
-        ring_tok, a2a_tok, _, _ = self.traffic(tokens, degree, attention)
-        return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
-
-    def group_times(self, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
-                    attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
-        """Vectorised T for groups with summed terms A, B, S at `degree` (all broadcast together).
-
-        `attention` is a group's kind; the family "hybrid" with `ulysses` = u prices Ulysses over u
-        ranks times a ring over degree/u for groups of varying degree (e.g. every degree at once)."""
-        A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
-        d = np.asarray(degree, dtype=np.float64)
-        inter = d > self.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
-        lat = np.where(inter, self.lat_inter, self.lat_intra)
-        if self.bucket_min:
-            P = self.padded_length(S, d)
-            if self.padded_attention:
-                A = self.a1 * P * P       # dense blocks: every pair of the padded stream
-            # the pad tokens the linear layers compute: all of them (linear_chunk 0), or the busiest
-            # rank's real tokens rounded up to whole chunks
-            B = B + self.a2 * (d * linear_tokens(S, P, d, self.linear_chunk) - S)
-            S = P                         # and around the ring
-        p = self.compute_divisor(d)
-        ring_tok, a2a_tok, msgs, u = self.traffic(S, d, attention, ulysses)
-        ring = 0.0 if attention == "ulysses" else self.comm_per_token(inter, "ring") * ring_tok
-        # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
-        a2a_inter = inter if attention in ("ring", "ulysses") else u > self.ranks_per_node
-        a2a = 0.0 if attention == "ring" else self.comm_per_token(a2a_inter, "ulysses") * a2a_tok
-        lat_s = lat * msgs * (d / p)
-        # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
-        # all-to-alls sit between attention and the layers around it and never do
-        hidden = ring + (lat_s if attention == "ring" else 0.0)
-        exposed = a2a + (0.0 if attention == "ring" else lat_s)
-        if self.comm_overlap:
-            hidden = np.maximum(hidden - A / p, 0.0)
-        return (A + B) / p + self.b1 * (d / p) + exposed + hidden
-
-    def traffic(self, S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
-                ) -> tuple[Any, Any, Any, Any]:
-        """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
-        and at the all-to-all's per-token Q/K/V/O size, and how many messages in sequence:
-
-        ring:           S (d-1)/d ring tokens,              d-1 messages
-        ulysses:        (S/d) (d-1)/d all-to-all tokens,    d-1 messages
-        hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
-                        tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
-                        keeps 1/u of the heads), (u-1) + (r-1) messages.
-        The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
-        per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
-        the family "hybrid" takes u from `ulysses` and r = d / u per group."""
-        S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
-        if attention == "ring":
-            return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
-        if attention == "ulysses":
-            return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
-        if attention == "hybrid":
-            if ulysses is None or int(ulysses) < 1 or np.any(d % int(ulysses)):
-                raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
-            u = float(ulysses)
-        else:
-            degrees = np.unique(d).astype(int).tolist()
-            if len(degrees) != 1:
-                raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
-            u = float(attention_split(attention, degrees[0])[0])
-        r = d / u
-        return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.full(np.shape(d), u)
-
-    def makespans(self, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
-                  ) -> np.ndarray:
-        """Makespan of each micro-batch whose groups (times T_g, degrees d_g) run at the same time.
-
-        Groups of a micro-batch run side by side, so the makespan is max_g T_g. With
-        `compute_lanes` (p shared cores: fake CPU devices) they also share those p cores, so it is
-            max( max_g T_g ,  sum_g T_g min(d_g, p) / p )
-        where the second term spreads every group's core-seconds over the p lanes: a machine-wide
-        cap for shared-core hosts only. Without lanes (accelerators) only the max is taken, exactly
-        as before. `micro_batch[g]` says which micro-batch group g belongs to (default: all in 0).
-        """
-        t = np.asarray(times, dtype=np.float64).reshape(-1)
-        mb = np.zeros(t.size, dtype=np.int64) if micro_batch is None else np.asarray(micro_batch, np.int64)
-        out = np.zeros(int(num_micro_batches))
-        np.maximum.at(out, mb, t)
-        if self.compute_lanes is not None:
-            lanes = float(self.compute_lanes)
-            share = t * self.compute_divisor(np.asarray(degrees).reshape(-1)) / lanes
-            out = np.maximum(out, np.bincount(mb, share, minlength=int(num_micro_batches)))
-        return out
-
-    def makespan(self, times: Any, degrees: Any) -> float:
-        """`makespans` of one micro-batch: max_g T_g, capped below by the shared lanes' load."""
-        t = np.asarray(times, dtype=np.float64).reshape(-1)
-        if t.size == 0:
-            return 0.0
-        if self.compute_lanes is None:
-            return float(t.max())
-        return float(self.makespans(t, degrees)[0])
-
-    def compute_divisor(self, degree: Any) -> np.ndarray:
-        """p = min(d, compute_lanes): how many ways a group's compute is really split."""
-        d = np.asarray(degree, dtype=np.float64)
-        return d if self.compute_lanes is None else np.minimum(d, float(self.compute_lanes))
-
-    def padded_length(self, tokens: Any, degree: Any) -> np.ndarray:
-        """The executor's padded stream length for `tokens` on `degree` ranks (the one bucket rule,
-        `dhp_jax.data.layout.bucket_lengths`, with this model's ladder); `tokens` when unpadded."""
-        return bucket_lengths(tokens, degree, self.bucket_min, self.bucket_growth, self.max_tokens_per_rank,
-                              self.bucket_menu) if self.bucket_min else np.asarray(tokens, dtype=np.float64)
-
-    def time(self, lengths: Sequence[int] | np.ndarray, degree: int, etas: Sequence[float] | None = None,
-             inter_node: bool | None = None, attention: str = "ring") -> float:
-        """Seconds of fwd+bwd for one group of `degree` ranks holding these sequences."""
-        _check_degree(degree)
-        attn, lin, tok = self.terms(lengths, etas)
-        return float(self.group_times(attn.sum(), lin.sum(), tok.sum(), degree, inter_node, attention))
-
-    def memory(self, lengths: Sequence[int] | np.ndarray, degree: int) -> float:
-        """Activation bytes per rank of a group of `degree` ranks holding these sequences (the
-        padded stream: `padded_length`)."""
-        _check_degree(degree)
-        return float(self.padded_length(_as_lengths(lengths).sum(), degree) * self.mem_per_token / degree)
-
-    def min_degree(self, lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-        """Least degree at which each single sequence fits the memory budget (int64[K])."""
-        L = _as_lengths(lengths)
-        return np.maximum(1, np.ceil(L * self.mem_per_token / self.memory_budget - 1e-12)).astype(np.int64)
-
-    @property
-    def max_tokens_per_rank(self) -> float:
-        return self.memory_budget / self.mem_per_token
-
-    def allreduce_time(self, num_ranks: int) -> float:
-        """Gradient all-reduce over all ranks: ring inside each node, then ring across nodes."""
-        _check_degree(num_ranks, "num_ranks")
-        r = min(num_ranks, self.ranks_per_node)
-        n = math.ceil(num_ranks / self.ranks_per_node)
-        g = self.grad_bytes
-        # bandwidth term only: gradients go in large buckets, so message latency is negligible
-        t = 2.0 * (r - 1) / r * g / self.bw_intra
-        if n > 1:
-            t += 2.0 * (n - 1) / n * (g / r) / self.bw_inter
-        return float(t)
 
     def ulysses_ok(self, degree: int) -> bool:
         """All-to-all attention needs the head count divisible by the degree."""
@@ -620,7 +398,7 @@ def _encoder_flops(m: "presets.ModelShape") -> float:
 
 def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any) -> tuple[float, float]:
     """(mem_per_token, fixed_bytes) of model shape `m` when the blocks run their token-local work in
-    chunks of `chunk` tokens (0: one pass over the stream; `planner.memory._block`). The loss chunk's
+    chunks of `chunk` tokens (0: one pass over the stream; `planner.cost.memory._block`). The loss chunk's
     logits and the tiled ring's constant tile workspace (presets.py documents it; its per-token state
     is part of activation_bytes_per_token) are live in different phases (the loss before the blocks'
     backward pass, the tiles inside one block's), so the larger of the two counts, the latter with
@@ -647,6 +425,3 @@ def _budget(usable: float, params: float, el: int, backward: float, assemble: fl
         budget = min(budget, usable - last)
     return (1.0 if budget <= 0 and not require_fit else budget), static
 
-
-def _check_degree(degree: Any, name: str = "degree") -> None:
-    positive_int(degree, name)

@@ -10,6 +10,7 @@ with no token figures.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
@@ -31,7 +32,7 @@ class Group:
     """One CP group: `degree` ranks running `samples` (indices into the global batch) together,
     with attention of kind `attention` ("ring", "ulysses" or "hybrid:<u>x<r>"). `tokens` is the
     group's real stream length and `padded_tokens` the length the executor runs after bucket
-    padding (`dhp_jax.data.layout.bucket_length`); 0 where unknown (v1 plans, hand-built groups)."""
+    padding (`dhp_jax.geometry.layout.bucket_length`); 0 where unknown (v1 plans, hand-built groups)."""
 
     ranks: tuple[int, ...]
     degree: int
@@ -70,6 +71,11 @@ def attention_split(kind: str, degree: int) -> tuple[int, int]:
                 raise PlanValidationError(f"attention {kind!r}: {u} x {r} != degree {degree}")
             return int(u), int(r)
     raise PlanValidationError(f"attention kind {kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
+
+
+def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
+    """Whether a group on these ranks spans nodes of `ranks_per_node` (its links are inter-node)."""
+    return len({r // ranks_per_node for r in ranks}) > 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,8 +131,6 @@ class Plan:
     def digest(self) -> str:
         """Short hash of `decisions()`: equal on every process that derived the same plan, down to
         the programs it runs (two processes whose bucket rules differ get different digests)."""
-        import hashlib
-
         return hashlib.sha256(json.dumps(self.decisions(), sort_keys=True).encode()).hexdigest()[:16]
 
     # ------------------------------------------------------------------ JSON
@@ -230,11 +234,15 @@ class Plan:
         return self
 
     def _check_memory(self, cost: Any, lengths: Sequence[int], etas: Sequence[float] | None) -> None:
+        # lazy: memory accounting imports the geometry, whose menu check imports kinds, which imports
+        # this module (the contract stays importable on its own)
+        from dhp_jax.planner.cost.memory import group_activation_bytes
+
         budget = float(cost.memory_budget)
         for m, mb in enumerate(self.micro_batches):
             for gi, g in enumerate(mb.groups):
                 ls = [int(lengths[s]) for s in g.samples]
-                need = float(cost.memory(ls, g.degree))
+                need = float(group_activation_bytes(cost, ls, g.degree))
                 if need > budget * (1 + 1e-9):
                     raise PlanValidationError(
                         f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "

@@ -1,6 +1,6 @@
 """Which attention kinds a CP group may run, and the head split of a Ulysses all-to-all.
 
-A group of degree d runs one of (the `Group.attention` field of `dhp_jax.planner.plan`)
+A group of degree d runs one of (the `Group.attention` field of `dhp_jax.planner.contract.plan`)
 - "ring": K/V blocks travel around all d ranks (any d);
 - "ulysses": an all-to-all turns the sequence shard into a head shard over all d ranks
   (needs the query-head count divisible by d);
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from dhp_jax.planner.plan import attention_split
+from dhp_jax.planner.contract.plan import attention_split
 
 RING = "ring"
 ULYSSES = "ulysses"

@@ -9,9 +9,11 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.microbatch import sort_orders
-from dhp_jax.planner.plan import PlanningError
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import sample_terms
+from dhp_jax.planner.solvers.microbatch import sort_orders
 
 
 class Problem:
@@ -19,10 +21,10 @@ class Problem:
 
     def __init__(self, lengths: np.ndarray, etas: np.ndarray, num_ranks: int, cost: CostModel):
         self.lengths, self.etas, self.num_ranks, self.cost = lengths, etas, num_ranks, cost
-        self.attn, self.lin, self.tok = cost.terms(lengths, etas)
+        self.attn, self.lin, self.tok = sample_terms(cost, lengths, etas)
         self.work = self.attn + self.lin
-        self.dmin = cost.min_degree(lengths)
-        self.cap = cost.max_tokens_per_rank
+        self.dmin = min_degree(cost, lengths)
+        self.cap = max_tokens_per_rank(cost)
         self._orders: tuple[np.ndarray, np.ndarray] | None = None
 
     def orders(self) -> tuple[np.ndarray, np.ndarray]:

@@ -9,7 +9,7 @@ coefficients:
     exposed: t = (a2 L1 + av V1) / d + b1 + c R + c_a2a X + lat m        (c, lat per link class)
 
 with A0 = sum (1+eta) L^2, L1 = sum L, V1 = sum sqrt(eta) L, and R, X, m the ring tokens,
-all-to-all tokens and messages of `CostModel.traffic` for the point's attention kind (ring:
+all-to-all tokens and messages of `pricing.traffic` for the point's attention kind (ring:
 R = S (d-1)/d, X = 0, m = d-1; all-to-all traffic never hides; m' = m except on a pure ring, whose
 hand-overs hide with its traffic). c_a2a is the intra-node all-to-all's seconds per token; it is
 fitted when some points are Ulysses or hybrid groups. The structural terms of
@@ -34,8 +34,10 @@ import numpy as np
 from scipy.optimize import least_squares, nnls
 
 from dhp_jax.checks import positive_int
-from dhp_jax.data.layout import linear_tokens
-from dhp_jax.planner.cost import CostModel
+from dhp_jax.geometry.layout import linear_tokens
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import comm_per_token, compute_divisor, traffic
 
 _NAMES = ("a1", "a2", "a2_vision", "b1", "c_intra", "c_inter", "lat_intra", "lat_inter", "c_a2a")
 _MAX_ROUNDS = 50
@@ -64,7 +66,7 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
         inter = m.get("inter_node")
         inter = bool(d > base.ranks_per_node) if inter is None else bool(inter)
         if base.bucket_min:
-            P = float(base.padded_length(L.sum(), d))
+            P = float(padded_length(base, L.sum(), d))
             A0 = P * P if base.padded_attention else float(((1 + e) * L * L).sum())
             L1 = P
             W = d * linear_tokens(float(L.sum()), P, d, base.linear_chunk)   # what the linear layers compute
@@ -73,13 +75,13 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
             W = L1
         kind = m.get("attention", "ring")
         try:
-            R, X, msgs, _ = (float(np.asarray(x)) for x in base.traffic(L1, d, kind))
+            R, X, msgs, _ = (float(np.asarray(x)) for x in traffic(L1, d, kind))
         except ValueError as err:
             raise ValueError(f"measurement {i}: {err}") from None
         rows.append((A0, W, float((np.sqrt(e) * L).sum()), int(d), inter, t, R, X, msgs, kind == "ring"))
     A0, L1, V1, d, inter, t, R, X, msgs, ring = (np.array(c) for c in zip(*rows))
     d = d.astype(np.float64)
-    return A0, L1, V1, d, inter.astype(bool), t, base.compute_divisor(d), _Traffic(R, X, msgs, ring.astype(bool))
+    return A0, L1, V1, d, inter.astype(bool), t, compute_divisor(base, d), _Traffic(R, X, msgs, ring.astype(bool))
 
 
 class _Traffic:
@@ -144,7 +146,7 @@ def fit_cost_model(measurements: Sequence[Mapping[str, Any]], base: CostModel) -
     overlap = bool(base.comm_overlap)
     p0 = np.array([base.a1, base.a2, base.a2_vision, base.b1, base.kv_bytes_per_token / base.bw_intra,
                    base.kv_bytes_per_token / base.bw_inter, base.lat_intra, base.lat_inter,
-                   float(base.comm_per_token(False, "ulysses"))])
+                   float(comm_per_token(base, False, "ulysses"))])
     full = _design(A0, L1, V1, d, inter, np.ones(len(d), bool), lanes, overlap, tr) + _design(A0, L1, V1, d, inter, np.zeros(len(d), bool), lanes, overlap, tr)
     informed = np.any(full != 0, axis=0)
     starts = []

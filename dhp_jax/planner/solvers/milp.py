@@ -8,10 +8,10 @@ of every slot. Given its degree a slot's time is linear in x:
     e_g >= sum_k x_kg (c_d S_k (d-1)/d - A_k / d) + lat_d (d-1),   e_g >= 0
 Sequence k may only use slots g <= k and used slots come first (symmetry breaking).
 
-What it leaves out of `CostModel.group_times`, so its makespan can differ from the plan's estimate:
+What it leaves out of `pricing.group_times`, so its makespan can differ from the plan's estimate:
 - the link class: a slot is priced inter-node exactly when d > ranks_per_node (placement comes after);
 - the shared-lanes scaling of `compute_lanes` (compute, b1 and latency over min(d, lanes) cores, and the
-  machine-wide cap of `CostModel.makespans`);
+  machine-wide cap of `pricing.makespans`);
 - padding to the executor's buckets (`bucket_min`);
 - `comm_overlap=False`: the -A_k/d overlap term is always there.
 The plan is priced exactly afterwards by `build_plan`. Its only limit is wall-clock (`time_limit_s`);
@@ -26,11 +26,12 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from dhp_jax.planner import microbatch
-from dhp_jax.planner.allocate import allowed_degrees
-from dhp_jax.planner.pricing import attention_for
-from dhp_jax.planner.placement import place
-from dhp_jax.planner.plan import PlanningError
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.pricing import attention_for, comm_per_token, group_times, sent_tokens
+from dhp_jax.planner.solvers import microbatch
+from dhp_jax.planner.solvers.allocate import allowed_degrees
+from dhp_jax.planner.solvers.placement import place
 
 MAX_MILP_SEQUENCES = 64  # per micro-batch; beyond this "milp" refuses (it is a reference solver)
 MAX_MILP_RANKS = 64
@@ -44,13 +45,13 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     K = len(A)
     order = np.lexsort((np.arange(K), -(A + B)))  # heaviest first, for the symmetry breaking
     A, B, S = A[order], B[order], S[order]
-    dmin = cost.min_degree(S)
+    dmin = min_degree(cost, S)
     G = min(K, num_ranks)
     D = len(ds)
     ny, nx = G * D, K * G
     ie, iT = ny + nx, ny + nx + G
     nvar = iT + 1
-    cap = cost.max_tokens_per_rank
+    cap = max_tokens_per_rank(cost)
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
 
@@ -80,9 +81,9 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     for j, d in enumerate(ds.tolist()):
         inter = d > cost.ranks_per_node
         kind = attention_for(d, cost, attention)
-        c = float(cost.comm_per_token(inter, kind))
+        c = float(comm_per_token(cost, inter, kind))
         lat = (cost.lat_inter if inter else cost.lat_intra) * (d - 1)
-        coef = c * cost.sent_tokens(S, d, kind) - (A / d if kind == "ring" else 0.0)
+        coef = c * sent_tokens(S, d, kind) - (A / d if kind == "ring" else 0.0)
         m2 = float(np.maximum(coef, 0).sum()) + lat
         excess_max = max(excess_max, m2)
         ex_rows.append((j, d, coef, lat, m2))
@@ -110,7 +111,7 @@ def _milp_microbatch(A: np.ndarray, B: np.ndarray, S: np.ndarray, num_ranks: int
     ub[iT] = np.inf
     # valid lower bounds on T tighten the weak big-M relaxation: sum_g d_g (T - b1) >= total work
     # on at most N ranks, and no sequence runs faster than alone at its best allowed degree
-    alone = max(float(np.min(cost.group_times(A[k], B[k], S[k], ds[ds >= dmin[k]],
+    alone = max(float(np.min(group_times(cost, A[k], B[k], S[k], ds[ds >= dmin[k]],
                                               attention="ring" if attention == "ring" else "ulysses")))
                 for k in range(K)) if attention != "auto" else 0.0
     lb[iT] = max(float((A + B).sum()) / num_ranks + cost.b1, alone)

@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
-from dhp_jax.planner.build import build_plan
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.plan import PlanningError
-from dhp_jax.planner.pricing import step_time
+from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import step_time
+from dhp_jax.planner.solvers.build import build_plan
 
 
 def static_groups(lengths: np.ndarray, num_ranks: int, cost: CostModel, degree: int, attention: str
@@ -27,7 +28,7 @@ def static_groups(lengths: np.ndarray, num_ranks: int, cost: CostModel, degree: 
         raise PlanningError(f"static-ulysses:{degree}: the head count {cost.num_heads} is not divisible by {degree}")
     if degree < 1 or degree > num_ranks:
         raise PlanningError(f"static degree {degree} must be in 1..{num_ranks}")
-    cap = degree * cost.max_tokens_per_rank
+    cap = degree * max_tokens_per_rank(cost)
     too_long = np.flatnonzero(lengths > cap)
     if too_long.size:
         k = int(too_long[0])

@@ -13,9 +13,10 @@ import heapq
 
 import numpy as np
 
-from dhp_jax.planner.allocate import scalar_time
-from dhp_jax.planner.cost import CostModel
-from dhp_jax.planner.packing import bin_sums
+from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.model import CostModel
+from dhp_jax.planner.cost.pricing import bin_sums
+from dhp_jax.planner.solvers.allocate import scalar_time
 
 _CANDIDATES = 4  # receiving groups tried per move: the fastest few
 _ITEMS = 8  # sequences of the bottleneck group tried per move
@@ -33,7 +34,7 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
     A, B, S = (x.tolist() for x in bin_sums(groups, attn, lin, tok))
     work = (attn + lin).tolist()
     attn, lin, tok = attn.tolist(), lin.tolist(), tok.tolist()
-    cap = [d * cost.max_tokens_per_rank for d in deg]
+    cap = [d * max_tokens_per_rank(cost) for d in deg]
     T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
     # lazy heaps keyed by (time, index); an entry is stale when its time no longer matches
     slow = [(-T[i], i) for i in range(P)]

@@ -1,0 +1,336 @@
+"""Pricing: the time of a group, of every group of a plan, each micro-batch's makespan and the step time.
+
+The group time model (`group_times`, its traffic counts `traffic` and per-token seconds
+`comm_per_token`; the formula is in `dhp_jax.planner.cost.model`'s docstring) and the one place a plan
+is priced under a `CostModel`: `build_plan` fills a plan's estimates with it,
+the strategy comparison and the simulator (`dhp_jax.sim.step_time`, `sim.evaluate`) time plans
+with it. A group is priced under its own attention kind (`Group.attention`), with inter-node links
+when its ranks span nodes of `ranks_per_node`. A step is the sum of the micro-batch makespans (the
+cost model says how concurrent groups combine, shared CPU lanes included) plus one gradient
+all-reduce.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.checks import etas_array, lengths_array, positive_int
+from dhp_jax.geometry.layout import linear_tokens
+from dhp_jax.planner.contract.kinds import attention_kinds
+from dhp_jax.planner.contract.plan import attention_split, spans_nodes
+from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.model import CostModel
+
+__all__ = ["allreduce_time", "attention_for", "best_kinds", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
+           "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
+           "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic"]
+
+
+
+def bin_sums(bins: list[list[int]], *values: np.ndarray) -> list[np.ndarray]:
+    """Per-bin sums of each array in `values` (one bincount per array, not one sum per bin)."""
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter(itertools.chain.from_iterable(bins), dtype=np.int64, count=int(sizes.sum()))
+    gid = np.repeat(np.arange(len(bins)), sizes)
+    return [np.bincount(gid, v[flat], minlength=len(bins)) for v in values]
+
+
+def sample_terms(cost: CostModel, lengths: Sequence[int] | np.ndarray,
+                 etas: Sequence[float] | np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-sequence (attention work, linear work, tokens) on one rank: float64[K] each."""
+    L = lengths_array(lengths)
+    e = etas_array(etas, L.size)
+    attn = cost.a1 * (1.0 + e) * L * L
+    lin = (cost.a2 + cost.a2_vision * np.sqrt(e)) * L
+    return attn, lin, L
+
+
+def comm_per_token(cost: CostModel, inter_node: bool | np.ndarray, attention: str = "ring") -> np.ndarray | float:
+    """Seconds per token one rank puts on the wire (K/V for "ring", Q/K/V/O for "ulysses")."""
+    if attention == "ring":
+        return cost.kv_bytes_per_token / np.where(inter_node, cost.bw_inter, cost.bw_intra)
+    a2a_bw = cost.a2a_bw_intra if cost.a2a_bw_intra > 0 else cost.bw_intra
+    return cost.a2a_bytes_per_token / np.where(inter_node, cost.bw_inter, a2a_bw)
+
+
+def sent_tokens(tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray:
+    """Tokens' worth of traffic one rank sends for a stream of `tokens` on `degree` ranks (see
+    `dhp_jax.planner.cost.model`'s docstring): S (d-1)/d for the ring, (S/d) (d-1)/d for Ulysses
+    (`traffic` counts them)."""
+    if attention not in ("ring", "ulysses"):
+        raise ValueError(f"unknown attention kind {attention!r}; known: 'ring', 'ulysses'")
+    ring_tok, a2a_tok, _, _ = traffic(tokens, degree, attention)
+    return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
+
+
+def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
+            ) -> tuple[Any, Any, Any, Any]:
+    """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
+    and at the all-to-all's per-token Q/K/V/O size, and how many messages in sequence:
+
+    ring:           S (d-1)/d ring tokens,              d-1 messages
+    ulysses:        (S/d) (d-1)/d all-to-all tokens,    d-1 messages
+    hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
+                    tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
+                    keeps 1/u of the heads), (u-1) + (r-1) messages.
+    The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
+    per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
+    the family "hybrid" takes u from `ulysses` and r = d / u per group."""
+    S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
+    if attention == "ring":
+        return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
+    if attention == "ulysses":
+        return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
+    if attention == "hybrid":
+        if ulysses is None or int(ulysses) < 1 or np.any(d % int(ulysses)):
+            raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
+        u = float(ulysses)
+    else:
+        degrees = np.unique(d).astype(int).tolist()
+        if len(degrees) != 1:
+            raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
+        u = float(attention_split(attention, degrees[0])[0])
+    r = d / u
+    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.full(np.shape(d), u)
+
+
+def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
+    """p = min(d, compute_lanes): how many ways a group's compute is really split."""
+    d = np.asarray(degree, dtype=np.float64)
+    return d if cost.compute_lanes is None else np.minimum(d, float(cost.compute_lanes))
+
+
+def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
+                attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
+    """Vectorised T (`dhp_jax.planner.cost.model`'s docstring) for groups with summed terms A, B, S at
+    `degree` (all broadcast together).
+
+    `attention` is a group's kind; the family "hybrid" with `ulysses` = u prices Ulysses over u
+    ranks times a ring over degree/u for groups of varying degree (e.g. every degree at once)."""
+    A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
+    d = np.asarray(degree, dtype=np.float64)
+    inter = d > cost.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
+    lat = np.where(inter, cost.lat_inter, cost.lat_intra)
+    if cost.bucket_min:
+        P = padded_length(cost, S, d)
+        if cost.padded_attention:
+            A = cost.a1 * P * P       # dense blocks: every pair of the padded stream
+        # the pad tokens the linear layers compute: all of them (linear_chunk 0), or the busiest
+        # rank's real tokens rounded up to whole chunks
+        B = B + cost.a2 * (d * linear_tokens(S, P, d, cost.linear_chunk) - S)
+        S = P                         # and around the ring
+    p = compute_divisor(cost, d)
+    ring_tok, a2a_tok, msgs, u = traffic(S, d, attention, ulysses)
+    ring = 0.0 if attention == "ulysses" else comm_per_token(cost, inter, "ring") * ring_tok
+    # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
+    a2a_inter = inter if attention in ("ring", "ulysses") else u > cost.ranks_per_node
+    a2a = 0.0 if attention == "ring" else comm_per_token(cost, a2a_inter, "ulysses") * a2a_tok
+    lat_s = lat * msgs * (d / p)
+    # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
+    # all-to-alls sit between attention and the layers around it and never do
+    hidden = ring + (lat_s if attention == "ring" else 0.0)
+    exposed = a2a + (0.0 if attention == "ring" else lat_s)
+    if cost.comm_overlap:
+        hidden = np.maximum(hidden - A / p, 0.0)
+    return (A + B) / p + cost.b1 * (d / p) + exposed + hidden
+
+
+def group_time(cost: CostModel, lengths: Sequence[int] | np.ndarray, degree: int,
+               etas: Sequence[float] | None = None, inter_node: bool | None = None, attention: str = "ring") -> float:
+    """Seconds of fwd+bwd for one group of `degree` ranks holding these sequences."""
+    positive_int(degree, "degree")
+    attn, lin, tok = sample_terms(cost, lengths, etas)
+    return float(group_times(cost, attn.sum(), lin.sum(), tok.sum(), degree, inter_node, attention))
+
+
+def makespans(cost: CostModel, times: Any, degrees: Any, micro_batch: Any = None, num_micro_batches: int = 1
+              ) -> np.ndarray:
+    """Makespan of each micro-batch whose groups (times T_g, degrees d_g) run at the same time.
+
+    Groups of a micro-batch run side by side, so the makespan is max_g T_g. With
+    `compute_lanes` (p shared cores: fake CPU devices) they also share those p cores, so it is
+        max( max_g T_g ,  sum_g T_g min(d_g, p) / p )
+    where the second term spreads every group's core-seconds over the p lanes: a machine-wide
+    cap for shared-core hosts only. Without lanes (accelerators) only the max is taken.
+    `micro_batch[g]` says which micro-batch group g belongs to (default: all in 0).
+    """
+    t = np.asarray(times, dtype=np.float64).reshape(-1)
+    mb = np.zeros(t.size, dtype=np.int64) if micro_batch is None else np.asarray(micro_batch, np.int64)
+    out = np.zeros(int(num_micro_batches))
+    np.maximum.at(out, mb, t)
+    if cost.compute_lanes is not None:
+        lanes = float(cost.compute_lanes)
+        share = t * compute_divisor(cost, np.asarray(degrees).reshape(-1)) / lanes
+        out = np.maximum(out, np.bincount(mb, share, minlength=int(num_micro_batches)))
+    return out
+
+
+def makespan(cost: CostModel, times: Any, degrees: Any) -> float:
+    """`makespans` of one micro-batch: max_g T_g, capped below by the shared lanes' load."""
+    t = np.asarray(times, dtype=np.float64).reshape(-1)
+    if t.size == 0:
+        return 0.0
+    if cost.compute_lanes is None:
+        return float(t.max())
+    return float(makespans(cost, t, degrees)[0])
+
+
+def allreduce_time(cost: CostModel, num_ranks: int) -> float:
+    """Gradient all-reduce over all ranks: ring inside each node, then ring across nodes."""
+    positive_int(num_ranks, "num_ranks")
+    r = min(num_ranks, cost.ranks_per_node)
+    n = math.ceil(num_ranks / cost.ranks_per_node)
+    g = cost.grad_bytes
+    # bandwidth term only: gradients go in large buckets, so message latency is negligible
+    t = 2.0 * (r - 1) / r * g / cost.bw_intra
+    if n > 1:
+        t += 2.0 * (n - 1) / n * (g / r) / cost.bw_inter
+    return float(t)
+
+
+def attention_for(degree: int, cost: CostModel, attention: str) -> str:
+    """The kind a group of `degree` ranks records for a strategy's mode: "auto" (FlexSP's groups) is
+    all-to-all where the head count allows it, ring otherwise; a single rank has no sequence
+    exchange at all, so a degree-1 group is always "ring" (both kinds price it the same)."""
+    if degree == 1:
+        return "ring"
+    if attention == "auto":
+        return "ulysses" if cost.ulysses_ok(degree) else "ring"
+    return attention
+
+
+def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
+               kinds: Sequence[str]) -> np.ndarray:
+    """`group_times` of each group under its own attention kind (vectorised per kind)."""
+    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
+    kinds = np.asarray(list(kinds), dtype=object)
+    out = np.zeros(d.shape, dtype=np.float64)
+    for kind in dict.fromkeys(kinds.tolist()):
+        m = kinds == kind
+        out[m] = group_times(cost, A[m], B[m], S[m], d[m], inter[m], kind)
+    return out
+
+
+def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
+    """Whether every Ulysses sub-group (u consecutive ranks of the group) sits inside one node."""
+    return all(len({r // ranks_per_node for r in ranks[i:i + ulysses]}) == 1
+               for i in range(0, len(ranks), ulysses))
+
+
+def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
+               terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[str]:
+    """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
+    Ulysses over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and
+    the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node. Ties
+    keep the ring; a free choice never prices a group above its ring time.
+
+    With `cost.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
+    padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
+    inside nodes (else the ring, a program off the menu); only groups off the menu choose."""
+    A, B, S = bin_sums([samples for _, samples in groups], *terms)
+    d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
+    rpn = cost.ranks_per_node
+    inter = np.fromiter((spans_nodes(ranks, rpn) for ranks, _ in groups), dtype=bool, count=len(groups))
+    kinds = ["ring"] * len(groups)
+    times = group_times(cost, A, B, S, d, inter, "ring")
+    free = np.ones(len(groups), dtype=bool)
+    if cost.menu_kinds and len(groups):
+        fixed = {(deg, b): k for deg, b, k in cost.menu_kinds}
+        padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
+        for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
+            kind = fixed.get((deg, int(p)))
+            if kind is None:
+                continue
+            free[i] = False
+            u = attention_split(kind, deg)[0]
+            if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
+                kinds[i] = kind
+    for deg in sorted(set(d.tolist()) - {1}):
+        idx = np.flatnonzero((d == deg) & free)
+        if not idx.size:
+            continue
+        for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
+            u = attention_split(kind, deg)[0]
+            # a group inside one node has node-local sub-groups; only spanning groups need a look
+            ok = idx[[not inter[i] or node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
+            if not ok.size:
+                continue
+            t = group_times(cost, A[ok], B[ok], S[ok], deg, inter[ok], kind)
+            better = t < times[ok]
+            for i in ok[better].tolist():
+                kinds[i] = kind
+            times[ok[better]] = t[better]
+    return kinds
+
+
+def group_kind_times(cost: CostModel, plan: Any, lengths: Sequence[int] | np.ndarray,
+                     etas: Sequence[float] | np.ndarray | None = None) -> list[dict[str, float]]:
+    """Each group of `plan` (plan order): its seconds under every attention kind it can run on its
+    ranks (the kinds `best_kinds` considers: ring, and each Ulysses size whose sub-groups sit inside
+    nodes), {kind: s}."""
+    attn, lin, tok = sample_terms(cost, np.asarray(lengths), etas)
+    groups = list(plan.groups)
+    A, B, S = bin_sums([list(g.samples) for g in groups], attn, lin, tok)
+    rpn = cost.ranks_per_node
+    out = []
+    for i, g in enumerate(groups):
+        inter = spans_nodes(g.ranks, rpn)
+        kinds = [k for k in attention_kinds(g.degree, cost.num_heads, rpn)
+                 if k == "ring" or not inter or node_local(g.ranks, attention_split(k, g.degree)[0], rpn)]
+        out.append({k: float(group_times(cost, A[i], B[i], S[i], g.degree, inter, k)) for k in kinds})
+    return out
+
+
+def price_groups(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
+                 terms: tuple[np.ndarray, np.ndarray, np.ndarray], kinds: Sequence[str], ranks_per_node: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(time, tokens S, degree) of each group given as (ranks, sample ids) with its attention kind,
+    from the per-sample `terms` (attention work, linear work, tokens: `pricing.sample_terms`)."""
+    A, B, S = bin_sums([samples for _, samples in groups], *terms)
+    d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
+    inter = np.fromiter((spans_nodes(ranks, ranks_per_node) for ranks, _ in groups), dtype=bool, count=len(groups))
+    return kind_times(cost, A, B, S, d, inter, kinds), S, d
+
+
+def plan_group_times(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
+                     etas: Sequence[float] | np.ndarray | None = None
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Time of every group of `plan` (vectorised): (seconds, degree, micro-batch index), one entry
+    per group in plan order. Raises ValueError naming the group if it names a missing sample."""
+    lengths = np.asarray(lengths)
+    attn, lin, tok = sample_terms(cost, lengths, etas)
+    groups = [(m, g) for m, mb in enumerate(plan.micro_batches) for g in mb.groups]
+    n = len(groups)
+    if not n:
+        raise ValueError("plan has no groups")
+    sizes = np.fromiter((len(g.samples) for _, g in groups), dtype=np.int64, count=n)
+    idx = np.fromiter((s for _, g in groups for s in g.samples), dtype=np.int64, count=int(sizes.sum()))
+    if idx.size and (idx.min() < 0 or idx.max() >= lengths.size):
+        bad = int(np.flatnonzero((idx < 0) | (idx >= lengths.size))[0])
+        gi = int(np.searchsorted(np.cumsum(sizes), bad, side="right"))
+        m, g = groups[gi]
+        raise ValueError(f"micro-batch {m} group with ranks {list(g.ranks)}: sample {int(idx[bad])} is outside "
+                         f"the batch of {lengths.size} samples")
+    t, _, d = price_groups(cost, [(g.ranks, g.samples) for _, g in groups], (attn, lin, tok),
+                           [g.attention for _, g in groups], plan.ranks_per_node or plan.num_ranks)
+    mb = np.fromiter((m for m, _ in groups), dtype=np.int64, count=n)
+    return t, d, mb
+
+
+def plan_makespans(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
+                   etas: Sequence[float] | np.ndarray | None = None) -> np.ndarray:
+    """Makespan of each micro-batch of `plan` (lanes-aware on shared cores: `pricing.makespans`)."""
+    t, d, mb = plan_group_times(plan, lengths, cost, etas)
+    return makespans(cost, t, d, mb, len(plan.micro_batches))
+
+
+def step_time(plan: Any, lengths: Sequence[int] | np.ndarray, cost: CostModel,
+              etas: Sequence[float] | np.ndarray | None = None) -> float:
+    """Seconds of one training step of `plan`: its micro-batch makespans plus the gradient
+    all-reduce over all ranks (groups of a micro-batch run concurrently; with
+    `cost.compute_lanes` they also share those cores)."""
+    return float(plan_makespans(plan, lengths, cost, etas).sum() + allreduce_time(cost, plan.num_ranks))

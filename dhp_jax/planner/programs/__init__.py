@@ -1,0 +1,2 @@
+"""Compiled programs the planner plans for: the cache of issued programs (`cache.ProgramCache`) and
+the fitted menu of buckets (`menu.BucketMenu`)."""
