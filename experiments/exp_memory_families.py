@@ -46,9 +46,9 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     del seed                                                        # nothing random: compiled sizes
     from dhp_jax.sharding.family_memory import BASE, load_model_config
 
-    rows_file = Path(p.get("rows_file") or ROWS_FILE)
+    rows_file = Path(p["rows_file"] or ROWS_FILE)
     rows_file.parent.mkdir(parents=True, exist_ok=True)
-    if p.get("fresh") and rows_file.exists():          # measure everything again (the tiny variant)
+    if p["fresh"] and rows_file.exists():          # measure everything again (the tiny variant)
         rows_file.unlink()
     depth = list(BASE)
     checks = [tuple(c) for c in p["layer_checks"]]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dhp_jax.data.sample import Sample
+from dhp_jax.geometry.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import pack_family_group
 from dhp_jax.planner.contract.kinds import check_attention

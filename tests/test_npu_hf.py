@@ -30,13 +30,12 @@ from npu_backend.launch import run_world
 def _families():
     """family -> (model class, config, batch of 3 samples: the most vision first, text last, vision ids)."""
     import test_hf_engine_internvl as iv
-    import test_hf_engine_qwen2_5_vl as q25
     import test_hf_engine_qwen3_vl as q3
     import test_hf_qwen2_5_vl
     import test_hf_qwen3_vl
-    return {"qwen2_5_vl": (transformers.Qwen2_5_VLForConditionalGeneration, q25.qwen2_5_vl_config,
+    return {"qwen2_5_vl": (transformers.Qwen2_5_VLForConditionalGeneration, lambda: hc.qwen2_5_vl_config(depth=2),
                            lambda g: [test_hf_qwen2_5_vl.video_inputs(g), ec.qwen_image(g, 4, 8, 5, 2),
-                                      hc.qwen_text_inputs()], (q25.IMAGE, q25.VIDEO)),
+                                      hc.qwen_text_inputs()], (hc.QWEN_IMAGE, hc.QWEN_VIDEO)),
             "qwen3_vl": (transformers.Qwen3VLForConditionalGeneration, q3.config,
                          lambda g: [test_hf_qwen3_vl.video_inputs(g), ec.qwen_image(g, 8, 4, 1, 6),
                                     hc.qwen_text_inputs()], (q3.IMAGE, q3.VIDEO)),
