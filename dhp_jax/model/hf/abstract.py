@@ -14,28 +14,8 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dhp_jax.model.hf.checkpoint import tree_from_weights
-
-
-class _Shape:
-    """A weight's shape standing in for the weight in `tree_from_weights` (reshape and .T only)."""
-
-    def __init__(self, shape: Any) -> None:
-        self.shape = tuple(int(s) for s in shape)
-        self.ndim = len(self.shape)
-
-    def reshape(self, *shape: Any) -> "_Shape":
-        dims = list(shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
-        if -1 in dims:
-            i = dims.index(-1)
-            dims[i] = int(np.prod(self.shape)) // int(np.prod([d for d in dims if d != -1]))
-        return _Shape(dims)
-
-    @property
-    def T(self) -> "_Shape":  # noqa: N802 (numpy's name)
-        return _Shape(self.shape[::-1])
+from dhp_jax.model.hf.checkpoint import leaf_shape, tree_from_weights
 
 
 def abstract_params(config: Any, dtype: Any = jnp.float32) -> dict:
@@ -43,9 +23,9 @@ def abstract_params(config: Any, dtype: Any = jnp.float32) -> dict:
     from dhp_jax.model.hf.api import LM_HEAD, family_module
     from dhp_jax.model.hf.init import weight_shapes
     renames = family_module(config.family).LEGACY_RENAMES
-    return tree_from_weights(((k, _Shape(s)) for k, (_, s) in weight_shapes(config).items()), renames,
+    return tree_from_weights(((k, s) for k, (_, s) in weight_shapes(config).items()), renames,
                              skip=(LM_HEAD,) if config.tied else (),
-                             convert=lambda a: jax.ShapeDtypeStruct(a.shape, jnp.dtype(dtype)))
+                             leaf=leaf_shape, convert=lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))
 
 
 def with_depth(raw: Mapping[str, Any], layers: int, vision_layers: int) -> dict:

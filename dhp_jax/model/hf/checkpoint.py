@@ -55,6 +55,12 @@ def leaf_from_weight(name: str, w: np.ndarray) -> tuple[list[str], np.ndarray]:
     return path, (w.reshape(w.shape[0], -1).T if transposed else w)
 
 
+def leaf_shape(name: str, shape: tuple[int, ...]) -> tuple[list[str], tuple[int, ...]]:
+    """(tree path, leaf shape) of a checkpoint weight of `shape`: `leaf_from_weight` on shapes alone."""
+    path, transposed = leaf_rule(name, len(shape))
+    return path, ((int(np.prod(shape[1:], dtype=np.int64)), int(shape[0])) if transposed else tuple(shape))
+
+
 def weight_from_leaf(path: list[str], x: Any, conv_shapes: Mapping[str, tuple[int, ...]]) -> tuple[str, Any]:
     """(checkpoint name, array) of one tree leaf: the inverse of `leaf_from_weight`."""
     leaf, module = path[-1], ".".join(path[:-1])
