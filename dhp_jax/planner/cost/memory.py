@@ -128,9 +128,14 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     # Inputs (int32 columns, fp32 pixels + loss weight); each projector / merger (its input, fc1,
     # gelu, fc2), the token embedding, the merged stream and the LM head's input; the logits live
     # one loss chunk at a time (`fixed_bytes`).
-    inputs = 4.0 * (INT_COLUMNS + m.patch_dim + 1)
+    inputs = input_bytes_per_token(m)
     tail = cb * ((1 + deepstack) * (ppt * m.vision_hidden + 2 * mid + m.hidden) + 2 * m.hidden)
     return inputs + kept + work + tail
+
+
+def input_bytes_per_token(m: Any) -> float:
+    """Bytes per local token of a group program's inputs: int32 columns, fp32 pixels and loss weight."""
+    return 4.0 * (INT_COLUMNS + m.patch_dim + 1)
 
 
 def fixed_bytes(m: Any, compute_bytes: int) -> float:

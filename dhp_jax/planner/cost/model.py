@@ -90,7 +90,7 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
-from dhp_jax.planner.cost import memory as engine_memory, presets
+from dhp_jax.planner.cost import memory as engine_memory, presets, tensor as tp
 from dhp_jax.planner.cost.geometry import check_geometry
 
 COST_SCHEMA = "dhp.cost/v1"
@@ -150,6 +150,11 @@ class CostModel:
         piece the row is concatenated from and the embedding's and LM head's accumulators
         (`planner.cost.memory.assemble_bytes`). That phase holds no activations; `memory.group_program_bytes` is
         the larger of the two phases.
+    tensor_parallel: devices per rank (`planner.cost.tensor`; set through `preset(..., tensor_parallel=t)`).
+        With t > 1 every other field is one device's: its compute share, its CP traffic, its
+        parameters (`param_count`: the weights it holds), its state shard (`state_shards` then
+        counts the ranks each tensor-parallel shard's state is spread over: devices / t), and
+        `num_heads` the heads it holds (Ulysses splits those); `ranks_per_node` counts ranks.
     """
 
     a1: float
@@ -188,6 +193,7 @@ class CostModel:
     activation_bytes: int = 0
     backward_bytes: float = 0.0
     assemble_bytes: float = 0.0
+    tensor_parallel: int = 1
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -206,7 +212,7 @@ class CostModel:
         lanes = self.compute_lanes
         if lanes is not None and (isinstance(lanes, bool) or not isinstance(lanes, (int, np.integer)) or lanes < 1):
             raise ValueError(f"CostModel.compute_lanes must be None or a positive integer, got {lanes!r}")
-        for name in ("compute_bytes", "state_shards"):
+        for name in ("compute_bytes", "state_shards", "tensor_parallel"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
                 raise ValueError(f"CostModel.{name} must be a positive integer, got {v!r}")
@@ -222,7 +228,7 @@ class CostModel:
     def preset(cls, model: "str | presets.ModelShape", hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
                state_shards: int | None = None, compute_dtype: str | None = None, remat: str = "layer",
                zero_shards: int | None = None, activation_bytes: int | None = None, require_fit: bool = True,
-               **overrides: Any) -> "CostModel":
+               tensor_parallel: int = 1, **overrides: Any) -> "CostModel":
         """Coefficients derived from FLOPs and bytes of `model` (a preset name or a
         `presets.ModelShape`) on `hardware` (see presets.py) for
         this engine (see memory.py): fp32 master params + Adam state sharded over `state_shards`
@@ -233,6 +239,13 @@ class CostModel:
         a bf16 program compiled by XLA:CPU). A model whose static bytes exceed the usable bytes is an
         error unless `require_fit=False` (the budget is then 1 byte: the memory bench sizes such
         programs). `overrides` replace fields.
+
+        `tensor_parallel` = t > 1: a rank is t devices of one node (`dhp_jax.planner.cost.tensor`):
+        `ranks_per_node` counts ranks (the node's devices / t), `state_shards` counts devices (the
+        state stays sharded over all of them; t must divide it), and every coefficient is one
+        device's: compute and memory / t where tensor parallelism splits them, the sequence-parallel
+        collectives priced at the intra-node bandwidth. A model whose heads or widths t cannot split
+        is refused, naming the model, the field and t. t = 1 is the model without it.
         """
         shape = model if isinstance(model, presets.ModelShape) else None
         key_m, key_h = ("custom" if shape else str(model).lower()), str(hardware).lower()
@@ -248,6 +261,8 @@ class CostModel:
             raise ValueError(f"remat must be one of {engine_memory.REMATS}, got {remat!r}")
         el = engine_memory.COMPUTE_BYTES[dtype]
         ab = int(activation_bytes or el)
+        t = positive_int(tensor_parallel, "tensor_parallel")
+        tp.check_tensor_parallel(m, t, f"model {key_m!r}")
         attn_passes, passes = engine_memory.REMAT_PASSES[remat]
         # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
         # attention touches L^2/2 pairs.
@@ -266,12 +281,32 @@ class CostModel:
         params = float(engine_memory.engine_params(m))
         usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
         chunk = overrides.get("linear_chunk", LINEAR_CHUNK)     # the blocks of the chunk an override names
-        per_token, fixed = _chunk_memory(m, remat, el, ab, chunk)
+        per_token, fixed = _chunk_memory(m, remat, el, ab, chunk, t)
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
+        lanes, tp_note = hw.compute_lanes, ""
+        if t > 1:   # one device's share of a rank of t (dhp_jax.planner.cost.tensor)
+            if shards % t:
+                raise ValueError(f"state_shards {shards} (devices) is not a multiple of tensor_parallel {t}")
+            seq_llm, seq_vision = tp.sequence_parallel_bytes(m, t, el, passes, freeze_vision)
+            bw = tp.collective_bandwidth(hw, t)
+            kv_local = tp.kv_heads_per_device(m, t)
+            a1 = a1 / t
+            a2 = passes * 2.0 * (m.layers * m.llm_layer_params / t + tp.vocab_share(m, t) * m.hidden) \
+                / (hw.peak_flops * hw.mfu_linear) + seq_llm / bw
+            a2_vision = a2_vision / t + seq_vision / bw
+            b1 = b1 + tp.collective_messages(m, t, passes, freeze_vision) * hw.lat_intra
+            kv_bytes = kv_bytes * kv_local / m.kv_heads
+            a2a_bytes = passes * m.layers * (2 * m.heads // t + 2 * kv_local) * m.head_dim * el
+            backward = backward / t
+            params = tp.device_params(m, params, t)
+            assemble = params * el + 2.0 * tp.vocab_share(m, t) * m.hidden * ab
+            shards = shards // t
+            lanes = None if lanes is None else max(1, lanes // t)
+            tp_note = f" at tensor_parallel {t} (per device: {params / 1e9:.2f} B params)"
         budget, static = _budget(usable, params, el, backward, assemble, fixed, shards, require_fit)
         if budget <= 0:
-            raise ValueError(f"{model} does not fit on {hardware} with its state sharded over {shards} ranks "
+            raise ValueError(f"{model} does not fit on {hardware}{tp_note} with its state sharded over {shards} ranks "
                              f"(static bytes {static / 2**30:.1f} GiB of {usable / 2**30:.1f} GiB usable per rank)")
         fields = dict(
             a1=a1, a2=a2, a2_vision=a2_vision, b1=b1, kv_bytes_per_token=float(kv_bytes),
@@ -279,13 +314,13 @@ class CostModel:
             a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
             lat_inter=m.layers * passes * hw.lat_inter,
             mem_per_token=per_token,
-            memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads,
+            memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads // t,
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
-            compute_lanes=hw.compute_lanes, comm_overlap=hw.comm_overlap, param_count=params,
+            compute_lanes=lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
             fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
             bucket_min=MIN_BUCKET, bucket_growth=GROWTH, linear_chunk=chunk,
-            padded_attention=hw.padded_attention)
+            padded_attention=hw.padded_attention, tensor_parallel=t)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
@@ -331,7 +366,8 @@ class CostModel:
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
                                                                                   "compute_lanes", "bucket_min", "linear_chunk",
                                                                                   "compute_bytes",
-                                                                                  "state_shards", "activation_bytes"):
+                                                                                  "state_shards", "activation_bytes",
+                                                                                  "tensor_parallel"):
                 kw[k] = float(v)
         return cls(**kw)
 
@@ -351,7 +387,7 @@ class CostModel:
         """(mem_per_token, fixed_bytes, memory_budget) that `preset` derives for model shape `m` from
         this cost's engine fields and chunk."""
         el, ab = self.compute_bytes, self.activation_bytes or self.compute_bytes
-        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.linear_chunk)
+        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.linear_chunk, self.tensor_parallel)
         budget, _ = _budget(self.usable_bytes, self.param_count, el, self.backward_bytes, self.assemble_bytes,
                             fixed, self.state_shards, require_fit)
         return per_token, fixed, float(budget)
@@ -396,17 +432,24 @@ def _encoder_flops(m: "presets.ModelShape") -> float:
     return m.patches_per_token * per_patch + 2.0 * m.patch_dim * m.vision_hidden
 
 
-def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any) -> tuple[float, float]:
+def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any, t: int = 1
+                  ) -> tuple[float, float]:
     """(mem_per_token, fixed_bytes) of model shape `m` when the blocks run their token-local work in
     chunks of `chunk` tokens (0: one pass over the stream; `planner.cost.memory._block`). The loss chunk's
     logits and the tiled ring's constant tile workspace (presets.py documents it; its per-token state
     is part of activation_bytes_per_token) are live in different phases (the loss before the blocks'
     backward pass, the tiles inside one block's), so the larger of the two counts, the latter with
-    one chunk's working set when the blocks run in chunks."""
+    one chunk's working set when the blocks run in chunks. With tensor parallelism over t devices
+    (`dhp_jax.planner.cost.tensor`) a device holds 1/t of all of it (heads, widths, vocabulary or the
+    sequence-parallel tokens) but the input columns, which every device reads."""
     chunked = isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk > 0
     fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
                 + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
-    return float(engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)), float(fixed)
+    per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
+    if t > 1:
+        inputs = engine_memory.input_bytes_per_token(m)
+        per_token, fixed = inputs + (per_token - inputs) / t, fixed / t
+    return float(per_token), float(fixed)
 
 
 def _budget(usable: float, params: float, el: int, backward: float, assemble: float, fixed: float, shards: int,

@@ -1,0 +1,139 @@
+"""Tensor parallelism inside a rank, as the cost model prices it (Megatron-style, with sequence parallelism).
+
+With `tensor_parallel` = t a *rank* is t devices of one node that hold one model replica between
+them (Megatron-LM, arXiv 1909.08053; sequence parallelism, arXiv 2205.05198). The planner's ranks
+are devices / t and a plan's groups stay in rank units: the Plan contract does not change. Every
+block, in the LLM and in the vision encoder, is split the Megatron way: q/k/v and the MLP's first
+matrices by column (heads and MLP width over the t devices), the output projections by row, the
+norms and residuals sequence-parallel between them (each device holds 1/t of the rank's tokens
+there), the embedding and the LM head vocab-parallel. Per block and pass that is 2 all-gathers and
+2 reduce-scatters of the activations (before / after attention and before / after the MLP), each
+moving (t-1)/t of a [tokens, hidden] tensor in and out of every device.
+
+What this module derives, per device (`CostModel.preset(..., tensor_parallel=t)` applies it; with
+t = 1 nothing here is called and every coefficient is the one without tensor parallelism):
+
+- compute: attention and linear FLOPs divided by t (heads and MLP width split; the vocabulary
+  padded to a multiple of t, as Megatron pads it, so the LM head's share is ceil(vocab / t));
+- the collectives: `sequence_parallel_bytes` per token of the rank's stream (LLM) and per LLM vision
+  token (encoder rows), over `collective_bandwidth`, priced as linear work per token (they run
+  between the GEMMs: no overlap); their per-message latency joins the fixed per-group term b1;
+- the CP traffic of one device: its own kv heads' K/V (`kv_heads_per_device`: kv / t, or one
+  replicated head when kv < t), its heads' Q/O;
+- memory: the weights one device holds (`device_params`: the sharded ones / t, norms, patch
+  embedding and the replicated kv projections in full), so its fp32 state and gradient row too;
+  activations per token / t (the sequence-parallel parts hold 1/t of the tokens, the parallel
+  parts 1/t of the heads or width) except the input columns every device reads.
+
+Validation (`check_tensor_parallel`): every split must be even. A head count that t does not
+divide, kv heads that neither t divides nor divide t (for replication), or an MLP width that t
+does not divide is refused, naming the model, the config field and t.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from dhp_jax.checks import positive_int
+
+__all__ = ["check_node", "check_tensor_parallel", "collective_bandwidth", "collective_messages",
+           "device_params", "kv_heads_per_device", "replicated_params", "sequence_parallel_bytes", "unsplittable",
+           "valid_degrees", "vocab_share"]
+
+
+def unsplittable(m: Any, t: int) -> str | None:
+    """Why tensor parallelism over `t` devices cannot split model shape `m` evenly (None: it can)."""
+    if t == 1:
+        return None
+    fields = [("text_config.num_attention_heads", m.heads), ("text_config.intermediate_size", m.intermediate),
+              ("vision_config heads (num_heads / num_attention_heads)", m.vision_heads),
+              ("vision_config.intermediate_size", m.vision_intermediate)]
+    for field, v in fields:
+        if v % t:
+            return f"tensor_parallel {t} cannot split {field} = {v} evenly (t must divide it)"
+    if m.kv_heads % t and t % m.kv_heads:
+        return (f"tensor_parallel {t} cannot split text_config.num_key_value_heads = {m.kv_heads}: kv heads must be "
+                f"a multiple of t, or divide t (each then replicated)")
+    return None
+
+
+def valid_degrees(m: Any, largest: int = 64) -> list[int]:
+    """The tensor-parallel sizes up to `largest` that model shape `m` allows."""
+    return [t for t in range(1, largest + 1) if unsplittable(m, t) is None]
+
+
+def check_tensor_parallel(m: Any, t: int, name: str = "model") -> None:
+    """A ValueError naming `name`, the first config field of shape `m` that tensor parallelism over
+    `t` devices cannot split evenly, and t."""
+    positive_int(t, "tensor_parallel")
+    why = unsplittable(m, t)
+    if why:
+        raise ValueError(f"{name}: {why}; tensor_parallel values this model allows: {valid_degrees(m)}")
+
+
+def check_node(devices_per_node: int, t: int) -> None:
+    """A rank is t devices of one node: t must divide the node's devices."""
+    positive_int(t, "tensor_parallel")
+    if devices_per_node % t:
+        raise ValueError(f"tensor_parallel {t} does not divide the {devices_per_node} devices of a node "
+                         f"(a rank's t devices sit in one node)")
+
+
+def kv_heads_per_device(m: Any, t: int) -> int:
+    """K/V heads one device holds: kv / t, or one (replicated t / kv times) when kv < t."""
+    return max(1, m.kv_heads // t)
+
+
+def vocab_share(m: Any, t: int) -> int:
+    """Vocabulary rows one device holds: the vocabulary padded to a multiple of t, split t ways."""
+    return -(-m.vocab // t)
+
+
+def replicated_params(m: Any) -> int:
+    """Weights every device of a rank holds in full: the norms (RMSNorm or LayerNorm scale and bias)
+    of every block and the final ones, and the encoder's patch embedding (a convolution on the
+    pixels, before the sequence is split). Position tables and biases are counted as split (they are
+    small either way)."""
+    return int((2 * m.layers + 1) * m.hidden + 4 * m.vision_layers * m.vision_hidden + m.patch_dim * m.vision_hidden)
+
+
+def device_params(m: Any, params: float, t: int) -> float:
+    """Parameters one device of a rank holds: the replicated ones in full, the rest / t, plus the kv
+    projections' replicas when kv heads are fewer than t."""
+    rep = replicated_params(m)
+    extra = m.layers * 2 * m.hidden * m.head_dim * (kv_heads_per_device(m, t) - m.kv_heads / t)
+    return float(rep + (params - rep) / t + extra)
+
+
+def comm_passes(linear_passes: float) -> float:
+    """Passes of the collectives per step: forward and backward, and the forward again when the
+    blocks are recomputed (remat "layer": 4 linear passes); "selective" recomputes only attention,
+    which has no tensor-parallel collective."""
+    return 3.0 if linear_passes >= 4.0 else 2.0
+
+
+def sequence_parallel_bytes(m: Any, t: int, bytes_per_element: int, linear_passes: float, frozen_vision: bool
+                            ) -> tuple[float, float]:
+    """(bytes per token of the rank's stream through the LLM's collectives, bytes per LLM vision token
+    through the encoder's) that one device sends: per block and pass 2 all-gathers + 2 reduce-
+    scatters of [tokens, width], each (t-1)/t of it; the encoder runs `patches_per_token` rows per
+    LLM vision token, forward only when frozen."""
+    share = 4.0 * (t - 1) / t * bytes_per_element
+    p = comm_passes(linear_passes)
+    llm = p * m.layers * share * m.hidden
+    vision = (1.0 if frozen_vision else p) * m.vision_layers * m.patches_per_token * share * m.vision_hidden
+    return llm, vision
+
+
+def collective_messages(m: Any, t: int, linear_passes: float, frozen_vision: bool) -> float:
+    """Messages in sequence of one group step's tensor-parallel collectives (t-1 ring steps each)."""
+    p = comm_passes(linear_passes)
+    return 4.0 * (t - 1) * (p * m.layers + (1.0 if frozen_vision else p) * m.vision_layers)
+
+
+def collective_bandwidth(hw: Any, t: int) -> float:
+    """Bytes/s one device moves through a collective over t devices of its node: its t-1 peers each
+    over a link of their own (`p2p_bw_intra`, a full mesh or a switch), capped by its injection
+    bandwidth (`a2a_bw_intra`)."""
+    return float(min(hw.a2a_bw_intra, (t - 1) * hw.p2p_bw_intra)) if t > 1 else math.inf
