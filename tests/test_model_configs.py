@@ -15,6 +15,10 @@ from dhp_jax.planner.cost import memory, presets
 from dhp_jax.planner.cost.model import _encoder_flops
 
 NAMES = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b")
+# the 32B-class checkpoints of the three families (tensor parallelism's presets), listed by family then size
+LARGE = ("internvl3-38b", "qwen2.5-vl-32b", "qwen3-vl-32b")
+ALL = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "internvl3-38b", "qwen2.5-vl-32b", "qwen3-vl-2b",
+       "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b")
 
 # A Qwen2.5-VL-7B-shaped config (transformers' qwen2_5_vl layout): no stored model uses this family,
 # so its window attention and SwiGLU encoder are checked on this one.
@@ -41,24 +45,26 @@ def _transformers_params(raw: dict) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def test_the_six_models_are_stored_once_and_listed_in_the_papers_order():
-    assert model_configs.model_names() == NAMES
-    assert tuple(presets.MODELS) == NAMES == CostModel.MODELS
-    for name in NAMES:
+def test_the_models_are_stored_once_and_listed_by_family_and_size():
+    assert model_configs.model_names() == ALL
+    assert tuple(presets.MODELS) == ALL == CostModel.MODELS
+    for name in ALL:
         rec = model_configs.model_record(name)
         assert rec["source"] == f"https://huggingface.co/{rec['hub_id']}/blob/main/config.json"
         assert presets.MODELS[name] == presets.ModelShape.from_facts(model_configs.model_facts(name))
         assert MLLMConfig.preset(name) == MLLMConfig.from_hf(rec["config"], name=name)
 
 
-@pytest.mark.parametrize("name", NAMES + ("qwen2.5-vl-7b-shaped",))
+@pytest.mark.parametrize("name", ALL + ("qwen2.5-vl-7b-shaped",))
 def test_parameter_count_is_transformers_own(name):
-    raw = QWEN25_VL if name.startswith("qwen2.5") else model_configs.model_config(name)
+    raw = QWEN25_VL if name == "qwen2.5-vl-7b-shaped" else model_configs.model_config(name)
     facts = model_configs.facts_from_config(raw)
     assert facts.params == _transformers_params(raw)
     if name in NAMES:
         assert memory.engine_params(presets.MODELS[name]) == facts.params == CostModel.preset(
             name, "h100").param_count
+    elif name in LARGE:
+        assert memory.engine_params(presets.MODELS[name]) == facts.params
 
 
 # The checkpoints' sizes as the Hub lists them (billions of parameters, from their safetensors):
@@ -67,9 +73,15 @@ HUB_SIZES_B = {"internvl3-2b": 2.09, "internvl2.5-4b": 3.71, "internvl3-8b": 7.9
                "qwen3-vl-2b": 2.13, "qwen3-vl-4b": 4.44, "qwen3-vl-8b": 8.77}
 
 
+# The 32B-class checkpoints, as their model cards list them (one decimal)
+HUB_SIZES_LARGE_B = {"internvl3-38b": 38.4, "qwen2.5-vl-32b": 33.5, "qwen3-vl-32b": 33.4}
+
+
 def test_parameter_counts_are_the_checkpoints_sizes():
     for name in NAMES:
         assert round(model_configs.model_facts(name).params / 1e9, 2) == HUB_SIZES_B[name], name
+    for name in LARGE:
+        assert round(model_configs.model_facts(name).params / 1e9, 1) == HUB_SIZES_LARGE_B[name], name
     assert [model_configs.model_facts(n).tied for n in NAMES] == [False] * 3 + [True, True, False]
 
 

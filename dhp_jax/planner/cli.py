@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from dhp_jax.planner.cli_args import add_cost_args, cost_from_args
+from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args, tensor_parallel_ranks
 from dhp_jax.planner.cost.pricing import allreduce_time
 
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
@@ -17,6 +17,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="openvid", help="dataset mix name or a .jsonl manifest (default openvid)")
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
     add_cost_args(parser, ranks=64, freeze_vision=True)
+    add_tensor_parallel_arg(parser)
     parser.add_argument("--strategy", default="dhp", help="dhp, static-ring:<d|best>, static-ulysses:<d|best>, flexsp, milp")
     parser.add_argument("--micro-batches", type=int, default=None, help="fix the micro-batch count (default: searched)")
     parser.add_argument("--compare", default=DEFAULT_COMPARE,
@@ -49,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     others = [s for s in dict.fromkeys(s.strip() for s in args.compare.split(",")) if s and s != args.strategy]
     try:
         cost = cost_from_args(args)
+        devices, t = args.ranks, args.tensor_parallel
+        args.ranks, _ = tensor_parallel_ranks(devices, args.ranks_per_node, t)
         # the batch's vision tokens follow the planned model's encoder (InternVL tiles, Qwen-VL patches)
         samples = make_dataset(args.dataset, args.batch, args.seed, vision=family_for_model(args.model))
         lengths, etas = sample_lengths(samples), sample_etas(samples)
@@ -70,10 +73,11 @@ def run(args: argparse.Namespace) -> int:
                              "degree": other.solver.get("degree"), "optimal": other.solver.get("optimal"),
                              "num_micro_batches": len(other.micro_batches),
                              "solve_ms": other.solver["solve_ms"]}
-    config = {"dataset": args.dataset, "batch": args.batch, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node,
+    config = {"dataset": args.dataset, "batch": args.batch, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node // t,
               "model": cost.model, "hardware": cost.hardware, "freeze_vision": cost.freeze_vision,
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
-              "numbers": "simulated with the cost model"}
+              "numbers": "simulated with the cost model",
+              **({"tensor_parallel": t, "devices": devices} if t > 1 else {})}
     if args.plot:
         from dhp_jax.planner.plot import plot_plan  # lazy: matplotlib only with --plot
 
@@ -85,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         return 0
     tokens = int(lengths.sum())
     print(f"{args.strategy} plan: {args.dataset} batch {args.batch} ({tokens:,} tokens, longest {int(lengths.max()):,}), "
-          f"{args.ranks} ranks ({args.ranks_per_node}/node), {cost.model} on {cost.hardware}")
+          f"{args.ranks} ranks ({args.ranks_per_node // t}/node)"
+          + (f" of {t} devices (tensor parallel; {devices} devices)" if t > 1 else "")
+          + f", {cost.model} on {cost.hardware}")
     print(f"solve {plan.solver['solve_ms']:.1f} ms; {len(plan.micro_batches)} micro-batch(es); "
           f"numbers are simulated with the cost model")
     if plan.solver.get("optimal") is False:

@@ -7,6 +7,9 @@ a cost model from a preset name or a profile path.
   `MODEL/HARDWARE`; given, it replaces --model/--hardware. `--cost-profile PATH` is the same flag.
 - `--ranks N`, `--ranks-per-node N`: model replicas, and how many share a node's fast links.
 - `--mllm NAME`: the `MLLMConfig` preset a command executes (tiny), where a command runs a model.
+- `--tensor-parallel T` (`dhp plan`, `dhp simulate`): a rank is T devices of one node
+  (`dhp_jax.planner.cost.tensor`); --ranks and --ranks-per-node then count devices and the planner's
+  ranks are those counts / T (T must divide them). A preset only (a fitted profile is one rank's).
 """
 
 from __future__ import annotations
@@ -49,6 +52,23 @@ def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b
                             help=f"ranks sharing a node's fast links (default {ranks_per_node})")
     if freeze_vision:
         parser.add_argument("--freeze-vision", action="store_true", help="model a frozen vision encoder")
+
+
+def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tensor-parallel", type=positive, default=1, metavar="T",
+                        help="devices per rank, Megatron-style tensor parallelism inside a node (default 1): "
+                             "--ranks and --ranks-per-node then count devices, the planner's ranks are those / T")
+
+
+def tensor_parallel_ranks(devices: int, devices_per_node: int, t: int) -> tuple[int, int]:
+    """(ranks, ranks per node) of `devices` devices, `devices_per_node` a node, in ranks of t devices;
+    a ValueError when t does not divide the node's devices or the device count."""
+    from dhp_jax.planner.cost.tensor import check_node
+
+    check_node(devices_per_node, t)
+    if devices % t:
+        raise ValueError(f"tensor_parallel {t} does not divide the {devices} devices")
+    return devices // t, devices_per_node // t
 
 
 def add_mllm_arg(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
@@ -112,6 +132,15 @@ def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int 
 
 
 def cost_from_args(args: argparse.Namespace, **overrides: Any) -> CostModel:
-    """The cost model that `add_cost_args` describes: --cost when given, else --model on --hardware."""
-    return cost_model(args.cost or args.model, args.hardware, ranks_per_node=getattr(args, "ranks_per_node", None),
+    """The cost model that `add_cost_args` describes: --cost when given, else --model on --hardware;
+    with --tensor-parallel T > 1 the preset of a rank of T devices (--ranks-per-node counts devices)."""
+    rpn, t = getattr(args, "ranks_per_node", None), getattr(args, "tensor_parallel", 1)
+    if t > 1:
+        source = args.cost or args.model
+        if is_profile(source):
+            raise ValueError(f"--tensor-parallel {t} needs a preset: the profile {source!r} prices the ranks it "
+                             f"was measured on")
+        rpn = tensor_parallel_ranks(rpn or t, rpn or t, t)[1]
+        overrides = {**overrides, "tensor_parallel": t}
+    return cost_model(args.cost or args.model, args.hardware, ranks_per_node=rpn,
                       freeze_vision=getattr(args, "freeze_vision", False), **overrides)

@@ -10,13 +10,15 @@ import json
 import sys
 import time
 
-from dhp_jax.planner.cli_args import add_cost_args, cost_from_args, is_profile
+from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args, is_profile, \
+    tensor_parallel_ranks
 
 DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_cost_args(parser, freeze_vision=True)
+    add_tensor_parallel_arg(parser)
     parser.add_argument("--dataset", default="openvid", help="dataset name or manifest path")
     parser.add_argument("--nodes", type=int, default=8, help="nodes in the cluster")
     parser.add_argument("--intra-gbps", type=float, default=None, help="override intra-node GB/s per rank")
@@ -33,9 +35,11 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.sim.simulate import make_batches, simulate
 
     try:
-        cluster = Cluster(nodes=args.nodes, ranks_per_node=args.ranks_per_node, model=args.model,
+        _, node_ranks = tensor_parallel_ranks(args.ranks_per_node, args.ranks_per_node, args.tensor_parallel)
+        cluster = Cluster(nodes=args.nodes, ranks_per_node=node_ranks, model=args.model,
                           hardware=args.hardware, freeze_vision=args.freeze_vision,
-                          intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps)
+                          intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps,
+                          tensor_parallel=args.tensor_parallel)
         cost = cost_from_args(args) if args.cost else cluster.cost_model()
     except (ValueError, OSError) as e:
         print(f"dhp simulate: {e}", file=sys.stderr)

@@ -18,7 +18,12 @@ from dhp_jax.data.vision import family_for_model as vision_family
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """`nodes` x `ranks_per_node` model replicas; ring-hop bandwidths in GB/s per rank
-    (None: the preset's; they set the cost model's `bw_intra` / `bw_inter`)."""
+    (None: the preset's; they set the cost model's `bw_intra` / `bw_inter`).
+
+    `tensor_parallel` = t: each rank is t devices of its node (`dhp_jax.planner.cost.tensor`), so a
+    node has ranks_per_node x t devices and the cluster `devices` = num_ranks x t; the plans stay in
+    rank units. `state_shards`: devices the fp32 state is sharded over (None: the preset's 64).
+    `with_devices` builds one from device counts."""
 
     nodes: int
     ranks_per_node: int = 8
@@ -27,9 +32,11 @@ class Cluster:
     freeze_vision: bool = False
     intra_node_gbps: float | None = None
     inter_node_gbps: float | None = None
+    tensor_parallel: int = 1
+    state_shards: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("nodes", "ranks_per_node"):
+        for name in ("nodes", "ranks_per_node", "tensor_parallel") + (("state_shards",) if self.state_shards else ()):
             v = getattr(self, name)
             positive_int(v, f"Cluster.{name}")
         for name in ("intra_node_gbps", "inter_node_gbps"):
@@ -48,9 +55,24 @@ class Cluster:
             raise ValueError(f"{num_ranks} ranks is not a whole number of {ranks_per_node}-rank nodes")
         return cls(nodes=num_ranks // ranks_per_node, ranks_per_node=ranks_per_node, **kw)
 
+    @classmethod
+    def with_devices(cls, devices: int, devices_per_node: int = 8, tensor_parallel: int = 1, **kw: Any) -> "Cluster":
+        """The cluster of `devices` devices, `devices_per_node` a node, in ranks of `tensor_parallel`
+        devices (t must divide the node's devices; fewer devices than a node: one partial node)."""
+        from dhp_jax.planner.cost.tensor import check_node
+
+        positive_int(devices, "devices")
+        check_node(min(devices, devices_per_node), tensor_parallel)
+        t = tensor_parallel
+        return cls.with_ranks(devices // t, max(1, devices_per_node // t), tensor_parallel=t, **kw)
+
     @property
     def num_ranks(self) -> int:
         return self.nodes * self.ranks_per_node
+
+    @property
+    def devices(self) -> int:
+        return self.num_ranks * self.tensor_parallel
 
     @property
     def vision(self) -> str:
@@ -65,6 +87,10 @@ class Cluster:
             overrides["bw_intra"] = self.intra_node_gbps * 1e9
         if self.inter_node_gbps is not None:
             overrides["bw_inter"] = self.inter_node_gbps * 1e9
+        if self.tensor_parallel > 1:
+            overrides["tensor_parallel"] = self.tensor_parallel
+        if self.state_shards:
+            overrides["state_shards"] = self.state_shards
         return CostModel.preset(self.model, self.hardware, ranks_per_node=self.ranks_per_node,
                                 freeze_vision=self.freeze_vision, **overrides)
 
@@ -73,6 +99,7 @@ class Cluster:
         if self.intra_node_gbps or self.inter_node_gbps:
             bw = f", intra {self.intra_node_gbps or 'preset'} GB/s, inter {self.inter_node_gbps or 'preset'} GB/s"
         frozen = ", vision frozen" if self.freeze_vision else ""
-        return (f"{self.nodes} nodes x {self.ranks_per_node} ranks, {self.model} on {self.hardware} preset"
+        tp = f" of {self.tensor_parallel} devices ({self.devices} devices)" if self.tensor_parallel > 1 else ""
+        return (f"{self.nodes} nodes x {self.ranks_per_node} ranks{tp}, {self.model} on {self.hardware} preset"
                 f"{bw}{frozen}")
 

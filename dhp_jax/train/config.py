@@ -35,6 +35,13 @@ class ModelConfig:
 
 
 @dataclasses.dataclass
+class ParallelConfig:
+    tensor: int = 1                # devices per rank (Megatron-style tensor parallelism inside a node); num_ranks
+                                   # counts ranks, so a run needs num_ranks x tensor devices. Planned and priced
+                                   # (`dhp plan --tensor-parallel`); the engines run 1 only for now
+
+
+@dataclasses.dataclass
 class DataConfig:
     dataset: str = "openvid"       # a `make_dataset` name (or a manifest path)
     # fine-tuning data (with model.pretrained; exactly one): a LLaVA-style JSONL, webdataset tar
@@ -130,6 +137,7 @@ class TrainConfig:
     steps: int = 40
     seed: int = 0
     devices: DevicesConfig = dataclasses.field(default_factory=DevicesConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
@@ -196,7 +204,54 @@ class TrainConfig:
         if self.num_ranks > self.devices.count:
             raise ConfigError(f"num_ranks={self.num_ranks} needs {self.num_ranks} devices but "
                               f"devices.count={self.devices.count}")
+        self._validate_tensor_parallel()
         return self
+
+    def _validate_tensor_parallel(self) -> None:
+        """parallel.tensor = t: a positive integer, num_ranks x t devices, and every model the run
+        names (the one it trains, the planner's cost model) splittable t ways."""
+        from dhp_jax.planner.cost.tensor import unsplittable
+
+        t = self.parallel.tensor
+        if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+            raise ConfigError(f"parallel.tensor must be a positive integer, got {t!r}")
+        if t == 1:
+            return
+        if self.num_ranks * t > self.devices.count:
+            raise ConfigError(f"num_ranks={self.num_ranks} ranks of parallel.tensor={t} devices need "
+                              f"{self.num_ranks * t} devices but devices.count={self.devices.count}")
+        for key, name, shape in self._model_shapes():
+            why = unsplittable(shape, t)
+            if why:
+                raise ConfigError(f"parallel.tensor={t}: {key}={name!r}: {why}")
+
+    def _model_shapes(self) -> list[tuple[str, str, Any]]:
+        """(config key, name, shape) of each model the run names whose shape is known without loading
+        weights: the stored presets, a checkpoint's config.json and the stand-in MLLMConfig presets."""
+        import types
+
+        from dhp_jax.planner.cost import presets
+
+        out = []
+        if self.model.pretrained:
+            try:
+                out.append(("model.pretrained", self.model.pretrained,
+                            presets.ModelShape.from_config(self.model.pretrained)))
+            except (OSError, ValueError, KeyError):
+                pass   # an unreadable checkpoint is reported where it is loaded
+        elif self.model.preset in presets.MODELS:
+            out.append(("model.preset", self.model.preset, presets.MODELS[self.model.preset]))
+        else:
+            from dhp_jax.model.config import PRESETS
+
+            c = PRESETS.get(self.model.preset)
+            if c is not None:
+                out.append(("model.preset", self.model.preset, types.SimpleNamespace(
+                    heads=c.num_heads, kv_heads=c.num_kv_heads, intermediate=c.d_ff, vision_heads=c.vision_heads,
+                    vision_intermediate=c.vision_ff)))
+        if self.planner.cost_model in presets.MODELS:
+            out.append(("planner.cost_model", self.planner.cost_model, presets.MODELS[self.planner.cost_model]))
+        return out
 
 
 # ---------------------------------------------------------------------------------------- loading

@@ -154,6 +154,10 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     from dhp_jax.model import MLLMConfig
 
     config.validate()
+    if config.parallel.tensor > 1:
+        raise TrainError(f"parallel.tensor={config.parallel.tensor}: tensor parallelism is planned and priced "
+                         f"(`dhp plan --tensor-parallel`, `dhp simulate --tensor-parallel`) but the JAX and torch "
+                         f"engines do not run it yet; train with parallel.tensor=1")
     hf_config = hf_params = None
     if config.model.pretrained:
         from dhp_jax.model import hf
