@@ -149,15 +149,15 @@ class RunSetup:
 def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> RunSetup:
     """Config, devices >= ranks, the plan file (every plan), the planning cost model, the model
     preset, the first batch and its plan (validated against the devices); `TrainError` otherwise."""
-    import jax
-
-    from dhp_jax.model import MLLMConfig
-
     config.validate()
     if config.parallel.tensor > 1:
         raise TrainError(f"parallel.tensor={config.parallel.tensor}: tensor parallelism is planned and priced "
                          f"(`dhp plan --tensor-parallel`, `dhp simulate --tensor-parallel`) but the JAX and torch "
                          f"engines do not run it yet; train with parallel.tensor=1")
+    import jax
+
+    from dhp_jax.model import MLLMConfig
+
     hf_config = hf_params = None
     if config.model.pretrained:
         from dhp_jax.model import hf
