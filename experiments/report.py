@@ -259,6 +259,44 @@ def memory_families(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tensor_parallel(r: dict[str, Any]) -> str:
+    """Step time of DHP and the best static strategy at each tensor-parallel size t (a cell per t:
+    "DHP / best static s", or why no plan runs), each at its best t and the gain; then the long
+    sample's (t, degree) and whether the memory model says it fits."""
+    ts = r["config"]["tensor_parallel"]
+
+    def cell(v: dict[str, Any]) -> str:
+        if "error" in v:
+            return "refused: heads" if "cannot split" in v["error"] else "does not fit"
+        steps = v["step_s"]
+        static = [steps[s] for s in ("static-ring:best", "static-ulysses:best") if s in steps]
+        return f"{steps['dhp']:.1f} / {min(static):.1f}" if "dhp" in steps and static else "—"
+
+    lines = [f"| model | devices | {' | '.join(f't={t}: DHP / static s' for t in ts)} | DHP best (t) | "
+             "best static (t) | DHP gain |", "|---|---|" + "---|" * (len(ts) + 3)]
+    for row in r["rows"]:
+        cells = " | ".join(cell(row["per_t"][str(t)]) for t in ts)
+        if "gain" in row:
+            tail = (f"{row['dhp_s']:.1f} s (t={row['dhp_t']}) | {row['static_s']:.1f} s ({row['static']}, "
+                    f"t={row['static_t']}) | **{row['gain']:.2f}x**")
+        else:
+            tail = "— | — | no t runs it"
+        lines.append(f"| {row['model']} | {row['devices']} | {cells} | {tail} |")
+    lines += ["", f"| model | one sample of | devices | {' | '.join(f't={t}' for t in ts)} | planner picks |",
+              "|---|---|---|" + "---|" * (len(ts) + 1)]
+    for row in r["long_rows"]:
+        def long_cell(v: dict[str, Any]) -> str:
+            if "error" in v:
+                return "refused: heads" if "cannot split" in v["error"] else "does not fit"
+            return (f"degree {v['degree']}, {v['step_s']:.2f} s, {v['device_bytes'] / 1e9:.1f} of "
+                    f"{v['usable_bytes'] / 1e9:.1f} GB ({'fits' if v['fits'] else 'does NOT fit'})")
+        pick = (f"t={row['best_t']}, degree {row['best_degree']} ({'fits' if row['fits'] else 'does NOT fit'})"
+                if "best_t" in row else "nothing runs it")
+        lines.append(f"| {row['model']} | {row['tokens'] // 1024}k tokens | {row['devices']} | "
+                     f"{' | '.join(long_cell(row['per_t'][str(t)]) for t in ts)} | {pick} |")
+    return "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": Table(_end_to_end_columns),
     "scaling": Table([
@@ -315,10 +353,11 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
         ("how", how("result"))]),
     "memory": memory,
     "memory_families": memory_families,
+    "tensor_parallel": tensor_parallel,
 }
 
 # Tables that already say everything skip the per-row summary lines.
-NO_SUMMARY = ("overhead", "ablations", "case_study")
+NO_SUMMARY = ("overhead", "ablations", "case_study", "tensor_parallel")
 
 
 def _provenance(r: dict[str, Any]) -> str:
