@@ -36,12 +36,14 @@ def test_every_preset_builds_and_is_physical():
                 unfit.add((m, h))
                 continue
             assert c.memory_budget > 0 and c.a1 > 0 and c.a2 > 0 and c.b1 > 0
-            # a longer sequence is slower; two ranks beat one for a long sequence
+            # a longer sequence is slower; two ranks beat one for a long sequence (but on the host's
+            # 2 cores shared by ranks of several devices: compute_lanes 1, only one rank computes at once)
             assert group_time(c, [8000], 1) < group_time(c, [16000], 1)
-            assert group_time(c, [60000], 2) < group_time(c, [60000], 1)
+            if c.compute_lanes != 1:
+                assert group_time(c, [60000], 2) < group_time(c, [60000], 1)
     # InternVL3-38B holds 2 x 38.4 B gathered weights per device at t = 1, and InternViT-6B's 25 heads
-    # allow no t > 1: it runs on no accelerator preset (the host "cpu" device has the memory)
-    assert unfit == {("internvl3-38b", h) for h in ("ascend-910b", "a100", "h100")}
+    # allow no t > 1: it fits no preset's device
+    assert unfit == {("internvl3-38b", h) for h in CostModel.HARDWARE}
 
 
 def test_model_that_cannot_fit_says_so():
