@@ -112,6 +112,8 @@ def test_train_config_validates_and_the_engines_refuse_tensor_parallel():
     with pytest.raises(ConfigError, match="planner.cost_model='internvl3-8b': tensor_parallel 8 cannot split"):
         config_from_dict({"kind": "train", "num_ranks": 1, "parallel": {"tensor": 8},
                           "model": {"preset": "qwen3-vl-8b"}, "planner": {"cost_model": "internvl3-8b"}})
+    with pytest.raises(ConfigError, match="model.preset='tiny': tensor_parallel 8 cannot split MLLMConfig.num_heads = 4"):
+        config_from_dict({"kind": "train", "num_ranks": 1, "parallel": {"tensor": 8}})
     config = config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2}})
     with pytest.raises(TrainError, match="engines do not run it yet"):
         prepare_run(config)

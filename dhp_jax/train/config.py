@@ -248,7 +248,10 @@ class TrainConfig:
             if c is not None:
                 out.append(("model.preset", self.model.preset, types.SimpleNamespace(
                     heads=c.num_heads, kv_heads=c.num_kv_heads, intermediate=c.d_ff, vision_heads=c.vision_heads,
-                    vision_intermediate=c.vision_ff)))
+                    vision_intermediate=c.vision_ff, FIELD_NAMES={
+                        "heads": "MLLMConfig.num_heads", "kv_heads": "MLLMConfig.num_kv_heads",
+                        "intermediate": "MLLMConfig.d_ff", "vision_heads": "MLLMConfig.vision_heads",
+                        "vision_intermediate": "MLLMConfig.vision_ff"})))
         if self.planner.cost_model in presets.MODELS:
             out.append(("planner.cost_model", self.planner.cost_model, presets.MODELS[self.planner.cost_model]))
         return out

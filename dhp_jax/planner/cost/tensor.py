@@ -42,18 +42,23 @@ __all__ = ["check_node", "check_tensor_parallel", "collective_bandwidth", "colle
            "valid_degrees", "vocab_share"]
 
 
+# the config.json fields behind each shape field (a shape's own `FIELD_NAMES` replaces them)
+HF_FIELDS = {"heads": "text_config.num_attention_heads", "intermediate": "text_config.intermediate_size",
+             "vision_heads": "vision_config heads (num_heads / num_attention_heads)",
+             "vision_intermediate": "vision_config.intermediate_size", "kv_heads": "text_config.num_key_value_heads"}
+
+
 def unsplittable(m: Any, t: int) -> str | None:
     """Why tensor parallelism over `t` devices cannot split model shape `m` evenly (None: it can)."""
     if t == 1:
         return None
-    fields = [("text_config.num_attention_heads", m.heads), ("text_config.intermediate_size", m.intermediate),
-              ("vision_config heads (num_heads / num_attention_heads)", m.vision_heads),
-              ("vision_config.intermediate_size", m.vision_intermediate)]
-    for field, v in fields:
+    names = {**HF_FIELDS, **getattr(m, "FIELD_NAMES", {})}
+    for key in ("heads", "intermediate", "vision_heads", "vision_intermediate"):
+        v = getattr(m, key)
         if v % t:
-            return f"tensor_parallel {t} cannot split {field} = {v} evenly (t must divide it)"
+            return f"tensor_parallel {t} cannot split {names[key]} = {v} evenly (t must divide it)"
     if m.kv_heads % t and t % m.kv_heads:
-        return (f"tensor_parallel {t} cannot split text_config.num_key_value_heads = {m.kv_heads}: kv heads must be "
+        return (f"tensor_parallel {t} cannot split {names['kv_heads']} = {m.kv_heads}: kv heads must be "
                 f"a multiple of t, or divide t (each then replicated)")
     return None
 
