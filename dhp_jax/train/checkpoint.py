@@ -26,9 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-
-# Model fields that change how a step runs, never the params: a run may resume with another value.
-RUN_ONLY_MODEL_FIELDS = ("remat", "linear_chunk")
+from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
 
 
 class CheckpointError(ValueError):
