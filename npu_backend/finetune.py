@@ -92,9 +92,10 @@ class FamilyRun:
     def data_config(self) -> dict:
         return dict((self.checkpoint.meta.get("run_config") or {}).get("data") or {})
 
-    def batches(self) -> Iterator[list[Sample]]:
-        """The run's batches from the checkpoint's next one on, as family Samples (forever, epoch after
-        epoch, each epoch reshuffled by the run's seed, as the JAX run would have taken them)."""
+    def batches(self) -> Iterator[tuple[list[str], list[Sample]]]:
+        """The run's batches from the checkpoint's next one on: (the records' ids, as the JAX run's
+        `sample_ids` name them; their family Samples), forever, epoch after epoch, each epoch
+        reshuffled by the run's seed, as the JAX run would have taken them."""
         from dhp_jax.data.finetune import FinetuneData
         from dhp_jax.data.loader import Loader
         from dhp_jax.data.sources import iter_source, source_spec
@@ -121,7 +122,7 @@ class FamilyRun:
         it = iter(loader)
         try:
             for items in it:
-                yield samples_from_items(self.config, items)
+                yield [it["sample_id"] for it in items], samples_from_items(self.config, items)
         finally:
             it.close()
 

@@ -54,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initial weights: the params of a `dhp train` checkpoint (a run directory, its "
                         "checkpoints/ or one step's directory; the latest step unless a step directory); of a "
                         "fine-tuning run (model.pretrained): its family model, trained on the run's data from "
-                        "the checkpoint's next batch on (--batch-size, --min/max-len and --mllm do not apply)")
+                        "the checkpoint's next batch on, in the run's data.batch_size (--batch-size, --min/max-len "
+                        "and --mllm do not apply)")
     p.add_argument("--save-weights", help="write the final weights from rank 0 (.npz, flax layout; a family model: "
                                            "a Hugging Face checkpoint directory, config.json + safetensors)")
     p.add_argument("--plan-file", help="replay plans (dhp_jax.planner.contract.planfile): a plan log of `dhp train` "
@@ -165,12 +166,13 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             f"{init_from.step}, fine-tuned from {family.source!r}); its data from batch {init_from.data_position} "
             f"on; the optimizer starts afresh")
         num_params = sum(p.numel() for p in model.parameters())
+        args.batch_size = int(family.data_config.get("batch_size", args.batch_size))   # what a plan file covers
     else:
         config = MLLMConfig.preset(mllm_preset(args, "npu_backend.train"))
         if init_from is not None:
             check_model_config(init_from.meta, config, f"checkpoint {str(init_from.path)!r}")
         model, name, num_params = TorchMLLM(config), config.name, config.num_params()
-        batches = (make_batch(config, args, step) for step in range(args.steps))
+        batches = ((None, make_batch(config, args, step)) for step in range(args.steps))
         if init_from is not None:
             load_flax_params(model, init_from.params)
             say(f"npu_backend: params from dhp train checkpoint {str(init_from.path)!r} (step {init_from.step}); "
@@ -192,13 +194,15 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     records = []
     dump = PlanLog(args.dump_plans) if (args.dump_plans and rank == 0) else None
     try:
-        for step, samples in zip(range(args.steps), batches):
+        for step, (sample_ids, samples) in zip(range(args.steps), batches):
             t0 = time.perf_counter()
             plan = planner(step, samples)
             plan_s = time.perf_counter() - t0
             res = executor.step(plan, samples)
             rec = {"step": step, "loss": res.loss, "loss_tokens": res.num_loss_tokens, "step_s": res.seconds,
                    "plan_s": plan_s, "degrees": plan.degrees}
+            if sample_ids is not None:      # a fine-tuning run's records, named as its metrics name them
+                rec["sample_ids"] = sample_ids
             records.append(rec)
             if dump is not None:
                 dump.write(step, plan)
