@@ -30,7 +30,7 @@ def _read(path: Path) -> list[dict[str, Any]]:
 
 
 def _reprice(row: dict[str, Any], raw: dict[str, Any], depth: list[int]) -> dict[str, Any]:
-    from dhp_jax.model.hf.abstract import with_depth
+    from dhp_jax.model.hf.config import with_depth
     from dhp_jax.sharding.family_memory import modelled
 
     if "added" in row:                       # a layer row: the difference of two programs

@@ -1,6 +1,7 @@
 """`torchrun --nproc-per-node N -m npu_backend.train ...`: DHP training with torch, one process per rank.
 
-Every step: a deterministic synthetic batch, a plan (computed identically on every rank with
+Every step: a deterministic synthetic batch (or, started `--init-from` a fine-tuning run's checkpoint,
+that run's family model and its next batches of its own data: `npu_backend.finetune`), a plan (computed identically on every rank with
 `dhp_jax.planner.plan_batch`, broadcast from rank 0, or replayed from `--plan-file`), then
 `TorchPlanExecutor.step` (ring attention per CP group, one gradient all-reduce, optimizer step).
 Device and backend come from `npu_backend.device` (NPU + HCCL, CUDA + NCCL, CPU + gloo).
@@ -31,6 +32,8 @@ from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E402
 from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
+from npu_backend.finetune import FamilyRun, describe, pretrained_source  # noqa: E402
+from npu_backend.hf import save_family  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
 from npu_backend.weights import (WeightsError, check_model_config, export_flax_params, load_flax_params,  # noqa: E402
                                  load_jax_checkpoint, load_npz, save_npz)
@@ -49,8 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", help="initial weights: .npz in the flax layout ('a/b/c' keys)")
     p.add_argument("--init-from", metavar="RUN_DIR",
                    help="initial weights: the params of a `dhp train` checkpoint (a run directory, its "
-                        "checkpoints/ or one step's directory; the latest step unless a step directory)")
-    p.add_argument("--save-weights", help="write the final weights (.npz, flax layout) from rank 0")
+                        "checkpoints/ or one step's directory; the latest step unless a step directory); of a "
+                        "fine-tuning run (model.pretrained): its family model, trained on the run's data from "
+                        "the checkpoint's next batch on, in the run's data.batch_size (--batch-size, --min/max-len "
+                        "and --mllm do not apply)")
+    p.add_argument("--save-weights", help="write the final weights from rank 0 (.npz, flax layout; a family model: "
+                                           "a Hugging Face checkpoint directory, config.json + safetensors)")
     p.add_argument("--plan-file", help="replay plans (dhp_jax.planner.contract.planfile): a plan log of `dhp train` "
                                        "or of --dump-plans, one plan JSON (every step) or a JSON list")
     p.add_argument("--plan-source", choices=("local", "broadcast"), default="local",
@@ -142,40 +149,60 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _train(args, rank: int, world: int, device: torch.device, choice, say) -> int:
-    config = MLLMConfig.preset(mllm_preset(args, "npu_backend.train"))
     if args.weights and args.init_from:
         raise WeightsError("give --weights or --init-from, not both")
-    init_from = None
+    init_from = family = None
     if args.init_from:   # read and checked before the model is built
         init_from = load_jax_checkpoint(args.init_from)
-        check_model_config(init_from.meta, config, f"checkpoint {str(init_from.path)!r}")
-    model = TorchMLLM(config)
-    if init_from is not None:
-        load_flax_params(model, init_from.params)
-        say(f"npu_backend: params from dhp train checkpoint {str(init_from.path)!r} (step {init_from.step}); "
-            f"the optimizer starts afresh")
-    elif args.weights:
-        load_flax_params(model, load_npz(args.weights))
+        if pretrained_source(init_from.meta):     # a fine-tuning run: its family model and its data
+            if args.mllm:
+                raise WeightsError(f"{str(init_from.path)!r} is of a fine-tuning run of "
+                                   f"{pretrained_source(init_from.meta)!r}: its model comes from there, not --mllm")
+            family = FamilyRun.of(init_from)
+    if family is not None:
+        model, config, name = family.model, family.config, family.config.name
+        batches = family.batches()
+        say(f"npu_backend: {family.config.family} params from dhp train checkpoint {str(init_from.path)!r} (step "
+            f"{init_from.step}, fine-tuned from {family.source!r}); its data from batch {init_from.data_position} "
+            f"on; the optimizer starts afresh")
+        num_params = sum(p.numel() for p in model.parameters())
+        args.batch_size = int(family.data_config.get("batch_size", args.batch_size))   # what a plan file covers
     else:
-        model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same draws on every rank
-    model.to(device)
+        config = MLLMConfig.preset(mllm_preset(args, "npu_backend.train"))
+        if init_from is not None:
+            check_model_config(init_from.meta, config, f"checkpoint {str(init_from.path)!r}")
+        model, name, num_params = TorchMLLM(config), config.name, config.num_params()
+        batches = ((None, make_batch(config, args, step)) for step in range(args.steps))
+        if init_from is not None:
+            load_flax_params(model, init_from.params)
+            say(f"npu_backend: params from dhp train checkpoint {str(init_from.path)!r} (step {init_from.step}); "
+                f"the optimizer starts afresh")
+        elif args.weights:
+            load_flax_params(model, load_npz(args.weights))
+        else:
+            model.reset_parameters(torch.Generator().manual_seed(args.seed))  # same draws on every rank
+        model.to(device)
+    if family is not None and device.type != "cpu":
+        for p in model.parameters():
+            p.data = p.data.to(device)
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
     optimizer = opt_cls(model.parameters(), lr=args.lr)
     executor = TorchPlanExecutor(model, device=device, optimizer=optimizer)
     planner = Planner(args, world, rank)
-    say(f"npu_backend: {world} ranks on {choice.kind} ({choice.backend}: {choice.reason}), model {config.name} "
-        f"({config.num_params():,} params)")
+    say(f"npu_backend: {world} ranks on {choice.kind} ({choice.backend}: {choice.reason}), model {name} "
+        f"({num_params:,} params)")
     records = []
     dump = PlanLog(args.dump_plans) if (args.dump_plans and rank == 0) else None
     try:
-        for step in range(args.steps):
-            samples = make_batch(config, args, step)
+        for step, (sample_ids, samples) in zip(range(args.steps), batches):
             t0 = time.perf_counter()
             plan = planner(step, samples)
             plan_s = time.perf_counter() - t0
             res = executor.step(plan, samples)
             rec = {"step": step, "loss": res.loss, "loss_tokens": res.num_loss_tokens, "step_s": res.seconds,
                    "plan_s": plan_s, "degrees": plan.degrees}
+            if sample_ids is not None:      # a fine-tuning run's records, named as its metrics name them
+                rec["sample_ids"] = sample_ids
             records.append(rec)
             if dump is not None:
                 dump.write(step, plan)
@@ -184,15 +211,20 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     finally:
         if dump is not None:
             dump.close()
+        if family is not None:
+            batches.close()
     say(summary_line(records, world, choice))
-    if rank == 0 and args.save_weights:
+    if rank == 0 and args.save_weights and family is not None:
+        save_family(model, args.save_weights)
+    elif rank == 0 and args.save_weights:
         save_npz(args.save_weights, export_flax_params(model))
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"measured_on": f"{choice.kind} ({choice.backend}), {platform.machine()} {platform.node()}",
-                       "world_size": world, "torch": torch.__version__, "config": config.to_dict(),
-                       "init_from": None if init_from is None else {"path": str(init_from.path),
-                                                                    "step": init_from.step},
+                       "world_size": world, "torch": torch.__version__,
+                       "config": dict(config.raw) if family is not None else config.to_dict(),
+                       "init_from": describe(family) if family is not None else None if init_from is None
+                       else {"path": str(init_from.path), "step": init_from.step},
                        "args": vars(args), "steps": records}, f, indent=1)
     return 0
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
 from npu_backend.model import TorchMLLM
 
 
@@ -224,10 +225,9 @@ def load_jax_checkpoint(path: str | Path, step: int | None = None) -> JaxCheckpo
 
 def check_model_config(meta: Mapping[str, Any], config: Any, where: str) -> None:
     """`WeightsError` naming every model field where the checkpoint's config and `config` differ
-    (those that only change how a step runs, remat and linear_chunk, may differ)."""
+    (those that only change how a step runs, `RUN_ONLY_MODEL_FIELDS`, may differ)."""
     saved, mine = dict(meta.get("model_config", {})), config.to_dict()
-    diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in
-                  ("remat", "linear_chunk"))
+    diff = sorted(k for k in set(saved) | set(mine) if saved.get(k) != mine.get(k) and k not in RUN_ONLY_MODEL_FIELDS)
     if diff:
         raise WeightsError(f"{where} is of another model than {mine.get('name')!r}: "
                            + ", ".join(f"{k}: checkpoint {saved.get(k)!r} vs {mine.get(k)!r}" for k in diff[:8])

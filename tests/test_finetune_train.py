@@ -155,6 +155,32 @@ def test_export_gives_transformers_the_project_logits(example, run, tmp_path):
     assert worst <= TOL, worst
 
 
+def test_torch_backend_continues_the_run(run, tmp_path, monkeypatch, capsys):
+    """`python -m npu_backend.train --init-from` the run's step-2 checkpoint (one gloo process): the
+    family model with the checkpoint's params, trained on the run's data from its next batch; the
+    first torch loss is the loss of the JAX run's step 3 (same params, same batch)."""
+    from npu_backend import train as torch_train
+
+    _, result, out = run
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DHP_TORCH_DEVICE", "cpu")
+    args = ["--init-from", str(out / "checkpoints" / "2"), "--steps", "1", "--optimizer", "sgd", "--lr", "0.01",
+            "--strategy", "static-ring:1", "--json", str(tmp_path / "torch.json")]
+    assert torch_train.main(args) == 0
+    rec = json.loads((tmp_path / "torch.json").read_text())
+    assert (rec["init_from"]["step"], rec["init_from"]["family"]) == (2, "qwen2_5_vl")
+    assert rec["steps"][0]["sample_ids"] == result.records[2]["sample_ids"]   # the run's batch 2, in its order
+    first, ref = rec["steps"][0]["loss"], result.losses[2]
+    err = abs(first - ref) / abs(ref)
+    with capsys.disabled():
+        print(f"torch from the step-2 checkpoint: first loss {first:.7f} vs JAX step 3 {ref:.7f}, relative {err:.1e}")
+    assert err <= TOL, (first, ref)
+    assert "qwen2_5_vl params from dhp train checkpoint" in capsys.readouterr().out
+    assert torch_train.main(args[:2] + ["--mllm", "tiny"]) == 2       # the model comes from the run
+    assert "its model comes from there, not --mllm" in capsys.readouterr().err
+
+
 def test_planner_makes_irregular_degrees_from_real_counts(example):
     """With the demo's planning model (qwen3-vl-4b on 910B, one rank per node), one batch of the
     example's real token counts gets groups of >= 3 distinct degrees, one not a power of two."""

@@ -155,6 +155,19 @@ def iter_hf_dataset(path: str) -> Iterator[Record]:
                 yield Record(where, {}, [], error=str(e))
 
 
+SOURCE_FIELDS = (("jsonl", "manifest"), ("webdataset", "webdataset"), ("hf", "hf_dataset"))
+
+
+def source_spec(data_cfg: Any) -> tuple[str, str]:
+    """(path or pattern, kind) of the configured fine-tuning data: the `data` section of a run's
+    config, as the config object or its JSON dict (what a checkpoint stores)."""
+    get = data_cfg.get if isinstance(data_cfg, dict) else lambda k: getattr(data_cfg, k, None)
+    for kind, field in SOURCE_FIELDS:
+        if get(field):
+            return get(field), kind
+    raise ValueError("no fine-tuning data: set data.manifest, data.webdataset or data.hf_dataset")
+
+
 def iter_source(spec: str, kind: str | None = None) -> Iterator[Record]:
     """Records of a manifest (`.jsonl`), shards (`.tar`) or a datasets directory/parquet."""
     kind = kind or ("webdataset" if spec.endswith(".tar") else

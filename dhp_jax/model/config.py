@@ -17,6 +17,11 @@ from dhp_jax.checks import positive_int
 from dhp_jax.data import model_configs
 
 
+# MLLMConfig fields that change how a step runs, never the params: a checkpoint's config may differ
+# in them (a run resumes, the torch backend starts, with another value)
+RUN_ONLY_MODEL_FIELDS = ("remat", "linear_chunk")
+
+
 @dataclasses.dataclass(frozen=True)
 class MLLMConfig:
     """Hyper-parameters of the model; frozen (hashable) so it can be a static jit argument.

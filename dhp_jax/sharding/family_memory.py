@@ -100,7 +100,7 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
     bounded by the rows and the layer rows (`full_depth_bound`)."""
     import jax
 
-    from dhp_jax.model.hf.abstract import with_depth
+    from dhp_jax.model.hf.config import with_depth
 
     devices = jax.devices()
     if max(degrees, default=1) > len(devices):

@@ -67,11 +67,12 @@ def synthetic_config(params: int, base: Mapping[str, Any] | None = None) -> dict
 
 
 def _with_depth(base: Mapping[str, Any], t: dict, v: dict, layers: int) -> dict[str, Any]:
-    t0, v0 = base["text_config"], base["vision_config"]
-    depth = max(1, round(layers * v0["depth"] / t0["num_hidden_layers"]))
-    deep = sorted({min(depth - 1, round(i * depth / v0["depth"])) for i in v0.get("deepstack_visual_indexes", ())})
-    return dict(base, text_config=dict(t, num_hidden_layers=layers),
-                vision_config=dict(v, depth=depth, deepstack_visual_indexes=deep))
+    """`base` with widths `t` / `v` (which keep the base's depths) and `layers` LLM layers; the
+    vision depth and its DeepStack blocks in the base's proportion."""
+    from dhp_jax.model.hf.config import with_depth
+
+    depth = max(1, round(layers * v["depth"] / t["num_hidden_layers"]))
+    return with_depth(dict(base, text_config=t, vision_config=v), layers, depth, spread=True)
 
 
 def weight_shapes(raw: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

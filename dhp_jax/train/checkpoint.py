@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-
-# Model fields that change how a step runs, never the params: a run may resume with another value.
-RUN_ONLY_MODEL_FIELDS = ("remat", "linear_chunk")
+from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
 
 
 class CheckpointError(ValueError):
@@ -122,6 +121,25 @@ class Checkpointer:
                                   f"run's train state: {type(e).__name__}: {e}") from None
         return Restored(state=out["state"], step=int(meta["step"]), data_position=int(meta["data_position"]),
                         meta=meta)
+
+    def all_steps(self) -> list[int]:
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def restore_params(self, step: int, padded: int) -> np.ndarray:
+        """The flat fp32 master params (`state.params`, `padded` elements) of checkpoint `step`, on
+        this host's CPU; nothing else of the state (no optimizer moments) is read."""
+        if step not in self.all_steps():
+            raise CheckpointError(f"{str(self.directory)!r}: no checkpoint of step {step} "
+                                  f"(steps there: {self.all_steps()})")
+        cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+        target = {"params": jax.ShapeDtypeStruct((int(padded),), np.float32, sharding=cpu)}
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+                item=target, restore_args={"params": ocp.ArrayRestoreArgs(sharding=cpu)}, partial_restore=True)))
+        except Exception as e:
+            raise CheckpointError(f"checkpoint step {step} in {str(self.directory)!r}: no params vector of "
+                                  f"{padded} elements ({type(e).__name__}: {str(e)[:300]})") from None
+        return np.asarray(out["state"]["params"])
 
     def close(self) -> None:
         self._manager.close()

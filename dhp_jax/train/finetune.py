@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
+from dhp_jax.data.sources import source_spec  # noqa: F401 (the trainer's name for it)
 
 
 @dataclasses.dataclass
@@ -34,14 +35,6 @@ class FinetuneBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.lengths.sum())
-
-
-def source_spec(data_cfg: Any) -> tuple[str, str]:
-    """(path or pattern, kind) of the configured fine-tuning data."""
-    for kind, value in (("jsonl", data_cfg.manifest), ("webdataset", data_cfg.webdataset), ("hf", data_cfg.hf_dataset)):
-        if value:
-            return value, kind
-    raise ValueError("no fine-tuning data: set data.manifest, data.webdataset or data.hf_dataset")
 
 
 class FinetunePipeline:
@@ -92,7 +85,7 @@ class FinetunePipeline:
         self._it, self._next = iter(self.loader), step
 
     def batch(self, step: int) -> FinetuneBatch:
-        from dhp_jax.model import hf
+        from dhp_jax.model.hf.sample import samples_from_items
 
         with self._lock:
             if step != self._next:
@@ -102,10 +95,7 @@ class FinetunePipeline:
             waited = self.loader.waits[-1] if self.loader.waits else 0.0
         if not items:
             raise ValueError(f"step {step}: every sample of the batch failed to decode (see data_issues.tsv)")
-        samples = []
-        for i, it in enumerate(items):
-            inputs = {k: v for k, v in it["inputs"].items() if k != "labels"}
-            samples.append(hf.sample_from_inputs(self.hf_config, inputs, it["inputs"]["labels"], sample_id=i))
+        samples = samples_from_items(self.hf_config, items)
         return FinetuneBatch(step, samples, samples, sample_lengths(samples), sample_etas(samples),
                              [it["sample_id"] for it in items], float(waited))
 

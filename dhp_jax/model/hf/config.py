@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
@@ -64,3 +65,30 @@ def write_pretrained(out_dir: str, raw: Mapping[str, Any], weights: Mapping[str,
         raw["dtype"] = dtypes.pop()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(raw, f, indent=2, sort_keys=True)
+
+
+# vision-config fields that list special blocks by index, and whether they sit at the end
+SPECIAL_BLOCKS = (("deepstack_visual_indexes", False), ("fullatt_block_indexes", True))
+
+
+def with_depth(raw: Mapping[str, Any], layers: int, vision_layers: int, spread: bool = False) -> dict:
+    """config.json dict `raw` with `layers` LLM layers and `vision_layers` encoder blocks. The
+    blocks that differ (Qwen3-VL's DeepStack blocks, Qwen2.5-VL's full-attention blocks) keep
+    their count where the depth allows, as the first blocks (DeepStack: their features are added
+    to the first LLM layers) or the last ones (full attention); `spread`: at the same places in
+    proportion instead (block i of D goes to round(i * vision_layers / D), one block per place)."""
+    out = copy.deepcopy(dict(raw))
+    out["text_config"]["num_hidden_layers"] = int(layers)
+    v = out["vision_config"]
+    key = "depth" if "depth" in v else "num_hidden_layers"
+    old, n = int(v[key]), int(vision_layers)
+    v[key] = n
+    for field, at_end in SPECIAL_BLOCKS:
+        if field not in v:
+            continue
+        if spread:
+            v[field] = sorted({min(n - 1, round(i * n / old)) for i in v[field]})
+        else:
+            k = min(len(v[field]), n)
+            v[field] = list(range(n - k, n)) if at_end else list(range(k))
+    return out

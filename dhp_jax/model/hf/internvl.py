@@ -23,40 +23,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.host import internvl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES  # noqa: F401
 from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
 from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, rms_norm,
                                      segment_ids)
-from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
 from dhp_jax.model.hf.text import text_forward
 
 PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
 QK_NORM_EPS = 1e-6
-
-
-def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Host-side arrays of one sample: `input_ids`, `keep`, `positions` [L, 1]; with an image, its
-    tiles as flattened patches [tiles, (H/P)(W/P), C*P*P] and the placeholder offsets."""
-    v = cfg.vision
-    ids, keep = sample_tokens(inputs)
-    ids = ids.astype(np.int32)
-    batch: dict[str, Any] = {"input_ids": ids, "keep": keep,
-                             "positions": np.arange(len(ids), dtype=np.int32)[:, None]}
-    if inputs.get("pixel_values") is not None:
-        px = as_numpy(inputs["pixel_values"])
-        (ph, pw), (h, w) = v.patch_size, v.image_size
-        if px.ndim != 4 or px.shape[1:] != (v.channels, h, w):
-            raise ValueError(f"pixel_values: shape {px.shape}, expected [tiles, {v.channels}, {h}, {w}] (the "
-                             f"config's image_size; other tile sizes would need the position table resampled)")
-        n = px.shape[0]
-        patches = px.reshape(n, v.channels, h // ph, ph, w // pw, pw).transpose(0, 2, 4, 1, 3, 5)
-        batch["image"] = {
-            "patches": patches.reshape(n, (h // ph) * (w // pw), v.channels * ph * pw),
-            "scatter": vision_scatter_index(ids, cfg.token_ids["image"],
-                                            n * (h // ph) * (w // pw) // v.shuffle ** 2, "pixel_values"),
-        }
-    return batch
 
 
 def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

@@ -19,10 +19,10 @@ from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.host import qwen2_5_vl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, linear, rms_norm, segment_ids,
@@ -32,22 +32,6 @@ from dhp_jax.model.hf.text import text_forward
 conv_shapes = qv.conv_shapes
 
 VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
-
-
-def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Host-side arrays of one sample: the per-token arrays of `qwen_vision.token_arrays` and, per
-    modality present, the encoder's patches and per-patch ids."""
-    v = cfg.vision
-    video_grid = qv.grids(inputs, "video_grid_thw")
-    seconds = inputs.get("second_per_grid_ts")
-    intervals = None
-    if len(video_grid):
-        s = np.ones(len(video_grid), np.float32) if seconds is None else qv.as_numpy(seconds).reshape(-1)
-        intervals = np.float32(v.tokens_per_second) * s.astype(np.float32)
-    batch = qv.token_arrays(inputs, v.merge, intervals, split_video_frames=False)
-    for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
-        batch[kind] = {**arrays, "windows": qv.window_segments(grid, v.merge, v.window_size, v.patch_size)}
-    return batch
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 
 from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.host import qwen3_vl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
-from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse, interpolation_taps  # noqa: F401 (the family's config)
+from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, segment_ids,
                                      vision_qkv_attention)
 from dhp_jax.model.hf.text import text_forward
@@ -34,16 +35,6 @@ from dhp_jax.model.hf.text import text_forward
 conv_shapes = qv.conv_shapes
 
 VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and the mergers
-
-
-def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """Host-side arrays of one sample (see `qwen2_5_vl.prepare`), with the position-table taps."""
-    v = cfg.vision
-    batch = qv.token_arrays(inputs, v.merge, None, split_video_frames=True)
-    for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
-        taps, weights = interpolation_taps(grid, v.grid_side, v.merge)
-        batch[kind] = {**arrays, "taps": taps, "tap_weights": weights}
-    return batch
 
 
 def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool) -> jax.Array:

@@ -25,9 +25,9 @@ from typing import Any, Mapping
 import numpy as np
 
 from dhp_jax.data.sample import Sample, Segment
-from dhp_jax.model.hf import api
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.families import shuffle_groups
+from dhp_jax.model.hf.host import prepare
 from dhp_jax.model.hf.inputs import as_numpy
 from dhp_jax.model.hf.qwen_vision import MODALITIES, grids
 
@@ -48,7 +48,7 @@ def sample_from_inputs(config: HFConfig, inputs: Mapping[str, Any], labels: Any 
                        sample_id: int | str | None = None) -> Sample:
     """The Sample of one processor output (batch size 1, no padding); `labels` [1, L] with -100
     where ignored (unshifted, as transformers takes them) or None."""
-    batch = api.prepare(config, inputs)
+    batch = prepare(config, inputs)
     ids, positions = batch["input_ids"], batch["positions"]
     if not batch["keep"].all():
         raise ValueError(f"sample {sample_id!r}: attention_mask has padding; a Sample holds one unpadded sample")
@@ -80,6 +80,16 @@ def sample_from_inputs(config: HFConfig, inputs: Mapping[str, Any], labels: Any 
                              f"make {pixels.shape[0]}")
         segments.append(Segment(modality, b - a, pixels=pixels, tokens_per_frame=per_frame, meta={**meta, **extra}))
     return Sample(tuple(segments), sample_id=sample_id, source=config.family)
+
+
+def samples_from_items(config: HFConfig, items: Any) -> list[Sample]:
+    """The Samples of a fine-tuning batch (`dhp_jax.data.loader.Loader` items: each its processor
+    output with its `labels`), numbered in batch order."""
+    out = []
+    for i, it in enumerate(items):
+        inputs = {k: v for k, v in it["inputs"].items() if k != "labels"}
+        out.append(sample_from_inputs(config, inputs, it["inputs"]["labels"], sample_id=i))
+    return out
 
 
 def _qwen_vision_runs(config: HFConfig, inputs: Mapping[str, Any]) -> dict[str, list]:
@@ -114,7 +124,7 @@ def _internvl_vision_runs(config: HFConfig, inputs: Mapping[str, Any]) -> dict[s
     if inputs.get("pixel_values") is None:
         return {"image": [], "video": []}
     v = config.vision
-    batch = api.prepare(config, inputs)
+    batch = prepare(config, inputs)
     patches = batch["image"]["patches"].astype(np.float32)                  # [tiles, hw, C*P*P]
     tiles, hw, width = patches.shape
     side, k = int(round(hw ** 0.5)), v.shuffle

@@ -24,7 +24,7 @@ import numpy as np
 
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.api import LM_HEAD, check_params, family_module, load_config
-from dhp_jax.model.hf.checkpoint import leaf_rule, tree_from_weights
+from dhp_jax.model.hf.checkpoint import leaf_rule, leaf_shape, tree_from_weights
 from dhp_jax.model.hf.config import HFConfig
 
 BLOCK_BYTES = 16 * 2**20     # the most file bytes one read maps at a time
@@ -54,8 +54,8 @@ class TensorSource:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The leaf's shape in the tree."""
-        return (self.cols, self.rows) if self.transposed else self.stored
+        """The leaf's shape in the tree (the checkpoint's leaf rule)."""
+        return leaf_shape(self.name, self.stored)[1]
 
     @property
     def size(self) -> int:
