@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET
-from dhp_jax.train.compiles_bench import cost_for, menu_cost, plan_run
+from dhp_jax.bench.compiles import cost_for, menu_cost, plan_run
 from experiments.common import save_figure
 
 

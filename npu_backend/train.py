@@ -20,20 +20,22 @@ import sys
 import time
 from typing import Any, Sequence
 
-from npu_backend.device import select_device, set_current_device  # sets the torch_npu import guard
+import numpy as np
+import torch
+import torch.distributed as dist
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
-from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, is_profile, mllm_preset  # noqa: E402
-from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E402
-from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
-from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
-from npu_backend.model import TorchMLLM  # noqa: E402
-from npu_backend.weights import (WeightsError, check_model_config, export_flax_params, load_flax_params,  # noqa: E402
-                                 load_jax_checkpoint, load_npz, save_npz)
+from dhp_jax.data.sample import sample_etas, sample_lengths
+from dhp_jax.data.synthetic import random_samples
+from dhp_jax.model.config import MLLMConfig
+from dhp_jax.planner import plan_batch
+from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, is_profile, mllm_preset
+from dhp_jax.planner.contract.plan import Plan, PlanValidationError
+from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at
+from npu_backend.device import select_device, set_current_device
+from npu_backend.executor import StepError, TorchPlanExecutor
+from npu_backend.model import TorchMLLM
+from npu_backend.weights import (WeightsError, check_model_config, export_flax_params, load_flax_params,
+    load_jax_checkpoint, load_npz, save_npz)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +71,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_batch(config: MLLMConfig, args: argparse.Namespace, step: int) -> list:
     """The step's synthetic batch: the same on every rank (seeded by seed and step)."""
-    from dhp_jax.data.synthetic import random_samples
-
     rng = np.random.default_rng([args.seed, step])
     lengths = rng.integers(args.min_len, args.max_len + 1, size=args.batch_size)
     return random_samples(config, lengths.tolist(), seed=args.seed * 1_000_003 + step)
@@ -92,9 +92,6 @@ class Planner:
             self.cost = cost_from_args(args, **extra)
 
     def _plan(self, samples: Sequence) -> Plan:
-        from dhp_jax.data.sample import sample_etas, sample_lengths
-        from dhp_jax.planner import plan_batch
-
         lengths = np.maximum(1, np.round(sample_lengths(samples) * self.args.length_scale)).astype(np.int64)
         # this executor needs every rank in some group (an idle process would have no shard to run)
         return plan_batch(lengths, self.world, self.cost, self.args.strategy, etas=sample_etas(samples),

@@ -125,7 +125,7 @@ def test_cost_model_matches_the_compiled_step():
     peak and each phase other than the group program (gather, reductions, update) within 10 %, and
     the step's peak is its group program: the reductions hold one row and one fp32 piece."""
     from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, compiled_bytes, model_shape
-    from dhp_jax.train.step_memory import compiled_phases, step_programs
+    from dhp_jax.bench.step_memory import compiled_phases, step_programs
 
     cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
                      vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")

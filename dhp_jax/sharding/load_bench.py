@@ -33,6 +33,7 @@ import time
 import zlib
 from typing import Any, Mapping
 
+import ml_dtypes
 import numpy as np
 
 BASE_MODEL = "qwen3-vl-2b"
@@ -93,7 +94,6 @@ class _RandomWeights(Mapping):
         self.shapes = shapes
 
     def __getitem__(self, name: str) -> np.ndarray:
-        import ml_dtypes
         n = int(np.prod(self.shapes[name]))
         g = np.random.default_rng(zlib.crc32(name.encode()))
         tile = (0.02 * g.standard_normal(min(n, 1 << 20), np.float32)).astype(ml_dtypes.bfloat16)

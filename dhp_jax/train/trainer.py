@@ -13,16 +13,25 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.planner.contract.planfile import PlanLog
-from dhp_jax.train.config import TrainConfig
-from dhp_jax.train.interrupt import RunInterrupted, SigintGuard
+from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
+from dhp_jax.train.config import OptimConfig, TrainConfig
+from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
+from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.train.planner_thread import PlannerThread
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
+from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
 
@@ -31,12 +40,6 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any)
     """Jitted state init and update, shared by every run with the same model, optimizer and executor
     (a resumed run, or the runs of one test module, compile them once). The state is sharded over
     the executor's full mesh: params are its fp32 master vector, AdamW's moments follow it."""
-    import jax
-
-    from dhp_jax.model import init_params
-    from dhp_jax.train.config import OptimConfig
-    from dhp_jax.train.state import make_init, make_optimizer, make_update
-
     optimizer = make_optimizer(OptimConfig(*optim), steps)
     layout, sharding = executor.layout, executor.state_sharding
     init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
@@ -48,17 +51,10 @@ def _pretrained_state(executor: Any, params: Any, optim: tuple, steps: int, seed
     """(first state, jitted update) of a fine-tuning run: the checkpoint's params as the fp32
     master vector, sharded over the executor's full mesh like the stand-in's (AdamW's moments
     follow it)."""
-    import jax
-
-    from dhp_jax.train.config import OptimConfig
-    from dhp_jax.train.state import TrainState, make_optimizer, make_update, state_shardings
-
     optimizer = make_optimizer(OptimConfig(*optim), steps)
     flat = executor.shard(params)          # binds the layout; fp32[P_pad] sharded over the mesh
 
     def init(flat: Any, key: Any) -> Any:
-        import jax.numpy as jnp
-
         _, k_train = jax.random.split(key)
         return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=optimizer.init(flat), rng=k_train)
 
@@ -112,8 +108,6 @@ def checkpoint_dir(config: TrainConfig) -> Path:
 def check_resumable(config: TrainConfig) -> None:
     """`--resume` of a run that has no checkpoint directory: a `CheckpointError`, raised before
     anything (the checkpoint or compilation-cache directory) is created."""
-    from dhp_jax.train.checkpoint import CheckpointError
-
     path = checkpoint_dir(config)
     if not path.is_dir():
         raise CheckpointError(f"--resume: no checkpoint in {str(path.resolve())!r} (no run was saved there; "
@@ -149,10 +143,6 @@ class RunSetup:
 def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> RunSetup:
     """Config, devices >= ranks, the plan file (every plan), the planning cost model, the model
     preset, the first batch and its plan (validated against the devices); `TrainError` otherwise."""
-    import jax
-
-    from dhp_jax.model import MLLMConfig
-
     config.validate()
     hf_config = hf_params = None
     if config.model.pretrained:
@@ -232,8 +222,6 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, executor: Any = None, devices: Sequence[Any] | None = None,
                  step_timeout_s: float = 300.0):
-        import jax
-
         self.process_index = jax.process_index()
         self.multi_process = jax.process_count() > 1
         setup = prepare_run(config, devices)
@@ -282,8 +270,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
-        import jax
-
         if self.finetune:
             state, self._update = _pretrained_state(self.executor, self._hf_params, dataclasses.astuple(self.config.optim),
                                                     self.config.steps, self.config.seed)
@@ -295,8 +281,6 @@ class Trainer:
         return state
 
     def checkpointer(self):
-        from dhp_jax.train.checkpoint import Checkpointer
-
         return Checkpointer(self.ckpt_dir, every=self.config.checkpoint.every, keep=self.config.checkpoint.keep)
 
     @property
@@ -312,8 +296,6 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, state: Any, item: Any, on_compile: Any = None) -> tuple[Any, dict]:
         """Compile what the step's plan needs (timed apart), run it, update; returns the step's record."""
-        import jax
-
         done = item.step + 1
         digest = plan_hash(item.plan)   # of the plan handed to the executor below: the plan that runs
         if self._sync is not None:
@@ -348,8 +330,6 @@ class Trainer:
         """`_compile` on a helper thread while the main thread waits: `on_compile(missing, done,
         elapsed_s)` shows the progress every quarter second, and Ctrl-C ends the wait at once
         (`interrupt.SigintGuard`), leaving the compile to finish on its own."""
-        from dhp_jax.train.interrupt import wait_polling
-
         first = self.executor.num_compiles
         missing = [0]
 
@@ -382,8 +362,6 @@ class Trainer:
         A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
         `overwrite` (replace it); resuming a finished run changes nothing.
         """
-        from dhp_jax.train.planner_thread import PlannerThread
-
         cfg = self.config
         ckpt, state, start = self._begin(resume, overwrite)
         if ckpt is None:   # a finished run resumed: nothing to do
@@ -447,8 +425,6 @@ class Trainer:
         """The run's checkpointer, first state and first step: a fresh state, the restored one
         (`resume`), or an earlier run's checkpoints cleared (`overwrite`); refused otherwise.
         (None, state, start) when a resumed run is already finished."""
-        from dhp_jax.train.checkpoint import CheckpointError
-
         cfg = self.config
         if resume:
             check_resumable(cfg)   # before the checkpointer creates its directory
@@ -486,8 +462,6 @@ class Trainer:
         """The run's metrics writer, its plan log (None when `metrics.log_plans` is off) and, when
         resuming, the metrics records up to `start` (later ones were never checkpointed: they are
         cut from the files and redone)."""
-        from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
-
         cfg, mdir = self.config, self.metrics_dir
         earlier: list[dict] = []
         if resume:
@@ -522,7 +496,6 @@ class Trainer:
     def _data_summary(self, records: list[dict]) -> dict:
         """Fine-tuning data: records used and skipped (listed in data_issues.tsv), epochs, and the
         measured wait for decoded data per step (median)."""
-        import statistics
 
         from dhp_jax.data.finetune import write_issues
 
@@ -607,8 +580,6 @@ class Trainer:
         return extra
 
     def _restore_loader(self, meta: dict, start: int) -> None:
-        from dhp_jax.train.checkpoint import CheckpointError
-
         if not self.finetune:
             return
         if "loader" not in meta:
@@ -661,6 +632,4 @@ class Trainer:
         return lambda step, batch, plan: compiler.submit(compile_plan, batch, plan)
 
     def _lr(self, step: int) -> float:
-        from dhp_jax.train.state import make_schedule
-
         return float(make_schedule(self.config.optim, self.config.steps)(step))

@@ -26,6 +26,17 @@ import sys
 import time
 from typing import Any, Sequence
 
+import numpy as np
+
+from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+from dhp_jax.data.vision import family_for_model
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.api import reuse_placement
+from dhp_jax.planner.programs.cache import ProgramCache
+from dhp_jax.planner.programs.menu import fit_menu
+from dhp_jax.train.config import DataConfig
+from dhp_jax.train.pipeline import DataPipeline
+
 
 KINDS = ("bucket", "degree", "group")  # --kinds: planner.programs.menu's kind_per, "group" for none
 
@@ -62,8 +73,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | None = None,
              min_bucket: int | None = None) -> Any:
-    from dhp_jax.planner import CostModel
-
     over: dict[str, Any] = {}
     if growth is not None:
         over["bucket_growth"] = float(growth)
@@ -78,10 +87,6 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
     with its one attention kind (`kind_per`, see `planner.programs.menu.fit_menu`; None: chosen per group), on
     `degree_set` degrees ("aligned": those that tile nodes, `planner.programs.menu.aligned_degrees`; "any")."""
-    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.data.vision import family_for_model
-    from dhp_jax.planner.programs.menu import fit_menu
-
     vision = family_for_model(cost.model)
     cal = []
     for i in range(batches):
@@ -99,14 +104,6 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     that a sweep plans them once. `counts_at`: step counts at which the placement's counts are
     also kept (`placement_at`: {"200": summary after the first 200 batches}), since executables
     per program fall as a run meets its programs again."""
-    import numpy as np
-
-    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner import plan_batch
-    from dhp_jax.planner.api import reuse_placement
-    from dhp_jax.planner.programs.cache import ProgramCache
-    from dhp_jax.data.vision import family_for_model
-
     vision = family_for_model(cost.model)
     placed, free = ProgramCache(ranks_per_process), ProgramCache(ranks_per_process)
     plain = cost.replace(bucket_min=0, bucket_menu=(), menu_kinds=())  # the reference: no ladder, no menu
@@ -173,11 +170,7 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner import CostModel, plan_batch
-    from dhp_jax.planner.programs.cache import ProgramCache
     from dhp_jax.sharding import PlanExecutor
-    from dhp_jax.train.config import DataConfig
-    from dhp_jax.train.pipeline import DataPipeline
 
     devices = jax.devices()
     n = min(8, len(devices))
