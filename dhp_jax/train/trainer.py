@@ -24,10 +24,15 @@ import jax.numpy as jnp
 
 from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.planner.contract.planfile import PlanLog
+from dhp_jax.planner.programs.cache import ProgramCache, executed_view
+from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.protocol import check_executor
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
+from dhp_jax.train.compare import compare_plans
 from dhp_jax.train.config import OptimConfig, TrainConfig
+from dhp_jax.train.distributed import StepSync
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
-from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
+from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
@@ -88,8 +93,6 @@ def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
     when it first compiles: the first setting in a process holds."""
     if not setting:
         return None
-    import jax
-
     path = out_dir / "jax-cache" if setting == "auto" else Path(setting)
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
@@ -170,8 +173,6 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         plans = load_plan_file(p.plan_file, num_samples=config.data.batch_size, num_ranks=config.num_ranks,
                                steps=config.steps)
     if config.metrics.tensorboard:
-        from dhp_jax.train.metrics import tensorboard_writer
-
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
         cost = make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
@@ -231,15 +232,11 @@ class Trainer:
         self.finetune = setup.hf_config is not None
         enable_compilation_cache(config.compilation_cache, Path(config.metrics.out_dir))
         if executor is None:
-            from dhp_jax.sharding import PlanExecutor
-
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             if config.attention_tile:
                 kwargs["attention_tile"] = config.attention_tile
             executor = PlanExecutor(self.hf_config if self.finetune else self.model_config, self.devices,
                                     compute_dtype=config.compute_dtype, **kwargs)
-        from dhp_jax.sharding.protocol import check_executor
-
         self.executor = check_executor(executor)
         if self.plan_source.cost is not None and not self.plan_source.full_size:
             # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
@@ -251,8 +248,6 @@ class Trainer:
         # What the planner may assume compiled at step t: the programs of the plans of steps < t
         # (never what has finished compiling: that depends on timing); a plan needing a new one
         # pays the config's fixed price. The same on every process, so processes plan alike.
-        from dhp_jax.planner.programs.cache import ProgramCache
-
         self.plan_source.programs = ProgramCache(ranks_per_process(self.devices),
                                                  compile_s=float(config.planner.compile_price_s))
         self.plan_source.executed_ladder = (int(executor.min_bucket), float(executor.growth))
@@ -372,8 +367,6 @@ class Trainer:
                       f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
                       + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
         if self.multi_process:
-            from dhp_jax.train.distributed import StepSync
-
             self._sync = StepSync(self.step_timeout_s)
         metrics, plan_log, earlier = self._open_logs(resume, start)
         # after each step, in order: the step's programs recorded (the checkpoint stores them),
@@ -480,8 +473,6 @@ class Trainer:
         if summary and self.finetune:
             summary["data"] = self._data_summary(records)
         if summary and compare:
-            from dhp_jax.train.compare import compare_plans
-
             t0 = time.perf_counter()
             summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps,
                                                progress=cfg.metrics.progress and self.process_index == 0)
@@ -554,8 +545,6 @@ class Trainer:
         same log, across backends too)."""
         if not self.plan_source.full_size or self.plan_source.plans is not None:
             return plan
-        from dhp_jax.planner.programs.cache import executed_view
-
         rank_of = {d.id: r for r, d in enumerate(self.devices)}
         keys = [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
         return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
@@ -605,8 +594,6 @@ class Trainer:
             return
         if keys is None:
             if self.plan_source.plans is None and self.plan_source.strategy == "dhp" and start:
-                from dhp_jax.train.checkpoint import CheckpointError
-
                 raise CheckpointError(f"checkpoint step {meta.get('step')} holds no program record (written by an "
                                       "older dhp_jax): a resumed DHP run would plan differently from the "
                                       "uninterrupted one; start the run again or replay its plans.jsonl "
