@@ -15,6 +15,9 @@ Three measures on the local (fake CPU) devices, tiny model:
 `--device-check` is the GPU script: a reduced-depth internvl3-2b degree-1 group program at 8k and
 32k tokens, tiled path vs the cuDNN fused kernel, step time and memory. Without a GPU it says so in
 one line and exits 0.
+
+jax and the modules that import it are imported inside the functions: `run` asks for 8 fake CPU
+devices first, which works only before jax's first import.
 """
 
 from __future__ import annotations

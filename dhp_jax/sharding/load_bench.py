@@ -18,6 +18,10 @@ itself holds on the host beyond its result (the issue's goal: <= 1.5x the bf16 s
 `peak_over_baseline` = peak - baseline, everything included. The checkpoint's bytes are read
 through the OS page cache, which no process's RSS counts; the pages a read maps while it copies
 them do count (at most `BLOCK_BYTES` at a time).
+
+jax and the modules that import it are imported inside the functions the measuring child process
+runs: the parent, which writes the checkpoint and starts the child with its device count in the
+environment, never imports jax.
 """
 
 from __future__ import annotations

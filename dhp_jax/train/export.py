@@ -2,7 +2,9 @@
 checkpoint: the trained fp32 master params as safetensors with the source checkpoint's config.json
 (`hf.save_pretrained`), and the source's processor, tokenizer and chat-template files copied
 beside them, so that transformers' `from_pretrained` (and `dhp train model.pretrained=OUT_DIR`)
-loads it."""
+loads it.
+
+jax, orbax and the model are imported inside `run`, so `dhp export --help` stays quick."""
 
 from __future__ import annotations
 

@@ -149,7 +149,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     config.validate()
     hf_config = hf_params = None
     if config.model.pretrained:
-        from dhp_jax.model import hf
+        from dhp_jax.model import hf  # lazy, with the fine-tuning imports below: only a fine-tuning run needs them
 
         try:
             hf_config, hf_params = hf.load_pretrained(config.model.pretrained)
