@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET
-from dhp_jax.train.compiles_bench import cost_for, menu_cost, plan_run
+from dhp_jax.bench.compiles import cost_for, menu_cost, plan_run
 from experiments.common import save_figure
 
 
@@ -58,7 +58,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
                      references, counts_at=(early,))
         row = {"rule": name, "growth": g, "menu_budget": budget, "menu_kinds": kinds, "menu_max_degrees": max_degrees,
                "menu_degree_set": degree_set,
-               "menu_degrees": [d for d, _ in cost.bucket_menu], "off_menu_programs": r.get("off_menu_programs"),
+               "menu_degrees": [d for d, _ in cost.geometry.bucket_menu], "off_menu_programs": r.get("off_menu_programs"),
                "programs": r["placement"]["programs"], "padded_over_real": r["padded_over_real"],
                "executables_per_process_max": r["placement"]["executables_per_process_max"],
                "executables_per_program_per_process_max": r["placement"]["executables_per_program_per_process_max"],

@@ -27,7 +27,10 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from dhp_jax.data.sample import sample_etas, sample_lengths  # noqa: E402
+from dhp_jax.data.synthetic import random_samples  # noqa: E402
 from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
+from dhp_jax.planner import plan_batch  # noqa: E402
 from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, is_profile, mllm_preset  # noqa: E402
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E402
 from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
@@ -76,8 +79,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def make_batch(config: MLLMConfig, args: argparse.Namespace, step: int) -> list:
     """The step's synthetic batch: the same on every rank (seeded by seed and step)."""
-    from dhp_jax.data.synthetic import random_samples
-
     rng = np.random.default_rng([args.seed, step])
     lengths = rng.integers(args.min_len, args.max_len + 1, size=args.batch_size)
     return random_samples(config, lengths.tolist(), seed=args.seed * 1_000_003 + step)
@@ -99,9 +100,6 @@ class Planner:
             self.cost = cost_from_args(args, **extra)
 
     def _plan(self, samples: Sequence) -> Plan:
-        from dhp_jax.data.sample import sample_etas, sample_lengths
-        from dhp_jax.planner import plan_batch
-
         lengths = np.maximum(1, np.round(sample_lengths(samples) * self.args.length_scale)).astype(np.int64)
         # this executor needs every rank in some group (an idle process would have no shard to run)
         return plan_batch(lengths, self.world, self.cost, self.args.strategy, etas=sample_etas(samples),

@@ -7,7 +7,7 @@ import sys
 import jax
 
 from dhp_jax.model import MLLMConfig, init_params
-from dhp_jax.train import attention_bench
+from dhp_jax.bench import attention as attention_bench
 
 
 def test_tiles_of_a_causal_sample_on_a_zigzag_ring():

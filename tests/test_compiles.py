@@ -312,7 +312,7 @@ def test_menu_kinds_are_validated_and_round_trip():
     cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_growth=1.1)
     menu = BucketMenu({1: (64,), 8: (160, 320)}, {(1, 64): "ring", (8, 160): "hybrid:2x4", (8, 320): "ring"})
     with_menu = menu.apply(cost)
-    assert with_menu.menu_kinds == ((1, 64, "ring"), (8, 160, "hybrid:2x4"), (8, 320, "ring"))
+    assert with_menu.geometry.menu_kinds == ((1, 64, "ring"), (8, 160, "hybrid:2x4"), (8, 320, "ring"))
     assert CostModel.from_dict(json.loads(json.dumps(with_menu.to_dict()))) == with_menu
     assert menu.to_dict()["kinds"]["8,160"] == "hybrid:2x4" and menu.kind(8, 320) == "ring"
     with pytest.raises(ValueError, match="not a program of bucket_menu"):

@@ -1,5 +1,6 @@
 """Cost model: presets, the paper's formulas checked by hand, I/O, and the coefficient fit."""
 
+import dataclasses
 import json
 import math
 
@@ -10,7 +11,7 @@ from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.fit import fit_cost_model
 from dhp_jax.planner.cost.presets import MODELS
 from dhp_jax.planner.cost.tensor import valid_degrees
-from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.geometry import StreamGeometry, padded_length
 from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank, min_degree
 from dhp_jax.planner.cost.pricing import allreduce_time, group_time, sent_tokens
 
@@ -301,7 +302,7 @@ def test_structure_round_trips_and_bad_values_are_named(tmp_path):
     c = CostModel.preset("internvl3-2b", "cpu", bucket_min=16, bucket_growth=1.5)
     c.save(tmp_path / "c.json")
     back = CostModel.from_profile(tmp_path / "c.json")
-    assert back == c and back.compute_lanes == 2 and isinstance(back.bucket_min, int)
+    assert back == c and back.compute_lanes == 2 and isinstance(back.geometry.bucket_min, int)
     assert group_time(back, [123, 45], 3) == group_time(c, [123, 45], 3)
     with pytest.raises(ValueError, match="compute_lanes must be None or a positive integer, got 0"):
         c.replace(compute_lanes=0)
@@ -313,6 +314,29 @@ def test_structure_round_trips_and_bad_values_are_named(tmp_path):
         c.replace(linear_chunk=-4)
 
 
+def test_geometry_is_one_field_and_flat_cost_files_still_load(tmp_path):
+    """The executor's geometry is `CostModel.geometry` (a `StreamGeometry`): written under "geometry",
+    read from there or flat (cost files written when it was five fields of the class); both at once
+    is refused, and so is an unknown geometry key."""
+    c = CostModel.preset("internvl3-8b", "ascend-910b").replace(
+        bucket_menu=((1, (4096, 8192)), (2, (8192,))), menu_kinds=((1, 4096, "ring"), (2, 8192, "ulysses")))
+    assert c.geometry == StreamGeometry(16, 2.0, 256, ((1, (4096, 8192)), (2, (8192,))),
+                                        ((1, 4096, "ring"), (2, 8192, "ulysses")))
+    new = json.loads(json.dumps(c.to_dict()))
+    assert not set(StreamGeometry.FIELDS) & set(new) and new["geometry"]["bucket_min"] == 16
+    flat = {k: v for k, v in new.items() if k != "geometry"} | new["geometry"]
+    (tmp_path / "old.json").write_text(json.dumps(flat))
+    assert CostModel.from_dict(new) == CostModel.from_profile(tmp_path / "old.json") == c
+    assert CostModel.from_dict({k: v for k, v in flat.items() if k not in StreamGeometry.FIELDS}).geometry \
+        == StreamGeometry()                                    # a file without geometry: no padding
+    with pytest.raises(ValueError, match="both flat and under 'geometry'"):
+        CostModel.from_dict({**new, "bucket_min": 16})
+    with pytest.raises(ValueError, match="unknown stream geometry field"):
+        CostModel.from_dict({**new, "geometry": {**new["geometry"], "bucket_max": 9}})
+    with pytest.raises(ValueError, match="must be a StreamGeometry"):
+        dataclasses.replace(c, geometry=new["geometry"])
+
+
 def test_accelerator_presets_price_the_padding_by_hand():
     """Every preset prices the executor's bucket: pad tokens go around the ring and into memory,
     through the linear layers only in the busiest rank's last real chunk (`linear_chunk`; all of
@@ -320,16 +344,16 @@ def test_accelerator_presets_price_the_padding_by_hand():
     from dhp_jax.geometry.layout import bucket_length
 
     c = CostModel.preset("internvl3-8b", "ascend-910b")
-    assert c.bucket_min > 0 and not c.padded_attention
+    assert c.geometry.bucket_min > 0 and not c.padded_attention
     assert CostModel.preset("internvl3-8b", "cpu").padded_attention
     lengths, etas, d = [15000, 5000], [0.5, 0.0], 3
-    P = bucket_length(sum(lengths), d, c.bucket_min, c.bucket_growth)
+    P = bucket_length(sum(lengths), d, c.geometry.bucket_min, c.geometry.bucket_growth)
     assert sum(lengths) < P <= max_tokens_per_rank(c) * d  # a rung the memory clamp leaves alone
     A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
     t_cm = c.kv_bytes_per_token / c.bw_intra * P * (d - 1) / d + c.lat_intra * (d - 1)
     # the executor skips its pad chunks: the busiest rank computes ceil(S/d) real tokens rounded up
     # to chunks; P/d = 10924 slots cut into ceil(10924/256) = 43 chunks of 255 rows
-    assert c.linear_chunk == 256 and P // d == 10924
+    assert c.geometry.linear_chunk == 256 and P // d == 10924
     computed = {256: d * math.ceil(math.ceil(sum(lengths) / d) / 255) * 255, 0: P}
     assert computed[256] == 3 * 27 * 255 < P
     for chunk, W in computed.items():

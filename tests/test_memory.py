@@ -125,7 +125,7 @@ def test_cost_model_matches_the_compiled_step():
     peak and each phase other than the group program (gather, reductions, update) within 10 %, and
     the step's peak is its group program: the reductions hold one row and one fp32 piece."""
     from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, compiled_bytes, model_shape
-    from dhp_jax.train.step_memory import compiled_phases, step_programs
+    from dhp_jax.bench.step_memory import compiled_phases, step_programs
 
     cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
                      vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
@@ -198,7 +198,7 @@ def test_preset_memory_follows_its_linear_chunk():
     m = presets.MODELS["internvl3-8b"]
     chunked = CostModel.preset("internvl3-8b", "ascend-910b")
     one_pass = CostModel.preset("internvl3-8b", "ascend-910b", linear_chunk=0)
-    assert chunked.linear_chunk > 0 and one_pass.linear_chunk == 0
+    assert chunked.geometry.linear_chunk > 0 and one_pass.geometry.linear_chunk == 0
     assert one_pass.mem_per_token > chunked.mem_per_token
     assert one_pass.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2)
     assert chunked.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2, chunked=True)
@@ -210,13 +210,13 @@ def test_replace_linear_chunk_rederives_a_presets_memory():
     did not derive (an override, a field the change names, a cost loaded from a profile) are kept."""
     kw = {"remat": "selective", "state_shards": 16}
     base = CostModel.preset("internvl3-2b", "ascend-910b", **kw)
-    for chunk in (0, 128, 8192, base.linear_chunk):
+    for chunk in (0, 128, 8192, base.geometry.linear_chunk):
         assert base.replace(linear_chunk=chunk) == CostModel.preset("internvl3-2b", "ascend-910b", linear_chunk=chunk, **kw)
     one_pass = base.replace(linear_chunk=0)
     assert one_pass.mem_per_token > base.mem_per_token
     wide = base.replace(linear_chunk=8192)     # a chunk whose working set outgrows the loss chunk's logits
     assert wide.fixed_bytes > base.fixed_bytes and wide.memory_budget < base.memory_budget
-    assert one_pass.replace(linear_chunk=base.linear_chunk) == base
+    assert one_pass.replace(linear_chunk=base.geometry.linear_chunk) == base
     pinned = CostModel.preset("internvl3-2b", "ascend-910b", memory_budget=5e9, **kw).replace(linear_chunk=0)
     assert pinned.memory_budget == 5e9 and pinned.mem_per_token == one_pass.mem_per_token
     named = base.replace(linear_chunk=0, mem_per_token=123.0)

@@ -96,7 +96,7 @@ def test_token_counts_are_the_executor_stream(strategy):
         lay = pack_group([samples[s] for s in g.samples], g.degree, cfg)
         assert (g.tokens, g.padded_tokens) == (lay.num_tokens, lay.bucket), g
     # with a padding ladder in the cost model, the plan pads on that ladder (the same function)
-    padded = dataclasses.replace(cost, bucket_min=64, bucket_growth=1.5)
+    padded = cost.replace(bucket_min=64, bucket_growth=1.5)
     for g in plan_batch(samples, 8, padded, strategy=strategy, **_limit(strategy)).groups:
         assert g.padded_tokens == bucket_length(g.tokens, g.degree, 64, 1.5)
         assert g.padded_tokens == pack_group([samples[s] for s in g.samples], g.degree, cfg,

@@ -231,14 +231,14 @@ def test_allocation_prices_padded_groups_as_the_cost_model_does():
     from dhp_jax.planner.solvers.allocate import scalar_time
 
     cost = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)
-    assert cost.bucket_min  # this preset pads, so the scalar bucket rule is exercised
+    assert cost.geometry.bucket_min  # this preset pads, so the scalar bucket rule is exercised
     menu = ((4, (4096, 8192, 65536)), (8, (16384,)), (4, (8,)))
-    bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, max_tokens_per_rank(cost), menu)
+    bucket = scalar_bucketer(cost.geometry.bucket_min, cost.geometry.bucket_growth, max_tokens_per_rank(cost), menu)
     t = scalar_time(cost)
     rng = np.random.default_rng(2)
     for _ in range(500):
         S, d = float(rng.integers(1, 400_000)), int(rng.integers(1, 65))
-        assert bucket(S, d) == float(bucket_lengths(S, d, cost.bucket_min, cost.bucket_growth,
+        assert bucket(S, d) == float(bucket_lengths(S, d, cost.geometry.bucket_min, cost.geometry.bucket_growth,
                                                     max_tokens_per_rank(cost), menu))
         A, B = cost.a1 * S * S, cost.a2 * S
         assert t(A, B, S, d) == pytest.approx(float(group_times(cost, A, B, S, d)), rel=1e-12)

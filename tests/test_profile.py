@@ -72,7 +72,7 @@ def test_fit_recovers_coefficients_with_lanes_and_padding():
     cost, report = fit_profile(measurements, base, holdout_every=4)
     for name in ("a1", "a2", "a2_vision", "b1", "lat_intra"):
         assert getattr(cost, name) == pytest.approx(getattr(truth, name), rel=1e-4), name
-    assert cost.compute_lanes == 2 and cost.bucket_min == 16 and not cost.comm_overlap
+    assert cost.compute_lanes == 2 and cost.geometry.bucket_min == 16 and not cost.comm_overlap
     assert report["held_out_mean_rel_error"] < 1e-6
     # the same timings fitted without the structure cannot explain them
     _, plain = fit_profile(measurements, base.replace(compute_lanes=None, bucket_min=0, comm_overlap=True),

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from dhp_jax.model import hf
+from dhp_jax.model import MLLMConfig, hf
 from dhp_jax.sharding import PlanExecutor, load_sharded
 from dhp_jax.sharding import load_bench as lb
 from dhp_jax.sharding.family import FamilyExecutor
@@ -88,6 +88,8 @@ def test_wrong_executor_is_refused(synthetic):
     other["text_config"]["num_hidden_layers"] += 1
     with pytest.raises(ValueError, match="config.json is not the config of this executor"):
         load_sharded(path, PlanExecutor(hf.parse_config(other)))
+    with pytest.raises(ValueError, match="config.json is not the config of this executor"):
+        load_sharded(path, PlanExecutor(MLLMConfig.preset("tiny")))        # not a family executor
     # the family executor's own checks (shared with PlanExecutor's)
     with pytest.raises(TypeError, match="float32 params"):
         PlanExecutor(config).bind(jax.tree.map(lambda x: x.astype(np.float16), params))

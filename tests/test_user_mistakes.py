@@ -5,6 +5,8 @@ All in-process and cheap: no step runs, nothing is compiled.
 """
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +99,16 @@ def test_gantt_has_a_legend_and_labels_each_block_of_a_wrapped_group():
     assert "gradient all-reduce" in labels and any("node boundary" in x for x in labels)
     assert any(a.get_ylabel().startswith("group degree") for a in fig.axes if a is not ax)   # the colour bar
     plt.close(fig)
+
+
+def test_bench_imports_only_the_chosen_target():
+    """`dhp bench planner` imports the planner's bench alone (no other target's module, no jax), and a
+    target's options and help come from its own module when it is chosen."""
+    code = ("import sys; from dhp_jax.cli import _parser; "
+            "a = _parser('bench').parse_args(['bench', 'planner', '--repeats', '2', '--json']); "
+            "assert a.repeats == 2 and a.json, a; "
+            "assert 'jax' not in sys.modules and 'dhp_jax.bench.compiles' not in sys.modules, 'other targets imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "dhp_jax", "bench", "compiles", "--help"], capture_output=True,
+                         text=True, check=True, timeout=120).stdout
+    assert "--ranks-per-process" in out

@@ -11,16 +11,16 @@ import time
 
 import numpy as np
 
+from dhp_jax.data.example import write_example_data, write_processor_files
+from dhp_jax.data.finetune import FinetuneData
+from dhp_jax.data.loader import Loader
+from dhp_jax.data.sources import iter_source
+
 
 def measure(family: str, samples: int, batch: int, workers: int, batches: int, data_dir: str | None = None,
             checkpoint: str | None = None, step_s: float = 0.0, max_side: int = 300, published: bool = False) -> dict:
     """Throughput (`step_s` = 0: the consumer takes batches as fast as they come) or, with a
     simulated step time, the consumer's wait per step once the loader runs ahead."""
-    from dhp_jax.data.example import write_example_data, write_processor_files
-    from dhp_jax.data.finetune import FinetuneData
-    from dhp_jax.data.loader import Loader
-    from dhp_jax.data.sources import iter_source
-
     with tempfile.TemporaryDirectory(prefix="dhp-bench-data-") as tmp:
         if checkpoint is None:
             checkpoint = os.path.join(tmp, "checkpoint")

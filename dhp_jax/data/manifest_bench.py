@@ -18,6 +18,8 @@ import time
 
 import numpy as np
 
+from dhp_jax.data.manifest import ManifestStats, iter_manifest
+
 _QUESTIONS = ("What is happening in this video?", "Describe the image in detail.",
               "What color is the bus on the left?", "Summarise the clip in one sentence.",
               "Read the text on the sign.")
@@ -57,7 +59,6 @@ def write_synthetic_manifest(path: str, num_lines: int, seed: int = 0) -> None:
 
 def measure(path: str, repeats: int, vision: str) -> dict:
     """Lines/s of `iter_manifest` over `repeats` full passes."""
-    from dhp_jax.data.manifest import ManifestStats, iter_manifest
     rates, cpu_rates = [], []
     for _ in range(repeats):
         stats = ManifestStats()

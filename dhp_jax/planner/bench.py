@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+from dhp_jax.planner.api import plan_batch
 from dhp_jax.planner.cli_args import add_cost_args, cost_model
 
 SIZES = ((8, 128), (64, 512), (256, 2048), (1024, 4096), (4096, 16384))
@@ -45,9 +47,6 @@ def bench(sizes: tuple[tuple[int, int], ...] = SIZES, repeats: int = 10, model: 
           hardware: str = "ascend-910b", strategy: str = "dhp", cost: str | None = None,
           progress: bool = False) -> dict[str, Any]:
     # lazy: `dhp bench --help` imports only the argument parsers
-    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner.api import plan_batch
-
     cost = cost_model(cost or model, hardware)
     rows = []
     for ranks, batch in sizes:

@@ -89,6 +89,7 @@ def plot_plan(plan: Any, path: str | Path, title: str = "", allreduce_s: float =
     import matplotlib  # lazy: optional dependency
 
     matplotlib.use("Agg")
+    # lazy: matplotlib is optional and slow to import
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(10, max(3.0, min(12.0, plan.num_ranks * 0.12))))

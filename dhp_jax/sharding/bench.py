@@ -28,6 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from dhp_jax.data.synthetic import random_samples
+from dhp_jax.devices import force_cpu_devices
+from dhp_jax.geometry.layout import pack_group
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+
 PLANS = {
     "3+5": [[(0, 1, 2), "a"], [(3, 4, 5, 6, 7), "b"]],
     "1+2+5": [[(0,), "a"], [(1, 2), "a"], [(3, 4, 5, 6, 7), "b"]],
@@ -68,10 +73,7 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
     """Host-side overhead of one DHP step on the local devices; `progress` says each phase on stderr."""
     import jax  # lazy: `dhp bench --help` and the target table stay jax-free
 
-    from dhp_jax.data.synthetic import random_samples
-    from dhp_jax.geometry.layout import pack_group
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
     from dhp_jax.sharding.executor import PlanExecutor, pack_inputs
 
     lengths = list(lengths or [300, 180, 120, 90, 60, 40, 30, 20, 12, 6, 3, 1])
@@ -151,8 +153,6 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.devices import force_cpu_devices
-
     force_cpu_devices(args.devices)
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     res = bench(args.plan, lengths, args.repeats, {} if args.full_opt else None, progress=True)

@@ -161,7 +161,7 @@ class PlanExecutor:
     function from (axis name, degree) instead of the tiled ring. `linear_chunk` (tokens, default
     `dhp_jax.geometry.layout.LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
     of a shard's padding tail (`MLLMConfig.linear_chunk`): a rank computes ceil(real / chunk)
-    chunks, what `CostModel(pad_compute="skip")` prices.
+    chunks, what `CostModel.geometry.linear_chunk` prices.
     """
 
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> "PlanExecutor":

@@ -22,8 +22,16 @@ full depth (the per-layer bytes, compiled and modelled, are compared in `layer_r
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import time
 from typing import Any, Mapping, Sequence
+
+from dhp_jax.data.model_configs import hf_layout, model_config
+from dhp_jax.planner import CostModel
+from dhp_jax.planner.cost.memory import group_program_bytes
+from dhp_jax.planner.cost.presets import ModelShape
 
 BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
 
@@ -31,10 +39,6 @@ BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks
 def load_model_config(name: str) -> tuple[str, dict]:
     """(name, config.json dict) of a stored model (`dhp_jax/data/models`) or a model file (a path to
     a JSON record with a "config" object, as stored there, or to a bare config.json)."""
-    import json
-    import os
-
-    from dhp_jax.data.model_configs import hf_layout, model_config
     if os.path.isfile(name):
         with open(name) as f:
             record = json.load(f)
@@ -45,9 +49,6 @@ def load_model_config(name: str) -> tuple[str, dict]:
 
 def model_shape(raw: Mapping[str, Any], params: int) -> Any:
     """The planner's `ModelShape` of config.json dict `raw`, with `params` parameters."""
-    import dataclasses
-
-    from dhp_jax.planner.cost.presets import ModelShape
     return dataclasses.replace(ModelShape.from_config(raw), param_count=int(params))
 
 
@@ -77,9 +78,6 @@ def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, h
              compute_dtype: str = "float32", state_shards: int = 64) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
     group of `degree` devices and `tokens` tokens, at the family program's engine choices."""
-    from dhp_jax.planner import CostModel
-    from dhp_jax.planner.cost.memory import group_program_bytes
-
     cost = CostModel.preset(model_shape(raw, params), hardware, remat=REMAT, compute_dtype=compute_dtype,
                             state_shards=state_shards, require_fit=False)
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))

@@ -18,6 +18,10 @@ itself holds on the host beyond its result (the issue's goal: <= 1.5x the bf16 s
 `peak_over_baseline` = peak - baseline, everything included. The checkpoint's bytes are read
 through the OS page cache, which no process's RSS counts; the pages a read maps while it copies
 them do count (at most `BLOCK_BYTES` at a time).
+
+jax and the modules that import it are imported inside the functions the measuring child process
+runs: the parent, which writes the checkpoint and starts the child with its device count in the
+environment, never imports jax.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import time
 import zlib
 from typing import Any, Mapping
 
+import ml_dtypes
 import numpy as np
 
 BASE_MODEL = "qwen3-vl-2b"
@@ -94,7 +99,6 @@ class _RandomWeights(Mapping):
         self.shapes = shapes
 
     def __getitem__(self, name: str) -> np.ndarray:
-        import ml_dtypes
         n = int(np.prod(self.shapes[name]))
         g = np.random.default_rng(zlib.crc32(name.encode()))
         tile = (0.02 * g.standard_normal(min(n, 1 << 20), np.float32)).astype(ml_dtypes.bfloat16)

@@ -11,7 +11,7 @@ linearly (rows say `"extrapolated": true`). On CPU devices the bench compiles
 with XLA:CPU's memory-minimising scheduler (`CPU_MEMORY_SCHEDULER`). `"fits"` answers the sizing
 question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
 compiled bytes + the state shard against the device's usable bytes. A whole step (every program
-it runs, in dispatch order) is `dhp bench memory --step` (`dhp_jax.train.step_memory`).
+it runs, in dispatch order) is `dhp bench memory --step` (`dhp_jax.bench.step_memory`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ import sys
 import time
 from typing import Any, Sequence
 
+from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import group_program_bytes, rank_state_bytes
+from dhp_jax.planner.cost.presets import ModelShape
 
 DEGREES = (1, 2, 4, 8)
 TOKENS = (8192, 32768, 65536)
@@ -46,8 +48,6 @@ BASE_DEPTH = 2      # extrapolation base: (2, 2) layers, steps to (3, 2) and (2,
 
 def model_shape(config: Any) -> Any:
     """The planner's `presets.ModelShape` of an `MLLMConfig` (for `CostModel.preset` of any model)."""
-    from dhp_jax.planner.cost.presets import ModelShape
-
     c = config
     return ModelShape(c.num_layers, c.num_heads, c.num_kv_heads, c.d_model, c.d_ff, c.head_dim, c.vocab_size,
                       c.vision_layers, c.vision_dim, c.vision_ff, vision_heads=c.vision_heads,
@@ -93,7 +93,6 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     import jax
 
     from dhp_jax.model import MLLMConfig
-    from dhp_jax.planner import CostModel
 
     devices = jax.devices()
     if max(degrees) > len(devices):
@@ -143,8 +142,6 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from dhp_jax.planner import CostModel
-
     parser.add_argument("--model", action="append", choices=CostModel.MODELS,
                         help="model preset (repeatable; default: all six)")
     parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
@@ -179,8 +176,6 @@ def use_cpu_devices(count: int) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.planner import CostModel
-
     use_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     if args.families:
@@ -212,7 +207,6 @@ def run(args: argparse.Namespace) -> int:
 
 def run_families(args: argparse.Namespace, ints: Any) -> int:
     """`dhp bench memory --families`: the family group programs (`family_memory.measure_families`)."""
-    import sys
 
     from dhp_jax.sharding import family_memory
 

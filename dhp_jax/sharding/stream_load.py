@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from jax import lax
 
-from dhp_jax.model.hf.config import read_config_json
+from dhp_jax.model.hf.config import HFConfig, read_config_json
 from dhp_jax.model.hf.stream import BLOCK_BYTES, abstract_params, checkpoint_sources
 
 CHUNK_ELEMENTS = 1 << 24     # fp32 elements per host chunk (64 MiB)
@@ -63,7 +63,7 @@ def load_sharded(path: str, executor: Any, chunk_elements: int = CHUNK_ELEMENTS,
     family executor (`PlanExecutor(config)` with the checkpoint's `HFConfig`); its flat layout is
     bound to the checkpoint's tree (or checked against the one it has)."""
     config, sources = checkpoint_sources(path)
-    if getattr(executor, "config", None) is None or getattr(executor.config, "family", None) != config.family \
+    if not isinstance(executor.config, HFConfig) or executor.config.family != config.family \
             or dict(executor.config.raw) != dict(read_config_json(path)):
         raise ValueError(f"{path}: its config.json is not the config of this executor "
                          f"(build it with PlanExecutor(hf.load_config({path!r})))")

@@ -14,6 +14,9 @@ import json
 import time
 from typing import Any
 
+from dhp_jax.devices import force_cpu_devices
+from dhp_jax.planner.contract.kinds import attention_kinds
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--local-length", type=int, default=128, help="tokens per device (default 128)")
@@ -27,7 +30,6 @@ def measure(local_length: int, degrees: list[int]) -> list[dict[str, Any]]:
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner.contract.kinds import attention_kinds
     from dhp_jax.sharding import PlanExecutor
 
     config = MLLMConfig.preset("tiny", num_heads=8, num_kv_heads=2)
@@ -51,8 +53,6 @@ def measure(local_length: int, degrees: list[int]) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.devices import force_cpu_devices
-
     force_cpu_devices(args.devices)
     degrees = [int(x) for x in str(args.degrees).split(",") if x.strip()]
     rows = measure(int(args.local_length), degrees)

@@ -14,6 +14,8 @@ import numpy as np
 from dhp_jax.checks import positive_int
 from dhp_jax.data.token_profile import TokenProfile, histogram, load_profile, summary
 from dhp_jax.data.vision import family_for_model
+from dhp_jax.planner.cli_args import cost_model
+from dhp_jax.planner.compare import compare_strategies
 
 DEFAULT_STRATEGIES = ("dhp", "static-ring:best", "static-ulysses:best")
 
@@ -28,9 +30,6 @@ def simulate(profile: TokenProfile, model: str, hardware: str, ranks: int, batch
     ":best" baselines pick their best degree per batch, which favours them over one fixed degree.
     `cost` (a profile path or MODEL/HARDWARE) replaces the preset of `model` on `hardware`.
     """
-    from dhp_jax.planner.cli_args import cost_model
-    from dhp_jax.planner.compare import compare_strategies
-
     source, cost = cost, cost_model(cost or model, hardware, ranks_per_node=ranks_per_node)
     rng = np.random.default_rng(seed)
     total, eta = profile.total, profile.eta

@@ -13,6 +13,7 @@ from typing import Any
 # data package; `vision_family` is kept as the simulator's name for it.
 from dhp_jax.checks import positive_int
 from dhp_jax.data.vision import family_for_model as vision_family
+from dhp_jax.planner import CostModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +81,6 @@ class Cluster:
 
     def cost_model(self) -> Any:
         """The planner's cost model for this cluster (bandwidth overrides applied)."""
-        from dhp_jax.planner import CostModel
-
         overrides: dict[str, Any] = {}
         if self.intra_node_gbps is not None:
             overrides["bw_intra"] = self.intra_node_gbps * 1e9

@@ -13,6 +13,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from dhp_jax.data import make_dataset, sample_lengths
+from dhp_jax.planner.compare import compare_strategies
 from dhp_jax.planner.cost.pricing import allreduce_time, makespans, plan_group_times
 from dhp_jax.sim.cluster import Cluster
 
@@ -92,8 +94,6 @@ class SimRun:
 def make_batches(dataset: str, batch: int, steps: int, seed: int, vision: str) -> list[list[Any]]:
     """`steps` global batches of `batch` samples; batch i is drawn with seed `seed * 1_000_003 + i` so
     that every strategy sees the very same data."""
-    from dhp_jax.data import make_dataset
-
     return [make_dataset(dataset, batch, seed * 1_000_003 + i, vision=vision) for i in range(steps)]
 
 
@@ -105,9 +105,6 @@ def simulate(cluster: Cluster, dataset: str | Sequence[Sequence[Any]], strategy:
     `dataset` is a dataset name (or manifest path) for `make_dataset`, or already drawn batches
     (lists of `Sample`s), which lets several strategies share one draw.
     """
-    from dhp_jax.data import sample_lengths
-    from dhp_jax.planner.compare import compare_strategies
-
     cost = cost if cost is not None else cluster.cost_model()
     if isinstance(dataset, str):
         name, batches = dataset, make_batches(dataset, batch, steps, seed, cluster.vision)

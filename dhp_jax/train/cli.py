@@ -9,8 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from typing import Any
+
+from dhp_jax.train.config import ConfigError, load_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,8 +53,6 @@ def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.train.config import ConfigError, load_config
-
     config_path, overrides = _split_args(list(args.args))
     if args.strategy:
         overrides.append(f"planner.strategy={args.strategy}")
@@ -143,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _say_interrupted(e: Any, args: argparse.Namespace) -> None:
     """One line: where the run stopped and the command that continues it."""
-    import shlex
-
     again = ["dhp", "train", *args.args] + [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in
                                             ("strategy", "plan_file", "out") if getattr(args, k)]
     if e is not None and e.checkpoint:

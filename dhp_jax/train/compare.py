@@ -16,8 +16,10 @@ import statistics
 import time
 from typing import Any
 
-from dhp_jax.planner.compare import Comparison
+from dhp_jax.planner import CostModel, PlanningError
+from dhp_jax.planner.compare import Comparison, compare_strategies
 from dhp_jax.planner.cost.pricing import allreduce_time
+from dhp_jax.train.metrics import phase_bar
 from dhp_jax.train.plans import PlanSource
 
 
@@ -31,9 +33,6 @@ def _time_plan(executor: Any, params: Any, samples: list, plan: Any) -> float:
 
 def measured_comparison(trainer: Any, params: Any, batches: list, strategies: list[str], repeats: int,
                         progress: bool = False) -> dict:
-    from dhp_jax.planner import PlanningError
-    from dhp_jax.train.metrics import phase_bar
-
     n, p = trainer.config.num_ranks, trainer.config.planner
     out: dict[str, Any] = {}
     plans = {}
@@ -69,9 +68,6 @@ def simulated_comparison(batches: list[list], strategies: list[str], cost: Any, 
                          progress: bool = False) -> tuple[dict, Any]:
     """Mean simulated step time per strategy over `batches` (lists of unscaled samples); also the
     first batch's DHP plan (for a picture). Strategy by strategy, each a tick of a progress bar."""
-    from dhp_jax.planner.compare import compare_strategies
-    from dhp_jax.train.metrics import phase_bar
-
     runs = {}
     with phase_bar(len(strategies), f"compare: simulating {len(strategies)} strategies on {num_ranks} ranks "
                    f"({cost.model} on {cost.hardware})", progress) as bar:
@@ -91,8 +87,6 @@ def _comparison(results: dict) -> Comparison:
 
 def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = False) -> dict:
     """DHP vs the best static plan on `compare.batches` fresh batches (steps after the run's last)."""
-    from dhp_jax.planner import CostModel
-
     cfg = trainer.config
     c = cfg.compare
     batches = [trainer.pipeline.batch(first_step + i) for i in range(c.batches)]

@@ -3,7 +3,9 @@ Face checkpoint: the trained fp32 master params as safetensors with the source c
 config.json (`hf.save_pretrained`), and the source's processor, tokenizer and chat-template files
 copied beside them, so that transformers' `from_pretrained` (and `dhp train model.pretrained=OUT_DIR`)
 loads it. Only the run's params vector is read (the source's weights never are: its headers give
-the layout), and OUT_DIR appears complete or not at all (written beside it, then renamed)."""
+the layout), and OUT_DIR appears complete or not at all (written beside it, then renamed).
+
+jax, orbax and the model are imported inside `run`, so `dhp export --help` stays quick."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
+from dhp_jax.data import make_dataset
 from dhp_jax.data.sample import Sample, Segment, sample_etas, sample_lengths
 from dhp_jax.train.config import DataConfig
 
@@ -65,8 +66,6 @@ class DataPipeline:
     # ------------------------------------------------------------------ lengths
     def source_batch(self, step: int, batch_size: int | None = None) -> list[Sample]:
         """The unscaled, payload-free samples of step `step` (`batch_size` of them: default the run's)."""
-        from dhp_jax.data import make_dataset  # the data package, imported when first needed
-
         return make_dataset(self.cfg.dataset, batch_size or self.cfg.batch_size, _step_seed(self.cfg.seed, step))
 
     def scale_segments(self, sample: Sample) -> list[tuple[str, int, int | None]]:

@@ -10,8 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Sequence
 
+from dhp_jax.geometry.layout import bucket_length
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.cli_args import cost_model as load
 from dhp_jax.planner.contract.plan import Plan
 from dhp_jax.planner.contract.planfile import PlanFileError, load_plan_file, plan_at
+from dhp_jax.planner.cost.presets import ModelShape
+from dhp_jax.planner.solvers.strategies import lookup
 
 __all__ = ["PlanFileError", "PlanSource", "load_plan_file", "make_cost"]
 
@@ -42,9 +47,6 @@ class PlanSource:
         if self.plans is not None:
             plan = plan_at(self.plans, step)
         else:
-            from dhp_jax.planner import plan_batch
-            from dhp_jax.planner.solvers.strategies import lookup
-
             kwargs: dict[str, Any] = {}
             # planner.num_micro_batches fixes the count of the strategies that choose one (the
             # static baselines' count follows from their degree: they take no such option)
@@ -72,8 +74,6 @@ class PlanSource:
         when the plan is made at full size (None: the plan's own buckets are the executor's)."""
         if not self.full_size or self.executed_ladder is None:
             return None
-        from dhp_jax.geometry.layout import bucket_length
-
         tokens = [s.num_tokens for s in batch.samples]
         min_bucket, growth = self.executed_ladder
         return lambda degree, ids: bucket_length(sum(tokens[i] for i in ids), degree, min_bucket, growth)
@@ -91,15 +91,10 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
     of the run (`CostModel.state_shards`; default: `ranks_per_node`); `comm_overlap` (None: the
     hardware's) says whether ring traffic hides behind attention.
     """
-    from dhp_jax.planner.cli_args import cost_model as load
-
     if cost_profile:
         return load(cost_profile, profile=True)
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
     if cost_model is None and checkpoint:   # the fine-tuned checkpoint's own shape (its config.json)
-        from dhp_jax.planner import CostModel
-        from dhp_jax.planner.cost.presets import ModelShape
-
         return CostModel.preset(ModelShape.from_config(checkpoint), hardware, ranks_per_node=ranks_per_node,
                                 state_shards=num_ranks or ranks_per_node, **extra)
     return load(cost_model or DEFAULT_COST_MODEL, hardware, ranks_per_node=ranks_per_node, state_shards=num_ranks or ranks_per_node,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -22,6 +23,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from dhp_jax.data.sample import Sample, Segment
+from dhp_jax.planner.contract.kinds import attention_kinds
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.planner.cost.fit import fit_cost_model
 from dhp_jax.planner.cost.pricing import group_time
 
 # measure(lengths, etas, degree, attention) -> seconds for one group holding these sequences.
@@ -51,8 +56,6 @@ def default_points(degrees: Sequence[int], lengths: Sequence[int], eta: float = 
     linear (per token) terms; mixing etas separates bidirectional from causal attention work; the
     other kinds' points add all-to-all traffic, which the ring never has.
     """
-    from dhp_jax.planner.contract.kinds import attention_kinds
-
     unknown = set(kinds) - {"ring", "ulysses", "hybrid"}
     if unknown or "ring" not in kinds:
         raise ValueError(f"profile kinds must include 'ring' and be among ring, ulysses, hybrid; got {list(kinds)}")
@@ -119,8 +122,6 @@ def measure_points(points: Sequence[ProfilePoint], measure: MeasureFn,
 
 def fit_profile(measurements: Sequence[dict], base: Any, holdout_every: int = 4, seed: int = 0) -> tuple[Any, dict]:
     """Fit on the training split, report the error on the held-out split. Returns (cost, report)."""
-    from dhp_jax.planner.cost.fit import fit_cost_model
-
     points = [ProfilePoint(tuple(m["lengths"]), tuple(m.get("etas") or [0.0] * len(m["lengths"])), m["degree"],
                            m.get("attention", "ring")) for m in measurements]
     train_idx, held_idx = split_points(points, holdout_every, seed)
@@ -159,8 +160,6 @@ class ExecutorTimer:
 
     def samples(self, lengths: Sequence[int], etas: Sequence[float]) -> list:
         """Real payload samples: a vision span of share sqrt(eta) then text (eta = (v/L)^2)."""
-        from dhp_jax.data.sample import Sample, Segment
-
         rng = np.random.default_rng(self.seed)
         out = []
         for i, (n, eta) in enumerate(zip(lengths, etas)):
@@ -177,7 +176,6 @@ class ExecutorTimer:
     def __call__(self, lengths: Sequence[int], etas: Sequence[float], degree: int, attention: str = "ring") -> float:
         import jax
 
-        from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 
         if degree > self.num_devices:
             raise ValueError(f"profile degree {degree} exceeds the {self.num_devices} devices available")
@@ -202,8 +200,6 @@ class ExecutorTimer:
 
 def host_cores() -> int:
     """Cores this process may run on: the parallelism fake CPU devices really get."""
-    import os
-
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -212,8 +208,6 @@ def host_cores() -> int:
 
 def load_average() -> list[float] | None:
     """The host's 1/5/15-minute load averages (None where the OS has none): context for timings."""
-    import os
-
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):

@@ -13,16 +13,30 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
+import jax
+import jax.numpy as jnp
+
+from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.planner.contract.planfile import PlanLog
-from dhp_jax.train.config import TrainConfig
-from dhp_jax.train.interrupt import RunInterrupted, SigintGuard
+from dhp_jax.planner.programs.cache import ProgramCache, executed_view
+from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.protocol import check_executor
+from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
+from dhp_jax.train.compare import compare_plans
+from dhp_jax.train.config import OptimConfig, TrainConfig
+from dhp_jax.train.distributed import StepSync
+from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
+from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.train.planner_thread import PlannerThread
 from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
+from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
 
@@ -31,12 +45,6 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any)
     """Jitted state init and update, shared by every run with the same model, optimizer and executor
     (a resumed run, or the runs of one test module, compile them once). The state is sharded over
     the executor's full mesh: params are its fp32 master vector, AdamW's moments follow it."""
-    import jax
-
-    from dhp_jax.model import init_params
-    from dhp_jax.train.config import OptimConfig
-    from dhp_jax.train.state import make_init, make_optimizer, make_update
-
     optimizer = make_optimizer(OptimConfig(*optim), steps)
     layout, sharding = executor.layout, executor.state_sharding
     init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
@@ -48,17 +56,10 @@ def _pretrained_state(executor: Any, params: Any, optim: tuple, steps: int, seed
     """(first state, jitted update) of a fine-tuning run: the checkpoint's params as the fp32
     master vector, sharded over the executor's full mesh like the stand-in's (AdamW's moments
     follow it)."""
-    import jax
-
-    from dhp_jax.train.config import OptimConfig
-    from dhp_jax.train.state import TrainState, make_optimizer, make_update, state_shardings
-
     optimizer = make_optimizer(OptimConfig(*optim), steps)
     flat = executor.shard(params)          # binds the layout; fp32[P_pad] sharded over the mesh
 
     def init(flat: Any, key: Any) -> Any:
-        import jax.numpy as jnp
-
         _, k_train = jax.random.split(key)
         return TrainState(step=jnp.zeros((), jnp.int32), params=flat, opt_state=optimizer.init(flat), rng=k_train)
 
@@ -92,8 +93,6 @@ def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
     when it first compiles: the first setting in a process holds."""
     if not setting:
         return None
-    import jax
-
     path = out_dir / "jax-cache" if setting == "auto" else Path(setting)
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
@@ -112,8 +111,6 @@ def checkpoint_dir(config: TrainConfig) -> Path:
 def check_resumable(config: TrainConfig) -> None:
     """`--resume` of a run that has no checkpoint directory: a `CheckpointError`, raised before
     anything (the checkpoint or compilation-cache directory) is created."""
-    from dhp_jax.train.checkpoint import CheckpointError
-
     path = checkpoint_dir(config)
     if not path.is_dir():
         raise CheckpointError(f"--resume: no checkpoint in {str(path.resolve())!r} (no run was saved there; "
@@ -154,13 +151,9 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         raise TrainError(f"parallel.tensor={config.parallel.tensor}: tensor parallelism is planned and priced "
                          f"(`dhp plan --tensor-parallel`, `dhp simulate --tensor-parallel`) but the JAX and torch "
                          f"engines do not run it yet; train with parallel.tensor=1")
-    import jax
-
-    from dhp_jax.model import MLLMConfig
-
     hf_config = hf_params = None
     if config.model.pretrained:
-        from dhp_jax.model import hf
+        from dhp_jax.model import hf  # lazy, with the fine-tuning imports below: only a fine-tuning run needs them
 
         try:
             hf_config, hf_params = hf.load_pretrained(config.model.pretrained)
@@ -184,8 +177,6 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         plans = load_plan_file(p.plan_file, num_samples=config.data.batch_size, num_ranks=config.num_ranks,
                                steps=config.steps)
     if config.metrics.tensorboard:
-        from dhp_jax.train.metrics import tensorboard_writer
-
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
         cost = make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
@@ -236,8 +227,6 @@ class Trainer:
 
     def __init__(self, config: TrainConfig, executor: Any = None, devices: Sequence[Any] | None = None,
                  step_timeout_s: float = 300.0):
-        import jax
-
         self.process_index = jax.process_index()
         self.multi_process = jax.process_count() > 1
         setup = prepare_run(config, devices)
@@ -247,15 +236,11 @@ class Trainer:
         self.finetune = setup.hf_config is not None
         enable_compilation_cache(config.compilation_cache, Path(config.metrics.out_dir))
         if executor is None:
-            from dhp_jax.sharding import PlanExecutor
-
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             if config.attention_tile:
                 kwargs["attention_tile"] = config.attention_tile
             executor = PlanExecutor(self.hf_config if self.finetune else self.model_config, self.devices,
                                     compute_dtype=config.compute_dtype, **kwargs)
-        from dhp_jax.sharding.protocol import check_executor
-
         self.executor = check_executor(executor)
         if self.plan_source.cost is not None and not self.plan_source.full_size:
             # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
@@ -267,8 +252,6 @@ class Trainer:
         # What the planner may assume compiled at step t: the programs of the plans of steps < t
         # (never what has finished compiling: that depends on timing); a plan needing a new one
         # pays the config's fixed price. The same on every process, so processes plan alike.
-        from dhp_jax.planner.programs.cache import ProgramCache
-
         self.plan_source.programs = ProgramCache(ranks_per_process(self.devices),
                                                  compile_s=float(config.planner.compile_price_s))
         self.plan_source.executed_ladder = (int(executor.min_bucket), float(executor.growth))
@@ -286,8 +269,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
-        import jax
-
         if self.finetune:
             state, self._update = _pretrained_state(self.executor, self._hf_params, dataclasses.astuple(self.config.optim),
                                                     self.config.steps, self.config.seed)
@@ -299,8 +280,6 @@ class Trainer:
         return state
 
     def checkpointer(self):
-        from dhp_jax.train.checkpoint import Checkpointer
-
         return Checkpointer(self.ckpt_dir, every=self.config.checkpoint.every, keep=self.config.checkpoint.keep)
 
     @property
@@ -316,8 +295,6 @@ class Trainer:
     # ------------------------------------------------------------------ one step
     def train_step(self, state: Any, item: Any, on_compile: Any = None) -> tuple[Any, dict]:
         """Compile what the step's plan needs (timed apart), run it, update; returns the step's record."""
-        import jax
-
         done = item.step + 1
         digest = plan_hash(item.plan)   # of the plan handed to the executor below: the plan that runs
         if self._sync is not None:
@@ -352,8 +329,6 @@ class Trainer:
         """`_compile` on a helper thread while the main thread waits: `on_compile(missing, done,
         elapsed_s)` shows the progress every quarter second, and Ctrl-C ends the wait at once
         (`interrupt.SigintGuard`), leaving the compile to finish on its own."""
-        from dhp_jax.train.interrupt import wait_polling
-
         first = self.executor.num_compiles
         missing = [0]
 
@@ -386,8 +361,6 @@ class Trainer:
         A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
         `overwrite` (replace it); resuming a finished run changes nothing.
         """
-        from dhp_jax.train.planner_thread import PlannerThread
-
         cfg = self.config
         ckpt, state, start = self._begin(resume, overwrite)
         if ckpt is None:   # a finished run resumed: nothing to do
@@ -398,8 +371,6 @@ class Trainer:
                       f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
                       + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
         if self.multi_process:
-            from dhp_jax.train.distributed import StepSync
-
             self._sync = StepSync(self.step_timeout_s)
         metrics, plan_log, earlier = self._open_logs(resume, start)
         # after each step, in order: the step's programs recorded (the checkpoint stores them),
@@ -451,8 +422,6 @@ class Trainer:
         """The run's checkpointer, first state and first step: a fresh state, the restored one
         (`resume`), or an earlier run's checkpoints cleared (`overwrite`); refused otherwise.
         (None, state, start) when a resumed run is already finished."""
-        from dhp_jax.train.checkpoint import CheckpointError
-
         cfg = self.config
         if resume:
             check_resumable(cfg)   # before the checkpointer creates its directory
@@ -490,8 +459,6 @@ class Trainer:
         """The run's metrics writer, its plan log (None when `metrics.log_plans` is off) and, when
         resuming, the metrics records up to `start` (later ones were never checkpointed: they are
         cut from the files and redone)."""
-        from dhp_jax.train.metrics import MetricsWriter, truncate_jsonl
-
         cfg, mdir = self.config, self.metrics_dir
         earlier: list[dict] = []
         if resume:
@@ -510,8 +477,6 @@ class Trainer:
         if summary and self.finetune:
             summary["data"] = self._data_summary(records)
         if summary and compare:
-            from dhp_jax.train.compare import compare_plans
-
             t0 = time.perf_counter()
             summary["compare"] = compare_plans(self, state.params, first_step=cfg.steps,
                                                progress=cfg.metrics.progress and self.process_index == 0)
@@ -526,7 +491,6 @@ class Trainer:
     def _data_summary(self, records: list[dict]) -> dict:
         """Fine-tuning data: records used and skipped (listed in data_issues.tsv), epochs, and the
         measured wait for decoded data per step (median)."""
-        import statistics
 
         from dhp_jax.data.finetune import write_issues
 
@@ -585,8 +549,6 @@ class Trainer:
         same log, across backends too)."""
         if not self.plan_source.full_size or self.plan_source.plans is not None:
             return plan
-        from dhp_jax.planner.programs.cache import executed_view
-
         rank_of = {d.id: r for r, d in enumerate(self.devices)}
         keys = [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
         return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
@@ -611,8 +573,6 @@ class Trainer:
         return extra
 
     def _restore_loader(self, meta: dict, start: int) -> None:
-        from dhp_jax.train.checkpoint import CheckpointError
-
         if not self.finetune:
             return
         if "loader" not in meta:
@@ -638,8 +598,6 @@ class Trainer:
             return
         if keys is None:
             if self.plan_source.plans is None and self.plan_source.strategy == "dhp" and start:
-                from dhp_jax.train.checkpoint import CheckpointError
-
                 raise CheckpointError(f"checkpoint step {meta.get('step')} holds no program record (written by an "
                                       "older dhp_jax): a resumed DHP run would plan differently from the "
                                       "uninterrupted one; start the run again or replay its plans.jsonl "
@@ -665,6 +623,4 @@ class Trainer:
         return lambda step, batch, plan: compiler.submit(compile_plan, batch, plan)
 
     def _lr(self, step: int) -> float:
-        from dhp_jax.train.state import make_schedule
-
         return float(make_schedule(self.config.optim, self.config.steps)(step))

@@ -15,9 +15,9 @@ hand-overs hide with its traffic). c_a2a is the intra-node all-to-all's seconds 
 fitted when some points are Ulysses or hybrid groups. The structural terms of
 `base` are respected, not fitted: compute is divided by p = min(d, base.compute_lanes) instead of d
 (and b1 and the ring latency multiplied by d/p),
-ring traffic simply adds when `base.comm_overlap` is False, and when `base.bucket_min` is set
+ring traffic simply adds when `base.comm_overlap` is False, and when `base.geometry.bucket_min` is set
 the features are those of the padded stream of length P (S = P, L1 = the tokens the linear layers
-compute, P or with `base.linear_chunk` the busiest rank's real chunks times d, and A0 = P^2 with
+compute, P or with `base.geometry.linear_chunk` the busiest rank's real chunks times d, and A0 = P^2 with
 `base.padded_attention`; see `CostModel`). The fit alternates between
 classifying the points with the current coefficients and a non-negative least-squares solve on
 relative errors, from a few starting points, and keeps the best. Coefficients no measurement
@@ -65,11 +65,11 @@ def _features(measurements: Sequence[Mapping[str, Any]], base: CostModel) -> tup
             raise ValueError(f"measurement {i}: seconds must be > 0, got {m['seconds']!r}")
         inter = m.get("inter_node")
         inter = bool(d > base.ranks_per_node) if inter is None else bool(inter)
-        if base.bucket_min:
+        if base.geometry.bucket_min:
             P = float(padded_length(base, L.sum(), d))
             A0 = P * P if base.padded_attention else float(((1 + e) * L * L).sum())
             L1 = P
-            W = d * linear_tokens(float(L.sum()), P, d, base.linear_chunk)   # what the linear layers compute
+            W = d * linear_tokens(float(L.sum()), P, d, base.geometry.linear_chunk)   # what the linear layers compute
         else:
             A0, L1 = float(((1 + e) * L * L).sum()), float(L.sum())
             W = L1

@@ -1,11 +1,12 @@
 """The planner's cost model (DHP, arXiv 2602.21788, section 4.2): the coefficients of the time and
 memory of one CP group.
 
-`CostModel` holds coefficients only (model/hardware figures, the engine's memory fields, the
-executor's geometry fields) and derives them (`preset`, `replace`, I/O). What uses them lives with
-its concept: pricing (the formula below, makespans, the all-reduce) in `dhp_jax.planner.cost.pricing`,
-the stream geometry (padding ladder, pad-skipping chunk, menu) in `dhp_jax.planner.cost.geometry`, the
-bytes of a group or a step in `dhp_jax.planner.cost.memory`.
+`CostModel` holds coefficients only (model/hardware figures, the engine's memory fields) and the
+executor's stream geometry as one field (`geometry`, a `dhp_jax.planner.cost.geometry.StreamGeometry`:
+padding ladder, pad-skipping chunk, menu), and derives them (`preset`, `replace`, I/O). What uses
+them lives with its concept: pricing (the formula below, makespans, the all-reduce) in
+`dhp_jax.planner.cost.pricing`, the padded length in `dhp_jax.planner.cost.geometry`, the bytes of a
+group or a step in `dhp_jax.planner.cost.memory`.
 
 For a group of degree d holding sequences of lengths L_k with bidirectional shares eta_k:
 
@@ -48,12 +49,12 @@ which is the paper's model above):
   micro-batch also share the p cores, so `pricing.makespans` caps a micro-batch from below by the sum of
   its groups' core-seconds over the p lanes (a machine-wide term for shared-core hosts only; the
   planner's exact allocation is exact for the per-group model, and candidates are compared with it).
-- `bucket_min` / `bucket_growth`: the executor pads each group's stream to
+- `geometry.bucket_min` / `geometry.bucket_growth`: the executor pads each group's stream to
   `dhp_jax.geometry.layout.bucket_lengths(S, d)` (a geometric ladder of lengths rounded up to 2d,
   clamped to the memory budget), the one bucket rule. With `bucket_min > 0` the pad tokens go
   through the linear layers and around the ring: B = sum_k (...) L_k + a2 (P - S), ring traffic of P
   tokens, memory P mem_per_token / d, where P is the padded length. Every preset prices it.
-- `linear_chunk` (C > 0): the executor skips the padding in the linear layers, chunk by chunk
+- `geometry.linear_chunk` (C > 0): the executor skips the padding in the linear layers, chunk by chunk
   (`dhp_jax.geometry.layout`: each rank holds ceil(S/d) or floor(S/d) real tokens as a prefix of its
   shard, its padding at the end; chunks of at most C tokens with no real token are skipped). The
   busiest rank then computes W/d = `layout.linear_tokens(S, P, d, C)` tokens, its real tokens
@@ -91,7 +92,7 @@ import numpy as np
 from dhp_jax.checks import positive_int
 from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
 from dhp_jax.planner.cost import memory as engine_memory, presets, tensor as tp
-from dhp_jax.planner.cost.geometry import check_geometry
+from dhp_jax.planner.cost.geometry import StreamGeometry, check_geometry
 
 COST_SCHEMA = "dhp.cost/v1"
 DEFAULT_STATE_SHARDS = 64        # ranks the state is sharded over when a preset is not told (DHP's 8 x 8 testbed)
@@ -120,15 +121,11 @@ class CostModel:
     compute_lanes: ranks whose work runs in parallel (None: all; fake CPU devices: physical cores);
         compute is split min(d, lanes) ways; the ranks' fixed work b1 and ring latency lat (d-1) are
         multiplied by d / min(d, lanes).
-    bucket_min / bucket_growth: the executor's padding ladder (0: streams are not padded).
-    linear_chunk: the executor's pad-skipping chunk, tokens (0: pad tokens go through the linear
-        layers; see the module docstring).
+    geometry: the executor's stream geometry (`StreamGeometry`: padding ladder `bucket_min` /
+        `bucket_growth`, pad-skipping chunk `linear_chunk`, menu `bucket_menu` / `menu_kinds`).
+        `preset(...)` and `replace(...)` take its fields by name as well (`replace(linear_chunk=0)`);
+        `from_dict` reads them flat (older cost files) or under "geometry".
     padded_attention: attention is evaluated densely over the padded stream (see the module docstring).
-    bucket_menu: ((degree, (bucket, ...)), ...): fitted programs (`dhp_jax.planner.programs.menu.BucketMenu`)
-        that replace the ladder for their degrees; the planner then uses only these degrees.
-    menu_kinds: ((degree, bucket, kind), ...): the one attention kind each menu program runs
-        (`BucketMenu.kinds`); the per-group kind choice (`pricing.best_kinds`) gives a group of that
-        degree and bucket this kind, so that the menu's budget bounds the programs that run.
     comm_overlap: ring traffic hides behind attention (False: they add up, as on shared CPU cores).
     The engine's memory choices (dhp_jax.planner.cost.memory; `preset` derives mem_per_token and
     memory_budget from them, so change them through `preset(...)`; `replace(linear_chunk=...)` on a
@@ -177,13 +174,9 @@ class CostModel:
     hardware: str = "custom"
     freeze_vision: bool = False
     compute_lanes: int | None = None
-    bucket_min: int = 0
-    bucket_growth: float = 2.0
-    linear_chunk: int = 0
+    geometry: StreamGeometry = StreamGeometry()
     comm_overlap: bool = True
     padded_attention: bool = True
-    bucket_menu: tuple = ()
-    menu_kinds: tuple = ()
     param_count: float = 0.0
     compute_bytes: int = 4
     state_shards: int = 1
@@ -221,7 +214,9 @@ class CostModel:
             raise ValueError(f"CostModel.activation_bytes must be an integer >= 0 (0: compute_bytes), got {ab!r}")
         if self.remat not in engine_memory.REMATS:
             raise ValueError(f"CostModel.remat must be one of {engine_memory.REMATS}, got {self.remat!r}")
-        check_geometry(self)
+        if not isinstance(self.geometry, StreamGeometry):
+            raise ValueError(f"CostModel.geometry must be a StreamGeometry, got {type(self.geometry).__name__}")
+        check_geometry(self.geometry, self.num_heads)
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -280,7 +275,8 @@ class CostModel:
         shards = int(state_shards or zero_shards or DEFAULT_STATE_SHARDS)
         params = float(engine_memory.engine_params(m))
         usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
-        chunk = overrides.get("linear_chunk", LINEAR_CHUNK)     # the blocks of the chunk an override names
+        overrides = _with_geometry(StreamGeometry(MIN_BUCKET, GROWTH, LINEAR_CHUNK), overrides)
+        chunk = overrides["geometry"].linear_chunk     # the blocks of the chunk an override names
         per_token, fixed = _chunk_memory(m, remat, el, ab, chunk, t)
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
@@ -319,7 +315,6 @@ class CostModel:
             compute_lanes=lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
             fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
-            bucket_min=MIN_BUCKET, bucket_growth=GROWTH, linear_chunk=chunk,
             padded_attention=hw.padded_attention, tensor_parallel=t)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
@@ -328,8 +323,6 @@ class CostModel:
         cost = cls(**fields)
         object.__setattr__(cost, "_derivation", (m, bool(require_fit)))   # for `replace(linear_chunk=...)`
         return cost
-
-    # ------------------------------------------------------------------ memory of the engine
 
     # ------------------------------------------------------------------ the model
 
@@ -340,7 +333,7 @@ class CostModel:
     # ------------------------------------------------------------------ I/O
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {"schema": COST_SCHEMA, **d}
+        return {"schema": COST_SCHEMA, **d, "geometry": self.geometry.to_dict()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostModel":
@@ -350,25 +343,26 @@ class CostModel:
         if schema != COST_SCHEMA:
             raise ValueError(f"cost model schema is {schema!r}, expected {COST_SCHEMA!r}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names - {"schema"}
+        unknown = set(d) - names - set(StreamGeometry.FIELDS) - {"schema"}
         if unknown:
             raise ValueError(f"unknown cost model field(s) {sorted(unknown)}")
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         missing = required - set(d)
         if missing:
             raise ValueError(f"cost model is missing field(s) {sorted(missing)}")
-        kw = {k: v for k, v in d.items() if k in names}
-        if "bucket_menu" in kw:
-            kw["bucket_menu"] = tuple((int(deg), tuple(int(b) for b in bs)) for deg, bs in kw["bucket_menu"])
-        if "menu_kinds" in kw:
-            kw["menu_kinds"] = tuple((int(deg), int(b), str(k)) for deg, b, k in kw["menu_kinds"])
+        kw = {k: v for k, v in d.items() if k in names and k != "geometry"}
         for k, v in kw.items():
             if isinstance(v, int) and not isinstance(v, bool) and k not in ("ranks_per_node", "num_heads",
-                                                                                  "compute_lanes", "bucket_min", "linear_chunk",
-                                                                                  "compute_bytes",
+                                                                                  "compute_lanes", "compute_bytes",
                                                                                   "state_shards", "activation_bytes",
                                                                                   "tensor_parallel"):
                 kw[k] = float(v)
+        # the geometry under "geometry", or flat as cost files written before it was one field hold it
+        flat = {k: d[k] for k in StreamGeometry.FIELDS if k in d}
+        nested = d.get("geometry") or {}
+        if flat and nested:
+            raise ValueError(f"cost model holds geometry field(s) {sorted(flat)} both flat and under 'geometry'")
+        kw["geometry"] = StreamGeometry.from_dict(flat or nested)
         return cls(**kw)
 
     def save(self, path: str | Path) -> None:
@@ -387,7 +381,7 @@ class CostModel:
         """(mem_per_token, fixed_bytes, memory_budget) that `preset` derives for model shape `m` from
         this cost's engine fields and chunk."""
         el, ab = self.compute_bytes, self.activation_bytes or self.compute_bytes
-        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.linear_chunk, self.tensor_parallel)
+        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.geometry.linear_chunk, self.tensor_parallel)
         budget, _ = _budget(self.usable_bytes, self.param_count, el, self.backward_bytes, self.assemble_bytes,
                             fixed, self.state_shards, require_fit)
         return per_token, fixed, float(budget)
@@ -401,11 +395,11 @@ class CostModel:
         earlier replace), is kept as given. A cost with no preset behind it (`from_profile`,
         `from_dict`, built field by field) has no model shape to re-derive from: it keeps its
         memory fields whatever the chunk (they are the profile's own figures)."""
-        new = dataclasses.replace(self, **changes)
+        new = dataclasses.replace(self, **_with_geometry(self.geometry, changes))
         derivation = getattr(self, "_derivation", None)
         if derivation is None:
             return new
-        if new.linear_chunk != self.linear_chunk:
+        if new.geometry.linear_chunk != self.geometry.linear_chunk:
             m, require_fit = derivation
             old_per_token, old_fixed, old_budget = self._memory_derived(m, require_fit)
             per_token, fixed, budget = new._memory_derived(m, require_fit)
@@ -414,11 +408,20 @@ class CostModel:
                        "memory_budget": (self.memory_budget == old_budget, budget)}
             again = {k: v for k, (held, v) in derived.items() if held and k not in changes}
             if again.get("memory_budget", 1.0) <= 0:
-                raise ValueError(f"CostModel.replace(linear_chunk={new.linear_chunk}): {self.model} no longer "
+                raise ValueError(f"CostModel.replace(linear_chunk={new.geometry.linear_chunk}): {self.model} no longer "
                                  f"fits on {self.hardware} (budget {again['memory_budget'] / 2**30:.2f} GiB)")
             new = dataclasses.replace(new, **again)
         object.__setattr__(new, "_derivation", derivation)
         return new
+
+
+def _with_geometry(geometry: StreamGeometry, changes: Mapping[str, Any]) -> dict[str, Any]:
+    """`changes` with the stream geometry's fields it names (`linear_chunk=0`) applied to `geometry`
+    (or to the `geometry` it names) as one `geometry` entry."""
+    out = {k: v for k, v in changes.items() if k not in StreamGeometry.FIELDS}
+    named = {k: v for k, v in changes.items() if k in StreamGeometry.FIELDS}
+    out["geometry"] = out.get("geometry", geometry).replace(**named)
+    return out
 
 
 def _encoder_flops(m: "presets.ModelShape") -> float:

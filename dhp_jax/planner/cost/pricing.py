@@ -115,13 +115,13 @@ def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node
     d = np.asarray(degree, dtype=np.float64)
     inter = d > cost.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
     lat = np.where(inter, cost.lat_inter, cost.lat_intra)
-    if cost.bucket_min:
+    if cost.geometry.bucket_min:
         P = padded_length(cost, S, d)
         if cost.padded_attention:
             A = cost.a1 * P * P       # dense blocks: every pair of the padded stream
         # the pad tokens the linear layers compute: all of them (linear_chunk 0), or the busiest
         # rank's real tokens rounded up to whole chunks
-        B = B + cost.a2 * (d * linear_tokens(S, P, d, cost.linear_chunk) - S)
+        B = B + cost.a2 * (d * linear_tokens(S, P, d, cost.geometry.linear_chunk) - S)
         S = P                         # and around the ring
     p = compute_divisor(cost, d)
     ring_tok, a2a_tok, msgs, u = traffic(S, d, attention, ulysses)
@@ -228,7 +228,7 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
     the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node. Ties
     keep the ring; a free choice never prices a group above its ring time.
 
-    With `cost.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
+    With `cost.geometry.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
     padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
     inside nodes (else the ring, a program off the menu); only groups off the menu choose."""
     A, B, S = bin_sums([samples for _, samples in groups], *terms)
@@ -238,8 +238,8 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
     kinds = ["ring"] * len(groups)
     times = group_times(cost, A, B, S, d, inter, "ring")
     free = np.ones(len(groups), dtype=bool)
-    if cost.menu_kinds and len(groups):
-        fixed = {(deg, b): k for deg, b, k in cost.menu_kinds}
+    if cost.geometry.menu_kinds and len(groups):
+        fixed = {(deg, b): k for deg, b, k in cost.geometry.menu_kinds}
         padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
         for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
             kind = fixed.get((deg, int(p)))

@@ -10,7 +10,7 @@ A program is also its attention kind (`dhp_jax.planner.programs.cache`): a degre
 between ring and Ulysses x ring hybrids per group would run up to one program per kind and bucket.
 So each menu program carries one kind (`BucketMenu.kinds`), the one that prices its calibration
 groups fastest in total (per bucket, or per degree), and the planner's kind choice respects it
-(`CostModel.menu_kinds`): the budget bounds the programs that run.
+(`CostModel.geometry.menu_kinds`): the budget bounds the programs that run.
 
 Pure Python/NumPy: executors never need the menu, since every plan group carries the
 `padded_tokens` it runs.
@@ -167,11 +167,11 @@ class BucketMenu:
         return self.kinds.get((int(degree), int(bucket)))
 
     def as_cost_field(self) -> tuple:
-        """The `CostModel.bucket_menu` value: `cost.replace(bucket_menu=menu.as_cost_field())`."""
+        """The `CostModel.geometry.bucket_menu` value: `cost.replace(bucket_menu=menu.as_cost_field())`."""
         return tuple((d, tuple(self.buckets[d])) for d in self.degrees)
 
     def kinds_field(self) -> tuple:
-        """The `CostModel.menu_kinds` value ((degree, bucket, kind), ...), sorted."""
+        """The `CostModel.geometry.menu_kinds` value ((degree, bucket, kind), ...), sorted."""
         return tuple((d, b, k) for (d, b), k in sorted(self.kinds.items()))
 
     def apply(self, cost: Any) -> Any:

@@ -75,16 +75,16 @@ class _ScalarTime:
         if cost.compute_lanes is not None:
             self.exact = (cost, attention)
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
-        self.bucket = scalar_bucketer(cost.bucket_min, cost.bucket_growth, max_tokens_per_rank(cost),
-                                      cost.bucket_menu) if cost.bucket_min else None
+        g = cost.geometry
+        self.bucket = scalar_bucketer(g.bucket_min, g.bucket_growth, max_tokens_per_rank(cost),
+                                      g.bucket_menu) if g.bucket_min else None
         # the ladder walked inline (no menu: a menu's buckets replace it per degree, so that case
         # keeps calling the scalar bucketer)
-        self.rungs = rung_list(cost.bucket_min, cost.bucket_growth) if cost.bucket_min and not cost.bucket_menu \
-            else None
+        self.rungs = rung_list(g.bucket_min, g.bucket_growth) if g.bucket_min and not g.bucket_menu else None
         self.mpd = max_tokens_per_rank(cost)
         self.padded_attention = bool(cost.padded_attention)
         self.a1, self.a2 = cost.a1, cost.a2
-        self.chunk = int(cost.linear_chunk)
+        self.chunk = int(g.linear_chunk)
         self.overlap = attention == "ring" and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
@@ -138,7 +138,7 @@ class _ScalarTime:
         step, clamp, coef, lat, dm1, df = (t[d] for t in self._vec)
         S = np.asarray(S, dtype=np.float64)
         if self.rungs is not None:  # bucket_lengths (no menu), as geometry.padded_length calls it
-            rung = ladders(S, self.cost.bucket_min, self.cost.bucket_growth)
+            rung = ladders(S, self.cost.geometry.bucket_min, self.cost.geometry.bucket_growth)
             if self.mpd is not None:
                 rung = np.maximum(np.minimum(rung, clamp), S)
             P = np.ceil(rung / step) * step

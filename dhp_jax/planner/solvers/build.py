@@ -25,7 +25,7 @@ def padded_tokens(tokens: Any, degree: Any, cost: CostModel) -> np.ndarray:
     """The stream lengths an executor runs for `tokens` on `degree` ranks (int64, vectorised): the one
     bucket rule on the cost model's ladder (memory clamp and menu included, `geometry.padded_length`);
     the executors' default ladder when the model prices no padding."""
-    if cost.bucket_min:
+    if cost.geometry.bucket_min:
         return np.asarray(padded_length(cost, np.asarray(tokens, float), degree)).astype(np.int64)
     return bucket_lengths(np.asarray(tokens, float), degree).astype(np.int64)
 

@@ -204,8 +204,8 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     placed step time. `attention` ("ring" or "best", plan_batch's
     mode) names the kinds whose programs `programs` prices."""
     N, cost = prob.num_ranks, prob.cost
-    if isinstance(degrees, str) and degrees == "any" and cost.bucket_menu and cost.bucket_min:
-        degrees = [d for d, _ in cost.bucket_menu]  # a menu of programs bounds the degrees too
+    if isinstance(degrees, str) and degrees == "any" and cost.geometry.bucket_menu and cost.geometry.bucket_min:
+        degrees = [d for d, _ in cost.geometry.bucket_menu]  # a menu of programs bounds the degrees too
     allowed = allowed_degrees(N, degrees)
     if allowed.size == 0:
         raise PlanningError(f"no allowed degree fits {N} ranks (degrees={degrees!r})")

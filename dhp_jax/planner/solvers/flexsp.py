@@ -104,6 +104,7 @@ _banner_shown = False
 def _highs() -> Any:
     """A silent `highspy.Highs`. HiGHS prints its banner on the C stdout the first time one is made
     in a process, which would break `--json` output; that first one is made with fd 1 on /dev/null."""
+    # lazy: the MILP solver loads only when this strategy runs
     import highspy
 
     global _banner_shown

@@ -15,6 +15,9 @@ Three measures on the local (fake CPU) devices, tiny model:
 `--device-check` is the GPU script: a reduced-depth internvl3-2b degree-1 group program at 8k and
 32k tokens, tiled path vs the cuDNN fused kernel, step time and memory. Without a GPU it says so in
 one line and exits 0.
+
+jax and the modules that import it are imported inside the functions: `run` asks for 8 fake CPU
+devices first, which works only before jax's first import.
 """
 
 from __future__ import annotations
@@ -27,6 +30,15 @@ import platform
 import statistics
 import time
 from typing import Any
+
+import numpy as np
+
+from dhp_jax.devices import force_cpu_devices
+from dhp_jax.geometry.layout import zigzag_permutation
+from dhp_jax.geometry.tiling import DEFAULT_TILE, count_ring_tiles
+from dhp_jax.train.config import DEMO_CONFIG, load_config
+from dhp_jax.train.pipeline import DataPipeline
+from dhp_jax.train.plans import PlanSource, make_cost
 
 
 
@@ -118,7 +130,6 @@ def executed_tiles(segment, position, span, degree: int, tile: int) -> dict[str,
     pass over a stream in device order (small heads: the count depends on the ids only)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
 
     from dhp_jax.model.attention import AttnIds
@@ -140,11 +151,6 @@ def executed_tiles(segment, position, span, degree: int, tile: int) -> dict[str,
 
 
 def tiles(tokens: int = 16384, degree: int = 8, tile=None) -> dict[str, Any]:
-    import numpy as np
-
-    from dhp_jax.geometry.layout import zigzag_permutation
-    from dhp_jax.geometry.tiling import DEFAULT_TILE, count_ring_tiles
-
     tile = DEFAULT_TILE if tile is None else tile
     perm = zigzag_permutation(tokens, degree)
     seg, pos, span = np.ones(tokens, np.int32), np.arange(tokens, dtype=np.int32)[perm], np.zeros(tokens, np.int32)
@@ -159,9 +165,6 @@ def step_times(batches: int, repeats: int, tile=None, full_opt: bool = False) ->
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.train.config import DEMO_CONFIG, load_config
-    from dhp_jax.train.pipeline import DataPipeline
-    from dhp_jax.train.plans import PlanSource, make_cost
 
     cfg = load_config(DEMO_CONFIG)
     config = MLLMConfig.preset(cfg.model.preset)
@@ -265,8 +268,6 @@ def device_check(tile=None) -> dict[str, Any] | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.devices import force_cpu_devices
-
     if not args.device_check:
         force_cpu_devices(8)
     if args.device_check:

@@ -7,7 +7,7 @@ without compiling anything:
   process of `--ranks-per-process` ranks (max and median), and their ratio to the programs it runs;
 - padded / real tokens summed over every group of every step (the bucket rule's waste);
 - simulated step time (the planner's own estimate, `Plan.est_step_time_s`, of the hardware preset,
-  pad tokens priced as the executor skips them: `CostModel.linear_chunk`) with the placement policy
+  pad tokens priced as the executor skips them: `CostModel.geometry.linear_chunk`) with the placement policy
   (`planner.programs.cache.reuse_ranks`) and without it, and without padding (with a menu also unpadded on
   the menu's degrees: the loss split between degrees and padding);
 - with a menu whose programs carry their attention kinds (`--kinds`), the programs off the menu.
@@ -25,6 +25,17 @@ import statistics
 import sys
 import time
 from typing import Any, Sequence
+
+import numpy as np
+
+from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+from dhp_jax.data.vision import family_for_model
+from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.api import reuse_placement
+from dhp_jax.planner.programs.cache import ProgramCache
+from dhp_jax.planner.programs.menu import fit_menu
+from dhp_jax.train.config import DataConfig
+from dhp_jax.train.pipeline import DataPipeline
 
 
 KINDS = ("bucket", "degree", "group")  # --kinds: planner.programs.menu's kind_per, "group" for none
@@ -62,8 +73,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | None = None,
              min_bucket: int | None = None) -> Any:
-    from dhp_jax.planner import CostModel
-
     over: dict[str, Any] = {}
     if growth is not None:
         over["bucket_growth"] = float(growth)
@@ -78,10 +87,6 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
     with its one attention kind (`kind_per`, see `planner.programs.menu.fit_menu`; None: chosen per group), on
     `degree_set` degrees ("aligned": those that tile nodes, `planner.programs.menu.aligned_degrees`; "any")."""
-    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.data.vision import family_for_model
-    from dhp_jax.planner.programs.menu import fit_menu
-
     vision = family_for_model(cost.model)
     cal = []
     for i in range(batches):
@@ -99,19 +104,12 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     that a sweep plans them once. `counts_at`: step counts at which the placement's counts are
     also kept (`placement_at`: {"200": summary after the first 200 batches}), since executables
     per program fall as a run meets its programs again."""
-    import numpy as np
-
-    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-    from dhp_jax.planner import plan_batch
-    from dhp_jax.planner.api import reuse_placement
-    from dhp_jax.planner.programs.cache import ProgramCache
-    from dhp_jax.data.vision import family_for_model
-
     vision = family_for_model(cost.model)
     placed, free = ProgramCache(ranks_per_process), ProgramCache(ranks_per_process)
     plain = cost.replace(bucket_min=0, bucket_menu=(), menu_kinds=())  # the reference: no ladder, no menu
     real = padded = 0
-    menu_degrees = [d for d, _ in cost.bucket_menu]
+    geo = cost.geometry
+    menu_degrees = [d for d, _ in geo.bucket_menu]
     t_free, t_placed, t_plain, t_plain_menu, plan_ms = [], [], [], [], []
     at: dict[str, Any] = {}
     for step in range(steps):
@@ -135,9 +133,8 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
                 t_plain_menu.append(_reference(references, (seed, step, batch, tuple(menu_degrees)), lambda: plan_batch(
                     lengths, ranks, plain, etas=etas, degrees=menu_degrees).est_step_time_s))
     out = {"ranks": ranks, "steps": steps, "batch": batch, "dataset": dataset, "model": cost.model,
-           "hardware": cost.hardware, "bucket_min": cost.bucket_min, "bucket_growth": cost.bucket_growth,
-           "linear_chunk": cost.linear_chunk,
-           "menu": {str(d): list(b) for d, b in cost.bucket_menu} or None,
+           "hardware": cost.hardware, "bucket_min": geo.bucket_min, "bucket_growth": geo.bucket_growth,
+           "linear_chunk": geo.linear_chunk, "menu": {str(d): list(b) for d, b in geo.bucket_menu} or None,
            "ranks_per_process": ranks_per_process, "padded_over_real": padded / real if real else None,
            "placement": placed.summary(), "no_placement": free.summary(), "placement_at": at,
            "step_s_mean": float(np.mean(t_placed)), "step_s_mean_no_placement": float(np.mean(t_free)),
@@ -152,10 +149,10 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
         out["menu_degrees_step_time_lost"] = out["step_s_mean_unpadded_menu_degrees"] / out["step_s_mean_unpadded"] - 1.0
         out["padding_step_time_lost"] = out["step_s_mean"] / out["step_s_mean_unpadded_menu_degrees"] - 1.0
     out["placement_step_time_lost"] = out["step_s_mean"] / out["step_s_mean_no_placement"] - 1.0
-    if cost.bucket_menu:
-        out["menu_programs"] = sum(len(b) for _, b in cost.bucket_menu)
-        out["menu_kinds"] = {f"{d},{b}": k for d, b, k in cost.menu_kinds} or None
-        on_menu = {(d, b, k) for d, b, k in cost.menu_kinds}
+    if geo.bucket_menu:
+        out["menu_programs"] = sum(len(b) for _, b in geo.bucket_menu)
+        out["menu_kinds"] = {f"{d},{b}": k for d, b, k in geo.menu_kinds} or None
+        on_menu = {(d, b, k) for d, b, k in geo.menu_kinds}
         out["off_menu_programs"] = len(placed.programs - on_menu) if on_menu else None
     return out
 
@@ -173,18 +170,14 @@ def compile_run(steps: int = 4, seed: int = 0) -> dict[str, Any]:
     import jax
 
     from dhp_jax.model import MLLMConfig, init_params
-    from dhp_jax.planner import CostModel, plan_batch
-    from dhp_jax.planner.programs.cache import ProgramCache
     from dhp_jax.sharding import PlanExecutor
-    from dhp_jax.train.config import DataConfig
-    from dhp_jax.train.pipeline import DataPipeline
 
     devices = jax.devices()
     n = min(8, len(devices))
     cfg = MLLMConfig.preset("tiny")
     params = jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
     cost = CostModel.preset("internvl3-2b", "cpu", ranks_per_node=n)
-    ex = PlanExecutor(cfg, devices[:n], min_bucket=cost.bucket_min, growth=cost.bucket_growth)
+    ex = PlanExecutor(cfg, devices[:n], min_bucket=cost.geometry.bucket_min, growth=cost.geometry.bucket_growth)
     pipe = DataPipeline(DataConfig(), cfg.vocab_size, cfg.patch_dim)
     by_id = {dev.id: dev for dev in ex.ranks.devices}
     programs = ProgramCache()  # plans placed for reuse, as `dhp train` plans them

@@ -26,7 +26,17 @@ import json
 import time
 from typing import Any, Sequence
 
+import jax
+import numpy as np
+
+from dhp_jax.model import MLLMConfig, init_params
+from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
+from dhp_jax.sharding import PlanExecutor, memory_bench
+from dhp_jax.sharding.executor import row_dtype
+from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape, program_bytes
+from dhp_jax.train.config import OptimConfig
+from dhp_jax.train.state import make_init, make_optimizer, make_update
 
 MICRO_BATCHES = (2, 3)
 STEP_ROWS = (("internvl3-8b", 8, 65536), ("internvl3-2b", 8, 65536), ("internvl3-2b", 2, 32768))
@@ -55,15 +65,6 @@ class Compiled:
 def step_programs(config: Any, compute_dtype: str, devices: Sequence[Any], options: dict) -> dict[str, Compiled]:
     """The compiled bytes of the step's programs other than the group program, on `devices` (the
     state's shards): gather, accumulate (one micro-batch's reduction), finish, update."""
-    import jax
-    import numpy as np
-
-    from dhp_jax.model import init_params
-    from dhp_jax.sharding import PlanExecutor
-    from dhp_jax.sharding.executor import row_dtype
-    from dhp_jax.train.config import OptimConfig
-    from dhp_jax.train.state import make_init, make_optimizer, make_update
-
     ex = PlanExecutor(config, devices, compute_dtype=compute_dtype)
     n, padded = len(devices), ex.layout.padded
     shard = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=ex.sharded)  # noqa: E731
@@ -101,12 +102,6 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
                  hardware: str = "ascend-910b", remat: str = "layer", compute_dtype: str = "bfloat16",
                  full_depth: bool = True) -> dict:
     """`dhp bench memory --step`: a row per (model, degree, tokens) and micro-batch count."""
-    import jax
-
-    from dhp_jax.model import MLLMConfig
-    from dhp_jax.planner import CostModel
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape, program_bytes
-
     devices = jax.devices()
     shards = len(devices)
     cpu = devices[0].platform == "cpu"
@@ -146,8 +141,6 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """`dhp bench memory`'s options (`dhp_jax.sharding.memory_bench`) and `--step`."""
-    from dhp_jax.sharding import memory_bench
-
     memory_bench.configure(parser)
     parser.add_argument("--step", action="store_true",
                         help="the whole step's peak per device (every program it runs, in dispatch order) for plans "
@@ -159,8 +152,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _step_rows(text: str) -> list[tuple[str, int, int]]:
-    from dhp_jax.planner import CostModel
-
     out = []
     for item in (x for x in text.split(";") if x.strip()):
         parts = [p.strip() for p in item.split(",")]
@@ -171,8 +162,6 @@ def _step_rows(text: str) -> list[tuple[str, int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dhp_jax.sharding import memory_bench
-
     if not args.step:
         return memory_bench.run(args)
     rows = _step_rows(args.rows)
