@@ -97,3 +97,11 @@ def test_a_short_family_demo_run_learns(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["model_config"]["name"] == "tiny-qwen2_5_vl" and s["loss_last"] < s["loss_first"], s
+
+
+def test_an_unknown_model_is_one_line_naming_the_family_models(tmp_path, capsys):
+    from dhp_jax.cli import main
+
+    assert main(["train", "model=tiny-qwen4", "--dry-run", "--out", str(tmp_path / "x")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "tiny-qwen4" in last and "'tiny'" in last and "tiny-qwen2_5_vl" in last and "Traceback" not in last
