@@ -29,7 +29,9 @@ class DevicesConfig:
 @dataclasses.dataclass
 class ModelConfig:
     SCALAR_KEY = "preset"          # `model=tiny` (a string) sets model.preset
-    preset: str = "tiny"           # MLLMConfig preset of the stand-in model (when no checkpoint is given)
+    preset: str = "tiny"           # no checkpoint given: "tiny" (the stand-in model) or a tiny random model of a
+                                   # family on synthetic samples in its input format (dhp_jax.train.family_demo):
+                                   # "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-internvl"
     pretrained: str | None = None  # a Hugging Face checkpoint directory of a supported family: fine-tune it
                                    # (config.json + safetensors + its processor and tokenizer files)
 

@@ -53,14 +53,15 @@ def _step_seed(seed: int, step: int) -> int:
 class DataPipeline:
     """`pipeline.batch(step) -> Batch`; deterministic, stateless, cheap enough for the planner thread."""
 
-    def __init__(self, cfg: DataConfig, vocab_size: int, patch_dim: int):
-        if vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    def __init__(self, cfg: DataConfig, vocab_size: int, patch_dim: int, first_token: int = 1):
+        if vocab_size < first_token + 1:
+            raise ValueError(f"vocab_size must be >= {first_token + 1}, got {vocab_size}")
         self.cfg, self.vocab_size, self.patch_dim = cfg, int(vocab_size), int(patch_dim)
         rng = np.random.default_rng(_TABLE_SEED)
-        # Token 0 is never used so that a padding id can never look like data.
-        self.captions = rng.integers(1, vocab_size, size=(cfg.num_classes, cfg.max_tokens), dtype=np.int64)
-        self.instruction = rng.integers(1, vocab_size, size=cfg.max_tokens, dtype=np.int64)
+        # Text ids start at `first_token`: token 0 is never used so that a padding id can never look
+        # like data (a family model's demo also keeps its vision placeholders' ids out of the text)
+        self.captions = rng.integers(first_token, vocab_size, size=(cfg.num_classes, cfg.max_tokens), dtype=np.int64)
+        self.instruction = rng.integers(first_token, vocab_size, size=cfg.max_tokens, dtype=np.int64)
         self.prototypes = rng.normal(size=(cfg.num_classes, patch_dim)).astype(np.float32)
 
     # ------------------------------------------------------------------ lengths

@@ -31,6 +31,7 @@ from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.compare import compare_plans
 from dhp_jax.train.config import OptimConfig, TrainConfig
 from dhp_jax.train.distributed import StepSync
+from dhp_jax.train.family_demo import DEMO_MODELS
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
@@ -139,7 +140,7 @@ class RunSetup:
     pipeline: DataPipeline
     first_batch: Any
     first_plan: Any
-    hf_config: Any = None          # fine-tuning: the checkpoint's family config and params
+    hf_config: Any = None          # a family model: its config and params (the checkpoint's, or the demo's random ones)
     hf_params: Any = None
 
 
@@ -162,8 +163,20 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
             model_config = MLLMConfig.from_hf(config.model.pretrained, remat=config.remat)
         except (OSError, ValueError, KeyError) as e:
             raise TrainError(f"model.pretrained={config.model.pretrained!r}: {e}") from None
+    elif config.model.preset in DEMO_MODELS:   # a tiny random model of a family, on synthetic family samples
+        from dhp_jax.model import hf
+        from dhp_jax.model.hf.init import random_params
+        from dhp_jax.train.family_demo import demo_config
+
+        raw = demo_config(DEMO_MODELS[config.model.preset])
+        hf_config = hf.parse_config(raw)
+        hf_params = random_params(hf_config, config.seed)
+        model_config = MLLMConfig.from_hf(raw, name=config.model.preset, remat=config.remat)
     else:
-        model_config = MLLMConfig.preset(config.model.preset, remat=config.remat)
+        try:
+            model_config = MLLMConfig.preset(config.model.preset, remat=config.remat)
+        except ValueError as e:
+            raise TrainError(f"model.preset: {e}; or a family model of the demo: {sorted(DEMO_MODELS)}") from None
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
@@ -185,7 +198,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         raise TrainError(f"planning cost model: {e}") from None
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
                         num_micro_batches=p.num_micro_batches, full_size=p.full_size)
-    if hf_config is not None:
+    if config.model.pretrained:
         from dhp_jax.data.finetune import DataError
         from dhp_jax.train.finetune import FinetunePipeline, source_spec
 
@@ -198,7 +211,12 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         except (DataError, ValueError, OSError) as e:
             raise TrainError(f"{spec}: {e}") from None
     else:
-        pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
+        if hf_config is not None:
+            from dhp_jax.train.family_demo import FamilyDemoPipeline
+
+            pipeline = FamilyDemoPipeline(config.data, hf_config)
+        else:
+            pipeline = DataPipeline(config.data, model_config.vocab_size, model_config.patch_dim)
         try:  # an unknown mix, a manifest path that is not there or a bad manifest line: one line, no traceback
             batch = pipeline.batch(0)
         except (ValueError, OSError) as e:
@@ -233,13 +251,14 @@ class Trainer:
         self.config, self.model_config, self.devices = setup.config, setup.model_config, setup.devices
         self.cost, self.plan_source, self.pipeline = setup.cost, setup.plan_source, setup.pipeline
         self.hf_config, self._hf_params = setup.hf_config, setup.hf_params
-        self.finetune = setup.hf_config is not None
+        self.family = setup.hf_config is not None          # a family model (fine-tuned, or the demo's tiny one)
+        self.finetune = bool(config.model.pretrained)       # a checkpoint fine-tuned on a user's records
         enable_compilation_cache(config.compilation_cache, Path(config.metrics.out_dir))
         if executor is None:
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             if config.attention_tile:
                 kwargs["attention_tile"] = config.attention_tile
-            executor = PlanExecutor(self.hf_config if self.finetune else self.model_config, self.devices,
+            executor = PlanExecutor(self.hf_config if self.family else self.model_config, self.devices,
                                     compute_dtype=config.compute_dtype, **kwargs)
         self.executor = check_executor(executor)
         if self.plan_source.cost is not None and not self.plan_source.full_size:
@@ -269,7 +288,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ state
     def init_state(self) -> Any:
-        if self.finetune:
+        if self.family:
             state, self._update = _pretrained_state(self.executor, self._hf_params, dataclasses.astuple(self.config.optim),
                                                     self.config.steps, self.config.seed)
             return state
