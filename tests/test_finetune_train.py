@@ -212,13 +212,20 @@ def test_readme_run_plans_mixed_degrees_from_real_counts(tmp_path):
 
 def test_model_section_and_data_settings_are_checked():
     """`model=tiny` still sets the stand-in's preset; fine-tuning data needs a checkpoint and one
-    source; a bad data.on_error is named; the demo's planning preset is not the checkpoint's."""
+    source; a bad data.on_error is named; the demo's planning preset and run name are not a
+    fine-tuning run's."""
     from dhp_jax.train.config import ConfigError, load_config
 
     assert load_config(None, ["model=tiny"]).model.preset == "tiny"
     assert load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl"]).planner.cost_model is None
     assert load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl",
                               "planner.cost_model=qwen3-vl-4b"]).planner.cost_model == "qwen3-vl-4b"
+    # a fine-tuning run is named after its checkpoint directory and writes under runs/<name>
+    cfg = load_config(None, ["model.pretrained=models/Qwen2.5-VL-3B/", "data.manifest=m.jsonl"])
+    assert (cfg.name, cfg.metrics.out_dir) == ("finetune-Qwen2.5-VL-3B", "runs/finetune-Qwen2.5-VL-3B")
+    cfg = load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl", "name=mine", "metrics.out_dir=o"])
+    assert (cfg.name, cfg.metrics.out_dir) == ("mine", "o")
+    assert (load_config(None, []).name, load_config(None, []).metrics.out_dir) == ("demo", "runs/demo")
     for overrides, words in [(["data.manifest=m.jsonl"], "needs model.pretrained"),
                              (["model.pretrained=ck"], "exactly one of data.manifest"),
                              (["model.pretrained=ck", "data.manifest=a.jsonl", "data.webdataset=b.tar"], "exactly one"),
