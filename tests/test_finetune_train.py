@@ -115,6 +115,7 @@ def test_resume_on_6_ranks_and_back_takes_the_next_batches_with_the_same_losses(
     import jax
 
     from dhp_jax.train.checkpoint import Checkpointer
+    from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.trainer import Trainer
 
     trainer, full, _ = run
@@ -135,6 +136,8 @@ def test_resume_on_6_ranks_and_back_takes_the_next_batches_with_the_same_losses(
     assert saved.read_meta(2)["layout"]["num_shards"] == 6
     saved.close()
     assert [[r["step"] for r in leg.records] for leg in legs] == [[1], [2], [3]]
+    assert [leg.records[0]["degrees"] for leg in legs] == [[[8]], [[6]], [[8]]]
+    assert [p["plan"]["num_ranks"] for p in read_jsonl(tmp_path / "plans.jsonl")] == [8, 6, 8]
     records = [r for leg in legs for r in leg.records]
     assert [r["sample_ids"] for r in records] == [r["sample_ids"] for r in full.records]
     assert len({tuple(r["sample_ids"]) for r in full.records}) == 3   # each epoch reshuffled
