@@ -1,12 +1,14 @@
 """`dhp example` -> `dhp train model.pretrained=... data.manifest=...` -> `dhp export`, on a tiny random
 Qwen2.5-VL checkpoint and generated images and videos, 8 fake devices: the step-0 loss is
 transformers' loss on the same batch (same chat template, assistant-only labels), the loss falls
-on a fixed set, a resumed run takes the same batches and losses, bad records are skipped and
-listed, the exported checkpoint gives transformers the project's logits, and the planner makes
-plans of irregular degrees from the real token counts."""
+on a fixed set, bad records are skipped and listed, a run resumed on another rank count (8 -> 6 -> 8)
+takes the same batches with the same losses, the exported
+checkpoint gives transformers the project's logits, and the README's run plans groups of irregular
+degrees from the real token counts."""
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ from dhp_jax.model import hf  # noqa: E402
 
 TOL = 1e-5
 SAMPLES = 12
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +29,7 @@ def example(tmp_path_factory):
     from dhp_jax.train.example import write_example
 
     root = tmp_path_factory.mktemp("ft_example")
-    ckpt, manifest = write_example(str(root), "qwen2_5_vl", num_samples=SAMPLES)
+    ckpt, manifest = write_example(str(root), "qwen2_5_vl", num_samples=SAMPLES, long_videos=0)
     with open(manifest, "a") as f:
         f.write(json.dumps({"id": "bad-missing", "image": "media/nowhere.jpg",
                             "conversations": [{"from": "human", "value": "<image>\nwhat"},
@@ -103,24 +106,46 @@ def test_loss_falls_and_bad_records_are_listed(run):
     assert data["data_wait_median_s"] >= 0 and "data_wait_s" in result.records[0]
 
 
-def test_resume_takes_the_next_batch(example, run, tmp_path):
-    """Stop after step 2, resume: the same batches (the records' ids) and losses as the uninterrupted run
-    (the resumed run reads its first batch, then restarts the loader at the checkpoint's position)."""
+def test_resume_on_6_ranks_and_back_takes_the_next_batches_with_the_same_losses(example, run, tmp_path, capsys):
+    """Stop the 8-rank run after step 1, resume it on 6 ranks for step 2, then on 8 again for step 3:
+    the same batches (the records' ids, the checkpoints' loader states) and, within fp32 1e-5, the
+    losses of the uninterrupted 8-rank run (another rank count changes the plans, so only the order
+    of the sums). 6, not 4: the tiny checkpoint's 223456 parameters need no padding on 4 or 8 ranks,
+    on 6 they do (223458), so the state is re-padded on the way there and back."""
+    import jax
+
     from dhp_jax.train.checkpoint import Checkpointer
+    from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.trainer import Trainer
 
     trainer, full, _ = run
     ckpt, manifest = example
-    cfg = _config(ckpt, manifest, tmp_path)
-    first = Trainer(cfg, executor=trainer.executor).run(stop_after=2)
+    eight = _config(ckpt, manifest, tmp_path)
+    legs = [Trainer(eight, executor=trainer.executor).run(stop_after=1)]
+    capsys.readouterr()
+    six = Trainer(_config(ckpt, manifest, tmp_path, num_ranks=6, **{"planner.strategy": "static-ring:6"}))
+    legs.append(six.run(resume=True, stop_after=1))
+    assert (six.executor.layout.padded, trainer.executor.layout.padded) == (223458, 223456)
+    assert "written on 8 ranks, this run has 6: the state is re-laid onto 6 ranks" in capsys.readouterr().err
+    flat = [x for x in jax.tree.leaves(legs[1].state) if x.shape == (six.executor.layout.padded,)]
+    assert len(flat) == 3 and all(x.sharding == six.executor.sharded for x in flat)
+    legs.append(Trainer(eight, executor=trainer.executor).run(resume=True))
+
     saved = Checkpointer(tmp_path / "checkpoints")
-    assert saved.read_meta(2)["loader"] == {"seed": 0, "epoch": 2, "position": 0}
+    assert [saved.read_meta(s)["loader"] for s in (1, 2)] == [{"seed": 0, "epoch": e, "position": 0} for e in (1, 2)]
+    assert saved.read_meta(2)["layout"]["num_shards"] == 6
     saved.close()
-    rest = Trainer(cfg, executor=trainer.executor).run(resume=True)
-    assert [r["step"] for r in rest.records] == [3]
-    assert [r["sample_ids"] for r in first.records + rest.records] == [r["sample_ids"] for r in full.records]
+    assert [[r["step"] for r in leg.records] for leg in legs] == [[1], [2], [3]]
+    assert [leg.records[0]["degrees"] for leg in legs] == [[[8]], [[6]], [[8]]]
+    assert [p["plan"]["num_ranks"] for p in read_jsonl(tmp_path / "plans.jsonl")] == [8, 6, 8]
+    records = [r for leg in legs for r in leg.records]
+    assert [r["sample_ids"] for r in records] == [r["sample_ids"] for r in full.records]
     assert len({tuple(r["sample_ids"]) for r in full.records}) == 3   # each epoch reshuffled
-    np.testing.assert_allclose(first.losses + rest.losses, full.losses, rtol=1e-6)
+    resumed = [x for leg in legs for x in leg.losses]
+    np.testing.assert_allclose(resumed, full.losses, rtol=TOL, atol=0)
+    with capsys.disabled():
+        print("fine-tune resume 8 -> 6 -> 8 ranks vs uninterrupted 8: losses", resumed, "vs", full.losses,
+              "max rel diff", float(np.max(np.abs(np.subtract(resumed, full.losses)) / np.abs(full.losses))))
 
 
 def test_export_gives_transformers_the_project_logits(example, run, tmp_path):
@@ -181,37 +206,55 @@ def test_torch_backend_continues_the_run(run, tmp_path, monkeypatch, capsys):
     assert "its model comes from there, not --mllm" in capsys.readouterr().err
 
 
-def test_planner_makes_irregular_degrees_from_real_counts(example):
-    """With the demo's planning model (qwen3-vl-4b on 910B, one rank per node), one batch of the
-    example's real token counts gets groups of >= 3 distinct degrees, one not a power of two."""
-    from dhp_jax.planner import plan_batch
-    from dhp_jax.train.finetune import FinetunePipeline
-    from dhp_jax.train.plans import make_cost
+def _readme_command(prefix: str) -> list[str]:
+    """The arguments after `dhp <command>` of the README's line that starts with `prefix` (its
+    comment and --out dropped)."""
+    import shlex
 
-    ckpt, manifest = example
-    cfg = _config(ckpt, manifest, "unused", **{"planner.cost_model": "qwen3-vl-4b"})
-    p = cfg.planner
-    config, _ = hf.load_pretrained(ckpt)
-    pipe = FinetunePipeline(cfg.data, ckpt, config, 0)
-    try:
-        samples = [q.to_sample() for q in pipe.planned]   # from headers: no pixel decoded
-    finally:
-        pipe.close()
-    cost = make_cost(None, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node, num_ranks=8,
-                     comm_overlap=p.comm_overlap)
-    degrees = {d for mb in plan_batch(samples, 8, cost, strategy="dhp", num_micro_batches=1).degrees for d in mb}
-    assert len(degrees) >= 3 and any(d & (d - 1) for d in degrees), degrees
+    line = next(x for x in (REPO / "README.md").read_text().splitlines() if x.startswith(prefix))
+    args = shlex.split(line.split("#")[0])[2:]
+    return [a for k, a in enumerate(args) if a != "--out" and (k == 0 or args[k - 1] != "--out")]
+
+
+def test_readme_run_plans_mixed_degrees_from_real_counts(tmp_path):
+    """The README's fine-tuning run planned as the run plans it (`plan_run`: its config, cost model,
+    compile prices and bucket ladder, step after step; the batches from the records' headers, no
+    pixel decoded) on `dhp example`'s default data: groups of >= 3 distinct degrees, one not a power
+    of two, and the README's "groups run" line is these plans' count."""
+    from collections import Counter
+
+    from dhp_jax.train.config import load_config
+    from dhp_jax.train.example import write_example
+    from dhp_jax.train.finetune import plan_run
+
+    assert _readme_command("dhp example ex") == ["ex", "--family", "qwen2_5_vl"]
+    write_example(str(tmp_path / "ex"), "qwen2_5_vl")
+    overrides = [a.replace("=ex/", f"={tmp_path}/ex/") for a in _readme_command("dhp train model.pretrained=")]
+    cfg = load_config(None, overrides)
+    assert cfg.model.pretrained == f"{tmp_path}/ex/checkpoint" and cfg.planner.strategy == "dhp"
+    groups = Counter(d for plan in plan_run(cfg) for mb in plan.degrees for d in mb)
+    line = "groups run: " + ", ".join(f"{n} of degree {d}" for d, n in sorted(groups.items()))
+    print(f"README run ({cfg.steps} steps), planned from headers: {line}")
+    assert len(groups) >= 3 and any(d & (d - 1) for d in groups), groups
+    assert line in (REPO / "README.md").read_text(), line
 
 
 def test_model_section_and_data_settings_are_checked():
     """`model=tiny` still sets the stand-in's preset; fine-tuning data needs a checkpoint and one
-    source; a bad data.on_error is named; the demo's planning preset is not the checkpoint's."""
+    source; a bad data.on_error is named; the demo's planning preset and run name are not a
+    fine-tuning run's."""
     from dhp_jax.train.config import ConfigError, load_config
 
     assert load_config(None, ["model=tiny"]).model.preset == "tiny"
     assert load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl"]).planner.cost_model is None
     assert load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl",
                               "planner.cost_model=qwen3-vl-4b"]).planner.cost_model == "qwen3-vl-4b"
+    # a fine-tuning run is named after its checkpoint directory and writes under runs/<name>
+    cfg = load_config(None, ["model.pretrained=models/Qwen2.5-VL-3B/", "data.manifest=m.jsonl"])
+    assert (cfg.name, cfg.metrics.out_dir) == ("finetune-Qwen2.5-VL-3B", "runs/finetune-Qwen2.5-VL-3B")
+    cfg = load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl", "name=mine", "metrics.out_dir=o"])
+    assert (cfg.name, cfg.metrics.out_dir) == ("mine", "o")
+    assert (load_config(None, []).name, load_config(None, []).metrics.out_dir) == ("demo", "runs/demo")
     for overrides, words in [(["data.manifest=m.jsonl"], "needs model.pretrained"),
                              (["model.pretrained=ck"], "exactly one of data.manifest"),
                              (["model.pretrained=ck", "data.manifest=a.jsonl", "data.webdataset=b.tar"], "exactly one"),

@@ -46,7 +46,8 @@ INTERNVL_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 # Processor settings of the tiny example: the published families' values, with pixel bounds
-# small enough that a sample is a few hundred tokens.
+# small enough that an image or a short clip is a few hundred tokens (a long video, up to 64
+# sampled frames, about 2k).
 _PROCESSORS = {
     "qwen2_5_vl": ("Qwen2_5_VLProcessor", QWEN2_5_VL_TEMPLATE,
                    {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
@@ -59,7 +60,7 @@ _PROCESSORS = {
                     "merge_size": 2, "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28},
                     "image_mean": [0.48145466, 0.4578275, 0.40821073],
                     "image_std": [0.26862954, 0.26130258, 0.27577711], "do_sample_frames": True, "fps": 2.0,
-                    "min_frames": 4, "max_frames": 16, "resample": 3}, {}),
+                    "min_frames": 4, "max_frames": 64, "resample": 3}, {}),
     "qwen3_vl": ("Qwen3VLProcessor", QWEN3_VL_TEMPLATE,
                  {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
                   "merge_size": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 256},
@@ -68,7 +69,7 @@ _PROCESSORS = {
                  {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "temporal_patch_size": 2,
                   "merge_size": 2, "size": {"shortest_edge": 8 * 32 * 32, "longest_edge": 256 * 32 * 32},
                   "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_sample_frames": True, "fps": 2,
-                  "min_frames": 4, "max_frames": 16, "resample": 3}, {}),
+                  "min_frames": 4, "max_frames": 64, "resample": 3}, {}),
     "internvl": ("InternVLProcessor", INTERNVL_TEMPLATE,
                  {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": 112, "width": 112},
                   "crop_to_patches": False, "min_patches": 1, "max_patches": 4,
@@ -180,12 +181,18 @@ def write_video(path: str, width: int, height: int, frames: int, fps: int, seed:
     return path
 
 
-def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0, max_side: int = 300) -> str:
+def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0, max_side: int = 300,
+                       long_videos: int = 0) -> str:
     """`out_dir/train.jsonl` with images, videos and conversations; returns the JSONL path.
 
     Every third sample has a short video (8 fps, 2-4 s, sides up to about max_side / 2), the others
     one or two images with sides of 40 px to `max_side`;
-    some use `conversations` (LLaVA) and some `messages`; one image in eight is grey or RGBA."""
+    some use `conversations` (LLaVA) and some `messages`; one image in eight is grey or RGBA.
+    The last `long_videos` of the `num_samples` records are long videos instead (224 x 224, 8 fps,
+    12 to 30 s: with the example's processors up to 64 sampled frames, about 0.8k-2k tokens), the
+    long tail beside short captions that real multimodal batches have."""
+    if not 0 <= long_videos <= num_samples:
+        raise ValueError(f"long_videos must be between 0 and num_samples={num_samples}, got {long_videos}")
     rng = np.random.default_rng(seed)
     media = os.path.join(out_dir, "media")
     os.makedirs(media, exist_ok=True)
@@ -194,7 +201,13 @@ def write_example_data(out_dir: str, num_samples: int = 24, seed: int = 0, max_s
         q = " ".join(rng.choice(_WORDS, int(rng.integers(4, 10))))
         a = " ".join(rng.choice(_WORDS, int(rng.integers(3, 20)))) + "."
         rec: dict = {"id": f"sample-{i:04d}"}
-        if i % 3 == 2:
+        k_long = i - (num_samples - long_videos)
+        if k_long >= 0:
+            seconds = 12 + 18 * k_long // max(1, long_videos - 1)
+            rec["video"] = os.path.relpath(write_video(os.path.join(media, f"v{i:04d}.mp4"), 224, 224, 8 * seconds, 8,
+                                                       seed * 1000 + i), out_dir)
+            marker = "<video>\n"
+        elif i % 3 == 2:
             w, h = (int(rng.integers(4, 11)) * max_side // 300 * 16 // 2 * 2,
                     int(rng.integers(4, 9)) * max_side // 300 * 16 // 2 * 2)
             rec["video"] = os.path.relpath(write_video(os.path.join(media, f"v{i:04d}.mp4"), w, h,

@@ -289,11 +289,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     _apply(config, data)
     _resolve_inputs(config, path.parent)
     apply_overrides(config, overrides)
-    if path == DEMO_CONFIG and config.model.pretrained and not any(
-            parse_override(o)[0] == ["planner", "cost_model"] for o in overrides):
-        # the demo prices its stand-in as a published model; a fine-tuned checkpoint is priced as itself
-        config.planner.cost_model = None
+    if path == DEMO_CONFIG and config.model.pretrained:
+        given = {tuple(parse_override(o)[0]) for o in overrides}
+        if ("planner", "cost_model") not in given:
+            # the demo prices its stand-in as a published model; a fine-tuned checkpoint is priced as itself
+            config.planner.cost_model = None
+        # a fine-tuning run is not the demo: named after its checkpoint directory, written under runs/<name>
+        if ("name",) not in given:
+            config.name = finetune_name(config.model.pretrained)
+        if ("metrics", "out_dir") not in given:
+            config.metrics.out_dir = f"runs/{config.name}"
     return config.validate()
+
+
+def finetune_name(checkpoint: str) -> str:
+    """The default run name of a fine-tuning run: `finetune-<checkpoint directory name>`."""
+    return "finetune-" + (os.path.basename(os.path.normpath(checkpoint)) or "checkpoint")
 
 
 # Input files named inside a YAML are relative to that YAML (overrides stay relative to the cwd).

@@ -99,6 +99,13 @@ class FinetunePipeline:
         return FinetuneBatch(step, samples, samples, sample_lengths(samples), sample_etas(samples),
                              [it["sample_id"] for it in items], float(waited))
 
+    def planned_batch(self, step: int) -> list[Sample]:
+        """Payload-free samples of exactly the records of step `step`'s batch, from their headers
+        (no pixel decoded): what the planner sees of `batch(step)`."""
+        st = self.loader_state(step)
+        return [dataclasses.replace(self.planned[int(i)].to_sample(), sample_id=k)
+                for k, i in enumerate(self.loader.batch_indices(st["epoch"], st["position"]))]
+
     def source_batch(self, step: int, batch_size: int | None = None) -> list[Sample]:
         """Payload-free samples of the records of step `step` (`batch_size` of them, from its epoch's order)."""
         st = self.loader_state(step)
@@ -112,3 +119,32 @@ class FinetunePipeline:
             if self._it is not None:
                 self._it.close()
                 self._it, self._next = None, None
+
+
+def plan_run(config: Any, steps: int | None = None) -> list:
+    """The plans a fine-tuning run of `config` makes for its first `steps` steps (None: all), from
+    the records' headers: the run's cost model, strategy, program prices and bucket ladder, in step
+    order as the run's planner thread makes them; no pixel decoded, nothing compiled or run."""
+    from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
+    from dhp_jax.model.hf.config import read_config_json
+    from dhp_jax.model.hf.families import parse_config
+    from dhp_jax.train.plans import PlanSource, attach_programs, run_cost
+
+    p = config.planner
+    source = PlanSource(config.num_ranks, cost=run_cost(config), strategy=p.strategy, num_micro_batches=p.num_micro_batches,
+                        full_size=p.full_size)
+    attach_programs(source, config.planner.compile_price_s, (config.min_bucket or MIN_BUCKET, GROWTH, LINEAR_CHUNK),
+                    None)
+    hf_config = parse_config(read_config_json(config.model.pretrained))
+    pipeline = FinetunePipeline(config.data, config.model.pretrained, hf_config, config.data.seed)
+    plans = []
+    try:
+        for step in range(config.steps if steps is None else steps):
+            samples = pipeline.planned_batch(step)
+            batch = FinetuneBatch(step, samples, samples, sample_lengths(samples), sample_etas(samples),
+                                  [str(x.source) for x in samples], 0.0)
+            plans.append(source(step, batch))
+    finally:
+        pipeline.close()
+    return plans
+

@@ -16,9 +16,10 @@ from dhp_jax.planner.cli_args import cost_model as load
 from dhp_jax.planner.contract.plan import Plan
 from dhp_jax.planner.contract.planfile import PlanFileError, load_plan_file, plan_at
 from dhp_jax.planner.cost.presets import ModelShape
+from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers.strategies import lookup
 
-__all__ = ["PlanFileError", "PlanSource", "load_plan_file", "make_cost"]
+__all__ = ["PlanFileError", "PlanSource", "attach_programs", "load_plan_file", "make_cost", "run_cost"]
 
 
 class PlanSource:
@@ -79,7 +80,32 @@ class PlanSource:
         return lambda degree, ids: bucket_length(sum(tokens[i] for i in ids), degree, min_bucket, growth)
 
 
+def attach_programs(source: PlanSource, compile_price_s: float, ladder: tuple[int, float, int],
+                    ranks_per_process: int | None) -> None:
+    """Give a run's `PlanSource` what its planner prices against: the executor's bucket ladder
+    `(min_bucket, growth, linear_chunk)` (in the cost model unless the plans are made at full
+    size) and a `ProgramCache` of the programs earlier steps' plans needed, each new one at
+    `compile_price_s` (`planner.compile_price_s`: a fixed figure, so every process and a resumed
+    run plan alike)."""
+    min_bucket, growth, chunk = ladder
+    if source.cost is not None and not source.full_size:
+        # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
+        # (a plan made at full token counts prices the preset's own rule: the executor's ladder is
+        # for the scaled batch it runs)
+        source.cost = source.cost.replace(bucket_min=int(min_bucket), bucket_growth=float(growth),
+                                          linear_chunk=int(chunk))
+    source.programs = ProgramCache(ranks_per_process, compile_s=float(compile_price_s))
+    source.executed_ladder = (int(min_bucket), float(growth))
+
+
 DEFAULT_COST_MODEL = "internvl3-2b"   # planner.cost_model unset, stand-in model
+
+
+def run_cost(config: Any) -> Any:
+    """The planning cost model of a train config (`make_cost` of its planner section)."""
+    p = config.planner
+    return make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
+                     num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained)
 
 
 def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, ranks_per_node: int,

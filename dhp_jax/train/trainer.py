@@ -36,7 +36,7 @@ from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread
-from dhp_jax.train.plans import PlanSource, describe_cost, load_plan_file, make_cost
+from dhp_jax.train.plans import PlanSource, attach_programs, describe_cost, load_plan_file, run_cost
 from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
@@ -192,8 +192,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     if config.metrics.tensorboard:
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
-        cost = make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
-                         num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained)
+        cost = run_cost(config)
     except ValueError as e:
         raise TrainError(f"planning cost model: {e}") from None
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
@@ -261,19 +260,12 @@ class Trainer:
             executor = PlanExecutor(self.hf_config if self.family else self.model_config, self.devices,
                                     compute_dtype=config.compute_dtype, **kwargs)
         self.executor = check_executor(executor)
-        if self.plan_source.cost is not None and not self.plan_source.full_size:
-            # one bucket rule: the planner prices (and writes into the plan) the ladder the executor runs
-            # (a plan made at full token counts prices the preset's own rule: the executor's ladder
-            # is for the scaled batch it runs)
-            self.cost = self.cost.replace(bucket_min=int(executor.min_bucket), bucket_growth=float(executor.growth),
-                                          linear_chunk=int(executor.linear_chunk))
-            self.plan_source.cost = self.cost
         # What the planner may assume compiled at step t: the programs of the plans of steps < t
         # (never what has finished compiling: that depends on timing); a plan needing a new one
         # pays the config's fixed price. The same on every process, so processes plan alike.
-        self.plan_source.programs = ProgramCache(ranks_per_process(self.devices),
-                                                 compile_s=float(config.planner.compile_price_s))
-        self.plan_source.executed_ladder = (int(executor.min_bucket), float(executor.growth))
+        attach_programs(self.plan_source, config.planner.compile_price_s,
+                        (executor.min_bucket, executor.growth, executor.linear_chunk), ranks_per_process(self.devices))
+        self.cost = self.plan_source.cost
         self._ran = ProgramCache()  # the executables of the plans of the steps run (what a checkpoint stores)
         self._local_ids = {d.id for d in self.devices if d.process_index == self.process_index}
         self.out_dir = Path(config.metrics.out_dir)
