@@ -22,6 +22,7 @@ full depth (the per-layer bytes, compiled and modelled, are compared in `layer_r
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Mapping, Sequence
 
@@ -45,43 +46,46 @@ def load_model_config(name: str) -> tuple[str, dict]:
 
 def model_shape(raw: Mapping[str, Any], params: int) -> Any:
     """The planner's `ModelShape` of config.json dict `raw`, with `params` parameters."""
-    import dataclasses
-
     from dhp_jax.planner.cost.presets import ModelShape
     return dataclasses.replace(ModelShape.from_config(raw), param_count=int(params))
 
 
 def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
-             compute_dtype: str = "float32") -> tuple[int, int]:
+             compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0,
+             temp: bool = False) -> tuple[int, int]:
     """(per-device bytes of the compiled group program, its parameter count) of the family model of
     config.json dict `raw` for a group of `degree` devices and `tokens` LLM tokens (rounded up to a
-    multiple of 2 x degree)."""
+    multiple of 2 x degree), its blocks run with `remat` and `linear_chunk` (`HFConfig`); `temp`:
+    the program's temporaries only (`temp_size_in_bytes`) instead of its total."""
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
     from dhp_jax.sharding.memory_bench import CPU_MEMORY_SCHEDULER
 
-    config = parse_config(raw)
-    ex = PlanExecutor(config, devices[:degree], compute_dtype=compute_dtype)
+    config = dataclasses.replace(parse_config(raw), remat=remat)
+    ex = PlanExecutor(config, devices[:degree], compute_dtype=compute_dtype, linear_chunk=linear_chunk)
     ex.bind(abstract_params(config))
     stream = -(-tokens // (2 * degree)) * 2 * degree
     options = dict(ex.compiler_options)
     if all(d.platform == "cpu" for d in devices[:degree]):
         options.update(CPU_MEMORY_SCHEDULER)
     m = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options).memory_analysis()
+    if temp:
+        return int(m.temp_size_in_bytes), ex.layout.size
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes), ex.layout.size
 
 
 def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
-             compute_dtype: str = "float32", state_shards: int = 64) -> float:
+             compute_dtype: str = "float32", state_shards: int = 64, remat: str = "none",
+             linear_chunk: int = 0) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
-    group of `degree` devices and `tokens` tokens, at the family program's engine choices."""
+    group of `degree` devices and `tokens` tokens, its blocks run with `remat` and `linear_chunk`."""
     from dhp_jax.planner import CostModel
     from dhp_jax.planner.cost.memory import group_program_bytes
 
-    cost = CostModel.preset(model_shape(raw, params), hardware, remat=REMAT, compute_dtype=compute_dtype,
-                            state_shards=state_shards, require_fit=False)
+    cost = CostModel.preset(model_shape(raw, params), hardware, remat=remat, compute_dtype=compute_dtype,
+                            state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk)
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 
