@@ -102,12 +102,14 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
-    shape (`m.family`) is priced as the family program runs (`family_bytes_per_token`)."""
+    shape (`m.family`) with remat "none" is priced as the family program runs without pad
+    skipping (`family_bytes_per_token`); its other choices are priced by the stand-in's blocks (the
+    planner's presets; `family_bytes_per_token` prices the family program at each, and `dhp bench
+    memory --families` compares it with the compiled program)."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
-    if getattr(m, "family", ""):
-        return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes),
-                                      remat, chunked)
+    if getattr(m, "family", "") and remat == "none":
+        return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes))
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
