@@ -56,9 +56,9 @@ def test_family_program_bytes_match_the_memory_model(degree, tokens):
 
 
 def test_family_remat_lowers_the_blocks_compiled_bytes():
-    """Remat "layer" (`layers.remat_block`: every block recomputed in the backward pass, its
-    recomputation tied to the block's output cotangent) lowers the compiled temporaries of the
-    family's LLM layers' gradient (the tiny Qwen3-VL's text model, abstract params, one device)."""
+    """Remat "layer" (`layers.remat_block`: every block recomputed in the backward pass) lowers the
+    compiled temporaries of the family's LLM layers' gradient (the tiny Qwen3-VL's text model,
+    abstract params, one device)."""
     import jax
     import jax.numpy as jnp
 

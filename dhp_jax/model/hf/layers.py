@@ -129,35 +129,10 @@ def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
 
 
 def remat_block(fn: Callable, remat: str) -> Callable:
-    """`fn(p, x) -> x` (one block, `p` its params) recomputed in the backward pass per `remat`
-    (`mllm.remat_policy`: "layer" keeps the block input only, "selective" also its weight GEMMs'
-    outputs); "none": `fn` itself. The values are `fn`'s, bit for bit.
-
-    A custom VJP around `jax.vjp` of `jax.checkpoint(fn)`: the forward pass keeps the pullback's
-    residuals (what the policy saves), the backward pass passes them and the block's output
-    cotangent through one `lax.optimization_barrier` before it recomputes. Without that tie a
-    block's recomputation depends on its saved inputs only, and in a Python loop of blocks (no
-    scan to order them) XLA may schedule it as early as the forward pass, holding every block's
-    intermediates again (XLA:CPU: the same compiled bytes as no remat)."""
-    if remat == "none":
-        return fn
-    inner = jax.checkpoint(fn, policy=remat_policy(remat))
-
-    @jax.custom_vjp
-    def run(p, x):
-        return fn(p, x)
-
-    def fwd(p, x):
-        y, pull = jax.vjp(inner, p, x)
-        return y, pull
-
-    def bwd(pull, ct):
-        leaves, tree = jax.tree.flatten(pull)
-        leaves, ct = jax.lax.optimization_barrier((leaves, ct))
-        return jax.tree.unflatten(tree, leaves)(ct)
-
-    run.defvjp(fwd, bwd)
-    return run
+    """`fn(p, x) -> x` (one block, `p` its params) under `jax.checkpoint` with the policy `remat`
+    names (`mllm.remat_policy`: "layer" keeps the block input only, "selective" also its weight
+    GEMMs' outputs); "none": `fn` itself. The values are `fn`'s, bit for bit."""
+    return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
 
 
 class BlockStream:
