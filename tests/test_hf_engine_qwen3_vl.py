@@ -55,3 +55,42 @@ def test_qwen3_vl_bf16_step(case):
     loss_err = abs(float(loss) - ref_loss) / ref_loss
     print(f"qwen3_vl bf16 hybrid 2x4: loss rel {loss_err:.1e}, gradient cosine {cos:.6f}")
     assert np.isfinite(a).all() and loss_err <= 1e-3 and cos >= 0.9995, (loss_err, cos)
+
+
+def test_qwen3_vl_remat_and_pad_skipping(case):
+    """`remat` "layer" (every LLM layer and vision block under `jax.checkpoint`) with `linear_chunk`
+    pad skipping, on a degree-2 ring group of every sample with a long padding tail: transformers'
+    loss and gradients at fp32 1e-5, and the chunks counted as they run (`executed.counting`: a
+    host callback in the work of a live chunk, on every device) are each rank's real tokens (LLM)
+    and live vision rows (encoder, reordered live rows first) in whole chunks, each counted 4 times
+    per block and step (q/k/v and the MLP, in the forward pass and in the chunk's pullback; the
+    remat's re-run of the forward does not call the callbacks); a chunk of padding or of dead
+    vision rows never runs (computing every chunk and selecting would count them all)."""
+    import dataclasses
+    import math
+
+    from dhp_jax.geometry.layout import bucket_length, chunk_size
+    from dhp_jax.model.executed import counting
+    from dhp_jax.model.hf.packed import unit
+    from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+    from dhp_jax.sharding import PlanExecutor
+
+    cfg, params, samples, reference, _ = case
+    chunk, d = 8, 2
+    tokens = sum(s.num_tokens for s in samples)
+    group = Group((0, 1), d, tuple(range(len(samples))), tokens=tokens,
+                  padded_tokens=bucket_length(tokens, d) + 2 * d * 24)
+    with counting() as counts:
+        ex = PlanExecutor(dataclasses.replace(cfg, remat="layer"), linear_chunk=chunk)
+        ec.check_step((cfg, params, samples, reference, ex), Plan(8, (MicroBatch((group,)),)), "qwen3_vl remat+chunks")
+    (w,) = ex.prepare(samples, Plan(8, (MicroBatch((group,)),)))
+    lay = w.layout
+    shard, u = lay.bucket // d, unit(cfg)
+    live_vision = (lay.vision_ints[:, 0] > 0).reshape(d, shard * u).sum(axis=1)
+    real = (lay.llm_ints[:, 2] > 0).reshape(d, shard).sum(axis=1)
+    llm = sum(math.ceil(r / chunk_size(shard, chunk)) for r in real)
+    vision = sum(math.ceil(v / chunk_size(shard * u, chunk)) for v in live_vision)
+    everything = d * (math.ceil(shard / chunk_size(shard, chunk)) + math.ceil(shard * u / chunk_size(shard * u, chunk)))
+    assert 0 < llm + vision < everything
+    want = 4 * (cfg.text.num_layers * llm + cfg.vision.depth * vision)
+    assert counts["linear_chunks"] == want, (counts["linear_chunks"], want, llm, vision)

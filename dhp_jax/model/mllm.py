@@ -201,16 +201,13 @@ def _skippable(live_fn: Callable, dead_fn: Callable) -> Callable:
 
 def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 0) -> jax.Array:
     """One block on params `p` (a `layers_i` subtree): `Block`'s math with its token-local work in
-    chunks of at most `chunk` tokens (`chunk_size`), dead chunks skipped (`_skippable`: zero q/k/v,
-    the residual passed through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the
-    `Block` fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
+    chunks of at most `chunk` tokens (`split_block`: dead chunks skipped, zero q/k/v, the residual
+    passed through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the `Block`
+    fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
     s = x.shape[0]
     h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    chunked = 0 < chunk < s
 
     def project(pp, xc, pos):
-        if chunked:                    # a live chunk's work ran (`executed`: counted only in debug mode)
-            tick("linear_chunks", xc)
         a = pp["attn"]
         y = rms_norm(xc, pp["attn_norm"]["scale"], shape.eps)
         q = (y @ a["q"]["kernel"]).reshape(-1, h, hd)
@@ -219,30 +216,48 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
         return rope(q, pos, shape.rope_base), rope(k, pos, shape.rope_base), v
 
     def finish(pp, xc, oc):
-        if chunked:
-            tick("linear_chunks", xc)
         a, m = pp["attn"], pp["mlp"]
-        y = xc + oc @ a["o"]["kernel"]
+        y = xc + oc.reshape(-1, h * hd) @ a["o"]["kernel"]
         z = rms_norm(y, pp["mlp_norm"]["scale"], shape.eps)
         return y + (jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"]
 
-    if not chunked:
-        q, k, v = project(p, x, ids.position)
-        return finish(p, x, shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd))
-    live = live_chunks(ids.segment, chunk)
-    xs, ps = _split(x, chunk), _split(ids.position, chunk)
-    chunk = xs.shape[1]
+    live = live_chunks(ids.segment, chunk) if 0 < chunk < s else None
+    return split_block(p, x, ids.position, live, project, finish, lambda q, k, v: shape.attn_fn(q, k, v, ids, ids),
+                       chunk)
 
-    def no_project(pp, xc, pos):
-        return (jnp.zeros((chunk, h, hd), x.dtype), jnp.zeros((chunk, kvh, hd), x.dtype),
-                jnp.zeros((chunk, kvh, hd), x.dtype))
 
-    project_chunk = _skippable(project, no_project)
-    finish_chunk = _skippable(finish, lambda pp, xc, oc: xc)
-    q, k, v = (_merge(t, s) for t in lax.map(lambda a: project_chunk(p, a[2], a[0], a[1]), (xs, ps, live)))
-    o = _split(shape.attn_fn(q, k, v, ids, ids).reshape(s, h * hd), chunk)
-    out = lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live))
-    return _merge(out, s)
+def split_block(p: Params, x: jax.Array, rows: Any, live: jax.Array | None, project: Callable, finish: Callable,
+                attend: Callable, chunk: int) -> jax.Array:
+    """A block cut at its attention, x[S, d] -> x[S, d]: `project(p, x, rows)` (the token-local
+    work before it: a tuple of per-token arrays, q, k, v), `attend(*those)` (over the whole
+    stream: o[S, ...]), `finish(p, x, o)` (the token-local work after it, with the residuals).
+    `rows` is a pytree of per-token arrays `project` reads (positions, rotary angles).
+
+    `live` None (or `chunk` 0 or >= S): one pass over the stream. Else `live` bool[n] says which of
+    the n chunks of `chunk_size(S, chunk)` rows (`live_chunks`) hold a live row: `project` and
+    `finish` run chunk by chunk (`lax.map`) and a dead chunk is skipped (`_skippable`: zero
+    projections, the residual passed through), so live rows are unchanged and no result may read
+    a dead row. A chunk that runs calls `executed.tick("linear_chunks")` (counted in debug mode)."""
+    s = x.shape[0]
+    if live is None or not 0 < chunk < s:
+        return finish(p, x, attend(*project(p, x, rows)))
+    xs, rs = _split(x, chunk), jax.tree.map(lambda a: _split(a, chunk), rows)
+    shapes = jax.eval_shape(project, p, xs[0], jax.tree.map(lambda a: a[0], rs))
+
+    def run_project(pp, xc, rc):
+        tick("linear_chunks", xc)       # a live chunk's work ran (`executed`: counted only in debug mode)
+        return project(pp, xc, rc)
+
+    def run_finish(pp, xc, oc):
+        tick("linear_chunks", xc)
+        return finish(pp, xc, oc)
+
+    project_chunk = _skippable(run_project, lambda pp, xc, rc: jax.tree.map(
+        lambda t: jnp.zeros(t.shape, t.dtype), shapes))
+    finish_chunk = _skippable(run_finish, lambda pp, xc, oc: xc)
+    qkv = lax.map(lambda a: project_chunk(p, a[2], a[0], a[1]), (xs, rs, live))
+    o = _split(attend(*(_merge(t, s) for t in qkv)), chunk)
+    return _merge(lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live)), s)
 
 
 def vision_first(vision_mask: jax.Array, chunk: int) -> tuple[jax.Array | None, jax.Array | None]:

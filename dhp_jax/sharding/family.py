@@ -14,14 +14,22 @@ the group's kind, differentiated with respect to the flat params. The loss is tr
 each sample's labels shifted inside the sample (-100 ignored), summed over the batch and divided
 by the number of counted labels.
 
+The blocks run as the stand-in's do: `HFConfig.remat` puts every LLM layer and encoder block
+under `jax.checkpoint` ("layer", "selective"), and `linear_chunk` (the executor's, as for the
+stand-in) cuts every block's token-local work (norms, projections, MLP) into chunks and skips
+the dead ones (`mllm.split_block`): in the LLM stream a shard's padding tail, in the vision stream
+the rows of text and padding slots (and InternVL's CLS rows off a tile's first token), which the
+encoder's blocks run reordered live rows first (`layers.BlockStream`), so a rank computes its
+real tokens and its live vision rows in whole chunks. Neither changes a value.
+
 The params tree (and so the flat layout) is taken from the first tree bound (`shard`,
 `loss_and_grads`, `bind`): the family's tree has no shape table apart from a checkpoint.
-Not yet for the families: `linear_chunk` pad skipping (the linear layers compute the whole
-shard), remat, the block stacks' scan (the layers are a Python loop).
+Not yet for the families: the block stacks' scan (the layers are a Python loop).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -65,7 +73,7 @@ class FamilyExecutor(PlanExecutor):
 
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
-        return config                      # pad skipping is not implemented for the families
+        return dataclasses.replace(config, linear_chunk=linear_chunk)
 
     @staticmethod
     def _abstract_params(config: Any) -> Any:
@@ -100,7 +108,7 @@ class FamilyExecutor(PlanExecutor):
         self._bind(None)
         from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit
         mesh, spec = self._mesh(devices, attention)
-        fn = jax.shard_map(family_program(self.config, self.layout, self._attention_fn(degree, attention)),
+        fn = jax.shard_map(family_program(self._program_config, self.layout, self._attention_fn(degree, attention)),
                            mesh=mesh, in_specs=(P(),) + (spec,) * 4, out_specs=(spec, spec), check_vma=False)
         rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
         rows = bucket * unit(self.config)

@@ -5,8 +5,9 @@ lowered with abstract arguments (the params tree's shapes from the model's confi
 `dhp_jax.model.hf.abstract`; nothing is allocated) and compiled for `degree` CPU devices with
 XLA:CPU's memory-minimising scheduler; `memory_analysis()` gives arguments + outputs + temp -
 aliases per device. Next to it, `group_program_bytes` of the model's `ModelShape`
-(`planner.cost.memory`, the family terms) for the engine's choices for the families: no recompute
-(the family program keeps every intermediate: remat "none"), no pad skipping, fp32.
+(`planner.cost.memory`, the family terms, `family_bytes_per_token`) at the program's choices: the
+bench's are no recompute (the family program keeps every intermediate: remat "none"), no pad
+skipping, fp32; `compiled` and `modelled` take `remat` and `linear_chunk` too.
 
 The packed vision stream gives every LLM slot `unit` encoder rows (`dhp_jax.model.hf.packed`), so
 the program's shapes, and its bytes, do not depend on the group's vision share: the encoder runs
@@ -30,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 from dhp_jax.data.model_configs import hf_layout, model_config
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.memory import group_program_bytes
+from dhp_jax.planner.cost.memory import family_bytes_per_token, group_program_bytes
 from dhp_jax.planner.cost.presets import ModelShape
 
 BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
@@ -53,33 +54,45 @@ def model_shape(raw: Mapping[str, Any], params: int) -> Any:
 
 
 def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
-             compute_dtype: str = "float32") -> tuple[int, int]:
+             compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0) -> tuple[int, int]:
     """(per-device bytes of the compiled group program, its parameter count) of the family model of
     config.json dict `raw` for a group of `degree` devices and `tokens` LLM tokens (rounded up to a
-    multiple of 2 x degree)."""
+    multiple of 2 x degree), its blocks run with `remat` and `linear_chunk` (`HFConfig`)."""
+    m, params = memory_analysis(raw, degree, tokens, devices, compute_dtype, remat, linear_chunk)
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+               - m.alias_size_in_bytes), params
+
+
+def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
+                    compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0) -> tuple[Any, int]:
+    """(XLA's `memory_analysis()` of the compiled group program, its parameter count) (`compiled`)."""
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
     from dhp_jax.sharding.memory_bench import CPU_MEMORY_SCHEDULER
 
-    config = parse_config(raw)
-    ex = PlanExecutor(config, devices[:degree], compute_dtype=compute_dtype)
+    config = dataclasses.replace(parse_config(raw), remat=remat)
+    ex = PlanExecutor(config, devices[:degree], compute_dtype=compute_dtype, linear_chunk=linear_chunk)
     ex.bind(abstract_params(config))
     stream = -(-tokens // (2 * degree)) * 2 * degree
     options = dict(ex.compiler_options)
     if all(d.platform == "cpu" for d in devices[:degree]):
         options.update(CPU_MEMORY_SCHEDULER)
-    m = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options).memory_analysis()
-    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-               - m.alias_size_in_bytes), ex.layout.size
+    program = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options)
+    return program.memory_analysis(), ex.layout.size
 
 
 def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
-             compute_dtype: str = "float32", state_shards: int = 64) -> float:
+             compute_dtype: str = "float32", state_shards: int = 64, remat: str = "none",
+             linear_chunk: int = 0) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
-    group of `degree` devices and `tokens` tokens, at the family program's engine choices."""
-    cost = CostModel.preset(model_shape(raw, params), hardware, remat=REMAT, compute_dtype=compute_dtype,
-                            state_shards=state_shards, require_fit=False)
+    group of `degree` devices and `tokens` tokens, its blocks run with `remat` and `linear_chunk`: the
+    preset's static bytes, and per token `family_bytes_per_token` of the family program at those choices."""
+    shape = model_shape(raw, params)
+    cost = CostModel.preset(shape, hardware, remat=remat, compute_dtype=compute_dtype,
+                            state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk)
+    cost = dataclasses.replace(cost, mem_per_token=family_bytes_per_token(shape, cost.activation_bytes, remat,
+                                                                          linear_chunk > 0))
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 

@@ -158,6 +158,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
 
         try:
             hf_config, hf_params = hf.load_pretrained(config.model.pretrained)
+            hf_config = dataclasses.replace(hf_config, remat=config.remat)     # the blocks' recompute
             # the engine-side shape of the checkpoint: what the summary, the checkpoints' model check
             # and the planner's cost model (`planner.cost_model` unset) describe
             model_config = MLLMConfig.from_hf(config.model.pretrained, remat=config.remat)

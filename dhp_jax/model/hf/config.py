@@ -11,12 +11,20 @@ from typing import Any, Mapping
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.spec import TextConfig
 
+REMATS = ("none", "layer", "selective")      # `dhp_jax.model.mllm.REMAT_POLICIES`
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class HFConfig:
     """One model of a supported family. `raw` is config.json as read (written back unchanged by
     `save_pretrained`); `text` the LLM's shape; `vision` the family's own vision-encoder config;
-    `tied`: the LM head is the token embedding; `token_ids`: placeholder ids ("image", "video")."""
+    `tied`: the LM head is the token embedding; `token_ids`: placeholder ids ("image", "video").
+
+    How the engine runs the blocks (run-time choices, never values; `MLLMConfig`'s fields of the
+    same names): `remat`, the recompute of every LLM and encoder block in the backward pass
+    ("none", "layer", "selective"); `linear_chunk`, rows per chunk of the blocks' token-local work
+    with the chunks of padding (and of the vision stream's dead rows) skipped (0: one pass;
+    `PlanExecutor(linear_chunk=...)` sets it)."""
 
     family: str
     raw: Mapping[str, Any]
@@ -24,6 +32,14 @@ class HFConfig:
     vision: Any
     tied: bool
     token_ids: Mapping[str, int]
+    remat: str = "none"
+    linear_chunk: int = 0
+
+    def __post_init__(self) -> None:
+        if self.remat not in REMATS:
+            raise ValueError(f"HFConfig.remat must be one of {REMATS}, got {self.remat!r}")
+        if isinstance(self.linear_chunk, bool) or not isinstance(self.linear_chunk, int) or self.linear_chunk < 0:
+            raise ValueError(f"HFConfig.linear_chunk must be an integer >= 0 (0: no chunks), got {self.linear_chunk!r}")
 
     @property
     def vocab_size(self) -> int:

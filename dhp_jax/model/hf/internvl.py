@@ -27,8 +27,9 @@ from dhp_jax.model.hf.host import internvl as prepare  # noqa: F401 (host side, 
 from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES  # noqa: F401
 from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
 from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
-from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, rms_norm,
-                                     segment_ids)
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
+                                     rms_norm, segment_ids)
+from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
 
 PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
@@ -54,25 +55,39 @@ def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: Atten
     return project(cfg, params, x.reshape(-1, x.shape[-1]))
 
 
-def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: AttentionFn) -> jax.Array:
+def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: AttentionFn,
+                   live: jax.Array | None = None) -> jax.Array:
     """InternViT's layers and final norm over a stream of patch (and CLS) rows x[N, d] (subtree
-    `model.vision_tower`), attending within the segments of `ids` (one per tile)."""
+    `model.vision_tower`), attending within the segments of `ids` (one per tile). `live` (bool per
+    row, optional): the rows a result is read from; with it the layers skip the chunks of the
+    others (`layers.BlockStream`, `cfg.linear_chunk`)."""
     v = cfg.vision
     d = x.shape[-1]
     norm = layer_norm if v.norm == "layer_norm" else rms_norm
     act, heads = activation(v.act), v.num_heads
-    for i in range(v.num_layers):
-        b = p["encoder"]["layer"][str(i)]
+    stream = BlockStream(cfg.remat, cfg.linear_chunk, live)
+    ids = stream.rows(ids)
+
+    def project(b, xc, _):
         a = b["attention"]
-        y = norm(x, b["layernorm_before"], v.eps)
+        y = norm(xc, b["layernorm_before"], v.eps)
         q, k = linear(a["q_proj"], y), linear(a["k_proj"], y)
         if v.qk_norm:
             q, k = rms_norm(q, a["q_norm"], QK_NORM_EPS), rms_norm(k, a["k_norm"], QK_NORM_EPS)
-        shape = (x.shape[0], heads, d // heads)
-        o = attn_fn(q.reshape(shape), k.reshape(shape), linear(a["v_proj"], y).reshape(shape), ids, ids)
-        x = x + b["lambda_1"] * linear(a["projection_layer"], o.reshape(x.shape))
+        shape = (-1, heads, d // heads)
+        return q.reshape(shape), k.reshape(shape), linear(a["v_proj"], y).reshape(shape)
+
+    def finish(b, xc, oc):
+        xc = xc + b["lambda_1"] * linear(b["attention"]["projection_layer"], oc.reshape(-1, d))
         m = b["mlp"]
-        x = x + b["lambda_2"] * linear(m["fc2"], act(linear(m["fc1"], norm(x, b["layernorm_after"], v.eps))))
+        return xc + b["lambda_2"] * linear(m["fc2"], act(linear(m["fc1"], norm(xc, b["layernorm_after"], v.eps))))
+
+    block = stream.block(lambda b, h: split_block(b, h, (), stream.live, project, finish,
+                                                  lambda q, k, u: attn_fn(q, k, u, ids, ids), stream.chunk))
+    x = stream.rows(x)
+    for i in range(v.num_layers):
+        x = block(p["encoder"]["layer"][str(i)], x)
+    x = stream.back(x)
     if v.final_norm:
         x = layer_norm(x, p["layernorm"], v.eps)
     return x

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from dhp_jax.model.attention import AttnIds
+from dhp_jax.model.mllm import live_chunks, remat_policy, split_block, vision_first
 from dhp_jax.model.hf.spec import DecoderShape, RopeSpec  # noqa: F401 (the blocks' shapes)
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
@@ -80,34 +81,88 @@ def rope(x: jax.Array, angles: jax.Array) -> jax.Array:
 
 
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
-                  attn_fn: AttentionFn) -> jax.Array:
+                  attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None) -> jax.Array:
     """One pre-norm LLM block (transformers' `*DecoderLayer`) on `p`, a `layers.i` subtree:
-    h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h))."""
-    s, a = x.shape[0], p["self_attn"]
-    y = rms_norm(x, p["input_layernorm"], shape.eps)
-    q = linear(a["q_proj"], y).reshape(s, shape.num_heads, shape.head_dim)
-    k = linear(a["k_proj"], y).reshape(s, shape.num_kv_heads, shape.head_dim)
-    v = linear(a["v_proj"], y).reshape(s, shape.num_kv_heads, shape.head_dim)
-    if shape.qk_norm:
-        q, k = rms_norm(q, a["q_norm"], shape.eps), rms_norm(k, a["k_norm"], shape.eps)
-    o = attn_fn(rope(q, angles), rope(k, angles), v, ids, ids)
-    h = x + linear(a["o_proj"], o.reshape(s, shape.num_heads * shape.head_dim))
-    m = p["mlp"]
-    z = rms_norm(h, p["post_attention_layernorm"], shape.eps)
+    h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h)).
+    `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
+    chunks and the dead ones are skipped (`mllm.split_block`); None: one pass."""
+    heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
     act = activation(shape.act)
-    return h + linear(m["down_proj"], act(linear(m["gate_proj"], z)) * linear(m["up_proj"], z))
+
+    def project(pp, xc, ang):
+        a = pp["self_attn"]
+        y = rms_norm(xc, pp["input_layernorm"], shape.eps)
+        q = linear(a["q_proj"], y).reshape(-1, heads, hd)
+        k = linear(a["k_proj"], y).reshape(-1, kv, hd)
+        v = linear(a["v_proj"], y).reshape(-1, kv, hd)
+        if shape.qk_norm:
+            q, k = rms_norm(q, a["q_norm"], shape.eps), rms_norm(k, a["k_norm"], shape.eps)
+        return rope(q, ang), rope(k, ang), v
+
+    def finish(pp, xc, oc):
+        h = xc + linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd))
+        m = pp["mlp"]
+        z = rms_norm(h, pp["post_attention_layernorm"], shape.eps)
+        return h + linear(m["down_proj"], act(linear(m["gate_proj"], z)) * linear(m["up_proj"], z))
+
+    return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
 
 
-def vision_qkv_attention(p: Params, x: jax.Array, num_heads: int, angles: jax.Array | None, ids: AttnIds,
-                         attn_fn: AttentionFn) -> jax.Array:
-    """The Qwen vision attention: fused qkv Linear (head-minor columns: [3, H, D]), 2-D rotary,
-    attention within a segment, output Linear `proj`."""
-    s, d = x.shape
-    qkv = linear(p["qkv"], x).reshape(s, 3, num_heads, d // num_heads)
-    q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
-    if angles is not None:
-        q, k = rope(q, angles), rope(k, angles)
-    return linear(p["proj"], attn_fn(q, k, v, ids, ids).reshape(s, d))
+def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, num_heads: int,
+                      norm: Callable[[jax.Array, Params], jax.Array], mlp: Callable[[Params, jax.Array], jax.Array],
+                      attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None) -> jax.Array:
+    """One Qwen vision block on `p` (a `blocks.i` subtree): x += proj(attn(norm1(x))) with the fused
+    qkv Linear (head-minor columns: [3, H, D]) and 2-D rotary, attention within a segment of `ids`;
+    x += mlp(p["mlp"], norm2(x)). `norm(x, p)` is the family's norm; `chunk`, `live` as in
+    `decoder_block`."""
+    d = x.shape[-1]
+
+    def project(pp, xc, ang):
+        qkv = linear(pp["attn"]["qkv"], norm(xc, pp["norm1"])).reshape(-1, 3, num_heads, d // num_heads)
+        return rope(qkv[:, 0], ang), rope(qkv[:, 1], ang), qkv[:, 2]
+
+    def finish(pp, xc, oc):
+        xc = xc + linear(pp["attn"]["proj"], oc.reshape(-1, d))
+        return xc + mlp(pp["mlp"], norm(xc, pp["norm2"]))
+
+    return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
+
+
+def remat_block(fn: Callable, remat: str) -> Callable:
+    """`fn(p, x) -> x` (one block, `p` its params) under `jax.checkpoint` with the policy `remat`
+    names (`mllm.remat_policy`: "layer" keeps the block input only, "selective" also its weight
+    GEMMs' outputs); "none": `fn` itself. The values are `fn`'s, bit for bit."""
+    return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
+
+
+class BlockStream:
+    """How a stream's blocks run (`HFConfig.remat`, `HFConfig.linear_chunk`): each block under
+    `remat_block`; with `live` (bool per row: the rows a later result reads) and 0 < `chunk` <
+    rows, in chunks with the dead ones skipped, on the rows reordered live rows first unless they
+    are already a prefix (`reorder` False: the LLM stream, whose shards hold their real tokens
+    first; `mllm.vision_first`: a shard's live rows fill whole chunks; masks read ids, never the
+    order).
+    `rows(a)` puts per-row arrays in the blocks' order, `back(x)` restores the stream's; `chunk`
+    and `live` are the blocks' arguments (0, None: one pass)."""
+
+    def __init__(self, remat: str, chunk: int, live: jax.Array | None = None, reorder: bool = True) -> None:
+        self.remat = remat
+        n = 0 if live is None else live.shape[0]
+        self.chunk = chunk if live is not None and 0 < chunk < n else 0
+        self.order, self._back = vision_first(live, self.chunk) if self.chunk and reorder else (None, None)
+        self.live = live_chunks(self.rows(live).astype(jnp.int32), self.chunk) if self.chunk else None
+
+    def rows(self, a: Any) -> Any:
+        """Per-row arrays (a pytree, e.g. `AttnIds`) in the blocks' order."""
+        return a if self.order is None else jax.tree.map(lambda t: t[self.order], a)
+
+    def back(self, x: jax.Array) -> jax.Array:
+        """Rows in the blocks' order back in the stream's."""
+        return x if self._back is None else x[self._back]
+
+    def block(self, fn: Callable) -> Callable:
+        """`fn` (x -> x, one block) as this stream runs it (`remat_block`)."""
+        return remat_block(fn, self.remat)
 
 
 def causal_ids(keep: Any) -> AttnIds:

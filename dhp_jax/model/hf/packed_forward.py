@@ -19,16 +19,17 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
             tap_weights: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, list]:
     """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
     s = pixels.shape[0] // unit(config)
+    live = vi["frame"] > 0               # the rows of vision tokens (the others are dead: nothing reads them)
     if config.family == "qwen2_5_vl":
         from dhp_jax.model.hf import qwen2_5_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
-               "frames": vi["frame"], "windows": vi["window"]}
+               "frames": vi["frame"], "windows": vi["window"], "live": live}
         return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn), []
     if config.family == "qwen3_vl":
         from dhp_jax.model.hf import qwen3_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
-               "tap_weights": tap_weights}
+               "tap_weights": tap_weights, "live": live}
         return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn)
     from dhp_jax.model.hf import internvl
     from dhp_jax.model.hf.layers import linear, segment_ids
@@ -40,7 +41,7 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
     x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
     if "position_embeddings" in emb:
         x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
-    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn)
+    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live)
     kk = config.vision.shuffle ** 2
     x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
     return internvl.project(config, params, x), []
@@ -66,6 +67,7 @@ def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_f
         return h + jnp.where(vision, deep[i].astype(h.dtype), 0) if i < len(deep) else h
 
     ids = AttnIds(col["segment"], col["position"], jnp.zeros_like(col["segment"]))
-    h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, after_layer=add_deepstack)
+    h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, after_layer=add_deepstack,
+                     remat=config.remat, chunk=config.linear_chunk)
     kernel = table.T if config.tied else params["lm_head"]["kernel"]
     return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk)

@@ -25,8 +25,8 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.host import qwen2_5_vl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
-from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, linear, rms_norm, segment_ids,
-                                     vision_qkv_attention)
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, linear,
+                                     qwen_vision_block, rms_norm, segment_ids)
 from dhp_jax.model.hf.text import text_forward
 
 conv_shapes = qv.conv_shapes
@@ -35,21 +35,32 @@ VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, no
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
-    """LLM-token features [N / merge**2, d] of one modality's patches (subtree `model.visual`)."""
+    """LLM-token features [N / merge**2, d] of one modality's patches (subtree `model.visual`).
+    `enc["live"]` (optional, bool per patch): the patches a feature is read from; with it, the
+    blocks skip the chunks of the others (`layers.BlockStream`, `cfg.linear_chunk`)."""
     v = cfg.vision
     x = jnp.asarray(enc["pixels"]).astype(p["patch_embed"]["proj"]["kernel"].dtype) @ p["patch_embed"]["proj"]["kernel"]
-    angles = v.rope.angles(jnp.asarray(enc["patch_positions"]))
-    frames, windows = segment_ids(enc["frames"]), segment_ids(enc["windows"])
+    stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
+    angles = stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"])))
+    frames, windows = (stream.rows(segment_ids(enc[k])) for k in ("frames", "windows"))
     act = activation(v.act)
+
+    def norm(y: jax.Array, q: Params) -> jax.Array:
+        return rms_norm(y, q, VISION_EPS)
+
+    def mlp(m: Params, y: jax.Array) -> jax.Array:
+        return linear(m["down_proj"], act(linear(m["gate_proj"], y)) * linear(m["up_proj"], y))
+
+    def block(ids):
+        return stream.block(lambda b, h: qwen_vision_block(b, h, angles, ids, v.num_heads, norm, mlp, attn_fn,
+                                                           stream.chunk, stream.live))
+
+    window_block, frame_block = block(windows), block(frames)
+    x = stream.rows(x)
     for i in range(v.depth):
-        b = p["blocks"][str(i)]
-        ids = frames if i in v.full_attention_blocks else windows
-        x = x + vision_qkv_attention(b["attn"], rms_norm(x, b["norm1"], VISION_EPS), v.num_heads, angles, ids, attn_fn)
-        y = rms_norm(x, b["norm2"], VISION_EPS)
-        m = b["mlp"]
-        x = x + linear(m["down_proj"], act(linear(m["gate_proj"], y)) * linear(m["up_proj"], y))
+        x = (frame_block if i in v.full_attention_blocks else window_block)(p["blocks"][str(i)], x)
     m = p["merger"]
-    y = rms_norm(x, m["ln_q"], VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
+    y = rms_norm(stream.back(x), m["ln_q"], VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
     return linear(m["mlp"]["2"], jax.nn.gelu(linear(m["mlp"]["0"], y), approximate=False))
 
 

@@ -28,8 +28,8 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.host import qwen3_vl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse  # noqa: F401 (the family's config)
-from dhp_jax.model.hf.layers import (AttentionFn, Params, activation, causal_ids, layer_norm, linear, segment_ids,
-                                     vision_qkv_attention)
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
+                                     qwen_vision_block, segment_ids)
 from dhp_jax.model.hf.text import text_forward
 
 conv_shapes = qv.conv_shapes
@@ -48,25 +48,34 @@ def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> tuple[jax.Array, list]:
-    """(LLM-token features [N / merge**2, d], DeepStack features [levels] of the same shape)."""
+    """(LLM-token features [N / merge**2, d], DeepStack features [levels] of the same shape).
+    `enc["live"]`: as in `qwen2_5_vl.encode`."""
     v = cfg.vision
     kernel = p["patch_embed"]["proj"]["kernel"]
     x = linear(p["patch_embed"]["proj"], jnp.asarray(enc["pixels"]).astype(kernel.dtype))
     table = p["pos_embed"]["embedding"]
     x = x + jnp.sum(table[jnp.asarray(enc["taps"])] * jnp.asarray(enc["tap_weights"])[:, :, None], axis=1).astype(x.dtype)
-    angles = v.rope.angles(jnp.asarray(enc["patch_positions"]))
-    ids = segment_ids(enc["frames"])
+    stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
+    angles = stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"])))
+    ids = stream.rows(segment_ids(enc["frames"]))
     act = activation(v.act)
+
+    def norm(y: jax.Array, q: Params) -> jax.Array:
+        return layer_norm(y, q, VISION_EPS)
+
+    def mlp(m: Params, y: jax.Array) -> jax.Array:
+        return linear(m["linear_fc2"], act(linear(m["linear_fc1"], y)))
+
+    block = stream.block(lambda b, h: qwen_vision_block(b, h, angles, ids, v.num_heads, norm, mlp, attn_fn,
+                                                        stream.chunk, stream.live))
     deep = []
+    x = stream.rows(x)
     for i in range(v.depth):
-        b = p["blocks"][str(i)]
-        x = x + vision_qkv_attention(b["attn"], layer_norm(x, b["norm1"], VISION_EPS), v.num_heads, angles, ids, attn_fn)
-        m = b["mlp"]
-        x = x + linear(m["linear_fc2"], act(linear(m["linear_fc1"], layer_norm(x, b["norm2"], VISION_EPS))))
+        x = block(p["blocks"][str(i)], x)
         if i in v.deepstack_blocks:
             k = v.deepstack_blocks.index(i)
-            deep.append(merge_patches(cfg, p["deepstack_merger_list"][str(k)], x, norm_after_merge=True))
-    return merge_patches(cfg, p["merger"], x, norm_after_merge=False), deep
+            deep.append(merge_patches(cfg, p["deepstack_merger_list"][str(k)], stream.back(x), norm_after_merge=True))
+    return merge_patches(cfg, p["merger"], stream.back(x), norm_after_merge=False), deep
 
 
 def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

@@ -102,8 +102,10 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
-    shape (`m.family`) with remat "none" is priced as the family program runs
-    (`family_bytes_per_token`)."""
+    shape (`m.family`) with remat "none" is priced as the family program runs without pad
+    skipping (`family_bytes_per_token`); its other choices are priced by the stand-in's blocks (the
+    planner's presets; `family_bytes_per_token` prices the family program at each, and `dhp bench
+    memory --families` compares it with the compiled program)."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     if getattr(m, "family", "") and remat == "none":
@@ -278,28 +280,54 @@ def encoder_rows(m: Any) -> int:
     return ppt + (1 if getattr(m, "family", "") == "internvl" else 0)
 
 
-def family_bytes_per_token(m: Any, ab: float) -> float:
-    """Bytes per local LLM token of a family's group program (no recompute), elements of `ab` bytes:
-    its inputs, every LLM layer's and every encoder block's kept values with the ring attention's
-    fp32 output and statistics, one block's backward working set, and the encoder's tail (the merge,
-    the projector or merger and the DeepStack mergers, the token embedding, the merged stream, the
-    final norm and the LM head's input)."""
+def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
+    """Bytes per local LLM token of a family's group program, elements of `ab` bytes: its inputs,
+    what every LLM layer and every encoder block keeps for its backward pass, and the encoder's
+    tail (the merge, the projector or merger and the DeepStack mergers, the token embedding, the
+    merged stream, the final norm and the LM head's input); with recompute, the working set of the
+    one block recomputed at a time on top.
+
+    What a block keeps (`_family_block`): with remat "none", every intermediate, and the ring
+    attention's fp32 output and statistics; `chunked` (`HFConfig.linear_chunk` > 0): the chunks'
+    VJP keeps their inputs only (the block input, q, k, v and the attention output) and recomputes
+    the rest chunk by chunk; "layer": the block input; "selective": the block input and the
+    outputs of its weight GEMMs."""
     rows = encoder_rows(m)
     _, _, deepstack, mid = _encoder(m)
-    qkv = (m.heads + 2 * m.kv_heads) * m.head_dim
-    dec = FAMILY_LLM_WIDTH * m.hidden + 2 * qkv + m.heads * m.head_dim + FAMILY_LLM_FF * m.intermediate
-    wide, ffs = FAMILY_ENCODER[m.family]
-    vit = wide * m.vision_hidden + ffs * m.vision_intermediate
-    dec_attn = _attention_fp32(m.heads, m.head_dim)
-    vit_attn = _attention_fp32(m.vision_heads, m.vision_head_dim)
-    kept = m.layers * (dec + dec_attn) + rows * m.vision_layers * (vit + vit_attn)
-    work = max(dec + dec_attn, rows * (vit + vit_attn))
+    dec_kept, dec_work = _family_block(m, False, remat, chunked)
+    vit_kept, vit_work = _family_block(m, True, remat, chunked)
+    kept = m.layers * dec_kept + rows * m.vision_layers * vit_kept
+    work = max(dec_work, rows * vit_work) if remat != "none" else 0.0
     patch = m.patch_dim // _encoder(m)[0]
     inputs = 8 + rows * (10 + patch + 4)        # LLM ints and weight, vision ints, pixels and taps
     tail = (1 + deepstack) * (rows * m.vision_hidden + 2 * mid + m.hidden) + deepstack * m.hidden + 4 * m.hidden
     if m.family == "qwen3_vl":     # the position table's 4 bilinear taps per row: the gathered table rows
         tail += 2 * rows * POSITION_TAPS * m.vision_hidden      # and their weighted copies
-    return float(ab * (inputs + kept + tail))
+    return float(ab * (inputs + kept + work + tail))
+
+
+def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
+    """(elements kept per row by one LLM layer or encoder block of a family program, elements of
+    its recomputed working set) (`family_bytes_per_token`)."""
+    if vision:
+        hidden, heads, kv, head_dim = m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim
+        wide, ffs = FAMILY_ENCODER[m.family]
+        every = wide * hidden + ffs * m.vision_intermediate
+        gemm_ff = _encoder(m)[1] - 1           # the MLP's GEMM outputs as wide as its middle
+    else:
+        hidden, heads, kv, head_dim = m.hidden, m.heads, m.kv_heads, m.head_dim
+        qkv = (heads + 2 * kv) * head_dim
+        every = FAMILY_LLM_WIDTH * hidden + 2 * qkv + heads * head_dim + FAMILY_LLM_FF * m.intermediate
+        gemm_ff = 2
+    qkv = (heads + 2 * kv) * head_dim
+    attn = _attention_fp32(heads, head_dim)
+    inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
+    work = (2 * hidden + 2 * qkv + heads * head_dim if chunked else every) + attn
+    if remat == "layer":
+        return hidden, work
+    if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
+        return 2 * hidden + qkv + gemm_ff * (m.vision_intermediate if vision else m.intermediate) + hidden, work
+    return (inputs if chunked else every + attn), work
 
 
 # ---------------------------------------------------------------- a cost model's bytes per rank
