@@ -32,7 +32,8 @@ def executor():
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, executor):
-    """The uninterrupted 6-step DHP run (run directory, result) that the resume tests compare with."""
+    """The uninterrupted 6-step DHP run (run directory, result): its loss falls, and the resume tests
+    compare with it."""
     out = tmp_path_factory.mktemp("uninterrupted")
     return out / "full", Trainer(_config(out, "full", "steps=6", "planner.strategy=dhp"), executor=executor).run()
 
