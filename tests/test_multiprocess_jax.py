@@ -113,7 +113,8 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
     plan_file = _plans(tmp_path / "plans.json")
     single_cfg = load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
                                         f"planner.plan_file={plan_file}", "compilation_cache=null"])
-    first = Trainer(single_cfg).run(stop_after=1)
+    single = Trainer(single_cfg)
+    first = single.run(stop_after=1)
     multi = tmp_path / "multi"
     shutil.copytree(tmp_path / "single", multi)
     port = free_port()
@@ -121,8 +122,9 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
                               cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for pid in (0, 1)]
     try:
-        # The reference resumes here (8 fake devices, one process) while the pair compiles.
-        rest = Trainer(single_cfg).run(resume=True)
+        # The reference resumes here (8 fake devices, one process) while the pair compiles; its
+        # executor already holds step 1's group programs.
+        rest = Trainer(single_cfg, executor=single.executor).run(resume=True)
     finally:
         texts = _outputs(procs)
     for p, text in zip(procs, texts):
