@@ -23,7 +23,7 @@ def run(tmp_path_factory):
     from dhp_jax.train.example import write_example
 
     root = tmp_path_factory.mktemp("export")
-    src, _ = write_example(str(root / "example"), "qwen3_vl", num_samples=1)
+    src, _ = write_example(str(root / "example"), "qwen3_vl", num_samples=1, long_videos=0)
     _, sources = checkpoint_sources(src)
     layout = FlatLayout.of(abstract_params(sources), 3)
     assert layout.padded > layout.size                     # the run's vector has a padded tail

@@ -2,6 +2,7 @@
 head, remat, and the compiled-bytes bench on tiny settings."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -15,6 +16,21 @@ from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost import memory, presets
 from dhp_jax.planner.cost.memory import (device_step_bytes, device_step_phases, group_program_bytes, group_static_bytes,
     rank_state_bytes)
+
+
+@functools.cache
+def _compiled_bytes(cfg: MLLMConfig, degree: int, tokens: int, compute_dtype: str) -> int:
+    """`memory_bench.compiled_bytes` on this process's devices, once per program: the tests below
+    share their compiles (one group program compiles in tens of seconds on a shared CPU)."""
+    from dhp_jax.sharding.memory_bench import compiled_bytes
+
+    return compiled_bytes(cfg, degree, tokens, compute_dtype, jax.devices())
+
+
+# depth 4 + 3 vision layers: deeper than the extrapolation base in both stacks; bf16 as the bench
+DEEP = MLLMConfig.preset("tiny", num_layers=4, vision_layers=3, remat="layer")
+SMALL = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
+                   vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
 
 
 @pytest.mark.parametrize("name", ["tiny"] + sorted(presets.MODELS))
@@ -75,11 +91,7 @@ def test_chunked_loss_equals_full_logits_loss():
 
 
 def test_remat_changes_memory_not_values():
-    from dhp_jax.sharding.memory_bench import compiled_bytes
-
-    devs = jax.devices()
-    got = {r: compiled_bytes(MLLMConfig.preset("tiny", remat=r, num_layers=4), 2, 256, "float32", devs)
-           for r in ("none", "layer")}
+    got = {r: _compiled_bytes(dataclasses.replace(DEEP, remat=r), 2, 512, "bfloat16") for r in ("none", "layer")}
     assert got["layer"] < got["none"]
     c = MLLMConfig.preset("tiny", remat="layer")
     params = init_params(c, jax.random.key(1))
@@ -95,26 +107,24 @@ def test_remat_changes_memory_not_values():
 def test_bench_extrapolates_depth_linearly():
     from dhp_jax.sharding.memory_bench import program_bytes
 
-    cfg = MLLMConfig.preset("tiny", num_layers=4, vision_layers=3, remat="layer")
-    est, extrapolated = program_bytes(cfg, 2, 512, compute_dtype="bfloat16", devices=jax.devices())
-    full, _ = program_bytes(cfg, 2, 512, compute_dtype="bfloat16", devices=jax.devices(), full_depth=True)
+    est, extrapolated = program_bytes(DEEP, 2, 512, compute_dtype="bfloat16", devices=jax.devices())
+    full = _compiled_bytes(DEEP, 2, 512, "bfloat16")        # what program_bytes(full_depth=True) compiles
     assert extrapolated and abs(est / full - 1) < 0.1, (est, full)
 
 
 def test_cost_model_matches_compiled_bytes():
     """memory.group_program_bytes (the planner's memory formula) against XLA's compiled bytes of the
     group program, bf16, layer remat, on a small model at three degrees and two token counts (16k,
-    8k and 2k tokens per device): within 10 % (the bench's CPU setting: activations computed in
+    4k and 2k tokens per device): within 10 % (the bench's CPU setting: activations computed in
     fp32, the blocks' loop state in bf16). The full grid of presets is `dhp bench memory`."""
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, compiled_bytes, model_shape
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, model_shape
 
-    cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
-                     vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
+    cfg = SMALL
     cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16",
                             activation_bytes=CPU_ACTIVATION_BYTES)
     assert cost.param_count == cfg.num_params()
-    for degree, tokens in ((1, 16384), (2, 16384), (4, 8192)):
-        got = compiled_bytes(cfg, degree, tokens, "bfloat16", jax.devices())
+    for degree, tokens in ((1, 16384), (2, 8192), (4, 8192)):
+        got = _compiled_bytes(cfg, degree, tokens, "bfloat16")
         want = group_program_bytes(cost, [tokens], degree)
         assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
 
@@ -124,16 +134,15 @@ def test_cost_model_matches_the_compiled_step():
     a 2-micro-batch step compiled abstractly on the 8 devices and laid out in dispatch order. The
     peak and each phase other than the group program (gather, reductions, update) within 10 %, and
     the step's peak is its group program: the reductions hold one row and one fp32 piece."""
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, compiled_bytes, model_shape
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape
     from dhp_jax.bench.step_memory import compiled_phases, step_programs
 
-    cfg = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_dim=128, vision_layers=2,
-                     vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
+    cfg = SMALL
     devices = jax.devices()
     cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16", state_shards=len(devices),
                             activation_bytes=CPU_ACTIVATION_BYTES)
     options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_SCHEDULER}
-    group = compiled_bytes(cfg, 2, 8192, "bfloat16", devices)
+    group = _compiled_bytes(cfg, 2, 8192, "bfloat16")        # shared with the test above
     got = compiled_phases(group, step_programs(cfg, "bfloat16", devices, options), 2)
     want = device_step_phases(cost, [([8192], 2)] * 2)
     assert [k for k, _ in got] == [k for k, _ in want]
@@ -145,14 +154,9 @@ def test_cost_model_matches_the_compiled_step():
     assert abs(device_step_bytes(cost, [([8192], 2)] * 2) / peak[1] - 1) <= 0.10
 
 
-@pytest.mark.parametrize("remat", ["none", "layer", "selective"])
-def test_block_stack_vjp_matches_autodiff(remat):
-    """The block stacks' own VJP (`mllm.block_stack`) against autodiff of the module's block loop,
-    fp32: loss and gradient at 1e-5. In bf16 the forward scan of "layer" keeps the block inputs
-    only, bit-cast to uint16 (never the params rows), and the rows' gradient comes out in bf16."""
-    import jax.numpy as jnp
-
-    from dhp_jax.model.attention import AttnIds
+def _stack_loss(remat: str):
+    """(config, flat layout, flat params, loss(flat, stacked)): the tiny model's loss on a fixed
+    batch, through the block stacks (`stacked`) or through the module's own block loop."""
     from dhp_jax.model.mllm import block_stack
     from dhp_jax.sharding.flat import FlatLayout
 
@@ -168,8 +172,31 @@ def test_block_stack_vjp_matches_autodiff(remat):
         return chunked_loss_sum(c, lay.unravel(f), batch, st["targets"], st["loss_weights"],
                                 stacks=stacks if stacked else None)
 
-    flat = lay.ravel(params)
-    (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(flat, s) for s in (True, False))
+    return c, lay, lay.ravel(params), loss
+
+
+@functools.cache
+def _module_loop_autodiff():
+    """Loss and gradient by plain autodiff of the module's block loop (no remat; remat never changes
+    values: test_remat_changes_memory_not_values): the reference of every
+    remat policy's block stack, compiled once."""
+    _, _, flat, loss = _stack_loss("none")
+    return jax.jit(jax.value_and_grad(loss), static_argnums=1)(flat, False)
+
+
+@pytest.mark.parametrize("remat", ["none", "layer", "selective"])
+def test_block_stack_vjp_matches_autodiff(remat):
+    """The block stacks' own VJP (`mllm.block_stack`) against autodiff of the module's block loop,
+    fp32: loss and gradient at 1e-5. In bf16 the forward scan of "layer" keeps the block inputs
+    only, bit-cast to uint16 (never the params rows), and the rows' gradient comes out in bf16."""
+    import jax.numpy as jnp
+
+    from dhp_jax.model.attention import AttnIds
+    from dhp_jax.model.mllm import block_stack
+
+    c, lay, flat, loss = _stack_loss(remat)
+    a, ga = jax.jit(jax.value_and_grad(loss), static_argnums=1)(flat, True)
+    b, gb = _module_loop_autodiff()
     assert abs(float(a) - float(b)) <= 1e-5 * abs(float(b))
     assert float(jnp.max(jnp.abs(ga - gb))) <= 1e-5 * float(jnp.max(jnp.abs(gb)))
 

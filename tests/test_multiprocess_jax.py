@@ -5,7 +5,7 @@ on 8 devices) and replay plans whose CP groups span both (a 3-group on ranks 2,3
 boundary between process 0's devices 0-3 and process 1's devices 4-7, and a 5-group 5,6,7,0,1),
 then a group inside process 1 alone, and must give the losses of the single-process run on 8
 devices, to the project's fp32 1e-5; each process compiles only the groups that touch its devices.
-(Two processes starting a run from scratch: the live-planner test.)
+(Two processes starting a run from scratch, planning live: tests/test_multiprocess_live.py.)
 A process that dies must not leave its peer hanging: the peer ends within a short timeout with
 a message naming the step and the missing process, whether the death comes before the step's
 plan agreement or inside the step's collective. Also the set-up from flags and cluster env.
@@ -113,7 +113,8 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
     plan_file = _plans(tmp_path / "plans.json")
     single_cfg = load_config(overrides=[*OVERRIDES, f"metrics.out_dir={tmp_path / 'single'}",
                                         f"planner.plan_file={plan_file}", "compilation_cache=null"])
-    first = Trainer(single_cfg).run(stop_after=1)
+    single = Trainer(single_cfg)
+    first = single.run(stop_after=1)
     multi = tmp_path / "multi"
     shutil.copytree(tmp_path / "single", multi)
     port = free_port()
@@ -121,8 +122,9 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
                               cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for pid in (0, 1)]
     try:
-        # The reference resumes here (8 fake devices, one process) while the pair compiles.
-        rest = Trainer(single_cfg).run(resume=True)
+        # The reference resumes here (8 fake devices, one process) while the pair compiles; its
+        # executor already holds step 1's group programs.
+        rest = Trainer(single_cfg, executor=single.executor).run(resume=True)
     finally:
         texts = _outputs(procs)
     for p, text in zip(procs, texts):
@@ -152,57 +154,6 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
     print("1 -> 2 processes: losses", losses0, "vs one process", ref_losses[1:], "max rel diff",
           float(np.max(np.abs(np.subtract(losses0, ref_losses[1:])) / np.abs(ref_losses[1:]))))
-
-
-# The live test plans like the demo (8 ranks priced as 910B nodes, the batch at full token counts):
-# data.seed=21's first batch gets a 5-group on ranks 0-4, across the process boundary, the second
-# [[4, 1, 2, 1]]
-LIVE = ["steps=2", "data.seed=21", "planner.cost_model=qwen3-vl-4b", "planner.hardware=ascend-910b",
-        "planner.ranks_per_node=1", "planner.comm_overlap=false", "planner.full_size=true"]
-
-
-def test_two_processes_plan_live_and_match_single_process(tmp_path):
-    """Each process runs the planner, the program cache and compile-ahead itself every step (no
-    plan file; the single-process path): the solver's timings differ between the processes, its
-    decisions do not, so the plan check passes at every step, a group spans both processes, and
-    the losses are the single-process run's. Two steps: each step's plan needs new group programs,
-    and two steps already check agreement after a step has run."""
-    from dhp_jax.train.config import load_config
-    from dhp_jax.train.metrics import read_jsonl
-    from dhp_jax.train.trainer import Trainer
-
-    port = free_port()
-    multi = tmp_path / "multi"
-    procs = [subprocess.Popen(_train_cmd(pid, port, multi, None, *LIVE), cwd=tmp_path, env=_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-             for pid in (0, 1)]
-    try:
-        single = Trainer(load_config(overrides=[*OVERRIDES, *LIVE, f"metrics.out_dir={tmp_path / 'single'}",
-                                                "planner.strategy=dhp"]))
-        # the program cache places groups per process (4 ranks each in the pair): the same rule here
-        single.plan_source.programs.ranks_per_process = 4
-        ref = single.run()
-    finally:
-        texts = _outputs(procs)
-    for p, text in zip(procs, texts):
-        assert p.returncode == 0, text[-4000:]
-    steps = len(ref.records)
-    per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
-    for recs in per_process:
-        assert [r["step"] for r in recs] == list(range(1, steps + 1))
-        assert [r["strategy"] for r in recs] == ["dhp"] * steps
-        assert [r["plan_hash"] for r in recs] == [r["plan_hash"] for r in ref.records]
-        assert len({r["plan_hash"] for r in recs}) == steps       # a new plan every step
-        assert not any(r["ran_on_compiled_substitute"] for r in recs)
-    plans = [rec["plan"] for rec in read_jsonl(multi / "plans.jsonl")]
-    spanning = [g["ranks"] for p in plans for mb in p["micro_batches"] for g in mb["groups"]
-                if min(g["ranks"]) < 4 <= max(g["ranks"])]        # process 0 holds ranks 0-3
-    assert any(len(r) > 4 for r in spanning), plans
-    losses0, losses1 = ([r["loss"] for r in recs] for recs in per_process)
-    assert losses0 == losses1 and len(set(ref.losses)) == steps and all(np.isfinite(ref.losses))
-    np.testing.assert_allclose(losses0, ref.losses, rtol=1e-5, atol=0)
-    print("two processes, live planner: steps", [r["step"] for r in per_process[0]], "losses", losses0,
-          "single process", ref.losses, "degrees", [r["degrees"] for r in per_process[0]], "spanning", spanning)
 
 
 # A worker that runs the real StepSync between two processes with a real cross-process collective

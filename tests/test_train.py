@@ -30,6 +30,14 @@ def executor():
     return PlanExecutor(MLLMConfig.preset("tiny"), jax.devices(), min_bucket=512)
 
 
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, executor):
+    """The uninterrupted 6-step DHP run (run directory, result): its loss falls, and the resume tests
+    compare with it."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    return out / "full", Trainer(_config(out, "full", "steps=6", "planner.strategy=dhp"), executor=executor).run()
+
+
 def _config(tmp_path, name, *extra):
     return load_config(overrides=[
         f"metrics.out_dir={tmp_path / name}", "metrics.progress=false", f"data.batch_size={BATCH}",
@@ -37,26 +45,25 @@ def _config(tmp_path, name, *extra):
         "compare.enabled=false", *extra])
 
 
-def test_short_dhp_run_loss_falls(tmp_path, executor):
-    cfg = _config(tmp_path, "dhp", "steps=8", "planner.strategy=dhp")
-    result = Trainer(cfg, executor=executor).run()
+def test_short_dhp_run_loss_falls(full_run):
+    run_dir, result = full_run
     losses = result.losses
-    assert len(losses) == 8 and all(np.isfinite(losses))
+    assert len(losses) == 6 and all(np.isfinite(losses))
     assert np.mean(losses[-2:]) < np.mean(losses[:2]) - 0.3, losses
-    recs = read_jsonl(tmp_path / "dhp" / "metrics.jsonl")
-    assert [r["step"] for r in recs] == list(range(1, 9))
+    recs = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in recs] == list(range(1, 7))
     for r in recs:
         assert {"loss", "tokens", "step_time_s", "plan_wait_s", "degrees", "num_compiles"} <= set(r)
-    summary = json.loads((tmp_path / "dhp" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["loss_last"] == pytest.approx(losses[-1])
     assert summary["plan_wait_median_s"] < 0.05  # planning hidden behind the steps (loose)
 
 
-def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor):
+def test_resume_equals_uninterrupted_and_plans_replay(tmp_path, executor, full_run):
     # the same data and planner as the DHP run above: its plans, so its compiled programs
-    full = Trainer(_config(tmp_path, "full", "steps=6", "planner.strategy=dhp"), executor=executor).run()
+    full_dir, full = full_run
     # the interrupted run replays the full run's plans.jsonl, is stopped after 3 steps, then resumed
-    replay = tmp_path / "full" / "plans.jsonl"
+    replay = full_dir / "plans.jsonl"
     cfg = _config(tmp_path, "cut", "steps=6", f"planner.plan_file={replay}", "checkpoint.every=2")
     first = Trainer(cfg, executor=executor).run(stop_after=3)
     assert Checkpointer(tmp_path / "cut" / "checkpoints").latest_step() == 3
@@ -95,7 +102,7 @@ def _torch_loss(run_dir, batch):
     return ck, float(loss)
 
 
-def test_resume_on_other_device_counts_and_in_torch_gives_the_same_losses(tmp_path, executor, capsys,
+def test_resume_on_other_device_counts_and_in_torch_gives_the_same_losses(tmp_path, executor, full_run, capsys,
                                                                           monkeypatch):
     """8 ranks for 3 steps, resumed on 6 ranks for 1, then on 8 again: at every step the loss of
     the uninterrupted 8-rank run, to fp32 1e-5 (a step's loss is a function of params and batch:
@@ -106,7 +113,7 @@ def test_resume_on_other_device_counts_and_in_torch_gives_the_same_losses(tmp_pa
     from dhp_jax.sharding import PlanExecutor
 
     args = ("steps=6", "planner.strategy=dhp")   # the uninterrupted run of the resume test above
-    full = Trainer(_config(tmp_path, "full", *args), executor=executor).run()
+    full = full_run[1]
     cut = _config(tmp_path, "cut", *args)
     six = PlanExecutor(MLLMConfig.preset("tiny"), jax.devices()[:6], min_bucket=512)
     assert (six.layout.padded, executor.layout.padded) == (39396, 39392)

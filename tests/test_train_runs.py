@@ -101,7 +101,10 @@ def test_killed_run_resumes_each_step_logged_once_same_losses(tmp_path):
     assert [x["step"] for x in recs] == list(range(1, 6))
     assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(5))
 
-    full = Trainer(load_config(None, KILL + [f"metrics.out_dir={tmp_path / 'full'}", "checkpoint.every=0"])).run()
+    # the reference loads the killed run's program from its compilation cache (when it is the first
+    # cache this process sets: a worker that ran a trainer before keeps that one, and compiles)
+    full = Trainer(load_config(None, KILL + [f"metrics.out_dir={tmp_path / 'full'}", "checkpoint.every=0",
+                                             f"compilation_cache={out / 'jax-cache'}"])).run()
     np.testing.assert_array_equal([x["loss"] for x in recs], full.losses)
 
 
