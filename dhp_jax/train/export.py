@@ -60,8 +60,9 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
         run = meta.get("run_config", {})
         source = ((run.get("model") or {}) if isinstance(run.get("model"), dict) else {}).get("pretrained")
         if not source:
-            raise ExportError(f"checkpoint step {step} is of a run of the stand-in model (model.preset), not of a "
-                              "Hugging Face checkpoint: there is nothing to export")
+            preset = (run.get("model") or {}).get("preset") if isinstance(run.get("model"), dict) else None
+            raise ExportError(f"checkpoint step {step} is of a run of model.preset={preset!r} (no model.pretrained): "
+                              "only a run fine-tuning a Hugging Face checkpoint directory can be exported")
         if not os.path.isdir(source):
             raise ExportError(f"the run fine-tuned {source!r}, which is no longer there: its config.json and "
                               "processor files are needed")
