@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dhp_jax.data.sample import Sample
+from dhp_jax.model.config import run_model_section
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json
@@ -35,8 +36,7 @@ from npu_backend.weights import JaxCheckpoint, WeightsError, load_jax_checkpoint
 
 def pretrained_source(meta: dict) -> str | None:
     """The checkpoint directory a run fine-tuned (`model.pretrained`), None for a stand-in run."""
-    model = (meta.get("run_config") or {}).get("model")
-    return model.get("pretrained") if isinstance(model, dict) else None
+    return run_model_section(meta).get("pretrained")
 
 
 def family_weights(ck: JaxCheckpoint, config: HFConfig, source: str) -> dict[str, np.ndarray]:

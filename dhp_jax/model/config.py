@@ -22,6 +22,14 @@ from dhp_jax.data import model_configs
 RUN_ONLY_MODEL_FIELDS = ("remat", "linear_chunk")
 
 
+def run_model_section(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The `model` section of the run config that a checkpoint's meta stores ({} when there is none):
+    `pretrained` names the Hugging Face checkpoint a fine-tuning run started from, `preset` the model
+    of any other run."""
+    model = (meta.get("run_config") or {}).get("model")
+    return model if isinstance(model, dict) else {}
+
+
 @dataclasses.dataclass(frozen=True)
 class MLLMConfig:
     """Hyper-parameters of the model; frozen (hashable) so it can be a static jit argument.

@@ -44,6 +44,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
     import numpy as np
 
     from dhp_jax.model import hf
+    from dhp_jax.model.config import run_model_section
     from dhp_jax.model.hf.stream import abstract_params, checkpoint_sources
     from dhp_jax.sharding.flat import FlatLayout
     from dhp_jax.train.checkpoint import Checkpointer, check_layout
@@ -58,10 +59,11 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
                               f"(steps there: {ckpt.all_steps()})")
         meta = ckpt.read_meta(step)
         run = meta.get("run_config", {})
-        source = ((run.get("model") or {}) if isinstance(run.get("model"), dict) else {}).get("pretrained")
+        model = run_model_section(meta)
+        source = model.get("pretrained")
         if not source:
-            preset = (run.get("model") or {}).get("preset") if isinstance(run.get("model"), dict) else None
-            raise ExportError(f"checkpoint step {step} is of a run of model.preset={preset!r} (no model.pretrained): "
+            raise ExportError(f"checkpoint step {step} is of a run of model.preset={model.get('preset')!r} "
+                              "(no model.pretrained): "
                               "only a run fine-tuning a Hugging Face checkpoint directory can be exported")
         if not os.path.isdir(source):
             raise ExportError(f"the run fine-tuned {source!r}, which is no longer there: its config.json and "
