@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import numpy as np
 
 from experiments.common import best_static, run_strategies, save_figure
 from dhp_jax.sim.cluster import Cluster

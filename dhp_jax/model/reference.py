@@ -11,7 +11,6 @@ import functools
 from typing import Any, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.data.sample import Sample

@@ -26,7 +26,6 @@ import sys
 import time
 from typing import Any
 
-import numpy as np
 
 from dhp_jax.data.synthetic import random_samples
 from dhp_jax.devices import force_cpu_devices

@@ -125,7 +125,7 @@ class TextConfig:
         if model_type not in TEXT_MODELS:
             raise ValueError(f"text_config.model_type {model_type!r} is not supported (known: {sorted(TEXT_MODELS)})")
         if cfg.get("use_sliding_window"):
-            raise ValueError(f"text_config: sliding-window attention (use_sliding_window) is not supported")
+            raise ValueError("text_config: sliding-window attention (use_sliding_window) is not supported")
         bias, qk_norm, rope_kind = TEXT_MODELS[model_type]
         bias = bool(cfg.get("attention_bias", bias))
         heads = int(cfg["num_attention_heads"])

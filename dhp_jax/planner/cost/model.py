@@ -81,11 +81,10 @@ which is the paper's model above):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import math
 from pathlib import Path
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping
 
 import numpy as np
 

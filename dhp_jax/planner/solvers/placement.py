@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from dhp_jax.planner.contract.plan import spans_nodes
-
 
 def place(degrees: Sequence[int], num_ranks: int, ranks_per_node: int, node_aware: bool = True
           ) -> list[tuple[int, ...]]:
