@@ -117,3 +117,12 @@ def test_train_config_validates_and_the_engines_refuse_tensor_parallel():
     config = config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2}})
     with pytest.raises(TrainError, match="engines do not run it yet"):
         prepare_run(config)
+
+
+def test_replace_refuses_a_new_tensor_parallel():
+    """`replace` would change the field but none of the coefficients it prices (compute per device,
+    TP traffic, memory per device): refused, naming the way to get it; the same t is a no-op."""
+    one = CostModel.preset("qwen3-vl-8b", "h100")
+    with pytest.raises(ValueError, match=r"tensor_parallel=2.*qwen3-vl-8b.*preset\(\.\.\., tensor_parallel=t\)"):
+        one.replace(tensor_parallel=2)
+    assert one.replace(tensor_parallel=1).to_dict() == one.to_dict()

@@ -393,7 +393,12 @@ class CostModel:
         field that `changes` names, or that no longer holds the preset's figure (an override or an
         earlier replace), is kept as given. A cost with no preset behind it (`from_profile`,
         `from_dict`, built field by field) has no model shape to re-derive from: it keeps its
-        memory fields whatever the chunk (they are the profile's own figures)."""
+        memory fields whatever the chunk (they are the profile's own figures). A new
+        `tensor_parallel` is refused: it changes every coefficient, so it is `preset`'s to derive."""
+        if "tensor_parallel" in changes and changes["tensor_parallel"] != self.tensor_parallel:
+            raise ValueError(f"CostModel.replace(tensor_parallel={changes['tensor_parallel']!r}): every coefficient of "
+                             f"{self.model} depends on the devices per rank (compute, TP traffic, memory); build it "
+                             f"with CostModel.preset(..., tensor_parallel=t) (or profile a rank of t devices)")
         new = dataclasses.replace(self, **_with_geometry(self.geometry, changes))
         derivation = getattr(self, "_derivation", None)
         if derivation is None:
