@@ -6,22 +6,13 @@ stream shard (replicated over `tp`) on its share of the params, Megatron-style (
 arXiv 1909.08053, section 3; the "psum form": the activations between blocks are whole on every
 device, sequence-parallel norms (arXiv 2205.05198) are not done here).
 
-The split rule (the torch backend mirrors this table). Device i of t takes, of every block of the
-vision encoder and of the decoder:
-
-| leaf | split | device i's share |
-|---|---|---|
-| `attn/q/kernel` [d, H D] | columns, by head | heads [i H/t, (i+1) H/t) |
-| `attn/k/kernel`, `attn/v/kernel` [d, KVH D] | columns, by kv head | KVH % t == 0: kv heads [i KVH/t, (i+1) KVH/t); t % KVH == 0: the one kv head i // (t / KVH) (replicated, the one its query heads read) |
-| `attn/o/kernel` [H D, d] | rows, by head | as q; its output summed over the t devices |
-| `mlp/gate/kernel`, `mlp/up/kernel` [d, F] | columns | [i F/t, (i+1) F/t) |
-| `mlp/down/kernel` [F, d] | rows | as gate; its output summed over the t devices |
-| `attn_norm/scale`, `mlp_norm/scale` | replicated | whole |
-
-and of the rest: `embed/embedding` [V, d] by rows and `lm_head/kernel` [d, V] by columns,
-vocab-parallel over Vl = ceil(V / t) ids each (the last share zero-padded past V;
-`dhp_jax.model.tensor`); the patch embedding, the vision and final norms and the projector are
-replicated. A head count that no layout allows (H, vision heads, F or the vision MLP width not
+The split rule is `BLOCK_SPLIT` (every block of the vision encoder and of the decoder: q/k/v,
+gate and up by column, o and down by row, the norms replicated; kv heads split when t divides
+KVH, else each device takes the one kv head its query heads read, replicated) and `TOP_SPLIT` (the
+embedding by rows and the LM head by columns, vocab-parallel over ceil(V / t) ids per device, the
+last share zero-padded; the patch embedding, the vision and final norms and the projector
+replicated). docs/executor.md ("Tensor parallelism inside a rank") states it as the table both
+engines follow. A head count that no layout allows (H, vision heads, F or the vision MLP width not
 divisible by t; kv heads neither a multiple of t nor a divisor of it) is refused by `check`
 naming the model and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
 
@@ -42,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from dhp_jax.model.config import MLLMConfig
+from dhp_jax.model.config import MLLMConfig, split_shape
 from dhp_jax.model.tensor import TensorHooks
 from dhp_jax.planner.cost.tensor import check_tensor_parallel
 from dhp_jax.sharding.mesh import TP_AXIS
@@ -53,18 +44,6 @@ BLOCK_SPLIT = {"attn/q/kernel": (1, "heads"), "attn/k/kernel": (1, "kv_heads"), 
                "mlp/down/kernel": (0, "mlp")}
 # leaf path outside the blocks -> (axis split, unit); every other leaf is replicated
 TOP_SPLIT = {"embed/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
-
-
-def split_shape(config: MLLMConfig) -> Any:
-    """The stand-in model's shape as `dhp_jax.planner.cost.tensor.unsplittable` reads it."""
-    import types
-
-    return types.SimpleNamespace(
-        heads=config.num_heads, kv_heads=config.num_kv_heads, intermediate=config.d_ff,
-        vision_heads=config.vision_heads, vision_intermediate=config.vision_ff,
-        FIELD_NAMES={"heads": "MLLMConfig.num_heads", "kv_heads": "MLLMConfig.num_kv_heads",
-                     "intermediate": "MLLMConfig.d_ff", "vision_heads": "MLLMConfig.vision_heads",
-                     "vision_intermediate": "MLLMConfig.vision_ff"})
 
 
 def check(config: MLLMConfig, t: int) -> None:
