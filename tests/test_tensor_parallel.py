@@ -103,7 +103,7 @@ def test_plan_and_simulate_take_tensor_parallel(capsys):
     assert sim["runs"][0]["ranks"] == 4 and "of 2 devices (8 devices)" in sim["cluster"]
 
 
-def test_train_config_validates_and_the_engines_refuse_tensor_parallel():
+def test_train_config_validates_tensor_parallel_and_families_are_refused():
     from dhp_jax.train.config import ConfigError, config_from_dict
     from dhp_jax.train.trainer import TrainError, prepare_run
 
@@ -114,9 +114,13 @@ def test_train_config_validates_and_the_engines_refuse_tensor_parallel():
                           "model": {"preset": "qwen3-vl-8b"}, "planner": {"cost_model": "internvl3-8b"}})
     with pytest.raises(ConfigError, match="model.preset='tiny': tensor_parallel 8 cannot split MLLMConfig.num_heads = 4"):
         config_from_dict({"kind": "train", "num_ranks": 1, "parallel": {"tensor": 8}})
-    config = config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2}})
-    with pytest.raises(TrainError, match="engines do not run it yet"):
-        prepare_run(config)
+    # the stand-in model runs it (tests/test_tp_engine.py): 4 ranks of 2 devices, plans for 4 ranks
+    setup = prepare_run(config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2}}))
+    assert len(setup.devices) == 8 and setup.first_plan.num_ranks == 4
+    family = config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2},
+                               "model": {"preset": "tiny-qwen3_vl"}})
+    with pytest.raises(TrainError, match="not yet available for the family model 'tiny-qwen3_vl'"):
+        prepare_run(family)
 
 
 def test_replace_refuses_a_new_tensor_parallel():

@@ -130,6 +130,20 @@ class MLLMConfig:
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
+def split_shape(config: MLLMConfig) -> Any:
+    """The fields tensor parallelism splits, as `dhp_jax.planner.cost.tensor.unsplittable` reads a
+    model shape (heads, kv_heads, intermediate, vision_heads, vision_intermediate), named as
+    `MLLMConfig` fields in its errors. No jax: the train config validates with it."""
+    import types
+
+    return types.SimpleNamespace(
+        heads=config.num_heads, kv_heads=config.num_kv_heads, intermediate=config.d_ff,
+        vision_heads=config.vision_heads, vision_intermediate=config.vision_ff,
+        FIELD_NAMES={"heads": "MLLMConfig.num_heads", "kv_heads": "MLLMConfig.num_kv_heads",
+                     "intermediate": "MLLMConfig.d_ff", "vision_heads": "MLLMConfig.vision_heads",
+                     "vision_intermediate": "MLLMConfig.vision_ff"})
+
+
 PRESETS: dict[str, MLLMConfig] = {"tiny": MLLMConfig()}
 PRESETS.update({name: MLLMConfig.from_hf(model_configs.model_config(name), name=name)
                 for name in model_configs.model_names()})

@@ -66,6 +66,7 @@ from dhp_jax.geometry.layout import chunk_size
 from dhp_jax.model.attention import AttnIds, dense_attention
 from dhp_jax.model.config import MLLMConfig
 from dhp_jax.model.executed import tick
+from dhp_jax.model.tensor import TensorHooks, vocab_embed, vocab_loss_sum
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
@@ -141,6 +142,7 @@ class Block(nn.Module):
     eps: float
     attn_fn: AttentionFn
     chunk: int = 0
+    tp: TensorHooks | None = None   # tensor parallelism: the params are this device's shares (`block_apply`)
 
     @nn.compact
     def __call__(self, x: jax.Array, ids: AttnIds) -> jax.Array:
@@ -203,9 +205,15 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     """One block on params `p` (a `layers_i` subtree): `Block`'s math with its token-local work in
     chunks of at most `chunk` tokens (`split_block`: dead chunks skipped, zero q/k/v, the residual
     passed through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the `Block`
-    fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn."""
+    fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn, and optionally `tp`
+    (`dhp_jax.model.tensor.TensorHooks`): the params are then one device's column shares of q/k/v,
+    gate and up and row shares of o and down (`dhp_jax.sharding.tensor`), and the outputs of o and
+    down are summed over the rank's devices. The head counts are read off the kernels given."""
     s = x.shape[0]
-    h, kvh, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    hd = shape.head_dim
+    h, kvh = p["attn"]["q"]["kernel"].shape[-1] // hd, p["attn"]["k"]["kernel"].shape[-1] // hd
+    tp = getattr(shape, "tp", None)
+    reduce = (lambda y: y) if tp is None else tp.psum
 
     def project(pp, xc, pos):
         a = pp["attn"]
@@ -217,9 +225,9 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
 
     def finish(pp, xc, oc):
         a, m = pp["attn"], pp["mlp"]
-        y = xc + oc.reshape(-1, h * hd) @ a["o"]["kernel"]
+        y = xc + reduce(oc.reshape(-1, h * hd) @ a["o"]["kernel"])
         z = rms_norm(y, pp["mlp_norm"]["scale"], shape.eps)
-        return y + (jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"]
+        return y + reduce((jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"])
 
     live = live_chunks(ids.segment, chunk) if 0 < chunk < s else None
     return split_block(p, x, ids.position, live, project, finish, lambda q, k, v: shape.attn_fn(q, k, v, ids, ids),
@@ -305,6 +313,10 @@ class MLLM(nn.Module):
     # (vision, decoder) block stacks run outside the module, (x, ids) -> x (`block_stack`); None:
     # the module's own `vision_layers_i` / `layers_i` blocks
     stacks: tuple[Callable[[jax.Array, AttnIds], jax.Array], Callable[[jax.Array, AttnIds], jax.Array]] | None = None
+    # tensor parallelism: the params are one device's shares (`dhp_jax.sharding.tensor`): the
+    # embedding vocab-split (`vocab_embed`), the blocks Megatron-split; patch embedding, norms and
+    # projector replicated
+    tp: TensorHooks | None = None
 
     @nn.compact
     def __call__(self, batch: Mapping[str, jax.Array]) -> jax.Array:
@@ -319,20 +331,23 @@ class MLLM(nn.Module):
             v = self.stacks[0](v, vis_ids)
         for i in range(0 if self.stacks is not None else c.vision_layers):
             v = block(c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff, c.rope_base,
-                      c.rms_eps, self.attn_fn, c.linear_chunk, name=f"vision_layers_{i}")(v, vis_ids)
+                      c.rms_eps, self.attn_fn, c.linear_chunk, self.tp, name=f"vision_layers_{i}")(v, vis_ids)
         if back is not None:
             v = v[back]
         v = RMSNorm(c.rms_eps, name="vision_norm")(v)
         v = nn.Dense(c.d_model, name="proj_fc1")(v)
         v = nn.Dense(c.d_model, name="proj_fc2")(jax.nn.gelu(v, approximate=False))
-        t = nn.Embed(c.vocab_size, c.d_model, name="embed")(batch["token_ids"])
+        if self.tp is None or self.is_initializing():
+            t = nn.Embed(c.vocab_size, c.d_model, name="embed")(batch["token_ids"])
+        else:
+            t = vocab_embed(self.variables["params"]["embed"]["embedding"], batch["token_ids"], self.tp)
         x = jnp.where(batch["vision_mask"][:, None], v, t)
         ids = AttnIds(batch["segment_ids"], batch["positions"], batch["span_ids"])
         if self.stacks is not None:
             x = self.stacks[1](x, ids)
         for i in range(0 if self.stacks is not None else c.num_layers):
             x = block(c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff, c.rope_base, c.rms_eps,
-                      self.attn_fn, c.linear_chunk, name=f"layers_{i}")(x, ids)
+                      self.attn_fn, c.linear_chunk, self.tp, name=f"layers_{i}")(x, ids)
         x = RMSNorm(c.rms_eps, name="final_norm")(x)
         if not self.head:
             return x
@@ -340,7 +355,8 @@ class MLLM(nn.Module):
 
 
 def block_stack(config: MLLMConfig, rows: jax.Array, row_params: Callable[[jax.Array], Params], vision: bool,
-                attn_fn: AttentionFn = dense_attention) -> Callable[[jax.Array, AttnIds], jax.Array]:
+                attn_fn: AttentionFn = dense_attention, tp: TensorHooks | None = None
+                ) -> Callable[[jax.Array, AttnIds], jax.Array]:
     """The decoder (or vision) blocks as one `lax.scan` over their params, rows[count, n] (one row
     per block, `row_params` makes its params subtree): (x, ids) -> x, the same math as the
     module's `layers_i` loop, with its own VJP (`_scan_vjp`):
@@ -357,11 +373,12 @@ def block_stack(config: MLLMConfig, rows: jax.Array, row_params: Callable[[jax.A
     So a block's working set is live for one block, whatever the scheduler. Saved residuals and
     stacked gradients in a 2-byte float dtype are stored bit-cast to uint16 inside the loops and
     bit-cast back outside: bit-identical values, but a compiler that has no bf16 arithmetic
-    (XLA:CPU) cannot widen the loop state to fp32. In fp32 nothing is bit-cast."""
+    (XLA:CPU) cannot widen the loop state to fp32. In fp32 nothing is bit-cast. `tp`: tensor
+    parallelism (`row_params` then gives this device's shares of a block, `block_apply`)."""
     c = config
     shape = ((c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff) if vision
              else (c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff))
-    block = Block(*shape, c.rope_base, c.rms_eps, attn_fn, c.linear_chunk)
+    block = Block(*shape, c.rope_base, c.rms_eps, attn_fn, c.linear_chunk, tp)
 
     def body(x, row, ids):
         return block.apply({"params": row_params(row)}, x, AttnIds(*ids))
@@ -480,22 +497,24 @@ LOSS_CHUNK = 512      # tokens per LM-head chunk in `chunked_loss_sum`
 
 def chunked_loss_sum(config: MLLMConfig, params: Params, batch: Mapping[str, jax.Array], targets: jax.Array,
                      weights: jax.Array, attn_fn: AttentionFn = dense_attention, chunk: int = LOSS_CHUNK,
-                     stacks: tuple | None = None) -> jax.Array:
+                     stacks: tuple | None = None, tp: TensorHooks | None = None) -> jax.Array:
     """`token_loss_sum(apply_model(...), targets, weights)` without the [S, V] logits: the LM head
     and the cross entropy run over chunks of `chunk` tokens under `jax.checkpoint`, so forward and
     backward hold one chunk's logits (fp32) at a time instead of all S x V of them. `stacks`:
-    (vision, decoder) `block_stack`s that replace the module's block loops."""
+    (vision, decoder) `block_stack`s that replace the module's block loops. `tp`: tensor
+    parallelism, `params` one device's shares (`MLLM.tp`; the LM head vocab-split)."""
     dtype = params["patch_embed"]["kernel"].dtype
     batch = {**batch, "pixels": jnp.asarray(batch["pixels"]).astype(dtype)}
-    x = MLLM(config, attn_fn, head=False, stacks=stacks).apply({"params": params}, batch)          # x[S, d]
-    return head_loss_sum(x, params["lm_head"]["kernel"], targets, weights, chunk)
+    x = MLLM(config, attn_fn, head=False, stacks=stacks, tp=tp).apply({"params": params}, batch)   # x[S, d]
+    return head_loss_sum(x, params["lm_head"]["kernel"], targets, weights, chunk, tp, config.vocab_size)
 
 
 def head_loss_sum(x: jax.Array, kernel: jax.Array, targets: jax.Array, weights: jax.Array,
-                  chunk: int = LOSS_CHUNK) -> jax.Array:
+                  chunk: int = LOSS_CHUNK, tp: TensorHooks | None = None, vocab: int | None = None) -> jax.Array:
     """`token_loss_sum(x @ kernel, targets, weights)` over chunks of `chunk` tokens under
     `jax.checkpoint` (one chunk's fp32 logits live at a time, forward and backward): the LM head
-    and loss of every model the executors run, x[S, d] the final hidden states, kernel [d, V]."""
+    and loss of every model the executors run, x[S, d] the final hidden states, kernel [d, V].
+    `tp`: kernel [d, Vl] is this device's columns of a vocab of `vocab` (`tensor.vocab_loss_sum`)."""
     s = x.shape[0]
     n = -(-s // chunk)
     pad = n * chunk - s
@@ -505,6 +524,8 @@ def head_loss_sum(x: jax.Array, kernel: jax.Array, targets: jax.Array, weights: 
 
     @jax.checkpoint
     def one(xc, tc, wc):
+        if tp is not None:
+            return vocab_loss_sum(xc @ kernel, tc, wc, vocab, tp)
         return token_loss_sum(xc @ kernel, tc, wc)
 
     def step(total, inputs):

@@ -59,7 +59,8 @@ from dhp_jax.planner.contract.kinds import RING, check_attention
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 from dhp_jax.planner.cost.memory import reduce_pieces
 from dhp_jax.sharding.flat import FlatLayout
-from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, RankLayout
+from dhp_jax.sharding import tensor
+from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, TP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
 from dhp_jax.sharding.tiles import DEFAULT_TILE
 from dhp_jax.sharding.ulysses import group_attention_fn
@@ -95,14 +96,25 @@ def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
 
 
 def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
-                  attn: Callable[..., jax.Array] | None = None):
+                  attn: Callable[..., jax.Array] | None = None, tensor_parallel: int = 1):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
     (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype, a
     2-byte dtype bit-cast to its unsigned integer (`row_dtype`)).
 
-    `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`)."""
+    `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`).
+    `tensor_parallel` t > 1: the body runs on a sub-mesh with a `tp` axis of size t; each device
+    computes with its share of the params (`dhp_jax.sharding.tensor`), and a rank's loss and
+    token count are reported (and differentiated) once, by its device tp = 0."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
+    t = tensor_parallel
+    tp = tensor.hooks(t) if t > 1 else None
+
+    def stack(pieces, prefix, count, vision):
+        rows, tree = layout.piece_rows(pieces, cuts, prefix, count)
+        if tp is not None:
+            tree = (lambda whole: lambda row: tensor.block_share(whole(row), config, vision, t, tp.index()))(tree)
+        return block_stack(config, rows, tree, vision, attn, tp)
 
     def body(flat, ints, floats):
         s_l = ints.shape[0]
@@ -114,12 +126,16 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
         batch["pixels"] = floats[:, :config.patch_dim]
         weights = floats[:, config.patch_dim]
 
+        # with tensor parallelism a rank's loss counts once: on its device tp = 0
+        lead = 1.0 if tp is None else (tp.index() == 0).astype(jnp.float32)
+
         def loss_sum(pieces):
             # the block stacks run as scans over rows of their pieces (no copy of the params)
-            stacks = tuple(block_stack(config, *layout.piece_rows(pieces, cuts, prefix, count), vision, attn)
-                           for prefix, count, vision in stacks_of(config))
-            return chunked_loss_sum(config, layout.unravel_pieces(pieces, cuts), batch, cols["targets"], weights,
-                                    attn, stacks=stacks)
+            stacks = tuple(stack(pieces, prefix, count, vision) for prefix, count, vision in stacks_of(config))
+            params = layout.unravel_pieces(pieces, cuts)
+            if tp is not None:
+                params = tensor.top_share(params, config, t, tp.index())
+            return lead * chunked_loss_sum(config, params, batch, cols["targets"], weights, attn, stacks=stacks, tp=tp)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
         # reduction is the reduce-scatter over the full mesh after the group program. The
@@ -131,7 +147,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
             # the reduction reads the row piece by piece: as uint16 no compiler widens it whole
             # (XLA:CPU has no bf16 slicing, it would copy the whole row to fp32 first)
             row = lax.bitcast_convert_type(row, row_dtype(row.dtype))
-        return jnp.stack([value, jnp.sum(weights)])[None], row[None]
+        return jnp.stack([value, lead * jnp.sum(weights)])[None], row[None]
 
     return body
 
@@ -161,7 +177,9 @@ class PlanExecutor:
     function from (axis name, degree) instead of the tiled ring. `linear_chunk` (tokens, default
     `dhp_jax.geometry.layout.LINEAR_CHUNK`; 0: off) cuts every block's linear work into chunks and skips the chunks
     of a shard's padding tail (`MLLMConfig.linear_chunk`): a rank computes ceil(real / chunk)
-    chunks, what `CostModel.geometry.linear_chunk` prices.
+    chunks, what `CostModel.geometry.linear_chunk` prices. `tensor_parallel` = t: a rank is t
+    consecutive devices (`devices[r t:(r+1) t]`, inside one node) running one model replica split
+    Megatron-style (`dhp_jax.sharding.tensor`); plans name ranks (devices / t), as at t = 1.
     """
 
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> "PlanExecutor":
@@ -176,13 +194,16 @@ class PlanExecutor:
                  compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
-                 linear_chunk: int = LINEAR_CHUNK) -> None:
+                 linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1) -> None:
         self._check_config(config)
+        self.tensor_parallel = positive_int(tensor_parallel, "tensor_parallel")
+        if tensor_parallel > 1:
+            self._check_tensor_parallel(config, tensor_parallel)
         if compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"compute_dtype must be one of {COMPUTE_DTYPES}, got {compute_dtype!r}")
         self.config = config
         self.compute_dtype = jnp.dtype(compute_dtype)
-        self.ranks = RankLayout(jax.devices() if devices is None else devices)
+        self.ranks = RankLayout(jax.devices() if devices is None else devices, tensor_parallel)
         self.mesh = self.ranks.full_mesh
         self.replicated = NamedSharding(self.mesh, P())
         self.sharded = NamedSharding(self.mesh, P(DP_AXIS))
@@ -215,6 +236,11 @@ class PlanExecutor:
         if not isinstance(config, self.config_type):
             raise TypeError(f"config must be a {self.config_type.__module__}.{self.config_type.__name__}, "
                             f"got {type(config).__name__}")
+
+    @staticmethod
+    def _check_tensor_parallel(config: Any, t: int) -> None:
+        """ValueError unless the model splits evenly over t devices (`dhp_jax.sharding.tensor.check`)."""
+        tensor.check(config, t)
 
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
@@ -260,7 +286,7 @@ class PlanExecutor:
         for m, mb in enumerate(plan.micro_batches):
             for gi, g in enumerate(mb.groups):
                 try:
-                    check_attention(g.attention, g.degree, self.config.num_heads)
+                    check_attention(g.attention, g.degree, self._local_heads())
                 except ValueError as e:
                     raise PlanValidationError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
         work = []
@@ -293,14 +319,28 @@ class PlanExecutor:
 
     def _mesh(self, devices: tuple[jax.Device, ...], attention: str):
         """(sub-mesh, stream spec) of a group: the `cp` ring mesh, or the 2-D (cp, sp) view of a
-        Ulysses or hybrid group with the stream split over both axes in rank order."""
-        u = check_attention(attention, len(devices), self.config.num_heads)[0]
+        Ulysses or hybrid group with the stream split over both axes in rank order; with tensor
+        parallelism a last `tp` axis, over which the stream is replicated."""
+        u = check_attention(attention, len(devices) // self.tensor_parallel, self._local_heads())[0]
         return self.ranks.submesh(devices, u), P(CP_AXIS) if u == 1 else P((CP_AXIS, SP_AXIS))
+
+    def _row_spec(self, spec: P) -> P:
+        """The spec of a group program's per-device outputs (stats and gradient rows): the stream's
+        axes, and `tp` when a rank has several devices (each returns its own row)."""
+        if self.tensor_parallel == 1:
+            return spec
+        axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+        return P((*axes, TP_AXIS))
+
+    def _local_heads(self) -> int:
+        """Query heads of the decoder on one device (its share with tensor parallelism): what a
+        Ulysses all-to-all splits."""
+        return self.config.num_heads // self.tensor_parallel
 
     def _attention_fn(self, degree: int, attention: str):
         """The model's attention for a group: the tiled ring (or the executor's own function) for
         "ring", the all-to-all layouts of `dhp_jax.sharding.ulysses` for the other kinds."""
-        u, r = check_attention(attention, degree, self.config.num_heads)
+        u, r = check_attention(attention, degree, self._local_heads())
         if u > 1:
             return group_attention_fn(u, r, tile=self.attention_tile)
         if self._attention is not None:
@@ -325,9 +365,10 @@ class PlanExecutor:
         degree, bucket, devices, attention = key
         exe = self._executables.get(key)
         if exe is None:
-            if degree < 1 or bucket < 2 * degree or bucket % (2 * degree) or len(devices) != degree:
+            if degree < 1 or bucket < 2 * degree or bucket % (2 * degree) or \
+                    len(devices) != degree * self.tensor_parallel:
                 raise ValueError(f"executable: bucket {bucket} must be a positive multiple of 2*degree "
-                                 f"(degree {degree}, {len(devices)} devices)")
+                                 f"(degree {degree}, {len(devices)} devices, {self.tensor_parallel} per rank)")
             t0 = time.perf_counter()
             self._bind(params)
             exe = self._executables[key] = self.lower(degree, bucket, devices, attention).compile(
@@ -338,8 +379,10 @@ class PlanExecutor:
     def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
         """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
         mesh, spec = self._mesh(devices, attention)
-        fn = jax.shard_map(group_program(self._program_config, degree, self.layout, self._attention_fn(degree, attention)),
-                           mesh=mesh, in_specs=(P(), spec, spec), out_specs=(spec, spec), check_vma=False)
+        body = group_program(self._program_config, degree, self.layout, self._attention_fn(degree, attention),
+                             self.tensor_parallel)
+        row = self._row_spec(spec)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(row, row), check_vma=False)
         rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
         args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),
                 jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),

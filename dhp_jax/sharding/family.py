@@ -72,6 +72,11 @@ class FamilyExecutor(PlanExecutor):
     config_type = HFConfig
 
     @staticmethod
+    def _check_tensor_parallel(config: Any, t: int) -> None:
+        raise ValueError(f"tensor_parallel={t}: tensor parallelism is not yet available for the {config.family} "
+                         f"family (only the stand-in model `MLLMConfig` runs it); use tensor_parallel=1")
+
+    @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
         return dataclasses.replace(config, linear_chunk=linear_chunk)
 

@@ -1,8 +1,11 @@
 """Rank -> device layout and the sub-mesh cache: the one place that owns the parallel layout.
 
-A rank is one model replica. Today a rank is one device (`devices_per_rank=1`); the layout keeps
-`devices_per_rank` so that a static TP axis per rank can be added: a group's sub-mesh would then
-be (cp, tp) built from the same table. Sub-meshes are built once per device tuple and reused.
+A rank is one model replica: `devices_per_rank` = t consecutive devices (t > 1: Megatron-style
+tensor parallelism inside the rank, `dhp_jax.sharding.tensor`). A plan's ranks are devices / t and
+its groups stay in rank units. A group's sub-mesh is (cp) for a ring, (cp, sp) for Ulysses and
+hybrid, and gains a last `tp` axis of size t when t > 1: (cp, tp), (cp, sp, tp), built from the
+group's devices in rank order (rank i of the group is row i). Sub-meshes are built once per device
+tuple and reused.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 
 CP_AXIS = "cp"      # the ring axis of a group's sub-mesh
 SP_AXIS = "sp"      # the Ulysses (all-to-all) axis of a Ulysses or hybrid group's 2-D sub-mesh
-DP_AXIS = "dp"      # the full mesh: one entry per rank, for the cross-group reduction
+TP_AXIS = "tp"      # the tensor-parallel axis: the t devices of one rank (only when t > 1)
+DP_AXIS = "dp"      # the full mesh: one entry per device, for the cross-group reduction
 
 
 class RankLayout:
@@ -29,8 +33,8 @@ class RankLayout:
             raise ValueError("RankLayout needs at least one device")
         if len({(d.platform, d.id) for d in devices}) != len(devices):
             raise ValueError("RankLayout: a device is listed twice")
-        if devices_per_rank != 1:
-            raise NotImplementedError("a static TP axis (devices_per_rank > 1) is not implemented yet")
+        if isinstance(devices_per_rank, bool) or not isinstance(devices_per_rank, int) or devices_per_rank < 1:
+            raise ValueError(f"devices_per_rank must be a positive integer, got {devices_per_rank!r}")
         if len(devices) % devices_per_rank:
             raise ValueError(f"{len(devices)} devices do not split into ranks of {devices_per_rank}")
         self.devices = tuple(devices)
@@ -50,17 +54,22 @@ class RankLayout:
         return tuple(d for r in ranks for d in self.rank_devices(int(r)))
 
     def submesh(self, devices: tuple[jax.Device, ...], ulysses: int = 1) -> Mesh:
-        """The group's mesh over `devices`, built once per (device tuple, Ulysses size): the 1-D
-        `cp` ring mesh, or for `ulysses` = u > 1 the 2-D (cp: d/u, sp: u) view, row-major in rank
-        order, so each Ulysses sub-group is u consecutive ranks."""
+        """The group's mesh over `devices` (its ranks' devices in rank order), built once per
+        (device tuple, Ulysses size): the 1-D `cp` ring mesh, or for `ulysses` = u > 1 the 2-D
+        (cp: d/u, sp: u) view, row-major in rank order, so each Ulysses sub-group is u consecutive
+        ranks; with t = `devices_per_rank` > 1 a last `tp` axis of size t holds each rank's devices."""
         key = (devices, int(ulysses))
         mesh = self._submeshes.get(key)
         if mesh is None:
-            if len(devices) % ulysses:
-                raise ValueError(f"{len(devices)} devices do not split into Ulysses sub-groups of {ulysses}")
-            mesh = (Mesh(np.array(devices), (CP_AXIS,)) if ulysses == 1 else
-                    Mesh(np.array(devices).reshape(len(devices) // ulysses, ulysses), (CP_AXIS, SP_AXIS)))
-            self._submeshes[key] = mesh
+            t = self.devices_per_rank
+            ranks = len(devices) // t
+            if len(devices) % t or ranks % ulysses:
+                raise ValueError(f"{len(devices)} devices ({t} per rank) do not split into Ulysses sub-groups "
+                                 f"of {ulysses} ranks")
+            shape, names = ((ranks,), (CP_AXIS,)) if ulysses == 1 else ((ranks // ulysses, ulysses), (CP_AXIS, SP_AXIS))
+            if t > 1:
+                shape, names = shape + (t,), names + (TP_AXIS,)
+            mesh = self._submeshes[key] = Mesh(np.array(devices).reshape(shape), names)
         return mesh
 
     @property

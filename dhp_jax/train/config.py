@@ -230,8 +230,6 @@ class TrainConfig:
     def _model_shapes(self) -> list[tuple[str, str, Any]]:
         """(config key, name, shape) of each model the run names whose shape is known without loading
         weights: the stored presets, a checkpoint's config.json and the stand-in MLLMConfig presets."""
-        import types
-
         from dhp_jax.planner.cost import presets
 
         out = []
@@ -244,16 +242,11 @@ class TrainConfig:
         elif self.model.preset in presets.MODELS:
             out.append(("model.preset", self.model.preset, presets.MODELS[self.model.preset]))
         else:
-            from dhp_jax.model.config import PRESETS
+            from dhp_jax.model.config import PRESETS, split_shape
 
             c = PRESETS.get(self.model.preset)
             if c is not None:
-                out.append(("model.preset", self.model.preset, types.SimpleNamespace(
-                    heads=c.num_heads, kv_heads=c.num_kv_heads, intermediate=c.d_ff, vision_heads=c.vision_heads,
-                    vision_intermediate=c.vision_ff, FIELD_NAMES={
-                        "heads": "MLLMConfig.num_heads", "kv_heads": "MLLMConfig.num_kv_heads",
-                        "intermediate": "MLLMConfig.d_ff", "vision_heads": "MLLMConfig.vision_heads",
-                        "vision_intermediate": "MLLMConfig.vision_ff"})))
+                out.append(("model.preset", self.model.preset, split_shape(c)))
         if self.planner.cost_model in presets.MODELS:
             out.append(("planner.cost_model", self.planner.cost_model, presets.MODELS[self.planner.cost_model]))
         return out

@@ -148,10 +148,12 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     """Config, devices >= ranks, the plan file (every plan), the planning cost model, the model
     preset, the first batch and its plan (validated against the devices); `TrainError` otherwise."""
     config.validate()
-    if config.parallel.tensor > 1:
-        raise TrainError(f"parallel.tensor={config.parallel.tensor}: tensor parallelism is planned and priced "
-                         f"(`dhp plan --tensor-parallel`, `dhp simulate --tensor-parallel`) but the JAX and torch "
-                         f"engines do not run it yet; train with parallel.tensor=1")
+    t = config.parallel.tensor
+    if t > 1 and (config.model.pretrained or config.model.preset in DEMO_MODELS):
+        which = config.model.pretrained or config.model.preset
+        raise TrainError(f"parallel.tensor={t}: tensor parallelism is not yet available for the family model "
+                         f"{which!r}; the JAX engine runs it for the stand-in model (model.preset = an MLLMConfig "
+                         f"preset); train this model with parallel.tensor=1")
     hf_config = hf_params = None
     if config.model.pretrained:
         from dhp_jax.model import hf  # lazy, with the fine-tuning imports below: only a fine-tuning run needs them
@@ -179,11 +181,12 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         except ValueError as e:
             raise TrainError(f"model.preset: {e}; or a family model of the demo: {sorted(DEMO_MODELS)}") from None
     available = list(devices) if devices is not None else jax.devices()
-    if len(available) < config.num_ranks:
-        raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks} devices but only "
+    if len(available) < config.num_ranks * t:
+        raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks * t} devices"
+                         f"{f' ({t} per rank, parallel.tensor)' if t > 1 else ''} but only "
                          f"{len(available)} {available[0].platform if available else ''} device(s) are visible"
                          + (" (for fake CPU devices set XLA_FLAGS=--xla_force_host_platform_device_count="
-                            f"{config.num_ranks} before jax is imported)" if available and
+                            f"{config.num_ranks * t} before jax is imported)" if available and
                             available[0].platform == "cpu" else ""))
     p = config.planner
     plans = None
@@ -222,11 +225,11 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         except (ValueError, OSError) as e:
             raise TrainError(f"data.dataset={config.data.dataset!r}: {e}") from None
     try:  # one plan now: a bad strategy or data setting is an error before anything is compiled
-        plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(available))
+        plan = source(0, batch).validate(num_samples=len(batch.samples), num_devices=len(available) // t)
     except (ValueError, TypeError) as e:
         raise TrainError(f"cannot plan the first batch with planner.strategy={p.strategy!r}"
                          f"{' (plan file)' if plans else ''}: {e}") from None
-    return RunSetup(config, model_config, available[: config.num_ranks], plans, cost, source, pipeline, batch, plan,
+    return RunSetup(config, model_config, available[: config.num_ranks * t], plans, cost, source, pipeline, batch, plan,
                     hf_config, hf_params)
 
 
@@ -258,14 +261,20 @@ class Trainer:
             kwargs = {"min_bucket": config.min_bucket} if config.min_bucket else {}
             if config.attention_tile:
                 kwargs["attention_tile"] = config.attention_tile
+            if config.parallel.tensor > 1:
+                kwargs["tensor_parallel"] = config.parallel.tensor
             executor = PlanExecutor(self.hf_config if self.family else self.model_config, self.devices,
                                     compute_dtype=config.compute_dtype, **kwargs)
         self.executor = check_executor(executor)
+        if getattr(executor, "tensor_parallel", 1) != config.parallel.tensor:
+            raise TrainError(f"the executor runs tensor_parallel={getattr(executor, 'tensor_parallel', 1)}, the config "
+                             f"parallel.tensor={config.parallel.tensor}")
         # What the planner may assume compiled at step t: the programs of the plans of steps < t
         # (never what has finished compiling: that depends on timing); a plan needing a new one
         # pays the config's fixed price. The same on every process, so processes plan alike.
         attach_programs(self.plan_source, config.planner.compile_price_s,
-                        (executor.min_bucket, executor.growth, executor.linear_chunk), ranks_per_process(self.devices))
+                        (executor.min_bucket, executor.growth, executor.linear_chunk),
+                        ranks_per_process(self.devices[::config.parallel.tensor]))
         self.cost = self.plan_source.cost
         self._ran = ProgramCache()  # the executables of the plans of the steps run (what a checkpoint stores)
         self._local_ids = {d.id for d in self.devices if d.process_index == self.process_index}
@@ -561,8 +570,10 @@ class Trainer:
         same log, across backends too)."""
         if not self.plan_source.full_size or self.plan_source.plans is not None:
             return plan
-        rank_of = {d.id: r for r, d in enumerate(self.devices)}
-        keys = [(d, b, tuple(rank_of[i] for i in ids), a) for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
+        t = self.config.parallel.tensor     # a rank's devices are consecutive: its first one names it
+        rank_of = {d.id: r // t for r, d in enumerate(self.devices)}
+        keys = [(d, b, tuple(rank_of[i] for i in ids[::t]), a)
+                for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
         return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
 
     def _checkpoint_hook(self, ckpt: Any, stop: int):
@@ -601,7 +612,7 @@ class Trainer:
         DHP run, is refused: its plans would differ from the uninterrupted run's)."""
         keys = meta.get("programs")
         saved_ranks = (meta.get("layout") or {}).get("num_shards")
-        if saved_ranks is not None and int(saved_ranks) != self.config.num_ranks:
+        if saved_ranks is not None and int(saved_ranks) != len(self.devices):
             # the record names groups of another rank count: no uninterrupted run on this count
             # exists to plan like, so this run plans as a fresh one on its ranks would
             self._say(f"the checkpoint was written on {saved_ranks} ranks, this run has {self.config.num_ranks}: "

@@ -1,0 +1,63 @@
+"""Tensor parallelism as the model sees it: the collectives it is handed, and the vocab-parallel ops.
+
+The model never names a mesh. A rank of t devices (Megatron-LM, arXiv 1909.08053, section 3) runs
+the model with a `TensorHooks` the executor builds (`dhp_jax.sharding.tensor.hooks`): the device's
+place among the t, and sums / maxima over them. Which parameter is split how, and the slicing of
+each device's share, live in `dhp_jax.sharding.tensor`; the model reads its head counts and widths
+off the (local) kernels it is given, so a block's math is the same code at t = 1 and t > 1, with
+`TensorHooks.psum` after each row-split output projection (`mllm.block_apply`).
+
+Autodiff: every collective's transpose is its own (a psum's is a psum), so differentiating the
+sum over devices of each device's output gives each device the gradient of its own copy of the
+params; the executor counts a rank's loss once (on its first device) and the reduction over all
+devices sums the copies (`dhp_jax.sharding.tensor`).
+
+Vocab-parallel (arXiv 1909.08053, section 3): device i holds the embedding rows and LM-head columns
+[i Vl, (i+1) Vl), Vl = ceil(V / t) (the last share zero-padded past V):
+- `vocab_embed`: each device looks up the ids in its rows (zero elsewhere); the psum is the lookup.
+- `vocab_loss_sum`: cross entropy from the local logits: the max over devices (no gradient), the
+  psum of the local sums of exp, and the target's logit from the device that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorHooks:
+    """The tensor-parallel collectives of one rank of `size` devices, bound by the executor:
+    `index()` this device's place (0 .. size-1), `psum(x)` / `pmax(x)` over the rank's devices."""
+
+    size: int
+    index: Callable[[], jax.Array]
+    psum: Callable[[jax.Array], jax.Array]
+    pmax: Callable[[jax.Array], jax.Array]
+
+
+def vocab_embed(table: jax.Array, ids: jax.Array, tp: TensorHooks) -> jax.Array:
+    """`table_full[ids]` from this device's rows table[Vl, d] of the vocab-split embedding."""
+    vl = table.shape[0]
+    local = ids - tp.index() * vl
+    ok = (local >= 0) & (local < vl)
+    rows = jnp.take(table, jnp.clip(local, 0, vl - 1), axis=0)
+    return tp.psum(jnp.where(ok[:, None], rows, jnp.zeros((), rows.dtype)))
+
+
+def vocab_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int,
+                   tp: TensorHooks) -> jax.Array:
+    """`mllm.token_loss_sum` of the full logits from this device's columns logits[S, Vl] (columns
+    i Vl .. of the vocab; those past `vocab` are padding and excluded), in fp32."""
+    logits = logits.astype(jnp.float32)
+    vl = logits.shape[-1]
+    cols = tp.index() * vl + jnp.arange(vl)
+    logits = jnp.where(cols[None, :] < vocab, logits, -jnp.inf)
+    m = lax.stop_gradient(tp.pmax(lax.stop_gradient(jnp.max(logits, axis=-1))))
+    lse = m + jnp.log(tp.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1)))
+    picked = tp.psum(jnp.sum(jnp.where(cols[None, :] == targets[:, None].astype(jnp.int32), logits, 0.0), axis=-1))
+    return jnp.sum((lse - picked) * weights)
