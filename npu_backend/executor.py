@@ -32,6 +32,7 @@ from dhp_jax.planner.contract.plan import Group, Plan, PlanValidationError
 from npu_backend.hf import TorchFamilyModel, stream_tensors
 from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
 from npu_backend.ring import RingComm, ring_attention
+from npu_backend.tensor import TensorParallel
 from npu_backend.ulysses import UlyssesComm, ulysses_attention
 
 
@@ -48,13 +49,21 @@ class StepResult:
     local_tokens: int         # stream tokens (padding included) this rank ran, all micro-batches
 
 
-def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: Any) -> None:
-    """Every check that needs no communication; identical on every rank, so all fail together."""
+def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: Any,
+               tensor_parallel: int = 1) -> None:
+    """Every check that needs no communication; identical on every rank, so all fail together.
+
+    `world_size` counts ranks: processes / `tensor_parallel`."""
+    t = tensor_parallel
     if not isinstance(plan, Plan):
         raise StepError(f"expected a Plan, got {type(plan).__name__}")
     if plan.num_ranks != world_size:
-        raise StepError(f"the plan is for num_ranks={plan.num_ranks} but the world has {world_size} "
-                        f"processes; re-plan for {world_size} ranks or launch {plan.num_ranks} processes")
+        if t == 1:
+            raise StepError(f"the plan is for num_ranks={plan.num_ranks} but the world has {world_size} "
+                            f"processes; re-plan for {world_size} ranks or launch {plan.num_ranks} processes")
+        raise StepError(f"the plan is for num_ranks={plan.num_ranks} but the world has {world_size * t} "
+                        f"processes = {world_size} ranks of tensor_parallel {t}; re-plan for {world_size} ranks "
+                        f"or launch {plan.num_ranks * t} processes")
     try:
         plan.validate(num_samples=len(samples))
     except PlanValidationError as e:
@@ -62,9 +71,10 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
     for m, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
             try:
-                check_attention(g.attention, g.degree, config.num_heads)
+                check_attention(g.attention, g.degree, config.num_heads // t)
             except ValueError as e:
-                raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}") from None
+                raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}"
+                                + (f" (the heads of one process of a rank of tensor_parallel {t})" if t > 1 else "")) from None
     used = {r for g in plan.groups for r in g.ranks}
     idle = sorted(set(range(world_size)) - used)
     if idle:
@@ -113,7 +123,11 @@ def my_group(plan_groups: Sequence[Group], rank: int) -> Group | None:
 
 
 class TorchPlanExecutor:
-    """Executes plans for one rank of the world; the model's parameters are replicated on every rank.
+    """Executes plans for one process of the world; the model's parameters are replicated on every rank.
+
+    `tensor_parallel` = t > 1 (the stand-in model only): a rank is t consecutive processes of one node
+    holding a Megatron split of the model (`npu_backend.tensor`; `model` is passed whole and split in
+    place), a plan's ranks are processes / t, and `self.tp.gather(model)` gives the whole weights.
 
     `model` is the stand-in `TorchMLLM` or a Hugging Face family model (`npu_backend.hf.
     TorchFamilyModel`, e.g. `load_family(checkpoint_dir)`): a group then runs the family's two packed
@@ -121,7 +135,7 @@ class TorchPlanExecutor:
     sample, -100 ignored, token-weighted mean over the batch)."""
 
     def __init__(self, model: TorchMLLM | TorchFamilyModel, device: torch.device | None = None,
-                 optimizer: torch.optim.Optimizer | None = None):
+                 optimizer: torch.optim.Optimizer | None = None, tensor_parallel: int = 1):
         if not dist.is_initialized():
             raise StepError("torch.distributed is not initialised: call init_process_group first")
         self.model = model
@@ -129,8 +143,13 @@ class TorchPlanExecutor:
         self.family = isinstance(model, TorchFamilyModel)
         self.device = device or torch.device("cpu")
         self.optimizer = optimizer
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        try:
+            self.tp = TensorParallel.create(dist.get_world_size(), tensor_parallel)
+            self.tp.shard(model)
+        except ValueError as e:        # the same on every process: the config, t and the world
+            raise StepError(str(e)) from None
+        self.rank = self.tp.rank                  # plan rank
+        self.world_size = self.tp.num_ranks       # plan ranks
         self.tensors_sent = 0  # ring traffic of this rank, for tests and logs
 
     # ------------------------------------------------------------------ pieces
@@ -145,19 +164,21 @@ class TorchPlanExecutor:
         arrays = layout.arrays()
         shard = {k: torch.from_numpy(np.ascontiguousarray(v[i * n:(i + 1) * n])).to(self.device)
                  for k, v in arrays.items()}
-        # Only the group's first rank reports the group's count, so each group is counted once.
-        return shard, (layout.num_loss_tokens if i == 0 else 0)
+        # Only the group's first rank (its tp index 0) reports the group's count: each group counts once.
+        return shard, (layout.num_loss_tokens if i == 0 and self.tp.index == 0 else 0)
 
     def _attention(self, group: Group) -> tuple[Any, RingComm | UlyssesComm | None]:
         """The group's attention callable (dense, ring, Ulysses or hybrid) and its communicator."""
-        u, _ = check_attention(group.attention, group.degree, self.config.num_heads)
+        u, _ = check_attention(group.attention, group.degree, self.config.num_heads // self.tp.size)
+        # the processes of the group's ranks that hold this process's shard (tensor parallelism)
+        procs, me = [self.tp.process_of(r) for r in group.ranks], self.tp.process
         if u > 1:           # Ulysses or hybrid: all-to-all over u ranks, ring over the sub-groups
-            comm: RingComm | UlyssesComm | None = UlyssesComm(group.ranks, self.rank, u)
+            comm: RingComm | UlyssesComm | None = UlyssesComm(procs, me, u)
 
             def attn(q, k, v, ids):
                 return ulysses_attention(q, k, v, ids, attention_mask, comm)
         else:
-            comm = RingComm(group.ranks, self.rank) if group.degree > 1 else None
+            comm = RingComm(procs, me) if group.degree > 1 else None
 
             def attn(q, k, v, ids):
                 return ring_attention(q, k, v, ids, attention_mask, comm)
@@ -169,7 +190,8 @@ class TorchPlanExecutor:
         if self.family:
             return self.model.loss_sum(*shard, attn), comm
         logits = self.model({k: shard[k] for k in MODEL_INPUTS}, attn)
-        return token_loss_sum(logits, shard["targets"], shard["loss_weights"]), comm
+        loss = token_loss_sum if self.tp.size == 1 else self.tp.token_loss_sum
+        return loss(logits, shard["targets"], shard["loss_weights"]), comm
 
     # ------------------------------------------------------------------ the step
     def loss_and_grads(self, plan: Plan, samples: Sequence[Sample]) -> tuple[float, int, int]:
@@ -177,7 +199,7 @@ class TorchPlanExecutor:
 
         Returns (loss, num_loss_tokens, local stream tokens).
         """
-        check_plan(plan, samples, self.world_size, self.config)
+        check_plan(plan, samples, self.world_size, self.config, self.tp.size)
         # Pack first: a failure here is local, so it is shared before any heavy collective.
         shards: list[tuple[Group, dict[str, torch.Tensor]] | None] = []
         counted, err = 0, ""
@@ -194,12 +216,13 @@ class TorchPlanExecutor:
                 continue
             counted += c
             shards.append((g, shard))
-        # status[r] = 1 if rank r failed; status[-1] = loss tokens of the whole batch.
-        status = torch.zeros(self.world_size + 1, dtype=torch.int64, device=self.device)
-        status[self.rank] = 1 if err else 0
+        # status[p] = 1 if process p failed; status[-1] = loss tokens of the whole batch.
+        procs = self.tp.world
+        status = torch.zeros(procs + 1, dtype=torch.int64, device=self.device)
+        status[self.tp.process] = 1 if err else 0
         status[-1] = counted
         dist.all_reduce(status)
-        failed = [r for r in range(self.world_size) if status[r] > 0]
+        failed = sorted({p // self.tp.size for p in range(procs) if status[p] > 0})
         if failed:
             raise StepError(err or f"ranks {failed} could not pack their group (their error names the sample)")
         total = int(status[-1])
@@ -219,22 +242,10 @@ class TorchPlanExecutor:
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
-        loss_sum = self._all_reduce_grads(local_loss)
+        # one flat all-reduce over the world (over the processes of this tp index under tensor
+        # parallelism): every gradient, and the loss sum riding in the same buffer
+        loss_sum = self.tp.reduce_grads(self.model, local_loss)
         return loss_sum / total, total, local_tokens
-
-    def _all_reduce_grads(self, local_loss: torch.Tensor) -> float:
-        """One flat all-reduce over the world: every gradient plus the loss sum (returned)."""
-        params = list(self.model.parameters())
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]
-                         + [local_loss.to(params[0].dtype).reshape(1)])
-        dist.all_reduce(flat)
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[off:off + n].view_as(p).clone()
-            off += n
-        # the loss sum rides in the same buffer as the gradients: one collective per step
-        return float(flat[-1])
 
     def step(self, plan: Plan, samples: Sequence[Sample]) -> StepResult:
         """Forward, backward, gradient all-reduce and (with an optimizer) the parameter update."""

@@ -21,6 +21,9 @@ from torch import nn
 
 # attn(q[S, H, D], k[S, KVH, D], v[S, KVH, D], ids[S, 3]) -> o[S, H, D]; ids = (segment, position, span)
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Tensor parallelism (`npu_backend.tensor.TensorParallel.shard`) sets `tp` on the attention and MLP
+# modules and on the model: `tp.enter` before a column-parallel matrix, `tp.exit` after a row-parallel
+# one (Megatron's f and g), `tp.embed` the vocab-parallel lookup; `tp = None` is one device per rank.
 
 
 
@@ -66,6 +69,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    tp = None
+
     def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, rope_base: float):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.rope_base = heads, kv_heads, head_dim, rope_base
@@ -77,17 +82,26 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q[S, H, D], k, v[S, KVH, D] of (normed) rows x at positions pos, rotary applied."""
         s = x.shape[0]
+        if self.tp is not None:
+            x = self.tp.enter(x)
         q = self.q(x).reshape(s, self.heads, self.head_dim)
         k = self.k(x).reshape(s, self.kv_heads, self.head_dim)
         v = self.v(x).reshape(s, self.kv_heads, self.head_dim)
         return rope(q, pos, self.rope_base), rope(k, pos, self.rope_base), v
 
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of o[S, H, D] (row-parallel under tensor parallelism)."""
+        y = self.o(o.reshape(o.shape[0], self.heads * self.head_dim))
+        return y if self.tp is None else self.tp.exit(y)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         q, k, v = self.project(x, ids[:, 1])
-        return self.o(attn(q, k, v, ids).reshape(x.shape[0], self.heads * self.head_dim))
+        return self.out(attn(q, k, v, ids))
 
 
 class SwiGLU(nn.Module):
+    tp = None
+
     def __init__(self, dim: int, d_ff: int):
         super().__init__()
         self.gate = nn.Linear(dim, d_ff, bias=False)
@@ -95,7 +109,10 @@ class SwiGLU(nn.Module):
         self.down = nn.Linear(d_ff, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.tp is None:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        x = self.tp.enter(x)
+        return self.tp.exit(self.down(F.silu(self.gate(x)) * self.up(x)))
 
 
 class Block(nn.Module):
@@ -119,16 +136,18 @@ class Block(nn.Module):
         xl = x[live]
         qkv = self.attn.project(self.attn_norm(xl), ids[live, 1])
         q, k, v = (t.new_zeros((x.shape[0],) + t.shape[1:]).index_copy(0, live, t) for t in qkv)
-        o = attn(q, k, v, ids)[live]
-        h = xl + self.attn.o(o.reshape(live.numel(), self.attn.heads * self.attn.head_dim))
+        h = xl + self.attn.out(attn(q, k, v, ids)[live])
         return x.index_copy(0, live, h + self.mlp(self.mlp_norm(h)))
 
 
 class TorchMLLM(nn.Module):
     """Vision encoder + projector + decoder over a (shard of a) packed stream; returns logits[S, V].
 
-    `config` is a `dhp_jax.model.MLLMConfig` (or any object with the same fields).
+    `config` is a `dhp_jax.model.MLLMConfig` (or any object with the same fields). Under tensor
+    parallelism the logits are this device's vocabulary columns (`tp.vocab_range`).
     """
+
+    tp = None
 
     def __init__(self, config) -> None:
         super().__init__()
@@ -174,12 +193,14 @@ class TorchMLLM(nn.Module):
             v = blk(v, vis_ids, attn)
         v = self.vision_norm(v)
         v = self.proj_fc2(F.gelu(self.proj_fc1(v), approximate="none"))
-        t = self.embed(batch["token_ids"].long())
+        t = self.embed(batch["token_ids"].long()) if self.tp is None else self.tp.embed(self.embed.weight,
+                                                                                         batch["token_ids"].long())
         x = torch.where(batch["vision_mask"].bool()[:, None], v, t)
         ids = torch.stack([batch["segment_ids"], batch["positions"], batch["span_ids"]], dim=1).long()
         for blk in self.layers:
             x = blk(x, ids, attn)
-        return self.lm_head(self.final_norm(x))
+        x = self.final_norm(x)
+        return self.lm_head(x if self.tp is None else self.tp.enter(x))
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,8 @@ from dhp_jax.data.sample import sample_etas, sample_lengths  # noqa: E402
 from dhp_jax.data.synthetic import random_samples  # noqa: E402
 from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
 from dhp_jax.planner import plan_batch  # noqa: E402
-from dhp_jax.planner.cli_args import add_cost_args, add_mllm_arg, cost_from_args, is_profile, mllm_preset  # noqa: E402
+from dhp_jax.planner.cli_args import (add_cost_args, add_mllm_arg, add_tensor_parallel_arg, cost_from_args,  # noqa: E402
+                                      is_profile, mllm_preset)
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E402
 from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
     add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=8)  # the cost model plans with
+    add_tensor_parallel_arg(p)   # a rank is T consecutive processes (npu_backend.tensor); plans have processes / T ranks
     p.add_argument("--comm-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="cost model: ring traffic hides behind attention (default: the hardware's)")
     p.add_argument("--length-scale", type=float, default=1.0,
@@ -85,12 +87,15 @@ def make_batch(config: MLLMConfig, args: argparse.Namespace, step: int) -> list:
 
 
 class Planner:
-    """Gives the plan of each step: replayed, planned on every rank, or planned on rank 0 and sent."""
+    """Gives the plan of each step: replayed, planned on every rank, or planned on rank 0 and sent.
+
+    `world` counts processes; the plans have world / --tensor-parallel ranks."""
 
     def __init__(self, args: argparse.Namespace, world: int, rank: int):
-        self.args, self.world, self.rank = args, world, rank
-        self.replay = (load_plan_file(args.plan_file, num_samples=args.batch_size, num_ranks=world, steps=args.steps)
-                       if args.plan_file else None)
+        self.args, self.rank = args, rank
+        self.world = world // getattr(args, "tensor_parallel", 1)      # plan ranks
+        self.replay = (load_plan_file(args.plan_file, num_samples=args.batch_size, num_ranks=self.world,
+                                      steps=args.steps) if args.plan_file else None)
         self.cost = None
         if self.replay is None:
             extra: dict[str, Any] = {} if args.comm_overlap is None else {"comm_overlap": args.comm_overlap}
@@ -185,10 +190,11 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             p.data = p.data.to(device)
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
     optimizer = opt_cls(model.parameters(), lr=args.lr)
-    executor = TorchPlanExecutor(model, device=device, optimizer=optimizer)
+    executor = TorchPlanExecutor(model, device=device, optimizer=optimizer, tensor_parallel=args.tensor_parallel)
     planner = Planner(args, world, rank)
-    say(f"npu_backend: {world} ranks on {choice.kind} ({choice.backend}: {choice.reason}), model {name} "
-        f"({num_params:,} params)")
+    t = args.tensor_parallel
+    say(f"npu_backend: {world // t} ranks" + (f" of {t} processes (tensor parallel)" if t > 1 else "")
+        + f" on {choice.kind} ({choice.backend}: {choice.reason}), model {name} ({num_params:,} params)")
     records = []
     dump = PlanLog(args.dump_plans) if (args.dump_plans and rank == 0) else None
     try:
@@ -211,15 +217,20 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             dump.close()
         if family is not None:
             batches.close()
-    say(summary_line(records, world, choice))
+    say(summary_line(records, world // t, choice))
     if rank == 0 and args.save_weights and family is not None:
         save_family(model, args.save_weights)
-    elif rank == 0 and args.save_weights:
-        save_npz(args.save_weights, export_flax_params(model))
+    elif args.save_weights:   # whole weights, as without tensor parallelism (gathered over each rank)
+        whole = executor.tp.gather(model)
+        if rank == 0:
+            if t > 1:
+                model = TorchMLLM(config)
+                model.load_state_dict(whole)
+            save_npz(args.save_weights, export_flax_params(model))
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"measured_on": f"{choice.kind} ({choice.backend}), {platform.machine()} {platform.node()}",
-                       "world_size": world, "torch": torch.__version__,
+                       "world_size": world, "tensor_parallel": t, "torch": torch.__version__,
                        "config": dict(config.raw) if family is not None else config.to_dict(),
                        "init_from": describe(family) if family is not None else None if init_from is None
                        else {"path": str(init_from.path), "step": init_from.step},

@@ -1,0 +1,119 @@
+"""Tensor parallelism in the torch backend: 8 gloo processes as 4 ranks of t = 2 run ring (3 + 1),
+Ulysses and hybrid plans; loss and gradients equal one process running every sample unsharded.
+
+One world runs every check (process start-up dominates on shared CPUs): two models (kv heads split
+over t; one kv head replicated on both processes of a rank), each on three plans, plus the gathered
+weights (what `--save-weights` writes) and a plan for the wrong rank count. No jax anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from dhp_jax.data.synthetic import random_samples
+from dhp_jax.model.config import MLLMConfig
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from npu_backend.launch import run_world
+
+TOL = 1e-5  # fp32, whole model, relative
+T = 2
+LENGTHS = [30, 12, 25, 9, 20, 14, 6, 17]
+CONFIGS = {"kv split": MLLMConfig(), "kv replicated": MLLMConfig(num_kv_heads=1)}
+
+
+def _plan(*groups: tuple[list[int], list[int], str]) -> Plan:
+    return Plan(num_ranks=4, micro_batches=(MicroBatch(tuple(
+        Group(tuple(r), len(r), tuple(s), attention=a) for r, s, a in groups)),))
+
+
+PLANS = {
+    "ring 3 + 1": _plan(([1, 2, 3], [0, 2, 4, 6], "ring"), ([0], [1, 3, 5, 7], "ring")),
+    "ulysses 2 + ring 2": _plan(([2, 0], [0, 1, 2, 3], "ulysses"), ([3, 1], [4, 5, 6, 7], "ring")),
+    "hybrid 2x2": _plan(([0, 1, 2, 3], list(range(8)), "hybrid:2x2")),
+}
+
+
+def _reference(config: MLLMConfig, samples) -> tuple[float, dict]:
+    """One process, every sample in one unsharded stream, no tensor parallelism."""
+    import torch
+
+    from dhp_jax.geometry.layout import MODEL_INPUTS, pack_group
+    from npu_backend.model import TorchMLLM, token_loss_sum
+
+    model = TorchMLLM(config)
+    layout = pack_group(samples, 1, config)
+    batch = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in layout.arrays().items()}
+    loss = token_loss_sum(model({k: batch[k] for k in MODEL_INPUTS}), batch["targets"], batch["loss_weights"])
+    loss = loss / layout.num_loss_tokens
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+
+
+def _worker(rank: int, world: int, configs, samples, plans) -> dict:
+    from npu_backend.executor import StepError, TorchPlanExecutor
+    from npu_backend.model import TorchMLLM
+
+    out: dict = {}
+    for cname, config in configs.items():
+        model = TorchMLLM(config)          # the same seeded weights on every process, whole
+        whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex = TorchPlanExecutor(model, tensor_parallel=T)
+        gathered = ex.tp.gather(model)     # the weights --save-weights writes: the whole model again
+        out[cname, "gathered"] = all(bool((gathered[n] == w).all()) for n, w in whole.items())
+        out[cname, "held"] = sum(p.numel() for p in model.parameters()) / sum(w.numel() for w in whole.values())
+        for pname, plan in plans.items():
+            loss, tokens, _ = ex.loss_and_grads(plan, samples)
+            g = ex.tp.gather(model, grads=True)
+            out[cname, pname] = {"loss": loss, "tokens": tokens,
+                                 "grads": {n: v.numpy() for n, v in g.items()} if rank in (0, 7) else None}
+    try:
+        ex.loss_and_grads(dataclasses.replace(plans["hybrid 2x2"], num_ranks=8), samples)
+    except StepError as e:
+        out["wrong ranks"] = str(e)
+    try:     # 4 query heads, 2 a process: Ulysses over 4 ranks cannot split them
+        ex.loss_and_grads(_plan(([0, 1, 2, 3], list(range(8)), "ulysses")), samples)
+    except StepError as e:
+        out["ulysses 4"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references():
+    samples = random_samples(CONFIGS["kv split"], LENGTHS, seed=3)
+    return samples, {c: _reference(cfg, samples) for c, cfg in CONFIGS.items()}
+
+
+def test_world8_tensor_parallel_2_matches_one_process(references):
+    samples, refs = references
+    res = run_world(_worker, 8, (CONFIGS, samples, PLANS), timeout=240)
+    for cname, (ref_loss, ref_grads) in refs.items():
+        for r, o in enumerate(res):
+            assert o[cname, "gathered"], (cname, r)
+            assert o[cname, "held"] < 0.75, (cname, o[cname, "held"])   # each process holds a part only
+        for pname in PLANS:
+            for r, o in enumerate(res):
+                got = o[cname, pname]
+                assert abs(got["loss"] - ref_loss) <= TOL * abs(ref_loss), (cname, pname, r, got["loss"], ref_loss)
+                if got["grads"] is None:
+                    continue
+                assert set(got["grads"]) == set(ref_grads)
+                rel = {n: float(np.abs(got["grads"][n] - v).max() / max(np.abs(v).max(), 1e-30))
+                       for n, v in ref_grads.items()}
+                worst = max(rel, key=rel.get)
+                assert rel[worst] <= TOL, f"{cname}, {pname}, process {r}: gradient {worst} off by {rel[worst]:.2e}"
+    e = res[0]["wrong ranks"]
+    assert "num_ranks=8" in e and "8 processes = 4 ranks of tensor_parallel 2" in e
+    assert "the 2 query heads do not split over 4 Ulysses ranks" in res[0]["ulysses 4"]
+
+
+def test_head_counts_tensor_parallel_cannot_split_are_refused():
+    from npu_backend.tensor import check_model
+
+    with pytest.raises(ValueError, match=r"model 'tiny': tensor_parallel 3 cannot split MLLMConfig.num_heads = 4"):
+        check_model(MLLMConfig(), 3)
+    with pytest.raises(ValueError, match=r"tensor_parallel 4 cannot split MLLMConfig.num_kv_heads = 3"):
+        check_model(MLLMConfig(num_heads=12, num_kv_heads=3, d_ff=64, vision_heads=4), 4)
+    check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
