@@ -22,9 +22,11 @@ the rows of text and padding slots (and InternVL's CLS rows off a tile's first t
 encoder's blocks run reordered live rows first (`layers.BlockStream`), so a rank computes its
 real tokens and its live vision rows in whole chunks. Neither changes a value.
 
-The params tree (and so the flat layout) is taken from the first tree bound (`shard`,
-`loss_and_grads`, `bind`): the family's tree has no shape table apart from a checkpoint.
-Not yet for the families: the block stacks' scan (the layers are a Python loop).
+The block stacks (the encoder's blocks, the LLM's layers) run as one scan each over rows of the
+flat params (`dhp_jax.model.hf.scan`: a slice and a reshape, no copy), with their own VJP, so a
+group program's op count does not grow with depth. The params tree (and so the flat layout) is
+taken from the first tree bound (`shard`, `loss_and_grads`, `bind`): the family's tree has no
+shape table apart from a checkpoint.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
+from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
 from dhp_jax.planner.contract.kinds import RING
 from dhp_jax.sharding.executor import PlanExecutor, require_float32
 from dhp_jax.sharding.flat import FlatLayout
@@ -49,17 +52,22 @@ def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
     (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype)."""
 
-    cuts = layout.leaf_cuts()
+    stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
+    cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks], leaves=True)
 
     def body(flat, llm_ints, llm_floats, vision_ints, vision_floats):
         def loss_sum(pieces):
-            return packed_loss_sum(config, layout.unravel_pieces(pieces, cuts), llm_ints, llm_floats, vision_ints,
-                                   vision_floats, attn)
+            # the block stacks run as scans over rows of their pieces (a reshape, no copy of the params)
+            rows = {path: BlockRows(layout.piece_rows(pieces, cuts, prefix, count)[0],
+                                    layout.block_leaves(prefix, count)[2]) for prefix, count, path in stacks}
+            params = with_stacks(layout.unravel_pieces(pieces, cuts), rows)
+            return packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn)
 
         # per device (check_vma=False: no implicit psum over the group); the reduction is the
         # executor's reduce-scatter over the full mesh. Differentiated with respect to one piece
         # per leaf, so the row is a concatenation of the leaves' gradients (differentiating the
-        # whole vector makes it a sum of zero-padded P-sized parts: several P-sized temporaries)
+        # whole vector makes it a sum of zero-padded P-sized parts: several P-sized temporaries);
+        # a block stack is one piece, its gradient stacked [count, n] by the scan
         value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
         return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], jnp.concatenate(grads)[None]
 

@@ -101,6 +101,22 @@ class FlatLayout:
         """The blocks `prefix0` .. `prefix{count-1}` as rows of one [count, n] matrix at offset
         `start` of the flat vector: (start, n, a function from one row to that block's params
         subtree)."""
+        start, n, local = self.block_leaves(prefix, count)
+
+        def tree(row: jax.Array) -> dict:
+            out: dict = {}
+            for keys, o, shape in local:
+                d = out
+                for k in keys[:-1]:
+                    d = d.setdefault(k, {})
+                d[keys[-1]] = row[o:o + int(np.prod(shape))].reshape(shape)
+            return out
+
+        return start, n, tree
+
+    def block_leaves(self, prefix: str, count: int) -> tuple[int, int, tuple]:
+        """(start, n, leaves) of the stack `prefix0` .. `prefix{count-1}` (`stack`): each leaf of a
+        block as (keys inside the block, offset in its row, shape), in row order."""
         offsets = self._offsets()
         members = [[i for i in self.order if self.paths[i].startswith(f"{prefix}{b}/")] for b in range(count)]
         if not members[0]:
@@ -112,19 +128,8 @@ class FlatLayout:
             if [self.shapes[i] for i in ids] != [self.shapes[i] for i in members[0]] or \
                     rel != [offsets[i] - start for i in members[0]]:
                 raise ValueError(f"{prefix}{b} is not laid out like {prefix}0 at row {b}")
-        local = [(self.paths[i][len(f"{prefix}0/"):].split("/"), offsets[i] - start, self.sizes[i], self.shapes[i])
-                 for i in members[0]]
-
-        def tree(row: jax.Array) -> dict:
-            out: dict = {}
-            for keys, o, size, shape in local:
-                d = out
-                for k in keys[:-1]:
-                    d = d.setdefault(k, {})
-                d[keys[-1]] = row[o:o + size].reshape(shape)
-            return out
-
-        return start, n, tree
+        return start, n, tuple((tuple(self.paths[i][len(f"{prefix}0/"):].split("/")), offsets[i] - start,
+                                self.shapes[i]) for i in members[0])
 
     def rows(self, flat: jax.Array, prefix: str, count: int) -> tuple[jax.Array, Any]:
         """The blocks `prefix0` .. `prefix{count-1}` of `flat` as rows[count, n] (a slice and a
@@ -132,13 +137,17 @@ class FlatLayout:
         start, n, tree = self.stack(prefix, count)
         return flat[start:start + count * n].reshape(count, n), tree
 
-    def cuts(self, stacks: Any) -> tuple[int, ...]:
+    def cuts(self, stacks: Any, leaves: bool = False) -> tuple[int, ...]:
         """The offsets where `split` cuts the flat vector: 0, then each stack's start and end
-        (`stacks`: (prefix, count) pairs), in order."""
-        bounds = set()
+        (`stacks`: (prefix, count) pairs), in order; with `leaves`, also every leaf's start
+        outside the stacks (one piece per leaf there, as `leaf_cuts`)."""
+        bounds, spans = set(), []
         for prefix, count in stacks:
-            start, n, _ = self.stack(prefix, count)
+            start, n, _ = self.block_leaves(prefix, count)
             bounds |= {start, start + count * n}
+            spans.append((start, start + count * n))
+        if leaves:
+            bounds |= {o for o in self._offsets().values() if not any(a < o < b for a, b in spans)}
         return tuple(sorted(bounds | {0}))
 
     def leaf_cuts(self) -> tuple[int, ...]:

@@ -27,8 +27,10 @@ from dhp_jax.model.hf.host import internvl as prepare  # noqa: F401 (host side, 
 from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES  # noqa: F401
 from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
 from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
+from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
-                                     rms_norm, segment_ids)
+                                     per_block, rms_norm, segment_ids)
+from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
 
@@ -82,12 +84,13 @@ def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: At
         m = b["mlp"]
         return xc + b["lambda_2"] * linear(m["fc2"], act(linear(m["fc1"], norm(xc, b["layernorm_after"], v.eps))))
 
-    block = stream.block(lambda b, h: split_block(b, h, (), stream.live, project, finish,
-                                                  lambda q, k, u: attn_fn(q, k, u, ids, ids), stream.chunk))
-    x = stream.rows(x)
-    for i in range(v.num_layers):
-        x = block(p["encoder"]["layer"][str(i)], x)
-    x = stream.back(x)
+    def block(b, h, blk, _):
+        ii = AttnIds(*blk)
+        return split_block(b, h, (), stream.live, project, finish, lambda q, k, u: attn_fn(q, k, u, ii, ii),
+                           stream.chunk)
+
+    stack = block_rows(p["encoder"]["layer"], v.num_layers)
+    x = stream.back(stream.scan(block, stack, stream.rows(x), per_block(v.num_layers, tuple(ids))))
     if v.final_norm:
         x = layer_norm(x, p["layernorm"], v.eps)
     return x

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.mllm import live_chunks, remat_policy, split_block, vision_first
+from dhp_jax.model.hf.scan import run_blocks
 from dhp_jax.model.hf.spec import DecoderShape, RopeSpec  # noqa: F401 (the blocks' shapes)
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
@@ -70,10 +71,17 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
-def rope(x: jax.Array, angles: jax.Array) -> jax.Array:
-    """Rotate-half rotary embedding of x[S, H, D] by angles[S, D/2] (cos/sin in fp32)."""
+def rotary(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [S, 1, D] fp32 tables of angles[S, D/2], what `rope` multiplies by: computed
+    once per stream, outside a block stack's scan, so no block keeps its own copy."""
     cos = jnp.concatenate([jnp.cos(angles)] * 2, axis=-1)[:, None, :]
     sin = jnp.concatenate([jnp.sin(angles)] * 2, axis=-1)[:, None, :]
+    return cos, sin
+
+
+def rope(x: jax.Array, angles: Any) -> jax.Array:
+    """Rotate-half rotary embedding of x[S, H, D] by angles[S, D/2] or their `rotary` tables (cos/sin in fp32)."""
+    cos, sin = angles if isinstance(angles, tuple) else rotary(angles)
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -163,6 +171,19 @@ class BlockStream:
     def block(self, fn: Callable) -> Callable:
         """`fn` (x -> x, one block) as this stream runs it (`remat_block`)."""
         return remat_block(fn, self.remat)
+
+    def scan(self, fn: Callable, stack: Any, x: jax.Array, per_block: Any = (), consts: Any = (), **kw) -> Any:
+        """The blocks of `stack` (`scan.BlockRows`) run on x (rows in the blocks' order) as one
+        scan (`scan.run_blocks`, `feed` and `taps` in `kw`): block i is `fn(p_i, x, per_block[i],
+        consts)` under `block`."""
+        body = self.block(lambda args, h: fn(args[0], h, args[1], args[2]))
+        return run_blocks(lambda p, h, blk, cs: body((p, blk, cs), h), stack, x, per_block, consts, **kw)
+
+
+def per_block(count: int, tree: Any) -> Any:
+    """`tree`'s arrays with a leading axis of `count` copies: inputs every block of a scan reads,
+    scanned rather than loop constants (as the stand-in's `mllm.block_stack` passes its ids)."""
+    return jax.tree.map(lambda a: jnp.broadcast_to(a, (count,) + a.shape), tree)
 
 
 def causal_ids(keep: Any) -> AttnIds:

@@ -63,11 +63,9 @@ def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_f
     feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn)
     x = jnp.where(vision, feats.astype(x.dtype), x)
 
-    def add_deepstack(i: int, h: jax.Array) -> jax.Array:
-        return h + jnp.where(vision, deep[i].astype(h.dtype), 0) if i < len(deep) else h
-
+    deepstack = jnp.where(vision[None], jnp.stack(deep).astype(x.dtype), 0) if deep else None
     ids = AttnIds(col["segment"], col["position"], jnp.zeros_like(col["segment"]))
-    h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, after_layer=add_deepstack,
+    h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, deepstack=deepstack,
                      remat=config.remat, chunk=config.linear_chunk)
     kernel = table.T if config.tied else params["lm_head"]["kernel"]
     return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk)

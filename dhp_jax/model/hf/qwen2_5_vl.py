@@ -25,8 +25,10 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.host import qwen2_5_vl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
+from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, linear,
-                                     qwen_vision_block, rms_norm, segment_ids)
+                                     qwen_vision_block, rms_norm, rotary, segment_ids)
+from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 
 conv_shapes = qv.conv_shapes
@@ -41,7 +43,7 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
     v = cfg.vision
     x = jnp.asarray(enc["pixels"]).astype(p["patch_embed"]["proj"]["kernel"].dtype) @ p["patch_embed"]["proj"]["kernel"]
     stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
-    angles = stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"])))
+    rot = rotary(stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"]))))
     frames, windows = (stream.rows(segment_ids(enc[k])) for k in ("frames", "windows"))
     act = activation(v.act)
 
@@ -51,14 +53,13 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
     def mlp(m: Params, y: jax.Array) -> jax.Array:
         return linear(m["down_proj"], act(linear(m["gate_proj"], y)) * linear(m["up_proj"], y))
 
-    def block(ids):
-        return stream.block(lambda b, h: qwen_vision_block(b, h, angles, ids, v.num_heads, norm, mlp, attn_fn,
-                                                           stream.chunk, stream.live))
+    def block(b, h, blk, rt):
+        return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live)
 
-    window_block, frame_block = block(windows), block(frames)
-    x = stream.rows(x)
-    for i in range(v.depth):
-        x = (frame_block if i in v.full_attention_blocks else window_block)(p["blocks"][str(i)], x)
+    # each block's ids, scanned: a frame's in the full-attention blocks, a window's in the others
+    full = jnp.asarray([i in v.full_attention_blocks for i in range(v.depth)])[:, None]
+    ids = tuple(jnp.where(full, f[None], w[None]) for f, w in zip(frames, windows))
+    x = stream.scan(block, block_rows(p["blocks"], v.depth), stream.rows(x), ids, rot)
     m = p["merger"]
     y = rms_norm(stream.back(x), m["ln_q"], VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
     return linear(m["mlp"]["2"], jax.nn.gelu(linear(m["mlp"]["0"], y), approximate=False))

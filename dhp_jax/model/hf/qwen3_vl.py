@@ -28,8 +28,10 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.host import qwen3_vl as prepare  # noqa: F401 (host side, NumPy only)
 from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse  # noqa: F401 (the family's config)
+from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
-                                     qwen_vision_block, segment_ids)
+                                     per_block, qwen_vision_block, rotary, segment_ids)
+from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 
 conv_shapes = qv.conv_shapes
@@ -56,7 +58,7 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
     table = p["pos_embed"]["embedding"]
     x = x + jnp.sum(table[jnp.asarray(enc["taps"])] * jnp.asarray(enc["tap_weights"])[:, :, None], axis=1).astype(x.dtype)
     stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
-    angles = stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"])))
+    rot = rotary(stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"]))))
     ids = stream.rows(segment_ids(enc["frames"]))
     act = activation(v.act)
 
@@ -66,15 +68,15 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
     def mlp(m: Params, y: jax.Array) -> jax.Array:
         return linear(m["linear_fc2"], act(linear(m["linear_fc1"], y)))
 
-    block = stream.block(lambda b, h: qwen_vision_block(b, h, angles, ids, v.num_heads, norm, mlp, attn_fn,
-                                                        stream.chunk, stream.live))
-    deep = []
-    x = stream.rows(x)
-    for i in range(v.depth):
-        x = block(p["blocks"][str(i)], x)
-        if i in v.deepstack_blocks:
-            k = v.deepstack_blocks.index(i)
-            deep.append(merge_patches(cfg, p["deepstack_merger_list"][str(k)], stream.back(x), norm_after_merge=True))
+    def block(b, h, blk, rt):
+        return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live)
+
+    stack = block_rows(p["blocks"], v.depth)
+    taps = tuple(v.deepstack_blocks)
+    out = stream.scan(block, stack, stream.rows(x), per_block(v.depth, tuple(ids)), rot, taps=taps)
+    x, tapped = out if taps else (out, ())
+    deep = [merge_patches(cfg, p["deepstack_merger_list"][str(k)], stream.back(tapped[k]), norm_after_merge=True)
+            for k in range(len(taps))]
     return merge_patches(cfg, p["merger"], stream.back(x), norm_after_merge=False), deep
 
 
@@ -92,9 +94,5 @@ def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: Att
             if levels:
                 rows = jnp.stack(levels).astype(x.dtype)
                 deep = (jnp.zeros((len(levels),) + x.shape, x.dtype) if deep is None else deep).at[:, where].set(rows)
-
-    def add_deepstack(i: int, h: jax.Array) -> jax.Array:
-        return h + deep[i] if deep is not None and i < deep.shape[0] else h
-
     return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn,
-                        after_layer=add_deepstack)
+                        deepstack=deep)
