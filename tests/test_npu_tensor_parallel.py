@@ -1,9 +1,11 @@
 """Tensor parallelism in the torch backend: 8 gloo processes as 4 ranks of t = 2 run ring (3 + 1),
 Ulysses and hybrid plans; loss and gradients equal one process running every sample unsharded.
 
-One world runs every check (process start-up dominates on shared CPUs): two models (kv heads split
-over t; one kv head replicated on both processes of a rank), each on three plans, plus the gathered
-weights (what `--save-weights` writes) and a plan for the wrong rank count. No jax anywhere.
+One world runs every check of the stand-in (process start-up dominates on shared CPUs): two models
+(kv heads split over t; one kv head replicated on both processes of a rank), each on three plans,
+plus the gathered weights (what `--save-weights` writes) and plans the world refuses. A family
+(Qwen2.5-VL, tiny: q/k/v biases, one kv head, tied embedding; LLM split, vision replicated) runs
+on 4 processes as 2 ranks of t = 2. No jax in the processes.
 """
 
 from __future__ import annotations
@@ -117,3 +119,97 @@ def test_head_counts_tensor_parallel_cannot_split_are_refused():
     with pytest.raises(ValueError, match=r"tensor_parallel 4 cannot split MLLMConfig.num_kv_heads = 3"):
         check_model(MLLMConfig(num_heads=12, num_kv_heads=3, d_ff=64, vision_heads=4), 4)
     check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
+
+
+# ---------------------------------------------------------------------------------------- a family
+FAMILY_TOKENS = {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}
+
+
+def _qwen_sample(config, g, sample_id: int, before: int, grid: tuple[int, int] | None, after: int):
+    """text, an image of grid (h, w) patches (h w / 4 tokens), text, as the Qwen processors emit it;
+    the text labelled, the vision tokens not."""
+    from dhp_jax.model import hf
+
+    t = FAMILY_TOKENS
+    ids, types = list(g.integers(5, config.vocab_size, before)), [0] * before
+    inputs = {}
+    if grid is not None:
+        h, w = grid
+        n = h * w // 4
+        ids += [t["vision_start"]] + [t["image"]] * n + [t["vision_end"]]
+        types += [0] + [1] * n + [0]
+        v = config.vision
+        inputs = {"pixel_values": g.standard_normal((h * w, 3 * v.temporal_patch_size * v.patch_size ** 2)).astype(np.float32),
+                  "image_grid_thw": np.array([[1, h, w]])}
+    ids += list(g.integers(5, config.vocab_size, after))
+    types += [0] * after
+    inputs.update(input_ids=np.array([ids]), attention_mask=np.ones((1, len(ids)), np.int64),
+                  mm_token_type_ids=np.array([types]))
+    labels = np.where(np.array(types) > 0, -100, np.array(ids))
+    labels[[0, 2 if len(ids) > 2 else 0]] = -100
+    return hf.sample_from_inputs(config, inputs, labels[None], sample_id=sample_id)
+
+
+def _family_case(directory: str):
+    """A tiny Qwen2.5-VL checkpoint written without transformers, and a batch of 4 samples."""
+    from dhp_jax.model import hf
+    from dhp_jax.model.hf.init import random_params, tiny_config
+
+    raw = tiny_config("qwen2_5_vl", FAMILY_TOKENS, 96)
+    raw["text_config"].update(num_key_value_heads=1, tie_word_embeddings=True)
+    raw["tie_word_embeddings"] = True
+    config = hf.parse_config(raw)
+    hf.save_pretrained(config, random_params(config, 5), directory)
+    g = np.random.default_rng(4)
+    specs = [(6, (4, 4), 5), (0, (2, 4), 8), (12, None, 0), (7, (2, 2), 4)]
+    return [_qwen_sample(config, g, i, *spec) for i, spec in enumerate(specs)]
+
+
+def _family_plan(*groups) -> Plan:
+    return Plan(num_ranks=2, micro_batches=(MicroBatch(tuple(
+        Group(tuple(r), len(r), tuple(s), attention=a) for r, s, a in groups)),))
+
+
+FAMILY_PLANS = {
+    "ring 2": _family_plan(([1, 0], [0, 1, 2, 3], "ring")),
+    "ulysses 2": _family_plan(([0, 1], [0, 1, 2, 3], "ulysses")),
+    "1 + 1": _family_plan(([0], [0, 2], "ring"), ([1], [1, 3], "ring")),
+}
+
+
+def _family_worker(rank: int, world: int, path: str, samples, plans) -> dict:
+    from npu_backend.executor import TorchPlanExecutor
+    from npu_backend.hf import load_family
+
+    model = load_family(path)
+    ex = TorchPlanExecutor(model, tensor_parallel=T)
+    out = {}
+    for name, plan in plans.items():
+        loss, _, _ = ex.loss_and_grads(plan, samples)
+        g = ex.tp.gather(model, grads=True)
+        out[name] = {"loss": loss, "grads": {n: v.numpy() for n, v in g.items()} if rank in (0, 3) else None}
+    return out
+
+
+def test_family_llm_tensor_parallel_2_matches_one_process(tmp_path):
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend.hf import load_family, stream_tensors
+
+    samples = _family_case(str(tmp_path))
+    model = load_family(str(tmp_path))
+    assert model.config.tied and model.config.text.shape.num_kv_heads == 1 and "model.language_model.layers.0.self_attn.k_proj.bias" in model.params
+    layout = pack_family_group(samples, 1, model.config)
+    ref = model.loss_sum(*stream_tensors(layout)) / layout.num_loss_tokens
+    ref.backward()
+    ref_loss, ref_grads = float(ref.detach()), model.grads()
+    res = run_world(_family_worker, 4, (str(tmp_path), samples, FAMILY_PLANS), timeout=240)
+    for pname in FAMILY_PLANS:
+        for r, o in enumerate(res):
+            got = o[pname]
+            assert abs(got["loss"] - ref_loss) <= TOL * abs(ref_loss), (pname, r, got["loss"], ref_loss)
+            if got["grads"] is None:
+                continue
+            assert set(got["grads"]) == set(ref_grads)
+            rel = {n: float(np.abs(got["grads"][n] - v).max() / max(np.abs(v).max(), 1e-30)) for n, v in ref_grads.items()}
+            worst = max(rel, key=rel.get)
+            assert rel[worst] <= TOL, f"{pname}, process {r}: gradient {worst} off by {rel[worst]:.2e}"
