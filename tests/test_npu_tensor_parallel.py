@@ -55,10 +55,12 @@ def _reference(config: MLLMConfig, samples) -> tuple[float, dict]:
 
 
 def _stand_in(rank: int, configs, samples, plans) -> dict:
+    from torch.distributed import distributed_c10d as c10d
+
     from npu_backend.executor import StepError, TorchPlanExecutor
     from npu_backend.model import TorchMLLM
 
-    out: dict = {}
+    out: dict = {"process groups": [c10d.get_pg_count()]}
     for cname, config in configs.items():
         model = TorchMLLM(config)          # the same seeded weights on every process, whole
         whole = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -66,8 +68,10 @@ def _stand_in(rank: int, configs, samples, plans) -> dict:
         gathered = ex.tp.gather(model)     # the weights --save-weights writes: the whole model again
         out[cname, "gathered"] = all(bool((gathered[n] == w).all()) for n, w in whole.items())
         out[cname, "held"] = sum(p.numel() for p in model.parameters()) / sum(w.numel() for w in whole.values())
+        out["process groups"].append(c10d.get_pg_count())
         for pname, plan in plans.items():
             out[cname, pname] = _step(rank, ex, model, plan, samples)
+        out["process groups"].append(c10d.get_pg_count())
     try:
         ex.loss_and_grads(dataclasses.replace(plans["hybrid 2x2"], num_ranks=8), samples)
     except StepError as e:
@@ -134,6 +138,10 @@ def test_world8_tensor_parallel_2_matches_one_process(world):
                         for r, o in enumerate(res))
             print(f"stand-in {cname}, {pname}: loss {abs(res[0]['stand-in'][cname, pname]['loss'] - ref_loss) / ref_loss:.1e}, "
                   f"worst gradient {worst:.1e}")
+    # each executor creates its 4 + 2 groups (one per rank, one per tp index) once; plans create none
+    for o in res:
+        pgs = o["stand-in"]["process groups"]          # the world's, then after each executor and its steps
+        assert [c - pgs[0] for c in pgs[1:]] == [6, 6, 12, 12], pgs
     e = res[0]["stand-in"]["wrong ranks"]
     assert "num_ranks=8" in e and "8 processes = 4 ranks of tensor_parallel 2" in e
     assert "the 2 query heads do not split over 4 Ulysses ranks" in res[0]["stand-in"]["ulysses 4"]
