@@ -125,9 +125,10 @@ def my_group(plan_groups: Sequence[Group], rank: int) -> Group | None:
 class TorchPlanExecutor:
     """Executes plans for one process of the world; the model's parameters are replicated on every rank.
 
-    `tensor_parallel` = t > 1 (the stand-in model only): a rank is t consecutive processes of one node
-    holding a Megatron split of the model (`npu_backend.tensor`; `model` is passed whole and split in
-    place), a plan's ranks are processes / t, and `self.tp.gather(model)` gives the whole weights.
+    `tensor_parallel` = t > 1: a rank is t consecutive processes of one node holding a Megatron split
+    of the model (`npu_backend.tensor`; a family: its LLM, the vision encoder replicated; `model` is
+    passed whole and split in place), a plan's ranks are processes / t, and `self.tp.gather(model)`
+    gives the whole weights.
 
     `model` is the stand-in `TorchMLLM` or a Hugging Face family model (`npu_backend.hf.
     TorchFamilyModel`, e.g. `load_family(checkpoint_dir)`): a group then runs the family's two packed
@@ -156,16 +157,17 @@ class TorchPlanExecutor:
     def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[Any, int]:
         members = [samples[i] for i in group.samples]
         i = group.ranks.index(self.rank)
+        # Only the group's first rank (its tp index 0) reports the group's count: each group counts once.
+        counts = i == 0 and self.tp.index == 0
         if self.family:     # the two streams of dhp_jax.model.hf.packed, as the JAX engine shards them
             flayout = pack_family_group(members, group.degree, self.config, bucket=planned_bucket(group, members))
-            return stream_tensors(flayout, i, self.device), (flayout.num_loss_tokens if i == 0 else 0)
+            return stream_tensors(flayout, i, self.device), (flayout.num_loss_tokens if counts else 0)
         layout = pack_group(members, group.degree, self.config, bucket=planned_bucket(group, members))
         n = layout.bucket // group.degree
         arrays = layout.arrays()
         shard = {k: torch.from_numpy(np.ascontiguousarray(v[i * n:(i + 1) * n])).to(self.device)
                  for k, v in arrays.items()}
-        # Only the group's first rank (its tp index 0) reports the group's count: each group counts once.
-        return shard, (layout.num_loss_tokens if i == 0 and self.tp.index == 0 else 0)
+        return shard, (layout.num_loss_tokens if counts else 0)
 
     def _attention(self, group: Group) -> tuple[Any, RingComm | UlyssesComm | None]:
         """The group's attention callable (dense, ring, Ulysses or hybrid) and its communicator."""

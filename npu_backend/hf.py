@@ -57,7 +57,13 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class TorchFamilyModel:
     """One model of a supported family: `config` (an `HFConfig`) and `params`, leaf tensors
     (requires_grad) by transformers name. `parameters()` / `named_parameters()` as a torch module
-    has them, so `npu_backend.executor` all-reduces their gradients."""
+    has them, so `npu_backend.executor` all-reduces their gradients.
+
+    Under tensor parallelism (`npu_backend.tensor.TensorParallel.shard` sets `tp`) the LLM is split
+    Megatron-style (its attention and MLP matrices, the embedding and the LM head vocab-parallel) and
+    the vision encoder replicated; `params` then hold this process's slices."""
+
+    tp = None
 
     def __init__(self, config: HFConfig, weights: Mapping[str, torch.Tensor]):
         if not isinstance(config, HFConfig):
@@ -107,19 +113,33 @@ class TorchFamilyModel:
     def decoder_block(self, prefix: str, x: torch.Tensor, angles: torch.Tensor, ids: torch.Tensor,
                       attn: AttnFn) -> torch.Tensor:
         """One pre-norm LLM block (`dhp_jax.model.hf.layers.decoder_block`)."""
-        shape, s = self.config.text.shape, x.shape[0]
+        shape, s, tp = self.config.text.shape, x.shape[0], self.tp
+        heads, kv = shape.num_heads, shape.num_kv_heads
+        if tp is not None:       # this process's heads (a kv head replicated when kv < t)
+            heads, kv = heads // tp.size, max(1, kv // tp.size)
         a = prefix + ".self_attn"
         y = self.rms_norm(prefix + ".input_layernorm", x, shape.eps)
-        q = self.linear(a + ".q_proj", y).reshape(s, shape.num_heads, shape.head_dim)
-        k = self.linear(a + ".k_proj", y).reshape(s, shape.num_kv_heads, shape.head_dim)
-        v = self.linear(a + ".v_proj", y).reshape(s, shape.num_kv_heads, shape.head_dim)
+        y = y if tp is None else tp.enter(y)
+        q = self.linear(a + ".q_proj", y).reshape(s, heads, shape.head_dim)
+        k = self.linear(a + ".k_proj", y).reshape(s, kv, shape.head_dim)
+        v = self.linear(a + ".v_proj", y).reshape(s, kv, shape.head_dim)
         if shape.qk_norm:
             q, k = self.rms_norm(a + ".q_norm", q, shape.eps), self.rms_norm(a + ".k_norm", k, shape.eps)
         o = attn(rope(q, angles), rope(k, angles), v, ids)
-        h = x + self.linear(a + ".o_proj", o.reshape(s, shape.num_heads * shape.head_dim))
+        h = x + self.row_linear(a + ".o_proj", o.reshape(s, heads * shape.head_dim))
         z = self.rms_norm(prefix + ".post_attention_layernorm", h, shape.eps)
+        z = z if tp is None else tp.enter(z)
         act, m = activation(shape.act), prefix + ".mlp"
-        return h + self.linear(m + ".down_proj", act(self.linear(m + ".gate_proj", z)) * self.linear(m + ".up_proj", z))
+        return h + self.row_linear(m + ".down_proj", act(self.linear(m + ".gate_proj", z)) * self.linear(m + ".up_proj", z))
+
+    def row_linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        """`linear` of a matrix split by row under tensor parallelism: partial products summed over
+        the rank, the bias (whole on every process) added once after the sum."""
+        if self.tp is None:
+            return self.linear(prefix, x)
+        y = self.tp.exit(F.linear(x, self.w(prefix + ".weight")))
+        bias = self.params.get(prefix + ".bias")
+        return y if bias is None else y + bias
 
     def vision_attention(self, prefix: str, x: torch.Tensor, heads: int, angles: torch.Tensor | None,
                          ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
@@ -139,7 +159,8 @@ class TorchFamilyModel:
         col = {k: llm_ints[:, i].long() for i, k in enumerate(LLM_INTS)}
         vi = {k: vision_ints[:, i].long() for i, k in enumerate(VISION_INTS)}
         width = patch_dim(cfg)
-        x = F.embedding(col["token_ids"], self.w("model.language_model.embed_tokens.weight"))
+        table = self.w("model.language_model.embed_tokens.weight")
+        x = F.embedding(col["token_ids"], table) if self.tp is None else self.tp.embed(table, col["token_ids"])
         vision = col["vision"][:, None] > 0
         feats, deep = ENCODERS[cfg.family](self, vi, vision_floats[:, :width], vision_floats[:, width:], attn)
         x = torch.where(vision, feats.to(x.dtype), x)
@@ -158,8 +179,11 @@ class TorchFamilyModel:
     def loss_sum(self, llm_ints: torch.Tensor, llm_floats: torch.Tensor, vision_ints: torch.Tensor,
                  vision_floats: torch.Tensor, attn: AttnFn = dense_attn) -> torch.Tensor:
         """Sum over the shard's tokens of weight * cross entropy (fp32), as `packed_loss_sum`."""
-        logits = (self.hidden(llm_ints, vision_ints, vision_floats, attn) @ self.head().T).float()
+        h = self.hidden(llm_ints, vision_ints, vision_floats, attn)
         target = llm_ints[:, LLM_INTS.index("target")].long()
+        if self.tp is not None:   # vocab-parallel LM head and cross entropy
+            return self.tp.token_loss_sum((self.tp.enter(h) @ self.head().T).float(), target, llm_floats[:, 0])
+        logits = (h @ self.head().T).float()
         picked = torch.gather(logits, -1, target[:, None])[:, 0]
         return torch.sum((torch.logsumexp(logits, dim=-1) - picked) * llm_floats[:, 0])
 

@@ -27,7 +27,11 @@ KV heads: with kv % t = 0 each process holds kv / t of them; with fewer kv heads
 each process holds the one kv head its query heads read, replicated on t / kv processes, and the
 gradients of the replicas are summed over the rank. Any other head count is refused, naming the
 model, the field and t (`dhp_jax.planner.cost.tensor.check_tensor_parallel`, the planner's check).
-The Hugging Face families (`npu_backend.hf`) do not run tensor parallelism yet.
+
+The Hugging Face families (`npu_backend.hf.TorchFamilyModel`): their LLM is split the same way
+(q/k/v weights and biases, gate/up; o_proj and down_proj; the embedding, and the LM head or the
+tied embedding, vocab-parallel; the per-head q/k norms whole), their vision encoder and projector
+are replicated (every process of a rank runs the whole encoder on the rank's vision rows).
 """
 
 from __future__ import annotations
@@ -48,40 +52,73 @@ _SHAPE_FIELDS = {"heads": "num_heads", "kv_heads": "num_kv_heads", "intermediate
                  "vision_heads": "vision_heads", "vision_intermediate": "vision_ff"}
 
 
-def check_model(config: Any, t: int) -> None:
-    """A ValueError naming the model, the `MLLMConfig` field and t unless t splits every layer evenly."""
-    shape = types.SimpleNamespace(**{k: getattr(config, f) for k, f in _SHAPE_FIELDS.items()},
-                                  FIELD_NAMES={k: f"MLLMConfig.{f}" for k, f in _SHAPE_FIELDS.items()})
+# the names of a block's seven split matrices: the stand-in's, and the families' LLM (transformers)
+_STAND_IN = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "gate": "mlp.gate", "up": "mlp.up",
+             "down": "mlp.down"}
+_FAMILY = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+FAMILY_LAYERS = "model.language_model.layers"
+FAMILY_EMBED = "model.language_model.embed_tokens.weight"
+
+
+def _is_family(model: Any) -> bool:
+    from npu_backend.hf import TorchFamilyModel
+
+    return isinstance(model, TorchFamilyModel)
+
+
+def check_model(config: Any, t: int, intermediate: int | None = None) -> None:
+    """A ValueError naming the model, the config field and t unless t splits every layer evenly: an
+    `MLLMConfig`, or a family's `HFConfig` (its LLM only; `intermediate`: its MLP width)."""
+    if hasattr(config, "text"):       # a family: the LLM is split, the vision encoder replicated
+        sh = config.text.shape
+        shape = types.SimpleNamespace(heads=sh.num_heads, kv_heads=sh.num_kv_heads, intermediate=intermediate,
+                                      vision_heads=0, vision_intermediate=0)
+        vocab, field = config.vocab_size, "text_config.vocab_size"
+    else:
+        shape = types.SimpleNamespace(**{k: getattr(config, f) for k, f in _SHAPE_FIELDS.items()},
+                                      FIELD_NAMES={k: f"MLLMConfig.{f}" for k, f in _SHAPE_FIELDS.items()})
+        vocab, field = config.vocab_size, "MLLMConfig.vocab_size"
     check_tensor_parallel(shape, t, f"model {getattr(config, 'name', '?')!r}")
-    if config.vocab_size < t or -(-config.vocab_size // t) * (t - 1) >= config.vocab_size:
+    if vocab < t or -(-vocab // t) * (t - 1) >= vocab:
         raise ValueError(f"model {getattr(config, 'name', '?')!r}: tensor_parallel {t} leaves a process no "
-                         f"row of the vocabulary (MLLMConfig.vocab_size = {config.vocab_size})")
+                         f"row of the vocabulary ({field} = {vocab})")
 
 
-def shard_slices(config: Any, t: int, j: int) -> dict[str, tuple[int, int, int]]:
+def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, int, int]]:
     """{parameter name: (dim, start, stop)} of the slice tp index j of t holds; other parameters are whole."""
     out: dict[str, tuple[int, int, int]] = {}
-    per_v = -(-config.vocab_size // t)
-    for name in ("embed.weight", "lm_head.weight"):
-        out[name] = (0, j * per_v, min(config.vocab_size, (j + 1) * per_v))
+    params = dict(model.named_parameters())
+    family = _is_family(model)
+    c = model.config
+    per_v = -(-c.vocab_size // t)
+    for name in ((FAMILY_EMBED, "lm_head.weight") if family else ("embed.weight", "lm_head.weight")):
+        if name in params:
+            out[name] = (0, j * per_v, min(c.vocab_size, (j + 1) * per_v))
 
-    def block(prefix: str, heads: int, kv: int, d: int, ff: int) -> None:
-        hq = heads // t
+    def block(prefix: str, names: dict, heads: int, kv: int, d: int) -> None:
+        n = {k: f"{prefix}.{v}" for k, v in names.items()}
+        hq, ff = heads // t, params[n["gate"] + ".weight"].shape[0] // t
         kv_lo = j * (kv // t) if kv % t == 0 else j // (t // kv)   # first kv head held
         kv_n = kv // t if kv % t == 0 else 1
-        out[f"{prefix}.attn.q.weight"] = (0, j * hq * d, (j + 1) * hq * d)
-        for m in ("k", "v"):
-            out[f"{prefix}.attn.{m}.weight"] = (0, kv_lo * d, (kv_lo + kv_n) * d)
-        out[f"{prefix}.attn.o.weight"] = (1, j * hq * d, (j + 1) * hq * d)
-        for m in ("gate", "up"):
-            out[f"{prefix}.mlp.{m}.weight"] = (0, j * ff // t, (j + 1) * ff // t)
-        out[f"{prefix}.mlp.down.weight"] = (1, j * ff // t, (j + 1) * ff // t)
+        rows = {"q": (j * hq * d, (j + 1) * hq * d), "k": (kv_lo * d, (kv_lo + kv_n) * d),
+                "v": (kv_lo * d, (kv_lo + kv_n) * d), "gate": (j * ff, (j + 1) * ff), "up": (j * ff, (j + 1) * ff)}
+        for m, (a, b) in rows.items():
+            for leaf in ("weight", "bias"):
+                if f"{n[m]}.{leaf}" in params:
+                    out[f"{n[m]}.{leaf}"] = (0, a, b)
+        out[n["o"] + ".weight"] = (1, *rows["q"])        # a row-split matrix's bias (if any) stays whole
+        out[n["down"] + ".weight"] = (1, *rows["gate"])
 
-    c = config
+    if family:
+        sh = c.text.shape
+        for i in range(c.text.num_layers):
+            block(f"{FAMILY_LAYERS}.{i}", _FAMILY, sh.num_heads, sh.num_kv_heads, sh.head_dim)
+        return out
     for i in range(c.num_layers):
-        block(f"layers.{i}", c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff)
+        block(f"layers.{i}", _STAND_IN, c.num_heads, c.num_kv_heads, c.head_dim)
     for i in range(c.vision_layers):
-        block(f"vision_layers.{i}", c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff)
+        block(f"vision_layers.{i}", _STAND_IN, c.vision_heads, c.vision_heads, c.vision_head_dim)
     return out
 
 
@@ -130,6 +167,7 @@ class TensorParallel:
     group: Any = None
     replicas: Any = None
     vocab_range: tuple[int, int] = (0, 0)
+    slices: list = dataclasses.field(default_factory=list)    # shard_slices of every tp index (`shard`)
 
     @property
     def rank(self) -> int:
@@ -174,24 +212,21 @@ class TensorParallel:
         place: the parameters stay the same objects (an optimizer made before still holds them)."""
         if self.size == 1:
             return
-        from npu_backend.model import TorchMLLM
-
-        if not isinstance(model, TorchMLLM):
-            raise ValueError(f"tensor parallelism runs the stand-in TorchMLLM only, not {type(model).__name__} "
-                             f"(the Hugging Face families: not yet)")
-        c = model.config
-        check_model(c, self.size)
+        c, family = model.config, _is_family(model)
         params = dict(model.named_parameters())
-        slices = shard_slices(c, self.size, self.index)
+        check_model(c, self.size, params[f"{FAMILY_LAYERS}.0.{_FAMILY['gate']}.weight"].shape[0] if family else None)
+        self.slices = [shard_slices(model, self.size, j) for j in range(self.size)]   # of the whole model
+        slices = self.slices[self.index]
         with torch.no_grad():
             for name, (dim, a, b) in slices.items():
                 params[name].data = params[name].data.narrow(dim, a, b - a).clone()
-        for blocks, heads, kv in ((model.layers, c.num_heads, c.num_kv_heads),
-                                  (model.vision_layers, c.vision_heads, c.vision_heads)):
-            for blk in blocks:
-                blk.attn.heads, blk.attn.kv_heads = heads // self.size, max(1, kv // self.size)
-                blk.attn.tp = blk.mlp.tp = self
-        self.vocab_range = slices["embed.weight"][1:]
+        if not family:
+            for blocks, heads, kv in ((model.layers, c.num_heads, c.num_kv_heads),
+                                      (model.vision_layers, c.vision_heads, c.vision_heads)):
+                for blk in blocks:
+                    blk.attn.heads, blk.attn.kv_heads = heads // self.size, max(1, kv // self.size)
+                    blk.attn.tp = blk.mlp.tp = self
+        self.vocab_range = slices[FAMILY_EMBED if family else "embed.weight"][1:]
         model.tp = self
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -219,12 +254,6 @@ class TensorParallel:
         return torch.sum((lse - picked) * weights.to(logits.dtype))
 
     # ------------------------------------------------------------------ gradients and state
-    def _replicated_kv(self, model: Any) -> list[str]:
-        c = model.config
-        if self.size == 1 or c.num_kv_heads % self.size == 0:
-            return []
-        return [f"layers.{i}.attn.{m}.weight" for i in range(c.num_layers) for m in ("k", "v")]
-
     def reduce_grads(self, model: Any, local_loss: torch.Tensor) -> float:
         """Sum the gradients of this process's shard over the ranks (and a replicated kv head's over its
         replicas in the rank) in place; returns the loss summed over the ranks. Two all-reduces at
@@ -233,17 +262,25 @@ class TensorParallel:
         for p in params.values():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        kv = self._replicated_kv(model)
-        if kv:   # each replica puts its gradient at its head's rows of the whole weight; sum over the rank
-            c, d = model.config, model.config.head_dim
-            head = self.index // (self.size // c.num_kv_heads)
-            g0 = params[kv[0]].grad
-            full = g0.new_zeros(len(kv), c.num_kv_heads * d, c.d_model)
-            for n, name in enumerate(kv):
-                full[n, head * d:(head + 1) * d] = params[name].grad
-            dist.all_reduce(full, group=self.group)
-            for n, name in enumerate(kv):
-                params[name].grad = full[n, head * d:(head + 1) * d].clone()
+        every = self.slices
+        # slices held by more than one process of the rank (a kv head replicated when kv < t)
+        shared = [n for n in (every[0] if every else ()) if len({s[n] for s in every}) < self.size]
+        if shared:   # each replica adds its gradient at its own rows of the whole tensor; sum over the rank
+            wholes = []
+            for name in shared:
+                dim, a, b = every[self.index][name]
+                shape = list(params[name].shape)
+                shape[dim] = max(s[name][2] for s in every)
+                whole = params[name].grad.new_zeros(shape)
+                whole.narrow(dim, a, b - a).copy_(params[name].grad)
+                wholes.append(whole)
+            buf = torch.cat([w.reshape(-1) for w in wholes])
+            dist.all_reduce(buf, group=self.group)
+            off = 0
+            for name, whole in zip(shared, wholes):
+                dim, a, b = every[self.index][name]
+                params[name].grad = buf[off:off + whole.numel()].view_as(whole).narrow(dim, a, b - a).clone()
+                off += whole.numel()
         dtype = next(iter(params.values())).dtype
         flat = torch.cat([p.grad.reshape(-1) for p in params.values()] + [local_loss.to(dtype).reshape(1)])
         dist.all_reduce(flat, group=self.replicas)
@@ -264,8 +301,7 @@ class TensorParallel:
         params = dict(model.named_parameters())
         if self.size == 1:
             return {n: value(p).clone() for n, p in params.items()}
-        c = model.config
-        every = [shard_slices(c, self.size, j) for j in range(self.size)]
+        every = self.slices
         out = {}
         for name, p in params.items():
             local = value(p)

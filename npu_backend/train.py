@@ -37,7 +37,7 @@ from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E40
 from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.finetune import FamilyRun, describe, pretrained_source  # noqa: E402
-from npu_backend.hf import save_family  # noqa: E402
+from npu_backend.hf import TorchFamilyModel, save_family  # noqa: E402
 from npu_backend.model import TorchMLLM  # noqa: E402
 from npu_backend.weights import (WeightsError, check_model_config, export_flax_params, load_flax_params,  # noqa: E402
                                  load_jax_checkpoint, load_npz, save_npz)
@@ -218,12 +218,12 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
         if family is not None:
             batches.close()
     say(summary_line(records, world // t, choice))
-    if rank == 0 and args.save_weights and family is not None:
-        save_family(model, args.save_weights)
-    elif args.save_weights:   # whole weights, as without tensor parallelism (gathered over each rank)
-        whole = executor.tp.gather(model)
-        if rank == 0:
-            if t > 1:
+    if args.save_weights:   # whole weights, as without tensor parallelism (gathered over each rank)
+        whole = executor.tp.gather(model) if t > 1 else None
+        if rank == 0 and family is not None:
+            save_family(model if whole is None else TorchFamilyModel(model.config, whole), args.save_weights)
+        elif rank == 0:
+            if whole is not None:
                 model = TorchMLLM(config)
                 model.load_state_dict(whole)
             save_npz(args.save_weights, export_flax_params(model))

@@ -1,9 +1,11 @@
 """Tensor parallelism in the torch backend: 8 gloo processes as 4 ranks of t = 2 run ring (3 + 1),
 Ulysses and hybrid plans; loss and gradients equal one process running every sample unsharded.
 
-One world runs every check (process start-up dominates on shared CPUs): two models (kv heads split
-over t; one kv head replicated on both processes of a rank), each on three plans, plus the gathered
-weights (what `--save-weights` writes) and a plan for the wrong rank count. No jax anywhere.
+One world runs every check (process start-up dominates on shared CPUs): two stand-in models (kv
+heads split over t; one kv head replicated on both processes of a rank), each on three plans, the
+gathered weights (what `--save-weights` writes) and plans the world refuses; then a family
+(Qwen2.5-VL, tiny: q/k/v biases, one kv head, tied embedding; LLM split, vision replicated) on the
+same three kinds of plan. No jax in the processes.
 """
 
 from __future__ import annotations
@@ -52,11 +54,13 @@ def _reference(config: MLLMConfig, samples) -> tuple[float, dict]:
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, configs, samples, plans) -> dict:
+def _stand_in(rank: int, configs, samples, plans) -> dict:
+    from torch.distributed import distributed_c10d as c10d
+
     from npu_backend.executor import StepError, TorchPlanExecutor
     from npu_backend.model import TorchMLLM
 
-    out: dict = {}
+    out: dict = {"process groups": [c10d.get_pg_count()]}
     for cname, config in configs.items():
         model = TorchMLLM(config)          # the same seeded weights on every process, whole
         whole = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -64,11 +68,10 @@ def _worker(rank: int, world: int, configs, samples, plans) -> dict:
         gathered = ex.tp.gather(model)     # the weights --save-weights writes: the whole model again
         out[cname, "gathered"] = all(bool((gathered[n] == w).all()) for n, w in whole.items())
         out[cname, "held"] = sum(p.numel() for p in model.parameters()) / sum(w.numel() for w in whole.values())
+        out["process groups"].append(c10d.get_pg_count())
         for pname, plan in plans.items():
-            loss, tokens, _ = ex.loss_and_grads(plan, samples)
-            g = ex.tp.gather(model, grads=True)
-            out[cname, pname] = {"loss": loss, "tokens": tokens,
-                                 "grads": {n: v.numpy() for n, v in g.items()} if rank in (0, 7) else None}
+            out[cname, pname] = _step(rank, ex, model, plan, samples)
+        out["process groups"].append(c10d.get_pg_count())
     try:
         ex.loss_and_grads(dataclasses.replace(plans["hybrid 2x2"], num_ranks=8), samples)
     except StepError as e:
@@ -80,33 +83,68 @@ def _worker(rank: int, world: int, configs, samples, plans) -> dict:
     return out
 
 
+def _step(rank: int, ex, model, plan, samples) -> dict:
+    """Loss and whole gradients of one step (the gradients from the first and the last process)."""
+    loss, _, _ = ex.loss_and_grads(plan, samples)
+    g = ex.tp.gather(model, grads=True)
+    return {"loss": loss, "grads": {n: v.numpy() for n, v in g.items()} if rank in (0, 7) else None}
+
+
+def _family(rank: int, path: str, samples, plans) -> dict:
+    from npu_backend.executor import TorchPlanExecutor
+    from npu_backend.hf import load_family
+
+    model = load_family(path)
+    ex = TorchPlanExecutor(model, tensor_parallel=T)
+    return {pname: _step(rank, ex, model, plan, samples) for pname, plan in plans.items()}
+
+
+def _worker(rank: int, world: int, stand_in: tuple, family: tuple) -> dict:
+    return {"stand-in": _stand_in(rank, *stand_in), "family": _family(rank, *family)}
+
+
 @pytest.fixture(scope="module")
-def references():
+def world(tmp_path_factory):
+    """(stand-in references, family reference, every process's results) of one world of 8 processes."""
     samples = random_samples(CONFIGS["kv split"], LENGTHS, seed=3)
-    return samples, {c: _reference(cfg, samples) for c, cfg in CONFIGS.items()}
+    refs = {c: _reference(cfg, samples) for c, cfg in CONFIGS.items()}
+    path = str(tmp_path_factory.mktemp("tp_family"))
+    family_samples = _family_case(path)
+    family_ref = _family_reference(path, family_samples)
+    res = run_world(_worker, 8, ((CONFIGS, samples, PLANS), (path, family_samples, FAMILY_PLANS)), timeout=300)
+    return refs, family_ref, res
 
 
-def test_world8_tensor_parallel_2_matches_one_process(references):
-    samples, refs = references
-    res = run_world(_worker, 8, (CONFIGS, samples, PLANS), timeout=240)
+def _check(label: str, got: dict, ref_loss: float, ref_grads: dict) -> float:
+    """Assert loss and gradients within TOL of the reference; return the worst gradient error."""
+    assert abs(got["loss"] - ref_loss) <= TOL * abs(ref_loss), (label, got["loss"], ref_loss)
+    if got["grads"] is None:
+        return 0.0
+    assert set(got["grads"]) == set(ref_grads)
+    rel = {n: float(np.abs(got["grads"][n] - v).max() / max(np.abs(v).max(), 1e-30)) for n, v in ref_grads.items()}
+    worst = max(rel, key=rel.get)
+    assert rel[worst] <= TOL, f"{label}: gradient {worst} off by {rel[worst]:.2e}"
+    return rel[worst]
+
+
+def test_world8_tensor_parallel_2_matches_one_process(world):
+    refs, _, res = world
     for cname, (ref_loss, ref_grads) in refs.items():
         for r, o in enumerate(res):
-            assert o[cname, "gathered"], (cname, r)
-            assert o[cname, "held"] < 0.75, (cname, o[cname, "held"])   # each process holds a part only
+            assert o["stand-in"][cname, "gathered"], (cname, r)
+            assert o["stand-in"][cname, "held"] < 0.75, (cname, o["stand-in"][cname, "held"])   # a part only
         for pname in PLANS:
-            for r, o in enumerate(res):
-                got = o[cname, pname]
-                assert abs(got["loss"] - ref_loss) <= TOL * abs(ref_loss), (cname, pname, r, got["loss"], ref_loss)
-                if got["grads"] is None:
-                    continue
-                assert set(got["grads"]) == set(ref_grads)
-                rel = {n: float(np.abs(got["grads"][n] - v).max() / max(np.abs(v).max(), 1e-30))
-                       for n, v in ref_grads.items()}
-                worst = max(rel, key=rel.get)
-                assert rel[worst] <= TOL, f"{cname}, {pname}, process {r}: gradient {worst} off by {rel[worst]:.2e}"
-    e = res[0]["wrong ranks"]
+            worst = max(_check(f"{cname}, {pname}, process {r}", o["stand-in"][cname, pname], ref_loss, ref_grads)
+                        for r, o in enumerate(res))
+            print(f"stand-in {cname}, {pname}: loss {abs(res[0]['stand-in'][cname, pname]['loss'] - ref_loss) / ref_loss:.1e}, "
+                  f"worst gradient {worst:.1e}")
+    # each executor creates its 4 + 2 groups (one per rank, one per tp index) once; plans create none
+    for o in res:
+        pgs = o["stand-in"]["process groups"]          # the world's, then after each executor and its steps
+        assert [c - pgs[0] for c in pgs[1:]] == [6, 6, 12, 12], pgs
+    e = res[0]["stand-in"]["wrong ranks"]
     assert "num_ranks=8" in e and "8 processes = 4 ranks of tensor_parallel 2" in e
-    assert "the 2 query heads do not split over 4 Ulysses ranks" in res[0]["ulysses 4"]
+    assert "the 2 query heads do not split over 4 Ulysses ranks" in res[0]["stand-in"]["ulysses 4"]
 
 
 def test_head_counts_tensor_parallel_cannot_split_are_refused():
@@ -117,3 +155,77 @@ def test_head_counts_tensor_parallel_cannot_split_are_refused():
     with pytest.raises(ValueError, match=r"tensor_parallel 4 cannot split MLLMConfig.num_kv_heads = 3"):
         check_model(MLLMConfig(num_heads=12, num_kv_heads=3, d_ff=64, vision_heads=4), 4)
     check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
+
+
+# ---------------------------------------------------------------------------------------- a family
+FAMILY_TOKENS = {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}
+
+
+def _qwen_sample(config, g, sample_id: int, before: int, grid: tuple[int, int] | None, after: int):
+    """text, an image of grid (h, w) patches (h w / 4 tokens), text, as the Qwen processors emit it;
+    the text labelled, the vision tokens not."""
+    from dhp_jax.model import hf
+
+    t = FAMILY_TOKENS
+    ids, types = list(g.integers(5, config.vocab_size, before)), [0] * before
+    inputs = {}
+    if grid is not None:
+        h, w = grid
+        n = h * w // 4
+        ids += [t["vision_start"]] + [t["image"]] * n + [t["vision_end"]]
+        types += [0] + [1] * n + [0]
+        v = config.vision
+        inputs = {"pixel_values": g.standard_normal((h * w, 3 * v.temporal_patch_size * v.patch_size ** 2)).astype(np.float32),
+                  "image_grid_thw": np.array([[1, h, w]])}
+    ids += list(g.integers(5, config.vocab_size, after))
+    types += [0] * after
+    inputs.update(input_ids=np.array([ids]), attention_mask=np.ones((1, len(ids)), np.int64),
+                  mm_token_type_ids=np.array([types]))
+    labels = np.where(np.array(types) > 0, -100, np.array(ids))
+    labels[[0, 2 if len(ids) > 2 else 0]] = -100
+    return hf.sample_from_inputs(config, inputs, labels[None], sample_id=sample_id)
+
+
+def _family_case(directory: str):
+    """A tiny Qwen2.5-VL checkpoint written without transformers, and a batch of 4 samples."""
+    from dhp_jax.model import hf
+    from dhp_jax.model.hf.init import random_params, tiny_config
+
+    raw = tiny_config("qwen2_5_vl", FAMILY_TOKENS, 96)
+    raw["text_config"].update(num_key_value_heads=1, tie_word_embeddings=True)
+    raw["tie_word_embeddings"] = True
+    config = hf.parse_config(raw)
+    hf.save_pretrained(config, random_params(config, 5), directory)
+    g = np.random.default_rng(4)
+    specs = [(6, (4, 4), 5), (0, (2, 4), 8), (12, None, 0), (7, (2, 2), 4)]
+    return [_qwen_sample(config, g, i, *spec) for i, spec in enumerate(specs)]
+
+
+FAMILY_PLANS = {
+    "ring 3 + 1": _plan(([2, 0, 1], [0, 2], "ring"), ([3], [1, 3], "ring")),
+    "ulysses 2 + ring 2": _plan(([1, 3], [0, 1], "ulysses"), ([0, 2], [2, 3], "ring")),
+    "hybrid 2x2": _plan(([3, 1, 0, 2], [0, 1, 2, 3], "hybrid:2x2")),
+}
+
+
+def _family_reference(path: str, samples) -> tuple[float, dict]:
+    """One process, the whole batch in one unsharded stream."""
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend.hf import load_family, stream_tensors
+
+    model = load_family(path)
+    assert model.config.tied and model.config.text.shape.num_kv_heads == 1
+    assert "model.language_model.layers.0.self_attn.k_proj.bias" in model.params
+    layout = pack_family_group(samples, 1, model.config)
+    loss = model.loss_sum(*stream_tensors(layout)) / layout.num_loss_tokens
+    loss.backward()
+    return float(loss.detach()), model.grads()
+
+
+def test_family_llm_tensor_parallel_2_matches_one_process(world):
+    _, (ref_loss, ref_grads), res = world
+    for pname in FAMILY_PLANS:
+        worst = max(_check(f"family, {pname}, process {r}", o["family"][pname], ref_loss, ref_grads)
+                    for r, o in enumerate(res))
+        print(f"family, {pname}: loss {abs(res[0]['family'][pname]['loss'] - ref_loss) / ref_loss:.1e}, "
+              f"worst gradient {worst:.1e}")
