@@ -122,16 +122,21 @@ def test_skipped_chunks_are_never_computed():
     x[3 * chunk:] = np.nan
     blk = Block(C.num_heads, C.num_kv_heads, C.head_dim, C.d_ff, C.rope_base, C.rms_eps, dense_attention)
 
-    def real_sum(params, c):
-        return jnp.sum(block_apply(params, jnp.asarray(x), ids, blk, c)[:real])
-
-    assert not np.isfinite(float(real_sum(p, 0)))
-    value, grads = jax.value_and_grad(real_sum)(p, chunk)
-    assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
     clean = x.copy()
     clean[3 * chunk:] = 0.0                          # and the real rows are the unchunked block's
-    want = block_apply(p, jnp.asarray(clean), ids, blk, 0)[:real]
-    np.testing.assert_allclose(block_apply(p, jnp.asarray(x), ids, blk, chunk)[:real], want, rtol=1e-5, atol=1e-6)
+
+    def real_sum(params, x, c):
+        return jnp.sum(block_apply(params, x, ids, blk, c)[:real])
+
+    @jax.jit        # everything in one program (eager, every op compiles on its own)
+    def run(params, x, clean):
+        return (real_sum(params, x, 0), jax.value_and_grad(real_sum)(params, x, chunk),
+                block_apply(params, x, ids, blk, chunk)[:real], block_apply(params, clean, ids, blk, 0)[:real])
+
+    full, (value, grads), got, want = run(p, jnp.asarray(x), jnp.asarray(clean))
+    assert not np.isfinite(float(full))
+    assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_chunk_loops_keep_the_weights_as_loop_constants():
