@@ -1,6 +1,6 @@
 """InternVL (tied embeddings; InternViT with CLS token, absolute position table, layer scale; pixel
 shuffle) in PlanExecutor on 8 fake CPU devices: one two-micro-batch DHP step (ring degrees 3 and 5,
-then Ulysses over 4 and a hybrid 2 x 2) gives transformers' loss and autograd gradients at fp32,
+then a hybrid Ulysses 4 x ring 2) gives transformers' loss and autograd gradients at fp32,
 relative error <= 1e-5 (`hf_engine_cases`)."""
 
 import numpy as np
@@ -45,4 +45,4 @@ def case(tmp_path_factory):
 
 def test_internvl_step_matches_transformers(case):
     assert case[0].tied
-    ec.check_step(case, ec.MIXED, "internvl ring-3+5 / ulysses-4+hybrid-2x2")
+    ec.check_step(case, ec.MIXED, "internvl ring-3+5 / hybrid-4x2")

@@ -32,12 +32,19 @@ def _plan(samples, groups):
     return Plan(8, (MicroBatch(tuple(out)),))
 
 
-GROUPS = [((0, 1, 2), (0, 1, 2, 4), "ring"), ((3, 4), (3, 5), "ulysses"), ((5, 6, 7), (6, 7), "ring")]
+# a ring and a Ulysses group (two executables with pad skipping on), long padding tails
+GROUPS = [((0, 1, 2), (0, 1, 2, 4, 7), "ring"), ((3, 4), (3, 5, 6), "ulysses")]
 
 
 def _rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def _assert_exact(got, want, what):
+    assert _rel(got[0], want[0]) <= 1e-5, (what, float(got[0]), float(want[0]))
+    for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+        assert _rel(a, b) <= 1e-5, (what, _rel(a, b))
 
 
 @pytest.fixture(scope="module")
@@ -48,19 +55,37 @@ def setup():
     return params, samples, _plan(samples, GROUPS), ref
 
 
-def test_pad_skipping_on_and_off_give_the_same_exact_loss_and_grads(setup):
-    params, samples, plan, (ref_loss, ref_grads) = setup
-    got = {}
-    for chunk in (0, CHUNK):
-        ex = PlanExecutor(C, linear_chunk=chunk)
-        loss, grads = ex.loss_and_grads(params, samples, plan)
-        assert _rel(loss, ref_loss) <= 1e-5, (chunk, float(loss), float(ref_loss))
-        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-            assert _rel(a, b) <= 1e-5, (chunk, _rel(a, b))
-        got[chunk] = (loss, grads)
-    assert _rel(got[CHUNK][0], got[0][0]) <= 1e-5
-    for a, b in zip(jax.tree.leaves(got[CHUNK][1]), jax.tree.leaves(got[0][1])):
-        assert _rel(a, b) <= 1e-5
+def test_pad_skipping_is_exact_and_runs_the_real_tokens_in_whole_chunks(setup):
+    """Pad skipping on (ring and Ulysses groups) and off (one pass, one ring group): loss and grads
+    equal `reference_loss` at fp32 1e-5. With it on, the chunks counted as they run
+    (`executed.counting`: a host callback in the work of a live chunk, on every device; summed over
+    ranks, groups and blocks) equal each rank's real tokens (its vision rows, for the vision
+    encoder's blocks) in whole chunks: a chunk of padding never runs. Each live chunk ticks 4 times
+    per block and step: its q/k/v projection and its MLP, forward, and both again in the backward
+    pass (`_skippable`'s pullback recomputes the live branch). Switching the skip off (`lax.cond`
+    replaced, or every chunk live) counts the padding chunks too."""
+    params, samples, plan, ref = setup
+    with counting() as counts:
+        ex = PlanExecutor(C, linear_chunk=CHUNK)
+        on = ex.loss_and_grads(params, samples, plan)
+    _assert_exact(on, ref, "on")
+    want = vision = 0
+    for w in ex.prepare(samples, plan):
+        lay, d = w.layout, w.layout.degree
+        shard = lay.bucket // d
+        c = chunk_size(shard, CHUNK)
+        real = [math.ceil(r / c) for r in lay.real_per_shard]
+        want += sum(real)
+        vision += sum(math.ceil(int(lay.vision_mask[i * shard:(i + 1) * shard].sum()) / c) for i in range(d))
+        assert sum(real) < d * math.ceil(shard / c)        # this plan has padding chunks to skip
+        # what the cost model prices: the busiest shard's chunks
+        assert linear_tokens(lay.num_tokens, lay.bucket, d, CHUNK) == max(real) * c
+        assert linear_tokens([lay.num_tokens], [lay.bucket], [d], CHUNK).tolist() == [max(real) * c]
+    assert vision > 0
+    assert counts["linear_chunks"] == 4 * (C.num_layers * want + C.vision_layers * vision), (want, vision)
+    off = PlanExecutor(C, linear_chunk=0).loss_and_grads(params, samples, _plan(samples, [((0, 1, 2), range(8), "ring")]))
+    _assert_exact(off, ref, "off")
+    _assert_exact(on, off, "on vs off")
 
 
 def test_group_program_has_the_chunk_conditionals(setup):
@@ -74,36 +99,6 @@ def test_group_program_has_the_chunk_conditionals(setup):
     # the ring's tile pairs are conditional either way; the chunks add their own (q/k/v and the
     # MLP, forward and backward, per block stack)
     assert conds[CHUNK] >= conds[0] + 4, conds
-
-
-def test_executed_chunks_are_the_real_tokens_in_whole_chunks(setup):
-    """Chunks counted as they run (`executed.counting`: a host callback in the work of a live chunk,
-    on every device; summed over ranks and blocks) equal each rank's real tokens (its vision rows,
-    for the vision encoder's blocks) in whole chunks: a chunk of padding never runs. Each live chunk ticks 4 times
-    per block and step: its q/k/v projection and its MLP, forward, and both again in the backward
-    pass (`_skippable`'s pullback recomputes the live branch). Switching the skip off (`lax.cond`
-    replaced, or every chunk live) counts the padding chunks too."""
-    params, samples, _, _ = setup
-    samples = [samples[i] for i in GROUPS[0][1]]            # one group (one compile): the degree-3 ring
-    plan = _plan(samples, [(GROUPS[0][0], tuple(range(len(samples))), "ring")])
-    with counting() as counts:
-        ex = PlanExecutor(C, linear_chunk=CHUNK)
-        jax.block_until_ready(ex.loss_and_grads(params, samples, plan))
-    want = vision = everything = 0
-    for w in ex.prepare(samples, plan):
-        lay, d = w.layout, w.layout.degree
-        shard = lay.bucket // d
-        c = chunk_size(shard, CHUNK)
-        real = [math.ceil(r / c) for r in lay.real_per_shard]
-        want += sum(real)
-        vision += sum(math.ceil(int(lay.vision_mask[i * shard:(i + 1) * shard].sum()) / c) for i in range(d))
-        everything += d * math.ceil(shard / c)
-        assert sum(real) < d * math.ceil(shard / c)        # this plan has padding chunks to skip
-        # what the cost model prices: the busiest shard's chunks
-        assert linear_tokens(lay.num_tokens, lay.bucket, d, CHUNK) == max(real) * c
-        assert linear_tokens([lay.num_tokens], [lay.bucket], [d], CHUNK).tolist() == [max(real) * c]
-    assert vision > 0
-    assert counts["linear_chunks"] == 4 * (C.num_layers * want + C.vision_layers * vision), (want, vision, everything)
 
 
 def test_linear_chunk_is_checked():
@@ -127,16 +122,21 @@ def test_skipped_chunks_are_never_computed():
     x[3 * chunk:] = np.nan
     blk = Block(C.num_heads, C.num_kv_heads, C.head_dim, C.d_ff, C.rope_base, C.rms_eps, dense_attention)
 
-    def real_sum(params, c):
-        return jnp.sum(block_apply(params, jnp.asarray(x), ids, blk, c)[:real])
-
-    assert not np.isfinite(float(real_sum(p, 0)))
-    value, grads = jax.value_and_grad(real_sum)(p, chunk)
-    assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
     clean = x.copy()
     clean[3 * chunk:] = 0.0                          # and the real rows are the unchunked block's
-    want = block_apply(p, jnp.asarray(clean), ids, blk, 0)[:real]
-    np.testing.assert_allclose(block_apply(p, jnp.asarray(x), ids, blk, chunk)[:real], want, rtol=1e-5, atol=1e-6)
+
+    def real_sum(params, x, c):
+        return jnp.sum(block_apply(params, x, ids, blk, c)[:real])
+
+    @jax.jit        # everything in one program (eager, every op compiles on its own)
+    def run(params, x, clean):
+        return (real_sum(params, x, 0), jax.value_and_grad(real_sum)(params, x, chunk),
+                block_apply(params, x, ids, blk, chunk)[:real], block_apply(params, clean, ids, blk, 0)[:real])
+
+    full, (value, grads), got, want = run(p, jnp.asarray(x), jnp.asarray(clean))
+    assert not np.isfinite(float(full))
+    assert np.isfinite(float(value)) and all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_chunk_loops_keep_the_weights_as_loop_constants():

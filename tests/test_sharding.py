@@ -20,12 +20,15 @@ def plan(*micro_batches, n=8):
                          for mb in micro_batches))
 
 
+# Each executable compiles in seconds, so the plans share them: 8 executables (degree, bucket,
+# devices) for 5 degrees; `test_one_executable_per_key...` checks the count.
 PLANS = {
     "3+5": plan([((0, 1, 2), (0, 1, 2, 4, 7)), ((3, 4, 5, 6, 7), (3, 5, 6))]),
-    "1+2+5": plan([((0,), (1, 4, 6)), ((1, 2), (0, 2)), ((3, 4, 5, 6, 7), (3, 5, 7))]),
-    "7+1": plan([((0, 1, 2, 3, 4, 5, 6), (0, 2, 3, 4, 5, 6, 7)), ((7,), (1,))]),
+    # degree-1 groups of one program (bucket 32) on devices 1 and 2 in one micro-batch; the
+    # degree-5 group is 3+5's executable
+    "1+1+1+5": plan([((0,), (0,)), ((1,), (2, 1)), ((2,), (4, 6)), ((3, 4, 5, 6, 7), (3, 5, 7))]),
+    "1+7": plan([((0,), (0,)), ((1, 2, 3, 4, 5, 6, 7), (1, 2, 3, 4, 5, 6, 7))]),
     "8": plan([(tuple(range(8)), tuple(range(8)))]),
-    "8x1": plan([((i,), (s,)) for i, s in enumerate([6, 0, 2, 3, 4, 5, 7, 1])]),
     # mb 1 leaves devices 0-3 and 7 idle and runs its ring in the order 6 -> 4 -> 5.
     "two-micro-batches": plan([((0, 1, 2), (0, 1, 2, 4)), ((3, 4, 5, 6, 7), (3, 5))],
                               [((6, 4, 5), (6, 7))]),
@@ -97,7 +100,7 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     for p in PLANS.values():
         keys |= set(ex.plan_keys(samples, p))
         ex.compile_plan(samples, p, params)          # nothing new if the plans above already ran
-    assert set(ex.executable_keys) == keys and ex.num_compiles == len(keys)
+    assert set(ex.executable_keys) == keys and ex.num_compiles == len(keys) == 8
     assert ex.compile_plan(samples, PLANS["3+5"], params) == 0
     devs = tuple(jax.devices()[:3])
     key = next(k for k in keys if k[0] == 3 and k[2] == (0, 1, 2))
@@ -224,17 +227,24 @@ def test_bad_input_rejected_before_running(setup):
 
 
 def test_small_attention_tiles_match_reference_and_any_bucket_compiles(setup):
-    """Tiles of 8 tokens (smaller than most zigzag chunks here) are exact too; `executable` takes
-    params as ShapeDtypeStructs and a bucket off the ladder (any multiple of 2*degree)."""
+    """Tiles of 8 tokens (smaller than the zigzag chunks here, 18 tokens, and not dividing them) are
+    exact too; `executable` takes params as ShapeDtypeStructs and a bucket off the ladder (any
+    multiple of 2*degree), and a plan's groups run in that bucket (their `padded_tokens`): here
+    both micro-batches run the one executable compiled from the structs."""
     _, params, samples, ref = setup
     ex = PlanExecutor(C, attention_tile=8)
-    loss, grads = ex.loss_and_grads(params, samples, PLANS["3+5"])
-    assert_exact(loss, grads, ref)
     struct = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-    exe = ex.executable(struct, 3, 42, tuple(jax.devices()[5:8]))
+    devs = tuple(jax.devices()[5:8])
+    exe = ex.executable(struct, 3, 108, devs)                   # the ladder's rungs are 66 and 132
     assert exe.memory_analysis().temp_size_in_bytes > 0
+    halves = [(0, 1, 2, 5), (3, 4, 6, 7)]                      # 91 and 102 tokens
+    off_ladder = Plan(8, tuple(MicroBatch((Group((5, 6, 7), 3, s, tokens=sum(samples[i].num_tokens for i in s),
+                                                 padded_tokens=108),)) for s in halves))
+    loss, grads = ex.loss_and_grads(params, samples, off_ladder)
+    assert_exact(loss, grads, ref)
+    assert ex.num_compiles == 1
     with pytest.raises(ValueError, match="multiple of 2\\*degree"):
-        ex.executable(struct, 3, 40, tuple(jax.devices()[5:8]))
+        ex.executable(struct, 3, 40, devs)
     with pytest.raises(ValueError, match="attention_tile"):
         PlanExecutor(C, attention_tile=0)
 
@@ -245,7 +255,7 @@ def test_bf16_mode_against_the_fp32_reference(setup):
     1.4e-4 and 0.99981; the documented bounds leave headroom for other seeds and layouts)."""
     _, params, samples, (ref_loss, ref_grads) = setup
     ex = PlanExecutor(C, compute_dtype="bfloat16")
-    p = PLANS["two-micro-batches"]
+    p = plan([((0, 1, 2), tuple(range(8)))])           # one executable; devices 3-7 idle (bf16 zero rows)
     flat = ex.flat_params(params)
     assert flat.dtype == np.dtype("bfloat16") and flat.sharding == ex.replicated
     loss, grads = ex.loss_and_grads(params, samples, p)

@@ -51,6 +51,13 @@ def _value_and_grads(f, q, k, v, ids, ct):
     return both(q, k, v)
 
 
+@jax.jit
+def _dense_value_and_grads(q, k, v, ids, ct):
+    """The reference, one program per shape (the one-device kernel's case shares a shape)."""
+    out, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, ids, ids), q, k, v)
+    return out, vjp(ct)
+
+
 @pytest.mark.parametrize("u,r,h,kvh,devices", [
     (4, 1, 4, 2, (7, 0, 3, 1)),           # GQA: 2 KV heads repeated to 4 for 4 ranks
     (2, 2, 4, 1, (0, 1, 2, 3)),           # hybrid 2x2, one KV head
@@ -68,7 +75,7 @@ def test_ulysses_and_hybrid_equal_dense(u, r, h, kvh, devices):
                              out_specs=spec, check_vma=False)(q, k, v, ids)
 
     out, grads = _value_and_grads(uly, q, k, v, ids, ct)
-    ref_out, ref_grads = _value_and_grads(lambda q, k, v, i: dense_attention(q, k, v, i, i), q, k, v, ids, ct)
+    ref_out, ref_grads = _dense_value_and_grads(q, k, v, ids, ct)
     assert _rel(out, ref_out) <= TOL
     for name, a, b in zip("qkv", grads, ref_grads):
         assert _rel(a, b) <= TOL, f"d{name}"
@@ -82,7 +89,7 @@ def test_local_attention_with_small_tiles_equals_dense_on_one_device():
     _, q, k, v, ct, ids = _case(4, 4, 2, seed=3)
     fn = lambda q, k, v, i: local_attention(q, k, v, i, i, tile=q.shape[0] // 8, chunks=4)
     out, grads = _value_and_grads(fn, q, k, v, ids, ct)
-    ref_out, ref_grads = _value_and_grads(lambda q, k, v, i: dense_attention(q, k, v, i, i), q, k, v, ids, ct)
+    ref_out, ref_grads = _dense_value_and_grads(q, k, v, ids, ct)
     assert _rel(out, ref_out) <= TOL and max(_rel(a, b) for a, b in zip(grads, ref_grads)) <= TOL
 
 
@@ -121,7 +128,7 @@ def _attention_program(u: int, h: int, kvh: int, s_l: int):
 
 def test_ulysses_memory_flat_in_degree_and_all_to_all_hlo():
     temps = {}
-    for u in (2, 4, 8):
+    for u in (2, 8):
         exe = _attention_program(u, h=8, kvh=2, s_l=128)
         temps[u] = exe.memory_analysis().temp_size_in_bytes
         hlo = exe.as_text()
@@ -130,18 +137,19 @@ def test_ulysses_memory_flat_in_degree_and_all_to_all_hlo():
         gathers = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
         assert gathers and all(g.startswith(("s32", "(s32")) for g in gathers), gathers
     # fixed local length: a 4x larger stream on 4x the devices needs no more temp memory per device
-    assert temps[8] <= 1.1 * temps[2] and temps[4] <= 1.1 * temps[2], temps
+    assert temps[8] <= 1.1 * temps[2], temps
 
 
 # ----------------------------------------------------------------------------- whole DHP steps
+# The two Ulysses groups (ranks out of order) run one executable: 72 and 71 tokens, one bucket.
 MIXED = Plan(8, (
-    MicroBatch((Group((0, 1), 2, (0, 1)), Group((2, 3), 2, (2, 3), attention="ulysses"),
+    MicroBatch((Group((2, 3), 2, (0, 1)), Group((1, 0), 2, (2, 3), attention="ulysses"),
                 Group((4, 5, 6, 7), 4, (4, 5), attention="hybrid:2x2"))),
-    MicroBatch((Group((1, 0), 2, (6,), attention="ulysses"),
-                Group((2, 3, 4, 5, 6, 7), 6, (7,), attention="hybrid:2x3"))),
+    MicroBatch((Group((1, 0), 2, (6, 7), attention="ulysses"),
+                Group((2, 3, 4, 5, 6, 7), 6, (9,), attention="hybrid:2x3"))),
     # Ulysses size 4 > 2 KV heads: each KV head is repeated (GQA order) before the all-to-all, and
     # the vision encoder's 2 heads are padded to 4
-    MicroBatch((Group((7, 6, 5, 4, 3, 2, 1, 0), 8, (8, 9), attention="hybrid:4x2"),)),
+    MicroBatch((Group((7, 6, 5, 4, 3, 2, 1, 0), 8, (8,), attention="hybrid:4x2"),)),
 ))
 
 
@@ -155,7 +163,7 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
     worst = {"/".join(map(str, k)): _rel(a, b) for (k, a), b in
              zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(ref_grads))}
     assert max(worst.values()) <= TOL, max(worst.items(), key=lambda kv: kv[1])
-    assert {k[3] for k in ex.executable_keys} == {"ring", "ulysses", "hybrid:2x2", "hybrid:2x3", "hybrid:4x2"}
+    assert sorted(k[3] for k in ex.executable_keys) == ["hybrid:2x2", "hybrid:2x3", "hybrid:4x2", "ring", "ulysses"]
     d, b, ids, kind = next(k for k in ex.executable_keys if k[3] == "ulysses")
     hlo = ex.executable(params, d, b, tuple(jax.devices()[i] for i in ids), kind).as_text()
     assert "all-to-all" in hlo and "collective-permute" not in hlo

@@ -444,7 +444,9 @@ class PlanExecutor:
                 shard=jax.jit(lambda p: lay.ravel(p), out_shardings=shd),
                 gather=jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(DP_AXIS), out_specs=P(), check_vma=False),
                                out_shardings=rep),
-                unshard=jax.jit(lambda g: lay.unravel(g), out_shardings=rep),
+                # one all-gather of the whole vector, then slices: unravelling the sharded vector
+                # directly makes the partitioner gather every leaf on its own (a compile ~10x longer)
+                unshard=jax.jit(lambda g: lay.unravel(lax.with_sharding_constraint(g, rep)), out_shardings=rep),
                 zeros=jax.jit(lambda: (jnp.zeros((lay.padded,), jnp.float32), jnp.zeros((n, 2), jnp.float32)),
                               out_shardings=(shd, shd)),
                 accumulate=jax.jit(accumulate, out_shardings=(shd, shd), donate_argnums=(0, 1)),

@@ -82,7 +82,8 @@ def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
     """{transformers parameter name: numpy array} of a parameter or gradient tree. A tied LM head
     appears once, as the embedding (`lm_head.weight` is not repeated)."""
     conv = family_module(config.family).conv_shapes(config)
-    return {k: np.asarray(v) for k, v in weights_from_tree(tree, conv).items()}
+    # on the host first: transposing device arrays would compile one program per leaf shape
+    return {k: np.ascontiguousarray(v) for k, v in weights_from_tree(jax.tree.map(np.asarray, tree), conv).items()}
 
 
 def save_pretrained(config: HFConfig, params: Params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
