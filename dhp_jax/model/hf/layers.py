@@ -129,10 +129,43 @@ def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
 
 
 def remat_block(fn: Callable, remat: str) -> Callable:
-    """`fn(p, x) -> x` (one block, `p` its params) under `jax.checkpoint` with the policy `remat`
-    names (`mllm.remat_policy`: "layer" keeps the block input only, "selective" also its weight
-    GEMMs' outputs); "none": `fn` itself. The values are `fn`'s, bit for bit."""
-    return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
+    """`fn(p, x) -> x` (one block, `p` its params) as a stream runs it under `remat`: "none": `fn`
+    itself; "selective": `jax.checkpoint` with `mllm.remat_policy` (the block's weight GEMMs'
+    outputs kept); "layer": a custom VJP that keeps the block input (and `p`) only and, in the
+    backward pass, runs `fn` again under `jax.vjp`. The values are `fn`'s, bit for bit; the
+    gradients are `jax.vjp(fn)`'s. A plain fn -> fn wrapper: call it per block, in a Python loop or
+    in a scan body.
+
+    Why not `jax.checkpoint` for "layer": in a whole group program XLA:CPU kept every block's
+    intermediates anyway (tiny Qwen3-VL, degree 2, 4096 tokens: 128 MB compiled with
+    `jax.checkpoint`, 124.5 MB without remat). Its recompute was merged with the forward pass (the
+    same ops on the same block input: the optimization barrier of `prevent_cse` did not stop it)
+    and the scheduler deferred every block's weight-gradient GEMMs to the end of the program,
+    holding their operands. Two data dependencies that change no value fix both: the recompute
+    reads the saved `p` and `x` plus `0 * g[0]` (so it is a different computation from the forward
+    pass, and cannot start before the block's output gradient `g` exists), and the input gradient
+    is returned plus `0 * sum(max(dp_leaf))` (so the next block's backward cannot start before this
+    block's weight gradients exist). `0 * v` is 0 for finite v; a non-finite gradient is
+    non-finite either way."""
+    if remat != "layer":
+        return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
+
+    @jax.custom_vjp
+    def run(p: Any, x: jax.Array) -> jax.Array:
+        return fn(p, x)
+
+    def forward(p: Any, x: jax.Array) -> tuple[jax.Array, tuple]:
+        return fn(p, x), (p, x)
+
+    def backward(saved: tuple, g: jax.Array) -> tuple:
+        zero = 0 * g.reshape(-1)[0]
+        p, x = jax.tree.map(lambda t: t + zero.astype(t.dtype), saved)
+        dp, dx = jax.vjp(fn, p, x)[1](g)
+        done = sum(jnp.max(t).astype(dx.dtype) for t in jax.tree.leaves(dp))
+        return dp, dx + 0 * done
+
+    run.defvjp(forward, backward)
+    return run
 
 
 class BlockStream:
