@@ -253,8 +253,9 @@ def state_bytes(params: float, state_shards: int) -> float:
 
 
 # ------------------------------------------------------------------ the Hugging Face families' program
-# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`) as a
-# Python loop without recompute: every layer keeps what its backward pass reads. The counts below
+# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`): without
+# recompute every layer keeps what its backward pass reads; with remat "layer" (`layers.remat_block`)
+# it keeps its input and one block at a time holds its recomputed values. The counts below
 # are those values per row (elements), by the layer's parts; `dhp bench memory --families`
 # compares the sum with the compiled programs (docs/experiments.md).
 FAMILY_LLM_FF = 5          # SwiGLU: gate, up, silu(gate), the product, silu's sigmoid (JAX saves 6)
