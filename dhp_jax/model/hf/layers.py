@@ -19,6 +19,7 @@ M-RoPE, (h, w) for the vision encoders' 2-D RoPE.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -150,22 +151,35 @@ def remat_block(fn: Callable, remat: str) -> Callable:
     if remat != "layer":
         return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
 
-    @jax.custom_vjp
     def run(p: Any, x: jax.Array) -> jax.Array:
-        return fn(p, x)
+        # what `fn` closes over (rotary angles, ids; in a scan body, per-step values) becomes
+        # arguments: a custom VJP may not close over tracers
+        pure, consts = jax.closure_convert(fn, p, x)
+        return _recompute(pure, p, x, *consts)
 
-    def forward(p: Any, x: jax.Array) -> tuple[jax.Array, tuple]:
-        return fn(p, x), (p, x)
-
-    def backward(saved: tuple, g: jax.Array) -> tuple:
-        zero = 0 * g.reshape(-1)[0]
-        p, x = jax.tree.map(lambda t: t + zero.astype(t.dtype), saved)
-        dp, dx = jax.vjp(fn, p, x)[1](g)
-        done = sum(jnp.max(t).astype(dx.dtype) for t in jax.tree.leaves(dp))
-        return dp, dx + 0 * done
-
-    run.defvjp(forward, backward)
     return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _recompute(fn: Callable, p: Any, x: jax.Array, *consts: Any) -> jax.Array:
+    """`fn(p, x, *consts)`, recomputed in its backward pass (`remat_block` "layer")."""
+    return fn(p, x, *consts)
+
+
+def _recompute_forward(fn: Callable, p: Any, x: jax.Array, *consts: Any) -> tuple[jax.Array, tuple]:
+    return fn(p, x, *consts), (p, x, consts)
+
+
+def _recompute_backward(fn: Callable, saved: tuple, g: jax.Array) -> tuple:
+    zero = 0 * g.reshape(-1)[0]
+    p, x, consts = jax.tree.map(lambda t: t + zero.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.inexact) else t,
+                                saved)
+    grads = jax.vjp(fn, p, x, *consts)[1](g)
+    done = sum(jnp.max(t).astype(grads[1].dtype) for t in jax.tree.leaves(grads[0]))
+    return (grads[0], grads[1] + 0 * done, *grads[2:])
+
+
+_recompute.defvjp(_recompute_forward, _recompute_backward)
 
 
 class BlockStream:

@@ -292,7 +292,9 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     attention's fp32 output and statistics; `chunked` (`HFConfig.linear_chunk` > 0): the chunks'
     VJP keeps their inputs only (the block input, q, k, v and the attention output) and recomputes
     the rest chunk by chunk; "layer": the block input; "selective": the block input and the
-    outputs of its weight GEMMs."""
+    outputs of its weight GEMMs. The recomputed working set is the block's intermediates (and for
+    an LLM layer without chunks, its SwiGLU's cotangents, live with them: the compiled programs at
+    published widths, `dhp bench memory --families --remat layer`)."""
     rows = encoder_rows(m)
     _, _, deepstack, mid = _encoder(m)
     dec_kept, dec_work = _family_block(m, False, remat, chunked)
@@ -324,8 +326,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     attn = _attention_fp32(heads, head_dim)
     inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
     work = (2 * hidden + 2 * qkv + heads * head_dim if chunked else every) + attn
-    if remat == "layer":
-        return hidden, work
+    if remat == "layer":            # an LLM layer's backward holds its MLP's cotangents with its recomputed values
+        return hidden, work + (0 if vision or chunked else FAMILY_LLM_FF * m.intermediate)
     if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
         return 2 * hidden + qkv + gemm_ff * (m.vision_intermediate if vision else m.intermediate) + hidden, work
     return (inputs if chunked else every + attn), work
