@@ -90,3 +90,28 @@ def test_family_pad_skipping_program_bytes_match_the_memory_model():
           f"model {want / 1e6:.1f} MB (unchunked model {whole / 1e6:.1f} MB)")
     assert want < 0.8 * whole
     assert abs(want / got - 1.0) <= TOLERANCE, (got, want)
+
+
+def test_remat_layer_block_runs_in_a_scan_body():
+    """`layers.remat_block` "layer" is a plain fn -> fn wrapper: per block in a `lax.scan` body, its
+    block closing over a per-step value (a tracer of the body), the gradients are those of the
+    block without remat (fp32, 1e-5)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from dhp_jax.model.hf.layers import remat_block
+
+    def loss(ws, x, offsets, remat):
+        def body(h, step):
+            w, o = step
+            block = remat_block(lambda p, y: jnp.tanh(y @ p["w"] + o), remat)
+            return block({"w": w}, h), None
+        return jnp.sum(jax.lax.scan(body, x, (ws, offsets))[0] ** 2)
+
+    k = jax.random.split(jax.random.PRNGKey(0), 3)
+    args = (0.3 * jax.random.normal(k[0], (3, 8, 8)), jax.random.normal(k[1], (16, 8)), jax.random.normal(k[2], (3, 8)))
+    want = jax.grad(loss, (0, 1, 2))(*args, "none")
+    got = jax.grad(loss, (0, 1, 2))(*args, "layer")
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
