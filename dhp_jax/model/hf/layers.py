@@ -132,21 +132,24 @@ def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
 def remat_block(fn: Callable, remat: str) -> Callable:
     """`fn(p, x) -> x` (one block, `p` its params) as a stream runs it under `remat`: "none": `fn`
     itself; "selective": `jax.checkpoint` with `mllm.remat_policy` (the block's weight GEMMs'
-    outputs kept); "layer": a custom VJP that keeps the block input (and `p`) only and, in the
-    backward pass, runs `fn` again under `jax.vjp`. The values are `fn`'s, bit for bit; the
+    outputs kept); "layer": a custom VJP that keeps the block input (with `p` and what `fn` closes
+    over) only and, in the backward pass, runs `fn` again under `jax.vjp`. The values are `fn`'s, bit for bit; the
     gradients are `jax.vjp(fn)`'s. A plain fn -> fn wrapper: call it per block, in a Python loop or
     in a scan body.
 
     Why not `jax.checkpoint` for "layer": in a whole group program XLA:CPU kept every block's
     intermediates anyway (tiny Qwen3-VL, degree 2, 4096 tokens: 128 MB compiled with
     `jax.checkpoint`, 124.5 MB without remat). Its recompute was merged with the forward pass (the
-    same ops on the same block input: the optimization barrier of `prevent_cse` did not stop it)
+    same ops on the same block input: an optimization barrier on the recompute's inputs did not
+    stop it)
     and the scheduler deferred every block's weight-gradient GEMMs to the end of the program,
     holding their operands. Two data dependencies that change no value fix both: the recompute
     reads the saved `p` and `x` plus `0 * g[0]` (so it is a different computation from the forward
     pass, and cannot start before the block's output gradient `g` exists), and the input gradient
     is returned plus `0 * sum(max(dp_leaf))` (so the next block's backward cannot start before this
-    block's weight gradients exist). `0 * v` is 0 for finite v; a non-finite gradient is
+    block's weight gradients exist; a max, since XLA rewrites a sum of a GEMM's output into GEMMs
+    of sums, which frees the weight-gradient GEMM again). tests/test_family_memory.py fails
+    without either dependency. `0 * v` is 0 for finite v; a non-finite gradient is
     non-finite either way."""
     if remat != "layer":
         return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
