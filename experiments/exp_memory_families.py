@@ -6,7 +6,8 @@ subprocess (each asks for 8 fake CPU devices before jax starts), appending every
 `experiments/results/memory_families.rows.jsonl` as it comes. A run resumes from that file: a
 (model, degree, tokens, depth) already measured is not compiled again (the compiled bytes depend on
 the engine's family program, not on the memory model), and a run stopped by `timeout_s` keeps what it
-measured; the rows not measured are listed as not run. The model columns are priced again here
+measured; the rows not measured are listed as not run. Each row is measured at each remat of
+`remats` ("none", "layer"; a row without a "remat" key predates the remat column: "none"). The model columns are priced again here
 from each row's compiled parameter count with the current memory model
 (`dhp_jax.sharding.family_memory.modelled`), so the table is the current model vs the compiled bytes.
 """
@@ -14,6 +15,7 @@ from each row's compiled parameter count with the current memory model
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -29,17 +31,22 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def _remat(row: dict[str, Any]) -> str:
+    return row.get("remat", "none")
+
+
 def _reprice(row: dict[str, Any], raw: dict[str, Any], depth: list[int]) -> dict[str, Any]:
     from dhp_jax.model.hf.config import with_depth
     from dhp_jax.sharding.family_memory import modelled
 
+    remat = _remat(row)
     if "added" in row:                       # a layer row: the difference of two programs
         extra = [depth[0] + 1, depth[1]] if row["added"] == "llm_layer" else [depth[0], depth[1] + 1]
-        want = (modelled(with_depth(raw, *extra), row["params"], row["degree"], row["tokens"])
-                - modelled(with_depth(raw, *depth), row["base_params"], row["degree"], row["tokens"]))
+        want = (modelled(with_depth(raw, *extra), row["params"], row["degree"], row["tokens"], remat=remat)
+                - modelled(with_depth(raw, *depth), row["base_params"], row["degree"], row["tokens"], remat=remat))
     else:
-        want = modelled(with_depth(raw, *depth), row["params"], row["degree"], row["tokens"])
-    return {**row, "model_bytes": int(want), "ratio": round(want / row["compiled_bytes"], 4)}
+        want = modelled(with_depth(raw, *depth), row["params"], row["degree"], row["tokens"], remat=remat)
+    return {**row, "remat": remat, "model_bytes": int(want), "ratio": round(want / row["compiled_bytes"], 4)}
 
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
@@ -52,15 +59,22 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
         rows_file.unlink()
     depth = list(BASE)
     checks = [tuple(c) for c in p["layer_checks"]]
+    remats = list(p.get("remats") or ["none"])
     deadline = time.monotonic() + float(p["timeout_s"])
-    for spec in p["models"]:
+    # the fake CPU devices, asked for before the subprocess imports jax (`dhp bench memory` imports it
+    # before it reads --devices)
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": " ".join(flags + [f"--xla_force_host_platform_device_count={max(p['degrees'])}"])}
+    for spec, remat in ((spec, remat) for spec in p["models"] for remat in remats):
         name, _ = load_model_config(spec)
-        have = {(r["degree"], r["tokens"]) for r in _read(rows_file) if r["model"] == name and "added" not in r}
-        checked = {(r["degree"], r["tokens"]) for r in _read(rows_file) if r["model"] == name and "added" in r}
+        mine = [r for r in _read(rows_file) if r["model"] == name and _remat(r) == remat]
+        have = {(r["degree"], r["tokens"]) for r in mine if "added" not in r}
+        checked = {(r["degree"], r["tokens"]) for r in mine if "added" in r}
         grid = [(d, s) for d in p["degrees"] for s in p["tokens"] if (d, s) not in have]
         todo_checks = [c for c in checks if c not in checked]
         if not grid and not todo_checks:
-            log(f"{name}: every row already measured ({rows_file.name})")
+            log(f"{name} remat {remat}: every row already measured ({rows_file.name})")
             continue
         left = deadline - time.monotonic()
         if left <= 0:
@@ -74,10 +88,10 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
             cmd = [sys.executable, "-m", "dhp_jax", "bench", "memory", "--json", "--families", spec,
                    "--degrees", str(d), "--tokens", ",".join(str(s) for dd, s in grid if dd == d),
                    "--layer-checks", ";".join(f"{a},{b}" for a, b in todo_checks if a == d),
-                   "--rows-file", str(rows_file)]
+                   "--rows-file", str(rows_file), "--remat", remat]
             log(" ".join(cmd[1:]))
             try:
-                subprocess.run(cmd, capture_output=True, text=True, timeout=left)
+                subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
             except subprocess.TimeoutExpired:
                 log(f"{name} degree {d}: stopped at timeout_s; the rows measured so far are kept")
     rows, layer_rows = [], []
@@ -87,24 +101,25 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
         for r in _read(rows_file):
             if r["model"] != name:
                 continue
-            key = (r["degree"], r["tokens"], r.get("added"))
+            key = (_remat(r), r["degree"], r["tokens"], r.get("added"))
             if key in seen:
                 continue
             seen.add(key)
             (layer_rows if "added" in r else rows).append(_reprice(r, raw, depth))
-    measured = {(r["model"], r["degree"], r["tokens"]) for r in rows}
+    measured = {(r["model"], r["remat"], r["degree"], r["tokens"]) for r in rows}
     names = [load_model_config(s)[0] for s in p["models"]]
-    not_run = [{"model": m, "degree": d, "tokens": s} for m in names for d in p["degrees"] for s in p["tokens"]
-               if (m, d, s) not in measured]
+    not_run = [{"model": m, "remat": x, "degree": d, "tokens": s} for m in names for x in remats
+               for d in p["degrees"] for s in p["tokens"] if (m, x, d, s) not in measured]
     ratios = [r["ratio"] for r in rows + layer_rows]
-    summary = [f"{len(rows)} of {len(rows) + len(not_run)} (model, degree, tokens) rows measured at {depth[0]} LLM "
+    summary = [f"{len(rows)} of {len(rows) + len(not_run)} (model, remat, degree, tokens) rows measured at {depth[0]} LLM "
                f"layers and {depth[1]} encoder blocks; model/compiled from {min(ratios, default=0):.3f} to "
                f"{max(ratios, default=0):.3f} (rows and per-layer rows)"]
     for r in layer_rows:
-        summary.append(f"{r['model']} degree {r['degree']}, {r['tokens']} tokens: one more {r['added']} adds "
+        summary.append(f"{r['model']} remat {r['remat']} degree {r['degree']}, {r['tokens']} tokens: one more {r['added']} adds "
                        f"{r['compiled_bytes'] / 1e6:.0f} MB compiled, {r['model_bytes'] / 1e6:.0f} MB modelled "
                        f"({r['ratio']:.3f})")
-    return {"label": "measured: XLA memory_analysis of the family group program (abstract params, fp32, remat none, "
+    return {"label": f"measured: XLA memory_analysis of the family group program (abstract params, fp32, remat "
+                     f"{' and '.join(remats)}, "
                      f"{depth[0]} LLM layers + {depth[1]} encoder blocks, 8 fake CPU devices) vs "
                      "`group_program_bytes` of the same shape",
             "depth": depth, "rows": rows, "layer_rows": layer_rows, "not_run": not_run,
@@ -113,16 +128,17 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    """Model / compiled bytes per row, by model."""
+    """Model / compiled bytes per row, by model and remat."""
     import matplotlib.pyplot as plt
 
     from experiments.common import save_figure
 
     fig, ax = plt.subplots(figsize=(8, 4))
-    models = sorted({r["model"] for r in result["rows"]})
-    for i, m in enumerate(models):
-        rs = [r for r in result["rows"] if r["model"] == m]
-        ax.scatter([f"d{r['degree']} {r['tokens'] // 1024}k" for r in rs], [r["ratio"] for r in rs], label=m, s=18)
+    series = sorted({(r["model"], r.get("remat", "none")) for r in result["rows"]})
+    for m, remat in series:
+        rs = [r for r in result["rows"] if r["model"] == m and r.get("remat", "none") == remat]
+        ax.scatter([f"d{r['degree']} {r['tokens'] // 1024}k" for r in rs], [r["ratio"] for r in rs],
+                   label=f"{m} ({remat})", s=18, marker="o" if remat == "none" else "^")
     ax.axhspan(0.9, 1.1, color="0.9", zorder=0)
     ax.axhline(1.0, color="k", lw=0.8, ls=":")
     ax.set(ylabel="model / compiled bytes", title="family group programs")

@@ -235,27 +235,27 @@ def memory(r: dict[str, Any]) -> str:
 
 
 def memory_families(r: dict[str, Any]) -> str:
-    """The family group programs: model / compiled by model and degree, one cell per token count
-    ("not run" where the row was not measured), and the per-layer rows."""
+    """The family group programs: model / compiled by model, remat and degree, one cell per token
+    count ("not run" where the row was not measured), and the per-layer rows."""
     tokens = r["config"]["tokens"]
-    by: dict[tuple[str, int], dict[int, Any]] = {}
+    by: dict[tuple[str, str, int], dict[int, Any]] = {}
     for row in r["rows"]:
-        by.setdefault((row["model"], row["degree"]), {})[row["tokens"]] = row
+        by.setdefault((row["model"], row.get("remat", "none"), row["degree"]), {})[row["tokens"]] = row
     for row in r["not_run"]:
-        by.setdefault((row["model"], row["degree"]), {})
-    head = " / ".join(f"{t // 1024}k" for t in tokens)
+        by.setdefault((row["model"], row.get("remat", "none"), row["degree"]), {})
     cell = lambda d, t: (f"{d[t]['compiled_bytes'] / 1e9:.1f} / {d[t]['model_bytes'] / 1e9:.1f} GB: "  # noqa: E731
                          f"**{d[t]['ratio']:.3f}**") if t in d else "not run"
-    lines = [f"| model | degree | {' | '.join(f'{t // 1024}k: compiled / model, ratio' for t in tokens)} |",
-             "|---|---|" + "---|" * len(tokens)]
-    del head
-    for (model, degree), d in sorted(by.items()):
-        lines.append(f"| {model} | {degree} | {' | '.join(cell(d, t) for t in tokens)} |")
+    lines = [f"| model | remat | degree | {' | '.join(f'{t // 1024}k: compiled / model, ratio' for t in tokens)} |",
+             "|---|---|---|" + "---|" * len(tokens)]
+    for (model, remat, degree), d in sorted(by.items()):
+        lines.append(f"| {model} | {remat} | {degree} | {' | '.join(cell(d, t) for t in tokens)} |")
     if r["layer_rows"]:
-        lines += ["", "| model | degree | tokens | one more | compiled MB | model MB | ratio |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| model | remat | degree | tokens | one more | compiled MB | model MB | ratio |",
+                  "|---|---|---|---|---|---|---|---|"]
         for row in r["layer_rows"]:
-            lines.append(f"| {row['model']} | {row['degree']} | {row['tokens']} | {row['added']} | "
-                         f"{row['compiled_bytes'] / 1e6:.0f} | {row['model_bytes'] / 1e6:.0f} | {row['ratio']:.3f} |")
+            lines.append(f"| {row['model']} | {row.get('remat', 'none')} | {row['degree']} | {row['tokens']} | "
+                         f"{row['added']} | {row['compiled_bytes'] / 1e6:.0f} | {row['model_bytes'] / 1e6:.0f} | "
+                         f"{row['ratio']:.3f} |")
     return "\n".join(lines)
 
 

@@ -14,8 +14,9 @@ the group's kind, differentiated with respect to the flat params. The loss is tr
 each sample's labels shifted inside the sample (-100 ignored), summed over the batch and divided
 by the number of counted labels.
 
-The blocks run as the stand-in's do: `HFConfig.remat` puts every LLM layer and encoder block
-under `jax.checkpoint` ("layer", "selective"), and `linear_chunk` (the executor's, as for the
+The blocks run as the stand-in's do: `HFConfig.remat` recomputes every LLM layer and encoder
+block in the backward pass (`layers.remat_block`: "layer" keeps the block input only, "selective"
+`jax.checkpoint` with the GEMM outputs kept), and `linear_chunk` (the executor's, as for the
 stand-in) cuts every block's token-local work (norms, projections, MLP) into chunks and skips
 the dead ones (`mllm.split_block`): in the LLM stream a shard's padding tail, in the vision stream
 the rows of text and padding slots (and InternVL's CLS rows off a tile's first token), which the

@@ -6,8 +6,9 @@ lowered with abstract arguments (the params tree's shapes from the model's confi
 XLA:CPU's memory-minimising scheduler; `memory_analysis()` gives arguments + outputs + temp -
 aliases per device. Next to it, `group_program_bytes` of the model's `ModelShape`
 (`planner.cost.memory`, the family terms, `family_bytes_per_token`) at the program's choices: the
-bench's are no recompute (the family program keeps every intermediate: remat "none"), no pad
-skipping, fp32; `compiled` and `modelled` take `remat` and `linear_chunk` too.
+bench's are no pad skipping, fp32, and each remat of `remats` (default "none": the family
+program keeps every intermediate; "layer": each block keeps its input, `layers.remat_block`);
+`compiled` and `modelled` take `linear_chunk` too.
 
 The packed vision stream gives every LLM slot `unit` encoder rows (`dhp_jax.model.hf.packed`), so
 the program's shapes, and its bytes, do not depend on the group's vision share: the encoder runs
@@ -31,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from dhp_jax.data.model_configs import hf_layout, model_config
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.memory import family_bytes_per_token, group_program_bytes
+from dhp_jax.planner.cost.memory import REMATS, family_bytes_per_token, group_program_bytes
 from dhp_jax.planner.cost.presets import ModelShape
 
 BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
@@ -96,14 +97,11 @@ def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, h
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 
-REMAT = "none"   # the family program keeps every intermediate (no recompute for the families yet)
-
-
 def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *,
                      layer_checks: Sequence[tuple[int, int]] = (), depth: tuple[int, int] = BASE,
                      hardware: str = "ascend-910b", compute_dtype: str = "float32", log=None,
-                     rows_file: str | None = None) -> dict:
-    """Rows (model, degree, tokens): compiled and modelled bytes of the group program at `depth`
+                     rows_file: str | None = None, remats: Sequence[str] = ("none",)) -> dict:
+    """Rows (model, remat, degree, tokens), for each remat of `remats`: compiled and modelled bytes of the group program at `depth`
     (LLM layers, encoder blocks), their ratio; `layer_rows` (model, degree, tokens) at each of
     `layer_checks`: the bytes one more LLM layer / one more encoder block adds, compiled and
     modelled. The ratio of a full-depth program, (base + n dL + m dV) compiled vs modelled, lies
@@ -114,6 +112,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
     from dhp_jax.model.hf.config import with_depth
 
     devices = jax.devices()
+    if not remats or any(r not in REMATS for r in remats):
+        raise ValueError(f"remats must be some of {REMATS}, got {list(remats)}")
     if max(degrees, default=1) > len(devices):
         raise SystemExit(f"degree {max(degrees)} needs {max(degrees)} devices, found {len(devices)}")
     say = log or (lambda text: None)
@@ -131,38 +131,37 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                 int(raw["vision_config"].get("depth", raw["vision_config"].get("num_hidden_layers", 0))))
         base = with_depth(raw, *depth)
 
-        def point(cfg: Mapping[str, Any], d: int, s: int) -> tuple[int, float, float, int]:
+        def point(cfg: Mapping[str, Any], d: int, s: int, remat: str) -> tuple[int, float, float, int]:
             t0 = time.perf_counter()
-            got, params = compiled(cfg, d, s, devices, compute_dtype)
-            want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype)
+            got, params = compiled(cfg, d, s, devices, compute_dtype, remat)
+            want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype, remat=remat)
             return got, want, time.perf_counter() - t0, params
 
-        done: dict[tuple[int, int], tuple[int, float, float, int]] = {}   # the base program by (degree, tokens)
-        for d, s in layer_checks:
-            done[d, s] = got0, want0, _, params0 = point(base, d, s)
+        done: dict[tuple[str, int, int], tuple[int, float, float, int]] = {}   # base program by (remat, degree, tokens)
+        for remat, (d, s) in ((r, c) for r in remats for c in layer_checks):
+            done[remat, d, s] = got0, want0, _, params0 = point(base, d, s, remat)
             for what, cfg in (("llm_layer", with_depth(raw, depth[0] + 1, depth[1])),
                               ("encoder_block", with_depth(raw, depth[0], depth[1] + 1))):
-                got, want, took, params = point(cfg, d, s)
+                got, want, took, params = point(cfg, d, s, remat)
                 dg, dw = got - got0, want - want0
-                layer_rows.append(keep({"model": name, "degree": d, "tokens": s, "added": what,
+                layer_rows.append(keep({"model": name, "remat": remat, "degree": d, "tokens": s, "added": what,
                                    "compiled_bytes": int(dg), "model_bytes": int(dw), "ratio": round(dw / dg, 4),
                                    "compile_s": round(took, 1), "base_compiled_bytes": got0, "base_params": params0,
                                    "params": params}))
-                say(f"{name} degree {d} {s} tokens, one more {what}: compiled {dg / 1e6:.0f} MB, model "
-                    f"{dw / 1e6:.0f} MB, ratio {dw / dg:.3f}")
-        for s in tokens:
-            for d in degrees:
-                got, want, took, params = done.get((d, s)) or point(base, d, s)
-                rows.append(keep({"model": name, "family": raw["model_type"], "degree": d, "tokens": s,
-                             "layers": list(depth), "full_layers": list(full), "compiled_bytes": got,
-                             "model_bytes": int(want), "ratio": round(want / got, 4), "compile_s": round(took, 1),
-                             "params": params}))
-                say(f"{name} degree {d} {s} tokens at {depth}: compiled {got / 1e9:.2f} GB, model "
-                    f"{want / 1e9:.2f} GB, ratio {want / got:.3f} ({took:.0f} s)")
+                say(f"{name} remat {remat} degree {d} {s} tokens, one more {what}: compiled {dg / 1e6:.0f} MB, "
+                    f"model {dw / 1e6:.0f} MB, ratio {dw / dg:.3f}")
+        for remat, s, d in ((r, s, d) for r in remats for s in tokens for d in degrees):
+            got, want, took, params = done.get((remat, d, s)) or point(base, d, s, remat)
+            rows.append(keep({"model": name, "family": raw["model_type"], "remat": remat, "degree": d, "tokens": s,
+                              "layers": list(depth), "full_layers": list(full), "compiled_bytes": got,
+                              "model_bytes": int(want), "ratio": round(want / got, 4), "compile_s": round(took, 1),
+                              "params": params}))
+            say(f"{name} remat {remat} degree {d} {s} tokens at {depth}: compiled {got / 1e9:.2f} GB, model "
+                f"{want / 1e9:.2f} GB, ratio {want / got:.3f} ({took:.0f} s)")
     ratios = [r["ratio"] for r in rows] + [r["ratio"] for r in layer_rows]
     return {"label": f"XLA memory_analysis of the family group program at {depth[0]} LLM layers and {depth[1]} "
                      f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
-                     f"{devices[0].platform} devices) vs `group_program_bytes` (remat {REMAT!r})",
-            "depth": list(depth), "compute_dtype": compute_dtype, "remat": REMAT, "rows": rows,
+                     f"{devices[0].platform} devices) vs `group_program_bytes` (remat {', '.join(remats)})",
+            "depth": list(depth), "compute_dtype": compute_dtype, "remats": list(remats), "rows": rows,
             "layer_rows": layer_rows,
             "full_depth_bound": [min(ratios), max(ratios)] if ratios else None}

@@ -25,7 +25,7 @@ import time
 from typing import Any, Sequence
 
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.memory import group_program_bytes, rank_state_bytes
+from dhp_jax.planner.cost.memory import REMATS, group_program_bytes, rank_state_bytes
 from dhp_jax.planner.cost.presets import ModelShape
 
 DEGREES = (1, 2, 4, 8)
@@ -147,7 +147,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
-    parser.add_argument("--remat", default="layer", choices=("none", "layer", "selective"))
+    parser.add_argument("--remat", default=None,
+                        help="recompute policy: none, layer or selective (default: layer); with --families a "
+                             "comma-separated list of them (default: none)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     parser.add_argument("--state-shards", type=int, default=64, help="ranks the fp32 state is sharded over")
     parser.add_argument("--extrapolate", action="store_true",
@@ -180,8 +182,11 @@ def run(args: argparse.Namespace) -> int:
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     if args.families:
         return run_families(args, ints)
+    remat = args.remat or "layer"
+    if remat not in REMATS:
+        raise SystemExit(f"--remat: {remat!r} is not one of {REMATS}")
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
-                  hardware=args.hardware, remat=args.remat, compute_dtype=args.dtype,
+                  hardware=args.hardware, remat=remat, compute_dtype=args.dtype,
                   state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits)
     if args.json:
         print(json.dumps(res, indent=2))
@@ -213,19 +218,23 @@ def run_families(args: argparse.Namespace, ints: Any) -> int:
     checks = [tuple(ints(x)) for x in str(args.layer_checks).split(";") if x.strip()]
     if any(len(c) != 2 for c in checks):
         raise SystemExit(f"--layer-checks: {args.layer_checks!r} is not DEGREE,TOKENS[;DEGREE,TOKENS...]")
+    remats = [r.strip() for r in str(args.remat or "none").split(",") if r.strip()]
+    if not remats or any(r not in REMATS for r in remats):
+        raise SystemExit(f"--remat: {args.remat!r} is not a comma-separated list of {REMATS}")
     res = family_memory.measure_families([m.strip() for m in args.families.split(",") if m.strip()],
                                          ints(args.degrees), ints(args.tokens), layer_checks=checks,
                                          hardware=args.hardware, log=lambda t: print(t, file=sys.stderr, flush=True),
-                                         rows_file=args.rows_file)
+                                         rows_file=args.rows_file, remats=remats)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
     print(res["label"])
-    print(f"{'model':16s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} {'model/compiled':>15s}")
+    print(f"{'model':16s} {'remat':>6s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} "
+          f"{'model/compiled':>15s}")
     for r in res["rows"]:
-        print(f"{r['model']:16s} {r['degree']:6d} {r['tokens']:7d} {r['compiled_bytes'] / 1e9:12.2f} "
+        print(f"{r['model']:16s} {r['remat']:>6s} {r['degree']:6d} {r['tokens']:7d} {r['compiled_bytes'] / 1e9:12.2f} "
               f"{r['model_bytes'] / 1e9:9.2f} {r['ratio']:15.3f}")
     for r in res["layer_rows"]:
-        print(f"{r['model']:16s} {r['degree']:6d} {r['tokens']:7d} one more {r['added']}: compiled "
+        print(f"{r['model']:16s} {r['remat']:>6s} {r['degree']:6d} {r['tokens']:7d} one more {r['added']}: compiled "
               f"{r['compiled_bytes'] / 1e6:.0f} MB, model {r['model_bytes'] / 1e6:.0f} MB, ratio {r['ratio']:.3f}")
     return 0

@@ -19,6 +19,7 @@ M-RoPE, (h, w) for the vision encoders' 2-D RoPE.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import jax
@@ -137,10 +138,59 @@ def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
 
 
 def remat_block(fn: Callable, remat: str) -> Callable:
-    """`fn(p, x) -> x` (one block, `p` its params) under `jax.checkpoint` with the policy `remat`
-    names (`mllm.remat_policy`: "layer" keeps the block input only, "selective" also its weight
-    GEMMs' outputs); "none": `fn` itself. The values are `fn`'s, bit for bit."""
-    return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
+    """`fn(p, x) -> x` (one block, `p` its params) as a stream runs it under `remat`: "none": `fn`
+    itself; "selective": `jax.checkpoint` with `mllm.remat_policy` (the block's weight GEMMs'
+    outputs kept); "layer": a custom VJP that keeps the block input (with `p` and what `fn` closes
+    over) only and, in the backward pass, runs `fn` again under `jax.vjp`. The values are `fn`'s, bit for bit; the
+    gradients are `jax.vjp(fn)`'s. A plain fn -> fn wrapper: call it per block, in a Python loop or
+    in a scan body.
+
+    Why not `jax.checkpoint` for "layer": in a whole group program XLA:CPU kept every block's
+    intermediates anyway (tiny Qwen3-VL, degree 2, 4096 tokens: 128 MB compiled with
+    `jax.checkpoint`, 124.5 MB without remat). Its recompute was merged with the forward pass (the
+    same ops on the same block input: an optimization barrier on the recompute's inputs did not
+    stop it)
+    and the scheduler deferred every block's weight-gradient GEMMs to the end of the program,
+    holding their operands. Two data dependencies that change no value fix both: the recompute
+    reads the saved `p` and `x` plus `0 * g[0]` (so it is a different computation from the forward
+    pass, and cannot start before the block's output gradient `g` exists), and the input gradient
+    is returned plus `0 * sum(max(dp_leaf))` (so the next block's backward cannot start before this
+    block's weight gradients exist; a max, since XLA rewrites a sum of a GEMM's output into GEMMs
+    of sums, which frees the weight-gradient GEMM again). tests/test_family_memory.py fails
+    without either dependency. `0 * v` is 0 for finite v; a non-finite gradient is
+    non-finite either way."""
+    if remat != "layer":
+        return fn if remat == "none" else jax.checkpoint(fn, policy=remat_policy(remat))
+
+    def run(p: Any, x: jax.Array) -> jax.Array:
+        # what `fn` closes over (rotary angles, ids; in a scan body, per-step values) becomes
+        # arguments: a custom VJP may not close over tracers
+        pure, consts = jax.closure_convert(fn, p, x)
+        return _recompute(pure, p, x, *consts)
+
+    return run
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _recompute(fn: Callable, p: Any, x: jax.Array, *consts: Any) -> jax.Array:
+    """`fn(p, x, *consts)`, recomputed in its backward pass (`remat_block` "layer")."""
+    return fn(p, x, *consts)
+
+
+def _recompute_forward(fn: Callable, p: Any, x: jax.Array, *consts: Any) -> tuple[jax.Array, tuple]:
+    return fn(p, x, *consts), (p, x, consts)
+
+
+def _recompute_backward(fn: Callable, saved: tuple, g: jax.Array) -> tuple:
+    zero = 0 * g.reshape(-1)[0]
+    p, x, consts = jax.tree.map(lambda t: t + zero.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.inexact) else t,
+                                saved)
+    grads = jax.vjp(fn, p, x, *consts)[1](g)
+    done = sum(jnp.max(t).astype(grads[1].dtype) for t in jax.tree.leaves(grads[0]))
+    return (grads[0], grads[1] + 0 * done, *grads[2:])
+
+
+_recompute.defvjp(_recompute_forward, _recompute_backward)
 
 
 class BlockStream:

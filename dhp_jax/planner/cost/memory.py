@@ -253,8 +253,9 @@ def state_bytes(params: float, state_shards: int) -> float:
 
 
 # ------------------------------------------------------------------ the Hugging Face families' program
-# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`) as a
-# Python loop without recompute: every layer keeps what its backward pass reads. The counts below
+# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`): without
+# recompute every layer keeps what its backward pass reads; with remat "layer" (`layers.remat_block`)
+# it keeps its input and one block at a time holds its recomputed values. The counts below
 # are those values per row (elements), by the layer's parts; `dhp bench memory --families`
 # compares the sum with the compiled programs (docs/experiments.md).
 FAMILY_LLM_FF = 5          # SwiGLU: gate, up, silu(gate), the product, silu's sigmoid (JAX saves 6)
@@ -291,7 +292,9 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     attention's fp32 output and statistics; `chunked` (`HFConfig.linear_chunk` > 0): the chunks'
     VJP keeps their inputs only (the block input, q, k, v and the attention output) and recomputes
     the rest chunk by chunk; "layer": the block input; "selective": the block input and the
-    outputs of its weight GEMMs."""
+    outputs of its weight GEMMs. The recomputed working set is the block's intermediates (and for
+    an LLM layer without chunks, its SwiGLU's cotangents, live with them: the compiled programs at
+    published widths, `dhp bench memory --families --remat layer`)."""
     rows = encoder_rows(m)
     _, _, deepstack, mid = _encoder(m)
     dec_kept, dec_work = _family_block(m, False, remat, chunked)
@@ -323,8 +326,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     attn = _attention_fp32(heads, head_dim)
     inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
     work = (2 * hidden + 2 * qkv + heads * head_dim if chunked else every) + attn
-    if remat == "layer":
-        return hidden, work
+    if remat == "layer":            # an LLM layer's backward holds its MLP's cotangents with its recomputed values
+        return hidden, work + (0 if vision or chunked else FAMILY_LLM_FF * m.intermediate)
     if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
         return 2 * hidden + qkv + gemm_ff * (m.vision_intermediate if vision else m.intermediate) + hidden, work
     return (inputs if chunked else every + attn), work
