@@ -2,8 +2,8 @@
 8 fake CPU devices as 4 ranks of 2, one DHP step whose micro-batches run irregular ring groups
 (3 + 1 ranks), a Ulysses group and a hybrid group, exact (fp32, 1e-5) against one device running
 every sample unsharded (`reference_loss`); the model splits its kv heads in the vision encoder
-(2 over 2) and replicates them in the decoder (1 kv head on 2 devices), its vocabulary (255) is
-padded to 2 x 128, and its blocks run in chunks with pad skipping (the tp sums inside the skip
+(2 over 2) and replicates them in the decoder (1 kv head on 2 devices), its vocabulary (255)
+splits 128 + 127 (the second device holds ids 127..254 and owns 128..254), and its blocks run in chunks with pad skipping (the tp sums inside the skip
 conditions). Then the refusals: a head count no layout allows, t that does not divide the
 devices, a family model, a plan in devices instead of ranks."""
 

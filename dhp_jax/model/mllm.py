@@ -340,7 +340,7 @@ class MLLM(nn.Module):
         if self.tp is None or self.is_initializing():
             t = nn.Embed(c.vocab_size, c.d_model, name="embed")(batch["token_ids"])
         else:
-            t = vocab_embed(self.variables["params"]["embed"]["embedding"], batch["token_ids"], self.tp)
+            t = vocab_embed(self.variables["params"]["embed"]["embedding"], batch["token_ids"], c.vocab_size, self.tp)
         x = jnp.where(batch["vision_mask"][:, None], v, t)
         ids = AttnIds(batch["segment_ids"], batch["positions"], batch["span_ids"])
         if self.stacks is not None:

@@ -12,11 +12,13 @@ sum over devices of each device's output gives each device the gradient of its o
 params; the executor counts a rank's loss once (on its first device) and the reduction over all
 devices sums the copies (`dhp_jax.sharding.tensor`).
 
-Vocab-parallel (arXiv 1909.08053, section 3): device i holds the embedding rows and LM-head columns
-[i Vl, (i+1) Vl), Vl = ceil(V / t) (the last share zero-padded past V):
-- `vocab_embed`: each device looks up the ids in its rows (zero elsewhere); the psum is the lookup.
-- `vocab_loss_sum`: cross entropy from the local logits: the max over devices (no gradient), the
-  psum of the local sums of exp, and the target's logit from the device that holds it.
+Vocab-parallel (arXiv 1909.08053, section 3): device i owns the ids [i Vl, (i+1) Vl) (the last
+share ends at V), Vl = ceil(V / t), and holds the Vl embedding rows and LM-head columns from
+`vocab_share(...)[0]` = min(i Vl, V - Vl): the last device's window is moved back to end at V
+(no padded copy of the tables), and the ids it holds twice are not its own (masked):
+- `vocab_embed`: each device looks up the ids it owns (zero elsewhere); the psum is the lookup.
+- `vocab_loss_sum`: cross entropy from the local logits of the ids it owns: the max over devices
+  (no gradient), the psum of the local sums of exp, and the target's logit from its owner.
 """
 
 from __future__ import annotations
@@ -40,23 +42,32 @@ class TensorHooks:
     pmax: Callable[[jax.Array], jax.Array]
 
 
-def vocab_embed(table: jax.Array, ids: jax.Array, tp: TensorHooks) -> jax.Array:
+def vocab_share(vocab: int, t: int, index: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+    """(first id held, first id owned, Vl) of device `index` of t: it holds the Vl = ceil(V / t)
+    ids from min(index Vl, V - Vl) and owns those from index Vl (up to (index+1) Vl or V)."""
+    vl = -(-vocab // t)
+    own = index * vl
+    return jnp.minimum(own, vocab - vl), own, vl
+
+
+def vocab_embed(table: jax.Array, ids: jax.Array, vocab: int, tp: TensorHooks) -> jax.Array:
     """`table_full[ids]` from this device's rows table[Vl, d] of the vocab-split embedding."""
-    vl = table.shape[0]
-    local = ids - tp.index() * vl
-    ok = (local >= 0) & (local < vl)
-    rows = jnp.take(table, jnp.clip(local, 0, vl - 1), axis=0)
+    start, own, vl = vocab_share(vocab, tp.size, tp.index())
+    assert table.shape[0] == vl, (table.shape, vl)
+    ok = (ids >= own) & (ids < own + vl)
+    rows = jnp.take(table, jnp.clip(ids - start, 0, vl - 1), axis=0)
     return tp.psum(jnp.where(ok[:, None], rows, jnp.zeros((), rows.dtype)))
 
 
 def vocab_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array, vocab: int,
                    tp: TensorHooks) -> jax.Array:
-    """`mllm.token_loss_sum` of the full logits from this device's columns logits[S, Vl] (columns
-    i Vl .. of the vocab; those past `vocab` are padding and excluded), in fp32."""
+    """`mllm.token_loss_sum` of the full logits from this device's columns logits[S, Vl]
+    (`vocab_share`: the columns it holds but does not own are excluded), in fp32."""
     logits = logits.astype(jnp.float32)
-    vl = logits.shape[-1]
-    cols = tp.index() * vl + jnp.arange(vl)
-    logits = jnp.where(cols[None, :] < vocab, logits, -jnp.inf)
+    start, own, vl = vocab_share(vocab, tp.size, tp.index())
+    assert logits.shape[-1] == vl, (logits.shape, vl)
+    cols = start + jnp.arange(vl)
+    logits = jnp.where(cols[None, :] >= own, logits, -jnp.inf)
     m = lax.stop_gradient(tp.pmax(lax.stop_gradient(jnp.max(logits, axis=-1))))
     lse = m + jnp.log(tp.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1)))
     picked = tp.psum(jnp.sum(jnp.where(cols[None, :] == targets[:, None].astype(jnp.int32), logits, 0.0), axis=-1))

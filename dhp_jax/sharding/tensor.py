@@ -9,8 +9,9 @@ device, sequence-parallel norms (arXiv 2205.05198) are not done here).
 The split rule is `BLOCK_SPLIT` (every block of the vision encoder and of the decoder: q/k/v,
 gate and up by column, o and down by row, the norms replicated; kv heads split when t divides
 KVH, else each device takes the one kv head its query heads read, replicated) and `TOP_SPLIT` (the
-embedding by rows and the LM head by columns, vocab-parallel over ceil(V / t) ids per device, the
-last share zero-padded; the patch embedding, the vision and final norms and the projector
+embedding by rows and the LM head by columns, vocab-parallel over ceil(V / t) ids per device
+(`dhp_jax.model.tensor.vocab_share`: the last window moved back to end at V, no padded copy); the
+patch embedding, the vision and final norms and the projector
 replicated). docs/executor.md ("Tensor parallelism inside a rank") states it as the table both
 engines follow. A head count that no layout allows (H, vision heads, F or the vision MLP width not
 divisible by t; kv heads neither a multiple of t nor a divisor of it) is refused by `check`
@@ -30,11 +31,10 @@ import functools
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from dhp_jax.model.config import MLLMConfig, split_shape
-from dhp_jax.model.tensor import TensorHooks
+from dhp_jax.model.tensor import TensorHooks, vocab_share
 from dhp_jax.planner.cost.tensor import check_tensor_parallel
 from dhp_jax.sharding.mesh import TP_AXIS
 
@@ -66,28 +66,19 @@ def _units(config: MLLMConfig, vision: bool, t: int) -> dict[str, tuple[int, Any
           else (hd, lambda i: i // (t // kvh) * hd))
     vl = -(-c.vocab_size // t)
     return {"heads": (h // t * hd, lambda i: i * (h // t) * hd), "kv_heads": kv,
-            "mlp": (f // t, lambda i: i * (f // t)), "vocab": (vl, lambda i: i * vl)}
+            "mlp": (f // t, lambda i: i * (f // t)), "vocab": (vl, lambda i: vocab_share(c.vocab_size, t, i)[0])}
 
 
-def _take(x: jax.Array, axis: int, size: int, start: jax.Array, t: int) -> jax.Array:
-    """x's elements [start, start + size) along `axis` (zero-padded past its end to t x size)."""
-    if x.shape[axis] < t * size:
-        pad = [(0, 0)] * x.ndim
-        pad[axis] = (0, t * size - x.shape[axis])
-        x = jnp.pad(x, pad)
-    return lax.dynamic_slice_in_dim(x, start, size, axis)
-
-
-def _share(tree: dict, rule: dict, units: dict, index: jax.Array, t: int, prefix: str = "") -> dict:
+def _share(tree: dict, rule: dict, units: dict, index: jax.Array, prefix: str = "") -> dict:
     out = {}
     for k, v in tree.items():
         path = f"{prefix}{k}"
         if isinstance(v, dict):
-            out[k] = _share(v, rule, units, index, t, path + "/")
+            out[k] = _share(v, rule, units, index, path + "/")
         elif path in rule:
             axis, unit = rule[path]
             size, start = units[unit]
-            out[k] = _take(v, axis, size, start(index), t)
+            out[k] = lax.dynamic_slice_in_dim(v, start(index), size, axis)
         else:
             out[k] = v
     return out
@@ -95,9 +86,9 @@ def _share(tree: dict, rule: dict, units: dict, index: jax.Array, t: int, prefix
 
 def block_share(params: dict, config: MLLMConfig, vision: bool, t: int, index: jax.Array) -> dict:
     """Device `index`'s share of one block's params (a `layers_i` / `vision_layers_i` subtree)."""
-    return _share(params, BLOCK_SPLIT, _units(config, vision, t), index, t)
+    return _share(params, BLOCK_SPLIT, _units(config, vision, t), index)
 
 
 def top_share(params: dict, config: MLLMConfig, t: int, index: jax.Array) -> dict:
     """Device `index`'s share of the params outside the blocks (blocks are left as they are)."""
-    return _share(params, TOP_SPLIT, _units(config, False, t), index, t)
+    return _share(params, TOP_SPLIT, _units(config, False, t), index)
