@@ -14,8 +14,9 @@ The packed vision stream gives every LLM slot `unit` encoder rows (`dhp_jax.mode
 the program's shapes, and its bytes, do not depend on the group's vision share: the encoder runs
 (on dead rows for text slots) as for an all-vision stream.
 
-Depth: the family program runs its layers as a Python loop (no scan), so a compile of a
-full-depth 8B model at 64k tokens takes minutes on a small host. The bench compiles the model at
+Depth: the bench was built when the family program ran its layers as a Python loop (a compile
+of a full-depth 8B model at 64k tokens took minutes on a small host; they are a scan now,
+`dhp_jax.model.hf.scan`). The bench compiles the model at
 `BASE` (LLM layers, encoder blocks), at one LLM layer more and at one encoder block more, and
 extrapolates linearly to full depth (`extrapolate`); the model's bytes are computed at the same
 depths, and each row records the model / compiled ratio both at the compiled base depth and at

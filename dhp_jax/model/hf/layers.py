@@ -40,20 +40,34 @@ def linear(p: Params, x: jax.Array) -> jax.Array:
     return y + p["bias"] if "bias" in p else y
 
 
+def fused(fn: Callable) -> Callable:
+    """`fn` (token-local elementwise work: a norm, an activation, rotary) under `jax.checkpoint`
+    saving nothing: its VJP keeps its inputs only and recomputes the rest, as a compiler fuses it.
+    A block stack's scan stores each block's residuals explicitly, so without this every
+    intermediate of a norm or a GELU would be kept per block. Values unchanged."""
+    return jax.checkpoint(fn, prevent_cse=False)
+
+
 def rms_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     """RMSNorm over the last axis; statistics in fp32 (as transformers' RMSNorm)."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return p["scale"] * y.astype(x.dtype)
+    def norm(x, scale):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return scale * y.astype(x.dtype)
+
+    return fused(norm)(x, p["scale"])
 
 
 def layer_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     """LayerNorm over the last axis with affine scale and bias (biased variance, as torch)."""
-    xf = x.astype(jnp.float32)
-    mean = jnp.mean(xf, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
-    y = ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
-    return y * p["scale"] + p["bias"]
+    def norm(x, scale, bias):
+        xf = x.astype(jnp.float32)
+        mean = jnp.mean(xf, axis=-1, keepdims=True)
+        var = jnp.mean(jnp.square(xf - mean), axis=-1, keepdims=True)
+        y = ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+        return y * scale + bias
+
+    return fused(norm)(x, p["scale"], p["bias"])
 
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -69,7 +83,12 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     """The transformers activation `name` (`hidden_act` of a config)."""
     if name not in ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported (known: {sorted(ACTIVATIONS)})")
-    return ACTIVATIONS[name]
+    return fused(ACTIVATIONS[name])
+
+
+def gated(name: str, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """act(gate) * up (SwiGLU's middle, `name` the activation), `fused`."""
+    return fused(lambda g, u: ACTIVATIONS[name](g) * u)(gate, up)
 
 
 def rotary(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -82,11 +101,13 @@ def rotary(angles: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 def rope(x: jax.Array, angles: Any) -> jax.Array:
     """Rotate-half rotary embedding of x[S, H, D] by angles[S, D/2] or their `rotary` tables (cos/sin in fp32)."""
-    cos, sin = angles if isinstance(angles, tuple) else rotary(angles)
-    xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    def rotate(x, cos, sin):
+        xf = x.astype(jnp.float32)
+        half = x.shape[-1] // 2
+        rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+        return (xf * cos + rotated * sin).astype(x.dtype)
+
+    return fused(rotate)(x, *(angles if isinstance(angles, tuple) else rotary(angles)))
 
 
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
@@ -96,7 +117,6 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
     `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
     chunks and the dead ones are skipped (`mllm.split_block`); None: one pass."""
     heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
-    act = activation(shape.act)
 
     def project(pp, xc, ang):
         a = pp["self_attn"]
@@ -112,7 +132,7 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
         h = xc + linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd))
         m = pp["mlp"]
         z = rms_norm(h, pp["post_attention_layernorm"], shape.eps)
-        return h + linear(m["down_proj"], act(linear(m["gate_proj"], z)) * linear(m["up_proj"], z))
+        return h + linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)))
 
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
 

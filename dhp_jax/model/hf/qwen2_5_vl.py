@@ -26,7 +26,7 @@ from dhp_jax.model.hf.host import qwen2_5_vl as prepare  # noqa: F401 (host side
 from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
-from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, linear,
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_ids, gated, linear,
                                      qwen_vision_block, rms_norm, rotary, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
@@ -45,13 +45,12 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
     stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
     rot = rotary(stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"]))))
     frames, windows = (stream.rows(segment_ids(enc[k])) for k in ("frames", "windows"))
-    act = activation(v.act)
 
     def norm(y: jax.Array, q: Params) -> jax.Array:
         return rms_norm(y, q, VISION_EPS)
 
     def mlp(m: Params, y: jax.Array) -> jax.Array:
-        return linear(m["down_proj"], act(linear(m["gate_proj"], y)) * linear(m["up_proj"], y))
+        return linear(m["down_proj"], gated(v.act, linear(m["gate_proj"], y), linear(m["up_proj"], y)))
 
     def block(b, h, blk, rt):
         return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live)
