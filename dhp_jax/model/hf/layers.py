@@ -206,7 +206,8 @@ def _recompute_backward(fn: Callable, saved: tuple, g: jax.Array) -> tuple:
     p, x, consts = jax.tree.map(lambda t: t + zero.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.inexact) else t,
                                 saved)
     grads = jax.vjp(fn, p, x, *consts)[1](g)
-    done = sum(jnp.max(t).astype(grads[1].dtype) for t in jax.tree.leaves(grads[0]))
+    done = sum(jnp.max(t).astype(grads[1].dtype) for t in jax.tree.leaves(grads[0])
+               if jnp.issubdtype(t.dtype, jnp.inexact))  # integer inputs (a scan's per-block ids) get float0
     return (grads[0], grads[1] + 0 * done, *grads[2:])
 
 
