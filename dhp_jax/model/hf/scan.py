@@ -113,6 +113,18 @@ def block_rows(stack: Any, count: int) -> BlockRows:
     return BlockRows.of([stack[str(i)] for i in range(count)])
 
 
+def _read(table: jax.Array, at: jax.Array) -> jax.Array:
+    """table[at], or zeros where `at` is -1 (a block with no entry)."""
+    row = table[jnp.maximum(at, 0)]
+    return jnp.where(at >= 0, row, jnp.zeros_like(row))
+
+
+def _write(table: jax.Array, at: jax.Array, value: jax.Array) -> jax.Array:
+    """table with row `at` set to value (unchanged where `at` is -1)."""
+    i = jnp.maximum(at, 0)
+    return table.at[i].set(jnp.where(at >= 0, value, table[i]))
+
+
 Block = Callable[[Any, jax.Array, Any, Any], jax.Array]    # (params subtree, x, per-block inputs, consts) -> x
 
 
@@ -148,11 +160,9 @@ def run_blocks(block: Block, stack: BlockRows, x: jax.Array, per_block: Any = ()
     def after(h, buf, at, fd):
         """The feed added after a block, its output recorded in the taps' buffer."""
         if fd is not None:
-            i = jnp.maximum(at[0], 0)
-            h = h + jnp.where(at[0] >= 0, fd[i], jnp.zeros_like(h))
+            h = h + _read(fd, at[0])
         if buf is not None:
-            j = jnp.maximum(at[1], 0)
-            buf = buf.at[j].set(jnp.where(at[1] >= 0, h, buf[j]))
+            buf = _write(buf, at[1], h)
         return h, buf
 
     def new_buf(x):
@@ -188,11 +198,9 @@ def run_blocks(block: Block, stack: BlockRows, x: jax.Array, per_block: Any = ()
             dh, dfd = carry
             kept, row, blk, at = xs
             if dtaps is not None:
-                j = jnp.maximum(at[1], 0)
-                dh = dh + jnp.where(at[1] >= 0, dtaps[j], jnp.zeros_like(dh))
+                dh = dh + _read(dtaps, at[1])
             if dfd is not None:
-                i = jnp.maximum(at[0], 0)
-                dfd = dfd.at[i].set(jnp.where(at[0] >= 0, dh, dfd[i]))
+                dfd = _write(dfd, at[0], dh)
             p = stack.tree(_load(row, dtype))
             given = [*jax.tree.leaves(p), *jax.tree.leaves(blk), *jax.tree.leaves(consts)]
             kept = iter(_load(k, d) for k, d in zip(kept, meta["dtypes"]))
