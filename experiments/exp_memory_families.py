@@ -59,7 +59,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
         rows_file.unlink()
     depth = list(BASE)
     checks = [tuple(c) for c in p["layer_checks"]]
-    remats = list(p.get("remats") or ["none"])
+    remats = list(p["remats"])
     deadline = time.monotonic() + float(p["timeout_s"])
     # the fake CPU devices, asked for before the subprocess imports jax (`dhp bench memory` imports it
     # before it reads --devices)
