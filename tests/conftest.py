@@ -1,4 +1,10 @@
-"""Every test process sees 8 fake CPU devices: the flag must be set before jax is imported."""
+"""Every test process sees 8 fake CPU devices: the flag must be set before jax is imported.
+
+One OpenMP thread per process (torch, numpy's BLAS), inherited by every subprocess a test starts:
+the suite runs several processes per core, where a second OpenMP thread per process only spins
+waiting for a core (an in-process torch loop costs ~17x the CPU time with two threads instead of
+one on a loaded 2-core machine). Set OMP_NUM_THREADS to override.
+"""
 
 import os
 
@@ -6,3 +12,4 @@ from dhp_jax.devices import cpu_devices_env
 
 os.environ.update(cpu_devices_env(8))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
