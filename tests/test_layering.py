@@ -194,3 +194,20 @@ def test_walker_sees_function_level_and_lazy_imports():
     # `from dhp_jax.planner import CostModel` inside a method resolves through the lazy table
     assert "dhp_jax.planner.cost.model" in [n for n, _ in imports_of("dhp_jax.sim.cluster")]
     assert part_of("dhp_jax.cli") == part_of("dhp_jax.bench") == "cli" and part_of("dhp_jax._lazy") == "base"
+
+
+def test_bench_targets_import_no_jax_before_their_devices_are_set():
+    """`dhp bench TARGET --devices N` sets the fake CPU devices in `run`, which XLA reads when jax is
+    first imported: a target module that imports jax at its top leaves every run on 1 device
+    (`dhp bench memory --degrees 2` once stopped with "needs 2 devices, found 1")."""
+    import subprocess
+    import sys
+
+    from dhp_jax.bench import TARGETS
+
+    script = ("import importlib, sys\n"
+              f"for m in {sorted(m for m, _ in TARGETS.values())!r}:\n"
+              "    importlib.import_module(m)\n"
+              "    assert 'jax' not in sys.modules, m + ' imports jax at import time'\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

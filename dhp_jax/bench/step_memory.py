@@ -16,6 +16,9 @@ that many fake CPU devices (the group program uses `degree` of them). The group 
 come from `dhp_jax.sharding.memory_bench.program_bytes` (full depth, or extrapolated from 2- and
 3-layer compiles with `--extrapolate`); the other programs do not depend on the depth and are
 compiled at the model's full parameter count.
+
+jax (and what imports it) is imported inside the functions: `run` asks for the fake CPU devices
+first, which XLA reads when jax is imported.
 """
 
 from __future__ import annotations
@@ -26,17 +29,15 @@ import json
 import time
 from typing import Any, Sequence
 
-import jax
 import numpy as np
 
-from dhp_jax.model import MLLMConfig, init_params
+from dhp_jax.model import MLLMConfig
 from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
-from dhp_jax.sharding import PlanExecutor, memory_bench
-from dhp_jax.sharding.executor import row_dtype
+from dhp_jax.devices import force_cpu_devices
+from dhp_jax.sharding import memory_bench
 from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape, program_bytes
 from dhp_jax.train.config import OptimConfig
-from dhp_jax.train.state import make_init, make_optimizer, make_update
 
 MICRO_BATCHES = (2, 3)
 STEP_ROWS = (("internvl3-8b", 8, 65536), ("internvl3-2b", 8, 65536), ("internvl3-2b", 2, 32768))
@@ -65,6 +66,13 @@ class Compiled:
 def step_programs(config: Any, compute_dtype: str, devices: Sequence[Any], options: dict) -> dict[str, Compiled]:
     """The compiled bytes of the step's programs other than the group program, on `devices` (the
     state's shards): gather, accumulate (one micro-batch's reduction), finish, update."""
+    import jax
+
+    from dhp_jax.model import init_params
+    from dhp_jax.sharding import PlanExecutor
+    from dhp_jax.sharding.executor import row_dtype
+    from dhp_jax.train.state import make_init, make_optimizer, make_update
+
     ex = PlanExecutor(config, devices, compute_dtype=compute_dtype)
     n, padded = len(devices), ex.layout.padded
     shard = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=ex.sharded)  # noqa: E731
@@ -102,6 +110,8 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
                  hardware: str = "ascend-910b", remat: str = "layer", compute_dtype: str = "bfloat16",
                  full_depth: bool = True) -> dict:
     """`dhp bench memory --step`: a row per (model, degree, tokens) and micro-batch count."""
+    import jax
+
     devices = jax.devices()
     shards = len(devices)
     cpu = devices[0].platform == "cpu"
@@ -165,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.step:
         return memory_bench.run(args)
     rows = _step_rows(args.rows)
-    memory_bench.use_cpu_devices(args.state_shards)
+    force_cpu_devices(args.state_shards)
     import jax
 
     if max(d for _, d, _ in rows) > len(jax.devices()):

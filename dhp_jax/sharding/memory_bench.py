@@ -19,11 +19,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from typing import Any, Sequence
 
+from dhp_jax.devices import force_cpu_devices
 from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import REMATS, group_program_bytes, rank_state_bytes
 from dhp_jax.planner.cost.presets import ModelShape
@@ -168,17 +168,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="--families: append each row to this JSON-lines file as soon as it is measured")
 
 
-def use_cpu_devices(count: int) -> None:
-    """Ask for `count` fake CPU devices, if jax is not imported yet (later it is too late)."""
-    if "jax" not in sys.modules:
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={count}"])
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def run(args: argparse.Namespace) -> int:
-    use_cpu_devices(args.devices)
+    force_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     if args.families:
         return run_families(args, ints)
