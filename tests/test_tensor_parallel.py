@@ -117,6 +117,8 @@ def test_train_config_validates_tensor_parallel_and_families_are_refused():
     # the stand-in model runs it (tests/test_tp_engine.py): 4 ranks of 2 devices, plans for 4 ranks
     setup = prepare_run(config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2}}))
     assert len(setup.devices) == 8 and setup.first_plan.num_ranks == 4
+    # the planner prices what runs: a rank of 2 devices, the state over all 8
+    assert (setup.cost.tensor_parallel, setup.cost.state_shards * 2) == (2, 8)
     family = config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2},
                                "model": {"preset": "tiny-qwen3_vl"}})
     with pytest.raises(TrainError, match="not yet available for the family model 'tiny-qwen3_vl'"):

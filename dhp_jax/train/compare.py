@@ -106,7 +106,9 @@ def compare_plans(trainer: Any, params: Any, first_step: int, progress: bool = F
         }
     sim_ranks = c.sim_ranks or cfg.num_ranks
     rpn = min(c.sim_ranks_per_node, sim_ranks)
-    cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn, state_shards=sim_ranks)
+    t = cfg.parallel.tensor   # the simulated ranks are the run's: t devices each
+    cost = CostModel.preset(c.sim_model, c.sim_hardware, ranks_per_node=rpn, state_shards=sim_ranks * t,
+                            **({"tensor_parallel": t} if t > 1 else {}))
     if c.sim_batch_size:  # the run's mix at the simulated scale, one batch per compared batch
         sim_batches = [trainer.pipeline.source_batch(first_step + i, c.sim_batch_size) for i in range(c.batches)]
     else:

@@ -105,25 +105,37 @@ def run_cost(config: Any) -> Any:
     """The planning cost model of a train config (`make_cost` of its planner section)."""
     p = config.planner
     return make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
-                     num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained)
+                     num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained,
+                     tensor_parallel=config.parallel.tensor)
 
 
 def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, ranks_per_node: int,
-              num_ranks: int | None = None, comm_overlap: bool | None = None, checkpoint: str | None = None) -> Any:
+              num_ranks: int | None = None, comm_overlap: bool | None = None, checkpoint: str | None = None,
+              tensor_parallel: int = 1) -> Any:
     """The planning cost model: a `dhp profile` JSON when given, else a named preset.
 
     `cost_model` None: the checkpoint's shape when fine-tuning `checkpoint`, else DEFAULT_COST_MODEL.
     A preset's fp32 engine state (master params, Adam moments) is sharded over all `num_ranks` ranks
     of the run (`CostModel.state_shards`; default: `ranks_per_node`); `comm_overlap` (None: the
-    hardware's) says whether ring traffic hides behind attention.
+    hardware's) says whether ring traffic hides behind attention. `tensor_parallel` = t > 1: a rank
+    is t devices (`parallel.tensor`): the preset of such a rank (`CostModel.preset(...,
+    tensor_parallel=t)`; `ranks_per_node` and `num_ranks` count ranks, the state is sharded over
+    their t devices each); a profile prices the ranks it was measured on, so it must say the same t.
     """
     if cost_profile:
-        return load(cost_profile, profile=True)
+        cost = load(cost_profile, profile=True)
+        if cost.tensor_parallel != tensor_parallel:
+            raise ValueError(f"planner.cost_profile {cost_profile!r} was measured on ranks of tensor_parallel="
+                             f"{cost.tensor_parallel} device(s); the run's parallel.tensor is {tensor_parallel}")
+        return cost
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
+    if tensor_parallel > 1:
+        extra["tensor_parallel"] = tensor_parallel
+    shards = (num_ranks or ranks_per_node) * tensor_parallel
     if cost_model is None and checkpoint:   # the fine-tuned checkpoint's own shape (its config.json)
         return CostModel.preset(ModelShape.from_config(checkpoint), hardware, ranks_per_node=ranks_per_node,
-                                state_shards=num_ranks or ranks_per_node, **extra)
-    return load(cost_model or DEFAULT_COST_MODEL, hardware, ranks_per_node=ranks_per_node, state_shards=num_ranks or ranks_per_node,
+                                state_shards=shards, **extra)
+    return load(cost_model or DEFAULT_COST_MODEL, hardware, ranks_per_node=ranks_per_node, state_shards=shards,
                 **extra)
 
 
