@@ -37,6 +37,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dhp_jax.data.sample import Sample
@@ -45,13 +46,14 @@ from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
 from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
 from dhp_jax.planner.contract.kinds import RING
-from dhp_jax.sharding.executor import PlanExecutor, require_float32
+from dhp_jax.sharding.executor import PlanExecutor, require_float32, row_dtype
 from dhp_jax.sharding.flat import FlatLayout
 
 
 def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
-    (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype)."""
+    (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype, a 2-byte
+    dtype bit-cast to its unsigned integer (`row_dtype`), as the stand-in's `group_program`)."""
 
     stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks], leaves=True)
@@ -70,7 +72,10 @@ def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
         # whole vector makes it a sum of zero-padded P-sized parts: several P-sized temporaries);
         # a block stack is one piece, its gradient stacked [count, n] by the scan
         value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
-        return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], jnp.concatenate(grads)[None]
+        row = jnp.concatenate(grads)
+        if row_dtype(row.dtype) != row.dtype:       # as the stand-in's rows (and an idle device's zero row)
+            row = lax.bitcast_convert_type(row, row_dtype(row.dtype))
+        return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], row[None]
 
     return body
 
