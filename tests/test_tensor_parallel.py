@@ -132,3 +132,18 @@ def test_replace_refuses_a_new_tensor_parallel():
     with pytest.raises(ValueError, match=r"tensor_parallel=2.*qwen3-vl-8b.*preset\(\.\.\., tensor_parallel=t\)"):
         one.replace(tensor_parallel=2)
     assert one.replace(tensor_parallel=1).to_dict() == one.to_dict()
+
+
+def test_memory_bench_takes_tensor_parallel_for_the_stand_in_only():
+    """`dhp bench memory --tensor-parallel T` compiles the stand-in's group program on ranks of T
+    devices (docs/cli.md); the family bench and `--step` do not split and refuse it by name."""
+    import argparse
+
+    from dhp_jax.bench import step_memory
+
+    parser = argparse.ArgumentParser()
+    step_memory.configure(parser)
+    assert parser.parse_args([]).tensor_parallel == 1
+    for extra in (["--families", "qwen3-vl-8b"], ["--step"]):
+        with pytest.raises(SystemExit, match=f"--tensor-parallel 2: .*not with {extra[0]}"):
+            step_memory.run(parser.parse_args(["--tensor-parallel", "2", *extra]))

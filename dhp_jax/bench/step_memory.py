@@ -172,7 +172,7 @@ def _step_rows(text: str) -> list[tuple[str, int, int]]:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.step:
+    if not args.step or args.tensor_parallel != 1:    # memory_bench refuses --step with --tensor-parallel
         return memory_bench.run(args)
     rows = _step_rows(args.rows)
     force_cpu_devices(args.state_shards)

@@ -54,21 +54,24 @@ def model_shape(config: Any) -> Any:
                       vision_head_dim=c.vision_head_dim, patch_dim=c.patch_dim)
 
 
-def compiled_bytes(config: Any, degree: int, tokens: int, compute_dtype: str, devices: Sequence[Any]) -> int:
-    """Per-device bytes of the compiled group program (arguments + outputs + temp - aliases)."""
+def compiled_bytes(config: Any, degree: int, tokens: int, compute_dtype: str, devices: Sequence[Any],
+                   tensor_parallel: int = 1) -> int:
+    """Per-device bytes of the compiled group program (arguments + outputs + temp - aliases); with
+    `tensor_parallel` t, a group of `degree` ranks of t devices each."""
     from dhp_jax.sharding.executor import PlanExecutor
 
-    ex = PlanExecutor(config, devices, compute_dtype=compute_dtype)
+    ex = PlanExecutor(config, devices, compute_dtype=compute_dtype, tensor_parallel=tensor_parallel)
     stream = -(-tokens // (2 * degree)) * 2 * degree        # the tokens, divisible by 2 x degree
     options = dict(ex.compiler_options)
     if all(d.platform == "cpu" for d in devices[:degree]):
         options.update(CPU_MEMORY_SCHEDULER)
-    m = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options).memory_analysis()
+    group = tuple(devices[:degree * tensor_parallel])
+    m = ex.lower(degree, stream, group).compile(compiler_options=options).memory_analysis()
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
 
 
 def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, devices: Sequence[Any],
-                  full_depth: bool = False) -> tuple[int, bool]:
+                  full_depth: bool = False, tensor_parallel: int = 1) -> tuple[int, bool]:
     """(compiled bytes of model config `full`, whether they were extrapolated from shallow
     compiles: with B = `BASE_DEPTH`, b(L, V) = b(B, B) + (L - B) [b(B+1, B) - b(B, B)]
     + (V - B) [b(B, B+1) - b(B, B)]. The base is 2 layers, not 1: the peak of a 1-layer program
@@ -76,11 +79,11 @@ def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, de
     from there do the bytes grow linearly with depth)."""
     b = BASE_DEPTH
     if full_depth or full.num_layers <= b or full.vision_layers <= b:
-        return compiled_bytes(full, degree, tokens, compute_dtype, devices), False
+        return compiled_bytes(full, degree, tokens, compute_dtype, devices, tensor_parallel), False
 
     def at(layers: int, vision: int) -> int:
         cfg = dataclasses.replace(full, num_layers=layers, vision_layers=vision)
-        return compiled_bytes(cfg, degree, tokens, compute_dtype, devices)
+        return compiled_bytes(cfg, degree, tokens, compute_dtype, devices, tensor_parallel)
 
     base, deeper, wider = at(b, b), at(b + 1, b), at(b, b + 1)
     est = base + (full.num_layers - b) * (deeper - base) + (full.vision_layers - b) * (wider - base)
@@ -89,35 +92,39 @@ def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, de
 
 def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *, hardware: str = "ascend-910b",
             remat: str = "layer", compute_dtype: str = "bfloat16", state_shards: int = 64,
-            full_depth: bool = True, fits: bool = True) -> dict:
+            full_depth: bool = True, fits: bool = True, tensor_parallel: int = 1) -> dict:
     import jax
 
     from dhp_jax.model import MLLMConfig
 
     devices = jax.devices()
-    if max(degrees) > len(devices):
-        raise SystemExit(f"degree {max(degrees)} needs {max(degrees)} devices, found {len(devices)}")
+    t = tensor_parallel
+    if max(degrees) * t > len(devices):
+        raise SystemExit(f"degree {max(degrees)}{f' x tensor_parallel {t}' if t > 1 else ''} needs "
+                         f"{max(degrees) * t} devices, found {len(devices)}")
     rows = []
     cpu = devices[0].platform == "cpu"
     ab = CPU_ACTIVATION_BYTES if cpu else None
     for model in models:
         # the engine runs the stand-in at the preset's shape: price that, not the real family
         cost = CostModel.preset(model_shape(MLLMConfig.preset(model)), hardware, state_shards=state_shards,
-                                remat=remat, compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False)
+                                remat=remat, compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False,
+                                **({"tensor_parallel": t} if t > 1 else {}))
         for d in degrees:
             for s in tokens:
                 t0 = time.perf_counter()
                 got, extra = program_bytes(MLLMConfig.preset(model, remat=remat), d, s, compute_dtype=compute_dtype,
-                                           devices=devices, full_depth=full_depth)
+                                           devices=devices, full_depth=full_depth, tensor_parallel=t)
                 want = group_program_bytes(cost, [s], d)
                 rows.append({"model": model, "degree": d, "tokens": s, "compiled_bytes": got,
                              "model_bytes": int(want), "rel_error": round(want / got - 1.0, 4),
                              "extrapolated": extra, "compile_s": round(time.perf_counter() - t0, 1)})
     out: dict[str, Any] = {
         "label": f"XLA memory_analysis of the group program compiled for {devices[0].platform} devices "
-                 f"(abstract arguments) vs memory.group_program_bytes ({hardware} preset)",
-        "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "rows": rows}
-    if fits:
+                 f"(abstract arguments{f', ranks of {t} devices' if t > 1 else ''}) vs memory.group_program_bytes "
+                 f"({hardware} preset{f', tensor_parallel {t}' if t > 1 else ''})",
+        "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "tensor_parallel": t, "rows": rows}
+    if fits and t == 1:
         f = FITS
         row = next((r for r in rows if r["model"] == f["model"] and r["degree"] == f["degree"]
                     and r["tokens"] == f["tokens"]), None)
@@ -147,6 +154,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="ranks of T devices (the stand-in model split Megatron-style, PlanExecutor("
+                             "tensor_parallel=T)), priced with CostModel.preset(..., tensor_parallel=T); a group of "
+                             "degree d uses d x T devices (not with --families or --step)")
     parser.add_argument("--remat", default=None,
                         help="recompute policy: none, layer or selective (default: layer); with --families a "
                              "comma-separated list of them (default: none)")
@@ -171,6 +182,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     force_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
+    if args.tensor_parallel != 1 and (args.families or getattr(args, "step", False)):
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel}: the engine splits the stand-in model only; "
+                         f"not with {'--families' if args.families else '--step'}")
     if args.families:
         return run_families(args, ints)
     remat = args.remat or "layer"
@@ -178,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--remat: {remat!r} is not one of {REMATS}")
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=remat, compute_dtype=args.dtype,
-                  state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits)
+                  state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits,
+                  tensor_parallel=args.tensor_parallel)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0
