@@ -45,13 +45,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dhp_jax.model.config import split_shape
 from dhp_jax.planner.cost.tensor import check_node, check_tensor_parallel
 
 # (field of the model shape the planner's check reads, the MLLMConfig field behind it)
-_SHAPE_FIELDS = {"heads": "num_heads", "kv_heads": "num_kv_heads", "intermediate": "d_ff",
-                 "vision_heads": "vision_heads", "vision_intermediate": "vision_ff"}
-
-
 # the names of a block's seven split matrices: the stand-in's, and the families' LLM (transformers)
 _STAND_IN = {"q": "attn.q", "k": "attn.k", "v": "attn.v", "o": "attn.o", "gate": "mlp.gate", "up": "mlp.up",
              "down": "mlp.down"}
@@ -76,8 +73,7 @@ def check_model(config: Any, t: int, intermediate: int | None = None) -> None:
                                       vision_heads=0, vision_intermediate=0)
         vocab, field = config.vocab_size, "text_config.vocab_size"
     else:
-        shape = types.SimpleNamespace(**{k: getattr(config, f) for k, f in _SHAPE_FIELDS.items()},
-                                      FIELD_NAMES={k: f"MLLMConfig.{f}" for k, f in _SHAPE_FIELDS.items()})
+        shape = split_shape(config)
         vocab, field = config.vocab_size, "MLLMConfig.vocab_size"
     check_tensor_parallel(shape, t, f"model {getattr(config, 'name', '?')!r}")
     if vocab < t or -(-vocab // t) * (t - 1) >= vocab:
