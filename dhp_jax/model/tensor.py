@@ -19,6 +19,12 @@ share ends at V), Vl = ceil(V / t), and holds the Vl embedding rows and LM-head 
 - `vocab_embed`: each device looks up the ids it owns (zero elsewhere); the psum is the lookup.
 - `vocab_loss_sum`: cross entropy from the local logits of the ids it owns: the max over devices
   (no gradient), the psum of the local sums of exp, and the target's logit from its owner.
+
+Copies: a parameter every device of a rank holds (a norm, the patch embedding, the projector) or a
+kv head several devices share is one parameter with a copy per device. `tied_copy` /
+`tied_group_copy` pass a copy through unchanged and sum the copies' gradients in the backward
+pass (over the rank, or over the devices sharing the head), so every copy receives the gradient
+of the one parameter and the copies stay equal under the optimizer (`dhp_jax.sharding.tensor`).
 """
 
 from __future__ import annotations
@@ -72,3 +78,37 @@ def vocab_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array, vo
     lse = m + jnp.log(tp.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1)))
     picked = tp.psum(jnp.sum(jnp.where(cols[None, :] == targets[:, None].astype(jnp.int32), logits, 0.0), axis=-1))
     return jnp.sum((lse - picked) * weights)
+
+
+def tied_copy(x: jax.Array, tp: TensorHooks) -> jax.Array:
+    """`x` (this device's copy of a parameter every device of the rank holds) unchanged; its
+    gradient is the sum of every copy's (summed in fp32)."""
+
+    @jax.custom_vjp
+    def copy(v):
+        return v
+
+    def bwd(_, g):
+        return (tp.psum(g.astype(jnp.float32)).astype(g.dtype),)
+
+    copy.defvjp(lambda v: (v, None), bwd)
+    return copy(x)
+
+
+def tied_group_copy(x: jax.Array, tp: TensorHooks, groups: int) -> jax.Array:
+    """`x` (this device's copy of a kv head shared by the `tp.size // groups` consecutive devices
+    that read it) unchanged; its gradient is the sum over those devices' copies (one psum over the
+    rank of a [groups, ...] array, each device's copy at its head's slot)."""
+    per = tp.size // groups
+
+    @jax.custom_vjp
+    def copy(v):
+        return v
+
+    def bwd(_, g):
+        me = tp.index() // per
+        slots = jnp.zeros((groups,) + g.shape, jnp.float32).at[me].set(g.astype(jnp.float32))
+        return (tp.psum(slots)[me].astype(g.dtype),)
+
+    copy.defvjp(lambda v: (v, None), bwd)
+    return copy(x)

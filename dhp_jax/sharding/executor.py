@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample
@@ -95,30 +95,36 @@ def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
     return (("vision_layers_", config.vision_layers, True), ("layers_", config.num_layers, False))
 
 
-def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
+def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor.TensorLayout,
                   attn: Callable[..., jax.Array] | None = None, tensor_parallel: int = 1):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
     (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype, a
     2-byte dtype bit-cast to its unsigned integer (`row_dtype`)).
 
     `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`).
-    `tensor_parallel` t > 1: the body runs on a sub-mesh with a `tp` axis of size t; each device
-    computes with its share of the params (`dhp_jax.sharding.tensor`), and a rank's loss and
-    token count are reported (and differentiated) once, by its device tp = 0."""
+    `tensor_parallel` t > 1 (`layout` a `tensor.TensorLayout`): the body runs on a sub-mesh with
+    a `tp` axis of size t and takes this device's share flat[1, L_pad] (`TensorLayout.local`),
+    returns its share's gradient row [1, L_pad] (the copies' gradients summed over their holders,
+    `tensor.tie_block`), and a rank's loss and token count are reported (and differentiated)
+    once, by its device tp = 0."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
-    cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
     t = tensor_parallel
     tp = tensor.hooks(t) if t > 1 else None
+    if tp is not None:
+        layout = layout.local
+    cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
 
     def stack(pieces, prefix, count, vision):
         rows, tree = layout.piece_rows(pieces, cuts, prefix, count)
         if tp is not None:
-            tree = (lambda whole: lambda row: tensor.block_share(whole(row), config, vision, t, tp.index()))(tree)
+            tree = (lambda local: lambda row: tensor.tie_block(local(row), config, vision, tp))(tree)
         return block_stack(config, rows, tree, vision, attn, tp)
 
     def body(flat, ints, floats):
         s_l = ints.shape[0]
         assert ints.shape == (s_l, len(INT_COLUMNS)) and floats.shape == (s_l, config.patch_dim + 1)
+        if tp is not None:
+            flat = flat[0]                  # this device's share, flat[1, L_pad] on the sub-mesh
         assert flat.shape == (layout.padded,), flat.shape
         cols = {k: ints[:, i] for i, k in enumerate(INT_COLUMNS)}
         batch = {k: cols[k] for k in MODEL_INPUTS if k in cols}
@@ -134,7 +140,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout,
             stacks = tuple(stack(pieces, prefix, count, vision) for prefix, count, vision in stacks_of(config))
             params = layout.unravel_pieces(pieces, cuts)
             if tp is not None:
-                params = tensor.top_share(params, config, t, tp.index())
+                params = tensor.tie_top(params, config, tp)
             return lead * chunked_loss_sum(config, params, batch, cols["targets"], weights, attn, stacks=stacks, tp=tp)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
@@ -221,12 +227,18 @@ class PlanExecutor:
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
         abstract = self._abstract_params(config)
-        self.layout = None if abstract is None else FlatLayout.of(abstract, len(self.ranks.devices))
+        t = tensor_parallel
+        # with tensor parallelism the master vector holds each device's share (`tensor.TensorLayout`)
+        self.layout = (None if abstract is None else FlatLayout.of(abstract, len(self.ranks.devices)) if t == 1
+                       else tensor.TensorLayout(config, abstract, t, self.ranks.num_ranks))
+        # the (rank, tp) view of the full mesh: the tp-sharded state's gather and reduction
+        self.tp_mesh = Mesh(np.array(self.ranks.devices).reshape(-1, t), (DP_AXIS, TP_AXIS)) if t > 1 else None
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
         self._building_lock = threading.Lock()
         self.compile_seconds: list[float] = []           # wall time of every executable built
         self._jits: dict[str, Any] = {}
+        self._count_once: jax.Array | None = None
         self._zeros: dict[jax.Device, tuple[jax.Array, Any]] = {}   # (stats row, zero-row maker)
 
     # ------------------------------------------------------------------ model hooks (`family.py` overrides)
@@ -324,6 +336,31 @@ class PlanExecutor:
         u = check_attention(attention, len(devices) // self.tensor_parallel, self._local_heads())[0]
         return self.ranks.submesh(devices, u), P(CP_AXIS) if u == 1 else P((CP_AXIS, SP_AXIS))
 
+    @property
+    def row_size(self) -> int:
+        """Length of a device's params and gradient row: P_pad, or its share L_pad with tensor
+        parallelism (`tensor.TensorLayout.row`)."""
+        return self.layout.padded if self.tensor_parallel == 1 else self.layout.row
+
+    def _params_spec(self) -> P:
+        """How a group program takes the params: replicated, or with tensor parallelism one share
+        per tp index ([t, L_pad] split over `tp`)."""
+        return P() if self.tensor_parallel == 1 else P(TP_AXIS)
+
+    def _params_shape(self) -> tuple[int, ...]:
+        t = self.tensor_parallel
+        return (self.layout.padded,) if t == 1 else (t, self.layout.row)
+
+    def norm_weights(self) -> jax.Array | None:
+        """With tensor parallelism, the bool master-shaped vector marking one copy of every
+        parameter (`tensor.TensorLayout.count_once`), sharded like the master: the gradient's
+        global norm counts those elements only. None at t = 1 (every element counts)."""
+        if self.tensor_parallel == 1:
+            return None
+        if self._count_once is None:
+            self._count_once = jax.jit(self.layout.count_once, out_shardings=self.sharded)()
+        return self._count_once
+
     def _row_spec(self, spec: P) -> P:
         """The spec of a group program's per-device outputs (stats and gradient rows): the stream's
         axes, and `tp` when a rank has several devices (each returns its own row)."""
@@ -382,9 +419,10 @@ class PlanExecutor:
         body = group_program(self._program_config, degree, self.layout, self._attention_fn(degree, attention),
                              self.tensor_parallel)
         row = self._row_spec(spec)
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(P(), spec, spec), out_specs=(row, row), check_vma=False)
-        rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
-        args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(self._params_spec(), spec, spec), out_specs=(row, row),
+                           check_vma=False)
+        rep, cp = NamedSharding(mesh, self._params_spec()), NamedSharding(mesh, spec)
+        args = (jax.ShapeDtypeStruct(self._params_shape(), self.compute_dtype, sharding=rep),
                 jax.ShapeDtypeStruct((bucket, len(INT_COLUMNS)), jnp.int32, sharding=cp),
                 jax.ShapeDtypeStruct((bucket, self.config.patch_dim + 1), jnp.float32, sharding=cp))
         return jax.jit(fn).lower(*args)
@@ -403,16 +441,22 @@ class PlanExecutor:
         """The small full-mesh programs of a step, built once: shard, gather, unshard, accumulate
         (one micro-batch's rows reduce-scattered into the donated accumulator), finish."""
         if not self._jits:
-            lay, cd, mesh, n = self.layout, self.compute_dtype, self.mesh, len(self.ranks.devices)
-            c, k = reduce_pieces(lay.padded, n)
+            lay, cd, n = self.layout, self.compute_dtype, len(self.ranks.devices)
+            # t = 1: every device's row is the whole vector, reduced over all N devices; t > 1: a
+            # device's row is its share, reduced over the R devices of its tp index (the (dp, tp)
+            # view of the mesh), the state's spec being the same per-device parts either way
+            t = self.tensor_parallel
+            mesh, state = (self.mesh, P(DP_AXIS)) if t == 1 else (self.tp_mesh, P((DP_AXIS, TP_AXIS)))
+            holders = n // t
+            c, k = reduce_pieces(self.row_size, holders)
             shard = lay.shard_size
 
             def add_row(acc, row):
-                # acc f32[shard] (this device's accumulator), row [1, P_pad] (its gradient row):
-                # the row as [N, shard] (column block j of row r is device r's part of piece j) is
-                # reduce-scattered one column block at a time, each cast to fp32 alone, so no
+                # acc f32[shard] (this device's accumulator), row [1, row_size] (its gradient row):
+                # the row as [holders, shard] (column block j of row r is device r's part of piece
+                # j) is reduce-scattered one column block at a time, each cast to fp32 alone, so no
                 # device ever holds its row, or the sum, whole in fp32.
-                grid = row.reshape(n, shard)
+                grid = row.reshape(holders, shard)
 
                 def piece(start, width, acc):
                     part = lax.dynamic_slice_in_dim(grid, start, width, axis=1)
@@ -425,15 +469,15 @@ class PlanExecutor:
                 return piece(k * c, shard - k * c, acc) if shard > k * c else acc
 
             def accumulate(acc, sacc, rows, stats):
-                acc = jax.shard_map(add_row, mesh=mesh, in_specs=(P(DP_AXIS), P(DP_AXIS)),
-                                    out_specs=P(DP_AXIS))(acc, rows)
+                acc = jax.shard_map(add_row, mesh=mesh, in_specs=(state, state), out_specs=state)(acc, rows)
                 return acc, sacc + stats
 
             def gather(shard):
                 # cast the shard, then all-gather it (bf16 as uint16, `row_dtype`): no fp32 copy of
-                # the whole vector
+                # the whole vector; with tensor parallelism over the devices of this tp index only
                 got = lax.all_gather(lax.bitcast_convert_type(shard.astype(cd), row_dtype(cd)), DP_AXIS, tiled=True)
-                return lax.bitcast_convert_type(got, cd)
+                got = lax.bitcast_convert_type(got, cd)
+                return got if t == 1 else got[None]
 
             def finish(acc, stats):
                 total = jnp.sum(stats, axis=0)                  # [loss sum, count]: 2N floats all-reduced
@@ -442,8 +486,9 @@ class PlanExecutor:
             rep, shd = self.replicated, self.sharded
             self._jits.update(
                 shard=jax.jit(lambda p: lay.ravel(p), out_shardings=shd),
-                gather=jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P(DP_AXIS), out_specs=P(), check_vma=False),
-                               out_shardings=rep),
+                gather=jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=state, out_specs=self._params_spec(),
+                                             check_vma=False),
+                               out_shardings=NamedSharding(mesh, self._params_spec())),
                 # one all-gather of the whole vector, then slices: unravelling the sharded vector
                 # directly makes the partitioner gather every leaf on its own (a compile ~10x longer)
                 unshard=jax.jit(lambda g: lay.unravel(lax.with_sharding_constraint(g, rep)), out_shardings=rep),
@@ -474,7 +519,7 @@ class PlanExecutor:
 
     def gather(self, master: jax.Array) -> jax.Array:
         """The step's one all-gather: master shards -> params flat[P_pad] in the compute dtype,
-        replicated on the full mesh."""
+        replicated on the full mesh (with tensor parallelism: [t, L_pad], each device its share)."""
         if not isinstance(master, jax.Array) or master.shape != (self.layout.padded,):
             raise ValueError(f"master params must be a flat array of {self.layout.padded} elements "
                              f"(PlanExecutor.shard), got {getattr(master, 'shape', type(master).__name__)}")
@@ -489,7 +534,7 @@ class PlanExecutor:
         """The flat params seen on each (devices, attention) sub-mesh: the same per-device buffers, no copy."""
         by_dev = {s.device: s.data for s in flat.addressable_shards}
         return {(devs, kind): jax.make_array_from_single_device_arrays(
-                    flat.shape, NamedSharding(self._mesh(devs, kind)[0], P()),
+                    flat.shape, NamedSharding(self._mesh(devs, kind)[0], self._params_spec()),
                     [by_dev[d] for d in devs if d in by_dev])
                 for devs, kind in groups}
 
@@ -505,7 +550,7 @@ class PlanExecutor:
         z = self._zeros.get(device)
         if z is None:
             z = self._zeros[device] = (jax.device_put(np.zeros((1, 2), np.float32), device),
-                                       jax.jit(lambda: jnp.zeros((1, self.layout.padded), row_dtype(self.compute_dtype)),
+                                       jax.jit(lambda: jnp.zeros((1, self.row_size), row_dtype(self.compute_dtype)),
                                                out_shardings=jax.sharding.SingleDeviceSharding(device)))
         return z[0], z[1]()
 
@@ -532,7 +577,7 @@ class PlanExecutor:
         me = jax.process_index()
         mine = [rows[d] if d in rows else self._zero_rows(d) for d in self.ranks.devices if d.process_index == me]
         stats = jax.make_array_from_single_device_arrays((n, 2), self.sharded, [r[0] for r in mine])
-        grads = jax.make_array_from_single_device_arrays((n, self.layout.padded), self.sharded,
+        grads = jax.make_array_from_single_device_arrays((n, self.row_size), self.sharded,
                                                          [r[1] for r in mine])
         return self._jit("accumulate")(*(self._jit("zeros")() if acc is None else acc), grads, stats)
 

@@ -17,25 +17,40 @@ engines follow. A head count that no layout allows (H, vision heads, F or the vi
 divisible by t; kv heads neither a multiple of t nor a divisor of it) is refused by `check`
 naming the model and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
 
-Gradients: each device differentiates the group's loss (counted once per rank, on its device
-tp = 0) with respect to its copy of the whole flat params; its shares' gradients land at their
-places (zeros elsewhere) and replicated leaves get its copy's part. The step's reduce-scatter
-over all devices sums the copies: the exact gradient. Each device still receives the whole
-gathered params and returns a whole gradient row, as at t = 1 (the state stays sharded over all
-devices, 1/N each).
+The state (`TensorLayout`): each device receives only its share of the params and returns only
+its share's gradient. A device's share (its slices of the split leaves, its copies of the
+replicated ones) is one local flat vector `row`[L_pad] (`TensorLayout.local`, the same layout on
+every device of a rank); the fp32 master vector is the t rows, each sharded over the R = N / t
+devices of its tp index: device r t + i holds elements [r L_pad / R, (r+1) L_pad / R) of row i.
+So the step's gather is an all-gather over the R devices of each tp index, the reduction a
+reduce-scatter over them, and a device holds L_pad (about P / t) params and gradient, not P.
+
+Copies: a leaf every device of a rank holds (norms, patch embedding, projector) is stored t
+times, a kv head shared by g devices g times; the group program sums the copies' gradients over
+the devices that hold them (`dhp_jax.model.tensor.tied_copy`, `tied_group_copy`), so the copies
+get equal gradients and stay equal under AdamW; `TensorLayout.count_once` marks one copy of each
+for the gradient's global norm. The vocab windows overlap on the last device (its ids held
+twice are masked, so their gradient there is zero); `unravel` reads every id from its owner.
+Each device differentiates the group's loss (counted once per rank, on its device tp = 0)
+with respect to its own share: the collectives' transposes bring each device its share's
+gradient (`dhp_jax.model.tensor`).
 """
 
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dhp_jax.model.config import MLLMConfig, split_shape
-from dhp_jax.model.tensor import TensorHooks, vocab_share
+from dhp_jax.model.tensor import TensorHooks, tied_copy, tied_group_copy, vocab_share
 from dhp_jax.planner.cost.tensor import check_tensor_parallel
+from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import TP_AXIS
 
 # leaf path inside a block -> (axis split, the unit its columns or rows count)
@@ -92,3 +107,151 @@ def block_share(params: dict, config: MLLMConfig, vision: bool, t: int, index: j
 def top_share(params: dict, config: MLLMConfig, t: int, index: jax.Array) -> dict:
     """Device `index`'s share of the params outside the blocks (blocks are left as they are)."""
     return _share(params, TOP_SPLIT, _units(config, False, t), index)
+
+
+# ------------------------------------------------------------------ the tp-sharded state
+REPLICATED, SPLIT, SHARED, VOCAB = "replicated", "split", "shared", "vocab"
+_BLOCK = re.compile(r"^(vision_)?layers_\d+/(.+)$")
+
+
+def leaf_split(path: str, config: MLLMConfig, t: int) -> tuple[str, int | None, int]:
+    """(kind, axis, kv groups) of the params leaf at `path` ("layers_3/attn/k/kernel"): REPLICATED
+    (every device holds it), SPLIT (each its own slice along `axis`), SHARED (kv heads fewer than t:
+    `groups` = KVH heads, each held by t / KVH consecutive devices) or VOCAB (the vocab windows)."""
+    m = _BLOCK.match(path)
+    if m is None:
+        rule = TOP_SPLIT.get(path)
+        return (VOCAB, rule[0], 0) if rule else (REPLICATED, None, 0)
+    rule = BLOCK_SPLIT.get(m.group(2))
+    if rule is None:
+        return REPLICATED, None, 0
+    axis, unit = rule
+    kvh = config.vision_heads if m.group(1) else config.num_kv_heads
+    if unit == "kv_heads" and kvh % t:
+        return SHARED, axis, kvh
+    return SPLIT, axis, 0
+
+
+def share_tree(params: dict, config: MLLMConfig, t: int, index: Any) -> dict:
+    """Device `index`'s share of a whole params tree (its blocks' and the top leaves' shares)."""
+    out = {k: (block_share(v, config, k.startswith("vision_"), t, index) if _BLOCK.match(f"{k}/x") else v)
+           for k, v in params.items()}
+    return top_share(out, config, t, index)
+
+
+def _tie(tree: dict, config: MLLMConfig, tp: TensorHooks, prefix: str, skip_blocks: bool) -> dict:
+    out = {}
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out[k] = v if skip_blocks and _BLOCK.match(f"{path}/x") else _tie(v, config, tp, path + "/", skip_blocks)
+            continue
+        kind, _, groups = leaf_split(path, config, tp.size)
+        out[k] = (tied_copy(v, tp) if kind == REPLICATED else tied_group_copy(v, tp, groups) if kind == SHARED
+                  else v)
+    return out
+
+
+def tie_block(params: dict, config: MLLMConfig, vision: bool, tp: TensorHooks) -> dict:
+    """A block's local params with its copies tied (their gradients summed over their holders)."""
+    return _tie(params, config, tp, "vision_layers_0/" if vision else "layers_0/", False)
+
+
+def tie_top(params: dict, config: MLLMConfig, tp: TensorHooks) -> dict:
+    """The local params outside the blocks with their copies tied (blocks left as they are)."""
+    return _tie(params, config, tp, "", True)
+
+
+class TensorLayout:
+    """The master vector of a run with `t` devices per rank over `num_ranks` ranks (module
+    docstring): the same surface as `FlatLayout` for whole params trees (`ravel`, `unravel`,
+    `matches`, `record`, `padded` = the master's length, `shard_size` = one device's part) plus
+    `local` (the layout of one device's share, what the group program reads) and `count_once`."""
+
+    def __init__(self, config: MLLMConfig, abstract: Any, t: int, num_ranks: int) -> None:
+        self.config, self.tensor_parallel, self.num_ranks = config, int(t), int(num_ranks)
+        self.whole = FlatLayout.of(abstract, self.tensor_parallel * self.num_ranks)
+        self.local = FlatLayout.of(jax.eval_shape(lambda p: share_tree(p, config, t, 0), abstract), self.num_ranks)
+        self.treedef, self.shapes, self.dtypes, self.paths = (self.whole.treedef, self.whole.shapes,
+                                                              self.whole.dtypes, self.whole.paths)
+        self.kinds = tuple(leaf_split(p, config, self.tensor_parallel) for p in self.paths)
+
+    num_shards = property(lambda self: self.tensor_parallel * self.num_ranks)
+    size = property(lambda self: self.whole.size)                       # P: the model's parameters
+    row = property(lambda self: self.local.padded)                      # L_pad: one device's share
+    padded = property(lambda self: self.tensor_parallel * self.local.padded)
+    shard_size = property(lambda self: self.local.shard_size)
+
+    def matches(self, params: Any) -> bool:
+        return self.whole.matches(params)
+
+    def record(self) -> dict:
+        """`FlatLayout.record` of the whole tree, with t and the local layout (a checkpoint of a
+        tensor-parallel run restores only with the same t and rank count)."""
+        return {**self.whole.record(), "padded": self.padded, "tensor_parallel": self.tensor_parallel,
+                "local": self.local.record()}
+
+    def _interleave(self, rows: jax.Array) -> jax.Array:
+        """rows[t, L_pad] -> the master vector (device r t + i's part is row i's r-th)."""
+        t, r = self.tensor_parallel, self.num_ranks
+        return rows.reshape(t, r, self.shard_size).transpose(1, 0, 2).reshape(-1)
+
+    def rows(self, flat: jax.Array) -> jax.Array:
+        """The master vector as rows[t, L_pad] (row i: the share of the devices of tp index i)."""
+        t, r = self.tensor_parallel, self.num_ranks
+        return flat.reshape(r, t, self.shard_size).transpose(1, 0, 2).reshape(t, self.row)
+
+    def ravel(self, params: Any, dtype: Any = jnp.float32) -> jax.Array:
+        """A whole params tree as the master vector (traceable)."""
+        return self._interleave(jnp.stack([self.local.ravel(share_tree(params, self.config, self.tensor_parallel, i),
+                                                            dtype) for i in range(self.tensor_parallel)]))
+
+    def unravel(self, flat: jax.Array) -> Any:
+        """The whole params tree of a master vector (traceable): split leaves joined from their
+        shares, shared kv heads from one holder each, vocab ids from their owners, replicated
+        leaves from tp index 0."""
+        t, rows = self.tensor_parallel, self.rows(flat)
+        shares = [jax.tree.leaves(self.local.unravel(rows[i])) for i in range(t)]
+        vocab = self.config.vocab_size
+        vl = -(-vocab // t)
+        leaves = []
+        for j, (kind, axis, groups) in enumerate(self.kinds):
+            if kind == REPLICATED:
+                leaves.append(shares[0][j])
+            elif kind == SPLIT:
+                leaves.append(jnp.concatenate([s[j] for s in shares], axis=axis))
+            elif kind == SHARED:
+                leaves.append(jnp.concatenate([shares[h * (t // groups)][j] for h in range(groups)], axis=axis))
+            else:
+                parts = []
+                for i in range(t):
+                    own, start = i * vl, min(i * vl, vocab - vl)
+                    if own < vocab:
+                        parts.append(lax.slice_in_dim(shares[i][j], own - start, own - start + min(vl, vocab - own),
+                                                      axis=axis))
+                leaves.append(jnp.concatenate(parts, axis=axis))
+        return jax.tree.unflatten(self.treedef, leaves)
+
+    def count_once(self) -> jax.Array:
+        """bool master vector, True on one copy of every parameter (tp index 0's copy of a
+        replicated leaf, the first holder's of a shared kv head, the owner's of a vocab id; every
+        element of a split leaf) and False on the other copies and the padding: the gradient's
+        global norm sums the squares where it is True (traceable)."""
+        t, vocab = self.tensor_parallel, self.config.vocab_size
+        vl = -(-vocab // t)
+        local_leaves = jax.tree.leaves(jax.eval_shape(lambda: self.local.unravel(jnp.zeros((self.row,)))))
+        rows = []
+        for i in range(t):
+            marks = []
+            for (kind, axis, groups), leaf in zip(self.kinds, local_leaves):
+                if kind == VOCAB:
+                    own, start = i * vl, min(i * vl, vocab - vl)
+                    ids = start + np.arange(vl)
+                    keep = np.expand_dims(ids >= own, 1 - axis)
+                    marks.append(jnp.broadcast_to(jnp.asarray(keep), leaf.shape))
+                else:
+                    keep = (kind == SPLIT or (kind == REPLICATED and i == 0)
+                            or (kind == SHARED and i % (t // groups) == 0))
+                    marks.append(jnp.full(leaf.shape, keep))
+            rows.append(self.local.ravel(jax.tree.unflatten(self.treedef, marks), jnp.bool_))
+        return self._interleave(jnp.stack(rows))
