@@ -210,6 +210,10 @@ def load_jax_checkpoint(path: str | Path, step: int | None = None) -> JaxCheckpo
     spec = {"driver": driver, "kvstore": {"driver": "ocdbt", "base": (d / "state").resolve().as_uri(),
                                           "path": "params"}}
     flat = np.asarray(ts.open(spec, open=True, read=True).result().read().result())
+    if int(layout.get("tensor_parallel", 1)) > 1:
+        raise WeightsError(f"{str(d)!r} was written by a run with tensor_parallel={layout['tensor_parallel']}: its "
+                           "params vector holds each device's share (dhp_jax.sharding.tensor.TensorLayout), which "
+                           "this reader does not lay out; it reads checkpoints of parallel.tensor=1 runs")
     if flat.shape != (int(layout["padded"]),):
         raise WeightsError(f"{str(d)!r}: params have shape {flat.shape}, its layout record says "
                            f"({layout['padded']},)")

@@ -164,4 +164,11 @@ def check_layout(saved: Mapping[str, Any] | None, mine: Mapping[str, Any] | None
         raise CheckpointError(f"{where} holds other parameters than this run's model ({saved['size']} vs "
                               f"{mine['size']} values; " + "; ".join(diff[:6])
                               + (f"; ... ({len(diff)} leaves differ)" if len(diff) > 6 else "") + ")")
+    tp = (int(saved.get("tensor_parallel", 1)), int(mine.get("tensor_parallel", 1)))
+    if max(tp) > 1 and (tp[0] != tp[1] or int(saved["padded"]) != int(mine["padded"])):
+        # a tensor-parallel state holds each device's share (dhp_jax.sharding.tensor.TensorLayout):
+        # another t or rank count is another interleaving, not another padding
+        raise CheckpointError(f"{where} was written with tensor_parallel={tp[0]} on {saved['num_shards']} "
+                              f"devices; this run has tensor_parallel={tp[1]} on {mine['num_shards']}: a "
+                              "tensor-parallel state restores only with the same t and device count")
     return int(saved["padded"]) != int(mine["padded"])

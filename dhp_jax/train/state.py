@@ -46,9 +46,23 @@ def make_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         warmup_steps=warmup, decay_steps=warmup + decay, end_value=cfg.learning_rate * cfg.end_lr_ratio)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` that takes the norm as `grad_norm=` when its caller knows it
+    (a tensor-parallel state holds copies of some parameters: `make_update` counts each once);
+    otherwise the norm of all the updates. Its state is optax's `EmptyState`, like optax's."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra):
+        del params, extra
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        ok = norm < max_norm
+        return jax.tree.map(lambda u: jnp.where(ok, u, (u / norm.astype(u.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
     return optax.chain(
-        optax.clip_by_global_norm(cfg.clip_norm),
+        clip_by_global_norm(cfg.clip_norm),
         optax.adamw(make_schedule(cfg, total_steps), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
     )
 
@@ -82,17 +96,25 @@ def state_shardings(state: TrainState, sharding: ShardingSpec) -> TrainState:
 
 
 def make_update(optimizer: optax.GradientTransformation, sharding: ShardingSpec,
-                state_like: TrainState) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array]]:
+                state_like: TrainState, count_once: jax.Array | None = None
+                ) -> Callable[[TrainState, Any], tuple[TrainState, jax.Array]]:
     """`update(state, grads) -> (new_state, grad_norm)`, jitted over the full mesh, state donated;
     grads are sharded like the params (on the shards, AdamW is elementwise and the global norm
-    for clipping is one small all-reduce)."""
+    for clipping is one small all-reduce). `count_once` (a bool vector shaped and sharded like
+    the params, `PlanExecutor.norm_weights`): the params hold copies of some parameters, and the
+    global norm (reported and clipped to) sums the squares where it is True only."""
 
-    def update(state: TrainState, grads: Any) -> tuple[TrainState, jax.Array]:
-        grad_norm = optax.tree.norm(grads)
-        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    def update(state: TrainState, grads: Any, once: Any) -> tuple[TrainState, jax.Array]:
+        if once is None:
+            grad_norm = optax.tree.norm(grads)
+        else:
+            grad_norm = jnp.sqrt(jnp.sum(jnp.where(once, jnp.square(grads), 0.0)))
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params, grad_norm=grad_norm)
         params = optax.apply_updates(state.params, updates)
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), grad_norm
 
     shardings = state_shardings(state_like, sharding)
-    return jax.jit(update, in_shardings=(shardings, shardings.params), out_shardings=(shardings, None),
-                   donate_argnums=(0,))
+    once_sharding = None if count_once is None else shardings.params
+    step = jax.jit(update, in_shardings=(shardings, shardings.params, once_sharding),
+                   out_shardings=(shardings, None), donate_argnums=(0,))
+    return lambda state, grads: step(state, grads, count_once)

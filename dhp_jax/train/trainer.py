@@ -49,7 +49,7 @@ def _state_functions(model_config: Any, optim: tuple, steps: int, executor: Any)
     optimizer = make_optimizer(OptimConfig(*optim), steps)
     layout, sharding = executor.layout, executor.state_sharding
     init = make_init(lambda k: layout.ravel(init_params(model_config, k)), optimizer, sharding)
-    update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)))
+    update = make_update(optimizer, sharding, jax.eval_shape(init, jax.random.PRNGKey(0)), executor.norm_weights())
     return init, update
 
 
@@ -67,7 +67,7 @@ def _pretrained_state(executor: Any, params: Any, optim: tuple, steps: int, seed
     key = jax.random.PRNGKey(seed)
     abstract = jax.eval_shape(init, flat, key)
     state = jax.jit(init, out_shardings=state_shardings(abstract, executor.state_sharding))(flat, key)
-    return state, make_update(optimizer, executor.state_sharding, abstract)
+    return state, make_update(optimizer, executor.state_sharding, abstract, executor.norm_weights())
 
 
 def plan_hash(plan: Any) -> str:
