@@ -447,15 +447,14 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     is part of activation_bytes_per_token) are live in different phases (the loss before the blocks'
     backward pass, the tiles inside one block's), so the larger of the two counts, the latter with
     one chunk's working set when the blocks run in chunks. With tensor parallelism over t devices
-    (`dhp_jax.planner.cost.tensor`) a device holds 1/t of all of it (heads, widths, vocabulary or the
-    sequence-parallel tokens) but the input columns, which every device reads."""
+    a device computes with `tensor.local_shape` (heads, widths and vocabulary / t, the hidden
+    width whole: the engines' psum form, `dhp_jax.planner.cost.tensor`)."""
     chunked = isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk > 0
+    if t > 1:
+        m = tp.local_shape(m, t)
     fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
                 + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
     per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
-    if t > 1:
-        inputs = engine_memory.input_bytes_per_token(m)
-        per_token, fixed = inputs + (per_token - inputs) / t, fixed / t
     return float(per_token), float(fixed)
 
 

@@ -22,8 +22,10 @@ t = 1 nothing here is called and every coefficient is the one without tensor par
   replicated head when kv < t), its heads' Q/O;
 - memory: the weights one device holds (`device_params`: the sharded ones / t, norms, patch
   embedding and the replicated kv projections in full), so its fp32 state and gradient row too;
-  activations per token / t (the sequence-parallel parts hold 1/t of the tokens, the parallel
-  parts 1/t of the heads or width) except the input columns every device reads.
+  activations as both engines run them, the psum form (`local_shape`): the values as wide as the
+  heads, the MLP or the vocabulary / t, those as wide as the hidden size (the block inputs a
+  remat "layer" program keeps, norms, residuals) whole on every device. Sequence-parallel norms
+  would divide those by t too; no engine runs them yet, so the cost model does not price them.
 
 Validation (`check_tensor_parallel`): every split must be even. A head count that t does not
 divide, kv heads that neither t divides nor divide t (for replication), or an MLP width that t
@@ -32,13 +34,14 @@ does not divide is refused, naming the model, the config field and t.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from dhp_jax.checks import positive_int
 
 __all__ = ["check_node", "check_tensor_parallel", "collective_bandwidth", "collective_messages",
-           "device_params", "kv_heads_per_device", "replicated_params", "sequence_parallel_bytes", "unsplittable",
+           "device_params", "kv_heads_per_device", "local_shape", "replicated_params", "sequence_parallel_bytes", "unsplittable",
            "valid_degrees", "vocab_share"]
 
 
@@ -88,6 +91,16 @@ def check_node(devices_per_node: int, t: int) -> None:
 def kv_heads_per_device(m: Any, t: int) -> int:
     """K/V heads one device holds: kv / t, or one (replicated t / kv times) when kv < t."""
     return max(1, m.kv_heads // t)
+
+
+def local_shape(m: Any, t: int) -> Any:
+    """The shape one device of a rank of t computes with in the engines' psum form (both run it:
+    `dhp_jax.sharding.tensor`, `npu_backend.tensor`): heads, kv heads, MLP widths and the
+    vocabulary split, the hidden width whole (the activations between the split matrices, and so
+    what a block keeps for its backward pass at remat "layer", are whole on every device)."""
+    return dataclasses.replace(m, heads=m.heads // t, kv_heads=kv_heads_per_device(m, t),
+                               intermediate=m.intermediate // t, vocab=vocab_share(m, t),
+                               vision_heads=m.vision_heads // t, vision_intermediate=m.vision_intermediate // t)
 
 
 def vocab_share(m: Any, t: int) -> int:
