@@ -171,6 +171,24 @@ def test_head_counts_tensor_parallel_cannot_split_are_refused():
     check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
 
 
+def test_family_vision_heads_and_width_tensor_parallel_cannot_split_are_refused():
+    from dhp_jax.model import hf
+    from dhp_jax.model.hf.init import tiny_config
+    from npu_backend.tensor import check_model
+
+    raw = tiny_config("qwen3_vl", FAMILY_TOKENS, 96)
+    raw["vision_config"].update(num_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match=r"model 'qwen3_vl': tensor_parallel 2 cannot split vision_config heads "
+                                         r"\(num_heads / num_attention_heads\) = 3"):
+        check_model(hf.parse_config(raw), 2)
+    raw = tiny_config("internvl", FAMILY_TOKENS, 96)
+    raw["vision_config"].update(num_attention_heads=4, intermediate_size=66)
+    with pytest.raises(ValueError, match=r"model 'internvl': tensor_parallel 4 cannot split "
+                                         r"vision_config.intermediate_size = 66"):
+        check_model(hf.parse_config(raw), 4)
+    check_model(hf.parse_config(raw), 2)
+
+
 # ---------------------------------------------------------------------------------------- a family
 FAMILY_TOKENS = {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}
 
