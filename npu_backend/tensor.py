@@ -30,8 +30,16 @@ model, the field and t (`dhp_jax.planner.cost.tensor.check_tensor_parallel`, the
 
 The Hugging Face families (`npu_backend.hf.TorchFamilyModel`): their LLM is split the same way
 (q/k/v weights and biases, gate/up; o_proj and down_proj; the embedding, and the LM head or the
-tied embedding, vocab-parallel; the per-head q/k norms whole), their vision encoder and projector
-are replicated (every process of a rank runs the whole encoder on the rank's vision rows).
+tied embedding, vocab-parallel; the per-head q/k norm scales whole, their gradient summed over the
+rank since each process normalises its own heads), and so are the blocks of their vision encoder
+(`vision_slices`; every process of a rank runs the encoder on the rank's vision rows, its own heads
+and MLP width): InternViT's q/k/v (and biases), Qwen2.5-VL's and Qwen3-VL's fused `qkv` [3 H D, d]
+by heads inside each of its three parts, and the MLP's first matrices (fc1; gate and up) with their
+biases by column; the attention output (`projection_layer`, `proj`) and the MLP's last matrix (fc2,
+down) by row, their bias whole and added once, after the sum. InternViT's QK-norm (RMSNorm over all
+heads) sums its squares over the rank (`TensorParallel.sum`); its layer scales, the norms, the
+patch and position embeddings, Qwen's mergers (DeepStack's too) and InternVL's projector are
+replicated. The vision heads and MLP width must split over t like the LLM's (`check_model`).
 """
 
 from __future__ import annotations
