@@ -103,7 +103,7 @@ def check_model(config: Any, t: int, intermediate: int | None = None, vision_int
 def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
     """{parameter name: (dim, start, stop[, parts])} of the slice tp index j of t holds (`part`); other
     parameters are whole."""
-    out: dict[str, tuple[int, int, int]] = {}
+    out: dict[str, tuple[int, ...]] = {}
     params = dict(model.named_parameters())
     family = _is_family(model)
     c = model.config
