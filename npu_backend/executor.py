@@ -126,7 +126,7 @@ class TorchPlanExecutor:
     """Executes plans for one process of the world; the model's parameters are replicated on every rank.
 
     `tensor_parallel` = t > 1: a rank is t consecutive processes of one node holding a Megatron split
-    of the model (`npu_backend.tensor`; a family: its LLM, the vision encoder replicated; `model` is
+    of the model (`npu_backend.tensor`; a family: its LLM and its vision encoder's blocks; `model` is
     passed whole and split in place), a plan's ranks are processes / t, and `self.tp.gather(model)`
     gives the whole weights.
 

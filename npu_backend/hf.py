@@ -59,9 +59,10 @@ class TorchFamilyModel:
     (requires_grad) by transformers name. `parameters()` / `named_parameters()` as a torch module
     has them, so `npu_backend.executor` all-reduces their gradients.
 
-    Under tensor parallelism (`npu_backend.tensor.TensorParallel.shard` sets `tp`) the LLM is split
-    Megatron-style (its attention and MLP matrices, the embedding and the LM head vocab-parallel) and
-    the vision encoder replicated; `params` then hold this process's slices."""
+    Under tensor parallelism (`npu_backend.tensor.TensorParallel.shard` sets `tp`) the LLM and the
+    vision encoder's blocks are split Megatron-style (their attention and MLP matrices; the
+    embedding and the LM head vocab-parallel), the patch embedding, the norms, the mergers and the
+    projector replicated; `params` then hold this process's slices."""
 
     tp = None
 
@@ -102,10 +103,14 @@ class TorchFamilyModel:
         w = self.w(prefix + ".weight")
         return F.linear(x, w.reshape(w.shape[0], -1), self.params.get(prefix + ".bias"))
 
-    def rms_norm(self, prefix: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(self, prefix: str, x: torch.Tensor, eps: float, per_head: bool = False) -> torch.Tensor:
+        """RMSNorm over the last axis. `per_head`: a scale shared by the heads of x[S, H, D] (the
+        LLM's q/k norms); under tensor parallelism each process sees its heads only, so the scale's
+        gradient is summed over the rank (Megatron's f on the weight)."""
         xf = x.float()
         y = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + eps)
-        return self.w(prefix + ".weight") * y.to(x.dtype)
+        w = self.w(prefix + ".weight")
+        return (w if not per_head or self.tp is None else self.tp.enter(w)) * y.to(x.dtype)
 
     def layer_norm(self, prefix: str, x: torch.Tensor, eps: float) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.w(prefix + ".weight"), self.w(prefix + ".bias"), eps)
@@ -124,13 +129,31 @@ class TorchFamilyModel:
         k = self.linear(a + ".k_proj", y).reshape(s, kv, shape.head_dim)
         v = self.linear(a + ".v_proj", y).reshape(s, kv, shape.head_dim)
         if shape.qk_norm:
-            q, k = self.rms_norm(a + ".q_norm", q, shape.eps), self.rms_norm(a + ".k_norm", k, shape.eps)
+            q, k = self.rms_norm(a + ".q_norm", q, shape.eps, True), self.rms_norm(a + ".k_norm", k, shape.eps, True)
         o = attn(rope(q, angles), rope(k, angles), v, ids)
         h = x + self.row_linear(a + ".o_proj", o.reshape(s, heads * shape.head_dim))
         z = self.rms_norm(prefix + ".post_attention_layernorm", h, shape.eps)
         z = z if tp is None else tp.enter(z)
         act, m = activation(shape.act), prefix + ".mlp"
         return h + self.row_linear(m + ".down_proj", act(self.linear(m + ".gate_proj", z)) * self.linear(m + ".up_proj", z))
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """x before a column-split matrix (Megatron's f under tensor parallelism; x itself without)."""
+        return x if self.tp is None else self.tp.enter(x)
+
+    def local_heads(self, heads: int) -> int:
+        """Heads of an attention this process computes: all, or its 1 / t under tensor parallelism."""
+        return heads if self.tp is None else heads // self.tp.size
+
+    def split_rms_norm(self, prefix: str, x: torch.Tensor, eps: float) -> torch.Tensor:
+        """`rms_norm` over a vector whose heads are split over the rank (InternViT's QK-norm over all
+        heads): the sum of squares summed over the rank first; `rms_norm` without tensor parallelism."""
+        if self.tp is None:
+            return self.rms_norm(prefix, x, eps)
+        xf = x.float()
+        total = self.tp.sum(torch.sum(xf * xf, dim=-1, keepdim=True))
+        y = xf * torch.rsqrt(total / (x.shape[-1] * self.tp.size) + eps)
+        return self.w(prefix + ".weight") * y.to(x.dtype)
 
     def row_linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         """`linear` of a matrix split by row under tensor parallelism: partial products summed over
@@ -143,13 +166,15 @@ class TorchFamilyModel:
 
     def vision_attention(self, prefix: str, x: torch.Tensor, heads: int, angles: torch.Tensor | None,
                          ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
-        """The Qwen vision attention: fused `qkv` (head-minor [3, H, D]), 2-D rotary, `proj`."""
+        """The Qwen vision attention: fused `qkv` (head-minor [3, H, D]), 2-D rotary, `proj` (under
+        tensor parallelism this process's heads: qkv by column, proj by row)."""
         s, d = x.shape
-        qkv = self.linear(prefix + ".qkv", x).reshape(s, 3, heads, d // heads)
+        local = self.local_heads(heads)
+        qkv = self.linear(prefix + ".qkv", self.enter(x)).reshape(s, 3, local, d // heads)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         if angles is not None:
             q, k = rope(q, angles), rope(k, angles)
-        return self.linear(prefix + ".proj", attn(q, k, v, ids).reshape(s, d))
+        return self.row_linear(prefix + ".proj", attn(q, k, v, ids).reshape(s, local * (d // heads)))
 
     # ------------------------------------------------------------------ the stream
     def hidden(self, llm_ints: torch.Tensor, vision_ints: torch.Tensor, vision_floats: torch.Tensor,
@@ -242,8 +267,8 @@ def _qwen2_5_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
         b = f"model.visual.blocks.{i}"
         ids = frames if i in v.full_attention_blocks else windows
         x = x + m.vision_attention(b + ".attn", m.rms_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
-        y = m.rms_norm(b + ".norm2", x, VISION_EPS)
-        x = x + m.linear(b + ".mlp.down_proj", act(m.linear(b + ".mlp.gate_proj", y)) * m.linear(b + ".mlp.up_proj", y))
+        y = m.enter(m.rms_norm(b + ".norm2", x, VISION_EPS))
+        x = x + m.row_linear(b + ".mlp.down_proj", act(m.linear(b + ".mlp.gate_proj", y)) * m.linear(b + ".mlp.up_proj", y))
     y = m.rms_norm("model.visual.merger.ln_q", x, VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
     return m.linear("model.visual.merger.mlp.2", F.gelu(m.linear("model.visual.merger.mlp.0", y))), []
 
@@ -270,8 +295,8 @@ def _qwen3_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     for i in range(v.depth):
         b = f"model.visual.blocks.{i}"
         x = x + m.vision_attention(b + ".attn", m.layer_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
-        y = m.layer_norm(b + ".norm2", x, VISION_EPS)
-        x = x + m.linear(b + ".mlp.linear_fc2", act(m.linear(b + ".mlp.linear_fc1", y)))
+        y = m.enter(m.layer_norm(b + ".norm2", x, VISION_EPS))
+        x = x + m.row_linear(b + ".mlp.linear_fc2", act(m.linear(b + ".mlp.linear_fc1", y)))
         if i in v.deepstack_blocks:
             k = v.deepstack_blocks.index(i)
             deep.append(_qwen3_merge(m, f"model.visual.deepstack_merger_list.{k}", x, norm_after_merge=True))
@@ -289,18 +314,19 @@ def _internvl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     ids = segment_ids(vi["frame"])
     norm = m.layer_norm if v.norm == "layer_norm" else m.rms_norm
     act, heads = activation(v.act), v.num_heads
+    local = m.local_heads(heads)          # this process's heads under tensor parallelism
     for i in range(v.num_layers):
         b = f"{p}.encoder.layer.{i}"
         a = b + ".attention"
-        y = norm(b + ".layernorm_before", x, v.eps)
+        y = m.enter(norm(b + ".layernorm_before", x, v.eps))
         q, k = m.linear(a + ".q_proj", y), m.linear(a + ".k_proj", y)
-        if v.qk_norm:
-            q, k = m.rms_norm(a + ".q_norm", q, QK_NORM_EPS), m.rms_norm(a + ".k_norm", k, QK_NORM_EPS)
-        shape = (x.shape[0], heads, d // heads)
+        if v.qk_norm:          # over all heads: a sum over the rank when they are split
+            q, k = m.split_rms_norm(a + ".q_norm", q, QK_NORM_EPS), m.split_rms_norm(a + ".k_norm", k, QK_NORM_EPS)
+        shape = (x.shape[0], local, d // heads)
         o = attn(q.reshape(shape), k.reshape(shape), m.linear(a + ".v_proj", y).reshape(shape), ids)
-        x = x + m.w(b + ".lambda_1") * m.linear(a + ".projection_layer", o.reshape(x.shape))
-        y = norm(b + ".layernorm_after", x, v.eps)
-        x = x + m.w(b + ".lambda_2") * m.linear(b + ".mlp.fc2", act(m.linear(b + ".mlp.fc1", y)))
+        x = x + m.w(b + ".lambda_1") * m.row_linear(a + ".projection_layer", o.reshape(x.shape[0], -1))
+        y = m.enter(norm(b + ".layernorm_after", x, v.eps))
+        x = x + m.w(b + ".lambda_2") * m.row_linear(b + ".mlp.fc2", act(m.linear(b + ".mlp.fc1", y)))
     if v.final_norm:
         x = m.layer_norm(p + ".layernorm", x, v.eps)
     kk = v.shuffle ** 2

@@ -30,8 +30,16 @@ model, the field and t (`dhp_jax.planner.cost.tensor.check_tensor_parallel`, the
 
 The Hugging Face families (`npu_backend.hf.TorchFamilyModel`): their LLM is split the same way
 (q/k/v weights and biases, gate/up; o_proj and down_proj; the embedding, and the LM head or the
-tied embedding, vocab-parallel; the per-head q/k norms whole), their vision encoder and projector
-are replicated (every process of a rank runs the whole encoder on the rank's vision rows).
+tied embedding, vocab-parallel; the per-head q/k norm scales whole, their gradient summed over the
+rank since each process normalises its own heads), and so are the blocks of their vision encoder
+(`vision_slices`; every process of a rank runs the encoder on the rank's vision rows, its own heads
+and MLP width): InternViT's q/k/v (and biases), Qwen2.5-VL's and Qwen3-VL's fused `qkv` [3 H D, d]
+by heads inside each of its three parts, and the MLP's first matrices (fc1; gate and up) with their
+biases by column; the attention output (`projection_layer`, `proj`) and the MLP's last matrix (fc2,
+down) by row, their bias whole and added once, after the sum. InternViT's QK-norm (RMSNorm over all
+heads) sums its squares over the rank (`TensorParallel.sum`); its layer scales, the norms, the
+patch and position embeddings, Qwen's mergers (DeepStack's too) and InternVL's projector are
+replicated. The vision heads and MLP width must split over t like the LLM's (`check_model`).
 """
 
 from __future__ import annotations
@@ -64,13 +72,24 @@ def _is_family(model: Any) -> bool:
     return isinstance(model, TorchFamilyModel)
 
 
-def check_model(config: Any, t: int, intermediate: int | None = None) -> None:
+def _family_widths(config: Any) -> tuple[int | None, int | None]:
+    """(LLM MLP width, vision MLP width) of a family's config.json (None where it does not say)."""
+    raw = getattr(config, "raw", None) or {}
+    return (raw.get("text_config", {}).get("intermediate_size"), raw.get("vision_config", {}).get("intermediate_size"))
+
+
+def check_model(config: Any, t: int, intermediate: int | None = None, vision_intermediate: int | None = None) -> None:
     """A ValueError naming the model, the config field and t unless t splits every layer evenly: an
-    `MLLMConfig`, or a family's `HFConfig` (its LLM only; `intermediate`: its MLP width)."""
-    if hasattr(config, "text"):       # a family: the LLM is split, the vision encoder replicated
+    `MLLMConfig`, or a family's `HFConfig` (its LLM and its vision encoder; `intermediate`,
+    `vision_intermediate`: their MLP widths, read from config.json when not given)."""
+    if hasattr(config, "text"):       # a family: the LLM and the vision encoder are split
         sh = config.text.shape
-        shape = types.SimpleNamespace(heads=sh.num_heads, kv_heads=sh.num_kv_heads, intermediate=intermediate,
-                                      vision_heads=0, vision_intermediate=0)
+        raw_inter, raw_vinter = _family_widths(config)
+        shape = types.SimpleNamespace(
+            heads=sh.num_heads, kv_heads=sh.num_kv_heads,
+            intermediate=int(intermediate if intermediate is not None else raw_inter or 0),
+            vision_heads=int(config.vision.num_heads),
+            vision_intermediate=int(vision_intermediate if vision_intermediate is not None else raw_vinter or 0))
         vocab, field = config.vocab_size, "text_config.vocab_size"
     else:
         shape = split_shape(config)
@@ -81,9 +100,10 @@ def check_model(config: Any, t: int, intermediate: int | None = None) -> None:
                          f"row of the vocabulary ({field} = {vocab})")
 
 
-def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, int, int]]:
-    """{parameter name: (dim, start, stop)} of the slice tp index j of t holds; other parameters are whole."""
-    out: dict[str, tuple[int, int, int]] = {}
+def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
+    """{parameter name: (dim, start, stop[, parts])} of the slice tp index j of t holds (`part`); other
+    parameters are whole."""
+    out: dict[str, tuple[int, ...]] = {}
     params = dict(model.named_parameters())
     family = _is_family(model)
     c = model.config
@@ -110,12 +130,92 @@ def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, int, int]]:
         sh = c.text.shape
         for i in range(c.text.num_layers):
             block(f"{FAMILY_LAYERS}.{i}", _FAMILY, sh.num_heads, sh.num_kv_heads, sh.head_dim)
+        out.update(vision_slices(model, t, j))
         return out
     for i in range(c.num_layers):
         block(f"layers.{i}", _STAND_IN, c.num_heads, c.num_kv_heads, c.head_dim)
     for i in range(c.vision_layers):
         block(f"vision_layers.{i}", _STAND_IN, c.vision_heads, c.vision_heads, c.vision_head_dim)
     return out
+
+
+def vision_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
+    """The slices of a family's vision encoder blocks tp index j of t holds (`shard_slices`): per block,
+    the attention's q/k/v (weights and biases; a fused `qkv` [3 H D, d] by heads inside each of its
+    three parts: (dim, start, stop, 3)) and the MLP's first matrices (and biases) by rows, the output
+    projection and the MLP's last matrix by columns (their biases whole: added once, after the sum);
+    InternViT's QK-norm scales [H D] as q and k. Norms, layer scales, the patch and position
+    embeddings, the mergers and the projector stay whole."""
+    c, params = model.config, dict(model.named_parameters())
+    v = c.vision
+    heads = v.num_heads
+    hq = heads // t
+    out: dict[str, tuple[int, ...]] = {}
+
+    def put(name: str, sl: tuple[int, ...], leaves=("weight", "bias")) -> None:
+        for leaf in leaves:
+            if f"{name}.{leaf}" in params:
+                out[f"{name}.{leaf}"] = sl
+
+    if c.family == "internvl":
+        pre = "model.vision_tower.encoder.layer"
+        d = v.hidden_size // heads
+        for i in range(v.num_layers):
+            a, m = f"{pre}.{i}.attention", f"{pre}.{i}.mlp"
+            heads_rows = (0, j * hq * d, (j + 1) * hq * d)
+            for k in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
+                put(f"{a}.{k}", heads_rows)
+            out[f"{a}.projection_layer.weight"] = (1, *heads_rows[1:])
+            ff = params[f"{m}.fc1.weight"].shape[0] // t
+            put(f"{m}.fc1", (0, j * ff, (j + 1) * ff))
+            out[f"{m}.fc2.weight"] = (1, j * ff, (j + 1) * ff)
+        return out
+    qwen3 = c.family == "qwen3_vl"
+    first, last = (("linear_fc1",), "linear_fc2") if qwen3 else (("gate_proj", "up_proj"), "down_proj")
+    d = v.hidden_size // heads
+    for i in range(v.depth):
+        b = f"model.visual.blocks.{i}"
+        put(f"{b}.attn.qkv", (0, j * hq * d, (j + 1) * hq * d, 3))
+        out[f"{b}.attn.proj.weight"] = (1, j * hq * d, (j + 1) * hq * d)
+        ff = params[f"{b}.mlp.{first[0]}.weight"].shape[0] // t
+        for name in first:
+            put(f"{b}.mlp.{name}", (0, j * ff, (j + 1) * ff))
+        out[f"{b}.mlp.{last}.weight"] = (1, j * ff, (j + 1) * ff)
+    return out
+
+
+def part(x: torch.Tensor, sl: tuple[int, ...]) -> torch.Tensor:
+    """The slice `sl` = (dim, start, stop[, parts]) of a whole tensor x: rows start..stop of dim, or
+    with `parts` those rows of each of the `parts` equal pieces of dim, concatenated."""
+    dim, a, b = sl[:3]
+    parts = sl[3] if len(sl) > 3 else 1
+    if parts == 1:
+        return x.narrow(dim, a, b - a)
+    return x.unflatten(dim, (parts, -1)).narrow(dim + 1, a, b - a).flatten(dim, dim + 1)
+
+
+def put_part(whole: torch.Tensor, sl: tuple[int, ...], local: torch.Tensor) -> None:
+    """Write `local` (the shape `part(whole, sl)` has) into its slice of `whole` (contiguous), in place."""
+    dim, a, b = sl[:3]
+    parts = sl[3] if len(sl) > 3 else 1
+    if parts == 1:
+        whole.narrow(dim, a, b - a).copy_(local)
+    else:
+        whole.unflatten(dim, (parts, -1)).narrow(dim + 1, a, b - a).copy_(local.unflatten(dim, (parts, -1)))
+
+
+def _whole_size(every: list, name: str) -> int:
+    """The size along its split dim of the whole parameter `name` (the slices of every tp index)."""
+    sl = every[0][name]
+    return max(s[name][2] for s in every) * (sl[3] if len(sl) > 3 else 1)
+
+
+def _vision_width(model: Any) -> int:
+    """The MLP width of a family's vision blocks, from its first block's first MLP matrix."""
+    params, c = dict(model.named_parameters()), model.config
+    name = {"internvl": "model.vision_tower.encoder.layer.0.mlp.fc1.weight",
+            "qwen3_vl": "model.visual.blocks.0.mlp.linear_fc1.weight"}.get(c.family, "model.visual.blocks.0.mlp.gate_proj.weight")
+    return int(params[name].shape[0])
 
 
 def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -147,6 +247,20 @@ class _Exit(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         return g, None
+
+
+class _Sum(torch.autograd.Function):
+    """All-reduce over the rank forward and backward: a sum of the processes' partial values that
+    every process then uses on its own slice (e.g. the sum of squares of a norm over split heads)."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return _all_reduce(g, ctx.group), None
 
 
 @dataclasses.dataclass
@@ -210,12 +324,16 @@ class TensorParallel:
             return
         c, family = model.config, _is_family(model)
         params = dict(model.named_parameters())
-        check_model(c, self.size, params[f"{FAMILY_LAYERS}.0.{_FAMILY['gate']}.weight"].shape[0] if family else None)
+        if family:
+            check_model(c, self.size, params[f"{FAMILY_LAYERS}.0.{_FAMILY['gate']}.weight"].shape[0],
+                        _vision_width(model))
+        else:
+            check_model(c, self.size)
         self.slices = [shard_slices(model, self.size, j) for j in range(self.size)]   # of the whole model
         slices = self.slices[self.index]
         with torch.no_grad():
-            for name, (dim, a, b) in slices.items():
-                params[name].data = params[name].data.narrow(dim, a, b - a).clone()
+            for name, sl in slices.items():
+                params[name].data = part(params[name].data, sl).clone()
         if not family:
             for blocks, heads, kv in ((model.layers, c.num_heads, c.num_kv_heads),
                                       (model.vision_layers, c.vision_heads, c.vision_heads)):
@@ -230,6 +348,10 @@ class TensorParallel:
 
     def exit(self, y: torch.Tensor) -> torch.Tensor:
         return _Exit.apply(y, self.group)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the rank of each process's partial x (all-reduce forward and backward)."""
+        return _Sum.apply(x, self.group)
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The vocab-parallel lookup: this process's rows, zeros for the others', summed over the rank."""
@@ -264,18 +386,17 @@ class TensorParallel:
         if shared:   # each replica adds its gradient at its own rows of the whole tensor; sum over the rank
             wholes = []
             for name in shared:
-                dim, a, b = every[self.index][name]
+                sl = every[self.index][name]
                 shape = list(params[name].shape)
-                shape[dim] = max(s[name][2] for s in every)
+                shape[sl[0]] = _whole_size(every, name)
                 whole = params[name].grad.new_zeros(shape)
-                whole.narrow(dim, a, b - a).copy_(params[name].grad)
+                put_part(whole, sl, params[name].grad)
                 wholes.append(whole)
             buf = torch.cat([w.reshape(-1) for w in wholes])
             dist.all_reduce(buf, group=self.group)
             off = 0
             for name, whole in zip(shared, wholes):
-                dim, a, b = every[self.index][name]
-                params[name].grad = buf[off:off + whole.numel()].view_as(whole).narrow(dim, a, b - a).clone()
+                params[name].grad = part(buf[off:off + whole.numel()].view_as(whole), every[self.index][name]).clone()
                 off += whole.numel()
         dtype = next(iter(params.values())).dtype
         flat = torch.cat([p.grad.reshape(-1) for p in params.values()] + [local_loss.to(dtype).reshape(1)])
@@ -305,17 +426,16 @@ class TensorParallel:
                 out[name] = local.clone()
                 continue
             dim = every[0][name][0]
-            size = max(b - a for _, a, b in (s[name] for s in every))
+            held = [(s[name][2] - s[name][1]) * (s[name][3] if len(s[name]) > 3 else 1) for s in every]
             pad = list(local.shape)
-            pad[dim] = size - local.shape[dim]
+            pad[dim] = max(held) - local.shape[dim]
             buf = torch.cat([local, local.new_zeros(pad)], dim=dim) if pad[dim] else local.contiguous()
             parts = [torch.empty_like(buf) for _ in range(self.size)]
             dist.all_gather(parts, buf, group=self.group)
             shape = list(local.shape)
-            shape[dim] = max(s[name][2] for s in every)
+            shape[dim] = _whole_size(every, name)
             whole = local.new_zeros(shape)
             for j, s in enumerate(every):
-                _, a, b = s[name]
-                whole.narrow(dim, a, b - a).copy_(parts[j].narrow(dim, 0, b - a))
+                put_part(whole, s[name], parts[j].narrow(dim, 0, held[j]))
             out[name] = whole
         return out

@@ -3,8 +3,9 @@ Qwen2.5-VL checkpoint and generated images and videos, 8 fake devices: the step-
 transformers' loss on the same batch (same chat template, assistant-only labels), the loss falls
 on a fixed set, bad records are skipped and listed, a run resumed on another rank count (8 -> 6 -> 8)
 takes the same batches with the same losses, the exported
-checkpoint gives transformers the project's logits, and the README's run plans groups of irregular
-degrees from the real token counts."""
+checkpoint gives transformers the project's logits, the README's run plans groups of irregular
+degrees from the real token counts, and the torch backend continues the run (one process; and
+`--tensor-parallel 2` vs its plans replayed at 1, saved checkpoints compared)."""
 
 import json
 import os
@@ -284,3 +285,45 @@ def test_random_checkpoint_is_whole_for_transformers(family, cls, tmp_path):
     assert sorted(ours) == sorted(theirs)
     for name, value in theirs.items():
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
+
+
+def test_torch_backend_tensor_parallel_2_matches_one_process_per_rank(run, tmp_path, capsys):
+    """The same continuation on 2 ranks of 2 processes each (`--tensor-parallel 2`: the family's LLM and
+    vision encoder split over each rank's processes) and, replaying its plans, on 2 processes of one:
+    the same losses, and `--save-weights` (gathered over each rank) the same Hugging Face checkpoint,
+    within fp32 1e-5."""
+    from test_npu_train import _torchrun
+
+    from npu_backend.finetune import FamilyRun
+    from npu_backend.hf import load_family
+    from npu_backend.weights import load_jax_checkpoint
+
+    _, result, out = run
+    common = ["--init-from", str(out / "checkpoints" / "2"), "--steps", "2", "--optimizer", "sgd", "--lr", "0.1"]
+    log = str(tmp_path / "plans.jsonl")
+    runs, said = {}, {}
+    for t, nproc, extra in ((2, 4, ["--strategy", "static-ring:2", "--dump-plans", log]), (1, 2, ["--plan-file", log])):
+        done = _torchrun(nproc, [*common, *extra, "--tensor-parallel", str(t), "--save-weights", str(tmp_path / f"w{t}"),
+                                 "--json", str(tmp_path / f"t{t}.json")], tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[t], said[t] = json.loads((tmp_path / f"t{t}.json").read_text()), done.stdout
+    assert "npu_backend: 2 ranks of 2 processes (tensor parallel)" in said[2] and runs[2]["tensor_parallel"] == 2
+    assert [s["degrees"] for s in runs[2]["steps"]] == [[[2]], [[2]]]
+    losses = {t: np.array([s["loss"] for s in r["steps"]]) for t, r in runs.items()}
+    loss_err = float(np.max(np.abs(losses[2] - losses[1]) / np.abs(losses[1])))
+    assert loss_err <= TOL, losses
+    assert abs(losses[2][0] - result.losses[2]) <= TOL * abs(result.losses[2])     # the JAX run's step 3
+    w0 = FamilyRun.of(load_jax_checkpoint(str(out / "checkpoints" / "2"))).model.params
+    w0 = {n: p.detach() for n, p in w0.items()}
+    w1, w2 = ({n: p.detach() for n, p in load_family(str(tmp_path / f"w{t}")).params.items()} for t in (1, 2))
+    assert set(w1) == set(w2) == set(w0)
+    rel = {n: float((w2[n] - w1[n]).abs().max() / w1[n].abs().max()) for n in w1}
+    upd = {n: float((w2[n] - w1[n]).abs().max() / max(float((w1[n] - w0[n]).abs().max()), 1e-30)) for n in w1}
+    moved = [n for n in w1 if float((w1[n] - w0[n]).abs().max()) > 1e-3 * float(w0[n].abs().max())]
+    worst = max(rel, key=rel.get)
+    with capsys.disabled():
+        print(f"torch tensor parallel 2 vs 1: losses {loss_err:.1e}, weights {rel[worst]:.1e} ({worst}); "
+              f"updates of {len(moved)}/{len(w1)} tensors that moved: {max(upd[n] for n in moved):.1e}")
+    assert rel[worst] <= TOL, (worst, rel[worst])
+    # the updates themselves (w - w0: cancellation in fp32 costs |w| / |update| ulps) of the tensors that moved
+    assert len(moved) > len(w1) // 2 and max(upd[n] for n in moved) <= 10 * TOL, {n: upd[n] for n in moved}

@@ -3,9 +3,13 @@ Ulysses and hybrid plans; loss and gradients equal one process running every sam
 
 One world runs every check (process start-up dominates on shared CPUs): two stand-in models (kv
 heads split over t; one kv head replicated on both processes of a rank), each on three plans, the
-gathered weights (what `--save-weights` writes) and plans the world refuses; then a family
-(Qwen2.5-VL, tiny: q/k/v biases, one kv head, tied embedding; LLM split, vision replicated) on the
-same three kinds of plan. No jax in the processes.
+gathered weights (what `--save-weights` writes) and plans the world refuses; then three tiny
+families, their LLM and their vision encoder blocks split, on the same three kinds of plan:
+Qwen2.5-VL (q/k/v biases, one kv head, tied embedding; window attention, SwiGLU vision MLP with
+biases, fused qkv, 2 vision heads: 1 a process), Qwen3-VL (fused qkv, GELU-tanh, a DeepStack
+merger) and InternVL (CLS, layer scales, RMSNorm and QK-norm over all 4 vision heads). Their
+checkpoints' constant initial weights (biases, norm scales, layer scales) are perturbed, so a bias
+added twice or a scale dropped shows. No jax in the processes.
 """
 
 from __future__ import annotations
@@ -90,13 +94,21 @@ def _step(rank: int, ex, model, plan, samples) -> dict:
     return {"loss": loss, "grads": {n: v.numpy() for n, v in g.items()} if rank in (0, 7) else None}
 
 
-def _family(rank: int, path: str, samples, plans) -> dict:
+def _family(rank: int, cases: dict, plans) -> dict:
     from npu_backend.executor import TorchPlanExecutor
     from npu_backend.hf import load_family
 
-    model = load_family(path)
-    ex = TorchPlanExecutor(model, tensor_parallel=T)
-    return {pname: _step(rank, ex, model, plan, samples) for pname, plan in plans.items()}
+    out = {}
+    for family, (path, samples) in cases.items():
+        model = load_family(path)
+        whole = {n: p.detach().clone() for n, p in model.named_parameters()}
+        ex = TorchPlanExecutor(model, tensor_parallel=T)
+        gathered = ex.tp.gather(model)     # what --save-weights writes
+        vision = [n for n in whole if ".visual.blocks." in n or ".vision_tower.encoder." in n]
+        out[family] = {"gathered": all(bool((gathered[n] == w).all()) for n, w in whole.items()),
+                       "vision held": sum(model.params[n].numel() for n in vision) / sum(whole[n].numel() for n in vision)}
+        out[family].update({pname: _step(rank, ex, model, plan, samples) for pname, plan in plans.items()})
+    return out
 
 
 def _worker(rank: int, world: int, stand_in: tuple, family: tuple) -> dict:
@@ -105,14 +117,16 @@ def _worker(rank: int, world: int, stand_in: tuple, family: tuple) -> dict:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """(stand-in references, family reference, every process's results) of one world of 8 processes."""
+    """(stand-in references, family references, every process's results) of one world of 8 processes."""
     samples = random_samples(CONFIGS["kv split"], LENGTHS, seed=3)
     refs = {c: _reference(cfg, samples) for c, cfg in CONFIGS.items()}
-    path = str(tmp_path_factory.mktemp("tp_family"))
-    family_samples = _family_case(path)
-    family_ref = _family_reference(path, family_samples)
-    res = run_world(_worker, 8, ((CONFIGS, samples, PLANS), (path, family_samples, FAMILY_PLANS)), timeout=300)
-    return refs, family_ref, res
+    cases = {}
+    for family in FAMILIES:
+        path = str(tmp_path_factory.mktemp(f"tp_{family}"))
+        cases[family] = (path, _family_case(path, family))
+    family_refs = {f: _family_reference(*case) for f, case in cases.items()}
+    res = run_world(_worker, 8, ((CONFIGS, samples, PLANS), (cases, FAMILY_PLANS)), timeout=300)
+    return refs, family_refs, res
 
 
 def _check(label: str, got: dict, ref_loss: float, ref_grads: dict) -> float:
@@ -157,6 +171,24 @@ def test_head_counts_tensor_parallel_cannot_split_are_refused():
     check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
 
 
+def test_family_vision_heads_and_width_tensor_parallel_cannot_split_are_refused():
+    from dhp_jax.model import hf
+    from dhp_jax.model.hf.init import tiny_config
+    from npu_backend.tensor import check_model
+
+    raw = tiny_config("qwen3_vl", FAMILY_TOKENS, 96)
+    raw["vision_config"].update(num_heads=3, hidden_size=48)
+    with pytest.raises(ValueError, match=r"model 'qwen3_vl': tensor_parallel 2 cannot split vision_config heads "
+                                         r"\(num_heads / num_attention_heads\) = 3"):
+        check_model(hf.parse_config(raw), 2)
+    raw = tiny_config("internvl", FAMILY_TOKENS, 96)
+    raw["vision_config"].update(num_attention_heads=4, intermediate_size=66)
+    with pytest.raises(ValueError, match=r"model 'internvl': tensor_parallel 4 cannot split "
+                                         r"vision_config.intermediate_size = 66"):
+        check_model(hf.parse_config(raw), 4)
+    check_model(hf.parse_config(raw), 2)
+
+
 # ---------------------------------------------------------------------------------------- a family
 FAMILY_TOKENS = {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}
 
@@ -186,17 +218,55 @@ def _qwen_sample(config, g, sample_id: int, before: int, grid: tuple[int, int] |
     return hf.sample_from_inputs(config, inputs, labels[None], sample_id=sample_id)
 
 
-def _family_case(directory: str):
-    """A tiny Qwen2.5-VL checkpoint written without transformers, and a batch of 4 samples."""
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
+
+
+def _internvl_sample(config, g, sample_id: int, before: int, tiles: int, after: int):
+    """text, an image of `tiles` 16 x 16 tiles (4 tokens each), text; the text labelled."""
+    from dhp_jax.model import hf
+
+    ids = list(g.integers(5, config.vocab_size, before)) + [FAMILY_TOKENS["image"]] * (4 * tiles)
+    ids += list(g.integers(5, config.vocab_size, after))
+    inputs = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    if tiles:
+        inputs["pixel_values"] = g.standard_normal((tiles, 3, 16, 16)).astype(np.float32)
+    labels = np.where(np.array(ids) == FAMILY_TOKENS["image"], -100, np.array(ids))
+    labels[0] = -100
+    return hf.sample_from_inputs(config, inputs, labels[None], sample_id=sample_id)
+
+
+def _family_case(directory: str, family: str):
+    """A tiny checkpoint of `family` written without transformers (its constant initial weights
+    perturbed), and a batch of 4 samples."""
+    import torch
+
     from dhp_jax.model import hf
     from dhp_jax.model.hf.init import random_params, tiny_config
+    from npu_backend.hf import load_family, save_family
 
-    raw = tiny_config("qwen2_5_vl", FAMILY_TOKENS, 96)
-    raw["text_config"].update(num_key_value_heads=1, tie_word_embeddings=True)
-    raw["tie_word_embeddings"] = True
+    raw = tiny_config(family, FAMILY_TOKENS, 96)
+    if family == "qwen2_5_vl":
+        raw["text_config"].update(num_key_value_heads=1, tie_word_embeddings=True)
+        raw["tie_word_embeddings"] = True
+    if family == "internvl":   # 16 x 16 tiles of 4 x 4 patches; InternViT-6B's RMSNorm and QK-norm
+        raw["vision_config"].update(image_size=[16, 16], patch_size=[4, 4], num_attention_heads=4,
+                                    use_qk_norm=True, norm_type="rms_norm")
+        raw["image_seq_length"] = 4
     config = hf.parse_config(raw)
     hf.save_pretrained(config, random_params(config, 5), directory)
+    model = load_family(directory)
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if float(p.std()) == 0 or p.numel() == 1:     # biases, norm and layer scales: no longer constant
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
+            elif ".visual." in name or ".vision_tower." in name:
+                p.mul_(10.0)      # vision weights N(0, 0.2): attention far from uniform, q/k gradients not tiny
+    save_family(model, directory)
     g = np.random.default_rng(4)
+    if family == "internvl":
+        specs = [(6, 2, 5), (0, 1, 8), (12, 0, 0), (7, 3, 4)]
+        return [_internvl_sample(config, g, i, *spec) for i, spec in enumerate(specs)]
     specs = [(6, (4, 4), 5), (0, (2, 4), 8), (12, None, 0), (7, (2, 2), 4)]
     return [_qwen_sample(config, g, i, *spec) for i, spec in enumerate(specs)]
 
@@ -214,18 +284,26 @@ def _family_reference(path: str, samples) -> tuple[float, dict]:
     from npu_backend.hf import load_family, stream_tensors
 
     model = load_family(path)
-    assert model.config.tied and model.config.text.shape.num_kv_heads == 1
-    assert "model.language_model.layers.0.self_attn.k_proj.bias" in model.params
+    if model.config.family == "qwen2_5_vl":
+        assert model.config.tied and model.config.text.shape.num_kv_heads == 1
+        assert "model.language_model.layers.0.self_attn.k_proj.bias" in model.params
+    if model.config.family == "internvl":
+        assert model.config.vision.qk_norm and model.config.vision.num_heads == 4
     layout = pack_family_group(samples, 1, model.config)
     loss = model.loss_sum(*stream_tensors(layout)) / layout.num_loss_tokens
     loss.backward()
     return float(loss.detach()), model.grads()
 
 
-def test_family_llm_tensor_parallel_2_matches_one_process(world):
-    _, (ref_loss, ref_grads), res = world
-    for pname in FAMILY_PLANS:
-        worst = max(_check(f"family, {pname}, process {r}", o["family"][pname], ref_loss, ref_grads)
-                    for r, o in enumerate(res))
-        print(f"family, {pname}: loss {abs(res[0]['family'][pname]['loss'] - ref_loss) / ref_loss:.1e}, "
-              f"worst gradient {worst:.1e}")
+def test_families_tensor_parallel_2_matches_one_process(world):
+    """LLM and vision encoder split: loss and gradients of every family equal one process's."""
+    _, family_refs, res = world
+    for family, (ref_loss, ref_grads) in family_refs.items():
+        for r, o in enumerate(res):
+            assert o["family"][family]["gathered"], (family, r)
+            assert o["family"][family]["vision held"] < 0.6, (family, o["family"][family]["vision held"])
+        for pname in FAMILY_PLANS:
+            worst = max(_check(f"{family}, {pname}, process {r}", o["family"][family][pname], ref_loss, ref_grads)
+                        for r, o in enumerate(res))
+            print(f"{family}, {pname}: loss {abs(res[0]['family'][family][pname]['loss'] - ref_loss) / ref_loss:.1e}, "
+                  f"worst gradient {worst:.1e}")
