@@ -10,7 +10,9 @@ what a shallow one does (internvl3-2b: about 20 s on CPU) and the bench compiles
 linearly (rows say `"extrapolated": true`). On CPU devices the bench compiles
 with XLA:CPU's memory-minimising scheduler (`CPU_MEMORY_SCHEDULER`). `"fits"` answers the sizing
 question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
-compiled bytes + the state shard against the device's usable bytes. A whole step (every program
+compiled bytes + the state shard against the device's usable bytes; with `--tensor-parallel T`,
+qwen2.5-vl-32b (the stand-in at its shape) at 64k tokens on ranks of T devices, at the degree the
+memory model chooses (`planned_degree`). A whole step (every program
 it runs, in dispatch order) is `dhp bench memory --step` (`dhp_jax.bench.step_memory`).
 """
 
@@ -31,6 +33,26 @@ from dhp_jax.planner.cost.presets import ModelShape
 DEGREES = (1, 2, 4, 8)
 TOKENS = (8192, 32768, 65536)
 FITS = {"model": "internvl3-8b", "hardware": "ascend-910b", "degree": 8, "tokens": 65536, "state_shards": 64}
+# with --tensor-parallel T: a 32B-class model at 64k tokens on ranks of T devices, at the degree
+# the memory model chooses (`planned_degree`); the state over 64 devices
+FITS_TP = {"model": "qwen2.5-vl-32b", "hardware": "ascend-910b", "tokens": 65536, "state_shards": 64}
+
+
+def planned_degree(f: dict, t: int, remat: str, compute_dtype: str, largest: int) -> int:
+    """The smallest degree (a power of two up to `largest` ranks) whose group of `f["tokens"]` the
+    memory model fits on `f["hardware"]` with ranks of t devices (the accelerator's bf16
+    activations): what the planner gives a sample that long. SystemExit when none does."""
+    from dhp_jax.model import MLLMConfig
+
+    cost = CostModel.preset(model_shape(MLLMConfig.preset(f["model"])), f["hardware"], state_shards=f["state_shards"],
+                            remat=remat, compute_dtype=compute_dtype, require_fit=False, tensor_parallel=t)
+    d = 1
+    while d <= largest:
+        if group_program_bytes(cost, [f["tokens"]], d) + rank_state_bytes(cost) <= cost.usable_bytes:
+            return d
+        d *= 2
+    raise SystemExit(f"{f['model']} at {f['tokens']} tokens does not fit on {f['hardware']} in groups of up to "
+                     f"{largest} ranks of {t} devices (memory model); give more --devices")
 
 
 # XLA:CPU's default scheduler orders the program for concurrency, not memory: it holds up to twice
@@ -124,21 +146,24 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
                  f"(abstract arguments{f', ranks of {t} devices' if t > 1 else ''}) vs memory.group_program_bytes "
                  f"({hardware} preset{f', tensor_parallel {t}' if t > 1 else ''})",
         "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "tensor_parallel": t, "rows": rows}
-    if fits and t == 1:
-        f = FITS
+    if fits:
+        f = FITS if t == 1 else {**FITS_TP, "tensor_parallel": t}
+        if t > 1:       # the degree the planner's memory model gives a 64k sample on ranks of t devices
+            f["degree"] = planned_degree(f, t, remat, compute_dtype, len(devices) // t)
         row = next((r for r in rows if r["model"] == f["model"] and r["degree"] == f["degree"]
                     and r["tokens"] == f["tokens"]), None)
         got = row["compiled_bytes"] if row else program_bytes(
             MLLMConfig.preset(f["model"], remat=remat), f["degree"], f["tokens"], compute_dtype=compute_dtype,
-            devices=devices, full_depth=full_depth)[0]
+            devices=devices, full_depth=full_depth, tensor_parallel=t)[0]
         shape = model_shape(MLLMConfig.preset(f["model"]))
+        extra = {"tensor_parallel": t} if t > 1 else {}
         cost = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
-                                compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False)
+                                compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False, **extra)
         total = got + rank_state_bytes(cost)
         # the same program priced at the preset's own widths (bf16 activations, as an accelerator
         # compiler keeps them), next to what the CPU compile holds
         native = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
-                                  compute_dtype=compute_dtype, require_fit=False)
+                                  compute_dtype=compute_dtype, require_fit=False, **extra)
         native_total = group_program_bytes(native, [f["tokens"]], f["degree"]) + rank_state_bytes(native)
         out["fits"] = {**f, "compiled_bytes": int(got), "state_bytes": int(rank_state_bytes(cost)),
                        "total_bytes": int(total), "usable_bytes": int(cost.usable_bytes),
@@ -165,7 +190,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-shards", type=int, default=64, help="ranks the fp32 state is sharded over")
     parser.add_argument("--extrapolate", action="store_true",
                         help="compile 2 and 3 layers and extrapolate linearly instead of compiling every layer")
-    parser.add_argument("--no-fits", action="store_true", help="skip the internvl3-8b sizing check")
+    parser.add_argument("--no-fits", action="store_true", help="skip the sizing check (internvl3-8b; qwen2.5-vl-32b with --tensor-parallel)")
     parser.add_argument("--devices", type=int, default=8, help="fake CPU devices if jax is not yet imported")
     parser.add_argument("--json", action="store_true", help="print only JSON")
     parser.add_argument("--families", default="",
@@ -207,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
               f"{r['model_bytes'] / 1e9:9.2f} {r['rel_error']:+7.1%}")
     if "fits" in res:
         f = res["fits"]
-        print(f"{f['model']} degree {f['degree']}, {f['tokens']} tokens on {f['hardware']}, state over "
+        per_rank = f" (ranks of {f['tensor_parallel']} devices)" if f.get("tensor_parallel", 1) > 1 else ""
+        print(f"{f['model']} degree {f['degree']}{per_rank}, {f['tokens']} tokens on {f['hardware']}, state over "
               f"{f['state_shards']} ranks: {f['compiled_bytes'] / 1e9:.2f} GB compiled + {f['state_bytes'] / 1e9:.2f} "
               f"GB state = {f['total_bytes'] / 1e9:.2f} GB of {f['usable_bytes'] / 1e9:.2f} GB usable: "
               f"{'fits' if f['fits'] else 'does NOT fit'}; CostModel at the preset's widths (bf16 "
