@@ -11,8 +11,8 @@ linearly (rows say `"extrapolated": true`). On CPU devices the bench compiles
 with XLA:CPU's memory-minimising scheduler (`CPU_MEMORY_SCHEDULER`). `"fits"` answers the sizing
 question: internvl3-8b, degree 8, 64k tokens on ascend-910b with the state sharded over 64 ranks:
 compiled bytes + the state shard against the device's usable bytes; with `--tensor-parallel T`,
-qwen2.5-vl-32b (the stand-in at its shape) at 64k tokens on ranks of T devices, at the degree the
-memory model chooses (`planned_degree`). A whole step (every program
+qwen2.5-vl-32b (the stand-in at its shape) at 64k tokens on 64 devices as ranks of T devices, at
+the degree DHP's plan gives it (`planned_degree`; the compile needs degree x T devices). A whole step (every program
 it runs, in dispatch order) is `dhp bench memory --step` (`dhp_jax.bench.step_memory`).
 """
 
@@ -33,27 +33,32 @@ from dhp_jax.planner.cost.presets import ModelShape
 DEGREES = (1, 2, 4, 8)
 TOKENS = (8192, 32768, 65536)
 FITS = {"model": "internvl3-8b", "hardware": "ascend-910b", "degree": 8, "tokens": 65536, "state_shards": 64}
-# with --tensor-parallel T: a 32B-class model at 64k tokens on ranks of T devices, at the degree
-# the memory model chooses (`planned_degree`); the state over 64 devices
+# with --tensor-parallel T: a 32B-class model at 64k tokens on 64 devices as ranks of T, at the
+# degree DHP's plan gives it (`planned_degree`); the state over the 64 devices
 FITS_TP = {"model": "qwen2.5-vl-32b", "hardware": "ascend-910b", "tokens": 65536, "state_shards": 64}
 
 
-def planned_degree(f: dict, t: int, remat: str, compute_dtype: str, largest: int) -> int:
-    """The smallest degree (a power of two up to `largest` ranks) whose group of `f["tokens"]` the
-    memory model fits on `f["hardware"]` with ranks of t devices (the accelerator's bf16
-    activations): what the planner gives a sample that long. SystemExit when none does."""
+def planned_degree(f: dict, t: int, remat: str, compute_dtype: str, devices: int) -> int:
+    """The degree of the group DHP's plan gives one sample of `f["tokens"]` (90 % vision tokens,
+    as experiment 13's long sample) on `devices` devices as ranks of t, 8 devices a node, priced
+    with the memory model on `f["hardware"]` (the accelerator's bf16 activations): the planner's
+    choice. SystemExit when no plan fits."""
+    import numpy as np
+
     from dhp_jax.model import MLLMConfig
+    from dhp_jax.planner.compare import compare_strategies
+    from dhp_jax.planner.contract.plan import PlanningError
 
-    cost = CostModel.preset(model_shape(MLLMConfig.preset(f["model"])), f["hardware"], state_shards=f["state_shards"],
-                            remat=remat, compute_dtype=compute_dtype, require_fit=False, tensor_parallel=t)
-    d = 1
-    while d <= largest:
-        if group_program_bytes(cost, [f["tokens"]], d) + rank_state_bytes(cost) <= cost.usable_bytes:
-            return d
-        d *= 2
-    raise SystemExit(f"{f['model']} at {f['tokens']} tokens does not fit on {f['hardware']} in groups of up to "
-                     f"{largest} ranks of {t} devices (memory model); give more --devices")
-
+    try:
+        cost = CostModel.preset(model_shape(MLLMConfig.preset(f["model"])), f["hardware"],
+                                state_shards=f["state_shards"], remat=remat, compute_dtype=compute_dtype,
+                                tensor_parallel=t, ranks_per_node=8 // t)
+        comp = compare_strategies([(np.array([f["tokens"]]), np.array([0.81]))], devices // t, cost, ["dhp"],
+                                  errors="raise", ranks_per_node=8 // t)
+    except (PlanningError, ValueError) as e:
+        raise SystemExit(f"{f['model']} at {f['tokens']} tokens on {devices} devices as ranks of {t}: {e}") from None
+    plan = comp.runs["dhp"].plans[0]
+    return next(g.degree for mb in plan.micro_batches for g in mb.groups if g.samples)
 
 # XLA:CPU's default scheduler orders the program for concurrency, not memory: it holds up to twice
 # the bytes its memory-minimising scheduler does (internvl3-2b, 1 layer, 4k tokens: 6.67 vs 5.59 GB).
@@ -149,7 +154,7 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     if fits:
         f = FITS if t == 1 else {**FITS_TP, "tensor_parallel": t}
         if t > 1:       # the degree the planner's memory model gives a 64k sample on ranks of t devices
-            f["degree"] = planned_degree(f, t, remat, compute_dtype, len(devices) // t)
+            f["degree"] = planned_degree(f, t, remat, compute_dtype, f["state_shards"])
         row = next((r for r in rows if r["model"] == f["model"] and r["degree"] == f["degree"]
                     and r["tokens"] == f["tokens"]), None)
         got = row["compiled_bytes"] if row else program_bytes(
