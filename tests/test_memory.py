@@ -251,3 +251,26 @@ def test_replace_linear_chunk_rederives_a_presets_memory():
     loaded = CostModel.from_dict(base.to_dict()).replace(linear_chunk=0)
     assert (loaded.mem_per_token, loaded.fixed_bytes, loaded.memory_budget) == \
         (base.mem_per_token, base.fixed_bytes, base.memory_budget)
+
+
+def test_tensor_parallel_memory_matches_compiled_bytes():
+    """With tensor_parallel 2 (ranks of 2 devices), the group program holds one device's share of
+    the params and returns its share's gradient (`TensorLayout`): its params argument is the
+    share's row, about half the t = 1 vector; and `CostModel.preset(..., tensor_parallel=2)`
+    (weights / 2, activations in the psum form) is within 10 % of the compiled bytes at two degrees."""
+    from dhp_jax.sharding import PlanExecutor
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, compiled_bytes, model_shape
+
+    cfg, devices = SMALL, jax.devices()
+    one, two = PlanExecutor(cfg, devices[:2]), PlanExecutor(cfg, devices[:4], tensor_parallel=2)
+    assert two.layout.row < 0.55 * one.layout.padded
+    args = [ex.lower(1, 256, tuple(devs)).compile().memory_analysis().argument_size_in_bytes
+            for ex, devs in ((one, devices[:1]), (two, devices[:2]))]
+    inputs = 256 * 4 * (8 + cfg.patch_dim + 1)
+    assert args == [4 * one.layout.padded + inputs, 4 * two.layout.row + inputs], args   # fp32 params, then inputs
+    cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16",
+                            activation_bytes=CPU_ACTIVATION_BYTES, tensor_parallel=2, ranks_per_node=4)
+    for degree, tokens in ((1, 8192), (2, 8192)):
+        got = compiled_bytes(cfg, degree, tokens, "bfloat16", devices, tensor_parallel=2)
+        want = group_program_bytes(cost, [tokens], degree)
+        assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
