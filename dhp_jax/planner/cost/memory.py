@@ -327,7 +327,14 @@ def family_input_elements(m: Any) -> int:
 
 def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
     """(elements kept per row by one LLM layer or encoder block of a family program, elements of
-    its recomputed working set) (`family_bytes_per_token`)."""
+    its recomputed working set) (`family_bytes_per_token`).
+
+    Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the outputs
+    of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom VJP, where
+    it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and 4096 tokens
+    in chunks of 256: the compiled programs of the two are the same bytes)."""
+    if remat == "selective" and chunked:
+        remat = "layer"
     if vision:
         hidden, heads, kv, head_dim = m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim
         wide, ffs = FAMILY_ENCODER[m.family]
