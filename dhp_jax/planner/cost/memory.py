@@ -107,9 +107,9 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
     shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family.FamilyExecutor`)
-    runs at these choices, every element in `activation_bytes` (`family_bytes_per_token`, which
-    `dhp bench memory --families` compares with the compiled program); the formula below is the
-    stand-in's."""
+    runs at these choices, its inputs at 4 bytes and the rest in `activation_bytes`
+    (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
+    program); the formula below is the stand-in's."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     if getattr(m, "family", ""):
@@ -291,10 +291,10 @@ def encoder_rows(m: Any) -> int:
 
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
     """Bytes per local LLM token of a family's group program: its inputs (`input_bytes_per_token`),
-    and in elements of `ab` bytes what every LLM layer and every encoder block keeps for its backward pass, and the encoder's
-    tail (the merge, the projector or merger and the DeepStack mergers, the token embedding, the
-    merged stream, the final norm and the LM head's input); with recompute, the working set of the
-    one block recomputed at a time on top.
+    and in elements of `ab` bytes what every LLM layer and every encoder block keeps for its
+    backward pass and the encoder's tail (the merge, the projector or merger and the DeepStack
+    mergers, the token embedding, the merged stream, the final norm and the LM head's input); with
+    recompute, the working set of the one block recomputed at a time on top.
 
     What a block keeps (`_family_block`): with remat "none", every intermediate, and the ring
     attention's fp32 output and statistics; `chunked` (`HFConfig.linear_chunk` > 0): the chunks'

@@ -263,13 +263,15 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
     # an executable of the program on free ranks: largest first, and among groups of a degree the
     # programs with the fewest spare executables (held device sets less groups) first, so that a
     # program with a spare set does not take the one set another program has no spare for
+    def program(i: int) -> tuple[int, int, str]:
+        return groups[i][0], groups[i][1], groups[i][3]
+
     need: dict[tuple[int, int, str], int] = {}
     for i in inside:
-        need[(groups[i][0], groups[i][1], groups[i][3])] = need.get((groups[i][0], groups[i][1], groups[i][3]), 0) + 1
+        need[program(i)] = need.get(program(i), 0) + 1
 
     def spare(i: int) -> int:
-        key = (groups[i][0], groups[i][1], groups[i][3])
-        return sum(not spans_nodes(t, rpn) for t in known.get(key, ())) - need[key]
+        return sum(not spans_nodes(t, rpn) for t in known.get(program(i), ())) - need[program(i)]
 
     for i in sorted(inside, key=lambda i: (-groups[i][0], spare(i), i)):
         d, p, _, a = groups[i]
