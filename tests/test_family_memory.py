@@ -92,6 +92,24 @@ def test_family_pad_skipping_program_bytes_match_the_memory_model():
     assert abs(want / got - 1.0) <= TOLERANCE, (got, want)
 
 
+def test_family_remat_selective_with_chunks_is_priced_as_layer():
+    """Remat "selective" with chunks: `jax.checkpoint`'s policy sees no weight GEMM (each runs in a
+    chunk's custom VJP), so the block keeps its input only, as with remat "layer" (their compiled
+    programs are the same bytes); the preset prices it so, within 10 % of the compiled program
+    (the GEMM outputs it would keep in one pass price it over 50 % high)."""
+    import jax
+
+    from dhp_jax.sharding.family_memory import compiled, modelled
+
+    raw, tokens = raw_config(), 4096
+    got, params = compiled(raw, 2, tokens, jax.devices(), remat="selective", linear_chunk=256)
+    want = modelled(raw, params, 2, tokens, remat="selective", linear_chunk=256)
+    print(f"tiny qwen3_vl degree 2, {tokens} tokens, chunks of 256, remat selective: compiled {got / 1e6:.1f} MB, "
+          f"model {want / 1e6:.1f} MB")
+    assert want == modelled(raw, params, 2, tokens, remat="layer", linear_chunk=256)
+    assert abs(want / got - 1.0) <= TOLERANCE, (got, want)
+
+
 def test_remat_layer_block_runs_in_a_scan_body():
     """`layers.remat_block` "layer" is a plain fn -> fn wrapper: per block in a `lax.scan` body, its
     block closing over a per-step value (a tracer of the body), the gradients are those of the

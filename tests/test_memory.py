@@ -48,7 +48,9 @@ def test_memory_choices_are_fields_that_move_the_memory():
     wide = CostModel.preset("internvl3-2b", "ascend-910b", state_shards=64)
     assert rank_state_bytes(wide) == pytest.approx(rank_state_bytes(base) / 8)
     assert wide.memory_budget - base.memory_budget == pytest.approx(rank_state_bytes(base) - rank_state_bytes(wide))
-    per_token = {r: CostModel.preset("internvl3-2b", "ascend-910b", remat=r).mem_per_token
+    # one pass over the stream (with chunks a family's "selective" keeps what "layer" keeps:
+    # test_family_presets_price_the_family_program)
+    per_token = {r: CostModel.preset("internvl3-2b", "ascend-910b", remat=r, linear_chunk=0).mem_per_token
                  for r in ("layer", "selective", "none")}
     assert per_token["layer"] < per_token["selective"] < per_token["none"]
     fp32 = CostModel.preset("internvl3-2b", "ascend-910b", compute_dtype="float32")
@@ -229,6 +231,59 @@ def test_preset_memory_follows_its_linear_chunk():
     assert one_pass.mem_per_token > chunked.mem_per_token
     assert one_pass.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2)
     assert chunked.mem_per_token == engine_memory.activation_bytes_per_token(m, "layer", 2, chunked=True)
+
+
+FAMILY_PRESETS = {"internvl3-8b": "internvl", "qwen3-vl-8b": "qwen3_vl", "qwen2.5-vl-32b": "qwen2_5_vl"}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_PRESETS))
+def test_family_presets_price_the_family_program(name):
+    """A Hugging Face family's preset prices its activations as the family program runs
+    (`memory.family_bytes_per_token`, which tests/test_family_memory.py holds against compiled
+    programs) at every remat, with and without chunks, in each dtype: its own blocks, never the
+    stand-in's; the stand-in's shape keeps the stand-in's formula. The inputs are int32 / fp32 in
+    any compute dtype."""
+    m = presets.MODELS[name]
+    assert m.family == FAMILY_PRESETS[name]
+    stand_in = dataclasses.replace(m, family="", param_count=0, patches_per_token=1, vision_mlp=3, deepstack=0,
+                                   projector_hidden=0)
+    for remat in memory.REMATS:
+        for chunk in (0, 256):
+            for hardware, kw, ab in (("ascend-910b", {}, 2), ("cpu", {}, 4), ("h100", {"activation_bytes": 4}, 4)):
+                cost = CostModel.preset(name, hardware, remat=remat, linear_chunk=chunk, require_fit=False, **kw)
+                want = memory.family_bytes_per_token(m, ab, remat, chunk > 0)
+                assert cost.mem_per_token == want, (remat, chunk, hardware)
+                assert cost.mem_per_token != memory.activation_bytes_per_token(stand_in, remat, cost.compute_bytes,
+                                                                               ab, chunk > 0)
+                base = CostModel.preset(stand_in, hardware, remat=remat, linear_chunk=chunk, require_fit=False, **kw)
+                assert base.mem_per_token == memory.activation_bytes_per_token(stand_in, remat, cost.compute_bytes,
+                                                                               ab, chunk > 0)
+        # the inputs: 4 bytes an element whatever the dtype, the rest in the activations' bytes
+        two = memory.family_bytes_per_token(m, 2, remat)
+        four = memory.family_bytes_per_token(m, 4, remat)
+        inputs = 4.0 * memory.family_input_elements(m)
+        assert memory.input_bytes_per_token(m) == inputs and four - inputs == pytest.approx(2 * (two - inputs))
+    # with chunks "selective" keeps what "layer" keeps; in one pass it keeps the GEMMs' outputs too
+    chunked = {r: CostModel.preset(name, "h100", remat=r, require_fit=False).mem_per_token for r in memory.REMATS}
+    one_pass = {r: CostModel.preset(name, "h100", remat=r, linear_chunk=0, require_fit=False).mem_per_token
+                for r in memory.REMATS}
+    assert chunked["layer"] == chunked["selective"] < chunked["none"]
+    assert one_pass["layer"] < one_pass["selective"] < one_pass["none"]
+    assert all(chunked[r] < one_pass[r] for r in memory.REMATS)
+
+
+def test_family_inputs_are_the_family_programs_input_columns():
+    """`memory.family_input_elements` counts the family program's input columns per LLM token: the
+    shapes `FamilyExecutor` lowers its group program with."""
+    from dhp_jax.data.model_configs import hf_layout, model_config
+    from dhp_jax.model.hf.api import parse_config
+    from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit
+
+    for name in FAMILY_PRESETS:
+        config, m = parse_config(hf_layout(model_config(name))), presets.MODELS[name]
+        columns = len(LLM_INTS) + rope_axes(config) + 1 + unit(config) * (len(VISION_INTS) + patch_dim(config) + TAPS)
+        assert memory.family_input_elements(m) == columns, name
+        assert memory.encoder_rows(m) == unit(config), name
 
 
 def test_replace_linear_chunk_rederives_a_presets_memory():

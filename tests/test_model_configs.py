@@ -163,14 +163,15 @@ def test_bad_configs_name_the_problem():
 
 
 def test_memory_counts_each_familys_encoder():
-    """Per local token (every token priced as a vision token): each encoder layer keeps its input for
-    the 4 patches the token merges (remat "layer"); without remat, what the family's program keeps
+    """Per local token (every token priced as a vision token, as the family's program runs it): with
+    remat "layer" each encoder layer keeps its input on every encoder row of the token (InternVL:
+    the 4 patches it merges and its tile's CLS row); without remat, what the family's program keeps
     per encoder row; DeepStack's three merger outputs wait for the LLM."""
     rep = dataclasses.replace
     per_token = memory.activation_bytes_per_token
     m = presets.MODELS["internvl3-8b"]
     deeper = rep(m, vision_layers=m.vision_layers + 1)
-    assert per_token(deeper, "layer", 2) - per_token(m, "layer", 2) == 2 * 4 * 1024
+    assert per_token(deeper, "layer", 2) - per_token(m, "layer", 2) == 2 * 5 * 1024
     wider = rep(m, vision_intermediate=m.vision_intermediate + 1)
     # without remat a family is priced as its own program runs (memory.family_bytes_per_token):
     # InternViT's exact GELU keeps 4 ff-wide values per row, on 5 rows per token (the 4 patches and

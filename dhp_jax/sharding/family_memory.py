@@ -33,7 +33,7 @@ from typing import Any, Mapping, Sequence
 
 from dhp_jax.data.model_configs import hf_layout, model_config
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.memory import REMATS, family_bytes_per_token, group_program_bytes
+from dhp_jax.planner.cost.memory import REMATS, group_program_bytes
 from dhp_jax.planner.cost.presets import ModelShape
 
 BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
@@ -89,12 +89,10 @@ def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, h
              linear_chunk: int = 0) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
     group of `degree` devices and `tokens` tokens, its blocks run with `remat` and `linear_chunk`: the
-    preset's static bytes, and per token `family_bytes_per_token` of the family program at those choices."""
-    shape = model_shape(raw, params)
-    cost = CostModel.preset(shape, hardware, remat=remat, compute_dtype=compute_dtype,
+    preset's static bytes, and per token `family_bytes_per_token` of the family program at those
+    choices (the preset's own `mem_per_token` for a family's shape)."""
+    cost = CostModel.preset(model_shape(raw, params), hardware, remat=remat, compute_dtype=compute_dtype,
                             state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk)
-    cost = dataclasses.replace(cost, mem_per_token=family_bytes_per_token(shape, cost.activation_bytes, remat,
-                                                                          linear_chunk > 0))
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 

@@ -78,7 +78,11 @@ def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat
 
 def chunk_bytes(m: Any, chunk: int, activation_bytes: int) -> float:
     """Token-independent: one chunk's working set of the larger block (`_block`'s whole-stream
-    working set over `chunk` tokens), live inside a block's backward pass."""
+    working set over `chunk` tokens; a family's, `_family_block`'s without chunks over `chunk` rows
+    of either stream), live inside a block's backward pass."""
+    if getattr(m, "family", ""):
+        work = max(_family_block(m, False, "layer", False)[1], _family_block(m, True, "layer", False)[1])
+        return float(chunk * work * activation_bytes)
     work = max(_block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, "layer")[1],
                _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
                       m.vision_intermediate, "layer", mlp=_encoder(m)[1])[1])
@@ -102,14 +106,15 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
-    shape (`m.family`) with remat "none" is priced as the family program runs without pad
-    skipping (`family_bytes_per_token`); its other choices are priced by the stand-in's blocks (the
-    planner's presets; `family_bytes_per_token` prices the family program at each, and `dhp bench
-    memory --families` compares it with the compiled program)."""
+    shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family.FamilyExecutor`)
+    runs at these choices, its inputs at 4 bytes and the rest in `activation_bytes`
+    (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
+    program); the formula below is the stand-in's."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
-    if getattr(m, "family", "") and remat == "none":
-        return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes))
+    if getattr(m, "family", ""):
+        return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes),
+                                      remat, chunked)
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
@@ -136,7 +141,10 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
 
 
 def input_bytes_per_token(m: Any) -> float:
-    """Bytes per local token of a group program's inputs: int32 columns, fp32 pixels and loss weight."""
+    """Bytes per local token of a group program's inputs: int32 columns, fp32 pixels and loss weight
+    (a family's program: `family_input_elements`), 4 bytes each whatever the compute dtype."""
+    if getattr(m, "family", ""):
+        return 4.0 * family_input_elements(m)
     return 4.0 * (INT_COLUMNS + m.patch_dim + 1)
 
 
@@ -282,11 +290,11 @@ def encoder_rows(m: Any) -> int:
 
 
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
-    """Bytes per local LLM token of a family's group program, elements of `ab` bytes: its inputs,
-    what every LLM layer and every encoder block keeps for its backward pass, and the encoder's
-    tail (the merge, the projector or merger and the DeepStack mergers, the token embedding, the
-    merged stream, the final norm and the LM head's input); with recompute, the working set of the
-    one block recomputed at a time on top.
+    """Bytes per local LLM token of a family's group program: its inputs (`input_bytes_per_token`),
+    and in elements of `ab` bytes what every LLM layer and every encoder block keeps for its
+    backward pass and the encoder's tail (the merge, the projector or merger and the DeepStack
+    mergers, the token embedding, the merged stream, the final norm and the LM head's input); with
+    recompute, the working set of the one block recomputed at a time on top.
 
     What a block keeps (`_family_block`): with remat "none", every intermediate, and the ring
     attention's fp32 output and statistics; `chunked` (`HFConfig.linear_chunk` > 0): the chunks'
@@ -301,17 +309,32 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     vit_kept, vit_work = _family_block(m, True, remat, chunked)
     kept = m.layers * dec_kept + rows * m.vision_layers * vit_kept
     work = max(dec_work, rows * vit_work) if remat != "none" else 0.0
-    patch = m.patch_dim // _encoder(m)[0]
-    inputs = 8 + rows * (10 + patch + 4)        # LLM ints and weight, vision ints, pixels and taps
     tail = (1 + deepstack) * (rows * m.vision_hidden + 2 * mid + m.hidden) + deepstack * m.hidden + 4 * m.hidden
     if m.family == "qwen3_vl":     # the position table's 4 bilinear taps per row: the gathered table rows
         tail += 2 * rows * POSITION_TAPS * m.vision_hidden      # and their weighted copies
-    return float(ab * (inputs + kept + work + tail))
+    return float(input_bytes_per_token(m) + ab * (kept + work + tail))
+
+
+def family_input_elements(m: Any) -> int:
+    """Input elements per local LLM token of a family's group program (int32 or fp32, 4 bytes each
+    in any compute dtype; `FamilyExecutor`'s four stream shards, `dhp_jax.model.hf.packed`): the
+    LLM stream's 5 id columns, its rotary position axes (InternVL 1, M-RoPE 3) and loss weight, and
+    per vision row (`encoder_rows`) its 10 id columns, one patch's pixels and the position
+    table's tap weights (`POSITION_TAPS`)."""
+    axes = 1 if m.family == "internvl" else 3
+    return 5 + axes + 1 + encoder_rows(m) * (10 + m.patch_dim // _encoder(m)[0] + POSITION_TAPS)
 
 
 def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
     """(elements kept per row by one LLM layer or encoder block of a family program, elements of
-    its recomputed working set) (`family_bytes_per_token`)."""
+    its recomputed working set) (`family_bytes_per_token`).
+
+    Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the outputs
+    of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom VJP, where
+    it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and 4096 tokens
+    in chunks of 256: the compiled programs of the two are the same bytes)."""
+    if remat == "selective" and chunked:
+        remat = "layer"
     if vision:
         hidden, heads, kv, head_dim = m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim
         wide, ffs = FAMILY_ENCODER[m.family]

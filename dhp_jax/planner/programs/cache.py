@@ -260,7 +260,20 @@ def reuse_ranks(groups: Sequence[Key], ranks_per_node: int, cache: ProgramCache,
         places[n][len(out[i])] += 1
     free_at = {n: {r for r in range(n * rpn, n * rpn + size[n]) if r not in taken} for n in places}
     todo = []
-    for i in sorted(inside, key=lambda i: (-groups[i][0], i)):  # an executable of the program on free ranks
+    # an executable of the program on free ranks: largest first, and among groups of a degree the
+    # programs with the fewest spare executables (held device sets less groups) first, so that a
+    # program with a spare set does not take the one set another program has no spare for
+    def program(i: int) -> tuple[int, int, str]:
+        return groups[i][0], groups[i][1], groups[i][3]
+
+    need: dict[tuple[int, int, str], int] = {}
+    for i in inside:
+        need[program(i)] = need.get(program(i), 0) + 1
+
+    def spare(i: int) -> int:
+        return sum(not spans_nodes(t, rpn) for t in known.get(program(i), ())) - need[program(i)]
+
+    for i in sorted(inside, key=lambda i: (-groups[i][0], spare(i), i)):
         d, p, _, a = groups[i]
         hit = next((t for t in known.get((d, p, a), ()) if not spans_nodes(t, rpn)
                     and places.get(t[0] // rpn, {}).get(d, 0) > 0 and free_at[t[0] // rpn].issuperset(t)), None)
