@@ -104,7 +104,7 @@ def make_update(optimizer: optax.GradientTransformation, sharding: ShardingSpec,
     the params, `PlanExecutor.norm_weights`): the params hold copies of some parameters, and the
     global norm (reported and clipped to) sums the squares where it is True only."""
 
-    def update(state: TrainState, grads: Any, once: Any) -> tuple[TrainState, jax.Array]:
+    def update(state: TrainState, grads: Any, once: Any = None) -> tuple[TrainState, jax.Array]:
         if once is None:
             grad_norm = optax.tree.norm(grads)
         else:
@@ -114,7 +114,9 @@ def make_update(optimizer: optax.GradientTransformation, sharding: ShardingSpec,
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), grad_norm
 
     shardings = state_shardings(state_like, sharding)
-    once_sharding = None if count_once is None else shardings.params
-    step = jax.jit(update, in_shardings=(shardings, shardings.params, once_sharding),
+    if count_once is None:          # the jitted function itself (`dhp bench memory --step` lowers it)
+        return jax.jit(update, in_shardings=(shardings, shardings.params), out_shardings=(shardings, None),
+                       donate_argnums=(0,))
+    step = jax.jit(update, in_shardings=(shardings, shardings.params, shardings.params),
                    out_shardings=(shardings, None), donate_argnums=(0,))
     return lambda state, grads: step(state, grads, count_once)
