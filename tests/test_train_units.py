@@ -161,3 +161,27 @@ def test_plan_source_fixes_the_count_only_of_strategies_that_choose_one():
     assert len(one.micro_batches) == 1
     static = PlanSource(8, cost, "static-ring:2", num_micro_batches=1)(0, batch)
     assert static.digest() == plan_batch(batch.samples, 8, cost, "static-ring:2").digest()
+
+
+def test_a_fine_tuning_run_plans_at_its_own_remat_and_dtype(tmp_path):
+    """The cost model of a run fine-tuning a checkpoint is the checkpoint's shape priced at the
+    run's remat and compute dtype (a run without recompute keeps every block's values: planning
+    it at the preset's remat "layer" would let groups hold more tokens than fit)."""
+    import dataclasses
+    import json
+    import types
+
+    from dhp_jax.data.model_configs import model_config
+    from dhp_jax.train.plans import run_cost
+
+    (tmp_path / "config.json").write_text(json.dumps(model_config("qwen3-vl-2b")))
+    costs = {}
+    for remat, dtype in (("none", "bfloat16"), ("layer", "bfloat16"), ("layer", "float32")):
+        base = load_config(overrides=[f"remat={remat}", f"compute_dtype={dtype}", "num_ranks=8"])
+        # the run's sections as run_cost reads them, its model the checkpoint (no data needed here)
+        cfg = types.SimpleNamespace(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)})
+        cfg.model = dataclasses.replace(base.model, pretrained=str(tmp_path))
+        cfg.planner = dataclasses.replace(base.planner, cost_model=None)     # the checkpoint's own shape
+        cost = costs[remat, dtype] = run_cost(cfg)
+        assert (cost.remat, cost.compute_bytes) == (remat, 2 if dtype == "bfloat16" else 4)
+    assert costs["none", "bfloat16"].mem_per_token > 2 * costs["layer", "bfloat16"].mem_per_token

@@ -106,12 +106,12 @@ def run_cost(config: Any) -> Any:
     p = config.planner
     return make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
                      num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained,
-                     tensor_parallel=config.parallel.tensor)
+                     tensor_parallel=config.parallel.tensor, remat=config.remat, compute_dtype=config.compute_dtype)
 
 
 def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, ranks_per_node: int,
               num_ranks: int | None = None, comm_overlap: bool | None = None, checkpoint: str | None = None,
-              tensor_parallel: int = 1) -> Any:
+              tensor_parallel: int = 1, remat: str | None = None, compute_dtype: str | None = None) -> Any:
     """The planning cost model: a `dhp profile` JSON when given, else a named preset.
 
     `cost_model` None: the checkpoint's shape when fine-tuning `checkpoint`, else DEFAULT_COST_MODEL.
@@ -121,7 +121,9 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
     is t devices (`parallel.tensor`): the preset of such a rank (`CostModel.preset(...,
     tensor_parallel=t)`; `ranks_per_node` and `num_ranks` count ranks, the state is sharded over
     their t devices each); a profile prices the ranks it was measured on, so it must say the same t.
-    """
+    `remat` and `compute_dtype` (the run's): how the checkpoint's shape is priced when the cost model
+    is the fine-tuned checkpoint's own (a named preset keeps its defaults: it prices a cluster's
+    model, not the run's)."""
     if cost_profile:
         cost = load(cost_profile, profile=True)
         if cost.tensor_parallel != tensor_parallel:
@@ -133,8 +135,9 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
         extra["tensor_parallel"] = tensor_parallel
     shards = (num_ranks or ranks_per_node) * tensor_parallel
     if cost_model is None and checkpoint:   # the fine-tuned checkpoint's own shape (its config.json)
+        run = {k: v for k, v in (("remat", remat), ("compute_dtype", compute_dtype)) if v is not None}
         return CostModel.preset(ModelShape.from_config(checkpoint), hardware, ranks_per_node=ranks_per_node,
-                                state_shards=shards, **extra)
+                                state_shards=shards, **run, **extra)
     return load(cost_model or DEFAULT_COST_MODEL, hardware, ranks_per_node=ranks_per_node, state_shards=shards,
                 **extra)
 
