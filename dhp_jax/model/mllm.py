@@ -213,11 +213,13 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     hd = shape.head_dim
     h, kvh = p["attn"]["q"]["kernel"].shape[-1] // hd, p["attn"]["k"]["kernel"].shape[-1] // hd
     tp = getattr(shape, "tp", None)
-    reduce = (lambda y: y) if tp is None else tp.psum
+    sp = tp is not None and tp.sequence
+    reduce = (lambda y: y) if tp is None else tp.scatter if sp else tp.psum
+    widen = tp.gather if sp else (lambda y: y)      # sequence-parallel: a norm's rows joined before the split GEMMs
 
     def project(pp, xc, pos):
         a = pp["attn"]
-        y = rms_norm(xc, pp["attn_norm"]["scale"], shape.eps)
+        y = widen(rms_norm(xc, pp["attn_norm"]["scale"], shape.eps))
         q = (y @ a["q"]["kernel"]).reshape(-1, h, hd)
         k = (y @ a["k"]["kernel"]).reshape(-1, kvh, hd)
         v = (y @ a["v"]["kernel"]).reshape(-1, kvh, hd)
@@ -226,12 +228,74 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     def finish(pp, xc, oc):
         a, m = pp["attn"], pp["mlp"]
         y = xc + reduce(oc.reshape(-1, h * hd) @ a["o"]["kernel"])
-        z = rms_norm(y, pp["mlp_norm"]["scale"], shape.eps)
+        z = widen(rms_norm(y, pp["mlp_norm"]["scale"], shape.eps))
         return y + reduce((jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"])
 
+    attend = lambda q, k, v: shape.attn_fn(q, k, v, ids, ids)  # noqa: E731
+    if sp:
+        # x is this device's rows of the stream (`sequence_rows`), the ids whole
+        return sequence_block(p, x, ids, project, finish, attend, chunk, tp.size)
     live = live_chunks(ids.segment, chunk) if 0 < chunk < s else None
-    return split_block(p, x, ids.position, live, project, finish, lambda q, k, v: shape.attn_fn(q, k, v, ids, ids),
-                       chunk)
+    return split_block(p, x, ids.position, live, project, finish, attend, chunk)
+
+
+def sequence_chunks(s: int, chunk: int, t: int) -> tuple[int, int]:
+    """(n, c): a sequence-parallel stream of `s` rows runs as n chunks of c rows, c `chunk_size`
+    rounded up to a multiple of t (one chunk of s rounded up to t without chunks), each of the t
+    devices holding c / t consecutive rows of every chunk (`sequence_rows`)."""
+    c = chunk_size(s, chunk) if 0 < chunk < s else s
+    c = -(-c // t) * t
+    return -(-s // c), c
+
+
+def sequence_rows(x: jax.Array, chunk: int, tp: TensorHooks) -> jax.Array:
+    """This device's rows of a stream x[S, ...] under sequence parallelism: rows [i c/t, (i+1) c/t)
+    of each of the n chunks of c rows (`sequence_chunks`; zero rows pad the last), [n c/t, ...]."""
+    s, t = x.shape[0], tp.size
+    n, c = sequence_chunks(s, chunk, t)
+    x = jnp.pad(x, [(0, n * c - s)] + [(0, 0)] * (x.ndim - 1)).reshape((n, c) + x.shape[1:])
+    return lax.dynamic_slice_in_dim(x, tp.index() * (c // t), c // t, axis=1).reshape((n * (c // t),) + x.shape[2:])
+
+
+def sequence_stream(rows: jax.Array, s: int, chunk: int, tp: TensorHooks) -> jax.Array:
+    """The stream x[S, ...] from every device's `sequence_rows` (an all-gather over the rank)."""
+    n, c = sequence_chunks(s, chunk, tp.size)
+    part = jnp.moveaxis(rows.reshape((n, c // tp.size) + rows.shape[1:]), 1, 0)   # [c/t, n, ...]
+    return jnp.moveaxis(tp.gather(part), 0, 1).reshape((n * c,) + rows.shape[1:])[:s]
+
+
+def sequence_block(p: Params, x: jax.Array, ids: AttnIds, project: Callable, finish: Callable, attend: Callable,
+                   chunk: int, t: int) -> jax.Array:
+    """`split_block` for a sequence-parallel block: x is this device's rows [n c/t, d]
+    (`sequence_rows`), `project` joins a chunk's rows over the rank before its GEMMs and `finish`
+    reduce-scatters its row-split outputs back to them, so the residual stream, the norms and
+    what a block keeps for its backward pass are 1/t of the rows; attention runs on the whole
+    stream's q, k, v (heads split). Chunks with no live row are skipped as in `split_block`
+    (every device of the rank skips the same ones: the ids are whole on each)."""
+    s = ids.position.shape[0]
+    n, c = sequence_chunks(s, chunk, t)
+    pad = lambda a: jnp.pad(a, [(0, n * c - s)] + [(0, 0)] * (a.ndim - 1)).reshape((n, c) + a.shape[1:])  # noqa: E731
+    xs, rs = x.reshape((n, c // t) + x.shape[1:]), pad(ids.position)
+    if n == 1 or not 0 < chunk < s:
+        q, k, v = project(p, xs[0], rs[0])
+        return finish(p, xs[0], pad(attend(*(a[:s] for a in (q, k, v))))[0])
+    live = jnp.any(pad(ids.segment > 0), axis=1)
+
+    def run_project(pp, xc, rc):
+        tick("linear_chunks", xc)
+        return project(pp, xc, rc)
+
+    def run_finish(pp, xc, oc):
+        tick("linear_chunks", xc)
+        return finish(pp, xc, oc)
+
+    shapes = jax.eval_shape(project, p, xs[0], rs[0])
+    project_chunk = _skippable(run_project, lambda pp, xc, rc: jax.tree.map(
+        lambda a: jnp.zeros(a.shape, a.dtype), shapes))
+    finish_chunk = _skippable(run_finish, lambda pp, xc, oc: xc)
+    qkv = lax.map(lambda a: project_chunk(p, a[2], a[0], a[1]), (xs, rs, live))
+    o = pad(attend(*(_merge(a, s) for a in qkv)))
+    return _merge(lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live)), n * (c // t))
 
 
 def split_block(p: Params, x: jax.Array, rows: Any, live: jax.Array | None, project: Callable, finish: Callable,
@@ -392,6 +456,10 @@ def block_stack(config: MLLMConfig, rows: jax.Array, row_params: Callable[[jax.A
         # autodiff of the scan hoists everything computed from them alone out of the loop and
         # keeps it (every tile pair's attention mask, [tiles, tiles, heads, t, t])
         per_block = tuple(jnp.broadcast_to(i, (rows.shape[0],) + i.shape) for i in ids)
+        if tp is not None and tp.sequence:      # the scan carries this device's rows only
+            s = x.shape[0]
+            out = stack(sequence_rows(x, c.linear_chunk, tp), rows, per_block)
+            return sequence_stream(out, s, c.linear_chunk, tp)
         return stack(x, rows, per_block)
 
     return run

@@ -40,12 +40,19 @@ from jax import lax
 @dataclasses.dataclass(frozen=True)
 class TensorHooks:
     """The tensor-parallel collectives of one rank of `size` devices, bound by the executor:
-    `index()` this device's place (0 .. size-1), `psum(x)` / `pmax(x)` over the rank's devices."""
+    `index()` this device's place (0 .. size-1), `psum(x)` / `pmax(x)` over the rank's devices;
+    with `sequence`, the block stacks run sequence-parallel (`dhp_jax.model.mllm.block_apply`)."""
 
     size: int
     index: Callable[[], jax.Array]
     psum: Callable[[jax.Array], jax.Array]
     pmax: Callable[[jax.Array], jax.Array]
+    # sequence parallelism (arXiv 2205.05198): between the split matrices each device holds 1/size
+    # of the rank's rows; `gather(x)` joins the devices' rows [r, ...] -> [size r, ...] (in device
+    # order), `scatter(x)` sums [size r, ...] over the devices and keeps this device's r rows
+    sequence: bool = False
+    gather: Callable[[jax.Array], jax.Array] | None = None
+    scatter: Callable[[jax.Array], jax.Array] | None = None
 
 
 def vocab_share(vocab: int, t: int, index: jax.Array) -> tuple[jax.Array, jax.Array, int]:

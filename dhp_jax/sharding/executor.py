@@ -96,7 +96,8 @@ def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
 
 
 def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor.TensorLayout,
-                  attn: Callable[..., jax.Array] | None = None, tensor_parallel: int = 1):
+                  attn: Callable[..., jax.Array] | None = None, tensor_parallel: int = 1,
+                  sequence_parallel: bool = False):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
     (stats f32[1, 2] = (loss sum, loss-token count), grads[1, P_pad] in the compute dtype, a
     2-byte dtype bit-cast to its unsigned integer (`row_dtype`)).
@@ -106,10 +107,11 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor.T
     a `tp` axis of size t and takes this device's share flat[1, L_pad] (`TensorLayout.local`),
     returns its share's gradient row [1, L_pad] (the copies' gradients summed over their holders,
     `tensor.tie_block`), and a rank's loss and token count are reported (and differentiated)
-    once, by its device tp = 0."""
+    once, by its device tp = 0. `sequence_parallel`: the block stacks run sequence-parallel over the
+    tp devices (`dhp_jax.model.mllm.sequence_block`)."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
     t = tensor_parallel
-    tp = tensor.hooks(t) if t > 1 else None
+    tp = tensor.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
         layout = layout.local
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
@@ -200,9 +202,12 @@ class PlanExecutor:
                  compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
-                 linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1) -> None:
+                 linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1, sequence_parallel: bool = False) -> None:
         self._check_config(config)
         self.tensor_parallel = positive_int(tensor_parallel, "tensor_parallel")
+        if sequence_parallel and tensor_parallel == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over its devices)")
+        self.sequence_parallel = bool(sequence_parallel)
         if tensor_parallel > 1:
             self._check_tensor_parallel(config, tensor_parallel)
         if compute_dtype not in COMPUTE_DTYPES:
@@ -417,7 +422,7 @@ class PlanExecutor:
         """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
         mesh, spec = self._mesh(devices, attention)
         body = group_program(self._program_config, degree, self.layout, self._attention_fn(degree, attention),
-                             self.tensor_parallel)
+                             self.tensor_parallel, self.sequence_parallel)
         row = self._row_spec(spec)
         fn = jax.shard_map(body, mesh=mesh, in_specs=(self._params_spec(), spec, spec), out_specs=(row, row),
                            check_vma=False)

@@ -66,10 +66,13 @@ def check(config: MLLMConfig, t: int) -> None:
     check_tensor_parallel(split_shape(config), t, f"model {config.name!r}")
 
 
-def hooks(t: int) -> TensorHooks:
-    """The model's tensor-parallel collectives over the `tp` axis of a group's sub-mesh."""
+def hooks(t: int, sequence: bool = False) -> TensorHooks:
+    """The model's tensor-parallel collectives over the `tp` axis of a group's sub-mesh
+    (`sequence`: the block stacks sequence-parallel, with the all-gather and reduce-scatter of rows)."""
     return TensorHooks(t, lambda: lax.axis_index(TP_AXIS), functools.partial(lax.psum, axis_name=TP_AXIS),
-                       functools.partial(lax.pmax, axis_name=TP_AXIS))
+                       functools.partial(lax.pmax, axis_name=TP_AXIS), sequence,
+                       functools.partial(lax.all_gather, axis_name=TP_AXIS, axis=0, tiled=True),
+                       functools.partial(lax.psum_scatter, axis_name=TP_AXIS, scatter_dimension=0, tiled=True))
 
 
 def _units(config: MLLMConfig, vision: bool, t: int) -> dict[str, tuple[int, Any]]:
