@@ -7,6 +7,8 @@ splits 128 + 127 (the second device holds ids 127..254 and owns 128..254), and i
 conditions). Then the refusals: a head count no layout allows, t that does not divide the
 devices, a family model, a plan in devices instead of ranks."""
 
+import functools
+
 import jax
 import numpy as np
 import pytest
@@ -30,12 +32,20 @@ def _rel(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def test_tp2_step_matches_one_device():
-    assert len(jax.devices()) == 8
+@functools.cache
+def _reference():
     params = init_params(C, jax.random.key(0))
     samples = random_samples(C, LENGTHS, seed=21)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: reference_loss(C, p, samples)))(params)
-    ex = PlanExecutor(C, tensor_parallel=2, linear_chunk=8)
+    return params, samples, jax.jit(jax.value_and_grad(lambda p: reference_loss(C, p, samples)))(params)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp2_step_matches_one_device(sequence_parallel):
+    """Sequence-parallel: the block stacks carry half of a rank's rows per device (chunks of 8 rows,
+    4 a device), gathered before the split GEMMs and reduce-scattered after them."""
+    assert len(jax.devices()) == 8
+    params, samples, (ref_loss, ref_grads) = _reference()
+    ex = PlanExecutor(C, tensor_parallel=2, linear_chunk=8, sequence_parallel=sequence_parallel)
     assert ex.ranks.num_ranks == 4 and ex.ranks.rank_devices(1) == tuple(jax.devices()[2:4])
     loss, grads = ex.loss_and_grads(ex.replicate(params), samples, PLAN)
     assert _rel(loss, ref_loss) <= 1e-5, (float(loss), float(ref_loss))
@@ -58,6 +68,8 @@ def test_refusals_name_the_model_and_t():
         PlanExecutor(MLLMConfig(name="odd-kv", num_heads=6, num_kv_heads=3), tensor_parallel=2)
     with pytest.raises(ValueError, match=r"model 'tiny'.*tensor_parallel 4 cannot split MLLMConfig.vision_heads = 2"):
         PlanExecutor(MLLMConfig(), tensor_parallel=4)
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+        PlanExecutor(MLLMConfig(), sequence_parallel=True)
     with pytest.raises(ValueError, match="8 devices do not split into ranks of 3"):
         RankLayout(jax.devices(), 3)
     ex = PlanExecutor(MLLMConfig(), tensor_parallel=2)

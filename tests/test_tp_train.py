@@ -1,4 +1,5 @@
-"""Training with tensor parallelism (`parallel.tensor=2`) on 8 fake CPU devices as 4 ranks of 2,
+"""Training with tensor and sequence parallelism (`parallel.tensor=2`, `parallel.sequence=true`) on 8
+fake CPU devices as 4 ranks of 2,
 against the same run at t = 1 on 4 devices replaying its plans: the state is tp-sharded (each
 device holds and reduces only its share, `dhp_jax.sharding.tensor.TensorLayout`), the copies of
 replicated leaves stay equal under AdamW, the clipped global norm
@@ -31,11 +32,11 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
     one = PlanExecutor(C, jax.devices()[:4], min_bucket=512)
     base = Trainer(_config(tmp_path, "t1", "planner.strategy=dhp"), executor=one).run()
     replay = f"planner.plan_file={tmp_path / 't1' / 'plans.jsonl'}"
-    two = PlanExecutor(C, jax.devices(), min_bucket=512, tensor_parallel=2)
+    two = PlanExecutor(C, jax.devices(), min_bucket=512, tensor_parallel=2, sequence_parallel=True)
     # each device holds its share: about half the params (the norms, the patch embedding and the
     # projector are held by both devices of a rank, the vocab's last window overlaps)
     assert two.layout.row < 0.6 * one.layout.padded and two.layout.padded == 2 * two.layout.row
-    cfg = _config(tmp_path, "t2", replay, "parallel.tensor=2", "checkpoint.every=2")
+    cfg = _config(tmp_path, "t2", replay, "parallel.tensor=2", "parallel.sequence=true", "checkpoint.every=2")
     first = Trainer(cfg, executor=two).run(stop_after=2)
     second = Trainer(cfg, executor=two).run(resume=True)
     assert [r["step"] for r in first.records + second.records] == [1, 2, 3]

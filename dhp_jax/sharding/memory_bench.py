@@ -38,7 +38,8 @@ FITS = {"model": "internvl3-8b", "hardware": "ascend-910b", "degree": 8, "tokens
 FITS_TP = {"model": "qwen2.5-vl-32b", "hardware": "ascend-910b", "tokens": 65536, "state_shards": 64}
 
 
-def planned_degree(f: dict, t: int, remat: str, compute_dtype: str, devices: int) -> int:
+def planned_degree(f: dict, t: int, remat: str, compute_dtype: str, devices: int, sequence_parallel: bool = False
+                   ) -> int:
     """The degree of the group DHP's plan gives one sample of `f["tokens"]` (90 % vision tokens,
     as experiment 13's long sample) on `devices` devices as ranks of t, 8 devices a node, priced
     with the memory model on `f["hardware"]` (the accelerator's bf16 activations): the planner's
@@ -52,7 +53,7 @@ def planned_degree(f: dict, t: int, remat: str, compute_dtype: str, devices: int
     try:
         cost = CostModel.preset(model_shape(MLLMConfig.preset(f["model"])), f["hardware"],
                                 state_shards=f["state_shards"], remat=remat, compute_dtype=compute_dtype,
-                                tensor_parallel=t, ranks_per_node=8 // t)
+                                tensor_parallel=t, ranks_per_node=8 // t, sequence_parallel=sequence_parallel)
         comp = compare_strategies([(np.array([f["tokens"]]), np.array([0.81]))], devices // t, cost, ["dhp"],
                                   errors="raise", ranks_per_node=8 // t)
     except (PlanningError, ValueError) as e:
@@ -82,12 +83,13 @@ def model_shape(config: Any) -> Any:
 
 
 def compiled_bytes(config: Any, degree: int, tokens: int, compute_dtype: str, devices: Sequence[Any],
-                   tensor_parallel: int = 1) -> int:
+                   tensor_parallel: int = 1, sequence_parallel: bool = False) -> int:
     """Per-device bytes of the compiled group program (arguments + outputs + temp - aliases); with
     `tensor_parallel` t, a group of `degree` ranks of t devices each."""
     from dhp_jax.sharding.executor import PlanExecutor
 
-    ex = PlanExecutor(config, devices, compute_dtype=compute_dtype, tensor_parallel=tensor_parallel)
+    ex = PlanExecutor(config, devices, compute_dtype=compute_dtype, tensor_parallel=tensor_parallel,
+                      sequence_parallel=sequence_parallel)
     stream = -(-tokens // (2 * degree)) * 2 * degree        # the tokens, divisible by 2 x degree
     options = dict(ex.compiler_options)
     if all(d.platform == "cpu" for d in devices[:degree]):
@@ -98,7 +100,8 @@ def compiled_bytes(config: Any, degree: int, tokens: int, compute_dtype: str, de
 
 
 def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, devices: Sequence[Any],
-                  full_depth: bool = False, tensor_parallel: int = 1) -> tuple[int, bool]:
+                  full_depth: bool = False, tensor_parallel: int = 1, sequence_parallel: bool = False
+                  ) -> tuple[int, bool]:
     """(compiled bytes of model config `full`, whether they were extrapolated from shallow
     compiles: with B = `BASE_DEPTH`, b(L, V) = b(B, B) + (L - B) [b(B+1, B) - b(B, B)]
     + (V - B) [b(B, B+1) - b(B, B)]. The base is 2 layers, not 1: the peak of a 1-layer program
@@ -106,11 +109,11 @@ def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, de
     from there do the bytes grow linearly with depth)."""
     b = BASE_DEPTH
     if full_depth or full.num_layers <= b or full.vision_layers <= b:
-        return compiled_bytes(full, degree, tokens, compute_dtype, devices, tensor_parallel), False
+        return compiled_bytes(full, degree, tokens, compute_dtype, devices, tensor_parallel, sequence_parallel), False
 
     def at(layers: int, vision: int) -> int:
         cfg = dataclasses.replace(full, num_layers=layers, vision_layers=vision)
-        return compiled_bytes(cfg, degree, tokens, compute_dtype, devices, tensor_parallel)
+        return compiled_bytes(cfg, degree, tokens, compute_dtype, devices, tensor_parallel, sequence_parallel)
 
     base, deeper, wider = at(b, b), at(b + 1, b), at(b, b + 1)
     est = base + (full.num_layers - b) * (deeper - base) + (full.vision_layers - b) * (wider - base)
@@ -119,7 +122,8 @@ def program_bytes(full: Any, degree: int, tokens: int, *, compute_dtype: str, de
 
 def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *, hardware: str = "ascend-910b",
             remat: str = "layer", compute_dtype: str = "bfloat16", state_shards: int = 64,
-            full_depth: bool = True, fits: bool = True, tensor_parallel: int = 1) -> dict:
+            full_depth: bool = True, fits: bool = True, tensor_parallel: int = 1,
+            sequence_parallel: bool = False) -> dict:
     import jax
 
     from dhp_jax.model import MLLMConfig
@@ -136,12 +140,13 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
         # the engine runs the stand-in at the preset's shape: price that, not the real family
         cost = CostModel.preset(model_shape(MLLMConfig.preset(model)), hardware, state_shards=state_shards,
                                 remat=remat, compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False,
-                                **({"tensor_parallel": t} if t > 1 else {}))
+                                **({"tensor_parallel": t, "sequence_parallel": sequence_parallel} if t > 1 else {}))
         for d in degrees:
             for s in tokens:
                 t0 = time.perf_counter()
                 got, extra = program_bytes(MLLMConfig.preset(model, remat=remat), d, s, compute_dtype=compute_dtype,
-                                           devices=devices, full_depth=full_depth, tensor_parallel=t)
+                                           devices=devices, full_depth=full_depth, tensor_parallel=t,
+                                           sequence_parallel=sequence_parallel)
                 want = group_program_bytes(cost, [s], d)
                 rows.append({"model": model, "degree": d, "tokens": s, "compiled_bytes": got,
                              "model_bytes": int(want), "rel_error": round(want / got - 1.0, 4),
@@ -150,18 +155,19 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
         "label": f"XLA memory_analysis of the group program compiled for {devices[0].platform} devices "
                  f"(abstract arguments{f', ranks of {t} devices' if t > 1 else ''}) vs memory.group_program_bytes "
                  f"({hardware} preset{f', tensor_parallel {t}' if t > 1 else ''})",
-        "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "tensor_parallel": t, "rows": rows}
+        "hardware": hardware, "remat": remat, "compute_dtype": compute_dtype, "tensor_parallel": t,
+        "sequence_parallel": bool(sequence_parallel), "rows": rows}
     if fits:
         f = FITS if t == 1 else {**FITS_TP, "tensor_parallel": t}
         if t > 1:       # the degree the planner's memory model gives a 64k sample on ranks of t devices
-            f["degree"] = planned_degree(f, t, remat, compute_dtype, f["state_shards"])
+            f["degree"] = planned_degree(f, t, remat, compute_dtype, f["state_shards"], sequence_parallel)
         row = next((r for r in rows if r["model"] == f["model"] and r["degree"] == f["degree"]
                     and r["tokens"] == f["tokens"]), None)
         got = row["compiled_bytes"] if row else program_bytes(
             MLLMConfig.preset(f["model"], remat=remat), f["degree"], f["tokens"], compute_dtype=compute_dtype,
-            devices=devices, full_depth=full_depth, tensor_parallel=t)[0]
+            devices=devices, full_depth=full_depth, tensor_parallel=t, sequence_parallel=sequence_parallel)[0]
         shape = model_shape(MLLMConfig.preset(f["model"]))
-        extra = {"tensor_parallel": t} if t > 1 else {}
+        extra = {"tensor_parallel": t, "sequence_parallel": sequence_parallel} if t > 1 else {}
         cost = CostModel.preset(shape, f["hardware"], state_shards=f["state_shards"], remat=remat,
                                 compute_dtype=compute_dtype, activation_bytes=ab, require_fit=False, **extra)
         total = got + rank_state_bytes(cost)
@@ -188,6 +194,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="ranks of T devices (the stand-in model split Megatron-style, PlanExecutor("
                              "tensor_parallel=T)), priced with CostModel.preset(..., tensor_parallel=T); a group of "
                              "degree d uses d x T devices (not with --families or --step)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tensor-parallel T > 1: the block stacks sequence-parallel (PlanExecutor("
+                             "sequence_parallel=True)), priced with CostModel.preset(..., sequence_parallel=True)")
     parser.add_argument("--remat", default=None,
                         help="recompute policy: none, layer or selective (default: layer); with --families a "
                              "comma-separated list of them (default: none)")
@@ -215,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
     if args.tensor_parallel != 1 and (args.families or getattr(args, "step", False)):
         raise SystemExit(f"--tensor-parallel {args.tensor_parallel}: the engine splits the stand-in model only; "
                          f"not with {'--families' if args.families else '--step'}")
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        raise SystemExit("--sequence-parallel needs --tensor-parallel T > 1")
     if args.families:
         return run_families(args, ints)
     remat = args.remat or "layer"
@@ -223,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=remat, compute_dtype=args.dtype,
                   state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits,
-                  tensor_parallel=args.tensor_parallel)
+                  tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

@@ -39,8 +39,8 @@ class ModelConfig:
 @dataclasses.dataclass
 class ParallelConfig:
     tensor: int = 1                # devices per rank (Megatron-style tensor parallelism inside a node); num_ranks
-                                   # counts ranks, so a run needs num_ranks x tensor devices. Planned and priced
-                                   # (`dhp plan --tensor-parallel`); the engines run 1 only for now
+                                   # counts ranks, so a run needs num_ranks x tensor devices
+    sequence: bool = False         # with tensor > 1: the block stacks sequence-parallel over a rank's devices
 
 
 @dataclasses.dataclass
@@ -217,6 +217,11 @@ class TrainConfig:
         t = self.parallel.tensor
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ConfigError(f"parallel.tensor must be a positive integer, got {t!r}")
+        if not isinstance(self.parallel.sequence, bool):
+            raise ConfigError(f"parallel.sequence must be true or false, got {self.parallel.sequence!r}")
+        if self.parallel.sequence and t == 1:
+            raise ConfigError("parallel.sequence=true needs parallel.tensor > 1 (it splits a rank's rows over its "
+                              "devices)")
         if t == 1:
             return
         if self.num_ranks * t > self.devices.count:

@@ -106,12 +106,14 @@ def run_cost(config: Any) -> Any:
     p = config.planner
     return make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
                      num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained,
-                     tensor_parallel=config.parallel.tensor, remat=config.remat, compute_dtype=config.compute_dtype)
+                     tensor_parallel=config.parallel.tensor, remat=config.remat, compute_dtype=config.compute_dtype,
+                     sequence_parallel=config.parallel.sequence)
 
 
 def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, ranks_per_node: int,
               num_ranks: int | None = None, comm_overlap: bool | None = None, checkpoint: str | None = None,
-              tensor_parallel: int = 1, remat: str | None = None, compute_dtype: str | None = None) -> Any:
+              tensor_parallel: int = 1, remat: str | None = None, compute_dtype: str | None = None,
+              sequence_parallel: bool = False) -> Any:
     """The planning cost model: a `dhp profile` JSON when given, else a named preset.
 
     `cost_model` None: the checkpoint's shape when fine-tuning `checkpoint`, else DEFAULT_COST_MODEL.
@@ -120,19 +122,23 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
     hardware's) says whether ring traffic hides behind attention. `tensor_parallel` = t > 1: a rank
     is t devices (`parallel.tensor`): the preset of such a rank (`CostModel.preset(...,
     tensor_parallel=t)`; `ranks_per_node` and `num_ranks` count ranks, the state is sharded over
-    their t devices each); a profile prices the ranks it was measured on, so it must say the same t.
+    their t devices each); a profile prices the ranks it was measured on, so it must say the same t
+    (and, with `sequence_parallel`, have been measured so).
     `remat` and `compute_dtype` (the run's): how the checkpoint's shape is priced when the cost model
     is the fine-tuned checkpoint's own (a named preset keeps its defaults: it prices a cluster's
     model, not the run's)."""
     if cost_profile:
         cost = load(cost_profile, profile=True)
-        if cost.tensor_parallel != tensor_parallel:
+        if cost.tensor_parallel != tensor_parallel or cost.sequence_parallel != bool(sequence_parallel):
             raise ValueError(f"planner.cost_profile {cost_profile!r} was measured on ranks of tensor_parallel="
-                             f"{cost.tensor_parallel} device(s); the run's parallel.tensor is {tensor_parallel}")
+                             f"{cost.tensor_parallel} device(s), sequence_parallel={cost.sequence_parallel}; the run's "
+                             f"parallel.tensor is {tensor_parallel}, parallel.sequence {bool(sequence_parallel)}")
         return cost
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
     if tensor_parallel > 1:
         extra["tensor_parallel"] = tensor_parallel
+    if sequence_parallel:
+        extra["sequence_parallel"] = True
     shards = (num_ranks or ranks_per_node) * tensor_parallel
     if cost_model is None and checkpoint:   # the fine-tuned checkpoint's own shape (its config.json)
         run = {k: v for k, v in (("remat", remat), ("compute_dtype", compute_dtype)) if v is not None}

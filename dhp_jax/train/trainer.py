@@ -263,9 +263,14 @@ class Trainer:
                 kwargs["attention_tile"] = config.attention_tile
             if config.parallel.tensor > 1:
                 kwargs["tensor_parallel"] = config.parallel.tensor
+            if config.parallel.sequence:
+                kwargs["sequence_parallel"] = True
             executor = PlanExecutor(self.hf_config if self.family else self.model_config, self.devices,
                                     compute_dtype=config.compute_dtype, **kwargs)
         self.executor = check_executor(executor)
+        if getattr(executor, "sequence_parallel", False) != config.parallel.sequence:
+            raise TrainError(f"the executor runs sequence_parallel={getattr(executor, 'sequence_parallel', False)}, "
+                             f"the config parallel.sequence={config.parallel.sequence}")
         if getattr(executor, "tensor_parallel", 1) != config.parallel.tensor:
             raise TrainError(f"the executor runs tensor_parallel={getattr(executor, 'tensor_parallel', 1)}, the config "
                              f"parallel.tensor={config.parallel.tensor}")

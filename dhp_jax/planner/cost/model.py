@@ -151,6 +151,8 @@ class CostModel:
         parameters (`param_count`: the weights it holds), its state shard (`state_shards` then
         counts the ranks each tensor-parallel shard's state is spread over: devices / t), and
         `num_heads` the heads it holds (Ulysses splits those); `ranks_per_node` counts ranks.
+    sequence_parallel: with t > 1, the block stacks run sequence-parallel (`PlanExecutor(...,
+        sequence_parallel=True)`): the rows the stacks carry (each block's input) are 1/t a device.
     """
 
     a1: float
@@ -186,6 +188,7 @@ class CostModel:
     backward_bytes: float = 0.0
     assemble_bytes: float = 0.0
     tensor_parallel: int = 1
+    sequence_parallel: bool = False
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -222,7 +225,7 @@ class CostModel:
     def preset(cls, model: "str | presets.ModelShape", hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
                state_shards: int | None = None, compute_dtype: str | None = None, remat: str = "layer",
                zero_shards: int | None = None, activation_bytes: int | None = None, require_fit: bool = True,
-               tensor_parallel: int = 1, **overrides: Any) -> "CostModel":
+               tensor_parallel: int = 1, sequence_parallel: bool = False, **overrides: Any) -> "CostModel":
         """Coefficients derived from FLOPs and bytes of `model` (a preset name or a
         `presets.ModelShape`) on `hardware` (see presets.py) for
         this engine (see memory.py): fp32 master params + Adam state sharded over `state_shards`
@@ -257,6 +260,8 @@ class CostModel:
         ab = int(activation_bytes or el)
         t = positive_int(tensor_parallel, "tensor_parallel")
         tp.check_tensor_parallel(m, t, f"model {key_m!r}")
+        if sequence_parallel and t == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over its devices)")
         attn_passes, passes = engine_memory.REMAT_PASSES[remat]
         # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
         # attention touches L^2/2 pairs.
@@ -276,7 +281,7 @@ class CostModel:
         usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
         overrides = _with_geometry(StreamGeometry(MIN_BUCKET, GROWTH, LINEAR_CHUNK), overrides)
         chunk = overrides["geometry"].linear_chunk     # the blocks of the chunk an override names
-        per_token, fixed = _chunk_memory(m, remat, el, ab, chunk, t)
+        per_token, fixed = _chunk_memory(m, remat, el, ab, chunk, t, bool(sequence_parallel))
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
         lanes, tp_note = hw.compute_lanes, ""
@@ -314,7 +319,7 @@ class CostModel:
             compute_lanes=lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
             fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
-            padded_attention=hw.padded_attention, tensor_parallel=t)
+            padded_attention=hw.padded_attention, tensor_parallel=t, sequence_parallel=bool(sequence_parallel))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
@@ -380,7 +385,8 @@ class CostModel:
         """(mem_per_token, fixed_bytes, memory_budget) that `preset` derives for model shape `m` from
         this cost's engine fields and chunk."""
         el, ab = self.compute_bytes, self.activation_bytes or self.compute_bytes
-        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.geometry.linear_chunk, self.tensor_parallel)
+        per_token, fixed = _chunk_memory(m, self.remat, el, ab, self.geometry.linear_chunk, self.tensor_parallel,
+                                         self.sequence_parallel)
         budget, _ = _budget(self.usable_bytes, self.param_count, el, self.backward_bytes, self.assemble_bytes,
                             fixed, self.state_shards, require_fit)
         return per_token, fixed, float(budget)
@@ -439,8 +445,8 @@ def _encoder_flops(m: "presets.ModelShape") -> float:
     return m.patches_per_token * per_patch + 2.0 * m.patch_dim * m.vision_hidden
 
 
-def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any, t: int = 1
-                  ) -> tuple[float, float]:
+def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: Any, t: int = 1,
+                  sequence: bool = False) -> tuple[float, float]:
     """(mem_per_token, fixed_bytes) of model shape `m` when the blocks run their token-local work in
     chunks of `chunk` tokens (0: one pass over the stream; `planner.cost.memory._block`). The loss chunk's
     logits and the tiled ring's constant tile workspace (presets.py documents it; its per-token state
@@ -448,13 +454,18 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     backward pass, the tiles inside one block's), so the larger of the two counts, the latter with
     one chunk's working set when the blocks run in chunks. With tensor parallelism over t devices
     a device computes with `tensor.local_shape` (heads, widths and vocabulary / t, the hidden
-    width whole: the engines' psum form, `dhp_jax.planner.cost.tensor`)."""
+    width whole: the engines' psum form, `dhp_jax.planner.cost.tensor`); `sequence`: the block
+    stacks run sequence-parallel, so each block's input, which every remat keeps for the backward
+    pass, is 1/t of the rows (`tensor.sequence_saving`; the other hidden-wide values are priced
+    whole, an upper bound)."""
     chunked = isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk > 0
     if t > 1:
         m = tp.local_shape(m, t)
     fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
                 + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
     per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
+    if t > 1 and sequence:
+        per_token -= tp.sequence_saving(m, t, el)
     return float(per_token), float(fixed)
 
 

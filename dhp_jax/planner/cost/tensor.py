@@ -24,8 +24,9 @@ t = 1 nothing here is called and every coefficient is the one without tensor par
   embedding and the replicated kv projections in full), so its fp32 state and gradient row too;
   activations as both engines run them, the psum form (`local_shape`): the values as wide as the
   heads, the MLP or the vocabulary / t, those as wide as the hidden size (the block inputs a
-  remat "layer" program keeps, norms, residuals) whole on every device. Sequence-parallel norms
-  would divide those by t too; no engine runs them yet, so the cost model does not price them.
+  remat "layer" program keeps, norms, residuals) whole on every device; with `sequence_parallel`
+  (the JAX engine's `PlanExecutor(..., sequence_parallel=True)`) each block's input is 1/t of the
+  rows (`sequence_saving`).
 
 Validation (`check_tensor_parallel`): every split must be even. A head count that t does not
 divide, kv heads that neither t divides nor divide t (for replication), or an MLP width that t
@@ -41,7 +42,7 @@ from typing import Any
 from dhp_jax.checks import positive_int
 
 __all__ = ["check_node", "check_tensor_parallel", "collective_bandwidth", "collective_messages",
-           "device_params", "kv_heads_per_device", "local_shape", "replicated_params", "sequence_parallel_bytes", "unsplittable",
+           "device_params", "kv_heads_per_device", "local_shape", "replicated_params", "sequence_saving", "sequence_parallel_bytes", "unsplittable",
            "valid_degrees", "vocab_share"]
 
 
@@ -101,6 +102,16 @@ def local_shape(m: Any, t: int) -> Any:
     return dataclasses.replace(m, heads=m.heads // t, kv_heads=kv_heads_per_device(m, t),
                                intermediate=m.intermediate // t, vocab=vocab_share(m, t),
                                vision_heads=m.vision_heads // t, vision_intermediate=m.vision_intermediate // t)
+
+
+def sequence_saving(m: Any, t: int, bytes_per_element: int) -> float:
+    """Bytes per token a device does not keep when the block stacks run sequence-parallel (arXiv
+    2205.05198; `dhp_jax.model.mllm.sequence_block`): each block's input, as wide as the hidden
+    size (the LLM's, and the encoder's for each of its rows per token), is 1/t of the rows."""
+    from dhp_jax.planner.cost.memory import encoder_rows
+
+    rows = m.layers * m.hidden + encoder_rows(m) * m.vision_layers * m.vision_hidden
+    return float(bytes_per_element * rows * (t - 1) / t)
 
 
 def vocab_share(m: Any, t: int) -> int:
