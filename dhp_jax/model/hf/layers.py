@@ -110,13 +110,28 @@ def rope(x: jax.Array, angles: Any) -> jax.Array:
     return fused(rotate)(x, *(angles if isinstance(angles, tuple) else rotary(angles)))
 
 
+def row_linear(p: Params, x: jax.Array, reduce: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
+    """`linear` of a row-split Linear under tensor parallelism: reduce(x @ kernel) (+ bias, added
+    once, after the sum); `reduce` None: `linear` itself."""
+    if reduce is None:
+        return linear(p, x)
+    y = reduce(x @ p["kernel"])
+    return y + p["bias"] if "bias" in p else y
+
+
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
-                  attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None) -> jax.Array:
+                  attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
+                  reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """One pre-norm LLM block (transformers' `*DecoderLayer`) on `p`, a `layers.i` subtree:
     h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h)).
     `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
-    chunks and the dead ones are skipped (`mllm.split_block`); None: one pass."""
-    heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    chunks and the dead ones are skipped (`mllm.split_block`); None: one pass.
+    Tensor parallelism (`dhp_jax.sharding.tensor`): `p` is one device's share (its query and kv
+    heads, its MLP columns; the head counts are read off the kernels) and `reduce` the sum over
+    the rank's devices after the row-split o_proj and down_proj."""
+    hd = shape.head_dim
+    heads = p["self_attn"]["q_proj"]["kernel"].shape[-1] // hd
+    kv = p["self_attn"]["k_proj"]["kernel"].shape[-1] // hd
 
     def project(pp, xc, ang):
         a = pp["self_attn"]
@@ -129,10 +144,11 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
         return rope(q, ang), rope(k, ang), v
 
     def finish(pp, xc, oc):
-        h = xc + linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd))
+        h = xc + row_linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd), reduce)
         m = pp["mlp"]
         z = rms_norm(h, pp["post_attention_layernorm"], shape.eps)
-        return h + linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)))
+        return h + row_linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)),
+                              reduce)
 
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
 

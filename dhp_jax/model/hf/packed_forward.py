@@ -13,6 +13,7 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, unit
 from dhp_jax.model.mllm import LOSS_CHUNK, head_loss_sum
+from dhp_jax.model.tensor import TensorHooks, vocab_embed
 
 
 def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
@@ -49,16 +50,19 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
 
 def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_floats: jax.Array,
                     vision_ints: jax.Array, vision_floats: jax.Array, attn_fn: AttentionFn,
-                    loss_chunk: int = LOSS_CHUNK) -> jax.Array:
+                    loss_chunk: int = LOSS_CHUNK, tp: TensorHooks | None = None) -> jax.Array:
     """Sum over the stream's tokens of weight * cross entropy (fp32): the family's forward pass on
-    one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`."""
+    one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`.
+    `tp`: tensor parallelism (`dhp_jax.sharding.tensor`), `params` one device's share: the LLM
+    layers split (`text.text_forward`), the embedding and the LM head vocab-parallel
+    (`dhp_jax.model.tensor`), the encoder and the projector whole."""
     from dhp_jax.model.hf.text import text_forward
     col = {k: llm_ints[:, i] for i, k in enumerate(LLM_INTS)}
     vi = {k: vision_ints[:, i] for i, k in enumerate(VISION_INTS)}
     width = patch_dim(config)
     lm = params["model"]["language_model"]
     table = lm["embed_tokens"]["embedding"]
-    x = table[col["token_ids"]]
+    x = table[col["token_ids"]] if tp is None else vocab_embed(table, col["token_ids"], config.vocab_size, tp)
     vision = col["vision"][:, None] > 0
     feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn)
     x = jnp.where(vision, feats.astype(x.dtype), x)
@@ -66,6 +70,6 @@ def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_f
     deepstack = jnp.where(vision[None], jnp.stack(deep).astype(x.dtype), 0) if deep else None
     ids = AttnIds(col["segment"], col["position"], jnp.zeros_like(col["segment"]))
     h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, deepstack=deepstack,
-                     remat=config.remat, chunk=config.linear_chunk)
+                     remat=config.remat, chunk=config.linear_chunk, tp=tp)
     kernel = table.T if config.tied else params["lm_head"]["kernel"]
-    return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk)
+    return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk, tp, config.vocab_size)

@@ -1,0 +1,115 @@
+"""Tensor parallelism for the Hugging Face families in the JAX executor (`PlanExecutor(hf_config,
+tensor_parallel=2)`): 8 fake CPU devices as 4 ranks of 2, one DHP step with irregular ring groups
+(3 + 1 ranks), a Ulysses group and a hybrid group, exact (fp32, 1e-5 on the loss and on every
+gradient) against one device running each sample unpacked and unsharded (`hf.logits`, dense
+attention, transformers' shifted-label cross entropy, the token-weighted batch mean; its gradient
+by `jax.grad`).
+
+The LLM is split (q/k/v with their biases by heads, o_proj and down_proj by row with the sum,
+gate/up by column, the embedding and the LM head vocab-parallel), the encoder and the projector
+replicated (their copies' gradients summed). Two demo models:
+- Qwen3-VL with QK-norm (per-head q/k norms, replicated), tied embeddings (the vocab-split
+  embedding is the LM head) and DeepStack;
+- InternVL (Qwen2 LLM: q/k/v biases) with one kv head shared by the two devices of a rank and a
+  vocabulary of 255 (128 + 127 ids: the last window moved back, one id held twice).
+Then the refusals: a head count no layout allows, naming the model and t."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dhp_jax.model import hf
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.sharding import PlanExecutor
+from dhp_jax.train.config import load_config
+from dhp_jax.train.family_demo import FamilyDemoPipeline, demo_config
+
+# 8 samples over 4 ranks: ring 3 + ring 1, then a Ulysses group of 2 ranks (out of order), then a
+# hybrid 2 x 2 group of every rank
+PLAN = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 6)))),
+                MicroBatch((Group((1, 0), 2, (5,), attention="ulysses"),)),
+                MicroBatch((Group((3, 2, 1, 0), 4, (7,), attention="hybrid:2x2"),))))
+
+
+def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
+    raw = demo_config(family, vocab)
+    if tied:
+        raw["tie_word_embeddings"] = True
+    if kv_heads is not None:
+        raw["text_config"]["num_key_value_heads"] = kv_heads
+    return hf.parse_config(raw)
+
+
+def _samples(cfg, seed: int = 5):
+    """The demo's batch of 8 samples of the family, labelled on a random 3/4 of their text tokens."""
+    pipe = FamilyDemoPipeline(load_config(None, [f"model=tiny-{cfg.family}", "data.batch_size=8",
+                                                 "data.max_tokens=64"]).data, cfg)
+    g = np.random.default_rng(seed)
+    out = []
+    for i, s in enumerate(pipe.batch(1).samples):
+        inputs = hf.inputs_from_sample(cfg, s)
+        ids = inputs["input_ids"][0]
+        drop = np.isin(ids, list(cfg.token_ids.values())) | (g.random(ids.shape) < 0.25)
+        out.append(hf.sample_from_inputs(cfg, inputs, np.where(drop, -100, ids)[None], sample_id=i))
+    return out
+
+
+def _reference(cfg, params, samples):
+    """(loss, grads) on one device: each sample's logits (`hf.logits`), the shifted labels' cross
+    entropy summed over the batch / the number of counted labels."""
+    batch = []
+    for s in samples:
+        inputs = hf.inputs_from_sample(cfg, s)
+        labels = np.concatenate([g.meta["labels"] for g in s.segments])
+        batch.append((inputs, labels[1:]))
+
+    def loss(p):
+        total, count = 0.0, 0
+        for inputs, target in batch:
+            logp = jax.nn.log_softmax(hf.logits(cfg, p, inputs)[:-1], axis=-1)
+            keep = target != -100
+            picked = jnp.take_along_axis(logp, jnp.asarray(np.where(keep, target, 0))[:, None], axis=1)[:, 0]
+            total = total - jnp.sum(jnp.where(jnp.asarray(keep), picked, 0.0))
+            count += int(keep.sum())
+        return total / count
+
+    with jax.default_device(jax.devices()[0]):
+        return jax.jit(jax.value_and_grad(loss))(params)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+@pytest.mark.parametrize("family,vocab,tied,kv", [("qwen3_vl", 256, True, None), ("internvl", 255, False, 1)])
+def test_tp2_family_step_matches_one_device(family, vocab, tied, kv):
+    from dhp_jax.model.hf.init import random_params
+
+    cfg = _model(family, vocab, tied, kv)
+    assert cfg.tied == tied and cfg.text.shape.num_heads == 4
+    params = random_params(cfg, seed=1)
+    samples = _samples(cfg)
+    ref_loss, ref_grads = _reference(cfg, params, samples)
+    ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8)
+    loss, grads = ex.loss_and_grads(params, samples, PLAN)
+    errs = {"loss": _rel(loss, ref_loss)}
+    ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
+    ours = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads)[0])
+    assert sorted(ours) == sorted(ref)
+    errs.update((k, _rel(ours[k], ref[k])) for k in ref)
+    worst = max(errs, key=errs.get)
+    print(f"{family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
+    assert errs[worst] <= 1e-5, (worst, errs[worst])
+    # the state is tp-sharded: a device holds its share (about half the LLM), not the whole model
+    assert ex.layout.row < ex.layout.size
+
+
+def test_family_refusals_name_the_model_and_t():
+    cfg = _model("qwen3_vl", 256, kv_heads=3)
+    with pytest.raises(ValueError, match=r"model 'qwen3_vl'.*tensor_parallel 2 cannot split "
+                                         r"text_config.num_key_value_heads = 3"):
+        PlanExecutor(cfg, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel 8 cannot split text_config.num_attention_heads = 4"):
+        PlanExecutor(_model("internvl", 256), tensor_parallel=8)
