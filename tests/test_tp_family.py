@@ -25,11 +25,11 @@ from dhp_jax.sharding import PlanExecutor
 from dhp_jax.train.config import load_config
 from dhp_jax.train.family_demo import FamilyDemoPipeline, demo_config
 
-# 8 samples over 4 ranks: ring 3 + ring 1, then a Ulysses group of 2 ranks (out of order), then a
-# hybrid 2 x 2 group of every rank
-PLAN = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 6)))),
-                MicroBatch((Group((1, 0), 2, (5,), attention="ulysses"),)),
-                MicroBatch((Group((3, 2, 1, 0), 4, (7,), attention="hybrid:2x2"),))))
+# 6 samples over 4 ranks: irregular ring groups of 3 + 1 ranks, then (out of order) a Ulysses
+# group of 2 ranks (2 local query heads, 1 local kv head) or a hybrid 2 x 2 group of every rank
+RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
+ULYSSES = Plan(4, (RINGS, MicroBatch((Group((1, 0), 2, (5, 4), attention="ulysses"),))))
+HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
 
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
@@ -42,9 +42,9 @@ def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = N
 
 
 def _samples(cfg, seed: int = 5):
-    """The demo's batch of 8 samples of the family, labelled on a random 3/4 of their text tokens."""
-    pipe = FamilyDemoPipeline(load_config(None, [f"model=tiny-{cfg.family}", "data.batch_size=8",
-                                                 "data.max_tokens=64"]).data, cfg)
+    """The demo's batch of 6 samples of the family, labelled on a random 3/4 of their text tokens."""
+    pipe = FamilyDemoPipeline(load_config(None, [f"model=tiny-{cfg.family}", "data.batch_size=6",
+                                                 "data.max_tokens=48"]).data, cfg)
     g = np.random.default_rng(seed)
     out = []
     for i, s in enumerate(pipe.batch(1).samples):
@@ -74,17 +74,23 @@ def _reference(cfg, params, samples):
             count += int(keep.sum())
         return total / count
 
-    with jax.default_device(jax.devices()[0]):
-        return jax.jit(jax.value_and_grad(loss))(params)
+    # compiled as the executor compiles on CPU (no LLVM optimisation: most of the compile time here)
+    params = jax.device_put(params, jax.devices()[0])
+    fn = jax.jit(jax.value_and_grad(loss)).lower(params).compile(compiler_options={"xla_backend_optimization_level": 0})
+    return fn(params)
 
 
-def _rel(a, b) -> float:
+def _rel(a, b, floor: float = 0.0) -> float:
+    """max |a - b| / max |b|; against `floor` where max |b| is below it (an exactly zero gradient:
+    InternViT's key bias, whose softmax does not move, holds rounding noise on both sides)."""
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    scale = float(np.max(np.abs(b)))
+    return float(np.max(np.abs(a - b)) / (scale if scale > floor else max(floor, 1e-30)))
 
 
-@pytest.mark.parametrize("family,vocab,tied,kv", [("qwen3_vl", 256, True, None), ("internvl", 255, False, 1)])
-def test_tp2_family_step_matches_one_device(family, vocab, tied, kv):
+@pytest.mark.parametrize("family,vocab,tied,kv,plan", [("qwen3_vl", 256, True, None, ULYSSES),
+                                                       ("internvl", 255, False, 1, HYBRID)])
+def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     from dhp_jax.model.hf.init import random_params
 
     cfg = _model(family, vocab, tied, kv)
@@ -93,14 +99,16 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv):
     samples = _samples(cfg)
     ref_loss, ref_grads = _reference(cfg, params, samples)
     ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8)
-    loss, grads = ex.loss_and_grads(params, samples, PLAN)
+    loss, grads = ex.loss_and_grads(params, samples, plan)
     errs = {"loss": _rel(loss, ref_loss)}
     ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
     ours = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads)[0])
     assert sorted(ours) == sorted(ref)
-    errs.update((k, _rel(ours[k], ref[k])) for k in ref)
+    largest = max(float(np.max(np.abs(v))) for v in ref.values())
+    errs.update((k, _rel(ours[k], ref[k], 1e-6 * largest)) for k in ref)
     worst = max(errs, key=errs.get)
-    print(f"{family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
+    import time
+    print(f"[{time.strftime('%X')}] {family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
     assert errs[worst] <= 1e-5, (worst, errs[worst])
     # the state is tp-sharded: a device holds its share (about half the LLM), not the whole model
     assert ex.layout.row < ex.layout.size
