@@ -30,6 +30,7 @@ from dhp_jax.train.family_demo import FamilyDemoPipeline, demo_config
 RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
 ULYSSES = Plan(4, (RINGS, MicroBatch((Group((1, 0), 2, (5, 4), attention="ulysses"),))))
 HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
+RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 5)))),))
 
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
@@ -89,7 +90,8 @@ def _rel(a, b, floor: float = 0.0) -> float:
 
 
 @pytest.mark.parametrize("family,vocab,tied,kv,plan", [("qwen3_vl", 256, True, None, ULYSSES),
-                                                       ("internvl", 255, False, 1, HYBRID)])
+                                                       ("internvl", 255, False, 1, HYBRID),
+                                                       ("qwen2_5_vl", 256, False, None, RING)])
 def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     from dhp_jax.model.hf.init import random_params
 
@@ -110,8 +112,13 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     import time
     print(f"[{time.strftime('%X')}] {family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
     assert errs[worst] <= 1e-5, (worst, errs[worst])
-    # the state is tp-sharded: a device holds its share (about half the LLM), not the whole model
+    # the state is tp-sharded: a device holds its share, not the whole model; the Qwen encoders'
+    # blocks are split (the fused qkv by heads inside each of q, k, v), InternViT's replicated
+    from dhp_jax.sharding import tensor
     assert ex.layout.row < ex.layout.size
+    kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
+    assert (kinds["model/visual/blocks/0/attn/qkv/kernel"] == tensor.FUSED if family != "internvl" else
+            kinds["model/vision_tower/encoder/layer/0/attention/q_proj/kernel"] == tensor.REPLICATED)
 
 
 def test_family_refusals_name_the_model_and_t():

@@ -71,6 +71,16 @@ FAMILY_BLOCK_SPLIT = {"self_attn/q_proj/kernel": (1, "heads"), "self_attn/q_proj
                       "self_attn/v_proj/kernel": (1, "kv_heads"), "self_attn/v_proj/bias": (0, "kv_heads"),
                       "self_attn/o_proj/kernel": (0, "heads"), "mlp/gate_proj/kernel": (1, "mlp"),
                       "mlp/up_proj/kernel": (1, "mlp"), "mlp/down_proj/kernel": (0, "mlp")}
+# The Qwen vision encoders' blocks (Qwen2.5-VL: gated MLP; Qwen3-VL: fc1 / fc2): the fused qkv by
+# heads inside each of q, k and v ("qkv": 3 parts of H heads), proj by row, the MLP's first
+# matrices (and biases) by column and its last by row; the row-split biases and the norms
+# replicated. InternViT's blocks are replicated whole (not split yet).
+QWEN_VISION_SPLIT = {"attn/qkv/kernel": (1, "qkv"), "attn/qkv/bias": (0, "qkv"), "attn/proj/kernel": (0, "heads"),
+                     "mlp/gate_proj/kernel": (1, "mlp"), "mlp/gate_proj/bias": (0, "mlp"),
+                     "mlp/up_proj/kernel": (1, "mlp"), "mlp/up_proj/bias": (0, "mlp"),
+                     "mlp/down_proj/kernel": (0, "mlp"),
+                     "mlp/linear_fc1/kernel": (1, "mlp"), "mlp/linear_fc1/bias": (0, "mlp"),
+                     "mlp/linear_fc2/kernel": (0, "mlp")}
 FAMILY_TOP_SPLIT = {"model/language_model/embed_tokens/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 FAMILY_LLM_LAYERS = "model/language_model/layers/"
 
@@ -80,11 +90,12 @@ class Stack:
     """A model's stack of identical blocks `prefix0/`, `prefix1/`, ...: which leaf inside a block
     (its path after `prefix<i>/`) is split how (`rules`: path -> (axis, unit)), and the units
     (`units`: unit -> (count, width): the columns or rows of a split axis are `count` units of
-    `width` elements; "kv_heads" may be fewer than t, then shared)."""
+    `width` elements; "kv_heads" may be fewer than t, then shared; a third entry `parts`: the axis is
+    that many equal parts, each split so, a device taking its slice of every part: a fused qkv)."""
 
     prefix: str
     rules: Mapping[str, tuple[int, str]]
-    units: Mapping[str, tuple[int, int]]
+    units: Mapping[str, tuple[int, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +127,7 @@ class SplitTable:
     def rule(self, path: str, t: int) -> tuple[str, int | None, int, int, Callable[[Any], Any]]:
         """(kind, axis, kv groups, elements per device along the axis, device index -> its first
         element) of the leaf at `path`: kind REPLICATED (every device holds it; axis None), SPLIT
-        (each its own slice), SHARED (kv heads fewer than t: `groups` = KVH heads, each held by t /
+        (each its own slice), FUSED (`groups` parts, each device its slice of every part), SHARED (kv heads fewer than t: `groups` = KVH heads, each held by t /
         KVH consecutive devices) or VOCAB (the vocab windows, `vocab_share`)."""
         found = self.stack_of(path)
         if found is None:
@@ -130,7 +141,10 @@ class SplitTable:
         if rule is None:
             return REPLICATED, None, 0, 0, lambda i: 0
         axis, unit = rule
-        n, width = stack.units[unit]
+        n, width, *parts = stack.units[unit]
+        if parts and parts[0] > 1:
+            assert n % t == 0, (path, n, t)
+            return FUSED, axis, parts[0], n // t * width, lambda i: i * (n // t) * width
         if n % t == 0:
             return SPLIT, axis, 0, n // t * width, lambda i: i * (n // t) * width
         assert unit == "kv_heads" and t % n == 0, (path, n, t)
@@ -152,14 +166,24 @@ def _family_table(config: Any) -> SplitTable:
     units = {"heads": (s.num_heads, s.head_dim), "kv_heads": (s.num_kv_heads, s.head_dim),
              "mlp": (_family_intermediate(config), 1)}
     (vision, _), _ = block_stacks(config)
-    # the encoder's blocks: a stack with no rules (replicated whole; its gradient summed in one psum)
-    return SplitTable(config.name, config.vocab_size, (Stack("/".join(vision) + "/", {}, {}),
-                                                       Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
+    if config.family == "internvl":
+        # InternViT's blocks: a stack with no rules (replicated whole; its gradient summed in one psum)
+        encoder = Stack("/".join(vision) + "/", {}, {})
+    else:
+        v = config.vision
+        hd = v.hidden_size // v.num_heads
+        encoder = Stack("/".join(vision) + "/", QWEN_VISION_SPLIT,
+                        {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3), "mlp": (_vision_intermediate(config), 1)})
+    return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
                       FAMILY_TOP_SPLIT)
 
 
 def _family_intermediate(config: Any) -> int:
     return int(config.raw["text_config"]["intermediate_size"])
+
+
+def _vision_intermediate(config: Any) -> int:
+    return int(config.raw["vision_config"]["intermediate_size"])
 
 
 def split_table(config: Any) -> SplitTable:
@@ -173,13 +197,16 @@ def split_table(config: Any) -> SplitTable:
 
 def check(config: Any, t: int) -> None:
     """ValueError naming the model, the field and t unless every split of the table is even (a
-    family: its LLM's heads, kv heads and MLP width; its encoder is replicated)."""
+    family: its LLM's heads, kv heads and MLP width, a Qwen encoder's heads and MLP width; InternViT
+    is replicated)."""
     if isinstance(config, MLLMConfig):
         check_tensor_parallel(split_shape(config), t, f"model {config.name!r}")
         return
-    s = config.text.shape
+    s, v = config.text.shape, config.vision
+    qwen = config.family != "internvl"        # the Qwen encoders are split too, InternViT replicated
     shape = types.SimpleNamespace(heads=s.num_heads, kv_heads=s.num_kv_heads,
-                                  intermediate=_family_intermediate(config), vision_heads=0, vision_intermediate=0)
+                                  intermediate=_family_intermediate(config), vision_heads=v.num_heads if qwen else 0,
+                                  vision_intermediate=_vision_intermediate(config) if qwen else 0)
     check_tensor_parallel(shape, t, f"model {config.name!r} ({config.family} family)")
 
 
@@ -196,9 +223,19 @@ def _share(tree: dict, table: SplitTable, t: int, index: Any, prefix: str = "", 
         if isinstance(v, dict):
             out[k] = v if skip_blocks and table.in_block(path) else _share(v, table, t, index, path + "/", skip_blocks)
             continue
-        kind, axis, _, size, start = table.rule(path, t)
-        out[k] = v if kind == REPLICATED else lax.dynamic_slice_in_dim(v, start(index), size, axis)
+        kind, axis, parts, size, start = table.rule(path, t)
+        out[k] = v if kind == REPLICATED else _take(v, axis, start(index), size, parts if kind == FUSED else 1)
     return out
+
+
+def _take(v: jax.Array, axis: int, start: Any, size: int, parts: int = 1) -> jax.Array:
+    """v's elements [start, start + size) along `axis`, or of each of its `parts` equal parts."""
+    if parts == 1:
+        return lax.dynamic_slice_in_dim(v, start, size, axis)
+    sh = v.shape
+    w = lax.dynamic_slice_in_dim(v.reshape(sh[:axis] + (parts, sh[axis] // parts) + sh[axis + 1:]), start, size,
+                                 axis + 1)
+    return w.reshape(sh[:axis] + (parts * size,) + sh[axis + 1:])
 
 
 def block_share(params: dict, config: MLLMConfig, vision: bool, t: int, index: jax.Array) -> dict:
@@ -212,7 +249,7 @@ def top_share(params: dict, config: Any, t: int, index: jax.Array) -> dict:
 
 
 # ------------------------------------------------------------------ the tp-sharded state
-REPLICATED, SPLIT, SHARED, VOCAB = "replicated", "split", "shared", "vocab"
+REPLICATED, SPLIT, SHARED, VOCAB, FUSED = "replicated", "split", "shared", "vocab", "fused"
 
 
 def leaf_split(path: str, config: Any, t: int) -> tuple[str, int | None, int]:
@@ -348,6 +385,11 @@ class TensorLayout:
                 leaves.append(jnp.concatenate([s[j] for s in shares], axis=axis))
             elif kind == SHARED:
                 leaves.append(jnp.concatenate([shares[h * (t // groups)][j] for h in range(groups)], axis=axis))
+            elif kind == FUSED:
+                sh = shares[0][j].shape
+                parts = [s[j].reshape(sh[:axis] + (groups, sh[axis] // groups) + sh[axis + 1:]) for s in shares]
+                whole = jnp.concatenate(parts, axis=axis + 1)
+                leaves.append(whole.reshape(sh[:axis] + (t * sh[axis],) + sh[axis + 1:]))
             else:
                 parts = []
                 for i in range(t):
@@ -376,7 +418,7 @@ class TensorLayout:
                     keep = np.expand_dims(ids >= own, 1 - axis)
                     marks.append(jnp.broadcast_to(jnp.asarray(keep), leaf.shape))
                 else:
-                    keep = (kind == SPLIT or (kind == REPLICATED and i == 0)
+                    keep = (kind in (SPLIT, FUSED) or (kind == REPLICATED and i == 0)
                             or (kind == SHARED and i % (t // groups) == 0))
                     marks.append(jnp.full(leaf.shape, keep))
             rows.append(self.local.ravel(jax.tree.unflatten(self.treedef, marks), jnp.bool_))

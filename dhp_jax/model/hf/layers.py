@@ -155,19 +155,24 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
 
 def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, num_heads: int,
                       norm: Callable[[jax.Array, Params], jax.Array], mlp: Callable[[Params, jax.Array], jax.Array],
-                      attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None) -> jax.Array:
+                      attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
+                      reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """One Qwen vision block on `p` (a `blocks.i` subtree): x += proj(attn(norm1(x))) with the fused
     qkv Linear (head-minor columns: [3, H, D]) and 2-D rotary, attention within a segment of `ids`;
     x += mlp(p["mlp"], norm2(x)). `norm(x, p)` is the family's norm; `chunk`, `live` as in
-    `decoder_block`."""
+    `decoder_block`. Tensor parallelism: `p` one device's share (its heads of each of q, k, v: the
+    local head count read off the qkv kernel), `reduce` the sum after the row-split proj (the
+    family's `mlp` sums after its own row-split matrix)."""
     d = x.shape[-1]
+    hd = d // num_heads
+    heads = p["attn"]["qkv"]["kernel"].shape[-1] // (3 * hd)
 
     def project(pp, xc, ang):
-        qkv = linear(pp["attn"]["qkv"], norm(xc, pp["norm1"])).reshape(-1, 3, num_heads, d // num_heads)
+        qkv = linear(pp["attn"]["qkv"], norm(xc, pp["norm1"])).reshape(-1, 3, heads, hd)
         return rope(qkv[:, 0], ang), rope(qkv[:, 1], ang), qkv[:, 2]
 
     def finish(pp, xc, oc):
-        xc = xc + linear(pp["attn"]["proj"], oc.reshape(-1, d))
+        xc = xc + row_linear(pp["attn"]["proj"], oc.reshape(-1, heads * hd), reduce)
         return xc + mlp(pp["mlp"], norm(xc, pp["norm2"]))
 
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)

@@ -17,21 +17,22 @@ from dhp_jax.model.tensor import TensorHooks, vocab_embed
 
 
 def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
-            tap_weights: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, list]:
+            tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None = None) -> tuple[jax.Array, list]:
     """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
     s = pixels.shape[0] // unit(config)
+    reduce = None if tp is None else tp.psum     # the Qwen encoders' blocks split (InternViT's replicated)
     live = vi["frame"] > 0               # the rows of vision tokens (the others are dead: nothing reads them)
     if config.family == "qwen2_5_vl":
         from dhp_jax.model.hf import qwen2_5_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "windows": vi["window"], "live": live}
-        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn), []
+        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn, reduce), []
     if config.family == "qwen3_vl":
         from dhp_jax.model.hf import qwen3_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
                "tap_weights": tap_weights, "live": live}
-        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn)
+        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn, reduce)
     from dhp_jax.model.hf import internvl
     from dhp_jax.model.hf.layers import linear, segment_ids
     p = params["model"]["vision_tower"]
@@ -64,7 +65,7 @@ def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_f
     table = lm["embed_tokens"]["embedding"]
     x = table[col["token_ids"]] if tp is None else vocab_embed(table, col["token_ids"], config.vocab_size, tp)
     vision = col["vision"][:, None] > 0
-    feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn)
+    feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn, tp)
     x = jnp.where(vision, feats.astype(x.dtype), x)
 
     deepstack = jnp.where(vision[None], jnp.stack(deep).astype(x.dtype), 0) if deep else None
