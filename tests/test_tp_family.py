@@ -6,13 +6,17 @@ attention, transformers' shifted-label cross entropy, the token-weighted batch m
 by `jax.grad`).
 
 The LLM is split (q/k/v with their biases by heads, o_proj and down_proj by row with the sum,
-gate/up by column, the embedding and the LM head vocab-parallel), the encoder and the projector
-replicated (their copies' gradients summed). Two demo models:
+gate/up by column, the embedding and the LM head vocab-parallel), the Qwen encoders' blocks too
+(the fused qkv by heads inside each of q, k and v, proj and the MLP's last matrix by row, their
+biases added once), InternViT, the mergers and the projector replicated (their copies' gradients
+summed). Three demo models:
 - Qwen3-VL with QK-norm (per-head q/k norms, replicated), tied embeddings (the vocab-split
-  embedding is the LM head) and DeepStack;
+  embedding is the LM head) and DeepStack, with a Ulysses group;
 - InternVL (Qwen2 LLM: q/k/v biases) with one kv head shared by the two devices of a rank and a
-  vocabulary of 255 (128 + 127 ids: the last window moved back, one id held twice).
-Then the refusals: a head count no layout allows, naming the model and t."""
+  vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
+  sample), with a hybrid group;
+- Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
+Then the refusals: a head count no layout allows, naming the model, the field and t."""
 
 import jax
 import jax.numpy as jnp
@@ -131,3 +135,8 @@ def test_family_refusals_name_the_model_and_t():
         PlanExecutor(cfg, tensor_parallel=2)
     with pytest.raises(ValueError, match=r"tensor_parallel 8 cannot split text_config.num_attention_heads = 4"):
         PlanExecutor(_model("internvl", 256), tensor_parallel=8)
+    # a Qwen encoder is split (its 2 heads cannot go 4 ways); InternViT is replicated (any t the LLM allows)
+    with pytest.raises(ValueError, match=r"model 'qwen2_5_vl' \(qwen2_5_vl family\): tensor_parallel 4 cannot "
+                                         r"split vision_config heads .* = 2"):
+        PlanExecutor(_model("qwen2_5_vl", 256), tensor_parallel=4)
+    assert PlanExecutor(_model("internvl", 256), tensor_parallel=4).ranks.num_ranks == 2
