@@ -116,8 +116,7 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     largest = max(float(np.max(np.abs(v))) for v in ref.values())
     errs.update((k, _rel(ours[k], ref[k], 1e-6 * largest)) for k in ref)
     worst = max(errs, key=errs.get)
-    import time
-    print(f"[{time.strftime('%X')}] {family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
+    print(f"{family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
     assert errs[worst] <= 1e-5, (worst, errs[worst])
     # the state is tp-sharded: a device holds its share, not the whole model; the Qwen encoders'
     # blocks are split (the fused qkv by heads inside each of q, k, v), InternViT's replicated

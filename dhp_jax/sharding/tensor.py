@@ -13,9 +13,12 @@ embedding by rows and the LM head by columns, vocab-parallel over ceil(V / t) id
 (`dhp_jax.model.tensor.vocab_share`: the last window moved back to end at V, no padded copy); the
 patch embedding, the vision and final norms and the projector
 replicated). docs/executor.md ("Tensor parallelism inside a rank") states it as the table both
-engines follow. A head count that no layout allows (H, vision heads, F or the vision MLP width not
-divisible by t; kv heads neither a multiple of t nor a divisor of it) is refused by `check`
-naming the model and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
+engines follow. That is the stand-in's table; each model gives its own (`split_table`, a
+`SplitTable` of `Stack`s): the Hugging Face families' LLM layers by the same rule under
+transformers' names (`FAMILY_BLOCK_SPLIT`, `FAMILY_TOP_SPLIT`), the Qwen encoders' blocks with the
+fused qkv split by heads inside each of q, k and v (`QWEN_VISION_SPLIT`), InternViT replicated.
+A head count that no layout allows (H, vision heads, F or the vision MLP width not divisible by
+t; kv heads neither a multiple of t nor a divisor of it) is refused by `check` naming the model and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
 
 The state (`TensorLayout`): each device receives only its share of the params and returns only
 its share's gradient. A device's share (its slices of the split leaves, its copies of the
@@ -27,7 +30,8 @@ reduce-scatter over them, and a device holds L_pad (about P / t) params and grad
 
 Copies: a leaf every device of a rank holds (norms, patch embedding, projector) is stored t
 times, a kv head shared by g devices g times; the group program sums the copies' gradients over
-the devices that hold them (`dhp_jax.model.tensor.tied_copy`, `tied_group_copy`), so the copies
+the devices that hold them (`dhp_jax.model.tensor.tied_copy`, `tied_group_copy`; a family's block
+stacks on their rows, `tie_rows`), so the copies
 get equal gradients and stay equal under AdamW; `TensorLayout.count_once` marks one copy of each
 for the gradient's global norm. The vocab windows overlap on the last device (its ids held
 twice are masked, so their gradient there is zero); `unravel` reads every id from its owner.
@@ -125,10 +129,11 @@ class SplitTable:
         return self.stack_of(f"{subtree_path}/x") is not None
 
     def rule(self, path: str, t: int) -> tuple[str, int | None, int, int, Callable[[Any], Any]]:
-        """(kind, axis, kv groups, elements per device along the axis, device index -> its first
+        """(kind, axis, groups, elements per device along the axis, device index -> its first
         element) of the leaf at `path`: kind REPLICATED (every device holds it; axis None), SPLIT
-        (each its own slice), FUSED (`groups` parts, each device its slice of every part), SHARED (kv heads fewer than t: `groups` = KVH heads, each held by t /
-        KVH consecutive devices) or VOCAB (the vocab windows, `vocab_share`)."""
+        (each its own slice), FUSED (`groups` parts, each device its slice of every part), SHARED
+        (kv heads fewer than t: `groups` = KVH heads, each held by t / KVH consecutive devices) or
+        VOCAB (the vocab windows, `vocab_share`)."""
         found = self.stack_of(path)
         if found is None:
             rule = self.top.get(path)
@@ -156,8 +161,8 @@ def _stand_in_table(config: MLLMConfig) -> SplitTable:
     llm = {"heads": (c.num_heads, c.head_dim), "kv_heads": (c.num_kv_heads, c.head_dim), "mlp": (c.d_ff, 1)}
     vis = {"heads": (c.vision_heads, c.vision_head_dim), "kv_heads": (c.vision_heads, c.vision_head_dim),
            "mlp": (c.vision_ff, 1)}
-    return SplitTable(c.name, c.vocab_size, (Stack("vision_layers_", BLOCK_SPLIT, vis), Stack("layers_", BLOCK_SPLIT, llm)),
-                      TOP_SPLIT)
+    return SplitTable(c.name, c.vocab_size,
+                      (Stack("vision_layers_", BLOCK_SPLIT, vis), Stack("layers_", BLOCK_SPLIT, llm)), TOP_SPLIT)
 
 
 def _family_table(config: Any) -> SplitTable:
@@ -173,7 +178,8 @@ def _family_table(config: Any) -> SplitTable:
         v = config.vision
         hd = v.hidden_size // v.num_heads
         encoder = Stack("/".join(vision) + "/", QWEN_VISION_SPLIT,
-                        {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3), "mlp": (_vision_intermediate(config), 1)})
+                        {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3),
+                         "mlp": (_vision_intermediate(config), 1)})
     return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
                       FAMILY_TOP_SPLIT)
 
@@ -294,7 +300,8 @@ def tie_rows(rows: jax.Array, config: Any, prefix: str, leaves: Sequence[tuple[t
     gradient columns of a replicated leaf summed over the rank, of a shared kv head over its
     holders, of a split leaf kept (a stack the table does not split is summed whole, one psum)."""
     table = split_table(config)
-    rules = [(table.rule(f"{prefix}0/{'/'.join(keys)}", tp.size), off, int(np.prod(shape))) for keys, off, shape in leaves]
+    rules = [(table.rule(f"{prefix}0/{'/'.join(keys)}", tp.size), off, int(np.prod(shape)))
+             for keys, off, shape in leaves]
     kinds = [((r[0], r[2]), off, size) for r, off, size in rules]
     per = {k for (k, _), _, _ in kinds}
 

@@ -26,8 +26,8 @@ from dhp_jax.model.hf.host import qwen2_5_vl as prepare  # noqa: F401 (host side
 from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
-from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, row_linear, causal_ids, gated, linear,
-                                     qwen_vision_block, rms_norm, rotary, segment_ids)
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_ids, gated, linear,
+                                     qwen_vision_block, rms_norm, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 

@@ -29,8 +29,8 @@ from dhp_jax.model.hf.host import qwen3_vl as prepare  # noqa: F401 (host side, 
 from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
 from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
-from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, row_linear, activation, causal_ids, layer_norm, linear,
-                                     per_block, qwen_vision_block, rotary, segment_ids)
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
+                                     per_block, qwen_vision_block, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 
