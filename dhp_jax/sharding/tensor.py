@@ -18,7 +18,8 @@ engines follow. That is the stand-in's table; each model gives its own (`split_t
 transformers' names (`FAMILY_BLOCK_SPLIT`, `FAMILY_TOP_SPLIT`), the Qwen encoders' blocks with the
 fused qkv split by heads inside each of q, k and v (`QWEN_VISION_SPLIT`), InternViT replicated.
 A head count that no layout allows (H, vision heads, F or the vision MLP width not divisible by
-t; kv heads neither a multiple of t nor a divisor of it) is refused by `check` naming the model and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
+t; kv heads neither a multiple of t nor a divisor of it) is refused by `check` naming the model
+and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
 
 The state (`TensorLayout`): each device receives only its share of the params and returns only
 its share's gradient. A device's share (its slices of the split leaves, its copies of the
