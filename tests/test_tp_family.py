@@ -6,13 +6,14 @@ attention, transformers' shifted-label cross entropy, the token-weighted batch m
 by `jax.grad`).
 
 The LLM is split (q/k/v with their biases by heads, o_proj and down_proj by row with the sum,
-gate/up by column, the embedding and the LM head vocab-parallel), the Qwen encoders' blocks too
-(the fused qkv by heads inside each of q, k and v, proj and the MLP's last matrix by row, their
-biases added once), InternViT, the mergers and the projector replicated (their copies' gradients
-summed). Three demo models:
+gate/up by column, the embedding and the LM head vocab-parallel), the encoders' blocks too
+(a Qwen fused qkv by heads inside each of q, k and v; InternViT's q/k/v and QK-norm by heads, the
+norm's mean square summed over the rank; the output projections and the MLP's last matrix by row,
+their biases added once), the patch embeddings, mergers and the projector replicated (their
+copies' gradients summed). Three demo models:
 - Qwen3-VL with QK-norm (per-head q/k norms, replicated), tied embeddings (the vocab-split
   embedding is the LM head) and DeepStack, with a Ulysses group;
-- InternVL (Qwen2 LLM: q/k/v biases) with one kv head shared by the two devices of a rank and a
+- InternVL (Qwen2 LLM: q/k/v biases; InternViT with QK-norm) with one kv head shared by the two devices of a rank and a
   vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
   sample), with a hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
@@ -39,6 +40,8 @@ RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
     raw = demo_config(family, vocab)
+    if family == "internvl":
+        raw["vision_config"]["use_qk_norm"] = True       # InternViT's QK-norm over the whole (split) width
     if tied:
         raw["tie_word_embeddings"] = True
     if kv_heads is not None:
@@ -118,13 +121,13 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     worst = max(errs, key=errs.get)
     print(f"{family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
     assert errs[worst] <= 1e-5, (worst, errs[worst])
-    # the state is tp-sharded: a device holds its share, not the whole model; the Qwen encoders'
-    # blocks are split (the fused qkv by heads inside each of q, k, v), InternViT's replicated
+    # the state is tp-sharded: a device holds its share, not the whole model; the encoders' blocks
+    # are split (a Qwen fused qkv by heads inside each of q, k, v)
     from dhp_jax.sharding import tensor
     assert ex.layout.row < ex.layout.size
     kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
     assert (kinds["model/visual/blocks/0/attn/qkv/kernel"] == tensor.FUSED if family != "internvl" else
-            kinds["model/vision_tower/encoder/layer/0/attention/q_proj/kernel"] == tensor.REPLICATED)
+            kinds["model/vision_tower/encoder/layer/0/attention/q_norm/scale"] == tensor.SPLIT)
 
 
 def test_family_refusals_name_the_model_and_t():
@@ -134,8 +137,8 @@ def test_family_refusals_name_the_model_and_t():
         PlanExecutor(cfg, tensor_parallel=2)
     with pytest.raises(ValueError, match=r"tensor_parallel 8 cannot split text_config.num_attention_heads = 4"):
         PlanExecutor(_model("internvl", 256), tensor_parallel=8)
-    # a Qwen encoder is split (its 2 heads cannot go 4 ways); InternViT is replicated (any t the LLM allows)
-    with pytest.raises(ValueError, match=r"model 'qwen2_5_vl' \(qwen2_5_vl family\): tensor_parallel 4 cannot "
-                                         r"split vision_config heads .* = 2"):
-        PlanExecutor(_model("qwen2_5_vl", 256), tensor_parallel=4)
-    assert PlanExecutor(_model("internvl", 256), tensor_parallel=4).ranks.num_ranks == 2
+    # the encoders are split too: their 2 heads cannot go 4 ways
+    for family in ("qwen2_5_vl", "internvl"):
+        with pytest.raises(ValueError, match=rf"model '{family}' \({family} family\): tensor_parallel 4 cannot "
+                                             r"split vision_config heads .* = 2"):
+            PlanExecutor(_model(family, 256), tensor_parallel=4)

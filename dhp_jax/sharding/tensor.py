@@ -16,7 +16,8 @@ replicated). docs/executor.md ("Tensor parallelism inside a rank") states it as 
 engines follow. That is the stand-in's table; each model gives its own (`split_table`, a
 `SplitTable` of `Stack`s): the Hugging Face families' LLM layers by the same rule under
 transformers' names (`FAMILY_BLOCK_SPLIT`, `FAMILY_TOP_SPLIT`), the Qwen encoders' blocks with the
-fused qkv split by heads inside each of q, k and v (`QWEN_VISION_SPLIT`), InternViT replicated.
+fused qkv split by heads inside each of q, k and v (`QWEN_VISION_SPLIT`), InternViT's layers
+with their QK-norm over the whole width (`INTERNVIT_SPLIT`).
 A head count that no layout allows (H, vision heads, F or the vision MLP width not divisible by
 t; kv heads neither a multiple of t nor a divisor of it) is refused by `check` naming the model
 and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
@@ -79,13 +80,21 @@ FAMILY_BLOCK_SPLIT = {"self_attn/q_proj/kernel": (1, "heads"), "self_attn/q_proj
 # The Qwen vision encoders' blocks (Qwen2.5-VL: gated MLP; Qwen3-VL: fc1 / fc2): the fused qkv by
 # heads inside each of q, k and v ("qkv": 3 parts of H heads), proj by row, the MLP's first
 # matrices (and biases) by column and its last by row; the row-split biases and the norms
-# replicated. InternViT's blocks are replicated whole (not split yet).
+# replicated. InternViT's layers alike (q/k/v and their biases, and the QK-norm scales over the
+# whole width, by heads; projection_layer and fc2 by row, fc1 by column; the layer scales
+# lambda_1 / lambda_2, the norms and the row-split biases replicated).
 QWEN_VISION_SPLIT = {"attn/qkv/kernel": (1, "qkv"), "attn/qkv/bias": (0, "qkv"), "attn/proj/kernel": (0, "heads"),
                      "mlp/gate_proj/kernel": (1, "mlp"), "mlp/gate_proj/bias": (0, "mlp"),
                      "mlp/up_proj/kernel": (1, "mlp"), "mlp/up_proj/bias": (0, "mlp"),
                      "mlp/down_proj/kernel": (0, "mlp"),
                      "mlp/linear_fc1/kernel": (1, "mlp"), "mlp/linear_fc1/bias": (0, "mlp"),
                      "mlp/linear_fc2/kernel": (0, "mlp")}
+INTERNVIT_SPLIT = {"attention/q_proj/kernel": (1, "heads"), "attention/q_proj/bias": (0, "heads"),
+                   "attention/k_proj/kernel": (1, "heads"), "attention/k_proj/bias": (0, "heads"),
+                   "attention/v_proj/kernel": (1, "heads"), "attention/v_proj/bias": (0, "heads"),
+                   "attention/q_norm/scale": (0, "heads"), "attention/k_norm/scale": (0, "heads"),
+                   "attention/projection_layer/kernel": (0, "heads"), "mlp/fc1/kernel": (1, "mlp"),
+                   "mlp/fc1/bias": (0, "mlp"), "mlp/fc2/kernel": (0, "mlp")}
 FAMILY_TOP_SPLIT = {"model/language_model/embed_tokens/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 FAMILY_LLM_LAYERS = "model/language_model/layers/"
 
@@ -172,15 +181,11 @@ def _family_table(config: Any) -> SplitTable:
     units = {"heads": (s.num_heads, s.head_dim), "kv_heads": (s.num_kv_heads, s.head_dim),
              "mlp": (_family_intermediate(config), 1)}
     (vision, _), _ = block_stacks(config)
-    if config.family == "internvl":
-        # InternViT's blocks: a stack with no rules (replicated whole; its gradient summed in one psum)
-        encoder = Stack("/".join(vision) + "/", {}, {})
-    else:
-        v = config.vision
-        hd = v.hidden_size // v.num_heads
-        encoder = Stack("/".join(vision) + "/", QWEN_VISION_SPLIT,
-                        {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3),
-                         "mlp": (_vision_intermediate(config), 1)})
+    v = config.vision
+    hd = v.hidden_size // v.num_heads
+    vunits = {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3), "mlp": (_vision_intermediate(config), 1)}
+    encoder = Stack("/".join(vision) + "/", INTERNVIT_SPLIT if config.family == "internvl" else QWEN_VISION_SPLIT,
+                    vunits)
     return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
                       FAMILY_TOP_SPLIT)
 
@@ -204,16 +209,14 @@ def split_table(config: Any) -> SplitTable:
 
 def check(config: Any, t: int) -> None:
     """ValueError naming the model, the field and t unless every split of the table is even (a
-    family: its LLM's heads, kv heads and MLP width, a Qwen encoder's heads and MLP width; InternViT
-    is replicated)."""
+    family: its LLM's heads, kv heads and MLP width, its encoder's heads and MLP width)."""
     if isinstance(config, MLLMConfig):
         check_tensor_parallel(split_shape(config), t, f"model {config.name!r}")
         return
-    s, v = config.text.shape, config.vision
-    qwen = config.family != "internvl"        # the Qwen encoders are split too, InternViT replicated
+    s = config.text.shape
     shape = types.SimpleNamespace(heads=s.num_heads, kv_heads=s.num_kv_heads,
-                                  intermediate=_family_intermediate(config), vision_heads=v.num_heads if qwen else 0,
-                                  vision_intermediate=_vision_intermediate(config) if qwen else 0)
+                                  intermediate=_family_intermediate(config), vision_heads=config.vision.num_heads,
+                                  vision_intermediate=_vision_intermediate(config))
     check_tensor_parallel(shape, t, f"model {config.name!r} ({config.family} family)")
 
 

@@ -58,6 +58,19 @@ def rms_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     return fused(norm)(x, p["scale"])
 
 
+def split_rms_norm(x: jax.Array, p: Params, eps: float, reduce: Callable[[jax.Array], jax.Array],
+                   width: int) -> jax.Array:
+    """`rms_norm` over a width split across a rank's devices: x[..., w] and p["scale"][w] are this
+    device's columns of the `width`-wide whole; the mean square is the sum of squares summed by
+    `reduce` over the devices, / `width` (fp32)."""
+    def norm(x, scale):
+        xf = x.astype(jnp.float32)
+        ms = reduce(jnp.sum(xf * xf, axis=-1, keepdims=True)) / width
+        return scale * (xf * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
+
+    return fused(norm)(x, p["scale"])
+
+
 def layer_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     """LayerNorm over the last axis with affine scale and bias (biased variance, as torch)."""
     def norm(x, scale, bias):

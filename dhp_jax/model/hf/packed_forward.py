@@ -20,7 +20,7 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
             tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None = None) -> tuple[jax.Array, list]:
     """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
     s = pixels.shape[0] // unit(config)
-    reduce = None if tp is None else tp.psum     # the Qwen encoders' blocks split (InternViT's replicated)
+    reduce = None if tp is None else tp.psum     # the encoders' blocks are split too
     live = vi["frame"] > 0               # the rows of vision tokens (the others are dead: nothing reads them)
     if config.family == "qwen2_5_vl":
         from dhp_jax.model.hf import qwen2_5_vl
@@ -43,7 +43,7 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
     x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
     if "position_embeddings" in emb:
         x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
-    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live)
+    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live, reduce)
     kk = config.vision.shuffle ** 2
     x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
     return internvl.project(config, params, x), []
