@@ -108,9 +108,9 @@ def test_plan_and_simulate_take_tensor_parallel(capsys):
     assert sim["runs"][0]["ranks"] == 4 and "of 2 devices (8 devices)" in sim["cluster"]
 
 
-def test_train_config_validates_tensor_parallel_and_families_are_refused():
+def test_train_config_validates_tensor_parallel_and_a_family_prepares():
     from dhp_jax.train.config import ConfigError, config_from_dict
-    from dhp_jax.train.trainer import TrainError, prepare_run
+    from dhp_jax.train.trainer import prepare_run
 
     with pytest.raises(ConfigError, match="need 16 devices but devices.count=8"):
         config_from_dict({"kind": "train", "parallel": {"tensor": 2}})
@@ -126,8 +126,9 @@ def test_train_config_validates_tensor_parallel_and_families_are_refused():
     assert (setup.cost.tensor_parallel, setup.cost.state_shards * 2) == (2, 8)
     family = config_from_dict({"kind": "train", "num_ranks": 4, "parallel": {"tensor": 2},
                                "model": {"preset": "tiny-qwen3_vl"}})
-    with pytest.raises(TrainError, match="not yet available for the family model 'tiny-qwen3_vl'"):
-        prepare_run(family)
+    # a family model too (tests/test_tp_family.py): its LLM split, its encoder replicated
+    setup = prepare_run(family)
+    assert setup.hf_config.family == "qwen3_vl" and len(setup.devices) == 8 and setup.first_plan.num_ranks == 4
 
 
 def test_replace_refuses_a_new_tensor_parallel():

@@ -5,7 +5,7 @@ every sample unsharded (`reference_loss`); the model splits its kv heads in the 
 (2 over 2) and replicates them in the decoder (1 kv head on 2 devices), its vocabulary (255)
 splits 128 + 127 (the second device holds ids 127..254 and owns 128..254), and its blocks run in chunks with pad skipping (the tp sums inside the skip
 conditions). Then the refusals: a head count no layout allows, t that does not divide the
-devices, a family model, a plan in devices instead of ranks."""
+devices, a plan in devices instead of ranks (the families: tests/test_tp_family.py)."""
 
 import functools
 
@@ -78,12 +78,3 @@ def test_refusals_name_the_model_and_t():
     with pytest.raises(PlanValidationError, match=r"beyond the 4 ranks \(8 devices\)"):
         ex.prepare(samples, eight)
 
-
-def test_family_refused():
-    from dhp_jax.model import hf
-    from dhp_jax.train.family_demo import DEMO_MODELS, demo_config
-
-    name = sorted(DEMO_MODELS)[0]
-    config = hf.parse_config(demo_config(DEMO_MODELS[name]))
-    with pytest.raises(ValueError, match=f"not yet available for the {config.family} family"):
-        PlanExecutor(config, tensor_parallel=2)

@@ -80,10 +80,13 @@ def vocab_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array, vo
     start, own, vl = vocab_share(vocab, tp.size, tp.index())
     assert logits.shape[-1] == vl, (logits.shape, vl)
     cols = start + jnp.arange(vl)
-    logits = jnp.where(cols[None, :] >= own, logits, -jnp.inf)
+    owned = cols[None, :] >= own
+    logits = jnp.where(owned, logits, -jnp.inf)
     m = lax.stop_gradient(tp.pmax(lax.stop_gradient(jnp.max(logits, axis=-1))))
     lse = m + jnp.log(tp.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=-1)))
-    picked = tp.psum(jnp.sum(jnp.where(cols[None, :] == targets[:, None].astype(jnp.int32), logits, 0.0), axis=-1))
+    # the target's logit from its owner only (a held, not owned, column is -inf here)
+    hit = owned & (cols[None, :] == targets[:, None].astype(jnp.int32))
+    picked = tp.psum(jnp.sum(jnp.where(hit, logits, 0.0), axis=-1))
     return jnp.sum((lse - picked) * weights)
 
 

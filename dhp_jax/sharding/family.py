@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
@@ -47,24 +47,48 @@ from dhp_jax.model.hf.packed_forward import packed_loss_sum
 from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
 from dhp_jax.planner.contract.kinds import RING
 from dhp_jax.sharding.executor import PlanExecutor, require_float32, row_dtype
+from dhp_jax.sharding import tensor
 from dhp_jax.sharding.flat import FlatLayout
 
 
-def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
+def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, attn: Any, tensor_parallel: int = 1):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
     (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype, a 2-byte
-    dtype bit-cast to its unsigned integer (`row_dtype`), as the stand-in's `group_program`)."""
+    dtype bit-cast to its unsigned integer (`row_dtype`), as the stand-in's `group_program`).
 
+    `tensor_parallel` t > 1 (`layout` a `tensor.TensorLayout`), as the stand-in's: the body runs on
+    a sub-mesh with a last `tp` axis, takes this device's share flat[1, L_pad] and returns its
+    share's gradient row, the copies' gradients summed over their holders (`tensor.tie_rows` for
+    the block stacks, `tensor.tie_top` for the rest), a rank's loss counted once (device tp = 0)."""
+
+    t = tensor_parallel
+    tp = tensor.hooks(t) if t > 1 else None
+    if tp is not None:
+        layout = layout.local
     stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks], leaves=True)
 
     def body(flat, llm_ints, llm_floats, vision_ints, vision_floats):
+        if tp is not None:
+            flat = flat[0]                  # this device's share, flat[1, L_pad] on the sub-mesh
+        # with tensor parallelism a rank's loss counts once: on its device tp = 0
+        lead = 1.0 if tp is None else (tp.index() == 0).astype(jnp.float32)
+
         def loss_sum(pieces):
             # the block stacks run as scans over rows of their pieces (a reshape, no copy of the params)
-            rows = {path: BlockRows(layout.piece_rows(pieces, cuts, prefix, count)[0],
-                                    layout.block_leaves(prefix, count)[2]) for prefix, count, path in stacks}
-            params = with_stacks(layout.unravel_pieces(pieces, cuts), rows)
-            return packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn)
+            rows = {}
+            for prefix, count, path in stacks:
+                r = layout.piece_rows(pieces, cuts, prefix, count)[0]
+                leaves = layout.block_leaves(prefix, count)[2]
+                if tp is not None:
+                    r = tensor.tie_rows(r, config, prefix, leaves, tp)
+                rows[path] = BlockRows(r, leaves)
+            params = layout.unravel_pieces(pieces, cuts)
+            if tp is not None:
+                params = tensor.tie_top(params, config, tp)
+            params = with_stacks(params, rows)
+            return lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn,
+                                          tp=tp)
 
         # per device (check_vma=False: no implicit psum over the group); the reduction is the
         # executor's reduce-scatter over the full mesh. Differentiated with respect to one piece
@@ -75,7 +99,7 @@ def family_program(config: HFConfig, layout: FlatLayout, attn: Any):
         row = jnp.concatenate(grads)
         if row_dtype(row.dtype) != row.dtype:       # as the stand-in's rows (and an idle device's zero row)
             row = lax.bitcast_convert_type(row, row_dtype(row.dtype))
-        return jnp.stack([value, jnp.sum(llm_floats[:, 0])])[None], row[None]
+        return jnp.stack([value, lead * jnp.sum(llm_floats[:, 0])])[None], row[None]
 
     return body
 
@@ -84,11 +108,6 @@ class FamilyExecutor(PlanExecutor):
     """`PlanExecutor` of a Hugging Face family model (see the module docstring)."""
 
     config_type = HFConfig
-
-    @staticmethod
-    def _check_tensor_parallel(config: Any, t: int) -> None:
-        raise ValueError(f"tensor_parallel={t}: tensor parallelism is not yet available for the {config.family} "
-                         f"family (only the stand-in model `MLLMConfig` runs it); use tensor_parallel=1")
 
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
@@ -110,7 +129,9 @@ class FamilyExecutor(PlanExecutor):
             return
         require_float32(params)
         if self.layout is None:
-            self.layout = FlatLayout.of(params, len(self.ranks.devices))
+            t = self.tensor_parallel
+            self.layout = (FlatLayout.of(params, len(self.ranks.devices)) if t == 1
+                           else tensor.TensorLayout(self.config, params, t, self.ranks.num_ranks))
         elif not self.layout.matches(params):
             raise ValueError(f"params do not have the structure (tree, shapes) of the tree this "
                              f"{self.config.family} executor was bound to")
@@ -127,12 +148,15 @@ class FamilyExecutor(PlanExecutor):
         self._bind(None)
         from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit
         mesh, spec = self._mesh(devices, attention)
-        fn = jax.shard_map(family_program(self._program_config, self.layout, self._attention_fn(degree, attention)),
-                           mesh=mesh, in_specs=(P(),) + (spec,) * 4, out_specs=(spec, spec), check_vma=False)
-        rep, cp = NamedSharding(mesh, P()), NamedSharding(mesh, spec)
+        body = family_program(self._program_config, self.layout, self._attention_fn(degree, attention),
+                              self.tensor_parallel)
+        row = self._row_spec(spec)
+        fn = jax.shard_map(body, mesh=mesh, in_specs=(self._params_spec(),) + (spec,) * 4, out_specs=(row, row),
+                           check_vma=False)
+        rep, cp = NamedSharding(mesh, self._params_spec()), NamedSharding(mesh, spec)
         rows = bucket * unit(self.config)
         shapes = (((bucket, len(LLM_INTS) + rope_axes(self.config)), jnp.int32), ((bucket, 1), jnp.float32),
                   ((rows, len(VISION_INTS)), jnp.int32), ((rows, patch_dim(self.config) + TAPS), jnp.float32))
-        args = (jax.ShapeDtypeStruct((self.layout.padded,), self.compute_dtype, sharding=rep),
+        args = (jax.ShapeDtypeStruct(self._params_shape(), self.compute_dtype, sharding=rep),
                 *(jax.ShapeDtypeStruct(s, d, sharding=cp) for s, d in shapes))
         return jax.jit(fn).lower(*args)

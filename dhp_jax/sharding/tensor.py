@@ -14,9 +14,14 @@ embedding by rows and the LM head by columns, vocab-parallel over ceil(V / t) id
 (`dhp_jax.model.tensor.vocab_share`: the last window moved back to end at V, no padded copy); the
 patch embedding, the vision and final norms and the projector
 replicated). docs/executor.md ("Tensor parallelism inside a rank") states it as the table both
-engines follow. A head count that no layout allows (H, vision heads, F or the vision MLP width not
-divisible by t; kv heads neither a multiple of t nor a divisor of it) is refused by `check`
-naming the model and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
+engines follow. That is the stand-in's table; each model gives its own (`split_table`, a
+`SplitTable` of `Stack`s): the Hugging Face families' LLM layers by the same rule under
+transformers' names (`FAMILY_BLOCK_SPLIT`, `FAMILY_TOP_SPLIT`), the Qwen encoders' blocks with the
+fused qkv split by heads inside each of q, k and v (`QWEN_VISION_SPLIT`), InternViT's layers
+with their QK-norm over the whole width (`INTERNVIT_SPLIT`).
+A head count that no layout allows (H, vision heads, F or the vision MLP width not divisible by
+t; kv heads neither a multiple of t nor a divisor of it) is refused by `check` naming the model
+and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
 
 The state (`TensorLayout`): each device receives only its share of the params and returns only
 its share's gradient. A device's share (its slices of the split leaves, its copies of the
@@ -28,7 +33,8 @@ reduce-scatter over them, and a device holds L_pad (about P / t) params and grad
 
 Copies: a leaf every device of a rank holds (norms, patch embedding, projector) is stored t
 times, a kv head shared by g devices g times; the group program sums the copies' gradients over
-the devices that hold them (`dhp_jax.model.tensor.tied_copy`, `tied_group_copy`), so the copies
+the devices that hold them (`dhp_jax.model.tensor.tied_copy`, `tied_group_copy`; a family's block
+stacks on their rows, `tie_rows`), so the copies
 get equal gradients and stay equal under AdamW; `TensorLayout.count_once` marks one copy of each
 for the gradient's global norm. The vocab windows overlap on the last device (its ids held
 twice are masked, so their gradient there is zero); `unravel` reads every id from its owner.
@@ -39,9 +45,11 @@ gradient (`dhp_jax.model.tensor`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
-from typing import Any
+import types
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -61,10 +69,156 @@ BLOCK_SPLIT = {"attn/q/kernel": (1, "heads"), "attn/k/kernel": (1, "kv_heads"), 
 # leaf path outside the blocks -> (axis split, unit); every other leaf is replicated
 TOP_SPLIT = {"embed/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 
+# The Hugging Face families' LLM layers (`dhp_jax.model.hf`, transformers' names): q/k/v and their
+# biases by heads, o_proj by row (a bias of it, if any, replicated: added once after the sum), the
+# MLP's gate/up by column and down by row; the norms (with Qwen3's per-head q/k norms) replicated.
+# The vision encoder and the projector are replicated whole (not split yet).
+FAMILY_BLOCK_SPLIT = {"self_attn/q_proj/kernel": (1, "heads"), "self_attn/q_proj/bias": (0, "heads"),
+                      "self_attn/k_proj/kernel": (1, "kv_heads"), "self_attn/k_proj/bias": (0, "kv_heads"),
+                      "self_attn/v_proj/kernel": (1, "kv_heads"), "self_attn/v_proj/bias": (0, "kv_heads"),
+                      "self_attn/o_proj/kernel": (0, "heads"), "mlp/gate_proj/kernel": (1, "mlp"),
+                      "mlp/up_proj/kernel": (1, "mlp"), "mlp/down_proj/kernel": (0, "mlp")}
+# The Qwen vision encoders' blocks (Qwen2.5-VL: gated MLP; Qwen3-VL: fc1 / fc2): the fused qkv by
+# heads inside each of q, k and v ("qkv": 3 parts of H heads), proj by row, the MLP's first
+# matrices (and biases) by column and its last by row; the row-split biases and the norms
+# replicated. InternViT's layers alike (q/k/v and their biases, and the QK-norm scales over the
+# whole width, by heads; projection_layer and fc2 by row, fc1 by column; the layer scales
+# lambda_1 / lambda_2, the norms and the row-split biases replicated).
+QWEN_VISION_SPLIT = {"attn/qkv/kernel": (1, "qkv"), "attn/qkv/bias": (0, "qkv"), "attn/proj/kernel": (0, "heads"),
+                     "mlp/gate_proj/kernel": (1, "mlp"), "mlp/gate_proj/bias": (0, "mlp"),
+                     "mlp/up_proj/kernel": (1, "mlp"), "mlp/up_proj/bias": (0, "mlp"),
+                     "mlp/down_proj/kernel": (0, "mlp"),
+                     "mlp/linear_fc1/kernel": (1, "mlp"), "mlp/linear_fc1/bias": (0, "mlp"),
+                     "mlp/linear_fc2/kernel": (0, "mlp")}
+INTERNVIT_SPLIT = {"attention/q_proj/kernel": (1, "heads"), "attention/q_proj/bias": (0, "heads"),
+                   "attention/k_proj/kernel": (1, "heads"), "attention/k_proj/bias": (0, "heads"),
+                   "attention/v_proj/kernel": (1, "heads"), "attention/v_proj/bias": (0, "heads"),
+                   "attention/q_norm/scale": (0, "heads"), "attention/k_norm/scale": (0, "heads"),
+                   "attention/projection_layer/kernel": (0, "heads"), "mlp/fc1/kernel": (1, "mlp"),
+                   "mlp/fc1/bias": (0, "mlp"), "mlp/fc2/kernel": (0, "mlp")}
+FAMILY_TOP_SPLIT = {"model/language_model/embed_tokens/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
+FAMILY_LLM_LAYERS = "model/language_model/layers/"
 
-def check(config: MLLMConfig, t: int) -> None:
-    """ValueError naming the model, the field and t unless every split of the table is even."""
-    check_tensor_parallel(split_shape(config), t, f"model {config.name!r}")
+
+@dataclasses.dataclass(frozen=True)
+class Stack:
+    """A model's stack of identical blocks `prefix0/`, `prefix1/`, ...: which leaf inside a block
+    (its path after `prefix<i>/`) is split how (`rules`: path -> (axis, unit)), and the units
+    (`units`: unit -> (count, width): the columns or rows of a split axis are `count` units of
+    `width` elements; "kv_heads" may be fewer than t, then shared; a third entry `parts`: the axis is
+    that many equal parts, each split so, a device taking its slice of every part: a fused qkv)."""
+
+    prefix: str
+    rules: Mapping[str, tuple[int, str]]
+    units: Mapping[str, tuple[int, ...]]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitTable:
+    """Which parameter of one model is split how over a rank's t devices: its block stacks
+    (`Stack`; a stack with no rules is replicated whole), the leaves outside them (`top`: path ->
+    (axis, "vocab"); every other leaf replicated) and the vocabulary size. The stand-in's is
+    `BLOCK_SPLIT` / `TOP_SPLIT`, the families' `FAMILY_BLOCK_SPLIT` / `FAMILY_TOP_SPLIT`
+    (`split_table`)."""
+
+    name: str
+    vocab: int
+    stacks: tuple[Stack, ...]
+    top: Mapping[str, tuple[int, str]]
+
+    def stack_of(self, path: str) -> tuple[Stack, str] | None:
+        """(the stack, the path inside the block) of a leaf path in a block, else None."""
+        for s in self.stacks:
+            if path.startswith(s.prefix):
+                m = re.match(r"^(\d+)/(.+)$", path[len(s.prefix):])
+                if m:
+                    return s, m.group(2)
+        return None
+
+    def in_block(self, subtree_path: str) -> bool:
+        """Whether the subtree at `subtree_path` is one block of a stack (or inside one)."""
+        return self.stack_of(f"{subtree_path}/x") is not None
+
+    def rule(self, path: str, t: int) -> tuple[str, int | None, int, int, Callable[[Any], Any]]:
+        """(kind, axis, groups, elements per device along the axis, device index -> its first
+        element) of the leaf at `path`: kind REPLICATED (every device holds it; axis None), SPLIT
+        (each its own slice), FUSED (`groups` parts, each device its slice of every part), SHARED
+        (kv heads fewer than t: `groups` = KVH heads, each held by t / KVH consecutive devices) or
+        VOCAB (the vocab windows, `vocab_share`)."""
+        found = self.stack_of(path)
+        if found is None:
+            rule = self.top.get(path)
+            if rule is None:
+                return REPLICATED, None, 0, 0, lambda i: 0
+            vl = -(-self.vocab // t)
+            return VOCAB, rule[0], 0, vl, lambda i: vocab_share(self.vocab, t, i)[0]
+        stack, inner = found
+        rule = stack.rules.get(inner)
+        if rule is None:
+            return REPLICATED, None, 0, 0, lambda i: 0
+        axis, unit = rule
+        n, width, *parts = stack.units[unit]
+        if parts and parts[0] > 1:
+            assert n % t == 0, (path, n, t)
+            return FUSED, axis, parts[0], n // t * width, lambda i: i * (n // t) * width
+        if n % t == 0:
+            return SPLIT, axis, 0, n // t * width, lambda i: i * (n // t) * width
+        assert unit == "kv_heads" and t % n == 0, (path, n, t)
+        return SHARED, axis, n, width, lambda i: i // (t // n) * width
+
+
+def _stand_in_table(config: MLLMConfig) -> SplitTable:
+    c = config
+    llm = {"heads": (c.num_heads, c.head_dim), "kv_heads": (c.num_kv_heads, c.head_dim), "mlp": (c.d_ff, 1)}
+    vis = {"heads": (c.vision_heads, c.vision_head_dim), "kv_heads": (c.vision_heads, c.vision_head_dim),
+           "mlp": (c.vision_ff, 1)}
+    return SplitTable(c.name, c.vocab_size,
+                      (Stack("vision_layers_", BLOCK_SPLIT, vis), Stack("layers_", BLOCK_SPLIT, llm)), TOP_SPLIT)
+
+
+def _family_table(config: Any) -> SplitTable:
+    from dhp_jax.model.hf.scan import block_stacks
+    s = config.text.shape
+    units = {"heads": (s.num_heads, s.head_dim), "kv_heads": (s.num_kv_heads, s.head_dim),
+             "mlp": (_family_intermediate(config), 1)}
+    (vision, _), _ = block_stacks(config)
+    v = config.vision
+    hd = v.hidden_size // v.num_heads
+    vunits = {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3), "mlp": (_vision_intermediate(config), 1)}
+    encoder = Stack("/".join(vision) + "/", INTERNVIT_SPLIT if config.family == "internvl" else QWEN_VISION_SPLIT,
+                    vunits)
+    return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
+                      FAMILY_TOP_SPLIT)
+
+
+def _family_intermediate(config: Any) -> int:
+    return int(config.raw["text_config"]["intermediate_size"])
+
+
+def _vision_intermediate(config: Any) -> int:
+    return int(config.raw["vision_config"]["intermediate_size"])
+
+
+def split_table(config: Any) -> SplitTable:
+    """The split table of a model: the stand-in's (`MLLMConfig`) or a Hugging Face family's."""
+    if isinstance(config, MLLMConfig):
+        return _stand_in_table(config)
+    if hasattr(config, "family"):
+        return _family_table(config)
+    raise TypeError(f"no tensor-parallel split table for a {type(config).__name__}")
+
+
+def check(config: Any, t: int) -> None:
+    """ValueError naming the model, the field and t unless every split of the table is even (a
+    family: its LLM's heads, kv heads and MLP width, its encoder's heads and MLP width)."""
+    if isinstance(config, MLLMConfig):
+        check_tensor_parallel(split_shape(config), t, f"model {config.name!r}")
+        return
+    s = config.text.shape
+    shape = types.SimpleNamespace(heads=s.num_heads, kv_heads=s.num_kv_heads,
+                                  intermediate=_family_intermediate(config), vision_heads=config.vision.num_heads,
+                                  vision_intermediate=_vision_intermediate(config))
+    check_tensor_parallel(shape, t, f"model {config.name!r} ({config.family} family)")
 
 
 def hooks(t: int, sequence: bool = False) -> TensorHooks:
@@ -76,81 +230,62 @@ def hooks(t: int, sequence: bool = False) -> TensorHooks:
                        functools.partial(lax.psum_scatter, axis_name=TP_AXIS, scatter_dimension=0, tiled=True))
 
 
-def _units(config: MLLMConfig, vision: bool, t: int) -> dict[str, tuple[int, Any]]:
-    """unit -> (elements per device along the split axis, device index -> its first element)."""
-    c = config
-    h, kvh, hd, f = ((c.vision_heads, c.vision_heads, c.vision_head_dim, c.vision_ff) if vision
-                     else (c.num_heads, c.num_kv_heads, c.head_dim, c.d_ff))
-    kv = ((kvh // t * hd, lambda i: i * (kvh // t) * hd) if kvh % t == 0
-          else (hd, lambda i: i // (t // kvh) * hd))
-    vl = -(-c.vocab_size // t)
-    return {"heads": (h // t * hd, lambda i: i * (h // t) * hd), "kv_heads": kv,
-            "mlp": (f // t, lambda i: i * (f // t)), "vocab": (vl, lambda i: vocab_share(c.vocab_size, t, i)[0])}
-
-
-def _share(tree: dict, rule: dict, units: dict, index: jax.Array, prefix: str = "") -> dict:
+def _share(tree: dict, table: SplitTable, t: int, index: Any, prefix: str = "", skip_blocks: bool = False) -> dict:
     out = {}
     for k, v in tree.items():
         path = f"{prefix}{k}"
         if isinstance(v, dict):
-            out[k] = _share(v, rule, units, index, path + "/")
-        elif path in rule:
-            axis, unit = rule[path]
-            size, start = units[unit]
-            out[k] = lax.dynamic_slice_in_dim(v, start(index), size, axis)
-        else:
-            out[k] = v
+            out[k] = v if skip_blocks and table.in_block(path) else _share(v, table, t, index, path + "/", skip_blocks)
+            continue
+        kind, axis, parts, size, start = table.rule(path, t)
+        out[k] = v if kind == REPLICATED else _take(v, axis, start(index), size, parts if kind == FUSED else 1)
     return out
+
+
+def _take(v: jax.Array, axis: int, start: Any, size: int, parts: int = 1) -> jax.Array:
+    """v's elements [start, start + size) along `axis`, or of each of its `parts` equal parts."""
+    if parts == 1:
+        return lax.dynamic_slice_in_dim(v, start, size, axis)
+    sh = v.shape
+    w = lax.dynamic_slice_in_dim(v.reshape(sh[:axis] + (parts, sh[axis] // parts) + sh[axis + 1:]), start, size,
+                                 axis + 1)
+    return w.reshape(sh[:axis] + (parts * size,) + sh[axis + 1:])
 
 
 def block_share(params: dict, config: MLLMConfig, vision: bool, t: int, index: jax.Array) -> dict:
     """Device `index`'s share of one block's params (a `layers_i` / `vision_layers_i` subtree)."""
-    return _share(params, BLOCK_SPLIT, _units(config, vision, t), index)
+    return _share(params, split_table(config), t, index, "vision_layers_0/" if vision else "layers_0/")
 
 
-def top_share(params: dict, config: MLLMConfig, t: int, index: jax.Array) -> dict:
+def top_share(params: dict, config: Any, t: int, index: jax.Array) -> dict:
     """Device `index`'s share of the params outside the blocks (blocks are left as they are)."""
-    return _share(params, TOP_SPLIT, _units(config, False, t), index)
+    return _share(params, split_table(config), t, index, skip_blocks=True)
 
 
 # ------------------------------------------------------------------ the tp-sharded state
-REPLICATED, SPLIT, SHARED, VOCAB = "replicated", "split", "shared", "vocab"
-_BLOCK = re.compile(r"^(vision_)?layers_\d+/(.+)$")
+REPLICATED, SPLIT, SHARED, VOCAB, FUSED = "replicated", "split", "shared", "vocab", "fused"
 
 
-def leaf_split(path: str, config: MLLMConfig, t: int) -> tuple[str, int | None, int]:
+def leaf_split(path: str, config: Any, t: int) -> tuple[str, int | None, int]:
     """(kind, axis, kv groups) of the params leaf at `path` ("layers_3/attn/k/kernel"): REPLICATED
     (every device holds it), SPLIT (each its own slice along `axis`), SHARED (kv heads fewer than t:
     `groups` = KVH heads, each held by t / KVH consecutive devices) or VOCAB (the vocab windows)."""
-    m = _BLOCK.match(path)
-    if m is None:
-        rule = TOP_SPLIT.get(path)
-        return (VOCAB, rule[0], 0) if rule else (REPLICATED, None, 0)
-    rule = BLOCK_SPLIT.get(m.group(2))
-    if rule is None:
-        return REPLICATED, None, 0
-    axis, unit = rule
-    kvh = config.vision_heads if m.group(1) else config.num_kv_heads
-    if unit == "kv_heads" and kvh % t:
-        return SHARED, axis, kvh
-    return SPLIT, axis, 0
+    return split_table(config).rule(path, t)[:3]
 
 
-def share_tree(params: dict, config: MLLMConfig, t: int, index: Any) -> dict:
+def share_tree(params: dict, config: Any, t: int, index: Any) -> dict:
     """Device `index`'s share of a whole params tree (its blocks' and the top leaves' shares)."""
-    out = {k: (block_share(v, config, k.startswith("vision_"), t, index) if _BLOCK.match(f"{k}/x") else v)
-           for k, v in params.items()}
-    return top_share(out, config, t, index)
+    return _share(params, split_table(config), t, index)
 
 
-def _tie(tree: dict, config: MLLMConfig, tp: TensorHooks, prefix: str, skip_blocks: bool) -> dict:
+def _tie(tree: dict, table: SplitTable, tp: TensorHooks, prefix: str, skip_blocks: bool) -> dict:
     out = {}
     for k, v in tree.items():
         path = f"{prefix}{k}"
         if isinstance(v, dict):
-            out[k] = v if skip_blocks and _BLOCK.match(f"{path}/x") else _tie(v, config, tp, path + "/", skip_blocks)
+            out[k] = v if skip_blocks and table.in_block(path) else _tie(v, table, tp, path + "/", skip_blocks)
             continue
-        kind, _, groups = leaf_split(path, config, tp.size)
+        kind, _, groups = table.rule(path, tp.size)[:3]
         out[k] = (tied_copy(v, tp) if kind == REPLICATED else tied_group_copy(v, tp, groups) if kind == SHARED
                   else v)
     return out
@@ -158,12 +293,50 @@ def _tie(tree: dict, config: MLLMConfig, tp: TensorHooks, prefix: str, skip_bloc
 
 def tie_block(params: dict, config: MLLMConfig, vision: bool, tp: TensorHooks) -> dict:
     """A block's local params with its copies tied (their gradients summed over their holders)."""
-    return _tie(params, config, tp, "vision_layers_0/" if vision else "layers_0/", False)
+    return _tie(params, split_table(config), tp, "vision_layers_0/" if vision else "layers_0/", False)
 
 
-def tie_top(params: dict, config: MLLMConfig, tp: TensorHooks) -> dict:
+def tie_top(params: dict, config: Any, tp: TensorHooks) -> dict:
     """The local params outside the blocks with their copies tied (blocks left as they are)."""
-    return _tie(params, config, tp, "", True)
+    return _tie(params, split_table(config), tp, "", True)
+
+
+def tie_rows(rows: jax.Array, config: Any, prefix: str, leaves: Sequence[tuple[tuple[str, ...], int, Any]],
+             tp: TensorHooks) -> jax.Array:
+    """A block stack's local rows[count, n] (`FlatLayout.block_leaves` `leaves`: keys inside the
+    block, offset in the row, shape) unchanged, with its copies tied in the backward pass: the
+    gradient columns of a replicated leaf summed over the rank, of a shared kv head over its
+    holders, of a split leaf kept (a stack the table does not split is summed whole, one psum)."""
+    table = split_table(config)
+    rules = [(table.rule(f"{prefix}0/{'/'.join(keys)}", tp.size), off, int(np.prod(shape)))
+             for keys, off, shape in leaves]
+    kinds = [((r[0], r[2]), off, size) for r, off, size in rules]
+    per = {k for (k, _), _, _ in kinds}
+
+    @jax.custom_vjp
+    def copy(r):
+        return r
+
+    def bwd(_, g):
+        gf = g.astype(jnp.float32)
+        if per == {REPLICATED}:
+            return (tp.psum(gf).astype(g.dtype),)
+        parts = []
+        for (kind, groups), off, size in kinds:
+            seg = gf[:, off:off + size]
+            if kind == REPLICATED:
+                seg = tp.psum(seg)
+            elif kind == SHARED:
+                me = tp.index() // (tp.size // groups)
+                seg = tp.psum(jnp.zeros((groups,) + seg.shape, jnp.float32).at[me].set(seg))[me]
+            parts.append(seg)
+        tail = g.shape[1] - sum(size for _, _, size in kinds)
+        if tail:
+            parts.append(gf[:, g.shape[1] - tail:])
+        return (jnp.concatenate(parts, axis=1).astype(g.dtype),)
+
+    copy.defvjp(lambda r: (r, None), bwd)
+    return copy(rows)
 
 
 class TensorLayout:
@@ -174,11 +347,12 @@ class TensorLayout:
 
     def __init__(self, config: MLLMConfig, abstract: Any, t: int, num_ranks: int) -> None:
         self.config, self.tensor_parallel, self.num_ranks = config, int(t), int(num_ranks)
+        self.table = split_table(config)
         self.whole = FlatLayout.of(abstract, self.tensor_parallel * self.num_ranks)
         self.local = FlatLayout.of(jax.eval_shape(lambda p: share_tree(p, config, t, 0), abstract), self.num_ranks)
         self.treedef, self.shapes, self.dtypes, self.paths = (self.whole.treedef, self.whole.shapes,
                                                               self.whole.dtypes, self.whole.paths)
-        self.kinds = tuple(leaf_split(p, config, self.tensor_parallel) for p in self.paths)
+        self.kinds = tuple(self.table.rule(p, self.tensor_parallel)[:3] for p in self.paths)
 
     num_shards = property(lambda self: self.tensor_parallel * self.num_ranks)
     size = property(lambda self: self.whole.size)                       # P: the model's parameters
@@ -216,7 +390,7 @@ class TensorLayout:
         leaves from tp index 0."""
         t, rows = self.tensor_parallel, self.rows(flat)
         shares = [jax.tree.leaves(self.local.unravel(rows[i])) for i in range(t)]
-        vocab = self.config.vocab_size
+        vocab = self.table.vocab
         vl = -(-vocab // t)
         leaves = []
         for j, (kind, axis, groups) in enumerate(self.kinds):
@@ -226,6 +400,11 @@ class TensorLayout:
                 leaves.append(jnp.concatenate([s[j] for s in shares], axis=axis))
             elif kind == SHARED:
                 leaves.append(jnp.concatenate([shares[h * (t // groups)][j] for h in range(groups)], axis=axis))
+            elif kind == FUSED:
+                sh = shares[0][j].shape
+                parts = [s[j].reshape(sh[:axis] + (groups, sh[axis] // groups) + sh[axis + 1:]) for s in shares]
+                whole = jnp.concatenate(parts, axis=axis + 1)
+                leaves.append(whole.reshape(sh[:axis] + (t * sh[axis],) + sh[axis + 1:]))
             else:
                 parts = []
                 for i in range(t):
@@ -241,7 +420,7 @@ class TensorLayout:
         replicated leaf, the first holder's of a shared kv head, the owner's of a vocab id; every
         element of a split leaf) and False on the other copies and the padding: the gradient's
         global norm sums the squares where it is True (traceable)."""
-        t, vocab = self.tensor_parallel, self.config.vocab_size
+        t, vocab = self.tensor_parallel, self.table.vocab
         vl = -(-vocab // t)
         local_leaves = jax.tree.leaves(jax.eval_shape(lambda: self.local.unravel(jnp.zeros((self.row,)))))
         rows = []
@@ -254,7 +433,7 @@ class TensorLayout:
                     keep = np.expand_dims(ids >= own, 1 - axis)
                     marks.append(jnp.broadcast_to(jnp.asarray(keep), leaf.shape))
                 else:
-                    keep = (kind == SPLIT or (kind == REPLICATED and i == 0)
+                    keep = (kind in (SPLIT, FUSED) or (kind == REPLICATED and i == 0)
                             or (kind == SHARED and i % (t // groups) == 0))
                     marks.append(jnp.full(leaf.shape, keep))
             rows.append(self.local.ravel(jax.tree.unflatten(self.treedef, marks), jnp.bool_))

@@ -149,11 +149,6 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     preset, the first batch and its plan (validated against the devices); `TrainError` otherwise."""
     config.validate()
     t = config.parallel.tensor
-    if t > 1 and (config.model.pretrained or config.model.preset in DEMO_MODELS):
-        which = config.model.pretrained or config.model.preset
-        raise TrainError(f"parallel.tensor={t}: tensor parallelism is not yet available for the family model "
-                         f"{which!r}; the JAX engine runs it for the stand-in model (model.preset = an MLLMConfig "
-                         f"preset); train this model with parallel.tensor=1")
     hf_config = hf_params = None
     if config.model.pretrained:
         from dhp_jax.model import hf  # lazy, with the fine-tuning imports below: only a fine-tuning run needs them

@@ -16,7 +16,7 @@ InternVL3), 1-D RoPE over the token offset; image features replace the image pla
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +29,7 @@ from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_c
 from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
-                                     per_block, rms_norm, segment_ids)
+                                     per_block, rms_norm, row_linear, segment_ids, split_rms_norm)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
@@ -58,15 +58,23 @@ def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: Atten
 
 
 def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: AttentionFn,
-                   live: jax.Array | None = None) -> jax.Array:
+                   live: jax.Array | None = None, reduce: Callable[[jax.Array], jax.Array] | None = None
+                   ) -> jax.Array:
     """InternViT's layers and final norm over a stream of patch (and CLS) rows x[N, d] (subtree
     `model.vision_tower`), attending within the segments of `ids` (one per tile). `live` (bool per
     row, optional): the rows a result is read from; with it the layers skip the chunks of the
-    others (`layers.BlockStream`, `cfg.linear_chunk`)."""
+    others (`layers.BlockStream`, `cfg.linear_chunk`). `reduce`: tensor parallelism, the layers'
+    params one device's share (its heads of q/k/v and of the QK-norm scales, its MLP columns; the
+    head count read off the q kernel), summed after the row-split projection_layer and fc2 (their
+    biases added once) and in the QK-norm's sum of squares over the whole width."""
     v = cfg.vision
     d = x.shape[-1]
     norm = layer_norm if v.norm == "layer_norm" else rms_norm
-    act, heads = activation(v.act), v.num_heads
+    act, hd = activation(v.act), d // v.num_heads
+
+    def qk_norm(y, q):
+        return (rms_norm(y, q, QK_NORM_EPS) if reduce is None
+                else split_rms_norm(y, q, QK_NORM_EPS, reduce, d))
     stream = BlockStream(cfg.remat, cfg.linear_chunk, live)
     ids = stream.rows(ids)
 
@@ -75,14 +83,16 @@ def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: At
         y = norm(xc, b["layernorm_before"], v.eps)
         q, k = linear(a["q_proj"], y), linear(a["k_proj"], y)
         if v.qk_norm:
-            q, k = rms_norm(q, a["q_norm"], QK_NORM_EPS), rms_norm(k, a["k_norm"], QK_NORM_EPS)
-        shape = (-1, heads, d // heads)
+            q, k = qk_norm(q, a["q_norm"]), qk_norm(k, a["k_norm"])
+        shape = (-1, a["q_proj"]["kernel"].shape[-1] // hd, hd)
         return q.reshape(shape), k.reshape(shape), linear(a["v_proj"], y).reshape(shape)
 
     def finish(b, xc, oc):
-        xc = xc + b["lambda_1"] * linear(b["attention"]["projection_layer"], oc.reshape(-1, d))
+        proj = b["attention"]["projection_layer"]
+        xc = xc + b["lambda_1"] * row_linear(proj, oc.reshape(-1, proj["kernel"].shape[0]), reduce)
         m = b["mlp"]
-        return xc + b["lambda_2"] * linear(m["fc2"], act(linear(m["fc1"], norm(xc, b["layernorm_after"], v.eps))))
+        return xc + b["lambda_2"] * row_linear(m["fc2"], act(linear(m["fc1"], norm(xc, b["layernorm_after"], v.eps))),
+                                               reduce)
 
     def block(b, h, blk, _):
         ii = AttnIds(*blk)

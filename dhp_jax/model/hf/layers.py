@@ -58,6 +58,19 @@ def rms_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     return fused(norm)(x, p["scale"])
 
 
+def split_rms_norm(x: jax.Array, p: Params, eps: float, reduce: Callable[[jax.Array], jax.Array],
+                   width: int) -> jax.Array:
+    """`rms_norm` over a width split across a rank's devices: x[..., w] and p["scale"][w] are this
+    device's columns of the `width`-wide whole; the mean square is the sum of squares summed by
+    `reduce` over the devices, / `width` (fp32)."""
+    def norm(x, scale):
+        xf = x.astype(jnp.float32)
+        ms = reduce(jnp.sum(xf * xf, axis=-1, keepdims=True)) / width
+        return scale * (xf * jax.lax.rsqrt(ms + eps)).astype(x.dtype)
+
+    return fused(norm)(x, p["scale"])
+
+
 def layer_norm(x: jax.Array, p: Params, eps: float) -> jax.Array:
     """LayerNorm over the last axis with affine scale and bias (biased variance, as torch)."""
     def norm(x, scale, bias):
@@ -110,13 +123,28 @@ def rope(x: jax.Array, angles: Any) -> jax.Array:
     return fused(rotate)(x, *(angles if isinstance(angles, tuple) else rotary(angles)))
 
 
+def row_linear(p: Params, x: jax.Array, reduce: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
+    """`linear` of a row-split Linear under tensor parallelism: reduce(x @ kernel) (+ bias, added
+    once, after the sum); `reduce` None: `linear` itself."""
+    if reduce is None:
+        return linear(p, x)
+    y = reduce(x @ p["kernel"])
+    return y + p["bias"] if "bias" in p else y
+
+
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
-                  attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None) -> jax.Array:
+                  attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
+                  reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """One pre-norm LLM block (transformers' `*DecoderLayer`) on `p`, a `layers.i` subtree:
     h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h)).
     `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
-    chunks and the dead ones are skipped (`mllm.split_block`); None: one pass."""
-    heads, kv, hd = shape.num_heads, shape.num_kv_heads, shape.head_dim
+    chunks and the dead ones are skipped (`mllm.split_block`); None: one pass.
+    Tensor parallelism (`dhp_jax.sharding.tensor`): `p` is one device's share (its query and kv
+    heads, its MLP columns; the head counts are read off the kernels) and `reduce` the sum over
+    the rank's devices after the row-split o_proj and down_proj."""
+    hd = shape.head_dim
+    heads = p["self_attn"]["q_proj"]["kernel"].shape[-1] // hd
+    kv = p["self_attn"]["k_proj"]["kernel"].shape[-1] // hd
 
     def project(pp, xc, ang):
         a = pp["self_attn"]
@@ -129,29 +157,35 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
         return rope(q, ang), rope(k, ang), v
 
     def finish(pp, xc, oc):
-        h = xc + linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd))
+        h = xc + row_linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd), reduce)
         m = pp["mlp"]
         z = rms_norm(h, pp["post_attention_layernorm"], shape.eps)
-        return h + linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)))
+        return h + row_linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)),
+                              reduce)
 
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
 
 
 def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, num_heads: int,
                       norm: Callable[[jax.Array, Params], jax.Array], mlp: Callable[[Params, jax.Array], jax.Array],
-                      attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None) -> jax.Array:
+                      attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
+                      reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """One Qwen vision block on `p` (a `blocks.i` subtree): x += proj(attn(norm1(x))) with the fused
     qkv Linear (head-minor columns: [3, H, D]) and 2-D rotary, attention within a segment of `ids`;
     x += mlp(p["mlp"], norm2(x)). `norm(x, p)` is the family's norm; `chunk`, `live` as in
-    `decoder_block`."""
+    `decoder_block`. Tensor parallelism: `p` one device's share (its heads of each of q, k, v: the
+    local head count read off the qkv kernel), `reduce` the sum after the row-split proj (the
+    family's `mlp` sums after its own row-split matrix)."""
     d = x.shape[-1]
+    hd = d // num_heads
+    heads = p["attn"]["qkv"]["kernel"].shape[-1] // (3 * hd)
 
     def project(pp, xc, ang):
-        qkv = linear(pp["attn"]["qkv"], norm(xc, pp["norm1"])).reshape(-1, 3, num_heads, d // num_heads)
+        qkv = linear(pp["attn"]["qkv"], norm(xc, pp["norm1"])).reshape(-1, 3, heads, hd)
         return rope(qkv[:, 0], ang), rope(qkv[:, 1], ang), qkv[:, 2]
 
     def finish(pp, xc, oc):
-        xc = xc + linear(pp["attn"]["proj"], oc.reshape(-1, d))
+        xc = xc + row_linear(pp["attn"]["proj"], oc.reshape(-1, heads * hd), reduce)
         return xc + mlp(pp["mlp"], norm(xc, pp["norm2"]))
 
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)

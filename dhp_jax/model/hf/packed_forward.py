@@ -13,24 +13,26 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, unit
 from dhp_jax.model.mllm import LOSS_CHUNK, head_loss_sum
+from dhp_jax.model.tensor import TensorHooks, vocab_embed
 
 
 def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
-            tap_weights: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, list]:
+            tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None = None) -> tuple[jax.Array, list]:
     """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
     s = pixels.shape[0] // unit(config)
+    reduce = None if tp is None else tp.psum     # the encoders' blocks are split too
     live = vi["frame"] > 0               # the rows of vision tokens (the others are dead: nothing reads them)
     if config.family == "qwen2_5_vl":
         from dhp_jax.model.hf import qwen2_5_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "windows": vi["window"], "live": live}
-        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn), []
+        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn, reduce), []
     if config.family == "qwen3_vl":
         from dhp_jax.model.hf import qwen3_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
                "tap_weights": tap_weights, "live": live}
-        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn)
+        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn, reduce)
     from dhp_jax.model.hf import internvl
     from dhp_jax.model.hf.layers import linear, segment_ids
     p = params["model"]["vision_tower"]
@@ -41,7 +43,7 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
     x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
     if "position_embeddings" in emb:
         x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
-    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live)
+    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live, reduce)
     kk = config.vision.shuffle ** 2
     x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
     return internvl.project(config, params, x), []
@@ -49,23 +51,26 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
 
 def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_floats: jax.Array,
                     vision_ints: jax.Array, vision_floats: jax.Array, attn_fn: AttentionFn,
-                    loss_chunk: int = LOSS_CHUNK) -> jax.Array:
+                    loss_chunk: int = LOSS_CHUNK, tp: TensorHooks | None = None) -> jax.Array:
     """Sum over the stream's tokens of weight * cross entropy (fp32): the family's forward pass on
-    one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`."""
+    one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`.
+    `tp`: tensor parallelism (`dhp_jax.sharding.tensor`), `params` one device's share: the LLM
+    layers split (`text.text_forward`), the embedding and the LM head vocab-parallel
+    (`dhp_jax.model.tensor`), the encoder and the projector whole."""
     from dhp_jax.model.hf.text import text_forward
     col = {k: llm_ints[:, i] for i, k in enumerate(LLM_INTS)}
     vi = {k: vision_ints[:, i] for i, k in enumerate(VISION_INTS)}
     width = patch_dim(config)
     lm = params["model"]["language_model"]
     table = lm["embed_tokens"]["embedding"]
-    x = table[col["token_ids"]]
+    x = table[col["token_ids"]] if tp is None else vocab_embed(table, col["token_ids"], config.vocab_size, tp)
     vision = col["vision"][:, None] > 0
-    feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn)
+    feats, deep = _encode(config, params, vi, vision_floats[:, :width], vision_floats[:, width:], attn_fn, tp)
     x = jnp.where(vision, feats.astype(x.dtype), x)
 
     deepstack = jnp.where(vision[None], jnp.stack(deep).astype(x.dtype), 0) if deep else None
     ids = AttnIds(col["segment"], col["position"], jnp.zeros_like(col["segment"]))
     h = text_forward(config.text, lm, x, llm_ints[:, len(LLM_INTS):], ids, attn_fn, deepstack=deepstack,
-                     remat=config.remat, chunk=config.linear_chunk)
+                     remat=config.remat, chunk=config.linear_chunk, tp=tp)
     kernel = table.T if config.tied else params["lm_head"]["kernel"]
-    return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk)
+    return head_loss_sum(h, kernel, col["target"], llm_floats[:, 0], loss_chunk, tp, config.vocab_size)

@@ -15,7 +15,7 @@ placeholder tokens; video frames are `tokens_per_second * second_per_grid_ts` ap
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENA
 from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_ids, gated, linear,
-                                     qwen_vision_block, rms_norm, rotary, segment_ids)
+                                     qwen_vision_block, rms_norm, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 
@@ -36,10 +36,13 @@ conv_shapes = qv.conv_shapes
 VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
 
 
-def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
+def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn,
+           reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """LLM-token features [N / merge**2, d] of one modality's patches (subtree `model.visual`).
     `enc["live"]` (optional, bool per patch): the patches a feature is read from; with it, the
-    blocks skip the chunks of the others (`layers.BlockStream`, `cfg.linear_chunk`)."""
+    blocks skip the chunks of the others (`layers.BlockStream`, `cfg.linear_chunk`). `reduce`:
+    tensor parallelism, the blocks' params one device's share (`layers.qwen_vision_block`), summed
+    after the row-split proj and down_proj."""
     v = cfg.vision
     x = jnp.asarray(enc["pixels"]).astype(p["patch_embed"]["proj"]["kernel"].dtype) @ p["patch_embed"]["proj"]["kernel"]
     stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
@@ -50,10 +53,11 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
         return rms_norm(y, q, VISION_EPS)
 
     def mlp(m: Params, y: jax.Array) -> jax.Array:
-        return linear(m["down_proj"], gated(v.act, linear(m["gate_proj"], y), linear(m["up_proj"], y)))
+        return row_linear(m["down_proj"], gated(v.act, linear(m["gate_proj"], y), linear(m["up_proj"], y)), reduce)
 
     def block(b, h, blk, rt):
-        return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live)
+        return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live,
+                                 reduce)
 
     # each block's ids, scanned: a frame's in the full-attention blocks, a window's in the others
     full = jnp.asarray([i in v.full_attention_blocks for i in range(v.depth)])[:, None]

@@ -18,7 +18,7 @@ processor puts a timestamp between them), each at temporal position = its start.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +30,7 @@ from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAME
 from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
-                                     per_block, qwen_vision_block, rotary, segment_ids)
+                                     per_block, qwen_vision_block, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 
@@ -49,9 +49,10 @@ def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool
     return linear(p["linear_fc2"], jax.nn.gelu(linear(p["linear_fc1"], y), approximate=False))
 
 
-def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> tuple[jax.Array, list]:
+def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn,
+           reduce: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, list]:
     """(LLM-token features [N / merge**2, d], DeepStack features [levels] of the same shape).
-    `enc["live"]`: as in `qwen2_5_vl.encode`."""
+    `enc["live"]`, `reduce`: as in `qwen2_5_vl.encode`."""
     v = cfg.vision
     kernel = p["patch_embed"]["proj"]["kernel"]
     x = linear(p["patch_embed"]["proj"], jnp.asarray(enc["pixels"]).astype(kernel.dtype))
@@ -66,10 +67,11 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
         return layer_norm(y, q, VISION_EPS)
 
     def mlp(m: Params, y: jax.Array) -> jax.Array:
-        return linear(m["linear_fc2"], act(linear(m["linear_fc1"], y)))
+        return row_linear(m["linear_fc2"], act(linear(m["linear_fc1"], y)), reduce)
 
     def block(b, h, blk, rt):
-        return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live)
+        return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live,
+                                 reduce)
 
     stack = block_rows(p["blocks"], v.depth)
     taps = tuple(v.deepstack_blocks)

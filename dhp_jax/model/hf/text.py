@@ -15,23 +15,26 @@ import jax.numpy as jnp
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import AttentionFn, BlockStream, Params, decoder_block, per_block, rms_norm, rotary
 from dhp_jax.model.hf.scan import block_rows
+from dhp_jax.model.tensor import TensorHooks
 from dhp_jax.model.hf.spec import TEXT_MODELS, TextConfig, rope_parameters  # noqa: F401 (re-exported)
 
 
 def text_forward(cfg: TextConfig, p: Params, x: jax.Array, positions: jax.Array, ids: AttnIds,
                  attn_fn: AttentionFn, deepstack: jax.Array | None = None, remat: str = "none",
-                 chunk: int = 0) -> jax.Array:
+                 chunk: int = 0, tp: TensorHooks | None = None) -> jax.Array:
     """Final hidden states [S, d] of the decoder layers (subtree `language_model`; its `layers` a
     per-layer tree or `scan.BlockRows`) run on input embeddings x[S, d] at rotary positions[S,
     n_axes] with decoder ids `ids`, as one scan (`scan.run_blocks`); `deepstack` [levels, S, d]
     (DeepStack) is added after layers 0 .. levels-1. Each layer under `remat`
     (`layers.remat_block`), its token-local work in chunks of `chunk` rows with the chunks of
-    padding (segment 0: a prefix of real tokens per shard) skipped (`layers.BlockStream`)."""
+    padding (segment 0: a prefix of real tokens per shard) skipped (`layers.BlockStream`). `tp`:
+    tensor parallelism, the layers' params one device's shares (`layers.decoder_block`)."""
     stack = block_rows(p["layers"], cfg.num_layers)
     stream = BlockStream(remat, chunk, ids.segment > 0, reorder=False)
 
     def block(b, h, blk, rot):
-        return decoder_block(b, h, rot, AttnIds(*blk), cfg.shape, attn_fn, stream.chunk, stream.live)
+        return decoder_block(b, h, rot, AttnIds(*blk), cfg.shape, attn_fn, stream.chunk, stream.live,
+                             None if tp is None else tp.psum)
 
     x = stream.scan(block, stack, x, per_block(cfg.num_layers, tuple(ids)), rotary(cfg.rope.angles(positions)),
                     feed=deepstack)

@@ -1,0 +1,144 @@
+"""Tensor parallelism for the Hugging Face families in the JAX executor (`PlanExecutor(hf_config,
+tensor_parallel=2)`): 8 fake CPU devices as 4 ranks of 2, one DHP step with irregular ring groups
+(3 + 1 ranks), a Ulysses group and a hybrid group, exact (fp32, 1e-5 on the loss and on every
+gradient) against one device running each sample unpacked and unsharded (`hf.logits`, dense
+attention, transformers' shifted-label cross entropy, the token-weighted batch mean; its gradient
+by `jax.grad`).
+
+The LLM is split (q/k/v with their biases by heads, o_proj and down_proj by row with the sum,
+gate/up by column, the embedding and the LM head vocab-parallel), the encoders' blocks too
+(a Qwen fused qkv by heads inside each of q, k and v; InternViT's q/k/v and QK-norm by heads, the
+norm's mean square summed over the rank; the output projections and the MLP's last matrix by row,
+their biases added once), the patch embeddings, mergers and the projector replicated (their
+copies' gradients summed). Three demo models:
+- Qwen3-VL with QK-norm (per-head q/k norms, replicated), tied embeddings (the vocab-split
+  embedding is the LM head) and DeepStack, with a Ulysses group;
+- InternVL (Qwen2 LLM: q/k/v biases; InternViT with QK-norm) with one kv head shared by the two devices of a rank and a
+  vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
+  sample), with a hybrid group;
+- Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
+Then the refusals: a head count no layout allows, naming the model, the field and t."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dhp_jax.model import hf
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from dhp_jax.sharding import PlanExecutor
+from dhp_jax.train.config import load_config
+from dhp_jax.train.family_demo import FIRST_TEXT, FamilyDemoPipeline, demo_config
+
+# 6 samples over 4 ranks: irregular ring groups of 3 + 1 ranks, then (out of order) a Ulysses
+# group of 2 ranks (2 local query heads, 1 local kv head) or a hybrid 2 x 2 group of every rank
+RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
+ULYSSES = Plan(4, (RINGS, MicroBatch((Group((1, 0), 2, (5, 4), attention="ulysses"),))))
+HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
+RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 5)))),))
+
+
+def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
+    raw = demo_config(family, vocab)
+    if family == "internvl":
+        raw["vision_config"]["use_qk_norm"] = True       # InternViT's QK-norm over the whole (split) width
+    if tied:
+        raw["tie_word_embeddings"] = True
+    if kv_heads is not None:
+        raw["text_config"]["num_key_value_heads"] = kv_heads
+    return hf.parse_config(raw)
+
+
+def _samples(cfg, seed: int = 5):
+    """The demo's batch of 6 samples of the family, labelled on a random 3/4 of their text tokens."""
+    pipe = FamilyDemoPipeline(load_config(None, [f"model=tiny-{cfg.family}", "data.batch_size=6",
+                                                 "data.max_tokens=48"]).data, cfg)
+    g = np.random.default_rng(seed)
+    out = []
+    for i, s in enumerate(pipe.batch(1).samples):
+        inputs = hf.inputs_from_sample(cfg, s)
+        ids = inputs["input_ids"][0]
+        # the id both devices of a rank hold (the last window moved back: 127 of 255) in every sample
+        text = np.flatnonzero(ids >= FIRST_TEXT)
+        ids[text[g.integers(len(text))]] = cfg.vocab_size - -(-cfg.vocab_size // 2)
+        drop = np.isin(ids, list(cfg.token_ids.values())) | (g.random(ids.shape) < 0.25)
+        out.append(hf.sample_from_inputs(cfg, inputs, np.where(drop, -100, ids)[None], sample_id=i))
+    return out
+
+
+def _reference(cfg, params, samples):
+    """(loss, grads) on one device: each sample's logits (`hf.logits`), the shifted labels' cross
+    entropy summed over the batch / the number of counted labels."""
+    batch = []
+    for s in samples:
+        inputs = hf.inputs_from_sample(cfg, s)
+        labels = np.concatenate([g.meta["labels"] for g in s.segments])
+        batch.append((inputs, labels[1:]))
+
+    def loss(p):
+        total, count = 0.0, 0
+        for inputs, target in batch:
+            logp = jax.nn.log_softmax(hf.logits(cfg, p, inputs)[:-1], axis=-1)
+            keep = target != -100
+            picked = jnp.take_along_axis(logp, jnp.asarray(np.where(keep, target, 0))[:, None], axis=1)[:, 0]
+            total = total - jnp.sum(jnp.where(jnp.asarray(keep), picked, 0.0))
+            count += int(keep.sum())
+        return total / count
+
+    # compiled as the executor compiles on CPU (no LLVM optimisation: most of the compile time here)
+    params = jax.device_put(params, jax.devices()[0])
+    fn = jax.jit(jax.value_and_grad(loss)).lower(params).compile(compiler_options={"xla_backend_optimization_level": 0})
+    return fn(params)
+
+
+def _rel(a, b, floor: float = 0.0) -> float:
+    """max |a - b| / max |b|; against `floor` where max |b| is below it (an exactly zero gradient:
+    InternViT's key bias, whose softmax does not move, holds rounding noise on both sides)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = float(np.max(np.abs(b)))
+    return float(np.max(np.abs(a - b)) / (scale if scale > floor else max(floor, 1e-30)))
+
+
+@pytest.mark.parametrize("family,vocab,tied,kv,plan", [("qwen3_vl", 256, True, None, ULYSSES),
+                                                       ("internvl", 255, False, 1, HYBRID),
+                                                       ("qwen2_5_vl", 256, False, None, RING)])
+def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
+    from dhp_jax.model.hf.init import random_params
+
+    cfg = _model(family, vocab, tied, kv)
+    assert cfg.tied == tied and cfg.text.shape.num_heads == 4
+    params = random_params(cfg, seed=1)
+    samples = _samples(cfg)
+    ref_loss, ref_grads = _reference(cfg, params, samples)
+    ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8)
+    loss, grads = ex.loss_and_grads(params, samples, plan)
+    errs = {"loss": _rel(loss, ref_loss)}
+    ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
+    ours = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads)[0])
+    assert sorted(ours) == sorted(ref)
+    largest = max(float(np.max(np.abs(v))) for v in ref.values())
+    errs.update((k, _rel(ours[k], ref[k], 1e-6 * largest)) for k in ref)
+    worst = max(errs, key=errs.get)
+    print(f"{family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
+    assert errs[worst] <= 1e-5, (worst, errs[worst])
+    # the state is tp-sharded: a device holds its share, not the whole model; the encoders' blocks
+    # are split (a Qwen fused qkv by heads inside each of q, k, v)
+    from dhp_jax.sharding import tensor
+    assert ex.layout.row < ex.layout.size
+    kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
+    assert (kinds["model/visual/blocks/0/attn/qkv/kernel"] == tensor.FUSED if family != "internvl" else
+            kinds["model/vision_tower/encoder/layer/0/attention/q_norm/scale"] == tensor.SPLIT)
+
+
+def test_family_refusals_name_the_model_and_t():
+    cfg = _model("qwen3_vl", 256, kv_heads=3)
+    with pytest.raises(ValueError, match=r"model 'qwen3_vl'.*tensor_parallel 2 cannot split "
+                                         r"text_config.num_key_value_heads = 3"):
+        PlanExecutor(cfg, tensor_parallel=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel 8 cannot split text_config.num_attention_heads = 4"):
+        PlanExecutor(_model("internvl", 256), tensor_parallel=8)
+    # the encoders are split too: their 2 heads cannot go 4 ways
+    for family in ("qwen2_5_vl", "internvl"):
+        with pytest.raises(ValueError, match=rf"model '{family}' \({family} family\): tensor_parallel 4 cannot "
+                                             r"split vision_config heads .* = 2"):
+            PlanExecutor(_model(family, 256), tensor_parallel=4)
