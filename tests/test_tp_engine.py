@@ -78,3 +78,18 @@ def test_refusals_name_the_model_and_t():
     with pytest.raises(PlanValidationError, match=r"beyond the 4 ranks \(8 devices\)"):
         ex.prepare(samples, eight)
 
+
+
+def test_sequence_parallel_is_the_stand_ins_only():
+    from dhp_jax.model import hf
+    from dhp_jax.train.config import ConfigError, load_config
+    from dhp_jax.train.family_demo import DEMO_MODELS, demo_config
+
+    name = sorted(DEMO_MODELS)[0]
+    config = hf.parse_config(demo_config(DEMO_MODELS[name]))
+    with pytest.raises(ValueError, match="sequence_parallel runs the stand-in model's blocks only"):
+        PlanExecutor(config, tensor_parallel=2, sequence_parallel=True)
+    with pytest.raises(ConfigError, match="parallel.sequence=true needs parallel.tensor > 1"):
+        load_config(overrides=["parallel.sequence=true"])
+    with pytest.raises(ConfigError, match="parallel.sequence=true runs the stand-in model's blocks only"):
+        load_config(overrides=["parallel.sequence=true", "parallel.tensor=2", "num_ranks=4", f"model.preset={name}"])

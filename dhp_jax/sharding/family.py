@@ -109,6 +109,12 @@ class FamilyExecutor(PlanExecutor):
 
     config_type = HFConfig
 
+    def __init__(self, config: HFConfig, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("sequence_parallel"):
+            raise ValueError(f"sequence_parallel runs the stand-in model's blocks only; the {config.family} family "
+                             f"model {config.name!r} runs tensor parallelism in the psum form (sequence_parallel=False)")
+        super().__init__(config, *args, **kwargs)
+
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
         return dataclasses.replace(config, linear_chunk=linear_chunk)
