@@ -230,12 +230,12 @@ def hooks(t: int, sequence: bool = False) -> TensorHooks:
                        functools.partial(lax.psum_scatter, axis_name=TP_AXIS, scatter_dimension=0, tiled=True))
 
 
-def _share(tree: dict, table: SplitTable, t: int, index: Any, prefix: str = "", skip_blocks: bool = False) -> dict:
+def _share(tree: dict, table: SplitTable, t: int, index: Any, prefix: str = "") -> dict:
     out = {}
     for k, v in tree.items():
         path = f"{prefix}{k}"
         if isinstance(v, dict):
-            out[k] = v if skip_blocks and table.in_block(path) else _share(v, table, t, index, path + "/", skip_blocks)
+            out[k] = _share(v, table, t, index, path + "/")
             continue
         kind, axis, parts, size, start = table.rule(path, t)
         out[k] = v if kind == REPLICATED else _take(v, axis, start(index), size, parts if kind == FUSED else 1)
@@ -252,25 +252,8 @@ def _take(v: jax.Array, axis: int, start: Any, size: int, parts: int = 1) -> jax
     return w.reshape(sh[:axis] + (parts * size,) + sh[axis + 1:])
 
 
-def block_share(params: dict, config: MLLMConfig, vision: bool, t: int, index: jax.Array) -> dict:
-    """Device `index`'s share of one block's params (a `layers_i` / `vision_layers_i` subtree)."""
-    return _share(params, split_table(config), t, index, "vision_layers_0/" if vision else "layers_0/")
-
-
-def top_share(params: dict, config: Any, t: int, index: jax.Array) -> dict:
-    """Device `index`'s share of the params outside the blocks (blocks are left as they are)."""
-    return _share(params, split_table(config), t, index, skip_blocks=True)
-
-
 # ------------------------------------------------------------------ the tp-sharded state
 REPLICATED, SPLIT, SHARED, VOCAB, FUSED = "replicated", "split", "shared", "vocab", "fused"
-
-
-def leaf_split(path: str, config: Any, t: int) -> tuple[str, int | None, int]:
-    """(kind, axis, kv groups) of the params leaf at `path` ("layers_3/attn/k/kernel"): REPLICATED
-    (every device holds it), SPLIT (each its own slice along `axis`), SHARED (kv heads fewer than t:
-    `groups` = KVH heads, each held by t / KVH consecutive devices) or VOCAB (the vocab windows)."""
-    return split_table(config).rule(path, t)[:3]
 
 
 def share_tree(params: dict, config: Any, t: int, index: Any) -> dict:
