@@ -93,9 +93,6 @@ def _stand_in(rank: int, configs, samples, plans, t4_plan) -> dict:
         ex = TorchPlanExecutor(model, tensor_parallel=T, sequence_parallel=True)
         for pname, plan in plans.items():
             out[cname, "sequence", pname] = _step(rank, ex, model, plan, samples)
-    model = TorchMLLM(T4_CONFIG)           # 2 ranks of 4, sequence-parallel over 18 rows (2 of them padding)
-    ex = TorchPlanExecutor(model, tensor_parallel=4, sequence_parallel=True)
-    out["t4 sequence"] = _step(rank, ex, model, t4_plan, samples)
     try:
         ex.loss_and_grads(dataclasses.replace(plans["hybrid 2x2"], num_ranks=8), samples)
     except StepError as e:
@@ -104,6 +101,9 @@ def _stand_in(rank: int, configs, samples, plans, t4_plan) -> dict:
         ex.loss_and_grads(_plan(([0, 1, 2, 3], list(range(8)), "ulysses")), samples)
     except StepError as e:
         out["ulysses 4"] = str(e)
+    model = TorchMLLM(T4_CONFIG)           # 2 ranks of 4, sequence-parallel over 18 rows (2 of them padding)
+    ex = TorchPlanExecutor(model, tensor_parallel=4, sequence_parallel=True)
+    out["t4 sequence"] = _step(rank, ex, model, t4_plan, samples)
     return out
 
 
