@@ -201,6 +201,22 @@ def test_head_counts_tensor_parallel_cannot_split_are_refused():
     check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
 
 
+def test_sequence_parallel_rows_are_the_jax_engines_and_need_tensor_parallel():
+    """The rows a process holds are the JAX engine's (one chunk: the torch blocks run the stream in
+    one pass), and sequence parallelism without tensor parallelism is refused before any collective."""
+    from dhp_jax.model.mllm import sequence_chunks
+    from npu_backend.tensor import TensorParallel, sequence_rows
+
+    for t in (2, 3, 4, 8):
+        for s in range(1, 70):
+            assert sequence_rows(s, t) == (sequence_chunks(s, 0, t)[1], sequence_chunks(s, 0, t)[1] // t), (s, t)
+    assert sequence_rows(70, 4) == (72, 18)
+    with pytest.raises(ValueError, match=r"sequence_parallel needs tensor_parallel > 1"):
+        TensorParallel.create(2, 1, sequence=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel must be True or False, got 'yes'"):
+        TensorParallel.create(2, 2, sequence="yes")
+
+
 def test_family_vision_heads_and_width_tensor_parallel_cannot_split_are_refused():
     from dhp_jax.model import hf
     from dhp_jax.model.hf.init import tiny_config
