@@ -62,7 +62,9 @@ class TorchFamilyModel:
     Under tensor parallelism (`npu_backend.tensor.TensorParallel.shard` sets `tp`) the LLM and the
     vision encoder's blocks are split Megatron-style (their attention and MLP matrices; the
     embedding and the LM head vocab-parallel), the patch embedding, the norms, the mergers and the
-    projector replicated; `params` then hold this process's slices."""
+    projector replicated; `params` then hold this process's slices. With sequence parallelism
+    (`tp.sequence`) the blocks of both run on this process's rows of their stream (`split_rows`,
+    `column`, `row_linear`, `join_rows`)."""
 
     tp = None
 

@@ -40,6 +40,19 @@ down) by row, their bias whole and added once, after the sum. InternViT's QK-nor
 heads) sums its squares over the rank (`TensorParallel.sum`); its layer scales, the norms, the
 patch and position embeddings, Qwen's mergers (DeepStack's too) and InternVL's projector are
 replicated. The vision heads and MLP width must split over t like the LLM's (`check_model`).
+
+Sequence parallelism (`create(..., sequence=True)`; Megatron-LM, arXiv 2205.05198, sec. 4.2.2), in
+every block of the stand-in and of the families alike: between the split matrices each process
+holds 1/t of its rank's rows (`sequence_rows`: the stream padded to a multiple of t, the JAX
+engine's rule), so the norms, the residuals and what autograd keeps of them are 1/t a process. The
+stream is split before a block stack (`rows`: slice forward, all-gather of the gradient backward)
+and joined after it (`stream`: all-gather forward, this process's rows of the gradient backward);
+inside, a norm's output is all-gathered before the column-split matrices (`gather_linear`: only
+the local rows are saved, gathered again for the weight gradients; reduce-scatter of the input's
+gradient) and a row-split matrix's partial output is reduce-scattered (`scatter`: all-gather of the
+gradient backward), its bias added once after it. The whole parameters that act on a process's rows
+only (`sequence_params`: the blocks' norms, the row-split biases, InternViT's layer scales) have
+their gradients summed over the rank in `reduce_grads`.
 """
 
 from __future__ import annotations
