@@ -128,7 +128,10 @@ class TorchPlanExecutor:
     `tensor_parallel` = t > 1: a rank is t consecutive processes of one node holding a Megatron split
     of the model (`npu_backend.tensor`; a family: its LLM and its vision encoder's blocks; `model` is
     passed whole and split in place), a plan's ranks are processes / t, and `self.tp.gather(model)`
-    gives the whole weights.
+    gives the whole weights. `sequence_parallel` (with t > 1; Megatron's sequence parallelism, arXiv
+    2205.05198): between the split matrices each process holds 1/t of its rank's rows (the norms
+    and residuals of the blocks; all-gathers before the column-split matrices, reduce-scatters
+    after the row-split ones, `npu_backend.tensor`).
 
     `model` is the stand-in `TorchMLLM` or a Hugging Face family model (`npu_backend.hf.
     TorchFamilyModel`, e.g. `load_family(checkpoint_dir)`): a group then runs the family's two packed
@@ -136,7 +139,8 @@ class TorchPlanExecutor:
     sample, -100 ignored, token-weighted mean over the batch)."""
 
     def __init__(self, model: TorchMLLM | TorchFamilyModel, device: torch.device | None = None,
-                 optimizer: torch.optim.Optimizer | None = None, tensor_parallel: int = 1):
+                 optimizer: torch.optim.Optimizer | None = None, tensor_parallel: int = 1,
+                 sequence_parallel: bool = False):
         if not dist.is_initialized():
             raise StepError("torch.distributed is not initialised: call init_process_group first")
         self.model = model
@@ -145,7 +149,7 @@ class TorchPlanExecutor:
         self.device = device or torch.device("cpu")
         self.optimizer = optimizer
         try:
-            self.tp = TensorParallel.create(dist.get_world_size(), tensor_parallel)
+            self.tp = TensorParallel.create(dist.get_world_size(), tensor_parallel, sequence_parallel)
             self.tp.shard(model)
         except ValueError as e:        # the same on every process: the config, t and the world
             raise StepError(str(e)) from None

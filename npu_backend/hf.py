@@ -62,7 +62,9 @@ class TorchFamilyModel:
     Under tensor parallelism (`npu_backend.tensor.TensorParallel.shard` sets `tp`) the LLM and the
     vision encoder's blocks are split Megatron-style (their attention and MLP matrices; the
     embedding and the LM head vocab-parallel), the patch embedding, the norms, the mergers and the
-    projector replicated; `params` then hold this process's slices."""
+    projector replicated; `params` then hold this process's slices. With sequence parallelism
+    (`tp.sequence`) the blocks of both run on this process's rows of their stream (`split_rows`,
+    `column`, `row_linear`, `join_rows`)."""
 
     tp = None
 
@@ -117,29 +119,46 @@ class TorchFamilyModel:
 
     def decoder_block(self, prefix: str, x: torch.Tensor, angles: torch.Tensor, ids: torch.Tensor,
                       attn: AttnFn) -> torch.Tensor:
-        """One pre-norm LLM block (`dhp_jax.model.hf.layers.decoder_block`)."""
-        shape, s, tp = self.config.text.shape, x.shape[0], self.tp
+        """One pre-norm LLM block (`dhp_jax.model.hf.layers.decoder_block`); under sequence parallelism x
+        is this process's rows of the stream (`split_rows`), ids and angles whole."""
+        shape, s, tp = self.config.text.shape, ids.shape[0], self.tp
         heads, kv = shape.num_heads, shape.num_kv_heads
         if tp is not None:       # this process's heads (a kv head replicated when kv < t)
             heads, kv = heads // tp.size, max(1, kv // tp.size)
         a = prefix + ".self_attn"
         y = self.rms_norm(prefix + ".input_layernorm", x, shape.eps)
-        y = y if tp is None else tp.enter(y)
-        q = self.linear(a + ".q_proj", y).reshape(s, heads, shape.head_dim)
-        k = self.linear(a + ".k_proj", y).reshape(s, kv, shape.head_dim)
-        v = self.linear(a + ".v_proj", y).reshape(s, kv, shape.head_dim)
+        q, k, v = self.column(y, [a + ".q_proj", a + ".k_proj", a + ".v_proj"], s)
+        q, k, v = q.reshape(s, heads, shape.head_dim), k.reshape(s, kv, shape.head_dim), v.reshape(s, kv, shape.head_dim)
         if shape.qk_norm:
             q, k = self.rms_norm(a + ".q_norm", q, shape.eps, True), self.rms_norm(a + ".k_norm", k, shape.eps, True)
         o = attn(rope(q, angles), rope(k, angles), v, ids)
         h = x + self.row_linear(a + ".o_proj", o.reshape(s, heads * shape.head_dim))
         z = self.rms_norm(prefix + ".post_attention_layernorm", h, shape.eps)
-        z = z if tp is None else tp.enter(z)
         act, m = activation(shape.act), prefix + ".mlp"
-        return h + self.row_linear(m + ".down_proj", act(self.linear(m + ".gate_proj", z)) * self.linear(m + ".up_proj", z))
+        gate, up = self.column(z, [m + ".gate_proj", m + ".up_proj"], s)
+        return h + self.row_linear(m + ".down_proj", act(gate) * up)
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:
-        """x before a column-split matrix (Megatron's f under tensor parallelism; x itself without)."""
-        return x if self.tp is None else self.tp.enter(x)
+    @property
+    def sequence(self) -> bool:
+        """Sequence parallelism (`TensorParallel.sequence`): the blocks carry this process's rows only."""
+        return self.tp is not None and self.tp.sequence
+
+    def split_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a whole stream x before sequence-parallel blocks (x itself without)."""
+        return self.tp.rows(x) if self.sequence else x
+
+    def join_rows(self, x: torch.Tensor, s: int) -> torch.Tensor:
+        """The whole stream [s, ...] after sequence-parallel blocks (all-gathered; x itself without)."""
+        return self.tp.stream(x, s) if self.sequence else x
+
+    def column(self, x: torch.Tensor, prefixes: list[str], s: int) -> tuple[torch.Tensor, ...]:
+        """The column-split matrices `prefixes` (with their biases) of one input x, a stream of s rows:
+        Megatron's f before them under tensor parallelism; under sequence parallelism x is this
+        process's rows, all-gathered over the rank first (`TensorParallel.gather_linear`)."""
+        if self.sequence:
+            return self.tp.gather_linear(x, s, [(self.w(p + ".weight"), self.params.get(p + ".bias")) for p in prefixes])
+        x = x if self.tp is None else self.tp.enter(x)
+        return tuple(self.linear(p, x) for p in prefixes)
 
     def local_heads(self, heads: int) -> int:
         """Heads of an attention this process computes: all, or its 1 / t under tensor parallelism."""
@@ -157,20 +176,23 @@ class TorchFamilyModel:
 
     def row_linear(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         """`linear` of a matrix split by row under tensor parallelism: partial products summed over
-        the rank, the bias (whole on every process) added once after the sum."""
+        the rank (reduce-scattered to this process's rows under sequence parallelism), the bias (whole
+        on every process) added once after the sum."""
         if self.tp is None:
             return self.linear(prefix, x)
-        y = self.tp.exit(F.linear(x, self.w(prefix + ".weight")))
+        y = F.linear(x, self.w(prefix + ".weight"))
+        y = self.tp.scatter(y) if self.tp.sequence else self.tp.exit(y)
         bias = self.params.get(prefix + ".bias")
         return y if bias is None else y + bias
 
     def vision_attention(self, prefix: str, x: torch.Tensor, heads: int, angles: torch.Tensor | None,
                          ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         """The Qwen vision attention: fused `qkv` (head-minor [3, H, D]), 2-D rotary, `proj` (under
-        tensor parallelism this process's heads: qkv by column, proj by row)."""
-        s, d = x.shape
+        tensor parallelism this process's heads: qkv by column, proj by row; under sequence
+        parallelism x is this process's rows, ids and angles whole)."""
+        s, d = ids.shape[0], x.shape[1]
         local = self.local_heads(heads)
-        qkv = self.linear(prefix + ".qkv", self.enter(x)).reshape(s, 3, local, d // heads)
+        qkv = self.column(x, [prefix + ".qkv"], s)[0].reshape(s, 3, local, d // heads)
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]
         if angles is not None:
             q, k = rope(q, angles), rope(k, angles)
@@ -191,11 +213,13 @@ class TorchFamilyModel:
         x = torch.where(vision, feats.to(x.dtype), x)
         ids = torch.stack([col["segment"], col["position"], torch.zeros_like(col["segment"])], dim=1)
         angles = rope_angles(cfg.text.rope, llm_ints[:, len(LLM_INTS):])
+        s = x.shape[0]
+        x = self.split_rows(x)                   # sequence parallelism: the blocks run on this process's rows
         for i in range(cfg.text.num_layers):
             x = self.decoder_block(f"model.language_model.layers.{i}", x, angles, ids, attn)
             if i < len(deep):                    # DeepStack: added on the vision tokens after layer i
-                x = x + torch.where(vision, deep[i].to(x.dtype), torch.zeros_like(x))
-        return self.rms_norm("model.language_model.norm", x, cfg.text.shape.eps)
+                x = x + self.split_rows(torch.where(vision, deep[i].to(x.dtype), torch.zeros_like(deep[i], dtype=x.dtype)))
+        return self.rms_norm("model.language_model.norm", self.join_rows(x, s), cfg.text.shape.eps)
 
     def head(self) -> torch.Tensor:
         """The LM head weight [V, d] (the token embedding when tied)."""
@@ -262,13 +286,15 @@ def _qwen2_5_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     x = m.linear("model.visual.patch_embed.proj", pixels)
     angles = rope_angles(v.rope, torch.stack([vi["row"], vi["col"]], dim=1))
     frames, windows = segment_ids(vi["frame"]), segment_ids(vi["window"])
-    act = activation(v.act)
+    act, s = activation(v.act), x.shape[0]
+    x = m.split_rows(x)              # sequence parallelism: the blocks run on this process's rows
     for i in range(v.depth):
         b = f"model.visual.blocks.{i}"
         ids = frames if i in v.full_attention_blocks else windows
         x = x + m.vision_attention(b + ".attn", m.rms_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
-        y = m.enter(m.rms_norm(b + ".norm2", x, VISION_EPS))
-        x = x + m.row_linear(b + ".mlp.down_proj", act(m.linear(b + ".mlp.gate_proj", y)) * m.linear(b + ".mlp.up_proj", y))
+        gate, up = m.column(m.rms_norm(b + ".norm2", x, VISION_EPS), [b + ".mlp.gate_proj", b + ".mlp.up_proj"], s)
+        x = x + m.row_linear(b + ".mlp.down_proj", act(gate) * up)
+    x = m.join_rows(x, s)
     y = m.rms_norm("model.visual.merger.ln_q", x, VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
     return m.linear("model.visual.merger.mlp.2", F.gelu(m.linear("model.visual.merger.mlp.0", y))), []
 
@@ -290,17 +316,18 @@ def _qwen3_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     x = x + torch.sum(table[taps] * tap_weights[:, :, None], dim=1).to(x.dtype)
     angles = rope_angles(v.rope, torch.stack([vi["row"], vi["col"]], dim=1))
     ids = segment_ids(vi["frame"])
-    act = activation(v.act)
+    act, s = activation(v.act), x.shape[0]
     deep = []
+    x = m.split_rows(x)              # sequence parallelism: the blocks run on this process's rows
     for i in range(v.depth):
         b = f"model.visual.blocks.{i}"
         x = x + m.vision_attention(b + ".attn", m.layer_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
-        y = m.enter(m.layer_norm(b + ".norm2", x, VISION_EPS))
-        x = x + m.row_linear(b + ".mlp.linear_fc2", act(m.linear(b + ".mlp.linear_fc1", y)))
-        if i in v.deepstack_blocks:
+        y = m.column(m.layer_norm(b + ".norm2", x, VISION_EPS), [b + ".mlp.linear_fc1"], s)[0]
+        x = x + m.row_linear(b + ".mlp.linear_fc2", act(y))
+        if i in v.deepstack_blocks:      # the merger reads the whole stream (all-gathered under sequence parallelism)
             k = v.deepstack_blocks.index(i)
-            deep.append(_qwen3_merge(m, f"model.visual.deepstack_merger_list.{k}", x, norm_after_merge=True))
-    return _qwen3_merge(m, "model.visual.merger", x, norm_after_merge=False), deep
+            deep.append(_qwen3_merge(m, f"model.visual.deepstack_merger_list.{k}", m.join_rows(x, s), norm_after_merge=True))
+    return _qwen3_merge(m, "model.visual.merger", m.join_rows(x, s), norm_after_merge=False), deep
 
 
 def _internvl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
@@ -315,18 +342,20 @@ def _internvl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     norm = m.layer_norm if v.norm == "layer_norm" else m.rms_norm
     act, heads = activation(v.act), v.num_heads
     local = m.local_heads(heads)          # this process's heads under tensor parallelism
+    s = x.shape[0]
+    x = m.split_rows(x)                   # sequence parallelism: the blocks run on this process's rows
     for i in range(v.num_layers):
         b = f"{p}.encoder.layer.{i}"
         a = b + ".attention"
-        y = m.enter(norm(b + ".layernorm_before", x, v.eps))
-        q, k = m.linear(a + ".q_proj", y), m.linear(a + ".k_proj", y)
+        q, k, val = m.column(norm(b + ".layernorm_before", x, v.eps), [a + ".q_proj", a + ".k_proj", a + ".v_proj"], s)
         if v.qk_norm:          # over all heads: a sum over the rank when they are split
             q, k = m.split_rms_norm(a + ".q_norm", q, QK_NORM_EPS), m.split_rms_norm(a + ".k_norm", k, QK_NORM_EPS)
-        shape = (x.shape[0], local, d // heads)
-        o = attn(q.reshape(shape), k.reshape(shape), m.linear(a + ".v_proj", y).reshape(shape), ids)
-        x = x + m.w(b + ".lambda_1") * m.row_linear(a + ".projection_layer", o.reshape(x.shape[0], -1))
-        y = m.enter(norm(b + ".layernorm_after", x, v.eps))
-        x = x + m.w(b + ".lambda_2") * m.row_linear(b + ".mlp.fc2", act(m.linear(b + ".mlp.fc1", y)))
+        shape = (s, local, d // heads)
+        o = attn(q.reshape(shape), k.reshape(shape), val.reshape(shape), ids)
+        x = x + m.w(b + ".lambda_1") * m.row_linear(a + ".projection_layer", o.reshape(s, -1))
+        y = m.column(norm(b + ".layernorm_after", x, v.eps), [b + ".mlp.fc1"], s)[0]
+        x = x + m.w(b + ".lambda_2") * m.row_linear(b + ".mlp.fc2", act(y))
+    x = m.join_rows(x, s)
     if v.final_norm:
         x = m.layer_norm(p + ".layernorm", x, v.eps)
     kk = v.shuffle ** 2

@@ -24,6 +24,8 @@ AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torc
 # Tensor parallelism (`npu_backend.tensor.TensorParallel.shard`) sets `tp` on the attention and MLP
 # modules and on the model: `tp.enter` before a column-parallel matrix, `tp.exit` after a row-parallel
 # one (Megatron's f and g), `tp.embed` the vocab-parallel lookup; `tp = None` is one device per rank.
+# With `tp.sequence` (sequence parallelism, arXiv 2205.05198) the block stacks carry this process's
+# rows only (`tp.rows` / `tp.stream` around them; `Block.sequence_forward`).
 
 
 
@@ -139,6 +141,31 @@ class Block(nn.Module):
         h = xl + self.attn.out(attn(q, k, v, ids)[live])
         return x.index_copy(0, live, h + self.mlp(self.mlp_norm(h)))
 
+    def sequence_forward(self, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """`forward` under sequence parallelism (Megatron-LM, arXiv 2205.05198, sec. 4.2.2): x is this
+        process's rows of the stream (`TensorParallel.rows`), ids whole. The norms and residuals run on
+        those rows; a norm's output is all-gathered over the rank before q/k/v (gate/up), which run on
+        the live rows of the whole stream with this process's heads (MLP width), and the partial
+        outputs of o (down) are reduce-scattered back to the rows. Dead rows get zero updates (x passes
+        through, as in `forward`)."""
+        a, m, tp, s = self.attn, self.mlp, self.attn.tp, ids.shape[0]
+        live = torch.nonzero(ids[:, 0] > 0, as_tuple=True)[0]
+        rows = None if live.numel() == s else live
+
+        def whole(y: torch.Tensor) -> torch.Tensor:     # live rows -> the stream's s rows (zeros elsewhere)
+            return y if rows is None else y.new_zeros((s,) + y.shape[1:]).index_copy(0, rows, y)
+
+        q, k, v = tp.gather_linear(self.attn_norm(x), s, [(a.q.weight, None), (a.k.weight, None),
+                                                          (a.v.weight, None)], rows)
+        n, pos = q.shape[0], ids[:, 1] if rows is None else ids[rows, 1]
+        q = rope(q.reshape(n, a.heads, a.head_dim), pos, a.rope_base)
+        k = rope(k.reshape(n, a.kv_heads, a.head_dim), pos, a.rope_base)
+        o = attn(whole(q), whole(k), whole(v.reshape(n, a.kv_heads, a.head_dim)), ids)
+        o = o if rows is None else o[rows]
+        h = x + tp.scatter(whole(F.linear(o.reshape(n, a.heads * a.head_dim), a.o.weight)))
+        gate, up = tp.gather_linear(self.mlp_norm(h), s, [(m.gate.weight, None), (m.up.weight, None)], rows)
+        return h + tp.scatter(whole(F.linear(F.silu(gate) * up, m.down.weight)))
+
 
 class TorchMLLM(nn.Module):
     """Vision encoder + projector + decoder over a (shard of a) packed stream; returns logits[S, V].
@@ -188,19 +215,28 @@ class TorchMLLM(nn.Module):
 
     def forward(self, batch: Mapping[str, torch.Tensor], attn: AttnFn = dense_attn) -> torch.Tensor:
         vis_ids = torch.stack([batch["frame_ids"], batch["frame_positions"], batch["frame_ids"]], dim=1).long()
-        v = self.patch_embed(batch["pixels"])
-        for blk in self.vision_layers:
-            v = blk(v, vis_ids, attn)
+        v = self.stack(self.vision_layers, self.patch_embed(batch["pixels"]), vis_ids, attn)
         v = self.vision_norm(v)
         v = self.proj_fc2(F.gelu(self.proj_fc1(v), approximate="none"))
         t = self.embed(batch["token_ids"].long()) if self.tp is None else self.tp.embed(self.embed.weight,
                                                                                          batch["token_ids"].long())
         x = torch.where(batch["vision_mask"].bool()[:, None], v, t)
         ids = torch.stack([batch["segment_ids"], batch["positions"], batch["span_ids"]], dim=1).long()
-        for blk in self.layers:
-            x = blk(x, ids, attn)
-        x = self.final_norm(x)
+        x = self.final_norm(self.stack(self.layers, x, ids, attn))
         return self.lm_head(x if self.tp is None else self.tp.enter(x))
+
+    def stack(self, blocks: nn.ModuleList, x: torch.Tensor, ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """The blocks over the whole stream x[S, d]; sequence-parallel (`tp.sequence`), on this
+        process's rows between the stream's split (`tp.rows`) and all-gather (`tp.stream`), as the JAX
+        engine's block stacks (`dhp_jax.model.mllm.sequence_rows` / `sequence_stream`)."""
+        if self.tp is None or not self.tp.sequence or not len(blocks):
+            for blk in blocks:
+                x = blk(x, ids, attn)
+            return x
+        rows = self.tp.rows(x)
+        for blk in blocks:
+            rows = blk.sequence_forward(rows, ids, attn)
+        return self.tp.stream(rows, x.shape[0])
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,19 @@ down) by row, their bias whole and added once, after the sum. InternViT's QK-nor
 heads) sums its squares over the rank (`TensorParallel.sum`); its layer scales, the norms, the
 patch and position embeddings, Qwen's mergers (DeepStack's too) and InternVL's projector are
 replicated. The vision heads and MLP width must split over t like the LLM's (`check_model`).
+
+Sequence parallelism (`create(..., sequence=True)`; Megatron-LM, arXiv 2205.05198, sec. 4.2.2), in
+every block of the stand-in and of the families alike: between the split matrices each process
+holds 1/t of its rank's rows (`sequence_rows`: the stream padded to a multiple of t, the JAX
+engine's rule), so the norms, the residuals and what autograd keeps of them are 1/t a process. The
+stream is split before a block stack (`rows`: slice forward, all-gather of the gradient backward)
+and joined after it (`stream`: all-gather forward, this process's rows of the gradient backward);
+inside, a norm's output is all-gathered before the column-split matrices (`gather_linear`: only
+the local rows are saved, gathered again for the weight gradients; reduce-scatter of the input's
+gradient) and a row-split matrix's partial output is reduce-scattered (`scatter`: all-gather of the
+gradient backward), its bias added once after it. The whole parameters that act on a process's rows
+only (`sequence_params`: the blocks' norms, the row-split biases, InternViT's layer scales) have
+their gradients summed over the rank in `reduce_grads`.
 """
 
 from __future__ import annotations
@@ -184,6 +197,31 @@ def vision_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def sequence_params(model: Any) -> list[str]:
+    """Names of the whole (unsplit) parameters that sequence parallelism applies to this process's
+    rows only, so their gradient is a sum over the rank (Megatron's all-reduce of the layer-norm
+    gradients, arXiv 2205.05198 sec. 4.2.2): the norms inside the sequence-parallel blocks, the
+    biases of the row-split matrices (added after the reduce-scatter) and InternViT's layer scales."""
+    params = dict(model.named_parameters())
+    if not _is_family(model):
+        return [n for n in params if n.startswith(("layers.", "vision_layers.")) and n.endswith("norm.scale")]
+    c = model.config
+    locals_ = [(f"{FAMILY_LAYERS}.{i}", ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
+                                         "mlp.down_proj")) for i in range(c.text.num_layers)]
+    if c.family == "internvl":
+        pre = "model.vision_tower.encoder.layer"
+        locals_ += [(f"{pre}.{i}", ("layernorm_before", "layernorm_after", "attention.projection_layer", "mlp.fc2"))
+                    for i in range(c.vision.num_layers)]
+        extra = [f"{pre}.{i}.{lam}" for i in range(c.vision.num_layers) for lam in ("lambda_1", "lambda_2")]
+    else:
+        last = "mlp.linear_fc2" if c.family == "qwen3_vl" else "mlp.down_proj"
+        locals_ += [(f"model.visual.blocks.{i}", ("norm1", "norm2", "attn.proj", last)) for i in range(c.vision.depth)]
+        extra = []
+    out = [f"{b}.{m}.{leaf}" for b, mods in locals_ for m in mods for leaf in ("weight", "bias")
+           if f"{b}.{m}.{leaf}" in params and not (leaf == "weight" and m.endswith(("proj", "projection_layer", "fc2")))]
+    return out + [n for n in extra if n in params]
+
+
 def part(x: torch.Tensor, sl: tuple[int, ...]) -> torch.Tensor:
     """The slice `sl` = (dim, start, stop[, parts]) of a whole tensor x: rows start..stop of dim, or
     with `parts` those rows of each of the `parts` equal pieces of dim, concatenated."""
@@ -249,6 +287,113 @@ class _Exit(torch.autograd.Function):
         return g, None
 
 
+# all-gather / reduce-scatter into and out of one flat tensor (the *_single names where this torch has them)
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def sequence_rows(s: int, t: int) -> tuple[int, int]:
+    """(c, c / t): a stream of s rows split sequence-parallel over t processes is padded with zero rows
+    to c, s rounded up to a multiple of t, and tp index j holds rows [j c/t, (j+1) c/t). This is the
+    JAX engine's rule (`dhp_jax.model.mllm.sequence_chunks` / `sequence_rows`) with one chunk: the
+    torch blocks run the whole stream in one pass (no `linear_chunk`)."""
+    c = -(-s // t) * t
+    return c, c // t
+
+
+def _pad_rows(x: torch.Tensor, c: int) -> torch.Tensor:
+    return x if x.shape[0] == c else torch.cat([x, x.new_zeros((c - x.shape[0],) + tuple(x.shape[1:]))])
+
+
+def _gather_rows(x: torch.Tensor, group: Any, t: int) -> torch.Tensor:
+    """[c/t, ...] on each process of the rank -> [c, ...], tp index order."""
+    out = x.new_empty((x.shape[0] * t,) + tuple(x.shape[1:]))
+    _ALL_GATHER(out, x.contiguous(), group=group)
+    return out
+
+
+def _scatter_rows(x: torch.Tensor, group: Any, t: int) -> torch.Tensor:
+    """[c, ...] partial sums on each process -> this process's [c/t, ...] rows of their sum."""
+    out = x.new_empty((x.shape[0] // t,) + tuple(x.shape[1:]))
+    _REDUCE_SCATTER(out, x.contiguous(), group=group)
+    return out
+
+
+class _Rows(torch.autograd.Function):
+    """A whole stream x[s, ...] (the same on every process) -> this process's rows [c/t, ...]; backward
+    all-gathers the rows' gradients (what every process's replicated work before it needs)."""
+
+    @staticmethod
+    def forward(ctx, x, tp):  # type: ignore[override]
+        c, n = sequence_rows(x.shape[0], tp.size)
+        ctx.tp, ctx.s = tp, x.shape[0]
+        return _pad_rows(x, c).narrow(0, tp.index * n, n).clone()
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return _gather_rows(g, ctx.tp.group, ctx.tp.size)[:ctx.s], None
+
+
+class _Stream(torch.autograd.Function):
+    """Every process's rows [c/t, ...] -> the whole stream [s, ...] (all-gather) for work replicated on
+    every process after it; backward keeps this process's rows of the (identical) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, s, tp):  # type: ignore[override]
+        ctx.tp, ctx.s = tp, s
+        return _gather_rows(x, tp.group, tp.size)[:s]
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        c, n = sequence_rows(ctx.s, ctx.tp.size)
+        return _pad_rows(g, c).narrow(0, ctx.tp.index * n, n).clone(), None, None
+
+
+class _Scatter(torch.autograd.Function):
+    """A row-split matrix's partial output y[s, ...] -> this process's rows of the sum over the rank
+    (reduce-scatter; Megatron's g-bar); backward all-gathers the gradient (its g)."""
+
+    @staticmethod
+    def forward(ctx, y, tp):  # type: ignore[override]
+        ctx.tp, ctx.s = tp, y.shape[0]
+        return _scatter_rows(_pad_rows(y, sequence_rows(y.shape[0], tp.size)[0]), tp.group, tp.size)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return _gather_rows(g, ctx.tp.group, ctx.tp.size)[:ctx.s], None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """The column-split matrices of one input under sequence parallelism (Megatron's g before them):
+    x[c/t, d] this process's rows -> all-gathered over the rank -> the whole stream's first s rows (or
+    its rows `rows` only) -> F.linear with each (weight, bias). Only the local rows x are saved:
+    backward all-gathers them again for the weight gradients (arXiv 2205.05198, sec. 4.2.2) and
+    reduce-scatters the input's gradient, the sum of every matrix's, back to the rows."""
+
+    @staticmethod
+    def forward(ctx, x, s, rows, tp, *wb):  # type: ignore[override]
+        ctx.tp, ctx.s, ctx.n = tp, s, len(wb) // 2
+        ctx.biased = [b is not None for b in wb[1::2]]
+        whole = _gather_rows(x, tp.group, tp.size)[:s]
+        y = whole if rows is None else whole.index_select(0, rows)
+        ctx.save_for_backward(x, rows, *wb[0::2])
+        return tuple(F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(ctx.n))
+
+    @staticmethod
+    def backward(ctx, *gs):  # type: ignore[override]
+        x, rows, *ws = ctx.saved_tensors
+        tp, s = ctx.tp, ctx.s
+        whole = _gather_rows(x, tp.group, tp.size)[:s]
+        y = whole if rows is None else whole.index_select(0, rows)
+        gy = sum(g @ w for g, w in zip(gs, ws))
+        grads: list = []
+        for g, biased in zip(gs, ctx.biased):
+            grads += [g.t() @ y, g.sum(0) if biased else None]
+        gx = gy if rows is None else gy.new_zeros((s, gy.shape[1])).index_copy(0, rows, gy)
+        c = sequence_rows(s, tp.size)[0]
+        return (_scatter_rows(_pad_rows(gx, c), tp.group, tp.size), None, None, None, *grads)
+
+
 class _Sum(torch.autograd.Function):
     """All-reduce over the rank forward and backward: a sum of the processes' partial values that
     every process then uses on its own slice (e.g. the sum of squares of a norm over split heads)."""
@@ -274,10 +419,12 @@ class TensorParallel:
     size: int
     world: int
     process: int
+    sequence: bool = False    # sequence parallelism between the split matrices (arXiv 2205.05198)
     group: Any = None
     replicas: Any = None
     vocab_range: tuple[int, int] = (0, 0)
     slices: list = dataclasses.field(default_factory=list)    # shard_slices of every tp index (`shard`)
+    row_params: list = dataclasses.field(default_factory=list)   # `sequence_params` of the model (`shard`)
 
     @property
     def rank(self) -> int:
@@ -292,15 +439,21 @@ class TensorParallel:
         return self.world // self.size
 
     @classmethod
-    def create(cls, world: int | None = None, t: int = 1) -> "TensorParallel":
-        """Every process calls this once, after init_process_group, with the same t (collective for t > 1)."""
+    def create(cls, world: int | None = None, t: int = 1, sequence: bool = False) -> "TensorParallel":
+        """Every process calls this once, after init_process_group, with the same t (collective for t > 1).
+        `sequence`: sequence parallelism between the split matrices (needs t > 1)."""
         world = dist.get_world_size() if world is None else int(world)
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
             raise ValueError(f"tensor_parallel must be a positive integer, got {t!r}")
+        if not isinstance(sequence, bool):
+            raise ValueError(f"sequence_parallel must be True or False, got {sequence!r}")
+        if sequence and t == 1:
+            raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over its "
+                             "processes; a rank of one process holds every row)")
         if world % t:
             raise ValueError(f"tensor_parallel {t} does not divide the world of {world} processes")
         check_node(int(os.environ.get("LOCAL_WORLD_SIZE", world)), t)
-        tp = cls(t, world, dist.get_rank())
+        tp = cls(t, world, dist.get_rank(), sequence)
         if t > 1:
             for r in range(world // t):          # every process creates every group, in this order
                 g = dist.new_group(list(range(r * t, (r + 1) * t)))
@@ -341,6 +494,7 @@ class TensorParallel:
                     blk.attn.heads, blk.attn.kv_heads = heads // self.size, max(1, kv // self.size)
                     blk.attn.tp = blk.mlp.tp = self
         self.vocab_range = slices[FAMILY_EMBED if family else "embed.weight"][1:]
+        self.row_params = sequence_params(model) if self.sequence else []
         model.tp = self
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -352,6 +506,26 @@ class TensorParallel:
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the rank of each process's partial x (all-reduce forward and backward)."""
         return _Sum.apply(x, self.group)
+
+    # ------------------------------------------------------------------ sequence parallelism
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a whole stream x[s, ...] (`sequence_rows`); backward all-gathers."""
+        return _Rows.apply(x, self)
+
+    def stream(self, x: torch.Tensor, s: int) -> torch.Tensor:
+        """The whole stream [s, ...] from every process's rows (all-gather), for replicated work after it."""
+        return _Stream.apply(x, s, self)
+
+    def scatter(self, y: torch.Tensor) -> torch.Tensor:
+        """This process's rows of the sum over the rank of a row-split matrix's partial output y[s, ...]."""
+        return _Scatter.apply(y, self)
+
+    def gather_linear(self, x: torch.Tensor, s: int, layers: list, rows: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, ...]:
+        """F.linear(w, b) for each (w, b) in `layers` (b may be None) of the whole stream's first s rows
+        (or its rows `rows`), x this process's rows: the column-split matrices after a sequence-parallel
+        norm (all-gather forward, reduce-scatter backward; only x is saved)."""
+        return _GatherLinear.apply(x, s, rows, self, *(t for wb in layers for t in wb))
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The vocab-parallel lookup: this process's rows, zeros for the others', summed over the rank."""
@@ -374,8 +548,9 @@ class TensorParallel:
     # ------------------------------------------------------------------ gradients and state
     def reduce_grads(self, model: Any, local_loss: torch.Tensor) -> float:
         """Sum the gradients of this process's shard over the ranks (and a replicated kv head's over its
-        replicas in the rank) in place; returns the loss summed over the ranks. Two all-reduces at
-        most: one over the rank (replicated kv heads only), one over the tp index's processes."""
+        replicas in the rank, and under sequence parallelism `row_params`' over the rank) in place;
+        returns the loss summed over the ranks. Two all-reduces at most: one over the rank (replicated
+        kv heads, sequence-parallel norms), one over the tp index's processes."""
         params = dict(model.named_parameters())
         for p in params.values():
             if p.grad is None:
@@ -383,7 +558,9 @@ class TensorParallel:
         every = self.slices
         # slices held by more than one process of the rank (a kv head replicated when kv < t)
         shared = [n for n in (every[0] if every else ()) if len({s[n] for s in every}) < self.size]
-        if shared:   # each replica adds its gradient at its own rows of the whole tensor; sum over the rank
+        if shared or self.row_params:
+            # each replica adds its gradient at its own rows of the whole tensor, and a sequence-parallel
+            # norm or bias its gradient of this process's rows: both summed over the rank, in one buffer
             wholes = []
             for name in shared:
                 sl = every[self.index][name]
@@ -392,11 +569,13 @@ class TensorParallel:
                 whole = params[name].grad.new_zeros(shape)
                 put_part(whole, sl, params[name].grad)
                 wholes.append(whole)
+            wholes += [params[name].grad for name in self.row_params]
             buf = torch.cat([w.reshape(-1) for w in wholes])
             dist.all_reduce(buf, group=self.group)
             off = 0
-            for name, whole in zip(shared, wholes):
-                params[name].grad = part(buf[off:off + whole.numel()].view_as(whole), every[self.index][name]).clone()
+            for name, whole in zip(shared + self.row_params, wholes):
+                summed = buf[off:off + whole.numel()].view_as(whole)
+                params[name].grad = (part(summed, every[self.index][name]) if name in shared else summed).clone()
                 off += whole.numel()
         dtype = next(iter(params.values())).dtype
         flat = torch.cat([p.grad.reshape(-1) for p in params.values()] + [local_loss.to(dtype).reshape(1)])

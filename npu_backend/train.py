@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
     add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=8)  # the cost model plans with
     add_tensor_parallel_arg(p)   # a rank is T consecutive processes (npu_backend.tensor); plans have processes / T ranks
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="with --tensor-parallel T > 1: Megatron's sequence parallelism (arXiv 2205.05198), each "
+                        "process holds 1/T of its rank's rows between the split matrices (all-gather before them, "
+                        "reduce-scatter after); the planner prices it (CostModel.preset(..., sequence_parallel=True))")
     p.add_argument("--comm-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="cost model: ring traffic hides behind attention (default: the hardware's)")
     p.add_argument("--length-scale", type=float, default=1.0,
@@ -102,6 +106,8 @@ class Planner:
             if not is_profile(args.cost or args.model):
                 # a preset's model states are ZeRO-sharded over the node, or over all ranks when a rank is a node
                 extra["zero_shards"] = max(args.ranks_per_node, world)
+            if getattr(args, "sequence_parallel", False):     # each block's input / T a device, its traffic
+                extra["sequence_parallel"] = True
             self.cost = cost_from_args(args, **extra)
 
     def _plan(self, samples: Sequence) -> Plan:
@@ -131,7 +137,11 @@ def _init_world() -> tuple[int, int, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sequence_parallel and args.tensor_parallel == 1:
+        parser.error("--sequence-parallel needs --tensor-parallel T > 1 (it splits a rank's rows over the rank's "
+                     "T processes; a rank of one process holds every row)")
     rank, world, local_rank = _init_world()
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
     choice = select_device(warn=say)
@@ -190,10 +200,12 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             p.data = p.data.to(device)
     opt_cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.SGD
     optimizer = opt_cls(model.parameters(), lr=args.lr)
-    executor = TorchPlanExecutor(model, device=device, optimizer=optimizer, tensor_parallel=args.tensor_parallel)
+    executor = TorchPlanExecutor(model, device=device, optimizer=optimizer, tensor_parallel=args.tensor_parallel,
+                                 sequence_parallel=args.sequence_parallel)
     planner = Planner(args, world, rank)
     t = args.tensor_parallel
-    say(f"npu_backend: {world // t} ranks" + (f" of {t} processes (tensor parallel)" if t > 1 else "")
+    say(f"npu_backend: {world // t} ranks" + (f" of {t} processes (tensor parallel"
+                                              + (", sequence parallel)" if args.sequence_parallel else ")") if t > 1 else "")
         + f" on {choice.kind} ({choice.backend}: {choice.reason}), model {name} ({num_params:,} params)")
     records = []
     dump = PlanLog(args.dump_plans) if (args.dump_plans and rank == 0) else None
@@ -230,7 +242,8 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     if rank == 0 and args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"measured_on": f"{choice.kind} ({choice.backend}), {platform.machine()} {platform.node()}",
-                       "world_size": world, "tensor_parallel": t, "torch": torch.__version__,
+                       "world_size": world, "tensor_parallel": t, "sequence_parallel": args.sequence_parallel,
+                       "torch": torch.__version__,
                        "config": dict(config.raw) if family is not None else config.to_dict(),
                        "init_from": describe(family) if family is not None else None if init_from is None
                        else {"path": str(init_from.path), "step": init_from.step},

@@ -5,7 +5,7 @@ on a fixed set, bad records are skipped and listed, a run resumed on another ran
 takes the same batches with the same losses, the exported
 checkpoint gives transformers the project's logits, the README's run plans groups of irregular
 degrees from the real token counts, and the torch backend continues the run (one process; and
-`--tensor-parallel 2` vs its plans replayed at 1, saved checkpoints compared)."""
+`--tensor-parallel 2 --sequence-parallel` vs its plans replayed at 1, saved checkpoints compared)."""
 
 import json
 import os
@@ -288,8 +288,10 @@ def test_random_checkpoint_is_whole_for_transformers(family, cls, tmp_path):
 
 
 def test_torch_backend_tensor_parallel_2_matches_one_process_per_rank(run, tmp_path, capsys):
-    """The same continuation on 2 ranks of 2 processes each (`--tensor-parallel 2`: the family's LLM and
-    vision encoder split over each rank's processes) and, replaying its plans, on 2 processes of one:
+    """The same continuation on 2 ranks of 2 processes each (`--tensor-parallel 2 --sequence-parallel`: the
+    family's LLM and vision encoder split over each rank's processes, their blocks on half the rows
+    each; the psum form's steps are checked in test_npu_tensor_parallel) and, replaying its plans, on
+    2 processes of one:
     the same losses, and `--save-weights` (gathered over each rank) the same Hugging Face checkpoint,
     within fp32 1e-5."""
     from test_npu_train import _torchrun
@@ -302,12 +304,14 @@ def test_torch_backend_tensor_parallel_2_matches_one_process_per_rank(run, tmp_p
     common = ["--init-from", str(out / "checkpoints" / "2"), "--steps", "2", "--optimizer", "sgd", "--lr", "0.1"]
     log = str(tmp_path / "plans.jsonl")
     runs, said = {}, {}
-    for t, nproc, extra in ((2, 4, ["--strategy", "static-ring:2", "--dump-plans", log]), (1, 2, ["--plan-file", log])):
+    for t, nproc, extra in ((2, 4, ["--strategy", "static-ring:2", "--dump-plans", log, "--sequence-parallel"]),
+                            (1, 2, ["--plan-file", log])):
         done = _torchrun(nproc, [*common, *extra, "--tensor-parallel", str(t), "--save-weights", str(tmp_path / f"w{t}"),
                                  "--json", str(tmp_path / f"t{t}.json")], tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         runs[t], said[t] = json.loads((tmp_path / f"t{t}.json").read_text()), done.stdout
-    assert "npu_backend: 2 ranks of 2 processes (tensor parallel)" in said[2] and runs[2]["tensor_parallel"] == 2
+    assert "npu_backend: 2 ranks of 2 processes (tensor parallel, sequence parallel)" in said[2]
+    assert runs[2]["tensor_parallel"] == 2 and runs[2]["sequence_parallel"] and not runs[1]["sequence_parallel"]
     assert [s["degrees"] for s in runs[2]["steps"]] == [[[2]], [[2]]]
     losses = {t: np.array([s["loss"] for s in r["steps"]]) for t, r in runs.items()}
     loss_err = float(np.max(np.abs(losses[2] - losses[1]) / np.abs(losses[1])))
@@ -322,7 +326,7 @@ def test_torch_backend_tensor_parallel_2_matches_one_process_per_rank(run, tmp_p
     moved = [n for n in w1 if float((w1[n] - w0[n]).abs().max()) > 1e-3 * float(w0[n].abs().max())]
     worst = max(rel, key=rel.get)
     with capsys.disabled():
-        print(f"torch tensor parallel 2 vs 1: losses {loss_err:.1e}, weights {rel[worst]:.1e} ({worst}); "
+        print(f"torch tensor parallel 2 (sequence-parallel) vs 1: losses {loss_err:.1e}, weights {rel[worst]:.1e} ({worst}); "
               f"updates of {len(moved)}/{len(w1)} tensors that moved: {max(upd[n] for n in moved):.1e}")
     assert rel[worst] <= TOL, (worst, rel[worst])
     # the updates themselves (w - w0: cancellation in fp32 costs |w| / |update| ulps) of the tensors that moved

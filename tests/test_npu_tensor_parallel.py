@@ -1,10 +1,13 @@
 """Tensor parallelism in the torch backend: 8 gloo processes as 4 ranks of t = 2 run ring (3 + 1),
-Ulysses and hybrid plans; loss and gradients equal one process running every sample unsharded.
+Ulysses and hybrid plans, in the psum form and sequence-parallel; loss and gradients equal one
+process running every sample unsharded.
 
 One world runs every check (process start-up dominates on shared CPUs): two stand-in models (kv
 heads split over t; one kv head replicated on both processes of a rank), each on three plans, the
 gathered weights (what `--save-weights` writes) and plans the world refuses; then three tiny
-families, their LLM and their vision encoder blocks split, on the same three kinds of plan:
+families, their LLM and their vision encoder blocks split, on the same three kinds of plan (each
+model and plan once more with sequence parallelism, and the stand-in on 2 ranks of t = 4 whose
+stream of 70 rows a shard is padded to 72, the rows of a process 18):
 Qwen2.5-VL (q/k/v biases, one kv head, tied embedding; window attention, SwiGLU vision MLP with
 biases, fused qkv, 2 vision heads: 1 a process), Qwen3-VL (fused qkv, GELU-tanh, a DeepStack
 merger) and InternVL (CLS, layer scales, RMSNorm and QK-norm over all 4 vision heads). Their
@@ -28,6 +31,7 @@ TOL = 1e-5  # fp32, whole model, relative
 T = 2
 LENGTHS = [30, 12, 25, 9, 20, 14, 6, 17]
 CONFIGS = {"kv split": MLLMConfig(), "kv replicated": MLLMConfig(num_kv_heads=1)}
+T4_CONFIG = MLLMConfig(vision_heads=4)      # t = 4: 1 query head a process, the 2 kv heads replicated
 
 
 def _plan(*groups: tuple[list[int], list[int], str]) -> Plan:
@@ -40,6 +44,15 @@ PLANS = {
     "ulysses 2 + ring 2": _plan(([2, 0], [0, 1, 2, 3], "ulysses"), ([3, 1], [4, 5, 6, 7], "ring")),
     "hybrid 2x2": _plan(([0, 1, 2, 3], list(range(8)), "hybrid:2x2")),
 }
+
+
+def _t4_plan(samples) -> Plan:
+    """2 ranks (of t = 4) in one ring over every sample, the stream padded to 140 rows: 70 a shard,
+    which t = 4 does not divide (sequence parallelism pads it to 72: 18 rows a process)."""
+    tokens = sum(s.num_tokens for s in samples)
+    assert tokens <= 140 and 140 // 2 % 4 == 2
+    return Plan(num_ranks=2, micro_batches=(MicroBatch((Group((1, 0), 2, tuple(range(len(samples))), attention="ring",
+                                                              tokens=tokens, padded_tokens=140),)),))
 
 
 def _reference(config: MLLMConfig, samples) -> tuple[float, dict]:
@@ -58,7 +71,7 @@ def _reference(config: MLLMConfig, samples) -> tuple[float, dict]:
     return float(loss.detach()), {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
 
 
-def _stand_in(rank: int, configs, samples, plans) -> dict:
+def _stand_in(rank: int, configs, samples, plans, t4_plan) -> dict:
     from torch.distributed import distributed_c10d as c10d
 
     from npu_backend.executor import StepError, TorchPlanExecutor
@@ -76,6 +89,10 @@ def _stand_in(rank: int, configs, samples, plans) -> dict:
         for pname, plan in plans.items():
             out[cname, pname] = _step(rank, ex, model, plan, samples)
         out["process groups"].append(c10d.get_pg_count())
+        model = TorchMLLM(config)          # sequence parallelism
+        ex = TorchPlanExecutor(model, tensor_parallel=T, sequence_parallel=True)
+        for pname, plan in plans.items():
+            out[cname, "sequence", pname] = _step(rank, ex, model, plan, samples)
     try:
         ex.loss_and_grads(dataclasses.replace(plans["hybrid 2x2"], num_ranks=8), samples)
     except StepError as e:
@@ -84,6 +101,9 @@ def _stand_in(rank: int, configs, samples, plans) -> dict:
         ex.loss_and_grads(_plan(([0, 1, 2, 3], list(range(8)), "ulysses")), samples)
     except StepError as e:
         out["ulysses 4"] = str(e)
+    model = TorchMLLM(T4_CONFIG)           # 2 ranks of 4, sequence-parallel over 18 rows (2 of them padding)
+    ex = TorchPlanExecutor(model, tensor_parallel=4, sequence_parallel=True)
+    out["t4 sequence"] = _step(rank, ex, model, t4_plan, samples)
     return out
 
 
@@ -108,6 +128,9 @@ def _family(rank: int, cases: dict, plans) -> dict:
         out[family] = {"gathered": all(bool((gathered[n] == w).all()) for n, w in whole.items()),
                        "vision held": sum(model.params[n].numel() for n in vision) / sum(whole[n].numel() for n in vision)}
         out[family].update({pname: _step(rank, ex, model, plan, samples) for pname, plan in plans.items()})
+        model = load_family(path)          # sequence parallelism
+        ex = TorchPlanExecutor(model, tensor_parallel=T, sequence_parallel=True)
+        out[family].update({("sequence", pname): _step(rank, ex, model, plan, samples) for pname, plan in plans.items()})
     return out
 
 
@@ -120,12 +143,13 @@ def world(tmp_path_factory):
     """(stand-in references, family references, every process's results) of one world of 8 processes."""
     samples = random_samples(CONFIGS["kv split"], LENGTHS, seed=3)
     refs = {c: _reference(cfg, samples) for c, cfg in CONFIGS.items()}
+    refs["t4"] = _reference(T4_CONFIG, samples)
     cases = {}
     for family in FAMILIES:
         path = str(tmp_path_factory.mktemp(f"tp_{family}"))
         cases[family] = (path, _family_case(path, family))
     family_refs = {f: _family_reference(*case) for f, case in cases.items()}
-    res = run_world(_worker, 8, ((CONFIGS, samples, PLANS), (cases, FAMILY_PLANS)), timeout=300)
+    res = run_world(_worker, 8, ((CONFIGS, samples, PLANS, _t4_plan(samples)), (cases, FAMILY_PLANS)), timeout=300)
     return refs, family_refs, res
 
 
@@ -143,19 +167,25 @@ def _check(label: str, got: dict, ref_loss: float, ref_grads: dict) -> float:
 
 def test_world8_tensor_parallel_2_matches_one_process(world):
     refs, _, res = world
-    for cname, (ref_loss, ref_grads) in refs.items():
+    for cname in CONFIGS:
+        ref_loss, ref_grads = refs[cname]
         for r, o in enumerate(res):
             assert o["stand-in"][cname, "gathered"], (cname, r)
             assert o["stand-in"][cname, "held"] < 0.75, (cname, o["stand-in"][cname, "held"])   # a part only
-        for pname in PLANS:
-            worst = max(_check(f"{cname}, {pname}, process {r}", o["stand-in"][cname, pname], ref_loss, ref_grads)
-                        for r, o in enumerate(res))
-            print(f"stand-in {cname}, {pname}: loss {abs(res[0]['stand-in'][cname, pname]['loss'] - ref_loss) / ref_loss:.1e}, "
-                  f"worst gradient {worst:.1e}")
+        for form in ((), ("sequence",)):
+            for pname in PLANS:
+                key = (cname, *form, pname)
+                worst = max(_check(f"{key}, process {r}", o["stand-in"][key], ref_loss, ref_grads) for r, o in enumerate(res))
+                print(f"stand-in {key}: loss {abs(res[0]['stand-in'][key]['loss'] - ref_loss) / ref_loss:.1e}, "
+                      f"worst gradient {worst:.1e}")
+    worst = max(_check(f"t = 4 sequence-parallel, process {r}", o["stand-in"]["t4 sequence"], *refs["t4"])
+                for r, o in enumerate(res))
+    print(f"stand-in t = 4 sequence-parallel (padded rows): loss "
+          f"{abs(res[0]['stand-in']['t4 sequence']['loss'] - refs['t4'][0]) / refs['t4'][0]:.1e}, worst gradient {worst:.1e}")
     # each executor creates its 4 + 2 groups (one per rank, one per tp index) once; plans create none
     for o in res:
-        pgs = o["stand-in"]["process groups"]          # the world's, then after each executor and its steps
-        assert [c - pgs[0] for c in pgs[1:]] == [6, 6, 12, 12], pgs
+        pgs = o["stand-in"]["process groups"]          # the world's, then after each psum-form executor and its steps
+        assert [c - pgs[0] for c in pgs[1:]] == [6, 6, 18, 18], pgs
     e = res[0]["stand-in"]["wrong ranks"]
     assert "num_ranks=8" in e and "8 processes = 4 ranks of tensor_parallel 2" in e
     assert "the 2 query heads do not split over 4 Ulysses ranks" in res[0]["stand-in"]["ulysses 4"]
@@ -169,6 +199,22 @@ def test_head_counts_tensor_parallel_cannot_split_are_refused():
     with pytest.raises(ValueError, match=r"tensor_parallel 4 cannot split MLLMConfig.num_kv_heads = 3"):
         check_model(MLLMConfig(num_heads=12, num_kv_heads=3, d_ff=64, vision_heads=4), 4)
     check_model(MLLMConfig(num_kv_heads=1, vision_heads=4), 4)     # one kv head, on 4 processes: allowed
+
+
+def test_sequence_parallel_rows_are_the_jax_engines_and_need_tensor_parallel():
+    """The rows a process holds are the JAX engine's (one chunk: the torch blocks run the stream in
+    one pass), and sequence parallelism without tensor parallelism is refused before any collective."""
+    from dhp_jax.model.mllm import sequence_chunks
+    from npu_backend.tensor import TensorParallel, sequence_rows
+
+    for t in (2, 3, 4, 8):
+        for s in range(1, 70):
+            assert sequence_rows(s, t) == (sequence_chunks(s, 0, t)[1], sequence_chunks(s, 0, t)[1] // t), (s, t)
+    assert sequence_rows(70, 4) == (72, 18)
+    with pytest.raises(ValueError, match=r"sequence_parallel needs tensor_parallel > 1"):
+        TensorParallel.create(2, 1, sequence=True)
+    with pytest.raises(ValueError, match=r"sequence_parallel must be True or False, got 'yes'"):
+        TensorParallel.create(2, 2, sequence="yes")
 
 
 def test_family_vision_heads_and_width_tensor_parallel_cannot_split_are_refused():
@@ -302,8 +348,8 @@ def test_families_tensor_parallel_2_matches_one_process(world):
         for r, o in enumerate(res):
             assert o["family"][family]["gathered"], (family, r)
             assert o["family"][family]["vision held"] < 0.6, (family, o["family"][family]["vision held"])
-        for pname in FAMILY_PLANS:
-            worst = max(_check(f"{family}, {pname}, process {r}", o["family"][family][pname], ref_loss, ref_grads)
+        for key in [*FAMILY_PLANS, *(("sequence", p) for p in FAMILY_PLANS)]:
+            worst = max(_check(f"{family}, {key}, process {r}", o["family"][family][key], ref_loss, ref_grads)
                         for r, o in enumerate(res))
-            print(f"{family}, {pname}: loss {abs(res[0]['family'][family][pname]['loss'] - ref_loss) / ref_loss:.1e}, "
+            print(f"{family}, {key}: loss {abs(res[0]['family'][family][key]['loss'] - ref_loss) / ref_loss:.1e}, "
                   f"worst gradient {worst:.1e}")

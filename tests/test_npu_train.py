@@ -93,3 +93,20 @@ def test_plan_logs_replay_across_backends(tmp_path):
     print("cross-backend replay: torch plans", [p.degrees for p in torch_plans], "-> dhp train losses",
           [json.loads(line)["loss"] for line in (jax_run / "metrics.jsonl").read_text().splitlines()],
           "-> torch replay losses", [s["loss"] for s in steps])
+
+
+def test_sequence_parallel_flag_is_priced_and_needs_tensor_parallel(capsys):
+    """`--sequence-parallel` reaches the planner's cost model (each block's input / T a device), and
+    without `--tensor-parallel` > 1 the command is refused before any process group starts."""
+    import pytest
+
+    from npu_backend.train import Planner, build_parser, main
+
+    costs = {flag: Planner(build_parser().parse_args(["--tensor-parallel", "2", *flag]), 8, 0).cost
+             for flag in ((), ("--sequence-parallel",))}
+    assert costs[()].tensor_parallel == costs[("--sequence-parallel",)].tensor_parallel == 2
+    assert [c.sequence_parallel for c in costs.values()] == [False, True]
+    with pytest.raises(SystemExit) as e:
+        main(["--sequence-parallel", "--steps", "1"])
+    assert e.value.code == 2
+    assert "--sequence-parallel needs --tensor-parallel T > 1" in capsys.readouterr().err
