@@ -17,6 +17,9 @@ copies' gradients summed). Three demo models:
   vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
   sample), with a hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
+The Qwen3-VL step runs a second time with the LLM layers sequence-parallel (`sequence_parallel=True`:
+each device of a rank carries half of every chunk's rows, the DeepStack features cut alike, the
+M-RoPE tables and ids whole; the encoders in the psum form), against the same reference.
 Then the refusals: a head count no layout allows, naming the model, the field and t."""
 
 import jax
