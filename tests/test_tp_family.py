@@ -19,8 +19,11 @@ copies' gradients summed). Three demo models:
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
 The Qwen3-VL step runs a second time with the LLM layers sequence-parallel (`sequence_parallel=True`:
 each device of a rank carries half of every chunk's rows, the DeepStack features cut alike, the
-M-RoPE tables and ids whole; the encoders in the psum form), against the same reference.
+M-RoPE tables and ids whole; the encoders in the psum form; every block recomputed in the backward
+pass, remat "layer"), against the same reference.
 Then the refusals: a head count no layout allows, naming the model, the field and t."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -108,7 +111,8 @@ def _rel(a, b, floor: float = 0.0) -> float:
 def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, sequence):
     """`sequence`: the step also runs with the LLM layers sequence-parallel (each device of a rank
     carries half of every chunk's rows, the DeepStack features cut alike; the encoders in the psum
-    form), checked against the same reference."""
+    form) and every block recomputed in the backward pass (remat "layer", values unchanged),
+    checked against the same reference."""
     from dhp_jax.model.hf.init import random_params
 
     cfg = _model(family, vocab, tied, kv)
@@ -116,8 +120,9 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, seque
     params = random_params(cfg, seed=1)
     samples = _samples(cfg)
     ref_loss, ref_grads = _reference(cfg, params, samples)
-    for sp in (False, True) if sequence else (False,):
-        _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sp)
+    _check_step(cfg, params, samples, plan, ref_loss, ref_grads, False)
+    if sequence:        # each layer recomputed in the backward pass too (remat "layer": the gathers run again)
+        _check_step(dataclasses.replace(cfg, remat="layer"), params, samples, plan, ref_loss, ref_grads, True)
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel):
