@@ -28,6 +28,11 @@ flat params (`dhp_jax.model.hf.scan`: a slice and a reshape, no copy), with thei
 group program's op count does not grow with depth. The params tree (and so the flat layout) is
 taken from the first tree bound (`shard`, `loss_and_grads`, `bind`): the family's tree has no
 shape table apart from a checkpoint.
+
+With `tensor_parallel` t > 1 every block is split Megatron-style over a rank's t devices
+(`dhp_jax.sharding.tensor`); `sequence_parallel=True` runs the LLM layers sequence-parallel
+(arXiv 2205.05198, `dhp_jax.model.hf.text.text_forward`: each device carries 1/t of the rows
+between the split matrices, the DeepStack features cut alike), the encoders in the psum form.
 """
 
 from __future__ import annotations
