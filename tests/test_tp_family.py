@@ -17,7 +17,8 @@ copies' gradients summed). Three demo models:
   vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
   sample), with a hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
-The Qwen3-VL step runs a second time with the LLM layers sequence-parallel (`sequence_parallel=True`:
+The Qwen3-VL step runs a second time (a ring and a Ulysses group of 2 ranks) with the LLM layers
+sequence-parallel (`sequence_parallel=True`:
 each device of a rank carries half of every chunk's rows, the DeepStack features cut alike, the
 M-RoPE tables and ids whole; the encoders in the psum form; every block recomputed in the backward
 pass, remat "layer"), against the same reference.
@@ -42,6 +43,8 @@ RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
 ULYSSES = Plan(4, (RINGS, MicroBatch((Group((1, 0), 2, (5, 4), attention="ulysses"),))))
 HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
 RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 5)))),))
+# sequence-parallel: one micro-batch, a ring group and a Ulysses group of 2 ranks each (two programs)
+SEQUENCE = Plan(4, (MicroBatch((Group((0, 1), 2, (0, 1, 2, 3)), Group((3, 2), 2, (5, 4), attention="ulysses"))),))
 
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
@@ -122,7 +125,7 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, seque
     ref_loss, ref_grads = _reference(cfg, params, samples)
     _check_step(cfg, params, samples, plan, ref_loss, ref_grads, False)
     if sequence:        # each layer recomputed in the backward pass too (remat "layer": the gathers run again)
-        _check_step(dataclasses.replace(cfg, remat="layer"), params, samples, plan, ref_loss, ref_grads, True)
+        _check_step(dataclasses.replace(cfg, remat="layer"), params, samples, SEQUENCE, ref_loss, ref_grads, True)
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel):
