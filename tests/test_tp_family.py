@@ -17,7 +17,7 @@ copies' gradients summed). Three demo models:
   vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
   sample), with a hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
-The Qwen3-VL step runs a second time (a ring and a Ulysses group of 2 ranks) with the LLM layers
+The Qwen3-VL step runs a second time (one hybrid group: ring x Ulysses, 2 x 2 ranks) with the LLM layers
 sequence-parallel (`sequence_parallel=True`:
 each device of a rank carries half of every chunk's rows, the DeepStack features cut alike, the
 M-RoPE tables and ids whole; the encoders in the psum form; every block recomputed in the backward
@@ -43,8 +43,8 @@ RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
 ULYSSES = Plan(4, (RINGS, MicroBatch((Group((1, 0), 2, (5, 4), attention="ulysses"),))))
 HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
 RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 5)))),))
-# sequence-parallel: one micro-batch, a ring group and a Ulysses group of 2 ranks each (two programs)
-SEQUENCE = Plan(4, (MicroBatch((Group((0, 1), 2, (0, 1, 2, 3)), Group((3, 2), 2, (5, 4), attention="ulysses"))),))
+# sequence-parallel: one hybrid group of every rank, ring over 2 x Ulysses over 2 (one program)
+SEQUENCE = Plan(4, (MicroBatch((Group((3, 2, 1, 0), 4, (0, 1, 2, 3, 4, 5), attention="hybrid:2x2"),)),))
 
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
