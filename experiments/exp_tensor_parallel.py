@@ -22,7 +22,7 @@ from experiments.common import LABELS, STATIC, save_figure
 def _cluster(p: dict[str, Any], model: str, devices: int, t: int) -> Cluster:
     # the state is sharded over every device of the run, whatever t
     return Cluster.with_devices(devices, p["devices_per_node"], t, model=model, hardware=p["hardware"],
-                                state_shards=devices)
+                                state_shards=devices, sequence_parallel=bool(p["sequence_parallel"]) and t > 1)
 
 
 def _cost(cluster: Cluster) -> tuple[Any, str | None]:

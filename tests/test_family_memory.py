@@ -133,3 +133,22 @@ def test_remat_layer_block_runs_in_a_scan_body():
     got = jax.grad(loss, (0, 1, 2))(*args, "layer")
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_family_sequence_parallel_program_bytes_match_the_memory_model():
+    """Tensor parallelism over 2 devices with the LLM layers sequence-parallel (a group of 2 ranks
+    of 2 devices): `CostModel.preset(..., tensor_parallel=2, sequence_parallel=True)` (the family
+    terms at one device's widths, each LLM layer's input and the DeepStack features / 2) prices
+    the compiled program within 10 %."""
+    import jax
+
+    from dhp_jax.sharding.family_memory import compiled, modelled
+
+    raw, tokens = raw_config(), 4096
+    got, params = compiled(raw, 2, tokens, jax.devices(), tensor_parallel=2, sequence_parallel=True)
+    want = modelled(raw, params, 2, tokens, tensor_parallel=2, sequence_parallel=True)
+    psum = modelled(raw, params, 2, tokens, tensor_parallel=2)
+    print(f"tiny qwen3_vl degree 2 x t=2, {tokens} tokens, sequence-parallel: compiled {got / 1e6:.1f} MB, "
+          f"model {want / 1e6:.1f} MB (psum form: model {psum / 1e6:.1f} MB)")
+    assert want < psum
+    assert abs(want / got - 1.0) <= TOLERANCE, (got, want)

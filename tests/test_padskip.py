@@ -172,7 +172,7 @@ def test_vision_encoder_computes_its_vision_rows_in_whole_chunks(monkeypatch):
     c = chunk_size(shard, CHUNK)
     seen = []
     real_live = mllm.live_chunks
-    monkeypatch.setattr(mllm, "live_chunks", lambda seg, chunk: seen.append(real_live(seg, chunk)) or seen[-1])
+    monkeypatch.setattr(mllm, "live_chunks", lambda seg, chunk, *t: seen.append(real_live(seg, chunk, *t)) or seen[-1])
     rows, scattered = [], []
     for i in range(d):     # the model the executor runs, on each rank's shard (eager: the predicate's values)
         batch = {k: jnp.asarray(v[i * shard:(i + 1) * shard]) for k, v in lay.arrays().items()}

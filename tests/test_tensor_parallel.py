@@ -106,6 +106,21 @@ def test_plan_and_simulate_take_tensor_parallel(capsys):
                  "--steps", "1", "--strategies", "dhp", "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)
     assert sim["runs"][0]["ranks"] == 4 and "of 2 devices (8 devices)" in sim["cluster"]
+    # --sequence-parallel: priced as CostModel.preset(..., sequence_parallel=True) (the rows a device
+    # carries through the LLM layers / t: less memory a token), refused without T > 1
+    assert main(["plan", "--model", "qwen3-vl-8b", "--ranks", "16", "--tensor-parallel", "4", "--sequence-parallel",
+                 "--batch", "8", "--compare", "", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config"]["sequence_parallel"] is True
+    assert main(["plan", "--model", "qwen3-vl-8b", "--sequence-parallel"]) == 2
+    assert "--sequence-parallel needs --tensor-parallel T > 1" in capsys.readouterr().err
+    assert main(["simulate", "--model", "qwen3-vl-8b", "--nodes", "1", "--tensor-parallel", "2", "--sequence-parallel",
+                 "--batch", "8", "--steps", "1", "--strategies", "dhp", "--json"]) == 0
+    assert "of 2 devices, sequence-parallel (8 devices)" in json.loads(capsys.readouterr().out)["cluster"]
+    from dhp_jax.sim.cluster import Cluster
+
+    psum, sp = (Cluster(nodes=1, ranks_per_node=4, model="qwen3-vl-8b", tensor_parallel=2, sequence_parallel=s)
+                .cost_model() for s in (False, True))
+    assert sp.sequence_parallel and sp.mem_per_token < psum.mem_per_token
 
 
 def test_train_config_validates_tensor_parallel_and_a_family_prepares():
@@ -140,9 +155,10 @@ def test_replace_refuses_a_new_tensor_parallel():
     assert one.replace(tensor_parallel=1).to_dict() == one.to_dict()
 
 
-def test_memory_bench_takes_tensor_parallel_for_the_stand_in_only():
-    """`dhp bench memory --tensor-parallel T` compiles the stand-in's group program on ranks of T
-    devices (docs/cli.md); the family bench and `--step` do not split and refuse it by name."""
+def test_memory_bench_takes_tensor_parallel_but_not_with_step():
+    """`dhp bench memory --tensor-parallel T` compiles the group program (the stand-in's, or with
+    --families a family's) on ranks of T devices (docs/cli.md); `--step` does not split and
+    refuses it by name."""
     import argparse
 
     from dhp_jax.bench import step_memory
@@ -150,6 +166,7 @@ def test_memory_bench_takes_tensor_parallel_for_the_stand_in_only():
     parser = argparse.ArgumentParser()
     step_memory.configure(parser)
     assert parser.parse_args([]).tensor_parallel == 1
-    for extra in (["--families", "qwen3-vl-8b"], ["--step"]):
-        with pytest.raises(SystemExit, match=f"--tensor-parallel 2: .*not with {extra[0]}"):
-            step_memory.run(parser.parse_args(["--tensor-parallel", "2", *extra]))
+    with pytest.raises(SystemExit, match="--tensor-parallel 2: not with --step"):
+        step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--step"]))
+    with pytest.raises(SystemExit, match="--sequence-parallel needs --tensor-parallel T > 1"):
+        step_memory.run(parser.parse_args(["--sequence-parallel", "--families", "qwen3-vl-8b"]))

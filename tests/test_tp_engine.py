@@ -79,17 +79,19 @@ def test_refusals_name_the_model_and_t():
         ex.prepare(samples, eight)
 
 
-
-def test_sequence_parallel_is_the_stand_ins_only():
+def test_sequence_parallel_config_for_the_families():
+    """A family model takes sequence parallelism too (its exactness: tests/test_tp_family.py); it
+    still needs tensor parallelism."""
     from dhp_jax.model import hf
     from dhp_jax.train.config import ConfigError, load_config
     from dhp_jax.train.family_demo import DEMO_MODELS, demo_config
 
     name = sorted(DEMO_MODELS)[0]
     config = hf.parse_config(demo_config(DEMO_MODELS[name]))
-    with pytest.raises(ValueError, match="sequence_parallel runs the stand-in model's blocks only"):
-        PlanExecutor(config, tensor_parallel=2, sequence_parallel=True)
+    assert PlanExecutor(config, tensor_parallel=2, sequence_parallel=True).sequence_parallel
+    with pytest.raises(ValueError, match="sequence_parallel needs tensor_parallel > 1"):
+        PlanExecutor(config, sequence_parallel=True)
     with pytest.raises(ConfigError, match="parallel.sequence=true needs parallel.tensor > 1"):
         load_config(overrides=["parallel.sequence=true"])
-    with pytest.raises(ConfigError, match="parallel.sequence=true runs the stand-in model's blocks only"):
-        load_config(overrides=["parallel.sequence=true", "parallel.tensor=2", "num_ranks=4", f"model.preset={name}"])
+    cfg = load_config(overrides=["parallel.sequence=true", "parallel.tensor=2", "num_ranks=4", f"model.preset={name}"])
+    assert cfg.parallel.sequence and cfg.parallel.tensor == 2

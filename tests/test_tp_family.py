@@ -17,7 +17,14 @@ copies' gradients summed). Three demo models:
   vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
   sample), with a hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
+The Qwen3-VL step runs a second time (one hybrid group: ring x Ulysses, 2 x 2 ranks) with the LLM layers
+sequence-parallel (`sequence_parallel=True`:
+each device of a rank carries half of every chunk's rows, the DeepStack features cut alike, the
+M-RoPE tables and ids whole; the encoders in the psum form; every block recomputed in the backward
+pass, remat "layer"), against the same reference.
 Then the refusals: a head count no layout allows, naming the model, the field and t."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +43,8 @@ RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
 ULYSSES = Plan(4, (RINGS, MicroBatch((Group((1, 0), 2, (5, 4), attention="ulysses"),))))
 HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
 RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 5)))),))
+# sequence-parallel: one hybrid group of every rank, ring over 2 x Ulysses over 2 (one program)
+SEQUENCE = Plan(4, (MicroBatch((Group((3, 2, 1, 0), 4, (0, 1, 2, 3, 4, 5), attention="hybrid:2x2"),)),))
 
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
@@ -99,10 +108,14 @@ def _rel(a, b, floor: float = 0.0) -> float:
     return float(np.max(np.abs(a - b)) / (scale if scale > floor else max(floor, 1e-30)))
 
 
-@pytest.mark.parametrize("family,vocab,tied,kv,plan", [("qwen3_vl", 256, True, None, ULYSSES),
-                                                       ("internvl", 255, False, 1, HYBRID),
-                                                       ("qwen2_5_vl", 256, False, None, RING)])
-def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
+@pytest.mark.parametrize("family,vocab,tied,kv,plan,sequence", [("qwen3_vl", 256, True, None, ULYSSES, True),
+                                                                ("internvl", 255, False, 1, HYBRID, False),
+                                                                ("qwen2_5_vl", 256, False, None, RING, False)])
+def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, sequence):
+    """`sequence`: the step also runs with the LLM layers sequence-parallel (each device of a rank
+    carries half of every chunk's rows, the DeepStack features cut alike; the encoders in the psum
+    form) and every block recomputed in the backward pass (remat "layer", values unchanged),
+    checked against the same reference."""
     from dhp_jax.model.hf.init import random_params
 
     cfg = _model(family, vocab, tied, kv)
@@ -110,7 +123,14 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     params = random_params(cfg, seed=1)
     samples = _samples(cfg)
     ref_loss, ref_grads = _reference(cfg, params, samples)
-    ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8)
+    _check_step(cfg, params, samples, plan, ref_loss, ref_grads, False)
+    if sequence:        # each layer recomputed in the backward pass too (remat "layer": the gathers run again)
+        _check_step(dataclasses.replace(cfg, remat="layer"), params, samples, SEQUENCE, ref_loss, ref_grads, True)
+
+
+def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel):
+    family = cfg.family
+    ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8, sequence_parallel=sequence_parallel)
     loss, grads = ex.loss_and_grads(params, samples, plan)
     errs = {"loss": _rel(loss, ref_loss)}
     ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
@@ -119,7 +139,7 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
     largest = max(float(np.max(np.abs(v))) for v in ref.values())
     errs.update((k, _rel(ours[k], ref[k], 1e-6 * largest)) for k in ref)
     worst = max(errs, key=errs.get)
-    print(f"{family} t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
+    print(f"{family} t=2{' sequence-parallel' if sequence_parallel else ''}: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
     assert errs[worst] <= 1e-5, (worst, errs[worst])
     # the state is tp-sharded: a device holds its share, not the whole model; the encoders' blocks
     # are split (a Qwen fused qkv by heads inside each of q, k, v)

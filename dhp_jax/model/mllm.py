@@ -153,23 +153,22 @@ class Block(nn.Module):
         return block_apply(self.variables["params"], x, ids, self, self.chunk)
 
 
-def _split(x: jax.Array, chunk: int) -> jax.Array:
-    """x[S, ...] -> x[n, c, ...] with c = `chunk_size(S, chunk)`, zero rows appended to whole chunks."""
-    chunk = chunk_size(x.shape[0], chunk)
-    n = -(-x.shape[0] // chunk)
-    pad = n * chunk - x.shape[0]
-    if pad:
-        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-    return x.reshape((n, chunk) + x.shape[1:])
-
-
 def _merge(x: jax.Array, length: int) -> jax.Array:
     return x.reshape((-1,) + x.shape[2:])[:length]
 
 
-def live_chunks(segment: jax.Array, chunk: int) -> jax.Array:
-    """bool[n]: which chunks (`chunk_size(S, chunk)` tokens) hold a live token (segment > 0)."""
-    return jnp.any(_split(segment > 0, chunk), axis=1)
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """x[S, ...] with zero rows appended up to `rows` (x itself when S == rows)."""
+    pad = rows - x.shape[0]
+    return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)) if pad else x
+
+
+def live_chunks(segment: jax.Array, chunk: int, t: int = 1) -> jax.Array:
+    """bool[n]: which of the n chunks of a stream (`sequence_chunks(S, chunk, t)`: `chunk_size(S,
+    chunk)` rows, rounded up to a multiple of t under sequence parallelism) hold a live token
+    (segment > 0)."""
+    n, c = sequence_chunks(segment.shape[0], chunk, t)
+    return jnp.any(_pad_rows(segment > 0, n * c).reshape(n, c), axis=1)
 
 
 def _skippable(live_fn: Callable, dead_fn: Callable) -> Callable:
@@ -209,7 +208,6 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     (`dhp_jax.model.tensor.TensorHooks`): the params are then one device's column shares of q/k/v,
     gate and up and row shares of o and down (`dhp_jax.sharding.tensor`), and the outputs of o and
     down are summed over the rank's devices. The head counts are read off the kernels given."""
-    s = x.shape[0]
     hd = shape.head_dim
     h, kvh = p["attn"]["q"]["kernel"].shape[-1] // hd, p["attn"]["k"]["kernel"].shape[-1] // hd
     tp = getattr(shape, "tp", None)
@@ -232,11 +230,10 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
         return y + reduce((jax.nn.silu(z @ m["gate"]["kernel"]) * (z @ m["up"]["kernel"])) @ m["down"]["kernel"])
 
     attend = lambda q, k, v: shape.attn_fn(q, k, v, ids, ids)  # noqa: E731
-    if sp:
-        # x is this device's rows of the stream (`sequence_rows`), the ids whole
-        return sequence_block(p, x, ids, project, finish, attend, chunk, tp.size)
-    live = live_chunks(ids.segment, chunk) if 0 < chunk < s else None
-    return split_block(p, x, ids.position, live, project, finish, attend, chunk)
+    # sequence-parallel: x is this device's rows of the stream (`sequence_rows`), the ids whole
+    s, t = ids.position.shape[0], tp.size if sp else 1
+    live = live_chunks(ids.segment, chunk, t) if 0 < chunk < s else None
+    return split_block(p, x, ids.position, live, project, finish, attend, chunk, t, s)
 
 
 def sequence_chunks(s: int, chunk: int, t: int) -> tuple[int, int]:
@@ -264,42 +261,8 @@ def sequence_stream(rows: jax.Array, s: int, chunk: int, tp: TensorHooks) -> jax
     return jnp.moveaxis(tp.gather(part), 0, 1).reshape((n * c,) + rows.shape[1:])[:s]
 
 
-def sequence_block(p: Params, x: jax.Array, ids: AttnIds, project: Callable, finish: Callable, attend: Callable,
-                   chunk: int, t: int) -> jax.Array:
-    """`split_block` for a sequence-parallel block: x is this device's rows [n c/t, d]
-    (`sequence_rows`), `project` joins a chunk's rows over the rank before its GEMMs and `finish`
-    reduce-scatters its row-split outputs back to them, so the residual stream, the norms and
-    what a block keeps for its backward pass are 1/t of the rows; attention runs on the whole
-    stream's q, k, v (heads split). Chunks with no live row are skipped as in `split_block`
-    (every device of the rank skips the same ones: the ids are whole on each)."""
-    s = ids.position.shape[0]
-    n, c = sequence_chunks(s, chunk, t)
-    pad = lambda a: jnp.pad(a, [(0, n * c - s)] + [(0, 0)] * (a.ndim - 1)).reshape((n, c) + a.shape[1:])  # noqa: E731
-    xs, rs = x.reshape((n, c // t) + x.shape[1:]), pad(ids.position)
-    if n == 1 or not 0 < chunk < s:
-        q, k, v = project(p, xs[0], rs[0])
-        return finish(p, xs[0], pad(attend(*(a[:s] for a in (q, k, v))))[0])
-    live = jnp.any(pad(ids.segment > 0), axis=1)
-
-    def run_project(pp, xc, rc):
-        tick("linear_chunks", xc)
-        return project(pp, xc, rc)
-
-    def run_finish(pp, xc, oc):
-        tick("linear_chunks", xc)
-        return finish(pp, xc, oc)
-
-    shapes = jax.eval_shape(project, p, xs[0], rs[0])
-    project_chunk = _skippable(run_project, lambda pp, xc, rc: jax.tree.map(
-        lambda a: jnp.zeros(a.shape, a.dtype), shapes))
-    finish_chunk = _skippable(run_finish, lambda pp, xc, oc: xc)
-    qkv = lax.map(lambda a: project_chunk(p, a[2], a[0], a[1]), (xs, rs, live))
-    o = pad(attend(*(_merge(a, s) for a in qkv)))
-    return _merge(lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live)), n * (c // t))
-
-
 def split_block(p: Params, x: jax.Array, rows: Any, live: jax.Array | None, project: Callable, finish: Callable,
-                attend: Callable, chunk: int) -> jax.Array:
+                attend: Callable, chunk: int, t: int = 1, length: int | None = None) -> jax.Array:
     """A block cut at its attention, x[S, d] -> x[S, d]: `project(p, x, rows)` (the token-local
     work before it: a tuple of per-token arrays, q, k, v), `attend(*those)` (over the whole
     stream: o[S, ...]), `finish(p, x, o)` (the token-local work after it, with the residuals).
@@ -309,11 +272,27 @@ def split_block(p: Params, x: jax.Array, rows: Any, live: jax.Array | None, proj
     the n chunks of `chunk_size(S, chunk)` rows (`live_chunks`) hold a live row: `project` and
     `finish` run chunk by chunk (`lax.map`) and a dead chunk is skipped (`_skippable`: zero
     projections, the residual passed through), so live rows are unchanged and no result may read
-    a dead row. A chunk that runs calls `executed.tick("linear_chunks")` (counted in debug mode)."""
-    s = x.shape[0]
-    if live is None or not 0 < chunk < s:
-        return finish(p, x, attend(*project(p, x, rows)))
-    xs, rs = _split(x, chunk), jax.tree.map(lambda a: _split(a, chunk), rows)
+    a dead row. A chunk that runs calls `executed.tick("linear_chunks")` (counted in debug mode).
+
+    Sequence-parallel (`t` > 1, Megatron SP, arXiv 2205.05198): x is this device's rows [n c/t, d]
+    of a stream of `length` rows (`sequence_rows`; n chunks of c rows, `sequence_chunks`; `live`
+    from `live_chunks(segment, chunk, t)`), `rows` whole; `project` joins a chunk's rows over the
+    rank before its column-split GEMMs (its q, k, v have c rows) and `finish` reduce-scatters its
+    row-split outputs back to this device's c/t rows, so the residual stream, the norms and what a
+    block keeps for its backward pass are 1/t of the rows; attention runs on the whole stream's
+    q, k, v (heads split). Every device of the rank skips the same chunks (the ids are whole on
+    each). One loop serves the stand-in (`block_apply`) and the families' blocks
+    (`dhp_jax.model.hf.layers`)."""
+    s = x.shape[0] if length is None else int(length)
+    if t == 1 and s != x.shape[0]:
+        raise ValueError(f"a block on {x.shape[0]} rows of a stream of {s}: only sequence parallelism (t > 1) "
+                         f"holds part of the rows")
+    n, c = sequence_chunks(s, chunk if live is not None else 0, t)
+    cut = lambda a: _pad_rows(a, n * c).reshape((n, c) + a.shape[1:])  # noqa: E731
+    xs, rs = _pad_rows(x, n * (c // t)).reshape((n, c // t) + x.shape[1:]), jax.tree.map(cut, rows)
+    if n == 1:
+        qkv = project(p, xs[0], jax.tree.map(lambda a: a[0], rs))
+        return finish(p, xs[0], _pad_rows(attend(*(a[:s] for a in qkv)), c))[:x.shape[0]]
     shapes = jax.eval_shape(project, p, xs[0], jax.tree.map(lambda a: a[0], rs))
 
     def run_project(pp, xc, rc):
@@ -325,11 +304,11 @@ def split_block(p: Params, x: jax.Array, rows: Any, live: jax.Array | None, proj
         return finish(pp, xc, oc)
 
     project_chunk = _skippable(run_project, lambda pp, xc, rc: jax.tree.map(
-        lambda t: jnp.zeros(t.shape, t.dtype), shapes))
+        lambda a: jnp.zeros(a.shape, a.dtype), shapes))
     finish_chunk = _skippable(run_finish, lambda pp, xc, oc: xc)
     qkv = lax.map(lambda a: project_chunk(p, a[2], a[0], a[1]), (xs, rs, live))
-    o = _split(attend(*(_merge(t, s) for t in qkv)), chunk)
-    return _merge(lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live)), s)
+    o = cut(attend(*(_merge(a, s) for a in qkv)))
+    return _merge(lax.map(lambda a: finish_chunk(p, a[2], a[0], a[1]), (xs, o, live)), x.shape[0])
 
 
 def vision_first(vision_mask: jax.Array, chunk: int) -> tuple[jax.Array | None, jax.Array | None]:

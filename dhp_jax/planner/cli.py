@@ -77,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
               "model": cost.model, "hardware": cost.hardware, "freeze_vision": cost.freeze_vision,
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
               "numbers": "simulated with the cost model",
-              **({"tensor_parallel": t, "devices": devices} if t > 1 else {})}
+              **({"tensor_parallel": t, "devices": devices} if t > 1 else {}),
+              **({"sequence_parallel": True} if args.sequence_parallel else {})}
     if args.plot:
         from dhp_jax.planner.plot import plot_plan  # lazy: matplotlib only with --plot
 
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     tokens = int(lengths.sum())
     print(f"{args.strategy} plan: {args.dataset} batch {args.batch} ({tokens:,} tokens, longest {int(lengths.max()):,}), "
           f"{args.ranks} ranks ({args.ranks_per_node // t}/node)"
-          + (f" of {t} devices (tensor parallel; {devices} devices)" if t > 1 else "")
+          + (f" of {t} devices (tensor parallel{', sequence-parallel' if args.sequence_parallel else ''}; "
+             f"{devices} devices)" if t > 1 else "")
           + f", {cost.model} on {cost.hardware}")
     print(f"solve {plan.solver['solve_ms']:.1f} ms; {len(plan.micro_batches)} micro-batch(es); "
           f"numbers are simulated with the cost model")

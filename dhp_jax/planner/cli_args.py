@@ -10,6 +10,9 @@ a cost model from a preset name or a profile path.
 - `--tensor-parallel T` (`dhp plan`, `dhp simulate`): a rank is T devices of one node
   (`dhp_jax.planner.cost.tensor`); --ranks and --ranks-per-node then count devices and the planner's
   ranks are those counts / T (T must divide them). A preset only (a fitted profile is one rank's).
+- `--sequence-parallel` (with `--tensor-parallel T` > 1): the block stacks sequence-parallel over a
+  rank's T devices (Megatron SP; `CostModel.preset(..., sequence_parallel=True)` prices the rows
+  they carry, 1/T a device).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=positive, default=1, metavar="T",
                         help="devices per rank, Megatron-style tensor parallelism inside a node (default 1): "
                              "--ranks and --ranks-per-node then count devices, the planner's ranks are those / T")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="with --tensor-parallel T > 1: the block stacks sequence-parallel over a rank's T "
+                             "devices (each carries 1/T of the rows between the split matrices; the engine's "
+                             "PlanExecutor(sequence_parallel=True), train parallel.sequence)")
 
 
 def tensor_parallel_ranks(devices: int, devices_per_node: int, t: int) -> tuple[int, int]:
@@ -133,8 +140,14 @@ def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int 
 
 def cost_from_args(args: argparse.Namespace, **overrides: Any) -> CostModel:
     """The cost model that `add_cost_args` describes: --cost when given, else --model on --hardware;
-    with --tensor-parallel T > 1 the preset of a rank of T devices (--ranks-per-node counts devices)."""
+    with --tensor-parallel T > 1 the preset of a rank of T devices (--ranks-per-node counts devices),
+    with --sequence-parallel its block stacks sequence-parallel."""
     rpn, t = getattr(args, "ranks_per_node", None), getattr(args, "tensor_parallel", 1)
+    if getattr(args, "sequence_parallel", False):
+        if t == 1:
+            raise ValueError("--sequence-parallel needs --tensor-parallel T > 1 (it splits a rank's rows over its "
+                             "T devices)")
+        overrides = {**overrides, "sequence_parallel": True}
     if t > 1:
         source = args.cost or args.model
         if is_profile(source):

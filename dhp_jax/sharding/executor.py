@@ -108,7 +108,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor.T
     returns its share's gradient row [1, L_pad] (the copies' gradients summed over their holders,
     `tensor.tie_block`), and a rank's loss and token count are reported (and differentiated)
     once, by its device tp = 0. `sequence_parallel`: the block stacks run sequence-parallel over the
-    tp devices (`dhp_jax.model.mllm.sequence_block`)."""
+    tp devices (`dhp_jax.model.mllm.split_block`)."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
     t = tensor_parallel
     tp = tensor.hooks(t, sequence_parallel) if t > 1 else None

@@ -28,6 +28,11 @@ flat params (`dhp_jax.model.hf.scan`: a slice and a reshape, no copy), with thei
 group program's op count does not grow with depth. The params tree (and so the flat layout) is
 taken from the first tree bound (`shard`, `loss_and_grads`, `bind`): the family's tree has no
 shape table apart from a checkpoint.
+
+With `tensor_parallel` t > 1 every block is split Megatron-style over a rank's t devices
+(`dhp_jax.sharding.tensor`); `sequence_parallel=True` runs the LLM layers sequence-parallel
+(arXiv 2205.05198, `dhp_jax.model.hf.text.text_forward`: each device carries 1/t of the rows
+between the split matrices, the DeepStack features cut alike), the encoders in the psum form.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ from dhp_jax.sharding import tensor
 from dhp_jax.sharding.flat import FlatLayout
 
 
-def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, attn: Any, tensor_parallel: int = 1):
+def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, attn: Any, tensor_parallel: int = 1,
+                   sequence_parallel: bool = False):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
     (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype, a 2-byte
     dtype bit-cast to its unsigned integer (`row_dtype`), as the stand-in's `group_program`).
@@ -59,10 +65,12 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, a
     `tensor_parallel` t > 1 (`layout` a `tensor.TensorLayout`), as the stand-in's: the body runs on
     a sub-mesh with a last `tp` axis, takes this device's share flat[1, L_pad] and returns its
     share's gradient row, the copies' gradients summed over their holders (`tensor.tie_rows` for
-    the block stacks, `tensor.tie_top` for the rest), a rank's loss counted once (device tp = 0)."""
+    the block stacks, `tensor.tie_top` for the rest), a rank's loss counted once (device tp = 0).
+    `sequence_parallel`: the LLM layers run sequence-parallel over the t devices
+    (`dhp_jax.model.hf.text.text_forward`); the encoders' blocks stay in the psum form."""
 
     t = tensor_parallel
-    tp = tensor.hooks(t) if t > 1 else None
+    tp = tensor.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
         layout = layout.local
     stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
@@ -109,12 +117,6 @@ class FamilyExecutor(PlanExecutor):
 
     config_type = HFConfig
 
-    def __init__(self, config: HFConfig, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("sequence_parallel"):
-            raise ValueError(f"sequence_parallel runs the stand-in model's blocks only; the {config.family} family "
-                             f"model {config.name!r} runs tensor parallelism in the psum form (sequence_parallel=False)")
-        super().__init__(config, *args, **kwargs)
-
     @staticmethod
     def _chunked_config(config: Any, linear_chunk: int) -> Any:
         return dataclasses.replace(config, linear_chunk=linear_chunk)
@@ -155,7 +157,7 @@ class FamilyExecutor(PlanExecutor):
         from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit
         mesh, spec = self._mesh(devices, attention)
         body = family_program(self._program_config, self.layout, self._attention_fn(degree, attention),
-                              self.tensor_parallel)
+                              self.tensor_parallel, self.sequence_parallel)
         row = self._row_spec(spec)
         fn = jax.shard_map(body, mesh=mesh, in_specs=(self._params_spec(),) + (spec,) * 4, out_specs=(row, row),
                            check_vma=False)

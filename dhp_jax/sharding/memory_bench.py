@@ -191,12 +191,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
-                        help="ranks of T devices (the stand-in model split Megatron-style, PlanExecutor("
+                        help="ranks of T devices (the model split Megatron-style, PlanExecutor("
                              "tensor_parallel=T)), priced with CostModel.preset(..., tensor_parallel=T); a group of "
-                             "degree d uses d x T devices (not with --families or --step)")
+                             "degree d uses d x T devices (with --families too; not with --step)")
     parser.add_argument("--sequence-parallel", action="store_true",
-                        help="with --tensor-parallel T > 1: the block stacks sequence-parallel (PlanExecutor("
-                             "sequence_parallel=True)), priced with CostModel.preset(..., sequence_parallel=True)")
+                        help="with --tensor-parallel T > 1: the block stacks (a family's LLM layers) sequence-"
+                             "parallel (PlanExecutor(sequence_parallel=True)), priced with CostModel.preset(..., "
+                             "sequence_parallel=True)")
     parser.add_argument("--remat", default=None,
                         help="recompute policy: none, layer or selective (default: layer); with --families a "
                              "comma-separated list of them (default: none)")
@@ -221,9 +222,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     force_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
-    if args.tensor_parallel != 1 and (args.families or getattr(args, "step", False)):
-        raise SystemExit(f"--tensor-parallel {args.tensor_parallel}: the engine splits the stand-in model only; "
-                         f"not with {'--families' if args.families else '--step'}")
+    if args.tensor_parallel != 1 and getattr(args, "step", False):
+        raise SystemExit(f"--tensor-parallel {args.tensor_parallel}: not with --step")
     if args.sequence_parallel and args.tensor_parallel == 1:
         raise SystemExit("--sequence-parallel needs --tensor-parallel T > 1")
     if args.families:
@@ -272,7 +272,8 @@ def run_families(args: argparse.Namespace, ints: Any) -> int:
     res = family_memory.measure_families([m.strip() for m in args.families.split(",") if m.strip()],
                                          ints(args.degrees), ints(args.tokens), layer_checks=checks,
                                          hardware=args.hardware, log=lambda t: print(t, file=sys.stderr, flush=True),
-                                         rows_file=args.rows_file, remats=remats)
+                                         rows_file=args.rows_file, remats=remats,
+                                         tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

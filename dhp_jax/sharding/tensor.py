@@ -5,7 +5,7 @@ group's sub-mesh has a last `tp` axis (`mesh.TP_AXIS`) and every device of a ran
 stream shard (replicated over `tp`) on its share of the params, Megatron-style (Megatron-LM,
 arXiv 1909.08053, section 3; the "psum form": the activations between blocks are whole on every
 device; with `sequence_parallel` the block stacks carry 1/t of the rows instead, arXiv 2205.05198,
-`dhp_jax.model.mllm.sequence_block`).
+`dhp_jax.model.mllm.split_block`).
 
 The split rule is `BLOCK_SPLIT` (every block of the vision encoder and of the decoder: q/k/v,
 gate and up by column, o and down by row, the norms replicated; kv heads split when t divides

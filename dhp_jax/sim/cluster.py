@@ -23,7 +23,9 @@ class Cluster:
 
     `tensor_parallel` = t: each rank is t devices of its node (`dhp_jax.planner.cost.tensor`), so a
     node has ranks_per_node x t devices and the cluster `devices` = num_ranks x t; the plans stay in
-    rank units. `state_shards`: devices the fp32 state is sharded over (None: the preset's 64).
+    rank units; `sequence_parallel` (t > 1): the block stacks sequence-parallel over a rank's t
+    devices (`CostModel.preset(..., sequence_parallel=True)`). `state_shards`: devices the fp32
+    state is sharded over (None: the preset's 64).
     `with_devices` builds one from device counts."""
 
     nodes: int
@@ -35,6 +37,7 @@ class Cluster:
     inter_node_gbps: float | None = None
     tensor_parallel: int = 1
     state_shards: int | None = None
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("nodes", "ranks_per_node", "tensor_parallel") + (("state_shards",) if self.state_shards else ()):
@@ -44,6 +47,9 @@ class Cluster:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and v > 0):
                 raise ValueError(f"Cluster.{name} must be a positive number of GB/s, got {v!r}")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("Cluster.sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over "
+                             "its devices)")
 
     @classmethod
     def with_ranks(cls, num_ranks: int, ranks_per_node: int = 8, **kw: Any) -> "Cluster":
@@ -88,6 +94,8 @@ class Cluster:
             overrides["bw_inter"] = self.inter_node_gbps * 1e9
         if self.tensor_parallel > 1:
             overrides["tensor_parallel"] = self.tensor_parallel
+        if self.sequence_parallel:
+            overrides["sequence_parallel"] = True
         if self.state_shards:
             overrides["state_shards"] = self.state_shards
         return CostModel.preset(self.model, self.hardware, ranks_per_node=self.ranks_per_node,
@@ -98,7 +106,8 @@ class Cluster:
         if self.intra_node_gbps or self.inter_node_gbps:
             bw = f", intra {self.intra_node_gbps or 'preset'} GB/s, inter {self.inter_node_gbps or 'preset'} GB/s"
         frozen = ", vision frozen" if self.freeze_vision else ""
-        tp = f" of {self.tensor_parallel} devices ({self.devices} devices)" if self.tensor_parallel > 1 else ""
+        sp = ", sequence-parallel" if self.sequence_parallel else ""
+        tp = f" of {self.tensor_parallel} devices{sp} ({self.devices} devices)" if self.tensor_parallel > 1 else ""
         return (f"{self.nodes} nodes x {self.ranks_per_node} ranks{tp}, {self.model} on {self.hardware} preset"
                 f"{bw}{frozen}")
 

@@ -222,9 +222,6 @@ class TrainConfig:
         if self.parallel.sequence and t == 1:
             raise ConfigError("parallel.sequence=true needs parallel.tensor > 1 (it splits a rank's rows over its "
                               "devices)")
-        if self.parallel.sequence and (self.model.pretrained or str(self.model.preset).startswith("tiny-")):
-            raise ConfigError("parallel.sequence=true runs the stand-in model's blocks only; a family model "
-                              f"({self.model.pretrained or self.model.preset!r}) runs parallel.tensor in the psum form")
         if t == 1:
             return
         if self.num_ranks * t > self.devices.count:

@@ -29,6 +29,7 @@ from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.mllm import live_chunks, remat_policy, split_block, vision_first
 from dhp_jax.model.hf.scan import run_blocks
 from dhp_jax.model.hf.spec import DecoderShape, RopeSpec  # noqa: F401 (the blocks' shapes)
+from dhp_jax.model.tensor import TensorHooks
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
@@ -134,21 +135,30 @@ def row_linear(p: Params, x: jax.Array, reduce: Callable[[jax.Array], jax.Array]
 
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
                   attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
-                  reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+                  reduce: Callable[[jax.Array], jax.Array] | None = None,
+                  sequence: TensorHooks | None = None) -> jax.Array:
     """One pre-norm LLM block (transformers' `*DecoderLayer`) on `p`, a `layers.i` subtree:
     h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h)).
     `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
     chunks and the dead ones are skipped (`mllm.split_block`); None: one pass.
     Tensor parallelism (`dhp_jax.sharding.tensor`): `p` is one device's share (its query and kv
     heads, its MLP columns; the head counts are read off the kernels) and `reduce` the sum over
-    the rank's devices after the row-split o_proj and down_proj."""
+    the rank's devices after the row-split o_proj and down_proj. `sequence` (the rank's
+    `TensorHooks` with `sequence` set): sequence-parallel (Megatron SP, arXiv 2205.05198;
+    `mllm.split_block`): x is this device's rows of the stream (`mllm.sequence_rows`, `live` from
+    `mllm.live_chunks(..., t)`), `angles` and `ids` whole; the normed rows are all-gathered before
+    q/k/v and gate/up, and the outputs of o_proj and down_proj reduce-scattered back (instead of
+    summed by `reduce`), their biases added to this device's rows."""
     hd = shape.head_dim
+    widen = (lambda y: y) if sequence is None else sequence.gather
+    if sequence is not None:
+        reduce = sequence.scatter
     heads = p["self_attn"]["q_proj"]["kernel"].shape[-1] // hd
     kv = p["self_attn"]["k_proj"]["kernel"].shape[-1] // hd
 
     def project(pp, xc, ang):
         a = pp["self_attn"]
-        y = rms_norm(xc, pp["input_layernorm"], shape.eps)
+        y = widen(rms_norm(xc, pp["input_layernorm"], shape.eps))
         q = linear(a["q_proj"], y).reshape(-1, heads, hd)
         k = linear(a["k_proj"], y).reshape(-1, kv, hd)
         v = linear(a["v_proj"], y).reshape(-1, kv, hd)
@@ -159,11 +169,13 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
     def finish(pp, xc, oc):
         h = xc + row_linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd), reduce)
         m = pp["mlp"]
-        z = rms_norm(h, pp["post_attention_layernorm"], shape.eps)
+        z = widen(rms_norm(h, pp["post_attention_layernorm"], shape.eps))
         return h + row_linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)),
                               reduce)
 
-    return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
+    t = 1 if sequence is None else sequence.size
+    return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk,
+                       t, ids.segment.shape[0])
 
 
 def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, num_heads: int,
@@ -256,14 +268,18 @@ class BlockStream:
     first; `mllm.vision_first`: a shard's live rows fill whole chunks; masks read ids, never the
     order).
     `rows(a)` puts per-row arrays in the blocks' order, `back(x)` restores the stream's; `chunk`
-    and `live` are the blocks' arguments (0, None: one pass)."""
+    and `live` are the blocks' arguments (0, None: one pass). `t` > 1: the blocks run
+    sequence-parallel over t devices (`mllm.split_block`), the chunks `mllm.sequence_chunks`."""
 
-    def __init__(self, remat: str, chunk: int, live: jax.Array | None = None, reorder: bool = True) -> None:
+    def __init__(self, remat: str, chunk: int, live: jax.Array | None = None, reorder: bool = True,
+                 t: int = 1) -> None:
         self.remat = remat
         n = 0 if live is None else live.shape[0]
         self.chunk = chunk if live is not None and 0 < chunk < n else 0
         self.order, self._back = vision_first(live, self.chunk) if self.chunk and reorder else (None, None)
-        self.live = live_chunks(self.rows(live).astype(jnp.int32), self.chunk) if self.chunk else None
+        if t > 1 and reorder:
+            raise ValueError("a sequence-parallel stream keeps its rows in order (reorder=False)")
+        self.live = live_chunks(self.rows(live).astype(jnp.int32), self.chunk, t) if self.chunk else None
 
     def rows(self, a: Any) -> Any:
         """Per-row arrays (a pytree, e.g. `AttnIds`) in the blocks' order."""
