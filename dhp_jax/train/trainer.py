@@ -457,7 +457,8 @@ class Trainer:
             state = self.init_state()
             start = 0
             if resume:
-                restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout.record())
+                restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout,
+                                        layouts=self.executor.layout_for)
                 state, start = restored.state, restored.data_position
                 if start >= cfg.steps:
                     self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
@@ -611,8 +612,10 @@ class Trainer:
         plans of steps < start, stored in the checkpoint (a checkpoint without them, of a live
         DHP run, is refused: its plans would differ from the uninterrupted run's)."""
         keys = meta.get("programs")
-        saved_ranks = (meta.get("layout") or {}).get("num_shards")
-        if saved_ranks is not None and int(saved_ranks) != len(self.devices):
+        saved = meta.get("layout") or {}
+        # ranks: a record's num_shards counts devices, t of them per rank
+        saved_ranks = int(saved["num_shards"]) // int(saved.get("tensor_parallel", 1)) if saved else None
+        if saved_ranks is not None and saved_ranks != len(self.devices) // self.executor.tensor_parallel:
             # the record names groups of another rank count: no uninterrupted run on this count
             # exists to plan like, so this run plans as a fresh one on its ranks would
             self._say(f"the checkpoint was written on {saved_ranks} ranks, this run has {self.config.num_ranks}: "
