@@ -164,8 +164,7 @@ class Checkpointer:
         state = out["state"]
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]
         shardings = {jax.tree_util.keystr(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
-        check_copies(src, {jax.tree_util.keystr(p): x for p, x in leaves if jax.tree_util.keystr(p) in flat_paths},
-                     where)
+        check_copies(src, {_name(p): x for p, x in leaves if jax.tree_util.keystr(p) in flat_paths}, where)
         done = {}
         for p, x in leaves:
             k = jax.tree_util.keystr(p)
@@ -198,6 +197,11 @@ class Checkpointer:
 
 
 SAME, REPAD, CONVERT = "same", "repad", "convert"
+
+
+def _name(path: Any) -> str:
+    """A state leaf's path as "params", "opt_state/1/0/mu"."""
+    return "/".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 def _tp(record: Mapping[str, Any]) -> int:
