@@ -165,10 +165,14 @@ class Checkpointer:
         leaves = jax.tree_util.tree_flatten_with_path(state)[0]
         shardings = {jax.tree_util.keystr(p): x.sharding for p, x in jax.tree_util.tree_flatten_with_path(target)[0]}
         check_copies(src, {_name(p): x for p, x in leaves if jax.tree_util.keystr(p) in flat_paths}, where)
-        done = {}
+        done, fns = {}, {}
         for p, x in leaves:
             k = jax.tree_util.keystr(p)
-            done[k] = convert(x, src, dst, shardings[k]) if k in flat_paths else x
+            if k in flat_paths:
+                if shardings[k] not in fns:          # one program for params, mu and nu
+                    fns[shardings[k]] = converter(src, dst, shardings[k])
+                x = fns[shardings[k]](x)
+            done[k] = x
         state = jax.tree_util.tree_unflatten(jax.tree.structure(state), [done[jax.tree_util.keystr(p)]
                                                                           for p, _ in leaves])
         return Restored(state=state, step=int(meta["step"]), data_position=int(meta["data_position"]), meta=meta)
@@ -273,10 +277,12 @@ def check_copies(src: Any, vectors: Mapping[str, jax.Array], where: str) -> None
     the others. Nothing to check at t = 1."""
     if not hasattr(src, "copy_spread"):
         return
-    spread_fn = jax.jit(lambda x: src.copy_spread(x[:src.padded]))
-    bad = []
+    bad, fns = [], {}
     for name, x in vectors.items():
-        spread, scale = (np.asarray(v) for v in spread_fn(x))
+        if x.sharding not in fns:     # replicated out: every process reads the figures
+            rep = jax.sharding.NamedSharding(x.sharding.mesh, jax.sharding.PartitionSpec())
+            fns[x.sharding] = jax.jit(lambda v: src.copy_spread(v[:src.padded]), out_shardings=(rep, rep))
+        spread, scale = (np.asarray(v) for v in fns[x.sharding](x))
         for j in np.flatnonzero(spread > COPY_RTOL * np.maximum(scale, np.finfo(np.float32).tiny)):
             bad.append(f"{name} {src.paths[j]}: copies differ by {spread[j]:.3g} (largest value {scale[j]:.3g})")
     if bad:
@@ -285,8 +291,13 @@ def check_copies(src: Any, vectors: Mapping[str, jax.Array], where: str) -> None
                                                                            else "") + ")")
 
 
+def converter(src: Any, dst: Any, sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    """x -> the flat vector x laid out as `src` (its first `src.padded` elements) as `dst` lays it
+    out, placed with `sharding`: `dst.ravel(src.unravel(x))`, one jitted program (each device
+    computes its part; the tails past P are zero)."""
+    return jax.jit(lambda v: dst.ravel(src.unravel(v[:src.padded]), v.dtype), out_shardings=sharding)
+
+
 def convert(x: jax.Array, src: Any, dst: Any, sharding: Any) -> jax.Array:
-    """A flat vector laid out as `src` (its first `src.padded` elements) as `dst` lays it out,
-    placed with `sharding`: `dst.ravel(src.unravel(x))`, one jitted program (each device computes
-    its part; the tails past P are zero)."""
-    return jax.jit(lambda v: dst.ravel(src.unravel(v[:src.padded]), v.dtype), out_shardings=sharding)(x)
+    """`converter(src, dst, sharding)(x)`."""
+    return converter(src, dst, sharding)(x)
