@@ -149,7 +149,7 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
     for d in (multi, multi_tp, single_tp):
         shutil.copytree(tmp_path / "single", d)
     tp_plans = _tp_plans(tmp_path / "tp_plans.json")
-    tp = ["parallel.tensor=2", f"planner.plan_file={tp_plans}"]
+    tp = ["parallel.tensor=2", "num_ranks=4", f"planner.plan_file={tp_plans}"]
     runs = [[*OVERRIDES, f"metrics.out_dir={multi}", f"planner.plan_file={plan_file}", "compilation_cache=null"],
             [*OVERRIDES, f"metrics.out_dir={multi_tp}", *tp, "compilation_cache=null"]]
     port = free_port()
