@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -99,6 +100,9 @@ def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+_RUNS = itertools.count()     # the runs of this process (`Trainer.run`), numbering their StepSync keys
 
 
 class TrainError(RuntimeError):
@@ -392,7 +396,9 @@ class Trainer:
                       f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
                       + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
         if self.multi_process:
-            self._sync = StepSync(self.step_timeout_s)
+            # keys of this run only: every process runs the same runs in the same order, so the
+            # n-th run of each process shares the n-th namespace (a later run reuses no step key)
+            self._sync = StepSync(self.step_timeout_s, prefix=f"dhp/run{next(_RUNS)}")
         metrics, plan_log, earlier = self._open_logs(resume, start)
         # after each step, in order: the step's programs recorded (the checkpoint stores them),
         # its metrics, its plan as executed, a checkpoint when due
