@@ -7,7 +7,7 @@ then a group inside process 1 alone, and must give the losses of the single-proc
 devices, to the project's fp32 1e-5; each process compiles only the groups that touch its devices.
 In the same processes, the same checkpoint resumes at tensor parallelism t = 2 (4 ranks of 2
 devices, a rank's devices in one process; the t = 1 state converted to the t = 2 layout by both
-processes) with groups spanning both and other plans: the same losses again (DHP is exact).
+processes) with a group spanning both and other plans: the same losses again (DHP is exact).
 (Two processes starting a run from scratch, planning live: tests/test_multiprocess_live.py.)
 A process that dies must not leave its peer hanging: the peer ends within a short timeout with
 a message naming the step and the missing process, whether the death comes before the step's
@@ -51,11 +51,10 @@ def _plans(path):
 
 def _tp_plans(path):
     """Plans of 4 ranks of 2 devices (t = 2): process 0 holds ranks 0-1 (devices 0-3), process 1
-    ranks 2-3 (devices 4-7), each rank's two devices in one process; every group spans both."""
-    a, b = (1, 2), (3, 0)
-    plans = [Plan(4, (MicroBatch((Group(a, 2, (0, 2, 4, 6)), Group(b, 2, (1, 3, 5, 7)))),)),
-             Plan(4, (MicroBatch((Group(a, 2, (0, 5, 7)), Group(b, 2, (1, 2, 3, 4, 6)))),)),
-             Plan(4, (MicroBatch((Group(b, 2, (0, 1, 2)), Group(a, 2, (3, 4, 5, 6, 7)))),))]
+    ranks 2-3 (devices 4-7), each rank's two devices in one process; the one group (a ring
+    1, 2, 3, 0, one program) spans both."""
+    ring = (1, 2, 3, 0)
+    plans = [Plan(4, (MicroBatch((Group(ring, 4, tuple(range(BATCH))),)),))] * 3
     path.write_text(json.dumps({"plans": [p.to_dict() for p in plans]}))
     return path
 
@@ -193,11 +192,11 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
     # reference's losses and gradient norms: a step's loss is a function of the params and the batch
     tp_records = [read_jsonl(multi_tp / "metrics.jsonl")[1:], read_jsonl(multi_tp / "process-1" / "metrics.jsonl")]
     for recs in tp_records:
-        assert [r["step"] for r in recs] == [2, 3] and [r["degrees"] for r in recs] == [[[2, 2]]] * 2
+        assert [r["step"] for r in recs] == [2, 3] and [r["degrees"] for r in recs] == [[[4]]] * 2
         np.testing.assert_allclose([r["loss"] for r in recs], rest.losses, rtol=1e-5, atol=0)
         np.testing.assert_allclose([r["grad_norm"] for r in recs], [r["grad_norm"] for r in rest.records],
                                    rtol=1e-5, atol=0)
-    assert [recs[-1]["num_compiles"] for recs in tp_records] == [2, 2]   # both groups touch both processes
+    assert [recs[-1]["num_compiles"] for recs in tp_records] == [1, 1]   # the group touches both processes
     # its final checkpoint, written at t = 2 by both processes and read by the torch backend's
     # reader (the t = 2 record joins the shares), holds the reference's params
     from npu_backend.weights import flatten_tree, load_jax_checkpoint
