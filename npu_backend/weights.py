@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
+from dhp_jax.sharding.relayout import RecordError, unravel_record
 from npu_backend.model import TorchMLLM
 
 
@@ -190,8 +191,10 @@ def checkpoint_step_dir(path: str | Path, step: int | None = None) -> Path:
 def load_jax_checkpoint(path: str | Path, step: int | None = None) -> JaxCheckpoint:
     """Read the fp32 master params of a `dhp train` checkpoint without jax: orbax stores the flat
     vector with tensorstore (zarr over OCDBT); the checkpoint's layout record (`FlatLayout.record`:
-    the leaves in flat order, P and the padding of the rank count that wrote it) cuts it into the
-    flax tree. The Adam moments are not read (see docs/torch-backend.md)."""
+    the leaves in flat order, P and the padding of the rank count that wrote it; with tensor
+    parallelism `TensorLayout.record`, also each device's share and how the shares join,
+    `dhp_jax.sharding.relayout.unravel_record`) cuts it into the flax tree, whatever t and device
+    count wrote it. The Adam moments are not read (see docs/torch-backend.md)."""
     d = checkpoint_step_dir(path, step)
     try:
         meta = json.loads((d / "meta" / "metadata").read_text())
@@ -210,20 +213,10 @@ def load_jax_checkpoint(path: str | Path, step: int | None = None) -> JaxCheckpo
     spec = {"driver": driver, "kvstore": {"driver": "ocdbt", "base": (d / "state").resolve().as_uri(),
                                           "path": "params"}}
     flat = np.asarray(ts.open(spec, open=True, read=True).result().read().result())
-    if int(layout.get("tensor_parallel", 1)) > 1:
-        raise WeightsError(f"{str(d)!r} was written by a run with tensor_parallel={layout['tensor_parallel']}: its "
-                           "params vector holds each device's share (dhp_jax.sharding.tensor.TensorLayout), which "
-                           "this reader does not lay out; it reads checkpoints of parallel.tensor=1 runs")
-    if flat.shape != (int(layout["padded"]),):
-        raise WeightsError(f"{str(d)!r}: params have shape {flat.shape}, its layout record says "
-                           f"({layout['padded']},)")
-    out, at = {}, 0
-    for leaf_path, shape, _dtype in layout["leaves"]:
-        n = int(np.prod(shape, dtype=np.int64))
-        out[leaf_path] = flat[at:at + n].reshape(shape)
-        at += n
-    if at != int(layout["size"]):
-        raise WeightsError(f"{str(d)!r}: its layout record's leaves hold {at} values, not {layout['size']}")
+    try:    # t > 1: the master holds each device's share; the record's split rule joins them
+        out = unravel_record(flat, layout)
+    except RecordError as e:
+        raise WeightsError(f"{str(d)!r}: {e}") from None
     return JaxCheckpoint(d, int(meta["step"]), int(meta["data_position"]), unflatten_tree(out), meta)
 
 

@@ -5,6 +5,9 @@ on 8 devices) and replay plans whose CP groups span both (a 3-group on ranks 2,3
 boundary between process 0's devices 0-3 and process 1's devices 4-7, and a 5-group 5,6,7,0,1),
 then a group inside process 1 alone, and must give the losses of the single-process run on 8
 devices, to the project's fp32 1e-5; each process compiles only the groups that touch its devices.
+In the same processes, the same checkpoint resumes at tensor parallelism t = 2 (4 ranks of 2
+devices, a rank's devices in one process; the t = 1 state converted to the t = 2 layout by both
+processes) with a group spanning both and other plans: the same losses again (DHP is exact).
 (Two processes starting a run from scratch, planning live: tests/test_multiprocess_live.py.)
 A process that dies must not leave its peer hanging: the peer ends within a short timeout with
 a message naming the step and the missing process, whether the death comes before the step's
@@ -44,6 +47,32 @@ def _plans(path):
                       MicroBatch((Group((4, 5, 6), 3, (1, 3, 5)),)),))]
     path.write_text(json.dumps({"plans": [p.to_dict() for p in plans]}))
     return path
+
+
+def _tp_plans(path):
+    """Plans of 4 ranks of 2 devices (t = 2): process 0 holds ranks 0-1 (devices 0-3), process 1
+    ranks 2-3 (devices 4-7), each rank's two devices in one process; the one group (a ring
+    1, 2, 3, 0, one program) spans both."""
+    ring = (1, 2, 3, 0)
+    plans = [Plan(4, (MicroBatch((Group(ring, 4, tuple(range(BATCH))),)),))] * 3
+    path.write_text(json.dumps({"plans": [p.to_dict() for p in plans]}))
+    return path
+
+
+# The pair's worker: the set-up of `dhp train` (4 fake devices per process, jax.distributed), then
+# the runs given as JSON lists of overrides, each resumed from its checkpoint, in the same processes.
+_PAIR = textwrap.dedent("""
+    import json, sys
+    pid, port, runs = int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+    from dhp_jax.devices import force_cpu_devices
+    force_cpu_devices(4)
+    from dhp_jax.train import distributed as D
+    D.initialize(D.resolve(f"127.0.0.1:{port}", 2, pid), timeout_s=120)
+    from dhp_jax.train.config import load_config
+    from dhp_jax.train.trainer import Trainer
+    for overrides in runs:
+        Trainer(load_config(overrides=overrides), step_timeout_s=120).run(resume=True)
+""")
 
 
 def _env() -> dict:
@@ -115,10 +144,15 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
                                         f"planner.plan_file={plan_file}", "compilation_cache=null"])
     single = Trainer(single_cfg)
     first = single.run(stop_after=1)
-    multi = tmp_path / "multi"
-    shutil.copytree(tmp_path / "single", multi)
+    multi, multi_tp = tmp_path / "multi", tmp_path / "multi_tp"
+    for d in (multi, multi_tp):
+        shutil.copytree(tmp_path / "single", d)
+    tp_plans = _tp_plans(tmp_path / "tp_plans.json")
+    tp = ["parallel.tensor=2", "num_ranks=4", f"planner.plan_file={tp_plans}"]
+    runs = [[*OVERRIDES, f"metrics.out_dir={multi}", f"planner.plan_file={plan_file}", "compilation_cache=null"],
+            [*OVERRIDES, f"metrics.out_dir={multi_tp}", *tp, "compilation_cache=null"]]
     port = free_port()
-    procs = [subprocess.Popen([*_train_cmd(pid, port, multi, plan_file, "compilation_cache=null"), "--resume"],
+    procs = [subprocess.Popen([sys.executable, "-c", _PAIR, str(pid), str(port), json.dumps(runs)],
                               cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               start_new_session=True) for pid in (0, 1)]
     try:
@@ -129,8 +163,7 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
         texts = _outputs(procs)
     for p, text in zip(procs, texts):
         assert p.returncode == 0, text[-4000:]
-    assert "dhp train: process 1 of 2, coordinator 127.0.0.1" in texts[1]
-    assert "dhp train: resumed from step 1 (checkpoint " in texts[0]
+    assert texts[0].count("dhp train: resumed from step 1 (checkpoint ") == 2
     ref_records = first.records + rest.records
     ref_losses = [r["loss"] for r in ref_records]
     per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
@@ -154,6 +187,27 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
     print("1 -> 2 processes: losses", losses0, "vs one process", ref_losses[1:], "max rel diff",
           float(np.max(np.abs(np.subtract(losses0, ref_losses[1:])) / np.abs(ref_losses[1:]))))
+
+    # t = 2: the pair's steps 2-3 (every group across the processes, other plans) give the
+    # reference's losses and gradient norms: a step's loss is a function of the params and the batch
+    tp_records = [read_jsonl(multi_tp / "metrics.jsonl")[1:], read_jsonl(multi_tp / "process-1" / "metrics.jsonl")]
+    for recs in tp_records:
+        assert [r["step"] for r in recs] == [2, 3] and [r["degrees"] for r in recs] == [[[4]]] * 2
+        np.testing.assert_allclose([r["loss"] for r in recs], rest.losses, rtol=1e-5, atol=0)
+        np.testing.assert_allclose([r["grad_norm"] for r in recs], [r["grad_norm"] for r in rest.records],
+                                   rtol=1e-5, atol=0)
+    assert [recs[-1]["num_compiles"] for recs in tp_records] == [1, 1]   # the group touches both processes
+    # its final checkpoint, written at t = 2 by both processes and read by the torch backend's
+    # reader (the t = 2 record joins the shares), holds the reference's params
+    from npu_backend.weights import flatten_tree, load_jax_checkpoint
+    got = load_jax_checkpoint(multi_tp)
+    assert got.step == 3 and got.meta["layout"]["tensor_parallel"] == 2
+    got = flatten_tree(got.params)
+    want = flatten_tree(jax.device_get(single.executor.unshard(rest.state.params)))
+    assert sorted(got) == sorted(want)
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    print("t = 2 pair: losses", [r["loss"] for r in tp_records[0]], "vs one process at t = 1", rest.losses)
 
 
 # A worker that runs the real StepSync between two processes with a real cross-process collective

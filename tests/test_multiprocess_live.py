@@ -44,6 +44,7 @@ def test_two_processes_plan_live_and_match_single_process(tmp_path):
         texts = _outputs(procs)
     for p, text in zip(procs, texts):
         assert p.returncode == 0, text[-4000:]
+    assert "dhp train: process 1 of 2, coordinator 127.0.0.1" in texts[1]     # the CLI's set-up line
     steps = len(ref.records)
     per_process = [read_jsonl(multi / "metrics.jsonl"), read_jsonl(multi / "process-1" / "metrics.jsonl")]
     for recs in per_process:

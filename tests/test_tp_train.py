@@ -3,17 +3,22 @@ fake CPU devices as 4 ranks of 2,
 against the same run at t = 1 on 4 devices replaying its plans: the state is tp-sharded (each
 device holds and reduces only its share, `dhp_jax.sharding.tensor.TensorLayout`), the copies of
 replicated leaves stay equal under AdamW, the clipped global norm
-counts each parameter once, and a t = 2 run stopped and resumed from its checkpoint continues it.
+counts each parameter once, and a t = 2 run stopped and resumed from its checkpoint continues it,
+as does the same checkpoint resumed at t = 1 on 4 devices, and a t = 1 checkpoint resumed at t = 2
+(`dhp_jax.train.checkpoint` converts the params and AdamW's moments through the params tree).
 Clipping is on at every step (clip_norm below the gradient norm), so a norm that counted a copy
 twice would change every update."""
 
+import shutil
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from dhp_jax.model import MLLMConfig
 from dhp_jax.sharding import PlanExecutor
-from dhp_jax.train.checkpoint import CheckpointError
+from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.config import load_config
 from dhp_jax.train.metrics import read_jsonl
 from dhp_jax.train.trainer import Trainer
@@ -30,7 +35,8 @@ def _config(tmp_path, name, *extra):
 
 def test_t2_training_equals_t1_and_resumes(tmp_path):
     one = PlanExecutor(C, jax.devices()[:4], min_bucket=512)
-    base = Trainer(_config(tmp_path, "t1", "planner.strategy=dhp"), executor=one).run()
+    base = Trainer(_config(tmp_path, "t1", "planner.strategy=dhp", "checkpoint.every=2"), executor=one).run()
+    _copy_run(tmp_path, "t1", "t1to2")             # its step-2 checkpoint, resumed at t = 2 below
     replay = f"planner.plan_file={tmp_path / 't1' / 'plans.jsonl'}"
     two = PlanExecutor(C, jax.devices(), min_bucket=512, tensor_parallel=2, sequence_parallel=True)
     # each device holds its share: about half the params (the norms, the patch embedding and the
@@ -38,6 +44,7 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
     assert two.layout.row < 0.6 * one.layout.padded and two.layout.padded == 2 * two.layout.row
     cfg = _config(tmp_path, "t2", replay, "parallel.tensor=2", "parallel.sequence=true", "checkpoint.every=2")
     first = Trainer(cfg, executor=two).run(stop_after=2)
+    _copy_run(tmp_path, "t2", "t2to1")
     second = Trainer(cfg, executor=two).run(resume=True)
     assert [r["step"] for r in first.records + second.records] == [1, 2, 3]
     rec1, rec2 = read_jsonl(tmp_path / "t1" / "metrics.jsonl"), read_jsonl(tmp_path / "t2" / "metrics.jsonl")
@@ -49,6 +56,11 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
     for (path, a), b in zip(jax.tree.flatten_with_path(got)[0], jax.tree.leaves(want)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
                                    err_msg=jax.tree_util.keystr(path))
+    # the torch backend's reader joins the t = 2 checkpoint's shares from its layout record alone
+    from npu_backend.weights import flatten_tree, load_jax_checkpoint
+    read = flatten_tree(load_jax_checkpoint(tmp_path / "t2").params)
+    for path, a in jax.tree.flatten_with_path(got)[0]:
+        np.testing.assert_array_equal(read[jax.tree_util.keystr(path, simple=True, separator="/")], np.asarray(a))
     # the state is the tp layout's master vector, 1/8 per device; the copies of a replicated
     # leaf are still equal after 3 AdamW steps
     params = second.state.params
@@ -59,6 +71,52 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
     np.testing.assert_array_equal(shares[0]["final_norm"]["scale"], shares[1]["final_norm"]["scale"])
     np.testing.assert_array_equal(shares[0]["proj_fc1"]["kernel"], shares[1]["proj_fc1"]["kernel"])
 
-    # the t = 2 checkpoint does not resume at t = 1 (another interleaving of the same parameters)
-    with pytest.raises(CheckpointError, match="tensor_parallel=2 on 8 devices; this run has tensor_parallel=1 on 4"):
-        Trainer(_config(tmp_path, "t2", replay), executor=one).run(resume=True)
+    # the t = 2 checkpoint of step 2 resumed at t = 1 on 4 devices, and the t = 1 one at t = 2 on 8,
+    # continue as both uninterrupted runs do (params, mu and nu converted through the params tree)
+    to1 = Trainer(_config(tmp_path, "t2to1", replay), executor=one).run(resume=True)
+    to2 = Trainer(_config(tmp_path, "t1to2", replay, "parallel.tensor=2", "parallel.sequence=true"),
+                  executor=two).run(resume=True)
+    assert [r["step"] for r in to1.records] == [r["step"] for r in to2.records] == [3]
+    np.testing.assert_allclose(to1.losses + to2.losses, base.losses[2:] * 2, rtol=1e-5)
+    np.testing.assert_allclose([to1.records[0]["grad_norm"], to2.records[0]["grad_norm"]], [norms[0][2]] * 2,
+                               rtol=1e-5)
+    for got in (one.unshard(to1.state.params), two.unshard(to2.state.params)):
+        for (path, a), b in zip(jax.tree.flatten_with_path(got)[0], jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                                       err_msg=jax.tree_util.keystr(path))
+    for a, b in zip(jax.tree.leaves(to1.state.opt_state), jax.tree.leaves(base.state.opt_state)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
+    rows = np.asarray(two.layout.rows(to2.state.opt_state[1][0].nu))
+    shares = [two.layout.local.unravel(rows[i]) for i in range(2)]   # a replicated leaf's copies
+    np.testing.assert_array_equal(shares[0]["final_norm"]["scale"], shares[1]["final_norm"]["scale"])
+
+    # the layout alone: the t = 2 master on 8 devices as t = 2 on 4 (same t, other rank count)
+    # holds the same tree
+    from dhp_jax.train.checkpoint import convert
+    dst = two.layout_for({"tensor_parallel": 2, "num_shards": 4})
+    assert (dst.tensor_parallel, dst.num_ranks) == (2, 2)
+    cpu0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    x = convert(jax.device_put(params, cpu0), two.layout, dst, cpu0)
+    for a, b in zip(jax.tree.leaves(dst.unravel(x)), jax.tree.leaves(two.layout.unravel(params))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # a t = 2 state whose copies of a replicated leaf disagree is refused, naming the leaf
+    i = two.layout.paths.index("final_norm/scale")
+    bad = np.asarray(params).copy()
+    r, e = divmod(two.layout.local._offsets()[i], two.layout.shard_size)
+    bad[(2 * r + 1) * two.layout.shard_size + e] += 1.0      # its copy in row 1 (device 2 r + 1's part)
+    ck = Checkpointer(tmp_path / "bad")
+    ck.save(1, {"params": jnp.asarray(bad)}, data_position=1, model_config={},
+            extra={"layout": two.layout.record()})
+    target = {"params": jax.ShapeDtypeStruct((one.layout.padded,), jnp.float32, sharding=one.sharded)}
+    with pytest.raises(CheckpointError, match=r"copies of replicated parameters disagree.*params final_norm/scale"):
+        ck.restore(target, {}, layout=one.layout, layouts=one.layout_for)
+    ck.close()
+
+
+def _copy_run(tmp_path, name, to):
+    """A copy of run `name`'s directory with only its step-2 checkpoint (resumed from there)."""
+    shutil.copytree(tmp_path / name, tmp_path / to)
+    for step in (tmp_path / to / "checkpoints").iterdir():
+        if step.name.isdigit() and step.name != "2":
+            shutil.rmtree(step)

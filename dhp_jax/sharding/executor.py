@@ -341,6 +341,24 @@ class PlanExecutor:
         u = check_attention(attention, len(devices) // self.tensor_parallel, self._local_heads())[0]
         return self.ranks.submesh(devices, u), P(CP_AXIS) if u == 1 else P((CP_AXIS, SP_AXIS))
 
+    def layout_for(self, record: Mapping[str, Any]) -> FlatLayout | tensor.TensorLayout:
+        """This model's layout for a layout record's t and device count (`record["tensor_parallel"]`,
+        1 if absent, and `record["num_shards"]` devices): this executor's own when they are its,
+        else the layout a run there has (a checkpoint written there converts through it,
+        `dhp_jax.train.checkpoint`)."""
+        self._bind(None)
+        t, n = int(record.get("tensor_parallel", 1)), int(record["num_shards"])
+        if (t, n) == (self.tensor_parallel, self.layout.num_shards):
+            return self.layout
+        if t < 1 or n % t:
+            raise ValueError(f"a layout record of tensor_parallel={t} on {n} devices (not a multiple of t)")
+        abstract = jax.tree.unflatten(self.layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in
+                                                            zip(self.layout.shapes, self.layout.dtypes)])
+        if t == 1:
+            return FlatLayout.of(abstract, n)
+        self._check_tensor_parallel(self.config, t)
+        return tensor.TensorLayout(self.config, abstract, t, n // t)
+
     @property
     def row_size(self) -> int:
         """Length of a device's params and gradient row: P_pad, or its share L_pad with tensor

@@ -347,10 +347,38 @@ class TensorLayout:
         return self.whole.matches(params)
 
     def record(self) -> dict:
-        """`FlatLayout.record` of the whole tree, with t and the local layout (a checkpoint of a
-        tensor-parallel run restores only with the same t and rank count)."""
+        """`FlatLayout.record` of the whole tree, with t, the local layout and how each leaf is
+        split (`split`: [path, kind, axis, groups] in the whole tree's flat order; `vocab`: V), so
+        that a reader without the model config (`dhp_jax.sharding.relayout.unravel_record`, the
+        torch backend) joins the whole tree again. A checkpoint restores at any t and device count
+        (`dhp_jax.train.checkpoint`)."""
+        split = [[self.paths[i], *self.kinds[i]] for i in self.whole.order]
         return {**self.whole.record(), "padded": self.padded, "tensor_parallel": self.tensor_parallel,
-                "local": self.local.record()}
+                "local": self.local.record(), "split": split, "vocab": self.table.vocab}
+
+    def copy_spread(self, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(spread, scale), float32[leaves] in `jax.tree.leaves` order, of a master-shaped vector
+        (params or an AdamW moment; traceable): `spread` the largest difference between a copy of a
+        replicated leaf or shared kv head and the copy `unravel` reads (0 for split leaves and the
+        vocab windows, whose overlapping ids on the last device are masked and drift apart),
+        `scale` the largest magnitude of the leaf. Copies get summed gradients, so they stay equal
+        under AdamW; a checkpoint converted to another t is checked with this."""
+        t, rows = self.tensor_parallel, self.rows(flat)
+        shares = [jax.tree.leaves(self.local.unravel(rows[i])) for i in range(t)]
+        spread, scale = [], []
+        for j, (kind, _, groups) in enumerate(self.kinds):
+            held = [jnp.max(jnp.abs(s[j]), initial=0.0) for s in shares]
+            scale.append(functools.reduce(jnp.maximum, held))
+            if kind == REPLICATED:
+                firsts = [0] * t
+            elif kind == SHARED:
+                firsts = [i - i % (t // groups) for i in range(t)]
+            else:
+                spread.append(jnp.zeros((), flat.dtype))
+                continue
+            diffs = [jnp.max(jnp.abs(shares[i][j] - shares[firsts[i]][j]), initial=0.0) for i in range(t)]
+            spread.append(functools.reduce(jnp.maximum, diffs))
+        return jnp.stack(spread), jnp.stack(scale)
 
     def _interleave(self, rows: jax.Array) -> jax.Array:
         """rows[t, L_pad] -> the master vector (device r t + i's part is row i's r-th)."""

@@ -13,6 +13,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import itertools
 import statistics
 import sys
 import time
@@ -99,6 +100,9 @@ def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+_RUNS = itertools.count()     # the runs of this process (`Trainer.run`), numbering their StepSync keys
 
 
 class TrainError(RuntimeError):
@@ -392,7 +396,9 @@ class Trainer:
                       f"{self.devices[0].platform} devices into {str(self.out_dir)!r}; plans: {self.plan_source.label}, "
                       + describe_cost(self.cost, cfg.planner.cost_profile, cfg.planner.full_size))
         if self.multi_process:
-            self._sync = StepSync(self.step_timeout_s)
+            # keys of this run only: every process runs the same runs in the same order, so the
+            # n-th run of each process shares the n-th namespace (a later run reuses no step key)
+            self._sync = StepSync(self.step_timeout_s, prefix=f"dhp/run{next(_RUNS)}")
         metrics, plan_log, earlier = self._open_logs(resume, start)
         # after each step, in order: the step's programs recorded (the checkpoint stores them),
         # its metrics, its plan as executed, a checkpoint when due
@@ -457,7 +463,8 @@ class Trainer:
             state = self.init_state()
             start = 0
             if resume:
-                restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout.record())
+                restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout,
+                                        layouts=self.executor.layout_for)
                 state, start = restored.state, restored.data_position
                 if start >= cfg.steps:
                     self._say(f"run {cfg.name!r} is already finished (step {start} of {cfg.steps}, checkpoint "
@@ -611,8 +618,10 @@ class Trainer:
         plans of steps < start, stored in the checkpoint (a checkpoint without them, of a live
         DHP run, is refused: its plans would differ from the uninterrupted run's)."""
         keys = meta.get("programs")
-        saved_ranks = (meta.get("layout") or {}).get("num_shards")
-        if saved_ranks is not None and int(saved_ranks) != len(self.devices):
+        saved = meta.get("layout") or {}
+        # ranks: a record's num_shards counts devices, t of them per rank
+        saved_ranks = int(saved["num_shards"]) // int(saved.get("tensor_parallel", 1)) if saved else None
+        if saved_ranks is not None and saved_ranks != len(self.devices) // self.executor.tensor_parallel:
             # the record names groups of another rank count: no uninterrupted run on this count
             # exists to plan like, so this run plans as a fresh one on its ranks would
             self._say(f"the checkpoint was written on {saved_ranks} ranks, this run has {self.config.num_ranks}: "
