@@ -4,7 +4,6 @@ synthetic samples in each family's input format with the stand-in's lengths and 
 The data tests run no model. A short `dhp train` of the default (the family model) whose loss falls
 is `test_train_runs.test_demo_shows_dhp_and_never_loses_the_run`."""
 
-
 import numpy as np
 import pytest
 
