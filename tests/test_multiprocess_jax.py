@@ -32,7 +32,7 @@ from dhp_jax.train.distributed import (DistributedConfig, DistributedError, expa
 from npu_backend.launch import free_port
 
 BATCH = 8
-OVERRIDES = ["steps=3", f"data.batch_size={BATCH}", "data.max_tokens=48", "data.num_classes=4",
+OVERRIDES = ["model=tiny", "steps=3", f"data.batch_size={BATCH}", "data.max_tokens=48", "data.num_classes=4",
              "optim.learning_rate=0.01", "optim.warmup_steps=1", "compare.enabled=false", "metrics.progress=false",
              "min_bucket=256"]
 

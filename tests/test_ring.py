@@ -109,10 +109,10 @@ def _ring_grad(degree, tile, ids, ct):
 def test_executed_tile_pairs_are_the_allowed_ones_forward_and_backward():
     """Counted as they run (`executed.counting`: a host callback inside the branch that computes a
     pair, on every device), the forward and the backward pass each execute exactly the tile pairs
-    `count_ring_tiles` allows (NumPy), fewer than the dense pairs: a `lax.cond` replaced by
-    compute-everything-then-select would execute all of them. Without counting the program has no
-    callback and its compiled form keeps the pairs conditional (one per fold: forward ring step and
-    last block, backward the same). One causal sample on degree 4 computes the causal triangle."""
+    `count_ring_tiles` allows (NumPy), fewer than the dense pairs: a loop over every pair, or
+    compute-everything-then-select, would execute all of them. Without counting the program has no
+    callback, and its pairs stay a loop whose trip count is the allowed pairs' (a `while` per fold:
+    forward ring step and last block, backward the same; besides them only the two ring scans). One causal sample on degree 4 computes the causal triangle."""
     samples = random_samples(C, [700, 37, 1, 80], seed=3, kinds=("text", "image", "video"))
     degree, tile = 4, 50
     lay = pack_group(samples, degree, C)
@@ -123,8 +123,10 @@ def test_executed_tile_pairs_are_the_allowed_ones_forward_and_backward():
     assert counts.as_dict() == {"tile_pairs_fwd": computed, "tile_pairs_bwd": computed}, (computed, total)
     assert computed < total
     grad = _ring_grad(degree, tile, ids, ct)
-    assert "debug_callback" not in str(jax.make_jaxpr(grad)(q, k, v))
-    assert grad.lower(q, k, v).compile().as_text().count(" conditional(") == 4
+    jaxpr = str(jax.make_jaxpr(grad)(q, k, v))
+    assert "debug_callback" not in jaxpr
+    assert (jaxpr.count("while["), jaxpr.count("scan["), jaxpr.count("cond[")) == (4, 2, 0)
+    assert grad.lower(q, k, v).compile().as_text().count(" while(") == 6
     one = pack_group(random_samples(C, [1024], seed=0, kinds=("text",)), degree, C, bucket=1024)
     c1, t1 = count_ring_tiles(one.segment_ids, one.positions, one.span_ids, degree, 64)
     n = TileSpec.make(1024 // degree, 64, 2).num_tiles * degree
@@ -176,7 +178,7 @@ def test_kv_send_is_issued_before_and_independent_of_the_compute():
     for body in bodies:
         names = [e.primitive.name for e in body.eqns]
         first_send = names.index("ppermute")
-        compute = names.index("scan")                   # the tiled fold of this step
+        compute = names.index("while")                  # the tiled fold of this step (its pair loop)
         assert first_send < compute
         sent = {id(o) for o in body.eqns[first_send].outvars}
         assert not any(id(x) in sent for x in body.eqns[compute].invars), "compute waits for the send"

@@ -27,8 +27,9 @@ C = MLLMConfig.preset("tiny")
 
 
 def _config(tmp_path, name, *extra):
-    return load_config(overrides=[
-        f"metrics.out_dir={tmp_path / name}", "metrics.progress=false", "data.batch_size=8", "data.max_tokens=48",
+    return load_config(overrides=[   # the engine's stand-in model (the demo's default is a family model)
+        "model=tiny", f"metrics.out_dir={tmp_path / name}", "metrics.progress=false", "data.batch_size=8",
+        "data.max_tokens=48",
         "data.num_classes=4", "data.seed=17", "optim.learning_rate=0.01", "optim.warmup_steps=1",
         "optim.clip_norm=0.5", "compare.enabled=false", "num_ranks=4", "steps=3", *extra])
 

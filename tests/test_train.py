@@ -41,8 +41,8 @@ def full_run(tmp_path_factory, executor):
 
 
 def _config(tmp_path, name, *extra):
-    return load_config(overrides=[
-        f"metrics.out_dir={tmp_path / name}", "metrics.progress=false", f"data.batch_size={BATCH}",
+    return load_config(overrides=[   # the engine's stand-in model (the demo's default is a family model)
+        "model=tiny", f"metrics.out_dir={tmp_path / name}", "metrics.progress=false", f"data.batch_size={BATCH}",
         "data.max_tokens=48", "data.num_classes=4", "data.seed=17", "optim.learning_rate=0.01", "optim.warmup_steps=1",
         "compare.enabled=false", *extra])
 

@@ -45,6 +45,7 @@ def test_demo_shows_dhp_and_never_loses_the_run(tmp_path):
     r = _dhp("train", *DEMO_SHORT, "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
+    assert s["model_config"]["name"] == "tiny-qwen2_5_vl"      # the default: a real family's architecture
     degrees = {int(d) for d in s["groups_by_degree"]}
     assert len(degrees) >= 3 and any(d & (d - 1) for d in degrees), s["groups_by_degree"]
     assert s["loss_last"] < s["loss_first"]
@@ -72,7 +73,7 @@ def test_demo_shows_dhp_and_never_loses_the_run(tmp_path):
 
 
 # the kill test: a static degree-8 plan (one program), 5 steps, a checkpoint every 2
-KILL = ["steps=5", "checkpoint.every=2", "planner.strategy=static-ring:8", "data.batch_size=8",
+KILL = ["model=tiny", "steps=5", "checkpoint.every=2", "planner.strategy=static-ring:8", "data.batch_size=8",
         "data.max_tokens=48", "min_bucket=512", "compare.enabled=false", "metrics.progress=false"]
 
 

@@ -8,8 +8,9 @@ the other, and temporaries are one score tile `s[KVH, G, t, t]`, never `[S_q, S_
 Tiling and skipping follow `dhp_jax.geometry.tiling` (one home for the rule, shared with the torch
 ring and the benches): each zigzag chunk is cut into tiles, padded with segment-0 tokens to whole
 tiles; the per-tile summaries are computed once per block and travel with it, and a pair is
-computed under `lax.cond` only where `tile_pairs_allowed` says some pair may attend. The branch
-that computes a pair ticks `tile_pairs_fwd` / `tile_pairs_bwd` (`dhp_jax.model.executed`: nothing
+computed only where `tile_pairs_allowed` says some pair may attend: the kernels loop over the
+allowed pairs alone (`allowed_pairs`, a loop whose trip count is their number), so a block that no
+query may attend costs nothing but its predicate. The code that computes a pair ticks `tile_pairs_fwd` / `tile_pairs_bwd` (`dhp_jax.model.executed`: nothing
 unless counting), so the pairs that ran can be checked against a bench's NumPy count.
 
 Layouts are head-major inside the kernel (`heads_first`): q[n, KVH, G*t, D], k, v[n, KVH, t, D],
@@ -96,14 +97,6 @@ def init_state(qs: Queries) -> tuple[jax.Array, jax.Array, jax.Array]:
             jnp.zeros(qs.q.shape, jnp.float32))
 
 
-def _scan(f, init, xs):
-    """`lax.scan`, or one direct call when there is one element (no loop for one-tile blocks)."""
-    if jax.tree.leaves(xs)[0].shape[0] != 1:
-        return lax.scan(f, init, xs)
-    carry, y = f(init, jax.tree.map(lambda a: a[0], xs))
-    return carry, jax.tree.map(lambda a: a[None], y)
-
-
 def _masked(mask: jax.Array, s: jax.Array, value: jax.Array, fill: float) -> jax.Array:
     """where(mask, value, fill) for scores s[KVH, G*t, t] and a tile mask[t, t] (broadcast over G)."""
     h, gt, t = s.shape
@@ -111,32 +104,50 @@ def _masked(mask: jax.Array, s: jax.Array, value: jax.Array, fill: float) -> jax
     return jnp.where(mask, value.reshape(shape), fill).reshape(s.shape)
 
 
+def allowed_pairs(allowed: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(count, index int32[a * b]) of the True entries of allowed[a, b], in row-major order (the
+    first `count` of `index`, flat indices r * b + c; the rest 0): the pairs a kernel loop visits."""
+    flat = allowed.reshape(-1)
+    index = jnp.nonzero(flat, size=flat.shape[0], fill_value=0)[0].astype(jnp.int32)
+    return jnp.sum(flat, dtype=jnp.int32), index
+
+
+def _tile(tree, i: jax.Array):
+    """Tile i of every [n, ...] array of `tree` (a dynamic index: no copy of the others)."""
+    return jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, i, keepdims=False), tree)
+
+
+def _put(a: jax.Array, i: jax.Array, x: jax.Array) -> jax.Array:
+    return lax.dynamic_update_index_in_dim(a, x, i, 0)
+
+
 def fold(state, qs: Queries, blk: Block):
-    """Fold one key block into the online-softmax state."""
+    """Fold one key block into the online-softmax state.
+
+    The loop runs over the allowed (query tile, key tile) pairs only (`allowed_pairs`, row-major:
+    each query tile folds its key tiles in increasing order, as a dense loop over all pairs that
+    leaves the others untouched would), so its trip count is the pairs computed, not n_q * n_k: a
+    block whose tiles share no segment with the queries costs one predicate, not n_q * n_k
+    iterations (the encoder's window and frame attention over a long packed stream)."""
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)                  # allowed[nq, nk]
+    nk = allowed.shape[1]
+    count, index = allowed_pairs(allowed)
 
-    def q_tile(_, xs):
-        q, qid, ok_row, st = xs
+    def pair(c, st):
+        i, j = index[c] // nk, index[c] % nk
+        q, qid = _tile((qs.q, qs.ids), i)
+        k, v, kid = _tile((blk.k, blk.v, blk.ids), j)
+        tick("tile_pairs_fwd", q, k)
+        m, l, o = _tile(st, i)
+        mask = attention_mask(qid, kid)                                         # mask[t, t]
+        s = jnp.einsum("hqd,hkd->hqk", q, k)
+        m_new = jnp.maximum(m, jnp.max(_masked(mask, s, s, _NEG), axis=-1))
+        p = jnp.exp(_masked(mask, s, s - m_new[..., None], -jnp.inf))          # p[KVH, G*t, t]
+        corr = jnp.exp(m - m_new)
+        new = (m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + jnp.einsum("hqk,hkd->hqd", p, v))
+        return tuple(_put(a, i, x) for a, x in zip(st, new))
 
-        def k_tile(st, ys):
-            k, v, kid, ok = ys
-
-            def compute(st):
-                tick("tile_pairs_fwd", q, k)
-                m, l, o = st
-                mask = attention_mask(qid, kid)                                 # mask[t, t]
-                s = jnp.einsum("hqd,hkd->hqk", q, k)
-                m_new = jnp.maximum(m, jnp.max(_masked(mask, s, s, _NEG), axis=-1))
-                p = jnp.exp(_masked(mask, s, s - m_new[..., None], -jnp.inf))  # p[KVH, G*t, t]
-                corr = jnp.exp(m - m_new)
-                return m_new, l * corr + jnp.sum(p, axis=-1), o * corr[..., None] + jnp.einsum("hqk,hkd->hqd", p, v)
-
-            return lax.cond(ok, compute, lambda st: st, st), None
-
-        st, _ = _scan(k_tile, st, (blk.k, blk.v, blk.ids, ok_row))
-        return None, st
-
-    return _scan(q_tile, None, (qs.q, qs.ids, allowed, state))[1]
+    return lax.fori_loop(0, count, pair, tuple(state))
 
 
 def finish(state, spec: TileSpec) -> tuple[jax.Array, jax.Array]:
@@ -156,33 +167,29 @@ def backward(qs: Queries, do: jax.Array, lse: jax.Array, delta: jax.Array, blk: 
     delta[n, KVH, G*t] = sum_D(do * out). Scores are recomputed tile by tile.
     """
     allowed = tile_pairs_allowed(qs.summary, blk.summary, jnp)
+    nq = allowed.shape[0]
+    # the allowed pairs key tile by key tile, query tiles in increasing order within each: every
+    # dk, dv tile and every dq tile sums its terms in the order of a dense loop over all pairs
+    count, index = allowed_pairs(allowed.T)
 
-    def k_tile(dq, xs):
-        k, v, kid, ok_col = xs
+    def pair(c, grads):
+        j, i = index[c] // nq, index[c] % nq
+        q, qid, do_i, lse_i, delta_i = _tile((qs.q, qs.ids, do, lse, delta), i)
+        k, v, kid = _tile((blk.k, blk.v, blk.ids), j)
+        tick("tile_pairs_bwd", q, k)
+        dq, dk, dv = grads
+        mask = attention_mask(qid, kid)
+        s = jnp.einsum("hqd,hkd->hqk", q, k)
+        p = jnp.exp(_masked(mask, s, s - lse_i[..., None], -jnp.inf))          # p[KVH, G*t, t]
+        dp = jnp.einsum("hqd,hkd->hqk", do_i, v)
+        ds = p * (dp - delta_i[..., None])         # d(score); dq picks up 1/sqrt(D) in the ring
+        pt, dst = jnp.swapaxes(p, 1, 2), jnp.swapaxes(ds, 1, 2)
+        return (_put(dq, i, _tile(dq, i) + jnp.einsum("hqk,hkd->hqd", ds, k)),
+                _put(dk, j, _tile(dk, j) + jnp.einsum("hkq,hqd->hkd", dst, q)),
+                _put(dv, j, _tile(dv, j) + jnp.einsum("hkq,hqd->hkd", pt, do_i)))
 
-        def q_tile(carry, ys):
-            q, qid, do_i, lse_i, delta_i, ok = ys
-
-            def compute(carry):
-                tick("tile_pairs_bwd", q, k)
-                dk, dv = carry
-                mask = attention_mask(qid, kid)
-                s = jnp.einsum("hqd,hkd->hqk", q, k)
-                p = jnp.exp(_masked(mask, s, s - lse_i[..., None], -jnp.inf))  # p[KVH, G*t, t]
-                dp = jnp.einsum("hqd,hkd->hqk", do_i, v)
-                ds = p * (dp - delta_i[..., None])         # d(score); dq picks up 1/sqrt(D) in the ring
-                pt, dst = jnp.swapaxes(p, 1, 2), jnp.swapaxes(ds, 1, 2)
-                return ((dk + jnp.einsum("hkq,hqd->hkd", dst, q), dv + jnp.einsum("hkq,hqd->hkd", pt, do_i)),
-                        jnp.einsum("hqk,hkd->hqd", ds, k))
-
-            return lax.cond(ok, compute, lambda c: (c, jnp.zeros_like(q)), carry)
-
-        zero = jnp.zeros_like(k)
-        (dk, dv), dq_add = _scan(q_tile, (zero, zero), (qs.q, qs.ids, do, lse, delta, ok_col))
-        return dq + dq_add, (dk, dv)
-
-    dq, (dk, dv) = _scan(k_tile, jnp.zeros_like(qs.q), (blk.k, blk.v, blk.ids, allowed.T))
-    return dq, dk, dv
+    zero = jnp.zeros_like(blk.k)
+    return lax.fori_loop(0, count, pair, (jnp.zeros_like(qs.q), zero, zero))
 
 
 def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, k_ids: AttnIds, *,

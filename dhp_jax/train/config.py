@@ -290,7 +290,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
     if path == DEMO_CONFIG and config.model.pretrained:
         given = {tuple(parse_override(o)[0]) for o in overrides}
         if ("planner", "cost_model") not in given:
-            # the demo prices its stand-in as a published model; a fine-tuned checkpoint is priced as itself
+            # the demo prices its tiny model as a published one; a fine-tuned checkpoint is priced as itself
             config.planner.cost_model = None
         # a fine-tuning run is not the demo: named after its checkpoint directory, written under runs/<name>
         if ("name",) not in given:

@@ -1,5 +1,6 @@
-"""The demo's real model: a tiny random config of a family (`model=tiny-qwen2_5_vl`, `tiny-qwen3_vl`,
-`tiny-internvl`), trained on synthetic samples in that family's input format.
+"""The demo's model: a tiny random config of a family (`model=tiny-qwen2_5_vl`, the default of
+`dhp train`; `tiny-qwen3_vl`, `tiny-internvl`), trained on synthetic samples in that family's input
+format (`model=tiny` trains the engine's stand-in instead).
 
 The model is `dhp_jax.model.hf` at a tiny width and depth (`demo_config`: the family's config.json,
 built without transformers), its weights drawn by `hf.init.random_params` from the run's seed.
