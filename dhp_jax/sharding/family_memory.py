@@ -56,65 +56,87 @@ def model_shape(raw: Mapping[str, Any], params: int) -> Any:
 
 
 def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
-             compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0) -> tuple[int, int]:
+             compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0,
+             tensor_parallel: int = 1) -> tuple[int, int]:
     """(per-device bytes of the compiled group program, its parameter count) of the family model of
-    config.json dict `raw` for a group of `degree` devices and `tokens` LLM tokens (rounded up to a
-    multiple of 2 x degree), its blocks run with `remat` and `linear_chunk` (`HFConfig`)."""
-    m, params = memory_analysis(raw, degree, tokens, devices, compute_dtype, remat, linear_chunk)
+    config.json dict `raw` for a group of `degree` ranks of `tensor_parallel` devices each and
+    `tokens` LLM tokens (rounded up to a multiple of 2 x degree), its blocks run with `remat` and
+    `linear_chunk` (`HFConfig`)."""
+    m, params = memory_analysis(raw, degree, tokens, devices, compute_dtype, remat, linear_chunk, tensor_parallel)
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
                - m.alias_size_in_bytes), params
 
 
 def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
-                    compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0) -> tuple[Any, int]:
-    """(XLA's `memory_analysis()` of the compiled group program, its parameter count) (`compiled`)."""
+                    compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0,
+                    tensor_parallel: int = 1) -> tuple[Any, int]:
+    """(XLA's `memory_analysis()` of the compiled group program, its parameter count) (`compiled`;
+    with `tensor_parallel` t > 1 the program of one device of a rank of t, on degree x t devices)."""
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
     from dhp_jax.sharding.memory_bench import CPU_MEMORY_SCHEDULER
 
     config = dataclasses.replace(parse_config(raw), remat=remat)
-    ex = PlanExecutor(config, devices[:degree], compute_dtype=compute_dtype, linear_chunk=linear_chunk)
+    group = tuple(devices[:degree * tensor_parallel])
+    if len(group) < degree * tensor_parallel:
+        raise ValueError(f"degree {degree} x tensor_parallel {tensor_parallel} needs {degree * tensor_parallel} "
+                         f"devices, found {len(devices)}")
+    ex = PlanExecutor(config, group, compute_dtype=compute_dtype, linear_chunk=linear_chunk,
+                      tensor_parallel=tensor_parallel)
     ex.bind(abstract_params(config))
     stream = -(-tokens // (2 * degree)) * 2 * degree
     options = dict(ex.compiler_options)
-    if all(d.platform == "cpu" for d in devices[:degree]):
+    if all(d.platform == "cpu" for d in group):
         options.update(CPU_MEMORY_SCHEDULER)
-    program = ex.lower(degree, stream, tuple(devices[:degree])).compile(compiler_options=options)
+    program = ex.lower(degree, stream, group).compile(compiler_options=options)
     return program.memory_analysis(), ex.layout.size
 
 
 def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
              compute_dtype: str = "float32", state_shards: int = 64, remat: str = "none",
-             linear_chunk: int = 0) -> float:
+             linear_chunk: int = 0, tensor_parallel: int = 1, activation_bytes: int | None = None) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
-    group of `degree` devices and `tokens` tokens, its blocks run with `remat` and `linear_chunk`: the
-    preset's static bytes, and per token `family_bytes_per_token` of the family program at those
-    choices (the preset's own `mem_per_token` for a family's shape)."""
+    group of `degree` ranks of `tensor_parallel` devices and `tokens` tokens, its blocks run with `remat` and
+    `linear_chunk`: the preset's static bytes, and per token `family_bytes_per_token` of the family
+    program at those choices (the preset's own `mem_per_token` for a family's shape; with t > 1, one
+    device's, `planner.cost.tensor.local_shape`), activations in `activation_bytes` per element
+    (default: the compute dtype's; a bf16 program compiled for CPU devices holds them in 4)."""
     cost = CostModel.preset(model_shape(raw, params), hardware, remat=remat, compute_dtype=compute_dtype,
-                            state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk)
+                            state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk,
+                            tensor_parallel=tensor_parallel, activation_bytes=activation_bytes)
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 
 def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int], *,
                      layer_checks: Sequence[tuple[int, int]] = (), depth: tuple[int, int] = BASE,
                      hardware: str = "ascend-910b", compute_dtype: str = "float32", log=None,
-                     rows_file: str | None = None, remats: Sequence[str] = ("none",)) -> dict:
+                     rows_file: str | None = None, remats: Sequence[str] = ("none",),
+                     tensor_parallel: int = 1) -> dict:
     """Rows (model, remat, degree, tokens), for each remat of `remats`: compiled and modelled bytes of the group program at `depth`
     (LLM layers, encoder blocks), their ratio; `layer_rows` (model, degree, tokens) at each of
     `layer_checks`: the bytes one more LLM layer / one more encoder block adds, compiled and
     modelled. The ratio of a full-depth program, (base + n dL + m dV) compiled vs modelled, lies
     between the base ratio and the per-layer ratios (a mediant), so the full-depth agreement is
-    bounded by the rows and the layer rows (`full_depth_bound`)."""
+    bounded by the rows and the layer rows (`full_depth_bound`).
+
+    `tensor_parallel` t > 1: each group is `degree` ranks of t devices (`PlanExecutor(...,
+    tensor_parallel=t)`, the program of one device), priced with `CostModel.preset(...,
+    tensor_parallel=t)`. A bf16 program compiled for CPU devices computes in fp32: the model then
+    holds its activations in `CPU_ACTIVATION_BYTES` (`dhp_jax.sharding.memory_bench`)."""
     import jax
 
     from dhp_jax.model.hf.config import with_depth
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES
 
     devices = jax.devices()
+    t = int(tensor_parallel)
     if not remats or any(r not in REMATS for r in remats):
         raise ValueError(f"remats must be some of {REMATS}, got {list(remats)}")
-    if max(degrees, default=1) > len(devices):
-        raise SystemExit(f"degree {max(degrees)} needs {max(degrees)} devices, found {len(devices)}")
+    if max(degrees, default=1) * t > len(devices):
+        raise SystemExit(f"degree {max(degrees)}{f' x tensor_parallel {t}' if t > 1 else ''} needs "
+                         f"{max(degrees) * t} devices, found {len(devices)}")
+    ab = CPU_ACTIVATION_BYTES if devices[0].platform == "cpu" and compute_dtype != "float32" else None
     say = log or (lambda text: None)
 
     def keep(row: dict) -> dict:
@@ -132,8 +154,9 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
 
         def point(cfg: Mapping[str, Any], d: int, s: int, remat: str) -> tuple[int, float, float, int]:
             t0 = time.perf_counter()
-            got, params = compiled(cfg, d, s, devices, compute_dtype, remat)
-            want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype, remat=remat)
+            got, params = compiled(cfg, d, s, devices, compute_dtype, remat, tensor_parallel=t)
+            want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype, remat=remat,
+                            tensor_parallel=t, activation_bytes=ab)
             return got, want, time.perf_counter() - t0, params
 
         done: dict[tuple[str, int, int], tuple[int, float, float, int]] = {}   # base program by (remat, degree, tokens)
@@ -143,7 +166,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                               ("encoder_block", with_depth(raw, depth[0], depth[1] + 1))):
                 got, want, took, params = point(cfg, d, s, remat)
                 dg, dw = got - got0, want - want0
-                layer_rows.append(keep({"model": name, "remat": remat, "degree": d, "tokens": s, "added": what,
+                layer_rows.append(keep({"model": name, "remat": remat, "tensor_parallel": t, "degree": d,
+                                        "tokens": s, "added": what,
                                    "compiled_bytes": int(dg), "model_bytes": int(dw), "ratio": round(dw / dg, 4),
                                    "compile_s": round(took, 1), "base_compiled_bytes": got0, "base_params": params0,
                                    "params": params}))
@@ -151,7 +175,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                     f"model {dw / 1e6:.0f} MB, ratio {dw / dg:.3f}")
         for remat, s, d in ((r, s, d) for r in remats for s in tokens for d in degrees):
             got, want, took, params = done.get((remat, d, s)) or point(base, d, s, remat)
-            rows.append(keep({"model": name, "family": raw["model_type"], "remat": remat, "degree": d, "tokens": s,
+            rows.append(keep({"model": name, "family": raw["model_type"], "remat": remat, "tensor_parallel": t,
+                              "degree": d, "tokens": s,
                               "layers": list(depth), "full_layers": list(full), "compiled_bytes": got,
                               "model_bytes": int(want), "ratio": round(want / got, 4), "compile_s": round(took, 1),
                               "params": params}))
@@ -160,7 +185,9 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
     ratios = [r["ratio"] for r in rows] + [r["ratio"] for r in layer_rows]
     return {"label": f"XLA memory_analysis of the family group program at {depth[0]} LLM layers and {depth[1]} "
                      f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
-                     f"{devices[0].platform} devices) vs `group_program_bytes` (remat {', '.join(remats)})",
-            "depth": list(depth), "compute_dtype": compute_dtype, "remats": list(remats), "rows": rows,
+                     f"{devices[0].platform} devices{f', ranks of {t} devices' if t > 1 else ''}) vs "
+                     f"`group_program_bytes` (remat {', '.join(remats)}{f', tensor_parallel {t}' if t > 1 else ''})",
+            "depth": list(depth), "compute_dtype": compute_dtype, "tensor_parallel": t, "remats": list(remats),
+            "rows": rows,
             "layer_rows": layer_rows,
             "full_depth_bound": [min(ratios), max(ratios)] if ratios else None}
