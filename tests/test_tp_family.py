@@ -142,3 +142,30 @@ def test_family_refusals_name_the_model_and_t():
         with pytest.raises(ValueError, match=rf"model '{family}' \({family} family\): tensor_parallel 4 cannot "
                                              r"split vision_config heads .* = 2"):
             PlanExecutor(_model(family, 256), tensor_parallel=4)
+
+
+def test_tp2_bf16_family_step_matches_t1():
+    """bf16 at t = 2 (InternVL: one kv head shared by a rank's two devices, the vocab windows
+    overlapping): one step of one group of the 4 ranks agrees with the same step at t = 1 on 4
+    devices in bf16, the loss and every gradient within bf16 rounding (both cast the same fp32
+    params; they differ where tensor parallelism rounds partial sums to bf16). The copies'
+    gradients are summed on the bf16 rows (`tensor.tie_rows` slices their columns as uint16)."""
+    from dhp_jax.model.hf.init import random_params
+
+    cfg = _model("internvl", 255, kv_heads=1)
+    params = random_params(cfg, seed=1)
+    samples = _samples(cfg)
+    plan = Plan(4, (MicroBatch((Group((0, 1, 2, 3), 4, tuple(range(6))),)),))
+    one = PlanExecutor(cfg, jax.devices()[:4], compute_dtype="bfloat16", linear_chunk=8)
+    two = PlanExecutor(cfg, compute_dtype="bfloat16", tensor_parallel=2, linear_chunk=8)
+    (loss1, grads1), (loss2, grads2) = (ex.loss_and_grads(params, samples, plan) for ex in (one, two))
+    ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads1)[0])
+    ours = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads2)[0])
+    assert sorted(ours) == sorted(ref)
+    largest = max(float(np.max(np.abs(v))) for v in ref.values())
+    errs = {"loss": _rel(loss2, loss1)}
+    errs.update((k, _rel(ours[k], ref[k], 1e-3 * largest)) for k in ref)
+    worst = max(errs, key=errs.get)
+    print(f"internvl bf16 t=2 vs t=1: loss {float(loss2):.6f} vs {float(loss1):.6f}, max rel error "
+          f"{errs[worst]:.1e} ({worst})")
+    assert errs["loss"] <= 1e-2 and errs[worst] <= 5e-2, (worst, errs[worst], errs["loss"])
