@@ -140,16 +140,19 @@ def test_replace_refuses_a_new_tensor_parallel():
     assert one.replace(tensor_parallel=1).to_dict() == one.to_dict()
 
 
-def test_memory_bench_takes_tensor_parallel_for_the_stand_in_only():
-    """`dhp bench memory --tensor-parallel T` compiles the stand-in's group program on ranks of T
-    devices (docs/cli.md); the family bench and `--step` do not split and refuse it by name."""
+def test_memory_bench_takes_tensor_parallel():
+    """`dhp bench memory --tensor-parallel T` compiles the group program (the stand-in's, or with
+    `--families` the family's) on ranks of T devices (docs/cli.md); `--step` does not split and
+    refuses it by name, and `--sequence-parallel` is the stand-in's only."""
     import argparse
 
     from dhp_jax.bench import step_memory
 
     parser = argparse.ArgumentParser()
     step_memory.configure(parser)
-    assert parser.parse_args([]).tensor_parallel == 1
-    for extra in (["--families", "qwen3-vl-8b"], ["--step"]):
-        with pytest.raises(SystemExit, match=f"--tensor-parallel 2: .*not with {extra[0]}"):
-            step_memory.run(parser.parse_args(["--tensor-parallel", "2", *extra]))
+    args = parser.parse_args([])
+    assert args.tensor_parallel == 1 and args.dtype is None
+    with pytest.raises(SystemExit, match="--tensor-parallel 2: not with --step"):
+        step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--step"]))
+    with pytest.raises(SystemExit, match="--sequence-parallel runs the stand-in model's blocks only; not with --families"):
+        step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--sequence-parallel", "--families", "qwen3-vl-8b"]))
