@@ -154,5 +154,7 @@ def test_memory_bench_takes_tensor_parallel():
     assert args.tensor_parallel == 1 and args.dtype is None
     with pytest.raises(SystemExit, match="--tensor-parallel 2: not with --step"):
         step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--step"]))
-    with pytest.raises(SystemExit, match="--sequence-parallel runs the stand-in model's blocks only; not with --families"):
-        step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--sequence-parallel", "--families", "qwen3-vl-8b"]))
+    with pytest.raises(SystemExit, match="--sequence-parallel runs the stand-in model's blocks only; "
+                                         "not with --families"):
+        step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--sequence-parallel", "--families",
+                                           "qwen3-vl-8b"]))

@@ -35,8 +35,8 @@ Copies: a leaf every device of a rank holds (norms, patch embedding, projector) 
 times, a kv head shared by g devices g times; the group program sums the copies' gradients over
 the devices that hold them (`dhp_jax.model.tensor.copy_sum`, `group_sum`: per leaf with
 `tie_block` / `tie_top`, on the copies' columns of a family's stacked block rows with `tie_rows`,
-the split columns untouched), so the copies get equal gradients and stay equal under AdamW; `TensorLayout.count_once` marks one copy of each
-for the gradient's global norm. The vocab windows overlap on the last device (its ids held
+the split columns untouched), so the copies get equal gradients and stay equal under AdamW;
+`TensorLayout.count_once` marks one copy of each for the gradient's global norm. The vocab windows overlap on the last device (its ids held
 twice are masked, so their gradient there is zero); `unravel` reads every id from its owner
 (the windows of `vocab_share`, the model's rule, at static indices).
 Each device differentiates the group's loss (counted once per rank, on its device tp = 0)
