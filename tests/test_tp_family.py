@@ -168,4 +168,5 @@ def test_tp2_bf16_family_step_matches_t1():
     worst = max(errs, key=errs.get)
     print(f"internvl bf16 t=2 vs t=1: loss {float(loss2):.6f} vs {float(loss1):.6f}, max rel error "
           f"{errs[worst]:.1e} ({worst})")
-    assert errs["loss"] <= 1e-2 and errs[worst] <= 5e-2, (worst, errs[worst], errs["loss"])
+    # bf16's unit roundoff is 2^-8 = 3.9e-3: measured 1.8e-7 on the loss and 7.3e-3 on the worst gradient
+    assert errs["loss"] <= 1e-3 and errs[worst] <= 2e-2, (worst, errs[worst], errs["loss"])
