@@ -19,6 +19,8 @@ copies' gradients summed). Three demo models:
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
 Then the refusals: a head count no layout allows, naming the model, the field and t."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,18 @@ def _reference(cfg, params, samples):
     return fn(params)
 
 
+@functools.cache
+def _case(family: str, vocab: int, tied: bool, kv: int | None):
+    """(config, params, samples, the one-device reference (loss, grads)) of a demo model, computed
+    once per test process (the fp32 and bf16 tests of a model share the reference's compile)."""
+    from dhp_jax.model.hf.init import random_params
+
+    cfg = _model(family, vocab, tied, kv)
+    params = random_params(cfg, seed=1)
+    samples = _samples(cfg)
+    return cfg, params, samples, _reference(cfg, params, samples)
+
+
 def _rel(a, b, floor: float = 0.0) -> float:
     """max |a - b| / max |b|; against `floor` where max |b| is below it (an exactly zero gradient:
     InternViT's key bias, whose softmax does not move, holds rounding noise on both sides)."""
@@ -103,13 +117,8 @@ def _rel(a, b, floor: float = 0.0) -> float:
                                                        ("internvl", 255, False, 1, HYBRID),
                                                        ("qwen2_5_vl", 256, False, None, RING)])
 def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan):
-    from dhp_jax.model.hf.init import random_params
-
-    cfg = _model(family, vocab, tied, kv)
+    cfg, params, samples, (ref_loss, ref_grads) = _case(family, vocab, tied, kv)
     assert cfg.tied == tied and cfg.text.shape.num_heads == 4
-    params = random_params(cfg, seed=1)
-    samples = _samples(cfg)
-    ref_loss, ref_grads = _reference(cfg, params, samples)
     ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8)
     loss, grads = ex.loss_and_grads(params, samples, plan)
     errs = {"loss": _rel(loss, ref_loss)}
@@ -144,29 +153,23 @@ def test_family_refusals_name_the_model_and_t():
             PlanExecutor(_model(family, 256), tensor_parallel=4)
 
 
-def test_tp2_bf16_family_step_matches_t1():
+def test_tp2_bf16_family_step_matches_one_device():
     """bf16 at t = 2 (InternVL: one kv head shared by a rank's two devices, the vocab windows
-    overlapping): one step of one group of the 4 ranks agrees with the same step at t = 1 on 4
-    devices in bf16, the loss and every gradient within bf16 rounding (both cast the same fp32
-    params; they differ where tensor parallelism rounds partial sums to bf16). The copies'
-    gradients are summed on the bf16 rows (`tensor.tie_rows` slices their columns as uint16)."""
-    from dhp_jax.model.hf.init import random_params
-
-    cfg = _model("internvl", 255, kv_heads=1)
-    params = random_params(cfg, seed=1)
-    samples = _samples(cfg)
-    plan = Plan(4, (MicroBatch((Group((0, 1, 2, 3), 4, tuple(range(6))),)),))
-    one = PlanExecutor(cfg, jax.devices()[:4], compute_dtype="bfloat16", linear_chunk=8)
-    two = PlanExecutor(cfg, compute_dtype="bfloat16", tensor_parallel=2, linear_chunk=8)
-    (loss1, grads1), (loss2, grads2) = (ex.loss_and_grads(params, samples, plan) for ex in (one, two))
-    ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads1)[0])
-    ours = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads2)[0])
+    overlapping; one rank of degree 1 runs the 6 samples, the others idle): the loss and every
+    gradient agree with the fp32 one-device reference (the fp32 test's, `_case`) within bf16
+    rounding. The copies' gradients are summed on the bf16 rows (`tensor.tie_rows` slices their
+    columns as uint16), a path the fp32 test does not take."""
+    cfg, params, samples, (ref_loss, ref_grads) = _case("internvl", 255, False, 1)
+    plan = Plan(4, (MicroBatch((Group((0,), 1, tuple(range(6))),)),))
+    loss, grads = PlanExecutor(cfg, compute_dtype="bfloat16", tensor_parallel=2, linear_chunk=8).loss_and_grads(
+        params, samples, plan)
+    ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
+    ours = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(grads)[0])
     assert sorted(ours) == sorted(ref)
     largest = max(float(np.max(np.abs(v))) for v in ref.values())
-    errs = {"loss": _rel(loss2, loss1)}
+    errs = {"loss": _rel(loss, ref_loss)}
     errs.update((k, _rel(ours[k], ref[k], 1e-3 * largest)) for k in ref)
     worst = max(errs, key=errs.get)
-    print(f"internvl bf16 t=2 vs t=1: loss {float(loss2):.6f} vs {float(loss1):.6f}, max rel error "
-          f"{errs[worst]:.1e} ({worst})")
-    # bf16's unit roundoff is 2^-8 = 3.9e-3: measured 1.8e-7 on the loss and 7.3e-3 on the worst gradient
-    assert errs["loss"] <= 1e-3 and errs[worst] <= 2e-2, (worst, errs[worst], errs["loss"])
+    print(f"internvl bf16 t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f} (fp32), max rel error "
+          f"{errs[worst]:.1e} ({worst}), loss {errs['loss']:.1e}")
+    assert errs["loss"] <= 1e-2 and errs[worst] <= 1e-1, (worst, errs[worst], errs["loss"])
