@@ -172,4 +172,5 @@ def test_tp2_bf16_family_step_matches_one_device():
     worst = max(errs, key=errs.get)
     print(f"internvl bf16 t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f} (fp32), max rel error "
           f"{errs[worst]:.1e} ({worst}), loss {errs['loss']:.1e}")
-    assert errs["loss"] <= 1e-2 and errs[worst] <= 1e-1, (worst, errs[worst], errs["loss"])
+    # bf16 (unit roundoff 2^-8 = 3.9e-3) against fp32: measured 8.2e-6 on the loss, 2.5e-2 on the worst gradient
+    assert errs["loss"] <= 1e-3 and errs[worst] <= 5e-2, (worst, errs[worst], errs["loss"])
