@@ -17,7 +17,8 @@ copies' gradients summed). Three demo models:
   vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
   sample), with a hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
-Then the refusals: a head count no layout allows, naming the model, the field and t."""
+Then bf16 at t = 2 (InternVL) against the same fp32 reference within bf16 rounding, and the
+refusals: a head count no layout allows, naming the model, the field and t."""
 
 import functools
 
