@@ -155,17 +155,18 @@ def test_replace_refuses_a_new_tensor_parallel():
     assert one.replace(tensor_parallel=1).to_dict() == one.to_dict()
 
 
-def test_memory_bench_takes_tensor_parallel_but_not_with_step():
+def test_memory_bench_takes_tensor_parallel():
     """`dhp bench memory --tensor-parallel T` compiles the group program (the stand-in's, or with
-    --families a family's) on ranks of T devices (docs/cli.md); `--step` does not split and
-    refuses it by name."""
+    `--families` the family's) on ranks of T devices (docs/cli.md); `--step` does not split and
+    refuses it by name, and `--sequence-parallel` needs T > 1."""
     import argparse
 
     from dhp_jax.bench import step_memory
 
     parser = argparse.ArgumentParser()
     step_memory.configure(parser)
-    assert parser.parse_args([]).tensor_parallel == 1
+    args = parser.parse_args([])
+    assert args.tensor_parallel == 1 and args.dtype is None
     with pytest.raises(SystemExit, match="--tensor-parallel 2: not with --step"):
         step_memory.run(parser.parse_args(["--tensor-parallel", "2", "--step"]))
     with pytest.raises(SystemExit, match="--sequence-parallel needs --tensor-parallel T > 1"):

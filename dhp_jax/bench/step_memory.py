@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if max(d for _, d, _ in rows) > len(jax.devices()):
         raise SystemExit(f"degree {max(d for _, d, _ in rows)} needs that many devices, found {len(jax.devices())}")
     res = measure_step(rows, [int(x) for x in str(args.micro_batches).split(",") if x.strip()],
-                       hardware=args.hardware, remat=args.remat or "layer", compute_dtype=args.dtype,
+                       hardware=args.hardware, remat=args.remat or "layer", compute_dtype=args.dtype or "bfloat16",
                        full_depth=not args.extrapolate)
     if args.json:
         print(json.dumps(res, indent=2))

@@ -21,16 +21,19 @@ share ends at V), Vl = ceil(V / t), and holds the Vl embedding rows and LM-head 
   (no gradient), the psum of the local sums of exp, and the target's logit from its owner.
 
 Copies: a parameter every device of a rank holds (a norm, the patch embedding, the projector) or a
-kv head several devices share is one parameter with a copy per device. `tied_copy` /
-`tied_group_copy` pass a copy through unchanged and sum the copies' gradients in the backward
-pass (over the rank, or over the devices sharing the head), so every copy receives the gradient
-of the one parameter and the copies stay equal under the optimizer (`dhp_jax.sharding.tensor`).
+kv head several devices share is one parameter with a copy per device. Its gradient is the sum
+of the copies' (in fp32): `copy_sum` over the rank, `group_sum` over the devices sharing the head,
+the one definition of both sums. `tied_copy` / `tied_group_copy` pass one leaf's copy through
+unchanged and apply them in the backward pass (`tied`); a family's block stack applies them to the
+columns of its stacked rows that hold copies (`dhp_jax.sharding.tensor.tie_rows`). So every copy
+receives the gradient of the one parameter and the copies stay equal under the optimizer.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import operator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +58,17 @@ class TensorHooks:
     scatter: Callable[[jax.Array], jax.Array] | None = None
 
 
-def vocab_share(vocab: int, t: int, index: jax.Array) -> tuple[jax.Array, jax.Array, int]:
+def vocab_share(vocab: int, t: int, index: Any) -> tuple[Any, Any, int]:
     """(first id held, first id owned, Vl) of device `index` of t: it holds the Vl = ceil(V / t)
-    ids from min(index Vl, V - Vl) and owns those from index Vl (up to (index+1) Vl or V)."""
+    ids from min(index Vl, V - Vl) and owns those from index Vl (up to (index+1) Vl or V). The one
+    rule of the windows: a traced `index` (the model, `tp.index()`) gives traced ids, a static one
+    (the state's layout, `dhp_jax.sharding.tensor`) Python ints."""
     vl = -(-vocab // t)
-    own = index * vl
-    return jnp.minimum(own, vocab - vl), own, vl
+    if isinstance(index, jax.Array):
+        own = index * vl
+        return jnp.minimum(own, vocab - vl), own, vl
+    own = operator.index(index) * vl
+    return min(own, vocab - vl), own, vl
 
 
 def vocab_embed(table: jax.Array, ids: jax.Array, vocab: int, tp: TensorHooks) -> jax.Array:
@@ -90,35 +98,43 @@ def vocab_loss_sum(logits: jax.Array, targets: jax.Array, weights: jax.Array, vo
     return jnp.sum((lse - picked) * weights)
 
 
-def tied_copy(x: jax.Array, tp: TensorHooks) -> jax.Array:
-    """`x` (this device's copy of a parameter every device of the rank holds) unchanged; its
-    gradient is the sum of every copy's (summed in fp32)."""
+def copy_sum(g: jax.Array, tp: TensorHooks) -> jax.Array:
+    """The gradient `g` of this device's copy of a parameter every device of the rank holds, summed
+    over the rank's copies (in fp32, returned in g's dtype): the gradient of the one parameter."""
+    return tp.psum(g.astype(jnp.float32)).astype(g.dtype)
+
+
+def group_sum(g: jax.Array, tp: TensorHooks, groups: int) -> jax.Array:
+    """The gradient `g` of this device's copy of a kv head shared by the `tp.size // groups`
+    consecutive devices that read it, summed over those devices' copies (in fp32, returned in g's
+    dtype): one psum over the rank of a [groups, ...] array holding each device's copy at its
+    head's slot (zero elsewhere), read back at this device's slot."""
+    if tp.size % groups:
+        raise ValueError(f"{groups} kv head groups do not divide the rank's {tp.size} devices")
+    me = tp.index() // (tp.size // groups)
+    slots = jnp.zeros((groups,) + g.shape, jnp.float32).at[me].set(g.astype(jnp.float32))
+    return tp.psum(slots)[me].astype(g.dtype)
+
+
+def tied(x: jax.Array, backward: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """`x` unchanged, its cotangent mapped by `backward` in the backward pass (`copy_sum`,
+    `group_sum` or a stack's per-column mix of them, `dhp_jax.sharding.tensor.tie_rows`)."""
 
     @jax.custom_vjp
     def copy(v):
         return v
 
-    def bwd(_, g):
-        return (tp.psum(g.astype(jnp.float32)).astype(g.dtype),)
-
-    copy.defvjp(lambda v: (v, None), bwd)
+    copy.defvjp(lambda v: (v, None), lambda _, g: (backward(g),))
     return copy(x)
+
+
+def tied_copy(x: jax.Array, tp: TensorHooks) -> jax.Array:
+    """`x` (this device's copy of a parameter every device of the rank holds) unchanged; its
+    gradient is the sum of every copy's (`copy_sum`)."""
+    return tied(x, lambda g: copy_sum(g, tp))
 
 
 def tied_group_copy(x: jax.Array, tp: TensorHooks, groups: int) -> jax.Array:
     """`x` (this device's copy of a kv head shared by the `tp.size // groups` consecutive devices
-    that read it) unchanged; its gradient is the sum over those devices' copies (one psum over the
-    rank of a [groups, ...] array, each device's copy at its head's slot)."""
-    per = tp.size // groups
-
-    @jax.custom_vjp
-    def copy(v):
-        return v
-
-    def bwd(_, g):
-        me = tp.index() // per
-        slots = jnp.zeros((groups,) + g.shape, jnp.float32).at[me].set(g.astype(jnp.float32))
-        return (tp.psum(slots)[me].astype(g.dtype),)
-
-    copy.defvjp(lambda v: (v, None), bwd)
-    return copy(x)
+    that read it) unchanged; its gradient is the sum over those devices' copies (`group_sum`)."""
+    return tied(x, lambda g: group_sum(g, tp, groups))

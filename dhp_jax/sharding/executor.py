@@ -113,13 +113,13 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor.T
     t = tensor_parallel
     tp = tensor.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
-        layout = layout.local
+        table, layout = layout.table, layout.local      # the split table, built once per layout
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
 
     def stack(pieces, prefix, count, vision):
         rows, tree = layout.piece_rows(pieces, cuts, prefix, count)
         if tp is not None:
-            tree = (lambda local: lambda row: tensor.tie_block(local(row), config, vision, tp))(tree)
+            tree = (lambda local: lambda row: tensor.tie_block(local(row), table, vision, tp))(tree)
         return block_stack(config, rows, tree, vision, attn, tp)
 
     def body(flat, ints, floats):
@@ -142,7 +142,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor.T
             stacks = tuple(stack(pieces, prefix, count, vision) for prefix, count, vision in stacks_of(config))
             params = layout.unravel_pieces(pieces, cuts)
             if tp is not None:
-                params = tensor.tie_top(params, config, tp)
+                params = tensor.tie_top(params, table, tp)
             return lead * chunked_loss_sum(config, params, batch, cols["targets"], weights, attn, stacks=stacks, tp=tp)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only

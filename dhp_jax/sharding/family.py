@@ -72,7 +72,7 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, a
     t = tensor_parallel
     tp = tensor.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
-        layout = layout.local
+        table, layout = layout.table, layout.local      # the split table, built once per layout
     stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks], leaves=True)
 
@@ -89,11 +89,11 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, a
                 r = layout.piece_rows(pieces, cuts, prefix, count)[0]
                 leaves = layout.block_leaves(prefix, count)[2]
                 if tp is not None:
-                    r = tensor.tie_rows(r, config, prefix, leaves, tp)
+                    r = tensor.tie_rows(r, table, prefix, leaves, tp)
                 rows[path] = BlockRows(r, leaves)
             params = layout.unravel_pieces(pieces, cuts)
             if tp is not None:
-                params = tensor.tie_top(params, config, tp)
+                params = tensor.tie_top(params, table, tp)
             params = with_stacks(params, rows)
             return lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn,
                                           tp=tp)

@@ -59,10 +59,9 @@ def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence
              compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0,
              tensor_parallel: int = 1, sequence_parallel: bool = False) -> tuple[int, int]:
     """(per-device bytes of the compiled group program, its parameter count) of the family model of
-    config.json dict `raw` for a group of `degree` devices and `tokens` LLM tokens (rounded up to a
-    multiple of 2 x degree), its blocks run with `remat` and `linear_chunk` (`HFConfig`); with
-    `tensor_parallel` t > 1 a group of `degree` ranks of t devices (`sequence_parallel`: the LLM
-    layers sequence-parallel); the parameter count is the whole model's."""
+    config.json dict `raw` for a group of `degree` ranks of `tensor_parallel` devices each and
+    `tokens` LLM tokens (rounded up to a multiple of 2 x degree), its blocks run with `remat` and
+    `linear_chunk` (`HFConfig`; `sequence_parallel`: the LLM layers sequence-parallel at t > 1)."""
     m, params = memory_analysis(raw, degree, tokens, devices, compute_dtype, remat, linear_chunk, tensor_parallel,
                                 sequence_parallel)
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
@@ -72,7 +71,8 @@ def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence
 def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence[Any],
                     compute_dtype: str = "float32", remat: str = "none", linear_chunk: int = 0,
                     tensor_parallel: int = 1, sequence_parallel: bool = False) -> tuple[Any, int]:
-    """(XLA's `memory_analysis()` of the compiled group program, its parameter count) (`compiled`)."""
+    """(XLA's `memory_analysis()` of the compiled group program, its parameter count) (`compiled`;
+    with `tensor_parallel` t > 1 the program of one device of a rank of t, on degree x t devices)."""
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
@@ -80,6 +80,9 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
 
     config = dataclasses.replace(parse_config(raw), remat=remat)
     group = tuple(devices[:degree * tensor_parallel])
+    if len(group) < degree * tensor_parallel:
+        raise ValueError(f"degree {degree} x tensor_parallel {tensor_parallel} needs {degree * tensor_parallel} "
+                         f"devices, found {len(devices)}")
     ex = PlanExecutor(config, group, compute_dtype=compute_dtype, linear_chunk=linear_chunk,
                       tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
     ex.bind(abstract_params(config))
@@ -93,17 +96,19 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
 
 def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
              compute_dtype: str = "float32", state_shards: int = 64, remat: str = "none",
-             linear_chunk: int = 0, tensor_parallel: int = 1, sequence_parallel: bool = False) -> float:
+             linear_chunk: int = 0, tensor_parallel: int = 1, sequence_parallel: bool = False,
+             activation_bytes: int | None = None) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
-    group of `degree` devices and `tokens` tokens, its blocks run with `remat` and `linear_chunk`: the
-    preset's static bytes, and per token `family_bytes_per_token` of the family program at those
-    choices (the preset's own `mem_per_token` for a family's shape); `tensor_parallel` t > 1 (and
-    `sequence_parallel`): `CostModel.preset(..., tensor_parallel=t, sequence_parallel=...)`, one
-    device's bytes (`params` the whole model's)."""
-    extra = {"tensor_parallel": tensor_parallel, "sequence_parallel": sequence_parallel,
-             "ranks_per_node": 8 // tensor_parallel} if tensor_parallel > 1 else {}
+    group of `degree` ranks of `tensor_parallel` devices and `tokens` tokens, its blocks run with `remat` and
+    `linear_chunk`: the preset's static bytes, and per token `family_bytes_per_token` of the family
+    program at those choices (the preset's own `mem_per_token` for a family's shape; with t > 1, one
+    device's, `planner.cost.tensor.local_shape`, and `sequence_parallel` as
+    `CostModel.preset(..., sequence_parallel=...)`), activations in `activation_bytes` per element
+    (default: the compute dtype's; a bf16 program compiled for CPU devices holds them in 4)."""
+    extra = {"sequence_parallel": sequence_parallel, "ranks_per_node": 8 // tensor_parallel} if tensor_parallel > 1 else {}
     cost = CostModel.preset(model_shape(raw, params), hardware, remat=remat, compute_dtype=compute_dtype,
-                            state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk, **extra)
+                            state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk,
+                            tensor_parallel=tensor_parallel, activation_bytes=activation_bytes, **extra)
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 
@@ -117,18 +122,25 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
     `layer_checks`: the bytes one more LLM layer / one more encoder block adds, compiled and
     modelled. The ratio of a full-depth program, (base + n dL + m dV) compiled vs modelled, lies
     between the base ratio and the per-layer ratios (a mediant), so the full-depth agreement is
-    bounded by the rows and the layer rows (`full_depth_bound`)."""
+    bounded by the rows and the layer rows (`full_depth_bound`).
+
+    `tensor_parallel` t > 1: each group is `degree` ranks of t devices (`PlanExecutor(...,
+    tensor_parallel=t)`, the program of one device), priced with `CostModel.preset(...,
+    tensor_parallel=t)`. A bf16 program compiled for CPU devices computes in fp32: the model then
+    holds its activations in `CPU_ACTIVATION_BYTES` (`dhp_jax.sharding.memory_bench`)."""
     import jax
 
     from dhp_jax.model.hf.config import with_depth
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES
 
     devices = jax.devices()
+    t = int(tensor_parallel)
     if not remats or any(r not in REMATS for r in remats):
         raise ValueError(f"remats must be some of {REMATS}, got {list(remats)}")
-    t = int(tensor_parallel)
     if max(degrees, default=1) * t > len(devices):
         raise SystemExit(f"degree {max(degrees)}{f' x tensor_parallel {t}' if t > 1 else ''} needs "
                          f"{max(degrees) * t} devices, found {len(devices)}")
+    ab = CPU_ACTIVATION_BYTES if devices[0].platform == "cpu" and compute_dtype != "float32" else None
     say = log or (lambda text: None)
 
     def keep(row: dict) -> dict:
@@ -149,7 +161,7 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
             got, params = compiled(cfg, d, s, devices, compute_dtype, remat, tensor_parallel=t,
                                    sequence_parallel=sequence_parallel)
             want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype, remat=remat,
-                            tensor_parallel=t, sequence_parallel=sequence_parallel)
+                            tensor_parallel=t, sequence_parallel=sequence_parallel, activation_bytes=ab)
             return got, want, time.perf_counter() - t0, params
 
         done: dict[tuple[str, int, int], tuple[int, float, float, int]] = {}   # base program by (remat, degree, tokens)
@@ -159,7 +171,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                               ("encoder_block", with_depth(raw, depth[0], depth[1] + 1))):
                 got, want, took, params = point(cfg, d, s, remat)
                 dg, dw = got - got0, want - want0
-                layer_rows.append(keep({"model": name, "remat": remat, "degree": d, "tokens": s, "added": what,
+                layer_rows.append(keep({"model": name, "remat": remat, "tensor_parallel": t, "degree": d,
+                                        "tokens": s, "added": what,
                                    "compiled_bytes": int(dg), "model_bytes": int(dw), "ratio": round(dw / dg, 4),
                                    "compile_s": round(took, 1), "base_compiled_bytes": got0, "base_params": params0,
                                    "params": params}))
@@ -167,8 +180,9 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                     f"model {dw / 1e6:.0f} MB, ratio {dw / dg:.3f}")
         for remat, s, d in ((r, s, d) for r in remats for s in tokens for d in degrees):
             got, want, took, params = done.get((remat, d, s)) or point(base, d, s, remat)
-            rows.append(keep({"model": name, "family": raw["model_type"], "remat": remat, "degree": d, "tokens": s,
-                              **({"tensor_parallel": t, "sequence_parallel": bool(sequence_parallel)} if t > 1 else {}),
+            rows.append(keep({"model": name, "family": raw["model_type"], "remat": remat, "tensor_parallel": t,
+                              **({"sequence_parallel": bool(sequence_parallel)} if t > 1 else {}),
+                              "degree": d, "tokens": s,
                               "layers": list(depth), "full_layers": list(full), "compiled_bytes": got,
                               "model_bytes": int(want), "ratio": round(want / got, 4), "compile_s": round(took, 1),
                               "params": params}))
@@ -177,8 +191,9 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
     ratios = [r["ratio"] for r in rows] + [r["ratio"] for r in layer_rows]
     return {"label": f"XLA memory_analysis of the family group program at {depth[0]} LLM layers and {depth[1]} "
                      f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
-                     f"{devices[0].platform} devices) vs `group_program_bytes` (remat {', '.join(remats)})",
-            "depth": list(depth), "compute_dtype": compute_dtype, "remats": list(remats), "tensor_parallel": t,
+                     f"{devices[0].platform} devices{f', ranks of {t} devices' if t > 1 else ''}) vs "
+                     f"`group_program_bytes` (remat {', '.join(remats)}{f', tensor_parallel {t}' if t > 1 else ''})",
+            "depth": list(depth), "compute_dtype": compute_dtype, "tensor_parallel": t, "remats": list(remats),
             "sequence_parallel": bool(sequence_parallel), "rows": rows,
             "layer_rows": layer_rows,
             "full_depth_bound": [min(ratios), max(ratios)] if ratios else None}

@@ -192,8 +192,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
                         help="ranks of T devices (the model split Megatron-style, PlanExecutor("
-                             "tensor_parallel=T)), priced with CostModel.preset(..., tensor_parallel=T); a group of "
-                             "degree d uses d x T devices (with --families too; not with --step)")
+                             "tensor_parallel=T); with --families the family's own program), priced with "
+                             "CostModel.preset(..., tensor_parallel=T); a group of degree d uses d x T devices "
+                             "(not with --step)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="with --tensor-parallel T > 1: the block stacks (a family's LLM layers) sequence-"
                              "parallel (PlanExecutor(sequence_parallel=True)), priced with CostModel.preset(..., "
@@ -201,7 +202,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remat", default=None,
                         help="recompute policy: none, layer or selective (default: layer); with --families a "
                              "comma-separated list of them (default: none)")
-    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
+    parser.add_argument("--dtype", default=None, choices=("bfloat16", "float32"),
+                        help="compute dtype (default: bfloat16; with --families float32)")
     parser.add_argument("--state-shards", type=int, default=64, help="ranks the fp32 state is sharded over")
     parser.add_argument("--extrapolate", action="store_true",
                         help="compile 2 and 3 layers and extrapolate linearly instead of compiling every layer")
@@ -232,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if remat not in REMATS:
         raise SystemExit(f"--remat: {remat!r} is not one of {REMATS}")
     res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
-                  hardware=args.hardware, remat=remat, compute_dtype=args.dtype,
+                  hardware=args.hardware, remat=remat, compute_dtype=args.dtype or "bfloat16",
                   state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits,
                   tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
     if args.json:
@@ -273,7 +275,8 @@ def run_families(args: argparse.Namespace, ints: Any) -> int:
                                          ints(args.degrees), ints(args.tokens), layer_checks=checks,
                                          hardware=args.hardware, log=lambda t: print(t, file=sys.stderr, flush=True),
                                          rows_file=args.rows_file, remats=remats,
-                                         tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
+                                         compute_dtype=args.dtype or "float32", tensor_parallel=args.tensor_parallel,
+                                         sequence_parallel=args.sequence_parallel)
     if args.json:
         print(json.dumps(res, indent=2))
         return 0

@@ -33,11 +33,12 @@ reduce-scatter over them, and a device holds L_pad (about P / t) params and grad
 
 Copies: a leaf every device of a rank holds (norms, patch embedding, projector) is stored t
 times, a kv head shared by g devices g times; the group program sums the copies' gradients over
-the devices that hold them (`dhp_jax.model.tensor.tied_copy`, `tied_group_copy`; a family's block
-stacks on their rows, `tie_rows`), so the copies
-get equal gradients and stay equal under AdamW; `TensorLayout.count_once` marks one copy of each
-for the gradient's global norm. The vocab windows overlap on the last device (its ids held
-twice are masked, so their gradient there is zero); `unravel` reads every id from its owner.
+the devices that hold them (`dhp_jax.model.tensor.copy_sum`, `group_sum`: per leaf with
+`tie_block` / `tie_top`, on the copies' columns of a family's stacked block rows with `tie_rows`,
+the split columns untouched), so the copies get equal gradients and stay equal under AdamW;
+`TensorLayout.count_once` marks one copy of each for the gradient's global norm. The vocab windows overlap on the last device (its ids held
+twice are masked, so their gradient there is zero); `unravel` reads every id from its owner
+(the windows of `vocab_share`, the model's rule, at static indices).
 Each device differentiates the group's loss (counted once per rank, on its device tp = 0)
 with respect to its own share: the collectives' transposes bring each device its share's
 gradient (`dhp_jax.model.tensor`).
@@ -57,7 +58,7 @@ import numpy as np
 from jax import lax
 
 from dhp_jax.model.config import MLLMConfig, split_shape
-from dhp_jax.model.tensor import TensorHooks, tied_copy, tied_group_copy, vocab_share
+from dhp_jax.model.tensor import TensorHooks, copy_sum, group_sum, tied, tied_copy, tied_group_copy, vocab_share
 from dhp_jax.planner.cost.tensor import check_tensor_parallel
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import TP_AXIS
@@ -150,8 +151,7 @@ class SplitTable:
             rule = self.top.get(path)
             if rule is None:
                 return REPLICATED, None, 0, 0, lambda i: 0
-            vl = -(-self.vocab // t)
-            return VOCAB, rule[0], 0, vl, lambda i: vocab_share(self.vocab, t, i)[0]
+            return VOCAB, rule[0], 0, vocab_share(self.vocab, t, 0)[2], lambda i: vocab_share(self.vocab, t, i)[0]
         stack, inner = found
         rule = stack.rules.get(inner)
         if rule is None:
@@ -261,6 +261,12 @@ def share_tree(params: dict, config: Any, t: int, index: Any) -> dict:
     return _share(params, split_table(config), t, index)
 
 
+def table_of(model: Any) -> SplitTable:
+    """`model` itself if it is a `SplitTable` (`TensorLayout.table`: built once per layout), else
+    its `split_table`."""
+    return model if isinstance(model, SplitTable) else split_table(model)
+
+
 def _tie(tree: dict, table: SplitTable, tp: TensorHooks, prefix: str, skip_blocks: bool) -> dict:
     out = {}
     for k, v in tree.items():
@@ -274,52 +280,78 @@ def _tie(tree: dict, table: SplitTable, tp: TensorHooks, prefix: str, skip_block
     return out
 
 
-def tie_block(params: dict, config: MLLMConfig, vision: bool, tp: TensorHooks) -> dict:
-    """A block's local params with its copies tied (their gradients summed over their holders)."""
-    return _tie(params, split_table(config), tp, "vision_layers_0/" if vision else "layers_0/", False)
+def tie_block(params: dict, model: Any, vision: bool, tp: TensorHooks) -> dict:
+    """A block's local params with its copies tied (their gradients summed over their holders);
+    `model`: the model's `SplitTable` (`TensorLayout.table`) or its config."""
+    return _tie(params, table_of(model), tp, "vision_layers_0/" if vision else "layers_0/", False)
 
 
-def tie_top(params: dict, config: Any, tp: TensorHooks) -> dict:
-    """The local params outside the blocks with their copies tied (blocks left as they are)."""
-    return _tie(params, split_table(config), tp, "", True)
+def tie_top(params: dict, model: Any, tp: TensorHooks) -> dict:
+    """The local params outside the blocks with their copies tied (blocks left as they are);
+    `model`: the model's `SplitTable` (`TensorLayout.table`) or its config."""
+    return _tie(params, table_of(model), tp, "", True)
 
 
-def tie_rows(rows: jax.Array, config: Any, prefix: str, leaves: Sequence[tuple[tuple[str, ...], int, Any]],
+def _runs(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Column spans (start, end) with the adjacent ones merged, in order."""
+    out: list[tuple[int, int]] = []
+    for a, b in sorted(spans):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _sum_columns(g: jax.Array, spans: list[tuple[int, int]], total: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """g[count, n] with its columns `spans` replaced by `total` of them (taken together, one
+    collective), the other columns left as they are (no copy of them in another dtype). A 2-byte
+    g is sliced and updated as its unsigned-integer bits: XLA:CPU widens a bf16 slice or update of
+    the whole array to fp32 first."""
+    bits = jnp.dtype(g.dtype).itemsize == 2
+    view = lax.bitcast_convert_type(g, jnp.uint16) if bits else g
+    cols = [view[:, a:b] for a, b in spans]
+    segs = jnp.concatenate(cols, axis=1) if len(cols) > 1 else cols[0]
+    summed = total(lax.bitcast_convert_type(segs, g.dtype) if bits else segs)
+    summed = lax.bitcast_convert_type(summed, jnp.uint16) if bits else summed
+    pos = 0
+    for a, b in spans:
+        view = lax.dynamic_update_slice_in_dim(view, summed[:, pos:pos + b - a], a, axis=1)
+        pos += b - a
+    return lax.bitcast_convert_type(view, g.dtype) if bits else view
+
+
+def tie_rows(rows: jax.Array, model: Any, prefix: str, leaves: Sequence[tuple[tuple[str, ...], int, Any]],
              tp: TensorHooks) -> jax.Array:
     """A block stack's local rows[count, n] (`FlatLayout.block_leaves` `leaves`: keys inside the
-    block, offset in the row, shape) unchanged, with its copies tied in the backward pass: the
-    gradient columns of a replicated leaf summed over the rank, of a shared kv head over its
-    holders, of a split leaf kept (a stack the table does not split is summed whole, one psum)."""
-    table = split_table(config)
-    rules = [(table.rule(f"{prefix}0/{'/'.join(keys)}", tp.size), off, int(np.prod(shape)))
-             for keys, off, shape in leaves]
-    kinds = [((r[0], r[2]), off, size) for r, off, size in rules]
-    per = {k for (k, _), _, _ in kinds}
+    block, offset in the row, shape) unchanged, with its copies tied in the backward pass as
+    `tie_block` ties a block's leaves (`model`: the `SplitTable` or the config): the gradient
+    columns of the replicated leaves summed over the rank (`copy_sum`, one psum of those columns),
+    of the shared kv heads over their holders (`group_sum`), the split leaves' columns left as they
+    are (a stack the table does not split at all is summed whole, one psum)."""
+    table = table_of(model)
+    copies: list[tuple[int, int]] = []
+    shared: dict[int, list[tuple[int, int]]] = {}
+    for keys, off, shape in leaves:
+        kind, _, groups = table.rule(f"{prefix}0/{'/'.join(keys)}", tp.size)[:3]
+        span = (off, off + int(np.prod(shape)))
+        if kind == REPLICATED:
+            copies.append(span)
+        elif kind == SHARED:
+            shared.setdefault(groups, []).append(span)
+    if not copies and not shared:
+        return rows
+    if not shared and _runs(copies) == [(0, rows.shape[1])]:
+        return tied(rows, lambda g: copy_sum(g, tp))
 
-    @jax.custom_vjp
-    def copy(r):
-        return r
+    def backward(g):
+        if copies:
+            g = _sum_columns(g, _runs(copies), lambda x: copy_sum(x, tp))
+        for groups, spans in sorted(shared.items()):
+            g = _sum_columns(g, _runs(spans), lambda x, k=groups: group_sum(x, tp, k))
+        return g
 
-    def bwd(_, g):
-        gf = g.astype(jnp.float32)
-        if per == {REPLICATED}:
-            return (tp.psum(gf).astype(g.dtype),)
-        parts = []
-        for (kind, groups), off, size in kinds:
-            seg = gf[:, off:off + size]
-            if kind == REPLICATED:
-                seg = tp.psum(seg)
-            elif kind == SHARED:
-                me = tp.index() // (tp.size // groups)
-                seg = tp.psum(jnp.zeros((groups,) + seg.shape, jnp.float32).at[me].set(seg))[me]
-            parts.append(seg)
-        tail = g.shape[1] - sum(size for _, _, size in kinds)
-        if tail:
-            parts.append(gf[:, g.shape[1] - tail:])
-        return (jnp.concatenate(parts, axis=1).astype(g.dtype),)
-
-    copy.defvjp(lambda r: (r, None), bwd)
-    return copy(rows)
+    return tied(rows, backward)
 
 
 class TensorLayout:
@@ -402,7 +434,6 @@ class TensorLayout:
         t, rows = self.tensor_parallel, self.rows(flat)
         shares = [jax.tree.leaves(self.local.unravel(rows[i])) for i in range(t)]
         vocab = self.table.vocab
-        vl = -(-vocab // t)
         leaves = []
         for j, (kind, axis, groups) in enumerate(self.kinds):
             if kind == REPLICATED:
@@ -419,9 +450,9 @@ class TensorLayout:
             else:
                 parts = []
                 for i in range(t):
-                    own, start = i * vl, min(i * vl, vocab - vl)
-                    if own < vocab:
-                        parts.append(lax.slice_in_dim(shares[i][j], own - start, own - start + min(vl, vocab - own),
+                    start, own, vl = vocab_share(vocab, t, i)
+                    if own < vocab:         # its owned ids: [own, min(own + Vl, V)) of the window from start
+                        parts.append(lax.slice_in_dim(shares[i][j], own - start, min(own + vl, vocab) - start,
                                                       axis=axis))
                 leaves.append(jnp.concatenate(parts, axis=axis))
         return jax.tree.unflatten(self.treedef, leaves)
@@ -432,14 +463,13 @@ class TensorLayout:
         element of a split leaf) and False on the other copies and the padding: the gradient's
         global norm sums the squares where it is True (traceable)."""
         t, vocab = self.tensor_parallel, self.table.vocab
-        vl = -(-vocab // t)
         local_leaves = jax.tree.leaves(jax.eval_shape(lambda: self.local.unravel(jnp.zeros((self.row,)))))
         rows = []
         for i in range(t):
             marks = []
             for (kind, axis, groups), leaf in zip(self.kinds, local_leaves):
                 if kind == VOCAB:
-                    own, start = i * vl, min(i * vl, vocab - vl)
+                    start, own, vl = vocab_share(vocab, t, i)
                     ids = start + np.arange(vl)
                     keep = np.expand_dims(ids >= own, 1 - axis)
                     marks.append(jnp.broadcast_to(jnp.asarray(keep), leaf.shape))
