@@ -69,10 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
     add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=8)  # the cost model plans with
     add_tensor_parallel_arg(p)   # a rank is T consecutive processes (npu_backend.tensor); plans have processes / T ranks
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="with --tensor-parallel T > 1: Megatron's sequence parallelism (arXiv 2205.05198), each "
-                        "process holds 1/T of its rank's rows between the split matrices (all-gather before them, "
-                        "reduce-scatter after); the planner prices it (CostModel.preset(..., sequence_parallel=True))")
     p.add_argument("--comm-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="cost model: ring traffic hides behind attention (default: the hardware's)")
     p.add_argument("--length-scale", type=float, default=1.0,
@@ -106,8 +102,6 @@ class Planner:
             if not is_profile(args.cost or args.model):
                 # a preset's model states are ZeRO-sharded over the node, or over all ranks when a rank is a node
                 extra["zero_shards"] = max(args.ranks_per_node, world)
-            if getattr(args, "sequence_parallel", False):     # each block's input / T a device, its traffic
-                extra["sequence_parallel"] = True
             self.cost = cost_from_args(args, **extra)
 
     def _plan(self, samples: Sequence) -> Plan:

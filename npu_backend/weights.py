@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
-from dhp_jax.sharding.relayout import RecordError, unravel_record
+from npu_backend.relayout import RecordError, unravel_record
 from npu_backend.model import TorchMLLM
 
 
@@ -193,7 +193,7 @@ def load_jax_checkpoint(path: str | Path, step: int | None = None) -> JaxCheckpo
     vector with tensorstore (zarr over OCDBT); the checkpoint's layout record (`FlatLayout.record`:
     the leaves in flat order, P and the padding of the rank count that wrote it; with tensor
     parallelism `TensorLayout.record`, also each device's share and how the shares join,
-    `dhp_jax.sharding.relayout.unravel_record`) cuts it into the flax tree, whatever t and device
+    `npu_backend.relayout.unravel_record`) cuts it into the flax tree, whatever t and device
     count wrote it. The Adam moments are not read (see docs/torch-backend.md)."""
     d = checkpoint_step_dir(path, step)
     try:

@@ -381,7 +381,7 @@ class TensorLayout:
     def record(self) -> dict:
         """`FlatLayout.record` of the whole tree, with t, the local layout and how each leaf is
         split (`split`: [path, kind, axis, groups] in the whole tree's flat order; `vocab`: V), so
-        that a reader without the model config (`dhp_jax.sharding.relayout.unravel_record`, the
+        that a reader without the model config (`npu_backend.relayout.unravel_record`, the
         torch backend) joins the whole tree again. A checkpoint restores at any t and device count
         (`dhp_jax.train.checkpoint`)."""
         split = [[self.paths[i], *self.kinds[i]] for i in self.whole.order]
