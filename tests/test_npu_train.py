@@ -75,7 +75,8 @@ def test_plan_logs_replay_across_backends(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     jax_run = tmp_path / "jax"
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
-    train = subprocess.run([sys.executable, "-m", "dhp_jax", "train", "num_ranks=4", "steps=2", "data.batch_size=8",
+    train = subprocess.run([sys.executable, "-m", "dhp_jax", "train", "model=tiny", "num_ranks=4", "steps=2",
+                            "data.batch_size=8",
                             "data.max_tokens=48", "data.num_classes=4", "compare.enabled=false",
                             "metrics.progress=false", "min_bucket=256", f"metrics.out_dir={jax_run}",
                             f"planner.plan_file={torch_log}"], cwd=tmp_path, env=env, capture_output=True,

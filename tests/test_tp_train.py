@@ -3,14 +3,12 @@ fake CPU devices as 4 ranks of 2,
 against the same run at t = 1 on 4 devices replaying its plans: the state is tp-sharded (each
 device holds and reduces only its share, `dhp_jax.sharding.tensor.TensorLayout`), the copies of
 replicated leaves stay equal under AdamW, the clipped global norm
-counts each parameter once, and a t = 2 run stopped and resumed from its checkpoint continues it,
-as does the same checkpoint resumed at t = 1 on 4 devices (`dhp_jax.train.checkpoint` converts the
-params and AdamW's moments through the params tree; the other way, t = 1 to t = 2, runs in
+counts each parameter once, and a t = 2 run stopped and resumed from its checkpoint continues it;
+its state converts to t = 1 on 4 devices and to t = 2 on 4 through the params tree, params and
+AdamW's moments (`dhp_jax.train.checkpoint`; a t = 1 checkpoint resumed at t = 2 runs in
 `tests/test_multiprocess_jax.py`, in two processes).
 Clipping is on at every step (clip_norm below the gradient norm), so a norm that counted a copy
 twice would change every update."""
-
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +43,6 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
     assert two.layout.row < 0.6 * one.layout.padded and two.layout.padded == 2 * two.layout.row
     cfg = _config(tmp_path, "t2", replay, "parallel.tensor=2", "parallel.sequence=true", "checkpoint.every=2")
     first = Trainer(cfg, executor=two).run(stop_after=2)
-    _copy_run(tmp_path, "t2", "t2to1")
     second = Trainer(cfg, executor=two).run(resume=True)
     assert [r["step"] for r in first.records + second.records] == [1, 2, 3]
     rec1, rec2 = read_jsonl(tmp_path / "t1" / "metrics.jsonl"), read_jsonl(tmp_path / "t2" / "metrics.jsonl")
@@ -72,27 +69,21 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
     np.testing.assert_array_equal(shares[0]["final_norm"]["scale"], shares[1]["final_norm"]["scale"])
     np.testing.assert_array_equal(shares[0]["proj_fc1"]["kernel"], shares[1]["proj_fc1"]["kernel"])
 
-    # the t = 2 checkpoint of step 2 resumed at t = 1 on 4 devices continues as the uninterrupted
-    # run does (params, mu and nu converted through the params tree)
-    to1 = Trainer(_config(tmp_path, "t2to1", replay), executor=one).run(resume=True)
-    assert [r["step"] for r in to1.records] == [3]
-    np.testing.assert_allclose(to1.losses, base.losses[2:], rtol=1e-5)
-    np.testing.assert_allclose(to1.records[0]["grad_norm"], norms[0][2], rtol=1e-5)
-    for (path, a), b in zip(jax.tree.flatten_with_path(one.unshard(to1.state.params))[0], jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
-                                   err_msg=jax.tree_util.keystr(path))
-    for a, b in zip(jax.tree.leaves(to1.state.opt_state), jax.tree.leaves(base.state.opt_state)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-9)
-
-    # the layout alone: the t = 2 master on 8 devices as t = 2 on 4 (same t, other rank count)
-    # holds the same tree
+    # the layout alone: the t = 2 master on 8 devices as t = 1 on 4 and as t = 2 on 4 (other t,
+    # other rank count) holds the same tree, for the params and for AdamW's moments (what a
+    # resume at another t converts, `dhp_jax.train.checkpoint`; a resume of t = 1 at t = 2 runs in
+    # tests/test_multiprocess_jax.py)
     from dhp_jax.train.checkpoint import convert
-    dst = two.layout_for({"tensor_parallel": 2, "num_shards": 4})
-    assert (dst.tensor_parallel, dst.num_ranks) == (2, 2)
     cpu0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    x = convert(jax.device_put(params, cpu0), two.layout, dst, cpu0)
-    for a, b in zip(jax.tree.leaves(dst.unravel(x)), jax.tree.leaves(two.layout.unravel(params))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for record in ({"tensor_parallel": 1, "num_shards": 4}, {"tensor_parallel": 2, "num_shards": 4}):
+        dst = two.layout_for(record)
+        for vector in (params, second.state.opt_state[1][0].mu, second.state.opt_state[1][0].nu):
+            x = convert(jax.device_put(vector, cpu0), two.layout, dst, cpu0)
+            for a, b in zip(jax.tree.leaves(dst.unravel(x)), jax.tree.leaves(two.layout.unravel(vector))):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    rows = np.asarray(two.layout.rows(second.state.opt_state[1][0].nu))
+    shares = [two.layout.local.unravel(rows[i]) for i in range(2)]   # a replicated leaf's copies
+    np.testing.assert_array_equal(shares[0]["final_norm"]["scale"], shares[1]["final_norm"]["scale"])
 
     # a t = 2 state whose copies of a replicated leaf disagree is refused, naming the leaf
     i = two.layout.paths.index("final_norm/scale")
@@ -107,10 +98,3 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
         ck.restore(target, {}, layout=one.layout, layouts=one.layout_for)
     ck.close()
 
-
-def _copy_run(tmp_path, name, to):
-    """A copy of run `name`'s directory with only its step-2 checkpoint (resumed from there)."""
-    shutil.copytree(tmp_path / name, tmp_path / to)
-    for step in (tmp_path / to / "checkpoints").iterdir():
-        if step.name.isdigit() and step.name != "2":
-            shutil.rmtree(step)
