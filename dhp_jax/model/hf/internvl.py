@@ -16,7 +16,7 @@ InternVL3), 1-D RoPE over the token offset; image features replace the image pla
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,11 +28,12 @@ from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERN
 from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
 from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
 from dhp_jax.model.attention import AttnIds
-from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
-                                     per_block, rms_norm, row_linear, segment_ids, split_rms_norm)
+from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, block_collectives, causal_ids,
+                                     layer_norm, linear, per_block, rms_norm, row_linear, segment_ids, split_rms_norm)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
+from dhp_jax.model.tensor import TensorHooks
 
 PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
 QK_NORM_EPS = 1e-6
@@ -58,29 +59,36 @@ def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: Atten
 
 
 def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: AttentionFn,
-                   live: jax.Array | None = None, reduce: Callable[[jax.Array], jax.Array] | None = None
-                   ) -> jax.Array:
+                   live: jax.Array | None = None, tp: TensorHooks | None = None) -> jax.Array:
     """InternViT's layers and final norm over a stream of patch (and CLS) rows x[N, d] (subtree
     `model.vision_tower`), attending within the segments of `ids` (one per tile). `live` (bool per
     row, optional): the rows a result is read from; with it the layers skip the chunks of the
-    others (`layers.BlockStream`, `cfg.linear_chunk`). `reduce`: tensor parallelism, the layers'
+    others (`layers.BlockStream`, `cfg.linear_chunk`). `tp`: tensor parallelism, the layers'
     params one device's share (its heads of q/k/v and of the QK-norm scales, its MLP columns; the
-    head count read off the q kernel), summed after the row-split projection_layer and fc2 (their
-    biases added once) and in the QK-norm's sum of squares over the whole width."""
+    head count read off the q kernel), summed over the rank after the row-split projection_layer
+    and fc2 (their biases added once) and in the QK-norm's sum of squares over the whole width.
+    With `tp.sequence` the layers run sequence-parallel (arXiv 2205.05198,
+    `layers.block_collectives`): the scan carries this device's rows (CLS rows included: a CLS
+    token is a row like any other), the norms, the layer scales lambda_1 / lambda_2 and the
+    residuals apply to them, the normed rows are all-gathered before q/k/v and fc1, the outputs of
+    projection_layer and fc2 reduce-scattered back; the ids stay whole and the final norm reads the
+    whole stream joined again (`BlockStream.leave`), as the pixel shuffle after it does."""
     v = cfg.vision
     d = x.shape[-1]
     norm = layer_norm if v.norm == "layer_norm" else rms_norm
     act, hd = activation(v.act), d // v.num_heads
+    stream = BlockStream(cfg.remat, cfg.linear_chunk, live, tp=tp)
+    widen, reduce, t = block_collectives(None if tp is None else tp.psum, stream.sequence)
 
-    def qk_norm(y, q):
-        return (rms_norm(y, q, QK_NORM_EPS) if reduce is None
-                else split_rms_norm(y, q, QK_NORM_EPS, reduce, d))
-    stream = BlockStream(cfg.remat, cfg.linear_chunk, live)
+    def qk_norm(y, q):     # y: the rows joined over the rank (sequence-parallel too), this device's heads
+        return (rms_norm(y, q, QK_NORM_EPS) if tp is None
+                else split_rms_norm(y, q, QK_NORM_EPS, tp.psum, d))
+
     ids = stream.rows(ids)
 
     def project(b, xc, _):
         a = b["attention"]
-        y = norm(xc, b["layernorm_before"], v.eps)
+        y = widen(norm(xc, b["layernorm_before"], v.eps))
         q, k = linear(a["q_proj"], y), linear(a["k_proj"], y)
         if v.qk_norm:
             q, k = qk_norm(q, a["q_norm"]), qk_norm(k, a["k_norm"])
@@ -91,16 +99,16 @@ def encoder_layers(cfg: HFConfig, p: Params, x: jax.Array, ids: Any, attn_fn: At
         proj = b["attention"]["projection_layer"]
         xc = xc + b["lambda_1"] * row_linear(proj, oc.reshape(-1, proj["kernel"].shape[0]), reduce)
         m = b["mlp"]
-        return xc + b["lambda_2"] * row_linear(m["fc2"], act(linear(m["fc1"], norm(xc, b["layernorm_after"], v.eps))),
-                                               reduce)
+        z = widen(norm(xc, b["layernorm_after"], v.eps))
+        return xc + b["lambda_2"] * row_linear(m["fc2"], act(linear(m["fc1"], z)), reduce)
 
     def block(b, h, blk, _):
         ii = AttnIds(*blk)
         return split_block(b, h, (), stream.live, project, finish, lambda q, k, u: attn_fn(q, k, u, ii, ii),
-                           stream.chunk)
+                           stream.chunk, t, ii.segment.shape[0])
 
     stack = block_rows(p["encoder"]["layer"], v.num_layers)
-    x = stream.back(stream.scan(block, stack, stream.rows(x), per_block(v.num_layers, tuple(ids))))
+    x = stream.leave(stream.scan(block, stack, stream.enter(x), per_block(v.num_layers, tuple(ids))), x.shape[0])
     if v.final_norm:
         x = layer_norm(x, p["layernorm"], v.eps)
     return x

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from dhp_jax.model.attention import AttnIds
-from dhp_jax.model.mllm import live_chunks, remat_policy, split_block, vision_first
+from dhp_jax.model.mllm import live_chunks, remat_policy, sequence_rows, sequence_stream, split_block, vision_first
 from dhp_jax.model.hf.scan import run_blocks
 from dhp_jax.model.hf.spec import DecoderShape, RopeSpec  # noqa: F401 (the blocks' shapes)
 from dhp_jax.model.tensor import TensorHooks
@@ -133,6 +133,19 @@ def row_linear(p: Params, x: jax.Array, reduce: Callable[[jax.Array], jax.Array]
     return y + p["bias"] if "bias" in p else y
 
 
+def block_collectives(reduce: Callable[[jax.Array], jax.Array] | None, sequence: TensorHooks | None
+                      ) -> tuple[Callable[[jax.Array], jax.Array], Callable[[jax.Array], jax.Array] | None, int]:
+    """(widen, reduce, t) of a block's split matrices: without `sequence`, the identity before the
+    column-split GEMMs and `reduce` (the sum over the rank, or None without tensor parallelism)
+    after the row-split ones, t = 1; with `sequence` (the rank's `TensorHooks`, Megatron SP, arXiv
+    2205.05198) the all-gather of this device's rows before them and the reduce-scatter back to its
+    rows after them, t = the rank's size (`mllm.split_block`'s argument). The one rule of every
+    family block (`decoder_block`, `qwen_vision_block`, InternViT's layers)."""
+    if sequence is None:
+        return (lambda y: y), reduce, 1
+    return sequence.gather, sequence.scatter, sequence.size
+
+
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
                   attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
                   reduce: Callable[[jax.Array], jax.Array] | None = None,
@@ -150,9 +163,7 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
     q/k/v and gate/up, and the outputs of o_proj and down_proj reduce-scattered back (instead of
     summed by `reduce`), their biases added to this device's rows."""
     hd = shape.head_dim
-    widen = (lambda y: y) if sequence is None else sequence.gather
-    if sequence is not None:
-        reduce = sequence.scatter
+    widen, reduce, t = block_collectives(reduce, sequence)
     heads = p["self_attn"]["q_proj"]["kernel"].shape[-1] // hd
     kv = p["self_attn"]["k_proj"]["kernel"].shape[-1] // hd
 
@@ -173,34 +184,39 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
         return h + row_linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)),
                               reduce)
 
-    t = 1 if sequence is None else sequence.size
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk,
                        t, ids.segment.shape[0])
 
 
 def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, num_heads: int,
-                      norm: Callable[[jax.Array, Params], jax.Array], mlp: Callable[[Params, jax.Array], jax.Array],
+                      norm: Callable[[jax.Array, Params], jax.Array], mlp: Callable[..., jax.Array],
                       attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
-                      reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+                      reduce: Callable[[jax.Array], jax.Array] | None = None,
+                      sequence: TensorHooks | None = None) -> jax.Array:
     """One Qwen vision block on `p` (a `blocks.i` subtree): x += proj(attn(norm1(x))) with the fused
     qkv Linear (head-minor columns: [3, H, D]) and 2-D rotary, attention within a segment of `ids`;
-    x += mlp(p["mlp"], norm2(x)). `norm(x, p)` is the family's norm; `chunk`, `live` as in
+    x += mlp(p["mlp"], norm2(x), reduce): the family's MLP, `reduce` the collective after its
+    row-split last matrix (`block_collectives`; None without tensor parallelism). `norm(x, p)` is the family's norm; `chunk`, `live` as in
     `decoder_block`. Tensor parallelism: `p` one device's share (its heads of each of q, k, v: the
-    local head count read off the qkv kernel), `reduce` the sum after the row-split proj (the
-    family's `mlp` sums after its own row-split matrix)."""
+    local head count read off the qkv kernel), `reduce` the sum after the row-split proj and the
+    MLP's last matrix; `sequence`: sequence-parallel as `decoder_block` (x this device's rows,
+    `angles` and `ids` whole; the normed rows all-gathered before qkv and the MLP, the outputs of
+    proj and the MLP reduce-scattered back, their biases added to this device's rows)."""
     d = x.shape[-1]
     hd = d // num_heads
     heads = p["attn"]["qkv"]["kernel"].shape[-1] // (3 * hd)
+    widen, reduce, t = block_collectives(reduce, sequence)
 
     def project(pp, xc, ang):
-        qkv = linear(pp["attn"]["qkv"], norm(xc, pp["norm1"])).reshape(-1, 3, heads, hd)
+        qkv = linear(pp["attn"]["qkv"], widen(norm(xc, pp["norm1"]))).reshape(-1, 3, heads, hd)
         return rope(qkv[:, 0], ang), rope(qkv[:, 1], ang), qkv[:, 2]
 
     def finish(pp, xc, oc):
         xc = xc + row_linear(pp["attn"]["proj"], oc.reshape(-1, heads * hd), reduce)
-        return xc + mlp(pp["mlp"], norm(xc, pp["norm2"]))
+        return xc + mlp(pp["mlp"], widen(norm(xc, pp["norm2"])), reduce)
 
-    return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk)
+    return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk,
+                       t, ids.segment.shape[0])
 
 
 def remat_block(fn: Callable, remat: str) -> Callable:
@@ -268,17 +284,24 @@ class BlockStream:
     first; `mllm.vision_first`: a shard's live rows fill whole chunks; masks read ids, never the
     order).
     `rows(a)` puts per-row arrays in the blocks' order, `back(x)` restores the stream's; `chunk`
-    and `live` are the blocks' arguments (0, None: one pass). `t` > 1: the blocks run
-    sequence-parallel over t devices (`mllm.split_block`), the chunks `mllm.sequence_chunks`."""
+    and `live` are the blocks' arguments (0, None: one pass). `tp` with `tp.sequence` (a rank of
+    t > 1 devices): the blocks run sequence-parallel (Megatron SP, arXiv 2205.05198;
+    `mllm.split_block`, the chunks `mllm.sequence_chunks`): `enter(x)` is this device's rows of the
+    whole stream x in the blocks' order (`mllm.sequence_rows`), `leave(y, s)` the whole stream of s
+    rows again, in the stream's order (`mllm.sequence_stream`, an all-gather over the rank);
+    `sequence` is the hooks the blocks take (`block_collectives`), None otherwise. Per-row inputs
+    the blocks read whole (ids, rotary tables) stay whole, in the blocks' order (`rows`). The one
+    way in and out of sequence parallelism for every family stack: the LLM layers
+    (`dhp_jax.model.hf.text.text_forward`) and the encoders."""
 
     def __init__(self, remat: str, chunk: int, live: jax.Array | None = None, reorder: bool = True,
-                 t: int = 1) -> None:
+                 tp: TensorHooks | None = None) -> None:
         self.remat = remat
+        self.sequence = tp if tp is not None and tp.sequence and tp.size > 1 else None
+        t = 1 if self.sequence is None else self.sequence.size
         n = 0 if live is None else live.shape[0]
         self.chunk = chunk if live is not None and 0 < chunk < n else 0
         self.order, self._back = vision_first(live, self.chunk) if self.chunk and reorder else (None, None)
-        if t > 1 and reorder:
-            raise ValueError("a sequence-parallel stream keeps its rows in order (reorder=False)")
         self.live = live_chunks(self.rows(live).astype(jnp.int32), self.chunk, t) if self.chunk else None
 
     def rows(self, a: Any) -> Any:
@@ -289,12 +312,22 @@ class BlockStream:
         """Rows in the blocks' order back in the stream's."""
         return x if self._back is None else x[self._back]
 
+    def enter(self, x: jax.Array) -> jax.Array:
+        """The rows the blocks carry of a whole stream x[S, ...] (in the stream's order): all of
+        them in the blocks' order, or this device's under sequence parallelism."""
+        x = self.rows(x)
+        return x if self.sequence is None else sequence_rows(x, self.chunk, self.sequence)
+
+    def leave(self, y: jax.Array, s: int) -> jax.Array:
+        """The whole stream [s, ...] in the stream's order from the rows the blocks carried (`enter`)."""
+        return self.back(y if self.sequence is None else sequence_stream(y, s, self.chunk, self.sequence))
+
     def block(self, fn: Callable) -> Callable:
         """`fn` (x -> x, one block) as this stream runs it (`remat_block`)."""
         return remat_block(fn, self.remat)
 
     def scan(self, fn: Callable, stack: Any, x: jax.Array, per_block: Any = (), consts: Any = (), **kw) -> Any:
-        """The blocks of `stack` (`scan.BlockRows`) run on x (rows in the blocks' order) as one
+        """The blocks of `stack` (`scan.BlockRows`) run on x (the rows `enter` gives) as one
         scan (`scan.run_blocks`, `feed` and `taps` in `kw`): block i is `fn(p_i, x, per_block[i],
         consts)` under `block`."""
         body = self.block(lambda args, h: fn(args[0], h, args[1], args[2]))

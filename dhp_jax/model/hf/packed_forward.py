@@ -18,21 +18,22 @@ from dhp_jax.model.tensor import TensorHooks, vocab_embed
 
 def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
             tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None = None) -> tuple[jax.Array, list]:
-    """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit]."""
+    """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit].
+    `tp`: tensor parallelism, the encoder's blocks split (sequence-parallel with `tp.sequence`: the
+    family's `encode`), the patch embedding and the projector or mergers replicated."""
     s = pixels.shape[0] // unit(config)
-    reduce = None if tp is None else tp.psum     # the encoders' blocks are split too
     live = vi["frame"] > 0               # the rows of vision tokens (the others are dead: nothing reads them)
     if config.family == "qwen2_5_vl":
         from dhp_jax.model.hf import qwen2_5_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "windows": vi["window"], "live": live}
-        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn, reduce), []
+        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn, tp), []
     if config.family == "qwen3_vl":
         from dhp_jax.model.hf import qwen3_vl
         enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
                "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
                "tap_weights": tap_weights, "live": live}
-        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn, reduce)
+        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn, tp)
     from dhp_jax.model.hf import internvl
     from dhp_jax.model.hf.layers import linear, segment_ids
     p = params["model"]["vision_tower"]
@@ -43,7 +44,7 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
     x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
     if "position_embeddings" in emb:
         x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
-    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live, reduce)
+    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live, tp)
     kk = config.vision.shuffle ** 2
     x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
     return internvl.project(config, params, x), []
@@ -55,8 +56,9 @@ def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_f
     """Sum over the stream's tokens of weight * cross entropy (fp32): the family's forward pass on
     one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`.
     `tp`: tensor parallelism (`dhp_jax.sharding.tensor`), `params` one device's share: the LLM
-    layers split (`text.text_forward`), the embedding and the LM head vocab-parallel
-    (`dhp_jax.model.tensor`), the encoder and the projector whole."""
+    layers and the encoder's blocks split (`text.text_forward`, `_encode`; sequence-parallel with
+    `tp.sequence`), the embedding and the LM head vocab-parallel (`dhp_jax.model.tensor`), the
+    patch embedding and the projector or mergers whole."""
     from dhp_jax.model.hf.text import text_forward
     col = {k: llm_ints[:, i] for i, k in enumerate(LLM_INTS)}
     vi = {k: vision_ints[:, i] for i, k in enumerate(VISION_INTS)}

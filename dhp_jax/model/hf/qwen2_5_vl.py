@@ -30,6 +30,7 @@ from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_id
                                      qwen_vision_block, rms_norm, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
+from dhp_jax.model.tensor import TensorHooks
 
 conv_shapes = qv.conv_shapes
 
@@ -37,34 +38,37 @@ VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, no
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn,
-           reduce: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+           tp: TensorHooks | None = None) -> jax.Array:
     """LLM-token features [N / merge**2, d] of one modality's patches (subtree `model.visual`).
     `enc["live"]` (optional, bool per patch): the patches a feature is read from; with it, the
-    blocks skip the chunks of the others (`layers.BlockStream`, `cfg.linear_chunk`). `reduce`:
+    blocks skip the chunks of the others (`layers.BlockStream`, `cfg.linear_chunk`). `tp`:
     tensor parallelism, the blocks' params one device's share (`layers.qwen_vision_block`), summed
-    after the row-split proj and down_proj."""
+    over the rank after the row-split proj and down_proj; with `tp.sequence` the blocks run
+    sequence-parallel (arXiv 2205.05198): the scan carries this device's rows of the patch stream
+    (`layers.BlockStream.enter`), the rotary tables and each block's window or frame ids whole in
+    the blocks' order, and the merger reads the whole stream joined again (`BlockStream.leave`)."""
     v = cfg.vision
     x = jnp.asarray(enc["pixels"]).astype(p["patch_embed"]["proj"]["kernel"].dtype) @ p["patch_embed"]["proj"]["kernel"]
-    stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
+    stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"), tp=tp)
     rot = rotary(stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"]))))
     frames, windows = (stream.rows(segment_ids(enc[k])) for k in ("frames", "windows"))
 
     def norm(y: jax.Array, q: Params) -> jax.Array:
         return rms_norm(y, q, VISION_EPS)
 
-    def mlp(m: Params, y: jax.Array) -> jax.Array:
+    def mlp(m: Params, y: jax.Array, reduce: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
         return row_linear(m["down_proj"], gated(v.act, linear(m["gate_proj"], y), linear(m["up_proj"], y)), reduce)
 
     def block(b, h, blk, rt):
         return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live,
-                                 reduce)
+                                 None if tp is None else tp.psum, stream.sequence)
 
     # each block's ids, scanned: a frame's in the full-attention blocks, a window's in the others
     full = jnp.asarray([i in v.full_attention_blocks for i in range(v.depth)])[:, None]
     ids = tuple(jnp.where(full, f[None], w[None]) for f, w in zip(frames, windows))
-    x = stream.scan(block, block_rows(p["blocks"], v.depth), stream.rows(x), ids, rot)
+    x = stream.leave(stream.scan(block, block_rows(p["blocks"], v.depth), stream.enter(x), ids, rot), x.shape[0])
     m = p["merger"]
-    y = rms_norm(stream.back(x), m["ln_q"], VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
+    y = rms_norm(x, m["ln_q"], VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
     return linear(m["mlp"]["2"], jax.nn.gelu(linear(m["mlp"]["0"], y), approximate=False))
 
 

@@ -33,6 +33,7 @@ from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activatio
                                      per_block, qwen_vision_block, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
+from dhp_jax.model.tensor import TensorHooks
 
 conv_shapes = qv.conv_shapes
 
@@ -50,15 +51,18 @@ def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn,
-           reduce: Callable[[jax.Array], jax.Array] | None = None) -> tuple[jax.Array, list]:
+           tp: TensorHooks | None = None) -> tuple[jax.Array, list]:
     """(LLM-token features [N / merge**2, d], DeepStack features [levels] of the same shape).
-    `enc["live"]`, `reduce`: as in `qwen2_5_vl.encode`."""
+    `enc["live"]`, `tp`: as in `qwen2_5_vl.encode` (the interpolated position embedding added to
+    the whole stream before the blocks); under sequence parallelism each DeepStack tap, the hidden
+    state after its block, is this device's rows and is joined into the whole stream for its merger
+    (`layers.BlockStream.leave`), as the last block's output is for the merger."""
     v = cfg.vision
     kernel = p["patch_embed"]["proj"]["kernel"]
     x = linear(p["patch_embed"]["proj"], jnp.asarray(enc["pixels"]).astype(kernel.dtype))
     table = p["pos_embed"]["embedding"]
     x = x + jnp.sum(table[jnp.asarray(enc["taps"])] * jnp.asarray(enc["tap_weights"])[:, :, None], axis=1).astype(x.dtype)
-    stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"))
+    stream = BlockStream(cfg.remat, cfg.linear_chunk, enc.get("live"), tp=tp)
     rot = rotary(stream.rows(v.rope.angles(jnp.asarray(enc["patch_positions"]))))
     ids = stream.rows(segment_ids(enc["frames"]))
     act = activation(v.act)
@@ -66,20 +70,21 @@ def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionF
     def norm(y: jax.Array, q: Params) -> jax.Array:
         return layer_norm(y, q, VISION_EPS)
 
-    def mlp(m: Params, y: jax.Array) -> jax.Array:
+    def mlp(m: Params, y: jax.Array, reduce: Callable[[jax.Array], jax.Array] | None) -> jax.Array:
         return row_linear(m["linear_fc2"], act(linear(m["linear_fc1"], y)), reduce)
 
     def block(b, h, blk, rt):
         return qwen_vision_block(b, h, rt, AttnIds(*blk), v.num_heads, norm, mlp, attn_fn, stream.chunk, stream.live,
-                                 reduce)
+                                 None if tp is None else tp.psum, stream.sequence)
 
+    s = x.shape[0]
     stack = block_rows(p["blocks"], v.depth)
     taps = tuple(v.deepstack_blocks)
-    out = stream.scan(block, stack, stream.rows(x), per_block(v.depth, tuple(ids)), rot, taps=taps)
+    out = stream.scan(block, stack, stream.enter(x), per_block(v.depth, tuple(ids)), rot, taps=taps)
     x, tapped = out if taps else (out, ())
-    deep = [merge_patches(cfg, p["deepstack_merger_list"][str(k)], stream.back(tapped[k]), norm_after_merge=True)
+    deep = [merge_patches(cfg, p["deepstack_merger_list"][str(k)], stream.leave(tapped[k], s), norm_after_merge=True)
             for k in range(len(taps))]
-    return merge_patches(cfg, p["merger"], stream.back(x), norm_after_merge=False), deep
+    return merge_patches(cfg, p["merger"], stream.leave(x, s), norm_after_merge=False), deep
 
 
 def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import AttentionFn, BlockStream, Params, decoder_block, per_block, rms_norm, rotary
 from dhp_jax.model.hf.scan import block_rows
-from dhp_jax.model.mllm import sequence_rows, sequence_stream
 from dhp_jax.model.tensor import TensorHooks
 from dhp_jax.model.hf.spec import TEXT_MODELS, TextConfig, rope_parameters  # noqa: F401 (re-exported)
 
@@ -31,29 +30,24 @@ def text_forward(cfg: TextConfig, p: Params, x: jax.Array, positions: jax.Array,
     padding (segment 0: a prefix of real tokens per shard) skipped (`layers.BlockStream`). `tp`:
     tensor parallelism, the layers' params one device's shares (`layers.decoder_block`); with
     `tp.sequence` the layers run sequence-parallel (Megatron SP, arXiv 2205.05198): the scan
-    carries this device's rows of the stream (`mllm.sequence_rows`), the DeepStack features are
+    carries this device's rows of the stream (`layers.BlockStream.enter`), the DeepStack features are
     cut into the same rows (each is added to the hidden state of its own token), the rotary
     tables (from the M-RoPE positions) and the ids stay whole (a layer's q and k are computed on a
     chunk's rows joined over the rank), and the final hidden states are joined again
-    (`mllm.sequence_stream`) for the vocab-parallel head."""
+    (`layers.BlockStream.leave`) for the vocab-parallel head."""
     stack = block_rows(p["layers"], cfg.num_layers)
-    sp = tp is not None and tp.sequence
-    stream = BlockStream(remat, chunk, ids.segment > 0, reorder=False, t=tp.size if sp else 1)
+    stream = BlockStream(remat, chunk, ids.segment > 0, reorder=False, tp=tp)
 
     def block(b, h, blk, rot):
         return decoder_block(b, h, rot, AttnIds(*blk), cfg.shape, attn_fn, stream.chunk, stream.live,
-                             None if tp is None else tp.psum, tp if sp else None)
+                             None if tp is None else tp.psum, stream.sequence)
 
     s = x.shape[0]
-    if sp:
-        x = sequence_rows(x, stream.chunk, tp)
-        if deepstack is not None:       # [levels, S, d] -> [levels, rows, d]: the rows of x
-            deepstack = jnp.moveaxis(sequence_rows(jnp.moveaxis(deepstack, 0, 1), stream.chunk, tp), 1, 0)
-    x = stream.scan(block, stack, x, per_block(cfg.num_layers, tuple(ids)), rotary(cfg.rope.angles(positions)),
-                    feed=deepstack)
-    if sp:
-        x = sequence_stream(x, s, stream.chunk, tp)
-    return rms_norm(x, p["norm"], cfg.shape.eps)
+    if deepstack is not None:       # [levels, S, d] -> [levels, rows, d]: the rows the scan carries
+        deepstack = jnp.moveaxis(stream.enter(jnp.moveaxis(deepstack, 0, 1)), 1, 0)
+    x = stream.scan(block, stack, stream.enter(x), per_block(cfg.num_layers, tuple(ids)),
+                    rotary(cfg.rope.angles(positions)), feed=deepstack)
+    return rms_norm(stream.leave(x, s), p["norm"], cfg.shape.eps)
 
 
 def lm_head(params: Params, x: jax.Array, tied: bool) -> jax.Array:
