@@ -30,9 +30,9 @@ taken from the first tree bound (`shard`, `loss_and_grads`, `bind`): the family'
 shape table apart from a checkpoint.
 
 With `tensor_parallel` t > 1 every block is split Megatron-style over a rank's t devices
-(`dhp_jax.sharding.tensor`); `sequence_parallel=True` runs the LLM layers sequence-parallel
-(arXiv 2205.05198, `dhp_jax.model.hf.text.text_forward`: each device carries 1/t of the rows
-between the split matrices, the DeepStack features cut alike), the encoders in the psum form.
+(`dhp_jax.sharding.tensor`); `sequence_parallel=True` runs the LLM layers and the encoder's blocks
+sequence-parallel (arXiv 2205.05198, `dhp_jax.model.hf.layers.BlockStream`: each device carries
+1/t of the rows between the split matrices, the DeepStack features cut alike).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, a
     a sub-mesh with a last `tp` axis, takes this device's share flat[1, L_pad] and returns its
     share's gradient row, the copies' gradients summed over their holders (`tensor.tie_rows` for
     the block stacks, `tensor.tie_top` for the rest), a rank's loss counted once (device tp = 0).
-    `sequence_parallel`: the LLM layers run sequence-parallel over the t devices
-    (`dhp_jax.model.hf.text.text_forward`); the encoders' blocks stay in the psum form."""
+    `sequence_parallel`: the LLM layers and the encoder's blocks run sequence-parallel over the t
+    devices (`dhp_jax.model.hf.text.text_forward`, the family's `encode`)."""
 
     t = tensor_parallel
     tp = tensor.hooks(t, sequence_parallel) if t > 1 else None

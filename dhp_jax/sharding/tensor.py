@@ -73,7 +73,7 @@ TOP_SPLIT = {"embed/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 # The Hugging Face families' LLM layers (`dhp_jax.model.hf`, transformers' names): q/k/v and their
 # biases by heads, o_proj by row (a bias of it, if any, replicated: added once after the sum), the
 # MLP's gate/up by column and down by row; the norms (with Qwen3's per-head q/k norms) replicated.
-# The vision encoder and the projector are replicated whole (not split yet).
+# The vision encoders' blocks split by QWEN_VISION_SPLIT and INTERNVIT_SPLIT below; the projector replicated.
 FAMILY_BLOCK_SPLIT = {"self_attn/q_proj/kernel": (1, "heads"), "self_attn/q_proj/bias": (0, "heads"),
                       "self_attn/k_proj/kernel": (1, "kv_heads"), "self_attn/k_proj/bias": (0, "kv_heads"),
                       "self_attn/v_proj/kernel": (1, "kv_heads"), "self_attn/v_proj/bias": (0, "kv_heads"),

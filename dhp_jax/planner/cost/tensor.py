@@ -26,7 +26,7 @@ t = 1 nothing here is called and every coefficient is the one without tensor par
   heads, the MLP or the vocabulary / t, those as wide as the hidden size (the block inputs a
   remat "layer" program keeps, norms, residuals) whole on every device; with `sequence_parallel`
   (the JAX engine's `PlanExecutor(..., sequence_parallel=True)`) each block's input is 1/t of the
-  rows (`sequence_saving`: the stand-in's two stacks, a family's LLM layers).
+  rows (`sequence_saving`: the LLM's and the encoder's stacks, of the stand-in and of a family).
 
 Validation (`check_tensor_parallel`): every split must be even. A head count that t does not
 divide, kv heads that neither t divides nor divide t (for replication), or an MLP width that t
@@ -107,17 +107,17 @@ def local_shape(m: Any, t: int) -> Any:
 def sequence_saving(m: Any, t: int, bytes_per_element: int) -> float:
     """Bytes per token a device does not keep when the block stacks run sequence-parallel (arXiv
     2205.05198; `dhp_jax.model.mllm.split_block`): each block's input, as wide as the hidden
-    size, is 1/t of the rows. The stand-in runs both stacks so (the LLM's blocks, and the
-    encoder's for each of its rows per token); a Hugging Face family (`m.family`) its LLM layers
-    only (`dhp_jax.model.hf.text.text_forward`; the encoders stay in the psum form), and its
-    DeepStack features, which wait for the LLM layers they are added to, are cut into the same
-    rows."""
+    size, is 1/t of the rows. Both stacks run so, in the stand-in and in a Hugging Face family
+    (`m.family`: its LLM layers, `dhp_jax.model.hf.text.text_forward`, and its encoder's blocks,
+    `dhp_jax.model.hf.layers.BlockStream`), the encoder's for each of its rows per LLM token
+    (`memory.encoder_rows`: a family's patches per token, and InternVL's CLS row); a family's
+    DeepStack features, which wait for the LLM layers they are added to, are cut into the LLM's
+    rows too."""
     from dhp_jax.planner.cost.memory import _encoder, encoder_rows
 
+    rows = m.layers * m.hidden + encoder_rows(m) * m.vision_layers * m.vision_hidden
     if getattr(m, "family", ""):
-        rows = (m.layers + _encoder(m)[2]) * m.hidden
-    else:
-        rows = m.layers * m.hidden + encoder_rows(m) * m.vision_layers * m.vision_hidden
+        rows += _encoder(m)[2] * m.hidden
     return float(bytes_per_element * rows * (t - 1) / t)
 
 
