@@ -10,19 +10,22 @@ gate/up by column, the embedding and the LM head vocab-parallel), the encoders' 
 (a Qwen fused qkv by heads inside each of q, k and v; InternViT's q/k/v and QK-norm by heads, the
 norm's mean square summed over the rank; the output projections and the MLP's last matrix by row,
 their biases added once), the patch embeddings, mergers and the projector replicated (their
-copies' gradients summed). Three demo models:
+copies' gradients summed). Three demo models, each with its block stacks sequence-parallel (`sequence_parallel=True`: each
+device of a rank carries half of every chunk's rows through the LLM layers and the encoder's
+blocks, the per-row ids and rotary tables whole; the norms, layer scales and row-split biases
+acting on a device's rows only, their gradients summed over the rank):
 - Qwen3-VL with QK-norm (per-head q/k norms, replicated), tied embeddings (the vocab-split
-  embedding is the LM head) and DeepStack, run with its LLM layers sequence-parallel
-  (`sequence_parallel=True`: each device of a rank carries half of every chunk's rows, the
-  DeepStack features cut alike, the M-RoPE tables and ids whole; the encoders in the psum form;
-  every block recomputed in the backward pass, remat "layer") on one hybrid group (ring x Ulysses,
-  2 x 2 ranks);
-- InternVL (Qwen2 LLM: q/k/v biases; InternViT with QK-norm) with one kv head shared by the two devices of a rank and a
-  vocabulary of 255 (128 + 127 ids: the last window moved back, id 127 held twice, put in every
-  sample), with irregular ring groups and a hybrid group;
+  embedding is the LM head) and DeepStack (the encoder's taps joined from the devices' rows, the
+  features cut into the LLM's rows), every block recomputed in the backward pass (remat "layer"),
+  on one hybrid group (ring x Ulysses, 2 x 2 ranks);
+- InternVL (Qwen2 LLM: q/k/v biases; InternViT with QK-norm, CLS rows and layer scales) with one
+  kv head shared by the two devices of a rank and a vocabulary of 255 (128 + 127 ids: the last
+  window moved back, id 127 held twice, put in every sample), with irregular ring groups and a
+  hybrid group;
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
-Then bf16 at t = 2 (InternVL) against the same fp32 reference within bf16 rounding, and the
-refusals: a head count no layout allows, naming the model, the field and t."""
+Then the psum form (whole rows on every device between the split matrices): bf16 at t = 2
+(InternVL) against the same fp32 reference within bf16 rounding; and the refusals: a head count
+no layout allows, naming the model, the field and t."""
 
 import dataclasses
 import functools
@@ -120,19 +123,16 @@ def _rel(a, b, floor: float = 0.0) -> float:
     return float(np.max(np.abs(a - b)) / (scale if scale > floor else max(floor, 1e-30)))
 
 
-@pytest.mark.parametrize("family,vocab,tied,kv,plan,sequence", [("qwen3_vl", 256, True, None, SEQUENCE, True),
-                                                                ("internvl", 255, False, 1, HYBRID, False),
-                                                                ("qwen2_5_vl", 256, False, None, RING, False)])
-def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, sequence):
-    """`sequence`: the step runs with the LLM layers sequence-parallel (each device of a rank
-    carries half of every chunk's rows, the DeepStack features cut alike; the encoders in the psum
-    form) and every block recomputed in the backward pass (remat "layer", values unchanged)."""
+@pytest.mark.parametrize("family,vocab,tied,kv,plan,remat", [("qwen3_vl", 256, True, None, SEQUENCE, "layer"),
+                                                             ("internvl", 255, False, 1, HYBRID, "none"),
+                                                             ("qwen2_5_vl", 256, False, None, RING, "none")])
+def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, remat):
+    """The step with the LLM layers and the encoder's blocks sequence-parallel (each device of a
+    rank carries half of every chunk's rows); Qwen3-VL's with every block recomputed in the
+    backward pass (remat "layer": the gathers run again; values unchanged)."""
     cfg, params, samples, (ref_loss, ref_grads) = _case(family, vocab, tied, kv)
     assert cfg.tied == tied and cfg.text.shape.num_heads == 4
-    if sequence:        # each layer recomputed in the backward pass too (remat "layer": the gathers run again)
-        _check_step(dataclasses.replace(cfg, remat="layer"), params, samples, SEQUENCE, ref_loss, ref_grads, True)
-    else:
-        _check_step(cfg, params, samples, plan, ref_loss, ref_grads, False)
+    _check_step(dataclasses.replace(cfg, remat=remat), params, samples, plan, ref_loss, ref_grads, True)
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel):
@@ -172,7 +172,7 @@ def test_family_refusals_name_the_model_and_t():
 
 
 def test_tp2_bf16_family_step_matches_one_device():
-    """bf16 at t = 2 (InternVL: one kv head shared by a rank's two devices, the vocab windows
+    """bf16 at t = 2 in the psum form (InternVL: one kv head shared by a rank's two devices, the vocab windows
     overlapping; one rank of degree 1 runs the 6 samples, the others idle): the loss and every
     gradient agree with the fp32 one-device reference (the fp32 test's, `_case`) within bf16
     rounding. The copies' gradients are summed on the bf16 rows (`tensor.tie_rows` slices their

@@ -61,7 +61,8 @@ def compiled(raw: Mapping[str, Any], degree: int, tokens: int, devices: Sequence
     """(per-device bytes of the compiled group program, its parameter count) of the family model of
     config.json dict `raw` for a group of `degree` ranks of `tensor_parallel` devices each and
     `tokens` LLM tokens (rounded up to a multiple of 2 x degree), its blocks run with `remat` and
-    `linear_chunk` (`HFConfig`; `sequence_parallel`: the LLM layers sequence-parallel at t > 1)."""
+    `linear_chunk` (`HFConfig`; `sequence_parallel`: the LLM layers and encoder blocks sequence-parallel
+    at t > 1)."""
     m, params = memory_analysis(raw, degree, tokens, devices, compute_dtype, remat, linear_chunk, tensor_parallel,
                                 sequence_parallel)
     return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
