@@ -196,7 +196,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "CostModel.preset(..., tensor_parallel=T); a group of degree d uses d x T devices "
                              "(not with --step)")
     parser.add_argument("--sequence-parallel", action="store_true",
-                        help="with --tensor-parallel T > 1: the block stacks (a family's LLM layers) sequence-"
+                        help="with --tensor-parallel T > 1: the block stacks (a family's LLM layers and encoder blocks) sequence-"
                              "parallel (PlanExecutor(sequence_parallel=True)), priced with CostModel.preset(..., "
                              "sequence_parallel=True)")
     parser.add_argument("--remat", default=None,
