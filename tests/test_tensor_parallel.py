@@ -107,7 +107,7 @@ def test_plan_and_simulate_take_tensor_parallel(capsys):
     sim = json.loads(capsys.readouterr().out)
     assert sim["runs"][0]["ranks"] == 4 and "of 2 devices (8 devices)" in sim["cluster"]
     # --sequence-parallel: priced as CostModel.preset(..., sequence_parallel=True) (the rows a device
-    # carries through the LLM layers / t: less memory a token), refused without T > 1
+    # carries through the LLM layers and encoder blocks / t: less memory a token), refused without T > 1
     assert main(["plan", "--model", "qwen3-vl-8b", "--ranks", "16", "--tensor-parallel", "4", "--sequence-parallel",
                  "--batch", "8", "--compare", "", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["config"]["sequence_parallel"] is True

@@ -456,9 +456,9 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     a device computes with `tensor.local_shape` (heads, widths and vocabulary / t, the hidden
     width whole: the engines' psum form, `dhp_jax.planner.cost.tensor`); `sequence`: the block
     stacks run sequence-parallel, so each block's input, which every remat keeps for the backward
-    pass, is 1/t of the rows (`tensor.sequence_saving`: the LLM layers and the encoder blocks, and a
-    family's DeepStack features; the other hidden-wide values are priced whole, an upper
-    bound)."""
+    pass (and without recompute or chunks its residual sum), is 1/t of the rows
+    (`tensor.sequence_saving`: the LLM layers and the encoder blocks, and a family's DeepStack
+    features; the other hidden-wide values are priced whole, an upper bound)."""
     chunked = isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk > 0
     if t > 1:
         m = tp.local_shape(m, t)
@@ -466,7 +466,7 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
                 + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
     per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
     if t > 1 and sequence:      # a family's kept rows are priced in `ab` bytes (`family_bytes_per_token`)
-        per_token -= tp.sequence_saving(m, t, ab if getattr(m, "family", "") else el)
+        per_token -= tp.sequence_saving(m, t, ab if getattr(m, "family", "") else el, remat, chunked)
     return float(per_token), float(fixed)
 
 

@@ -104,18 +104,23 @@ def local_shape(m: Any, t: int) -> Any:
                                vision_heads=m.vision_heads // t, vision_intermediate=m.vision_intermediate // t)
 
 
-def sequence_saving(m: Any, t: int, bytes_per_element: int) -> float:
+def sequence_saving(m: Any, t: int, bytes_per_element: int, remat: str = "layer", chunked: bool = False) -> float:
     """Bytes per token a device does not keep when the block stacks run sequence-parallel (arXiv
-    2205.05198; `dhp_jax.model.mllm.split_block`): each block's input, as wide as the hidden
-    size, is 1/t of the rows. Both stacks run so, in the stand-in and in a Hugging Face family
-    (`m.family`: its LLM layers, `dhp_jax.model.hf.text.text_forward`, and its encoder's blocks,
+    2205.05198; `dhp_jax.model.mllm.split_block`): the values a block keeps that are as wide as
+    the hidden size and not an input of a column-split GEMM (those are gathered: whole rows) are
+    1/t of the rows: its input, and without recompute and without chunks (`remat` "none",
+    `chunked` False) also its residual sum after attention, the input of its second norm (with
+    recompute, or in chunks whose VJP keeps their inputs, the input alone). Both stacks run so,
+    in the stand-in and in a Hugging Face family (`m.family`: its LLM layers,
+    `dhp_jax.model.hf.text.text_forward`, and its encoder's blocks,
     `dhp_jax.model.hf.layers.BlockStream`), the encoder's for each of its rows per LLM token
     (`memory.encoder_rows`: a family's patches per token, and InternVL's CLS row); a family's
     DeepStack features, which wait for the LLM layers they are added to, are cut into the LLM's
-    rows too."""
+    rows too. The other hidden-wide values are priced whole: an upper bound on the bytes."""
     from dhp_jax.planner.cost.memory import _encoder, encoder_rows
 
-    rows = m.layers * m.hidden + encoder_rows(m) * m.vision_layers * m.vision_hidden
+    kept = 2 if remat == "none" and not chunked else 1
+    rows = kept * (m.layers * m.hidden + encoder_rows(m) * m.vision_layers * m.vision_hidden)
     if getattr(m, "family", ""):
         rows += _encoder(m)[2] * m.hidden
     return float(bytes_per_element * rows * (t - 1) / t)
