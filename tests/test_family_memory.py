@@ -136,10 +136,11 @@ def test_remat_layer_block_runs_in_a_scan_body():
 
 
 def test_family_sequence_parallel_program_bytes_match_the_memory_model():
-    """Tensor parallelism over 2 devices with the LLM layers sequence-parallel (a group of 2 ranks
-    of 2 devices): `CostModel.preset(..., tensor_parallel=2, sequence_parallel=True)` (the family
-    terms at one device's widths, each LLM layer's input and the DeepStack features / 2) prices
-    the compiled program within 10 %."""
+    """Tensor parallelism over 2 devices with the LLM layers and the encoder blocks sequence-parallel
+    (a group of 2 ranks of 2 devices): `CostModel.preset(..., tensor_parallel=2,
+    sequence_parallel=True)` (the family terms at one device's widths; each LLM layer's and
+    encoder block's input and residual sum, remat "none" without chunks, and the DeepStack features
+    / 2) prices the compiled program within 10 % (measured: 81.6 MB compiled, 87.9 MB modelled)."""
     import jax
 
     from dhp_jax.sharding.family_memory import compiled, modelled
