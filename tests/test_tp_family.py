@@ -10,10 +10,11 @@ gate/up by column, the embedding and the LM head vocab-parallel), the encoders' 
 (a Qwen fused qkv by heads inside each of q, k and v; InternViT's q/k/v and QK-norm by heads, the
 norm's mean square summed over the rank; the output projections and the MLP's last matrix by row,
 their biases added once), the patch embeddings, mergers and the projector replicated (their
-copies' gradients summed). Three demo models, each with its block stacks sequence-parallel (`sequence_parallel=True`: each
-device of a rank carries half of every chunk's rows through the LLM layers and the encoder's
-blocks, the per-row ids and rotary tables whole; the norms, layer scales and row-split biases
-acting on a device's rows only, their gradients summed over the rank):
+copies' gradients summed). Three demo models, each with its block stacks sequence-parallel
+(`sequence_parallel=True`: each device of a rank carries half of every chunk's rows through the
+LLM layers and the encoder's blocks, the per-row ids and rotary tables whole; the norms, layer
+scales and row-split biases acting on a device's rows only, their gradients summed over the
+rank):
 - Qwen3-VL with QK-norm (per-head q/k norms, replicated), tied embeddings (the vocab-split
   embedding is the LM head) and DeepStack (the encoder's taps joined from the devices' rows, the
   features cut into the LLM's rows), every block recomputed in the backward pass (remat "layer"),

@@ -197,9 +197,9 @@ def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
     qkv Linear (head-minor columns: [3, H, D]) and 2-D rotary, attention within a segment of `ids`;
     x += mlp(p["mlp"], norm2(x), reduce): the family's MLP, `reduce` the collective after its
     row-split last matrix (`block_collectives`; None without tensor parallelism). `norm(x, p)` is
-    the family's norm; `chunk`, `live` as in `decoder_block`. Tensor parallelism: `p` one device's share (its heads of each of q, k, v: the
-    local head count read off the qkv kernel), `reduce` the sum after the row-split proj and the
-    MLP's last matrix; `sequence`: sequence-parallel as `decoder_block` (x this device's rows,
+    the family's norm; `chunk`, `live` as in `decoder_block`. Tensor parallelism: `p` one
+    device's share (its heads of each of q, k, v: the local head count read off the qkv kernel),
+    `reduce` the sum after the row-split proj and the MLP's last matrix; `sequence`: sequence-parallel as `decoder_block` (x this device's rows,
     `angles` and `ids` whole; the normed rows all-gathered before qkv and the MLP, the outputs of
     proj and the MLP reduce-scattered back, their biases added to this device's rows)."""
     d = x.shape[-1]
