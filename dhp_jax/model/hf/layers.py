@@ -199,9 +199,10 @@ def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
     row-split last matrix (`block_collectives`; None without tensor parallelism). `norm(x, p)` is
     the family's norm; `chunk`, `live` as in `decoder_block`. Tensor parallelism: `p` one
     device's share (its heads of each of q, k, v: the local head count read off the qkv kernel),
-    `reduce` the sum after the row-split proj and the MLP's last matrix; `sequence`: sequence-parallel as `decoder_block` (x this device's rows,
-    `angles` and `ids` whole; the normed rows all-gathered before qkv and the MLP, the outputs of
-    proj and the MLP reduce-scattered back, their biases added to this device's rows)."""
+    `reduce` the sum after the row-split proj and the MLP's last matrix; `sequence`:
+    sequence-parallel as `decoder_block` (x this device's rows, `angles` and `ids` whole; the
+    normed rows all-gathered before qkv and the MLP, the outputs of proj and the MLP
+    reduce-scattered back, their biases added to this device's rows)."""
     d = x.shape[-1]
     hd = d // num_heads
     heads = p["attn"]["qkv"]["kernel"].shape[-1] // (3 * hd)
