@@ -242,7 +242,7 @@ def test_family_presets_price_the_family_program(name):
     (`memory.family_bytes_per_token`, which tests/test_family_memory.py holds against compiled
     programs) at every remat, with and without chunks, in each dtype: its own blocks, never the
     stand-in's; the stand-in's shape keeps the stand-in's formula. The inputs are int32 / fp32 in
-    any compute dtype."""
+    any compute dtype, the boolean masks a byte."""
     m = presets.MODELS[name]
     assert m.family == FAMILY_PRESETS[name]
     stand_in = dataclasses.replace(m, family="", param_count=0, patches_per_token=1, vision_mlp=3, deepstack=0,
@@ -258,11 +258,12 @@ def test_family_presets_price_the_family_program(name):
                 base = CostModel.preset(stand_in, hardware, remat=remat, linear_chunk=chunk, require_fit=False, **kw)
                 assert base.mem_per_token == memory.activation_bytes_per_token(stand_in, remat, cost.compute_bytes,
                                                                                ab, chunk > 0)
-        # the inputs: 4 bytes an element whatever the dtype, the rest in the activations' bytes
+        # the inputs: 4 bytes an element whatever the dtype, the masks a byte, the rest in the activations' bytes
         two = memory.family_bytes_per_token(m, 2, remat)
         four = memory.family_bytes_per_token(m, 4, remat)
-        inputs = 4.0 * memory.family_input_elements(m)
-        assert memory.input_bytes_per_token(m) == inputs and four - inputs == pytest.approx(2 * (two - inputs))
+        inputs = 4.0 * memory.family_input_elements(m) + memory.family_tail(m)[1]
+        assert memory.input_bytes_per_token(m) == 4.0 * memory.family_input_elements(m)
+        assert four - inputs == pytest.approx(2 * (two - inputs))
     # with chunks "selective" keeps what "layer" keeps; in one pass it keeps the GEMMs' outputs too
     chunked = {r: CostModel.preset(name, "h100", remat=r, require_fit=False).mem_per_token for r in memory.REMATS}
     one_pass = {r: CostModel.preset(name, "h100", remat=r, linear_chunk=0, require_fit=False).mem_per_token
