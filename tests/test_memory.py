@@ -14,7 +14,8 @@ from dhp_jax.model.mllm import apply_model, chunked_loss_sum, token_loss_sum
 from dhp_jax.model.reference import reference_stream
 from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost import memory, presets
-from dhp_jax.planner.cost.memory import (device_step_bytes, device_step_phases, group_program_bytes, group_static_bytes,
+from dhp_jax.planner.cost.memory import (device_step_bytes, device_step_phases, group_activation_bytes,
+                                         group_program_bytes, group_static_bytes,
     rank_state_bytes)
 
 
@@ -66,7 +67,10 @@ def test_memory_choices_are_fields_that_move_the_memory():
     assert base.assemble_bytes > base.param_count * base.compute_bytes > base.backward_bytes
     assert group_program_bytes(base, [8192], 4) == pytest.approx(max(group_static_bytes(base) + 2048 * base.mem_per_token, last))
     assert group_program_bytes(base, [65536], 1) == pytest.approx(group_static_bytes(base) + 65536 * base.mem_per_token)
-    assert group_program_bytes(base, [2], 1) == pytest.approx(last)
+    # a family program's blocks' phase holds the LM head's kernel and gradient besides the stacked
+    # gradients (`memory.family_backward_bytes`): at 2 tokens it is still the larger phase here
+    assert group_program_bytes(base, [2], 1) == pytest.approx(
+        max(group_static_bytes(base) + group_activation_bytes(base, [2], 1), last))
     assert CostModel.from_dict(base.to_dict()) == base
     with pytest.raises(ValueError, match="remat"):
         CostModel.preset("internvl3-2b", "ascend-910b", remat="sometimes")

@@ -373,6 +373,20 @@ def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> 
     return float((dec + vis + m.vocab * m.hidden) * compute_bytes + m.vocab * m.hidden * activation_bytes)
 
 
+def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
+    """The tiled ring's constant workspace (`presets.attention_workspace_bytes`: fp32 scores,
+    probabilities and their gradients of one tile pair per head) of the block whose backward pass
+    is the program's peak: the LLM's heads for the stand-in; for a family, the encoder's when one
+    encoder block's recomputed working set over its rows is the larger (`_family_block`, remat
+    "layer"; `remat` and `chunked` do not change which block that is, to within the cotangents)."""
+    from dhp_jax.planner.cost.presets import attention_workspace_bytes
+
+    if getattr(m, "family", "") and encoder_rows(m) * _family_block(m, True, "layer", False)[1] > \
+            _family_block(m, False, "layer", False)[1]:
+        return attention_workspace_bytes(m) * m.vision_heads / m.heads
+    return attention_workspace_bytes(m)
+
+
 def family_input_elements(m: Any) -> int:
     """Input elements per local LLM token of a family's group program (int32 or fp32, 4 bytes each
     in any compute dtype; `FamilyExecutor`'s four stream shards, `dhp_jax.model.hf.packed`): the
