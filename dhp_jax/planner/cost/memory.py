@@ -378,7 +378,8 @@ def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
     probabilities and their gradients of one tile pair per head) of the block whose backward pass
     is the program's peak: the LLM's heads for the stand-in; for a family, the encoder's when one
     encoder block's recomputed working set over its rows is the larger (`_family_block`, remat
-    "layer"; `remat` and `chunked` do not change which block that is, to within the cotangents)."""
+    "layer", the same block at every remat and chunk: the ring attention's tiles are those of the
+    block whose backward pass runs at the peak)."""
     from dhp_jax.planner.cost.presets import attention_workspace_bytes
 
     if getattr(m, "family", "") and encoder_rows(m) * _family_block(m, True, "layer", False)[1] > \
@@ -403,7 +404,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
 
     Without chunks: remat "none" keeps the block's residuals (`family_llm_saved`,
     `family_encoder_saved`); "layer" its input; "selective" its input and the outputs of its
-    weight GEMMs. The backward pass holds COTANGENTS and, when the block is recomputed, its
+    weight GEMMs. The backward pass holds the block's cotangents (`FAMILY_LLM_COTANGENTS`,
+    `FAMILY_ENCODER_COTANGENTS`) and, when the block is recomputed, its
     residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
     only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
     chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
