@@ -153,3 +153,54 @@ def test_family_sequence_parallel_program_bytes_match_the_memory_model():
           f"model {want / 1e6:.1f} MB (psum form: model {psum / 1e6:.1f} MB)")
     assert want < psum
     assert abs(want / got - 1.0) <= TOLERANCE, (got, want)
+
+
+PUBLISHED = ("internvl3-8b", "experiments/configs/models/qwen2.5-vl-7b.json", "qwen3-vl-8b")
+
+
+@pytest.mark.parametrize("spec", PUBLISHED)
+def test_block_counts_are_what_the_block_scans_store(spec, monkeypatch):
+    """`memory.family_llm_saved` and `memory.family_encoder_saved` (what a block keeps for its
+    backward pass without recompute, the terms `family_bytes_per_token` sums per layer) are, per
+    row, the elements each forward block scan of the family program stores (`scan.run_blocks`: the
+    residuals of the block's `jax.vjp`), at the published widths; with remat "layer" each block
+    stores its input only. The program is lowered (traced), not compiled."""
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from dhp_jax.model.hf import scan
+    from dhp_jax.model.hf.abstract import abstract_params
+    from dhp_jax.model.hf.api import parse_config
+    from dhp_jax.model.hf.config import with_depth
+    from dhp_jax.model.hf.packed import unit
+    from dhp_jax.planner.cost import memory
+    from dhp_jax.planner.cost.presets import ModelShape
+    from dhp_jax.sharding.executor import PlanExecutor
+    from dhp_jax.sharding.family_memory import load_model_config
+
+    _, raw = load_model_config(spec)
+    raw = with_depth(raw, 1, 1)
+    m, tokens = ModelShape.from_config(raw), 1536    # whole attention tiles of 512 rows in both streams
+    stored = []
+    store = scan._store
+    monkeypatch.setattr(scan, "_store", lambda x: (stored.append(tuple(x.shape)), store(x))[1])
+    for remat in ("none", "layer"):
+        if remat == "layer" and spec != PUBLISHED[0]:      # one family suffices: the same remat_block
+            continue
+        config = dataclasses.replace(parse_config(raw), remat=remat)
+        ex = PlanExecutor(config, jax.devices()[:1], compute_dtype="float32", linear_chunk=0)
+        ex.bind(abstract_params(config))
+        del stored[:]
+        ex.lower(1, tokens, tuple(jax.devices()[:1]))
+        # each forward scan stores its stack's rows [1, n] (n: a block's params) first, then each block's residuals:
+        # the encoder's scan, then the LLM's (then the backward scans)
+        starts = [i for i, s in enumerate(stored) if len(s) == 2 and s[0] == 1 and s[1] > 10**5][:3]
+        per_row = []
+        for (a, b), rows in zip(zip(starts, starts[1:]), (tokens * unit(config), tokens)):
+            sizes = [int(np.prod(s)) for s in stored[a + 1:b]]
+            per_row.append(sum(x for x in sizes if x % rows == 0) // rows)    # not the layer scales [1, v]
+        want = ((memory.family_encoder_saved(m), memory.family_llm_saved(m)) if remat == "none"
+                else (m.vision_hidden, m.hidden))
+        assert tuple(per_row) == want, (remat, per_row, want)

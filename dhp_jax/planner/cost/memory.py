@@ -182,6 +182,8 @@ def backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
     phase): the decoder's stacked block gradients (compute dtype) and the LM head's, summed over
     the loss chunks in the loop state (`activation_bytes`); the embedding's, the vision stack's
     and the projector's come after."""
+    if getattr(m, "family", ""):
+        return family_backward_bytes(m, compute_bytes, activation_bytes)
     return float(stack_params(m)[0] * compute_bytes + m.vocab * m.hidden * activation_bytes)
 
 
@@ -190,7 +192,8 @@ def assemble_bytes(params: float, m: Any, compute_bytes: int, activation_bytes: 
     row is concatenated from (P x compute bytes), and the embedding's and the LM head's gradients
     as accumulated (scatter-add over tokens, sum over loss chunks, in `activation_bytes`) before
     they are converted into their pieces."""
-    return float(params * compute_bytes + 2 * m.vocab * m.hidden * activation_bytes)
+    accumulators = 1 if getattr(m, "family", "") else 2   # a family's LM head gradient is a piece already
+    return float(params * compute_bytes + accumulators * m.vocab * m.hidden * activation_bytes)
 
 
 def program_static_bytes(params: float, compute_bytes: int, gradient_bytes: float) -> float:
@@ -261,23 +264,79 @@ def state_bytes(params: float, state_shards: int) -> float:
 
 
 # ------------------------------------------------------------------ the Hugging Face families' program
-# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`): without
-# recompute every layer keeps what its backward pass reads; with remat "layer" (`layers.remat_block`)
-# it keeps its input and one block at a time holds its recomputed values. The counts below
-# are those values per row (elements), by the layer's parts; `dhp bench memory --families`
-# compares the sum with the compiled programs (docs/experiments.md).
-FAMILY_LLM_FF = 5          # SwiGLU: gate, up, silu(gate), the product, silu's sigmoid (JAX saves 6)
-FAMILY_LLM_WIDTH = 4       # the block input, its RMSNorm output, the residual sum, its RMSNorm output
-# encoder block, per row: (values as wide as the encoder, values as wide as its MLP)
-# - InternViT: two LayerNorms (input, centred input, output: 3 each), q, k, v, the attention output,
-#   the two layer-scaled branch outputs; exact GELU: 4 (JAX saves fc1's output, erfc, exp and a copy)
-# - Qwen2.5-VL: two RMSNorms (2 each), fused q, k, v and the rotated q, k, the attention output;
-#   SwiGLU as the LLM's
-# - Qwen3-VL: two LayerNorms (2 each), fused q, k, v and the rotated q, k, the attention output;
-#   tanh-GELU: 3 (JAX saves 5, fc1's output, tanh and three products; XLA fuses two of them away)
-# The MLP counts are what the compiled programs keep (`dhp bench memory --families`, layer rows).
+# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`) as two
+# block scans (`dhp_jax.model.hf.scan.run_blocks`): the forward scan stores, per block, the residuals
+# of the block's `jax.vjp` (every value its backward pass reads, minus its params and the stack's
+# constants), so without recompute a block keeps exactly those; with remat "layer"
+# (`layers.remat_block`) it keeps its input, and the backward pass of the one block recomputed at a
+# time holds its residuals again. The counts below are those residuals per row (elements), read off
+# the programs' `jax.vjp` at published widths (`dhp bench memory --families`, docs/executor.md).
 POSITION_TAPS = 4          # Qwen3-VL's interpolated position embedding (dhp_jax.model.hf.packed.TAPS)
-FAMILY_ENCODER = {"internvl": (12, 4), "qwen2_5_vl": (10, 5), "qwen3_vl": (10, 3)}
+# Cotangents the backward pass of one block holds on top of the residuals it reads, per row
+# (elements): (values as wide as the MLP's middle, values as wide as the block). An LLM layer
+# (SwiGLU): without recompute (its residuals are kept anyway) the cotangents of gate, up and their
+# product and two hidden-wide ones; recomputed (remat "layer", the residuals are recomputed and
+# freed as the pullback reads them) one MLP-wide and three hidden-wide. An encoder block,
+# recomputed, by MLP: InternViT's exact GELU (its VJP materialises erfc and exp of fc1's
+# output), Qwen3-VL's tanh GELU, Qwen2.5-VL's SwiGLU (as the LLM's, over gate and up). Fitted
+# on the degree-1 rows of `dhp bench memory --families` (8k, 32k and 64k tokens) and checked on
+# the others (experiments/REPORT.md, section 10).
+FAMILY_LLM_COTANGENTS = {"none": (3, 2), "layer": (1, 3)}
+FAMILY_ENCODER_COTANGENTS = {"internvl": (3, 6), "qwen2_5_vl": (2, 0), "qwen3_vl": (3, 2)}
+
+
+def family_llm_saved(m: Any) -> int:
+    """Elements per token one LLM layer of a family program keeps for its backward pass without
+    recompute (`layers.decoder_block`, the residuals of its `jax.vjp`): the layer input and its
+    RMSNorm output (the input of the q/k/v GEMMs); the rotary tables cos and sin (head_dim each; the
+    rotation is linear, so q and k before it are not kept); with QK-norm (Qwen3) q and k before
+    their norms; the attention's q, k, v and output o (the ring's custom VJP) with its log-sum-exp
+    (one per head); o again as o_proj's input (a reshape of it is a value of its own); the residual
+    sum and its RMSNorm output (the input of gate and up); SwiGLU's gate, up and their product (the
+    input of down). The norms and the activation are `layers.fused`: their VJP keeps their input."""
+    q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
+    qk_norm = q + kv if m.family == "qwen3_vl" else 0
+    return 4 * m.hidden + 2 * m.head_dim + qk_norm + (2 * q + 2 * kv) + m.heads + q + 3 * m.intermediate
+
+
+def family_encoder_saved(m: Any) -> int:
+    """Elements per encoder row one encoder block keeps for its backward pass without recompute, as
+    `family_llm_saved`: the block input and its norm output; q, k, v, the attention output and its
+    log-sum-exp, the output again as the projection's input; the residual sum and its norm output;
+    the MLP's values (`vision_mlp` of them: SwiGLU, Qwen2.5-VL, gate, up and their product; GELU,
+    fc1's output and its activation). InternViT's layer scales keep the two branch outputs they
+    multiply (the projection's and fc2's); the Qwen encoders' rotary tables cos and sin are kept as
+    the LLM's."""
+    v, w = m.vision_hidden, m.vision_heads * m.vision_head_dim
+    ff = int(getattr(m, "vision_mlp", 3)) * m.vision_intermediate
+    if m.family == "internvl":
+        return 6 * v + 5 * w + m.vision_heads + ff
+    return 4 * v + 2 * m.vision_head_dim + 5 * w + m.vision_heads + ff
+
+
+def family_tail(m: Any) -> tuple[int, int]:
+    """(elements, bytes of bool masks) per LLM token a family program keeps outside its block scans
+    for the backward pass (the residuals of its `jax.vjp` there): the pixels sliced off the input
+    (one patch per encoder row, the patch embedding's input); the projector (InternVL: its
+    LayerNorm's input and output, 4 patches wide, its activation's input and output) or the patch
+    merger (Qwen: its norm's input, one encoder row per row, the merged norm output, exact GELU's
+    input, two intermediates and output) and each DeepStack merger (its LayerNorm's input and
+    output, GELU as the merger's), with the DeepStack features added to the LLM (one per level)
+    and the encoder's tapped hidden states they are made from (one encoder row per row and level);
+    the final RMSNorm's input and the LM head's input. The masks: the select of the vision
+    features into the token stream (hidden), InternVL's CLS token (one per encoder element),
+    DeepStack's (per level)."""
+    rows, ppt = encoder_rows(m), _encoder(m)[0]
+    v, mid, levels = m.vision_hidden, _encoder(m)[3], _encoder(m)[2]
+    wide = ppt * v
+    elements = rows * (m.patch_dim // ppt) + 2 * m.hidden
+    masks = m.hidden + levels * m.hidden
+    if m.family == "internvl":
+        elements += 2 * wide + 2 * mid
+        masks += rows * v
+    else:
+        elements += rows * v + wide + 4 * mid + levels * (2 * wide + 4 * mid + m.hidden + rows * v)
+    return elements, masks
 
 
 def encoder_rows(m: Any) -> int:
@@ -290,29 +349,43 @@ def encoder_rows(m: Any) -> int:
 
 
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
-    """Bytes per local LLM token of a family's group program: its inputs (`input_bytes_per_token`),
-    and in elements of `ab` bytes what every LLM layer and every encoder block keeps for its
-    backward pass and the encoder's tail (the merge, the projector or merger and the DeepStack
-    mergers, the token embedding, the merged stream, the final norm and the LM head's input); with
-    recompute, the working set of the one block recomputed at a time on top.
-
-    What a block keeps (`_family_block`): with remat "none", every intermediate, and the ring
-    attention's fp32 output and statistics; `chunked` (`HFConfig.linear_chunk` > 0): the chunks'
-    VJP keeps their inputs only (the block input, q, k, v and the attention output) and recomputes
-    the rest chunk by chunk; "layer": the block input; "selective": the block input and the
-    outputs of its weight GEMMs. The recomputed working set is the block's intermediates (and for
-    an LLM layer without chunks, its SwiGLU's cotangents, live with them: the compiled programs at
-    published widths, `dhp bench memory --families --remat layer`)."""
+    """Bytes per local LLM token of a family's group program at the peak of its backward pass: its
+    inputs (`input_bytes_per_token`), and in elements of `ab` bytes what every LLM layer and every
+    encoder block keeps for its backward pass (`_family_block`), what the program keeps outside
+    them (`family_tail`, its masks at a byte an element), and the working set of the block whose
+    backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder block's over
+    its `encoder_rows` rows, whichever is larger)."""
     rows = encoder_rows(m)
-    _, _, deepstack, mid = _encoder(m)
     dec_kept, dec_work = _family_block(m, False, remat, chunked)
     vit_kept, vit_work = _family_block(m, True, remat, chunked)
     kept = m.layers * dec_kept + rows * m.vision_layers * vit_kept
-    work = max(dec_work, rows * vit_work) if remat != "none" else 0.0
-    tail = (1 + deepstack) * (rows * m.vision_hidden + 2 * mid + m.hidden) + deepstack * m.hidden + 4 * m.hidden
-    if m.family == "qwen3_vl":     # the position table's 4 bilinear taps per row: the gathered table rows
-        tail += 2 * rows * POSITION_TAPS * m.vision_hidden      # and their weighted copies
-    return float(input_bytes_per_token(m) + ab * (kept + work + tail))
+    work = max(dec_work, rows * vit_work)
+    tail, masks = family_tail(m)
+    return float(input_bytes_per_token(m) + ab * (kept + work + tail) + masks)
+
+
+def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
+    """`backward_bytes` of a family program: besides the LLM's stacked layer gradients and the LM
+    head's (as the stand-in's), the copies its block scans and its head read the params from
+    while the backward pass runs: the encoder's stacked block gradients and the LM head's kernel
+    (a slice of the flat params read by every loss chunk), in the compute dtype."""
+    dec, vis = stack_params(m)
+    return float((dec + vis + m.vocab * m.hidden) * compute_bytes + m.vocab * m.hidden * activation_bytes)
+
+
+def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
+    """The tiled ring's constant workspace (`presets.attention_workspace_bytes`: fp32 scores,
+    probabilities and their gradients of one tile pair per head) of the block whose backward pass
+    is the program's peak: the LLM's heads for the stand-in; for a family, the encoder's when one
+    encoder block's recomputed working set over its rows is the larger (`_family_block`, remat
+    "layer", the same block at every remat and chunk: the ring attention's tiles are those of the
+    block whose backward pass runs at the peak)."""
+    from dhp_jax.planner.cost.presets import attention_workspace_bytes
+
+    if getattr(m, "family", "") and encoder_rows(m) * _family_block(m, True, "layer", False)[1] > \
+            _family_block(m, False, "layer", False)[1]:
+        return attention_workspace_bytes(m) * m.vision_heads / m.heads
+    return attention_workspace_bytes(m)
 
 
 def family_input_elements(m: Any) -> int:
@@ -327,33 +400,42 @@ def family_input_elements(m: Any) -> int:
 
 def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
     """(elements kept per row by one LLM layer or encoder block of a family program, elements of
-    its recomputed working set) (`family_bytes_per_token`).
+    the working set of its backward pass) (`family_bytes_per_token`).
 
-    Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the outputs
-    of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom VJP, where
-    it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and 4096 tokens
-    in chunks of 256: the compiled programs of the two are the same bytes)."""
+    Without chunks: remat "none" keeps the block's residuals (`family_llm_saved`,
+    `family_encoder_saved`); "layer" its input; "selective" its input and the outputs of its
+    weight GEMMs. The backward pass holds the block's cotangents (`FAMILY_LLM_COTANGENTS`,
+    `FAMILY_ENCODER_COTANGENTS`) and, when the block is recomputed, its
+    residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
+    only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
+    chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
+    outputs of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom
+    VJP, where it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and
+    4096 tokens in chunks of 256: the compiled programs of the two are the same bytes)."""
     if remat == "selective" and chunked:
         remat = "layer"
     if vision:
         hidden, heads, kv, head_dim = m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim
-        wide, ffs = FAMILY_ENCODER[m.family]
-        every = wide * hidden + ffs * m.vision_intermediate
-        gemm_ff = _encoder(m)[1] - 1           # the MLP's GEMM outputs as wide as its middle
+        saved, ff, gemm_ff = family_encoder_saved(m), m.vision_intermediate, _encoder(m)[1] - 1
     else:
         hidden, heads, kv, head_dim = m.hidden, m.heads, m.kv_heads, m.head_dim
-        qkv = (heads + 2 * kv) * head_dim
-        every = FAMILY_LLM_WIDTH * hidden + 2 * qkv + heads * head_dim + FAMILY_LLM_FF * m.intermediate
-        gemm_ff = 2
+        saved, ff, gemm_ff = family_llm_saved(m), m.intermediate, 2
     qkv = (heads + 2 * kv) * head_dim
     attn = _attention_fp32(heads, head_dim)
-    inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
-    work = (2 * hidden + 2 * qkv + heads * head_dim if chunked else every) + attn
-    if remat == "layer":            # an LLM layer's backward holds its MLP's cotangents with its recomputed values
-        return hidden, work + (0 if vision or chunked else FAMILY_LLM_FF * m.intermediate)
+    if vision:
+        cf, cw = FAMILY_ENCODER_COTANGENTS[m.family]
+    else:
+        cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
+    cotangents = cf * ff + cw * hidden
+    if chunked:
+        inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
+        work = 2 * hidden + 2 * qkv + heads * head_dim + attn
+        return (inputs, 0.0) if remat == "none" else (hidden, work)
+    if remat == "layer":
+        return hidden, saved + cotangents
     if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
-        return 2 * hidden + qkv + gemm_ff * (m.vision_intermediate if vision else m.intermediate) + hidden, work
-    return (inputs if chunked else every + attn), work
+        return 2 * hidden + qkv + gemm_ff * ff + hidden, saved + cotangents
+    return saved, cotangents
 
 
 # ---------------------------------------------------------------- a cost model's bytes per rank

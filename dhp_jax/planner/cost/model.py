@@ -462,7 +462,7 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     chunked = isinstance(chunk, (int, np.integer)) and not isinstance(chunk, bool) and chunk > 0
     if t > 1:
         m = tp.local_shape(m, t)
-    fixed = max(engine_memory.fixed_bytes(m, el), presets.attention_workspace_bytes(m)
+    fixed = max(engine_memory.fixed_bytes(m, el), engine_memory.peak_attention_workspace(m, remat, chunked)
                 + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
     per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
     if t > 1 and sequence:      # a family's kept rows are priced in `ab` bytes (`family_bytes_per_token`)
