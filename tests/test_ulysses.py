@@ -168,3 +168,21 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
     hlo = ex.executable(params, d, b, tuple(jax.devices()[i] for i in ids), kind).as_text()
     assert "all-to-all" in hlo and "collective-permute" not in hlo
     assert all(g.startswith(("s32", "(s32")) for g in re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo))
+
+    # the hybrid:2x2 program on other devices (3, 1, 0, 2: another 2-D (cp, sp) mesh) is loaded from
+    # its compile above (`dhp_jax.sharding.rebind`), and it is what XLA compiles for those devices:
+    # the same outputs on every device, to the last bit
+    (w,) = [w for w in ex.prepare(samples, MIXED) if w.attention == "hybrid:2x2"]
+    devs, kind, n = tuple(jax.devices()[i] for i in (3, 1, 0, 2)), w.attention, len(ex.rebound_keys)
+    moved = ex.executable(None, 4, w.layout.bucket, devs, kind)
+    assert len(ex.rebound_keys) == n + 1 and ex.rebound_keys[-1][2] == devs
+    native = ex.lower(4, w.layout.bucket, devs, kind).compile(compiler_options=ex.compiler_options)
+    view = ex._views(ex.flat_params(params), {(devs, kind)})[(devs, kind)]
+    mesh, spec = ex._mesh(devs, kind)
+    inputs = [jax.device_put(a, NamedSharding(mesh, spec)) for a in ex._inputs(w.layout)]
+    got, want = moved(view, *inputs), native(view, *inputs)
+    for g, r in zip(got, want):
+        assert g.sharding == r.sharding and len(g.addressable_shards) == 4
+        for gs, rs in zip(g.addressable_shards, r.addressable_shards):
+            assert gs.device == rs.device and np.array_equal(np.asarray(gs.data), np.asarray(rs.data))
+    assert np.asarray(got[0])[:, 0].sum() > 0                  # the loss sums are there
