@@ -30,10 +30,11 @@ step, gather the grads back into a replicated tree (the exactness tests' path).
 
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
 device tuple, attention kind); `num_programs` counts distinct (degree, bucket, attention) programs, `num_compiles` the XLA
-executables built. Only a program's first executable is compiled: on CPU devices (`reuse_compiled`) its
-executables for other device sets are that compiled program loaded with their device assignment
-(`dhp_jax.sharding.rebind`: the same machine code, milliseconds; `rebound_keys` lists them). Multi-process JAX: a process launches the groups that touch its addressable
-devices and contributes only its addressable rows (`_local`); groups may span processes
+executables built. On CPU devices (`reuse_compiled`) only a program's first executable is compiled:
+its executables for other device sets are that compiled program loaded with their device assignment
+(`dhp_jax.sharding.rebind`: the same machine code, about a second instead of a compile;
+`rebound_keys` lists them). Multi-process JAX: a process launches the groups that touch its
+addressable devices and contributes only its addressable rows (`_local`); groups may span processes
 (tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
 """
 
