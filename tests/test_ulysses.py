@@ -170,13 +170,12 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
     assert all(g.startswith(("s32", "(s32")) for g in re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo))
 
     # the hybrid:2x2 program on other devices (3, 1, 0, 2: another 2-D (cp, sp) mesh) is loaded from
-    # its compile above (`dhp_jax.sharding.rebind`): the program lowers to the same text there, and
-    # the device at each mesh position computes what the device at that position of 4, 5, 6, 7
-    # computes on the same inputs, to the last bit
+    # its compile above (`dhp_jax.sharding.rebind`): the device at each mesh position computes what
+    # the device at that position of 4, 5, 6, 7 computes on the same inputs, to the last bit (that
+    # it is what a compile for these devices builds: tests/test_sharding.py, on a ring)
     (w,) = [w for w in ex.prepare(samples, MIXED) if w.attention == "hybrid:2x2"]
     kind, n, flat = w.attention, len(ex.rebound_keys), ex.flat_params(params)
     devs = tuple(jax.devices()[i] for i in (3, 1, 0, 2))
-    assert ex.lower(4, w.layout.bucket, devs, kind).as_text() == ex.lower(4, w.layout.bucket, w.devices, kind).as_text()
     outs = []
     for ds in (w.devices, devs):
         view = ex._views(flat, {(ds, kind)})[(ds, kind)]
