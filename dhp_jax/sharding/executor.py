@@ -440,7 +440,7 @@ class PlanExecutor:
     def _build(self, params: Any, key: tuple[int, int, tuple[jax.Device, ...], str]):
         """Build the executable of `key`: the program's first executable is compiled; one for
         another device set of the same mesh shape is that compiled program loaded onto those
-        devices (`dhp_jax.sharding.rebind`: the same machine code, milliseconds instead of a
+        devices (`dhp_jax.sharding.rebind`: the same machine code, about a second instead of a
         compile), or compiled where it cannot be (`reuse_compiled` off, several processes)."""
         degree, bucket, devices, attention = key
         exe = self._executables.get(key)

@@ -12,9 +12,12 @@ processes that share one binary (its persistent cache key drops the device assig
 
 `rebind` serializes a compiled program (`jax.experimental.serialize_executable`), maps each device
 of the source mesh to the device at the same mesh position in the target mesh, and loads it with
-the target's device assignment: milliseconds instead of a compile. It needs JAX internals (the
-unpickler of serialized executables, the compile options JAX builds), so it is used where those
-are known to work and a caller falls back to compiling when it raises (`RebindError`).
+the target's device assignment: 0.6 to 1.1 s wall for the demo's programs on a loaded 2-core VM,
+against 8 to 11 s of CPU for their compiles. It needs JAX internals (the unpickler of serialized
+executables, the compile options JAX builds), so it is used where those are known to work (JAX
+0.10 on CPU devices, one process) and a caller falls back to compiling when it raises
+(`RebindError`). The device assignment must be the target mesh's, in mesh order, as here: a wrong
+one is not an error but a crash or wrong values when the executable runs.
 """
 
 from __future__ import annotations
