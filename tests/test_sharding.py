@@ -102,6 +102,29 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
         ex.compile_plan(samples, p, params)          # nothing new if the plans above already ran
     assert set(ex.executable_keys) == keys and ex.num_compiles == len(keys) == 8
     assert ex.compile_plan(samples, PLANS["3+5"], params) == 0
+    # XLA compiled each program once: a program's executable on a further device set was loaded from
+    # that compile (`dhp_jax.sharding.rebind`): here 1+1+1+5's degree-1 group on the second device
+    programs = {(d, b, a) for d, b, _, a in keys}
+    rebound = {(d, b, tuple(x.id for x in devs), a) for d, b, devs, a in ex.rebound_keys}
+    assert len(keys) - len(rebound) == len(programs) == 7 and len(rebound) == 1 and rebound <= keys
+    # 3+5's degree-3 ring moved onto devices 6 -> 4 -> 5 is loaded too, and it is the executable XLA
+    # builds for those devices: the program lowers to the same text on either device set, and a
+    # compile for 6, 4, 5 gives the same outputs on every device, to the last bit
+    (w,) = [w for w in ex.prepare(samples, PLANS["3+5"]) if w.layout.degree == 3]
+    devs = tuple(jax.devices()[i] for i in (6, 4, 5))
+    moved = ex.executable(None, 3, w.layout.bucket, devs)
+    assert ex.rebound_keys[-1] == (3, w.layout.bucket, devs, "ring")
+    lowered = ex.lower(3, w.layout.bucket, devs)
+    assert lowered.as_text() == ex.lower(3, w.layout.bucket, w.devices).as_text()
+    view = ex._views(ex.flat_params(params), {(devs, "ring")})[(devs, "ring")]
+    cp = jax.sharding.NamedSharding(*ex._mesh(devs, "ring"))
+    inputs = [jax.device_put(a, cp) for a in ex._inputs(w.layout)]
+    got, want = moved(view, *inputs), lowered.compile(compiler_options=ex.compiler_options)(view, *inputs)
+    for g, r in zip(got, want):
+        assert g.sharding == r.sharding and [s.device for s in g.addressable_shards] == list(devs)
+        for gs, rs in zip(g.addressable_shards, r.addressable_shards):
+            assert gs.device == rs.device and np.array_equal(np.asarray(gs.data), np.asarray(rs.data))
+    assert float(np.asarray(got[0])[:, 0].sum()) > 0               # the group's loss sum is there
     devs = tuple(jax.devices()[:3])
     key = next(k for k in keys if k[0] == 3 and k[2] == (0, 1, 2))
     hlo = ex.executable(params, 3, key[1], devs).as_text()

@@ -168,3 +168,24 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
     hlo = ex.executable(params, d, b, tuple(jax.devices()[i] for i in ids), kind).as_text()
     assert "all-to-all" in hlo and "collective-permute" not in hlo
     assert all(g.startswith(("s32", "(s32")) for g in re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo))
+
+    # the hybrid:2x2 program on other devices (3, 1, 0, 2: another 2-D (cp, sp) mesh) is loaded from
+    # its compile above (`dhp_jax.sharding.rebind`): the device at each mesh position computes what
+    # the device at that position of 4, 5, 6, 7 computes on the same inputs, to the last bit (that
+    # it is what a compile for these devices builds: tests/test_sharding.py, on a ring)
+    (w,) = [w for w in ex.prepare(samples, MIXED) if w.attention == "hybrid:2x2"]
+    kind, n, flat = w.attention, len(ex.rebound_keys), ex.flat_params(params)
+    devs = tuple(jax.devices()[i] for i in (3, 1, 0, 2))
+    outs = []
+    for ds in (w.devices, devs):
+        view = ex._views(flat, {(ds, kind)})[(ds, kind)]
+        mesh, spec = ex._mesh(ds, kind)
+        outs.append(ex.executable(None, 4, w.layout.bucket, ds, kind)(
+            view, *(jax.device_put(a, NamedSharding(mesh, spec)) for a in ex._inputs(w.layout))))
+    assert len(ex.rebound_keys) == n + 1 and ex.rebound_keys[-1][2] == devs
+    for here, there in zip(*outs):
+        assert there.sharding.mesh.devices.shape == (2, 2)
+        shards = [{s.device: (s.index, np.asarray(s.data)) for s in a.addressable_shards} for a in (here, there)]
+        for a, b in zip(w.devices, devs):            # the same mesh position on either device set
+            assert shards[0][a][0] == shards[1][b][0] and np.array_equal(shards[0][a][1], shards[1][b][1])
+    assert np.asarray(outs[1][0])[:, 0].sum() > 0                # the loss sums are there

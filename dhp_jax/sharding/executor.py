@@ -30,8 +30,11 @@ step, gather the grads back into a replicated tree (the exactness tests' path).
 
 Compiles: XLA binds an executable to its device assignment, so the cache key is (degree, bucket,
 device tuple, attention kind); `num_programs` counts distinct (degree, bucket, attention) programs, `num_compiles` the XLA
-executables built. Multi-process JAX: a process launches the groups that touch its addressable
-devices and contributes only its addressable rows (`_local`); groups may span processes
+executables built. On CPU devices (`reuse_compiled`) only a program's first executable is compiled:
+its executables for other device sets are that compiled program loaded with their device assignment
+(`dhp_jax.sharding.rebind`: the same machine code, about a second instead of a compile;
+`rebound_keys` lists them). Multi-process JAX: a process launches the groups that touch its
+addressable devices and contributes only its addressable rows (`_local`); groups may span processes
 (tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
 """
 
@@ -59,7 +62,7 @@ from dhp_jax.planner.contract.kinds import RING, check_attention
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 from dhp_jax.planner.cost.memory import reduce_pieces
 from dhp_jax.sharding.flat import FlatLayout
-from dhp_jax.sharding import tensor
+from dhp_jax.sharding import rebind, tensor
 from dhp_jax.sharding.mesh import CP_AXIS, DP_AXIS, SP_AXIS, TP_AXIS, RankLayout
 from dhp_jax.sharding.ring import ring_attention_fn
 from dhp_jax.sharding.tiles import DEFAULT_TILE
@@ -188,6 +191,8 @@ class PlanExecutor:
     chunks, what `CostModel.geometry.linear_chunk` prices. `tensor_parallel` = t: a rank is t
     consecutive devices (`devices[r t:(r+1) t]`, inside one node) running one model replica split
     Megatron-style (`dhp_jax.sharding.tensor`); plans name ranks (devices / t), as at t = 1.
+    `reuse_compiled` (None: on where every device is a CPU): a program compiled for one device set
+    is loaded onto another set of the same mesh shape instead of compiled again (`rebind`).
     """
 
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> "PlanExecutor":
@@ -202,7 +207,8 @@ class PlanExecutor:
                  compute_dtype: str = "float32", min_bucket: int = MIN_BUCKET, growth: float = GROWTH,
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
-                 linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1, sequence_parallel: bool = False) -> None:
+                 linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1, sequence_parallel: bool = False,
+                 reuse_compiled: bool | None = None) -> None:
         self._check_config(config)
         self.tensor_parallel = positive_int(tensor_parallel, "tensor_parallel")
         if sequence_parallel and tensor_parallel == 1:
@@ -231,6 +237,11 @@ class PlanExecutor:
             cpu = all(d.platform == "cpu" for d in self.ranks.devices)
             compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
         self.compiler_options = dict(compiler_options)
+        # a program's executable for a further device set is loaded from its first compile
+        # (`dhp_jax.sharding.rebind`); None: on CPU devices, where that is tested, off elsewhere
+        if reuse_compiled is None:
+            reuse_compiled = all(d.platform == "cpu" for d in self.ranks.devices)
+        self.reuse_compiled = bool(reuse_compiled)
         abstract = self._abstract_params(config)
         t = tensor_parallel
         # with tensor parallelism the master vector holds each device's share (`tensor.TensorLayout`)
@@ -239,7 +250,10 @@ class PlanExecutor:
         # the (rank, tp) view of the full mesh: the tp-sharded state's gather and reduction
         self.tp_mesh = Mesh(np.array(self.ranks.devices).reshape(-1, t), (DP_AXIS, TP_AXIS)) if t > 1 else None
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
-        self._building: dict[Any, threading.Lock] = {}   # one build per key; other keys build concurrently
+        self._building: dict[Any, threading.Lock] = {}   # one build per program; other programs build concurrently
+        # (degree, bucket, attention) -> [devices, compiled program (serialized once it is rebound)]
+        self._compiled: dict[tuple[int, int, str], list] = {}
+        self.rebound_keys: list[tuple[int, int, tuple[jax.Device, ...], str]] = []   # executables loaded, not compiled
         self._building_lock = threading.Lock()
         self.compile_seconds: list[float] = []           # wall time of every executable built
         self._jits: dict[str, Any] = {}
@@ -417,11 +431,17 @@ class PlanExecutor:
         if exe is not None:
             return exe
         with self._building_lock:
-            lock = self._building.setdefault(key, threading.Lock())
+            # one build of a program at a time: its executable for a second device set waits for
+            # the first and is loaded from it (`_build`); other programs build concurrently
+            lock = self._building.setdefault((degree, bucket, attention), threading.Lock())
         with lock:
             return self._build(params, key)
 
     def _build(self, params: Any, key: tuple[int, int, tuple[jax.Device, ...], str]):
+        """Build the executable of `key`: the program's first executable is compiled; one for
+        another device set of the same mesh shape is that compiled program loaded onto those
+        devices (`dhp_jax.sharding.rebind`: the same machine code, about a second instead of a
+        compile), or compiled where it cannot be (`reuse_compiled` off, several processes)."""
         degree, bucket, devices, attention = key
         exe = self._executables.get(key)
         if exe is None:
@@ -431,10 +451,32 @@ class PlanExecutor:
                                  f"(degree {degree}, {len(devices)} devices, {self.tensor_parallel} per rank)")
             t0 = time.perf_counter()
             self._bind(params)
-            exe = self._executables[key] = self.lower(degree, bucket, devices, attention).compile(
-                compiler_options=self.compiler_options)
+            exe = self._rebound(key)
+            if exe is None:
+                exe = self.lower(degree, bucket, devices, attention).compile(compiler_options=self.compiler_options)
+                self._compiled.setdefault((degree, bucket, attention), [devices, exe])
+            else:
+                self.rebound_keys.append(key)
+            self._executables[key] = exe
             self.compile_seconds.append(time.perf_counter() - t0)
         return exe
+
+    def _rebound(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> Any:
+        """The executable of `key` loaded from the program's compiled one on other devices; None
+        when there is none yet, rebinding is off, or it cannot be loaded (then it is compiled)."""
+        degree, bucket, devices, attention = key
+        source = self._compiled.get((degree, bucket, attention)) if self.reuse_compiled else None
+        if source is None:
+            return None
+        mesh, target = self._mesh(source[0], attention)[0], self._mesh(devices, attention)[0]
+        if not rebind.supported(mesh, target):
+            return None
+        try:
+            if not isinstance(source[1], tuple):     # serialized once, on the program's first rebind
+                source[1] = rebind.serialize(source[1])
+            return rebind.rebind(source[1], mesh, target, self.compiler_options)
+        except rebind.RebindError:
+            return None
 
     def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
         """The lowered (not compiled) group program: abstract arguments, nothing allocated."""

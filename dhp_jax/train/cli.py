@@ -166,6 +166,15 @@ def _seconds(x: float) -> str:
     return f"{x * 1e3:.0f} ms" if x < 1 else f"{x:.1f} s"
 
 
+def _executables(s: dict[str, Any]) -> str:
+    """'15 group programs', or with some loaded from another device set's compile:
+    '15 group executables: 8 compiled, 7 loaded onto other devices'."""
+    n, loaded = s.get("num_compiles"), int(s.get("num_rebound") or 0)
+    if not loaded:
+        return f"{n} group programs"
+    return f"{n} group executables: {n - loaded} compiled, {loaded} loaded onto other devices"
+
+
 def format_summary(s: dict[str, Any]) -> list[str]:
     from dhp_jax.train.compare import format_comparison
 
@@ -185,7 +194,7 @@ def format_summary(s: dict[str, Any]) -> list[str]:
     t = s["time_s"]
     first = f", the first {_seconds(t['first_step'])} with its one-off jit of the update" if t.get("first_step") else ""
     parts = [f"{s['steps_run']} steps {_seconds(t['steps'])} (median step {_seconds(s['step_time_median_s'])}{first})",
-             f"compiles {_seconds(t['compiles'])} ({s.get('num_compiles')} group programs)"]
+             f"compiles {_seconds(t['compiles'])} ({_executables(s)})"]
     if t.get("comparison") is not None:
         parts.append(f"comparison {_seconds(t['comparison'])}")
     lines.append("time: " + ", ".join(parts) + f"; wall {_seconds(t['wall'])}")

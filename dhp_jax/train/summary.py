@@ -71,6 +71,9 @@ def run_summary(trainer: Any, records: list[dict], loop_s: float, start: int) ->
         "plan_wait_max_steady_s": max(steady) if steady else 0.0,
         "plan_solve_median_s": statistics.median(r["plan_solve_s"] for r in records),
         "num_compiles": trainer.executor.num_compiles,
+        # of those executables, how many were a compiled program loaded onto other devices, not
+        # compiled (`dhp_jax.sharding.rebind`; an executor without the count: none)
+        "num_rebound": len(getattr(trainer.executor, "rebound_keys", ())),
         # measured: a step waited when a program it runs was not compiled yet when it started
         "steps_waiting_for_compile_after_warmup": len(waited),
         # (median and max over the steps that waited; median over every step after warm-up)

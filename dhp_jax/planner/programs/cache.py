@@ -3,9 +3,10 @@
 A *program* is one group shape and attention kind, `(degree, padded_tokens, attention)`: the same
 XLA computation whatever devices run it. An *executable* is a program bound to one device set,
 `(degree, padded_tokens, ranks, attention)` (the executor's key order): XLA binds a compiled
-program to its device assignment, so each new rank tuple of a known program is one more compile on
-every process it touches (unless the backend can load a compiled program onto other devices;
-XLA:CPU cannot).
+program to its device assignment, so each new rank tuple of a known program is one more executable
+on every process it touches: a compile, unless the executor loads the compiled program onto the
+other devices (the JAX executor does on CPU devices within a process, `dhp_jax.sharding.rebind`;
+then only programs cost compiles).
 
 `ProgramCache` records the plans issued so far: what the planner may assume compiled when it plans
 step t is a function of the plans of steps before t only, never of when compiles finish, so two
