@@ -96,11 +96,11 @@ fig.tight_layout()
 # ## 2. Plan one batch with DHP and the static baselines
 # `static-ring:best` / `static-ulysses:best` try every degree that divides the rank count (for
 # Ulysses, also the head count) and keep the best one, as a hand-tuned baseline would.
-# `static-ring:16` is one fixed choice (two nodes per sequence group: the longest clips of this
-# batch need more than one node of 64 GB NPUs).
+# `static-ring:32` is one fixed choice (four nodes per sequence group: the longest clips of this
+# batch need more than two nodes of 64 GB NPUs).
 
 # %%
-STRATEGIES = ["dhp", "static-ring:best", "static-ulysses:best", "static-ring:16"]
+STRATEGIES = ["dhp", "static-ring:best", "static-ulysses:best", "static-ring:32"]
 samples = batches[MIX]
 lengths, etas = sample_lengths(samples), sample_etas(samples)
 
@@ -199,7 +199,7 @@ base_case = what_if()
 # More ranks: the batch spreads thinner, so fewer micro-batches and shorter steps.
 
 # %%
-scaling = [what_if(ranks=r, draw=r == 64) for r in (16, 32, 64)]
+scaling = [what_if(ranks=r, draw=r == 64) for r in (32, 64, 128)]
 assert scaling[0]["dhp"] > scaling[2]["dhp"]  # 4x the ranks must shorten the step
 
 # %% [markdown]

@@ -10,7 +10,7 @@ gate/up by column, the embedding and the LM head vocab-parallel), the encoders' 
 (a Qwen fused qkv by heads inside each of q, k and v; InternViT's q/k/v and QK-norm by heads, the
 norm's mean square summed over the rank; the output projections and the MLP's last matrix by row,
 their biases added once), the patch embeddings, mergers and the projector replicated (their
-copies' gradients summed). Three demo models, each with its block stacks sequence-parallel
+copies' gradients summed). Three demo models, two with their block stacks sequence-parallel
 (`sequence_parallel=True`: each device of a rank carries half of every chunk's rows through the
 LLM layers and the encoder's blocks, the per-row ids and rotary tables whole; the norms, layer
 scales and row-split biases acting on a device's rows only, their gradients summed over the
@@ -23,9 +23,10 @@ rank):
   kv head shared by the two devices of a rank and a vocabulary of 255 (128 + 127 ids: the last
   window moved back, id 127 held twice, put in every sample), with irregular ring groups and a
   hybrid group;
-- Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only.
-Then the psum form (whole rows on every device between the split matrices): bf16 at t = 2
-(InternVL) against the same fp32 reference within bf16 rounding; and the refusals: a head count
+- Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only,
+  in the psum form (the default at t > 1: whole rows on every device between the split matrices,
+  the sum after the row-split ones).
+Then the psum form in bf16 at t = 2 (InternVL) against the same fp32 reference within bf16 rounding; and the refusals: a head count
 no layout allows, naming the model, the field and t."""
 
 import dataclasses
@@ -124,16 +125,18 @@ def _rel(a, b, floor: float = 0.0) -> float:
     return float(np.max(np.abs(a - b)) / (scale if scale > floor else max(floor, 1e-30)))
 
 
-@pytest.mark.parametrize("family,vocab,tied,kv,plan,remat", [("qwen3_vl", 256, True, None, SEQUENCE, "layer"),
-                                                             ("internvl", 255, False, 1, HYBRID, "none"),
-                                                             ("qwen2_5_vl", 256, False, None, RING, "none")])
-def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, remat):
+@pytest.mark.parametrize("family,vocab,tied,kv,plan,remat,sequence",
+                         [("qwen3_vl", 256, True, None, SEQUENCE, "layer", True),
+                          ("internvl", 255, False, 1, HYBRID, "none", True),
+                          ("qwen2_5_vl", 256, False, None, RING, "none", False)])
+def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, remat, sequence):
     """The step with the LLM layers and the encoder's blocks sequence-parallel (each device of a
-    rank carries half of every chunk's rows); Qwen3-VL's with every block recomputed in the
-    backward pass (remat "layer": the gathers run again; values unchanged)."""
+    rank carries half of every chunk's rows), Qwen3-VL's with every block recomputed in the
+    backward pass (remat "layer": the gathers run again; values unchanged); Qwen2.5-VL's in the
+    psum form, the default at t > 1 (whole rows on every device between the split matrices)."""
     cfg, params, samples, (ref_loss, ref_grads) = _case(family, vocab, tied, kv)
     assert cfg.tied == tied and cfg.text.shape.num_heads == 4
-    _check_step(dataclasses.replace(cfg, remat=remat), params, samples, plan, ref_loss, ref_grads, True)
+    _check_step(dataclasses.replace(cfg, remat=remat), params, samples, plan, ref_loss, ref_grads, sequence)
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel):
