@@ -13,16 +13,3 @@ from dhp_jax.devices import cpu_devices_env
 os.environ.update(cpu_devices_env(8))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-# The files that take longest start first (xdist hands out whole files, `--dist loadfile`, in
-# collection order): a long file picked up last would run alone at the end while the other workers
-# idle. Tests keep their order inside a file; the rest follow in the usual order.
-SLOW_FIRST = ("test_multiprocess_jax.py", "test_memory.py", "test_tp_family.py", "test_multiprocess_live.py",
-              "test_train.py", "test_sharding.py", "test_train_runs.py", "test_experiments.py", "test_padskip.py",
-              "test_finetune_train.py", "test_torchrun_multinode.py", "test_tp_engine.py", "test_npu_train.py",
-              "test_ulysses.py", "test_hf_engine_qwen3_vl.py", "test_family_memory.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
