@@ -339,6 +339,11 @@ def test_bad_input_errors_name_the_problem():
         plan_batch([10, 20], 4, COST, etas=[0.5])
     with pytest.raises(PlanningError, match="num_micro_batches must be an integer in 1..2"):
         plan_batch([10, 20], 4, COST, num_micro_batches=5)
+    from dhp_jax.planner.cost.memory import max_tokens_per_rank
+    cap = int(max_tokens_per_rank(COST))    # five samples of 0.9 of a rank's room: 4.5 ranks' worth
+    with pytest.raises(PlanningError, match=r"num_micro_batches=1 is too few .*needs at least 2 micro-batches"):
+        plan_batch([cap * 9 // 10] * 5, 4, COST, num_micro_batches=1)
+    assert len(plan_batch([cap * 9 // 10] * 5, 4, COST, num_micro_batches=2).micro_batches) == 2
     with pytest.raises(ValueError, match="degrees must be 'any', 'pow2'"):
         plan_batch([10, 20], 4, COST, degrees="odd")
 

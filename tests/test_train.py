@@ -209,6 +209,31 @@ def test_a_used_directory_needs_resume_or_overwrite(tmp_path, executor, capsys):
     assert [r["step"] for r in read_jsonl(tmp_path / "used" / "metrics.jsonl")] == [1, 2]
 
 
+def test_a_batch_the_planner_declines_ends_the_run_naming_the_step(tmp_path, executor):
+    """The planner declining a batch mid-run (here: step 2's) ends the run with one TrainError that
+    names the step, the planner settings and the planner's reason, after the steps before it."""
+    from dhp_jax.planner import PlanningError
+
+    trainer = Trainer(_config(tmp_path, "declined", "steps=3", "planner.strategy=dhp",
+                              "planner.num_micro_batches=1"), executor=executor)
+    planned = trainer.plan_source
+
+    class Declines:
+        def __getattr__(self, name):
+            return getattr(planned, name)
+
+        def __call__(self, step, batch):
+            if step == 1:
+                raise PlanningError("num_micro_batches=1 is too few for this batch")
+            return planned(step, batch)
+
+    trainer.plan_source = Declines()
+    with pytest.raises(TrainError, match=r"step 2: the planner cannot plan its batch \(planner.strategy='dhp', "
+                       r"num_micro_batches=1, .*\): num_micro_batches=1 is too few .*1 of 3 steps were done"):
+        trainer.run()
+    assert [r["step"] for r in read_jsonl(tmp_path / "declined" / "metrics.jsonl")] == [1]
+
+
 def test_bad_input_fails_before_any_step(tmp_path, executor):
     cfg = _config(tmp_path, "bad", "steps=2")
     with pytest.raises(TrainError, match="num_ranks=8 needs 8 devices but only 4"):

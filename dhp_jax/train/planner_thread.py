@@ -30,6 +30,14 @@ class PlannedBatch:
 _DONE = object()
 
 
+class StepPlanningFailed(RuntimeError):
+    """Building or planning the batch of (0-based) `step` raised; the original is `__cause__`."""
+
+    def __init__(self, step: int, error: BaseException):
+        super().__init__(f"planning step {step} failed: {type(error).__name__}: {error}")
+        self.step = step
+
+
 class PlannerThread:
     """Iterator over `PlannedBatch` for steps `start, start+1, ..., stop-1`.
 
@@ -79,7 +87,7 @@ class PlannerThread:
                 plan = self._make_plan(step, batch)
                 t2 = time.perf_counter()
             except BaseException as e:  # handed to the consumer, which raises it at this step
-                self._put(RuntimeError(f"planning step {step} failed: {type(e).__name__}: {e}"))
+                self._put(StepPlanningFailed(step, e))
                 self._put(e)
                 return
             if not self._put(PlannedBatch(step, batch, plan, plan_s=t2 - t1, build_s=t1 - t0)):
@@ -102,7 +110,7 @@ class PlannerThread:
         if item is _DONE:
             self._queue.put(_DONE)  # stay exhausted
             raise StopIteration
-        if isinstance(item, RuntimeError) and not isinstance(item, PlannedBatch):
+        if isinstance(item, StepPlanningFailed):
             cause = self._queue.get()
             self.close()
             raise item from cause

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dhp_jax.model import MLLMConfig, init_params
+from dhp_jax.planner.contract.plan import PlanningError
 from dhp_jax.planner.contract.planfile import PlanLog
 from dhp_jax.planner.programs.cache import ProgramCache, executed_view
 from dhp_jax.sharding import PlanExecutor
@@ -36,7 +37,7 @@ from dhp_jax.train.family_demo import DEMO_MODELS
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
-from dhp_jax.train.planner_thread import PlannerThread
+from dhp_jax.train.planner_thread import PlannerThread, StepPlanningFailed
 from dhp_jax.train.plans import PlanSource, attach_programs, describe_cost, load_plan_file, run_cost
 from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
@@ -426,6 +427,16 @@ class Trainer:
                                     compare=cfg.compare.enabled and stop == cfg.steps and stop_after is None)
             if records or earlier:  # never a summary without real figures
                 metrics.write_json("summary.json", summary)
+        except StepPlanningFailed as e:
+            if not isinstance(e.__cause__, PlanningError):
+                raise   # not the planner declining a batch: a bug, with its traceback
+            done = start + len(records)
+            p = cfg.planner
+            raise TrainError(
+                f"step {e.step + 1}: the planner cannot plan its batch (planner.strategy={p.strategy!r}"
+                f"{f', num_micro_batches={p.num_micro_batches}' if p.num_micro_batches is not None else ''}"
+                f", cost_model={p.cost_model!r} on {p.hardware!r}): {e.__cause__}. {done} of {cfg.steps} steps "
+                f"were done; --resume continues from the last checkpoint") from e.__cause__
         except KeyboardInterrupt:
             interrupted = True
             raise self._interrupted(ckpt, state, start + len(records), guard.forced,

@@ -256,6 +256,12 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         if stale >= _MB_PATIENCE or tries >= _MB_MAX_TRIES:
             break
     if best is None:
+        if num_micro_batches is not None and num_micro_batches < lo:
+            raise PlanningError(
+                f"num_micro_batches={num_micro_batches} is too few for this batch: its {len(prob.lengths)} samples "
+                f"need activation memory for {float(prob.tok.sum()):.0f} tokens, {N} ranks hold at most "
+                f"{N * prob.cap:.0f} at once ({prob.cap:.0f} per rank), so it needs at least {lo} micro-batches; "
+                f"leave num_micro_batches unset (the planner picks the count) or set it to {lo} or more")
         raise PlanningError(f"no micro-batch split fits {N} ranks"
                             + (f" with num_micro_batches={num_micro_batches}" if num_micro_batches else ""))
     low = min(feasible, key=lambda x: (x[0], x[1]))
