@@ -140,14 +140,14 @@ def test_cost_model_matches_the_compiled_step():
     a 2-micro-batch step compiled abstractly on the 8 devices and laid out in dispatch order. The
     peak and each phase other than the group program (gather, reductions, update) within 10 %, and
     the step's peak is its group program: the reductions hold one row and one fp32 piece."""
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_OPTIONS, model_shape
     from dhp_jax.bench.step_memory import compiled_phases, step_programs
 
     cfg = SMALL
     devices = jax.devices()
     cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16", state_shards=len(devices),
                             activation_bytes=CPU_ACTIVATION_BYTES)
-    options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_SCHEDULER}
+    options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_OPTIONS}
     group = _compiled_bytes(cfg, 2, 8192, "bfloat16")        # shared with the test above
     got = compiled_phases(group, step_programs(cfg, "bfloat16", devices, options), 2)
     want = device_step_phases(cost, [([8192], 2)] * 2)

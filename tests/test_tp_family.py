@@ -40,6 +40,7 @@ import pytest
 from dhp_jax.model import hf
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.executor import CPU_FAST_COMPILE
 from dhp_jax.train.config import load_config
 from dhp_jax.train.family_demo import FIRST_TEXT, FamilyDemoPipeline, demo_config
 
@@ -101,7 +102,7 @@ def _reference(cfg, params, samples):
 
     # compiled as the executor compiles on CPU (no LLVM optimisation: most of the compile time here)
     params = jax.device_put(params, jax.devices()[0])
-    fn = jax.jit(jax.value_and_grad(loss)).lower(params).compile(compiler_options={"xla_backend_optimization_level": 0})
+    fn = jax.jit(jax.value_and_grad(loss)).lower(params).compile(compiler_options=CPU_FAST_COMPILE)
     return fn(params)
 
 

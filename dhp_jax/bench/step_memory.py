@@ -36,7 +36,7 @@ from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
 from dhp_jax.devices import force_cpu_devices
 from dhp_jax.sharding import memory_bench
-from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, model_shape, program_bytes
+from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_OPTIONS, model_shape, program_bytes
 from dhp_jax.train.config import OptimConfig
 
 MICRO_BATCHES = (2, 3)
@@ -115,7 +115,7 @@ def measure_step(models_rows: Sequence[tuple[str, int, int]], micro_batches: Seq
     devices = jax.devices()
     shards = len(devices)
     cpu = devices[0].platform == "cpu"
-    options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_SCHEDULER} if cpu else {}
+    options = {"xla_backend_optimization_level": 0, **CPU_MEMORY_OPTIONS} if cpu else {}
     rows, cache = [], {}
     for model, degree, tokens in models_rows:
         t0 = time.perf_counter()

@@ -177,6 +177,15 @@ def require_float32(params: Any) -> None:
         raise TypeError(f"PlanExecutor expects float32 params (the master weights), got dtypes {bad}")
 
 
+# XLA:CPU compile options of the executor on CPU (fake) devices, which are for correctness runs:
+# most of a CPU run is compiling group programs. LLVM optimisation (backend level 0: about 4x less
+# compile time) and the MLIR fusion emitters (off: XLA:CPU's older emitters compile the same program
+# in about 0.55x the CPU time; the demo's 14 compiles 141 -> 68 s, its steps about 1.2x slower)
+# buy little there. Memory measurements compile with XLA's default emitters
+# (`memory_bench.CPU_MEMORY_OPTIONS`), the programs the memory model was validated on.
+CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
 class PlanExecutor:
     """Runs a `Plan` on device sub-meshes with ring attention; exact token-mean loss and grads.
 
@@ -231,17 +240,13 @@ class PlanExecutor:
             raise ValueError(f"linear_chunk must be an integer >= 0 (0: no pad skipping), got {linear_chunk!r}")
         self.linear_chunk = linear_chunk
         self._program_config = self._chunked_config(config, linear_chunk)
-        if compiler_options is None:
-            # CPU (fake) devices are for correctness runs, where XLA:CPU's LLVM optimisation is
-            # most of the compile time (about 4x here) and buys little; other backends keep defaults.
-            cpu = all(d.platform == "cpu" for d in self.ranks.devices)
-            compiler_options = {"xla_backend_optimization_level": 0} if cpu else {}
+        cpu = all(d.platform == "cpu" for d in self.ranks.devices)
+        if compiler_options is None:   # other backends keep XLA's defaults
+            compiler_options = CPU_FAST_COMPILE if cpu else {}
         self.compiler_options = dict(compiler_options)
         # a program's executable for a further device set is loaded from its first compile
         # (`dhp_jax.sharding.rebind`); None: on CPU devices, where that is tested, off elsewhere
-        if reuse_compiled is None:
-            reuse_compiled = all(d.platform == "cpu" for d in self.ranks.devices)
-        self.reuse_compiled = bool(reuse_compiled)
+        self.reuse_compiled = cpu if reuse_compiled is None else bool(reuse_compiled)
         abstract = self._abstract_params(config)
         t = tensor_parallel
         # with tensor parallelism the master vector holds each device's share (`tensor.TensorLayout`)

@@ -77,7 +77,7 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
-    from dhp_jax.sharding.memory_bench import CPU_MEMORY_SCHEDULER
+    from dhp_jax.sharding.memory_bench import CPU_MEMORY_OPTIONS
 
     config = dataclasses.replace(parse_config(raw), remat=remat)
     group = tuple(devices[:degree * tensor_parallel])
@@ -90,7 +90,7 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
     stream = -(-tokens // (2 * degree)) * 2 * degree
     options = dict(ex.compiler_options)
     if all(d.platform == "cpu" for d in group):
-        options.update(CPU_MEMORY_SCHEDULER)
+        options.update(CPU_MEMORY_OPTIONS)
     program = ex.lower(degree, stream, group).compile(compiler_options=options)
     return program.memory_analysis(), ex.layout.size
 
