@@ -160,6 +160,7 @@ def test_torch_reader_joins_tp_records_from_the_copies_it_must_read(family):
         raw = tiny_config(family, {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}, 255)
         raw["text_config"].update(num_key_value_heads=1, tie_word_embeddings=True)
         raw["tie_word_embeddings"] = True
+        raw["vision_config"]["num_heads"] = 4           # 1 vision head a device at t = 4
         config = hf.parse_config(raw)
         params = random_params(config, 5)
     want = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(v)
