@@ -186,6 +186,20 @@ def require_float32(params: Any) -> None:
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 
 
+@dataclasses.dataclass
+class _FirstCompile:
+    """A program's first compiled executable and its devices: what further device sets load
+    (`dhp_jax.sharding.rebind`), serialized once, on the first such load."""
+    devices: tuple
+    executable: Any
+    _serialized: Any = None
+
+    def serialized(self) -> Any:
+        if self._serialized is None:
+            self._serialized = rebind.serialize(self.executable)
+        return self._serialized
+
+
 class PlanExecutor:
     """Runs a `Plan` on device sub-meshes with ring attention; exact token-mean loss and grads.
 
@@ -257,7 +271,7 @@ class PlanExecutor:
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self._building: dict[Any, threading.Lock] = {}   # one build per program; other programs build concurrently
         # (degree, bucket, attention) -> [devices, compiled program (serialized once it is rebound)]
-        self._compiled: dict[tuple[int, int, str], list] = {}
+        self._compiled: dict[tuple[int, int, str], _FirstCompile] = {}
         self.rebound_keys: list[tuple[int, int, tuple[jax.Device, ...], str]] = []   # executables loaded, not compiled
         self._building_lock = threading.Lock()
         self.compile_seconds: list[float] = []           # wall time of every executable built
@@ -459,7 +473,7 @@ class PlanExecutor:
             exe = self._rebound(key)
             if exe is None:
                 exe = self.lower(degree, bucket, devices, attention).compile(compiler_options=self.compiler_options)
-                self._compiled.setdefault((degree, bucket, attention), [devices, exe])
+                self._compiled.setdefault((degree, bucket, attention), _FirstCompile(devices, exe))
             else:
                 self.rebound_keys.append(key)
             self._executables[key] = exe
@@ -473,13 +487,11 @@ class PlanExecutor:
         source = self._compiled.get((degree, bucket, attention)) if self.reuse_compiled else None
         if source is None:
             return None
-        mesh, target = self._mesh(source[0], attention)[0], self._mesh(devices, attention)[0]
+        mesh, target = self._mesh(source.devices, attention)[0], self._mesh(devices, attention)[0]
         if not rebind.supported(mesh, target):
             return None
         try:
-            if not isinstance(source[1], tuple):     # serialized once, on the program's first rebind
-                source[1] = rebind.serialize(source[1])
-            return rebind.rebind(source[1], mesh, target, self.compiler_options)
+            return rebind.rebind(source.serialized(), mesh, target, self.compiler_options)
         except rebind.RebindError:
             return None
 
