@@ -388,6 +388,18 @@ class TensorLayout:
         return {**self.whole.record(), "padded": self.padded, "tensor_parallel": self.tensor_parallel,
                 "local": self.local.record(), "split": split, "vocab": self.table.vocab}
 
+    def read_copy(self, kind: str, groups: int, i: int) -> int:
+        """The tp index whose copy of a leaf stands for tp index i's: index 0's for a replicated
+        leaf, the first holder's of i's kv heads for a shared one (t / groups devices hold each),
+        i's own for split and fused leaves. The one rule behind `unravel` (which copy it reads),
+        `count_once` (which copy the norm counts) and `copy_spread` (which copies must equal it);
+        vocab windows follow their owners (`vocab_share`)."""
+        if kind == REPLICATED:
+            return 0
+        if kind == SHARED:
+            return i - i % (self.tensor_parallel // groups)
+        return i
+
     def copy_spread(self, flat: jax.Array) -> tuple[jax.Array, jax.Array]:
         """(spread, scale), float32[leaves] in `jax.tree.leaves` order, of a master-shaped vector
         (params or an AdamW moment; traceable): `spread` the largest difference between a copy of a
@@ -401,14 +413,11 @@ class TensorLayout:
         for j, (kind, _, groups) in enumerate(self.kinds):
             held = [jnp.max(jnp.abs(s[j]), initial=0.0) for s in shares]
             scale.append(functools.reduce(jnp.maximum, held))
-            if kind == REPLICATED:
-                firsts = [0] * t
-            elif kind == SHARED:
-                firsts = [i - i % (t // groups) for i in range(t)]
-            else:
+            if kind not in (REPLICATED, SHARED):
                 spread.append(jnp.zeros((), flat.dtype))
                 continue
-            diffs = [jnp.max(jnp.abs(shares[i][j] - shares[firsts[i]][j]), initial=0.0) for i in range(t)]
+            diffs = [jnp.max(jnp.abs(shares[i][j] - shares[self.read_copy(kind, groups, i)][j]), initial=0.0)
+                     for i in range(t)]
             spread.append(functools.reduce(jnp.maximum, diffs))
         return jnp.stack(spread), jnp.stack(scale)
 
@@ -437,11 +446,12 @@ class TensorLayout:
         leaves = []
         for j, (kind, axis, groups) in enumerate(self.kinds):
             if kind == REPLICATED:
-                leaves.append(shares[0][j])
+                leaves.append(shares[self.read_copy(kind, groups, 0)][j])
             elif kind == SPLIT:
                 leaves.append(jnp.concatenate([s[j] for s in shares], axis=axis))
-            elif kind == SHARED:
-                leaves.append(jnp.concatenate([shares[h * (t // groups)][j] for h in range(groups)], axis=axis))
+            elif kind == SHARED:          # one holder per kv head group, in head order
+                holders = sorted({self.read_copy(kind, groups, i) for i in range(t)})
+                leaves.append(jnp.concatenate([shares[h][j] for h in holders], axis=axis))
             elif kind == FUSED:
                 sh = shares[0][j].shape
                 parts = [s[j].reshape(sh[:axis] + (groups, sh[axis] // groups) + sh[axis + 1:]) for s in shares]
@@ -474,8 +484,7 @@ class TensorLayout:
                     keep = np.expand_dims(ids >= own, 1 - axis)
                     marks.append(jnp.broadcast_to(jnp.asarray(keep), leaf.shape))
                 else:
-                    keep = (kind in (SPLIT, FUSED) or (kind == REPLICATED and i == 0)
-                            or (kind == SHARED and i % (t // groups) == 0))
+                    keep = self.read_copy(kind, groups, i) == i
                     marks.append(jnp.full(leaf.shape, keep))
             rows.append(self.local.ravel(jax.tree.unflatten(self.treedef, marks), jnp.bool_))
         return self._interleave(jnp.stack(rows))
