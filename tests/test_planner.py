@@ -291,6 +291,71 @@ def test_static_baselines():
     assert dhp.est_step_time_s <= min(best.est_step_time_s, uly.est_step_time_s)
 
 
+PADDED = CostModel.preset("internvl3-8b", "ascend-910b")  # the default: padded streams, bucketed programs
+
+
+def _statics(num_ranks, cost, attention):
+    """Every static baseline `plan_batch` offers on `num_ranks` that DHP in `attention` mode may run."""
+    ds = [d for d in range(1, num_ranks + 1) if num_ranks % d == 0]
+    return [f"static-ring:{d}" for d in ds] + [f"static-ulysses:{d}" for d in ds
+                                                if attention == "best" and cost.ulysses_ok(d)]
+
+
+def _layout(plan):
+    return [[(g.ranks, g.samples, g.attention) for g in mb.groups] for mb in plan.micro_batches]
+
+
+@pytest.mark.parametrize("attention", ["best", "ring"])
+def test_dhp_is_never_slower_than_a_static_plan(attention):
+    """A static plan is a DHP plan, so DHP takes the static plans as candidates
+    (`solvers.static_candidates`): on random long-tailed batches (padded and unpadded pricing, groups
+    inside and over nodes) its step time is at most every static baseline's, both priced by
+    `sim.step_time`; a plan a static candidate won says which and is that baseline's plan."""
+    rng = np.random.default_rng(11)
+    chosen = {}
+    for num_ranks, rpn, trials in ((3, 2, 12), (5, 4, 12), (6, 4, 12), (7, 4, 16), (8, 8, 16), (8, 4, 10),
+                                   (12, 8, 8), (64, 8, 4)):
+        for trial in range(trials):
+            cost = (COST if trial % 2 else PADDED).replace(ranks_per_node=rpn)
+            k = int(rng.integers(1, 4 * num_ranks + 1))
+            lengths = np.minimum(rng.pareto(1.3, k) * CAP * rng.uniform(0.05, 0.6), num_ranks * CAP).astype(np.int64)
+            etas = rng.uniform(0, 1, k) * (rng.random(k) < 0.4)
+            dhp = plan_batch(lengths, num_ranks, cost, etas=etas, attention=attention)
+            t = step_time(dhp, lengths, cost, etas)
+            where = (num_ranks, rpn, trial, dhp.solver["chosen"])
+            for s in _statics(num_ranks, cost, attention):
+                try:
+                    base = plan_batch(lengths, num_ranks, cost, s, etas=etas)
+                except PlanningError:
+                    continue  # a sample longer than this degree holds
+                assert t <= step_time(base, lengths, cost, etas) * (1 + 1e-9), (s, *where)
+                if s == dhp.solver["chosen"]:
+                    assert _layout(dhp) == _layout(base), where
+            name = dhp.solver["chosen"]
+            chosen[name.partition(":")[0]] = chosen.get(name.partition(":")[0], 0) + 1
+            if name != "dhp":
+                assert {g.degree for g in dhp.groups} == {int(name.partition(":")[2])}, where
+                assert dhp.solver["est_makespan_sum_s"] < dhp.solver["dhp_search_makespan_sum_s"], where
+    # both happen on these batches: the search's plan, and a static plan it did not reach
+    assert chosen["dhp"] and len(chosen) > 1, chosen
+
+
+def test_static_candidates_honour_the_options():
+    """The candidates are only those the options allow: degrees, a fixed micro-batch count, packing."""
+    lengths = [20000, 900, 15000, 3000, 26000, 700, 8000, 12000, 400, 18000, 5000, 2500]
+    plan = plan_batch(lengths, 8, COST)
+    assert plan.solver["chosen"] == "static-best:8"        # all 8 ranks per micro-batch, next fit
+    assert plan.solver["chosen"] == "static-best:8"
+    for degrees in ([1, 2, 4], "pow2"):
+        p = plan_batch(lengths, 8, COST, degrees=degrees)
+        assert all(d in ([1, 2, 4] if degrees != "pow2" else [1, 2, 4, 8]) for d in p.degrees_flat), degrees
+    m = len(plan.micro_batches) + 1
+    p = plan_batch(lengths, 8, COST, num_micro_batches=m)
+    assert len(p.micro_batches) == m and p.solver["chosen"] == "dhp"
+    p = plan_batch(lengths, 8, COST, packing=False)
+    assert all(len(g.samples) == 1 for g in p.groups)
+
+
 def test_dhp_beats_static_on_openvid():
     from dhp_jax.data import make_dataset
 
