@@ -341,19 +341,21 @@ def test_dhp_is_never_slower_than_a_static_plan(attention):
 
 
 def test_static_candidates_honour_the_options():
-    """The candidates are only those the options allow: degrees, a fixed micro-batch count, packing."""
-    lengths = [20000, 900, 15000, 3000, 26000, 700, 8000, 12000, 400, 18000, 5000, 2500]
-    plan = plan_batch(lengths, 8, COST)
-    assert plan.solver["chosen"] == "static-best:8"        # all 8 ranks per micro-batch, next fit
-    assert plan.solver["chosen"] == "static-best:8"
-    for degrees in ([1, 2, 4], "pow2"):
-        p = plan_batch(lengths, 8, COST, degrees=degrees)
-        assert all(d in ([1, 2, 4] if degrees != "pow2" else [1, 2, 4, 8]) for d in p.degrees_flat), degrees
-    m = len(plan.micro_batches) + 1
-    p = plan_batch(lengths, 8, COST, num_micro_batches=m)
-    assert len(p.micro_batches) == m and p.solver["chosen"] == "dhp"
-    p = plan_batch(lengths, 8, COST, packing=False)
-    assert all(len(g.samples) == 1 for g in p.groups)
+    """A batch on which the static degree-8 plan (every micro-batch on all 8 ranks, next fit) beats
+    DHP's search; the candidates are only those the options allow."""
+    lengths = [20600, 7000, 20200, 4700, 3600, 400, 10000, 18200, 14700, 1200, 200, 45700, 6000, 6100]
+    plan = plan_batch(lengths, 8, PADDED)
+    assert plan.solver["chosen"] == "static-best:8" and plan.degrees == [[8], [8]]
+    ring = plan_batch(lengths, 8, PADDED, attention="ring")
+    assert ring.solver["chosen"] == "static-ring:8"
+    assert _layout(ring) == _layout(plan_batch(lengths, 8, PADDED, "static-ring:8"))
+    no8 = plan_batch(lengths, 8, PADDED, degrees=list(range(1, 8)))
+    assert no8.solver["chosen"] == "dhp" and 8 not in {g.degree for g in no8.groups}
+    assert plan_batch(lengths, 8, PADDED, num_micro_batches=2).solver["chosen"] == "static-best:8"
+    three = plan_batch(lengths, 8, PADDED, num_micro_batches=3)
+    assert three.solver["chosen"] == "dhp" and len(three.micro_batches) == 3
+    single = plan_batch(lengths, 8, PADDED, packing=False)
+    assert single.solver["chosen"] == "dhp" and all(len(g.samples) == 1 for g in single.groups)
 
 
 def test_dhp_beats_static_on_openvid():
