@@ -30,14 +30,18 @@ from dhp_jax.planner.solvers.problem import Problem
 __all__ = ["best_static", "static_prices"]
 
 
+_SIZES: dict[tuple[int, int, int, bool], list[int]] = {}
+
+
 def _kind_sizes(degree: int, cost: Any) -> list[int]:
     """The Ulysses sizes u > 1 of the kinds `pricing.best_kinds` may give a group of `degree` ranks
     (u divides the degree and the head count, u <= ranks_per_node); with a menu of programs, whose
     kinds are fixed per program, every divisor (a bound)."""
-    us = [u for u in range(2, degree + 1) if degree % u == 0]
-    if cost.geometry.menu_kinds:
-        return us
-    return [u for u in us if cost.num_heads % u == 0 and u <= cost.ranks_per_node]
+    key = (degree, cost.num_heads, cost.ranks_per_node, bool(cost.geometry.menu_kinds))
+    if key not in _SIZES:
+        us = [u for u in range(2, degree + 1) if degree % u == 0]
+        _SIZES[key] = us if key[3] else [u for u in us if cost.num_heads % u == 0 and u <= cost.ranks_per_node]
+    return _SIZES[key]
 
 
 def _node_local(g: np.ndarray, d: int, u: int, rpn: int) -> np.ndarray:
@@ -70,7 +74,10 @@ def static_prices(prob: Problem, degrees: list[int], attention: str
     key = ((np.arange(D)[:, None] * M + chunks) * N + replica).ravel()
     size = D * M * N
     live = np.flatnonzero(np.bincount(key, minlength=size))
-    A, B, S = (np.bincount(key, np.tile(v, D), minlength=size)[live] for v in (prob.attn, prob.lin, prob.tok))
+    # the three sums in one bincount: attention work, linear work and tokens at key, key + size, ...
+    sums = np.bincount((key[None, :] + np.arange(0, 3 * size, size)[:, None]).ravel(),
+                       np.tile(np.stack([prob.attn, prob.lin, prob.tok]), (1, D)).ravel(), minlength=3 * size)
+    A, B, S = (sums[j * size + live] for j in range(3))
     mb, g = live // N, live % N       # mb: degree * M + micro-batch
     a = mb // M
     d = dv[a]
@@ -84,8 +91,8 @@ def static_prices(prob: Problem, degrees: list[int], attention: str
             spans = bool(inter[lo[k]:lo[k + 1]].any()) and not cost.geometry.menu_kinds
             for u in _kind_sizes(x, cost):
                 i = np.arange(lo[k], lo[k + 1])
-                if spans:   # Ulysses sub-groups over nodes may not run it
-                    i = i[_node_local(g[i], x, u, rpn)]
+                if spans and not (x % rpn == 0 and rpn % u == 0):  # (whole nodes in u-sized pieces)
+                    i = i[_node_local(g[i], x, u, rpn)]  # Ulysses sub-groups over nodes may not run it
                 idx.append(i)
                 us.append(np.full(i.size, u))
             if x > 1 and cost.ulysses_ok(x) and (cost.geometry.menu_kinds or x > rpn or spans):
