@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dhp_jax.data import Sample
 from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
-from dhp_jax.planner.contract.plan import spans_nodes
+from dhp_jax.planner.contract.plan import Group, MicroBatch, spans_nodes
 from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
 from dhp_jax.planner.cost.pricing import group_time, group_times, sample_terms
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
@@ -20,6 +20,7 @@ from dhp_jax.sim import step_time
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0)  # the paper's unpadded form (padding: test_compiles.py)
 CAP = int(max_tokens_per_rank(COST))
+CAP_F = max_tokens_per_rank(COST)
 
 
 def _check(plan, lengths, cost=COST, etas=None):
@@ -358,6 +359,62 @@ def test_static_candidates_honour_the_options():
     assert three.solver["chosen"] == "dhp" and len(three.micro_batches) == 3
     single = plan_batch(lengths, 8, PADDED, packing=False)
     assert single.solver["chosen"] == "dhp" and all(len(g.samples) == 1 for g in single.groups)
+
+
+def test_static_groups_deal_and_fill_by_next_fit():
+    """The vectorised static grouping (`baselines.static_assignments`, all degrees at once) against
+    the rule written as a loop: replica i mod P, next fit within d ranks' tokens."""
+    from dhp_jax.planner.solvers.baselines import static_groups
+
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        n = int(rng.choice([1, 2, 3, 6, 8, 12]))
+        lengths = (rng.pareto(1.2, int(rng.integers(1, 40))) * CAP * rng.uniform(0.05, 1)).astype(np.int64)
+        for d in [d for d in range(1, n + 1) if n % d == 0]:
+            cap, P = d * CAP_F, n // d
+            if lengths.max() > cap:
+                with pytest.raises(PlanningError, match=f"static degree {d}: sample"):
+                    static_groups(lengths, n, COST, d, "ring")
+                continue
+            want = []
+            for g in range(P):
+                chunks, used = [], 0
+                for k in range(g, len(lengths), P):
+                    if not chunks or used + lengths[k] > cap:
+                        chunks.append([])
+                        used = 0
+                    chunks[-1].append(k)
+                    used += int(lengths[k])
+                want.append(chunks)
+            mbs = [[(tuple(range(g * d, g * d + d)), c[m]) for g, c in enumerate(want) if m < len(c)]
+                   for m in range(max(len(c) for c in want))]
+            assert static_groups(lengths, n, COST, d, "ring") == mbs, (n, d)
+
+
+def test_best_kind_times_is_the_fastest_allowed_kind_of_each_group():
+    """Every group's kind is the first fastest (ring first, then the smaller Ulysses size) of the
+    kinds `group_kind_times` lists for its ranks, and its time is that kind's."""
+    from dhp_jax.planner.contract.plan import attention_split
+    from dhp_jax.planner.cost.pricing import best_kind_times, group_kind_times
+
+    rng = np.random.default_rng(9)
+    for rpn in (2, 4, 8):
+        cost = PADDED.replace(ranks_per_node=rpn)
+        n, k = 16, 40
+        lengths = rng.integers(100, 3 * CAP, k)
+        terms = sample_terms(cost, lengths, None)
+        groups = []
+        for _ in range(30):
+            d = int(rng.integers(1, n + 1))
+            start = int(rng.integers(0, n - d + 1))
+            ranks = tuple(range(start, start + d)) if rng.random() < 0.5 else \
+                tuple(sorted(rng.choice(n, d, replace=False).tolist()))
+            groups.append((ranks, sorted(rng.choice(k, int(rng.integers(1, 4)), replace=False).tolist())))
+        kinds, times = best_kind_times(cost, groups, terms)
+        plan = Plan(num_ranks=n, micro_batches=tuple(MicroBatch((Group(r, len(r), tuple(s)),), 0.0) for r, s in groups))
+        for (ranks, _), kind, t, menu in zip(groups, kinds, times, group_kind_times(cost, plan, lengths)):
+            order = sorted(menu, key=lambda x: (menu[x], attention_split(x, len(ranks))[0]))
+            assert kind == order[0] and t == menu[kind], (ranks, kind, menu)
 
 
 def test_dhp_beats_static_on_openvid():
