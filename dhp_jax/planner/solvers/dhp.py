@@ -1,9 +1,9 @@
 """The "dhp" strategy: micro-batch count search (candidate splits per count, `microbatch.py`, ranked
 by a step-time bound; then the best split with one micro-batch dissolved into the others, and local
 moves of sequences between micro-batches) -> memory-aware packing
--> exact degree allocation -> refinement -> node-aware placement, with the shared-lanes fallback on
-fake CPU devices.
-Deterministic: no wall-clock limits.
+-> exact degree allocation -> refinement -> node-aware placement; then the static plans the options
+allow as candidates (`static_candidates.py`; on shared CPU lanes they are also what a plain uniform
+packing offers). Deterministic: no wall-clock limits.
 """
 
 from __future__ import annotations

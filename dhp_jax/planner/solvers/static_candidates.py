@@ -12,7 +12,7 @@ DHP's own plan wins ties. The DHP paper (arXiv 2602.21788, evaluation) compares 
 baselines hand-tuned over every degree; here that tuning is one of the planner's own candidates.
 
 The candidates are cheap to rule out: each allowed degree is grouped by a vectorised next fit
-(`baselines.static_assignment`) and the groups of all degrees are priced together
+(`baselines.static_assignments`) and the groups of all degrees are priced together
 (`static_prices`); only a candidate priced below DHP's plan is built and priced again exactly as
 the plan would be.
 """
