@@ -47,9 +47,9 @@ holds 1/t of its rank's rows (`sequence_rows`: the stream padded to a multiple o
 engine's rule), so the norms, the residuals and what autograd keeps of them are 1/t a process. The
 stream is split before a block stack (`rows`: slice forward, all-gather of the gradient backward)
 and joined after it (`stream`: all-gather forward, this process's rows of the gradient backward);
-inside, a norm's output is all-gathered before the column-split matrices (`gather_linear`: only
-the local rows are saved, gathered again for the weight gradients; reduce-scatter of the input's
-gradient) and a row-split matrix's partial output is reduce-scattered (`scatter`: all-gather of the
+inside, a norm's output is all-gathered before the column-split matrices (`gather_linear`: the
+gathered rows are saved for the weight gradients, as the JAX engine's autodiff keeps them; reduce-
+scatter of the input's gradient) and a row-split matrix's partial output is reduce-scattered (`scatter`: all-gather of the
 gradient backward), its bias added once after it. The whole parameters that act on a process's rows
 only (`sequence_params`: the blocks' norms, the row-split biases, InternViT's layer scales) have
 their gradients summed over the rank in `reduce_grads`.
@@ -366,9 +366,11 @@ class _Scatter(torch.autograd.Function):
 class _GatherLinear(torch.autograd.Function):
     """The column-split matrices of one input under sequence parallelism (Megatron's g before them):
     x[c/t, d] this process's rows -> all-gathered over the rank -> the whole stream's first s rows (or
-    its rows `rows` only) -> F.linear with each (weight, bias). Only the local rows x are saved:
-    backward all-gathers them again for the weight gradients (arXiv 2205.05198, sec. 4.2.2) and
-    reduce-scatters the input's gradient, the sum of every matrix's, back to the rows."""
+    its rows `rows` only) -> F.linear with each (weight, bias). The gathered input is saved for the
+    weight gradients (the residual the JAX engine's autodiff keeps, `dhp_jax.model.mllm.split_block`),
+    so backward runs one collective: the reduce-scatter of the input's gradient, the sum of every
+    matrix's, back to the rows (arXiv 2205.05198, sec. 4.2.2; per block and pass 2 all-gathers and
+    2 reduce-scatters, `dhp_jax.planner.cost.tensor.block_collectives`)."""
 
     @staticmethod
     def forward(ctx, x, s, rows, tp, *wb):  # type: ignore[override]
@@ -376,15 +378,13 @@ class _GatherLinear(torch.autograd.Function):
         ctx.biased = [b is not None for b in wb[1::2]]
         whole = _gather_rows(x, tp.group, tp.size)[:s]
         y = whole if rows is None else whole.index_select(0, rows)
-        ctx.save_for_backward(x, rows, *wb[0::2])
+        ctx.save_for_backward(y, rows, *wb[0::2])
         return tuple(F.linear(y, wb[2 * i], wb[2 * i + 1]) for i in range(ctx.n))
 
     @staticmethod
     def backward(ctx, *gs):  # type: ignore[override]
-        x, rows, *ws = ctx.saved_tensors
+        y, rows, *ws = ctx.saved_tensors
         tp, s = ctx.tp, ctx.s
-        whole = _gather_rows(x, tp.group, tp.size)[:s]
-        y = whole if rows is None else whole.index_select(0, rows)
         gy = sum(g @ w for g, w in zip(gs, ws))
         grads: list = []
         for g, biased in zip(gs, ctx.biased):
@@ -524,7 +524,7 @@ class TensorParallel:
                       ) -> tuple[torch.Tensor, ...]:
         """F.linear(w, b) for each (w, b) in `layers` (b may be None) of the whole stream's first s rows
         (or its rows `rows`), x this process's rows: the column-split matrices after a sequence-parallel
-        norm (all-gather forward, reduce-scatter backward; only x is saved)."""
+        norm (all-gather forward, reduce-scatter backward; the gathered rows are saved)."""
         return _GatherLinear.apply(x, s, rows, self, *(t for wb in layers for t in wb))
 
     def embed(self, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

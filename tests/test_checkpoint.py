@@ -130,3 +130,57 @@ def test_flat_state_is_re_padded_for_another_rank_count_and_other_leaves_are_nam
                                               r"b/c: checkpoint \[6\] float32 vs run \[5\] float32; d only in the run\)"):
         ck.restore(target, {}, layout=other)
     ck.close()
+
+
+@pytest.mark.parametrize("family", [None, "qwen2_5_vl"])
+def test_torch_reader_joins_tp_records_from_the_copies_it_must_read(family):
+    """`npu_backend.relayout.unravel_record` (the torch backend's reader of a `dhp train`
+    checkpoint, no model config) rebuilds the whole tree from master vectors written at t = 1, 2
+    and 4, for a vocabulary that t does not split (255: the last window overlaps the one before
+    it) and a single kv head (a shared leaf, on t processes). Every copy the reader must not read
+    (the non-owner's rows of an overlapping vocab window, the later holders of a kv head, the
+    copies of a replicated leaf past tp index 0, the padding; `TensorLayout.count_once`) is
+    overwritten with garbage first, so reading one shows. The family case adds fused leaves
+    (Qwen's vision qkv) and a tied embedding."""
+    import json
+
+    from dhp_jax.model.config import MLLMConfig
+    from dhp_jax.model.mllm import init_params
+    from dhp_jax.sharding.flat import FlatLayout
+    from dhp_jax.sharding.tensor import TensorLayout
+    from npu_backend.relayout import unravel_record
+
+    if family is None:
+        config = MLLMConfig(vocab_size=255, num_kv_heads=1, vision_heads=4)
+        shapes = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0)))     # no init: 5 s less
+        g = np.random.default_rng(0)
+        params = jax.tree.map(lambda x: g.standard_normal(x.shape).astype(np.float32), shapes)
+    else:
+        from dhp_jax.model import hf
+        from dhp_jax.model.hf.init import random_params, tiny_config
+
+        raw = tiny_config(family, {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}, 255)
+        raw["text_config"].update(num_key_value_heads=1, tie_word_embeddings=True)
+        raw["tie_word_embeddings"] = True
+        raw["vision_config"]["num_heads"] = 4           # 1 vision head a device at t = 4
+        config = hf.parse_config(raw)
+        params = random_params(config, 5)
+    want = {jax.tree_util.keystr(p, simple=True, separator="/"): np.asarray(v)
+            for p, v in jax.tree.flatten_with_path(params)[0]}
+    kinds = set()
+    for t in (1, 2, 4):
+        layout = FlatLayout.of(params, 2) if t == 1 else TensorLayout(config, params, t, 2)
+        flat = np.asarray(layout.ravel(params))
+        if t > 1:
+            kinds |= {k for _, k, _, _ in layout.record()["split"]}
+            once = np.asarray(layout.count_once())
+            assert 0 < (~once).sum() < flat.size
+            flat = np.where(once, flat, 1e3 + np.arange(flat.size, dtype=np.float32))
+        record = json.loads(json.dumps(layout.record()))        # as a checkpoint stores it
+        got = unravel_record(flat, record)
+        assert list(got) == list(want)
+        for path, v in want.items():
+            np.testing.assert_array_equal(got[path], v, err_msg=f"t={t}: {path}")
+    assert {"vocab", "shared", "replicated", "split"} <= kinds
+    if family is not None:
+        assert "fused" in kinds

@@ -317,20 +317,38 @@ def test_tensor_parallel_memory_matches_compiled_bytes():
     """With tensor_parallel 2 (ranks of 2 devices), the group program holds one device's share of
     the params and returns its share's gradient (`TensorLayout`): its params argument is the
     share's row, about half the t = 1 vector; and `CostModel.preset(..., tensor_parallel=2)`
-    (weights / 2, activations in the psum form) is within 10 % of the compiled bytes."""
+    (weights / 2, activations in the psum form) is within 10 % of the compiled bytes. So is the
+    sequence-parallel program at remat "none" in one pass (`linear_chunk` 0): the case where a
+    block's residual sum after attention is 1/t of the rows besides its input (the second term of
+    `tensor.sequence_saving`; with recompute or chunks only the input is)."""
     from dhp_jax.sharding import PlanExecutor
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, compiled_bytes, model_shape
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, compiled_bytes, model_shape
 
     cfg, devices = SMALL, jax.devices()
     one, two = PlanExecutor(cfg, devices[:2]), PlanExecutor(cfg, devices[:4], tensor_parallel=2)
     assert two.layout.row < 0.55 * one.layout.padded
-    args = [ex.lower(1, 256, tuple(devs)).compile().memory_analysis().argument_size_in_bytes
-            for ex, devs in ((one, devices[:1]), (two, devices[:2]))]
-    inputs = 256 * 4 * (8 + cfg.patch_dim + 1)
-    assert args == [4 * one.layout.padded + inputs, 4 * two.layout.row + inputs], args   # fp32 params, then inputs
+    none = dataclasses.replace(cfg, remat="none")
+    sp = PlanExecutor(none, devices[:4], compute_dtype="bfloat16", tensor_parallel=2, sequence_parallel=True,
+                      linear_chunk=0)
+    assert sp.layout.row == two.layout.row
+    compiled = sp.lower(1, 8192, tuple(devices[:2])).compile(
+        compiler_options={**sp.compiler_options, **CPU_MEMORY_SCHEDULER}).memory_analysis()
+    args = [one.lower(1, 256, tuple(devices[:1])).compile().memory_analysis().argument_size_in_bytes,
+            compiled.argument_size_in_bytes]
+    inputs = 4 * (8 + cfg.patch_dim + 1)
+    # fp32 params (t = 1), bf16 params (the sequence-parallel program computes in bf16), then the inputs
+    assert args == [4 * one.layout.padded + 256 * inputs, 2 * two.layout.row + 8192 * inputs], args
     cost = CostModel.preset(model_shape(cfg), "ascend-910b", compute_dtype="bfloat16",
                             activation_bytes=CPU_ACTIVATION_BYTES, tensor_parallel=2, ranks_per_node=4)
     for degree, tokens in ((1, 8192),):       # the grid: `dhp bench memory --tensor-parallel` (docs/executor.md)
         got = compiled_bytes(cfg, degree, tokens, "bfloat16", devices, tensor_parallel=2)
         want = group_program_bytes(cost, [tokens], degree)
         assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
+    got = (compiled.argument_size_in_bytes + compiled.output_size_in_bytes + compiled.temp_size_in_bytes
+           - compiled.alias_size_in_bytes)
+    cost = CostModel.preset(model_shape(none), "ascend-910b", compute_dtype="bfloat16", remat="none", linear_chunk=0,
+                            activation_bytes=CPU_ACTIVATION_BYTES, tensor_parallel=2, sequence_parallel=True,
+                            ranks_per_node=4)
+    want = group_program_bytes(cost, [8192], 1)
+    print(f"t = 2 sequence-parallel, remat none, one pass: modelled / compiled - 1 = {want / got - 1:+.4f}")
+    assert abs(want / got - 1) <= 0.10, (got, want)

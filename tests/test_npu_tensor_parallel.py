@@ -93,6 +93,7 @@ def _stand_in(rank: int, configs, samples, plans, t4_plan) -> dict:
         ex = TorchPlanExecutor(model, tensor_parallel=T, sequence_parallel=True)
         for pname, plan in plans.items():
             out[cname, "sequence", pname] = _step(rank, ex, model, plan, samples)
+        out[cname, "sequence collectives"] = _block_collectives(model, rank)
     try:
         ex.loss_and_grads(dataclasses.replace(plans["hybrid 2x2"], num_ranks=8), samples)
     except StepError as e:
@@ -104,6 +105,49 @@ def _stand_in(rank: int, configs, samples, plans, t4_plan) -> dict:
     model = TorchMLLM(T4_CONFIG)           # 2 ranks of 4, sequence-parallel over 18 rows (2 of them padding)
     ex = TorchPlanExecutor(model, tensor_parallel=4, sequence_parallel=True)
     out["t4 sequence"] = _step(rank, ex, model, t4_plan, samples)
+    return out
+
+
+def _block_collectives(model, rank: int) -> dict:
+    """{"forward" | "backward": {collective: calls}} of one sequence-parallel decoder block of a
+    sharded model on a stream of 23 rows (3 of them dead: the live-rows path), counted by wrapping
+    the backend's all-gather and reduce-scatter and torch.distributed's all-reduce."""
+    import torch
+    import torch.distributed as dist
+
+    import npu_backend.tensor as tensor
+    from npu_backend.model import dense_attn
+
+    counts: dict = {}
+    kinds = {"_ALL_GATHER": "all_gather", "_REDUCE_SCATTER": "reduce_scatter"}
+    originals = {name: getattr(tensor, name) for name in kinds} | {"all_reduce": dist.all_reduce}
+
+    def counted(kind: str, f):
+        def call(*args, **kwargs):
+            counts[kind] = counts.get(kind, 0) + 1
+            return f(*args, **kwargs)
+        return call
+
+    gen = torch.Generator().manual_seed(11 + rank // T)      # the same stream on a rank's processes
+    s, c = 23, model.config
+    x = torch.randn((s, c.d_model), generator=gen)
+    ids = torch.stack([(torch.arange(s) < 20).long(), torch.arange(s), torch.zeros(s, dtype=torch.long)], dim=1)
+    tp, blk = model.tp, model.layers[0]
+    rows = tp.rows(x).detach().requires_grad_()
+    out: dict = {}
+    try:
+        for name, kind in kinds.items():
+            setattr(tensor, name, counted(kind, originals[name]))
+        dist.all_reduce = counted("all_reduce", originals["all_reduce"])
+        y = blk.sequence_forward(rows, ids, dense_attn)
+        out["forward"], counts = dict(counts), {}
+        (y * y).sum().backward()
+        out["backward"] = dict(counts)
+    finally:
+        for name in kinds:
+            setattr(tensor, name, originals[name])
+        dist.all_reduce = originals["all_reduce"]
+    model.zero_grad(set_to_none=True)
     return out
 
 
@@ -189,6 +233,25 @@ def test_world8_tensor_parallel_2_matches_one_process(world):
     e = res[0]["stand-in"]["wrong ranks"]
     assert "num_ranks=8" in e and "8 processes = 4 ranks of tensor_parallel 2" in e
     assert "the 2 query heads do not split over 4 Ulysses ranks" in res[0]["stand-in"]["ulysses 4"]
+
+
+def test_sequence_parallel_block_runs_the_collectives_the_cost_model_prices(world):
+    """One sequence-parallel block's all-gathers and reduce-scatters, forward and backward, are those
+    the cost model prices (`block_collectives`; no recompute in the torch backend: remat "none"),
+    and no all-reduce: the backward pass reuses the gathered inputs (as the JAX program does)."""
+    from dhp_jax.planner.cost.memory import REMAT_PASSES
+    from dhp_jax.planner.cost.tensor import block_collectives
+
+    passes = REMAT_PASSES["none"][1]
+    forward = block_collectives(passes, forward_only=True)
+    step = block_collectives(passes)
+    priced = {"forward": forward, "backward": {k: step[k] - forward[k] for k in step}}
+    priced = {p: {k: int(n) for k, n in v.items() if n} for p, v in priced.items()}
+    _, _, res = world
+    for cname in CONFIGS:
+        for r, o in enumerate(res):
+            assert o["stand-in"][cname, "sequence collectives"] == priced, (cname, r, priced)
+    print(f"collectives per sequence-parallel block: {res[0]['stand-in']['kv split', 'sequence collectives']}")
 
 
 def test_head_counts_tensor_parallel_cannot_split_are_refused():

@@ -41,7 +41,7 @@ from typing import Any
 
 from dhp_jax.checks import positive_int
 
-__all__ = ["check_node", "check_tensor_parallel", "collective_bandwidth", "collective_messages",
+__all__ = ["block_collectives", "check_node", "check_tensor_parallel", "collective_bandwidth", "collective_messages",
            "device_params", "kv_heads_per_device", "local_shape", "replicated_params", "sequence_saving", "sequence_parallel_bytes", "unsplittable",
            "valid_degrees", "vocab_share"]
 
@@ -154,23 +154,40 @@ def comm_passes(linear_passes: float) -> float:
     return 3.0 if linear_passes >= 4.0 else 2.0
 
 
+def block_collectives(linear_passes: float, forward_only: bool = False) -> dict[str, float]:
+    """{"all_gather": n, "reduce_scatter": n} one sequence-parallel block runs per step (Megatron SP,
+    arXiv 2205.05198, sec. 4.2.2), per device: a pass of the block's token-local work all-gathers the
+    rows before its two column-split groups (q/k/v, the MLP's first matrices) and reduce-scatters
+    after its two row-split ones (the output projection, the MLP's last matrix), and the backward
+    pass runs the duals (a reduce-scatter of the gradient behind each all-gather, an all-gather
+    behind each reduce-scatter) with the gathered inputs saved from the forward pass, not gathered
+    again (both engines: the JAX program's autodiff residual, `npu_backend.tensor._GatherLinear`);
+    `comm_passes` of them per step (one, the forward pass, with `forward_only`: a frozen encoder).
+    The psum form's two all-reduces a pass move the same bytes."""
+    p = 1.0 if forward_only else comm_passes(linear_passes)
+    return {"all_gather": 2.0 * p, "reduce_scatter": 2.0 * p}
+
+
+def _per_block(linear_passes: float, forward_only: bool = False) -> float:
+    return float(sum(block_collectives(linear_passes, forward_only).values()))
+
+
 def sequence_parallel_bytes(m: Any, t: int, bytes_per_element: int, linear_passes: float, frozen_vision: bool
                             ) -> tuple[float, float]:
     """(bytes per token of the rank's stream through the LLM's collectives, bytes per LLM vision token
-    through the encoder's) that one device sends: per block and pass 2 all-gathers + 2 reduce-
-    scatters of [tokens, width], each (t-1)/t of it; the encoder runs `patches_per_token` rows per
-    LLM vision token, forward only when frozen."""
-    share = 4.0 * (t - 1) / t * bytes_per_element
-    p = comm_passes(linear_passes)
-    llm = p * m.layers * share * m.hidden
-    vision = (1.0 if frozen_vision else p) * m.vision_layers * m.patches_per_token * share * m.vision_hidden
+    through the encoder's) that one device sends: per block `block_collectives` of [tokens, width],
+    each (t-1)/t of it; the encoder runs `patches_per_token` rows per LLM vision token, forward only
+    when frozen."""
+    share = (t - 1) / t * bytes_per_element
+    llm = m.layers * _per_block(linear_passes) * share * m.hidden
+    vision = _per_block(linear_passes, frozen_vision) * m.vision_layers * m.patches_per_token * share * m.vision_hidden
     return llm, vision
 
 
 def collective_messages(m: Any, t: int, linear_passes: float, frozen_vision: bool) -> float:
-    """Messages in sequence of one group step's tensor-parallel collectives (t-1 ring steps each)."""
-    p = comm_passes(linear_passes)
-    return 4.0 * (t - 1) * (p * m.layers + (1.0 if frozen_vision else p) * m.vision_layers)
+    """Messages in sequence of one group step's tensor-parallel collectives (`block_collectives`,
+    t-1 ring steps each)."""
+    return (t - 1) * (m.layers * _per_block(linear_passes) + m.vision_layers * _per_block(linear_passes, frozen_vision))
 
 
 def collective_bandwidth(hw: Any, t: int) -> float:
