@@ -322,7 +322,7 @@ def test_tensor_parallel_memory_matches_compiled_bytes():
     block's residual sum after attention is 1/t of the rows besides its input (the second term of
     `tensor.sequence_saving`; with recompute or chunks only the input is)."""
     from dhp_jax.sharding import PlanExecutor
-    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_SCHEDULER, compiled_bytes, model_shape
+    from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_OPTIONS, compiled_bytes, model_shape
 
     cfg, devices = SMALL, jax.devices()
     one, two = PlanExecutor(cfg, devices[:2]), PlanExecutor(cfg, devices[:4], tensor_parallel=2)
@@ -332,7 +332,7 @@ def test_tensor_parallel_memory_matches_compiled_bytes():
                       linear_chunk=0)
     assert sp.layout.row == two.layout.row
     compiled = sp.lower(1, 8192, tuple(devices[:2])).compile(
-        compiler_options={**sp.compiler_options, **CPU_MEMORY_SCHEDULER}).memory_analysis()
+        compiler_options={**sp.compiler_options, **CPU_MEMORY_OPTIONS}).memory_analysis()
     args = [one.lower(1, 256, tuple(devices[:1])).compile().memory_analysis().argument_size_in_bytes,
             compiled.argument_size_in_bytes]
     inputs = 4 * (8 + cfg.patch_dim + 1)
