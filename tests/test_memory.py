@@ -234,8 +234,9 @@ def test_chunked_blocks_keep_what_the_memory_model_counts(monkeypatch):
     (`mllm.block_stack`: the residuals of the block's `jax.vjp`, in their dtypes) are
     `memory._block`'s kept count in the compute dtype plus `memory._kept_wide`'s in 4 bytes, for
     both stacks at every remat ("selective" keeps the block input only, as "layer"); without
-    recompute the blocks also store their weights (`memory.kept_weight_bytes`). The program is
-    lowered (traced), not compiled; 3072 tokens: 12 chunks, and no weight's size is a multiple of it."""
+    recompute the blocks also store their weights (`memory.kept_weight_bytes`), in chunks and in one
+    pass (`linear_chunk` 0). The program is lowered (traced), not compiled; 3072 tokens: 12 chunks,
+    and no weight's size is a multiple of it."""
     import jax.numpy as jnp
 
     from dhp_jax.model import mllm
@@ -250,9 +251,9 @@ def test_chunked_blocks_keep_what_the_memory_model_counts(monkeypatch):
     stored = []
     store = mllm._store
     monkeypatch.setattr(mllm, "_store", lambda x: (stored.append(x), store(x))[1])
-    for remat in memory.REMATS:
-        ex = PlanExecutor(dataclasses.replace(SMALL, remat=remat), jax.devices()[:1], compute_dtype="bfloat16")
-        assert 0 < 2 * ex.linear_chunk < tokens
+    for remat, chunk in [(r, 256) for r in memory.REMATS] + [("none", 0)]:
+        ex = PlanExecutor(dataclasses.replace(SMALL, remat=remat), jax.devices()[:1], compute_dtype="bfloat16",
+                          linear_chunk=chunk)
         del stored[:]
         ex.lower(1, tokens, tuple(jax.devices()[:1]))
         # each forward scan stores its params rows [count, n] first, then one block's residuals: the
@@ -263,10 +264,11 @@ def test_chunked_blocks_keep_what_the_memory_model_counts(monkeypatch):
             kept = [x.size * x.dtype.itemsize for x in stored[a + 1:b] if x.dtype != jnp.bool_]   # not the live flags
             per_token.append(count * sum(k for k in kept if k % tokens == 0) / tokens)
             weights += count * sum(k for k in kept if k % tokens)
-        want = [count * (kb * memory._block(d, h, kv, hd, 1, remat, True)[0] + 4 * memory._kept_wide(h, kv, hd, remat, True))
-                for count, (d, h, kv, hd) in stacks]
-        assert per_token == want, (remat, per_token, want)
-        assert weights == memory.kept_weight_bytes(m, remat, True, kb), (remat, weights)
+        assert weights == memory.kept_weight_bytes(m, remat, kb), (remat, chunk, weights)
+        if chunk:
+            want = [count * (kb * memory._block(d, h, kv, hd, 1, remat, True)[0]
+                             + 4 * memory._kept_wide(h, kv, hd, remat, True)) for count, (d, h, kv, hd) in stacks]
+            assert per_token == want, (remat, per_token, want)
 
 
 def test_preset_memory_follows_its_linear_chunk():

@@ -34,7 +34,8 @@ compiled by XLA:CPU, which computes bf16 in fp32) unless marked fp32. The recomp
 (`MLLMConfig.remat`) decides what a block keeps: "layer" keeps the block input only; "selective"
 keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate. With the blocks in
 chunks (the executor's `linear_chunk`, `_block`) a block keeps its chunk loops' inputs: "selective"
-what "layer" does, "none" the block input, the attention's inputs and output, and its weights.
+what "layer" does, "none" the block input, the attention's inputs and output. Without recompute a
+block also keeps its weights (`kept_weight_bytes`).
 """
 
 from __future__ import annotations
@@ -104,13 +105,14 @@ def _kept_wide(heads: int, kv_heads: int, head_dim: int, remat: str, chunked: bo
     return (heads + 2 * kv_heads) * head_dim + heads * head_dim + heads + 1
 
 
-def kept_weight_bytes(m: Any, remat: str, chunked: bool, compute_bytes: int) -> float:
-    """Token-independent bytes the stand-in's blocks keep for their backward pass: without recompute
-    and in chunks, each block's weights in the compute dtype (`stack_params`, both stacks): the
-    residuals of each chunk's custom VJP include the block's params, sliced off its row of the flat
-    params, and the block scan stores them per block (it restores only the row itself). A family
-    program (`m.family`) and every other choice keep none."""
-    if remat != "none" or not chunked or getattr(m, "family", ""):
+def kept_weight_bytes(m: Any, remat: str, compute_bytes: int) -> float:
+    """Token-independent bytes the stand-in's blocks keep for their backward pass: without recompute,
+    each block's weights in the compute dtype (`stack_params`, both stacks). The residuals of a
+    block's `jax.vjp` include its params, sliced off its row of the flat params (in one pass the
+    GEMMs' transposes read them; in chunks each chunk's custom VJP keeps its inputs), and the block
+    scan (`mllm.block_stack`) stores them per block: it restores only the row itself. A family
+    program (`m.family`: its scans restore the params subtree) and a recomputed block keep none."""
+    if remat != "none" or getattr(m, "family", ""):
         return 0.0
     return float(sum(stack_params(m)) * compute_bytes)
 
