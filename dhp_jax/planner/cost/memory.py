@@ -32,7 +32,10 @@ so no compiler widens it); the working set of the one block live at a time and t
 elements of ab bytes (`CostModel.activation_bytes`: the compute dtype's, or 4 for a bf16 program
 compiled by XLA:CPU, which computes bf16 in fp32) unless marked fp32. The recompute policy
 (`MLLMConfig.remat`) decides what a block keeps: "layer" keeps the block input only; "selective"
-keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate.
+keeps the outputs of the block's weight GEMMs; "none" keeps every intermediate. With the blocks in
+chunks (the executor's `linear_chunk`, `_block`) a block keeps its chunk loops' inputs: "selective"
+what "layer" does, "none" the block input, the attention's inputs and output. Without recompute a
+block also keeps its weights (`kept_weight_bytes`).
 """
 
 from __future__ import annotations
@@ -62,18 +65,56 @@ MIN_REDUCE_PIECES = 4
 
 def _block(hidden: int, heads: int, kv_heads: int, head_dim: int, ff: int, remat: str,
            chunked: bool = False, mlp: int = 3) -> tuple[int, int]:
-    """(elements kept per token by one block for backward, elements of its backward working set).
-    `chunked` (`MLLMConfig.linear_chunk` > 0): the token-local work runs chunk by chunk, each chunk
-    a custom VJP that recomputes its own intermediates, so over the whole stream a block's backward
-    holds only q, k, v and the attention output with their gradients, and the input and its
-    gradient; the MLP's and the norms' intermediates live one chunk at a time (`chunk_bytes`).
+    """(elements kept per token by one block for backward, in the compute dtype; elements of its
+    backward working set). What a block keeps in 4 bytes whatever the dtype is `_kept_wide`.
     `mlp`: the MLP's matrices, 3 (SwiGLU: gate, up, their activation and product; the GEMM outputs
-    gate and up) or 2 (GELU: fc1 and its activation; the GEMM output fc1)."""
+    gate and up) or 2 (GELU: fc1 and its activation; the GEMM output fc1).
+
+    `chunked` (`MLLMConfig.linear_chunk` > 0): the token-local work runs chunk by chunk
+    (`dhp_jax.model.mllm.split_block`), each chunk a custom VJP whose residuals are its inputs and
+    that recomputes its own intermediates, so the MLP's and the norms' intermediates live one chunk
+    at a time (`chunk_bytes`) and a block keeps, over the whole stream, the chunk loops' inputs:
+    without recompute the block input and the attention output (`finish`'s input), and the ring
+    attention's residuals and the rotary positions (`_kept_wide`); with remat "layer" its input.
+    Remat "selective" keeps what "layer" keeps: every weight GEMM runs inside a chunk's custom VJP,
+    where `jax.checkpoint`'s policy sees none (the compiled programs of the two are the same bytes:
+    tests/test_memory.py). The backward pass of one block holds the cotangents of its input and
+    output, of q, k, v and of the attention output, and with recompute the recomputed q, k, v."""
     qkv = (heads + 2 * kv_heads) * head_dim
+    if chunked:
+        cotangents = 2 * hidden + qkv + heads * head_dim
+        if remat == "none":
+            return hidden + heads * head_dim, cotangents
+        return hidden, cotangents + qkv
     every = 6 * hidden + 2 * qkv + heads * head_dim + 2 * (mlp - 1) * ff   # norms, q/k/v (+rotary), attn out, MLP
     kept = {"layer": hidden, "selective": hidden + qkv + 2 * hidden + (mlp - 1) * ff, "none": every}[remat]
-    work = 2 * hidden + 2 * qkv + heads * head_dim if chunked and remat != "none" else every
-    return kept, work
+    return kept, every
+
+
+def _kept_wide(heads: int, kv_heads: int, head_dim: int, remat: str, chunked: bool) -> int:
+    """Elements per token one block keeps for its backward pass in 4 bytes whatever the compute
+    dtype (`_block` counts the rest). With recompute none. Without: in one pass, the ring's fp32
+    accumulator o, m, l and log-sum-exp (`_attention_fp32`); in chunks (`_block`), the residuals of
+    the ring attention's custom VJP (`dhp_jax.sharding.ring`: q, k, v and the output, cast to fp32
+    before it, and the log-sum-exp, one per head) and the int32 rotary positions the `project`
+    chunks read."""
+    if remat != "none":
+        return 0
+    if not chunked:
+        return _attention_fp32(heads, head_dim)
+    return (heads + 2 * kv_heads) * head_dim + heads * head_dim + heads + 1
+
+
+def kept_weight_bytes(m: Any, remat: str, compute_bytes: int) -> float:
+    """Token-independent bytes the stand-in's blocks keep for their backward pass: without recompute,
+    each block's weights in the compute dtype (`stack_params`, both stacks). The residuals of a
+    block's `jax.vjp` include its params, sliced off its row of the flat params (in one pass the
+    GEMMs' transposes read them; in chunks each chunk's custom VJP keeps its inputs), and the block
+    scan (`mllm.block_stack`) stores them per block: it restores only the row itself. A family
+    program (`m.family`: its scans restore the params subtree) and a recomputed block keep none."""
+    if remat != "none" or getattr(m, "family", ""):
+        return 0.0
+    return float(sum(stack_params(m)) * compute_bytes)
 
 
 def chunk_bytes(m: Any, chunk: int, activation_bytes: int) -> float:
@@ -128,9 +169,9 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     kept = kb * (m.layers * dec_kept + ppt * m.vision_layers * vit_kept + deepstack * m.hidden)
     attn_f32 = 4.0 * max(_attention_fp32(m.heads, m.head_dim),
                          ppt * _attention_fp32(m.vision_heads, m.vision_head_dim))
-    if remat == "none":
-        kept += 4.0 * (m.layers * _attention_fp32(m.heads, m.head_dim)
-                       + ppt * m.vision_layers * _attention_fp32(m.vision_heads, m.vision_head_dim))
+    kept += 4.0 * (m.layers * _kept_wide(m.heads, m.kv_heads, m.head_dim, remat, chunked)
+                   + ppt * m.vision_layers * _kept_wide(m.vision_heads, m.vision_heads, m.vision_head_dim, remat,
+                                                        chunked))
     work = cb * max(dec_work, ppt * vit_work) + attn_f32
     # Inputs (int32 columns, fp32 pixels + loss weight); each projector / merger (its input, fc1,
     # gelu, fc2), the token embedding, the merged stream and the LM head's input; the logits live

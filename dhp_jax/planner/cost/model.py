@@ -134,7 +134,9 @@ class CostModel:
     state_shards: ranks the fp32 master params, Adam moments and gradient accumulator are sharded over.
     remat: recompute policy of the blocks ("none", "layer", "selective"); sets the recompute passes.
     usable_bytes: device bytes the engine may use (HBM x the usable fraction; 0: unknown).
-    fixed_bytes: token-independent temporaries of a group program (one loss chunk's logits).
+    fixed_bytes: token-independent temporaries of a group program (one loss chunk's logits, or the
+        attention's tile workspace and one linear chunk's working set; and the block weights the
+        stand-in's blocks keep at remat "none", `memory.kept_weight_bytes`).
     activation_bytes: bytes per element in which the compiled program holds activations other than
         what the blocks keep for their backward pass (0: compute_bytes; the kept values and the
         stacked gradients are stored in the compute dtype). XLA:CPU has no bf16 arithmetic: it
@@ -452,7 +454,8 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     logits and the tiled ring's constant tile workspace (presets.py documents it; its per-token state
     is part of activation_bytes_per_token) are live in different phases (the loss before the blocks'
     backward pass, the tiles inside one block's), so the larger of the two counts, the latter with
-    one chunk's working set when the blocks run in chunks. With tensor parallelism over t devices
+    one chunk's working set when the blocks run in chunks; the weights the stand-in's blocks keep
+    without recompute (`memory.kept_weight_bytes`) are live in both. With tensor parallelism over t devices
     a device computes with `tensor.local_shape` (heads, widths and vocabulary / t, the hidden
     width whole: the engines' psum form, `dhp_jax.planner.cost.tensor`); `sequence`: the block
     stacks run sequence-parallel, so each block's input, which every remat keeps for the backward
@@ -463,7 +466,8 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     if t > 1:
         m = tp.local_shape(m, t)
     fixed = max(engine_memory.fixed_bytes(m, el), engine_memory.peak_attention_workspace(m, remat, chunked)
-                + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0))
+                + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0)) \
+        + engine_memory.kept_weight_bytes(m, remat, el)
     per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
     if t > 1 and sequence:      # a family's kept rows are priced in `ab` bytes (`family_bytes_per_token`)
         per_token -= tp.sequence_saving(m, t, ab if getattr(m, "family", "") else el, remat, chunked)
