@@ -84,6 +84,7 @@ def test_every_step_of_the_shipped_demo_plans():
     degrees = set()
     for step in range(cfg.steps):
         plan = setup.plan_source(step, setup.pipeline.batch(step))
+        plan.validate(num_heads=setup.model_config.num_heads)    # attention kinds the executed model runs
         assert len(plan.micro_batches) == cfg.planner.num_micro_batches
         degrees |= {g.degree for mb in plan.micro_batches for g in mb.groups}
     assert len(degrees) >= 4 and sum(d & (d - 1) > 0 for d in degrees) >= 2, degrees

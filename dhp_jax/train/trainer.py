@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import math
 import statistics
 import sys
 import time
@@ -197,6 +198,11 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
         cost = run_cost(config)
+        # the attention kinds a plan may give a group are those the executed model runs too: a
+        # Ulysses size must split its heads (per device), not only the planned preset's
+        heads = math.gcd(int(cost.num_heads), model_config.num_heads // t)
+        if heads != cost.num_heads:
+            cost = cost.replace(num_heads=heads)
     except ValueError as e:
         raise TrainError(f"planning cost model: {e}") from None
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
