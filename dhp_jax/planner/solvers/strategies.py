@@ -95,7 +95,8 @@ def _dhp(prob: Problem, arg: str | None, programs: ProgramCache | None, *, num_m
     # attention "best": each group gets the kind the cost model says is fastest; "ring": the ablation
     if attention not in ("best", "ring"):
         raise PlanningError(f"attention must be 'best' (per-group choice) or 'ring', got {attention!r}")
-    return solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, attention)
+    mbs, info = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, attention)
+    return mbs, info, attention
 
 
 @register("static-ring", "one ring CP degree for every sequence (Megatron CP); 'best' tries every divisor",
