@@ -270,7 +270,7 @@ class PlanExecutor:
         self.tp_mesh = Mesh(np.array(self.ranks.devices).reshape(-1, t), (DP_AXIS, TP_AXIS)) if t > 1 else None
         self._executables: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self._building: dict[Any, threading.Lock] = {}   # one build per program; other programs build concurrently
-        # (degree, bucket, attention) -> [devices, compiled program (serialized once it is rebound)]
+        # (degree, bucket, attention) -> its first compile, what further device sets load
         self._compiled: dict[tuple[int, int, str], _FirstCompile] = {}
         self.rebound_keys: list[tuple[int, int, tuple[jax.Device, ...], str]] = []   # executables loaded, not compiled
         self._building_lock = threading.Lock()
