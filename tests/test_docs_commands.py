@@ -36,7 +36,9 @@ SHELL_VARS = {"SLURM_JOB_ID": "4242", "NODE_RANK": "0", "MASTER": "hostA", "JOB_
 SKIP = {"pip": "an install (test_wheel_install.py builds and installs a wheel)",
         "python -m pip": "an install (test_wheel_install.py builds and installs a wheel; .ci/run runs these)",
         "jupyter": "opens an editor (test_notebooks.py executes every notebook)",
-        "python -m pytest": "the test suite itself"}
+        "python -m pytest": "the test suite itself",
+        "python -m venv": "creates a virtual environment",
+        "source": "activates a virtual environment"}
 RUN = {"dhp plan", "dhp plan --freeze-vision --json", "dhp analyze openvid --model internvl3-8b"}
 # the pages whose ```python blocks run as written (docs/DESIGN.md illustrates; these are for copying)
 REFERENCE_PAGES = ("cli.md", "training.md", "plan.md", "executor.md", "experiments.md", "torch-backend.md",
@@ -132,6 +134,14 @@ def _check_python_module(argv: list[str], tmp_path) -> str:
         for p in paths:
             load_config(p, tiny=args.tiny, overrides=overrides)
         return "parsed"
+    if module == "experiments.readme_runs":
+        from experiments import readme_runs
+
+        out = tmp_path / "benchmarks.md"       # the cheapest of its runs, end to end
+        assert readme_runs.main(rest + ["--only", "example data", "--out", str(out)]) == 0
+        text = out.read_text()
+        assert "- commit: `" in text and "- machine: " in text and "| example data: `dhp example ex " in text, text
+        return "run (its cheapest command)"
     if module == "experiments.torch_vs_jax":
         from experiments.torch_vs_jax import build_parser
 
@@ -195,3 +205,20 @@ def test_report_latencies_are_labelled_as_assumptions():
     for r in rows:
         source = r.rstrip(" |").rsplit("|", 1)[-1]
         assert "assumption" in source and "datasheet" not in source and "arXiv" not in source.split("(")[0], r
+
+
+def test_measured_figures_name_their_commit_and_machine():
+    """docs/benchmarks.md, where the README's measured figures live, is the file
+    `python -m experiments.readme_runs` writes: stamped with a commit and a machine, with a row for
+    each of the README's commands; and the suite's closing line is read from a pytest log."""
+    from experiments import readme_runs
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert text.startswith("# Measured: the README's commands") and "`python -m experiments.readme_runs`" in text
+    assert re.search(r"- commit: `[0-9a-f]{7,}", text) and "- machine: " in text and " cores" in text
+    for label, _ in readme_runs.RUNS:
+        assert f"| {label}: `dhp " in text, label
+    log = "....\n= 784 passed, 7 skipped in 892.80s (0:14:52) =\n"
+    assert readme_runs.suite_line(log) == "784 passed, 7 skipped in 892.80s (0:14:52)"
+    with pytest.raises(ValueError, match="no pytest summary line"):
+        readme_runs.suite_line("collected 0 items\n")
