@@ -125,15 +125,16 @@ def render(results: list[tuple[str, dict, str]], commit: str, host: str, suite: 
         lines += ["", f"The test suite (`python -m pytest -q`, a worker per core): {suite}"]
     for label, r, _ in results:
         if "run '" in r["stdout"]:
-            summary = r["stdout"][r["stdout"].index("run '"):].rstrip()
+            summary = _short(r["stdout"][r["stdout"].index("run '"):].rstrip())
             lines += ["", f"## {label}: the summary it printed", "", "```text", summary, "```"]
     return "\n".join(lines) + "\n"
 
 
 def _short(cmd: str) -> str:
+    """The scratch folder's path dropped from a command or an output."""
     import re
 
-    return re.sub(r"/tmp/[^/ ]+/", "", cmd)
+    return re.sub(r"/tmp/dhp-readme-[^/ ]+/", "", cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
