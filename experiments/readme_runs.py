@@ -7,7 +7,8 @@ the machine (CPU seconds, wall time, step times, compile times) live here instea
     python -m experiments.readme_runs --suite-log ci.log    # also the test suite's line from a log of
                                                             # `python -m pytest -q` (e.g. of .ci/run)
 
-and stamped with the commit and the machine they came from. Each command runs in a child process
+and stamped with the commit and the machine they came from. The commands are the README's own `dhp`
+lines, run as written in a scratch folder. Each command runs in a child process
 (`python -m dhp_jax ...`, as the `dhp` command does); its CPU time is the children's user + system
 time from `getrusage`, the figure `/usr/bin/time` reports.
 """
@@ -30,14 +31,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "docs" / "benchmarks.md"
 
-# (label, the README's command after `dhp`, with {tmp} for the scratch folder)
-RUNS = (
-    ("the demo", ["train", "--out", "{tmp}/demo"]),
-    ("example data", ["example", "{tmp}/ex", "--family", "qwen2_5_vl"]),
-    ("fine-tuning", ["train", "model.pretrained={tmp}/ex/checkpoint", "data.manifest={tmp}/ex/data/train.jsonl",
-                     "planner.cost_model=qwen3-vl-4b", "steps=6", "compare.enabled=false", "--out", "{tmp}/finetune"]),
-    ("export", ["export", "{tmp}/finetune", "{tmp}/finetune-hf"]),
-)
+README = REPO / "README.md"
+
+
+def readme_commands(readme: Path = README) -> list[list[str]]:
+    """The README's `dhp` command lines (its ```bash blocks), each as its arguments after `dhp`."""
+    import re
+    import shlex
+
+    out = []
+    for block in re.findall(r"^```bash\n(.*?)^```", readme.read_text(), flags=re.S | re.M):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            if words[:1] == ["dhp"]:
+                out.append(words[1:])
+    return out
 
 
 def _git(*args: str) -> str:
@@ -67,11 +75,12 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores{mem}{load}; {platform.system()} {platform.release()}"
 
 
-def run_one(argv: list[str]) -> dict:
-    """Run `python -m dhp_jax ARGV` and return its output, exit code, wall and CPU seconds."""
+def run_one(argv: list[str], cwd: str) -> dict:
+    """Run `python -m dhp_jax ARGV` in `cwd` and return its output, exit code, wall and CPU seconds."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dhp_jax", *argv], cwd=REPO, capture_output=True, text=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "dhp_jax", *argv], cwd=cwd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -105,7 +114,7 @@ def suite_line(log: str) -> str:
     return lines[-1]
 
 
-def render(results: list[tuple[str, dict, str]], commit: str, host: str, suite: str | None = None) -> str:
+def render(results: list[tuple[dict, str]], commit: str, host: str, suite: str | None = None) -> str:
     lines = ["# Measured: the README's commands",
              "",
              "Written by `python -m experiments.readme_runs`; do not edit by hand. CPU time is user + system",
@@ -118,15 +127,14 @@ def render(results: list[tuple[str, dict, str]], commit: str, host: str, suite: 
              "",
              "| command | exit | CPU s | wall s | steps |",
              "|---|---|---|---|---|"]
-    for label, r, steps in results:
-        cmd = "dhp " + " ".join(r["argv"]).replace(str(Path(tempfile.gettempdir())), "/tmp")
-        lines.append(f"| {label}: `{_short(cmd)}` | {r['rc']} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {steps or '-'} |")
+    for r, steps in results:
+        lines.append(f"| `dhp {' '.join(r['argv'])}` | {r['rc']} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} | {steps or '-'} |")
     if suite:
         lines += ["", f"The test suite (`python -m pytest -q`, a worker per core): {suite}"]
-    for label, r, _ in results:
+    for r, _ in results:
         if "run '" in r["stdout"]:
             summary = _short(r["stdout"][r["stdout"].index("run '"):].rstrip())
-            lines += ["", f"## {label}: the summary it printed", "", "```text", summary, "```"]
+            lines += ["", f"## `dhp {' '.join(r['argv'])}`: the summary it printed", "", "```text", summary, "```"]
     return "\n".join(lines) + "\n"
 
 
@@ -140,7 +148,8 @@ def _short(cmd: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.readme_runs", description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(OUT), help="the Markdown file to write (default docs/benchmarks.md)")
-    p.add_argument("--only", nargs="*", default=None, help="labels of the runs to make (default: all)")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="the runs to make, by their first two words after dhp (e.g. 'example ex'; default: all)")
     p.add_argument("--suite-log", default=None, help="a log of `python -m pytest -q` whose closing line to report")
     args = p.parse_args(argv)
     suite = suite_line(Path(args.suite_log).read_text()) if args.suite_log else None
@@ -148,21 +157,23 @@ def main(argv: list[str] | None = None) -> int:
     host = machine()
     results = []
     with tempfile.TemporaryDirectory(prefix="dhp-readme-") as tmp:
-        for label, template in RUNS:
+        for cmd in readme_commands():
+            label = " ".join(cmd[:2])
             if args.only is not None and label not in args.only:
                 continue
-            cmd = [a.replace("{tmp}", tmp) for a in template]
             print(f"running: dhp {' '.join(cmd)}", flush=True)
-            r = run_one(cmd)
-            out_dir = next((Path(cmd[k + 1]) for k, a in enumerate(cmd[:-1]) if a == "--out"), None)
-            results.append((label, r, step_figures(out_dir) if out_dir else ""))
+            r = run_one(cmd, cwd=tmp)
+            out_dir = next((Path(tmp, cmd[k + 1]) for k, a in enumerate(cmd[:-1]) if a == "--out"), None)
+            if cmd == ["train"]:
+                out_dir = Path(tmp, "runs", "demo")
+            results.append((r, step_figures(out_dir) if out_dir else ""))
             print(f"  exit {r['rc']}, {r['cpu_s']:.1f} s CPU, {r['wall_s']:.1f} s wall", flush=True)
             if r["rc"] != 0:
                 print(r["stderr"][-3000:], file=sys.stderr)
                 break
     Path(args.out).write_text(render(results, commit, host, suite))
     print(f"wrote {args.out}")
-    return 0 if all(r["rc"] == 0 for _, r, _ in results) else 1
+    return 0 if all(r["rc"] == 0 for r, _ in results) else 1
 
 
 if __name__ == "__main__":

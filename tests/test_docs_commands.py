@@ -138,9 +138,9 @@ def _check_python_module(argv: list[str], tmp_path) -> str:
         from experiments import readme_runs
 
         out = tmp_path / "benchmarks.md"       # the cheapest of its runs, end to end
-        assert readme_runs.main(rest + ["--only", "example data", "--out", str(out)]) == 0
+        assert readme_runs.main(rest + ["--only", "example ex", "--out", str(out)]) == 0
         text = out.read_text()
-        assert "- commit: `" in text and "- machine: " in text and "| example data: `dhp example ex " in text, text
+        assert "- commit: `" in text and "- machine: " in text and "| `dhp example ex --family " in text, text
         return "run (its cheapest command)"
     if module == "experiments.torch_vs_jax":
         from experiments.torch_vs_jax import build_parser
@@ -216,8 +216,10 @@ def test_measured_figures_name_their_commit_and_machine():
     text = (ROOT / "docs" / "benchmarks.md").read_text()
     assert text.startswith("# Measured: the README's commands") and "`python -m experiments.readme_runs`" in text
     assert re.search(r"- commit: `[0-9a-f]{7,}", text) and "- machine: " in text and " cores" in text
-    for label, _ in readme_runs.RUNS:
-        assert f"| {label}: `dhp " in text, label
+    commands = readme_runs.readme_commands()
+    assert ["train"] in commands and any(c[:1] == ["example"] for c in commands), commands
+    for cmd in commands:            # every `dhp` line of the README, measured at the commit named
+        assert f"| `dhp {' '.join(cmd)}` | 0 |" in text, cmd
     log = "....\n= 784 passed, 7 skipped in 892.80s (0:14:52) =\n"
     assert readme_runs.suite_line(log) == "784 passed, 7 skipped in 892.80s (0:14:52)"
     with pytest.raises(ValueError, match="no pytest summary line"):
