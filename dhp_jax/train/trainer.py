@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.planner.contract.plan import PlanningError
-from dhp_jax.planner.contract.planfile import PlanLog
+from dhp_jax.planner.contract.planfile import PlanLog, logged_step
 from dhp_jax.planner.programs.cache import ProgramCache, executed_view
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.protocol import check_executor
@@ -39,6 +39,7 @@ from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread, StepPlanningFailed
+from dhp_jax.train.rundir import RunDir, RunLockedError, held_here
 from dhp_jax.train.plans import PlanSource, attach_programs, describe_cost, load_plan_file, run_cost
 from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
@@ -391,8 +392,23 @@ class Trainer:
         """Train to `config.steps` (or stop after `stop_after` steps, checkpointing, as an interrupted run).
 
         A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
-        `overwrite` (replace it); resuming a finished run changes nothing.
+        `overwrite` (replace it); resuming a finished run changes nothing. The run holds the run
+        directory's lock (`dhp_jax.train.rundir`; `dhp train` takes it before jax is imported): a
+        directory another live run holds is refused.
         """
+        lock = None
+        if not held_here(self.out_dir, self.process_index):
+            try:
+                lock = RunDir(self.out_dir, self.process_index).acquire()
+            except RunLockedError as e:
+                raise TrainError(str(e)) from None
+        try:
+            return self._run(resume, stop_after, overwrite)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self, resume: bool, stop_after: int | None, overwrite: bool) -> RunResult:
         cfg = self.config
         ckpt, state, start = self._begin(resume, overwrite)
         if ckpt is None:   # a finished run resumed: nothing to do
@@ -508,7 +524,8 @@ class Trainer:
         earlier: list[dict] = []
         if resume:
             earlier = truncate_jsonl(mdir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
-            truncate_jsonl(mdir / "plans.jsonl", lambda r: r.get("step", 0) < start)
+            # (an older version's lines count steps from 0: `logged_step` reads either)
+            truncate_jsonl(mdir / "plans.jsonl", lambda r: (logged_step(r) or 0) <= start)
         metrics = MetricsWriter(mdir, total_steps=cfg.steps, start_step=start, progress=cfg.metrics.progress,
                                 tensorboard=cfg.metrics.tensorboard, append=resume)
         plan_log = PlanLog(mdir / "plans.jsonl", append=resume) if cfg.metrics.log_plans else None
@@ -583,7 +600,7 @@ class Trainer:
     def _plan_log_hook(self, plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
-                plan_log.write(item.step, self.as_executed(item.plan, item.batch))
+                plan_log.write(item.step + 1, self.as_executed(item.plan, item.batch))
         return log_plan
 
     def as_executed(self, plan: Any, batch: Any) -> Any:
