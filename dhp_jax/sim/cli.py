@@ -39,8 +39,10 @@ def run(args: argparse.Namespace) -> int:
         cluster = Cluster(nodes=args.nodes, ranks_per_node=node_ranks, model=args.model,
                           hardware=args.hardware, freeze_vision=args.freeze_vision,
                           intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps,
-                          tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
-        cost = cost_from_args(args) if args.cost else cluster.cost_model()
+                          tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel,
+                          state_shards=args.nodes * args.ranks_per_node)   # the state over every device
+        shards = {} if args.cost and is_profile(args.cost) else {"state_shards": cluster.devices}
+        cost = cost_from_args(args, **shards) if args.cost else cluster.cost_model()
     except (ValueError, OSError) as e:
         print(f"dhp simulate: {e}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"metrics.out_dir={args.out}")
     try:
-        config = load_config(config_path, overrides)
+        config = load_config(config_path, overrides, check_paths=True)   # input paths first, before jax
     except ConfigError as e:
         print(f"dhp train: config error: {e}", file=sys.stderr)
         return 2
