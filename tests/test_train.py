@@ -247,7 +247,7 @@ def test_bad_input_fails_before_any_step(tmp_path, executor):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'garbage.json'}"), executor=executor)
     wrong = Plan(8, (MicroBatch((Group(tuple(range(8)), 8, tuple(range(BATCH + 1))),)),))
     (tmp_path / "wrong.json").write_text(wrong.to_json())
-    with pytest.raises(PlanFileError, match=r"plan 0 \(step 0\): .*sample 8 does not exist"):
+    with pytest.raises(PlanFileError, match=r"plan 1 \(step 1\): .*sample 8 does not exist"):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'wrong.json'}"), executor=executor)
     # a checkpoint of another model config: refused before the first step writes anything
     ck = Checkpointer(tmp_path / "bad" / "checkpoints")

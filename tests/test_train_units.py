@@ -118,7 +118,7 @@ def test_planner_thread_reports_the_failing_step():
             raise ValueError("sample 5 too long")
         return _plan(1)
 
-    with pytest.raises(RuntimeError, match="planning step 3 failed: ValueError: sample 5 too long"):
+    with pytest.raises(RuntimeError, match="planning step 4 failed: ValueError: sample 5 too long"):
         with PlannerThread(lambda s: s, make_plan, 0, 6) as planned:
             for _ in planned:
                 pass

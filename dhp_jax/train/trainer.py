@@ -154,7 +154,7 @@ class RunSetup:
 def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> RunSetup:
     """Config, devices >= ranks, the plan file (every plan), the planning cost model, the model
     preset, the first batch and its plan (validated against the devices); `TrainError` otherwise."""
-    config.validate().check_paths()
+    config.validate()
     t = config.parallel.tensor
     hf_config = hf_params = None
     if config.model.pretrained:

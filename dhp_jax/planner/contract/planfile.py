@@ -73,6 +73,11 @@ def _raw_items(path: Path) -> list[tuple[int | None, Any]]:
     """(line number, item) of each plan in the file (no line number: an item of one JSON document)."""
     try:
         text = path.read_text()
+    except FileNotFoundError:
+        raise PlanFileError(f"cannot read plan file {str(path)!r}: it does not exist") from None
+    except IsADirectoryError:
+        raise PlanFileError(f"cannot read plan file {str(path)!r}: it is a directory, expected a .jsonl file (a run's "
+                            f"plans.jsonl) or a .json plan") from None
     except OSError as e:
         raise PlanFileError(f"cannot read plan file {str(path)!r}: {e.strerror or e}") from None
     try:
@@ -97,7 +102,9 @@ def _raw_items(path: Path) -> list[tuple[int | None, Any]]:
         return items
     if isinstance(data, dict) and "plans" in data and "schema" not in data:
         data = data["plans"]
-    return [(None, d) for d in (data if isinstance(data, list) else [data])]
+    if isinstance(data, list):
+        return [(None, d) for d in data]
+    return [(None if path.suffix == ".json" else 1, data)]     # a one-line log is line 1
 
 
 def load_plan_file(path: str | Path, num_samples: int | None = None, num_ranks: int | None = None,
