@@ -427,6 +427,10 @@ class Trainer:
         # its metrics, its plan as executed, a checkpoint when due
         hooks = [self._programs_hook(), lambda rec, item, state: metrics.log_step(rec),
                  self._plan_log_hook(plan_log), self._checkpoint_hook(ckpt, stop)]
+        if self.finetune:   # skipped records said as they are met, not only at the end
+            self._said_issues = 0
+            self._say_data_issues()
+            hooks.append(lambda rec, item, state: self._say_data_issues())
         t_run = time.perf_counter()
         records: list[dict] = []
         compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
@@ -570,6 +574,22 @@ class Trainer:
                 "data_wait_median_s": statistics.median(waits) if waits else 0.0,
                 "data_wait_median_steady_s": statistics.median(steady) if steady else 0.0,
                 "data_wait_max_s": max(waits, default=0.0)}
+
+    def _say_data_issues(self) -> None:
+        """When records were skipped since the last report: one line with the running count by kind,
+        and data_issues.tsv rewritten to list them all (process 0)."""
+        from dhp_jax.data.finetune import write_issues
+
+        issues = list(self.pipeline.issues)
+        if len(issues) <= self._said_issues or self.process_index:
+            return
+        self._said_issues = len(issues)
+        path = self.metrics_dir / "data_issues.tsv"
+        write_issues(str(path), issues)
+        kinds = collections.Counter(e.kind for e in issues)
+        self._say(f"{len(issues)} record(s) skipped so far: "
+                  + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+                  + f"; see {path}")
 
     def _interrupted(self, ckpt: Any, state: Any, done: int, forced: bool, logs: list[Path],
                      fresh: bool) -> RunInterrupted:
