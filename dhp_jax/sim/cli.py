@@ -34,7 +34,10 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.sim.cluster import Cluster
     from dhp_jax.sim.simulate import make_batches, simulate
 
+    from dhp_jax.data.datasets import check_dataset
+
     try:
+        check_dataset(args.dataset)        # a wrong manifest path is said first
         _, node_ranks = tensor_parallel_ranks(args.ranks_per_node, args.ranks_per_node, args.tensor_parallel)
         cluster = Cluster(nodes=args.nodes, ranks_per_node=node_ranks, model=args.model,
                           hardware=args.hardware, freeze_vision=args.freeze_vision,

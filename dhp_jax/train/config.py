@@ -251,6 +251,13 @@ class TrainConfig:
                 exists(key, value, "the data's path or a glob pattern")
         if self.planner.plan_file:
             a_file("planner.plan_file", self.planner.plan_file, "a plan file (a run's plans.jsonl or a .json plan)")
+        if not sources_given(self):     # the stand-in's data.dataset: a built-in mix or a manifest path
+            from dhp_jax.data.datasets import check_dataset
+
+            try:
+                check_dataset(self.data.dataset)
+            except OSError as e:
+                raise ConfigError(f"data.dataset={self.data.dataset!r}: {e}") from None
         return self
 
     def _validate_tensor_parallel(self) -> None:
@@ -319,6 +326,11 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
                               f"e.g. {valid_keys(type(getattr(config, path[0])), path[0] + '.')[0]}=...")
         _apply(config, nested)
     return config
+
+
+def sources_given(config: TrainConfig) -> bool:
+    """Whether the config names fine-tuning data (then data.dataset is not read)."""
+    return bool(config.data.manifest or config.data.webdataset or config.data.hf_dataset)
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
