@@ -187,7 +187,7 @@ def test_live_plans_depend_on_config_and_step_only_resumed_too(tmp_path, executo
     second = Trainer(cut, executor=executor).run(resume=True)
     assert runs[0].losses == runs[1].losses == first.losses + second.losses   # bitwise
     plans = [_plan_lines(tmp_path / name / "plans.jsonl") for name in ("a", "b", "cut")]
-    assert [r["step"] for r in plans[2]] == list(range(6))
+    assert [r["step"] for r in plans[2]] == list(range(1, 7))      # numbered as metrics.jsonl
     assert plans[0] == plans[1] == plans[2]
     assert len({json.dumps(r["plan"]["micro_batches"]) for r in plans[0]}) > 1      # the plans do change
     # the price of a new program stays the config's figure (a measured one would depend on timing)
