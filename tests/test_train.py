@@ -273,8 +273,12 @@ def test_cli_rejects_an_unreadable_plan_file(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--plan-file", str(tmp_path / "missing.json"), "steps=1"]) == 2
-    assert "cannot read plan file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"planner.plan_file={str(tmp_path / 'missing.json')!r}: " in err and "does not exist" in err, err
     assert not (tmp_path / "runs").exists()  # nothing ran, nothing was written
+    assert main(["train", "--plan-file", str(tmp_path), "steps=1"]) == 2
+    assert "is a directory, expected a .jsonl file" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_tensorboard_without_tensorboardx_is_a_clear_error(tmp_path):
