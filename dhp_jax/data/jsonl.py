@@ -17,29 +17,36 @@ from typing import Any
 
 
 class JsonFileError(ValueError):
-    """A JSON or JSON-lines file that cannot be parsed; the message names the file and the line."""
+    """A JSON or JSON-lines file that cannot be parsed; the message names the file and the line
+    (`line`, 1-based; `last`: it is the file's last line, so the file may be cut short)."""
+
+    def __init__(self, message: str, line: int = 0, last: bool = False):
+        super().__init__(message)
+        self.line, self.last = line, last
 
 
-def _cut_short(path: Path, line: int, last: bool) -> str:
-    return (f"{path}: line {line} is not valid JSON" + (" (the last line: the file may be cut short, e.g. by a run "
-                                                        "killed while writing it, or by two runs writing at once)"
-                                                        if last else ""))
-
-
-def read_jsonl(path: str | Path) -> list[Any]:
-    """The records of a JSON-lines file, blank lines skipped; `JsonFileError` at the first bad line."""
-    path = Path(path)
-    lines = path.read_text().splitlines()
+def jsonl_lines(text: str, path: str | Path) -> list[tuple[int, Any]]:
+    """(line number, record) of each non-blank line of JSON-lines `text` read from `path`;
+    `JsonFileError` at the first line that is not JSON."""
+    lines = text.splitlines()
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     out = []
     for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            out.append((i + 1, json.loads(line)))
         except json.JSONDecodeError:
-            raise JsonFileError(_cut_short(path, i + 1, i == last)) from None
+            raise JsonFileError(f"{path}: line {i + 1} is not valid JSON"
+                                + (" (the last line: the file may be cut short, e.g. by a run killed while writing "
+                                   "it, or by two runs writing at once)" if i == last else ""),
+                                i + 1, i == last) from None
     return out
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The records of a JSON-lines file, blank lines skipped; `JsonFileError` at the first bad line."""
+    return [rec for _, rec in jsonl_lines(Path(path).read_text(), path)]
 
 
 def read_json_file(path: str | Path, fix: str = "") -> Any:

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dhp_jax.data.jsonl import JsonlAppender
+from dhp_jax.data.jsonl import JsonFileError, JsonlAppender, jsonl_lines
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 
 STEP_BASE = 1   # a plan log's `step` numbers steps from 1 (lines without `step_base`: from 0)
@@ -86,20 +86,13 @@ def _raw_items(path: Path) -> list[tuple[int | None, Any]]:
         if path.suffix == ".json":
             raise PlanFileError(f"plan file {str(path)!r} is not valid JSON at line {e.lineno} (the file may be "
                                 f"cut short)") from None
-        lines = text.splitlines()
-        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-        items = []
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                items.append((i + 1, json.loads(line)))
-            except json.JSONDecodeError:
-                raise PlanFileError(f"plan file {str(path)!r}, line {i + 1}: not valid JSON"
-                                    + (" (the last line: the file is cut short, e.g. by a run killed while writing "
-                                       "it or two runs writing at once; delete that line to replay the others)"
-                                       if i == last else "")) from None
-        return items
+        try:
+            return list(jsonl_lines(text, path))
+        except JsonFileError as bad:
+            raise PlanFileError(f"plan file {str(path)!r}, line {bad.line}: not valid JSON"
+                                + (" (the last line: the file is cut short, e.g. by a run killed while writing it "
+                                   "or two runs writing at once; delete that line to replay the others)"
+                                   if bad.last else "")) from None
     if isinstance(data, dict) and "plans" in data and "schema" not in data:
         data = data["plans"]
     if isinstance(data, list):
