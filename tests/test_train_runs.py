@@ -208,6 +208,13 @@ def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_comma
     err = _Stderr(proc)
     metrics = out / "metrics.jsonl"
     err.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    # a second run on the directory while this one trains: refused at once, naming the holder
+    t0 = time.monotonic()
+    second = _dhp("train", *CTRL_C, "--out", str(out), "--resume")
+    assert second.returncode == 2 and time.monotonic() - t0 < 5.0, second.stderr
+    assert second.stderr.strip().splitlines() == [
+        f"dhp train: run directory {str(out.resolve())!r} is in use by another run (pid {proc.pid} on "
+        f"{os.uname().nodename}, lock run.lock); wait for it to end or give another --out"]
     took = _interrupt(proc)
     assert proc.returncode == 130 and took < 8.0, (took, err.text[-2000:])
     line = err.last_line()
@@ -215,7 +222,7 @@ def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_comma
     assert m, line
     step = int(m.group(1))
     assert "Traceback" not in err.text
-    assert [x["step"] for x in read_jsonl(metrics)] == list(range(1, step + 1))   # every finished step, once
+    assert [x["step"] for x in read_jsonl(metrics)] == list(range(1, step + 1))   # every finished step, once, whole
     assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(1, step + 1))
     # stderr is a pipe: plain progress lines, no bar redrawn with carriage returns
     assert "\r" not in err.text and "train: step 1/500 loss " in err.text, err.text[-2000:]
