@@ -198,6 +198,20 @@ def test_ctrl_c_during_the_first_compile_stops_at_once_and_leaves_no_empty_files
     assert not out.exists()     # nor the empty folders it made: checkpoints/, the run directory
 
 
+def test_ctrl_c_while_jax_is_imported_leaves_nothing(tmp_path):
+    """Ctrl-C as soon as the run says it is starting (jax being imported): one line, exit 130, and
+    no folder of the run left behind (it had made the run directory to hold its lock)."""
+    out = tmp_path / "early"
+    proc = subprocess.Popen([sys.executable, "-m", "dhp_jax", "train", *CTRL_C, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    err = _Stderr(proc)
+    err.wait_for(lambda: "importing jax" in err.text)
+    _interrupt(proc)
+    assert proc.returncode == 130 and "Traceback" not in err.text, err.text[-2000:]
+    assert err.last_line().startswith("dhp train: interrupted before a step finished, nothing new saved")
+    assert not out.exists()
+
+
 def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_command(tmp_path):
     from dhp_jax import cli
     from dhp_jax.train.checkpoint import Checkpointer

@@ -90,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return _run_locked(args, config, dist, run_dir)
+    except KeyboardInterrupt:    # Ctrl-C while jax is imported or the processes join: nothing ran
+        _say_interrupted(None, args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        run_dir.release()
+        os._exit(130)            # no interpreter teardown: a half-imported jaxlib can crash in it
     finally:
         run_dir.release()
 
@@ -109,9 +115,10 @@ def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) 
 
     if config.metrics.progress or args.dry_run:
         # said at once: importing jax and planning the first batch take seconds before the run's own line
+        # (one write, newline included: a Ctrl-C cannot land between the line and its end)
         print(f"dhp train: {'checking' if args.dry_run else 'starting'} {config.name!r} "
               f"({config.num_ranks} ranks on {config.devices.count} {config.devices.platform} devices): importing jax, "
-              f"planning the first batch ...", file=sys.stderr, flush=True)
+              f"planning the first batch ...\n", end="", file=sys.stderr, flush=True)
     if config.devices.platform == "cpu":
         # devices.count is the run's total; each process creates its share of fake CPU devices
         from dhp_jax.devices import force_cpu_devices

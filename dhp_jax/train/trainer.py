@@ -39,8 +39,8 @@ from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread, StepPlanningFailed
-from dhp_jax.train.rundir import RunDir, RunLockedError, held_here
 from dhp_jax.train.plans import PlanSource, attach_programs, describe_cost, load_plan_file, run_cost
+from dhp_jax.train.rundir import RunDir, RunLockedError, held_here
 from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
