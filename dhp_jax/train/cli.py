@@ -119,11 +119,15 @@ def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) 
         print(f"dhp train: {'checking' if args.dry_run else 'starting'} {config.name!r} "
               f"({config.num_ranks} ranks on {config.devices.count} {config.devices.platform} devices): importing jax, "
               f"planning the first batch ...\n", end="", file=sys.stderr, flush=True)
-    if config.devices.platform == "cpu":
-        # devices.count is the run's total; each process creates its share of fake CPU devices
-        from dhp_jax.devices import force_cpu_devices
+    from dhp_jax.train.interrupt import held_sigint
 
-        force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
+    with held_sigint():   # a Ctrl-C while jax is imported stops the run once the import is whole
+        if config.devices.platform == "cpu":
+            # devices.count is the run's total; each process creates its share of fake CPU devices
+            from dhp_jax.devices import force_cpu_devices
+
+            force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
+        import jax  # noqa: F401
     if dist is not None:
         # Said before joining: if a process never comes, jax's runtime ends this one after the
         # timeout with its own message (DEADLINE_EXCEEDED on RegisterTask), and this line says why.
@@ -135,11 +139,12 @@ def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) 
             print(f"dhp train: {e}", file=sys.stderr)
             return 2
 
-    from dhp_jax.train.checkpoint import CheckpointError
-    from dhp_jax.train.metrics import MetricsError
-    from dhp_jax.train.plans import PlanFileError
-    from dhp_jax.train.interrupt import RunInterrupted
-    from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
+    with held_sigint():
+        from dhp_jax.train.checkpoint import CheckpointError
+        from dhp_jax.train.interrupt import RunInterrupted
+        from dhp_jax.train.metrics import MetricsError
+        from dhp_jax.train.plans import PlanFileError
+        from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
 
     try:
         if args.dry_run:
