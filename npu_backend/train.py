@@ -209,14 +209,14 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             plan = planner(step, samples)
             plan_s = time.perf_counter() - t0
             res = executor.step(plan, samples)
-            rec = {"step": step, "loss": res.loss, "loss_tokens": res.num_loss_tokens, "step_s": res.seconds,
+            rec = {"step": step + 1, "loss": res.loss, "loss_tokens": res.num_loss_tokens, "step_s": res.seconds,
                    "plan_s": plan_s, "degrees": plan.degrees}
             if sample_ids is not None:      # a fine-tuning run's records, named as its metrics name them
                 rec["sample_ids"] = sample_ids
             records.append(rec)
             if dump is not None:
-                dump.write(step, plan)
-            say(f"step {step:4d}  loss {res.loss:.4f}  tokens {res.num_loss_tokens:6d}  "
+                dump.write(step + 1, plan)
+            say(f"step {step + 1:4d}  loss {res.loss:.4f}  tokens {res.num_loss_tokens:6d}  "
                 f"step {res.seconds * 1e3:8.1f} ms  plan {plan_s * 1e3:6.1f} ms  degrees {plan.degrees}")
     finally:
         if dump is not None:

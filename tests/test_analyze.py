@@ -93,9 +93,11 @@ def test_cli_text_json_plot(manifest, tmp_path, capsys):
 def test_cli_bad_lines(manifest, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(open(manifest).read() + '{"image": "a.jpg", "width": "wide", "height": 3}\n')
-    assert main(["analyze", str(bad), "--ranks", "8", "--batch", "8", "--batches", "1"]) == 2
+    # qwen3-vl-2b: the default qwen3-vl-8b's state, sharded over 8 ranks, does not fit them
+    assert main(["analyze", str(bad), "--ranks", "8", "--batch", "8", "--batches", "1", "--model", "qwen3-vl-2b"]) == 2
     assert "line 61: field 'width'" in capsys.readouterr().err      # errors go to stderr
-    assert main(["analyze", str(bad), "--skip-bad", "--ranks", "8", "--batch", "8", "--batches", "1", "--json"]) == 0
+    assert main(["analyze", str(bad), "--skip-bad", "--ranks", "8", "--batch", "8", "--batches", "1", "--json",
+                 "--model", "qwen3-vl-2b"]) == 0
     d = json.loads(capsys.readouterr().out)["data"]
     assert d["skipped"] == 1 and d["samples"] == 60 and "line 61" in d["errors"][0]
     assert main(["analyze", str(tmp_path / "nope.jsonl")]) == 2
@@ -103,6 +105,6 @@ def test_cli_bad_lines(manifest, tmp_path, capsys):
 
 def test_analyze_does_not_import_jax(manifest):
     code = ("import sys; from dhp_jax.sim.analyze import analyze; "
-            f"analyze({manifest!r}, ranks=8, batch=8, num_batches=1); "
+            f"analyze({manifest!r}, 'qwen3-vl-2b', ranks=8, batch=8, num_batches=1); "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -7,6 +7,8 @@ checkpoint gives transformers the project's logits, the README's run plans group
 degrees from the real token counts, and the torch backend continues the run (one process; and
 `--tensor-parallel 2 --sequence-parallel` vs its plans replayed at 1, saved checkpoints compared)."""
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -58,7 +60,10 @@ def run(example, tmp_path_factory):
     ckpt, manifest = example
     out = tmp_path_factory.mktemp("ft_run")
     trainer = Trainer(_config(ckpt, manifest, out))
-    result = trainer.run()
+    said = io.StringIO()
+    with contextlib.redirect_stderr(said):     # what the run tells the user as it goes
+        result = trainer.run()
+    trainer.said = said.getvalue()
     return trainer, result, out
 
 
@@ -105,6 +110,10 @@ def test_loss_falls_and_bad_records_are_listed(run):
     assert len(lines) == 2 and any("nowhere.jpg" in line for line in lines) \
         and any(line.startswith("unreadable_line\ttrain.jsonl:14") for line in lines), lines
     assert data["data_wait_median_s"] >= 0 and "data_wait_s" in result.records[0]
+    # said when met (here, planning the records from their headers, before the first step), once
+    said = [line for line in trainer.said.splitlines() if "skipped so far" in line]
+    assert said == [f"dhp train: 2 record(s) skipped so far: 1 missing_media, 1 unreadable_line; see "
+                    f"{out / 'data_issues.tsv'}"], trainer.said
 
 
 def test_resume_on_6_ranks_and_back_takes_the_next_batches_with_the_same_losses(example, run, tmp_path, capsys):

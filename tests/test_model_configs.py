@@ -131,8 +131,11 @@ def test_from_hf_reads_a_checkpoint_directory(tmp_path):
     assert cfg == dataclasses.replace(MLLMConfig.preset("qwen3-vl-4b", remat="layer"), name="qwen3_vl")
     assert (cfg.patch_dim, cfg.vision_ff, cfg.rope_base) == (4 * 3 * 2 * 16 * 16, 4096, 5e6)
     assert presets.ModelShape.from_config(tmp_path) == presets.MODELS["qwen3-vl-4b"]
-    with pytest.raises(FileNotFoundError, match="no config.json"):
+    with pytest.raises(FileNotFoundError, match="missing: does not exist"):      # not "no config.json"
         MLLMConfig.from_hf(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty: no config.json"):
+        MLLMConfig.from_hf(tmp_path / "empty")
 
 
 def test_the_hf_package_reads_the_same_shapes():

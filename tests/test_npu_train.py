@@ -60,7 +60,7 @@ def test_torchrun_replays_plan_file_and_rejects_wrong_world(tmp_path):
     assert bad.returncode != 0
     for r in (0, 1):
         assert f"rank {r}: error: plan file " in bad.stderr
-        assert "plan 0 (step 0): plan is for 3 ranks, the run has 2" in bad.stderr
+        assert "plan 1 (step 1): plan is for 3 ranks, the run has 2" in bad.stderr
 
 
 def test_plan_logs_replay_across_backends(tmp_path):

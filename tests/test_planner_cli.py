@@ -7,25 +7,26 @@ from dhp_jax.cli import main
 
 def test_dhp_plan_json_and_plot(tmp_path, capsys):
     png = tmp_path / "plan.png"
-    assert main(["plan", "--batch", "64", "--ranks", "8", "--json", "--plot", str(png)]) == 0
+    # 32 ranks: internvl3-8b's fp32 state sharded over 8 would not leave room on a 910B, over 16 too
+    # little for Ulysses' heads-limited degrees to hold the longest sample
+    assert main(["plan", "--batch", "64", "--ranks", "32", "--json", "--plot", str(png)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["config"]["model"] == "internvl3-8b" and out["config"]["numbers"].startswith("simulated")
     assert out["plan"]["schema"] == "dhp.plan/v2"
     assert set(out["comparison"]) == {"static-ring:best", "static-ulysses:best"}
     for r in out["comparison"].values():
-        # dhp is within 1 % of the best static degree here (0.996 of static-ring:best since the family
-        # memory model counts the LM head's kernel copy and the encoder's gradients: a smaller budget)
+        # dhp is at least within 1 % of the best static degree
         assert r["speedup"] >= 0.99
     assert png.stat().st_size > 1000
 
 
 def test_dhp_plan_table_and_errors(capsys):
-    assert main(["plan", "--batch", "32", "--ranks", "8", "--strategy", "static-ring:4", "--compare", "dhp"]) == 0
+    assert main(["plan", "--batch", "32", "--ranks", "16", "--strategy", "static-ring:8", "--compare", "dhp"]) == 0
     text = capsys.readouterr().out
     assert "micro-batch 0" in text and "step time" in text and "comparison" in text
     assert main(["plan", "--model", "nope"]) == 2
     assert "known models" in capsys.readouterr().err
-    assert main(["plan", "--batch", "16", "--ranks", "4", "--strategy", "bogus"]) == 2
+    assert main(["plan", "--batch", "16", "--ranks", "16", "--strategy", "bogus"]) == 2
     assert "unknown strategy 'bogus'" in capsys.readouterr().err
 
 
@@ -53,7 +54,7 @@ def test_flexsp_json_is_only_json_on_stdout():
     import subprocess
     import sys
 
-    cmd = " ".join(map(shlex.quote, _dhp_cmd("plan", "--strategy", "flexsp", "--batch", "64", "--ranks", "8",
+    cmd = " ".join(map(shlex.quote, _dhp_cmd("plan", "--strategy", "flexsp", "--batch", "64", "--ranks", "16",
                                              "--compare", "", "--json")))
     check = f"{shlex.quote(sys.executable)} -c 'import json,sys; json.load(sys.stdin)'"
     r = subprocess.run(f"set -o pipefail; {cmd} | {check}", shell=True, executable="/bin/bash",
@@ -65,7 +66,7 @@ def test_closed_pipe_ends_quietly():
     import os
     import subprocess
 
-    p = subprocess.Popen(_dhp_cmd("plan", "--batch", "64", "--ranks", "8", "--json"), stdout=subprocess.PIPE,
+    p = subprocess.Popen(_dhp_cmd("plan", "--batch", "64", "--ranks", "16", "--json"), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, env=os.environ.copy())
     p.stdout.close()  # the reader is gone before the first byte (`| head` that already exited)
     err = p.stderr.read().decode()
@@ -96,3 +97,20 @@ def test_json_mode_sends_native_writes_to_stderr():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                        env=os.environ.copy())
     assert r.returncode == 0 and r.stdout == "{}\n" and "solver banner" in r.stderr, (r.stdout, r.stderr)
+
+
+def test_ranks_set_the_state_sharding_that_memory_is_priced_with(capsys):
+    """The fp32 state is sharded over the --ranks of the command (as the engine shards it), not over
+    a fixed 64: Qwen3-VL-8B's state does not fit 2 Ascend 910B ranks and fits 64, in `dhp plan`,
+    `dhp simulate` and `dhp analyze` alike (16 ranks leave it no room either)."""
+    for argv in (["plan", "--ranks", "2", "--batch", "16"],
+                 ["simulate", "--nodes", "1", "--ranks-per-node", "2", "--batch", "16", "--steps", "1"],
+                 ["analyze", "msrvtt", "--mix-samples", "64", "--ranks", "2", "--batch", "16", "--batches", "1"]):
+        assert main([*argv, "--model", "qwen3-vl-8b"]) == 2, argv
+        assert "does not fit on ascend-910b with its state sharded over 2 ranks" in capsys.readouterr().err, argv
+    assert main(["plan", "--ranks", "16", "--batch", "16", "--model", "qwen3-vl-8b", "--compare", ""]) == 2
+    assert "sharded over 16 ranks (static bytes 57.6 GiB of 57.6 GiB usable" in capsys.readouterr().err
+    assert main(["plan", "--ranks", "64", "--batch", "16", "--model", "qwen3-vl-8b", "--compare", ""]) == 0
+    assert main(["simulate", "--nodes", "8", "--batch", "16", "--steps", "1", "--model", "qwen3-vl-8b"]) == 0
+    assert main(["plan", "--ranks", "1", "--model", "internvl3-38b", "--hardware", "cpu"]) == 2
+    assert "sharded over 1 ranks" in capsys.readouterr().err

@@ -209,11 +209,13 @@ def test_lower_bound_errors(cost8):
 # ------------------------------------------------------------------------------------ CLI
 def test_dhp_simulate_cli(capsys, tmp_path):
     from dhp_jax.cli import main
+    # one node of 8 ranks: a model whose state, sharded over them, fits (the default internvl3-8b's does not)
+    small = ["--model", "qwen3-vl-2b"]
     assert main(["simulate", "--nodes", "1", "--batch", "24", "--steps", "1", "--json",
-                 "--strategies", "dhp,static-ring:best"]) == 0
+                 "--strategies", "dhp,static-ring:best", *small]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["label"].startswith("simulated") and [r["strategy"] for r in out["runs"]] == ["dhp", "static-ring:best"]
-    assert main(["simulate", "--nodes", "1", "--batch", "24", "--steps", "1"]) == 0
+    assert main(["simulate", "--nodes", "1", "--batch", "24", "--steps", "1", *small]) == 0
     assert "step s" in capsys.readouterr().out
     prof = tmp_path / "cost.json"
     Cluster(nodes=1, model="qwen3-vl-2b").cost_model().replace(a1=0.0).save(prof)
@@ -224,7 +226,7 @@ def test_dhp_simulate_cli(capsys, tmp_path):
     assert "missing.json" in capsys.readouterr().err
     assert main(["simulate", "--nodes", "0"]) == 2
     assert "nodes" in capsys.readouterr().err
-    assert main(["simulate", "--nodes", "1", "--batch", "8", "--strategies", "bogus"]) == 2
+    assert main(["simulate", "--nodes", "1", "--batch", "8", "--strategies", "bogus", *small]) == 2
     assert "bogus" in capsys.readouterr().err
 
 

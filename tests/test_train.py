@@ -187,7 +187,7 @@ def test_live_plans_depend_on_config_and_step_only_resumed_too(tmp_path, executo
     second = Trainer(cut, executor=executor).run(resume=True)
     assert runs[0].losses == runs[1].losses == first.losses + second.losses   # bitwise
     plans = [_plan_lines(tmp_path / name / "plans.jsonl") for name in ("a", "b", "cut")]
-    assert [r["step"] for r in plans[2]] == list(range(6))
+    assert [r["step"] for r in plans[2]] == list(range(1, 7))      # numbered as metrics.jsonl
     assert plans[0] == plans[1] == plans[2]
     assert len({json.dumps(r["plan"]["micro_batches"]) for r in plans[0]}) > 1      # the plans do change
     # the price of a new program stays the config's figure (a measured one would depend on timing)
@@ -247,7 +247,7 @@ def test_bad_input_fails_before_any_step(tmp_path, executor):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'garbage.json'}"), executor=executor)
     wrong = Plan(8, (MicroBatch((Group(tuple(range(8)), 8, tuple(range(BATCH + 1))),)),))
     (tmp_path / "wrong.json").write_text(wrong.to_json())
-    with pytest.raises(PlanFileError, match=r"plan 0 \(step 0\): .*sample 8 does not exist"):
+    with pytest.raises(PlanFileError, match=r"plan 1 \(step 1\): .*sample 8 does not exist"):
         Trainer(_config(tmp_path, "bad", f"planner.plan_file={tmp_path / 'wrong.json'}"), executor=executor)
     # a checkpoint of another model config: refused before the first step writes anything
     ck = Checkpointer(tmp_path / "bad" / "checkpoints")
@@ -273,8 +273,12 @@ def test_cli_rejects_an_unreadable_plan_file(tmp_path, monkeypatch, capsys):
 
     monkeypatch.chdir(tmp_path)
     assert main(["train", "--plan-file", str(tmp_path / "missing.json"), "steps=1"]) == 2
-    assert "cannot read plan file" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"planner.plan_file={str(tmp_path / 'missing.json')!r}: " in err and "does not exist" in err, err
     assert not (tmp_path / "runs").exists()  # nothing ran, nothing was written
+    assert main(["train", "--plan-file", str(tmp_path), "steps=1"]) == 2
+    assert "is a directory, expected a .jsonl file" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 
 def test_tensorboard_without_tensorboardx_is_a_clear_error(tmp_path):

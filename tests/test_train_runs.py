@@ -118,7 +118,7 @@ def test_killed_run_resumes_each_step_logged_once_same_losses(tmp_path):
     assert m and int(m.group(1)) in (2, 4) and int(m.group(1)) <= max(logged), resumed.stderr
     recs = read_jsonl(metrics)
     assert [x["step"] for x in recs] == list(range(1, 6))
-    assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(5))
+    assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(1, 6))   # numbered as metrics.jsonl
 
     # the reference loads the killed run's program from its compilation cache (when it is the first
     # cache this process sets: a worker that ran a trainer before keeps that one, and compiles)
@@ -185,7 +185,7 @@ def test_ctrl_c_during_the_first_compile_stops_at_once_and_leaves_no_empty_files
     proc = subprocess.Popen([sys.executable, "-m", "dhp_jax", "train", *CTRL_C, "--out", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
     err = _Stderr(proc)
-    err.wait_for(lambda: "compiling group programs: 0/1" in err.text)
+    err.wait_for(lambda: "train: step 1/500: compiling 1 group program(s)" in err.text)
     took = _interrupt(proc)
     # the compile (seconds) runs on a helper thread: the main thread leaves its wait at once
     assert proc.returncode == 130 and took < 4.0, (took, err.text[-2000:])
@@ -195,6 +195,21 @@ def test_ctrl_c_during_the_first_compile_stops_at_once_and_leaves_no_empty_files
     assert "Traceback" not in err.text and "KeyboardInterrupt" not in err.text
     assert not (out / "metrics.jsonl").exists() and not (out / "plans.jsonl").exists()
     assert not (out / "summary.json").exists()
+    assert not out.exists()     # nor the empty folders it made: checkpoints/, the run directory
+
+
+def test_ctrl_c_while_jax_is_imported_leaves_nothing(tmp_path):
+    """Ctrl-C as soon as the run says it is starting (jax being imported): one line, exit 130, and
+    no folder of the run left behind (it had made the run directory to hold its lock)."""
+    out = tmp_path / "early"
+    proc = subprocess.Popen([sys.executable, "-m", "dhp_jax", "train", *CTRL_C, "--out", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=os.environ.copy())
+    err = _Stderr(proc)
+    err.wait_for(lambda: "importing jax" in err.text)
+    _interrupt(proc)
+    assert proc.returncode == 130 and "Traceback" not in err.text, err.text[-2000:]
+    assert err.last_line().startswith("dhp train: interrupted before a step finished, nothing new saved")
+    assert not out.exists()
 
 
 def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_command(tmp_path):
@@ -207,6 +222,13 @@ def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_comma
     err = _Stderr(proc)
     metrics = out / "metrics.jsonl"
     err.wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2)
+    # a second run on the directory while this one trains: refused at once, naming the holder
+    t0 = time.monotonic()
+    second = _dhp("train", *CTRL_C, "--out", str(out), "--resume")
+    assert second.returncode == 2 and time.monotonic() - t0 < 5.0, second.stderr
+    assert second.stderr.strip().splitlines() == [
+        f"dhp train: run directory {str(out.resolve())!r} is in use by another run (pid {proc.pid} on "
+        f"{os.uname().nodename}, lock run.lock); wait for it to end or give another --out"]
     took = _interrupt(proc)
     assert proc.returncode == 130 and took < 8.0, (took, err.text[-2000:])
     line = err.last_line()
@@ -214,8 +236,10 @@ def test_ctrl_c_after_steps_checkpoints_the_last_one_and_prints_the_resume_comma
     assert m, line
     step = int(m.group(1))
     assert "Traceback" not in err.text
-    assert [x["step"] for x in read_jsonl(metrics)] == list(range(1, step + 1))   # every finished step, once
-    assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(step))
+    assert [x["step"] for x in read_jsonl(metrics)] == list(range(1, step + 1))   # every finished step, once, whole
+    assert [x["step"] for x in read_jsonl(out / "plans.jsonl")] == list(range(1, step + 1))
+    # stderr is a pipe: plain progress lines, no bar redrawn with carriage returns
+    assert "\r" not in err.text and "train: step 1/500 loss " in err.text, err.text[-2000:]
     ckpt = Checkpointer(out / "checkpoints")
     assert ckpt.latest_step() == step and m.group(2) == str(ckpt.directory / str(step))
     ckpt.close()

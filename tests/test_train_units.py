@@ -118,7 +118,7 @@ def test_planner_thread_reports_the_failing_step():
             raise ValueError("sample 5 too long")
         return _plan(1)
 
-    with pytest.raises(RuntimeError, match="planning step 3 failed: ValueError: sample 5 too long"):
+    with pytest.raises(RuntimeError, match="planning step 4 failed: ValueError: sample 5 too long"):
         with PlannerThread(lambda s: s, make_plan, 0, 6) as planned:
             for _ in planned:
                 pass
@@ -185,3 +185,30 @@ def test_a_fine_tuning_run_plans_at_its_own_remat_and_dtype(tmp_path):
         cost = costs[remat, dtype] = run_cost(cfg)
         assert (cost.remat, cost.compute_bytes) == (remat, 2 if dtype == "bfloat16" else 4)
     assert costs["none", "bfloat16"].mem_per_token > 2 * costs["layer", "bfloat16"].mem_per_token
+
+
+def test_progress_fits_its_output(tmp_path, capsys):
+    """On a file or a pipe: plain lines (the first step, every tenth of the run, the last; one line
+    when a step starts compiling, however often the wait polls), no carriage return. On a
+    terminal: the tqdm bar, redrawn in place."""
+    from dhp_jax.train.metrics import MetricsWriter
+
+    plain = MetricsWriter(tmp_path / "plain", total_steps=20, progress=True, terminal=False)
+    for step in range(1, 21):
+        if step in (1, 7):
+            for done, elapsed in ((0, None), (0, 0.25), (1, 0.5)):   # the step's compile wait polls
+                plain.compiling(2, done, elapsed)
+        plain.log_step({"step": step, "loss": 1.0 / step, "step_time_s": 0.1})
+    plain.close()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.splitlines()
+    assert [line for line in lines if "compiling" in line] == ["train: step 1/20: compiling 2 group program(s)",
+                                                               "train: step 7/20: compiling 2 group program(s)"]
+    assert [int(line.split()[2].split("/")[0]) for line in lines if "loss" in line] == [1, 2, 4, 6, 8, 10, 12, 14, 16,
+                                                                                        18, 20]
+    bar = MetricsWriter(tmp_path / "bar", total_steps=3, progress=True, terminal=True)
+    for step in range(1, 4):
+        bar.log_step({"step": step, "loss": 1.0, "step_time_s": 0.1})
+    bar.close()
+    assert "\r" in capsys.readouterr().err

@@ -39,8 +39,67 @@ def test_train_dry_run_with_a_missing_manifest_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("dhp train: data.dataset=") and str(missing) in last and "not found" in last
+    assert last.startswith("dhp train: config error: data.dataset=") and str(missing) in last and "not found" in last
     assert not out.exists()
+
+
+# `dhp train ARGS` in a fresh interpreter: stderr, and whether jax was imported before it ended
+TRAIN = """
+import sys
+from dhp_jax.cli import main
+rc = main(sys.argv[1:])
+print(rc, "jax" in sys.modules)
+"""
+
+
+def _train_error(*args: str) -> str:
+    """The one line a refused `dhp train` says; it must end before jax is imported."""
+    r = subprocess.run([sys.executable, "-c", TRAIN, "train", *args], capture_output=True, text=True, timeout=120)
+    assert r.stdout.split() == ["2", "False"], (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_a_checkpoint_path_that_does_not_exist_is_said_first(tmp_path):
+    """Named as missing, before the data flags it also lacks are asked for."""
+    line = _train_error(f"model.pretrained={tmp_path / 'nope'}", "--out", str(tmp_path / "run"))
+    assert line == (f"dhp train: config error: model.pretrained={str(tmp_path / 'nope')!r}: "
+                    f"{str(tmp_path / 'nope')!r} does not exist; give a checkpoint directory written by "
+                    f"save_pretrained (the folder that holds config.json)"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_manifest_that_is_a_directory_names_the_file_to_give(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text("{}")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("")
+    line = _train_error(f"model.pretrained={tmp_path / 'ck'}", f"data.manifest={tmp_path / 'data'}")
+    assert line == (f"dhp train: config error: data.manifest={str(tmp_path / 'data')!r}: {str(tmp_path / 'data')!r} "
+                    f"is a directory, expected a .jsonl file (it holds train.jsonl: e.g. "
+                    f"data.manifest={tmp_path / 'data' / 'train.jsonl'})"), line
+
+
+def test_a_cut_config_json_names_the_file_and_the_line(tmp_path):
+    """A published config.json cut short (a copy that stopped): the file, the line the parser gave
+    up on, and what to do; not the parser's bare message."""
+    import json
+
+    from dhp_jax.data.model_configs import model_config
+
+    text = json.dumps(model_config("qwen3-vl-2b"), indent=2)
+    cut = text[: len(text) * 2 // 3]
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text(cut)
+    try:
+        json.loads(cut)
+    except json.JSONDecodeError as e:
+        at = e.lineno
+    line = _train_error(f"model.pretrained={tmp_path / 'ck'}", "data.manifest=m.jsonl")
+    assert line == (f"dhp train: config error: model.pretrained={str(tmp_path / 'ck')!r}: {tmp_path / 'ck'}/config.json: "
+                    f"not valid JSON at line {at} (the file may be cut short); copy or save the checkpoint again"), line
+    assert at > 1
 
 
 def test_resume_of_no_run_creates_nothing(tmp_path, capsys):

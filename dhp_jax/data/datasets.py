@@ -218,6 +218,21 @@ def is_manifest_name(name: str) -> bool:
     return name not in DATASETS and (name.endswith(".jsonl") or os.path.isfile(name))
 
 
+def check_dataset(name: str) -> None:
+    """A dataset name that is a manifest path must be a file: `FileNotFoundError` ("not found") or
+    `IsADirectoryError` ("is a directory, expected a .jsonl file"), each naming the path; a command
+    calls it before anything else, so a wrong path is the first thing it says."""
+    if name in DATASETS:
+        return
+    if os.path.isdir(name):
+        inside = sorted(p for p in os.listdir(name) if p.endswith(".jsonl"))[:1]
+        raise IsADirectoryError(f"manifest {name!r} is a directory, expected a .jsonl file"
+                                + (f" (e.g. {os.path.join(name, inside[0])})" if inside else ""))
+    if is_manifest_name(name) and not os.path.isfile(name):
+        raise FileNotFoundError(f"manifest {name!r} not found (it does not exist; and not a built-in mix: "
+                                f"{', '.join(DATASETS)})")
+
+
 def make_dataset(name: str, num_samples: int, seed: int = 0, *, vision: str | VisionRules = "qwen-vl") -> list[Sample]:
     """`num_samples` payload-free samples of a named mix (or drawn from a JSONL manifest path).
 
@@ -228,6 +243,7 @@ def make_dataset(name: str, num_samples: int, seed: int = 0, *, vision: str | Vi
     if isinstance(num_samples, bool) or not isinstance(num_samples, (int, np.integer)) or num_samples < 0:
         raise ValueError(f"num_samples must be a non-negative integer, got {num_samples!r}")
     rules = vision_rules(vision)
+    check_dataset(name)
     if is_manifest_name(name):
         from dhp_jax.data.manifest import draw_manifest  # lazy: only manifest users pay for it
         return draw_manifest(name, int(num_samples), seed, vision=rules)

@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from dhp_jax.data.jsonl import read_json_file
+
 MODELS_DIR = Path(__file__).with_name("models")
 FAMILIES = ("internvl", "qwen2_5_vl", "qwen3_vl")
 # The encoders' attention span when it is the image's own patch count (Qwen's encoders attend
@@ -131,9 +133,9 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
     path = Path(config)
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
-        raise FileNotFoundError(f"{path}: no config.json (a directory written by save_pretrained)")
-    with open(file) as f:
-        return json.load(f)
+        raise FileNotFoundError(f"{path}: " + ("no config.json (a directory written by save_pretrained)"
+                                               if path.exists() else "does not exist"))
+    return read_json_file(file, fix="copy or save the checkpoint again")
 
 
 def hf_layout(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -89,10 +89,11 @@ def load_profile(source: str, vision: str, *, skip_bad: bool = False, image_root
                  tokenizer: str | None = None, mix_samples: int = 8192,
                  seed: int = 0) -> tuple[TokenProfile, dict[str, Any]]:
     """Token profile of a manifest path (streamed) or of a built-in mix (`mix_samples` drawn)."""
-    from dhp_jax.data.datasets import DATASETS, make_dataset
+    from dhp_jax.data.datasets import DATASETS, check_dataset, make_dataset
     if source in DATASETS and not os.path.isfile(source):
         prof = TokenProfile.from_samples(make_dataset(source, mix_samples, seed, vision=vision))
         return prof, {"source": source, "kind": "built-in mix", "samples_drawn": mix_samples}
+    check_dataset(source)       # a directory: said so
     if not os.path.isfile(source):
         raise FileNotFoundError(f"manifest {source!r} not found (and not a built-in mix: {', '.join(DATASETS)})")
     stats = ManifestStats()

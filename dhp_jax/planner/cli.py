@@ -43,12 +43,14 @@ def _span(ranks: tuple[int, ...]) -> str:
 def run(args: argparse.Namespace) -> int:
     # lazy: `dhp --help` imports only the argument parsers
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.data.datasets import check_dataset
     from dhp_jax.data.vision import family_for_model
     from dhp_jax.planner.compare import compare_strategies
     from dhp_jax.planner.contract.plan import PlanningError
 
     others = [s for s in dict.fromkeys(s.strip() for s in args.compare.split(",")) if s and s != args.strategy]
     try:
+        check_dataset(args.dataset)        # a wrong manifest path is said first
         cost = cost_from_args(args)
         devices, t = args.ranks, args.tensor_parallel
         args.ranks, _ = tensor_parallel_ranks(devices, args.ranks_per_node, t)

@@ -5,7 +5,8 @@ a cost model from a preset name or a profile path.
 - `--hardware NAME`: the hardware preset (ascend-910b, a100, h100, cpu).
 - `--cost SOURCE`: a fitted cost model (`dhp profile` output, a .json path) or a preset
   `MODEL/HARDWARE`; given, it replaces --model/--hardware. `--cost-profile PATH` is the same flag.
-- `--ranks N`, `--ranks-per-node N`: model replicas, and how many share a node's fast links.
+- `--ranks N`, `--ranks-per-node N`: model replicas, and how many share a node's fast links; a
+  preset's fp32 state is sharded over the N ranks (`cost_from_args`), as the engine shards it.
 - `--mllm NAME`: the `MLLMConfig` preset a command executes (tiny), where a command runs a model.
 - `--tensor-parallel T` (`dhp plan`, `dhp simulate`): a rank is T devices of one node
   (`dhp_jax.planner.cost.tensor`); --ranks and --ranks-per-node then count devices and the planner's
@@ -141,8 +142,14 @@ def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int 
 def cost_from_args(args: argparse.Namespace, **overrides: Any) -> CostModel:
     """The cost model that `add_cost_args` describes: --cost when given, else --model on --hardware;
     with --tensor-parallel T > 1 the preset of a rank of T devices (--ranks-per-node counts devices),
-    with --sequence-parallel its block stacks sequence-parallel."""
+    with --sequence-parallel its block stacks sequence-parallel. A preset's fp32 state is sharded
+    over the --ranks devices of the command (`CostModel.state_shards`; what the engine does),
+    unless `overrides` name `state_shards` or `zero_shards`; a fitted profile keeps its own."""
     rpn, t = getattr(args, "ranks_per_node", None), getattr(args, "tensor_parallel", 1)
+    ranks = getattr(args, "ranks", None)
+    if ranks is not None and not is_profile(args.cost or args.model) \
+            and not {"state_shards", "zero_shards"} & set(overrides):
+        overrides = {**overrides, "state_shards": int(ranks)}
     if getattr(args, "sequence_parallel", False):
         if t == 1:
             raise ValueError("--sequence-parallel needs --tensor-parallel T > 1 (it splits a rank's rows over its "

@@ -14,7 +14,7 @@ import numpy as np
 from dhp_jax.checks import positive_int
 from dhp_jax.data.token_profile import TokenProfile, histogram, load_profile, summary
 from dhp_jax.data.vision import family_for_model
-from dhp_jax.planner.cli_args import cost_model
+from dhp_jax.planner.cli_args import cost_model, is_profile
 from dhp_jax.planner.compare import compare_strategies
 
 DEFAULT_STRATEGIES = ("dhp", "static-ring:best", "static-ulysses:best")
@@ -30,7 +30,9 @@ def simulate(profile: TokenProfile, model: str, hardware: str, ranks: int, batch
     ":best" baselines pick their best degree per batch, which favours them over one fixed degree.
     `cost` (a profile path or MODEL/HARDWARE) replaces the preset of `model` on `hardware`.
     """
-    source, cost = cost, cost_model(cost or model, hardware, ranks_per_node=ranks_per_node)
+    # a preset's fp32 state is sharded over the `ranks` (a fitted profile keeps its own figures)
+    shards = {} if cost and is_profile(cost) else {"state_shards": ranks}
+    source, cost = cost, cost_model(cost or model, hardware, ranks_per_node=ranks_per_node, **shards)
     rng = np.random.default_rng(seed)
     total, eta = profile.total, profile.eta
     K = total.size

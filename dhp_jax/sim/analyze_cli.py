@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
                          vision=args.vision, num_batches=args.batches, seed=args.seed, skip_bad=args.skip_bad,
                          image_root=args.image_root, tokenizer=args.tokenizer, ranks_per_node=args.ranks_per_node,
                          mix_samples=args.mix_samples, cost=args.cost)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:   # OSError: a manifest path that is not there, or a directory
         print(f"dhp analyze: error: {e}", file=sys.stderr)
         return 2
     if args.plot:

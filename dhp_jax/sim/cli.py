@@ -34,13 +34,18 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.sim.cluster import Cluster
     from dhp_jax.sim.simulate import make_batches, simulate
 
+    from dhp_jax.data.datasets import check_dataset
+
     try:
+        check_dataset(args.dataset)        # a wrong manifest path is said first
         _, node_ranks = tensor_parallel_ranks(args.ranks_per_node, args.ranks_per_node, args.tensor_parallel)
         cluster = Cluster(nodes=args.nodes, ranks_per_node=node_ranks, model=args.model,
                           hardware=args.hardware, freeze_vision=args.freeze_vision,
                           intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps,
-                          tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
-        cost = cost_from_args(args) if args.cost else cluster.cost_model()
+                          tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel,
+                          state_shards=args.nodes * args.ranks_per_node)   # the state over every device
+        shards = {} if args.cost and is_profile(args.cost) else {"state_shards": cluster.devices}
+        cost = cost_from_args(args, **shards) if args.cost else cluster.cost_model()
     except (ValueError, OSError) as e:
         print(f"dhp simulate: {e}", file=sys.stderr)
         return 2

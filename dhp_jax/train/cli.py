@@ -61,16 +61,12 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         overrides.append(f"metrics.out_dir={args.out}")
     try:
-        config = load_config(config_path, overrides)
+        config = load_config(config_path, overrides, check_paths=True)   # input paths first, before jax
     except ConfigError as e:
         print(f"dhp train: config error: {e}", file=sys.stderr)
         return 2
-    if config.metrics.progress or args.dry_run:
-        # said at once: importing jax and planning the first batch take seconds before the run's own line
-        print(f"dhp train: {'checking' if args.dry_run else 'starting'} {config.name!r} "
-              f"({config.num_ranks} ranks on {config.devices.count} {config.devices.platform} devices): importing jax, "
-              f"planning the first batch ...", file=sys.stderr, flush=True)
     from dhp_jax.train.distributed import DistributedError, PlanMismatchError, describe, initialize, resolve
+    from dhp_jax.train.rundir import RunDir, RunLockedError
 
     try:
         dist = resolve(args.coordinator, args.num_processes, args.process_id)
@@ -80,11 +76,58 @@ def run(args: argparse.Namespace) -> int:
     except DistributedError as e:
         print(f"dhp train: {e}", file=sys.stderr)
         return 2
-    if config.devices.platform == "cpu":
-        # devices.count is the run's total; each process creates its share of fake CPU devices
-        from dhp_jax.devices import force_cpu_devices
+    # One run at a time in a run directory, refused here, before jax is imported: each process
+    # locks what it writes (process 0 the directory, process k its process-k/), held to the end.
+    run_dir = RunDir(config.metrics.out_dir, dist.process_id if dist else 0)
+    try:
+        if args.dry_run:
+            run_dir.check_free()
+        else:
+            run_dir.track(config.metrics.out_dir, _checkpoint_dir(config), *_cache_dir(config))
+            run_dir.acquire()
+    except RunLockedError as e:
+        print(f"dhp train: {e}", file=sys.stderr)
+        return 2
+    try:
+        return _run_locked(args, config, dist, run_dir)
+    except KeyboardInterrupt:    # Ctrl-C while jax is imported or the processes join: nothing ran
+        _say_interrupted(None, args)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        run_dir.release()
+        os._exit(130)            # no interpreter teardown: a half-imported jaxlib can crash in it
+    finally:
+        run_dir.release()
 
-        force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
+
+def _checkpoint_dir(config: Any) -> str:
+    return config.checkpoint.dir or os.path.join(config.metrics.out_dir, "checkpoints")
+
+
+def _cache_dir(config: Any) -> list[str]:
+    setting = config.compilation_cache
+    return [] if not setting else [os.path.join(config.metrics.out_dir, "jax-cache") if setting == "auto" else setting]
+
+
+def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) -> int:
+    """`run` once the run directory is this process's: join the other processes, train, report."""
+    from dhp_jax.train.distributed import DistributedError, PlanMismatchError, describe, initialize
+
+    if config.metrics.progress or args.dry_run:
+        # said at once: importing jax and planning the first batch take seconds before the run's own line
+        # (one write, newline included: a Ctrl-C cannot land between the line and its end)
+        print(f"dhp train: {'checking' if args.dry_run else 'starting'} {config.name!r} "
+              f"({config.num_ranks} ranks on {config.devices.count} {config.devices.platform} devices): importing jax, "
+              f"planning the first batch ...\n", end="", file=sys.stderr, flush=True)
+    from dhp_jax.train.interrupt import held_sigint
+
+    with held_sigint():   # a Ctrl-C while jax is imported stops the run once the import is whole
+        if config.devices.platform == "cpu":
+            # devices.count is the run's total; each process creates its share of fake CPU devices
+            from dhp_jax.devices import force_cpu_devices
+
+            force_cpu_devices(config.devices.count // (dist.num_processes if dist else 1))
+        import jax  # noqa: F401
     if dist is not None:
         # Said before joining: if a process never comes, jax's runtime ends this one after the
         # timeout with its own message (DEADLINE_EXCEEDED on RegisterTask), and this line says why.
@@ -96,11 +139,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"dhp train: {e}", file=sys.stderr)
             return 2
 
-    from dhp_jax.train.checkpoint import CheckpointError
-    from dhp_jax.train.metrics import MetricsError
-    from dhp_jax.train.plans import PlanFileError
-    from dhp_jax.train.interrupt import RunInterrupted
-    from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
+    with held_sigint():
+        from dhp_jax.train.checkpoint import CheckpointError
+        from dhp_jax.train.interrupt import RunInterrupted
+        from dhp_jax.train.metrics import MetricsError
+        from dhp_jax.train.plans import PlanFileError
+        from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
 
     try:
         if args.dry_run:
@@ -117,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         _say_interrupted(e if isinstance(e, RunInterrupted) else None, args)
         sys.stdout.flush()
         sys.stderr.flush()
+        run_dir.release()   # os._exit skips the caller's finally: no empty folder of this run left behind
         # a compile may still run on a worker thread (XLA cannot cancel one): do not wait for it
         os._exit(130)
     except PlanMismatchError as e:
@@ -127,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
     except DistributedError as e:
         print(f"dhp train: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        run_dir.release()
         # A peer is gone: jax.distributed's shutdown barrier would wait for it; end now instead.
         os._exit(3)
     except (TrainError, PlanFileError, CheckpointError, ConfigError, MetricsError) as e:

@@ -209,6 +209,57 @@ class TrainConfig:
         self._validate_tensor_parallel()
         return self
 
+    def check_paths(self) -> "TrainConfig":
+        """The input paths the config names, before anything else reads them: a path that does not
+        exist, a directory where a file belongs (or the reverse), a checkpoint without config.json
+        or whose config.json is not JSON. `ConfigError` naming the key, the path and the fix."""
+        from dhp_jax.data.jsonl import JsonFileError, read_json_file
+
+        def exists(key: str, value: str, what: str) -> Path:
+            path = Path(value)
+            if not path.exists():
+                raise ConfigError(f"{key}={value!r}: {str(path.resolve())!r} does not exist; give {what}")
+            return path
+
+        def a_file(key: str, value: str, what: str) -> None:
+            path = exists(key, value, what)
+            if path.is_dir():
+                inside = sorted(p.name for p in path.glob("*.jsonl"))[:3]
+                raise ConfigError(f"{key}={value!r}: {str(path.resolve())!r} is a directory, expected a .jsonl file"
+                                  + (f" (it holds {', '.join(inside)}: e.g. {key}={os.path.join(value, inside[0])})"
+                                     if inside else f"; give {what}"))
+
+        if self.model.pretrained:
+            key, value = "model.pretrained", self.model.pretrained
+            what = "a checkpoint directory written by save_pretrained (the folder that holds config.json)"
+            path = exists(key, value, what)
+            if not path.is_dir():
+                raise ConfigError(f"{key}={value!r}: {str(path.resolve())!r} is a file, expected {what}"
+                                  + (f": {key}={path.parent}" if path.name == "config.json" else ""))
+            config_json = path / "config.json"
+            if not config_json.is_file():
+                raise ConfigError(f"{key}={value!r}: {str(config_json.resolve())!r} does not exist: the directory is "
+                                  f"not a checkpoint; give {what}")
+            try:
+                read_json_file(config_json, fix="copy or save the checkpoint again")
+            except JsonFileError as e:
+                raise ConfigError(f"{key}={value!r}: {e}") from None
+        if self.data.manifest:
+            a_file("data.manifest", self.data.manifest, "a LLaVA-style .jsonl manifest file")
+        for key, value in (("data.webdataset", self.data.webdataset), ("data.hf_dataset", self.data.hf_dataset)):
+            if value and not any(c in value for c in "*?[{"):      # a pattern is expanded where it is read
+                exists(key, value, "the data's path or a glob pattern")
+        if self.planner.plan_file:
+            a_file("planner.plan_file", self.planner.plan_file, "a plan file (a run's plans.jsonl or a .json plan)")
+        if not sources_given(self):     # the stand-in's data.dataset: a built-in mix or a manifest path
+            from dhp_jax.data.datasets import check_dataset
+
+            try:
+                check_dataset(self.data.dataset)
+            except OSError as e:
+                raise ConfigError(f"data.dataset={self.data.dataset!r}: {e}") from None
+        return self
+
     def _validate_tensor_parallel(self) -> None:
         """parallel.tensor = t: a positive integer, num_ranks x t devices, and every model the run
         names (the one it trains, the planner's cost model) splittable t ways."""
@@ -277,8 +328,16 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
     return config
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = ()) -> TrainConfig:
-    """Load a `kind: train` YAML (None: the embedded demo) and apply `key=value` overrides."""
+def sources_given(config: TrainConfig) -> bool:
+    """Whether the config names fine-tuning data (then data.dataset is not read)."""
+    return bool(config.data.manifest or config.data.webdataset or config.data.hf_dataset)
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] = (),
+                check_paths: bool = False) -> TrainConfig:
+    """Load a `kind: train` YAML (None: the embedded demo) and apply `key=value` overrides; with
+    `check_paths`, the input paths it names are checked (`TrainConfig.check_paths`) before the
+    rest of the config is validated."""
     path = Path(path) if path is not None else DEMO_CONFIG
     data = read_yaml(path)
     if data.get("kind") != "train":
@@ -297,6 +356,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: Sequence[str] 
             config.name = finetune_name(config.model.pretrained)
         if ("metrics", "out_dir") not in given:
             config.metrics.out_dir = f"runs/{config.name}"
+    if check_paths:
+        config.check_paths()
     return config.validate()
 
 

@@ -94,7 +94,7 @@ class FinetunePipeline:
             self._next = step + 1
             waited = self.loader.waits[-1] if self.loader.waits else 0.0
         if not items:
-            raise ValueError(f"step {step}: every sample of the batch failed to decode (see data_issues.tsv)")
+            raise ValueError(f"step {step + 1}: every sample of the batch failed to decode (see data_issues.tsv)")
         samples = samples_from_items(self.hf_config, items)
         return FinetuneBatch(step, samples, samples, sample_lengths(samples), sample_etas(samples),
                              [it["sample_id"] for it in items], float(waited))

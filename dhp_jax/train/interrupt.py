@@ -80,6 +80,24 @@ class SigintGuard:
             self._defer = saved
 
 
+@contextlib.contextmanager
+def held_sigint() -> Iterator[None]:
+    """A Ctrl-C inside the block is held and raised as `KeyboardInterrupt` at its end (main thread
+    only): for imports of C extensions (jax), which a `KeyboardInterrupt` raised mid-way can leave
+    half-initialised, crashing the process as it ends."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def wait_polling(fn: Callable[..., Any], args: tuple, poll: Callable[[float], None] | None,
                  every_s: float = 0.25) -> Any:
     """`fn(*args)` on a daemon thread while this (main) thread waits and calls `poll(elapsed_s)` every

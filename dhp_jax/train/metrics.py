@@ -1,7 +1,9 @@
-"""Run output: a progress bar, one JSONL line per step, optional TensorBoard, the end summary file.
+"""Run output: progress, one JSONL line per step, optional TensorBoard, the end summary file.
 
 Every number written says what it is: step times are wall-clock seconds measured on this
-machine's devices; simulated figures carry the cost-model preset they come from.
+machine's devices; simulated figures carry the cost-model preset they come from. Progress fits
+where stderr goes: on a terminal a tqdm bar; on a file or a pipe a plain line every few steps
+(`plain_every`) and one when a step starts compiling, never a carriage return.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
+
+from dhp_jax.data.jsonl import JsonlAppender
+from dhp_jax.data.jsonl import read_jsonl as _read_jsonl
 
 
 class MetricsError(RuntimeError):
@@ -61,31 +66,72 @@ class _NoBar:
         pass
 
 
+def on_terminal(stream: Any = None) -> bool:
+    """Whether `stream` (default stderr) is a terminal, where a redrawn bar belongs."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):   # no isatty, or a closed stream
+        return False
+
+
+class _PlainPhase(_NoBar):
+    """A phase on a file or a pipe: one line when it starts, one when it ends."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n, self.t0 = total, desc, 0, time.perf_counter()
+        print(f"{desc} ...", file=sys.stderr, flush=True)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+
+    def close(self) -> None:
+        if self.desc is not None:
+            print(f"{self.desc}: {self.n}/{self.total} done in {time.perf_counter() - self.t0:.1f} s",
+                  file=sys.stderr, flush=True)
+            self.desc = None
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
 def phase_bar(total: int, desc: str, enabled: bool = True) -> Any:
-    """A progress bar on stderr for a phase that takes more than a moment (a no-op when disabled)."""
+    """Progress on stderr for a phase that takes more than a moment: a bar on a terminal, a line at
+    its start and end on a file or a pipe, nothing when disabled."""
     if not enabled:
         return _NoBar()
+    if not on_terminal():
+        return _PlainPhase(total, desc)
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False,
                 bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]")
 
 
+def plain_every(total_steps: int) -> int:
+    """How often a plain progress line is printed: about ten lines a run (every step of a short one)."""
+    return max(1, -(-int(total_steps) // 10))
+
+
 class MetricsWriter:
-    """Writes `<out_dir>/metrics.jsonl` (appends on resume), a progress bar, and TensorBoard scalars."""
+    """Writes `<out_dir>/metrics.jsonl` (appends on resume; each record one whole line), progress
+    (a bar on a terminal, plain lines otherwise: `terminal`, default: whether stderr is one) and
+    TensorBoard scalars."""
 
     def __init__(self, out_dir: str | Path, total_steps: int, start_step: int = 0, progress: bool = True,
-                 tensorboard: bool = False, append: bool = False):
+                 tensorboard: bool = False, append: bool = False, terminal: bool | None = None):
         writer_cls = tensorboard_writer() if tensorboard else None  # fails before any file is touched
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
-        if not append and self.path.exists():
-            self.path.unlink()
-        self._file = self.path.open("a")
+        self._file = JsonlAppender(self.path, append=append)
         self._tb = writer_cls(str(self.out_dir / "tensorboard")) if writer_cls else None
         self._bar = None
-        if progress:
+        self.total_steps, self._done = int(total_steps), int(start_step)
+        # plain progress lines (a file or a pipe): every `_every` steps, and the step a compile starts
+        self._plain = progress and not (on_terminal() if terminal is None else terminal)
+        self._every, self._said_compile = plain_every(total_steps), -1
+        if progress and not self._plain:
             from tqdm import tqdm
 
             # no tqdm rate: wall time per bar tick would count compiles; the postfix shows the step time
@@ -101,13 +147,17 @@ class MetricsWriter:
         if self._bar is not None:
             spin = "" if elapsed_s is None else f" {_SPINNER[int(elapsed_s * 4) % 4]} {elapsed_s:.0f} s"
             self._bar.set_description_str(f"train (compiling group programs: {min(done, count)}/{count} built{spin})")
+        elif self._plain and self._said_compile != self._done + 1:
+            self._said_compile = self._done + 1    # one line a step, not one a poll
+            print(f"train: step {self._done + 1}/{self.total_steps}: compiling {count} group program(s)",
+                  file=sys.stderr, flush=True)
 
     def log_step(self, record: Mapping[str, Any]) -> None:
         rec = _clean(dict(record))
         rec.setdefault("time", time.time())
         self.records.append(rec)
-        self._file.write(json.dumps(rec) + "\n")
-        self._file.flush()
+        self._file.write(rec)
+        self._done = int(rec.get("step", self._done + 1))
         if self._tb is not None:
             for k, v in rec.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in ("step", "time"):
@@ -120,6 +170,10 @@ class MetricsWriter:
                 post["compile"] = f"{rec['compile_s']:.1f} s"
             self._bar.set_postfix(post, refresh=False)
             self._bar.update(1)
+        elif self._plain and (self._done % self._every == 0 or self._done in (1, self.total_steps)):
+            extra = f", compile {rec['compile_s']:.1f} s" if rec.get("compile_s", 0) > 0.5 else ""
+            print(f"train: step {self._done}/{self.total_steps} loss {rec.get('loss', float('nan')):.4f} "
+                  f"(step {1e3 * rec.get('step_time_s', 0):.0f} ms{extra})", file=sys.stderr, flush=True)
 
     def write_json(self, name: str, data: Mapping[str, Any]) -> Path:
         path = self.out_dir / name
@@ -139,7 +193,9 @@ class MetricsWriter:
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a run's JSONL file; a line that is not JSON is a `JsonFileError` (a
+    ValueError) naming the file and the line."""
+    return _read_jsonl(path)
 
 
 def truncate_jsonl(path: str | Path, keep: Callable[[dict], bool]) -> list[dict]:

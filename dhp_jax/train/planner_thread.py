@@ -34,7 +34,7 @@ class StepPlanningFailed(RuntimeError):
     """Building or planning the batch of (0-based) `step` raised; the original is `__cause__`."""
 
     def __init__(self, step: int, error: BaseException):
-        super().__init__(f"planning step {step} failed: {type(error).__name__}: {error}")
+        super().__init__(f"planning step {step + 1} failed: {type(error).__name__}: {error}")   # 1-based, as the user reads it
         self.step = step
 
 

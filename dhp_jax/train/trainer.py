@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from dhp_jax.model import MLLMConfig, init_params
 from dhp_jax.planner.contract.plan import PlanningError
-from dhp_jax.planner.contract.planfile import PlanLog
+from dhp_jax.planner.contract.planfile import PlanLog, logged_step
 from dhp_jax.planner.programs.cache import ProgramCache, executed_view
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.protocol import check_executor
@@ -40,6 +40,7 @@ from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_js
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread, StepPlanningFailed
 from dhp_jax.train.plans import PlanSource, attach_programs, describe_cost, load_plan_file, run_cost
+from dhp_jax.train.rundir import RunDir, RunLockedError, held_here
 from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
@@ -391,8 +392,23 @@ class Trainer:
         """Train to `config.steps` (or stop after `stop_after` steps, checkpointing, as an interrupted run).
 
         A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
-        `overwrite` (replace it); resuming a finished run changes nothing.
+        `overwrite` (replace it); resuming a finished run changes nothing. The run holds the run
+        directory's lock (`dhp_jax.train.rundir`; `dhp train` takes it before jax is imported): a
+        directory another live run holds is refused.
         """
+        lock = None
+        if not held_here(self.out_dir, self.process_index):
+            try:
+                lock = RunDir(self.out_dir, self.process_index).acquire()
+            except RunLockedError as e:
+                raise TrainError(str(e)) from None
+        try:
+            return self._run(resume, stop_after, overwrite)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _run(self, resume: bool, stop_after: int | None, overwrite: bool) -> RunResult:
         cfg = self.config
         ckpt, state, start = self._begin(resume, overwrite)
         if ckpt is None:   # a finished run resumed: nothing to do
@@ -411,6 +427,10 @@ class Trainer:
         # its metrics, its plan as executed, a checkpoint when due
         hooks = [self._programs_hook(), lambda rec, item, state: metrics.log_step(rec),
                  self._plan_log_hook(plan_log), self._checkpoint_hook(ckpt, stop)]
+        if self.finetune:   # skipped records said as they are met, not only at the end
+            self._said_issues = 0
+            self._say_data_issues()
+            hooks.append(lambda rec, item, state: self._say_data_issues())
         t_run = time.perf_counter()
         records: list[dict] = []
         compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dhp-compile")
@@ -508,7 +528,8 @@ class Trainer:
         earlier: list[dict] = []
         if resume:
             earlier = truncate_jsonl(mdir / "metrics.jsonl", lambda r: r.get("step", 0) <= start)
-            truncate_jsonl(mdir / "plans.jsonl", lambda r: r.get("step", 0) < start)
+            # (an older version's lines count steps from 0: `logged_step` reads either)
+            truncate_jsonl(mdir / "plans.jsonl", lambda r: (logged_step(r) or 0) <= start)
         metrics = MetricsWriter(mdir, total_steps=cfg.steps, start_step=start, progress=cfg.metrics.progress,
                                 tensorboard=cfg.metrics.tensorboard, append=resume)
         plan_log = PlanLog(mdir / "plans.jsonl", append=resume) if cfg.metrics.log_plans else None
@@ -554,6 +575,22 @@ class Trainer:
                 "data_wait_median_steady_s": statistics.median(steady) if steady else 0.0,
                 "data_wait_max_s": max(waits, default=0.0)}
 
+    def _say_data_issues(self) -> None:
+        """When records were skipped since the last report: one line with the running count by kind,
+        and data_issues.tsv rewritten to list them all (process 0)."""
+        from dhp_jax.data.finetune import write_issues
+
+        issues = list(self.pipeline.issues)
+        if len(issues) <= self._said_issues or self.process_index:
+            return
+        self._said_issues = len(issues)
+        path = self.metrics_dir / "data_issues.tsv"
+        write_issues(str(path), issues)
+        kinds = collections.Counter(e.kind for e in issues)
+        self._say(f"{len(issues)} record(s) skipped so far: "
+                  + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items(), key=lambda kv: (-kv[1], kv[0])))
+                  + f"; see {path}")
+
     def _interrupted(self, ckpt: Any, state: Any, done: int, forced: bool, logs: list[Path],
                      fresh: bool) -> RunInterrupted:
         """After Ctrl-C: checkpoint the last finished step `done` (unless it has one, or a second
@@ -583,7 +620,7 @@ class Trainer:
     def _plan_log_hook(self, plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
-                plan_log.write(item.step, self.as_executed(item.plan, item.batch))
+                plan_log.write(item.step + 1, self.as_executed(item.plan, item.batch))
         return log_plan
 
     def as_executed(self, plan: Any, batch: Any) -> Any:

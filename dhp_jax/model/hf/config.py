@@ -8,6 +8,7 @@ import json
 import os
 from typing import Any, Mapping
 
+from dhp_jax.data.jsonl import read_json_file
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.spec import TextConfig
 
@@ -59,9 +60,9 @@ def read_config_json(path: str) -> dict:
     """config.json of a checkpoint directory."""
     file = os.path.join(path, "config.json")
     if not os.path.exists(file):
-        raise FileNotFoundError(f"{path}: no config.json (a directory written by save_pretrained)")
-    with open(file) as f:
-        return json.load(f)
+        raise FileNotFoundError(f"{path}: " + ("no config.json (a directory written by save_pretrained)"
+                                               if os.path.isdir(path) else "does not exist"))
+    return read_json_file(file, fix="copy or save the checkpoint again")
 
 
 def tied_embeddings(raw: Mapping[str, Any], default: bool) -> bool:
