@@ -17,7 +17,9 @@ from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_inde
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The host-side arrays of one sample of `cfg`'s family."""
-    return FAMILIES[cfg.family](cfg, inputs)
+    batch = FAMILIES[cfg.family](cfg, inputs)
+    cfg.text.check_positions(batch["positions"])
+    return batch
 
 
 def qwen2_5_vl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
