@@ -17,9 +17,7 @@ from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_inde
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The host-side arrays of one sample of `cfg`'s family."""
-    batch = FAMILIES[cfg.family](cfg, inputs)
-    cfg.text.check_positions(batch["positions"])
-    return batch
+    return FAMILIES[cfg.family](cfg, inputs)
 
 
 def qwen2_5_vl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -35,6 +33,7 @@ def qwen2_5_vl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     batch = qv.token_arrays(inputs, v.merge, intervals, split_video_frames=False)
     for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
         batch[kind] = {**arrays, "windows": qv.window_segments(grid, v.merge, v.window_size, v.patch_size)}
+    cfg.text.check_positions(batch["positions"])
     return batch
 
 
@@ -45,6 +44,7 @@ def qwen3_vl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
         taps, weights = interpolation_taps(grid, v.grid_side, v.merge)
         batch[kind] = {**arrays, "taps": taps, "tap_weights": weights}
+    cfg.text.check_positions(batch["positions"])
     return batch
 
 
@@ -56,6 +56,7 @@ def internvl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     ids = ids.astype(np.int32)
     batch: dict[str, Any] = {"input_ids": ids, "keep": keep,
                              "positions": np.arange(len(ids), dtype=np.int32)[:, None]}
+    cfg.text.check_positions(batch["positions"])
     if inputs.get("pixel_values") is not None:
         px = as_numpy(inputs["pixel_values"])
         (ph, pw), (h, w) = v.patch_size, v.image_size
