@@ -260,6 +260,9 @@ def test_hub_id_resolves_in_the_local_cache(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
     snap = fake_cache(tmp_path / "home" / "hub", "Qwen/Qwen2.5-VL-7B-Instruct")
+    stale = snap.parent / "00older"                 # an older revision beside it: refs/main decides
+    stale.mkdir()
+    (stale / "config.json").write_text("{}")
     monkeypatch.chdir(tmp_path)
     assert hf_config.checkpoint_dir("Qwen/Qwen2.5-VL-7B-Instruct") == str(snap)
     assert hf.load_config("Qwen/Qwen2.5-VL-7B-Instruct").family == "qwen2_5_vl"
