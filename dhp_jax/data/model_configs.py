@@ -1,13 +1,13 @@
 """The one source of model shapes: published Hugging Face `config.json` fields, read into `ModelFacts`.
 
-Each named model is one file `dhp_jax/data/models/<name>.json`: the published config fields of a
-checkpoint (`config`), its Hub repository id (`hub_id`), the file's address (`source`) and notes
-on what was kept or assumed. A new model is one such file. Three layouts are read:
-
-- `internvl` (transformers-native, the `-hf` releases): `text_config` + `vision_config` (InternViT);
-- `internvl_chat` (InternVL's own layout): `llm_config` + `vision_config`, converted field by
-  field to the `-hf` layout (`hf_layout`), as InternVL's conversion to `-hf` does;
-- `qwen2_5_vl`, `qwen3_vl` (transformers-native): `text_config` + `vision_config`.
+Each named model is one directory `dhp_jax/data/models/<name>/` laid out as a checkpoint directory
+without weights: `config.json`, the published file of the release (its layout and fields), and
+`source.json` with its Hub repository id (`hub_id`), the file's address (`source`) and notes on what
+was checked or assumed. A new model is one such directory. Every config is read by the one reader
+`dhp_jax.data.hf_config` (as transformers reads it), so a preset and a checkpoint directory
+(`--model DIR`, `model.pretrained=DIR`) are read alike. Layouts: `internvl` (the `-hf` releases),
+`internvl_chat` (InternVL's own, converted to `-hf` field by field), `qwen2_5_vl` (flat, as
+released, or nested), `qwen3_vl`.
 
 `ModelFacts` is what the planner prices (`dhp_jax.planner.cost.presets.ModelShape.from_facts`), what
 `dhp_jax.model.MLLMConfig.from_hf` sizes, and what picks the vision-token rule: every consumer
@@ -95,23 +95,35 @@ class ModelFacts:
 @functools.lru_cache(maxsize=None)
 def model_names() -> tuple[str, ...]:
     """The stored models, by family and then by size (the order DHP, arXiv 2602.21788, lists them)."""
-    names = [p.stem for p in MODELS_DIR.glob("*.json")]
+    names = [p.parent.name for p in MODELS_DIR.glob("*/config.json")]
     if not names:
         raise FileNotFoundError(f"no model config files under {MODELS_DIR} (is the package installed with its data?)")
     facts = {n: model_facts(n) for n in names}
     return tuple(sorted(names, key=lambda n: (facts[n].family, facts[n].params)))
 
 
-def model_record(name: str) -> dict[str, Any]:
-    """The stored file of model `name`: {"name", "hub_id", "source", "notes", "config", ...}."""
-    path = MODELS_DIR / f"{str(name).lower()}.json"
-    if not path.is_file():
-        known = sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+def is_stored(name: str) -> bool:
+    """Whether `name` is a stored model (a directory `dhp_jax/data/models/<name>/` with config.json)."""
+    return (MODELS_DIR / str(name).lower() / "config.json").is_file()
+
+
+def model_dir(name: str) -> Path:
+    """The directory of stored model `name` (config.json, source.json, processor configs)."""
+    if not is_stored(name):
+        known = sorted(p.parent.name for p in MODELS_DIR.glob("*/config.json"))
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known)}")
-    with open(path) as f:
+    return MODELS_DIR / str(name).lower()
+
+
+def model_record(name: str) -> dict[str, Any]:
+    """Stored model `name`: its source.json ({"name", "hub_id", "source", "notes", ...}) with
+    "config", its config.json."""
+    path = model_dir(name)
+    with open(path / "source.json") as f:
         record = json.load(f)
-    if not isinstance(record.get("config"), dict) or not record.get("hub_id"):
-        raise ValueError(f"{path}: a model file needs 'hub_id' and a 'config' object (the published config.json)")
+    if not record.get("hub_id"):
+        raise ValueError(f"{path / 'source.json'}: a model's source.json needs 'hub_id'")
+    record["config"] = read_config(path)
     return record
 
 
