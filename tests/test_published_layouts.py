@@ -294,3 +294,21 @@ def test_hub_id_loads_weights_and_trains_config(tmp_path, monkeypatch):
     cfg.model.pretrained = "Qwen/Qwen3-VL-2B-Instruct"
     cfg.data.manifest = "records.jsonl"
     assert cfg.validate().model.pretrained == str(snap)
+
+
+# ------------------------------------------------------------ the planner reads the same files
+@pytest.mark.parametrize("name,kw", [("qwen3-vl-4b", {}), ("qwen2.5-vl-32b", {"tensor_parallel": 4}),
+                                     ("internvl3-2b", {})])
+def test_a_checkpoint_directory_is_priced_as_its_preset(name, kw, tmp_path):
+    """The stored presets are checkpoint-like directories (config.json as released); a checkpoint
+    directory holding the same config.json is priced exactly as the preset."""
+    import dataclasses
+    import shutil
+
+    from dhp_jax.planner import CostModel
+
+    src = model_configs.model_dir(name)
+    assert hf_config.read_config(src) == model_configs.model_config(name)
+    shutil.copy(src / "config.json", tmp_path / "config.json")
+    ours, preset = CostModel.preset(str(tmp_path), "h100", **kw), CostModel.preset(name, "h100", **kw)
+    assert dataclasses.replace(ours, model=name) == preset
