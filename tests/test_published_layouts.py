@@ -232,6 +232,14 @@ def test_every_field_read_has_transformers_default(family):
     assert checked >= 20
 
 
+@pytest.mark.parametrize("text_type", ["qwen2", "qwen3", "llama"])
+def test_null_key_value_heads_read_as_transformers(text_type):
+    minimal = {"model_type": "internvl", "text_config": {"model_type": text_type, "num_key_value_heads": None,
+                                                         "num_attention_heads": 4, "hidden_size": 64}}
+    ours = hf_config.resolve(minimal)["text_config"]["num_key_value_heads"]
+    assert ours == transformers.AutoConfig.for_model(**minimal).text_config.num_key_value_heads == 4
+
+
 def test_flat_qwen2_5_vl_reads_as_transformers():
     raw = fixture("Qwen2.5-VL-3B-Instruct")
     r = hf_config.resolve(raw)

@@ -228,6 +228,12 @@ def _filled(cfg: Mapping[str, Any], model_type: str, where: str) -> dict[str, An
     for key, default in table.items():          # derived ones after the fields they derive from
         if isinstance(default, str) and default.startswith("=") and out.get(key) is None:
             out[key] = _default(out, key, default)
+    # null in the file: one KV head per query head (the configs' __post_init__), head_dim from the
+    # width (what the attention modules fall back to)
+    if "num_key_value_heads" in table and out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = _default(out, "num_key_value_heads", HEADS)
+    if "head_dim" in table and out["head_dim"] is None:
+        out["head_dim"] = _default(out, "head_dim", WIDTH_OVER_HEADS)
     out["model_type"] = model_type
     return out
 
