@@ -177,7 +177,7 @@ def test_yarn_is_refused_naming_the_field():
     raw = fixture("Qwen2.5-VL-7B-Instruct")
     raw["rope_scaling"] = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
                            "mrope_section": [2, 3, 3]}
-    with pytest.raises(ValueError, match=r"config.json.text_config.rope_scaling: rope_type 'yarn' is not supported"):
+    with pytest.raises(ValueError, match=r"config.json: rope_scaling: rope_type 'yarn' is not supported"):
         hf.parse_config(raw)
 
 

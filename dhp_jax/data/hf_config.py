@@ -253,29 +253,31 @@ def _rope(cfg: Mapping[str, Any], defaults: Mapping[str, Any], where: str) -> di
     kind = params["rope_type"]
     field = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     if kind not in ROPE_COMPUTED + ROPE_EXACT_BELOW_MAX:
-        raise ValueError(f"{where}.{field}: rope_type {kind!r} is not supported (it changes the rotary at every "
+        raise ValueError(f"{where}{field}: rope_type {kind!r} is not supported (it changes the rotary at every "
                          f"length; supported: {', '.join(ROPE_COMPUTED + ROPE_EXACT_BELOW_MAX)})")
     if kind != "default":
         if "factor" not in params:
-            raise ValueError(f"{where}.{field}: rope_type {kind!r} needs a 'factor'")
+            raise ValueError(f"{where}{field}: rope_type {kind!r} needs a 'factor'")
         params["factor"] = float(params["factor"])
     return params
 
 
 def _text(t: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
+    """The resolved text_config; `where` prefixes the field names in errors ("FILE: text_config.",
+    or "FILE: " for a flat file)."""
     model_type = t.get("model_type") or SUB_TYPES[family][0]
     if model_type not in TEXT_TYPES[family]:
-        raise ValueError(f"{where}.text_config.model_type {model_type!r} is not supported for {family} "
+        raise ValueError(f"{where}model_type {model_type!r} is not supported for {family} "
                          f"(known: {', '.join(TEXT_TYPES[family])})")
-    out = _filled(t, model_type, f"{where}.text_config")
-    out["rope_parameters"] = _rope(t, FIELDS[model_type], f"{where}.text_config")
+    out = _filled(t, model_type, where)
+    out["rope_parameters"] = _rope(t, FIELDS[model_type], where)
     out["rope_theta"] = out["rope_parameters"]["rope_theta"]
     out.pop("rope_scaling", None)
     if out.get("use_sliding_window"):
-        raise ValueError(f"{where}.text_config.use_sliding_window: sliding-window attention is not supported")
+        raise ValueError(f"{where}use_sliding_window: sliding-window attention is not supported")
     heads, kv = int(out["num_attention_heads"]), int(out["num_key_value_heads"])
     if heads % kv:
-        raise ValueError(f"{where}.text_config: num_attention_heads {heads} is not a multiple of "
+        raise ValueError(f"{where}num_attention_heads {heads} is not a multiple of "
                          f"num_key_value_heads {kv}")
     return out
 
@@ -284,8 +286,8 @@ def _vision(v: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
     model_type = v.get("model_type") or SUB_TYPES[family][1]
     model_type = VISION_ALIASES.get(model_type, model_type)
     if model_type != SUB_TYPES[family][1]:
-        raise ValueError(f"{where}.vision_config.model_type {model_type!r} is not {SUB_TYPES[family][1]!r}")
-    out = _filled(v, model_type, f"{where}.vision_config")
+        raise ValueError(f"{where}: vision_config.model_type {model_type!r} is not {SUB_TYPES[family][1]!r}")
+    out = _filled(v, model_type, where)
     if "rope_theta" in FIELDS[model_type]:
         rope = dict(v.get("rope_parameters") or {})
         out["rope_theta"] = float(rope.get("rope_theta", v.get("rope_theta", FIELDS[model_type]["rope_theta"])))
@@ -314,7 +316,9 @@ def resolve(config: Mapping[str, Any], where: str = "config.json") -> dict[str, 
             raise ValueError(f"{where}: {key} is not an object")
     out = _filled(raw, family, where)
     out["tie_word_embeddings"] = tied(raw)
-    out["text_config"] = _text(raw.get("text_config") or {}, family, where)
+    flat = family == "qwen2_5_vl" and not isinstance(config.get("text_config"), Mapping)
+    section = "" if flat else "llm_config." if config.get("model_type") == "internvl_chat" else "text_config."
+    out["text_config"] = _text(raw.get("text_config") or {}, family, f"{where}: {section}")
     out["vision_config"] = _vision(raw.get("vision_config") or {}, family, where)
     return out
 
