@@ -215,7 +215,7 @@ def _default(cfg: Mapping[str, Any], key: str, default: Any) -> Any:
     return copy.deepcopy(default)
 
 
-def _filled(cfg: Mapping[str, Any], model_type: str, where: str) -> dict[str, Any]:
+def _filled(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """`cfg` with every field of FIELDS[model_type] present (transformers' default where absent;
     a derived default where absent or null)."""
     table = FIELDS[model_type]
@@ -269,7 +269,7 @@ def _text(t: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
     if model_type not in TEXT_TYPES[family]:
         raise ValueError(f"{where}model_type {model_type!r} is not supported for {family} "
                          f"(known: {', '.join(TEXT_TYPES[family])})")
-    out = _filled(t, model_type, where)
+    out = _filled(t, model_type)
     out["rope_parameters"] = _rope(t, FIELDS[model_type], where)
     out["rope_theta"] = out["rope_parameters"]["rope_theta"]
     out.pop("rope_scaling", None)
@@ -287,7 +287,7 @@ def _vision(v: Mapping[str, Any], family: str, where: str) -> dict[str, Any]:
     model_type = VISION_ALIASES.get(model_type, model_type)
     if model_type != SUB_TYPES[family][1]:
         raise ValueError(f"{where}: vision_config.model_type {model_type!r} is not {SUB_TYPES[family][1]!r}")
-    out = _filled(v, model_type, where)
+    out = _filled(v, model_type)
     if "rope_theta" in FIELDS[model_type]:
         rope = dict(v.get("rope_parameters") or {})
         out["rope_theta"] = float(rope.get("rope_theta", v.get("rope_theta", FIELDS[model_type]["rope_theta"])))
@@ -314,7 +314,7 @@ def resolve(config: Mapping[str, Any], where: str = "config.json") -> dict[str, 
     for key in ("text_config", "vision_config"):
         if raw.get(key) is not None and not isinstance(raw.get(key), Mapping):
             raise ValueError(f"{where}: {key} is not an object")
-    out = _filled(raw, family, where)
+    out = _filled(raw, family)
     out["tie_word_embeddings"] = tied(raw)
     flat = family == "qwen2_5_vl" and not isinstance(config.get("text_config"), Mapping)
     section = "" if flat else "llm_config." if config.get("model_type") == "internvl_chat" else "text_config."

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -194,7 +193,8 @@ def facts_from_config(config: Mapping[str, Any], where: str = "config") -> Model
         norm = 2 * vh if v["norm_type"] == "layer_norm" else vh
         layer = 4 * vh * vh + vh + 2 * vh * vi + vi + vh + 2 * norm + 2 * vh + (3 * vh if v["attention_bias"] else 0) \
             + (2 * vh if v["use_qk_norm"] else 0)
-        vision = (channels * patch * patch * vh + vh + vh + (grid + 1) * vh * bool(v["use_absolute_position_embeddings"])
+        vision = (channels * patch * patch * vh + vh + vh
+                  + (grid + 1) * vh * bool(v["use_absolute_position_embeddings"])
                   + vh * bool(v["use_mask_token"]) + depth * layer
                   + (0 if v["use_mean_pooling"] else 2 * vh))
         wide = vh * merge * merge

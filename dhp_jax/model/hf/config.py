@@ -19,7 +19,8 @@ REMATS = ("none", "layer", "selective")      # `dhp_jax.model.mllm.REMAT_POLICIE
 class HFConfig:
     """One model of a supported family. `raw` is config.json as read (written back unchanged by
     `save_pretrained`); `fields` the same as transformers reads it (`dhp_jax.data.hf_config.resolve`:
-    nested layout, every field the project reads present); `text` the LLM's shape; `vision` the family's own vision-encoder config;
+    nested layout, every field the project reads present); `text` the LLM's shape; `vision` the
+    family's own vision-encoder config;
     `tied`: the LM head is the token embedding; `token_ids`: placeholder ids ("image", "video").
 
     How the engine runs the blocks (run-time choices, never values; `MLLMConfig`'s fields of the
