@@ -117,6 +117,20 @@ def test_published_layout_logits_match_transformers(layout, tmp_path):
     check_published(raw, tmp_path, layout)
 
 
+@pytest.mark.parametrize("layout", ["Qwen2.5-VL-3B-Instruct", "Qwen3-VL-8B-Instruct", "InternVL3-38B-hf"])
+def test_torch_backend_reads_the_published_layout(layout, tmp_path):
+    """npu_backend.hf.load_family reads the same directory through the same config reader."""
+    from npu_backend.hf import load_family
+
+    model, family = build_published(fixture(layout), tmp_path)
+    inputs = inputs_for(family, hc.rng(7))
+    ours = load_family(str(tmp_path / "ckpt"))
+    sample = hf.sample_from_inputs(ours.config, inputs)
+    err = hc.relative_error(ours.logits(sample).numpy(), hc.reference_logits(model, inputs))
+    print(f"torch backend {layout}: max relative logits error {err:.2e}")
+    assert err <= hc.TOL, f"torch backend {layout}: relative error {err:.2e}"
+
+
 def test_the_fixtures_cover_the_published_families():
     assert len(LAYOUTS) == 20
     flat = [n for n in LAYOUTS if n.startswith("Qwen2.5-VL")]
