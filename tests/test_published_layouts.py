@@ -195,6 +195,14 @@ def test_yarn_is_refused_naming_the_field():
         hf.parse_config(raw)
 
 
+def test_grouped_query_heads_must_divide():
+    raw = fixture("InternVL3-2B-hf")
+    raw["text_config"]["num_key_value_heads"] = 3
+    with pytest.raises(ValueError, match=r"config.json: text_config.num_attention_heads 4 is not a multiple of "
+                                         r"num_key_value_heads 3"):
+        hf.parse_config(raw)
+
+
 # ----------------------------------------------------------------- defaults of transformers
 TEXT_REQUIRED = {"qwen2_5_vl_text": {"num_attention_heads": 8}, "qwen3_vl_text": {}, "qwen2": {}, "qwen3": {},
                  "llama": {"num_attention_heads": 8}}
