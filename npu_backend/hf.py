@@ -19,12 +19,14 @@ place), then the LLM over the stream and the loss.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dhp_jax.data.hf_config import checkpoint_dir
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename
@@ -373,8 +375,10 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
                 ) -> TorchFamilyModel:
     """The model of a directory written by transformers' `save_pretrained` (config.json and
     model.safetensors or its shards): read memory-mapped, tensor by tensor, renamed from older
-    layouts as `dhp_jax.model.hf.load_pretrained` does, converted to `dtype`."""
-    config = parse_config(read_config_json(path))
+    layouts as `dhp_jax.model.hf.load_pretrained` does, converted to `dtype`. `path` may be a Hub id
+    in the local Hugging Face cache, as there."""
+    path = checkpoint_dir(path)
+    config = parse_config(read_config_json(path), where=os.path.join(path, "config.json"))
     renames = REGISTRY[config.family].renames
     weights = {}
     for name, array in safetensors_io.read_checkpoint(path):

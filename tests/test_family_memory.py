@@ -155,7 +155,7 @@ def test_family_sequence_parallel_program_bytes_match_the_memory_model():
     assert abs(want / got - 1.0) <= TOLERANCE, (got, want)
 
 
-PUBLISHED = ("internvl3-8b", "experiments/configs/models/qwen2.5-vl-7b.json", "qwen3-vl-8b")
+PUBLISHED = ("internvl3-8b", "experiments/configs/models/qwen2.5-vl-7b", "qwen3-vl-8b")
 
 
 @pytest.mark.parametrize("spec", PUBLISHED)

@@ -161,7 +161,11 @@ def test_bad_configs_name_the_problem():
     bad = {**QWEN25_VL, "vision_config": {**QWEN25_VL["vision_config"], "out_hidden_size": 1000}}
     with pytest.raises(ValueError, match="out_hidden_size 1000 is not the LLM's hidden_size 3584"):
         model_configs.facts_from_config(bad)
-    with pytest.raises(ValueError, match="config has no text_config"):
+    with pytest.raises(ValueError, match="config: text_config is not an object"):
+        model_configs.facts_from_config({"model_type": "qwen3_vl", "text_config": [], "vision_config": {}})
+    # a config without text_config reads as transformers reads it: every field its default
+    # (Qwen3VLTextConfig's widths, whose 4096 the default vision out_hidden_size 3584 does not match)
+    with pytest.raises(ValueError, match="vision_config.out_hidden_size 3584 is not the LLM's hidden_size 4096"):
         model_configs.facts_from_config({"model_type": "qwen3_vl", "vision_config": {}})
 
 

@@ -53,7 +53,7 @@ RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3
 SEQUENCE = Plan(4, (MicroBatch((Group((3, 2, 1, 0), 4, (0, 1, 2, 3, 4, 5), attention="hybrid:2x2"),)),))
 
 
-def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None):
+def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None, heads: int | None = None):
     raw = demo_config(family, vocab)
     if family == "internvl":
         raw["vision_config"]["use_qk_norm"] = True       # InternViT's QK-norm over the whole (split) width
@@ -61,6 +61,8 @@ def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = N
         raw["tie_word_embeddings"] = True
     if kv_heads is not None:
         raw["text_config"]["num_key_value_heads"] = kv_heads
+    if heads is not None:
+        raw["text_config"]["num_attention_heads"] = heads
     return hf.parse_config(raw)
 
 
@@ -163,7 +165,7 @@ def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parall
 
 
 def test_family_refusals_name_the_model_and_t():
-    cfg = _model("qwen3_vl", 256, kv_heads=3)
+    cfg = _model("qwen3_vl", 256, kv_heads=3, heads=6)     # 3 KV heads (each shared by 2 query heads)
     with pytest.raises(ValueError, match=r"model 'qwen3_vl'.*tensor_parallel 2 cannot split "
                                          r"text_config.num_key_value_heads = 3"):
         PlanExecutor(cfg, tensor_parallel=2)

@@ -1,13 +1,13 @@
 """The one source of model shapes: published Hugging Face `config.json` fields, read into `ModelFacts`.
 
-Each named model is one file `dhp_jax/data/models/<name>.json`: the published config fields of a
-checkpoint (`config`), its Hub repository id (`hub_id`), the file's address (`source`) and notes
-on what was kept or assumed. A new model is one such file. Three layouts are read:
-
-- `internvl` (transformers-native, the `-hf` releases): `text_config` + `vision_config` (InternViT);
-- `internvl_chat` (InternVL's own layout): `llm_config` + `vision_config`, converted field by
-  field to the `-hf` layout (`hf_layout`), as InternVL's conversion to `-hf` does;
-- `qwen2_5_vl`, `qwen3_vl` (transformers-native): `text_config` + `vision_config`.
+Each named model is one directory `dhp_jax/data/models/<name>/` laid out as a checkpoint directory
+without weights: `config.json`, the published file of the release (its layout and fields), and
+`source.json` with its Hub repository id (`hub_id`), the file's address (`source`) and notes on what
+was checked or assumed. A new model is one such directory. Every config is read by the one reader
+`dhp_jax.data.hf_config` (as transformers reads it), so a preset and a checkpoint directory
+(`--model DIR`, `model.pretrained=DIR`) are read alike. Layouts: `internvl` (the `-hf` releases),
+`internvl_chat` (InternVL's own, converted to `-hf` field by field), `qwen2_5_vl` (flat, as
+released, or nested), `qwen3_vl`.
 
 `ModelFacts` is what the planner prices (`dhp_jax.planner.cost.presets.ModelShape.from_facts`), what
 `dhp_jax.model.MLLMConfig.from_hf` sizes, and what picks the vision-token rule: every consumer
@@ -19,11 +19,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
 from pathlib import Path
 from typing import Any, Mapping
 
-from dhp_jax.data.jsonl import read_json_file
+from dhp_jax.data import hf_config
 
 MODELS_DIR = Path(__file__).with_name("models")
 FAMILIES = ("internvl", "qwen2_5_vl", "qwen3_vl")
@@ -95,23 +94,35 @@ class ModelFacts:
 @functools.lru_cache(maxsize=None)
 def model_names() -> tuple[str, ...]:
     """The stored models, by family and then by size (the order DHP, arXiv 2602.21788, lists them)."""
-    names = [p.stem for p in MODELS_DIR.glob("*.json")]
+    names = [p.parent.name for p in MODELS_DIR.glob("*/config.json")]
     if not names:
         raise FileNotFoundError(f"no model config files under {MODELS_DIR} (is the package installed with its data?)")
     facts = {n: model_facts(n) for n in names}
     return tuple(sorted(names, key=lambda n: (facts[n].family, facts[n].params)))
 
 
-def model_record(name: str) -> dict[str, Any]:
-    """The stored file of model `name`: {"name", "hub_id", "source", "notes", "config", ...}."""
-    path = MODELS_DIR / f"{str(name).lower()}.json"
-    if not path.is_file():
-        known = sorted(p.stem for p in MODELS_DIR.glob("*.json"))
+def is_stored(name: str) -> bool:
+    """Whether `name` is a stored model (a directory `dhp_jax/data/models/<name>/` with config.json)."""
+    return (MODELS_DIR / str(name).lower() / "config.json").is_file()
+
+
+def model_dir(name: str) -> Path:
+    """The directory of stored model `name` (config.json, source.json, processor configs)."""
+    if not is_stored(name):
+        known = sorted(p.parent.name for p in MODELS_DIR.glob("*/config.json"))
         raise ValueError(f"unknown model {name!r}; known models: {', '.join(known)}")
-    with open(path) as f:
+    return MODELS_DIR / str(name).lower()
+
+
+def model_record(name: str) -> dict[str, Any]:
+    """Stored model `name`: its source.json ({"name", "hub_id", "source", "notes", ...}) with
+    "config", its config.json."""
+    path = model_dir(name)
+    with open(path / "source.json") as f:
         record = json.load(f)
-    if not isinstance(record.get("config"), dict) or not record.get("hub_id"):
-        raise ValueError(f"{path}: a model file needs 'hub_id' and a 'config' object (the published config.json)")
+    if not record.get("hub_id"):
+        raise ValueError(f"{path / 'source.json'}: a model's source.json needs 'hub_id'")
+    record["config"] = read_config(path)
     return record
 
 
@@ -126,42 +137,13 @@ def model_facts(name: str) -> ModelFacts:
     return facts_from_config(model_config(name), where=f"model {name!r}")
 
 
-def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
-    """A config dict as is, or config.json of a checkpoint directory (or the file itself)."""
-    if isinstance(config, Mapping):
-        return dict(config)
-    path = Path(config)
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise FileNotFoundError(f"{path}: " + ("no config.json (a directory written by save_pretrained)"
-                                               if path.exists() else "does not exist"))
-    return read_json_file(file, fix="copy or save the checkpoint again")
+read_config = hf_config.read_config
 
 
 def hf_layout(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The transformers-native layout of a config: InternVL's chat layout (`llm_config`) converted
-    to the `-hf` one (text_config = llm_config; vision fields renamed: qkv_bias -> attention_bias,
-    qk_normalization -> use_qk_norm; no final vision norm, as InternViT has none); others as is."""
-    if config.get("model_type") != "internvl_chat":
-        return dict(config)
-    v = config["vision_config"]
-    vision = {"model_type": "internvl_vision", "hidden_size": v["hidden_size"],
-              "intermediate_size": v["intermediate_size"], "num_attention_heads": v["num_attention_heads"],
-              "num_hidden_layers": v["num_hidden_layers"], "hidden_act": v.get("hidden_act", "gelu"),
-              "image_size": v.get("image_size", 448), "patch_size": v.get("patch_size", 14),
-              "num_channels": v.get("num_channels", 3), "norm_type": v.get("norm_type", "layer_norm"),
-              "layer_norm_eps": v.get("layer_norm_eps", 1e-6), "attention_bias": v.get("qkv_bias", True),
-              "use_qk_norm": v.get("qk_normalization", False), "use_mean_pooling": True,
-              "use_absolute_position_embeddings": True, "use_mask_token": False}
-    if int(config.get("select_layer", -1)) != -1:
-        raise ValueError(f"internvl_chat: select_layer {config['select_layer']} is not supported (only -1)")
-    return {"model_type": "internvl", "downsample_ratio": config.get("downsample_ratio", 0.5),
-            "projector_hidden_act": "gelu", "text_config": dict(config["llm_config"]), "vision_config": vision,
-            "tie_word_embeddings": bool(config["llm_config"].get("tie_word_embeddings", False)),
-            "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
-            # the chat layout keeps the image placeholder (<IMG_CONTEXT>) in its tokenizer, not its
-            # config; assumed 151667, transformers' InternVLConfig default (the -hf releases' id)
-            "image_token_id": int(config.get("image_token_id", INTERNVL_IMAGE_TOKEN))}
+    """The nested transformers layout of a config (`dhp_jax.data.hf_config.nested`): a flat
+    Qwen2.5-VL file nested, InternVL's chat layout as the `-hf` one; others as they are."""
+    return hf_config.nested(config)
 
 
 def _pair(x: Any) -> int:
@@ -172,67 +154,57 @@ def _pair(x: Any) -> int:
     return int(x)
 
 
-def _text(t: Mapping[str, Any], where: str) -> dict[str, Any]:
-    heads = int(t["num_attention_heads"])
-    kv = int(t.get("num_key_value_heads") or heads)
-    head_dim = int(t.get("head_dim") or int(t["hidden_size"]) // heads)
-    rope = t.get("rope_parameters") or t.get("rope_scaling") or {}
-    theta = float(rope.get("rope_theta", t.get("rope_theta", 10000.0)))
-    if heads % kv:
-        raise ValueError(f"{where}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
-    return dict(layers=int(t["num_hidden_layers"]), heads=heads, kv_heads=kv, hidden=int(t["hidden_size"]),
-                intermediate=int(t["intermediate_size"]), head_dim=head_dim, vocab=int(t["vocab_size"]),
-                rope_theta=theta, rms_eps=float(t.get("rms_norm_eps", 1e-6)))
+def _text(t: Mapping[str, Any]) -> dict[str, Any]:
+    """The planner's LLM fields of a resolved text_config."""
+    return dict(layers=int(t["num_hidden_layers"]), heads=int(t["num_attention_heads"]),
+                kv_heads=int(t["num_key_value_heads"]), hidden=int(t["hidden_size"]),
+                intermediate=int(t["intermediate_size"]), head_dim=int(t["head_dim"]), vocab=int(t["vocab_size"]),
+                rope_theta=float(t["rope_parameters"]["rope_theta"]), rms_eps=float(t["rms_norm_eps"]))
 
 
 def _text_params(t: Mapping[str, Any], f: dict[str, Any], tied: bool) -> int:
     """Parameters of the decoder, embedding and LM head, as transformers builds them."""
     d, hd = f["hidden"], f["head_dim"]
     q, kv = f["heads"] * hd, f["kv_heads"] * hd
-    bias = bool(t.get("attention_bias", t.get("model_type") in ("qwen2", "qwen2_5_vl_text", "qwen2_vl_text")))
-    qk_norm = t.get("model_type") in ("qwen3", "qwen3_vl_text")
+    # q/k/v biases: Qwen2's attention always has them; the others' config says (attention_bias)
+    bias = bool(t["attention_bias"]) if "attention_bias" in hf_config.FIELDS[t["model_type"]] else True
+    qk_norm = t["model_type"] in ("qwen3", "qwen3_vl_text")
     layer = d * (q + 2 * kv) + q * d + 3 * d * f["intermediate"] + 2 * d
     layer += (q + 2 * kv) * bias + 2 * hd * qk_norm
     return f["layers"] * layer + d + f["vocab"] * d * (1 if tied else 2)
 
 
 def facts_from_config(config: Mapping[str, Any], where: str = "config") -> ModelFacts:
-    """`ModelFacts` of a published config dict (any of the three layouts)."""
-    raw = hf_layout(config)
-    family = raw.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"{where}: model_type {family!r} is not one of {', '.join(FAMILIES)} (or internvl_chat)")
-    for key in ("text_config", "vision_config"):
-        if not isinstance(raw.get(key), Mapping):
-            raise ValueError(f"{where}: config has no {key} object")
+    """`ModelFacts` of a published config dict (any of its published layouts), read as transformers
+    reads it (`dhp_jax.data.hf_config.resolve`)."""
+    raw = hf_config.resolve(config, where)
+    family = raw["model_type"]
     t, v = raw["text_config"], raw["vision_config"]
-    text = _text(t, where)
+    text = _text(t)
     d = text["hidden"]
-    # as transformers 5 and dhp_jax.model.hf read it: the top-level flag (default: tied for internvl,
-    # untied for Qwen), or the text model's
-    tied = bool(raw.get("tie_word_embeddings", family == "internvl")) or bool(t.get("tie_word_embeddings", False))
+    tied = bool(raw["tie_word_embeddings"])          # transformers' rule (hf_config.TIE_RULES)
     if family == "internvl":
         vh, vi, vn = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_attention_heads"])
-        depth, patch, image = int(v["num_hidden_layers"]), _pair(v.get("patch_size", 14)), _pair(v.get("image_size", 448))
-        shuffle = int(round(1 / float(raw.get("downsample_ratio", 0.5))))
+        depth, patch, image = int(v["num_hidden_layers"]), _pair(v["patch_size"]), _pair(v["image_size"])
+        shuffle = int(round(1 / float(raw["downsample_ratio"])))
         grid = (image // patch) ** 2
-        channels, temporal, merge, mlp = int(v.get("num_channels", 3)), 1, shuffle, 2
+        channels, temporal, merge, mlp = int(v["num_channels"]), 1, shuffle, 2
         frame, window, window_layers, deepstack, proj_hidden = grid + 1, 0, 0, 0, d
-        norm = 2 * vh if v.get("norm_type", "layer_norm") == "layer_norm" else vh
-        layer = 4 * vh * vh + vh + 2 * vh * vi + vi + vh + 2 * norm + 2 * vh + (3 * vh if v.get("attention_bias") else 0) \
-            + (2 * vh if v.get("use_qk_norm") else 0)
-        vision = (channels * patch * patch * vh + vh + vh + (grid + 1) * vh * bool(v.get("use_absolute_position_embeddings", True))
-                  + vh * bool(v.get("use_mask_token")) + depth * layer
-                  + (0 if v.get("use_mean_pooling", True) else 2 * vh))
+        norm = 2 * vh if v["norm_type"] == "layer_norm" else vh
+        layer = 4 * vh * vh + vh + 2 * vh * vi + vi + vh + 2 * norm + 2 * vh + (3 * vh if v["attention_bias"] else 0) \
+            + (2 * vh if v["use_qk_norm"] else 0)
+        vision = (channels * patch * patch * vh + vh + vh
+                  + (grid + 1) * vh * bool(v["use_absolute_position_embeddings"])
+                  + vh * bool(v["use_mask_token"]) + depth * layer
+                  + (0 if v["use_mean_pooling"] else 2 * vh))
         wide = vh * merge * merge
         projector = 2 * wide + wide * d + d + d * d + d
         rule = "internvl" if (image, grid // (merge * merge)) == (448, 256) else f"internvl-{image}"
     else:
         vh, vi, vn = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_heads"])
-        depth, patch = int(v["depth"]), int(v.get("patch_size", 14))
-        channels, temporal, merge = int(v.get("in_channels", 3)), int(v.get("temporal_patch_size", 2)), \
-            int(v.get("spatial_merge_size", 2))
-        out = int(v.get("out_hidden_size", d))
+        depth, patch = int(v["depth"]), int(v["patch_size"])
+        channels, temporal, merge = int(v["in_channels"]), int(v["temporal_patch_size"]), int(v["spatial_merge_size"])
+        out = int(v["out_hidden_size"])
         if out != d:
             raise ValueError(f"{where}: vision_config.out_hidden_size {out} is not the LLM's hidden_size {d}")
         wide = vh * merge * merge
@@ -240,15 +212,15 @@ def facts_from_config(config: Mapping[str, Any], where: str = "config") -> Model
         qkv = 3 * vh * vh + 3 * vh + vh * vh + vh
         if family == "qwen2_5_vl":
             mlp, deepstack = 3, 0
-            window_layers = depth - len(v.get("fullatt_block_indexes", ()))
-            window = (int(v.get("window_size", 112)) // patch) ** 2
+            window_layers = depth - len(v["fullatt_block_indexes"])
+            window = (int(v["window_size"]) // patch) ** 2
             layer = qkv + 3 * vh * vi + 2 * vi + vh + 2 * vh        # SwiGLU with biases, two RMSNorms
             embed, merger_norm = channels * temporal * patch * patch * vh, vh   # Conv3d without bias; RMSNorm
         else:
             mlp, window, window_layers = 2, 0, 0
-            deepstack = len(v.get("deepstack_visual_indexes", ()))
+            deepstack = len(v["deepstack_visual_indexes"])
             layer = qkv + 2 * vh * vi + vi + vh + 4 * vh            # GELU MLP with biases, two LayerNorms
-            embed = channels * temporal * patch * patch * vh + vh + int(v.get("num_position_embeddings", 2304)) * vh
+            embed = channels * temporal * patch * patch * vh + vh + int(v["num_position_embeddings"]) * vh
             merger_norm = 2 * vh
         merger = wide * wide + wide + wide * d + d
         vision = embed + depth * layer

@@ -207,7 +207,7 @@ def family_for_model(model: str) -> str:
     from dhp_jax.data import model_configs
 
     m = model.lower()
-    if (model_configs.MODELS_DIR / f"{m}.json").is_file():
+    if model_configs.is_stored(m):
         return model_configs.model_facts(m).vision_rule
     for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen3", "qwen3-vl"),
                         ("qwen", "qwen-vl"), ("llava", "llava")):

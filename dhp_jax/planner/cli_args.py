@@ -42,7 +42,8 @@ def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b
                   freeze_vision: bool = False) -> None:
     """--model, --hardware, --cost (alias --cost-profile); --ranks when `ranks` is given; --ranks-per-node
     unless `ranks_per_node` is None; --freeze-vision when asked."""
-    parser.add_argument("--model", default=model, help=f"cost-model preset model (default {model}): {', '.join(MODELS)}")
+    parser.add_argument("--model", default=model, help=f"cost-model preset model (default {model}): {', '.join(MODELS)}, or a "
+                             "checkpoint directory (its config.json)")
     parser.set_defaults(model_default=model)
     parser.add_argument("--hardware", default=hardware,
                         help=f"cost-model hardware preset (default {hardware}): {', '.join(HARDWARE)}")
@@ -90,7 +91,7 @@ def mllm_preset(args: argparse.Namespace, prog: str) -> str:
     if args.mllm:
         return args.mllm
     model = getattr(args, "model", None)
-    if model and str(model).lower() not in MODELS:
+    if model and str(model).lower() not in MODELS and not (Path(str(model)) / "config.json").is_file():
         print(f"{prog}: --model {model} read as --mllm {model} (--model names the cost-model preset)",
               file=sys.stderr)
         args.model = getattr(args, "model_default", None)

@@ -31,7 +31,7 @@ import os
 import time
 from typing import Any, Mapping, Sequence
 
-from dhp_jax.data.model_configs import hf_layout, model_config
+from dhp_jax.data.model_configs import hf_layout, model_config, read_config
 from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import REMATS, group_program_bytes
 from dhp_jax.planner.cost.presets import ModelShape
@@ -40,8 +40,11 @@ BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks
 
 
 def load_model_config(name: str) -> tuple[str, dict]:
-    """(name, config.json dict) of a stored model (`dhp_jax/data/models`) or a model file (a path to
-    a JSON record with a "config" object, as stored there, or to a bare config.json)."""
+    """(name, config.json dict, nested layout) of a stored model (`dhp_jax/data/models`), a model
+    directory (config.json inside, as a checkpoint's or a stored model's) or a model file (a path to
+    a JSON record with a "config" object, or to a bare config.json)."""
+    if os.path.isdir(name):
+        return os.path.basename(os.path.normpath(name)), hf_layout(read_config(name))
     if os.path.isfile(name):
         with open(name) as f:
             record = json.load(f)

@@ -1,7 +1,7 @@
 """`dhp bench load`: peak host memory of `load_sharded` on a synthetic bf16 checkpoint of a real layout.
 
 The checkpoint is Qwen3-VL in transformers' layout (`Qwen3VLForConditionalGeneration`'s weight
-names and shapes), from the published Qwen3-VL-2B config (`dhp_jax/data/models/qwen3-vl-2b.json`)
+names and shapes), from the published Qwen3-VL-2B config (`dhp_jax/data/models/qwen3-vl-2b/config.json`)
 with its LLM and vision depths scaled so the model has at least `--params` parameters (DeepStack
 levels scaled with the vision depth); below what the published widths allow, every width is
 halved until a one-layer model fits. The weights are random bf16, written shard by shard

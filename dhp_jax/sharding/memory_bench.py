@@ -216,7 +216,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only JSON")
     parser.add_argument("--families", default="",
                         help="comma-separated family models (stored names, or model files such as "
-                             "experiments/configs/models/qwen2.5-vl-7b.json): compile the Hugging Face family's own "
+                             "experiments/configs/models/qwen2.5-vl-7b): compile the Hugging Face family's own "
                              "group program (dhp_jax.sharding.family_memory) instead of the stand-in's")
     parser.add_argument("--layer-checks", default="",
                         help="--families: semicolon-separated DEGREE,TOKENS points where one more LLM layer and one "

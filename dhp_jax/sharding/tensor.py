@@ -192,11 +192,11 @@ def _family_table(config: Any) -> SplitTable:
 
 
 def _family_intermediate(config: Any) -> int:
-    return int(config.raw["text_config"]["intermediate_size"])
+    return int(config.fields["text_config"]["intermediate_size"])
 
 
 def _vision_intermediate(config: Any) -> int:
-    return int(config.raw["vision_config"]["intermediate_size"])
+    return int(config.fields["vision_config"]["intermediate_size"])
 
 
 def split_table(config: Any) -> SplitTable:

@@ -189,6 +189,13 @@ class TrainConfig:
         if self.model.pretrained and len(sources) != 1:
             raise ConfigError(f"model.pretrained needs exactly one of data.manifest, data.webdataset, "
                               f"data.hf_dataset, got {sorted(sources) or 'none'}")
+        if self.model.pretrained:
+            from dhp_jax.data.hf_config import checkpoint_dir
+
+            try:        # a Hub id in the local Hugging Face cache: its snapshot directory
+                self.model.pretrained = checkpoint_dir(self.model.pretrained)
+            except FileNotFoundError:
+                pass    # reported (with the command that downloads it) where the checkpoint is loaded
         if sources and not self.model.pretrained:
             raise ConfigError(f"{next(iter(sources))} is fine-tuning data: it needs model.pretrained=CHECKPOINT_DIR "
                               f"(the stand-in model trains on data.dataset)")
@@ -230,8 +237,15 @@ class TrainConfig:
                                      if inside else f"; give {what}"))
 
         if self.model.pretrained:
+            from dhp_jax.data.hf_config import HUB_ID, checkpoint_dir
+
             key, value = "model.pretrained", self.model.pretrained
             what = "a checkpoint directory written by save_pretrained (the folder that holds config.json)"
+            if not Path(value).exists() and HUB_ID.match(value):     # a Hub id, found in the local cache
+                try:
+                    value = checkpoint_dir(value)
+                except FileNotFoundError as e:
+                    raise ConfigError(f"{key}={value!r}: {e}") from None
             path = exists(key, value, what)
             if not path.is_dir():
                 raise ConfigError(f"{key}={value!r}: {str(path.resolve())!r} is a file, expected {what}"
@@ -372,6 +386,7 @@ _INPUT_PATHS = (("planner", "plan_file"), ("planner", "cost_profile"), ("model",
 
 
 def _resolve_inputs(config: TrainConfig, base: Path) -> None:
+    from dhp_jax.data.hf_config import HUB_ID
     from dhp_jax.planner.cli_args import profile_path
 
     for section, key in _INPUT_PATHS:
@@ -379,6 +394,8 @@ def _resolve_inputs(config: TrainConfig, base: Path) -> None:
         value = getattr(obj, key)
         if key == "cost_profile" and value and not (base / value).exists() and profile_path(value) != value:
             continue  # a packaged profile named by name (tiny-cpu8)
+        if key == "pretrained" and value and not (base / value).exists() and HUB_ID.match(value):
+            continue  # a Hugging Face Hub id (resolved in the local cache by validate)
         if value and not os.path.isabs(value):
             setattr(obj, key, str((base / value).resolve()))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from types import ModuleType
 from typing import Any, Mapping
 
@@ -10,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dhp_jax.data.hf_config import checkpoint_dir
 from dhp_jax.model.attention import dense_attention
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
@@ -29,13 +31,18 @@ def family_module(family: str) -> ModuleType:
 
 
 def load_config(path: str) -> HFConfig:
-    """The HFConfig of a checkpoint directory's config.json (no weights read)."""
-    return parse_config(read_config_json(path))
+    """The HFConfig of a checkpoint directory's config.json (no weights read); `path` may be a Hub
+    id in the local Hugging Face cache (`dhp_jax.data.hf_config.checkpoint_dir`)."""
+    path = checkpoint_dir(path)
+    return parse_config(read_config_json(path), where=os.path.join(path, "config.json"))
 
 
 def load_pretrained(path: str, dtype: str = "float32") -> tuple[HFConfig, dict]:
-    """(config, params) of a directory written by transformers' `save_pretrained`: config.json and
-    model.safetensors (or its shards), read memory-mapped and converted leaf by leaf to `dtype`."""
+    """(config, params) of a directory written by transformers' `save_pretrained` (or a Hub id in
+    the local Hugging Face cache): config.json and model.safetensors (or its shards, with
+    model.safetensors.index.json), read memory-mapped and converted leaf by leaf to `dtype`.
+    Weights under the published checkpoints' older names are renamed as transformers renames them."""
+    path = checkpoint_dir(path)
     config = load_config(path)
     module = family_module(config.family)
     target = jnp.dtype(dtype)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Mapping
 
-from dhp_jax.data.jsonl import read_json_file
+from dhp_jax.data import hf_config
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.spec import TextConfig
 
@@ -18,7 +18,9 @@ REMATS = ("none", "layer", "selective")      # `dhp_jax.model.mllm.REMAT_POLICIE
 @dataclasses.dataclass(frozen=True, eq=False)
 class HFConfig:
     """One model of a supported family. `raw` is config.json as read (written back unchanged by
-    `save_pretrained`); `text` the LLM's shape; `vision` the family's own vision-encoder config;
+    `save_pretrained`); `fields` the same as transformers reads it (`dhp_jax.data.hf_config.resolve`:
+    nested layout, every field the project reads present); `text` the LLM's shape; `vision` the
+    family's own vision-encoder config;
     `tied`: the LM head is the token embedding; `token_ids`: placeholder ids ("image", "video").
 
     How the engine runs the blocks (run-time choices, never values; `MLLMConfig`'s fields of the
@@ -42,6 +44,10 @@ class HFConfig:
         if isinstance(self.linear_chunk, bool) or not isinstance(self.linear_chunk, int) or self.linear_chunk < 0:
             raise ValueError(f"HFConfig.linear_chunk must be an integer >= 0 (0: no chunks), got {self.linear_chunk!r}")
 
+    @functools.cached_property
+    def fields(self) -> Mapping[str, Any]:
+        return hf_config.resolve(self.raw)
+
     @property
     def vocab_size(self) -> int:
         return self.text.vocab_size
@@ -57,18 +63,8 @@ class HFConfig:
 
 
 def read_config_json(path: str) -> dict:
-    """config.json of a checkpoint directory."""
-    file = os.path.join(path, "config.json")
-    if not os.path.exists(file):
-        raise FileNotFoundError(f"{path}: " + ("no config.json (a directory written by save_pretrained)"
-                                               if os.path.isdir(path) else "does not exist"))
-    return read_json_file(file, fix="copy or save the checkpoint again")
-
-
-def tied_embeddings(raw: Mapping[str, Any], default: bool) -> bool:
-    """Whether the LM head is the token embedding (the top-level flag, or the text model's)."""
-    return bool(raw.get("tie_word_embeddings", default)) or bool(
-        (raw.get("text_config") or {}).get("tie_word_embeddings", False))
+    """config.json of a checkpoint directory (`dhp_jax.data.hf_config.read_config`)."""
+    return hf_config.read_config(os.fspath(path))
 
 
 def write_pretrained(out_dir: str, raw: Mapping[str, Any], weights: Mapping[str, Any], max_shard_bytes: int) -> None:
@@ -93,16 +89,20 @@ def with_depth(raw: Mapping[str, Any], layers: int, vision_layers: int, spread: 
     blocks that differ (Qwen3-VL's DeepStack blocks, Qwen2.5-VL's full-attention blocks) keep
     their count where the depth allows, as the first blocks (DeepStack: their features are added
     to the first LLM layers) or the last ones (full attention); `spread`: at the same places in
-    proportion instead (block i of D goes to round(i * vision_layers / D), one block per place)."""
-    out = copy.deepcopy(dict(raw))
+    proportion instead (block i of D goes to round(i * vision_layers / D), one block per place).
+    A block list the file leaves out is transformers' default list. The result is in the nested
+    layout (`dhp_jax.data.hf_config.nested`)."""
+    out = hf_config.nested(raw)
     out["text_config"]["num_hidden_layers"] = int(layers)
-    v = out["vision_config"]
-    key = "depth" if "depth" in v else "num_hidden_layers"
-    old, n = int(v[key]), int(vision_layers)
+    full = hf_config.resolve(out)["vision_config"]
+    v = out.setdefault("vision_config", {})
+    key = "depth" if "depth" in full else "num_hidden_layers"
+    old, n = int(full[key]), int(vision_layers)
     v[key] = n
     for field, at_end in SPECIAL_BLOCKS:
-        if field not in v:
+        if field not in full:
             continue
+        v[field] = list(full[field])
         if spread:
             v[field] = sorted({min(n - 1, round(i * n / old)) for i in v[field]})
         else:

@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from dhp_jax.model.hf import qwen_vision as qv
-from dhp_jax.model.hf.config import HFConfig, tied_embeddings
+from dhp_jax.data import hf_config
+from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.spec import TextConfig
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
@@ -50,23 +51,24 @@ class InternVLVision:
     projector_act: str
 
 
-def parse_internvl(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of an InternVL (`-hf` layout) config.json."""
-    v = raw["vision_config"]
-    if raw.get("vision_feature_layer", -1) != -1:
-        raise ValueError(f"internvl: vision_feature_layer {raw['vision_feature_layer']} is not supported (only -1)")
-    if raw.get("vision_feature_select_strategy", "default") != "default":
+def parse_internvl(raw: Mapping[str, Any], r: Mapping[str, Any] | None = None) -> HFConfig:
+    """HFConfig of an InternVL config.json `raw` (resolved: `r`; the `-hf` layout or the chat one)."""
+    r = hf_config.resolve(raw) if r is None else r
+    v = r["vision_config"]
+    if r["vision_feature_layer"] != -1:
+        raise ValueError(f"internvl: vision_feature_layer {r['vision_feature_layer']} is not supported (only -1)")
+    if r["vision_feature_select_strategy"] != "default":
         raise ValueError("internvl: only vision_feature_select_strategy 'default' (drop the CLS token) is supported")
-    if v.get("norm_type", "layer_norm") not in ("layer_norm", "rms_norm"):
+    if v["norm_type"] not in ("layer_norm", "rms_norm"):
         raise ValueError(f"internvl: vision norm_type {v['norm_type']!r} is not layer_norm or rms_norm")
-    ratio = float(raw.get("downsample_ratio", 0.5))
+    ratio = float(r["downsample_ratio"])
     vision = InternVLVision(
-        int(v["num_hidden_layers"]), int(v["hidden_size"]), int(v["num_attention_heads"]), v.get("hidden_act", "gelu"),
-        int(v.get("num_channels", 3)), _pair(v.get("image_size", 448)), _pair(v.get("patch_size", 14)),
-        v.get("norm_type", "layer_norm"), float(v.get("layer_norm_eps", 1e-6)), bool(v.get("use_qk_norm", False)),
-        not v.get("use_mean_pooling", True), int(round(1 / ratio)), raw.get("projector_hidden_act", "gelu"))
-    return HFConfig("internvl", raw, TextConfig.from_dict(raw["text_config"]), vision, tied_embeddings(raw, True),
-                    {"image": int(raw["image_token_id"])})
+        int(v["num_hidden_layers"]), int(v["hidden_size"]), int(v["num_attention_heads"]), v["hidden_act"],
+        int(v["num_channels"]), _pair(v["image_size"]), _pair(v["patch_size"]), v["norm_type"],
+        float(v["layer_norm_eps"]), bool(v["use_qk_norm"]), not v["use_mean_pooling"], int(round(1 / ratio)),
+        r["projector_hidden_act"])
+    return HFConfig("internvl", raw, TextConfig.from_dict(r["text_config"]), vision, bool(r["tie_word_embeddings"]),
+                    {"image": int(r["image_token_id"])})
 
 
 def internvl_conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
@@ -102,13 +104,14 @@ class Qwen2_5_VLVision(qv.QwenVision):
     tokens_per_second: float
 
 
-def parse_qwen2_5_vl(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a Qwen2.5-VL config.json."""
-    v = raw["vision_config"]
-    vision = Qwen2_5_VLVision(**qv.QwenVision.fields(v, "silu", 14), window_size=int(v.get("window_size", 112)),
-                              full_attention_blocks=tuple(int(i) for i in v.get("fullatt_block_indexes", ())),
-                              tokens_per_second=float(v.get("tokens_per_second", 4)))
-    return qv.qwen_config("qwen2_5_vl", raw, vision)
+def parse_qwen2_5_vl(raw: Mapping[str, Any], r: Mapping[str, Any] | None = None) -> HFConfig:
+    """HFConfig of a Qwen2.5-VL config.json `raw` (resolved: `r`; nested or flat)."""
+    r = hf_config.resolve(raw) if r is None else r
+    v = r["vision_config"]
+    vision = Qwen2_5_VLVision(**qv.QwenVision.fields(v), window_size=int(v["window_size"]),
+                              full_attention_blocks=tuple(int(i) for i in v["fullatt_block_indexes"]),
+                              tokens_per_second=float(v["tokens_per_second"]))
+    return qv.qwen_config("qwen2_5_vl", raw, r, vision)
 
 
 # ----------------------------------------------------------------------------------------- Qwen3-VL
@@ -121,13 +124,13 @@ class Qwen3VLVision(qv.QwenVision):
     deepstack_blocks: tuple[int, ...]
 
 
-def parse_qwen3_vl(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a Qwen3-VL config.json."""
-    v = raw["vision_config"]
-    vision = Qwen3VLVision(**qv.QwenVision.fields(v, "gelu_pytorch_tanh", 16),
-                           grid_side=int(int(v.get("num_position_embeddings", 2304)) ** 0.5),
-                           deepstack_blocks=tuple(int(i) for i in v.get("deepstack_visual_indexes", ())))
-    return qv.qwen_config("qwen3_vl", raw, vision)
+def parse_qwen3_vl(raw: Mapping[str, Any], r: Mapping[str, Any] | None = None) -> HFConfig:
+    """HFConfig of a Qwen3-VL config.json `raw` (resolved: `r`)."""
+    r = hf_config.resolve(raw) if r is None else r
+    v = r["vision_config"]
+    vision = Qwen3VLVision(**qv.QwenVision.fields(v), grid_side=int(int(v["num_position_embeddings"]) ** 0.5),
+                           deepstack_blocks=tuple(int(i) for i in v["deepstack_visual_indexes"]))
+    return qv.qwen_config("qwen3_vl", raw, r, vision)
 
 
 def interpolation_taps(grid_thw: np.ndarray, side: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
@@ -158,7 +161,7 @@ class Family:
 
     model_types: tuple[str, ...]
     renames: tuple[tuple[str, str], ...]
-    parse: Callable[[Mapping[str, Any]], HFConfig]
+    parse: Callable[[Mapping[str, Any], Mapping[str, Any]], HFConfig]
     conv_shapes: Callable[[HFConfig], dict[str, tuple[int, ...]]]
 
 
@@ -169,10 +172,10 @@ REGISTRY = {
 }
 
 
-def parse_config(raw: Mapping[str, Any]) -> HFConfig:
-    """HFConfig of a config.json dict, by its model_type."""
-    model_type = raw.get("model_type")
-    for family in FAMILIES:
-        if model_type in REGISTRY[family].model_types:
-            return REGISTRY[family].parse(raw)
-    raise ValueError(f"config.json model_type {model_type!r} is not one of the supported families {FAMILIES}")
+def parse_config(raw: Mapping[str, Any], where: str = "config.json") -> HFConfig:
+    """HFConfig of a config.json dict (any published layout), read by `dhp_jax.data.hf_config.resolve`."""
+    if raw.get("model_type") == "internvl_chat":
+        raise ValueError(f"{where}: model_type 'internvl_chat' (InternVL's own checkpoint layout) has no loader here; "
+                         f"use the '-hf' release of the model (model_type 'internvl')")
+    r = hf_config.resolve(raw, where)
+    return REGISTRY[r["model_type"]].parse(dict(raw), r)

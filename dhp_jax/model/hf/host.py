@@ -33,6 +33,7 @@ def qwen2_5_vl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     batch = qv.token_arrays(inputs, v.merge, intervals, split_video_frames=False)
     for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
         batch[kind] = {**arrays, "windows": qv.window_segments(grid, v.merge, v.window_size, v.patch_size)}
+    cfg.text.check_positions(batch["positions"])
     return batch
 
 
@@ -43,6 +44,7 @@ def qwen3_vl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     for kind, grid, arrays in qv.encoder_inputs(cfg, inputs, batch["input_ids"]):
         taps, weights = interpolation_taps(grid, v.grid_side, v.merge)
         batch[kind] = {**arrays, "taps": taps, "tap_weights": weights}
+    cfg.text.check_positions(batch["positions"])
     return batch
 
 
@@ -54,6 +56,7 @@ def internvl(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     ids = ids.astype(np.int32)
     batch: dict[str, Any] = {"input_ids": ids, "keep": keep,
                              "positions": np.arange(len(ids), dtype=np.int32)[:, None]}
+    cfg.text.check_positions(batch["positions"])
     if inputs.get("pixel_values") is not None:
         px = as_numpy(inputs["pixel_values"])
         (ph, pw), (h, w) = v.patch_size, v.image_size

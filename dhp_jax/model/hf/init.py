@@ -37,7 +37,7 @@ def _norm(out: dict, name: str, d: int, bias: bool) -> None:
 def _text_shapes(cfg: HFConfig, out: dict) -> None:
     t, s = cfg.text, cfg.text.shape
     d, pre = t.hidden_size, "model.language_model"
-    inter = int(cfg.raw["text_config"]["intermediate_size"])
+    inter = int(cfg.fields["text_config"]["intermediate_size"])
     out[f"{pre}.embed_tokens.weight"] = ("normal", (t.vocab_size, d))
     for i in range(t.num_layers):
         p = f"{pre}.layers.{i}"
@@ -59,7 +59,7 @@ def _text_shapes(cfg: HFConfig, out: dict) -> None:
 
 
 def _qwen_vision_shapes(cfg: HFConfig, out: dict) -> None:
-    v, raw = cfg.vision, cfg.raw["vision_config"]
+    v, raw = cfg.vision, cfg.fields["vision_config"]
     h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
     wide, pre = h * v.merge ** 2, "model.visual"
     qwen3 = cfg.family == "qwen3_vl"
@@ -94,7 +94,7 @@ def _qwen_vision_shapes(cfg: HFConfig, out: dict) -> None:
 
 
 def _internvl_shapes(cfg: HFConfig, out: dict) -> None:
-    v, raw = cfg.vision, cfg.raw["vision_config"]
+    v, raw = cfg.vision, cfg.fields["vision_config"]
     d, inter = v.hidden_size, int(raw["intermediate_size"])
     pre = "model.vision_tower"
     patches = (v.image_size[0] // v.patch_size[0]) * (v.image_size[1] // v.patch_size[1])

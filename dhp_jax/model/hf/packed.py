@@ -176,6 +176,7 @@ def pack_family_group(samples: Sequence[Sample], degree: int, config: HFConfig, 
             if pos.shape[1] != axes:
                 raise ValueError(f"{where} segment {gi}: positions have {pos.shape[1]} axes, "
                                  f"{config.family} needs {axes}")
+            config.text.check_positions(pos, f"{where} segment {gi}")
             llm[sl, len(LLM_INTS):] = pos
             if seg.is_vision:
                 llm[sl, 1] = 1

@@ -18,9 +18,9 @@ from typing import Any, Iterator, Mapping
 
 import numpy as np
 
-from dhp_jax.model.hf.config import HFConfig, tied_embeddings
+from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_index
-from dhp_jax.model.hf.spec import RopeSpec, TextConfig, rope_parameters
+from dhp_jax.model.hf.spec import RopeSpec, TextConfig
 
 # (modality, pixel key, grid key) of the processor outputs, in the order the model encodes them
 MODALITIES = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
@@ -45,20 +45,20 @@ class QwenVision:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @staticmethod
-    def fields(v: Mapping[str, Any], act: str, patch_size: int) -> dict[str, Any]:
-        """The shared fields from a `vision_config` dict (`act`, `patch_size`: the family's defaults)."""
+    def fields(v: Mapping[str, Any]) -> dict[str, Any]:
+        """The shared fields from a resolved `vision_config` (`dhp_jax.data.hf_config.resolve`)."""
         heads = int(v["num_heads"])
         return dict(depth=int(v["depth"]), hidden_size=int(v["hidden_size"]), num_heads=heads,
-                    act=v.get("hidden_act", act), in_channels=int(v.get("in_channels", 3)),
-                    temporal_patch_size=int(v.get("temporal_patch_size", 2)),
-                    patch_size=int(v.get("patch_size", patch_size)), merge=int(v.get("spatial_merge_size", 2)),
-                    rope=RopeSpec.vision_2d(float(rope_parameters(v)["rope_theta"]), int(v["hidden_size"]) // heads))
+                    act=v["hidden_act"], in_channels=int(v["in_channels"]),
+                    temporal_patch_size=int(v["temporal_patch_size"]), patch_size=int(v["patch_size"]),
+                    merge=int(v["spatial_merge_size"]),
+                    rope=RopeSpec.vision_2d(float(v["rope_theta"]), int(v["hidden_size"]) // heads))
 
 
-def qwen_config(family: str, raw: Mapping[str, Any], vision: QwenVision) -> HFConfig:
-    """HFConfig of a Qwen-VL config.json once its vision config is parsed."""
-    return HFConfig(family, raw, TextConfig.from_dict(raw["text_config"]), vision, tied_embeddings(raw, False),
-                    {"image": int(raw["image_token_id"]), "video": int(raw["video_token_id"])})
+def qwen_config(family: str, raw: Mapping[str, Any], r: Mapping[str, Any], vision: QwenVision) -> HFConfig:
+    """HFConfig of a Qwen-VL config.json `raw` (resolved: `r`) once its vision config is parsed."""
+    return HFConfig(family, raw, TextConfig.from_dict(r["text_config"]), vision, bool(r["tie_word_embeddings"]),
+                    {"image": int(r["image_token_id"]), "video": int(r["video_token_id"])})
 
 
 def conv_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:

@@ -15,6 +15,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dhp_jax.data import hf_config
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeSpec:
@@ -86,30 +88,22 @@ class DecoderShape:
     act: str = "silu"
 
 
-# model_type -> (q/k/v bias, QK-norm, rotary kind); a bias given by config["attention_bias"] wins
+# model_type -> (q/k/v bias, QK-norm, rotary kind); where the config class has an `attention_bias`
+# field (`dhp_jax.data.hf_config.FIELDS`) it decides the bias, else the module's fixed bias does
 TEXT_MODELS: dict[str, tuple[bool, bool, str]] = {
     "qwen2": (True, False, "plain"),
     "qwen2_5_vl_text": (True, False, "mrope_sections"),
-    "qwen2_vl_text": (True, False, "mrope_sections"),
     "qwen3": (False, True, "plain"),
     "qwen3_vl_text": (False, True, "mrope_interleaved"),
     "llama": (False, False, "plain"),
 }
 
 
-def rope_parameters(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """The rotary parameters of a config dict in transformers 5's form ({"rope_type", "rope_theta",
-    "mrope_section"?}), also from the older `rope_scaling` / `rope_theta` fields."""
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = "default" if kind == "mrope" else kind
-    return params
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class TextConfig:
-    """The shape of a family's LLM, read from its `text_config`."""
+    """The shape of a family's LLM, read from its `text_config` as `dhp_jax.data.hf_config.resolve`
+    gives it (every field present). `exact_positions`: positions at or past it would get a rotary
+    that transformers rescales (a `dynamic` rope_type past max_position_embeddings); None: no bound."""
 
     model_type: str
     vocab_size: int
@@ -118,30 +112,36 @@ class TextConfig:
     shape: DecoderShape
     rope: RopeSpec
     bias: bool
+    exact_positions: int | None = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "TextConfig":
-        model_type = cfg.get("model_type", "")
+        """From a resolved `text_config` (`dhp_jax.data.hf_config.resolve(raw)["text_config"]`)."""
+        model_type = cfg["model_type"]
         if model_type not in TEXT_MODELS:
             raise ValueError(f"text_config.model_type {model_type!r} is not supported (known: {sorted(TEXT_MODELS)})")
-        if cfg.get("use_sliding_window"):
-            raise ValueError("text_config: sliding-window attention (use_sliding_window) is not supported")
         bias, qk_norm, rope_kind = TEXT_MODELS[model_type]
-        bias = bool(cfg.get("attention_bias", bias))
-        heads = int(cfg["num_attention_heads"])
-        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // heads)
-        rp = rope_parameters(cfg)
-        if rp["rope_type"] != "default":
-            raise ValueError(f"text_config: rope_type {rp['rope_type']!r} is not supported (only 'default')")
+        if "attention_bias" in hf_config.FIELDS[model_type]:
+            bias = bool(cfg["attention_bias"])
+        heads, head_dim = int(cfg["num_attention_heads"]), int(cfg["head_dim"])
+        rp = cfg["rope_parameters"]
         theta = float(rp["rope_theta"])
         if rope_kind == "plain":
             rope = RopeSpec.plain(theta, head_dim)
         else:
-            sections = tuple(int(s) for s in rp["mrope_section"])
-            rope = getattr(RopeSpec, rope_kind)(theta, head_dim, sections)
-        shape = DecoderShape(heads, int(cfg.get("num_key_value_heads") or heads), head_dim,
-                             float(cfg.get("rms_norm_eps", 1e-6)), qk_norm, cfg.get("hidden_act", "silu"))
+            rope = getattr(RopeSpec, rope_kind)(theta, head_dim, tuple(int(s) for s in rp["mrope_section"]))
+        if rp["rope_type"] == "linear":       # transformers divides the inverse frequencies by the factor
+            rope = RopeSpec(rope.axis, tuple(float(f) for f in (np.asarray(rope.inv_freq, np.float32)
+                                                                 / np.float32(rp["factor"])).astype(np.float32)))
+        shape = DecoderShape(heads, int(cfg["num_key_value_heads"]), head_dim, float(cfg["rms_norm_eps"]), qk_norm,
+                             cfg["hidden_act"])
         return cls(model_type, int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
-                   shape, rope, bias)
+                   shape, rope, bias, hf_config.rope_exact_positions(cfg))
 
-
+    def check_positions(self, positions: Any, where: str = "sample") -> None:
+        """Refuse positions past the bound where transformers' rotary would differ (`exact_positions`)."""
+        positions = np.asarray(positions)
+        if self.exact_positions is not None and positions.size and int(positions.max()) >= self.exact_positions:
+            raise ValueError(f"{where}: position {int(positions.max())} is past text_config.max_position_embeddings "
+                             f"{self.exact_positions}, where the 'dynamic' rope_scaling of config.json rescales the "
+                             f"rotary (not supported: shorten the sample)")

@@ -228,8 +228,8 @@ class CostModel:
                state_shards: int | None = None, compute_dtype: str | None = None, remat: str = "layer",
                zero_shards: int | None = None, activation_bytes: int | None = None, require_fit: bool = True,
                tensor_parallel: int = 1, sequence_parallel: bool = False, **overrides: Any) -> "CostModel":
-        """Coefficients derived from FLOPs and bytes of `model` (a preset name or a
-        `presets.ModelShape`) on `hardware` (see presets.py) for
+        """Coefficients derived from FLOPs and bytes of `model` (a preset name, a checkpoint
+        directory with a config.json, or a `presets.ModelShape`) on `hardware` (see presets.py) for
         this engine (see memory.py): fp32 master params + Adam state sharded over `state_shards`
         ranks (default 64, the paper's 8 x 8 cluster: the engine shards the state over every
         rank of the run, so pass the run's rank count; `zero_shards` is the old name), groups computing in
@@ -247,6 +247,8 @@ class CostModel:
         is refused, naming the model, the field and t. t = 1 is the model without it.
         """
         shape = model if isinstance(model, presets.ModelShape) else None
+        if shape is None and str(model).lower() not in presets.MODELS and (Path(str(model)) / "config.json").is_file():
+            shape = presets.ModelShape.from_config(str(model))   # a checkpoint directory, read as a preset is
         key_m, key_h = ("custom" if shape else str(model).lower()), str(hardware).lower()
         if shape is None and key_m not in presets.MODELS:
             raise ValueError(f"unknown model {model!r}; known models: {', '.join(presets.MODELS)}")
