@@ -324,6 +324,17 @@ def test_hub_id_loads_weights_and_trains_config(tmp_path, monkeypatch):
     cfg.model.pretrained = "Qwen/Qwen3-VL-2B-Instruct"
     cfg.data.manifest = "records.jsonl"
     assert cfg.validate().model.pretrained == str(snap)
+    # dhp train checks its paths first: a cached id passes, one not in the cache names the download
+    from dhp_jax.train.config import ConfigError
+
+    (tmp_path / "records.jsonl").write_text("")
+    cfg = TrainConfig()
+    cfg.model.pretrained, cfg.data.manifest = "Qwen/Qwen3-VL-2B-Instruct", "records.jsonl"
+    cfg.check_paths()
+    cfg.model.pretrained = "Qwen/Qwen3-VL-8B-Instruct"
+    with pytest.raises(ConfigError, match=r"model.pretrained='Qwen/Qwen3-VL-8B-Instruct': .*hf download "
+                                          r"Qwen/Qwen3-VL-8B-Instruct"):
+        cfg.check_paths()
 
 
 # ------------------------------------------------------------ the planner reads the same files
