@@ -58,8 +58,9 @@ def test_qwen_video_known_clips():
     assert (v.frames, v.tokens_per_frame, v.num_tokens) == (600, 364, 109200)
     # very short clip: at least 4 frames
     assert video_tokens(0.5, 320, 240, "qwen-vl").frames == 4
-    # the stored model's own files: every frame (no sampling in Qwen2.5-VL's release), 3136..12845056 px each
-    v = video_tokens(10, 1280, 720, "qwen2.5-vl-32b", source_fps=30)
+    # the stored model's files as they are ("files"): every frame, 3136..12845056 px each
+    assert video_tokens(10, 1280, 720, "qwen2.5-vl-32b", source_fps=30).num_tokens == 11960   # "auto"
+    v = vision_rules("qwen2.5-vl-32b", "files").video(10, 1280, 720, source_fps=30)
     assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (300, 150, 1196, 179400)
 
 
@@ -94,7 +95,9 @@ def test_internvl_and_llava_video():
     assert (v.frames, v.num_tokens) == (64, 64 * 256)
     assert video_tokens(2, 640, 480, "internvl").frames == 2      # 1 frame/s
     assert video_tokens(1000, 640, 480, "internvl").frames == 1000
-    assert video_tokens(10, 640, 480, "internvl3-8b", source_fps=25).frames == 250   # its files: every frame
+    assert video_tokens(10, 640, 480, "internvl3-8b", source_fps=25).frames == 10
+    assert vision_rules("internvl3-8b", "files").video(10, 640, 480, source_fps=25).frames == 250  # every frame
+    assert vision_rules("internvl3-8b", {"num_frames": 8}).video(10, 640, 480, source_fps=25).frames == 8
     with pytest.raises(ValueError, match="cannot sample 0 frames"):
         video_tokens(0.5, 640, 480, "internvl")
     assert image_tokens(1920, 1080, "llava") == 576

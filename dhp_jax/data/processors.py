@@ -158,20 +158,21 @@ class VisionProcessor:
 
     def __init__(self, family: str, image_cfg: Mapping[str, Any] | None = None,
                  video_cfg: Mapping[str, Any] | None = None, processor_cfg: Mapping[str, Any] | None = None,
-                 video_sampling: Mapping[str, Any] | None = None):
+                 video_sampling: Mapping[str, Any] | str | None = "auto"):
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
         self.family = family
         self.image = _merged(_IMAGE_DEFAULTS[family], image_cfg or {})
-        self.video = _merged(_VIDEO_DEFAULTS[family], {**(video_cfg or {}), **video_sampling_kwargs(video_sampling)})
-        self.video_sampling = dict(video_sampling or {})
+        files = _merged(_VIDEO_DEFAULTS[family], video_cfg or {})
+        self.video_sampling = resolve_video_sampling(family, files, video_sampling)
+        self.video = _merged(_VIDEO_DEFAULTS[family], {**(video_cfg or {}), **video_sampling_kwargs(self.video_sampling)})
         self.image_seq_length = int((processor_cfg or {}).get("image_seq_length", 256))
 
     @classmethod
     def from_pretrained(cls, checkpoint: str, family: str | None = None,
-                        video_sampling: Mapping[str, Any] | None = None) -> "VisionProcessor":
+                        video_sampling: Mapping[str, Any] | str | None = "auto") -> "VisionProcessor":
         """The processors a checkpoint directory configures (`processor_configs`); `video_sampling`:
-        the video keyword arguments a run passes to the processor call (`video_sampling_kwargs`)."""
+        the video keyword arguments a run passes to the processor call (`resolve_video_sampling`)."""
         image, video, proc = processor_configs(checkpoint)
         return cls(family or family_of(checkpoint), image, video, proc, video_sampling)
 
@@ -339,6 +340,26 @@ class VisionProcessor:
 
 
 SAMPLING_KEYS = ("fps", "num_frames", "do_sample_frames", "cap_pixels_per_frame")
+# The video sampling a run passes when the checkpoint's video processor takes every frame (the
+# Qwen2-VL and InternVL video processors' `do_sample_frames=False`): Qwen2.5-VL at 2 frames/s with
+# the total-pixel cap (what the Qwen2-VL video processor's `cap_pixels_per_frame` documents as the
+# reference implementation's, qwen-vl-utils), InternVL at 1 frame/s.
+AUTO_SAMPLING: dict[str, dict[str, Any]] = {"qwen2_5_vl": {"fps": 2.0, "cap_pixels_per_frame": True},
+                                            "qwen3_vl": {"fps": 2.0}, "internvl": {"fps": 1.0}}
+
+
+def resolve_video_sampling(family: str, files: Mapping[str, Any], sampling: Mapping[str, Any] | str | None) -> dict:
+    """The video keywords a run passes: "auto" (the default) keeps the checkpoint's own sampling
+    and, where its video processor takes every frame, uses `AUTO_SAMPLING`; "files" or None: the
+    processor files as they are (every frame where they say so); a mapping: those keywords."""
+    if sampling is None or sampling == "files":
+        return {}
+    if sampling == "auto":
+        return {} if files.get("do_sample_frames") else dict(AUTO_SAMPLING[family])
+    if isinstance(sampling, str):
+        raise ValueError(f"video sampling must be 'auto', 'files' or a mapping of {', '.join(SAMPLING_KEYS)}, "
+                         f"got {sampling!r}")
+    return dict(sampling)
 
 
 def video_sampling_kwargs(sampling: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -14,14 +14,17 @@ What the rules are built from (`vision_rules`):
   its own processor files. Qwen2.5-VL's and InternVL's published video processors take every
   frame of a clip; Qwen3-VL's samples 2 frames per second.
 - a family name, for planning without a checkpoint: the processor files of the family's
-  reference model (`REFERENCE_MODELS`) with the video sampling a run passes to the processor
-  call (`FAMILY_SAMPLING`): "qwen-vl" (Qwen2.5-VL) at 2 frames/s with the total-pixel cap of
-  the Qwen2-VL video processor, "qwen3-vl" as its files say, "internvl" at 1 frame/s.
+  reference model (`REFERENCE_MODELS`: "qwen-vl" -> qwen2.5-vl-32b, "qwen3-vl" -> qwen3-vl-8b,
+  "internvl" -> internvl3-8b).
 - "llava" (LLaVA-1.5 / LLaVA-OneVision-like): fixed counts, 576 tokens per image (24x24
   patches of a 336-px crop) and 196 per video frame; no processor of this project.
 
-`video_sampling` (fps or num_frames, as the processor call takes them) overrides a checkpoint's
-sampling; the fine-tuning path (`FinetuneData(video_sampling=...)`) takes the same mapping.
+Video sampling is the run's (`processors.resolve_video_sampling`), the same default on both paths:
+"auto" keeps a checkpoint's own sampling (Qwen3-VL: 2 frames/s) and, where its video processor
+takes every frame (Qwen2.5-VL's and InternVL's published files), samples as a run passes it:
+Qwen2.5-VL at 2 frames/s with the Qwen2-VL video processor's total-pixel cap, InternVL at 1
+frame/s. A mapping (`{"fps": 1}`, `{"num_frames": 8}`) or "files" (every frame where the files
+say so) replaces it; `FinetuneData(video_sampling=...)` takes the same values.
 
 Pure Python and NumPy: the planner imports this module and must not import jax.
 """
@@ -45,11 +48,8 @@ VISION_FAMILIES = ("qwen-vl", "qwen3-vl", "internvl", "llava")
 MODELS_DIR = Path(__file__).with_name("models")
 # A clip described by its duration only (no frame rate) is counted as a stream at this rate.
 DEFAULT_SOURCE_FPS = 30.0
-# The stored model whose processor files a family name stands for, and the video keywords a run
-# passes with them (None: the files' own sampling).
+# The stored model whose processor files a family name stands for.
 REFERENCE_MODELS = {"qwen-vl": "qwen2.5-vl-32b", "qwen3-vl": "qwen3-vl-8b", "internvl": "internvl3-8b"}
-FAMILY_SAMPLING: dict[str, dict[str, Any] | None] = {
-    "qwen-vl": {"fps": 2.0, "cap_pixels_per_frame": True}, "qwen3-vl": None, "internvl": {"fps": 1.0}}
 _PROCESSOR_FAMILY = {"qwen2_5_vl": "qwen-vl", "qwen3_vl": "qwen3-vl", "internvl": "internvl"}
 
 
@@ -140,13 +140,16 @@ _ALIASES = {"qwen": "qwen-vl", "qwen2-vl": "qwen-vl", "qwen2.5-vl": "qwen-vl", "
 
 
 def vision_rules(family: str | os.PathLike | VisionRules,
-                 video_sampling: Mapping[str, Any] | None = None) -> VisionRules:
+                 video_sampling: Mapping[str, Any] | str | None = "auto") -> VisionRules:
     """The rules of a family name ("qwen-vl", "qwen3-vl", "internvl", "llava"), a stored model
     ("internvl3-8b"), or a checkpoint directory (its processor files); a rule object as is.
-    `video_sampling`: the video keywords a run passes to the processor call (fps or num_frames)."""
+    `video_sampling`: the video keywords a run passes to the processor call (module docstring)."""
     if isinstance(family, (ProcessorRules, LlavaRules)):
         return family
-    sampling = tuple(sorted((video_sampling or {}).items()))
+    if video_sampling is None or isinstance(video_sampling, str):
+        sampling: Any = video_sampling
+    else:
+        sampling = tuple(sorted(video_sampling.items()))
     text = os.fspath(family)
     if _is_checkpoint_dir(text):
         return _dir_rules(os.path.abspath(text), sampling)
@@ -159,8 +162,6 @@ def vision_rules(family: str | os.PathLike | VisionRules,
     if key not in REFERENCE_MODELS:
         raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VISION_FAMILIES)}, a stored model "
                          f"({', '.join(stored_models())}) or a checkpoint directory with preprocessor_config.json")
-    if not sampling:
-        sampling = tuple(sorted((FAMILY_SAMPLING[key] or {}).items()))
     rules = _model_rules(REFERENCE_MODELS[key], sampling)
     return ProcessorRules(rules.processor, key)
 
@@ -188,7 +189,7 @@ def _model_rules(name: str, sampling: tuple) -> ProcessorRules:
     from dhp_jax.data import model_configs
 
     family = model_configs.model_facts(name).family
-    proc = VisionProcessor.from_pretrained(str(MODELS_DIR / name), family, dict(sampling) or None)
+    proc = VisionProcessor.from_pretrained(str(MODELS_DIR / name), family, _sampling(sampling))
     return ProcessorRules(proc, name)
 
 
@@ -198,10 +199,14 @@ def _dir_rules(path: str, sampling: tuple) -> ProcessorRules:
         raise ValueError(f"{path}: no preprocessor_config.json or processor_config.json (the checkpoint's "
                          f"processor files give its vision-token counts)")
     try:
-        proc = VisionProcessor.from_pretrained(path, video_sampling=dict(sampling) or None)
+        proc = VisionProcessor.from_pretrained(path, video_sampling=_sampling(sampling))
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: unreadable processor config ({e})") from None
     return ProcessorRules(proc, path)
+
+
+def _sampling(key: Any) -> Any:
+    return dict(key) if isinstance(key, tuple) else key
 
 
 def family_for_model(model: str) -> str:
@@ -224,7 +229,7 @@ def family_for_model(model: str) -> str:
                      f"name one of {', '.join(VISION_FAMILIES)} explicitly")
 
 
-def rules_for_model(model: str | os.PathLike, video_sampling: Mapping[str, Any] | None = None) -> VisionRules:
+def rules_for_model(model: str | os.PathLike, video_sampling: Mapping[str, Any] | str | None = "auto") -> VisionRules:
     """The vision-token rules of the model a command plans: a stored model's or a checkpoint
     directory's own processor files; another name: its family's (`family_for_model`)."""
     text = os.fspath(model)

@@ -78,6 +78,27 @@ def tensor_parallel_ranks(devices: int, devices_per_node: int, t: int) -> tuple[
     return devices // t, devices_per_node // t
 
 
+def add_video_args(parser: argparse.ArgumentParser) -> None:
+    """--video-fps / --video-frames: the video sampling a run passes to the model's processor."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--video-fps", type=float, default=None, metavar="F",
+                   help="sample videos at F frames/s, as the fine-tuning run's processor call does (default: the "
+                        "checkpoint's own sampling; where its files take every frame, 2 frames/s for Qwen2.5-VL and "
+                        "1 for InternVL, as FinetuneData's default)")
+    g.add_argument("--video-frames", type=positive, default=None, metavar="N",
+                   help="sample N frames of each video (default: as --video-fps)")
+
+
+def video_sampling_from_args(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The `video_sampling` of --video-fps / --video-frames ("auto" when neither is given)."""
+    fps, frames = getattr(args, "video_fps", None), getattr(args, "video_frames", None)
+    if fps is not None:
+        if not fps > 0 or fps != fps or fps == float("inf"):
+            raise ValueError(f"--video-fps must be a positive number of frames per second, got {fps}")
+        return {"fps": fps}
+    return {"num_frames": frames} if frames is not None else "auto"
+
+
 def add_mllm_arg(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
     parser.add_argument("--mllm", default=None, help=f"MLLMConfig preset to run (default {default})")
     parser.set_defaults(mllm_default=default)
