@@ -146,8 +146,8 @@ def vision_rules(family: str | os.PathLike | VisionRules,
     `video_sampling`: the video keywords a run passes to the processor call (module docstring)."""
     if isinstance(family, (ProcessorRules, LlavaRules)):
         return family
-    if video_sampling is None or isinstance(video_sampling, str):
-        sampling: Any = video_sampling
+    if video_sampling is None or isinstance(video_sampling, (str, tuple)):
+        sampling: Any = video_sampling   # a tuple: the mapping's sorted items (a frozen dataclass field)
     else:
         sampling = tuple(sorted(video_sampling.items()))
     text = os.fspath(family)

@@ -10,8 +10,8 @@ import json
 import sys
 import time
 
-from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args, is_profile, \
-    tensor_parallel_ranks
+from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, add_video_args, cost_from_args, \
+    is_profile, tensor_parallel_ranks, video_sampling_from_args
 
 DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 
@@ -19,6 +19,7 @@ DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 def configure(parser: argparse.ArgumentParser) -> None:
     add_cost_args(parser, freeze_vision=True)
     add_tensor_parallel_arg(parser)
+    add_video_args(parser)
     parser.add_argument("--dataset", default="openvid", help="dataset name or manifest path")
     parser.add_argument("--nodes", type=int, default=8, help="nodes in the cluster")
     parser.add_argument("--intra-gbps", type=float, default=None, help="override intra-node GB/s per rank")
@@ -30,6 +31,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
+def _hashable(sampling):
+    return tuple(sorted(sampling.items())) if isinstance(sampling, dict) else sampling
+
+
 def run(args: argparse.Namespace) -> int:
     from dhp_jax.sim.cluster import Cluster
     from dhp_jax.sim.simulate import make_batches, simulate
@@ -39,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         cluster = Cluster(nodes=args.nodes, ranks_per_node=node_ranks, model=args.model,
                           hardware=args.hardware, freeze_vision=args.freeze_vision,
                           intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps,
-                          tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
+                          tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel,
+                          video_sampling=_hashable(video_sampling_from_args(args)))
         cost = cost_from_args(args) if args.cost else cluster.cost_model()
     except (ValueError, OSError) as e:
         print(f"dhp simulate: {e}", file=sys.stderr)
