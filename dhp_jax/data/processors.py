@@ -271,6 +271,9 @@ class VisionProcessor:
         # internvl
         if num is None and fps is not None:
             num = int(total / info.fps * fps)
+            if num <= 0:
+                raise ValueError(f"a clip of {total} frames ({total / info.fps:.3g} s) gives no frame at {fps:g} "
+                                 f"frames/s (InternVL's video processor samples int(seconds x fps) frames)")
         if num is None:
             return np.arange(total, dtype=np.int64)
         if num > total or num <= 0:
