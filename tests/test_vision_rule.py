@@ -201,3 +201,31 @@ def test_checkpoint_directory_and_errors(tmp_path):
     with pytest.raises(ValueError, match="source_fps"):
         r.video(1, 10, 10, source_fps=-3)
     assert math.isclose(DEFAULT_SOURCE_FPS, 30.0)
+
+
+def test_commands_take_a_checkpoint_directory(tmp_path, capsys):
+    """`--model DIR`: the directory's config.json prices the model, its processor files count the
+    tokens; the same files as a preset's give the same data profile and the same plan."""
+    from dhp_jax.cli import main
+    from dhp_jax.data.model_configs import model_config
+    d = tmp_path / "ck"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(model_config("qwen3-vl-8b")))
+    for f in ("preprocessor_config.json", "video_preprocessor_config.json"):
+        (d / f).write_text((MODELS_DIR / "qwen3-vl-8b" / f).read_text())
+    out = {}
+    for model in (str(d), "qwen3-vl-8b"):
+        assert main(["analyze", "openvid", "--model", model, "--mix-samples", "64", "--ranks", "8", "--batch", "16",
+                     "--batches", "1", "--hardware", "a100", "--json"]) == 0
+        rep = json.loads(capsys.readouterr().out)
+        assert main(["plan", "--model", model, "--ranks", "8", "--batch", "16", "--hardware", "a100",
+                     "--compare", "", "--json"]) == 0
+        out[model] = (rep["data"], json.loads(capsys.readouterr().out))
+    (a, pa), (b, pb) = out[str(d)], out["qwen3-vl-8b"]
+    assert a["vision"] == str(d) and b["vision"] == "qwen3-vl-8b"
+    assert {k: v for k, v in a.items() if k != "vision"} == {k: v for k, v in b.items() if k != "vision"}
+    untimed = [{k: ({kk: vv for kk, vv in v.items() if not kk.startswith("solve_")} if k == "solver" else v)
+                for k, v in p["plan"].items()} for p in (pa, pb)]
+    assert untimed[0] == untimed[1] and pa["step_time_s"] == pytest.approx(pb["step_time_s"], rel=1e-12)
+    assert main(["plan", "--model", "qwen3-vl-8b", "--video-fps", "0", "--compare", ""]) == 2
+    assert "--video-fps must be a positive number" in capsys.readouterr().err
