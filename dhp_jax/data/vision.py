@@ -144,7 +144,7 @@ def vision_rules(family: str | os.PathLike | VisionRules,
     """The rules of a family name ("qwen-vl", "qwen3-vl", "internvl", "llava"), a stored model
     ("internvl3-8b"), or a checkpoint directory (its processor files); a rule object as is.
     `video_sampling`: the video keywords a run passes to the processor call (module docstring)."""
-    if isinstance(family, (ProcessorRules, LlavaRules)):
+    if not isinstance(family, (str, os.PathLike)):   # a rule object (anything with image_tokens / video)
         return family
     if video_sampling is None or isinstance(video_sampling, (str, tuple)):
         sampling: Any = video_sampling   # a tuple: the mapping's sorted items (a frozen dataclass field)
