@@ -227,5 +227,11 @@ def test_commands_take_a_checkpoint_directory(tmp_path, capsys):
     untimed = [{k: ({kk: vv for kk, vv in v.items() if not kk.startswith("solve_")} if k == "solver" else v)
                 for k, v in p["plan"].items()} for p in (pa, pb)]
     assert untimed[0] == untimed[1] and pa["step_time_s"] == pytest.approx(pb["step_time_s"], rel=1e-12)
+    from dhp_jax.sim.cluster import Cluster
+    c = Cluster(nodes=1, model=str(d))   # the simulator and the experiments: the same directory
+    assert c.vision.name == str(d) and c.cost_model().param_count == Cluster(nodes=1, model="qwen3-vl-8b").cost_model().param_count
+    assert main(["simulate", "--model", str(d), "--nodes", "1", "--batch", "8", "--steps", "1", "--hardware", "a100",
+                 "--strategies", "dhp", "--video-fps", "1", "--json"]) == 0
+    capsys.readouterr()
     assert main(["plan", "--model", "qwen3-vl-8b", "--video-fps", "0", "--compare", ""]) == 2
     assert "--video-fps must be a positive number" in capsys.readouterr().err
