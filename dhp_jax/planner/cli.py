@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
         devices, t = args.ranks, args.tensor_parallel
         args.ranks, _ = tensor_parallel_ranks(devices, args.ranks_per_node, t)
         # the batch's vision tokens: the planned model's processors (its processor files, the run's sampling)
-        samples = make_dataset(args.dataset, args.batch, args.seed,
-                               vision=rules_for_model(args.model, video_sampling_from_args(args)))
+        vision = rules_for_model(args.model, video_sampling_from_args(args))
+        samples = make_dataset(args.dataset, args.batch, args.seed, vision=vision)
         lengths, etas = sample_lengths(samples), sample_etas(samples)
         # --micro-batches only when given: a strategy that takes no count (the static ones) refuses it
         fixed = {} if args.micro_batches is None else {"num_micro_batches": args.micro_batches}
@@ -79,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     config = {"dataset": args.dataset, "batch": args.batch, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node // t,
               "model": cost.model, "hardware": cost.hardware, "freeze_vision": cost.freeze_vision,
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
+              "vision": vision.name, "video_sampling": getattr(getattr(vision, "processor", None), "video_sampling", None),
               "numbers": "simulated with the cost model",
               **({"tensor_parallel": t, "devices": devices} if t > 1 else {}),
               **({"sequence_parallel": True} if args.sequence_parallel else {})}
