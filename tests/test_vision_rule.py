@@ -235,3 +235,44 @@ def test_commands_take_a_checkpoint_directory(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "--model", "qwen3-vl-8b", "--video-fps", "0", "--compare", ""]) == 2
     assert "--video-fps must be a positive number" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("family", list(REFERENCE))
+def test_the_run_and_the_planner_count_the_same_video_tokens(family, tmp_path):
+    """A fine-tuning run's count of a real video (`FinetuneData`, from the file's header) equals the
+    planner's count of that clip by duration, size and rate (`vision_rules(checkpoint)`), for the
+    published processor files and each video sampling the run can pass (`data.video_fps` /
+    `data.video_frames`, `dhp plan --video-fps` / `--video-frames`)."""
+    import os
+
+    from dhp_jax.data.example import write_example_data, write_processor_files
+    from dhp_jax.data.finetune import FinetuneData
+    from dhp_jax.data.media import video_info
+    from dhp_jax.data.sources import iter_jsonl
+    from dhp_jax.train.config import ConfigError, load_config
+    from dhp_jax.train.finetune import video_sampling
+
+    manifest = write_example_data(str(tmp_path / "data"), num_samples=9)
+    ck = str(tmp_path / "ck")
+    write_processor_files(ck, family, published=True)
+    base = ["model.pretrained=ck", "data.manifest=m.jsonl"]
+    runs = {"auto": [], "data.video_frames=6": [], "data.video_fps=3": []}
+    checked = 0
+    for override in runs:
+        cfg = load_config(None, base + ([override] if "=" in override else []))
+        sampling = video_sampling(cfg.data)
+        data, rules = FinetuneData(ck, video_sampling=sampling), vision_rules(ck, sampling)
+        for rec in iter_jsonl(manifest):
+            if "video" not in rec.data:
+                continue
+            planned = data.plan(rec)
+            info = video_info(os.path.join(os.path.dirname(manifest), rec.data["video"]))
+            v = rules.video(info.total_frames / info.fps, info.width, info.height, info.fps)
+            assert (v.num_tokens, v.frames) == (planned.video_plans[0].tokens, len(planned.video_plans[0].indices))
+            runs[override].append(v.frames)
+            checked += 1
+    assert checked >= 6 and runs["data.video_frames=6"][0] == 6 and runs["auto"] != runs["data.video_fps=3"]
+    for bad, words in [("data.video_fps=0", "data.video_fps must be > 0"), ("data.video_frames=0", "data.video_frames"),
+                       ("data.video_frames=2 data.video_fps=1", "set one, not both")]:
+        with pytest.raises(ConfigError, match=words):
+            load_config(None, base + bad.split())
