@@ -256,11 +256,11 @@ def test_the_run_and_the_planner_count_the_same_video_tokens(family, tmp_path):
     ck = str(tmp_path / "ck")
     write_processor_files(ck, family, published=True)
     base = ["model.pretrained=ck", "data.manifest=m.jsonl"]
-    runs = {"auto": [], "data.video_frames=6": [], "data.video_fps=3": []}
+    runs = {"auto": [], "data.video_frames=6": [], "data.video_fps=3": [], "files": []}
     checked = 0
     for override in runs:
         cfg = load_config(None, base + ([override] if "=" in override else []))
-        sampling = video_sampling(cfg.data)
+        sampling = "files" if override == "files" else video_sampling(cfg.data)   # "files": every frame
         data, rules = FinetuneData(ck, video_sampling=sampling), vision_rules(ck, sampling)
         for rec in iter_jsonl(manifest):
             if "video" not in rec.data:
