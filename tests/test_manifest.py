@@ -62,7 +62,7 @@ def test_token_counts_per_record(manifest):
     assert b.vision_tokens == 256
     assert c.vision_tokens == image_tokens(1000, 500) + image_tokens(100, 60)
     assert len(c.vision_spans) == 2 and len(c.segments) == 3      # one bidirectional span per image
-    assert d.vision_tokens == video_tokens(10, 1280, 720, source_fps=30).num_tokens == 11960
+    assert d.vision_tokens == video_tokens(10, 1280, 720, source_fps=30).num_tokens == 7200
     assert e.vision_tokens == video_tokens(12, 640, 360, source_fps=25).num_tokens
     assert e.segments[0].meta["duration_s"] == 12.0
     assert f.num_tokens == math.ceil(4001 / 4) and f.vision_tokens == 0
@@ -153,7 +153,7 @@ def test_images_and_videos_spellings(tmp_path):
         {"images": "c.jpg"},
     ])
     a, b = read_manifest(path, skip_bad=True)
-    assert a.vision_tokens == 256 + 64 and b.vision_tokens == 11960
+    assert a.vision_tokens == 256 + 64 and b.vision_tokens == 7200
     with pytest.raises(ManifestError, match="line 3: field 'images'"):
         read_manifest(path)
 

@@ -41,7 +41,7 @@ def _limit(strategy):
 
 @pytest.mark.parametrize("strategy", ["static-ulysses:best", "static-ulysses:4", "flexsp"])
 def test_ulysses_strategies_record_the_kind_per_group_and_the_simulator_prices_it(strategy):
-    samples = make_dataset("openvid", 48, seed=3, vision="internvl3-8b")   # the priced model's vision tokens
+    samples = make_dataset("openvid", 48, seed=3)
     lengths, etas = sample_lengths(samples), sample_etas(samples)
     cost = COST32 if strategy == "flexsp" else COST
     plan = plan_batch(samples, 16, cost, strategy=strategy, **_limit(strategy))

@@ -1,7 +1,8 @@
 """Vision-token rules on sizes worked out by hand, plus the invariants each rule promises.
 
-A family name stands for its reference model's processor files ("qwen-vl": qwen2.5-vl-32b, images
-3136..12845056 px at 28 px a token) with the family's video sampling (`vision.FAMILY_SAMPLING`)."""
+A family name stands for its reference model's processor files ("qwen-vl": qwen2.5-vl-32b's images,
+3136..12845056 px at 28 px a token, and the Qwen2-VL video processor's defaults) with the run's
+default video sampling ("auto")."""
 
 import math
 
@@ -49,17 +50,21 @@ def test_qwen_image_bounds(w, h):
 
 
 def test_qwen_video_known_clips():
-    # 10 s at 30 fps, sampled at 2 fps -> 20 frames -> 10 temporal pairs; the cap gives each frame up to
-    # 0.9 x 128000 x 784 x 2 / 20 px, so 1280x720 only rounds to 28: 728x1288 = 26 x 46 = 1196 per pair.
+    # "qwen-vl": the Qwen2-VL video processor's defaults (128..768 tokens a frame), 2 fps, the total cap.
+    # 10 s at 30 fps -> 20 frames -> 10 temporal pairs; 1280x720 exceeds 768 tokens/frame and is
+    # shrunk by sqrt(921600/602112): 560x1008 = 20 x 36 = 720 tokens per pair.
     v = video_tokens(10, 1280, 720, "qwen-vl", source_fps=30)
-    assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (20, 10, 1196, 11960)
+    assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (20, 10, 720, 7200)
     # 300 s 1080p -> 600 frames; per-frame cap 90316800 x 2 / 600 = 301056 px -> 392x728 = 14 x 26 = 364.
     v = video_tokens(300, 1920, 1080, "qwen-vl")
     assert (v.frames, v.tokens_per_frame, v.num_tokens) == (600, 364, 109200)
     # very short clip: at least 4 frames
     assert video_tokens(0.5, 320, 240, "qwen-vl").frames == 4
+    # a Qwen2.5-VL checkpoint's files: its video processor reads the image file's bounds (3136..12845056
+    # px a frame), so 1280x720 only rounds to 28: 728x1288 = 26 x 46 = 1196 per pair
+    v = video_tokens(10, 1280, 720, "qwen2.5-vl-32b", source_fps=30)
+    assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (20, 10, 1196, 11960)
     # the stored model's files as they are ("files"): every frame, 3136..12845056 px each
-    assert video_tokens(10, 1280, 720, "qwen2.5-vl-32b", source_fps=30).num_tokens == 11960   # "auto"
     v = vision_rules("qwen2.5-vl-32b", "files").video(10, 1280, 720, source_fps=30)
     assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (300, 150, 1196, 179400)
 
@@ -73,8 +78,8 @@ def test_qwen_video_bounded_by_total_budget(d, w, h):
     stream = max(1, round(d * 30))  # the clip's frames at the default 30 fps
     assert v.frames % 2 == 0 and min(4, stream // 2 * 2) <= v.frames <= min(768, stream)
     assert v.num_tokens == v.units * v.tokens_per_frame
-    # the Qwen2-VL video processor's cap: 90% of 128000 tokens' pixels over the clip; frames >= 3136 px
-    assert v.num_tokens <= 115200 and v.tokens_per_frame >= 4
+    # the Qwen2-VL video processor's cap: 90% of 128000 tokens' pixels over the clip; frames >= 128 tokens
+    assert v.num_tokens <= 115200 and v.tokens_per_frame >= 128
 
 
 @pytest.mark.parametrize("w,h,tiles", [
@@ -110,7 +115,7 @@ def test_segments_and_families():
     s = image_segment(448, 448, "internvl")
     assert s.modality == "image" and s.num_tokens == 256 and s.meta["width"] == 448
     v = video_segment(10, 1280, 720, "qwen-vl", source_fps=30.0)
-    assert v.modality == "video" and v.num_tokens == 11960 and v.tokens_per_frame == 1196
+    assert v.modality == "video" and v.num_tokens == 7200 and v.tokens_per_frame == 720
     assert v.meta["frames"] == 20 and math.isclose(v.meta["duration_s"], 10.0)
     assert family_for_model("internvl3-8b") == "internvl"
     assert family_for_model("Qwen3-VL-8B") == "qwen3-vl"

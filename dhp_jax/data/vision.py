@@ -15,7 +15,10 @@ What the rules are built from (`vision_rules`):
   frame of a clip; Qwen3-VL's samples 2 frames per second.
 - a family name, for planning without a checkpoint: the processor files of the family's
   reference model (`REFERENCE_MODELS`: "qwen-vl" -> qwen2.5-vl-32b, "qwen3-vl" -> qwen3-vl-8b,
-  "internvl" -> internvl3-8b).
+  "internvl" -> internvl3-8b). Qwen2.5-VL's releases publish no video processor file, so for
+  "qwen-vl" the video processor is the Qwen2-VL video processor's own defaults (128..768 tokens
+  a frame, the bounds qwen-vl-utils also uses), where a Qwen2.5-VL checkpoint's video processor
+  reads its image file's bounds (3136..12845056 px a frame), as transformers loads it.
 - "llava" (LLaVA-1.5 / LLaVA-OneVision-like): fixed counts, 576 tokens per image (24x24
   patches of a 336-px crop) and 196 per video frame; no processor of this project.
 
@@ -162,8 +165,7 @@ def vision_rules(family: str | os.PathLike | VisionRules,
     if key not in REFERENCE_MODELS:
         raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VISION_FAMILIES)}, a stored model "
                          f"({', '.join(stored_models())}) or a checkpoint directory with preprocessor_config.json")
-    rules = _model_rules(REFERENCE_MODELS[key], sampling)
-    return ProcessorRules(rules.processor, key)
+    return _family_rules(key, sampling)
 
 
 def stored_models() -> list[str]:
@@ -191,6 +193,19 @@ def _model_rules(name: str, sampling: tuple) -> ProcessorRules:
     family = model_configs.model_facts(name).family
     proc = VisionProcessor.from_pretrained(str(MODELS_DIR / name), family, _sampling(sampling))
     return ProcessorRules(proc, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _family_rules(key: str, sampling: Any) -> ProcessorRules:
+    from dhp_jax.data import model_configs
+    from dhp_jax.data.processors import processor_configs
+
+    name = REFERENCE_MODELS[key]
+    image, video, proc = processor_configs(str(MODELS_DIR / name))
+    if key == "qwen-vl":   # the video processor's own defaults (module docstring)
+        video = {}
+    family = model_configs.model_facts(name).family
+    return ProcessorRules(VisionProcessor(family, image, video, proc, _sampling(sampling)), key)
 
 
 @functools.lru_cache(maxsize=64)
