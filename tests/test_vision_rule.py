@@ -277,3 +277,22 @@ def test_the_run_and_the_planner_count_the_same_video_tokens(family, tmp_path):
                        ("data.video_frames=2 data.video_fps=1", "set one, not both")]:
         with pytest.raises(ConfigError, match=words):
             load_config(None, base + bad.split())
+
+
+def test_family_names_count_as_their_processors(monkeypatch):
+    """A family name without a checkpoint: "qwen-vl" is Qwen2.5-VL's image file with the Qwen2-VL
+    video processor's own defaults (its class, configured with nothing), "auto" sampling; "qwen3-vl"
+    and "internvl" are their reference presets."""
+    rules = vision_rules("qwen-vl")
+    cfg, _ = _files("qwen2.5-vl-32b")
+    ref = _image_reference("qwen2_5_vl", cfg)
+    for w, h in IMAGES[1:]:
+        assert rules.image_tokens(w, h) == ref.get_number_of_image_patches(h, w, {}) // 4
+    for d, w, h, fps in CLIPS:
+        total, rate = _stream(d, w, h, fps)
+        idx, want = _qwen2_video_tokens({}, total, rate, w, h, rules.processor.video_sampling, monkeypatch)
+        assert (rules.video(d, w, h, fps).num_tokens, rules.video(d, w, h, fps).frames) == (want, len(idx))
+    for family, name in (("qwen3-vl", "qwen3-vl-8b"), ("internvl", "internvl3-8b")):
+        a, b = vision_rules(family), vision_rules(name)
+        assert [a.video(*c).num_tokens for c in CLIPS] == [b.video(*c).num_tokens for c in CLIPS]
+        assert [a.image_tokens(*s) for s in IMAGES] == [b.image_tokens(*s) for s in IMAGES]
