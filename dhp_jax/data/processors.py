@@ -8,8 +8,8 @@ torchvision is needed:
   of patch x merge (14 x 2) within [min_pixels, max_pixels], bicubic, rescale, normalise, then
   one row per patch in the order (t, h/m, w/m, m, m) with C*T*P*P values per row; an image is
   its frame repeated over the temporal patch (2). `image_grid_thw` = (1, H/14, W/14); LLM tokens
-  = grid product / merge^2. Videos: all frames unless the config asks to sample (`fps` or
-  `num_frames`, rounded down to the temporal patch); `second_per_grid_ts` = 2 / sampled fps.
+  = grid product / merge^2. Videos: all frames unless the config or the run asks to sample (`fps`
+  or `num_frames`, rounded down to the temporal patch); `second_per_grid_ts` = 2 / sampled fps.
 - `qwen3_vl` (same image rule with 16-px patches and the checkpoint's mean/std; Qwen3-VL video
   processor): `fps` = 2 sampling by `linspace(0, n-1, k).round()`, 4..768 frames, a video pixel
   budget over all sampled frames, and one `<t seconds>` timestamp per temporal patch.
@@ -19,7 +19,12 @@ torchvision is needed:
   `image_seq_length` (256) tokens per tile. Each video frame is one tile resized to `size`.
 
 Token counts come from sizes and stream metadata only (`image_tokens`, `video_plan`), so the
-planner can count a sample before any pixel is decoded; the decoded result has the same grid.
+planner can count a sample before any pixel is decoded; the decoded result has the same grid. The
+planner (`dhp_jax.data.vision`) counts through these same two methods.
+
+`video_sampling` is what a run passes to the video processor call (`resolve_video_sampling`): by
+default "auto", the checkpoint's own sampling, or `AUTO_SAMPLING` where its video processor takes
+every frame.
 """
 
 from __future__ import annotations
