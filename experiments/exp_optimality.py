@@ -17,7 +17,8 @@ import numpy as np
 
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.sim.bounds import lower_bound
-from dhp_jax.sim.cluster import Cluster, vision_family
+from dhp_jax.data.vision import rules_for_model
+from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import evaluate, make_batches
 from experiments.common import save_figure
 
@@ -29,7 +30,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     rng = np.random.default_rng(seed)
     small = []
     cost = CostModel.preset(p["model"], p["hardware"], ranks_per_node=p["ranks_per_node"])
-    vision = vision_family(p["model"])
+    vision = rules_for_model(p["model"])
     for i in range(p["small_instances"]):
         n = int(rng.integers(p["small_ranks"][0], p["small_ranks"][1] + 1))
         k = int(rng.integers(p["small_sequences"][0], p["small_sequences"][1] + 1))
@@ -150,7 +151,7 @@ def versus_flexsp(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -
     preset = CostModel.preset(p["model"], p["hardware"], ranks_per_node=p["ranks_per_node"])
     preset_ms = [_median_solve(s, n, preset, int(p["solve_repeats"]))
                  for s in make_batches("openvid", int(p["flexsp_batch"]), max(n_fx, int(p["count_batches"])),
-                                       seed * 7919 + 3000, vision_family(p["model"]))]
+                                       seed * 7919 + 3000, rules_for_model(p["model"]))]
     summary = []
     for ds in p["flexsp_datasets"]:
         rs = [r for r in rows if r["dataset"] == ds]

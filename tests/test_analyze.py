@@ -27,7 +27,7 @@ def manifest(tmp_path):
         elif i % 4 == 1:
             rec = {"image": ["b.png", "gone.jpg"], "image_sizes": [[300, 900], [800, 600]], "conversations": conv}
         elif i % 4 == 2:
-            rec = {"video": "v.mp4", "duration": float(rng.lognormal(2.0, 1.0)), "fps": 30,
+            rec = {"video": "v.mp4", "duration": 1 + float(rng.lognormal(2.0, 1.0)), "fps": 30,
                    "resolution": "640x360", "conversations": conv}
         else:
             rec = {"text": "word " * int(rng.integers(1, 3000))}
@@ -39,11 +39,11 @@ def manifest(tmp_path):
 
 def test_profile_matches_direct_count(manifest):
     rep = analyze(manifest, "qwen3-vl-8b", ranks=8, batch=16, num_batches=1, hardware="a100")
-    ss = read_manifest(manifest, "qwen3-vl")
+    ss = read_manifest(manifest, "qwen3-vl-8b")
     mods = {m: sum(g.num_tokens for s in ss for g in s.segments if g.modality == m) for m in ("text", "image", "video")}
     total = np.array([s.num_tokens for s in ss])
     d = rep["data"]
-    assert d["samples"] == 60 and d["tokens"] == total.sum() and d["vision"] == "qwen3-vl"
+    assert d["samples"] == 60 and d["tokens"] == total.sum() and d["vision"] == "qwen3-vl-8b"
     assert d["length"]["median"] == np.median(total) and d["length"]["max"] == total.max()
     for m in mods:
         assert d["token_share"][m] == pytest.approx(mods[m] / total.sum(), rel=1e-12)
@@ -60,8 +60,8 @@ def test_simulation_matches_planner(manifest):
     from dhp_jax.planner import CostModel, plan_batch
     from dhp_jax.sim import step_time
     rep = analyze(manifest, "internvl3-2b", ranks=8, batch=16, num_batches=2, seed=5, hardware="a100")
-    assert rep["data"]["vision"] == "internvl"
-    ss = read_manifest(manifest, vision="internvl")
+    assert rep["data"]["vision"] == "internvl3-2b"
+    ss = read_manifest(manifest, vision="internvl3-2b")
     L = np.array([s.num_tokens for s in ss])
     E = np.array([s.bidirectional_share for s in ss])
     cost = CostModel.preset("internvl3-2b", "a100")
@@ -87,7 +87,7 @@ def test_cli_text_json_plot(manifest, tmp_path, capsys):
     assert "token share" in text and "speed-up over the best baseline" in text and "simulated" in text
     assert main(["analyze", "msrvtt", "--mix-samples", "64", "--ranks", "8", "--batch", "16", "--batches", "1",
                  "--model", "internvl3-2b", "--hardware", "a100", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["data"]["vision"] == "internvl"
+    assert json.loads(capsys.readouterr().out)["data"]["vision"] == "internvl3-2b"
 
 
 def test_cli_bad_lines(manifest, tmp_path, capsys):

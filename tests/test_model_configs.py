@@ -93,12 +93,15 @@ def test_the_fixed_facts():
         m, f = presets.MODELS[name], model_configs.model_facts(name)
         # GELU MLPs of two matrices (InternViT, the Qwen3-VL ViT); the encoder runs before the 2x2 merge
         assert m.vision_mlp == 2 and m.patches_per_token == 4
-        rules = vision_rules(family_for_model(name))
+        rules = vision_rules(name)   # the stored model's processor files agree with its config.json
+        assert rules.family == family_for_model(name)
         if f.family == "qwen3_vl":
-            assert (rules.patch, rules.merge) == (f.patch_size, f.merge) == (16, 2) and m.deepstack == 3
-            assert image_tokens(640, 480, family_for_model(name)) == 300
+            c = rules.processor.image
+            assert (c["patch_size"], c["merge_size"]) == (f.patch_size, f.merge) == (16, 2) and m.deepstack == 3
+            assert image_tokens(640, 480, name) == 300
         else:
-            assert rules.name == "internvl" and m.frame_patches == (448 // 14) ** 2 + 1
+            assert rules.processor.image["size"] == {"height": 448, "width": 448}
+            assert rules.family == "internvl" and m.frame_patches == (448 // 14) ** 2 + 1
     qwen25 = presets.ModelShape.from_config(QWEN25_VL)
     assert (qwen25.vision_mlp, qwen25.window_layers, qwen25.window_patches, qwen25.deepstack) == (3, 28, 64, 0)
     assert model_configs.facts_from_config(QWEN25_VL).vision_rule == "qwen-vl"

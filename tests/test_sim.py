@@ -15,7 +15,8 @@ from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_r
 from dhp_jax.planner.cost.pricing import allreduce_time, group_time
 from dhp_jax.sim import step_time
 from dhp_jax.sim.bounds import lower_bound
-from dhp_jax.sim.cluster import Cluster, vision_family
+from dhp_jax.data.vision import family_for_model
+from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import evaluate, make_batches, simulate
 
 
@@ -41,10 +42,11 @@ def reference_step(plan: Plan, lengths, cost: CostModel, etas) -> float:
 # ------------------------------------------------------------------------------------ cluster
 def test_cluster_shape_and_errors():
     c = Cluster(nodes=4, ranks_per_node=8)
-    assert c.num_ranks == 32 and c.vision == "internvl"
+    assert c.num_ranks == 32 and c.vision.name == "internvl3-8b" and c.vision.family == "internvl"
     assert Cluster.with_ranks(4096).nodes == 512
     assert Cluster.with_ranks(4).ranks_per_node == 4  # less than a node: one partial node
-    assert vision_family("qwen3-vl-8b") == "qwen3-vl"
+    assert family_for_model("qwen3-vl-8b") == "qwen3-vl"
+    assert Cluster(nodes=1, model="qwen3-vl-8b", video_sampling=(("fps", 1.0),)).vision.video(10, 640, 480, 30).frames == 10
     with pytest.raises(ValueError, match="nodes"):
         Cluster(nodes=0)
     with pytest.raises(ValueError, match="ranks_per_node"):

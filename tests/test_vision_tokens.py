@@ -1,4 +1,8 @@
-"""Vision-token rules on sizes worked out by hand, plus the invariants each rule promises."""
+"""Vision-token rules on sizes worked out by hand, plus the invariants each rule promises.
+
+A family name stands for its reference model's processor files ("qwen-vl": qwen2.5-vl-32b's images,
+3136..12845056 px at 28 px a token, and the Qwen2-VL video processor's defaults) with the run's
+default video sampling ("auto")."""
 
 import math
 
@@ -6,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhp_jax.data.vision import (QwenVLRules, family_for_model, image_segment, image_tokens, video_segment,
+from dhp_jax.data.vision import (family_for_model, image_segment, image_tokens, smart_resize, video_segment,
                                  video_tokens, vision_rules)
 
 
@@ -40,22 +44,29 @@ def test_qwen_rejects_extreme_aspect_and_bad_sizes():
 def test_qwen_image_bounds(w, h):
     if max(w, h) / min(w, h) > 200:
         return
-    r = QwenVLRules()
-    rw, rh = r.resize(w, h, 4 * 784, 16384 * 784)
+    rh, rw = smart_resize(h, w, 28, 4 * 784, 16384 * 784)
     assert rw % 28 == 0 and rh % 28 == 0
     assert 4 <= image_tokens(w, h) == (rw // 28) * (rh // 28) <= 16384
 
 
 def test_qwen_video_known_clips():
-    # 10 s at 30 fps -> 20 frames (2 fps) -> 10 temporal pairs; 1280x720 exceeds 768 tokens/frame and is
+    # "qwen-vl": the Qwen2-VL video processor's defaults (128..768 tokens a frame), 2 fps, the total cap.
+    # 10 s at 30 fps -> 20 frames -> 10 temporal pairs; 1280x720 exceeds 768 tokens/frame and is
     # shrunk by sqrt(921600/602112): 560x1008 = 20 x 36 = 720 tokens per pair.
     v = video_tokens(10, 1280, 720, "qwen-vl", source_fps=30)
     assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (20, 10, 720, 7200)
-    # 300 s 1080p -> 600 frames; per-frame budget 115200*2/600 = 384 tokens -> 392x728 = 14 x 26 = 364.
+    # 300 s 1080p -> 600 frames; per-frame cap 90316800 x 2 / 600 = 301056 px -> 392x728 = 14 x 26 = 364.
     v = video_tokens(300, 1920, 1080, "qwen-vl")
     assert (v.frames, v.tokens_per_frame, v.num_tokens) == (600, 364, 109200)
     # very short clip: at least 4 frames
     assert video_tokens(0.5, 320, 240, "qwen-vl").frames == 4
+    # a Qwen2.5-VL checkpoint's files: its video processor reads the image file's bounds (3136..12845056
+    # px a frame), so 1280x720 only rounds to 28: 728x1288 = 26 x 46 = 1196 per pair
+    v = video_tokens(10, 1280, 720, "qwen2.5-vl-32b", source_fps=30)
+    assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (20, 10, 1196, 11960)
+    # the stored model's files as they are ("files"): every frame, 3136..12845056 px each
+    v = vision_rules("qwen2.5-vl-32b", "files").video(10, 1280, 720, source_fps=30)
+    assert (v.frames, v.units, v.tokens_per_frame, v.num_tokens) == (300, 150, 1196, 179400)
 
 
 @given(st.floats(0.1, 3600), st.integers(16, 4096), st.integers(16, 4096))
@@ -64,8 +75,10 @@ def test_qwen_video_bounded_by_total_budget(d, w, h):
     if max(w, h) / min(w, h) > 200:
         return
     v = video_tokens(d, w, h, "qwen-vl")
-    assert v.frames % 2 == 0 and 4 <= v.frames <= 768
+    stream = max(1, round(d * 30))  # the clip's frames at the default 30 fps
+    assert v.frames % 2 == 0 and min(4, stream // 2 * 2) <= v.frames <= min(768, stream)
     assert v.num_tokens == v.units * v.tokens_per_frame
+    # the Qwen2-VL video processor's cap: 90% of 128000 tokens' pixels over the clip; frames >= 128 tokens
     assert v.num_tokens <= 115200 and v.tokens_per_frame >= 128
 
 
@@ -85,8 +98,13 @@ def test_internvl_tiles(w, h, tiles):
 def test_internvl_and_llava_video():
     v = video_tokens(64, 1920, 1080, "internvl")
     assert (v.frames, v.num_tokens) == (64, 64 * 256)
-    assert video_tokens(2, 640, 480, "internvl").frames == 4
-    assert video_tokens(1000, 640, 480, "internvl").frames == 512
+    assert video_tokens(2, 640, 480, "internvl").frames == 2      # 1 frame/s
+    assert video_tokens(1000, 640, 480, "internvl").frames == 1000
+    assert video_tokens(10, 640, 480, "internvl3-8b", source_fps=25).frames == 10
+    assert vision_rules("internvl3-8b", "files").video(10, 640, 480, source_fps=25).frames == 250  # every frame
+    assert vision_rules("internvl3-8b", {"num_frames": 8}).video(10, 640, 480, source_fps=25).frames == 8
+    with pytest.raises(ValueError, match="gives no frame at 1 frames/s"):
+        video_tokens(0.5, 640, 480, "internvl")
     assert image_tokens(1920, 1080, "llava") == 576
     v = video_tokens(30, 640, 480, "llava")
     assert (v.frames, v.num_tokens) == (30, 30 * 196)
@@ -103,7 +121,8 @@ def test_segments_and_families():
     assert family_for_model("Qwen3-VL-8B") == "qwen3-vl"
     assert family_for_model("qwen2.5-vl-7b") == "qwen-vl"
     assert vision_rules("qwen2.5-vl").name == "qwen-vl"
-    with pytest.raises(ValueError, match="known: qwen-vl, qwen3-vl, internvl, llava"):
+    assert vision_rules("qwen3-vl-8b").name == "qwen3-vl-8b"
+    with pytest.raises(ValueError, match="known: qwen-vl, qwen3-vl, internvl, llava, a stored model"):
         vision_rules("clip")
     with pytest.raises(ValueError, match="duration_s"):
         video_tokens(-1, 10, 10)
@@ -112,5 +131,6 @@ def test_segments_and_families():
 def test_qwen3_vl_uses_16px_patches():
     # Qwen3-VL's vision encoder has 16-px patches merged 2x2: 640x480 -> 20 x 15 cells of 32 px
     assert image_tokens(640, 480, "qwen3-vl") == 300
+    assert image_tokens(64, 64, "qwen3-vl") == 64    # Qwen3-VL's files: at least 65536 px (64 tokens)
     assert image_tokens(640, 480, "qwen-vl") == 391
     assert vision_rules("qwen3_vl").factor == 32

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
-from dhp_jax.data.vision import family_for_model
+from dhp_jax.data.vision import rules_for_model
 from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
 from dhp_jax.planner.programs.cache import ProgramCache
@@ -87,7 +87,7 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     10,000,000 + i, never those `plan_run` evaluates) planned with `cost`'s own ladder; each program
     with its one attention kind (`kind_per`, see `planner.programs.menu.fit_menu`; None: chosen per group), on
     `degree_set` degrees ("aligned": those that tile nodes, `planner.programs.menu.aligned_degrees`; "any")."""
-    vision = family_for_model(cost.model)
+    vision = rules_for_model(cost.model)
     cal = []
     for i in range(batches):
         samples = make_dataset(dataset, batch, 10_000_000 + i, vision=vision)
@@ -104,7 +104,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
     that a sweep plans them once. `counts_at`: step counts at which the placement's counts are
     also kept (`placement_at`: {"200": summary after the first 200 batches}), since executables
     per program fall as a run meets its programs again."""
-    vision = family_for_model(cost.model)
+    vision = rules_for_model(cost.model)
     placed, free = ProgramCache(ranks_per_process), ProgramCache(ranks_per_process)
     plain = cost.replace(bucket_min=0, bucket_menu=(), menu_kinds=())  # the reference: no ladder, no menu
     real = padded = 0

@@ -13,6 +13,8 @@ _LAZY = {
     "image_tokens": "dhp_jax.data.vision",
     "video_tokens": "dhp_jax.data.vision",
     "VISION_FAMILIES": "dhp_jax.data.vision",
+    "vision_rules": "dhp_jax.data.vision",
+    "rules_for_model": "dhp_jax.data.vision",
     "FinetuneData": "dhp_jax.data.finetune",
     "DataError": "dhp_jax.data.finetune",
     "Loader": "dhp_jax.data.loader",

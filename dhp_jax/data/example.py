@@ -83,17 +83,21 @@ _WORDS = ("what is in the picture video image a red green blue yellow square cir
           "there are two three shapes on background the color of it describe this clip frame shows").split()
 
 
-# The released checkpoints' processor settings where they differ from the transformers classes'
-# defaults (Qwen3-VL's 16-px patches and 0.5 mean/std; InternVL's 448-px tiles, ImageNet mean/std).
-_PUBLISHED = {
-    "qwen2_5_vl": ({}, {}, {}),
-    "qwen3_vl": ({"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
-                  "size": {"shortest_edge": 65536, "longest_edge": 16777216}}, {}, {}),
-    "internvl": ({"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
-                  "image_std": [0.229, 0.224, 0.225]},
-                 {"size": {"height": 448, "width": 448}, "image_mean": [0.485, 0.456, 0.406],
-                  "image_std": [0.229, 0.224, 0.225]}, {"image_seq_length": 256}),
-}
+# The released checkpoints' processor files: a stored model's, as its release publishes them
+# (dhp_jax/data/models/<name>/); without a video processor file, the video processor reads the
+# image processor's, as transformers does.
+_PUBLISHED_MODEL = {"qwen2_5_vl": "qwen2.5-vl-32b", "qwen3_vl": "qwen3-vl-8b", "internvl": "internvl3-8b"}
+_TYPE_KEYS = ("image_processor_type", "video_processor_type", "processor_class", "feature_extractor_type")
+
+
+def _published(family: str) -> tuple[dict, dict, dict]:
+    """(image, video, processor) settings of the family's stored model's processor files."""
+    from dhp_jax.data.processors import processor_configs
+
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", _PUBLISHED_MODEL[family])
+    image, video, _ = processor_configs(d)
+    strip = lambda c: {k: v for k, v in c.items() if k not in _TYPE_KEYS}   # noqa: E731
+    return strip(image), strip(video), ({"image_seq_length": 256} if family == "internvl" else {})
 
 
 def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, image_seq_length: int | None = None,
@@ -107,7 +111,7 @@ def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, imag
         raise ValueError(f"unknown family {family!r}; known: {', '.join(_PROCESSORS)}")
     cls, template, image_cfg, video_cfg, extra = _PROCESSORS[family]
     if published:
-        image_cfg, video_cfg, extra = _PUBLISHED[family]
+        image_cfg, video_cfg, extra = _published(family)
         image_cfg = {"image_processor_type": _PROCESSORS[family][2]["image_processor_type"], **image_cfg}
         video_cfg = {"video_processor_type": _PROCESSORS[family][3]["video_processor_type"], **video_cfg}
     os.makedirs(out_dir, exist_ok=True)

@@ -16,7 +16,7 @@ the place (file:line, shard:key, or sample id) and the file as the data wrote it
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import numpy as np
 
@@ -72,9 +72,13 @@ class Planned:
 class FinetuneData:
     """The checkpoint's processors and tokenizer applied to records (see the module docstring)."""
 
-    def __init__(self, checkpoint: str, max_tokens: int | None = None, family: str | None = None):
+    def __init__(self, checkpoint: str, max_tokens: int | None = None, family: str | None = None,
+                 video_sampling: Mapping[str, Any] | str | None = "auto"):
+        """`video_sampling`: the video keywords the run passes to the processor call ("auto": the
+        checkpoint's own sampling, or its family's rate where its video processor takes every frame;
+        `processors.resolve_video_sampling`), the same value the planner's `vision_rules` takes."""
         self.family = family or family_of(checkpoint)
-        self.vision = VisionProcessor.from_pretrained(checkpoint, self.family)
+        self.vision = VisionProcessor.from_pretrained(checkpoint, self.family, video_sampling)
         self.chat = ChatTokenizer.from_pretrained(checkpoint, self.family)
         self.max_tokens = max_tokens
 

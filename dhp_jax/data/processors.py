@@ -8,8 +8,8 @@ torchvision is needed:
   of patch x merge (14 x 2) within [min_pixels, max_pixels], bicubic, rescale, normalise, then
   one row per patch in the order (t, h/m, w/m, m, m) with C*T*P*P values per row; an image is
   its frame repeated over the temporal patch (2). `image_grid_thw` = (1, H/14, W/14); LLM tokens
-  = grid product / merge^2. Videos: all frames unless the config asks to sample (`fps` or
-  `num_frames`, rounded down to the temporal patch); `second_per_grid_ts` = 2 / sampled fps.
+  = grid product / merge^2. Videos: all frames unless the config or the run asks to sample (`fps`
+  or `num_frames`, rounded down to the temporal patch); `second_per_grid_ts` = 2 / sampled fps.
 - `qwen3_vl` (same image rule with 16-px patches and the checkpoint's mean/std; Qwen3-VL video
   processor): `fps` = 2 sampling by `linspace(0, n-1, k).round()`, 4..768 frames, a video pixel
   budget over all sampled frames, and one `<t seconds>` timestamp per temporal patch.
@@ -19,7 +19,12 @@ torchvision is needed:
   `image_seq_length` (256) tokens per tile. Each video frame is one tile resized to `size`.
 
 Token counts come from sizes and stream metadata only (`image_tokens`, `video_plan`), so the
-planner can count a sample before any pixel is decoded; the decoded result has the same grid.
+planner can count a sample before any pixel is decoded; the decoded result has the same grid. The
+planner (`dhp_jax.data.vision`) counts through these same two methods.
+
+`video_sampling` is what a run passes to the video processor call (`resolve_video_sampling`): by
+default "auto", the checkpoint's own sampling, or `AUTO_SAMPLING` where its video processor takes
+every frame.
 """
 
 from __future__ import annotations
@@ -116,6 +121,9 @@ def processor_configs(checkpoint: str) -> tuple[dict, dict, dict]:
 
     transformers 5 saves one `processor_config.json` with the image and video processors nested
     in it; older checkpoints have `preprocessor_config.json` and `video_preprocessor_config.json`.
+    A checkpoint without a video processor file (Qwen2.5-VL's releases, InternVL's own layout)
+    configures its video processor from `preprocessor_config.json`, as transformers'
+    `BaseVideoProcessor.from_pretrained` does.
     """
     proc: dict = {}
     p = os.path.join(checkpoint, "processor_config.json")
@@ -125,14 +133,22 @@ def processor_configs(checkpoint: str) -> tuple[dict, dict, dict]:
     video = dict(proc.get("video_processor") or {})
     if not image and os.path.exists(os.path.join(checkpoint, "preprocessor_config.json")):
         image = _read_json(os.path.join(checkpoint, "preprocessor_config.json"))
-    if not video and os.path.exists(os.path.join(checkpoint, "video_preprocessor_config.json")):
-        video = _read_json(os.path.join(checkpoint, "video_preprocessor_config.json"))
+    if not video:  # as transformers' video processor loads: its own file, else the image processor's
+        for fn in ("video_preprocessor_config.json", "preprocessor_config.json"):
+            if os.path.exists(os.path.join(checkpoint, fn)):
+                video = _read_json(os.path.join(checkpoint, fn))
+                break
     return image, video, proc
 
 
 def _merged(defaults: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
     out = {**_COMMON, **defaults, **{k: v for k, v in cfg.items() if v is not None or k in ("fps", "num_frames")}}
-    size = dict(out.get("size") or {})
+    size = out.get("size")
+    if isinstance(size, int) and not isinstance(size, bool):  # InternVL's own layout: `"size": 448`, a square
+        size = {"height": size, "width": size}
+    if not isinstance(size, Mapping):
+        raise ValueError(f"processor config: 'size' must be an object or a number of pixels, got {size!r}")
+    size = dict(size)
     # the Qwen processors' backward compatibility: top-level min/max pixels override `size`
     if cfg.get("min_pixels") is not None:
         size["shortest_edge"] = cfg["min_pixels"]
@@ -146,18 +162,24 @@ class VisionProcessor:
     """One family's image and video processing (see the module docstring)."""
 
     def __init__(self, family: str, image_cfg: Mapping[str, Any] | None = None,
-                 video_cfg: Mapping[str, Any] | None = None, processor_cfg: Mapping[str, Any] | None = None):
+                 video_cfg: Mapping[str, Any] | None = None, processor_cfg: Mapping[str, Any] | None = None,
+                 video_sampling: Mapping[str, Any] | str | None = "auto"):
         if family not in FAMILIES:
             raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
         self.family = family
         self.image = _merged(_IMAGE_DEFAULTS[family], image_cfg or {})
-        self.video = _merged(_VIDEO_DEFAULTS[family], video_cfg or {})
+        files = _merged(_VIDEO_DEFAULTS[family], video_cfg or {})
+        self.video_sampling = resolve_video_sampling(family, files, video_sampling)
+        self.video = _merged(_VIDEO_DEFAULTS[family], {**(video_cfg or {}), **video_sampling_kwargs(self.video_sampling)})
         self.image_seq_length = int((processor_cfg or {}).get("image_seq_length", 256))
 
     @classmethod
-    def from_pretrained(cls, checkpoint: str, family: str | None = None) -> "VisionProcessor":
+    def from_pretrained(cls, checkpoint: str, family: str | None = None,
+                        video_sampling: Mapping[str, Any] | str | None = "auto") -> "VisionProcessor":
+        """The processors a checkpoint directory configures (`processor_configs`); `video_sampling`:
+        the video keyword arguments a run passes to the processor call (`resolve_video_sampling`)."""
         image, video, proc = processor_configs(checkpoint)
-        return cls(family or family_of(checkpoint), image, video, proc)
+        return cls(family or family_of(checkpoint), image, video, proc, video_sampling)
 
     @property
     def is_qwen(self) -> bool:
@@ -254,6 +276,9 @@ class VisionProcessor:
         # internvl
         if num is None and fps is not None:
             num = int(total / info.fps * fps)
+            if num <= 0:
+                raise ValueError(f"a clip of {total} frames ({total / info.fps:.3g} s) gives no frame at {fps:g} "
+                                 f"frames/s (InternVL's video processor samples int(seconds x fps) frames)")
         if num is None:
             return np.arange(total, dtype=np.int64)
         if num > total or num <= 0:
@@ -296,9 +321,9 @@ class VisionProcessor:
                          tp / sampled_fps if self.family == "qwen2_5_vl" else None)
 
     # --- videos: pixels -------------------------------------------------------------------------
-    def process_video(self, frames: np.ndarray, plan: VideoPlan) -> np.ndarray:
-        """Pixel values of the sampled frames (uint8 [T, H, W, 3]): Qwen [patches, C*T*P*P];
-        InternVL [frames, 3, S, S]."""
+    def video_frames(self, frames: np.ndarray, plan: VideoPlan) -> np.ndarray:
+        """The sampled frames (uint8 [T, H, W, 3]) resized to the plan's size (Pillow, the video
+        processor's resample), rescaled and normalised: float32 [T, 3, h, w], before patchifying."""
         from PIL import Image
 
         c = self.video
@@ -307,13 +332,62 @@ class VisionProcessor:
         for fr in frames:
             im = Image.fromarray(np.ascontiguousarray(fr[..., :3]))
             out.append(self._normalize(_resize(im, w, h, c["resample"]) if c["do_resize"] else fr, c))
-        x = np.stack(out)
+        return np.stack(out)
+
+    def process_video(self, frames: np.ndarray, plan: VideoPlan) -> np.ndarray:
+        """Pixel values of the sampled frames (uint8 [T, H, W, 3]): Qwen [patches, C*T*P*P];
+        InternVL [frames, 3, S, S]."""
+        c = self.video
+        x = self.video_frames(frames, plan)
         if not self.is_qwen:
             return x
         tp = c["temporal_patch_size"]
         if pad := -len(x) % tp:  # repeat the last frame up to a whole temporal patch
             x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
         return _qwen_patchify(x, c["patch_size"], c["merge_size"], tp)
+
+
+SAMPLING_KEYS = ("fps", "num_frames", "do_sample_frames", "cap_pixels_per_frame")
+# The video sampling a run passes when the checkpoint's video processor takes every frame (the
+# Qwen2-VL and InternVL video processors' `do_sample_frames=False`): Qwen2.5-VL at 2 frames/s with
+# the total-pixel cap (what the Qwen2-VL video processor's `cap_pixels_per_frame` documents as the
+# reference implementation's, qwen-vl-utils), InternVL at 1 frame/s.
+AUTO_SAMPLING: dict[str, dict[str, Any]] = {"qwen2_5_vl": {"fps": 2.0, "cap_pixels_per_frame": True},
+                                            "qwen3_vl": {"fps": 2.0}, "internvl": {"fps": 1.0}}
+
+
+def resolve_video_sampling(family: str, files: Mapping[str, Any], sampling: Mapping[str, Any] | str | None) -> dict:
+    """The video keywords a run passes: "auto" (the default) keeps the checkpoint's own sampling
+    and, where its video processor takes every frame, uses `AUTO_SAMPLING`; "files" or None: the
+    processor files as they are (every frame where they say so); a mapping: those keywords."""
+    if sampling is None or sampling == "files":
+        return {}
+    if sampling == "auto":
+        return {} if files.get("do_sample_frames") else dict(AUTO_SAMPLING[family])
+    if isinstance(sampling, str):
+        raise ValueError(f"video sampling must be 'auto', 'files' or a mapping of {', '.join(SAMPLING_KEYS)}, "
+                         f"got {sampling!r}")
+    return dict(sampling)
+
+
+def video_sampling_kwargs(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The video processor's call-time keywords of a run, checked: `fps` or `num_frames` (one of the
+    two; either turns sampling on, as `do_sample_frames=True` in the processor call does),
+    `do_sample_frames`, `cap_pixels_per_frame` (the Qwen2-VL video processor's total-pixel cap)."""
+    out = dict(sampling or {})
+    bad = sorted(set(out) - set(SAMPLING_KEYS))
+    if bad:
+        raise ValueError(f"video sampling: unknown key(s) {', '.join(bad)}; known: {', '.join(SAMPLING_KEYS)}")
+    for key in ("fps", "num_frames"):
+        v = out.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+            raise ValueError(f"video sampling: {key} must be a positive number, got {v!r}")
+    if out.get("fps") is not None and out.get("num_frames") is not None:
+        raise ValueError("video sampling: give fps or num_frames, not both")
+    if out.get("fps") is not None or out.get("num_frames") is not None:
+        out.setdefault("do_sample_frames", True)
+        out.setdefault("num_frames" if out.get("fps") is not None else "fps", None)
+    return out
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

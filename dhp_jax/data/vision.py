@@ -1,33 +1,59 @@
-"""Vision-token rules: how many LLM tokens an image or a video clip becomes, per encoder family.
+"""Vision-token rules: how many LLM tokens an image or a video clip becomes, per model.
 
-Three families, chosen to match the model being planned (each family's published
-image processor in Hugging Face transformers; docs/DESIGN.md, section 10):
+One rule: the token count of a Qwen-VL or InternVL model is what its processors give, through
+`dhp_jax.data.processors.VisionProcessor` (`image_tokens`, `video_plan`): the same function the
+fine-tuning data path (`finetune.py`) calls on media headers, driven by the same files
+(`preprocessor_config.json`, `video_preprocessor_config.json`). Here it counts media described by
+size and duration (synthetic mixes, manifests): a clip of `duration_s` seconds at `source_fps`
+frames per second is a stream of round(duration_s x source_fps) frames (`DEFAULT_SOURCE_FPS` when
+the rate is not given), then sampled, resized and counted as the processor does.
 
-- "qwen-vl" (Qwen2-VL / Qwen2.5-VL-like): 14-px patches merged 2x2, so one LLM token
-  per 28x28 pixels. An image is resized to multiples of 28 keeping its aspect ratio, with pixel
-  bounds that give 4..16384 tokens. Video frames are sampled (2 fps by default) and merged in
-  temporal pairs (temporal patch 2); a per-frame pixel budget shrinks frames of long clips.
-- "internvl" (InternVL2.5 / InternVL3-like): 448x448 tiles of 256 tokens; 1..12 tiles chosen by
-  the closest aspect-ratio grid, plus one thumbnail tile when there is more than one tile. Each
-  video frame is one 448x448 tile (256 tokens).
-- "llava" (LLaVA-1.5 / LLaVA-OneVision-like): a fixed 576 tokens per image (24x24 patches of a
-  336-px crop) and 196 tokens per video frame (OneVision's pooled 14x14 grid).
+What the rules are built from (`vision_rules`):
 
-Pure Python: the planner, the manifest reader and the generators call these in hot loops.
+- a stored model (`dhp_jax/data/models/<name>/`, e.g. "internvl3-8b") or a checkpoint directory:
+  its own processor files. Qwen2.5-VL's and InternVL's published video processors take every
+  frame of a clip; Qwen3-VL's samples 2 frames per second.
+- a family name, for planning without a checkpoint: the processor files of the family's
+  reference model (`REFERENCE_MODELS`: "qwen-vl" -> qwen2.5-vl-32b, "qwen3-vl" -> qwen3-vl-8b,
+  "internvl" -> internvl3-8b). Qwen2.5-VL's releases publish no video processor file, so for
+  "qwen-vl" the video processor is the Qwen2-VL video processor's own defaults (128..768 tokens
+  a frame, the bounds qwen-vl-utils also uses), where a Qwen2.5-VL checkpoint's video processor
+  reads its image file's bounds (3136..12845056 px a frame), as transformers loads it.
+- "llava" (LLaVA-1.5 / LLaVA-OneVision-like): fixed counts, 576 tokens per image (24x24
+  patches of a 336-px crop) and 196 per video frame; no processor of this project.
+
+Video sampling is the run's (`processors.resolve_video_sampling`), the same default on both paths:
+"auto" keeps a checkpoint's own sampling (Qwen3-VL: 2 frames/s) and, where its video processor
+takes every frame (Qwen2.5-VL's and InternVL's published files), samples as a run passes it:
+Qwen2.5-VL at 2 frames/s with the Qwen2-VL video processor's total-pixel cap, InternVL at 1
+frame/s. A mapping (`{"fps": 1}`, `{"num_frames": 8}`) or "files" (every frame where the files
+say so) replaces it; `FinetuneData(video_sampling=...)` takes the same values.
+
+Pure Python and NumPy: the planner imports this module and must not import jax.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import math
 import numbers
-from typing import Any
+import os
+from pathlib import Path
+from typing import Any, Mapping
 
-from dhp_jax.data.processors import MAX_ASPECT_RATIO, smart_resize  # noqa: F401 (MAX_ASPECT_RATIO: public)
+from dhp_jax.data.media import VideoInfo
+from dhp_jax.data.processors import MAX_ASPECT_RATIO, VisionProcessor, family_of, smart_resize  # noqa: F401 (public)
 from dhp_jax.data.sample import Segment
 
 VISION_FAMILIES = ("qwen-vl", "qwen3-vl", "internvl", "llava")
-
+MODELS_DIR = Path(__file__).with_name("models")
+# A clip described by its duration only (no frame rate) is counted as a stream at this rate.
+DEFAULT_SOURCE_FPS = 30.0
+# The stored model whose processor files a family name stands for.
+REFERENCE_MODELS = {"qwen-vl": "qwen2.5-vl-32b", "qwen3-vl": "qwen3-vl-8b", "internvl": "internvl3-8b"}
+_PROCESSOR_FAMILY = {"qwen2_5_vl": "qwen-vl", "qwen3_vl": "qwen3-vl", "internvl": "internvl"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,115 +72,43 @@ class VideoTokens:
     height: int
 
 
-@dataclasses.dataclass(frozen=True)
-class QwenVLRules:
-    """Qwen-VL-like rule. Defaults follow the public Qwen2-VL processor and qwen-vl-utils:
+class ProcessorRules:
+    """Counts of a `VisionProcessor` for media described by size and duration.
 
-    - image: factor 28 (patch 14 x merge 2), min 4 tokens (4*28*28 px), max 16384 tokens;
-    - video: sampled at `fps` = 2 frames/s, frame count even (temporal patch 2), 4..768 frames;
-      each frame between 128 and 768 tokens (per temporal pair), and the whole clip's pixel budget
-      ~115200 tokens (0.9 x 128000 x 28 x 28 px) shared by its frames, so long clips get smaller
-      frames rather than unbounded length.
+    `name`: what the rules were built from (a family name, a stored model, a directory);
+    `family`: the vision family ("qwen-vl", "qwen3-vl", "internvl").
     """
 
-    patch: int = 14  # a model with another patch size: QwenVLRules(patch=16) gives 32 px per token
-    merge: int = 2
-    min_tokens: int = 4
-    max_tokens: int = 16384
-    fps: float = 2.0
-    temporal_patch: int = 2
-    min_frames: int = 4
-    max_frames: int = 768
-    video_min_tokens: int = 128
-    video_max_tokens: int = 768
-    video_total_tokens: float = 0.9 * 128000
-    name: str = "qwen-vl"
+    def __init__(self, processor: VisionProcessor, name: str):
+        self.processor, self.name = processor, name
+        self.family = _PROCESSOR_FAMILY[processor.family]
+
+    def __repr__(self) -> str:
+        return f"ProcessorRules({self.name!r}, {self.processor.family})"
 
     @property
     def factor(self) -> int:
-        return self.patch * self.merge
-
-    def resize(self, width: int, height: int, min_pixels: float, max_pixels: float) -> tuple[int, int]:
-        """Resize to multiples of `factor`, aspect kept, pixels within [min_pixels, max_pixels]."""
-        _check_size(width, height)
-        h, w = smart_resize(height, width, self.factor, min_pixels, max_pixels)
-        return w, h
+        """Pixels per LLM token along a side (patch x merge) of the image processor; InternVL: the tile."""
+        c = self.processor.image
+        return c["patch_size"] * c["merge_size"] if self.processor.is_qwen else c["size"]["width"]
 
     def image_tokens(self, width: int, height: int) -> int:
-        f2 = self.factor * self.factor
-        w, h = self.resize(width, height, self.min_tokens * f2, self.max_tokens * f2)
-        return (w // self.factor) * (h // self.factor)
-
-    def video_frames(self, duration_s: float, source_fps: float | None = None) -> int:
-        """Frames sampled from a clip: duration x fps, rounded to the temporal patch, bounded."""
-        tp = self.temporal_patch
-        n = duration_s * self.fps
-        if source_fps:  # cannot sample more frames than the clip has (rounded down to pairs)
-            n = min(n, max(tp, math.floor(duration_s * source_fps / tp) * tp))
-        n = round(n / tp) * tp
-        return int(min(max(n, self.min_frames), self.max_frames))
-
-    def video(self, duration_s: float, width: int, height: int, source_fps: float | None = None) -> VideoTokens:
-        _check_duration(duration_s)
-        frames = self.video_frames(duration_s, source_fps)
-        f2 = self.factor * self.factor
-        budget = min(self.video_max_tokens * f2, self.video_total_tokens * f2 / frames * self.temporal_patch)
-        max_pixels = max(budget, self.video_min_tokens * f2 * 1.05)
-        w, h = self.resize(width, height, self.video_min_tokens * f2, max_pixels)
-        per_unit = (w // self.factor) * (h // self.factor)
-        units = frames // self.temporal_patch
-        return VideoTokens(units * per_unit, frames, units, per_unit, w, h)
-
-
-@dataclasses.dataclass(frozen=True)
-class InternVLRules:
-    """InternVL-like dynamic tiling: 448x448 tiles of 256 tokens, `min_tiles..max_tiles` (1..12).
-
-    The tile grid (columns x rows) is the one whose aspect ratio is closest to the image's; on a
-    tie the larger grid wins when the image has more than half its pixels. Ties between grids
-    are broken in the order (tiles, columns, rows), a choice that makes the rule deterministic.
-    Video: a choice of ours, not a published rule: `fps` = 1 frame/s, 4..512 frames, one 448x448
-    tile (256 tokens) per frame, so long clips stay long as in the DHP paper's video runs.
-    """
-
-    tile: int = 448
-    tokens_per_tile: int = 256
-    min_tiles: int = 1
-    max_tiles: int = 12
-    thumbnail: bool = True
-    fps: float = 1.0
-    min_frames: int = 4
-    max_frames: int = 512
-    name: str = "internvl"
-
-    def grid(self, width: int, height: int) -> tuple[int, int]:
-        """(columns, rows) of the tile grid for an image."""
         _check_size(width, height)
-        aspect = width / height
-        grids = sorted({(c, r) for c in range(1, self.max_tiles + 1) for r in range(1, self.max_tiles + 1)
-                        if self.min_tiles <= c * r <= self.max_tiles}, key=lambda g: (g[0] * g[1], g[0], g[1]))
-        best, best_diff = grids[0], math.inf
-        for c, r in grids:
-            diff = abs(aspect - c / r)
-            if diff < best_diff:
-                best, best_diff = (c, r), diff
-            elif diff == best_diff and width * height > 0.5 * self.tile * self.tile * c * r:
-                best = (c, r)
-        return best
+        return self.processor.image_tokens(int(round(width)), int(round(height)))
 
-    def image_tiles(self, width: int, height: int) -> int:
-        c, r = self.grid(width, height)
-        n = c * r
-        return n + 1 if self.thumbnail and n > 1 else n
-
-    def image_tokens(self, width: int, height: int) -> int:
-        return self.image_tiles(width, height) * self.tokens_per_tile
-
-    def video(self, duration_s: float, width: int, height: int, source_fps: float | None = None) -> VideoTokens:
+    def stream(self, duration_s: float, width: int, height: int, source_fps: float | None = None) -> VideoInfo:
+        """The stream metadata a clip of `duration_s` seconds stands for."""
         _check_duration(duration_s)
         _check_size(width, height)
-        frames = _sampled_frames(duration_s, self.fps, self.min_frames, self.max_frames, source_fps)
-        return VideoTokens(frames * self.tokens_per_tile, frames, frames, self.tokens_per_tile, self.tile, self.tile)
+        fps = float(source_fps) if source_fps else DEFAULT_SOURCE_FPS
+        if not fps > 0 or not math.isfinite(fps):
+            raise ValueError(f"source_fps must be a positive number of frames per second, got {source_fps!r}")
+        return VideoInfo(max(1, round(duration_s * fps)), fps, int(round(width)), int(round(height)))
+
+    def video(self, duration_s: float, width: int, height: int, source_fps: float | None = None) -> VideoTokens:
+        plan = self.processor.video_plan(self.stream(duration_s, width, height, source_fps))
+        units = plan.grid[0]
+        return VideoTokens(plan.tokens, len(plan.indices), units, plan.tokens // units, *plan.size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,40 +135,125 @@ class LlavaRules:
         return VideoTokens(frames * self.frame_tokens, frames, frames, self.frame_tokens, 384, 384)
 
 
-VisionRules = QwenVLRules | InternVLRules | LlavaRules
+VisionRules = ProcessorRules | LlavaRules
 
-_FAMILIES: dict[str, VisionRules] = {"qwen-vl": QwenVLRules(), "qwen3-vl": QwenVLRules(patch=16, name="qwen3-vl"),
-                                     "internvl": InternVLRules(), "llava": LlavaRules()}
 _ALIASES = {"qwen": "qwen-vl", "qwen2-vl": "qwen-vl", "qwen2.5-vl": "qwen-vl", "qwen2_5_vl": "qwen-vl",
             "qwen3_vl": "qwen3-vl",
             "intern-vl": "internvl", "llava-1.5": "llava", "llava-onevision": "llava"}
 
 
-def vision_rules(family: str | VisionRules) -> VisionRules:
-    """The rule object of a family name ("qwen-vl", "internvl", "llava"), or a rule object as is."""
-    if not isinstance(family, str):
+def vision_rules(family: str | os.PathLike | VisionRules,
+                 video_sampling: Mapping[str, Any] | str | None = "auto") -> VisionRules:
+    """The rules of a family name ("qwen-vl", "qwen3-vl", "internvl", "llava"), a stored model
+    ("internvl3-8b"), or a checkpoint directory (its processor files); a rule object as is.
+    `video_sampling`: the video keywords a run passes to the processor call (module docstring)."""
+    if not isinstance(family, (str, os.PathLike)):   # a rule object (anything with image_tokens / video)
         return family
-    key = _ALIASES.get(family.lower(), family.lower())
-    if key not in _FAMILIES:
-        raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VISION_FAMILIES)}")
-    return _FAMILIES[key]
+    if video_sampling is None or isinstance(video_sampling, (str, tuple)):
+        sampling: Any = video_sampling   # a tuple: the mapping's sorted items (a frozen dataclass field)
+    else:
+        sampling = tuple(sorted(video_sampling.items()))
+    text = os.fspath(family)
+    if _is_checkpoint_dir(text):
+        return _dir_rules(os.path.abspath(text), sampling)
+    key = text.lower()
+    if is_model_name(key):
+        return _model_rules(key, sampling)
+    key = _ALIASES.get(key, key)
+    if key == "llava":
+        return LlavaRules()
+    if key not in REFERENCE_MODELS:
+        raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VISION_FAMILIES)}, a stored model "
+                         f"({', '.join(stored_models())}) or a checkpoint directory with preprocessor_config.json")
+    return _family_rules(key, sampling)
+
+
+def stored_models() -> list[str]:
+    """The stored models that carry processor files (`dhp_jax/data/models/<name>/`)."""
+    return sorted(p.parent.name for p in MODELS_DIR.glob("*/preprocessor_config.json"))
+
+
+def _is_checkpoint_dir(text: str) -> bool:
+    """A directory named by a path, or one that holds processor files (a bare name that is also a
+    stored model or a family names those)."""
+    if not os.path.isdir(text):
+        return False
+    return os.sep in text or "/" in text or any(
+        os.path.isfile(os.path.join(text, f)) for f in ("preprocessor_config.json", "processor_config.json"))
+
+
+def is_model_name(name: str) -> bool:
+    """Whether `name` is a stored model (`dhp_jax/data/models/<name>/`: config.json and processor files)."""
+    from dhp_jax.data import model_configs
+
+    return model_configs.is_stored(name)
+
+
+@functools.lru_cache(maxsize=None)
+def _model_rules(name: str, sampling: tuple) -> ProcessorRules:
+    from dhp_jax.data import model_configs
+
+    family = model_configs.model_facts(name).family
+    proc = VisionProcessor.from_pretrained(str(MODELS_DIR / name), family, _sampling(sampling))
+    return ProcessorRules(proc, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _family_rules(key: str, sampling: Any) -> ProcessorRules:
+    from dhp_jax.data import model_configs
+    from dhp_jax.data.processors import processor_configs
+
+    name = REFERENCE_MODELS[key]
+    image, video, proc = processor_configs(str(MODELS_DIR / name))
+    if key == "qwen-vl":   # the video processor's own defaults (module docstring)
+        video = {}
+    family = model_configs.model_facts(name).family
+    return ProcessorRules(VisionProcessor(family, image, video, proc, _sampling(sampling)), key)
+
+
+@functools.lru_cache(maxsize=64)
+def _dir_rules(path: str, sampling: tuple) -> ProcessorRules:
+    if not any(os.path.isfile(os.path.join(path, f)) for f in ("preprocessor_config.json", "processor_config.json")):
+        raise ValueError(f"{path}: no preprocessor_config.json or processor_config.json (the checkpoint's "
+                         f"processor files give its vision-token counts)")
+    try:
+        proc = VisionProcessor.from_pretrained(path, video_sampling=_sampling(sampling))
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: unreadable processor config ({e})") from None
+    return ProcessorRules(proc, path)
+
+
+def _sampling(key: Any) -> Any:
+    return dict(key) if isinstance(key, tuple) else key
 
 
 def family_for_model(model: str) -> str:
     """The vision family of a model name: a stored model's (`dhp_jax.data.model_configs`: the rule
-    its config.json's patch size and merge give, "qwen3-vl-8b" -> "qwen3-vl"), else by the name's
-    prefix: "internvl3-8b" -> "internvl", "qwen2.5-vl-7b" -> "qwen-vl"."""
+    its config.json's patch size and merge give, "qwen3-vl-8b" -> "qwen3-vl"), a checkpoint
+    directory's (its processor files), else by the name's prefix: "internvl3-8b" -> "internvl",
+    "qwen2.5-vl-7b" -> "qwen-vl"."""
     from dhp_jax.data import model_configs
 
-    m = model.lower()
+    m = str(model).lower()
     if model_configs.is_stored(m):
         return model_configs.model_facts(m).vision_rule
+    if _is_checkpoint_dir(str(model)):
+        return _PROCESSOR_FAMILY[family_of(str(model))]
     for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen3", "qwen3-vl"),
                         ("qwen", "qwen-vl"), ("llava", "llava")):
         if m.startswith(prefix):
             return fam
     raise ValueError(f"cannot tell the vision family of model {model!r}; "
                      f"name one of {', '.join(VISION_FAMILIES)} explicitly")
+
+
+def rules_for_model(model: str | os.PathLike, video_sampling: Mapping[str, Any] | str | None = "auto") -> VisionRules:
+    """The vision-token rules of the model a command plans: a stored model's or a checkpoint
+    directory's own processor files; another name: its family's (`family_for_model`)."""
+    text = os.fspath(model)
+    if is_model_name(text) or _is_checkpoint_dir(text):
+        return vision_rules(text, video_sampling)
+    return vision_rules(family_for_model(text), video_sampling)
 
 
 def image_tokens(width: int, height: int, family: str | VisionRules = "qwen-vl") -> int:

@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args, tensor_parallel_ranks
+from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, add_video_args, cost_from_args, \
+    tensor_parallel_ranks, video_sampling_from_args
 from dhp_jax.planner.cost.pricing import allreduce_time
 
 DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
@@ -18,6 +19,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
     add_cost_args(parser, ranks=64, freeze_vision=True)
     add_tensor_parallel_arg(parser)
+    add_video_args(parser)
     parser.add_argument("--strategy", default="dhp", help="dhp, static-ring:<d|best>, static-ulysses:<d|best>, flexsp, milp")
     parser.add_argument("--micro-batches", type=int, default=None, help="fix the micro-batch count (default: searched)")
     parser.add_argument("--compare", default=DEFAULT_COMPARE,
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     # lazy: `dhp --help` imports only the argument parsers
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.data.datasets import check_dataset
-    from dhp_jax.data.vision import family_for_model
+    from dhp_jax.data.vision import rules_for_model
     from dhp_jax.planner.compare import compare_strategies
     from dhp_jax.planner.contract.plan import PlanningError
 
@@ -54,8 +56,9 @@ def run(args: argparse.Namespace) -> int:
         cost = cost_from_args(args)
         devices, t = args.ranks, args.tensor_parallel
         args.ranks, _ = tensor_parallel_ranks(devices, args.ranks_per_node, t)
-        # the batch's vision tokens follow the planned model's encoder (InternVL tiles, Qwen-VL patches)
-        samples = make_dataset(args.dataset, args.batch, args.seed, vision=family_for_model(args.model))
+        # the batch's vision tokens: the planned model's processors (its processor files, the run's sampling)
+        vision = rules_for_model(args.model, video_sampling_from_args(args))
+        samples = make_dataset(args.dataset, args.batch, args.seed, vision=vision)
         lengths, etas = sample_lengths(samples), sample_etas(samples)
         # --micro-batches only when given: a strategy that takes no count (the static ones) refuses it
         fixed = {} if args.micro_batches is None else {"num_micro_batches": args.micro_batches}
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     config = {"dataset": args.dataset, "batch": args.batch, "ranks": args.ranks, "ranks_per_node": args.ranks_per_node // t,
               "model": cost.model, "hardware": cost.hardware, "freeze_vision": cost.freeze_vision,
               "strategy": args.strategy, "seed": args.seed, "cost_source": args.cost or "preset",
+              "vision": vision.name, "video_sampling": getattr(getattr(vision, "processor", None), "video_sampling", None),
               "numbers": "simulated with the cost model",
               **({"tensor_parallel": t, "devices": devices} if t > 1 else {}),
               **({"sequence_parallel": True} if args.sequence_parallel else {})}

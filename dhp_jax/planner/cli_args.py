@@ -1,7 +1,11 @@
 """The command-line arguments every command shares, with one meaning each, and the one way to build
 a cost model from a preset name or a profile path.
 
-- `--model NAME`: the model the cost model prices (a `CostModel.preset` model, e.g. internvl3-8b).
+- `--model NAME|DIR`: the model the cost model prices (a `CostModel.preset` model, e.g. internvl3-8b, or a
+  checkpoint directory: its config.json) and whose processor files count the vision tokens
+  (`dhp_jax.data.vision.rules_for_model`).
+- `--video-fps F`, `--video-frames N` (`dhp plan`, `dhp analyze`, `dhp simulate`): the video sampling the
+  fine-tuning run passes to the processor (`FinetuneData(video_sampling=...)`); default "auto".
 - `--hardware NAME`: the hardware preset (ascend-910b, a100, h100, cpu).
 - `--cost SOURCE`: a fitted cost model (`dhp profile` output, a .json path) or a preset
   `MODEL/HARDWARE`; given, it replaces --model/--hardware. `--cost-profile PATH` is the same flag.
@@ -42,8 +46,9 @@ def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b
                   freeze_vision: bool = False) -> None:
     """--model, --hardware, --cost (alias --cost-profile); --ranks when `ranks` is given; --ranks-per-node
     unless `ranks_per_node` is None; --freeze-vision when asked."""
-    parser.add_argument("--model", default=model, help=f"cost-model preset model (default {model}): {', '.join(MODELS)}, or a "
-                             "checkpoint directory (its config.json)")
+    parser.add_argument("--model", default=model,
+                        help=f"model preset (default {model}): {', '.join(MODELS)}; or a checkpoint directory "
+                             f"(config.json and processor files)")
     parser.set_defaults(model_default=model)
     parser.add_argument("--hardware", default=hardware,
                         help=f"cost-model hardware preset (default {hardware}): {', '.join(HARDWARE)}")
@@ -78,6 +83,27 @@ def tensor_parallel_ranks(devices: int, devices_per_node: int, t: int) -> tuple[
     if devices % t:
         raise ValueError(f"tensor_parallel {t} does not divide the {devices} devices")
     return devices // t, devices_per_node // t
+
+
+def add_video_args(parser: argparse.ArgumentParser) -> None:
+    """--video-fps / --video-frames: the video sampling a run passes to the model's processor."""
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--video-fps", type=float, default=None, metavar="F",
+                   help="sample videos at F frames/s, as the fine-tuning run's processor call does (default: the "
+                        "checkpoint's own sampling; where its files take every frame, 2 frames/s for Qwen2.5-VL and "
+                        "1 for InternVL, as FinetuneData's default)")
+    g.add_argument("--video-frames", type=positive, default=None, metavar="N",
+                   help="sample N frames of each video (default: as --video-fps)")
+
+
+def video_sampling_from_args(args: argparse.Namespace) -> dict[str, Any] | str:
+    """The `video_sampling` of --video-fps / --video-frames ("auto" when neither is given)."""
+    fps, frames = getattr(args, "video_fps", None), getattr(args, "video_frames", None)
+    if fps is not None:
+        if not fps > 0 or fps != fps or fps == float("inf"):
+            raise ValueError(f"--video-fps must be a positive number of frames per second, got {fps}")
+        return {"fps": fps}
+    return {"num_frames": frames} if frames is not None else "auto"
 
 
 def add_mllm_arg(parser: argparse.ArgumentParser, default: str = "tiny") -> None:
@@ -121,6 +147,21 @@ def is_profile(source: str) -> bool:
     return source.endswith(".json") or os.path.isfile(source) or profile_path(source) != source
 
 
+def is_checkpoint_dir(model: str) -> bool:
+    """A --model that names a checkpoint directory (one with a config.json) rather than a preset."""
+    return os.path.isdir(str(model)) and os.path.isfile(os.path.join(str(model), "config.json"))
+
+
+def preset_model(model: str) -> Any:
+    """What `CostModel.preset` takes for a --model: the preset name, or a checkpoint directory's shape
+    (`ModelShape.from_config`, its config.json)."""
+    if is_checkpoint_dir(model):
+        from dhp_jax.planner.cost.presets import ModelShape
+
+        return ModelShape.from_config(str(model))
+    return model
+
+
 def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int | None = None,
                freeze_vision: bool = False, profile: bool | None = None, **overrides: Any) -> CostModel:
     """A cost model from a profile path (`CostModel.from_profile`; `ranks_per_node` and `overrides`
@@ -135,6 +176,9 @@ def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int 
                              f"named without a path: {', '.join(packaged_profiles()) or 'none'})") from None
         changes = {**overrides, **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node})}
         return cost.replace(**changes) if changes else cost
+    if is_checkpoint_dir(source):
+        return CostModel.preset(preset_model(source), hardware or "ascend-910b", freeze_vision=freeze_vision,
+                                **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node}), **overrides)
     model, _, hw = source.partition("/")
     return CostModel.preset(model, hw or hardware or "ascend-910b", freeze_vision=freeze_vision,
                             **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node}), **overrides)

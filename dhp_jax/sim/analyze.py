@@ -13,7 +13,7 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.token_profile import TokenProfile, histogram, load_profile, summary
-from dhp_jax.data.vision import family_for_model
+from dhp_jax.data.vision import rules_for_model, vision_rules
 from dhp_jax.planner.cli_args import cost_model, is_profile
 from dhp_jax.planner.compare import compare_strategies
 
@@ -63,13 +63,13 @@ def analyze(source: str, model: str = "qwen3-vl-8b", ranks: int = 64, batch: int
             hardware: str = "ascend-910b", vision: str | None = None, num_batches: int = 3, seed: int = 0,
             skip_bad: bool = False, image_root: str | None = None, tokenizer: str | None = None,
             strategies: Sequence[str] = DEFAULT_STRATEGIES, ranks_per_node: int = 8,
-            mix_samples: int = 8192, cost: str | None = None) -> dict[str, Any]:
+            mix_samples: int = 8192, cost: str | None = None, video_sampling: Any = "auto") -> dict[str, Any]:
     """The full report as a JSON-ready dict: data profile, histogram, simulated step times."""
     for name, v in (("ranks", ranks), ("batch", batch), ("num_batches", num_batches)):
         positive_int(v, name)
-    vision = vision or family_for_model(model)
-    prof, info = load_profile(source, vision, skip_bad=skip_bad, image_root=image_root, tokenizer=tokenizer,
+    rules = vision_rules(vision, video_sampling) if vision else rules_for_model(model, video_sampling)
+    prof, info = load_profile(source, rules, skip_bad=skip_bad, image_root=image_root, tokenizer=tokenizer,
                               mix_samples=mix_samples, seed=seed)
-    return {"data": {**info, "vision": vision, **summary(prof)}, "histogram": histogram(prof),
+    return {"data": {**info, "vision": rules.name, **summary(prof)}, "histogram": histogram(prof),
             "simulation": simulate(prof, model, hardware, ranks, batch, num_batches, seed, strategies,
                                    ranks_per_node, cost)}

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from dhp_jax.planner.cli_args import add_cost_args
+from dhp_jax.planner.cli_args import add_cost_args, add_video_args, video_sampling_from_args
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -17,7 +17,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
     parser.add_argument("--batches", type=int, default=3, help="batches drawn for the simulation (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch draws")
-    parser.add_argument("--vision", default=None, help="vision-token family (default: from --model)")
+    parser.add_argument("--vision", default=None,
+                        help="vision-token rules: a family (qwen-vl, qwen3-vl, internvl, llava), a stored model or a "
+                             "checkpoint directory (default: --model's processor files)")
+    add_video_args(parser)
     parser.add_argument("--skip-bad", action="store_true", help="skip bad manifest lines and count them")
     parser.add_argument("--image-root", default=None, help="folder image paths are relative to (default: the manifest's)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer.json path or name (default: chars/token estimate)")
@@ -32,7 +35,8 @@ def run(args: argparse.Namespace) -> int:
         report = analyze(args.manifest, args.model, args.ranks, args.batch, hardware=args.hardware,
                          vision=args.vision, num_batches=args.batches, seed=args.seed, skip_bad=args.skip_bad,
                          image_root=args.image_root, tokenizer=args.tokenizer, ranks_per_node=args.ranks_per_node,
-                         mix_samples=args.mix_samples, cost=args.cost)
+                         mix_samples=args.mix_samples, cost=args.cost,
+                         video_sampling=video_sampling_from_args(args))
     except (ValueError, OSError) as e:   # OSError: a manifest path that is not there, or a directory
         print(f"dhp analyze: error: {e}", file=sys.stderr)
         return 2

@@ -10,8 +10,8 @@ import json
 import sys
 import time
 
-from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args, is_profile, \
-    tensor_parallel_ranks
+from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, add_video_args, cost_from_args, \
+    is_profile, tensor_parallel_ranks, video_sampling_from_args
 
 DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 
@@ -19,6 +19,7 @@ DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 def configure(parser: argparse.ArgumentParser) -> None:
     add_cost_args(parser, freeze_vision=True)
     add_tensor_parallel_arg(parser)
+    add_video_args(parser)
     parser.add_argument("--dataset", default="openvid", help="dataset name or manifest path")
     parser.add_argument("--nodes", type=int, default=8, help="nodes in the cluster")
     parser.add_argument("--intra-gbps", type=float, default=None, help="override intra-node GB/s per rank")
@@ -28,6 +29,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="data seed (every strategy sees the same batches)")
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES, help="comma-separated")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _hashable(sampling):
+    return tuple(sorted(sampling.items())) if isinstance(sampling, dict) else sampling
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
                           hardware=args.hardware, freeze_vision=args.freeze_vision,
                           intra_node_gbps=args.intra_gbps, inter_node_gbps=args.inter_gbps,
                           tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel,
-                          state_shards=args.nodes * args.ranks_per_node)   # the state over every device
+                          state_shards=args.nodes * args.ranks_per_node,   # the state over every device
+                          video_sampling=_hashable(video_sampling_from_args(args)))
         shards = {} if args.cost and is_profile(args.cost) else {"state_shards": cluster.devices}
         cost = cost_from_args(args, **shards) if args.cost else cluster.cost_model()
     except (ValueError, OSError) as e:

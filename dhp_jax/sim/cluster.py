@@ -9,11 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# The vision-token rules a model uses (InternVL tiles, Qwen-VL patches) come from one table, in the
-# data package; `vision_family` is kept as the simulator's name for it.
 from dhp_jax.checks import positive_int
-from dhp_jax.data.vision import family_for_model as vision_family
+# The vision-token counts of a model come from its processor files, through the data package's one rule.
+from dhp_jax.data.vision import rules_for_model
 from dhp_jax.planner import CostModel
+from dhp_jax.planner.cli_args import preset_model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Cluster:
     tensor_parallel: int = 1
     state_shards: int | None = None
     sequence_parallel: bool = False
+    video_sampling: Any = "auto"   # the run's video sampling (dhp_jax.data.vision; "auto", {"fps": F}, ...)
 
     def __post_init__(self) -> None:
         for name in ("nodes", "ranks_per_node", "tensor_parallel") + (("state_shards",) if self.state_shards else ()):
@@ -82,8 +83,9 @@ class Cluster:
         return self.num_ranks * self.tensor_parallel
 
     @property
-    def vision(self) -> str:
-        return vision_family(self.model)
+    def vision(self) -> Any:
+        """The vision-token rules of the model: its processor files with the run's video sampling."""
+        return rules_for_model(self.model, self.video_sampling)
 
     def cost_model(self) -> Any:
         """The planner's cost model for this cluster (bandwidth overrides applied)."""
@@ -98,7 +100,7 @@ class Cluster:
             overrides["sequence_parallel"] = True
         if self.state_shards:
             overrides["state_shards"] = self.state_shards
-        return CostModel.preset(self.model, self.hardware, ranks_per_node=self.ranks_per_node,
+        return CostModel.preset(preset_model(self.model), self.hardware, ranks_per_node=self.ranks_per_node,
                                 freeze_vision=self.freeze_vision, **overrides)
 
     def describe(self) -> str:

@@ -52,6 +52,8 @@ class DataConfig:
     webdataset: str | None = None
     hf_dataset: str | None = None
     on_error: str = "skip"         # bad records: skip (counted in the summary, listed in data_issues.tsv) | fail
+    video_fps: float | None = None  # fine-tuning videos sampled at this rate (None with video_frames None: "auto",
+    video_frames: int | None = None  # dhp_jax.data.vision); or this many frames each; as dhp plan's --video-fps
     workers: int = 2               # fine-tuning loader threads that decode ahead
     prefetch: int = 4              # batches decoded ahead at most
     batch_size: int = 16           # samples per global batch
@@ -199,6 +201,12 @@ class TrainConfig:
         if sources and not self.model.pretrained:
             raise ConfigError(f"{next(iter(sources))} is fine-tuning data: it needs model.pretrained=CHECKPOINT_DIR "
                               f"(the stand-in model trains on data.dataset)")
+        if self.data.video_fps is not None and not 0 < self.data.video_fps < float("inf"):
+            raise ConfigError(f"data.video_fps must be > 0 frames per second (or null), got {self.data.video_fps}")
+        if self.data.video_frames is not None and self.data.video_frames < 1:
+            raise ConfigError(f"data.video_frames must be >= 1 (or null), got {self.data.video_frames}")
+        if self.data.video_fps is not None and self.data.video_frames is not None:
+            raise ConfigError("data.video_fps and data.video_frames: set one, not both")
         if self.data.on_error not in ("skip", "fail"):
             raise ConfigError(f"data.on_error must be skip or fail, got {self.data.on_error!r}")
         if self.data.workers < 1 or self.data.prefetch < 1:

@@ -37,6 +37,17 @@ class FinetuneBatch:
         return int(self.lengths.sum())
 
 
+def video_sampling(data_cfg: Any) -> Any:
+    """The run's video sampling: `data.video_fps` or `data.video_frames`, else "auto" (the value
+    `dhp plan --video-fps` / `--video-frames` gives the planner)."""
+    fps, frames = getattr(data_cfg, "video_fps", None), getattr(data_cfg, "video_frames", None)
+    if fps is not None and frames is not None:
+        raise ValueError("data.video_fps and data.video_frames: give one, not both")
+    if fps is not None:
+        return {"fps": fps}
+    return {"num_frames": frames} if frames is not None else "auto"
+
+
 class FinetunePipeline:
     """`pipeline.batch(step) -> FinetuneBatch` in step order (another step restarts the loader there)."""
 
@@ -47,7 +58,7 @@ class FinetunePipeline:
 
         spec, kind = source_spec(data_cfg)
         self.hf_config, self.on_error = hf_config, data_cfg.on_error
-        self.data = FinetuneData(checkpoint, family=hf_config.family)
+        self.data = FinetuneData(checkpoint, family=hf_config.family, video_sampling=video_sampling(data_cfg))
         self.scan_issues: list = []
         records = iter_source(spec, kind)
         self.planned = list(self.data.scan(records, on_error=data_cfg.on_error, issues=self.scan_issues))
