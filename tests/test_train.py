@@ -370,10 +370,10 @@ def test_full_size_plans_are_logged_as_run_and_the_measured_comparison_is_opt_in
     trainer = Trainer(cfg, executor=executor)
     result = trainer.run()
     lines = read_jsonl(tmp_path / "full" / "plans.jsonl")
-    assert [x["step"] for x in lines] == [0, 1]
+    assert [(x["step"], x["step_base"]) for x in lines] == [(1, 1), (2, 1)]     # steps count from 1
     for line in lines:
         plan = Plan.from_json(line["plan"])
-        batch = trainer.pipeline.batch(line["step"])
+        batch = trainer.pipeline.batch(line["step"] - 1)
         assert plan.ranks_per_node == 8
         groups = [g for mb in plan.micro_batches for g in mb.groups]
         for g, (_, bucket, _, _) in zip(groups, executor.plan_keys(batch.samples, plan), strict=True):
