@@ -192,8 +192,11 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     p = config.planner
     plans = None
     if p.plan_file:  # an unreadable plan file fails before anything is compiled
+        # a plan made at another parallel.tensor may split heads this run's devices do not hold
         plans = load_plan_file(p.plan_file, num_samples=config.data.batch_size, num_ranks=config.num_ranks,
-                               steps=config.steps)
+                               steps=config.steps, num_heads=model_config.num_heads // t,
+                               heads_note=f" (the model's {model_config.num_heads} query heads over "
+                                          f"parallel.tensor={t} device(s) a rank: {model_config.num_heads // t} a device)")
     if config.metrics.tensorboard:
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
