@@ -3,8 +3,8 @@ Qwen2.5-VL checkpoint and generated images and videos, 8 fake devices: the step-
 transformers' loss on the same batch (same chat template, assistant-only labels), the loss falls
 on a fixed set, bad records are skipped and listed, a run resumed on another rank count (8 -> 6 -> 8)
 takes the same batches with the same losses, the exported
-checkpoint gives transformers the project's logits, the README's run plans groups of irregular
-degrees from the real token counts, and the torch backend continues the run (one process; and
+checkpoint gives transformers the project's logits, the README's run plans what its prices choose
+from the real token counts (mixed, irregular degrees where programs are free), and the torch backend continues the run (one process; and
 `--tensor-parallel 2 --sequence-parallel` vs its plans replayed at 1, saved checkpoints compared)."""
 
 import json
