@@ -21,6 +21,7 @@ from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, scalar_time
 from dhp_jax.planner.solvers.build import padded_tokens
+from dhp_jax.planner.solvers.flexsp_candidate import FLEXSP_CANDIDATE_MAX_RANKS, best_flexsp
 from dhp_jax.planner.solvers.packing import Packer, bins_of
 from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
@@ -309,13 +310,27 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
 
     # the static plans of the allowed degrees are DHP plans too: one that is faster replaces the
     # search's (chosen[0] is the plan's price, but in "best" mode a lone finalist's is its ring price)
-    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0],
-                         attention == "ring" or len(finalists) > 1, price, programs is None or not programs.compile_s)
-    if static is None:
+    exact = attention == "ring" or len(finalists) > 1
+    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0], exact, price,
+                         programs is None or not programs.compile_s)
+    if static is not None:
+        t, name, cand, mode, own = static
+    else:
+        t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
+    # FlexSP's plan is a DHP plan too: where it is cheap to solve, it replaces the best so far if faster
+    if attention == "best" and N <= FLEXSP_CANDIDATE_MAX_RANKS and node_aware:
+        if own is None:
+            own = chosen[0] if exact else price(None, None)
+        if t is None:
+            t = own
+        flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
+        if flex is not None:
+            t, cand, mode = flex
+            name = "flexsp"
+    if name == "dhp":
         return mbs, info, attention
-    t, name, mbs, mode, own = static
-    return mbs, {"num_micro_batches": len(mbs), "est_makespan_sum_s": t, "chosen": name,
-                 "dhp_search_makespan_sum_s": own}, mode
+    return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
+                  "dhp_search_makespan_sum_s": own}, mode
 
 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
