@@ -21,7 +21,7 @@ from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, scalar_time
 from dhp_jax.planner.solvers.build import padded_tokens
-from dhp_jax.planner.solvers.flexsp_candidate import FLEXSP_CANDIDATE_MAX_RANKS, best_flexsp
+from dhp_jax.planner.solvers.flexsp_candidate import best_flexsp
 from dhp_jax.planner.solvers.packing import Packer, bins_of
 from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
@@ -317,8 +317,8 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         t, name, cand, mode, own = static
     else:
         t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
-    # FlexSP's plan is a DHP plan too: where it is cheap to solve, it replaces the best so far if faster
-    if attention == "best" and N <= FLEXSP_CANDIDATE_MAX_RANKS and node_aware:
+    # FlexSP-style plans are DHP plans too: one that is faster replaces the best so far
+    if attention == "best" and node_aware:
         if own is None:
             own = chosen[0] if exact else price(None, None)
         if t is None:

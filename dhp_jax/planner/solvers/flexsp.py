@@ -258,6 +258,20 @@ def _point(groups: list[list[int]], d: int, slots: list[int], nK: int, P: int, t
     return x
 
 
+def alone_bounds(prob: Any, ds: np.ndarray) -> np.ndarray:
+    """A lower bound on the time of any group holding each sequence (float64[K]): its least time
+    alone on a degree of `ds` that holds it, on the ring or (where the head count allows) Ulysses,
+    inside a node. A group's time grows with what it holds, and inter-node links are the slower."""
+    cost = prob.cost
+    d = ds[None, :].astype(np.float64)
+    terms = (prob.attn[:, None], prob.lin[:, None], prob.tok[:, None])
+    t = group_times(cost, *terms, d, False, "ring")
+    uly = np.asarray([d > 1 and cost.ulysses_ok(int(d)) for d in ds.tolist()])
+    if uly.any():
+        t[:, uly] = np.minimum(t[:, uly], group_times(cost, *terms, d[:, uly], False, "ulysses"))
+    return np.where(ds[None, :] >= prob.dmin[:, None], t, np.inf).min(axis=1)
+
+
 def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None = None,
                  node_limit: int = FLEXSP_NODE_LIMIT, limit: float = np.inf) -> tuple[list, dict[str, Any]] | None:
     """FlexSP's plan (module docstring): the best of several length-sorted counts, one MILP each.
@@ -265,8 +279,8 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
     `limit` (the "dhp" strategy's candidate, `dhp.solve_dhp`): only a plan whose summed micro-batch
     makespans come in under it is wanted. A count whose bound (total work / N + M b1, which grows
     with M) reaches it ends the search, and a count is abandoned once its micro-batches solved so
-    far plus the others' work bounds reach it; an abandoned count takes no part in choosing the
-    count. So the answer is the plan `limit` = inf gives whenever that plan comes in under `limit`
+    far plus the others' bounds (work / N + b1, and their slowest sequence alone, `alone_bounds`)
+    reach it; an abandoned count takes no part in choosing the count. So the answer is the plan `limit` = inf gives whenever that plan comes in under `limit`
     (or one that comes in lower still), and None when no count comes in under it."""
     N, cost = prob.num_ranks, prob.cost
     ds = allowed_degrees(N, "pow2")
@@ -287,6 +301,8 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
     tried = []
     total_work = float(prob.work.sum())
     bounded = limit < np.inf
+    if bounded:  # each sequence's least time alone in any group FlexSP may give it: a bound on its group's
+        alone = alone_bounds(prob, ds)
     for M in counts:
         if total_work / N + M * cost.b1 >= min(limit, np.inf if best is None else best[0]):
             break  # every micro-batch takes at least its work / N + b1: this count cannot win
@@ -295,17 +311,19 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
             if num_micro_batches is not None:
                 raise PlanningError(f"flexsp: {M} micro-batches cannot hold this batch on {N} ranks")
             continue
-        rest = float(sum(float(prob.work[idx].sum()) / N + cost.b1 for idx in parts))
+        bounds = [max(float(prob.work[idx].sum()) / N + cost.b1, float(alone[idx].max())) for idx in parts] \
+            if bounded else [0.0] * len(parts)
+        rest = float(sum(bounds))
         mbs, optimal, done = [], True, 0.0
-        for idx in parts:
+        for idx, bound in zip(parts, bounds):
+            if bounded and done + rest >= limit:
+                break
             groups, degs, _, opt = solve_microbatch_milp(prob, idx, ds, node_limit, time_limit_s)
             optimal &= opt
             mbs.append(list(zip(place(degs, N, cost.ranks_per_node, True), groups)))
             if bounded:  # this micro-batch as the plan prices it, the rest at their bounds
                 done += build_plan(mbs[-1:], prob.lengths, prob.etas, cost, N, {}, "auto").micro_batches[0].est_makespan_s
-                rest -= float(prob.work[idx].sum()) / N + cost.b1
-                if done + rest >= limit:
-                    break
+                rest -= bound
         tried.append(len(parts))
         if len(mbs) < len(parts) or (bounded and done + rest >= limit):
             continue  # abandoned: at or above the limit

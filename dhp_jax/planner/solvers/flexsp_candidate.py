@@ -1,68 +1,180 @@
-"""FlexSP's plan as a candidate of the "dhp" strategy: DHP is never slower than the "flexsp" baseline
-where that candidate is priced.
+"""FlexSP-style plans as candidates of the "dhp" strategy.
 
-FlexSP's plan (`flexsp.py`: length-sorted micro-batches, power-of-two groups from a MILP, placed
-node-aware, all-to-all where the head count allows) is a valid DHP plan: groups of power-of-two
-degrees are points of DHP's search space, and its kinds are kinds a DHP group may run. `solve_dhp`
-hands its best plan so far (its search's, or a static plan's) to `best_flexsp`, which keeps FlexSP's
-plan when that is faster under the objective DHP minimises (summed micro-batch makespans as
-`build_plan` prices them plus new programs' compile prices), priced with FlexSP's own kinds and with
-each group on its fastest kind (`pricing.best_kinds`), the lower of the two. The earlier plan wins
-ties.
+FlexSP's planner (`flexsp.py`) cuts the length-sorted batch into micro-batches of about equal tokens
+and gives each micro-batch power-of-two sequence-parallel groups, all-to-all where the head count
+allows it. Such a plan is a valid DHP plan: groups of power-of-two degrees are points of DHP's
+search space, and their kinds are kinds a DHP group may run. `solve_dhp` hands its best plan so far
+(its search's, or a static plan's) to `best_flexsp`, which keeps a FlexSP-style plan when that is
+faster under the objective DHP minimises (summed micro-batch makespans as `build_plan` prices them
+plus new programs' compile prices), priced with FlexSP's own kinds and with each group on its
+fastest kind (`pricing.best_kinds`), the lower of the two. The earlier plan wins ties.
 
-FlexSP's MILPs cost far more than DHP's search, so the candidate is solved only where that is cheap:
-on at most `FLEXSP_CANDIDATE_MAX_RANKS` ranks, and only as far as it can still win (`solve_flexsp`'s
-`limit`: counts and micro-batches whose work bounds reach the best price so far are not solved).
+Two kinds of candidate, by what they cost:
+- the homogeneous packings (`homogeneous_plans`, every rank count): for each micro-batch count
+  FlexSP tries, its length-sorted micro-batches, each packed onto the N / d groups of one
+  power-of-two degree d (longest sequence first onto the least loaded group with memory room, the
+  plan FlexSP's MILP starts from), the d of least makespan per micro-batch. Milliseconds.
+- FlexSP's plan itself (`solve_flexsp`, its MILPs), on at most `FLEXSP_CANDIDATE_MAX_RANKS` ranks,
+  solved only as far as it can still win (`solve_flexsp`'s `limit`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import heapq
+from typing import Callable
 
 import numpy as np
 
 from dhp_jax.planner.contract.plan import PlanningError
+from dhp_jax.planner.cost.pricing import attention_for, bin_sums, group_times
+from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allowed_degrees
+from dhp_jax.planner.solvers.flexsp import FLEXSP_EXTRA_COUNTS, alone_bounds
+from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
 
-__all__ = ["FLEXSP_CANDIDATE_MAX_RANKS", "best_flexsp"]
+__all__ = ["FLEXSP_CANDIDATE_MAX_RANKS", "best_flexsp", "flexsp_counts", "homogeneous_plans"]
 
-# FlexSP's plan is a candidate up to this many ranks (its MILP has one slot per power-of-two group,
-# 2N - 1 of them: at 16 ranks a few hundred integer variables per micro-batch)
-FLEXSP_CANDIDATE_MAX_RANKS = 16
+# FlexSP's own plan (its MILPs, each a few hundred milliseconds or more) is a candidate up to this
+# many ranks; 0: never (the homogeneous packings are candidates on every rank count)
+FLEXSP_CANDIDATE_MAX_RANKS = 0
+
+
+def flexsp_counts(prob: Problem, num_micro_batches: int | None) -> list[int]:
+    """The micro-batch counts FlexSP's planner tries (`solve_flexsp`): `num_micro_batches`, else
+    from the least count whose length-sorted runs fit the ranks, FLEXSP_EXTRA_COUNTS more."""
+    N, K = prob.num_ranks, len(prob.lengths)
+    if num_micro_batches is not None:
+        return [int(num_micro_batches)]
+    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
+    while lo < K and microbatch.by_length(prob.tok, prob.tok, lo, N, prob.cap) is None:
+        lo += 1
+    return list(range(lo, min(K, lo + FLEXSP_EXTRA_COUNTS) + 1))
+
+
+def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: float) -> list[list[int]] | None:
+    """Sequences (`order`, longest first; their times `t` and tokens `tok`) each onto the least
+    loaded of `slots` groups that still has memory room (ties: the lower group); None when one fits
+    nowhere. The used groups' sequences, in group order."""
+    heap = [(0.0, p) for p in range(slots)]
+    left = [room] * slots
+    groups: list[list[int]] = [[] for _ in range(slots)]
+    for k, tk, tt in zip(order.tolist(), tok, t):
+        full = []
+        while heap and left[heap[0][1]] < tk * (1 - 1e-12):
+            full.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, p = heapq.heappop(heap)
+        groups[p].append(k)
+        left[p] -= tk
+        heapq.heappush(heap, (load + tt, p))
+        for item in full:
+            heapq.heappush(heap, item)
+    return [g for g in groups if g]
+
+
+def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[list]:
+    """For each count of `counts`: FlexSP's length-sorted micro-batches (`microbatch.by_length`),
+    each on the groups of the one power-of-two degree whose packing (`_lpt`, sequences weighed by
+    their time alone on that degree and kind) has the least makespan, placed node-aware.
+
+    The counts are tried in order and, as in FlexSP's count search, once a count has given a plan
+    the first count that does not improve on it ends the search. Only what can come in under
+    `limit` is built: a count is dropped once its micro-batches so far plus the others' bounds
+    (work / N + b1, and their slowest sequence alone: `flexsp.alone_bounds`) reach it, and one
+    whose bounds alone reach it ends the search; degrees are packed in the order of their longest sequence's time alone, until
+    that time reaches the best makespan so far (a group takes at least as long as each of its
+    sequences alone)."""
+    N, cost = prob.num_ranks, prob.cost
+    ds = allowed_degrees(N, "pow2").tolist()
+    terms = (prob.attn, prob.lin, prob.tok)
+    total_work = float(prob.work.sum())
+    alone = alone_bounds(prob, np.asarray(ds))
+    last = np.inf
+    # every sequence alone on every degree, on the kind FlexSP gives that degree (one call a kind)
+    kinds_all = [attention_for(d, cost, "auto") for d in ds]
+    times_all = np.empty((len(ds), len(prob.lengths)))
+    for kind in set(kinds_all):
+        rows = [i for i, k in enumerate(kinds_all) if k == kind]
+        times_all[rows] = group_times(cost, prob.attn[None, :], prob.lin[None, :], prob.tok[None, :],
+                                      np.asarray(ds, float)[rows, None], attention=kind)
+    out = []
+    for M in counts:
+        if total_work / N + M * cost.b1 >= limit:
+            break
+        parts = microbatch.by_length(prob.tok, prob.tok, M, N, prob.cap)
+        if parts is None:
+            continue
+        bounds = [max(float(prob.work[idx].sum()) / N + cost.b1, float(alone[idx].max())) for idx in parts]
+        rest = float(sum(bounds))
+        if rest >= limit:
+            break
+        mbs, done = [], 0.0
+        for idx, bound in zip(parts, bounds):
+            rest -= bound
+            order = idx[np.lexsort((idx, -prob.tok[idx]))]
+            first = int(np.searchsorted(ds, int(prob.dmin[idx].max())))
+            dd, kinds = ds[first:], kinds_all[first:]
+            t = times_all[first:, order]
+            longest = t.max(axis=1)
+            tok = prob.tok[order].tolist()
+            best = None
+            for i in np.argsort(longest, kind="stable").tolist():
+                if best is not None and longest[i] >= best[0]:
+                    break  # a group's time is at least each of its sequences' alone
+                d = dd[i]
+                groups = _lpt(order, t[i].tolist(), tok, N // d, d * prob.cap)
+                if groups is None:
+                    continue
+                mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
+                if best is None or mk < best[0]:
+                    best = (mk, d, groups)
+            if best is None or done + best[0] + rest >= limit:
+                break
+            done += best[0]
+            mbs.append(list(zip(place([best[1]] * len(best[2]), N, cost.ranks_per_node, True), best[2])))
+        if len(mbs) < len(parts) or done >= last * (1 - 1e-12):
+            if out:
+                break  # as FlexSP's count search: a count that does not improve ends it
+            continue
+        out.append(mbs)
+        last = done
+    return out
 
 
 def best_flexsp(prob: Problem, allowed: np.ndarray, attention: str, num_micro_batches: int | None, packing: bool,
                 node_aware: bool, limit: float, exact_price: Callable[[list, str], float]
                 ) -> tuple[float, list, str] | None:
-    """FlexSP's plan if it is strictly faster than `limit` (the price of DHP's best plan so far):
-    (price, micro-batches, attention mode: "auto" for FlexSP's own kinds, "best" for each group's
-    fastest), else None.
+    """The FlexSP-style plan (module docstring) that is strictly faster than `limit` (the price of
+    DHP's best plan so far), if one is: (price, micro-batches, attention mode: "auto" for FlexSP's
+    own kinds, "best" for each group's fastest), else None.
 
     Offered only in "best" mode (the "ring" ablation keeps every group on the ring), with node-aware
-    placement (FlexSP places its groups so), on at most FLEXSP_CANDIDATE_MAX_RANKS ranks, and only
-    where the options allow its plan: every power of two up to the ranks in `allowed`, the
-    micro-batch count `num_micro_batches` when given, one sequence a group without `packing`. `exact_price(mbs,
-    mode)` prices a plan as DHP's search does."""
-    from dhp_jax.planner.solvers.flexsp import solve_flexsp  # lazy: the MILP solver loads only when used
-
-    if attention != "best" or not node_aware or prob.num_ranks > FLEXSP_CANDIDATE_MAX_RANKS:
+    placement (FlexSP places its groups so), and only where the options allow its plans: every
+    power of two up to the ranks in `allowed`, the micro-batch count `num_micro_batches` when given,
+    one sequence a group without `packing`. `exact_price(mbs, mode)` prices a plan as DHP's search
+    does."""
+    if attention != "best" or not node_aware:
         return None
-    ok = set(allowed.tolist())
-    if not set(allowed_degrees(prob.num_ranks, "pow2").tolist()) <= ok:
+    if not set(allowed_degrees(prob.num_ranks, "pow2").tolist()) <= set(allowed.tolist()):
         return None  # FlexSP's groups may take any power of two
-    try:
-        got = solve_flexsp(prob, num_micro_batches, limit=limit)
-    except PlanningError:  # a sample longer than the largest power-of-two group holds, or the count
-        return None
-    if got is None:
-        return None
-    mbs = got[0]
-    if not packing and any(len(samples) > 1 for mb in mbs for _, samples in mb):
-        return None
+    cands = homogeneous_plans(prob, flexsp_counts(prob, num_micro_batches), limit)
+    if prob.num_ranks <= FLEXSP_CANDIDATE_MAX_RANKS:
+        from dhp_jax.planner.solvers.flexsp import solve_flexsp
+
+        try:
+            got = solve_flexsp(prob, num_micro_batches, limit=limit)
+        except PlanningError:  # a sample longer than the largest power-of-two group holds
+            got = None
+        if got is not None:
+            cands.append(got[0])
     best = None
-    for mode in ("auto", "best"):
-        price = float(exact_price(mbs, mode))
-        if price < limit * (1 - 1e-12) and (best is None or price < best[0]):
-            best = (price, mbs, mode)
+    for mbs in cands:
+        if not packing and any(len(samples) > 1 for mb in mbs for _, samples in mb):
+            continue
+        for mode in ("auto", "best"):
+            price = float(exact_price(mbs, mode))
+            if price < (limit if best is None else best[0]) * (1 - 1e-12):
+                best = (price, mbs, mode)
     return best
