@@ -74,9 +74,9 @@ def test_flexsp_plan_is_a_candidate_and_honours_the_options():
     lengths, etas = np.asarray(LLAVA), np.asarray(LLAVA_ETAS)
     dhp = plan_batch(lengths, 8, cost, etas=etas)
     fx = plan_batch(lengths, 8, cost, "flexsp", etas=etas)
-    assert dhp.solver["chosen"] == "flexsp" and _layout(dhp) == _layout(fx)
+    assert dhp.solver["chosen"] == "flexsp-packing" and _layout(dhp) == _layout(fx)
     assert step_time(dhp, lengths, cost, etas) == step_time(fx, lengths, cost, etas)
     assert dhp.solver["est_makespan_sum_s"] < dhp.solver["dhp_search_makespan_sum_s"] * (1 - 1e-3)
     for options in ({"attention": "ring"}, {"degrees": [1, 2, 3, 5, 6, 7, 8]}, {"node_aware": False},
                     {"packing": False}):
-        assert plan_batch(lengths, 8, cost, etas=etas, **options).solver["chosen"] != "flexsp", options
+        assert plan_batch(lengths, 8, cost, etas=etas, **options).solver["chosen"] == "dhp", options

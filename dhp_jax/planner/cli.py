@@ -35,14 +35,16 @@ def not_optimal(solver: dict) -> str:
 
 
 def chosen_from(solver: dict) -> str | None:
-    """Where a "dhp" plan came from when a static candidate beat its search (its solver metadata
-    "chosen"; `dhp_jax.planner.solvers.static_candidates`), else None."""
+    """Where a "dhp" plan came from when a static or FlexSP-style candidate beat its search (its
+    solver metadata "chosen"; `dhp_jax.planner.solvers.static_candidates`, `flexsp_candidate`),
+    else None."""
     chosen = solver.get("chosen")
     if not chosen or chosen == "dhp":
         return None
     kind, _, degree = chosen.partition(":")
-    what = (f"degree-{degree} static groups, each on its fastest attention kind" if kind == "static-best"
-            else f"the {chosen} baseline's plan")
+    what = {"static-best": f"degree-{degree} static groups, each on its fastest attention kind",
+            "flexsp-packing": "FlexSP's length-sorted micro-batches, each on groups of one power-of-two degree",
+            "flexsp": "FlexSP's plan"}.get(kind, f"the {chosen} baseline's plan")
     return (f"chosen: {chosen} ({what}): faster than the DHP search's own plan "
             f"({solver['est_makespan_sum_s']:.3f} s against {solver['dhp_search_makespan_sum_s']:.3f} s of "
             f"micro-batch makespans)")

@@ -325,8 +325,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
             t = own
         flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
         if flex is not None:
-            t, cand, mode = flex
-            name = "flexsp"
+            t, name, cand, mode = flex
     if name == "dhp":
         return mbs, info, attention
     return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,

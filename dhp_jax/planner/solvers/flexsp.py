@@ -273,15 +273,8 @@ def alone_bounds(prob: Any, ds: np.ndarray) -> np.ndarray:
 
 
 def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None = None,
-                 node_limit: int = FLEXSP_NODE_LIMIT, limit: float = np.inf) -> tuple[list, dict[str, Any]] | None:
-    """FlexSP's plan (module docstring): the best of several length-sorted counts, one MILP each.
-
-    `limit` (the "dhp" strategy's candidate, `dhp.solve_dhp`): only a plan whose summed micro-batch
-    makespans come in under it is wanted. A count whose bound (total work / N + M b1, which grows
-    with M) reaches it ends the search, and a count is abandoned once its micro-batches solved so
-    far plus the others' bounds (work / N + b1, and their slowest sequence alone, `alone_bounds`)
-    reach it; an abandoned count takes no part in choosing the count. So the answer is the plan `limit` = inf gives whenever that plan comes in under `limit`
-    (or one that comes in lower still), and None when no count comes in under it."""
+                 node_limit: int = FLEXSP_NODE_LIMIT) -> tuple[list, dict[str, Any]]:
+    """FlexSP's plan (module docstring): the best of several length-sorted counts, one MILP each."""
     N, cost = prob.num_ranks, prob.cost
     ds = allowed_degrees(N, "pow2")
     too_big = np.flatnonzero(prob.dmin > ds.max())
@@ -300,41 +293,26 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
     best = None
     tried = []
     total_work = float(prob.work.sum())
-    bounded = limit < np.inf
-    if bounded:  # each sequence's least time alone in any group FlexSP may give it: a bound on its group's
-        alone = alone_bounds(prob, ds)
     for M in counts:
-        if total_work / N + M * cost.b1 >= min(limit, np.inf if best is None else best[0]):
+        if best is not None and total_work / N + M * cost.b1 >= best[0]:
             break  # every micro-batch takes at least its work / N + b1: this count cannot win
         parts = microbatch.by_length(prob.tok, prob.tok, M, N, prob.cap)
         if parts is None:
             if num_micro_batches is not None:
                 raise PlanningError(f"flexsp: {M} micro-batches cannot hold this batch on {N} ranks")
             continue
-        bounds = [max(float(prob.work[idx].sum()) / N + cost.b1, float(alone[idx].max())) for idx in parts] \
-            if bounded else [0.0] * len(parts)
-        rest = float(sum(bounds))
-        mbs, optimal, done = [], True, 0.0
-        for idx, bound in zip(parts, bounds):
-            if bounded and done + rest >= limit:
-                break
+        mbs, optimal = [], True
+        for idx in parts:
             groups, degs, _, opt = solve_microbatch_milp(prob, idx, ds, node_limit, time_limit_s)
             optimal &= opt
             mbs.append(list(zip(place(degs, N, cost.ranks_per_node, True), groups)))
-            if bounded:  # this micro-batch as the plan prices it, the rest at their bounds
-                done += build_plan(mbs[-1:], prob.lengths, prob.etas, cost, N, {}, "auto").micro_batches[0].est_makespan_s
-                rest -= bound
-        tried.append(len(parts))
-        if len(mbs) < len(parts) or (bounded and done + rest >= limit):
-            continue  # abandoned: at or above the limit
         plan = build_plan(mbs, prob.lengths, prob.etas, cost, N, {}, "auto")
         total = sum(mb.est_makespan_s for mb in plan.micro_batches)
+        tried.append(len(parts))
         if best is not None and total >= best[0] * (1 - 1e-12):
             break  # one more micro-batch did not help: more will not either (each adds b1)
         best = (total, mbs, optimal, len(parts))
     if best is None:
-        if bounded:
-            return None
         raise PlanningError(f"flexsp found no power-of-two plan on {N} ranks")
     return best[1], {"optimal": bool(best[2]), "num_micro_batches": best[3], "counts_tried": tried,
                      "node_limit": int(node_limit), "est_makespan_sum_s": best[0]}

@@ -1,21 +1,22 @@
-"""FlexSP-style plans as candidates of the "dhp" strategy.
+"""FlexSP-style packings as candidates of the "dhp" strategy.
 
-FlexSP's planner (`flexsp.py`) cuts the length-sorted batch into micro-batches of about equal tokens
-and gives each micro-batch power-of-two sequence-parallel groups, all-to-all where the head count
-allows it. Such a plan is a valid DHP plan: groups of power-of-two degrees are points of DHP's
-search space, and their kinds are kinds a DHP group may run. `solve_dhp` hands its best plan so far
-(its search's, or a static plan's) to `best_flexsp`, which keeps a FlexSP-style plan when that is
-faster under the objective DHP minimises (summed micro-batch makespans as `build_plan` prices them
-plus new programs' compile prices), priced with FlexSP's own kinds and with each group on its
-fastest kind (`pricing.best_kinds`), the lower of the two. The earlier plan wins ties.
+FlexSP's planner (`flexsp.py`, after FlexSP, arXiv 2412.01523) cuts the length-sorted batch into
+micro-batches of about equal tokens and gives each micro-batch power-of-two sequence-parallel
+groups, all-to-all where the head count allows it. Such a plan is a valid DHP plan: groups of
+power-of-two degrees are points of DHP's search space, and their kinds are kinds a DHP group may
+run. `solve_dhp` hands its best plan so far (its search's, or a static plan's) to `best_flexsp`,
+which keeps a FlexSP-style packing when that is faster under the objective DHP minimises (summed
+micro-batch makespans as `build_plan` prices them plus new programs' compile prices), priced with
+FlexSP's own kinds and with each group on its fastest kind (`pricing.best_kinds`), the lower of
+the two. The earlier plan wins ties.
 
-Two kinds of candidate, by what they cost:
-- the homogeneous packings (`homogeneous_plans`, every rank count): for each micro-batch count
-  FlexSP tries, its length-sorted micro-batches, each packed onto the N / d groups of one
-  power-of-two degree d (longest sequence first onto the least loaded group with memory room, the
-  plan FlexSP's MILP starts from), the d of least makespan per micro-batch. Milliseconds.
-- FlexSP's plan itself (`solve_flexsp`, its MILPs), on at most `FLEXSP_CANDIDATE_MAX_RANKS` ranks,
-  solved only as far as it can still win (`solve_flexsp`'s `limit`).
+The packings (`homogeneous_plans`): for the micro-batch counts FlexSP tries, its length-sorted
+micro-batches, each packed onto the N / d groups of one power-of-two degree d (longest sequence
+first onto the least loaded group with memory room: the plan FlexSP's MILP starts from), the d of
+least makespan per micro-batch, re-balanced by DHP's refinement (`refine.py`) where that decides
+whether it can win. They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
+each) are not solved for DHP, so DHP is never slower than these packings by construction, and
+than FlexSP's own plan only where its MILP finds nothing better than its start.
 """
 
 from __future__ import annotations
@@ -25,19 +26,17 @@ from typing import Callable
 
 import numpy as np
 
-from dhp_jax.planner.contract.plan import PlanningError
 from dhp_jax.planner.cost.pricing import attention_for, bin_sums, group_times
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allowed_degrees
 from dhp_jax.planner.solvers.flexsp import FLEXSP_EXTRA_COUNTS, alone_bounds
 from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
+from dhp_jax.planner.solvers.refine import refine as refine_groups
 
-__all__ = ["FLEXSP_CANDIDATE_MAX_RANKS", "best_flexsp", "flexsp_counts", "homogeneous_plans"]
+__all__ = ["best_flexsp", "flexsp_counts", "homogeneous_plans"]
 
-# FlexSP's own plan (its MILPs, each a few hundred milliseconds or more) is a candidate up to this
-# many ranks; 0: never (the homogeneous packings are candidates on every rank count)
-FLEXSP_CANDIDATE_MAX_RANKS = 0
+_DROPPED = 2  # counts in a row that give no plan under the limit end the homogeneous packings' search
 
 
 def flexsp_counts(prob: Problem, num_micro_batches: int | None) -> list[int]:
@@ -79,19 +78,19 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
     each on the groups of the one power-of-two degree whose packing (`_lpt`, sequences weighed by
     their time alone on that degree and kind) has the least makespan, placed node-aware.
 
-    The counts are tried in order and, as in FlexSP's count search, once a count has given a plan
-    the first count that does not improve on it ends the search. Only what can come in under
-    `limit` is built: a count is dropped once its micro-batches so far plus the others' bounds
-    (work / N + b1, and their slowest sequence alone: `flexsp.alone_bounds`) reach it, and one
-    whose bounds alone reach it ends the search; degrees are packed in the order of their longest sequence's time alone, until
-    that time reaches the best makespan so far (a group takes at least as long as each of its
-    sequences alone)."""
+    Counts go in order; as in FlexSP's count search, once one has given a plan the first that does
+    not improve on it ends the search (before that, _DROPPED in a row that give none). Only what
+    can come in under `limit` is built: a count is dropped once its micro-batches so far plus the
+    others' bounds (work / N + b1, and their slowest sequence alone: `flexsp.alone_bounds`) reach
+    it, and one whose bounds alone reach it ends the search. Degrees are packed in the order of
+    their longest sequence's time alone, until that reaches the best makespan so far (a group takes
+    at least as long as each of its sequences alone)."""
     N, cost = prob.num_ranks, prob.cost
     ds = allowed_degrees(N, "pow2").tolist()
     terms = (prob.attn, prob.lin, prob.tok)
     total_work = float(prob.work.sum())
     alone = alone_bounds(prob, np.asarray(ds))
-    last = np.inf
+    last, dropped = np.inf, 0
     # every sequence alone on every degree, on the kind FlexSP gives that degree (one call a kind)
     kinds_all = [attention_for(d, cost, "auto") for d in ds]
     times_all = np.empty((len(ds), len(prob.lengths)))
@@ -129,15 +128,25 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                     continue
                 mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
                 if best is None or mk < best[0]:
-                    best = (mk, d, groups)
+                    best = (mk, d, groups, kinds[i])
+            if best is not None and done + best[0] + rest >= limit:
+                # FlexSP's MILP improves on its start; here DHP's re-balancing does, where it must
+                mk, d, groups, kind = best
+                new = [g for g in refine_groups(groups, np.full(len(groups), d), *terms, cost, kind) if g]
+                if new != groups:
+                    t_new = float(group_times(cost, *bin_sums(new, *terms), d, attention=kind).max())
+                    if t_new < mk:
+                        best = (t_new, d, new, kind)
             if best is None or done + best[0] + rest >= limit:
                 break
             done += best[0]
             mbs.append(list(zip(place([best[1]] * len(best[2]), N, cost.ranks_per_node, True), best[2])))
         if len(mbs) < len(parts) or done >= last * (1 - 1e-12):
-            if out:
+            dropped += 1
+            if out or dropped >= _DROPPED:
                 break  # as FlexSP's count search: a count that does not improve ends it
             continue
+        dropped = 0
         out.append(mbs)
         last = done
     return out
@@ -145,10 +154,10 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
 
 def best_flexsp(prob: Problem, allowed: np.ndarray, attention: str, num_micro_batches: int | None, packing: bool,
                 node_aware: bool, limit: float, exact_price: Callable[[list, str], float]
-                ) -> tuple[float, list, str] | None:
+                ) -> tuple[float, str, list, str] | None:
     """The FlexSP-style plan (module docstring) that is strictly faster than `limit` (the price of
-    DHP's best plan so far), if one is: (price, micro-batches, attention mode: "auto" for FlexSP's
-    own kinds, "best" for each group's fastest), else None.
+    DHP's best plan so far), if one is: (price, its name "flexsp-packing", micro-batches, attention
+    mode: "auto" for FlexSP's own kinds, "best" for each group's fastest), else None.
 
     Offered only in "best" mode (the "ring" ablation keeps every group on the ring), with node-aware
     placement (FlexSP places its groups so), and only where the options allow its plans: every
@@ -159,22 +168,13 @@ def best_flexsp(prob: Problem, allowed: np.ndarray, attention: str, num_micro_ba
         return None
     if not set(allowed_degrees(prob.num_ranks, "pow2").tolist()) <= set(allowed.tolist()):
         return None  # FlexSP's groups may take any power of two
-    cands = homogeneous_plans(prob, flexsp_counts(prob, num_micro_batches), limit)
-    if prob.num_ranks <= FLEXSP_CANDIDATE_MAX_RANKS:
-        from dhp_jax.planner.solvers.flexsp import solve_flexsp
-
-        try:
-            got = solve_flexsp(prob, num_micro_batches, limit=limit)
-        except PlanningError:  # a sample longer than the largest power-of-two group holds
-            got = None
-        if got is not None:
-            cands.append(got[0])
+    cands = [("flexsp-packing", mbs) for mbs in homogeneous_plans(prob, flexsp_counts(prob, num_micro_batches), limit)]
     best = None
-    for mbs in cands:
+    for name, mbs in cands:
         if not packing and any(len(samples) > 1 for mb in mbs for _, samples in mb):
             continue
         for mode in ("auto", "best"):
             price = float(exact_price(mbs, mode))
             if price < (limit if best is None else best[0]) * (1 - 1e-12):
-                best = (price, mbs, mode)
+                best = (price, name, mbs, mode)
     return best
