@@ -3,7 +3,7 @@ by a step-time bound; then the best split with one micro-batch dissolved into th
 moves of sequences between micro-batches) -> memory-aware packing
 -> exact degree allocation -> refinement -> node-aware placement; then the static plans the options
 allow as candidates (`static_candidates.py`; on shared CPU lanes they are also what a plain uniform
-packing offers). Deterministic: no wall-clock limits.
+packing offers) and FlexSP-style packings (`flexsp_candidate.py`). Deterministic: no wall-clock limits.
 """
 
 from __future__ import annotations
@@ -204,11 +204,12 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     others while that lowers it (at most _MERGES times, never below the memory minimum); finish the
     best count and the fewest (local moves, refine, place, repair) and keep the one with the least
     placed step time; then the static plans of the allowed degrees (`static_candidates.best_static`)
-    replace it where one is faster by the same price, so that DHP is never slower than the best
-    static plan. `attention` ("ring" or "best", plan_batch's mode) names the kinds whose programs
+    and the FlexSP-style packings (`flexsp_candidate.best_flexsp`) replace it where one is faster by
+    the same price, so that DHP is never slower than the best static plan or such a packing. `attention` ("ring" or "best", plan_batch's mode) names the kinds whose programs
     `programs` prices. Returns the micro-batches, the solver info ("chosen": "dhp" or the static
-    plan that won, e.g. "static-best:8") and the attention mode to build the plan with (the
-    given one, or "ulysses" when "static-ulysses:<d>" won)."""
+    plan that won, e.g. "static-best:8" or "flexsp-packing") and the attention mode to build the
+    plan with (the given one, "ulysses" when "static-ulysses:<d>" won, "auto" for a packing on
+    FlexSP's own kinds)."""
     N, cost = prob.num_ranks, prob.cost
     if isinstance(degrees, str) and degrees == "any" and cost.geometry.bucket_menu and cost.geometry.bucket_min:
         degrees = [d for d, _ in cost.geometry.bucket_menu]  # a menu of programs bounds the degrees too
