@@ -5,9 +5,10 @@ its attention modes. The baselines are every static plan of the kinds the mode r
 "best" mode Ulysses, at every degree that divides the ranks) and FlexSP's planner ("flexsp", in
 "best" mode). Each plan is priced by `sim.step_time`.
 
-Static plans and (up to `FLEXSP_CANDIDATE_MAX_RANKS` ranks) FlexSP's plan are DHP's candidates
-(`planner/solvers/static_candidates.py`, `flexsp_candidate.py`), so there the property holds by
-construction; above that many ranks DHP's own search must beat FlexSP's plan."""
+Static plans and FlexSP-style packings (FlexSP's micro-batches, each on groups of one power-of-two
+degree: the plan its MILP starts from) are DHP's candidates (`planner/solvers/static_candidates.py`,
+`flexsp_candidate.py`), so against the static plans the property holds by construction; where
+FlexSP's MILP improves on its start, DHP's search and those candidates must still be as fast."""
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -53,8 +54,8 @@ def test_dhp_is_never_slower_than_any_baseline(num_ranks, rpn, padded, model, at
 
 
 # a llava-mix batch of 32 (`sim.simulate.make_batches("llava-mix", 32, 10, 1060, "internvl")[3]`, etas
-# rounded) on which FlexSP's plan (two micro-batches of length-sorted runs, each one group of 8)
-# beats DHP's own search by 0.4 %
+# rounded) on which FlexSP's plan (two micro-batches of length-sorted runs, each one group of 8, the
+# packing its MILP starts from) beats DHP's own search by 0.4 %
 LLAVA = [3540, 17013, 3457, 3490, 3714, 3522, 3351, 3549, 3985, 3388, 3360, 316, 3511, 17139, 3429, 3369, 3463, 189,
          859, 3500, 2525, 3851, 3446, 3574, 3387, 6267, 798, 3226, 2342, 8143, 3417, 3451]
 LLAVA_ETAS = [0.884, 0.192, 0.927, 0.909, 0.803, 0.893, 0.986, 0.879, 0.697, 0.965, 0.981, 0.656, 0.898, 0.189,
@@ -67,9 +68,10 @@ def _layout(plan):
 
 
 def test_flexsp_plan_is_a_candidate_and_honours_the_options():
-    """Where FlexSP's plan beats DHP's search (and every static plan), DHP's plan is FlexSP's: the
-    same groups and kinds, the same step time, and the plan says so (solver "chosen" and the
-    search's own figure). The candidate is only offered where the options allow it."""
+    """Where FlexSP's plan beats DHP's search (and every static plan), DHP's plan is FlexSP's, as a
+    FlexSP-style packing: the same groups and kinds, the same step time, and the plan says so
+    (solver "chosen" and the search's own figure). The candidate is only offered where the options
+    allow it."""
     cost = MODELS["internvl3-8b"].replace(ranks_per_node=8)
     lengths, etas = np.asarray(LLAVA), np.asarray(LLAVA_ETAS)
     dhp = plan_batch(lengths, 8, cost, etas=etas)

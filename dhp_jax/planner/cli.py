@@ -43,8 +43,8 @@ def chosen_from(solver: dict) -> str | None:
         return None
     kind, _, degree = chosen.partition(":")
     what = {"static-best": f"degree-{degree} static groups, each on its fastest attention kind",
-            "flexsp-packing": "FlexSP's length-sorted micro-batches, each on groups of one power-of-two degree",
-            "flexsp": "FlexSP's plan"}.get(kind, f"the {chosen} baseline's plan")
+            "flexsp-packing": "FlexSP's length-sorted micro-batches, each on groups of one power-of-two degree"
+            }.get(kind, f"the {chosen} baseline's plan")
     return (f"chosen: {chosen} ({what}): faster than the DHP search's own plan "
             f"({solver['est_makespan_sum_s']:.3f} s against {solver['dhp_search_makespan_sum_s']:.3f} s of "
             f"micro-batch makespans)")

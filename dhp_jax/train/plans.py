@@ -8,7 +8,6 @@ Plan files make runs comparable and reproducible: a run writes `plans.jsonl` (on
 from __future__ import annotations
 
 import math
-
 from pathlib import Path
 from typing import Any, Sequence
 

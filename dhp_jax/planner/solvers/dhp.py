@@ -205,8 +205,9 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     best count and the fewest (local moves, refine, place, repair) and keep the one with the least
     placed step time; then the static plans of the allowed degrees (`static_candidates.best_static`)
     and the FlexSP-style packings (`flexsp_candidate.best_flexsp`) replace it where one is faster by
-    the same price, so that DHP is never slower than the best static plan or such a packing. `attention` ("ring" or "best", plan_batch's mode) names the kinds whose programs
-    `programs` prices. Returns the micro-batches, the solver info ("chosen": "dhp" or the static
+    the same price, so that DHP is never slower than the best static plan or such a packing.
+    `attention` ("ring" or "best", plan_batch's mode) names the kinds whose programs `programs`
+    prices. Returns the micro-batches, the solver info ("chosen": "dhp" or the static
     plan that won, e.g. "static-best:8" or "flexsp-packing") and the attention mode to build the
     plan with (the given one, "ulysses" when "static-ulysses:<d>" won, "auto" for a packing on
     FlexSP's own kinds)."""
