@@ -3,8 +3,8 @@ Qwen2.5-VL checkpoint and generated images and videos, 8 fake devices: the step-
 transformers' loss on the same batch (same chat template, assistant-only labels), the loss falls
 on a fixed set, bad records are skipped and listed, a run resumed on another rank count (8 -> 6 -> 8)
 takes the same batches with the same losses, the exported
-checkpoint gives transformers the project's logits, the README's run plans groups of irregular
-degrees from the real token counts, and the torch backend continues the run (one process; and
+checkpoint gives transformers the project's logits, the README's run plans what its prices choose
+from the real token counts (mixed, irregular degrees where programs are free), and the torch backend continues the run (one process; and
 `--tensor-parallel 2 --sequence-parallel` vs its plans replayed at 1, saved checkpoints compared)."""
 
 import contextlib
@@ -226,11 +226,19 @@ def _readme_command(prefix: str) -> list[str]:
     return [a for k, a in enumerate(args) if a != "--out" and (k == 0 or args[k - 1] != "--out")]
 
 
-def test_readme_run_plans_mixed_degrees_from_real_counts(tmp_path):
+def test_readme_run_plans_what_its_prices_choose_from_real_counts(tmp_path):
     """The README's fine-tuning run planned as the run plans it (`plan_run`: its config, cost model,
-    compile prices and bucket ladder, step after step; the batches from the records' headers, no
-    pixel decoded) on `dhp example`'s default data: groups of >= 3 distinct degrees, one not a power
-    of two, and the README's "groups run" line is these plans' count."""
+    head rule, compile prices and bucket ladder, step after step; the batches from the records'
+    headers, no pixel decoded) on `dhp example`'s default data, and the README's "groups run" line
+    is these plans' count.
+
+    What the planner chooses and why: each plan is its cheapest candidate by the planner's price
+    (micro-batch makespans plus `planner.compile_price_s` for each program no earlier plan needed).
+    Over these 6 steps that is a plan of one degree (a static plan or a FlexSP-style packing: two
+    groups of 4) whose programs the first step pays once, against the search's own plan whose 3
+    new programs (9 s) each step outweigh its faster steps. With programs free
+    (`compile_price_s=0`) the same batches, long videos beside short samples, are strictly faster
+    on mixed degrees, and the planner mixes them: >= 3 degrees, one not a power of two."""
     from collections import Counter
 
     from dhp_jax.train.config import load_config
@@ -242,10 +250,27 @@ def test_readme_run_plans_mixed_degrees_from_real_counts(tmp_path):
     overrides = [a.replace("=ex/", f"={tmp_path}/ex/") for a in _readme_command("dhp train model.pretrained=")]
     cfg = load_config(None, overrides)
     assert cfg.model.pretrained == f"{tmp_path}/ex/checkpoint" and cfg.planner.strategy == "dhp"
-    groups = Counter(d for plan in plan_run(cfg) for mb in plan.degrees for d in mb)
+    price = cfg.planner.compile_price_s
+    plans = plan_run(cfg)
+    free = plan_run(load_config(None, overrides + ["planner.compile_price_s=0"]))
+    paid = []
+    for step, (plan, alt) in enumerate(zip(plans, free)):
+        solver = plan.solver
+        spans = sum(mb.est_makespan_s for mb in plan.micro_batches)
+        assert solver["chosen"] != "dhp" and len({d for mb in plan.degrees for d in mb}) == 1, (step, solver)
+        # its price: its makespans plus its new programs; below the search's plan
+        paid.append(round((solver["est_makespan_sum_s"] - spans) / price))
+        assert solver["est_makespan_sum_s"] == pytest.approx(spans + paid[-1] * price, rel=1e-9)
+        assert solver["est_makespan_sum_s"] < solver["dhp_search_makespan_sum_s"], (step, solver)
+        # with programs free the search's mixed plan wins, and it is strictly faster a step
+        free_degrees = {d for mb in alt.degrees for d in mb}
+        assert alt.solver["chosen"] == "dhp", (step, alt.solver)
+        assert len(free_degrees) >= 3 and any(d & (d - 1) for d in free_degrees), alt.degrees
+        assert alt.est_step_time_s < plan.est_step_time_s, step
+    assert paid[0] >= 1 and sum(paid) <= 2, paid     # its programs: paid for at the first step
+    groups = Counter(d for plan in plans for mb in plan.degrees for d in mb)
     line = "groups run: " + ", ".join(f"{n} of degree {d}" for d, n in sorted(groups.items()))
     print(f"README run ({cfg.steps} steps), planned from headers: {line}")
-    assert len(groups) >= 3 and any(d & (d - 1) for d in groups), groups
     assert line in (REPO / "README.md").read_text(), line
 
 

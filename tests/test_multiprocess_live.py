@@ -12,11 +12,14 @@ from npu_backend.launch import free_port
 from test_multiprocess_jax import OVERRIDES, _env, _outputs, _train_cmd
 
 
-# The live test plans like the demo (8 ranks priced as 910B nodes, the batch at full token counts):
-# data.seed=21's first batch gets a 5-group on ranks 0-4, across the process boundary, the second
-# [[4, 1, 2, 1]]
+# The live test plans like the demo (8 ranks priced as 910B nodes, the batch at full token counts)
+# with programs free (compile_price_s=0): at the default 3 s a program, the search's plans need 3
+# new programs a step and two groups of 4 (one program, each inside a process) are priced lower
+# over these 2 steps; free, the search's mixed plans are the fastest: data.seed=21's first batch
+# gets a 5-group on ranks 0-4, across the process boundary, the second [[4, 1, 2, 1]]
 LIVE = ["steps=2", "data.seed=21", "planner.cost_model=qwen3-vl-4b", "planner.hardware=ascend-910b",
-        "planner.ranks_per_node=1", "planner.comm_overlap=false", "planner.full_size=true"]
+        "planner.ranks_per_node=1", "planner.comm_overlap=false", "planner.full_size=true",
+        "planner.compile_price_s=0"]
 
 
 def test_two_processes_plan_live_and_match_single_process(tmp_path):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dhp_jax.data import Sample
 from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
-from dhp_jax.planner.contract.plan import spans_nodes
+from dhp_jax.planner.contract.plan import Group, MicroBatch, spans_nodes
 from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
 from dhp_jax.planner.cost.pricing import group_time, group_times, sample_terms
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
@@ -20,6 +20,7 @@ from dhp_jax.sim import step_time
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0)  # the paper's unpadded form (padding: test_compiles.py)
 CAP = int(max_tokens_per_rank(COST))
+CAP_F = max_tokens_per_rank(COST)
 
 
 def _check(plan, lengths, cost=COST, etas=None):
@@ -289,6 +290,134 @@ def test_static_baselines():
         plan_batch(lengths, 8, COST, "static-ulysses:8")
     dhp = plan_batch(lengths, 8, COST)
     assert dhp.est_step_time_s <= min(best.est_step_time_s, uly.est_step_time_s)
+
+
+PADDED = CostModel.preset("internvl3-8b", "ascend-910b")  # the default: padded streams, bucketed programs
+
+
+def _statics(num_ranks, cost, attention):
+    """Every static baseline `plan_batch` offers on `num_ranks` that DHP in `attention` mode may run."""
+    ds = [d for d in range(1, num_ranks + 1) if num_ranks % d == 0]
+    return [f"static-ring:{d}" for d in ds] + [f"static-ulysses:{d}" for d in ds
+                                                if attention == "best" and cost.ulysses_ok(d)]
+
+
+def _layout(plan):
+    return [[(g.ranks, g.samples, g.attention) for g in mb.groups] for mb in plan.micro_batches]
+
+
+@pytest.mark.parametrize("attention", ["best", "ring"])
+def test_dhp_is_never_slower_than_a_static_plan(attention):
+    """A static plan is a DHP plan, so DHP takes the static plans as candidates
+    (`solvers.static_candidates`): on random long-tailed batches (padded and unpadded pricing, groups
+    inside and over nodes) its step time is at most every static baseline's, both priced by
+    `sim.step_time`; a plan a static candidate won says which and is that baseline's plan."""
+    rng = np.random.default_rng(11)
+    chosen = {}
+    for num_ranks, rpn, trials in ((3, 2, 12), (5, 4, 12), (6, 4, 12), (7, 4, 16), (8, 8, 16), (8, 4, 10),
+                                   (12, 8, 8), (14, 8, 8), (64, 8, 4)):
+        for trial in range(trials):
+            cost = (COST if trial % 2 else PADDED).replace(ranks_per_node=rpn)
+            k = int(rng.integers(1, 4 * num_ranks + 1))
+            lengths = np.minimum(rng.pareto(1.3, k) * CAP * rng.uniform(0.05, 0.6), num_ranks * CAP).astype(np.int64)
+            etas = rng.uniform(0, 1, k) * (rng.random(k) < 0.4)
+            dhp = plan_batch(lengths, num_ranks, cost, etas=etas, attention=attention)
+            t = step_time(dhp, lengths, cost, etas)
+            where = (num_ranks, rpn, trial, dhp.solver["chosen"])
+            for s in _statics(num_ranks, cost, attention):
+                try:
+                    base = plan_batch(lengths, num_ranks, cost, s, etas=etas)
+                except PlanningError:
+                    continue  # a sample longer than this degree holds
+                assert t <= step_time(base, lengths, cost, etas) * (1 + 1e-9), (s, *where)
+                if s == dhp.solver["chosen"]:
+                    assert _layout(dhp) == _layout(base), where
+            name = dhp.solver["chosen"]
+            chosen[name.partition(":")[0]] = chosen.get(name.partition(":")[0], 0) + 1
+            if name.startswith("static"):
+                assert {g.degree for g in dhp.groups} == {int(name.partition(":")[2])}, where
+            elif name == "flexsp-packing":  # FlexSP's groups: one power of two a micro-batch
+                assert all(len(set(ds)) == 1 and ds[0] & (ds[0] - 1) == 0 for ds in dhp.degrees), where
+            if name != "dhp":  # it was priced as the plan is
+                spans = sum(mb.est_makespan_s for mb in dhp.micro_batches)
+                assert spans == pytest.approx(dhp.solver["est_makespan_sum_s"], rel=1e-9), where
+                assert spans < dhp.solver["dhp_search_makespan_sum_s"], where
+    # both happen on these batches: the search's plan, and a static plan it did not reach
+    assert chosen["dhp"] and len(chosen) > 1, chosen
+
+
+def test_static_candidates_honour_the_options():
+    """A batch on which the static degree-8 plan (every micro-batch on all 8 ranks, next fit) beats
+    DHP's search; the candidates are only those the options allow."""
+    lengths = [20600, 7000, 20200, 4700, 3600, 400, 10000, 18200, 14700, 1200, 200, 45700, 6000, 6100]
+    plan = plan_batch(lengths, 8, PADDED)
+    assert plan.solver["chosen"] == "static-best:8" and plan.degrees == [[8], [8]]
+    ring = plan_batch(lengths, 8, PADDED, attention="ring")
+    assert ring.solver["chosen"] == "static-ring:8"
+    assert _layout(ring) == _layout(plan_batch(lengths, 8, PADDED, "static-ring:8"))
+    no8 = plan_batch(lengths, 8, PADDED, degrees=list(range(1, 8)))
+    assert no8.solver["chosen"] == "dhp" and 8 not in {g.degree for g in no8.groups}
+    assert plan_batch(lengths, 8, PADDED, num_micro_batches=2).solver["chosen"] == "static-best:8"
+    three = plan_batch(lengths, 8, PADDED, num_micro_batches=3)
+    assert three.solver["chosen"] == "dhp" and len(three.micro_batches) == 3
+    single = plan_batch(lengths, 8, PADDED, packing=False)
+    assert single.solver["chosen"] == "dhp" and all(len(g.samples) == 1 for g in single.groups)
+
+
+def test_static_groups_deal_and_fill_by_next_fit():
+    """The vectorised static grouping (`baselines.static_assignments`, all degrees at once) against
+    the rule written as a loop: replica i mod P, next fit within d ranks' tokens."""
+    from dhp_jax.planner.solvers.baselines import static_groups
+
+    rng = np.random.default_rng(5)
+    for _ in range(60):
+        n = int(rng.choice([1, 2, 3, 6, 8, 12]))
+        lengths = (rng.pareto(1.2, int(rng.integers(1, 40))) * CAP * rng.uniform(0.05, 1)).astype(np.int64)
+        for d in [d for d in range(1, n + 1) if n % d == 0]:
+            cap, P = d * CAP_F, n // d
+            if lengths.max() > cap:
+                with pytest.raises(PlanningError, match=f"static degree {d}: sample"):
+                    static_groups(lengths, n, COST, d, "ring")
+                continue
+            want = []
+            for g in range(P):
+                chunks, used = [], 0
+                for k in range(g, len(lengths), P):
+                    if not chunks or used + lengths[k] > cap:
+                        chunks.append([])
+                        used = 0
+                    chunks[-1].append(k)
+                    used += int(lengths[k])
+                want.append(chunks)
+            mbs = [[(tuple(range(g * d, g * d + d)), c[m]) for g, c in enumerate(want) if m < len(c)]
+                   for m in range(max(len(c) for c in want))]
+            assert static_groups(lengths, n, COST, d, "ring") == mbs, (n, d)
+
+
+def test_best_kind_times_is_the_fastest_allowed_kind_of_each_group():
+    """Every group's kind is the first fastest (ring first, then the smaller Ulysses size) of the
+    kinds `group_kind_times` lists for its ranks, and its time is that kind's."""
+    from dhp_jax.planner.contract.plan import attention_split
+    from dhp_jax.planner.cost.pricing import best_kind_times, group_kind_times
+
+    rng = np.random.default_rng(9)
+    for rpn in (2, 4, 8):
+        cost = PADDED.replace(ranks_per_node=rpn)
+        n, k = 16, 40
+        lengths = rng.integers(100, 3 * CAP, k)
+        terms = sample_terms(cost, lengths, None)
+        groups = []
+        for _ in range(30):
+            d = int(rng.integers(1, n + 1))
+            start = int(rng.integers(0, n - d + 1))
+            ranks = tuple(range(start, start + d)) if rng.random() < 0.5 else \
+                tuple(sorted(rng.choice(n, d, replace=False).tolist()))
+            groups.append((ranks, sorted(rng.choice(k, int(rng.integers(1, 4)), replace=False).tolist())))
+        kinds, times = best_kind_times(cost, groups, terms)
+        plan = Plan(num_ranks=n, micro_batches=tuple(MicroBatch((Group(r, len(r), tuple(s)),), 0.0) for r, s in groups))
+        for (ranks, _), kind, t, menu in zip(groups, kinds, times, group_kind_times(cost, plan, lengths)):
+            order = sorted(menu, key=lambda x: (menu[x], attention_split(x, len(ranks))[0]))
+            assert kind == order[0] and t == menu[kind], (ranks, kind, menu)
 
 
 def test_dhp_beats_static_on_openvid():

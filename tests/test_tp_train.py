@@ -1,6 +1,6 @@
 """Training with tensor and sequence parallelism (`parallel.tensor=2`, `parallel.sequence=true`) on 8
 fake CPU devices as 4 ranks of 2,
-against the same run at t = 1 on 4 devices replaying its plans: the state is tp-sharded (each
+against the same run at t = 1 on 4 devices replaying the t = 2 run's plans: the state is tp-sharded (each
 device holds and reduces only its share, `dhp_jax.sharding.tensor.TensorLayout`), the copies of
 replicated leaves stay equal under AdamW, the clipped global norm
 counts each parameter once, and a t = 2 run stopped and resumed from its checkpoint continues it;
@@ -34,16 +34,21 @@ def _config(tmp_path, name, *extra):
 
 
 def test_t2_training_equals_t1_and_resumes(tmp_path):
+    # the t = 2 run plans live (its planner splits the heads a device holds, C.num_heads // 2), is
+    # stopped and resumed; the t = 1 run replays its plans (a Ulysses size that divides the heads of
+    # a t = 2 device divides those of a t = 1 device; the other way round the replay is refused at
+    # load, test_plan_file_of_another_t_is_refused_at_load)
     one = PlanExecutor(C, jax.devices()[:4], min_bucket=512)
-    base = Trainer(_config(tmp_path, "t1", "planner.strategy=dhp", "checkpoint.every=2"), executor=one).run()
-    replay = f"planner.plan_file={tmp_path / 't1' / 'plans.jsonl'}"
     two = PlanExecutor(C, jax.devices(), min_bucket=512, tensor_parallel=2, sequence_parallel=True)
     # each device holds its share: about half the params (the norms, the patch embedding and the
     # projector are held by both devices of a rank, the vocab's last window overlaps)
     assert two.layout.row < 0.6 * one.layout.padded and two.layout.padded == 2 * two.layout.row
-    cfg = _config(tmp_path, "t2", replay, "parallel.tensor=2", "parallel.sequence=true", "checkpoint.every=2")
+    cfg = _config(tmp_path, "t2", "planner.strategy=dhp", "parallel.tensor=2", "parallel.sequence=true",
+                  "checkpoint.every=2")
     first = Trainer(cfg, executor=two).run(stop_after=2)
     second = Trainer(cfg, executor=two).run(resume=True)
+    replay = f"planner.plan_file={tmp_path / 't2' / 'plans.jsonl'}"
+    base = Trainer(_config(tmp_path, "t1", replay, "checkpoint.every=2"), executor=one).run()
     assert [r["step"] for r in first.records + second.records] == [1, 2, 3]
     rec1, rec2 = read_jsonl(tmp_path / "t1" / "metrics.jsonl"), read_jsonl(tmp_path / "t2" / "metrics.jsonl")
     norms = [[r["grad_norm"] for r in rec] for rec in (rec1, rec2)]
@@ -98,3 +103,23 @@ def test_t2_training_equals_t1_and_resumes(tmp_path):
         ck.restore(target, {}, layout=one.layout, layouts=one.layout_for)
     ck.close()
 
+
+
+def test_plan_file_of_another_t_is_refused_at_load(tmp_path):
+    """A plan that gives a group Ulysses over 4 ranks runs at t = 1 (4 heads a device) but not at
+    t = 2 (2 heads a device): replaying it at t = 2 is refused when the run starts, naming the file,
+    the step, the group and the heads a device holds, before anything is compiled."""
+    from dhp_jax.planner import Group, MicroBatch, Plan
+    from dhp_jax.train.plans import PlanFileError
+    from dhp_jax.train.trainer import prepare_run
+
+    assert C.num_heads == 4
+    plan = Plan(4, (MicroBatch((Group((0, 1, 2, 3), 4, tuple(range(8)), attention="ulysses"),)),))
+    path = tmp_path / "plans.json"
+    path.write_text(plan.to_json())
+    ok = prepare_run(_config(tmp_path, "t1", f"planner.plan_file={path}"), devices=jax.devices()[:4])
+    assert ok.plan_source(0, ok.pipeline.batch(0)).groups[0].attention == "ulysses"
+    with pytest.raises(PlanFileError, match=r"plans.json', plan 0 \(step 0\): micro-batch 0 group.*'ulysses' splits "
+                                            r"2 heads over 4 ranks.*4 query heads over parallel.tensor=2 device\(s\) "
+                                            r"a rank: 2 a device"):
+        prepare_run(_config(tmp_path, "t2", f"planner.plan_file={path}", "parallel.tensor=2"))

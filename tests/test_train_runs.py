@@ -74,8 +74,8 @@ def test_demo_shows_dhp_and_never_loses_the_run(tmp_path):
 
 def test_every_step_of_the_shipped_demo_plans():
     """The demo as shipped (`dhp train`, 20 steps): every batch plans with its planner settings (no
-    execution: the executed demo above runs 2 steps), on groups of several degrees, some not powers
-    of two. A cost model or planner change that makes a demo batch unplannable fails here, not at
+    execution: the executed demo above runs 2 steps), its search's plan beating the static and
+    FlexSP-style candidates, on groups of several degrees, some not powers of two. A cost model or planner change that makes a demo batch unplannable fails here, not at
     a user's step 3."""
     from dhp_jax.train.trainer import prepare_run
 
@@ -86,6 +86,9 @@ def test_every_step_of_the_shipped_demo_plans():
         plan = setup.plan_source(step, setup.pipeline.batch(step))
         plan.validate(num_heads=setup.model_config.num_heads)    # attention kinds the executed model runs
         assert len(plan.micro_batches) == cfg.planner.num_micro_batches
+        # the search's own plan is priced below every static plan and FlexSP-style packing (the
+        # planner's candidates): on these long-tailed batches mixing degrees is strictly faster
+        assert plan.solver["chosen"] == "dhp", (step, plan.solver)
         degrees |= {g.degree for mb in plan.micro_batches for g in mb.groups}
     assert len(degrees) >= 4 and sum(d & (d - 1) > 0 for d in degrees) >= 2, degrees
 

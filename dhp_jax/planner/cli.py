@@ -36,6 +36,22 @@ def not_optimal(solver: dict) -> str:
             f"plan it found" if limit else "the solver stopped before proving optimality")
 
 
+def chosen_from(solver: dict) -> str | None:
+    """Where a "dhp" plan came from when a static or FlexSP-style candidate beat its search (its
+    solver metadata "chosen"; `dhp_jax.planner.solvers.static_candidates`, `flexsp_candidate`),
+    else None."""
+    chosen = solver.get("chosen")
+    if not chosen or chosen == "dhp":
+        return None
+    kind, _, degree = chosen.partition(":")
+    what = {"static-best": f"degree-{degree} static groups, each on its fastest attention kind",
+            "flexsp-packing": "FlexSP's length-sorted micro-batches, each on groups of one power-of-two degree"
+            }.get(kind, f"the {chosen} baseline's plan")
+    return (f"chosen: {chosen} ({what}): faster than the DHP search's own plan "
+            f"({solver['est_makespan_sum_s']:.3f} s against {solver['dhp_search_makespan_sum_s']:.3f} s of "
+            f"micro-batch makespans)")
+
+
 def _span(ranks: tuple[int, ...]) -> str:
     if list(ranks) == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
@@ -104,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
           f"numbers are simulated with the cost model")
     if plan.solver.get("optimal") is False:
         print(f"not proven optimal: {not_optimal(plan.solver)}")
+    chosen = chosen_from(plan.solver)
+    if chosen:
+        print(chosen)
     for m, mb in enumerate(plan.micro_batches):
         print(f"\nmicro-batch {m}: {len(mb.groups)} groups, degrees {sorted((g.degree for g in mb.groups), reverse=True)}, "
               f"makespan {mb.est_makespan_s:.3f} s")

@@ -142,11 +142,12 @@ def plan_run(config: Any, steps: int | None = None) -> list:
     from dhp_jax.train.plans import PlanSource, attach_programs, run_cost
 
     p = config.planner
-    source = PlanSource(config.num_ranks, cost=run_cost(config), strategy=p.strategy, num_micro_batches=p.num_micro_batches,
-                        full_size=p.full_size)
+    hf_config = parse_config(read_config_json(config.model.pretrained))
+    # the run's head rule too: a Ulysses size the executed model splits (`run_cost`)
+    source = PlanSource(config.num_ranks, cost=run_cost(config, hf_config.num_heads), strategy=p.strategy,
+                        num_micro_batches=p.num_micro_batches, full_size=p.full_size)
     attach_programs(source, config.planner.compile_price_s, (config.min_bucket or MIN_BUCKET, GROWTH, LINEAR_CHUNK),
                     None)
-    hf_config = parse_config(read_config_json(config.model.pretrained))
     pipeline = FinetunePipeline(config.data, config.model.pretrained, hf_config, config.data.seed)
     plans = []
     try:

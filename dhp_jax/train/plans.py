@@ -7,6 +7,7 @@ Plan files make runs comparable and reproducible: a run writes `plans.jsonl` (on
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -101,8 +102,21 @@ def attach_programs(source: PlanSource, compile_price_s: float, ladder: tuple[in
 DEFAULT_COST_MODEL = "internvl3-2b"   # planner.cost_model unset, stand-in model
 
 
-def run_cost(config: Any) -> Any:
-    """The planning cost model of a train config (`make_cost` of its planner section)."""
+def run_cost(config: Any, model_heads: int | None = None) -> Any:
+    """The planning cost model of a train config (`make_cost` of its planner section). With
+    `model_heads` (the executed model's query heads) its head count is the greatest common divisor
+    of the preset's and the heads a device holds (`model_heads // parallel.tensor`): the attention
+    kinds a plan may give a group are those the executed model runs too (a Ulysses size must split
+    the heads of both)."""
+    cost = _planner_cost(config)
+    if model_heads is not None:
+        heads = math.gcd(int(cost.num_heads), int(model_heads) // config.parallel.tensor)
+        if heads != cost.num_heads:
+            cost = cost.replace(num_heads=heads)
+    return cost
+
+
+def _planner_cost(config: Any) -> Any:
     p = config.planner
     return make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
                      num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained,

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import statistics
 import sys
 import time
@@ -193,17 +192,15 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     p = config.planner
     plans = None
     if p.plan_file:  # an unreadable plan file fails before anything is compiled
+        # a plan made at another parallel.tensor may split heads this run's devices do not hold
         plans = load_plan_file(p.plan_file, num_samples=config.data.batch_size, num_ranks=config.num_ranks,
-                               steps=config.steps)
+                               steps=config.steps, num_heads=model_config.num_heads // t,
+                               heads_note=f" (the model's {model_config.num_heads} query heads over "
+                                          f"parallel.tensor={t} device(s) a rank: {model_config.num_heads // t} a device)")
     if config.metrics.tensorboard:
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
-        cost = run_cost(config)
-        # the attention kinds a plan may give a group are those the executed model runs too: a
-        # Ulysses size must split its heads (per device), not only the planned preset's
-        heads = math.gcd(int(cost.num_heads), model_config.num_heads // t)
-        if heads != cost.num_heads:
-            cost = cost.replace(num_heads=heads)
+        cost = run_cost(config, model_config.num_heads)   # Ulysses sizes the executed model splits too
     except ValueError as e:
         raise TrainError(f"planning cost model: {e}") from None
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,

@@ -101,9 +101,12 @@ def _raw_items(path: Path) -> list[tuple[int | None, Any]]:
 
 
 def load_plan_file(path: str | Path, num_samples: int | None = None, num_ranks: int | None = None,
-                   steps: int | None = None) -> list[Plan]:
+                   steps: int | None = None, num_heads: int | None = None, heads_note: str = "") -> list[Plan]:
     """The plans of a file, index = step (see the module docstring), each parsed and validated for a
-    batch of `num_samples` on `num_ranks` ranks; with `steps`, the file must cover them all."""
+    batch of `num_samples` on `num_ranks` ranks; with `steps`, the file must cover them all; with
+    `num_heads`, every group's Ulysses size must divide it (the heads a device of the replaying run
+    holds: a plan made at one tensor-parallel degree may give a group a Ulysses size another degree
+    cannot split). `heads_note` says where `num_heads` comes from in that error."""
     path = Path(path)
     raw = _raw_items(path)
     if not raw:
@@ -129,6 +132,12 @@ def load_plan_file(path: str | Path, num_samples: int | None = None, num_ranks: 
             plan = Plan.from_json(d, num_samples=num_samples)
         except PlanValidationError as e:
             raise PlanFileError(f"{where}: {e}") from None
+        if num_heads is not None:
+            try:
+                plan.validate(num_heads=num_heads)
+            except PlanValidationError as e:
+                raise PlanFileError(f"{where}: {e}{heads_note}; "
+                                    f"this run cannot replay it") from None
         if num_ranks is not None and plan.num_ranks != num_ranks:
             raise PlanFileError(f"{where}: plan is for {plan.num_ranks} ranks, the run has {num_ranks}")
         by_step[index] = plan               # a later line for the same step wins (a resumed run's log)

@@ -20,12 +20,12 @@ import numpy as np
 
 from dhp_jax.checks import etas_array, lengths_array, positive_int
 from dhp_jax.geometry.layout import linear_tokens
-from dhp_jax.planner.contract.kinds import attention_kinds
+from dhp_jax.planner.contract.kinds import attention_kinds, attention_name
 from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
-__all__ = ["allreduce_time", "attention_for", "best_kinds", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
+__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic"]
 
@@ -79,23 +79,23 @@ def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = 
                     keeps 1/u of the heads), (u-1) + (r-1) messages.
     The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
     per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
-    the family "hybrid" takes u from `ulysses` and r = d / u per group."""
+    the family "hybrid" takes u from `ulysses` (one size, or one per group) and r = d / u per group."""
     S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
     if attention == "ring":
         return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
     if attention == "ulysses":
         return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
     if attention == "hybrid":
-        if ulysses is None or int(ulysses) < 1 or np.any(d % int(ulysses)):
+        u = None if ulysses is None else np.asarray(ulysses, dtype=np.float64)
+        if u is None or np.any(u < 1) or np.any(u != np.round(u)) or np.any(d % np.maximum(u, 1)):
             raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
-        u = float(ulysses)
     else:
         degrees = np.unique(d).astype(int).tolist()
         if len(degrees) != 1:
             raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
         u = float(attention_split(attention, degrees[0])[0])
     r = d / u
-    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.full(np.shape(d), u)
+    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.broadcast_to(u, np.shape(d)).astype(np.float64)
 
 
 def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
@@ -109,8 +109,9 @@ def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node
     """Vectorised T (`dhp_jax.planner.cost.model`'s docstring) for groups with summed terms A, B, S at
     `degree` (all broadcast together).
 
-    `attention` is a group's kind; the family "hybrid" with `ulysses` = u prices Ulysses over u
-    ranks times a ring over degree/u for groups of varying degree (e.g. every degree at once)."""
+    `attention` is a group's kind; the family "hybrid" with `ulysses` = u (one size, or one per
+    group) prices Ulysses over u ranks times a ring over degree/u for groups of varying degree
+    (e.g. every degree at once)."""
     A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
     d = np.asarray(degree, dtype=np.float64)
     inter = d > cost.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
@@ -226,11 +227,20 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
     """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
     Ulysses over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and
     the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node. Ties
-    keep the ring; a free choice never prices a group above its ring time.
+    keep the ring (then the smaller u); a free choice never prices a group above its ring time.
 
     With `cost.geometry.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
     padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
-    inside nodes (else the ring, a program off the menu); only groups off the menu choose."""
+    inside nodes (else the ring, a program off the menu); only groups off the menu choose.
+    (`best_kind_times` without its times.)"""
+    return best_kind_times(cost, groups, terms)[0]
+
+
+def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
+                    terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[list[str], np.ndarray]:
+    """`best_kinds` and each group's time on its kind (as `price_groups` prices it). Every
+    (group, Ulysses size) is priced in one `group_times` call of the "hybrid" family (u = d is
+    Ulysses over the whole group: the same floats as the named kinds)."""
     A, B, S = bin_sums([samples for _, samples in groups], *terms)
     d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
     rpn = cost.ranks_per_node
@@ -238,6 +248,7 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
     kinds = ["ring"] * len(groups)
     times = group_times(cost, A, B, S, d, inter, "ring")
     free = np.ones(len(groups), dtype=bool)
+    fixed_any = False
     if cost.geometry.menu_kinds and len(groups):
         fixed = {(deg, b): k for deg, b, k in cost.geometry.menu_kinds}
         padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
@@ -248,23 +259,33 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
             free[i] = False
             u = attention_split(kind, deg)[0]
             if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
-                kinds[i] = kind
-    for deg in sorted(set(d.tolist()) - {1}):
+                kinds[i], fixed_any = kind, True
+    pairs_i, pairs_u = [], []
+    for deg in sorted(set(d[free].tolist()) - {1}):
         idx = np.flatnonzero((d == deg) & free)
-        if not idx.size:
-            continue
         for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
             u = attention_split(kind, deg)[0]
             # a group inside one node has node-local sub-groups; only spanning groups need a look
             ok = idx[[not inter[i] or node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
-            if not ok.size:
-                continue
-            t = group_times(cost, A[ok], B[ok], S[ok], deg, inter[ok], kind)
-            better = t < times[ok]
-            for i in ok[better].tolist():
-                kinds[i] = kind
-            times[ok[better]] = t[better]
-    return kinds
+            pairs_i.append(ok)
+            pairs_u.append(np.full(ok.size, u, dtype=np.int64))
+    if pairs_i:
+        i, u = np.concatenate(pairs_i), np.concatenate(pairs_u)
+        if i.size:
+            t = group_times(cost, A[i], B[i], S[i], d[i], inter[i], "hybrid", u)
+            best = times.copy()
+            np.minimum.at(best, i, t)
+            # the first kind (ring, then u ascending) at the least time, as a scan keeping only
+            # strict improvements picks it
+            win = (t == best[i]) & (t < times[i])
+            ubest = np.full(len(groups), np.iinfo(np.int64).max)
+            np.minimum.at(ubest, i[win], u[win])
+            for g in np.flatnonzero(ubest < np.iinfo(np.int64).max).tolist():
+                kinds[g] = attention_name(int(ubest[g]), int(d[g] // ubest[g]))
+            times = best
+    if fixed_any:  # menu programs' kinds, priced on their own
+        times = kind_times(cost, A, B, S, d, inter, kinds)
+    return kinds, times
 
 
 def group_kind_times(cost: CostModel, plan: Any, lengths: Sequence[int] | np.ndarray,

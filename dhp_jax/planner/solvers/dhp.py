@@ -1,9 +1,9 @@
 """The "dhp" strategy: micro-batch count search (candidate splits per count, `microbatch.py`, ranked
 by a step-time bound; then the best split with one micro-batch dissolved into the others, and local
 moves of sequences between micro-batches) -> memory-aware packing
--> exact degree allocation -> refinement -> node-aware placement, with the shared-lanes fallback on
-fake CPU devices.
-Deterministic: no wall-clock limits.
+-> exact degree allocation -> refinement -> node-aware placement; then the static plans the options
+allow as candidates (`static_candidates.py`; on shared CPU lanes they are also what a plain uniform
+packing offers) and FlexSP-style packings (`flexsp_candidate.py`). Deterministic: no wall-clock limits.
 """
 
 from __future__ import annotations
@@ -12,19 +12,21 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from dhp_jax.planner.contract.plan import PlanningError, PlanValidationError, spans_nodes
+from dhp_jax.planner.contract.plan import PlanningError, spans_nodes
 from dhp_jax.planner.cost.memory import min_degree
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import (attention_for, best_kinds, bin_sums, group_times, makespan, makespans,
-                                         price_groups)
+from dhp_jax.planner.cost.pricing import (attention_for, best_kind_times, best_kinds, bin_sums, group_times, makespan,
+                                         makespans, price_groups)
 from dhp_jax.planner.programs.cache import ProgramCache
-from dhp_jax.planner.solvers import baselines, microbatch
+from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, scalar_time
-from dhp_jax.planner.solvers.build import build_plan, padded_tokens
+from dhp_jax.planner.solvers.build import padded_tokens
+from dhp_jax.planner.solvers.flexsp_candidate import best_flexsp
 from dhp_jax.planner.solvers.packing import Packer, bins_of
 from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
 from dhp_jax.planner.solvers.refine import refine as refine_groups
+from dhp_jax.planner.solvers.static_candidates import best_static
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
 _MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
@@ -195,14 +197,20 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
 
 def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool = True, degrees: Any = "any",
               node_aware: bool = True, refine: bool = True, programs: ProgramCache | None = None,
-              attention: str = "ring") -> tuple[list, dict[str, Any]]:
+              attention: str = "ring") -> tuple[list, dict[str, Any], str]:
     """The "dhp" strategy: per micro-batch count (from the memory minimum upward, while one more
     micro-batch wins by at least _MB_MIN_GAIN and the work bound allows it) split the batch, pack
     and allocate every micro-batch; then dissolve one micro-batch of the lowest split into the
     others while that lowers it (at most _MERGES times, never below the memory minimum); finish the
     best count and the fewest (local moves, refine, place, repair) and keep the one with the least
-    placed step time. `attention` ("ring" or "best", plan_batch's
-    mode) names the kinds whose programs `programs` prices."""
+    placed step time; then the static plans of the allowed degrees (`static_candidates.best_static`)
+    and the FlexSP-style packings (`flexsp_candidate.best_flexsp`) replace it where one is faster by
+    the same price, so that DHP is never slower than the best static plan or such a packing.
+    `attention` ("ring" or "best", plan_batch's mode) names the kinds whose programs `programs`
+    prices. Returns the micro-batches, the solver info ("chosen": "dhp" or the static
+    plan that won, e.g. "static-best:8" or "flexsp-packing") and the attention mode to build the
+    plan with (the given one, "ulysses" when "static-ulysses:<d>" won, "auto" for a packing on
+    FlexSP's own kinds)."""
     N, cost = prob.num_ranks, prob.cost
     if isinstance(degrees, str) and degrees == "any" and cost.geometry.bucket_menu and cost.geometry.bucket_min:
         degrees = [d for d, _ in cost.geometry.bucket_menu]  # a menu of programs bounds the degrees too
@@ -287,17 +295,43 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         # judged as the plan will be priced: with each group's fastest attention kind in "best" mode
         # (a count that loses on the ring can win once its wide groups use all-to-all); a lone
         # finalist needs no judging
-        kinds = _kinds(prob, done, attention) if attention == "best" and len(finalists) > 1 else None
-        spans = [d[2] for d in done] if kinds is None else _kind_makespans(prob, done, kinds)
+        kinds, spans = (_kind_makespans(prob, done, attention) if attention == "best" and len(finalists) > 1
+                        else (None, [d[2] for d in done]))
         actual = sum(spans) + _compile_price(prob, done, programs, attention, kinds)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
     _, M, done, total = chosen
     mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
-    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0]}
-    if cost.compute_lanes is not None and num_micro_batches is None and packing:
-        mbs, info = _shared_lanes_fallback(prob, allowed, mbs, info)
-    return mbs, info
+    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0], "chosen": "dhp"}
+
+    def price(cand: list | None, mode: str | None) -> float:
+        # a plan as `build_plan` prices it (kinds of `mode`) plus its new programs; None: DHP's own
+        got = done if cand is None else [([s for _, s in mb], [r for r, _ in mb], 0.0) for mb in cand]
+        kinds, spans = _kind_makespans(prob, got, attention if mode is None else mode)
+        return sum(spans) + _compile_price(prob, got, programs, attention, kinds)
+
+    # the static plans of the allowed degrees are DHP plans too: one that is faster replaces the
+    # search's (chosen[0] is the plan's price, but in "best" mode a lone finalist's is its ring price)
+    exact = attention == "ring" or len(finalists) > 1
+    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0], exact, price,
+                         programs is None or not programs.compile_s)
+    if static is not None:
+        t, name, cand, mode, own = static
+    else:
+        t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
+    # FlexSP-style plans are DHP plans too: one that is faster replaces the best so far
+    if attention == "best" and node_aware:
+        if own is None:
+            own = chosen[0] if exact else price(None, None)
+        if t is None:
+            t = own
+        flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
+        if flex is not None:
+            t, name, cand, mode = flex
+    if name == "dhp":
+        return mbs, info, attention
+    return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
+                  "dhp_search_makespan_sum_s": own}, mode
 
 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
@@ -468,38 +502,6 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
     return sols
 
 
-def _shared_lanes_fallback(prob: Problem, allowed: np.ndarray, mbs: list, info: dict[str, Any]
-                           ) -> tuple[list, dict[str, Any]]:
-    """On shared cores also score the uniform ring plans of every allowed degree; keep the best.
-
-    The packing balances unpadded work and the allocation is exact for max_g T_g only; with
-    `compute_lanes` the padded buckets and the lanes cap can make a plain uniform packing better.
-    Each candidate is judged by the same lanes-aware makespan sum (`pricing.makespans`); the
-    planner's own plan wins ties. Used only when `cost.compute_lanes` is set.
-    """
-    cost, N = prob.cost, prob.num_ranks
-
-    def total(cand: list) -> float:
-        plan = build_plan(cand, prob.lengths, prob.etas, cost, N, {})
-        return sum(mb.est_makespan_s for mb in plan.micro_batches)
-
-    best = (total(mbs), mbs, None)
-    for d in baselines.static_degrees(N, cost, "ring"):
-        if d not in allowed:
-            continue
-        try:
-            cand = baselines.static_groups(prob.lengths, N, cost, d, "ring")
-            t = total(cand)
-        except (PlanningError, PlanValidationError):
-            continue  # this degree does not fit the batch
-        if t < best[0] * (1 - 1e-12):
-            best = (t, cand, d)
-    if best[2] is None:
-        return mbs, {**info, "est_makespan_sum_s": best[0]}
-    return best[1], {"num_micro_batches": len(best[1]), "est_makespan_sum_s": best[0],
-                     "shared_lanes_uniform_degree": best[2]}
-
-
 def _groups(done: list) -> list[tuple[tuple[int, ...], list[int]]]:
     """(ranks, sample ids) of every group of finished micro-batches, in order."""
     return [(tuple(r), g) for gs, ranks, _ in done for g, r in zip(gs, ranks)]
@@ -514,12 +516,19 @@ def _kinds(prob: Problem, done: list, attention: str) -> list[str]:
     return [attention_for(len(r), prob.cost, attention) for r, _ in groups]
 
 
-def _kind_makespans(prob: Problem, done: list, kinds: list[str]) -> list[float]:
-    """Makespan of each finished micro-batch with every group on its attention kind (`_kinds`, as
-    `build_plan` prices the plan)."""
-    mb = np.repeat(np.arange(len(done)), [len(groups) for groups, _, _ in done])
-    t, _, d = price_groups(prob.cost, _groups(done), (prob.attn, prob.lin, prob.tok), kinds, prob.cost.ranks_per_node)
-    return makespans(prob.cost, t, d, mb, len(done)).tolist()
+def _kind_makespans(prob: Problem, done: list, attention: str) -> tuple[list[str], list[float]]:
+    """The kinds `_kinds` gives the groups of finished micro-batches and the makespan of each
+    micro-batch with every group on its kind, as `build_plan` prices the plan."""
+    groups = _groups(done)
+    terms = (prob.attn, prob.lin, prob.tok)
+    if attention == "best":
+        kinds, t = best_kind_times(prob.cost, groups, terms)
+        d = np.fromiter((len(r) for r, _ in groups), dtype=np.int64, count=len(groups))
+    else:
+        kinds = [attention_for(len(r), prob.cost, attention) for r, _ in groups]
+        t, _, d = price_groups(prob.cost, groups, terms, kinds, prob.cost.ranks_per_node)
+    mb = np.repeat(np.arange(len(done)), [len(gs) for gs, _, _ in done])
+    return kinds, makespans(prob.cost, t, d, mb, len(done)).tolist()
 
 
 def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, attention: str = "ring",

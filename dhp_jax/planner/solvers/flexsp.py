@@ -258,6 +258,20 @@ def _point(groups: list[list[int]], d: int, slots: list[int], nK: int, P: int, t
     return x
 
 
+def alone_bounds(prob: Any, ds: np.ndarray) -> np.ndarray:
+    """A lower bound on the time of any group holding each sequence (float64[K]): its least time
+    alone on a degree of `ds` that holds it, on the ring or (where the head count allows) Ulysses,
+    inside a node. A group's time grows with what it holds, and inter-node links are the slower."""
+    cost = prob.cost
+    d = ds[None, :].astype(np.float64)
+    terms = (prob.attn[:, None], prob.lin[:, None], prob.tok[:, None])
+    t = group_times(cost, *terms, d, False, "ring")
+    uly = np.asarray([d > 1 and cost.ulysses_ok(int(d)) for d in ds.tolist()])
+    if uly.any():
+        t[:, uly] = np.minimum(t[:, uly], group_times(cost, *terms, d[:, uly], False, "ulysses"))
+    return np.where(ds[None, :] >= prob.dmin[:, None], t, np.inf).min(axis=1)
+
+
 def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None = None,
                  node_limit: int = FLEXSP_NODE_LIMIT) -> tuple[list, dict[str, Any]]:
     """FlexSP's plan (module docstring): the best of several length-sorted counts, one MILP each."""

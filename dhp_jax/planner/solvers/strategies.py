@@ -95,8 +95,7 @@ def _dhp(prob: Problem, arg: str | None, programs: ProgramCache | None, *, num_m
     # attention "best": each group gets the kind the cost model says is fastest; "ring": the ablation
     if attention not in ("best", "ring"):
         raise PlanningError(f"attention must be 'best' (per-group choice) or 'ring', got {attention!r}")
-    mbs, info = solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, attention)
-    return mbs, info, attention
+    return solve_dhp(prob, num_micro_batches, packing, degrees, node_aware, refine, programs, attention)
 
 
 @register("static-ring", "one ring CP degree for every sequence (Megatron CP); 'best' tries every divisor",

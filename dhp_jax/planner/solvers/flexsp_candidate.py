@@ -1,0 +1,182 @@
+"""FlexSP-style packings as candidates of the "dhp" strategy.
+
+FlexSP's planner (`flexsp.py`, after FlexSP, arXiv 2412.01523) cuts the length-sorted batch into
+micro-batches of about equal tokens and gives each micro-batch power-of-two sequence-parallel
+groups, all-to-all where the head count allows it. Such a plan is a valid DHP plan: groups of
+power-of-two degrees are points of DHP's search space, and their kinds are kinds a DHP group may
+run. `solve_dhp` hands its best plan so far (its search's, or a static plan's) to `best_flexsp`,
+which keeps a FlexSP-style packing when that is faster under the objective DHP minimises (summed
+micro-batch makespans as `build_plan` prices them plus new programs' compile prices), priced with
+FlexSP's own kinds and with each group on its fastest kind (`pricing.best_kinds`), the lower of
+the two. The earlier plan wins ties.
+
+The packings (`homogeneous_plans`): for the micro-batch counts FlexSP tries, its length-sorted
+micro-batches, each packed onto the N / d groups of one power-of-two degree d (longest sequence
+first onto the least loaded group with memory room: the plan FlexSP's MILP starts from), the d of
+least makespan per micro-batch, re-balanced by DHP's refinement (`refine.py`) where that decides
+whether it can win (within _REBALANCE of it). They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
+each) are not solved for DHP, so DHP is never slower than these packings by construction, and
+than FlexSP's own plan only where its MILP finds nothing better than its start.
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable
+
+import numpy as np
+
+from dhp_jax.planner.cost.pricing import attention_for, bin_sums, group_times
+from dhp_jax.planner.solvers import microbatch
+from dhp_jax.planner.solvers.allocate import allowed_degrees
+from dhp_jax.planner.solvers.flexsp import FLEXSP_EXTRA_COUNTS, alone_bounds
+from dhp_jax.planner.solvers.placement import place
+from dhp_jax.planner.solvers.problem import Problem
+from dhp_jax.planner.solvers.refine import refine as refine_groups
+
+__all__ = ["best_flexsp", "flexsp_counts", "homogeneous_plans"]
+
+_DROPPED = 2  # counts in a row that give no plan under the limit end the homogeneous packings' search
+_REBALANCE = 0.02  # a micro-batch this fraction of its makespan above what the limit leaves is re-balanced
+
+
+def flexsp_counts(prob: Problem, num_micro_batches: int | None) -> list[int]:
+    """The micro-batch counts FlexSP's planner tries (`solve_flexsp`): `num_micro_batches`, else
+    from the least count whose length-sorted runs fit the ranks, FLEXSP_EXTRA_COUNTS more."""
+    N, K = prob.num_ranks, len(prob.lengths)
+    if num_micro_batches is not None:
+        return [int(num_micro_batches)]
+    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
+    while lo < K and microbatch.by_length(prob.tok, prob.tok, lo, N, prob.cap) is None:
+        lo += 1
+    return list(range(lo, min(K, lo + FLEXSP_EXTRA_COUNTS) + 1))
+
+
+def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: float) -> list[list[int]] | None:
+    """Sequences (`order`, longest first; their times `t` and tokens `tok`) each onto the least
+    loaded of `slots` groups that still has memory room (ties: the lower group); None when one fits
+    nowhere. The used groups' sequences, in group order."""
+    heap = [(0.0, p) for p in range(slots)]
+    left = [room] * slots
+    groups: list[list[int]] = [[] for _ in range(slots)]
+    for k, tk, tt in zip(order.tolist(), tok, t):
+        full = []
+        while heap and left[heap[0][1]] < tk * (1 - 1e-12):
+            full.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, p = heapq.heappop(heap)
+        groups[p].append(k)
+        left[p] -= tk
+        heapq.heappush(heap, (load + tt, p))
+        for item in full:
+            heapq.heappush(heap, item)
+    return [g for g in groups if g]
+
+
+def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[list]:
+    """For each count of `counts`: FlexSP's length-sorted micro-batches (`microbatch.by_length`),
+    each on the groups of the one power-of-two degree whose packing (`_lpt`, sequences weighed by
+    their time alone on that degree and kind) has the least makespan, placed node-aware.
+
+    Counts go in order; as in FlexSP's count search, once one has given a plan the first that does
+    not improve on it ends the search (before that, _DROPPED in a row that give none). Only what
+    can come in under `limit` is built: a count is dropped once its micro-batches so far plus the
+    others' bounds (work / N + b1, and their slowest sequence alone: `flexsp.alone_bounds`) reach
+    it, and one whose bounds alone reach it ends the search. Degrees are packed in the order of
+    their longest sequence's time alone, until that reaches the best makespan so far (a group takes
+    at least as long as each of its sequences alone)."""
+    N, cost = prob.num_ranks, prob.cost
+    ds = allowed_degrees(N, "pow2").tolist()
+    terms = (prob.attn, prob.lin, prob.tok)
+    total_work = float(prob.work.sum())
+    alone = alone_bounds(prob, np.asarray(ds))
+    last, dropped = np.inf, 0
+    # every sequence alone on every degree, on the kind FlexSP gives that degree (one call a kind)
+    kinds_all = [attention_for(d, cost, "auto") for d in ds]
+    times_all = np.empty((len(ds), len(prob.lengths)))
+    for kind in set(kinds_all):
+        rows = [i for i, k in enumerate(kinds_all) if k == kind]
+        times_all[rows] = group_times(cost, prob.attn[None, :], prob.lin[None, :], prob.tok[None, :],
+                                      np.asarray(ds, float)[rows, None], attention=kind)
+    out = []
+    for M in counts:
+        if total_work / N + M * cost.b1 >= limit:
+            break
+        parts = microbatch.by_length(prob.tok, prob.tok, M, N, prob.cap)
+        if parts is None:
+            continue
+        bounds = [max(float(prob.work[idx].sum()) / N + cost.b1, float(alone[idx].max())) for idx in parts]
+        rest = float(sum(bounds))
+        if rest >= limit:
+            break
+        mbs, done = [], 0.0
+        for idx, bound in zip(parts, bounds):
+            rest -= bound
+            order = idx[np.lexsort((idx, -prob.tok[idx]))]
+            first = int(np.searchsorted(ds, int(prob.dmin[idx].max())))
+            dd, kinds = ds[first:], kinds_all[first:]
+            t = times_all[first:, order]
+            longest = t.max(axis=1)
+            tok = prob.tok[order].tolist()
+            best = None
+            for i in np.argsort(longest, kind="stable").tolist():
+                if best is not None and longest[i] >= best[0]:
+                    break  # a group's time is at least each of its sequences' alone
+                d = dd[i]
+                groups = _lpt(order, t[i].tolist(), tok, N // d, d * prob.cap)
+                if groups is None:
+                    continue
+                mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
+                if best is None or mk < best[0]:
+                    best = (mk, d, groups, kinds[i])
+            if best is not None and limit <= done + best[0] + rest < limit + _REBALANCE * best[0]:
+                # FlexSP's MILP improves on its start; here DHP's re-balancing does, where that
+                # decides whether the count can still come in under the limit
+                mk, d, groups, kind = best
+                new = [g for g in refine_groups(groups, np.full(len(groups), d), *terms, cost, kind) if g]
+                if new != groups:
+                    t_new = float(group_times(cost, *bin_sums(new, *terms), d, attention=kind).max())
+                    if t_new < mk:
+                        best = (t_new, d, new, kind)
+            if best is None or done + best[0] + rest >= limit:
+                break
+            done += best[0]
+            mbs.append(list(zip(place([best[1]] * len(best[2]), N, cost.ranks_per_node, True), best[2])))
+        if len(mbs) < len(parts) or done >= last * (1 - 1e-12):
+            dropped += 1
+            if out or dropped >= _DROPPED:
+                break  # as FlexSP's count search: a count that does not improve ends it
+            continue
+        dropped = 0
+        out.append(mbs)
+        last = done
+    return out
+
+
+def best_flexsp(prob: Problem, allowed: np.ndarray, attention: str, num_micro_batches: int | None, packing: bool,
+                node_aware: bool, limit: float, exact_price: Callable[[list, str], float]
+                ) -> tuple[float, str, list, str] | None:
+    """The FlexSP-style plan (module docstring) that is strictly faster than `limit` (the price of
+    DHP's best plan so far), if one is: (price, its name "flexsp-packing", micro-batches, attention
+    mode: "auto" for FlexSP's own kinds, "best" for each group's fastest), else None.
+
+    Offered only in "best" mode (the "ring" ablation keeps every group on the ring), with node-aware
+    placement (FlexSP places its groups so), and only where the options allow its plans: every
+    power of two up to the ranks in `allowed`, the micro-batch count `num_micro_batches` when given,
+    one sequence a group without `packing`. `exact_price(mbs, mode)` prices a plan as DHP's search
+    does."""
+    if attention != "best" or not node_aware:
+        return None
+    if not set(allowed_degrees(prob.num_ranks, "pow2").tolist()) <= set(allowed.tolist()):
+        return None  # FlexSP's groups may take any power of two
+    cands = [("flexsp-packing", mbs) for mbs in homogeneous_plans(prob, flexsp_counts(prob, num_micro_batches), limit)]
+    best = None
+    for name, mbs in cands:
+        if not packing and any(len(samples) > 1 for mb in mbs for _, samples in mb):
+            continue
+        for mode in ("auto", "best"):
+            price = float(exact_price(mbs, mode))
+            if price < (limit if best is None else best[0]) * (1 - 1e-12):
+                best = (price, name, mbs, mode)
+    return best
