@@ -289,3 +289,32 @@ def test_bf16_mode_against_the_fp32_reference(setup):
     assert rel_err(a, b) > 1e-6, "bf16 mode gave fp32 results: nothing ran in bf16"
     hlo = ex.executable(None, 3, ex.prepare(samples, p)[0].layout.bucket, tuple(jax.devices()[:3])).as_text()
     assert "bf16[" in hlo
+
+
+def test_second_tier_build_gives_the_first_tiers_numbers(setup):
+    """After `tier_up_runs` launches a program runs its second-tier build (XLA's default options,
+    built in the background; its other device sets load that build): the same loss and gradients as
+    the fast first build to fp32 1e-5 (not bit for bit: XLA's optimiser orders some float sums
+    differently), and as the reference."""
+    from dhp_jax.sharding.executor import CPU_FAST_COMPILE
+
+    ex, params, samples, ref = setup
+    assert ex.compiler_options == CPU_FAST_COMPILE and ex.tuned_options == {}
+    p = PLANS["1+1+1+5"]       # the degree-1 program of bucket 32 runs on devices 1 and 2
+    keys = [(d, b, tuple(jax.devices()[i] for i in ids), a) for d, b, ids, a in ex.plan_keys(samples, p)]
+    ex.tiers, ex.tier_up_runs = True, 1
+    ex.set_launch_counts({})
+    try:
+        first = ex.loss_and_grads(params, samples, p)        # launch 1: the first tier; builds queued
+        second = ex.loss_and_grads(params, samples, p)       # launch 2: every group on its second tier
+        assert set(ex.tuned_keys) == set(ex.plan_keys(samples, p))
+        assert all(ex._tuned[k] is not ex.executable(None, *k) for k in keys)
+        assert len(ex.tune_seconds) == len(keys)
+        assert all(ex._launching(k) is ex._tuned[k] for k in keys)      # launch 3 too
+    finally:
+        ex.stop_tuning()
+        ex.tiers = False
+    assert_exact(*second, ref)
+    assert rel_err(second[0], first[0]) <= 1e-5
+    for a, b in zip(jax.tree.leaves(first[1]), jax.tree.leaves(second[1])):
+        assert rel_err(b, a) <= 1e-5

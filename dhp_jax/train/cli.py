@@ -100,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
     from dhp_jax.train.metrics import MetricsError
     from dhp_jax.train.plans import PlanFileError
     from dhp_jax.train.interrupt import RunInterrupted
-    from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
+    from dhp_jax.train.step_sync import WATCHDOG_EXIT_CODE
+    from dhp_jax.train.trainer import StepStalled, TrainError, Trainer, check_resumable, dry_run
 
     try:
         if args.dry_run:
@@ -129,6 +130,10 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         # A peer is gone: jax.distributed's shutdown barrier would wait for it; end now instead.
         os._exit(3)
+    except StepStalled as e:
+        print(f"dhp train: {e}; ending the process (its device work cannot be cancelled)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(WATCHDOG_EXIT_CODE)
     except (TrainError, PlanFileError, CheckpointError, ConfigError, MetricsError) as e:
         print(f"dhp train: {e}", file=sys.stderr)
         return 2
