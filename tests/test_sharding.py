@@ -318,3 +318,24 @@ def test_second_tier_build_gives_the_first_tiers_numbers(setup):
     assert rel_err(second[0], first[0]) <= 1e-5
     for a, b in zip(jax.tree.leaves(first[1]), jax.tree.leaves(second[1])):
         assert rel_err(b, a) <= 1e-5
+
+
+def test_a_group_not_done_in_time_is_named_before_the_reduction(setup):
+    """The step waits for its groups' gradient rows before it launches their reduction (a
+    collective over every device); a group not done within `stall_timeout_s` is reported naming
+    its micro-batch, group, program and devices, instead of a collective that waits for it."""
+    from dhp_jax.sharding.executor import CPU_STALL_TIMEOUT_S, GroupProgramError
+
+    ex, params, samples, _ = setup
+    assert ex.stall_timeout_s == CPU_STALL_TIMEOUT_S < 40      # XLA:CPU's rendezvous termination timeout
+    ex.loss_and_grads(params, samples, PLANS["8"])               # built: the wait below is the group's run
+    ex.stall_timeout_s = 0.0
+    try:
+        with pytest.raises(GroupProgramError, match=r"waited 0 s for the gradient rows of micro-batch 0 group 0 "
+                                                    r"\(program degree 8, bucket \d+, ring; devices \[0, 1, 2, 3, 4, "
+                                                    r"5, 6, 7\]\): a group program stalled") as e:
+            ex.loss_and_grads(params, samples, PLANS["8"])
+        assert e.value.stalled
+    finally:
+        ex.stall_timeout_s = CPU_STALL_TIMEOUT_S
+    ex.loss_and_grads(params, samples, PLANS["8"])              # the executor runs on
