@@ -292,7 +292,7 @@ def test_bf16_mode_against_the_fp32_reference(setup):
 
 
 def test_second_tier_build_gives_the_first_tiers_numbers(setup):
-    """After `tier_up_runs` launches a program runs its second-tier build (XLA's default options,
+    """After `tier_up_runs` steps a program runs its second-tier build (XLA's default options,
     built in the background; its other device sets load that build): the same loss and gradients as
     the fast first build to fp32 1e-5 (not bit for bit: XLA's optimiser orders some float sums
     differently), and as the reference."""
@@ -302,15 +302,15 @@ def test_second_tier_build_gives_the_first_tiers_numbers(setup):
     assert ex.compiler_options == CPU_FAST_COMPILE and ex.tuned_options == {}
     p = PLANS["1+1+1+5"]       # the degree-1 program of bucket 32 runs on devices 1 and 2
     keys = [(d, b, tuple(jax.devices()[i] for i in ids), a) for d, b, ids, a in ex.plan_keys(samples, p)]
-    ex.tiers, ex.tier_up_runs = True, 1
+    ex.tiers, ex.tier_up_runs, ex.tier_min_flops = True, 1, 0.0     # this small model's programs too
     ex.set_launch_counts({})
     try:
-        first = ex.loss_and_grads(params, samples, p)        # launch 1: the first tier; builds queued
-        second = ex.loss_and_grads(params, samples, p)       # launch 2: every group on its second tier
+        first = ex.loss_and_grads(params, samples, p)        # step 1: the first tier; builds queued
+        second = ex.loss_and_grads(params, samples, p)       # step 2: every group on its second tier
         assert set(ex.tuned_keys) == set(ex.plan_keys(samples, p))
         assert all(ex._tuned[k] is not ex.executable(None, *k) for k in keys)
         assert len(ex.tune_seconds) == len(keys)
-        assert all(ex._launching(k) is ex._tuned[k] for k in keys)      # launch 3 too
+        assert all(ex._launching(k) is ex._tuned[k] for k in keys)      # what step 3 would run
     finally:
         ex.stop_tuning()
         ex.tiers = False

@@ -187,14 +187,19 @@ def require_float32(params: Any) -> None:
 # buy little there. Memory measurements compile with XLA's default emitters
 # (`memory_bench.CPU_MEMORY_OPTIONS`), the programs the memory model was validated on.
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
-# The second tier on CPU devices: XLA's default options (LLVM optimisation, the fusion emitters). A
-# program's first `TIER_UP_RUNS` launches run its `CPU_FAST_COMPILE` build; its second-tier build is
-# queued on a background thread `TIER_LEAD` launches before that, and every later launch runs it
-# (waiting for it if it is not built yet). The switch is a function of the launch count alone, so a
+# The second tier on CPU devices: XLA's default options (LLVM optimisation, the fusion emitters). The
+# first `TIER_UP_RUNS` steps that run a program use its `CPU_FAST_COMPILE` build; its second-tier
+# build is queued on a background thread `TIER_LEAD` steps before that, and every later step runs it
+# (waiting for it if it is not built yet). The switch is a function of the step count alone, so a
 # run's numbers do not depend on how fast the builds are (`PlanExecutor.tiers`).
 CPU_TUNED: dict[str, Any] = {}
 TIER_UP_RUNS = 4
-TIER_LEAD = 2
+TIER_LEAD = 3
+# Only a program whose run is heavy enough for a faster build to pay back its compile within a few
+# steps gets a second tier: at least this many flops a run over all its devices (XLA's cost
+# analysis of the lowered program, the same on every run). A faster build of a light program saves
+# less CPU over a run than its compile costs.
+TIER_MIN_FLOPS = 1.5e9
 # Seconds a step waits for its group programs' gradient rows before it is reported as stalled (CPU
 # devices): under XLA:CPU's own 40 s rendezvous termination timeout, which otherwise ends the
 # process from inside a collective with no word of the step or the group.
@@ -222,6 +227,17 @@ _listener_on = False
 def _count_cache_hit(event: str, **_: Any) -> None:
     if event == "/jax/compilation_cache/cache_hits":
         _CACHE_HITS.count += 1
+
+
+def _flops(lowered: Any) -> float:
+    """Flops of one device's run of a lowered program (XLA's cost analysis; 0 if there is none)."""
+    try:
+        cost = lowered.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: no second tier
+        return 0.0
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
 
 
 def compile_counting_cache_hits(lowered: Any, options: Mapping[str, Any]) -> tuple[Any, bool]:
@@ -288,9 +304,11 @@ class PlanExecutor:
     `reuse_compiled` (None: on where every device is a CPU): a program compiled for one device set
     is loaded onto another set of the same mesh shape instead of compiled again (`rebind`).
     `tiers` (None: on where every device is a CPU and `compiler_options` is not given): a program is
-    first built with `compiler_options` (`CPU_FAST_COMPILE`), which its first `tier_up_runs`
-    launches run; it is rebuilt with `tuned_options` (XLA's defaults) on a background thread, queued
-    `TIER_LEAD` launches ahead, and every later launch runs that build. `stall_timeout_s`
+    first built with `compiler_options` (`CPU_FAST_COMPILE`); one whose run costs at least
+    `tier_min_flops` (`TIER_MIN_FLOPS`) runs that build for its first `tier_up_runs` steps and then
+    its rebuild with `tuned_options` (XLA's defaults), made on a background thread from `TIER_LEAD`
+    steps ahead (a step waits for it if it is not ready: the switch depends on the step count
+    only). `stall_timeout_s`
     ("auto": `CPU_STALL_TIMEOUT_S` on CPU devices, else None): how long a micro-batch waits for its
     groups' gradient rows before `GroupProgramError(stalled=True)` names the groups not finished.
     """
@@ -344,6 +362,7 @@ class PlanExecutor:
         self.compiler_options = dict(compiler_options)
         self.tuned_options = dict(CPU_TUNED)
         self.tier_up_runs = positive_int(tier_up_runs, "tier_up_runs")
+        self.tier_min_flops = TIER_MIN_FLOPS
         # a step waits this long for its groups' rows before it is reported stalled (None: no limit)
         self.stall_timeout_s = (CPU_STALL_TIMEOUT_S if cpu else None) if stall_timeout_s == "auto" else stall_timeout_s
         # a program's executable for a further device set is loaded from its first compile
@@ -372,6 +391,7 @@ class PlanExecutor:
         self._tuned_source: dict[tuple[int, int, str], _FirstCompile] = {}
         self._tuned: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
         self.tune_seconds: list[float] = []              # wall time of every second-tier build
+        self._flops: dict[tuple[int, int, str], float] = {}   # flops of a run of each program (all devices)
         self._tuner: Any = None                          # the background worker's queue (one thread)
         self._tuning: dict[Any, threading.Event] = {}    # keys queued or built: set once done
 
@@ -568,8 +588,10 @@ class PlanExecutor:
             self._bind(params)
             exe = self._rebound(key)
             if exe is None:
-                exe, built = compile_counting_cache_hits(self.lower(degree, bucket, devices, attention),
-                                                         self.compiler_options)
+                lowered = self.lower(degree, bucket, devices, attention)
+                if self.tiers and (degree, bucket, attention) not in self._flops:
+                    self._flops[(degree, bucket, attention)] = _flops(lowered) * len(devices)
+                exe, built = compile_counting_cache_hits(lowered, self.compiler_options)
                 if built:   # a persistent-cache hit is never loaded onto other devices
                     self._compiled.setdefault((degree, bucket, attention), _FirstCompile(devices, exe))
             else:
@@ -598,24 +620,35 @@ class PlanExecutor:
             return None
 
     # ------------------------------------------------------------------ the second tier
-    def _launching(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> Any:
-        """The executable a launch of `key` uses (called by the dispatching thread only). With
-        tiers: the program's first `tier_up_runs` launches (counted over the run, `launch_counts`)
-        run its first build, the later ones its second-tier build, which is queued on the worker
-        thread `TIER_LEAD` launches ahead and waited for if it is not built yet."""
-        degree, bucket, devices, attention = key
+    def _count_step(self, work: Sequence[_GroupWork]) -> None:
+        """Count a step for each program it runs (once, whatever its groups) and queue second-tier
+        builds: a program's first `tier_up_runs` steps run its first build, later ones its second,
+        queued `TIER_LEAD` steps ahead (called by the dispatching thread, before the step's launches)."""
         if not self.tiers:
-            return self.executable(None, degree, bucket, devices, attention)
+            return
+        keys = [(w.layout.degree, w.layout.bucket, w.devices, w.attention) for w in self._local(work)]
+        for program in {(d, b, a) for d, b, _, a in keys}:
+            self._runs[program] = self._runs.get(program, 0) + 1
+        for d, b, devs, a in keys:
+            if self._flops.get((d, b, a), 0.0) >= self.tier_min_flops and \
+                    self._runs[(d, b, a)] >= self.tier_up_runs - TIER_LEAD:
+                self._tune_later((d, b, devs, a))
+
+    def _launching(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> Any:
+        """The executable a launch of `key` uses (called by the dispatching thread only): with tiers,
+        once its program has run more than `tier_up_runs` steps (`_count_step`, counted over the
+        run: `launch_counts`), its second-tier build, waited for if it is not built yet."""
+        degree, bucket, devices, attention = key
         program = (degree, bucket, attention)
-        runs = self._runs[program] = self._runs.get(program, 0) + 1
-        if runs >= self.tier_up_runs - TIER_LEAD:
+        if self.tiers and self._flops.get(program, 0.0) >= self.tier_min_flops and \
+                self._runs.get(program, 0) > self.tier_up_runs:
             self._tune_later(key)
-        if runs <= self.tier_up_runs:
-            return self.executable(None, degree, bucket, devices, attention)
-        self._tune_later(key)
-        self._tuning[key].wait()
-        # a failed second-tier build leaves the first (the same numbers to fp32 1e-5)
-        return self._tuned.get(key) or self.executable(None, degree, bucket, devices, attention)
+            self._tuning[key].wait()
+            # a failed second-tier build leaves the first (the same numbers to fp32 1e-5)
+            tuned = self._tuned.get(key)
+            if tuned is not None:
+                return tuned
+        return self.executable(None, degree, bucket, devices, attention)
 
     def _tune_later(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> None:
         """Queue the second-tier build of `key` on the worker thread (once per key)."""
@@ -666,7 +699,7 @@ class PlanExecutor:
         self.tune_seconds.append(time.perf_counter() - t0)
 
     def launch_counts(self) -> dict[str, int]:
-        """Launches per program ("degree,bucket,attention": count): what decides its tier, stored in a
+        """Steps per program ("degree,bucket,attention": count): what decides its tier, stored in a
         checkpoint so that a resumed run switches where the uninterrupted one does."""
         return {f"{d},{b},{a}": n for (d, b, a), n in sorted(self._runs.items())}
 
@@ -884,6 +917,7 @@ class PlanExecutor:
         work = self.prepare(samples, plan)
         for w in self._local(work):             # compile (or wait for a background compile of) what is missing
             self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
+        self._count_step(work)
         flat, acc = self.gather(master), None
         for m in sorted({w.micro_batch for w in work}):
             group = [w for w in work if w.micro_batch == m]
