@@ -418,3 +418,27 @@ def test_every_checkpoint_resumes_to_the_uninterrupted_losses(tmp_path, fresh_co
         assert resumed.losses == full.losses[k:], k          # bitwise
         if k == 1:   # the case of the failure: cache-supplied programs, others on further devices
             assert trainer.executor.num_compiles > trainer.executor.num_programs
+
+
+def test_a_resumed_run_switches_compile_tiers_where_the_uninterrupted_one_did(tmp_path, executor):
+    """With compile tiers (here: the second tier from a program's second step), a checkpoint stores
+    each program's step count, so a run resumed from it runs each step on the tier the uninterrupted
+    run used: the same losses, bit for bit (the tiers agree to fp32 1e-5 only)."""
+    import shutil
+
+    args = ("steps=3", "planner.strategy=static-ring:8", "checkpoint.every=1", "checkpoint.keep=3")
+    saved = executor.tiers, executor.tier_up_runs, executor.tier_min_flops
+    executor.tiers, executor.tier_up_runs, executor.tier_min_flops = True, 1, 0.0
+    try:
+        full = Trainer(_config(tmp_path, "full", *args), executor=executor).run()
+        assert len(executor.tuned_keys) == 1             # one program: steps 2 and 3 ran its second tier
+        for k in (1, 2):
+            run = tmp_path / f"from-{k}"
+            shutil.copytree(tmp_path / "full", run)
+            for later in range(k + 1, 4):
+                shutil.rmtree(run / "checkpoints" / str(later))
+            resumed = Trainer(_config(tmp_path, f"from-{k}", *args), executor=executor).run(resume=True)
+            assert resumed.losses == full.losses[k:], k      # bitwise
+    finally:
+        executor.stop_tuning()
+        executor.tiers, executor.tier_up_runs, executor.tier_min_flops = saved
