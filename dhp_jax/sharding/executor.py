@@ -44,6 +44,7 @@ import atexit
 import dataclasses
 import os
 import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -200,9 +201,9 @@ TIER_LEAD = 3
 # analysis of the lowered program, the same on every run). A faster build of a light program saves
 # less CPU over a run than its compile costs.
 TIER_MIN_FLOPS = 1.5e9
-# Seconds a step waits for its group programs' gradient rows before it is reported as stalled (CPU
-# devices): under XLA:CPU's own 40 s rendezvous termination timeout, which otherwise ends the
-# process from inside a collective with no word of the step or the group.
+# Seconds a step waits for its group programs' gradient rows before the groups not done are named
+# (CPU devices): under XLA:CPU's own 40 s rendezvous termination timeout, which ends the process from
+# inside a collective with no word of the step or the group.
 CPU_STALL_TIMEOUT_S = 30.0
 
 
@@ -310,7 +311,9 @@ class PlanExecutor:
     steps ahead (a step waits for it if it is not ready: the switch depends on the step count
     only). `stall_timeout_s`
     ("auto": `CPU_STALL_TIMEOUT_S` on CPU devices, else None): how long a micro-batch waits for its
-    groups' gradient rows before `GroupProgramError(stalled=True)` names the groups not finished.
+    groups' gradient rows before the groups not finished are reported by name (`on_stall(text)`,
+    default: a line on stderr); after `stall_abort_s` (None: never) the wait ends with
+    `GroupProgramError(stalled=True)`.
     """
 
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> "PlanExecutor":
@@ -363,8 +366,11 @@ class PlanExecutor:
         self.tuned_options = dict(CPU_TUNED)
         self.tier_up_runs = positive_int(tier_up_runs, "tier_up_runs")
         self.tier_min_flops = TIER_MIN_FLOPS
-        # a step waits this long for its groups' rows before it is reported stalled (None: no limit)
+        # a step waiting this long for its groups' rows is reported (`on_stall`: a line on stderr by
+        # default), and ended with `GroupProgramError(stalled=True)` after `stall_abort_s` (None: never)
         self.stall_timeout_s = (CPU_STALL_TIMEOUT_S if cpu else None) if stall_timeout_s == "auto" else stall_timeout_s
+        self.stall_abort_s: float | None = None
+        self.on_stall: Callable[[str], None] | None = None
         # a program's executable for a further device set is loaded from its first compile
         # (`dhp_jax.sharding.rebind`); None: on CPU devices, where that is tested, off elsewhere
         self.reuse_compiled = cpu if reuse_compiled is None else bool(reuse_compiled)
@@ -933,8 +939,9 @@ class PlanExecutor:
 
         The reduction is a collective over every device: launched on a row that a failed group
         program never writes, the other devices would wait in it until XLA:CPU ends the process.
-        Here a failed group raises `GroupProgramError` naming it, and a group not done within
-        `stall_timeout_s` raises it with `stalled=True`, naming the groups still running."""
+        Here a failed group raises `GroupProgramError` naming it; groups not done within
+        `stall_timeout_s` are reported by name (`on_stall`), and after `stall_abort_s` the wait ends
+        with `GroupProgramError(stalled=True)` naming them."""
         if not rows:
             return
         done, failure = threading.Event(), []
@@ -948,12 +955,18 @@ class PlanExecutor:
 
         threading.Thread(target=wait, name="dhp-rows", daemon=True).start()
         if not done.wait(self.stall_timeout_s):
-            late = [w for w in self._local(work)
-                    if not all(rows[d][1].is_ready() for d in w.devices if d in rows)]
-            raise GroupProgramError(
-                f"waited {self.stall_timeout_s:g} s for the gradient rows of "
-                f"{'; '.join(self._describe(w) for w in late) or 'groups that finished meanwhile'}: "
-                f"a group program stalled", stalled=True)
+            def late() -> str:
+                names = [self._describe(w) for w in self._local(work)
+                         if not all(rows[d][1].is_ready() for d in w.devices if d in rows)]
+                return "; ".join(names) or "groups that finished meanwhile"
+
+            report = self.on_stall or (lambda text: print(f"dhp_jax: {text}", file=sys.stderr, flush=True))
+            report(f"waited {self.stall_timeout_s:g} s for the gradient rows of {late()}: a group program may "
+                   f"be stalled (still waiting)")
+            left = None if self.stall_abort_s is None else max(0.0, self.stall_abort_s - self.stall_timeout_s)
+            if not done.wait(left):
+                raise GroupProgramError(f"waited {self.stall_abort_s:g} s for the gradient rows of {late()}: a "
+                                        f"group program stalled", stalled=True)
         if failure:
             for w in self._local(work):
                 for d in w.devices:

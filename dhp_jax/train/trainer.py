@@ -342,6 +342,9 @@ class Trainer:
         new, missing = self._compile_waiting(item, state.params, on_compile)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        if hasattr(self.executor, "on_stall"):   # groups slow to finish: named, with the step
+            self.executor.on_stall = lambda text: self._say(f"step {done}: {text}")
+            self.executor.stall_abort_s = self.step_timeout_s
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
             try:
                 loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples, item.plan)
