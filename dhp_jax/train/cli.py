@@ -37,7 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--process-id", type=int, help="this process's index, 0..num_processes-1")
     dist.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
                       help="seconds a process waits for its peers (joining, each step's plan agreement and "
-                           "device work) before it fails naming the step and the missing process")
+                           "device work) before it fails naming the step and the missing process, and for a "
+                           "step's group programs before it ends naming them")
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
