@@ -12,8 +12,9 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    (degree, bucket, devices). The group program (shard_map + ring attention) returns, per device,
    stats f32[1, 2] (loss sum, loss-token count) and the gradient of its loss sum grads[1, P_pad]
    in the compute dtype (a bf16 row bit-cast to uint16, `row_dtype`).
-3. Micro-batch by micro-batch: its groups are dispatched, then its reduction is enqueued before the
-   next micro-batch's groups, so a device's gradient row is consumed before that device starts its
+3. Micro-batch by micro-batch: its groups are dispatched, the step waits until their rows are
+   computed (`await_rows`: no collective is launched on a row a failed group never writes; groups
+   slow to finish are named), then its reduction is enqueued before the next micro-batch's groups, so a device's gradient row is consumed before that device starts its
    next group program (a device runs what it is given in order) and the step holds at most one row
    per device, whatever the number of micro-batches.
 4. The reduction: the devices' rows (a fresh zero row for an idle device, freed with the
@@ -33,7 +34,9 @@ device tuple, attention kind); `num_programs` counts distinct (degree, bucket, a
 executables built. On CPU devices (`reuse_compiled`) only a program's first executable is compiled:
 its executables for other device sets are that compiled program loaded with their device assignment
 (`dhp_jax.sharding.rebind`: the same machine code, about a second instead of a compile;
-`rebound_keys` lists them). Multi-process JAX: a process launches the groups that touch its
+`rebound_keys` lists them), unless JAX's persistent compilation cache supplied the compile. Heavy
+programs get a second build with XLA's default options after a few steps (`tiers`). One thread
+launches device work, in plan order; compile threads only build. Multi-process JAX: a process launches the groups that touch its
 addressable devices and contributes only its addressable rows (`_local`); groups may span processes
 (tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
 """
