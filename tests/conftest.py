@@ -13,3 +13,7 @@ from dhp_jax.devices import cpu_devices_env
 os.environ.update(cpu_devices_env(8))
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# CPU executors build each program once (with `CPU_FAST_COMPILE`): the second tier (XLA's default
+# options, rebuilt in the background once a program has run a few times) would double the suite's
+# compiles; tests/test_sharding.py and tests/test_train.py turn it on where they test it
+os.environ.setdefault("DHP_COMPILE_TIERS", "0")

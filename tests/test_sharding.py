@@ -1,6 +1,8 @@
 """PlanExecutor on 8 fake CPU devices: exact loss and gradients vs `reference_loss` on irregular
 sub-meshes, bounded compiles, no implicit transfers, bad plans rejected before anything runs."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -289,3 +291,60 @@ def test_bf16_mode_against_the_fp32_reference(setup):
     assert rel_err(a, b) > 1e-6, "bf16 mode gave fp32 results: nothing ran in bf16"
     hlo = ex.executable(None, 3, ex.prepare(samples, p)[0].layout.bucket, tuple(jax.devices()[:3])).as_text()
     assert "bf16[" in hlo
+
+
+def test_second_tier_build_gives_the_first_tiers_numbers(setup):
+    """After `tier_up_runs` steps a program runs its second-tier build (XLA's default options,
+    built in the background; its other device sets load that build): the same loss and gradients as
+    the fast first build to fp32 1e-5 (not bit for bit: XLA's optimiser orders some float sums
+    differently), and as the reference."""
+    from dhp_jax.sharding.executor import CPU_FAST_COMPILE
+
+    ex, params, samples, ref = setup
+    assert ex.compiler_options == CPU_FAST_COMPILE and ex.tuned_options == {}
+    p = PLANS["1+1+1+5"]       # the degree-1 program of bucket 32 runs on devices 1 and 2
+    keys = [(d, b, tuple(jax.devices()[i] for i in ids), a) for d, b, ids, a in ex.plan_keys(samples, p)]
+    ex.tiers, ex.tier_up_runs, ex.tier_min_flops = True, 1, 0.0     # this small model's programs too
+    ex.set_launch_counts({})
+    try:
+        first = ex.loss_and_grads(params, samples, p)        # step 1: the first tier; builds queued
+        second = ex.loss_and_grads(params, samples, p)       # step 2: every group on its second tier
+        assert set(ex.tuned_keys) == set(ex.plan_keys(samples, p))
+        assert all(ex._tuned[k] is not ex.executable(None, *k) for k in keys)
+        assert len(ex.tune_seconds) == len(keys)
+        assert all(ex._launching(k) is ex._tuned[k] for k in keys)      # what step 3 would run
+    finally:
+        ex.stop_tuning()
+        ex.tiers = False
+    assert_exact(*second, ref)
+    assert rel_err(second[0], first[0]) <= 1e-5
+    for a, b in zip(jax.tree.leaves(first[1]), jax.tree.leaves(second[1])):
+        assert rel_err(b, a) <= 1e-5
+
+
+def test_a_group_not_done_in_time_is_named_before_the_reduction(setup):
+    """The step waits for its groups' gradient rows before it launches their reduction (a
+    collective over every device). Groups not done within `stall_timeout_s` are named (micro-batch,
+    group, program, devices) while the wait goes on; after `stall_abort_s` the wait ends with a
+    `GroupProgramError` naming them, instead of a collective that waits for them."""
+    from dhp_jax.sharding.executor import CPU_STALL_TIMEOUT_S, GroupProgramError
+
+    ex, params, samples, _ = setup
+    assert ex.stall_timeout_s == CPU_STALL_TIMEOUT_S < 40      # XLA:CPU's rendezvous termination timeout
+    want = ex.loss_and_grads(params, samples, PLANS["8"])        # built: the waits below are the group's run
+    named = r"micro-batch 0 group 0 \(program degree 8, bucket \d+, ring; devices \[0, 1, 2, 3, 4, 5, 6, 7\]\)"
+    said = []
+    ex.stall_timeout_s, ex.on_stall = 0.0, said.append
+    try:
+        got = ex.loss_and_grads(params, samples, PLANS["8"])      # reported, waited for, finished
+        assert len(said) == 1 and re.fullmatch(f"waited 0 s for the gradient rows of {named}: a group program "
+                                               f"may be stalled \\(still waiting\\)", said[0]), said
+        assert float(got[0]) == float(want[0])
+        ex.stall_abort_s = 0.0
+        with pytest.raises(GroupProgramError, match=f"waited 0 s for the gradient rows of {named}: a group "
+                                                    f"program stalled$") as e:
+            ex.loss_and_grads(params, samples, PLANS["8"])
+        assert e.value.stalled
+    finally:
+        ex.stall_timeout_s, ex.stall_abort_s, ex.on_stall = CPU_STALL_TIMEOUT_S, None, None
+    ex.loss_and_grads(params, samples, PLANS["8"])              # the executor runs on

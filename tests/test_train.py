@@ -381,3 +381,68 @@ def test_full_size_plans_are_logged_as_run_and_the_measured_comparison_is_opt_in
     measured = result.summary["compare"]["measured"]
     assert set(measured["strategies"]) == {"dhp", "static-ring:8"}
     assert measured["strategies"]["dhp"]["step_time_s"] > 0 and "measured on 8 cpu" in measured["label"]
+
+
+@pytest.fixture
+def fresh_compilation_cache():
+    """JAX's persistent compilation cache starts anew (the test's runs set its directory) and is
+    reset afterwards: a process initialises it once, at its first compile."""
+    from jax._src import compilation_cache
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    compilation_cache.reset_cache()
+
+
+def test_every_checkpoint_resumes_to_the_uninterrupted_losses(tmp_path, fresh_compilation_cache):
+    """A run checkpointed at every step, resumed from each checkpoint by a fresh process's trainer
+    (a new executor: its programs come from the run's persistent compilation cache, and programs on
+    further device sets are loaded from them or compiled): every resume finishes with the
+    uninterrupted run's losses, bit for bit. A program loaded from the persistent cache serialized
+    again lacks kernels; loading that copy onto other devices made a group fail, and the gradient
+    reduce-scatter waited for it until XLA ended the process."""
+    import shutil
+
+    steps = 4
+    args = ("steps=4", "planner.strategy=dhp", "checkpoint.every=1", f"checkpoint.keep={steps}",
+            f"compilation_cache={tmp_path / 'jax-cache'}")
+    full = Trainer(_config(tmp_path, "full", *args)).run()
+    assert len(full.losses) == steps
+    for k in range(1, steps):
+        run = tmp_path / f"from-{k}"
+        shutil.copytree(tmp_path / "full", run)
+        for later in range(k + 1, steps + 1):
+            shutil.rmtree(run / "checkpoints" / str(later))
+        trainer = Trainer(_config(tmp_path, f"from-{k}", *args))
+        resumed = trainer.run(resume=True)
+        assert [r["step"] for r in resumed.records] == list(range(k + 1, steps + 1))
+        assert resumed.losses == full.losses[k:], k          # bitwise
+        if k == 1:   # the case of the failure: cache-supplied programs, others on further devices
+            assert trainer.executor.num_compiles > trainer.executor.num_programs
+
+
+def test_a_resumed_run_switches_compile_tiers_where_the_uninterrupted_one_did(tmp_path, executor):
+    """With compile tiers (here: the second tier from a program's second step), a checkpoint stores
+    each program's step count, so a run resumed from it runs each step on the tier the uninterrupted
+    run used: the same losses, bit for bit (the tiers agree to fp32 1e-5 only)."""
+    import shutil
+
+    args = ("steps=3", "planner.strategy=static-ring:8", "checkpoint.every=1", "checkpoint.keep=3")
+    saved = executor.tiers, executor.tier_up_runs, executor.tier_min_flops
+    executor.tiers, executor.tier_up_runs, executor.tier_min_flops = True, 1, 0.0
+    try:
+        full = Trainer(_config(tmp_path, "full", *args), executor=executor).run()
+        assert len(executor.tuned_keys) == 1             # one program: steps 2 and 3 ran its second tier
+        for k in (1, 2):
+            run = tmp_path / f"from-{k}"
+            shutil.copytree(tmp_path / "full", run)
+            for later in range(k + 1, 4):
+                shutil.rmtree(run / "checkpoints" / str(later))
+            resumed = Trainer(_config(tmp_path, f"from-{k}", *args), executor=executor).run(resume=True)
+            assert resumed.losses == full.losses[k:], k      # bitwise
+    finally:
+        executor.stop_tuning()
+        executor.tiers, executor.tier_up_runs, executor.tier_min_flops = saved

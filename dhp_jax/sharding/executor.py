@@ -12,8 +12,9 @@ Data flow of `loss_and_grad_shards(master, samples, plan)` (the training step's 
    (degree, bucket, devices). The group program (shard_map + ring attention) returns, per device,
    stats f32[1, 2] (loss sum, loss-token count) and the gradient of its loss sum grads[1, P_pad]
    in the compute dtype (a bf16 row bit-cast to uint16, `row_dtype`).
-3. Micro-batch by micro-batch: its groups are dispatched, then its reduction is enqueued before the
-   next micro-batch's groups, so a device's gradient row is consumed before that device starts its
+3. Micro-batch by micro-batch: its groups are dispatched, the step waits until their rows are
+   computed (`await_rows`: no collective is launched on a row a failed group never writes; groups
+   slow to finish are named), then its reduction is enqueued before the next micro-batch's groups, so a device's gradient row is consumed before that device starts its
    next group program (a device runs what it is given in order) and the step holds at most one row
    per device, whatever the number of micro-batches.
 4. The reduction: the devices' rows (a fresh zero row for an idle device, freed with the
@@ -33,14 +34,20 @@ device tuple, attention kind); `num_programs` counts distinct (degree, bucket, a
 executables built. On CPU devices (`reuse_compiled`) only a program's first executable is compiled:
 its executables for other device sets are that compiled program loaded with their device assignment
 (`dhp_jax.sharding.rebind`: the same machine code, about a second instead of a compile;
-`rebound_keys` lists them). Multi-process JAX: a process launches the groups that touch its
+`rebound_keys` lists them), unless JAX's persistent compilation cache supplied the compile. Heavy
+programs get a second build with XLA's default options after a few steps (`tiers`). One thread
+launches device work, in plan order; compile threads only build. Multi-process JAX: a process launches the groups that touch its
 addressable devices and contributes only its addressable rows (`_local`); groups may span processes
 (tests/test_multiprocess_jax.py: 2 processes x 4 CPU devices, gloo).
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
+import os
+import queue
+import sys
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -184,6 +191,72 @@ def require_float32(params: Any) -> None:
 # buy little there. Memory measurements compile with XLA's default emitters
 # (`memory_bench.CPU_MEMORY_OPTIONS`), the programs the memory model was validated on.
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+# The second tier on CPU devices: XLA's default options (LLVM optimisation, the fusion emitters). The
+# first `TIER_UP_RUNS` steps that run a program use its `CPU_FAST_COMPILE` build; its second-tier
+# build is queued on a background thread `TIER_LEAD` steps before that, and every later step runs it
+# (waiting for it if it is not built yet). The switch is a function of the step count alone, so a
+# run's numbers do not depend on how fast the builds are (`PlanExecutor.tiers`).
+CPU_TUNED: dict[str, Any] = {}
+TIER_UP_RUNS = 4
+TIER_LEAD = 3
+# Only a program whose run is heavy enough for a faster build to pay back its compile within a few
+# steps gets a second tier: at least this many flops a run over all its devices (XLA's cost
+# analysis of the lowered program, the same on every run). A faster build of a light program saves
+# less CPU over a run than its compile costs.
+TIER_MIN_FLOPS = 1.5e9
+# Seconds a step waits for its group programs' gradient rows before the groups not done are named
+# (CPU devices): under XLA:CPU's own 40 s rendezvous termination timeout, which ends the process from
+# inside a collective with no word of the step or the group.
+CPU_STALL_TIMEOUT_S = 30.0
+
+
+class GroupProgramError(RuntimeError):
+    """A group program failed or did not finish; the message names the micro-batch, the group, its
+    program (degree, bucket, attention) and its devices. `stalled`: it did not finish in time."""
+
+    def __init__(self, message: str, stalled: bool = False) -> None:
+        super().__init__(message)
+        self.stalled = stalled
+
+
+class _CacheHits(threading.local):
+    count = 0
+
+
+_CACHE_HITS = _CacheHits()
+_LISTENING = threading.Lock()
+_listener_on = False
+
+
+def _count_cache_hit(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_HITS.count += 1
+
+
+def _flops(lowered: Any) -> float:
+    """Flops of one device's run of a lowered program (XLA's cost analysis; 0 if there is none)."""
+    try:
+        cost = lowered.cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: no second tier
+        return 0.0
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    return float((cost or {}).get("flops", 0.0))
+
+
+def compile_counting_cache_hits(lowered: Any, options: Mapping[str, Any]) -> tuple[Any, bool]:
+    """(executable, built here): `built here` is False when JAX's persistent compilation cache
+    supplied the executable instead of XLA building it in this process. Such an executable runs, but
+    serialized again it lacks kernels (XLA:CPU: "Function ... not found" when the copy runs), so it
+    is never the source `dhp_jax.sharding.rebind` loads onto other devices."""
+    global _listener_on
+    with _LISTENING:
+        if not _listener_on:
+            jax.monitoring.register_event_listener(_count_cache_hit)
+            _listener_on = True
+    before = _CACHE_HITS.count
+    exe = lowered.compile(compiler_options=dict(options))
+    return exe, _CACHE_HITS.count == before
 
 
 @dataclasses.dataclass
@@ -198,6 +271,24 @@ class _FirstCompile:
         if self._serialized is None:
             self._serialized = rebind.serialize(self.executable)
         return self._serialized
+
+
+_WORKERS: dict[threading.Thread, "queue.Queue"] = {}    # second-tier workers and their queues
+
+
+@atexit.register
+def _join_workers() -> None:
+    """At exit: drop the queued second-tier builds and wait for the one in progress."""
+    for worker, jobs in list(_WORKERS.items()):
+        while True:
+            try:
+                job = jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, threading.Event):
+                job.set()
+        jobs.put(None)
+        worker.join()
 
 
 class PlanExecutor:
@@ -216,6 +307,16 @@ class PlanExecutor:
     Megatron-style (`dhp_jax.sharding.tensor`); plans name ranks (devices / t), as at t = 1.
     `reuse_compiled` (None: on where every device is a CPU): a program compiled for one device set
     is loaded onto another set of the same mesh shape instead of compiled again (`rebind`).
+    `tiers` (None: on where every device is a CPU and `compiler_options` is not given): a program is
+    first built with `compiler_options` (`CPU_FAST_COMPILE`); one whose run costs at least
+    `tier_min_flops` (`TIER_MIN_FLOPS`) runs that build for its first `tier_up_runs` steps and then
+    its rebuild with `tuned_options` (XLA's defaults), made on a background thread from `TIER_LEAD`
+    steps ahead (a step waits for it if it is not ready: the switch depends on the step count
+    only). `stall_timeout_s`
+    ("auto": `CPU_STALL_TIMEOUT_S` on CPU devices, else None): how long a micro-batch waits for its
+    groups' gradient rows before the groups not finished are reported by name (`on_stall(text)`,
+    default: a line on stderr); after `stall_abort_s` (None: never) the wait ends with
+    `GroupProgramError(stalled=True)`.
     """
 
     def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> "PlanExecutor":
@@ -231,7 +332,8 @@ class PlanExecutor:
                  compiler_options: Mapping[str, Any] | None = None, attention_tile: int = DEFAULT_TILE,
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
                  linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1, sequence_parallel: bool = False,
-                 reuse_compiled: bool | None = None) -> None:
+                 reuse_compiled: bool | None = None, tiers: bool | None = None, tier_up_runs: int = TIER_UP_RUNS,
+                 stall_timeout_s: float | None | str = "auto") -> None:
         self._check_config(config)
         self.tensor_parallel = positive_int(tensor_parallel, "tensor_parallel")
         if sequence_parallel and tensor_parallel == 1:
@@ -255,9 +357,23 @@ class PlanExecutor:
         self.linear_chunk = linear_chunk
         self._program_config = self._chunked_config(config, linear_chunk)
         cpu = all(d.platform == "cpu" for d in self.ranks.devices)
-        if compiler_options is None:   # other backends keep XLA's defaults
+        # CPU devices, default options: tiers (a fast build first, XLA's defaults once a program has
+        # run `tier_up_runs` times); other backends keep XLA's defaults, one build per program
+        # (DHP_COMPILE_TIERS=0 turns the default off: the test suite, which runs programs a few times
+        # each and would pay for every second build)
+        self.tiers = (cpu and compiler_options is None and os.environ.get("DHP_COMPILE_TIERS", "1") != "0"
+                      if tiers is None else bool(tiers))
+        if compiler_options is None:
             compiler_options = CPU_FAST_COMPILE if cpu else {}
         self.compiler_options = dict(compiler_options)
+        self.tuned_options = dict(CPU_TUNED)
+        self.tier_up_runs = positive_int(tier_up_runs, "tier_up_runs")
+        self.tier_min_flops = TIER_MIN_FLOPS
+        # a step waiting this long for its groups' rows is reported (`on_stall`: a line on stderr by
+        # default), and ended with `GroupProgramError(stalled=True)` after `stall_abort_s` (None: never)
+        self.stall_timeout_s = (CPU_STALL_TIMEOUT_S if cpu else None) if stall_timeout_s == "auto" else stall_timeout_s
+        self.stall_abort_s: float | None = None
+        self.on_stall: Callable[[str], None] | None = None
         # a program's executable for a further device set is loaded from its first compile
         # (`dhp_jax.sharding.rebind`); None: on CPU devices, where that is tested, off elsewhere
         self.reuse_compiled = cpu if reuse_compiled is None else bool(reuse_compiled)
@@ -278,6 +394,15 @@ class PlanExecutor:
         self._jits: dict[str, Any] = {}
         self._count_once: jax.Array | None = None
         self._zeros: dict[jax.Device, tuple[jax.Array, Any]] = {}   # (stats row, zero-row maker)
+        # the second tier: launches per program, the programs being rebuilt, and the rebuilt
+        # executables, which a launch takes from the dispatching thread once they are there
+        self._runs: dict[tuple[int, int, str], int] = {}
+        self._tuned_source: dict[tuple[int, int, str], _FirstCompile] = {}
+        self._tuned: dict[tuple[int, int, tuple[jax.Device, ...], str], Any] = {}
+        self.tune_seconds: list[float] = []              # wall time of every second-tier build
+        self._flops: dict[tuple[int, int, str], float] = {}   # flops of a run of each program (all devices)
+        self._tuner: Any = None                          # the background worker's queue (one thread)
+        self._tuning: dict[Any, threading.Event] = {}    # keys queued or built: set once done
 
     # ------------------------------------------------------------------ model hooks (`family.py` overrides)
     config_type: type = MLLMConfig           # the config this executor runs (`family.py`: HFConfig)
@@ -472,28 +597,149 @@ class PlanExecutor:
             self._bind(params)
             exe = self._rebound(key)
             if exe is None:
-                exe = self.lower(degree, bucket, devices, attention).compile(compiler_options=self.compiler_options)
-                self._compiled.setdefault((degree, bucket, attention), _FirstCompile(devices, exe))
+                lowered = self.lower(degree, bucket, devices, attention)
+                if self.tiers and (degree, bucket, attention) not in self._flops:
+                    self._flops[(degree, bucket, attention)] = _flops(lowered) * len(devices)
+                exe, built = compile_counting_cache_hits(lowered, self.compiler_options)
+                if built:   # a persistent-cache hit is never loaded onto other devices
+                    self._compiled.setdefault((degree, bucket, attention), _FirstCompile(devices, exe))
             else:
                 self.rebound_keys.append(key)
             self._executables[key] = exe
             self.compile_seconds.append(time.perf_counter() - t0)
         return exe
 
-    def _rebound(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> Any:
-        """The executable of `key` loaded from the program's compiled one on other devices; None
-        when there is none yet, rebinding is off, or it cannot be loaded (then it is compiled)."""
+    def _rebound(self, key: tuple[int, int, tuple[jax.Device, ...], str], source: _FirstCompile | None = None,
+                 options: Mapping[str, Any] | None = None) -> Any:
+        """The executable of `key` loaded from the program's compiled one on other devices (`source`,
+        default: its first compile, built with `options`, default `compiler_options`); None when
+        there is none, rebinding is off, or it cannot be loaded (then it is compiled)."""
         degree, bucket, devices, attention = key
-        source = self._compiled.get((degree, bucket, attention)) if self.reuse_compiled else None
         if source is None:
+            source = self._compiled.get((degree, bucket, attention))
+        if source is None or not self.reuse_compiled:
             return None
         mesh, target = self._mesh(source.devices, attention)[0], self._mesh(devices, attention)[0]
         if not rebind.supported(mesh, target):
             return None
         try:
-            return rebind.rebind(source.serialized(), mesh, target, self.compiler_options)
+            return rebind.rebind(source.serialized(), mesh, target,
+                                 self.compiler_options if options is None else options)
         except rebind.RebindError:
             return None
+
+    # ------------------------------------------------------------------ the second tier
+    def _count_step(self, work: Sequence[_GroupWork]) -> None:
+        """Count a step for each program it runs (once, whatever its groups) and queue second-tier
+        builds: a program's first `tier_up_runs` steps run its first build, later ones its second,
+        queued `TIER_LEAD` steps ahead (called by the dispatching thread, before the step's launches)."""
+        if not self.tiers:
+            return
+        keys = [(w.layout.degree, w.layout.bucket, w.devices, w.attention) for w in self._local(work)]
+        for program in {(d, b, a) for d, b, _, a in keys}:
+            self._runs[program] = self._runs.get(program, 0) + 1
+        for d, b, devs, a in keys:
+            if self._flops.get((d, b, a), 0.0) >= self.tier_min_flops and \
+                    self._runs[(d, b, a)] >= self.tier_up_runs - TIER_LEAD:
+                self._tune_later((d, b, devs, a))
+
+    def _launching(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> Any:
+        """The executable a launch of `key` uses (called by the dispatching thread only): with tiers,
+        once its program has run more than `tier_up_runs` steps (`_count_step`, counted over the
+        run: `launch_counts`), its second-tier build, waited for if it is not built yet."""
+        degree, bucket, devices, attention = key
+        program = (degree, bucket, attention)
+        if self.tiers and self._flops.get(program, 0.0) >= self.tier_min_flops and \
+                self._runs.get(program, 0) > self.tier_up_runs:
+            self._tune_later(key)
+            self._tuning[key].wait()
+            # a failed second-tier build leaves the first (the same numbers to fp32 1e-5)
+            tuned = self._tuned.get(key)
+            if tuned is not None:
+                return tuned
+        return self.executable(None, degree, bucket, devices, attention)
+
+    def _tune_later(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> None:
+        """Queue the second-tier build of `key` on the worker thread (once per key)."""
+        if key in self._tuning:
+            return
+        self._tuning[key] = threading.Event()
+        if self._tuner is None:
+            self._tuner = queue.Queue()
+            worker = threading.Thread(target=self._tune_loop, args=(self._tuner,), name="dhp-tier", daemon=True)
+            worker.start()
+            _WORKERS[worker] = self._tuner
+        self._tuner.put(key)
+
+    def _tune_loop(self, jobs: "queue.Queue") -> None:
+        # a daemon thread that the interpreter's exit stops and joins (`_join_workers`): XLA ends the
+        # process if a thread is torn down inside a compile
+        while True:
+            key = jobs.get()
+            if key is None:
+                _WORKERS.pop(threading.current_thread(), None)
+                return
+            if isinstance(key, threading.Event):
+                key.set()
+                continue
+            try:
+                self._tune(key)
+            finally:
+                self._tuning[key].set()
+
+    def _tune(self, key: tuple[int, int, tuple[jax.Device, ...], str]) -> None:
+        """Build `key` with `tuned_options` (on the worker, in queue order): loaded from the
+        program's second-tier build on other devices where there is one, else compiled (then the
+        source of its other device sets, unless the persistent cache supplied it)."""
+        degree, bucket, devices, attention = key
+        program = (degree, bucket, attention)
+        t0 = time.perf_counter()
+        try:
+            source = self._tuned_source.get(program)
+            exe = self._rebound(key, source, self.tuned_options) if source is not None else None
+            if exe is None:
+                exe, built = compile_counting_cache_hits(self.lower(degree, bucket, devices, attention),
+                                                         self.tuned_options)
+                if built:
+                    self._tuned_source.setdefault(program, _FirstCompile(devices, exe))
+        except Exception:   # noqa: BLE001 - the first tier keeps running this program
+            return
+        self._tuned[key] = exe
+        self.tune_seconds.append(time.perf_counter() - t0)
+
+    def launch_counts(self) -> dict[str, int]:
+        """Steps per program ("degree,bucket,attention": count): what decides its tier, stored in a
+        checkpoint so that a resumed run switches where the uninterrupted one does."""
+        return {f"{d},{b},{a}": n for (d, b, a), n in sorted(self._runs.items())}
+
+    def set_launch_counts(self, counts: Mapping[str, int]) -> None:
+        """Continue from `launch_counts()` of a checkpoint (empty: a fresh run)."""
+        runs = {}
+        for k, n in counts.items():
+            d, b, a = str(k).split(",")
+            runs[(int(d), int(b), a)] = int(n)
+        self._runs = runs
+
+    @property
+    def tuned_keys(self) -> list[tuple[int, int, tuple[int, ...], str]]:
+        """(degree, bucket, device ids, attention) of every executable of the second tier built."""
+        return [(d, b, tuple(x.id for x in devs), a) for d, b, devs, a in list(self._tuned)]
+
+    def stop_tuning(self) -> None:
+        """Drop the queued second-tier builds (a build in progress ends on its own thread, which a
+        finished run does not wait for); later launches queue builds again."""
+        if self._tuner is not None:
+            while True:
+                try:
+                    key = self._tuner.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(key, tuple):
+                    self._tuning.pop(key).set()
+                elif isinstance(key, threading.Event):
+                    key.set()
+            self._tuner.put(None)
+            self._tuner = None
 
     def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
         """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
@@ -644,7 +890,7 @@ class PlanExecutor:
         views = self._views(flat, {(w.devices, w.attention) for w in work})
         for w in work:
             lay = w.layout
-            exe = self.executable(None, lay.degree, lay.bucket, w.devices, w.attention)
+            exe = self._launching((lay.degree, lay.bucket, w.devices, w.attention))
             cp = NamedSharding(*self._mesh(w.devices, w.attention))
             stats, grads = exe(views[(w.devices, w.attention)], *(jax.device_put(a, cp) for a in self._inputs(lay)))
             gby = {s.device: s.data for s in grads.addressable_shards}
@@ -680,13 +926,64 @@ class PlanExecutor:
         work = self.prepare(samples, plan)
         for w in self._local(work):             # compile (or wait for a background compile of) what is missing
             self.executable(None, w.layout.degree, w.layout.bucket, w.devices, w.attention)
+        self._count_step(work)
         flat, acc = self.gather(master), None
         for m in sorted({w.micro_batch for w in work}):
-            (rows,) = self.dispatch(flat, [w for w in work if w.micro_batch == m])
+            group = [w for w in work if w.micro_batch == m]
+            (rows,) = self.dispatch(flat, group)
+            self.await_rows(rows, group)        # no reduction launched on rows that are not there
             acc = self.accumulate(acc, rows)
             del rows                            # the rows' buffers go when their reduction is done
         del flat
         return self._jit("finish")(*acc)
+
+    def await_rows(self, rows: Mapping[jax.Device, tuple], work: Sequence[_GroupWork]) -> None:
+        """Wait until the groups' gradient rows are computed, before their reduction is launched.
+
+        The reduction is a collective over every device: launched on a row that a failed group
+        program never writes, the other devices would wait in it until XLA:CPU ends the process.
+        Here a failed group raises `GroupProgramError` naming it; groups not done within
+        `stall_timeout_s` are reported by name (`on_stall`), and after `stall_abort_s` the wait ends
+        with `GroupProgramError(stalled=True)` naming them."""
+        if not rows:
+            return
+        done, failure = threading.Event(), []
+
+        def wait() -> None:
+            try:
+                jax.block_until_ready([r[1] for r in rows.values()])
+            except Exception as e:  # noqa: BLE001 - reported below, with the group it concerns
+                failure.append(e)
+            done.set()
+
+        threading.Thread(target=wait, name="dhp-rows", daemon=True).start()
+        if not done.wait(self.stall_timeout_s):
+            def late() -> str:
+                names = [self._describe(w) for w in self._local(work)
+                         if not all(rows[d][1].is_ready() for d in w.devices if d in rows)]
+                return "; ".join(names) or "groups that finished meanwhile"
+
+            report = self.on_stall or (lambda text: print(f"dhp_jax: {text}", file=sys.stderr, flush=True))
+            report(f"waited {self.stall_timeout_s:g} s for the gradient rows of {late()}: a group program may "
+                   f"be stalled (still waiting)")
+            left = None if self.stall_abort_s is None else max(0.0, self.stall_abort_s - self.stall_timeout_s)
+            if not done.wait(left):
+                raise GroupProgramError(f"waited {self.stall_abort_s:g} s for the gradient rows of {late()}: a "
+                                        f"group program stalled", stalled=True)
+        if failure:
+            for w in self._local(work):
+                for d in w.devices:
+                    try:
+                        rows[d][1].block_until_ready()
+                    except Exception as e:  # noqa: BLE001
+                        raise GroupProgramError(f"{self._describe(w)} failed: "
+                                                f"{str(e).strip().splitlines()[0][:300]}") from None
+            raise GroupProgramError(f"a group program failed: {str(failure[0]).strip().splitlines()[0][:300]}")
+
+    def _describe(self, w: _GroupWork) -> str:
+        """A group as errors name it: micro-batch, index, program and devices."""
+        return (f"micro-batch {w.micro_batch} group {w.index} (program degree {w.layout.degree}, bucket "
+                f"{w.layout.bucket}, {w.attention}; devices {[d.id for d in w.devices]})")
 
     def loss_and_grads(self, params: Any, samples: Sequence[Sample], plan: Plan) -> tuple[jax.Array, Any]:
         """Batch token-mean loss and its gradients (shaped like params, replicated on the mesh)."""

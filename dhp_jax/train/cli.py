@@ -37,7 +37,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     dist.add_argument("--process-id", type=int, help="this process's index, 0..num_processes-1")
     dist.add_argument("--step-timeout", type=float, default=300.0, metavar="S",
                       help="seconds a process waits for its peers (joining, each step's plan agreement and "
-                           "device work) before it fails naming the step and the missing process")
+                           "device work) before it fails naming the step and the missing process, and for a "
+                           "step's group programs before it ends naming them")
 
 
 def _split_args(items: list[str]) -> tuple[str | None, list[str]]:
@@ -144,7 +145,8 @@ def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) 
         from dhp_jax.train.interrupt import RunInterrupted
         from dhp_jax.train.metrics import MetricsError
         from dhp_jax.train.plans import PlanFileError
-        from dhp_jax.train.trainer import TrainError, Trainer, check_resumable, dry_run
+        from dhp_jax.train.step_sync import WATCHDOG_EXIT_CODE
+        from dhp_jax.train.trainer import StepStalled, TrainError, Trainer, check_resumable, dry_run
 
     try:
         if args.dry_run:
@@ -175,6 +177,11 @@ def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) 
         run_dir.release()
         # A peer is gone: jax.distributed's shutdown barrier would wait for it; end now instead.
         os._exit(3)
+    except StepStalled as e:
+        print(f"dhp train: {e}; ending the process (its device work cannot be cancelled)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        run_dir.release()
+        os._exit(WATCHDOG_EXIT_CODE)
     except (TrainError, PlanFileError, CheckpointError, ConfigError, MetricsError) as e:
         print(f"dhp train: {e}", file=sys.stderr)
         return 2

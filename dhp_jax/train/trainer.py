@@ -28,6 +28,7 @@ from dhp_jax.planner.contract.plan import PlanningError
 from dhp_jax.planner.contract.planfile import PlanLog, logged_step
 from dhp_jax.planner.programs.cache import ProgramCache, executed_view
 from dhp_jax.sharding import PlanExecutor
+from dhp_jax.sharding.executor import GroupProgramError
 from dhp_jax.sharding.protocol import check_executor
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.compare import compare_plans
@@ -109,6 +110,11 @@ _RUNS = itertools.count()     # the runs of this process (`Trainer.run`), number
 
 class TrainError(RuntimeError):
     """The run cannot start; the message says what is missing or wrong."""
+
+
+class StepStalled(TrainError):
+    """A step's group programs did not finish in time (`PlanExecutor.stall_timeout_s`): the device
+    work cannot be cancelled, so the command line ends the process after saying so."""
 
 
 def checkpoint_dir(config: TrainConfig) -> Path:
@@ -334,8 +340,14 @@ class Trainer:
         new, missing = self._compile_waiting(item, state.params, on_compile)
         compile_s = time.perf_counter() - t0
         t0 = time.perf_counter()
+        if hasattr(self.executor, "on_stall"):   # groups slow to finish: named, with the step
+            self.executor.on_stall = lambda text: self._say(f"step {done}: {text}")
+            self.executor.stall_abort_s = self.step_timeout_s
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
-            loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples, item.plan)
+            try:
+                loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples, item.plan)
+            except GroupProgramError as e:     # named before any collective waits on the group
+                raise (StepStalled if e.stalled else TrainError)(f"step {done}: {e}") from None
             state, grad_norm = self._update(state, grads)
             jax.block_until_ready((loss, grad_norm, state.params))
         step_time = time.perf_counter() - t0
@@ -470,6 +482,9 @@ class Trainer:
             self._guard = None
             # at most one compile in flight; after Ctrl-C it is left to finish on its own
             compiler.shutdown(wait=not interrupted, cancel_futures=True)
+            stop = getattr(self.executor, "stop_tuning", None)
+            if stop is not None:    # no second-tier build queued for a run that has ended
+                stop()
             metrics.close()
             if plan_log is not None:
                 plan_log.close()
@@ -496,6 +511,8 @@ class Trainer:
                                  f"use --resume to continue it or --overwrite to replace it")
             state = self.init_state()
             start = 0
+            if hasattr(self.executor, "set_launch_counts"):   # a fresh run counts launches from 0
+                self.executor.set_launch_counts({})
             if resume:
                 restored = ckpt.restore(state, self.model_config.to_dict(), layout=self.executor.layout,
                                         layouts=self.executor.layout_for)
@@ -649,6 +666,8 @@ class Trainer:
         the state, a reader without jax unflattens it) and, fine-tuning, the loader state whose
         next batch is step `done`'s (a resumed run takes exactly that batch)."""
         extra: dict[str, Any] = {"programs": self._ran.to_json(), "layout": self.executor.layout.record()}
+        if hasattr(self.executor, "launch_counts"):    # what decides each program's compile tier
+            extra["launches"] = self.executor.launch_counts()
         if self.finetune:
             extra["loader"] = self.pipeline.loader_state(done)
         return extra
@@ -669,6 +688,8 @@ class Trainer:
         plans of steps < start, stored in the checkpoint (a checkpoint without them, of a live
         DHP run, is refused: its plans would differ from the uninterrupted run's)."""
         keys = meta.get("programs")
+        if hasattr(self.executor, "set_launch_counts"):  # each program's tier switches where it did
+            self.executor.set_launch_counts(meta.get("launches") or {})
         saved = meta.get("layout") or {}
         # ranks: a record's num_shards counts devices, t of them per rank
         saved_ranks = int(saved["num_shards"]) // int(saved.get("tensor_parallel", 1)) if saved else None
