@@ -119,7 +119,7 @@ def test_plan_file_of_another_t_is_refused_at_load(tmp_path):
     path.write_text(plan.to_json())
     ok = prepare_run(_config(tmp_path, "t1", f"planner.plan_file={path}"), devices=jax.devices()[:4])
     assert ok.plan_source(0, ok.pipeline.batch(0)).groups[0].attention == "ulysses"
-    with pytest.raises(PlanFileError, match=r"plans.json', plan 0 \(step 0\): micro-batch 0 group.*'ulysses' splits "
+    with pytest.raises(PlanFileError, match=r"plans.json', plan 1 \(step 1\): micro-batch 0 group.*'ulysses' splits "
                                             r"2 heads over 4 ranks.*4 query heads over parallel.tensor=2 device\(s\) "
                                             r"a rank: 2 a device"):
         prepare_run(_config(tmp_path, "t2", f"planner.plan_file={path}", "parallel.tensor=2"))
