@@ -245,15 +245,14 @@ class TrainConfig:
                                      if inside else f"; give {what}"))
 
         if self.model.pretrained:
-            from dhp_jax.data.hf_config import HUB_ID, checkpoint_dir
+            from dhp_jax.data.hf_config import checkpoint_dir
 
             key, value = "model.pretrained", self.model.pretrained
             what = "a checkpoint directory written by save_pretrained (the folder that holds config.json)"
-            if not Path(value).exists() and HUB_ID.match(value):     # a Hub id, found in the local cache
-                try:
-                    value = checkpoint_dir(value)
-                except FileNotFoundError as e:
-                    raise ConfigError(f"{key}={value!r}: {e}") from None
+            try:        # a path as it is; a Hub id: its snapshot in the local cache
+                value = checkpoint_dir(value)
+            except FileNotFoundError as e:
+                raise ConfigError(f"{key}={value!r}: {e}") from None
             path = exists(key, value, what)
             if not path.is_dir():
                 raise ConfigError(f"{key}={value!r}: {str(path.resolve())!r} is a file, expected {what}"
