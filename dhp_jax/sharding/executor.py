@@ -276,17 +276,21 @@ class _FirstCompile:
 _WORKERS: dict[threading.Thread, "queue.Queue"] = {}    # second-tier workers and their queues
 
 
+def _drain(jobs: "queue.Queue") -> list:
+    """Take the jobs still queued (second-tier keys) off `jobs`."""
+    out = []
+    while True:
+        try:
+            out.append(jobs.get_nowait())
+        except queue.Empty:
+            return out
+
+
 @atexit.register
 def _join_workers() -> None:
     """At exit: drop the queued second-tier builds and wait for the one in progress."""
     for worker, jobs in list(_WORKERS.items()):
-        while True:
-            try:
-                job = jobs.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(job, threading.Event):
-                job.set()
+        _drain(jobs)
         jobs.put(None)
         worker.join()
 
@@ -679,9 +683,6 @@ class PlanExecutor:
             if key is None:
                 _WORKERS.pop(threading.current_thread(), None)
                 return
-            if isinstance(key, threading.Event):
-                key.set()
-                continue
             try:
                 self._tune(key)
             finally:
@@ -729,15 +730,9 @@ class PlanExecutor:
         """Drop the queued second-tier builds (a build in progress ends on its own thread, which a
         finished run does not wait for); later launches queue builds again."""
         if self._tuner is not None:
-            while True:
-                try:
-                    key = self._tuner.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(key, tuple):
+            for key in _drain(self._tuner):
+                if key is not None:
                     self._tuning.pop(key).set()
-                elif isinstance(key, threading.Event):
-                    key.set()
             self._tuner.put(None)
             self._tuner = None
 

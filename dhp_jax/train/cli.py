@@ -13,7 +13,7 @@ import shlex
 import sys
 from typing import Any
 
-from dhp_jax.train.config import ConfigError, load_config
+from dhp_jax.train.config import ConfigError, checkpoint_path, compilation_cache_path, load_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         if args.dry_run:
             run_dir.check_free()
         else:
-            run_dir.track(config.metrics.out_dir, _checkpoint_dir(config), *_cache_dir(config))
+            cache = compilation_cache_path(config.compilation_cache, config.metrics.out_dir)
+            run_dir.track(config.metrics.out_dir, checkpoint_path(config), *([cache] if cache else []))
             run_dir.acquire()
     except RunLockedError as e:
         print(f"dhp train: {e}", file=sys.stderr)
@@ -99,15 +100,6 @@ def run(args: argparse.Namespace) -> int:
         os._exit(130)            # no interpreter teardown: a half-imported jaxlib can crash in it
     finally:
         run_dir.release()
-
-
-def _checkpoint_dir(config: Any) -> str:
-    return config.checkpoint.dir or os.path.join(config.metrics.out_dir, "checkpoints")
-
-
-def _cache_dir(config: Any) -> list[str]:
-    setting = config.compilation_cache
-    return [] if not setting else [os.path.join(config.metrics.out_dir, "jax-cache") if setting == "auto" else setting]
 
 
 def _run_locked(args: argparse.Namespace, config: Any, dist: Any, run_dir: Any) -> int:

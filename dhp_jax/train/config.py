@@ -349,6 +349,18 @@ def apply_overrides(config: TrainConfig, overrides: Sequence[str]) -> TrainConfi
     return config
 
 
+def checkpoint_path(config: TrainConfig) -> Path:
+    """Where a run's checkpoints go: `checkpoint.dir`, else <metrics.out_dir>/checkpoints."""
+    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(config.metrics.out_dir) / "checkpoints"
+
+
+def compilation_cache_path(setting: str | None, out_dir: str | os.PathLike) -> Path | None:
+    """JAX's persistent compilation cache of a run: "auto" is <out_dir>/jax-cache, None is off."""
+    if not setting:
+        return None
+    return Path(out_dir) / "jax-cache" if setting == "auto" else Path(setting)
+
+
 def sources_given(config: TrainConfig) -> bool:
     """Whether the config names fine-tuning data (then data.dataset is not read)."""
     return bool(config.data.manifest or config.data.webdataset or config.data.hf_dataset)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from dhp_jax.data.jsonl import JsonlAppender
-from dhp_jax.data.jsonl import read_jsonl as _read_jsonl
+from dhp_jax.data.jsonl import read_jsonl  # noqa: F401 (a run's JSONL files; errors name file and line)
 
 
 class MetricsError(RuntimeError):
@@ -190,12 +190,6 @@ class MetricsWriter:
             self._tb.close()
             self._tb = None
         self._file.close()
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    """The records of a run's JSONL file; a line that is not JSON is a `JsonFileError` (a
-    ValueError) naming the file and the line."""
-    return _read_jsonl(path)
 
 
 def truncate_jsonl(path: str | Path, keep: Callable[[dict], bool]) -> list[dict]:

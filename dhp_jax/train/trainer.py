@@ -32,7 +32,7 @@ from dhp_jax.sharding.executor import GroupProgramError
 from dhp_jax.sharding.protocol import check_executor
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.compare import compare_plans
-from dhp_jax.train.config import OptimConfig, TrainConfig
+from dhp_jax.train.config import OptimConfig, TrainConfig, checkpoint_path, compilation_cache_path
 from dhp_jax.train.distributed import StepSync
 from dhp_jax.train.family_demo import DEMO_MODELS
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
@@ -96,9 +96,9 @@ def enable_compilation_cache(setting: str | None, out_dir: Path) -> Path | None:
     """Turn on JAX's persistent compilation cache ("auto": <out_dir>/jax-cache; None: off), so a
     rerun or a resumed run loads its programs instead of compiling them. JAX reads the directory
     when it first compiles: the first setting in a process holds."""
-    if not setting:
+    path = compilation_cache_path(setting, out_dir)
+    if path is None:
         return None
-    path = out_dir / "jax-cache" if setting == "auto" else Path(setting)
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
@@ -118,7 +118,7 @@ class StepStalled(TrainError):
 
 
 def checkpoint_dir(config: TrainConfig) -> Path:
-    return Path(config.checkpoint.dir) if config.checkpoint.dir else Path(config.metrics.out_dir) / "checkpoints"
+    return checkpoint_path(config)
 
 
 def check_resumable(config: TrainConfig) -> None:

@@ -272,6 +272,18 @@ def alone_bounds(prob: Any, ds: np.ndarray) -> np.ndarray:
     return np.where(ds[None, :] >= prob.dmin[:, None], t, np.inf).min(axis=1)
 
 
+def flexsp_counts(prob: Any, num_micro_batches: int | None) -> list[int]:
+    """The micro-batch counts FlexSP's planner tries: `num_micro_batches`, else from the least count
+    whose length-sorted runs fit the ranks, FLEXSP_EXTRA_COUNTS more."""
+    N, K = prob.num_ranks, len(prob.lengths)
+    if num_micro_batches is not None:
+        return [int(num_micro_batches)]
+    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
+    while lo < K and microbatch.by_length(prob.tok, prob.tok, lo, N, prob.cap) is None:
+        lo += 1
+    return list(range(lo, min(K, lo + FLEXSP_EXTRA_COUNTS) + 1))
+
+
 def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float | None = None,
                  node_limit: int = FLEXSP_NODE_LIMIT) -> tuple[list, dict[str, Any]]:
     """FlexSP's plan (module docstring): the best of several length-sorted counts, one MILP each."""
@@ -282,14 +294,7 @@ def solve_flexsp(prob: Any, num_micro_batches: int | None, time_limit_s: float |
         k = int(too_big[0])
         raise PlanningError(f"flexsp: sample {k} ({int(prob.lengths[k])} tokens) needs {int(prob.dmin[k])} ranks, "
                             f"more than the largest power of two {int(ds.max())} <= {N}")
-    K = len(prob.lengths)
-    if num_micro_batches is not None:
-        counts = [int(num_micro_batches)]
-    else:
-        lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
-        while lo < K and microbatch.by_length(prob.tok, prob.tok, lo, N, prob.cap) is None:
-            lo += 1
-        counts = list(range(lo, min(K, lo + FLEXSP_EXTRA_COUNTS) + 1))
+    counts = flexsp_counts(prob, num_micro_batches)
     best = None
     tried = []
     total_work = float(prob.work.sum())

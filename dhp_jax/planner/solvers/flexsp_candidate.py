@@ -29,27 +29,15 @@ import numpy as np
 from dhp_jax.planner.cost.pricing import attention_for, bin_sums, group_times
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allowed_degrees
-from dhp_jax.planner.solvers.flexsp import FLEXSP_EXTRA_COUNTS, alone_bounds
+from dhp_jax.planner.solvers.flexsp import alone_bounds, flexsp_counts
 from dhp_jax.planner.solvers.placement import place
 from dhp_jax.planner.solvers.problem import Problem
 from dhp_jax.planner.solvers.refine import refine as refine_groups
 
-__all__ = ["best_flexsp", "flexsp_counts", "homogeneous_plans"]
+__all__ = ["best_flexsp", "homogeneous_plans"]
 
 _DROPPED = 2  # counts in a row that give no plan under the limit end the homogeneous packings' search
 _REBALANCE = 0.02  # a micro-batch this fraction of its makespan above what the limit leaves is re-balanced
-
-
-def flexsp_counts(prob: Problem, num_micro_batches: int | None) -> list[int]:
-    """The micro-batch counts FlexSP's planner tries (`solve_flexsp`): `num_micro_batches`, else
-    from the least count whose length-sorted runs fit the ranks, FLEXSP_EXTRA_COUNTS more."""
-    N, K = prob.num_ranks, len(prob.lengths)
-    if num_micro_batches is not None:
-        return [int(num_micro_batches)]
-    lo = microbatch.min_micro_batches(prob.tok, N, prob.cap)
-    while lo < K and microbatch.by_length(prob.tok, prob.tok, lo, N, prob.cap) is None:
-        lo += 1
-    return list(range(lo, min(K, lo + FLEXSP_EXTRA_COUNTS) + 1))
 
 
 def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: float) -> list[list[int]] | None:
