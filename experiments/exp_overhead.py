@@ -24,11 +24,12 @@ from experiments.common import save_figure
 def _schedule(samples: list[Any], cluster: Cluster, cost: Any, strategy: str) -> tuple[float, float, Any, list[int], list[float]]:
     from dhp_jax.data import sample_etas, sample_lengths
     from dhp_jax.planner import plan_batch
+    from dhp_jax.planner.cost.plan_check import check_plan
 
     t0 = time.perf_counter()
     lengths, etas = sample_lengths(samples), sample_etas(samples)
     plan = plan_batch(samples, cluster.num_ranks, cost, strategy, ranks_per_node=cluster.ranks_per_node)
-    plan.validate(num_samples=len(samples), cost=cost, lengths=lengths, etas=etas)
+    check_plan(plan, cost, lengths, num_samples=len(samples))
     payload = plan.to_json()
     wall = (time.perf_counter() - t0) * 1e3
     assert payload  # serialised: what a rank-0 scheduler broadcasts

@@ -36,6 +36,7 @@ from dhp_jax.data import DATASETS, make_dataset, sample_etas, sample_lengths
 from dhp_jax.data.token_profile import TokenProfile, summary
 from dhp_jax.planner import CostModel, Plan, PlanningError, plan_batch
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
+from dhp_jax.planner.cost.plan_check import check_plan
 from dhp_jax.planner.cost.pricing import allreduce_time
 from dhp_jax.planner.plot import draw_plan as draw_plan_on
 from dhp_jax.sim import step_time
@@ -125,7 +126,7 @@ print(f"\nDHP speed-up over the best baseline: {base / step_time(plans['dhp'], l
 
 # %%
 for strategy, plan in plans.items():
-    plan.validate(num_samples=BATCH, cost=cost, lengths=lengths)
+    check_plan(plan, cost, lengths, num_samples=BATCH)
     assert Plan.from_json(plan.to_json()) == plan, strategy
     assert np.isclose(plan.est_step_time_s, step_time(plan, lengths, cost, etas), rtol=1e-9), strategy
     assert sorted(s for g in plan.groups for s in g.samples) == list(range(BATCH)), strategy

@@ -163,10 +163,8 @@ def test_pure_parts_never_reach_jax(part):
 
 # the planner's rooms, lowest first; a room imports only rooms before it (and itself)
 PLANNER_ROOMS = ("contract", "cost", "programs", "solvers", "top")
-# the two upward imports, each a lazy one inside a function, with why
+# the one upward import, a lazy one inside a function, with why
 ROOM_EXCEPTIONS = {
-    # Plan.validate(cost=, lengths=) checks each group's bytes with the cost's memory accounting
-    ("dhp_jax.planner.contract.plan", "dhp_jax.planner.cost.memory"),
     # fit_menu fits a menu to the groups of plans made for calibration batches
     ("dhp_jax.planner.programs.menu", "dhp_jax.planner.api"),
 }
@@ -188,6 +186,16 @@ def test_planner_rooms_import_only_downwards():
             if other and PLANNER_ROOMS.index(other) > rank and (mod, name) not in ROOM_EXCEPTIONS:
                 bad.append(f"{MODULES[mod].relative_to(ROOT)}:{line} imports {name} ({planner_room(mod)} -> {other})")
     assert not bad, "planner rooms import upwards:\n" + "\n".join(bad)
+
+
+def test_the_contract_is_the_ground_floor():
+    """Plans and attention kinds import nothing of the project outside the contract but `data`, the
+    floor below every part (the memory check of a plan is the cost model's, `planner.cost.plan_check`)."""
+    bad = [f"{MODULES[mod].relative_to(ROOT)}:{line} imports {name}"
+           for mod in MODULES if mod.startswith("dhp_jax.planner.contract")
+           for name, line in imports_of(mod)
+           if name.split(".")[0] in PACKAGES and not name.startswith(("dhp_jax.planner.contract", "dhp_jax.data"))]
+    assert not bad, "the contract imports above itself:\n" + "\n".join(bad)
 
 
 def test_walker_sees_function_level_and_lazy_imports():

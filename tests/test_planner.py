@@ -13,6 +13,7 @@ from dhp_jax.data import Sample
 from dhp_jax.planner import CostModel, Plan, PlanningError, PlanValidationError, STRATEGIES, plan_batch
 from dhp_jax.planner.contract.plan import Group, MicroBatch, spans_nodes
 from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
+from dhp_jax.planner.cost.plan_check import check_plan
 from dhp_jax.planner.cost.pricing import group_time, group_times, sample_terms
 from dhp_jax.planner.solvers.allocate import allocate, allowed_degrees, brute_force
 from dhp_jax.planner.solvers.placement import place
@@ -24,7 +25,7 @@ CAP_F = max_tokens_per_rank(COST)
 
 
 def _check(plan, lengths, cost=COST, etas=None):
-    plan.validate(num_samples=len(lengths), cost=cost, lengths=lengths)
+    check_plan(plan, cost, lengths)
     assert Plan.from_json(plan.to_json(), num_samples=len(lengths)) == plan
     assert step_time(plan, lengths, cost, etas) == pytest.approx(plan.est_step_time_s, rel=1e-9)
     assert plan.solver["strategy"] and plan.solver["solve_ms"] >= 0

@@ -11,6 +11,7 @@ import pytest
 
 import dhp_jax
 from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.cost.plan_check import check_plan
 from dhp_jax.planner.cost.pricing import allreduce_time, makespan
 from dhp_jax.planner.solvers.build import build_plan
 from dhp_jax.sim import step_time
@@ -121,7 +122,7 @@ def test_every_rank_leaves_no_rank_idle(lengths):
     cost = CostModel.preset("internvl3-8b", "cpu")
     free = plan_batch(lengths, 5, cost)
     plan = plan_batch(lengths, 5, cost, every_rank=True)
-    plan.validate(num_samples=len(lengths), cost=cost, lengths=lengths)
+    check_plan(plan, cost, lengths)
     assert sorted({r for g in plan.groups for r in g.ranks}) == list(range(5))
     idle = sorted(set(range(5)) - {r for g in free.groups for r in g.ranks})
     assert plan.solver.get("every_rank_added", []) == idle

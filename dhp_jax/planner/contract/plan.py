@@ -14,17 +14,13 @@ import hashlib
 import json
 from typing import Any, Mapping, Sequence
 
+from dhp_jax.planner.contract.errors import PlanningError, PlanValidationError
+from dhp_jax.planner.contract.kinds import ATTENTION_KINDS, attention_split, resolve
+
 SCHEMA = "dhp.plan/v2"
 SCHEMA_V1 = "dhp.plan/v1"
-ATTENTION_KINDS = ("ring", "ulysses", "hybrid:<u>x<r>")
-
-
-class PlanningError(ValueError):
-    """The planner cannot produce a plan for this input (e.g. a sample too long for all ranks)."""
-
-
-class PlanValidationError(ValueError):
-    """A plan breaks an invariant of the contract; the message names the group or sample."""
+__all__ = ["ATTENTION_KINDS", "Group", "MicroBatch", "Plan", "PlanValidationError", "PlanningError", "SCHEMA",
+           "SCHEMA_V1", "attention_split", "spans_nodes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,23 +50,6 @@ class Group:
         if self.est_memory_bytes:
             d["est_memory_bytes"] = self.est_memory_bytes
         return d
-
-
-def attention_split(kind: str, degree: int) -> tuple[int, int]:
-    """(u, r) of an attention kind on `degree` ranks: Ulysses (all-to-all) over u ranks times a ring
-    over r, u * r == degree. "ring" is (1, degree), "ulysses" (degree, 1), "hybrid:<u>x<r>" (u, r).
-    Raises `PlanValidationError` for an unknown kind or factors that do not multiply to `degree`."""
-    if kind == "ring":
-        return 1, degree
-    if kind == "ulysses":
-        return degree, 1
-    if isinstance(kind, str) and kind.startswith("hybrid:"):
-        u, x, r = kind[len("hybrid:"):].partition("x")
-        if x and u.isdigit() and r.isdigit() and int(u) >= 1 and int(r) >= 1:
-            if int(u) * int(r) != degree:
-                raise PlanValidationError(f"attention {kind!r}: {u} x {r} != degree {degree}")
-            return int(u), int(r)
-    raise PlanValidationError(f"attention kind {kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
 
 
 def spans_nodes(ranks: Sequence[int], ranks_per_node: int) -> bool:
@@ -169,9 +148,8 @@ class Plan:
         return cls.from_dict(d, num_samples=num_samples)
 
     # ------------------------------------------------------------------ checks
-    def validate(self, num_samples: int | None = None, cost: Any = None,
-                 lengths: Sequence[int] | None = None, etas: Sequence[float] | None = None,
-                 num_devices: int | None = None, num_heads: int | None = None) -> "Plan":
+    def validate(self, num_samples: int | None = None, cost: Any = None, num_devices: int | None = None,
+                 num_heads: int | None = None) -> "Plan":
         """Check the invariants; raise `PlanValidationError` naming the offending group/sample.
 
         - every sample in exactly one group of exactly one micro-batch (and, with `num_samples`,
@@ -181,9 +159,9 @@ class Plan:
         - the attention kind is known and its factors multiply to the degree; with `num_heads` (or
           a `cost` that knows `num_heads`) its Ulysses part divides the head count;
         - padded_tokens, where given, holds the tokens and splits into 2*degree zigzag chunks;
-        - with `cost` and `lengths`: each group fits its per-rank memory budget;
         - with `num_devices`: num_ranks does not exceed the devices available.
-        Returns self so calls chain.
+        Returns self so calls chain. Whether each group fits its per-rank memory is the cost
+        model's question (`dhp_jax.planner.cost.plan_check.check_plan`), asked where plans are made.
         """
         if not isinstance(self.num_ranks, int) or self.num_ranks < 1:
             raise PlanValidationError(f"num_ranks must be a positive integer, got {self.num_ranks!r}")
@@ -229,24 +207,7 @@ class Plan:
             missing = sorted(set(range(num_samples)) - set(seen))
             raise PlanValidationError(
                 f"samples missing from every group: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if cost is not None and lengths is not None:
-            self._check_memory(cost, lengths, etas)
         return self
-
-    def _check_memory(self, cost: Any, lengths: Sequence[int], etas: Sequence[float] | None) -> None:
-        # lazy: memory accounting imports the geometry, whose menu check imports kinds, which imports
-        # this module (the contract stays importable on its own)
-        from dhp_jax.planner.cost.memory import group_activation_bytes
-
-        budget = float(cost.memory_budget)
-        for m, mb in enumerate(self.micro_batches):
-            for gi, g in enumerate(mb.groups):
-                ls = [int(lengths[s]) for s in g.samples]
-                need = float(group_activation_bytes(cost, ls, g.degree))
-                if need > budget * (1 + 1e-9):
-                    raise PlanValidationError(
-                        f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "
-                        f"per rank for samples {list(g.samples)}, budget is {budget / 2**30:.2f} GiB")
 
 
 def _group_decisions(g: Group) -> dict[str, Any]:
@@ -259,10 +220,10 @@ def _group_decisions(g: Group) -> dict[str, Any]:
 
 def _check_attention(g: Group, where: str, num_heads: int | None) -> None:
     try:
-        u, _ = attention_split(g.attention, g.degree)
+        u = resolve(g.attention, g.degree).ulysses
     except PlanValidationError as e:
         raise PlanValidationError(f"{where}: {e}") from None
-    if num_heads is not None and u > 1 and num_heads % u:
+    if num_heads is not None and num_heads % u:
         raise PlanValidationError(f"{where}: attention {g.attention!r} splits {num_heads} heads over {u} ranks; "
                                   f"Ulysses needs the head count divisible by its degree")
     if g.padded_tokens and (g.padded_tokens < g.tokens or g.padded_tokens % (2 * g.degree)):
