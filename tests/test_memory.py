@@ -327,7 +327,7 @@ def test_family_presets_price_the_family_program(name):
 
 def test_family_inputs_are_the_family_programs_input_columns():
     """`memory.family_input_elements` counts the family program's input columns per LLM token: the
-    shapes `FamilyExecutor` lowers its group program with."""
+    shapes the executor lowers a `FamilyModel` its group program with."""
     from dhp_jax.data.model_configs import hf_layout, model_config
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit

@@ -120,7 +120,7 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     assert lowered.as_text() == ex.lower(3, w.layout.bucket, w.devices).as_text()
     view = ex._views(ex.flat_params(params), {(devs, "ring")})[(devs, "ring")]
     cp = jax.sharding.NamedSharding(*ex._mesh(devs, "ring"))
-    inputs = [jax.device_put(a, cp) for a in ex._inputs(w.layout)]
+    inputs = [jax.device_put(a, cp) for a in ex.model.inputs(w.layout)]
     got, want = moved(view, *inputs), lowered.compile(compiler_options=ex.compiler_options)(view, *inputs)
     for g, r in zip(got, want):
         assert g.sharding == r.sharding and [s.device for s in g.addressable_shards] == list(devs)
@@ -137,11 +137,11 @@ def test_one_executable_per_key_and_collective_permute_hlo(setup):
     # per micro-batch reduce-scatters of the devices' gradient rows into the state's shards.
     P_pad = ex.layout.padded
     master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=ex.sharded)
-    gather = ex._jit("gather").lower(master).compile().as_text()
+    gather = ex.state.program("gather").lower(master).compile().as_text()
     assert "all-gather" in gather and "all-reduce" not in gather
     rows = jax.ShapeDtypeStruct((8, P_pad), row_dtype(ex.compute_dtype), sharding=ex.sharded)
     stats = jax.ShapeDtypeStruct((8, 2), np.float32, sharding=ex.sharded)
-    hlo = ex._jit("accumulate").lower(master, stats, rows, stats).compile().as_text()
+    hlo = ex.state.program("accumulate").lower(master, stats, rows, stats).compile().as_text()
     assert "reduce-scatter" in hlo
     for other in ("all-reduce", "all-gather", "collective-permute"):
         assert other not in hlo, other
@@ -161,14 +161,14 @@ def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
         master = jax.ShapeDtypeStruct((P_pad,), np.float32, sharding=x.sharded)
         rows = jax.ShapeDtypeStruct((n, P_pad), row_dtype(x.compute_dtype), sharding=x.sharded)
         stats = jax.ShapeDtypeStruct((n, 2), np.float32, sharding=x.sharded)
-        m = x._jit("accumulate").lower(master, stats, rows, stats).compile().memory_analysis()
+        m = x.state.program("accumulate").lower(master, stats, rows, stats).compile().memory_analysis()
         c, _ = reduce_pieces(P_pad, n)
         # temp: one fp32 piece [N, c] and its scattered part, against 4 P_pad for an fp32 copy of the row
         assert m.temp_size_in_bytes <= 4 * c * (n + 1) + 4096 < 4 * P_pad / 2, (dtype, m.temp_size_in_bytes, 4 * P_pad)
 
     seen = []                        # (micro-batches dispatched, live gradient rows per device) per reduction
     dispatched = []
-    dispatch, accumulate = ex.dispatch, ex.accumulate
+    dispatch, accumulate = ex.dispatch, ex.state.accumulate
 
     def spy_dispatch(flat, work):
         dispatched.extend({w.micro_batch for w in work})
@@ -181,7 +181,7 @@ def test_step_holds_one_row_per_device_and_no_fp32_row(setup, monkeypatch):
         return accumulate(acc, mb)
 
     monkeypatch.setattr(ex, "dispatch", spy_dispatch)
-    monkeypatch.setattr(ex, "accumulate", spy_accumulate)
+    monkeypatch.setattr(ex.state, "accumulate", spy_accumulate)
     for _ in range(2):          # twice: nothing a step leaves behind (e.g. an idle device's zero row) may stay
         dispatched.clear()
         loss, grads = ex.loss_and_grads(params, samples, PLANS["two-micro-batches"])
@@ -301,21 +301,21 @@ def test_second_tier_build_gives_the_first_tiers_numbers(setup):
     from dhp_jax.sharding.executor import CPU_FAST_COMPILE
 
     ex, params, samples, ref = setup
-    assert ex.compiler_options == CPU_FAST_COMPILE and ex.tuned_options == {}
+    assert ex.compiler_options == CPU_FAST_COMPILE and ex.compiles.tuned_options == {}
     p = PLANS["1+1+1+5"]       # the degree-1 program of bucket 32 runs on devices 1 and 2
     keys = [(d, b, tuple(jax.devices()[i] for i in ids), a) for d, b, ids, a in ex.plan_keys(samples, p)]
-    ex.tiers, ex.tier_up_runs, ex.tier_min_flops = True, 1, 0.0     # this small model's programs too
+    ex.compiles.tiers, ex.compiles.tier_up_runs, ex.compiles.tier_min_flops = True, 1, 0.0     # this small model's programs too
     ex.set_launch_counts({})
     try:
         first = ex.loss_and_grads(params, samples, p)        # step 1: the first tier; builds queued
         second = ex.loss_and_grads(params, samples, p)       # step 2: every group on its second tier
-        assert set(ex.tuned_keys) == set(ex.plan_keys(samples, p))
-        assert all(ex._tuned[k] is not ex.executable(None, *k) for k in keys)
-        assert len(ex.tune_seconds) == len(keys)
-        assert all(ex._launching(k) is ex._tuned[k] for k in keys)      # what step 3 would run
+        assert set(ex.compiles.tuned_keys) == set(ex.plan_keys(samples, p))
+        assert all(ex.compiles._tuned[k] is not ex.executable(None, *k) for k in keys)
+        assert len(ex.compiles.tune_seconds) == len(keys)
+        assert all(ex.compiles.launching(k) is ex.compiles._tuned[k] for k in keys)      # what step 3 would run
     finally:
         ex.stop_tuning()
-        ex.tiers = False
+        ex.compiles.tiers = False
     assert_exact(*second, ref)
     assert rel_err(second[0], first[0]) <= 1e-5
     for a, b in zip(jax.tree.leaves(first[1]), jax.tree.leaves(second[1])):

@@ -11,7 +11,7 @@ import pytest
 from dhp_jax.model import MLLMConfig, hf
 from dhp_jax.sharding import PlanExecutor, load_sharded
 from dhp_jax.sharding import load_bench as lb
-from dhp_jax.sharding.family import FamilyExecutor
+from dhp_jax.sharding.family import FamilyModel
 from dhp_jax.data.model_configs import model_config, model_facts
 
 
@@ -94,7 +94,7 @@ def test_wrong_executor_is_refused(synthetic):
     with pytest.raises(TypeError, match="float32 params"):
         PlanExecutor(config).bind(jax.tree.map(lambda x: x.astype(np.float16), params))
     with pytest.raises(TypeError, match="config must be a dhp_jax.model.hf.config.HFConfig, got dict"):
-        FamilyExecutor({})
+        FamilyModel({})
 
 
 def test_bench_load_runs(tmp_path, capsys):

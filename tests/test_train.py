@@ -431,8 +431,8 @@ def test_a_resumed_run_switches_compile_tiers_where_the_uninterrupted_one_did(tm
     import shutil
 
     args = ("steps=3", "planner.strategy=static-ring:8", "checkpoint.every=1", "checkpoint.keep=3")
-    saved = executor.tiers, executor.tier_up_runs, executor.tier_min_flops
-    executor.tiers, executor.tier_up_runs, executor.tier_min_flops = True, 1, 0.0
+    saved = executor.compiles.tiers, executor.compiles.tier_up_runs, executor.compiles.tier_min_flops
+    executor.compiles.tiers, executor.compiles.tier_up_runs, executor.compiles.tier_min_flops = True, 1, 0.0
     try:
         full = Trainer(_config(tmp_path, "full", *args), executor=executor).run()
         assert len(executor.tuned_keys) == 1             # one program: steps 2 and 3 ran its second tier
@@ -445,4 +445,4 @@ def test_a_resumed_run_switches_compile_tiers_where_the_uninterrupted_one_did(tm
             assert resumed.losses == full.losses[k:], k      # bitwise
     finally:
         executor.stop_tuning()
-        executor.tiers, executor.tier_up_runs, executor.tier_min_flops = saved
+        executor.compiles.tiers, executor.compiles.tier_up_runs, executor.compiles.tier_min_flops = saved

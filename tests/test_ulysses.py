@@ -181,7 +181,7 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
         view = ex._views(flat, {(ds, kind)})[(ds, kind)]
         mesh, spec = ex._mesh(ds, kind)
         outs.append(ex.executable(None, 4, w.layout.bucket, ds, kind)(
-            view, *(jax.device_put(a, NamedSharding(mesh, spec)) for a in ex._inputs(w.layout))))
+            view, *(jax.device_put(a, NamedSharding(mesh, spec)) for a in ex.model.inputs(w.layout))))
     assert len(ex.rebound_keys) == n + 1 and ex.rebound_keys[-1][2] == devs
     for here, there in zip(*outs):
         assert there.sharding.mesh.devices.shape == (2, 2)

@@ -252,7 +252,7 @@ def device_check(tile=None) -> dict[str, Any] | None:
                 mem = exe.memory_analysis()
                 row["temp_gib"] = round(mem.temp_size_in_bytes / 2 ** 30, 3)
                 flat = ex.flat_params(params)
-                view = ex._views(flat, [devs])[devs]
+                view = ex._views(flat, [(devs, "ring")])[(devs, "ring")]
                 ints, floats = (jax.device_put(a, devs[0]) for a in pack_inputs(lay))
                 jax.block_until_ready(exe(view, ints, floats))
                 ts = []

@@ -83,9 +83,9 @@ def step_programs(config: Any, compute_dtype: str, devices: Sequence[Any], optio
     abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
     update = make_update(optimizer, ex.state_sharding, abstract)
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=ex.state_sharding(x)), abstract)
-    return {"gather": Compiled.of(ex._jit("gather").lower(master), options),
-            "accumulate": Compiled.of(ex._jit("accumulate").lower(master, stats, rows, stats), options),
-            "finish": Compiled.of(ex._jit("finish").lower(master, stats), options),
+    return {"gather": Compiled.of(ex.state.program("gather").lower(master), options),
+            "accumulate": Compiled.of(ex.state.program("accumulate").lower(master, stats, rows, stats), options),
+            "finish": Compiled.of(ex.state.program("finish").lower(master, stats), options),
             "update": Compiled.of(update.lower(state, master), options)}
 
 

@@ -99,9 +99,9 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
         for w in work:
             ex.executable(params, w.layout.degree, w.layout.bucket, w.devices, w.attention)
         t2 = time.perf_counter()
-        rows = ex.dispatch(ex.flat_params(params), work)
+        rows = ex.dispatch(ex.flat_params(params), work.local)       # one micro-batch
         t3 = time.perf_counter()
-        out = ex.reduce(rows)
+        out = ex.state.finish(ex.state.accumulate(None, rows))
         t4 = time.perf_counter()
         jax.block_until_ready(out)
         t5 = time.perf_counter()
@@ -117,12 +117,13 @@ def bench(plan_name: str = "3+5", lengths: list[int] | None = None, repeats: int
     cp = jax.sharding.NamedSharding(ex.ranks.submesh(devs), jax.sharding.PartitionSpec("cp"))
     ints, floats = (jax.device_put(a, cp) for a in pack_inputs(lay))
     flat = ex.flat_params(params)
-    view = ex._views(flat, [devs])[devs]
+    view = ex._views(flat, [(devs, "ring")])[(devs, "ring")]
 
     def static_step():
         stats, grads = exe(view, ints, floats)
         rows = {s.device: s.data for s in grads.addressable_shards}
-        return ex.reduce([{s.device: (s.data, rows[s.device]) for s in stats.addressable_shards}])
+        return ex.state.finish(ex.state.accumulate(None, {s.device: (s.data, rows[s.device])
+                                                          for s in stats.addressable_shards}))
 
     jax.block_until_ready(static_step())
     ts = []

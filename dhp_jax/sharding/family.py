@@ -1,7 +1,7 @@
-"""`FamilyExecutor`: `PlanExecutor` for the Hugging Face families (`dhp_jax.model.hf`).
+"""`FamilyModel`: the `PlanExecutor`'s model adapter for the Hugging Face families (`dhp_jax.model.hf`).
 
-`PlanExecutor(hf_config, devices=...)` builds one (the base class dispatches on the config). The
-step is the base executor's, unchanged: the plan is checked and every group laid out before any
+`PlanExecutor(hf_config, devices=...)` composes one (`dhp_jax.sharding.executor.model_adapter`
+picks the adapter by the config). The step is the executor's, the same as the stand-in's: the plan is checked and every group laid out before any
 device work, the fp32 master params live as a flat vector sharded over the full mesh
 (`shard`, `loss_and_grad_shards`: the trainer's path), one all-gather per step, each group's
 program on its own sub-mesh (ring, Ulysses or hybrid attention of any degree), the groups'
@@ -38,22 +38,22 @@ sequence-parallel (arXiv 2205.05198, `dhp_jax.model.hf.layers.BlockStream`: each
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import NamedSharding
 
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.packed import FamilyLayout, pack_family_group
+from dhp_jax.model.hf.packed import (LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim,
+                                     rope_axes, unit)
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
 from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
-from dhp_jax.planner.contract.kinds import RING
-from dhp_jax.sharding.executor import PlanExecutor, require_float32, row_dtype
 from dhp_jax.sharding import tensor
 from dhp_jax.sharding.flat import FlatLayout
+from dhp_jax.sharding.sharded_state import require_float32, row_dtype
+from dhp_jax.sharding.standin import check_config
 
 
 def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, attn: Any, tensor_parallel: int = 1,
@@ -112,59 +112,54 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor.TensorLayout, a
     return body
 
 
-class FamilyExecutor(PlanExecutor):
-    """`PlanExecutor` of a Hugging Face family model (see the module docstring)."""
+class FamilyModel:
+    """The executor's model adapter for a Hugging Face family's `HFConfig` (see the module docstring)."""
 
-    config_type = HFConfig
+    config_type: type = HFConfig
 
-    @staticmethod
-    def _chunked_config(config: Any, linear_chunk: int) -> Any:
-        return dataclasses.replace(config, linear_chunk=linear_chunk)
+    def __init__(self, config: HFConfig) -> None:
+        check_config(config, self.config_type)
+        self.config = config
 
-    @staticmethod
-    def _abstract_params(config: Any) -> Any:
+    def check_tensor_parallel(self, t: int) -> None:
+        """ValueError unless the model splits evenly over t devices (`dhp_jax.sharding.tensor.check`)."""
+        tensor.check(self.config, t)
+
+    def program_config(self, linear_chunk: int) -> HFConfig:
+        return dataclasses.replace(self.config, linear_chunk=linear_chunk)
+
+    def abstract_params(self) -> None:
+        """None: the layout is taken from the first params tree bound."""
         return None
 
-    def bind(self, params: Any) -> None:
-        """Take the flat layout from `params` (the family's float32 tree), or check it against it."""
-        self._bind(params)
-
-    def _bind(self, params: Any) -> None:
-        if params is None:
-            if self.layout is None:
-                raise ValueError(f"{self.config.family} executor: bind a params tree first "
-                                 f"(bind, shard or loss_and_grads) before compiling")
-            return
+    def bind(self, params: Any, layout: Any, make_layout: Callable[[Any], Any]) -> Any:
+        """The layout of `params` (float32): a new one from the first tree bound, else `layout`
+        after checking the tree against it."""
         require_float32(params)
-        if self.layout is None:
-            t = self.tensor_parallel
-            self.layout = (FlatLayout.of(params, len(self.ranks.devices)) if t == 1
-                           else tensor.TensorLayout(self.config, params, t, self.ranks.num_ranks))
-        elif not self.layout.matches(params):
+        if layout is None:
+            return make_layout(params)
+        if not layout.matches(params):
             raise ValueError(f"params do not have the structure (tree, shapes) of the tree this "
                              f"{self.config.family} executor was bound to")
+        return layout
 
-    def _pack(self, group: Sequence[Sample], degree: int, bucket: int | None) -> FamilyLayout:
-        return pack_family_group(group, degree, self.config, bucket=bucket, min_bucket=self.min_bucket,
-                                 growth=self.growth)
+    def unbound(self) -> ValueError:
+        return ValueError(f"{self.config.family} executor: bind a params tree first "
+                          f"(bind, shard or loss_and_grads) before compiling")
 
-    def _inputs(self, layout: FamilyLayout) -> tuple:
+    def pack(self, group: Sequence[Sample], degree: int, bucket: int | None, min_bucket: int,
+             growth: float) -> FamilyLayout:
+        return pack_family_group(group, degree, self.config, bucket=bucket, min_bucket=min_bucket, growth=growth)
+
+    def inputs(self, layout: FamilyLayout) -> tuple:
         return layout.inputs()
 
-    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
-        """The lowered group program: abstract arguments, nothing allocated."""
-        self._bind(None)
-        from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, rope_axes, unit
-        mesh, spec = self._mesh(devices, attention)
-        body = family_program(self._program_config, self.layout, self._attention_fn(degree, attention),
-                              self.tensor_parallel, self.sequence_parallel)
-        row = self._row_spec(spec)
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(self._params_spec(),) + (spec,) * 4, out_specs=(row, row),
-                           check_vma=False)
-        rep, cp = NamedSharding(mesh, self._params_spec()), NamedSharding(mesh, spec)
+    def input_shapes(self, bucket: int) -> list[tuple[tuple[int, ...], Any]]:
+        """(shape, dtype) of the four stream arrays of a group of `bucket` LLM tokens."""
         rows = bucket * unit(self.config)
-        shapes = (((bucket, len(LLM_INTS) + rope_axes(self.config)), jnp.int32), ((bucket, 1), jnp.float32),
-                  ((rows, len(VISION_INTS)), jnp.int32), ((rows, patch_dim(self.config) + TAPS), jnp.float32))
-        args = (jax.ShapeDtypeStruct(self._params_shape(), self.compute_dtype, sharding=rep),
-                *(jax.ShapeDtypeStruct(s, d, sharding=cp) for s, d in shapes))
-        return jax.jit(fn).lower(*args)
+        return [((bucket, len(LLM_INTS) + rope_axes(self.config)), jnp.int32), ((bucket, 1), jnp.float32),
+                ((rows, len(VISION_INTS)), jnp.int32), ((rows, patch_dim(self.config) + TAPS), jnp.float32)]
+
+    def program(self, config: HFConfig, degree: int, layout: Any, attn: Any, tensor_parallel: int,
+                sequence_parallel: bool):
+        return family_program(config, layout, attn, tensor_parallel, sequence_parallel)

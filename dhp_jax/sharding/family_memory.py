@@ -1,6 +1,6 @@
 """`dhp bench memory --families`: XLA's compiled bytes of a family's group program vs the memory model.
 
-The group program of `FamilyExecutor` (`dhp_jax.sharding.family`) for (model, degree, tokens) is
+The group program of `FamilyModel` (`dhp_jax.sharding.family`) for (model, degree, tokens) is
 lowered with abstract arguments (the params tree's shapes from the model's config.json:
 `dhp_jax.model.hf.abstract`; nothing is allocated) and compiled for `degree` CPU devices with
 XLA:CPU's memory-minimising scheduler; `memory_analysis()` gives arguments + outputs + temp -

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
 
@@ -53,24 +53,32 @@ class RankLayout:
         """Devices of a group, in ring order (the order of `ranks`)."""
         return tuple(d for r in ranks for d in self.rank_devices(int(r)))
 
-    def submesh(self, devices: tuple[jax.Device, ...], ulysses: int = 1) -> Mesh:
+    def submesh(self, devices: tuple[jax.Device, ...], shape: tuple[int, ...] | None = None) -> Mesh:
         """The group's mesh over `devices` (its ranks' devices in rank order), built once per
-        (device tuple, Ulysses size): the 1-D `cp` ring mesh, or for `ulysses` = u > 1 the 2-D
-        (cp: d/u, sp: u) view, row-major in rank order, so each Ulysses sub-group is u consecutive
-        ranks; with t = `devices_per_rank` > 1 a last `tp` axis of size t holds each rank's devices."""
-        key = (devices, int(ulysses))
+        (device tuple, shape in ranks; its attention kind's `GroupAttention.mesh_shape`): (r,) is
+        the 1-D `cp` ring mesh (the default: every rank on it), (r, u) the 2-D (cp: r, sp: u) view,
+        row-major in rank order, so each Ulysses sub-group is u consecutive ranks; with t =
+        `devices_per_rank` > 1 a last `tp` axis of size t holds each rank's devices."""
+        t = self.devices_per_rank
+        ranks = len(devices) // t
+        shape = (ranks,) if shape is None else tuple(int(n) for n in shape)
+        key = (devices, shape)
         mesh = self._submeshes.get(key)
         if mesh is None:
-            t = self.devices_per_rank
-            ranks = len(devices) // t
-            if len(devices) % t or ranks % ulysses:
-                raise ValueError(f"{len(devices)} devices ({t} per rank) do not split into Ulysses sub-groups "
-                                 f"of {ulysses} ranks")
-            shape, names = ((ranks,), (CP_AXIS,)) if ulysses == 1 else ((ranks // ulysses, ulysses), (CP_AXIS, SP_AXIS))
+            if len(devices) % t or ranks != int(np.prod(shape)) or len(shape) not in (1, 2):
+                raise ValueError(f"{len(devices)} devices ({t} per rank) do not form a group mesh of {shape} ranks")
+            names = (CP_AXIS, SP_AXIS)[:len(shape)]
             if t > 1:
                 shape, names = shape + (t,), names + (TP_AXIS,)
             mesh = self._submeshes[key] = Mesh(np.array(devices).reshape(shape), names)
         return mesh
+
+    @staticmethod
+    def stream_spec(mesh: Mesh) -> P:
+        """How a group's stream is sharded on its mesh: over `cp`, or over (cp, sp) in rank order
+        (replicated over `tp`)."""
+        axes = tuple(n for n in mesh.axis_names if n != TP_AXIS)
+        return P(axes[0]) if len(axes) == 1 else P(axes)
 
     @property
     def num_submeshes(self) -> int:

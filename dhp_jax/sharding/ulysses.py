@@ -38,7 +38,7 @@ from jax import lax
 from dhp_jax.model.attention import AttnIds, repeat_kv
 from dhp_jax.planner.contract.kinds import head_plan
 from dhp_jax.sharding.mesh import CP_AXIS, SP_AXIS
-from dhp_jax.sharding.ring import local_attention, ring_attention, ring_attention_fn
+from dhp_jax.sharding.ring import local_attention, ring_attention
 from dhp_jax.sharding.tiles import DEFAULT_TILE
 
 
@@ -75,13 +75,3 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_ids: AttnIds, 
         oh = ring_attention(qh, kh, vh, qi, ki, axis_name=cp_axis, degree=ring, tile=tile, chunks=2 * ulysses)
     o = lax.all_to_all(oh, sp_axis, split_axis=0, concat_axis=1, tiled=True)  # o[S_l, H', D]
     return o[:, :h]
-
-
-def group_attention_fn(ulysses: int, ring: int, cp_axis: str = CP_AXIS, sp_axis: str = SP_AXIS,
-                       tile: int = DEFAULT_TILE):
-    """The model-facing attention of a group shaped (Ulysses u) x (ring r): the ring for u = 1.
-    `tile`: the tiled kernel's largest tile (temporaries are one score tile per head)."""
-    if ulysses == 1:
-        return ring_attention_fn(cp_axis, ring, tile=tile)
-    return functools.partial(ulysses_attention, ulysses=ulysses, ring=ring, cp_axis=cp_axis, sp_axis=sp_axis,
-                             tile=tile)

@@ -147,7 +147,7 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
-    shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family.FamilyExecutor`)
+    shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family.FamilyModel`)
     runs at these choices, its inputs at 4 bytes and the rest in `activation_bytes`
     (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
     program); the formula below is the stand-in's."""
@@ -305,7 +305,7 @@ def state_bytes(params: float, state_shards: int) -> float:
 
 
 # ------------------------------------------------------------------ the Hugging Face families' program
-# `dhp_jax.sharding.family.FamilyExecutor` runs a family's own layers (`dhp_jax.model.hf`) as two
+# `dhp_jax.sharding.family.FamilyModel` runs a family's own layers (`dhp_jax.model.hf`) as two
 # block scans (`dhp_jax.model.hf.scan.run_blocks`): the forward scan stores, per block, the residuals
 # of the block's `jax.vjp` (every value its backward pass reads, minus its params and the stack's
 # constants), so without recompute a block keeps exactly those; with remat "layer"
@@ -431,7 +431,7 @@ def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
 
 def family_input_elements(m: Any) -> int:
     """Input elements per local LLM token of a family's group program (int32 or fp32, 4 bytes each
-    in any compute dtype; `FamilyExecutor`'s four stream shards, `dhp_jax.model.hf.packed`): the
+    in any compute dtype; `FamilyModel`'s four stream shards, `dhp_jax.model.hf.packed`): the
     LLM stream's 5 id columns, its rotary position axes (InternVL 1, M-RoPE 3) and loss weight, and
     per vision row (`encoder_rows`) its 10 id columns, one patch's pixels and the position
     table's tap weights (`POSITION_TAPS`)."""
