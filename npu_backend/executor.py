@@ -27,14 +27,14 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.geometry.layout import MODEL_INPUTS, pack_group, planned_bucket
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import pack_family_group
-from dhp_jax.planner.contract.kinds import check_attention
+from dhp_jax.planner.contract.kinds import resolve
 from dhp_jax.planner.contract.plan import Group, Plan, PlanValidationError
+from npu_backend.attention import group_attention
 from npu_backend.hf import TorchFamilyModel, stream_tensors
-from npu_backend.model import TorchMLLM, attention_mask, token_loss_sum
-from npu_backend.ring import RingComm, ring_attention
+from npu_backend.model import TorchMLLM, token_loss_sum
+from npu_backend.ring import RingComm
 from npu_backend.tensor import TensorParallel
-from npu_backend.ulysses import UlyssesComm, ulysses_attention
-
+from npu_backend.ulysses import UlyssesComm
 
 
 class StepError(RuntimeError):
@@ -71,7 +71,7 @@ def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: A
     for m, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
             try:
-                check_attention(g.attention, g.degree, config.num_heads // t)
+                resolve(g.attention, g.degree, config.num_heads // t)
             except ValueError as e:
                 raise StepError(f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): {e}"
                                 + (f" (the heads of one process of a rank of tensor_parallel {t})" if t > 1 else "")) from None
@@ -175,21 +175,9 @@ class TorchPlanExecutor:
 
     def _attention(self, group: Group) -> tuple[Any, RingComm | UlyssesComm | None]:
         """The group's attention callable (dense, ring, Ulysses or hybrid) and its communicator."""
-        u, _ = check_attention(group.attention, group.degree, self.config.num_heads // self.tp.size)
+        shape = resolve(group.attention, group.degree, self.config.num_heads // self.tp.size)
         # the processes of the group's ranks that hold this process's shard (tensor parallelism)
-        procs, me = [self.tp.process_of(r) for r in group.ranks], self.tp.process
-        if u > 1:           # Ulysses or hybrid: all-to-all over u ranks, ring over the sub-groups
-            comm: RingComm | UlyssesComm | None = UlyssesComm(procs, me, u)
-
-            def attn(q, k, v, ids):
-                return ulysses_attention(q, k, v, ids, attention_mask, comm)
-        else:
-            comm = RingComm(procs, me) if group.degree > 1 else None
-
-            def attn(q, k, v, ids):
-                return ring_attention(q, k, v, ids, attention_mask, comm)
-
-        return attn, comm
+        return group_attention(shape, [self.tp.process_of(r) for r in group.ranks], self.tp.process)
 
     def _forward_loss(self, group: Group, shard: Any) -> tuple[torch.Tensor, RingComm | UlyssesComm | None]:
         attn, comm = self._attention(group)

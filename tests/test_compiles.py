@@ -186,18 +186,26 @@ def test_planner_thread_runs_after_plan_once_queued_and_drops_its_errors():
 
     seen, lock = [], threading.Lock()
 
-    def after(step, batch, plan):
+    def after(item):
         with lock:
-            seen.append(step)
-        if step == 1:
+            seen.append((item.step, item.prepared))
+        if item.step == 1:
             raise RuntimeError("the consumer redoes this work")
 
-    with PlannerThread(lambda s: s, lambda s, b: f"plan{s}", 0, 4, lookahead=1, after_plan=after) as it:
-        got = [item.plan for item in it]
+    def prepare(batch, plan):
+        if batch == 2:
+            raise ValueError("the consumer prepares this plan itself")
+        return f"prepared {plan}"
+
+    with PlannerThread(lambda s: s, lambda s, b: f"plan{s}", 0, 4, lookahead=1, after_plan=after,
+                       prepare=prepare) as it:
+        got = [(item.plan, item.prepared) for item in it]
     deadline = time.time() + 5
     while len(seen) < 4 and time.time() < deadline:
         time.sleep(0.01)
-    assert got == ["plan0", "plan1", "plan2", "plan3"] and sorted(seen) == [0, 1, 2, 3]
+    assert got == [("plan0", "prepared plan0"), ("plan1", "prepared plan1"), ("plan2", None),
+                   ("plan3", "prepared plan3")]
+    assert sorted(seen) == [(0, "prepared plan0"), (1, "prepared plan1"), (2, None), (3, "prepared plan3")]
 
 
 def test_bench_compiles_json(capsys):

@@ -383,6 +383,28 @@ def test_full_size_plans_are_logged_as_run_and_the_measured_comparison_is_opt_in
     assert measured["strategies"]["dhp"]["step_time_s"] > 0 and "measured on 8 cpu" in measured["label"]
 
 
+def test_each_step_prepares_its_plan_once(tmp_path, executor, monkeypatch):
+    """A step's plan is checked and packed once (`PlanExecutor.prepare`, on the planner thread) and
+    every consumer takes that `PreparedStep`: the compile-ahead worker, the step's compile and run,
+    and the plan log (a full-size plan is logged as executed, from the prepared step's keys)."""
+    packed = []
+    pack = executor.model.pack
+
+    def counting_pack(group, *args):
+        packed.append(len(group))
+        return pack(group, *args)
+
+    monkeypatch.setattr(executor.model, "pack", counting_pack)
+    before = executor.preparations
+    cfg = _config(tmp_path, "once", "steps=3", "planner.full_size=true", "planner.cost_model=qwen3-vl-4b",
+                  "planner.hardware=ascend-910b", "planner.ranks_per_node=1", "planner.comm_overlap=false")
+    trainer = Trainer(cfg, executor=executor)
+    trainer.run()
+    plans = [Plan.from_json(line["plan"]) for line in read_jsonl(tmp_path / "once" / "plans.jsonl")]
+    assert executor.preparations - before == len(plans) == 3
+    assert len(packed) == sum(len(p.groups) for p in plans) and sum(packed) == 3 * BATCH
+
+
 @pytest.fixture
 def fresh_compilation_cache():
     """JAX's persistent compilation cache starts anew (the test's runs set its directory) and is

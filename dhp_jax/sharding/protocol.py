@@ -44,6 +44,16 @@ class StepExecutor(Protocol):
     def loss_and_grad_shards(self, master: Any, samples: Sequence[Any], plan: Any) -> tuple[Any, Any]:
         """One step: sharded master params in, (loss, gradient sharded like the params) out."""
 
+    def prepare(self, samples: Sequence[Any], plan: Any) -> Any:
+        """The plan checked and laid out for these devices, once per step (`sharding.prepared.PreparedStep`:
+        its `id_keys` are `plan_keys`)."""
+
+    def compile_step(self, prepared: Any, params: Any) -> int:
+        """`compile_plan` of a prepared step."""
+
+    def run_step(self, master: Any, prepared: Any) -> tuple[Any, Any]:
+        """`loss_and_grad_shards` of a prepared step."""
+
     def state_sharding(self, leaf: Any) -> Any:
         """Where a train-state leaf lives on the mesh."""
 
@@ -52,7 +62,8 @@ class StepExecutor(Protocol):
 
 
 MEMBERS = ("min_bucket", "growth", "linear_chunk", "layout", "compile_seconds", "num_compiles", "executable_keys",
-           "plan_keys", "compile_plan", "loss_and_grad_shards", "state_sharding", "replicate")
+           "plan_keys", "compile_plan", "loss_and_grad_shards", "prepare", "compile_step", "run_step", "state_sharding",
+           "replicate")
 
 
 def check_executor(executor: Any) -> StepExecutor:

@@ -25,6 +25,7 @@ class PlannedBatch:
     plan_s: float            # producer time spent in `make_plan` (CPU seconds of planning)
     build_s: float           # producer time spent building the batch
     wait_s: float = 0.0      # consumer time blocked in `next()` for this item
+    prepared: Any = None     # what `prepare(batch, plan)` made of it (None: no `prepare`, or it raised)
 
 
 _DONE = object()
@@ -42,18 +43,23 @@ class PlannerThread:
     """Iterator over `PlannedBatch` for steps `start, start+1, ..., stop-1`.
 
     `make_batch(step)` and `make_plan(step, batch)` run in the thread. An exception there is
-    re-raised in the consumer at the step it concerns, with the step named. `after_plan(step, batch,
-    plan)` (optional) runs in the thread once the planned batch is queued: work the step will need,
-    done ahead of it, such as compiling the plan's programs. It must be work the consumer would
-    otherwise do itself, so an exception there is dropped: the consumer meets it again in place.
+    re-raised in the consumer at the step it concerns, with the step named. `prepare(batch, plan)`
+    (optional) runs in the thread next to the plan: the step's `PreparedStep`
+    (`PlanExecutor.prepare`), the one preparation of the plan that every consumer takes
+    (`PlannedBatch.prepared`). `after_plan(item)` (optional) runs in the thread once the planned
+    batch is queued: work the step will need, done ahead of it, such as compiling the plan's
+    programs. Both must be work the consumer would otherwise do itself, so an exception in either
+    is dropped (`prepared` stays None): the consumer meets it again in place.
     """
 
     def __init__(self, make_batch: Callable[[int], Any], make_plan: Callable[[int, Any], Plan],
                  start: int, stop: int, lookahead: int = 2,
-                 after_plan: Callable[[int, Any, Plan], Any] | None = None):
+                 after_plan: Callable[[PlannedBatch], Any] | None = None,
+                 prepare: Callable[[Any, Plan], Any] | None = None):
         if lookahead < 1:
             raise ValueError(f"lookahead must be >= 1, got {lookahead}")
         self._make_batch, self._make_plan, self._after_plan = make_batch, make_plan, after_plan
+        self._prepare = prepare
         self._start, self._stop = start, stop
         self._queue: queue.Queue = queue.Queue(maxsize=lookahead)
         self._stop_event = threading.Event()
@@ -90,11 +96,17 @@ class PlannerThread:
                 self._put(StepPlanningFailed(step, e))
                 self._put(e)
                 return
-            if not self._put(PlannedBatch(step, batch, plan, plan_s=t2 - t1, build_s=t1 - t0)):
+            item = PlannedBatch(step, batch, plan, plan_s=t2 - t1, build_s=t1 - t0)
+            if self._prepare is not None:
+                try:
+                    item.prepared = self._prepare(batch, plan)
+                except Exception:  # the consumer prepares the plan itself and raises it there
+                    pass
+            if not self._put(item):
                 return
             if self._after_plan is not None:
                 try:
-                    self._after_plan(step, batch, plan)
+                    self._after_plan(item)
                 except Exception:  # the consumer does this work itself and raises it there
                     pass
         self._put(_DONE)

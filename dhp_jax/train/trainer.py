@@ -329,9 +329,17 @@ class Trainer:
             print(f"dhp train: {text}", file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------------ one step
+    def prepared(self, item: Any) -> Any:
+        """The step's `PreparedStep`: the planner thread's (`PlannedBatch.prepared`), else made here
+        (where the thread's attempt raised, this raises the same error, at the step)."""
+        if item.prepared is None:
+            item.prepared = self.executor.prepare(item.batch.samples, item.plan)
+        return item.prepared
+
     def train_step(self, state: Any, item: Any, on_compile: Any = None) -> tuple[Any, dict]:
         """Compile what the step's plan needs (timed apart), run it, update; returns the step's record."""
         done = item.step + 1
+        prepared = self.prepared(item)
         digest = plan_hash(item.plan)   # of the plan handed to the executor below: the plan that runs
         if self._sync is not None:
             self._sync.agree(done, digest)
@@ -345,7 +353,7 @@ class Trainer:
             self.executor.stall_abort_s = self.step_timeout_s
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
             try:
-                loss, grads = self.executor.loss_and_grad_shards(state.params, item.batch.samples, item.plan)
+                loss, grads = self.executor.run_step(state.params, prepared)
             except GroupProgramError as e:     # named before any collective waits on the group
                 raise (StepStalled if e.stalled else TrainError)(f"step {done}: {e}") from None
             state, grad_norm = self._update(state, grads)
@@ -390,11 +398,12 @@ class Trainer:
         """Build what the plan needs: (executables this call built, executables missing when the
         step started, built here or by the compile-ahead worker while this step waited)."""
         # (this process builds the groups touching its devices only)
-        need = {k for k in self.executor.plan_keys(item.batch.samples, item.plan) if self._local_ids.intersection(k[2])}
+        prepared = self.prepared(item)
+        need = {k for k in prepared.id_keys if self._local_ids.intersection(k[2])}
         missing = len(need - set(self.executor.executable_keys))
         if missing and on_compile is not None:
             on_compile(missing)
-        return int(self.executor.compile_plan(item.batch.samples, item.plan, params)), missing
+        return int(self.executor.compile_step(prepared, params)), missing
 
     # ------------------------------------------------------------------ the loop
     def run(self, resume: bool = False, stop_after: int | None = None, overwrite: bool = False) -> RunResult:
@@ -449,6 +458,7 @@ class Trainer:
         interrupted = False
         try:
             with PlannerThread(self.pipeline.batch, self.plan_source, start, stop, lookahead=cfg.planner.lookahead,
+                               prepare=lambda batch, plan: self.executor.prepare(batch.samples, plan),
                                after_plan=self._compile_ahead(compiler)) as planned:
                 for item in planned:
                     with guard.deferred():  # a Ctrl-C here stops after this step
@@ -634,21 +644,21 @@ class Trainer:
     def _plan_log_hook(self, plan_log: Any):
         def log_plan(rec: dict, item: Any, state: Any) -> None:
             if plan_log is not None:
-                plan_log.write(item.step + 1, self.as_executed(item.plan, item.batch))
+                plan_log.write(item.step + 1, self.as_executed(item.plan, item.batch, item.prepared))
         return log_plan
 
-    def as_executed(self, plan: Any, batch: Any) -> Any:
+    def as_executed(self, plan: Any, batch: Any, prepared: Any = None) -> Any:
         """The plan as these devices ran it, the one format of plans.jsonl: a plan made at full token
         counts (`planner.full_size`) gets the executed batch's tokens, the executor's buckets and one
         node (`planner.programs.cache.executed_view`); the decisions and estimates stay the planner's.
         Other plans, and a replayed plan file's, are logged as they are (so a log replays to the
-        same log, across backends too)."""
+        same log, across backends too). `prepared`: the step's `PreparedStep` (None: prepared here)."""
         if not self.plan_source.full_size or self.plan_source.plans is not None:
             return plan
         t = self.config.parallel.tensor     # a rank's devices are consecutive: its first one names it
         rank_of = {d.id: r // t for r, d in enumerate(self.devices)}
-        keys = [(d, b, tuple(rank_of[i] for i in ids[::t]), a)
-                for d, b, ids, a in self.executor.plan_keys(batch.samples, plan)]
+        ids_keys = (prepared or self.executor.prepare(batch.samples, plan)).id_keys
+        keys = [(d, b, tuple(rank_of[i] for i in ids[::t]), a) for d, b, ids, a in ids_keys]
         return executed_view(plan, keys, [s.num_tokens for s in batch.samples])
 
     def _checkpoint_hook(self, ckpt: Any, stop: int):
@@ -711,20 +721,25 @@ class Trainer:
         self.plan_source.programs.add_keys(keys)
 
     def _compile_ahead(self, compiler: concurrent.futures.Executor):
-        """`after_plan` for the planner thread: as soon as a plan is made (up to `planner.lookahead`
-        steps ahead of the step that runs), its programs compile on the `compiler` worker (ahead of
-        time: the executor knows the params' layout), so that the step finds them built. The plan
-        runs as planned: a step whose programs are still compiling waits for them (its record says
-        how long, `compile_wait_s`). One worker: compiles run in plan order, one at a time."""
+        """`after_plan` for the planner thread: as soon as a plan is made and prepared (up to
+        `planner.lookahead` steps ahead of the step that runs), its programs compile on the
+        `compiler` worker (ahead of time: the executor knows the params' layout), so that the step
+        finds them built. The plan runs as planned: a step whose programs are still compiling waits
+        for them (its record says how long, `compile_wait_s`). One worker: compiles run in plan
+        order, one at a time."""
         executor = self.executor
 
-        def compile_plan(batch: Any, plan: Any) -> None:
+        def compile_step(prepared: Any) -> None:
             try:
-                executor.compile_plan(batch.samples, plan, None)
+                executor.compile_step(prepared, None)
             except Exception:  # the step that runs the plan compiles in place and raises there
                 pass
 
-        return lambda step, batch, plan: compiler.submit(compile_plan, batch, plan)
+        def after_plan(item: Any) -> None:
+            if item.prepared is not None:   # a plan that did not prepare is prepared (and fails) at its step
+                compiler.submit(compile_step, item.prepared)
+
+        return after_plan
 
     def _lr(self, step: int) -> float:
         return float(make_schedule(self.config.optim, self.config.steps)(step))
