@@ -457,7 +457,7 @@ def test_a_resumed_run_switches_compile_tiers_where_the_uninterrupted_one_did(tm
     executor.compiles.tiers, executor.compiles.tier_up_runs, executor.compiles.tier_min_flops = True, 1, 0.0
     try:
         full = Trainer(_config(tmp_path, "full", *args), executor=executor).run()
-        assert len(executor.tuned_keys) == 1             # one program: steps 2 and 3 ran its second tier
+        assert len(executor.compiles.tuned_keys) == 1             # one program: steps 2 and 3 ran its second tier
         for k in (1, 2):
             run = tmp_path / f"from-{k}"
             shutil.copytree(tmp_path / "full", run)
