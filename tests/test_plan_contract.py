@@ -2,6 +2,7 @@
 and token counts, and validation errors that name the problem."""
 
 import json
+import re
 
 import pytest
 
@@ -173,3 +174,32 @@ def test_plan_hash_covers_the_program_each_group_runs():
     old = Plan.from_json(v1)
     assert len(old.digest()) == 16 and old.digest() == Plan.from_json(bare).digest() != plan.digest()
     assert "padded_tokens" not in old.decisions()["micro_batches"][0][0]
+
+
+def test_attention_kinds_are_objects_that_parse_price_and_shape_a_group():
+    """Each kind of `kinds.KINDS` parses its own text into a shape (u, r), names it back, gives the
+    group's mesh shape and its traffic (the figures `pricing.traffic` prices); a shape has one
+    running kind (Ulysses on one rank runs as the ring); bad texts are named."""
+    import numpy as np
+
+    from dhp_jax.planner.contract.kinds import (HYBRID_KIND, KINDS, RING_KIND, ULYSSES_KIND, attention_kinds,
+                                                resolve)
+    from dhp_jax.planner.cost.pricing import traffic
+
+    assert [k.pattern for k in KINDS] == ["ring", "ulysses", "hybrid:<u>x<r>"]
+    for degree in range(1, 9):
+        for text in attention_kinds(degree, 8 * 7 * 5 * 3):
+            g = resolve(text, degree)
+            assert g.degree == degree and g.kind.text(g.ulysses, g.ring) == text
+            assert g.mesh_shape == ((degree,) if g.kind is RING_KIND else (g.ring, g.ulysses))
+            u = g.ulysses
+            want = traffic(1000.0, degree, "hybrid", u) if g.kind is HYBRID_KIND else traffic(1000.0, degree, text)
+            assert np.allclose(g.traffic(1000.0), [float(w) for w in want[:3]], rtol=1e-12), (text, degree)
+    assert resolve("ulysses", 1).kind is RING_KIND and resolve("hybrid:1x4", 4).kind is RING_KIND
+    assert resolve("hybrid:4x1", 4).kind is ULYSSES_KIND and resolve("ulysses", 4).mesh_shape == (1, 4)
+    for bad, msg in (("mesh", "is not one of ring, ulysses, hybrid:<u>x<r>"), ("hybrid:2x3", "2 x 3 != degree 4"),
+                     (3, "attention kind 3 is not one of")):
+        with pytest.raises(PlanValidationError, match=re.escape(msg)):
+            resolve(bad, 4)
+    with pytest.raises(ValueError, match="6 query heads do not split over 4 Ulysses ranks"):
+        resolve("ulysses", 4, num_heads=6)

@@ -189,3 +189,25 @@ def test_mixed_kinds_step_matches_reference_and_group_hlo():
         for a, b in zip(w.devices, devs):            # the same mesh position on either device set
             assert shards[0][a][0] == shards[1][b][0] and np.array_equal(shards[0][a][1], shards[1][b][1])
     assert np.asarray(outs[1][0])[:, 0].sum() > 0                # the loss sums are there
+
+
+def test_every_attention_kind_has_a_builder_in_each_engine():
+    """Adding a kind is one `AttentionKind` and one builder per engine: every kind of `KINDS` has
+    the JAX engine's (`dhp_jax.sharding.attention`) and the torch engine's (`npu_backend.attention`),
+    and a group runs the one of the kind that runs its shape (no dispatch on the shape elsewhere)."""
+    import npu_backend.attention as torch_attention
+    from dhp_jax.planner.contract.kinds import KINDS, resolve
+    from dhp_jax.sharding import attention as jax_attention
+
+    for kind in KINDS:
+        assert callable(kind.builder(jax_attention.ENGINE)) and callable(kind.builder(torch_attention.ENGINE))
+    with pytest.raises(LookupError, match="attention kind 'ring' has no builder for the tpu engine"):
+        KINDS[0].builder("tpu")
+    from dhp_jax.sharding.ulysses import ulysses_attention
+
+    hybrid = jax_attention.attention_fn(resolve("hybrid:2x3", 6), tile=64)
+    assert hybrid.func is ulysses_attention and (hybrid.keywords["ulysses"], hybrid.keywords["ring"]) == (2, 3)
+    one = jax_attention.attention_fn(resolve("ulysses", 1))                 # runs as the ring
+    assert getattr(one, "func", one) is not ulysses_attention
+    custom = jax_attention.attention_fn(resolve("ring", 4), custom=lambda axis, d: ("mine", axis, d))
+    assert custom == ("mine", "cp", 4)
