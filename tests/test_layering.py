@@ -219,3 +219,27 @@ def test_bench_targets_import_no_jax_before_their_devices_are_set():
               "    assert 'jax' not in sys.modules, m + ' imports jax at import time'\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+EXECUTOR_MODULES = ("dhp_jax.sharding.executor", "npu_backend.executor")
+MAX_CLASS_LINES = 300
+
+
+def test_executors_are_composed_not_dispatched():
+    """The executors stay small and are composed of parts: no executor class has more than
+    `MAX_CLASS_LINES` lines of body, none picks a subclass in `__new__` (a factory picks the model
+    adapter), and the sharding modules never import the executor back (no import circle)."""
+    big, dispatch = [], []
+    for mod in EXECUTOR_MODULES:
+        for node in ast.parse(MODULES[mod].read_text()).body:
+            if isinstance(node, ast.ClassDef) and node.name.endswith("Executor"):
+                if node.end_lineno - node.lineno > MAX_CLASS_LINES:
+                    big.append(f"{mod}.{node.name}: {node.end_lineno - node.lineno} lines")
+                dispatch += [f"{mod}.{node.name}.__new__" for f in node.body
+                             if isinstance(f, ast.FunctionDef) and f.name == "__new__"]
+    assert not big and not dispatch, big + dispatch
+    back = [f"{m}:{line}" for m in MODULES if m.startswith("dhp_jax.sharding.") and m != "dhp_jax.sharding.executor"
+            for name, line in imports_of(m) if name == "dhp_jax.sharding.executor"
+            and m in ("dhp_jax.sharding.family", "dhp_jax.sharding.standin", "dhp_jax.sharding.compile_cache",
+                      "dhp_jax.sharding.sharded_state", "dhp_jax.sharding.attention", "dhp_jax.sharding.prepared")]
+    assert not back, f"the executor's parts import the executor: {back}"

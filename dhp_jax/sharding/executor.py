@@ -288,8 +288,6 @@ class PlanExecutor:
             return
         self.state.layout = self.model.bind(params, self.state.layout, self._new_layout)
 
-    _bind = bind
-
     def _mesh(self, devices: tuple[jax.Device, ...], attention: str):
         """(sub-mesh, stream spec) of a group: its attention kind's mesh shape over its devices
         (`RankLayout.submesh`), the stream split over its axes in rank order."""
