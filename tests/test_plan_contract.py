@@ -203,3 +203,22 @@ def test_attention_kinds_are_objects_that_parse_price_and_shape_a_group():
             resolve(bad, 4)
     with pytest.raises(ValueError, match="6 query heads do not split over 4 Ulysses ranks"):
         resolve("ulysses", 4, num_heads=6)
+
+
+def test_the_memory_check_of_a_plan_is_the_cost_models():
+    """`Plan.validate` checks the contract alone; `planner.cost.plan_check.check_plan` adds each
+    group's per-rank memory against the cost model's budget, naming the group that does not fit."""
+    from dhp_jax.planner import CostModel, Group, MicroBatch
+    from dhp_jax.planner.cost.memory import max_tokens_per_rank
+    from dhp_jax.planner.cost.plan_check import check_plan
+
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0)
+    cap = int(max_tokens_per_rank(cost))
+    plan = Plan(4, (MicroBatch((Group((0,), 1, (0,)), Group((1, 2, 3), 3, (1,)))),))
+    assert check_plan(plan, cost, [cap // 2, 2 * cap]) is plan          # 2 cap tokens over 3 ranks fit
+    plan.validate(num_samples=2, cost=cost)                              # the contract alone: no lengths
+    with pytest.raises(PlanValidationError, match=r"micro-batch 0 group 0 \(ranks \[0\]\): needs .* GiB per rank "
+                                                  r"for samples \[0\], budget is"):
+        check_plan(plan, cost, [2 * cap, cap])
+    with pytest.raises(TypeError):
+        plan.validate(num_samples=2, cost=cost, lengths=[2 * cap, cap])  # not the contract's question
