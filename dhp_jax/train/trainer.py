@@ -339,7 +339,6 @@ class Trainer:
     def train_step(self, state: Any, item: Any, on_compile: Any = None) -> tuple[Any, dict]:
         """Compile what the step's plan needs (timed apart), run it, update; returns the step's record."""
         done = item.step + 1
-        prepared = self.prepared(item)
         digest = plan_hash(item.plan)   # of the plan handed to the executor below: the plan that runs
         if self._sync is not None:
             self._sync.agree(done, digest)
@@ -353,7 +352,7 @@ class Trainer:
             self.executor.stall_abort_s = self.step_timeout_s
         with self._sync.watch(done) if self._sync is not None else contextlib.nullcontext():
             try:
-                loss, grads = self.executor.run_step(state.params, prepared)
+                loss, grads = self.executor.run_step(state.params, self.prepared(item))
             except GroupProgramError as e:     # named before any collective waits on the group
                 raise (StepStalled if e.stalled else TrainError)(f"step {done}: {e}") from None
             state, grad_norm = self._update(state, grads)
