@@ -70,6 +70,12 @@ from dhp_jax.sharding.sharded_state import ShardedState, require_float32, row_dt
 from dhp_jax.sharding.standin import INT_COLUMNS, StandInModel, group_program, pack_inputs, stacks_of  # noqa: F401
 from dhp_jax.sharding.tiles import DEFAULT_TILE
 
+# the public names of the engine, some of them at home in the executor's parts
+__all__ = ["COMPUTE_DTYPES", "CPU_FAST_COMPILE", "CPU_STALL_TIMEOUT_S", "CPU_TUNED", "INT_COLUMNS", "TIER_LEAD",
+           "TIER_MIN_FLOPS", "TIER_UP_RUNS", "GroupProgramError", "PlanExecutor", "PreparedStep",
+           "compile_counting_cache_hits", "group_program", "model_adapter", "pack_inputs", "require_float32",
+           "row_dtype", "stacks_of"]
+
 COMPUTE_DTYPES = ("float32", "bfloat16")
 # Seconds a step waits for its group programs' gradient rows before the groups not done are named
 # (CPU devices): under XLA:CPU's own 40 s rendezvous termination timeout, which ends the process from
