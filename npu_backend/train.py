@@ -6,7 +6,7 @@ that run's family model and its next batches of its own data: `npu_backend.finet
 `TorchPlanExecutor.step` (ring attention per CP group, one gradient all-reduce, optimizer step).
 Device and backend come from `npu_backend.device` (NPU + HCCL, CUDA + NCCL, CPU + gloo) or `--device`;
 `--device xla` runs on torch_xla's device with the traffic on gloo over host copies (`npu_backend.xla`;
-torchrun from the xla environment, `scripts/xla_env.py`).
+torchrun from the xla environment, `python -m npu_backend.xla_env`).
 
 Multi-node (one process per NPU/GPU, same command on every node):
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\

@@ -43,7 +43,7 @@ def available() -> tuple[bool, str]:
     """(True, version) when torch_xla imports here; else (False, one line saying why)."""
     if importlib.util.find_spec("torch_xla") is None:
         return False, (f"torch_xla is not installed in this environment (torch {torch.__version__}); "
-                       f"build the xla environment: python scripts/xla_env.py")
+                       f"build the xla environment: python -m npu_backend.xla_env")
     try:
         import torch_xla
     except Exception as e:   # an ABI mismatch with torch shows here (undefined symbol ...)
