@@ -85,13 +85,17 @@ def build(venv: Path, timeout: float, say=print) -> dict:
     return rec
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m npu_backend.xla_env", description=__doc__.split("\n\n")[0])
     p.add_argument("--venv", type=Path, default=None, help=f"where (default {default_venv()})")
     p.add_argument("--timeout", type=float, default=600.0, help="give up after this many seconds")
     p.add_argument("--rebuild", action="store_true", help="build again even if the venv is ready")
     p.add_argument("--python-path", action="store_true", help="print the venv's python and exit (1 if not ready)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     venv = args.venv or default_venv()
     rec = ready(venv)
     if args.python_path:
