@@ -140,7 +140,8 @@ def test_xla_run_gives_the_gloo_losses(tmp_path):
         assert a["degrees"] == b["degrees"] == [[3, 1], [2, 2], [4]]
         assert a["loss_tokens"] == b["loss_tokens"]
         assert abs(b["loss"] - a["loss"]) <= TOL * abs(a["loss"]), (a["step"], a["loss"], b["loss"])
+    # every step's new programs are counted; later steps (same buckets) reuse most of the first's
     compiles = [s["xla_compiles"] for s in xla["steps"]]
-    assert compiles[0] > 0 and all(c >= 0 for c in compiles)
+    assert compiles[0] > 0 and all(c >= 0 for c in compiles) and sum(compiles[1:]) < compiles[0]
     assert xla["xla"]["compiles"] >= sum(compiles)
     assert f"XLA programs compiled: {sum(compiles)}" in xla["stdout"]
