@@ -33,6 +33,7 @@ def irregular_plan() -> Plan:
                     MicroBatch((Group((0, 1, 2, 3), 4, (6, 7), "hybrid:2x2"),))))
 
 
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib")
 def test_xla_extra_pins_the_env_script_pair():
     import tomllib
 
