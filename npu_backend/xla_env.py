@@ -38,13 +38,13 @@ def venv_python(venv: Path) -> Path:
 
 
 def ready(venv: Path | None = None) -> dict | None:
-    """The build record of a complete xla venv, or None."""
+    """The build record of a complete xla venv of today's `PINS`, or None."""
     venv = default_venv() if venv is None else venv
     try:
         rec = json.loads((venv / READY).read_text())
     except (OSError, ValueError):
         return None
-    return rec if venv_python(venv).exists() else None
+    return rec if venv_python(venv).exists() and rec.get("pins") == list(PINS) else None
 
 
 def build(venv: Path, timeout: float, say=print) -> dict:
