@@ -1,4 +1,5 @@
-"""Pick the torch device and collective backend: Ascend NPU + HCCL, CUDA + NCCL, or CPU + gloo.
+"""Pick the torch device and collective backend: Ascend NPU + HCCL, CUDA + NCCL, CPU + gloo, or (asked
+for by name only) an XLA device of torch_xla + gloo on host copies (`npu_backend.xla`).
 
 torch auto-loads device extensions on `import torch`; with torch_npu installed but Ascend's CANN
 libraries absent that makes `import torch` itself fail. So this module turns the auto-load off
@@ -21,8 +22,8 @@ os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 import torch  # noqa: E402
 
 ENV_VAR = "DHP_TORCH_DEVICE"
-_KINDS = ("npu", "cuda", "cpu")
-_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo"}
+_KINDS = ("npu", "cuda", "cpu", "xla")
+_BACKENDS = {"npu": "hccl", "cuda": "nccl", "cpu": "gloo", "xla": "xlahost"}
 
 
 class DeviceError(RuntimeError):
@@ -31,7 +32,7 @@ class DeviceError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class DeviceChoice:
-    """Where one rank runs: `kind` in {"npu", "cuda", "cpu"}, its collective `backend`, and why."""
+    """Where one rank runs: `kind` in {"npu", "cuda", "cpu", "xla"}, its collective `backend`, and why."""
 
     kind: str
     backend: str
@@ -42,6 +43,10 @@ class DeviceChoice:
         """The torch device for a process with this local rank on its node."""
         if self.kind == "cpu":
             return torch.device("cpu")
+        if self.kind == "xla":      # one XLA client per process, holding the rank's device
+            from npu_backend import xla
+
+            return xla.device()
         return torch.device(self.kind, local_rank)
 
 
@@ -78,10 +83,12 @@ def select_device(env: Mapping[str, str] | None = None,
                   warn: Callable[[str], Any] | None = None) -> DeviceChoice:
     """Choose the device and backend for this process.
 
-    Order: `DHP_TORCH_DEVICE` (npu / cuda / cpu) if set; else a working torch_npu with a visible
+    Order: `DHP_TORCH_DEVICE` (npu / cuda / cpu / xla) if set; else a working torch_npu with a visible
     NPU -> ("npu", "hccl"); else CUDA -> ("cuda", "nccl"); else ("cpu", "gloo"). An installed
     but broken torch_npu (CANN libraries missing) is reported in one line through `warn`
-    (default: stderr) and skipped. Forcing a device that is not usable raises `DeviceError`.
+    (default: stderr) and skipped. XLA is never picked unless forced: ("xla", "xlahost"), the
+    torch_xla device (its PJRT_DEVICE) with collectives on gloo over host copies (`npu_backend.xla`).
+    Forcing a device that is not usable raises `DeviceError`.
     """
     env = os.environ if env is None else env
     warn = warn if warn is not None else (lambda line: print(line, file=sys.stderr))
@@ -91,6 +98,14 @@ def select_device(env: Mapping[str, str] | None = None,
 
     if forced == "cpu":
         return DeviceChoice("cpu", "gloo", f"{ENV_VAR}=cpu")
+    if forced == "xla":
+        from npu_backend import xla
+
+        ok, detail = xla.available()
+        if not ok:
+            raise DeviceError(f"{ENV_VAR}=xla but {detail}")
+        pjrt = env.get("PJRT_DEVICE") or "torch_xla's default"
+        return DeviceChoice("xla", xla.BACKEND, f"{ENV_VAR}=xla, torch_xla {detail}, PJRT_DEVICE {pjrt}")
 
     note = None
     if forced in (None, "npu"):

@@ -33,6 +33,10 @@ def _child(rank: int, world: int, port: int, backend: str, threads: int,
         import torch.distributed as dist
 
         torch.set_num_threads(threads)
+        if backend == "xlahost":    # npu_backend.xla's process group (host copies over gloo)
+            from npu_backend.xla import register_backend
+
+            register_backend()
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         try:
             out = fn(rank, world, *args)
@@ -59,6 +63,8 @@ def _context() -> Any:
 def run_world(fn: Callable[..., Any], world: int, args: Sequence[Any] = (), *, timeout: float = 120.0,
               backend: str = "gloo", threads: int = 1) -> list[Any]:
     """Run `fn(rank, world, *args)` in `world` spawned processes; return the results by rank.
+
+    `backend`: a torch.distributed backend, or "xlahost" (`npu_backend.xla.XlaHostGroup`).
 
     Ranks are forked from a fork server that has torch preloaded. `fn` must be importable by
     name (a module-level function). Raises `RuntimeError` with every

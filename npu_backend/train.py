@@ -4,7 +4,9 @@ Every step: a deterministic synthetic batch (or, started `--init-from` a fine-tu
 that run's family model and its next batches of its own data: `npu_backend.finetune`), a plan (computed identically on every rank with
 `dhp_jax.planner.plan_batch`, broadcast from rank 0, or replayed from `--plan-file`), then
 `TorchPlanExecutor.step` (ring attention per CP group, one gradient all-reduce, optimizer step).
-Device and backend come from `npu_backend.device` (NPU + HCCL, CUDA + NCCL, CPU + gloo).
+Device and backend come from `npu_backend.device` (NPU + HCCL, CUDA + NCCL, CPU + gloo) or `--device`;
+`--device xla` runs on torch_xla's device with the traffic on gloo over host copies (`npu_backend.xla`;
+torchrun from the xla environment, `python -m npu_backend.xla_env`).
 
 Multi-node (one process per NPU/GPU, same command on every node):
     torchrun --nnodes 2 --nproc-per-node 8 --node-rank $NODE_RANK \\
@@ -21,7 +23,7 @@ import sys
 import time
 from typing import Any, Sequence
 
-from npu_backend.device import select_device, set_current_device  # sets the torch_npu import guard
+from npu_backend.device import DeviceError, select_device, set_current_device  # sets the torch_npu import guard
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -51,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-len", type=int, default=8, help="shortest synthetic sample (tokens)")
     p.add_argument("--max-len", type=int, default=96, help="longest synthetic sample (tokens)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("npu", "cuda", "cpu", "xla"),
+                   help="force the device (default: $DHP_TORCH_DEVICE, else NPU, CUDA or CPU, the first usable); "
+                        "xla: torch_xla's device (PJRT_DEVICE), collectives on gloo over host copies")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weights", help="initial weights: .npz in the flax layout ('a/b/c' keys)")
@@ -136,9 +141,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sequence_parallel and args.tensor_parallel == 1:
         parser.error("--sequence-parallel needs --tensor-parallel T > 1 (it splits a rank's rows over the rank's "
                      "T processes; a rank of one process holds every row)")
+    if args.device == "xla" and args.tensor_parallel > 1:
+        parser.error("--tensor-parallel > 1 does not run on --device xla (its all-gathers and reduce-scatters "
+                     "over a rank have no host-copy collective here); ring, Ulysses and hybrid groups do")
     rank, world, local_rank = _init_world()
     say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
-    choice = select_device(warn=say)
+    env = dict(os.environ, DHP_TORCH_DEVICE=args.device) if args.device else None
+    try:
+        choice = select_device(env, warn=say)
+    except DeviceError as e:
+        print(f"rank {rank}: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    if choice.kind == "xla" and args.tensor_parallel > 1:
+        print(f"rank {rank}: error: --tensor-parallel > 1 does not run on an XLA device", file=sys.stderr, flush=True)
+        return 2
+    if choice.kind == "xla":
+        from npu_backend import xla
+
+        xla.register_backend()
     device = set_current_device(choice, local_rank)
     # Eager NCCL init: batched point-to-point ops then reuse the world communicator instead of
     # creating one per pair of ranks. (On every backend the executor's first collective of a step
@@ -202,6 +222,10 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
                                               + (", sequence parallel)" if args.sequence_parallel else ")") if t > 1 else "")
         + f" on {choice.kind} ({choice.backend}: {choice.reason}), model {name} ({num_params:,} params)")
     records = []
+    xla = None
+    if choice.kind == "xla":
+        from npu_backend import xla
+    compiled = xla.compile_stats()["compiles"] if xla is not None else 0
     dump = PlanLog(args.dump_plans) if (args.dump_plans and rank == 0) else None
     try:
         for step, (sample_ids, samples) in zip(range(args.steps), batches):
@@ -211,13 +235,19 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             res = executor.step(plan, samples)
             rec = {"step": step + 1, "loss": res.loss, "loss_tokens": res.num_loss_tokens, "step_s": res.seconds,
                    "plan_s": plan_s, "degrees": plan.degrees}
+            if xla is not None:     # run the optimizer's update now; count the programs this step compiled
+                xla.sync()
+                rec["step_s"] = time.perf_counter() - t0 - plan_s
+                now = xla.compile_stats()["compiles"]
+                rec["xla_compiles"], compiled = now - compiled, now
             if sample_ids is not None:      # a fine-tuning run's records, named as its metrics name them
                 rec["sample_ids"] = sample_ids
             records.append(rec)
             if dump is not None:
                 dump.write(step + 1, plan)
             say(f"step {step + 1:4d}  loss {res.loss:.4f}  tokens {res.num_loss_tokens:6d}  "
-                f"step {res.seconds * 1e3:8.1f} ms  plan {plan_s * 1e3:6.1f} ms  degrees {plan.degrees}")
+                f"step {rec['step_s'] * 1e3:8.1f} ms  plan {plan_s * 1e3:6.1f} ms  degrees {plan.degrees}"
+                + (f"  compiled {rec['xla_compiles']}" if xla is not None else ""))
     finally:
         if dump is not None:
             dump.close()
@@ -238,6 +268,7 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
             json.dump({"measured_on": f"{choice.kind} ({choice.backend}), {platform.machine()} {platform.node()}",
                        "world_size": world, "tensor_parallel": t, "sequence_parallel": args.sequence_parallel,
                        "torch": torch.__version__,
+                       "xla": None if xla is None else {"torch_xla": choice.reason, **xla.compile_stats()},
                        "config": dict(config.raw) if family is not None else config.to_dict(),
                        "init_from": describe(family) if family is not None else None if init_from is None
                        else {"path": str(init_from.path), "step": init_from.step},
@@ -259,7 +290,9 @@ def summary_line(records: list[dict], world: int, choice: Any) -> str:
             f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; groups run: "
             + ", ".join(f"{n} of degree {d}" for d, n in sorted(groups.items()))
             + (f" ({', '.join(map(str, odd))}: not powers of two)" if odd else "")
-            + f"; median step {float(np.median([r['step_s'] for r in records])) * 1e3:.1f} ms (measured)")
+            + f"; median step {float(np.median([r['step_s'] for r in records])) * 1e3:.1f} ms (measured)"
+            + (f"; XLA programs compiled: {sum(r['xla_compiles'] for r in records)} "
+               f"({', '.join(str(r['xla_compiles']) for r in records)} by step)" if "xla_compiles" in records[0] else ""))
 
 
 if __name__ == "__main__":
