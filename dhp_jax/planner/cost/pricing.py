@@ -25,7 +25,7 @@ from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
-__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
+__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic"]
 
@@ -138,6 +138,32 @@ def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node
     if cost.comm_overlap:
         hidden = np.maximum(hidden - A / p, 0.0)
     return (A + B) / p + cost.b1 * (d / p) + exposed + hidden
+
+
+def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
+    """The Ulysses sizes u > 1 a group of `degree` ranks may run under the per-group kind choice
+    (`best_kinds`, `kinds.attention_kinds`): u divides the degree and the head count, u <= ranks_per_node."""
+    rpn, h = cost.ranks_per_node, cost.num_heads
+    return [u for u in range(2, min(int(degree), rpn) + 1) if degree % u == 0 and h % u == 0]
+
+
+def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None) -> np.ndarray:
+    """Each group's least `group_times` over the kinds the per-group choice may give it (ring, and
+    Ulysses over u times a ring over d / u for every u of `ulysses_sizes`), with every Ulysses
+    sub-group inside one node (what placement gives a group inside a node, and a group of whole
+    nodes cut in u-sized pieces). Ties keep the ring's time. The search's price of a group in
+    "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
+    A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
+    inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
+    out = np.array(group_times(cost, A, B, S, d, inter, "ring"), dtype=np.float64)
+    top = int(d.max()) if d.size else 0
+    for u in range(2, min(top, cost.ranks_per_node) + 1):
+        if cost.num_heads % u:
+            continue
+        m = d % u == 0
+        if np.any(m):
+            out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], inter[m], "hybrid", u))
+    return out
 
 
 def group_time(cost: CostModel, lengths: Sequence[int] | np.ndarray, degree: int,
