@@ -98,6 +98,7 @@ class _ScalarTime:
         self.c_intra = float(comm_per_token(cost, False, kind))
         self.c_inter = float(comm_per_token(cost, True, kind))
         self.c_a2a = float(comm_per_token(cost, False, "ulysses"))  # a hybrid's all-to-all: inside a node
+        self.c_a2a_inter = float(comm_per_token(cost, True, "ulysses"))  # Ulysses over nodes
         self._us: dict[int, tuple[int, ...]] = {}
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
         self.ring = attention in ("ring", "best")
@@ -167,10 +168,12 @@ class _ScalarTime:
         return out
 
     def sizes(self, d: int) -> tuple[int, ...]:
-        """`pricing.ulysses_sizes` of degree d (cached): the hybrids a "best" search prices."""
+        """`pricing.ulysses_sizes` of degree d (cached): the hybrids a "best" search prices; 0 last
+        when Ulysses over all d ranks across nodes is priced too (d > ranks_per_node, heads allow)."""
         us = self._us.get(d)
         if us is None:
-            us = self._us[d] = tuple(ulysses_sizes(self.cost, d))
+            across = (0,) if d > self.rpn and self.cost.num_heads % d == 0 else ()
+            us = self._us[d] = tuple(ulysses_sizes(self.cost, d)) + across
         return us
 
     def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -186,6 +189,11 @@ class _ScalarTime:
                 continue
             dm = d[m].astype(np.float64)
             out[m] = np.minimum(out[m], self._hybrid_terms(A[m], B[m], P[m], dm, float(u)))
+        m = (d > self.rpn) & (self.cost.num_heads % np.maximum(d, 1) == 0)
+        if np.any(m):  # Ulysses over nodes: `pricing.group_times(..., True, "ulysses")`
+            dm = d[m].astype(np.float64)
+            exposed = self.c_a2a_inter * (P[m] / dm * (dm - 1.0) / dm) + self.l_inter * (dm - 1.0) * 1.0
+            out[m] = np.minimum(out[m], (A[m] + B[m]) / dm + self.b1 + exposed + 0.0)
         return out
 
     def _hybrid_terms(self, Ai: np.ndarray, Bi: np.ndarray, P: np.ndarray, d: np.ndarray, u: float) -> np.ndarray:
@@ -215,6 +223,11 @@ class _ScalarTime:
         base = (Ai + Bi) / df + self.b1
         c_a2a, cover = self.c_a2a, self.cover
         for u in us:
+            if u == 0:  # Ulysses over all d ranks, across nodes
+                ti = base + (self.c_a2a_inter * (P / df * (df - 1.0) / df) + self.l_inter * (df - 1.0) * 1.0) + 0.0
+                if ti < t:
+                    t = ti
+                continue
             uf = float(u)
             r = df / uf
             ring = c_ring * (P / uf * (r - 1.0) / r)

@@ -77,7 +77,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
 
     Packs at the granularities `factors` (default `coarsen_factors`; stopping once the makespan
     gets worse), allocates degrees exactly for each packing, keeps the best, then refines it and
-    re-allocates. The fourth entry is the granularity that won.
+    re-allocates. The fourth entry is the granularity that won (0.0: every sequence alone, tried
+    first whenever the micro-batch has no more sequences than ranks).
 
     `limit`: what the caller needs the makespan to come in under (a split or a move that cannot
     win otherwise). Each allocation is bounded by it and by the best so far, so a packing that
@@ -91,9 +92,14 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     w, dm = prob.work[idx], prob.dmin[idx]
     order = np.lexsort((np.arange(len(idx)), -w))
     if packing:
-        fs = list(coarsen_factors(N) if factors is None else factors)
+        fs = [f for f in (coarsen_factors(N) if factors is None else factors) if f > 0]
         packer = Packer(w, tok, dm, N, prob.cap, order)  # the set-up shared by the granularities
         makers = [lambda f=f: packer(f) for f in fs]
+        if 1 < len(idx) <= N:
+            # few sequences: each in its own group is a packing too (granularity 0), one the work
+            # balance never makes when a light sequence fits beside a heavy one
+            fs = [0.0] + fs
+            makers = [lambda: np.argsort(order, kind="stable")] + makers
     else:
         fs = [1.0]
         makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin
@@ -558,10 +564,16 @@ def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, att
 def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bool, node_aware: bool
                       ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:
     """Refine, place on ranks, shrink node-spanning groups where that is faster; placed makespan."""
-    N, cost = prob.num_ranks, prob.cost
     if refine:
         sol = refine_microbatch(prob, sol, allowed)
-    groups, deg = sol[0], [int(d) for d in sol[1]]
+    return _place_priced(prob, sol[0], [int(d) for d in sol[1]], node_aware)
+
+
+def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_aware: bool
+                  ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:
+    """Groups at degrees `deg` placed on ranks (a node-spanning group shrunk to its largest piece
+    where that is faster), and their placed makespan."""
+    N, cost = prob.num_ranks, prob.cost
     ranks = place(deg, N, cost.ranks_per_node, node_aware)
     A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
     rpn = cost.ranks_per_node
