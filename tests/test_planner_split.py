@@ -254,19 +254,27 @@ def test_tabulated_group_times_are_the_cost_models_floats(cost):
     # a last-bit difference can flip a comparison and change a plan
     from dhp_jax.planner.solvers.allocate import _ScalarTime
 
+    from dhp_jax.planner.cost.pricing import best_times
+
     rng = np.random.default_rng(5)
-    for attention in ("ring", "ulysses"):
+    # "best": each group at its fastest kind (ring, hybrids, Ulysses over nodes), as the search prices it
+    for attention in ("ring", "ulysses", "best"):
         t = _ScalarTime(cost, attention)
         for _ in range(40):
             K = int(rng.integers(1, 40))
             S = rng.integers(1, 500_000, K).astype(float)
             A, B = cost.a1 * S * S * rng.random(K), cost.a2 * S * (1 + rng.random(K))
             d = rng.integers(1, 129, K)  # past the tables' first 64 degrees too
-            want = group_times(cost, A, B, S, d, attention=attention)
+            want = (best_times(cost, A, B, S, d) if attention == "best"
+                    else group_times(cost, A, B, S, d, attention=attention))
             assert np.array_equal(t.times(A, B, S, d), want)
             ev = t.group_times_of(A.tolist(), B.tolist(), S.tolist())
             assert [ev(i, int(d[i])) for i in range(K)] == [t(A[i], B[i], S[i], int(d[i])) for i in range(K)]
-            assert [t(A[i], B[i], S[i], int(d[i])) for i in range(K)] == pytest.approx(want.tolist(), rel=1e-12)
+            scalar = [t(A[i], B[i], S[i], int(d[i])) for i in range(K)]
+            if attention == "best":
+                assert scalar == want.tolist()  # the same floats: the search compares them
+            else:
+                assert scalar == pytest.approx(want.tolist(), rel=1e-12)
 
 
 def test_blocked_bisection_visits_the_same_floats_as_one_step_at_a_time():

@@ -150,9 +150,9 @@ def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
 def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None) -> np.ndarray:
     """Each group's least `group_times` over the kinds the per-group choice may give it (ring,
     Ulysses over u times a ring over d / u for every u of `ulysses_sizes`, with every Ulysses
-    sub-group inside one node: what placement gives a group inside a node, and a group of whole
-    nodes cut in u-sized pieces; and, for a group over nodes, Ulysses over all of it where the head
-    count allows). Ties keep the ring's time. The search's price of a group in
+    sub-group inside one node: any u inside a node, u dividing ranks_per_node for a group over
+    nodes whose ranks start at a node's first, as placement puts them; and, for a group over nodes,
+    Ulysses over all of it where the head count allows). Ties keep the ring's time. The search's price of a group in
     "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
     A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
     inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
@@ -161,7 +161,8 @@ def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
     for u in range(2, min(top, cost.ranks_per_node) + 1):
         if cost.num_heads % u:
             continue
-        m = d % u == 0
+        # over nodes, Ulysses sub-groups stay inside nodes only where u divides ranks_per_node
+        m = (d % u == 0) & (~inter | (cost.ranks_per_node % u == 0))
         if np.any(m):
             out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], inter[m], "hybrid", u))
     # Ulysses over a whole group that spans nodes (its all-to-all on the inter-node links)

@@ -168,12 +168,14 @@ class _ScalarTime:
         return out
 
     def sizes(self, d: int) -> tuple[int, ...]:
-        """`pricing.ulysses_sizes` of degree d (cached): the hybrids a "best" search prices; 0 last
-        when Ulysses over all d ranks across nodes is priced too (d > ranks_per_node, heads allow)."""
+        """The Ulysses sizes of the hybrids a "best" search prices on degree d (cached, as
+        `pricing.best_times`): `pricing.ulysses_sizes`, over nodes only those dividing ranks_per_node;
+        0 last when Ulysses over all d ranks across nodes is priced too (d > ranks_per_node, heads allow)."""
         us = self._us.get(d)
         if us is None:
             across = (0,) if d > self.rpn and self.cost.num_heads % d == 0 else ()
-            us = self._us[d] = tuple(ulysses_sizes(self.cost, d)) + across
+            us = self._us[d] = tuple(u for u in ulysses_sizes(self.cost, d)
+                                     if d <= self.rpn or self.rpn % u == 0) + across
         return us
 
     def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -184,7 +186,7 @@ class _ScalarTime:
         for u in range(2, min(top, self.rpn) + 1):
             if self.cost.num_heads % u:
                 continue
-            m = d % u == 0
+            m = (d % u == 0) & ((d <= self.rpn) | (self.rpn % u == 0))  # `sizes`
             if not np.any(m):
                 continue
             dm = d[m].astype(np.float64)
