@@ -247,6 +247,69 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         counts = [int(num_micro_batches)]
     else:
         counts = range(lo, K + 1)
+    # the search prices each group on the kind the plan will give it, its fastest in "best" mode;
+    # there the ring-priced search is run too, and the faster finished plan by the plan's own price
+    # is kept (the first on ties): a search on the right prices can still take a path its packing
+    # and count heuristics finish worse
+    kinds = [prob.kind] + (["ring"] if prob.kind == "best" else [])
+    runs = []
+    for kind in kinds:
+        prob.kind = kind
+        runs.append(_search(prob, counts, lo, allowed, packing, refine, node_aware, programs, attention,
+                            num_micro_batches))
+    prob.kind = kinds[0]
+    if len(runs) > 1:
+        priced = []
+        for (got, exact_run) in runs:
+            if not exact_run:  # its plan's own price: every group on the kind the plan gives it
+                kinds_run, spans = _kind_makespans(prob, got[2], attention)
+                got = (sum(spans) + _compile_price(prob, got[2], programs, attention, kinds_run),) + got[1:]
+            priced.append(got)
+        chosen = min(priced, key=lambda c: c[0])  # the first of the least
+        exact = True
+    else:
+        chosen, exact = runs[0]
+    _, M, done, total = chosen
+    mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
+    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0], "chosen": "dhp"}
+
+    def price(cand: list | None, mode: str | None) -> float:
+        # a plan as `build_plan` prices it (kinds of `mode`) plus its new programs; None: DHP's own
+        got = done if cand is None else [([s for _, s in mb], [r for r, _ in mb], 0.0) for mb in cand]
+        kinds, spans = _kind_makespans(prob, got, attention if mode is None else mode)
+        return sum(spans) + _compile_price(prob, got, programs, attention, kinds)
+
+    # the static plans of the allowed degrees are DHP plans too: one that is faster replaces the
+    # search's (chosen[0] is the plan's price, but in "best" mode a lone finalist's is its ring price)
+    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0], exact, price,
+                         programs is None or not programs.compile_s)
+    if static is not None:
+        t, name, cand, mode, own = static
+    else:
+        t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
+    # FlexSP-style plans are DHP plans too: one that is faster replaces the best so far
+    if attention == "best" and node_aware:
+        if own is None:
+            own = chosen[0] if exact else price(None, None)
+        if t is None:
+            t = own
+        flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
+        if flex is not None:
+            t, name, cand, mode = flex
+    if name == "dhp":
+        return mbs, info, attention
+    return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
+                  "dhp_search_makespan_sum_s": own}, mode
+
+
+def _search(prob: Problem, counts: Sequence[int], lo: int, allowed: np.ndarray, packing: bool, refine: bool,
+            node_aware: bool, programs: ProgramCache | None, attention: str, num_micro_batches: int | None
+            ) -> tuple[tuple, bool]:
+    """DHP's own search with its groups priced on `prob.kind` (`solve_dhp`'s docstring: the count
+    search, the dissolve step, the finalists finished and judged). Returns (placed price, count,
+    finished micro-batches, search makespan sum) and whether that price is the plan's own (False: a
+    lone finalist in "best" mode, priced as the search priced it)."""
+    N, cost = prob.num_ranks, prob.cost
     best = None
     feasible: list[tuple[float, int, list]] = []
     stale = tries = 0
@@ -314,39 +377,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         actual = sum(spans) + _compile_price(prob, done, programs, attention, kinds)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
-    _, M, done, total = chosen
-    mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
-    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0], "chosen": "dhp"}
-
-    def price(cand: list | None, mode: str | None) -> float:
-        # a plan as `build_plan` prices it (kinds of `mode`) plus its new programs; None: DHP's own
-        got = done if cand is None else [([s for _, s in mb], [r for r, _ in mb], 0.0) for mb in cand]
-        kinds, spans = _kind_makespans(prob, got, attention if mode is None else mode)
-        return sum(spans) + _compile_price(prob, got, programs, attention, kinds)
-
-    # the static plans of the allowed degrees are DHP plans too: one that is faster replaces the
-    # search's (chosen[0] is the plan's price, but in "best" mode a lone finalist's is its ring price)
-    exact = attention == "ring" or len(finalists) > 1
-    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0], exact, price,
-                         programs is None or not programs.compile_s)
-    if static is not None:
-        t, name, cand, mode, own = static
-    else:
-        t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
-    # FlexSP-style plans are DHP plans too: one that is faster replaces the best so far
-    if attention == "best" and node_aware:
-        if own is None:
-            own = chosen[0] if exact else price(None, None)
-        if t is None:
-            t = own
-        flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
-        if flex is not None:
-            t, name, cand, mode = flex
-    if name == "dhp":
-        return mbs, info, attention
-    return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
-                  "dhp_search_makespan_sum_s": own}, mode
-
+    return chosen, attention == "ring" or len(finalists) > 1
 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
