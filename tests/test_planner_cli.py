@@ -33,14 +33,14 @@ def test_dhp_plan_json_and_plot(tmp_path, capsys):
     assert main(["plan", "--batch", "32", "--ranks", "32", "--strategy", "static-ring:32", "--json"]) == 0
     static = json.loads(capsys.readouterr().out)
     assert out["step_time_s"] < static["step_time_s"]
-    # on 16 ranks with 64 samples the static degree-16 groups (each on its fastest attention kind)
-    # beat the search's plan, and the plan says so
-    assert main(["plan", "--batch", "64", "--ranks", "16", "--json"]) == 0
+    # on 32 ranks with 16 samples FlexSP's length-sorted micro-batches on power-of-two groups beat
+    # the search's own plan, and the plan says so
+    assert main(["plan", "--batch", "16", "--ranks", "32", "--json"]) == 0
     solver = json.loads(capsys.readouterr().out)["plan"]["solver"]
-    assert solver["chosen"] == "static-best:16"
+    assert solver["chosen"] == "flexsp-packing"
     assert solver["est_makespan_sum_s"] < solver["dhp_search_makespan_sum_s"]
-    assert main(["plan", "--batch", "64", "--ranks", "16", "--compare", ""]) == 0
-    assert "chosen: static-best:16 (degree-16 static groups" in capsys.readouterr().out
+    assert main(["plan", "--batch", "16", "--ranks", "32", "--compare", ""]) == 0
+    assert "chosen: flexsp-packing (FlexSP's length-sorted micro-batches" in capsys.readouterr().out
 
 
 def test_dhp_plan_table_and_errors(capsys):
