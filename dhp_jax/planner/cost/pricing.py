@@ -27,7 +27,7 @@ from dhp_jax.planner.cost.model import CostModel
 
 __all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
-           "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic"]
+           "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic", "ulysses_sizes"]
 
 
 
