@@ -7,7 +7,8 @@ import pytest
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
 from dhp_jax.planner import CostModel, plan_batch
-from dhp_jax.planner.cost.pricing import best_kinds, comm_per_token, group_times, sample_terms, step_time
+from dhp_jax.planner.cost.pricing import (best_kind_times, best_kinds, best_times, comm_per_token, group_times,
+                                         sample_terms, step_time)
 from dhp_jax.sim.bounds import lower_bound
 
 COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)     # 28 query heads
@@ -60,3 +61,50 @@ def test_dhp_with_choice_is_never_slower_than_ring_only_and_above_the_bound():
         assert lower_bound(L, 16, cost, E).step_s <= t * (1 + 1e-9)
     with pytest.raises(Exception, match="attention must be"):
         plan_batch(samples, 16, cost, attention="ulysses")
+
+
+@pytest.mark.parametrize("model,rpn", [("internvl3-8b", 8), ("qwen3-vl-8b", 8), ("qwen3-vl-8b", 1), ("qwen3-vl-8b", 4)])
+def test_the_search_price_is_the_fastest_kind_the_plan_can_give(model, rpn):
+    # the search prices a group at `best_times`: the least of every kind `best_kinds` may give it on
+    # ranks placed as the search assumes (inside a node up to ranks_per_node, whole nodes above)
+    cost = CostModel.preset(model, "ascend-910b", ranks_per_node=rpn)
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(500, 60000, 64)
+    terms = sample_terms(cost, lengths, rng.random(64))
+    for d in range(1, 33):
+        groups = [(tuple(range(d)), tuple(rng.choice(64, int(rng.integers(1, 6)), replace=False).tolist()))
+                  for _ in range(4)]
+        kinds, t = best_kind_times(cost, groups, terms)
+        A = np.array([terms[0][list(g)].sum() for _, g in groups])
+        B = np.array([terms[1][list(g)].sum() for _, g in groups])
+        S = np.array([terms[2][list(g)].sum() for _, g in groups])
+        np.testing.assert_array_equal(best_times(cost, A, B, S, np.full(4, d)), t)
+        assert np.all(t <= group_times(cost, A, B, S, d, d > rpn))
+
+
+def test_a_group_over_nodes_runs_ulysses_where_that_is_fastest():
+    # one rank per node, 32 heads: a ring over nodes pays every K/V hop on the slow links; Ulysses
+    # over the whole group moves 1/d of that, once. DHP prices it in its search and gives it the
+    # group, and so is no slower than FlexSP's plan (which runs Ulysses wherever the heads allow)
+    cost = CostModel.preset("qwen3-vl-8b", "ascend-910b").replace(ranks_per_node=1, bucket_min=0)
+    lengths, etas = np.array([61, 226, 565]), np.array([0.0, 0.27478026, 0.04701956])
+    dhp = plan_batch(lengths, 15, cost, etas=etas)
+    kinds = [(g.degree, g.attention) for mb in dhp.micro_batches for g in mb.groups]
+    assert any(d > 1 and k == "ulysses" for d, k in kinds), kinds
+    flex = plan_batch(lengths, 15, cost, "flexsp", etas=etas)
+    assert step_time(dhp, lengths, cost, etas) <= step_time(flex, lengths, cost, etas)
+    ring = plan_batch(lengths, 15, cost, etas=etas, attention="ring")
+    assert step_time(dhp, lengths, cost, etas) < step_time(ring, lengths, cost, etas)
+
+
+def test_few_sequences_may_each_take_their_own_group():
+    # 2 sequences on 11 ranks (one per node): the long one alone on 8 ranks of Ulysses and the short
+    # one alone on 1 beat both on the same 8 (the packing by work puts them together); every
+    # sequence alone is among the packings the search tries when there are no more than ranks
+    cost = CostModel.preset("qwen3-vl-8b", "ascend-910b").replace(ranks_per_node=1, bucket_min=0)
+    lengths, etas = np.array([115, 2862]), np.array([0.61547942, 0.0])
+    dhp = plan_batch(lengths, 11, cost, etas=etas)
+    groups = sorted((g.samples, g.degree, g.attention) for mb in dhp.micro_batches for g in mb.groups)
+    assert groups == [((0,), 1, "ring"), ((1,), 8, "ulysses")], groups
+    flex = plan_batch(lengths, 11, cost, "flexsp", etas=etas)
+    assert step_time(dhp, lengths, cost, etas) <= step_time(flex, lengths, cost, etas)

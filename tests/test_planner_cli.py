@@ -23,14 +23,24 @@ def test_dhp_plan_json_and_plot(tmp_path, capsys):
     assert all(r["speedup"] > 1.0 for r in out["comparison"].values()), out["comparison"]
     assert len({g["degree"] for mb in out["plan"]["micro_batches"] for g in mb["groups"]}) >= 2
     assert png.stat().st_size > 1000
-    # on a smaller batch the static degree-32 groups (each on its fastest attention kind) beat the
-    # search's plan, and the plan says so
+    # on a smaller batch the search prices every group at its fastest kind while it allocates, so it
+    # finds a hybrid group of 24 beside two rings of 4, faster than the static degree-32 groups on
+    # their fastest kind (which a search pricing the ring alone lost to)
     assert main(["plan", "--batch", "32", "--ranks", "32", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    groups = sorted((g["degree"], g["attention"]) for mb in out["plan"]["micro_batches"] for g in mb["groups"])
+    assert out["plan"]["solver"].get("chosen", "dhp") == "dhp" and groups == [(4, "ring"), (4, "ring"), (24, "hybrid:4x6")]
+    assert main(["plan", "--batch", "32", "--ranks", "32", "--strategy", "static-ring:32", "--json"]) == 0
+    static = json.loads(capsys.readouterr().out)
+    assert out["step_time_s"] < static["step_time_s"]
+    # on 32 ranks with 16 samples FlexSP's length-sorted micro-batches on power-of-two groups beat
+    # the search's own plan, and the plan says so
+    assert main(["plan", "--batch", "16", "--ranks", "32", "--json"]) == 0
     solver = json.loads(capsys.readouterr().out)["plan"]["solver"]
-    assert solver["chosen"] == "static-best:32"
+    assert solver["chosen"] == "flexsp-packing"
     assert solver["est_makespan_sum_s"] < solver["dhp_search_makespan_sum_s"]
-    assert main(["plan", "--batch", "32", "--ranks", "32", "--compare", ""]) == 0
-    assert "chosen: static-best:32 (degree-32 static groups" in capsys.readouterr().out
+    assert main(["plan", "--batch", "16", "--ranks", "32", "--compare", ""]) == 0
+    assert "chosen: flexsp-packing (FlexSP's length-sorted micro-batches" in capsys.readouterr().out
 
 
 def test_dhp_plan_table_and_errors(capsys):

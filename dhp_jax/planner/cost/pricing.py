@@ -25,9 +25,9 @@ from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
-__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
+__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
-           "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic"]
+           "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic", "ulysses_sizes"]
 
 
 
@@ -140,6 +140,38 @@ def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node
     return (A + B) / p + cost.b1 * (d / p) + exposed + hidden
 
 
+def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
+    """The Ulysses sizes u > 1 a group of `degree` ranks may run under the per-group kind choice
+    (`best_kinds`, `kinds.attention_kinds`): u divides the degree and the head count, u <= ranks_per_node."""
+    rpn, h = cost.ranks_per_node, cost.num_heads
+    return [u for u in range(2, min(int(degree), rpn) + 1) if degree % u == 0 and h % u == 0]
+
+
+def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None) -> np.ndarray:
+    """Each group's least `group_times` over the kinds the per-group choice may give it (ring,
+    Ulysses over u times a ring over d / u for every u of `ulysses_sizes`, with every Ulysses
+    sub-group inside one node: any u inside a node, u dividing ranks_per_node for a group over
+    nodes whose ranks start at a node's first, as placement puts them; and, for a group over nodes,
+    Ulysses over all of it where the head count allows). Ties keep the ring's time. The search's price of a group in
+    "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
+    A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
+    inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
+    out = np.array(group_times(cost, A, B, S, d, inter, "ring"), dtype=np.float64)
+    top = int(d.max()) if d.size else 0
+    for u in range(2, min(top, cost.ranks_per_node) + 1):
+        if cost.num_heads % u:
+            continue
+        # over nodes, Ulysses sub-groups stay inside nodes only where u divides ranks_per_node
+        m = (d % u == 0) & (~inter | (cost.ranks_per_node % u == 0))
+        if np.any(m):
+            out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], inter[m], "hybrid", u))
+    # Ulysses over a whole group that spans nodes (its all-to-all on the inter-node links)
+    m = inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0)
+    if np.any(m):
+        out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], True, "ulysses"))
+    return out
+
+
 def group_time(cost: CostModel, lengths: Sequence[int] | np.ndarray, degree: int,
                etas: Sequence[float] | None = None, inter_node: bool | None = None, attention: str = "ring") -> float:
     """Seconds of fwd+bwd for one group of `degree` ranks holding these sequences."""
@@ -226,8 +258,10 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
                terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[str]:
     """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
     Ulysses over u ranks times a ring over d/u (`kinds.attention_kinds`: u divides the degree and
-    the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node. Ties
-    keep the ring (then the smaller u); a free choice never prices a group above its ring time.
+    the head count, u <= ranks_per_node) where each Ulysses sub-group sits inside one node, or, for
+    a group whose ranks span nodes, Ulysses over all of them where the head count allows. Ties
+    keep the ring (then the smaller u, then the node-local kinds); a free choice never prices a
+    group above its ring time.
 
     With `cost.geometry.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
     padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
@@ -283,6 +317,16 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             for g in np.flatnonzero(ubest < np.iinfo(np.int64).max).tolist():
                 kinds[g] = attention_name(int(ubest[g]), int(d[g] // ubest[g]))
             times = best
+    # a group over nodes may also run Ulysses over all its ranks (the all-to-all on the inter-node
+    # links), where the head count allows: it wins only when strictly faster
+    over = np.flatnonzero(free & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0))
+    if over.size:
+        t = group_times(cost, A[over], B[over], S[over], d[over], True, "ulysses")
+        win = t < times[over]
+        for g in over[win].tolist():
+            kinds[g] = "ulysses"
+        times = times.copy()
+        times[over[win]] = t[win]
     if fixed_any:  # menu programs' kinds, priced on their own
         times = kind_times(cost, A, B, S, d, inter, kinds)
     return kinds, times
@@ -302,6 +346,8 @@ def group_kind_times(cost: CostModel, plan: Any, lengths: Sequence[int] | np.nda
         inter = spans_nodes(g.ranks, rpn)
         kinds = [k for k in attention_kinds(g.degree, cost.num_heads, rpn)
                  if k == "ring" or not inter or node_local(g.ranks, attention_split(k, g.degree)[0], rpn)]
+        if inter and g.degree > 1 and cost.ulysses_ok(g.degree) and "ulysses" not in kinds:
+            kinds.append("ulysses")
         out.append({k: float(group_times(cost, A[i], B[i], S[i], g.degree, inter, k)) for k in kinds})
     return out
 

@@ -27,7 +27,7 @@ import numpy as np
 from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import comm_per_token, group_times
+from dhp_jax.planner.cost.pricing import best_times, comm_per_token, group_times, ulysses_sizes
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -66,7 +66,11 @@ class _ScalarTime:
     `pricing.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
     constants (the memory clamp of the bucket rule, the link's per-token and per-message terms) are
     tabulated once per model and attention kind; `group_times_of` also takes each group's ladder rung
-    once, since the rung depends on the tokens only."""
+    once, since the rung depends on the tokens only.
+
+    `attention` "best" prices each group at its least time over the kinds the per-group choice may
+    give it (`pricing.best_times`: the ring, and Ulysses over u times a ring over d / u for each u
+    of `pricing.ulysses_sizes`), so the search sees the kind the plan will run."""
 
     def __init__(self, cost: CostModel, attention: str):
         # shared lanes: the closed form below does not hold; price every evaluation with the
@@ -85,13 +89,19 @@ class _ScalarTime:
         self.padded_attention = bool(cost.padded_attention)
         self.a1, self.a2 = cost.a1, cost.a2
         self.chunk = int(g.linear_chunk)
-        self.overlap = attention == "ring" and cost.comm_overlap
+        self.best = attention == "best"
+        self.cover = bool(cost.comm_overlap)  # what a hybrid's ring traffic may hide behind
+        self.overlap = attention in ("ring", "best") and cost.comm_overlap
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
-        self.c_intra = float(comm_per_token(cost, False, attention))
-        self.c_inter = float(comm_per_token(cost, True, attention))
+        kind = "ring" if self.best else attention
+        self.c_intra = float(comm_per_token(cost, False, kind))
+        self.c_inter = float(comm_per_token(cost, True, kind))
+        self.c_a2a = float(comm_per_token(cost, False, "ulysses"))  # a hybrid's all-to-all: inside a node
+        self.c_a2a_inter = float(comm_per_token(cost, True, "ulysses"))  # Ulysses over nodes
+        self._us: dict[int, tuple[int, ...]] = {}
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
-        self.ring = attention == "ring"
+        self.ring = attention in ("ring", "best")
         self.attention = attention
         self._tables: tuple[list, list, list, list] = ([], [], [], [])
         self._degrees(64)
@@ -130,6 +140,8 @@ class _ScalarTime:
         exactly above a node), the same floats with fewer NumPy calls: the per-degree terms are
         taken from tables. Ring groups without shared lanes or a bucket menu; others call the model."""
         if not self.tabled:
+            if self.best:
+                return best_times(self.cost, A, B, S, degree)
             return group_times(self.cost, A, B, S, degree, attention="ring" if self.ring else self.attention)
         d = np.asarray(degree, dtype=np.int64)
         top = int(d.max()) if d.size else 0
@@ -150,7 +162,85 @@ class _ScalarTime:
         hidden = coef * (P * dm1 / df) + lat
         if self.overlap:
             hidden = np.maximum(hidden - A / df, 0.0)
-        return (A + B) / df + self.b1 + hidden
+        out = (A + B) / df + self.b1 + hidden
+        if self.best:
+            out = self._hybrids(A, B, P, d, out)
+        return out
+
+    def sizes(self, d: int) -> tuple[int, ...]:
+        """The Ulysses sizes of the hybrids a "best" search prices on degree d (cached, as
+        `pricing.best_times`): `pricing.ulysses_sizes`, over nodes only those dividing ranks_per_node;
+        0 last when Ulysses over all d ranks across nodes is priced too (d > ranks_per_node, heads allow)."""
+        us = self._us.get(d)
+        if us is None:
+            across = (0,) if d > self.rpn and self.cost.num_heads % d == 0 else ()
+            us = self._us[d] = tuple(u for u in ulysses_sizes(self.cost, d)
+                                     if d <= self.rpn or self.rpn % u == 0) + across
+        return us
+
+    def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`out` (ring times) lowered to each group's least hybrid time (vectorised `hybrid`)."""
+        A, B, P, d, out = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, P, d, out)))
+        out = np.array(out, dtype=np.float64)
+        top = int(d.max()) if d.size else 0
+        for u in range(2, min(top, self.rpn) + 1):
+            if self.cost.num_heads % u:
+                continue
+            m = (d % u == 0) & ((d <= self.rpn) | (self.rpn % u == 0))  # `sizes`
+            if not np.any(m):
+                continue
+            dm = d[m].astype(np.float64)
+            out[m] = np.minimum(out[m], self._hybrid_terms(A[m], B[m], P[m], dm, float(u)))
+        m = (d > self.rpn) & (self.cost.num_heads % np.maximum(d, 1) == 0)
+        if np.any(m):  # Ulysses over nodes: `pricing.group_times(..., True, "ulysses")`
+            dm = d[m].astype(np.float64)
+            exposed = self.c_a2a_inter * (P[m] / dm * (dm - 1.0) / dm) + self.l_inter * (dm - 1.0) * 1.0
+            out[m] = np.minimum(out[m], (A[m] + B[m]) / dm + self.b1 + exposed + 0.0)
+        return out
+
+    def _hybrid_terms(self, Ai: np.ndarray, Bi: np.ndarray, P: np.ndarray, d: np.ndarray, u: float) -> np.ndarray:
+        """Ulysses over u times a ring over d / u (u <= ranks_per_node) for arrays of groups, the
+        floats of `pricing.group_times(..., "hybrid", u)` (`hybrid` is the scalar form)."""
+        r = d / u
+        inter = d > self.rpn
+        ring = np.where(inter, self.c_inter, self.c_intra) * (P / u * (r - 1.0) / r)
+        exposed = self.c_a2a * (P / d * (u - 1.0) / u) + np.where(inter, self.l_inter, self.l_intra) * (u + r - 2.0) * 1.0
+        if self.cover:
+            ring = np.maximum(ring - Ai / d, 0.0)
+        return (Ai + Bi) / d + self.b1 + exposed + ring
+
+    def hybrid(self, Ai: float, Bi: float, P: float, d: int, t: float) -> float:
+        """min(t, the time of every hybrid `sizes(d)` names for a group with padded terms Ai, Bi, P
+        on d ranks): `_hybrid_terms` in scalars, the same floats."""
+        us = self._us.get(d)
+        if us is None:
+            us = self.sizes(d)
+        if not us:
+            return t
+        df = float(d)
+        if d > self.rpn:
+            c_ring, lat = self.c_inter, self.l_inter
+        else:
+            c_ring, lat = self.c_intra, self.l_intra
+        base = (Ai + Bi) / df + self.b1
+        c_a2a, cover = self.c_a2a, self.cover
+        for u in us:
+            if u == 0:  # Ulysses over all d ranks, across nodes
+                ti = base + (self.c_a2a_inter * (P / df * (df - 1.0) / df) + self.l_inter * (df - 1.0) * 1.0) + 0.0
+                if ti < t:
+                    t = ti
+                continue
+            uf = float(u)
+            r = df / uf
+            ring = c_ring * (P / uf * (r - 1.0) / r)
+            if cover:
+                ring = ring - Ai / df
+                if ring < 0.0:
+                    ring = 0.0
+            ti = base + (c_a2a * (P / df * (uf - 1.0) / uf) + lat * (uf + r - 2.0) * 1.0) + ring
+            if ti < t:
+                t = ti
+        return t
 
     def _vector_tables(self, top: int) -> None:
         """Arrays over degrees 0..top of `times`: 2d, the memory clamp (as `bucket_lengths` computes
@@ -166,6 +256,8 @@ class _ScalarTime:
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
+            if self.best:
+                return float(best_times(self.exact[0], A, B, S, d))
             return float(group_times(self.exact[0], A, B, S, d, attention=self.exact[1]))
         if self.rungs is not None:  # the bucket rule inline (`_rung_scalar`), per-degree constants tabulated
             step, clamp, coef, lat = self._tables if d < len(self._tables[0]) else self._degrees(d)
@@ -181,7 +273,8 @@ class _ScalarTime:
             comm = coef[d] * sent + lat[d]
             if self.overlap:
                 comm = max(comm - A / d, 0.0)
-            return (A + B) / d + self.b1 + comm
+            t = (A + B) / d + self.b1 + comm
+            return self.hybrid(A, B, P, d, t) if self.best else t
         if self.bucket is not None:
             P = self.bucket(S, d)  # = c.padded_length(S, d)
             if self.padded_attention:
@@ -194,7 +287,8 @@ class _ScalarTime:
             comm = self.c_intra * sent + self.l_intra * (d - 1)
         if self.overlap:
             comm = max(comm - A / d, 0.0)
-        return (A + B) / d + self.b1 + comm
+        t = (A + B) / d + self.b1 + comm
+        return self.hybrid(A, B, S, d, t) if self.best else t
 
     def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
         """`ev(i, d)` = this T for group i (terms A[i], B[i], S[i], indexable) at degree d; each
@@ -209,6 +303,7 @@ class _ScalarTime:
         chunk = self.chunk
         ring, clamped, padded = self.ring, self.mpd is not None, self.rungs is not None
         tables = self._degrees
+        hybrid = self.hybrid if self.best else None
 
         def ev(i: int, d: int) -> float:
             nonlocal step, clamp, coef, lat
@@ -237,6 +332,8 @@ class _ScalarTime:
                 comm = comm - Ai / d
                 if comm < 0.0:  # max(comm, 0.0)
                     comm = 0.0
+            if hybrid is not None:
+                return hybrid(Ai, Bi, P, d, (Ai + Bi) / d + b1 + comm)
             return (Ai + Bi) / d + b1 + comm
 
         return ev
@@ -279,7 +376,8 @@ def allocate(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin: S
     """Optimal degrees (int64[K']) and makespan, or None when the groups cannot fit on `num_ranks`.
 
     Group times use `cost` with inter-node links exactly when d > ranks_per_node (placement keeps
-    smaller groups inside a node where it can).
+    smaller groups inside a node where it can). `attention`: the kind every group is priced at ("ring",
+    "ulysses"), or "best": each group at its fastest kind (`pricing.best_times`).
 
     `limit` (what the caller must beat): the result is the same as without it whenever its makespan
     is below `limit`; otherwise the makespan returned is inf (no allocation comes in under `limit`,
@@ -479,7 +577,8 @@ def brute_force(A: Sequence[float], B: Sequence[float], S: Sequence[float], dmin
         for d in ds:
             if d < dmin[i] or d > left:
                 continue
-            ti = float(group_times(cost, A[i], B[i], S[i], d, attention=attention))
+            ti = float(best_times(cost, A[i], B[i], S[i], d) if attention == "best"
+                       else group_times(cost, A[i], B[i], S[i], d, attention=attention))
             rec(i + 1, left - d, max(worst, ti))
 
     rec(0, num_ranks, 0.0)

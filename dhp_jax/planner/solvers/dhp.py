@@ -15,7 +15,7 @@ import numpy as np
 from dhp_jax.planner.contract.plan import PlanningError, spans_nodes
 from dhp_jax.planner.cost.memory import min_degree
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import (attention_for, best_kind_times, best_kinds, bin_sums, group_times, makespan,
+from dhp_jax.planner.cost.pricing import (attention_for, best_kind_times, best_kinds, best_times, bin_sums, group_times, makespan,
                                          makespans, price_groups)
 from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers import microbatch
@@ -77,7 +77,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
 
     Packs at the granularities `factors` (default `coarsen_factors`; stopping once the makespan
     gets worse), allocates degrees exactly for each packing, keeps the best, then refines it and
-    re-allocates. The fourth entry is the granularity that won.
+    re-allocates. The fourth entry is the granularity that won (0.0: every sequence alone, tried
+    first whenever the micro-batch has no more sequences than ranks).
 
     `limit`: what the caller needs the makespan to come in under (a split or a move that cannot
     win otherwise). Each allocation is bounded by it and by the best so far, so a packing that
@@ -91,9 +92,14 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     w, dm = prob.work[idx], prob.dmin[idx]
     order = np.lexsort((np.arange(len(idx)), -w))
     if packing:
-        fs = list(coarsen_factors(N) if factors is None else factors)
+        fs = [f for f in (coarsen_factors(N) if factors is None else factors) if f > 0]
         packer = Packer(w, tok, dm, N, prob.cap, order)  # the set-up shared by the granularities
         makers = [lambda f=f: packer(f) for f in fs]
+        if 1 < len(idx) <= N:
+            # few sequences: each in its own group is a packing too (granularity 0), one the work
+            # balance never makes when a light sequence fits beside a heavy one
+            fs = [0.0] + fs
+            makers = [lambda: np.argsort(order, kind="stable")] + makers
     else:
         fs = [1.0]
         makers = [lambda: np.argsort(order, kind="stable")]  # every sequence its own bin
@@ -120,7 +126,8 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
         A, B, S = (np.bincount(assign, v, minlength=n) for v in (attn, lin, tok))
         dmin_bins = np.maximum(1, np.ceil(S / prob.cap - 1e-12)).astype(np.int64)  # = cost.min_degree(S)
         # bounded by the best so far: a packing that cannot beat it costs only a few raises
-        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed, limit if best is None else min(best[2], limit))
+        res = allocate_scored(A, B, S, dmin_bins, N, cost, allowed, limit if best is None else min(best[2], limit),
+                              prob.kind)
         if res is None:
             continue
         if res[1] == np.inf:  # cannot come in under the best so far, or under the limit
@@ -140,14 +147,14 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
 def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
     """Re-balance a solved micro-batch (refine.py), re-allocate its degrees; keep it if better."""
     bins, deg, mk, f = sol
-    new = [g for g in refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, prob.cost) if g]
+    new = [g for g in refine_groups(bins, deg, prob.attn, prob.lin, prob.tok, prob.cost, prob.kind) if g]
     if new != bins:
         res = _allocate_bins(prob, new, allowed, mk)
         if res is not None and res[1] < mk:
             return (new, res[0], res[1], f)
         # the refined groups at their old degrees are never worse than before
         A, B, S = bin_sums(new, prob.attn, prob.lin, prob.tok)
-        t_new = score(prob.cost, A, B, S, deg)
+        t_new = score(prob.cost, A, B, S, deg, prob.kind)
         if t_new < mk:
             return (new, deg, t_new, f)
     return sol
@@ -155,14 +162,17 @@ def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
 def _allocate_bins(prob: Problem, bins: list[list[int]], allowed: np.ndarray, limit: float = np.inf
                    ) -> tuple[np.ndarray, float] | None:
     A, B, S = bin_sums(bins, prob.attn, prob.lin, prob.tok)
-    return allocate_scored(A, B, S, min_degree(prob.cost, S), prob.num_ranks, prob.cost, allowed, limit)
+    return allocate_scored(A, B, S, min_degree(prob.cost, S), prob.num_ranks, prob.cost, allowed, limit, prob.kind)
 
-def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any) -> float:
-    """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `pricing.makespan`)."""
-    return makespan(cost, group_times(cost, A, B, S, deg), deg)
+def score(cost: CostModel, A: Any, B: Any, S: Any, deg: Any, kind: str = "ring") -> float:
+    """Makespan of one micro-batch's groups at degrees `deg` (lanes-aware: `pricing.makespan`), each
+    group on the ring or (`kind` "best") at its fastest kind (`pricing.best_times`)."""
+    t = best_times(cost, A, B, S, deg) if kind == "best" else group_times(cost, A, B, S, deg)
+    return makespan(cost, t, deg)
 
 def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, cost: CostModel,
-                    allowed: np.ndarray | None, limit: float = np.inf) -> tuple[np.ndarray, float] | None:
+                    allowed: np.ndarray | None, limit: float = np.inf, kind: str = "ring"
+                    ) -> tuple[np.ndarray, float] | None:
     """`allocate`, judged by the micro-batch makespan that the plan's estimates use.
 
     Without `compute_lanes` this is `allocate` itself (exact for max_g T_g). On shared cores the
@@ -171,11 +181,12 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     bin its least allowed degree are scored too, and the lowest lanes-aware makespan is kept (ties:
     the full allocation). Exactness of `allocate` holds for the per-group model only.
     `limit`: a result that cannot come in under it has makespan inf (`allocate`'s `limit`; on
-    shared lanes the candidates are scored in full first).
+    shared lanes the candidates are scored in full first). `kind`: how groups are priced ("ring", or
+    "best": each at its fastest kind).
     """
     if cost.compute_lanes is None:
-        return allocate(A, B, S, dmin, num_ranks, cost, allowed, limit=limit)
-    res = allocate(A, B, S, dmin, num_ranks, cost, allowed)
+        return allocate(A, B, S, dmin, num_ranks, cost, allowed, kind, limit=limit)
+    res = allocate(A, B, S, dmin, num_ranks, cost, allowed, kind)
     if res is None:
         return res
     ds = np.arange(1, num_ranks + 1) if allowed is None else np.asarray(allowed, dtype=np.int64)
@@ -183,14 +194,14 @@ def allocate_scored(A: Any, B: Any, S: Any, dmin: np.ndarray, num_ranks: int, co
     cands = [res[0]]
     n = num_ranks // 2
     while n >= int(least.sum()):
-        r = allocate(A, B, S, dmin, n, cost, ds[ds <= n])
+        r = allocate(A, B, S, dmin, n, cost, ds[ds <= n], kind)
         if r is not None:
             cands.append(r[0])
         n //= 2
     cands.append(least)
     best = None
     for deg in cands:
-        mk = score(cost, A, B, S, deg)
+        mk = score(cost, A, B, S, deg, kind)
         if best is None or mk < best[1]:
             best = (np.asarray(deg, dtype=np.int64), mk)
     return best if best[1] < limit else (best[0], np.inf)
@@ -212,6 +223,9 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
     plan with (the given one, "ulysses" when "static-ulysses:<d>" won, "auto" for a packing on
     FlexSP's own kinds)."""
     N, cost = prob.num_ranks, prob.cost
+    # the search prices each group on the kind the plan will give it: its fastest in "best" mode
+    # (where a menu of programs fixes the kinds, the ring; the finished plans are priced on theirs)
+    prob.kind = "best" if attention == "best" and not cost.geometry.menu_kinds else "ring"
     if isinstance(degrees, str) and degrees == "any" and cost.geometry.bucket_menu and cost.geometry.bucket_min:
         degrees = [d for d, _ in cost.geometry.bucket_menu]  # a menu of programs bounds the degrees too
     allowed = allowed_degrees(N, degrees)
@@ -233,6 +247,69 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         counts = [int(num_micro_batches)]
     else:
         counts = range(lo, K + 1)
+    # the search prices each group on the kind the plan will give it, its fastest in "best" mode;
+    # there the ring-priced search is run too, and the faster finished plan by the plan's own price
+    # is kept (the first on ties): a search on the right prices can still take a path its packing
+    # and count heuristics finish worse
+    kinds = [prob.kind] + (["ring"] if prob.kind == "best" else [])
+    runs = []
+    for kind in kinds:
+        prob.kind = kind
+        runs.append(_search(prob, counts, lo, allowed, packing, refine, node_aware, programs, attention,
+                            num_micro_batches))
+    prob.kind = kinds[0]
+    if len(runs) > 1:
+        priced = []
+        for (got, exact_run) in runs:
+            if not exact_run:  # its plan's own price: every group on the kind the plan gives it
+                kinds_run, spans = _kind_makespans(prob, got[2], attention)
+                got = (sum(spans) + _compile_price(prob, got[2], programs, attention, kinds_run),) + got[1:]
+            priced.append(got)
+        chosen = min(priced, key=lambda c: c[0])  # the first of the least
+        exact = True
+    else:
+        chosen, exact = runs[0]
+    _, M, done, total = chosen
+    mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
+    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0], "chosen": "dhp"}
+
+    def price(cand: list | None, mode: str | None) -> float:
+        # a plan as `build_plan` prices it (kinds of `mode`) plus its new programs; None: DHP's own
+        got = done if cand is None else [([s for _, s in mb], [r for r, _ in mb], 0.0) for mb in cand]
+        kinds, spans = _kind_makespans(prob, got, attention if mode is None else mode)
+        return sum(spans) + _compile_price(prob, got, programs, attention, kinds)
+
+    # the static plans of the allowed degrees are DHP plans too: one that is faster replaces the
+    # search's (chosen[0] is the plan's price, but in "best" mode a lone finalist's is its ring price)
+    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0], exact, price,
+                         programs is None or not programs.compile_s)
+    if static is not None:
+        t, name, cand, mode, own = static
+    else:
+        t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
+    # FlexSP-style plans are DHP plans too: one that is faster replaces the best so far
+    if attention == "best" and node_aware:
+        if own is None:
+            own = chosen[0] if exact else price(None, None)
+        if t is None:
+            t = own
+        flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
+        if flex is not None:
+            t, name, cand, mode = flex
+    if name == "dhp":
+        return mbs, info, attention
+    return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
+                  "dhp_search_makespan_sum_s": own}, mode
+
+
+def _search(prob: Problem, counts: Sequence[int], lo: int, allowed: np.ndarray, packing: bool, refine: bool,
+            node_aware: bool, programs: ProgramCache | None, attention: str, num_micro_batches: int | None
+            ) -> tuple[tuple, bool]:
+    """DHP's own search with its groups priced on `prob.kind` (`solve_dhp`'s docstring: the count
+    search, the dissolve step, the finalists finished and judged). Returns (placed price, count,
+    finished micro-batches, search makespan sum) and whether that price is the plan's own (False: a
+    lone finalist in "best" mode, priced as the search priced it)."""
+    N, cost = prob.num_ranks, prob.cost
     best = None
     feasible: list[tuple[float, int, list]] = []
     stale = tries = 0
@@ -300,39 +377,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         actual = sum(spans) + _compile_price(prob, done, programs, attention, kinds)
         if chosen is None or actual < chosen[0] * (1 - 1e-12):
             chosen = (actual, M, done, total)
-    _, M, done, total = chosen
-    mbs = [list(zip(ranks, groups)) for groups, ranks, _ in done]
-    info: dict[str, Any] = {"num_micro_batches": M, "est_makespan_sum_s": chosen[0], "chosen": "dhp"}
-
-    def price(cand: list | None, mode: str | None) -> float:
-        # a plan as `build_plan` prices it (kinds of `mode`) plus its new programs; None: DHP's own
-        got = done if cand is None else [([s for _, s in mb], [r for r, _ in mb], 0.0) for mb in cand]
-        kinds, spans = _kind_makespans(prob, got, attention if mode is None else mode)
-        return sum(spans) + _compile_price(prob, got, programs, attention, kinds)
-
-    # the static plans of the allowed degrees are DHP plans too: one that is faster replaces the
-    # search's (chosen[0] is the plan's price, but in "best" mode a lone finalist's is its ring price)
-    exact = attention == "ring" or len(finalists) > 1
-    static = best_static(prob, allowed, attention, num_micro_batches, packing, chosen[0], exact, price,
-                         programs is None or not programs.compile_s)
-    if static is not None:
-        t, name, cand, mode, own = static
-    else:
-        t, name, cand, mode, own = chosen[0] if exact else None, "dhp", mbs, attention, None
-    # FlexSP-style plans are DHP plans too: one that is faster replaces the best so far
-    if attention == "best" and node_aware:
-        if own is None:
-            own = chosen[0] if exact else price(None, None)
-        if t is None:
-            t = own
-        flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
-        if flex is not None:
-            t, name, cand, mode = flex
-    if name == "dhp":
-        return mbs, info, attention
-    return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
-                  "dhp_search_makespan_sum_s": own}, mode
-
+    return chosen, attention == "ring" or len(finalists) > 1
 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
@@ -341,8 +386,8 @@ def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     ds = allowed.astype(np.float64)
     out = prob.work / prob.num_ranks + prob.cost.b1
     top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
-    # = cost.group_times(...) on the ring (`_ScalarTime.times`: the same floats, per-degree tables)
-    t = scalar_time(prob.cost).times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None],
+    # = pricing.group_times (or best_times) on the search's kind (`_ScalarTime.times`: the same floats)
+    t = scalar_time(prob.cost, prob.kind).times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None],
                                      allowed[None, :])
     out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
     return out
@@ -550,15 +595,22 @@ def _compile_price(prob: Problem, done: list, programs: ProgramCache | None, att
 def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bool, node_aware: bool
                       ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:
     """Refine, place on ranks, shrink node-spanning groups where that is faster; placed makespan."""
-    N, cost = prob.num_ranks, prob.cost
     if refine:
         sol = refine_microbatch(prob, sol, allowed)
-    groups, deg = sol[0], [int(d) for d in sol[1]]
+    return _place_priced(prob, sol[0], [int(d) for d in sol[1]], node_aware)
+
+
+def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_aware: bool
+                  ) -> tuple[list[list[int]], list[tuple[int, ...]], float]:
+    """Groups at degrees `deg` placed on ranks (a node-spanning group shrunk to its largest piece
+    where that is faster), and their placed makespan."""
+    N, cost = prob.num_ranks, prob.cost
     ranks = place(deg, N, cost.ranks_per_node, node_aware)
     A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
     rpn = cost.ranks_per_node
     inter = np.array([spans_nodes(r, rpn) for r in ranks], dtype=bool)
-    times = group_times(cost, A, B, S, np.asarray(deg), inter)
+    times = (best_times(cost, A, B, S, np.asarray(deg), inter) if prob.kind == "best"
+             else group_times(cost, A, B, S, np.asarray(deg), inter))
     if node_aware:
         for i in np.flatnonzero(inter & (np.asarray(deg) <= rpn)).tolist():
             # a small group cut by a node boundary: its largest piece alone may be faster
@@ -569,7 +621,8 @@ def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bo
             d = len(piece)
             if S[i] * cost.mem_per_token / d > cost.memory_budget:
                 continue
-            t = float(group_times(cost, A[i], B[i], S[i], d, False))
+            t = float(best_times(cost, A[i], B[i], S[i], d, False) if prob.kind == "best"
+                      else group_times(cost, A[i], B[i], S[i], d, False))
             if t < times[i]:
                 ranks[i], times[i] = tuple(piece), t
     return groups, ranks, makespan(cost, times, [len(r) for r in ranks])

@@ -13,8 +13,9 @@ the two. The earlier plan wins ties.
 The packings (`homogeneous_plans`): for the micro-batch counts FlexSP tries, its length-sorted
 micro-batches, each packed onto the N / d groups of one power-of-two degree d (longest sequence
 first onto the least loaded group with memory room: the plan FlexSP's MILP starts from), the d of
-least makespan per micro-batch, re-balanced by DHP's refinement (`refine.py`) where that decides
-whether it can win (within _REBALANCE of it). They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
+least makespan per micro-batch, re-balanced by DHP's refinement (`refine.py`) where the packing
+alone does not come in under the price to beat (so which packings are re-balanced does not depend
+on how close that price is). They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
 each) are not solved for DHP, so DHP is never slower than these packings by construction, and
 than FlexSP's own plan only where its MILP finds nothing better than its start.
 """
@@ -37,7 +38,6 @@ from dhp_jax.planner.solvers.refine import refine as refine_groups
 __all__ = ["best_flexsp", "homogeneous_plans"]
 
 _DROPPED = 2  # counts in a row that give no plan under the limit end the homogeneous packings' search
-_REBALANCE = 0.02  # a micro-batch this fraction of its makespan above what the limit leaves is re-balanced
 
 
 def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: float) -> list[list[int]] | None:
@@ -118,7 +118,7 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                 mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
                 if best is None or mk < best[0]:
                     best = (mk, d, groups, kinds[i])
-            if best is not None and limit <= done + best[0] + rest < limit + _REBALANCE * best[0]:
+            if best is not None and limit <= done + best[0] + rest:
                 # FlexSP's MILP improves on its start; here DHP's re-balancing does, where that
                 # decides whether the count can still come in under the limit
                 mk, d, groups, kind = best

@@ -26,6 +26,9 @@ class Problem:
         self.dmin = min_degree(cost, lengths)
         self.cap = max_tokens_per_rank(cost)
         self._orders: tuple[np.ndarray, np.ndarray] | None = None
+        # the attention kind the "dhp" search prices its groups at: "ring", or "best" (each group at
+        # its fastest kind, `pricing.best_times`); `solve_dhp` sets it from its attention mode
+        self.kind = "ring"
 
     def orders(self) -> tuple[np.ndarray, np.ndarray]:
         """The samples longest first and heaviest first, ties by position (computed once: every

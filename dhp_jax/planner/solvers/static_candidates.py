@@ -56,7 +56,7 @@ def static_prices(prob: Problem, degrees: list[int], attention: str
     """For each static degree whose groups hold every sequence: its summed micro-batch makespans
     per attention mode ("ring" in "ring" mode; in "best" mode "best", each group on the fastest
     kind `pricing.best_kinds` allows it, and "ulysses" where the head count allows Ulysses over d
-    and the per-group choice does not cover it: groups over nodes), and the (micro-batch, replica)
+    and the per-group choice may not give it to every group), and the (micro-batch, replica)
     of every sample (`baselines.static_assignments`). The groups of all degrees are priced
     together, with the functions `build_plan` prices with; with a menu of programs (kinds fixed per
     program) the "best" figure is a lower bound. Compile prices are not included."""
@@ -103,6 +103,10 @@ def static_prices(prob: Problem, degrees: list[int], attention: str
             # Ulysses over u times a ring over d / u (u = d: Ulysses), as `group_times` prices that
             # kind, every (group, u) at once; the smallest time wins, as in `best_kinds`
             np.minimum.at(best, i, group_times(cost, A[i], B[i], S[i], d[i], inter[i], "hybrid", u))
+        # a group over nodes may run Ulysses over all its ranks where the heads allow (`best_kinds`)
+        span = np.flatnonzero(inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0))
+        if span.size:
+            np.minimum.at(best, span, group_times(cost, A[span], B[span], S[span], d[span], True, "ulysses"))
         times["best"] = best
         if over:
             m = np.concatenate([np.arange(lo[k], lo[k + 1]) for k in over])
