@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dhp_jax.model.hf import api
+from dhp_jax import models
 from dhp_jax.model.hf.checkpoint import tree_from_weights
 from dhp_jax.model.hf.config import HFConfig
 
@@ -146,50 +146,13 @@ def random_params(cfg: HFConfig, seed: int = 0) -> dict:
 
 def tiny_config(family: str, token_ids: Mapping[str, int], vocab_size: int) -> dict[str, Any]:
     """config.json of a tiny model of `family` whose vision settings fit the processor files of
-    `dhp_jax.data.example` (Qwen2.5-VL 14-px and Qwen3-VL 16-px patches, temporal 2, merge 2;
-    InternVL 112-px tiles of 14-px patches, 16 tokens a tile). `token_ids`: the tokenizer's ids of
-    "image", "video", "vision_start", "vision_end" (InternVL: "image" only), and of "bos" and "eos" (optional)."""
+    `dhp_jax.data.example` (the family's `FamilySpec.tiny_config`; Qwen2.5-VL 14-px and Qwen3-VL
+    16-px patches, temporal 2, merge 2; InternVL 112-px tiles of 14-px patches, 16 tokens a tile)
+    over the LLM settings below. `token_ids`: the tokenizer's ids of the placeholders the family's
+    example names (`FamilySpec.example.token_names`), and of "bos" and "eos" (optional)."""
     text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                 rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
                 bos_token_id=token_ids.get("bos"), eos_token_id=token_ids.get("eos"),
                 pad_token_id=token_ids.get("bos"))
-    if family == "qwen2_5_vl":
-        return {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen2_5_vl_text",
-                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                    "mrope_section": [2, 3, 3]}},
-                "vision_config": {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32,
-                                  "intermediate_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
-                                  "temporal_patch_size": 2, "window_size": 112, "out_hidden_size": 64,
-                                  "fullatt_block_indexes": [1], "tokens_per_second": 2, "in_channels": 3,
-                                  "hidden_act": "silu"},
-                "image_token_id": token_ids["image"], "video_token_id": token_ids["video"],
-                "vision_start_token_id": token_ids["vision_start"], "vision_end_token_id": token_ids["vision_end"],
-                "tie_word_embeddings": False}
-    if family == "qwen3_vl":
-        return {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen3_vl_text", "attention_bias": False,
-                                "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0,
-                                                    "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
-                "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-                                  "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
-                                  "temporal_patch_size": 2, "out_hidden_size": 64, "num_position_embeddings": 64,
-                                  "deepstack_visual_indexes": [0], "in_channels": 3,
-                                  "hidden_act": "gelu_pytorch_tanh"},
-                "image_token_id": token_ids["image"], "video_token_id": token_ids["video"],
-                "vision_start_token_id": token_ids["vision_start"], "vision_end_token_id": token_ids["vision_end"],
-                "tie_word_embeddings": False}
-    if family == "internvl":
-        return {"model_type": "internvl", "architectures": ["InternVLForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen2",
-                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-                "vision_config": {"model_type": "internvl_vision", "hidden_size": 32, "num_hidden_layers": 2,
-                                  "num_attention_heads": 2, "intermediate_size": 64, "image_size": [112, 112],
-                                  "patch_size": [14, 14], "attention_bias": True, "use_qk_norm": False,
-                                  "norm_type": "layer_norm", "layer_norm_eps": 1e-6, "use_mean_pooling": True,
-                                  "hidden_act": "gelu", "num_channels": 3, "layer_scale_init_value": LAYER_SCALE},
-                "downsample_ratio": 0.5, "projector_hidden_act": "gelu", "vision_feature_layer": -1,
-                "vision_feature_select_strategy": "default", "image_token_id": token_ids["image"],
-                "image_seq_length": 16, "tie_word_embeddings": False}
-    raise ValueError(f"unknown family {family!r}; known: {api.FAMILIES}")
+    return models.spec(family).tiny_config(token_ids, vocab_size, text)
