@@ -143,16 +143,16 @@ def test_from_hf_reads_a_checkpoint_directory(tmp_path):
 
 def test_the_hf_package_reads_the_same_shapes():
     """dhp_jax.model.hf parses the stored transformers-native configs into the same LLM shapes."""
-    from dhp_jax.model.hf import internvl, qwen3_vl
+    from dhp_jax.model.hf.families import hf_module
 
     for name in NAMES:
         raw = model_configs.hf_layout(model_configs.model_config(name))
         f = model_configs.model_facts(name)
-        cfg = (internvl if f.family == "internvl" else qwen3_vl).parse(raw)
+        cfg = hf_module(f.family).parse(raw)
         t = cfg.text
         assert (t.num_layers, t.hidden_size, t.vocab_size, t.shape.num_heads, t.shape.num_kv_heads, t.shape.head_dim) == \
             (f.layers, f.hidden, f.vocab, f.heads, f.kv_heads, f.head_dim)
-        depth = cfg.vision.num_layers if f.family == "internvl" else cfg.vision.depth
+        depth = hf_module(f.family).encoder_stack(cfg)[1]
         assert cfg.tied == f.tied and depth == f.vision_layers
 
 

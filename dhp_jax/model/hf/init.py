@@ -17,6 +17,7 @@ import numpy as np
 from dhp_jax import models
 from dhp_jax.model.hf.checkpoint import tree_from_weights
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.families import hf_module
 
 STD = 0.02
 LAYER_SCALE = 0.1
@@ -58,80 +59,11 @@ def _text_shapes(cfg: HFConfig, out: dict) -> None:
         out["lm_head.weight"] = ("normal", (t.vocab_size, d))
 
 
-def _qwen_vision_shapes(cfg: HFConfig, out: dict) -> None:
-    v, raw = cfg.vision, cfg.fields["vision_config"]
-    h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
-    wide, pre = h * v.merge ** 2, "model.visual"
-    qwen3 = cfg.family == "qwen3_vl"
-    out[f"{pre}.patch_embed.proj.weight"] = ("normal", (h, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                                        v.patch_size))
-    if qwen3:
-        out[f"{pre}.patch_embed.proj.bias"] = ("zeros", (h,))
-        out[f"{pre}.pos_embed.weight"] = ("normal", (v.grid_side ** 2, h))
-    for i in range(v.depth):
-        p = f"{pre}.blocks.{i}"
-        _norm(out, f"{p}.norm1", h, qwen3)
-        _norm(out, f"{p}.norm2", h, qwen3)
-        _linear(out, f"{p}.attn.qkv", 3 * h, h, True)
-        _linear(out, f"{p}.attn.proj", h, h, True)
-        if qwen3:
-            _linear(out, f"{p}.mlp.linear_fc1", inter, h, True)
-            _linear(out, f"{p}.mlp.linear_fc2", h, inter, True)
-        else:
-            _linear(out, f"{p}.mlp.gate_proj", inter, h, True)
-            _linear(out, f"{p}.mlp.up_proj", inter, h, True)
-            _linear(out, f"{p}.mlp.down_proj", h, inter, True)
-    if qwen3:
-        mergers = [("merger", h)] + [(f"deepstack_merger_list.{k}", wide) for k in range(len(v.deepstack_blocks))]
-        for name, norm_width in mergers:
-            _norm(out, f"{pre}.{name}.norm", norm_width, True)
-            _linear(out, f"{pre}.{name}.linear_fc1", wide, wide, True)
-            _linear(out, f"{pre}.{name}.linear_fc2", d_out, wide, True)
-    else:
-        _norm(out, f"{pre}.merger.ln_q", h, False)
-        _linear(out, f"{pre}.merger.mlp.0", wide, wide, True)
-        _linear(out, f"{pre}.merger.mlp.2", d_out, wide, True)
-
-
-def _internvl_shapes(cfg: HFConfig, out: dict) -> None:
-    v, raw = cfg.vision, cfg.fields["vision_config"]
-    d, inter = v.hidden_size, int(raw["intermediate_size"])
-    pre = "model.vision_tower"
-    patches = (v.image_size[0] // v.patch_size[0]) * (v.image_size[1] // v.patch_size[1])
-    out[f"{pre}.embeddings.cls_token"] = ("normal", (1, 1, d))
-    out[f"{pre}.embeddings.patch_embeddings.projection.weight"] = ("normal", (d, v.channels) + v.patch_size)
-    out[f"{pre}.embeddings.patch_embeddings.projection.bias"] = ("zeros", (d,))
-    if raw.get("use_absolute_position_embeddings", True):
-        out[f"{pre}.embeddings.position_embeddings"] = ("normal", (1, patches + 1, d))
-    bias = bool(raw.get("attention_bias", False))
-    ln = v.norm == "layer_norm"
-    for i in range(v.num_layers):
-        p = f"{pre}.encoder.layer.{i}"
-        for k in ("q_proj", "k_proj", "v_proj"):
-            _linear(out, f"{p}.attention.{k}", d, d, bias)
-        _linear(out, f"{p}.attention.projection_layer", d, d, True)
-        if v.qk_norm:
-            _norm(out, f"{p}.attention.q_norm", d, False)
-            _norm(out, f"{p}.attention.k_norm", d, False)
-        _norm(out, f"{p}.layernorm_before", d, ln)
-        _norm(out, f"{p}.layernorm_after", d, ln)
-        out[f"{p}.lambda_1"] = ("scale", (d,))
-        out[f"{p}.lambda_2"] = ("scale", (d,))
-        _linear(out, f"{p}.mlp.fc1", inter, d, True)
-        _linear(out, f"{p}.mlp.fc2", d, inter, True)
-    if v.final_norm:
-        _norm(out, f"{pre}.layernorm", d, True)
-    wide, text_d = d * v.shuffle ** 2, cfg.text.hidden_size
-    _norm(out, "model.multi_modal_projector.layer_norm", wide, True)
-    _linear(out, "model.multi_modal_projector.linear_1", text_d, wide, True)
-    _linear(out, "model.multi_modal_projector.linear_2", text_d, text_d, True)
-
-
 def weight_shapes(cfg: HFConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{transformers weight name: (initialiser, torch shape)} of every weight of the model."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     _text_shapes(cfg, out)
-    (_internvl_shapes if cfg.family == "internvl" else _qwen_vision_shapes)(cfg, out)
+    hf_module(cfg.family).vision_weight_shapes(cfg, out)      # the encoder's and projector's
     return out
 
 
