@@ -250,8 +250,10 @@ def family_for_model(model: str) -> str:
         return model_configs.model_facts(m).vision_rule
     if _is_checkpoint_dir(str(model)):
         return models.spec(family_of(str(model))).vision_rule
-    for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen3", "qwen3-vl"),
-                        ("qwen", "qwen-vl"), ("llava", "llava")):
+    # the families' model-name prefixes (`FamilySpec.name_prefixes`), the longest first, and LLaVA's
+    prefixes = sorted([(p, s.vision_rule) for s in models.specs() for p in s.name_prefixes] + [("llava", "llava")],
+                      key=lambda pf: -len(pf[0]))
+    for prefix, fam in prefixes:
         if m.startswith(prefix):
             return fam
     raise ValueError(f"cannot tell the vision family of model {model!r}; "

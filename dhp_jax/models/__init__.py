@@ -67,7 +67,8 @@ class FamilySpec:
     (placeholder tokens and their expansion, `dhp_jax.data.chat.ChatTokenizer`); `example` (the
     tiny example's tokenizer and processor files, `dhp_jax.data.example`); `vision_rule`: the
     planner's vision-rule name of the family's published processor, and `published_model` the
-    stored model (`dhp_jax/data/models/<name>/`) that stands for it; `memory` (the family
+    stored model (`dhp_jax/data/models/<name>/`) that stands for it; `name_prefixes`: how the
+    names of its models begin ("internvl3-8b"), for a name that is no stored model; `memory` (the family
     program's per-row terms, `dhp_jax.planner.cost.memory`); `tiny_config(token_ids, vocab_size,
     text)` -> a tiny config.json; `demo` (the `dhp train` demo's model and synthetic inputs).
 
@@ -88,6 +89,7 @@ class FamilySpec:
     memory: Any
     tiny_config: Callable[..., dict]
     demo: Any
+    name_prefixes: tuple[str, ...] = ()
     hf_module: str = ""
     jax_module: str = ""
     jax_tp_module: str = ""

@@ -26,6 +26,6 @@ def tiny_config(token_ids, vocab_size, text):
 
 
 SPEC = models.register(dataclasses.replace(
-    base.SPEC, name=NAME, model_types=(NAME,), processor_names=(NAME,), vision_rule="toy-vl",
+    base.SPEC, name=NAME, model_types=(NAME,), processor_names=(NAME,), name_prefixes=("toy",), vision_rule="toy-vl",
     config=models.ConfigRules(FIELDS, (base.TEXT,), VISION, {NAME: VISION}, tie_text=True, nest=base.nest),
     tiny_config=tiny_config, hf_module="toy_family.hf_config"))

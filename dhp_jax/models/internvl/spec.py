@@ -279,7 +279,8 @@ class Demo:
 
 
 SPEC = register(FamilySpec(
-    name=NAME, model_types=(NAME,), config=CONFIG, facts=facts, processor=Processor(),
+    name=NAME, model_types=(NAME,), name_prefixes=("internvl", "intern-vl"),
+    config=CONFIG, facts=facts, processor=Processor(),
     processor_names=("internvl", "gotocr2"), chat=Chat(), example=EXAMPLE, vision_rule="internvl",
     published_model="internvl3-8b", memory=MEMORY, tiny_config=tiny_config, demo=Demo(),
     hf_module="dhp_jax.models.internvl.hf_config", jax_module="dhp_jax.models.internvl.jax_model",

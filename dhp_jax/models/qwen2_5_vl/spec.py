@@ -170,7 +170,8 @@ class Demo(QwenDemo):
 
 
 SPEC = register(FamilySpec(
-    name=NAME, model_types=(NAME,), config=CONFIG, facts=facts, processor=Processor(),
+    name=NAME, model_types=(NAME,), name_prefixes=("qwen",),
+    config=CONFIG, facts=facts, processor=Processor(),
     processor_names=("qwen2_5_vl", "qwen2_vl", "qwen2vl", "qwen2_5vl"), chat=QwenChat(), example=EXAMPLE,
     vision_rule="qwen-vl", published_model="qwen2.5-vl-32b", memory=MEMORY, tiny_config=tiny_config, demo=Demo(),
     hf_module="dhp_jax.models.qwen2_5_vl.hf_config", jax_module="dhp_jax.models.qwen2_5_vl.jax_model",

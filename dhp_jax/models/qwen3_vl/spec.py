@@ -124,7 +124,8 @@ class Demo(QwenDemo):
 
 
 SPEC = register(FamilySpec(
-    name=NAME, model_types=(NAME,), config=CONFIG, facts=facts, processor=Processor(),
+    name=NAME, model_types=(NAME,), name_prefixes=("qwen3",),
+    config=CONFIG, facts=facts, processor=Processor(),
     processor_names=("qwen3_vl", "qwen3vl"), chat=Chat(), example=EXAMPLE, vision_rule="qwen3-vl",
     published_model="qwen3-vl-8b", memory=MEMORY, tiny_config=tiny_config, demo=Demo(),
     hf_module="dhp_jax.models.qwen3_vl.hf_config", jax_module="dhp_jax.models.qwen3_vl.jax_model",
