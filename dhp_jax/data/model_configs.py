@@ -154,7 +154,7 @@ def _text_params(t: Mapping[str, Any], f: dict[str, Any], tied: bool) -> int:
     q, kv = f["heads"] * hd, f["kv_heads"] * hd
     # q/k/v biases: Qwen2's attention always has them; the others' config says (attention_bias)
     bias = bool(t["attention_bias"]) if "attention_bias" in hf_config.FIELDS[t["model_type"]] else True
-    qk_norm = t["model_type"] in ("qwen3", "qwen3_vl_text")
+    qk_norm = models.text_kinds()[t["model_type"]][1]            # the family's `ConfigRules.text_kinds`
     layer = d * (q + 2 * kv) + q * d + 3 * d * f["intermediate"] + 2 * d
     layer += (q + 2 * kv) * bias + 2 * hd * qk_norm
     return f["layers"] * layer + d + f["vocab"] * d * (1 if tied else 2)

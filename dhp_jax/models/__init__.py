@@ -44,7 +44,10 @@ class ConfigRules:
     when text_config says so; `nest(config)`: the nested layout of a config of this family (a flat
     one moved into text_config; the nested one as is); `layouts`: {other model_type: converter to
     this family's nested layout} (e.g. a vendor's own checkpoint layout); `text_section(config)`:
-    the prefix the LLM's fields get in errors ("text_config.", "" for a flat file)."""
+    the prefix the LLM's fields get in errors ("text_config.", "" for a flat file); `text_kinds`:
+    {text model type: (q/k/v bias, QK-norm, rotary kind "plain" | "mrope_sections" |
+    "mrope_interleaved")} of its LLMs (where the config class has an `attention_bias` field, that
+    field decides the bias)."""
 
     fields: Mapping[str, Mapping[str, Any]]
     text_types: tuple[str, ...]
@@ -54,6 +57,7 @@ class ConfigRules:
     nest: Callable[[dict], dict] | None = None
     layouts: Mapping[str, Callable[[dict], dict]] = dataclasses.field(default_factory=dict)
     text_section: Callable[[Mapping[str, Any]], str] = lambda config: "text_config."
+    text_kinds: Mapping[str, tuple[bool, bool, str]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,4 +180,13 @@ def fields() -> dict[str, dict[str, Any]]:
     for s in specs():
         for k, v in s.config.fields.items():
             out.setdefault(k, dict(v))
+    return out
+
+
+def text_kinds() -> dict[str, tuple[bool, bool, str]]:
+    """{text model type: (q/k/v bias, QK-norm, rotary kind)} of every registered family's LLMs."""
+    out: dict[str, tuple[bool, bool, str]] = {}
+    for s in specs():
+        for k, v in s.config.text_kinds.items():
+            out.setdefault(k, tuple(v))
     return out

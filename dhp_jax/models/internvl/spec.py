@@ -67,6 +67,8 @@ def from_chat_layout(config: dict) -> dict:
 
 CONFIG = ConfigRules(FIELDS, ("qwen2", "qwen3", "llama"), VISION, {"intern_vit_6b": VISION},
                      layouts={"internvl_chat": from_chat_layout},
+                     text_kinds={"qwen2": (True, False, "plain"), "qwen3": (False, True, "plain"),
+                                 "llama": (False, False, "plain")},
                      text_section=lambda config: "llm_config." if config.get("model_type") == "internvl_chat"
                      else "text_config.")
 

@@ -61,7 +61,8 @@ def nest(config: dict) -> dict:
 
 
 CONFIG = ConfigRules(FIELDS, (TEXT,), VISION, {NAME: VISION}, tie_text=True, nest=nest,
-                     text_section=lambda config: "" if _flat(config) else "text_config.")
+                     text_section=lambda config: "" if _flat(config) else "text_config.",
+                     text_kinds={TEXT: (True, False, "mrope_sections")})      # Qwen2's q/k/v biases, M-RoPE
 
 
 def _block(v, vh, vi, patch, channels, temporal, qkv):

@@ -36,7 +36,8 @@ FIELDS = {
     NAME: dict(image_token_id=151655, video_token_id=151656, vision_start_token_id=151652,
                vision_end_token_id=151653, tie_word_embeddings=False),
 }
-CONFIG = ConfigRules(FIELDS, (TEXT,), VISION, {NAME: VISION})
+CONFIG = ConfigRules(FIELDS, (TEXT,), VISION, {NAME: VISION},
+                     text_kinds={TEXT: (False, True, "mrope_interleaved")})   # QK-norm, interleaved M-RoPE
 
 
 def _block(v, vh, vi, patch, channels, temporal, qkv):
