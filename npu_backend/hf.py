@@ -40,9 +40,6 @@ from dhp_jax.model.hf.spec import RopeSpec
 from npu_backend.model import AttnFn, dense_attn
 
 LM_HEAD = "lm_head.weight"
-VISION_EPS = 1e-6         # the Qwen vision norms and mergers (fixed in transformers)
-PROJECTOR_EPS = 1e-5      # InternVL's projector LayerNorm (torch's default)
-QK_NORM_EPS = 1e-6        # InternViT's QK-norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,

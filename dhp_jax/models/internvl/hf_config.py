@@ -15,6 +15,8 @@ from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_inde
 from dhp_jax.model.hf.spec import TextConfig
 
 MODEL_TYPES = ("internvl",)
+PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
+QK_NORM_EPS = 1e-6       # InternViT's QK-norm
 INTERNVL_RENAMES = ((r"^language_model\.lm_head", "lm_head"),
                     (r"^language_model\.model\.", "model.language_model."),
                     (r"^language_model", "model.language_model"),

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.models.internvl.hf_config import pixel_shuffle
+from dhp_jax.models.internvl.hf_config import PROJECTOR_EPS, QK_NORM_EPS, pixel_shuffle
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, block_collectives, causal_ids,
                                      layer_norm, linear, per_block, rms_norm, row_linear, segment_ids, split_rms_norm)
@@ -32,8 +32,6 @@ from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
 from dhp_jax.model.tensor import TensorHooks
 
-PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
-QK_NORM_EPS = 1e-6
 
 
 def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from npu_backend.hf import PROJECTOR_EPS, QK_NORM_EPS, TorchFamilyModel, activation, segment_ids
+from dhp_jax.models.internvl.hf_config import PROJECTOR_EPS, QK_NORM_EPS
+from npu_backend.hf import TorchFamilyModel, activation, segment_ids
 
 
 def encode(m: TorchFamilyModel, vi, pixels, tap_weights, attn):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.models.qwen_common.hf_vision import VISION_EPS
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_ids, gated, linear,
                                      qwen_vision_block, rms_norm, rotary, row_linear, segment_ids)
@@ -29,7 +30,6 @@ from dhp_jax.model.hf.text import text_forward
 from dhp_jax.model.tensor import TensorHooks
 
 
-VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn,

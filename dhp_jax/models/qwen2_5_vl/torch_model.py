@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from dhp_jax.models.qwen_common.torch_vision import qwen_sequence_locals, qwen_vision_split
-from npu_backend.hf import VISION_EPS, TorchFamilyModel, activation, rope_angles, segment_ids
+from dhp_jax.models.qwen_common.hf_vision import VISION_EPS
+from npu_backend.hf import TorchFamilyModel, activation, rope_angles, segment_ids
 
 
 def encode(m: TorchFamilyModel, vi, pixels, tap_weights, attn):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.models.qwen_common.hf_vision import VISION_EPS
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
                                      per_block, qwen_vision_block, rotary, row_linear, segment_ids)
@@ -32,7 +33,6 @@ from dhp_jax.model.hf.text import text_forward
 from dhp_jax.model.tensor import TensorHooks
 
 
-VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and the mergers
 
 
 def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool) -> jax.Array:

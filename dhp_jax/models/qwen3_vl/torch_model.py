@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from dhp_jax.models.qwen_common.torch_vision import qwen_sequence_locals, qwen_vision_split
-from npu_backend.hf import VISION_EPS, TorchFamilyModel, activation, rope_angles, segment_ids
+from dhp_jax.models.qwen_common.hf_vision import VISION_EPS
+from npu_backend.hf import TorchFamilyModel, activation, rope_angles, segment_ids
 
 
 def merge(m: TorchFamilyModel, prefix: str, x: torch.Tensor, norm_after_merge: bool) -> torch.Tensor:

@@ -23,6 +23,7 @@ from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_inde
 from dhp_jax.model.hf.spec import RopeSpec, TextConfig
 
 # (modality, pixel key, grid key) of the processor outputs, in the order the model encodes them
+VISION_EPS = 1e-6        # the vision norms' and mergers' eps: fixed in transformers, not configured
 # the legacy checkpoint names both families' weights were saved under (transformers' own conversion mapping)
 QWEN_RENAMES = ((r"^visual", "model.visual"),
                 (r"^model(?!\.(language_model|visual))", "model.language_model"))
