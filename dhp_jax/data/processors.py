@@ -6,8 +6,7 @@ torchvision is needed. `VisionProcessor` holds the merged settings and the steps
 shares (rescale and normalise, frame sampling switched on or off, the checks); the family's own
 rules are its `FamilySpec.processor` (`dhp_jax.models.<family>.spec`): the image grid and its
 token count, the pixel layout (Qwen's patch rows, InternVL's tiles), which frames a video
-samples and at what size, and the processor's output keys. The resize rules the families' code
-shares live here (`smart_resize`, `smart_resize_video`, `tile_grid`).
+samples and at what size, and the processor's output keys.
 
 Token counts come from sizes and stream metadata only (`image_tokens`, `video_plan`), so the
 planner can count a sample before any pixel is decoded; the decoded result has the same grid. The
@@ -35,7 +34,6 @@ CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 BICUBIC = 3
-MAX_ASPECT_RATIO = 200  # the Qwen processors refuse longer strips
 
 _COMMON = {"do_resize": True, "do_rescale": True, "do_normalize": True, "rescale_factor": 1 / 255,
            "resample": BICUBIC}
@@ -148,11 +146,6 @@ class VisionProcessor:
         image, video, proc = processor_configs(checkpoint)
         return cls(family or family_of(checkpoint), image, video, proc, video_sampling)
 
-    @property
-    def patch_rows(self) -> bool:
-        """Whether pixel values are patch rows with a grid (Qwen) rather than whole tiles (InternVL)."""
-        return bool(self.rules.patch_rows)
-
     # --- images: counts from the size alone --------------------------------------------------
     def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
         """Qwen: `image_grid_thw` (1, H/patch, W/patch); InternVL: (tiles, columns, rows)."""
@@ -262,72 +255,6 @@ def video_sampling_kwargs(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's resize rule: multiples of `factor`, pixels within [min, max], aspect kept."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen3-VL's video resize rule: the pixel bounds hold for all sampled frames together."""
-    if num_frames < temporal_factor:
-        raise ValueError(f"{num_frames} sampled frames: Qwen3-VL needs at least {temporal_factor}")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    t = round(num_frames / temporal_factor) * temporal_factor
-    if t * h * w > max_pixels:
-        beta = math.sqrt(num_frames * height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif t * h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-def tile_grid(width: int, height: int, tile_w: int, tile_h: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
-    """(columns, rows): InternVL's grid with the closest aspect ratio; a tie goes to the larger
-    grid while the image covers more than half of it."""
-    grids = sorted(((c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
-                    if min_tiles <= c * r <= max_tiles), key=lambda g: g[0] * g[1])
-    aspect, area = width / height, width * height
-    best, best_diff = (1, 1), math.inf
-    for c, r in grids:
-        diff = abs(aspect - c / r)
-        if diff < best_diff:
-            best, best_diff = (c, r), diff
-        elif diff == best_diff and area > 0.5 * tile_w * tile_h * c * r:
-            best = (c, r)
-    return best
-
-
-def qwen3_timestamps(indices: np.ndarray, fps: float, temporal_patch: int) -> list[float]:
-    """Seconds of each temporal patch: the mean time of its first and last frame."""
-    idx = [int(i) for i in indices]
-    if len(idx) % temporal_patch:
-        idx += [idx[-1]] * (temporal_patch - len(idx) % temporal_patch)
-    t = [i / fps for i in idx]
-    return [(t[i] + t[i + temporal_patch - 1]) / 2 for i in range(0, len(t), temporal_patch)]
-
-
 def _torch_float_arange_int(start: float, end: float, step: float) -> np.ndarray:
     """`torch.arange(start, end, step).int()` with float arguments: the length is computed in
     float64, the values in float64 then stored as float32 (torch's default dtype), then truncated."""
@@ -345,15 +272,3 @@ def _resize(im, width: int, height: int, resample: int) -> np.ndarray:
     if im.size == (width, height):
         return np.asarray(im)
     return np.asarray(im.resize((width, height), resample=resample))
-
-
-def _qwen_patchify(x: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
-    """[T, C, H, W] -> [T/tp * H/p * W/p, C*tp*p*p] in Qwen-VL's order; T == 1 repeats the frame."""
-    t, ch, hh, ww = x.shape
-    if t == 1:
-        x = np.broadcast_to(x, (temporal, ch, hh, ww))
-        t = temporal
-    gt, gh, gw = t // temporal, hh // patch, ww // patch
-    y = x.reshape(gt, temporal, ch, gh // merge, merge, patch, gw // merge, merge, patch)
-    y = y.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(y.reshape(gt * gh * gw, ch * temporal * patch * patch), dtype=np.float32)

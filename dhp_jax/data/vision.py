@@ -46,7 +46,7 @@ from typing import Any, Mapping
 
 from dhp_jax import models
 from dhp_jax.data.media import VideoInfo
-from dhp_jax.data.processors import MAX_ASPECT_RATIO, VisionProcessor, family_of, smart_resize  # noqa: F401 (public)
+from dhp_jax.data.processors import VisionProcessor, family_of
 from dhp_jax.data.sample import Segment
 
 MODELS_DIR = Path(__file__).with_name("models")

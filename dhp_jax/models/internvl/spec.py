@@ -8,11 +8,12 @@ and the InternVL video processor (each frame one tile resized to `size`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
 
-from dhp_jax.data.processors import CLIP_MEAN, CLIP_STD, VideoPlan, _resize, _torch_float_arange_int, tile_grid
+from dhp_jax.data.processors import CLIP_MEAN, CLIP_STD, VideoPlan, _resize, _torch_float_arange_int
 from dhp_jax.models import ConfigRules, FamilySpec, register
 from dhp_jax.models.qwen_common.example import ExampleFiles
 from dhp_jax.models.qwen_common.memory import MemoryTerms
@@ -104,6 +105,22 @@ def facts(raw: Mapping[str, Any], d: int, where: str) -> dict[str, Any]:
                 projector=projector, rule=rule)
 
 
+def tile_grid(width: int, height: int, tile_w: int, tile_h: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
+    """(columns, rows): InternVL's grid with the closest aspect ratio; a tie goes to the larger
+    grid while the image covers more than half of it."""
+    grids = sorted(((c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
+                    if min_tiles <= c * r <= max_tiles), key=lambda g: g[0] * g[1])
+    aspect, area = width / height, width * height
+    best, best_diff = (1, 1), math.inf
+    for c, r in grids:
+        diff = abs(aspect - c / r)
+        if diff < best_diff:
+            best, best_diff = (c, r), diff
+        elif diff == best_diff and area > 0.5 * tile_w * tile_h * c * r:
+            best = (c, r)
+    return best
+
+
 class Processor:
     image_defaults = {"size": {"height": 384, "width": 384}, "min_patches": 1, "max_patches": 12,
                       "image_mean": CLIP_MEAN, "image_std": CLIP_STD}
@@ -111,7 +128,6 @@ class Processor:
                       "do_sample_frames": False, "fps": None, "num_frames": None, "initial_shift": True}
     # its video processor takes every frame by default: a run samples 1 frame/s
     auto_sampling = {"fps": 1.0}
-    patch_rows = False    # pixel values are whole tiles [tiles, 3, S, S]
 
     def factor(self, p) -> int:
         """Pixels per LLM token along a side: the tile's."""

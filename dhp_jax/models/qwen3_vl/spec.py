@@ -6,18 +6,18 @@ pixel budget over all sampled frames, one `<t seconds>` timestamp per temporal p
 
 from __future__ import annotations
 
+import math
 from typing import Any, Mapping
 
 import numpy as np
 
-from dhp_jax.data.processors import qwen3_timestamps, smart_resize_video
 from dhp_jax.models import ConfigRules, FamilySpec, register
 from dhp_jax.models.qwen_common.chat import QwenChat
 from dhp_jax.models.qwen_common.demo import QwenDemo
 from dhp_jax.models.qwen_common.example import SPECIALS, TOKEN_NAMES, TOKENIZER, ExampleFiles
 from dhp_jax.models.qwen_common.facts import qwen_vision_facts
 from dhp_jax.models.qwen_common.memory import MemoryTerms, qwen_encoder_saved, qwen_tail
-from dhp_jax.models.qwen_common.processor import QwenPatches
+from dhp_jax.models.qwen_common.processor import MAX_ASPECT_RATIO, QwenPatches
 from dhp_jax.models.qwen_common.tiny import qwen_tiny
 
 NAME = "qwen3_vl"
@@ -49,6 +49,39 @@ def _block(v, vh, vi, patch, channels, temporal, qkv):
 
 def facts(raw: Mapping[str, Any], d: int, where: str) -> dict[str, Any]:
     return qwen_vision_facts(raw, d, where, _block)
+
+
+def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
+                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen3-VL's video resize rule: the pixel bounds hold for all sampled frames together."""
+    if num_frames < temporal_factor:
+        raise ValueError(f"{num_frames} sampled frames: Qwen3-VL needs at least {temporal_factor}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    t = round(num_frames / temporal_factor) * temporal_factor
+    if t * h * w > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif t * h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def qwen3_timestamps(indices: np.ndarray, fps: float, temporal_patch: int) -> list[float]:
+    """Seconds of each temporal patch: the mean time of its first and last frame."""
+    idx = [int(i) for i in indices]
+    if len(idx) % temporal_patch:
+        idx += [idx[-1]] * (temporal_patch - len(idx) % temporal_patch)
+    t = [i / fps for i in idx]
+    return [(t[i] + t[i + temporal_patch - 1]) / 2 for i in range(0, len(t), temporal_patch)]
 
 
 class Processor(QwenPatches):

@@ -5,11 +5,44 @@ patch x merge, `image_grid_thw` = (1, H/patch, W/patch), LLM tokens = grid produ
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from dhp_jax.data.processors import CLIP_MEAN, CLIP_STD, VideoPlan, _qwen_patchify, _resize, smart_resize
+from dhp_jax.data.processors import CLIP_MEAN, CLIP_STD, VideoPlan, _resize
+
+MAX_ASPECT_RATIO = 200  # the Qwen processors refuse longer strips
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: multiples of `factor`, pixels within [min, max], aspect kept."""
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def qwen_patchify(x: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
+    """[T, C, H, W] -> [T/tp * H/p * W/p, C*tp*p*p] in Qwen-VL's order; T == 1 repeats the frame."""
+    t, ch, hh, ww = x.shape
+    if t == 1:
+        x = np.broadcast_to(x, (temporal, ch, hh, ww))
+        t = temporal
+    gt, gh, gw = t // temporal, hh // patch, ww // patch
+    y = x.reshape(gt, temporal, ch, gh // merge, merge, patch, gw // merge, merge, patch)
+    y = y.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return np.ascontiguousarray(y.reshape(gt * gh * gw, ch * temporal * patch * patch), dtype=np.float32)
+
 
 # the Qwen2-VL image processor's own defaults (both families use it)
 IMAGE_DEFAULTS = {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}, "patch_size": 14,
@@ -22,7 +55,6 @@ class QwenPatches:
     image_defaults: dict[str, Any] = IMAGE_DEFAULTS
     video_defaults: dict[str, Any] = {}
     auto_sampling: dict[str, Any] = {}
-    patch_rows = True     # pixel values are patch rows with a grid (not whole tiles)
 
     def factor(self, p) -> int:
         """Pixels per LLM token along a side: patch x merge."""
@@ -45,7 +77,7 @@ class QwenPatches:
         patch = c["patch_size"]
         img = _resize(rgb, gw * patch, gh * patch, c["resample"]) if c["do_resize"] else np.asarray(rgb)
         x = p._normalize(img, c)[None]  # [1, C, H, W]
-        return _qwen_patchify(x, patch, c["merge_size"], c["temporal_patch_size"])
+        return qwen_patchify(x, patch, c["merge_size"], c["temporal_patch_size"])
 
     def frame_indices(self, p, info, fps, num) -> np.ndarray:
         raise NotImplementedError
@@ -72,7 +104,7 @@ class QwenPatches:
         tp = c["temporal_patch_size"]
         if pad := -len(x) % tp:  # repeat the last frame up to a whole temporal patch
             x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
-        return _qwen_patchify(x, c["patch_size"], c["merge_size"], tp)
+        return qwen_patchify(x, c["patch_size"], c["merge_size"], tp)
 
     def model_inputs(self, out: dict, images: list, image_grids: list, videos: list, plans: list, order: list) -> None:
         """Fill the processor's pixel keys of one sample into `out` (images' and videos' pixel
