@@ -80,27 +80,9 @@ def vision_runs(config: HFConfig, inputs: Mapping[str, Any], batch: Mapping[str,
 processor_pixels = qv.processor_pixels
 
 
-# ----------------------------------------------------------------- random weights (`model.hf.init`)
 def vision_weight_shapes(cfg: HFConfig, out: dict) -> None:
-    """{name: (initialiser, shape)} of the encoder and merger weights, into `out`."""
-    from dhp_jax.model.hf.init import _linear, _norm
+    """The encoder's and mergers' weights (`hf_vision.vision_weight_shapes`), into `out`."""
+    qv.vision_weight_shapes(cfg, out, deepstack_layout=False)
 
-    v, raw = cfg.vision, cfg.fields["vision_config"]
-    h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
-    wide, pre = h * v.merge ** 2, "model.visual"
-    out[f"{pre}.patch_embed.proj.weight"] = ("normal", (h, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                                        v.patch_size))
-    for i in range(v.depth):
-        p = f"{pre}.blocks.{i}"
-        _norm(out, f"{p}.norm1", h, False)
-        _norm(out, f"{p}.norm2", h, False)
-        _linear(out, f"{p}.attn.qkv", 3 * h, h, True)
-        _linear(out, f"{p}.attn.proj", h, h, True)
-        _linear(out, f"{p}.mlp.gate_proj", inter, h, True)
-        _linear(out, f"{p}.mlp.up_proj", inter, h, True)
-        _linear(out, f"{p}.mlp.down_proj", h, inter, True)
-    _norm(out, f"{pre}.merger.ln_q", h, False)
-    _linear(out, f"{pre}.merger.mlp.0", wide, wide, True)
-    _linear(out, f"{pre}.merger.mlp.2", d_out, wide, True)
 
 VISION_TP_SPLIT, encoder_stack = qv.VISION_TP_SPLIT, qv.encoder_stack

@@ -97,30 +97,9 @@ def vision_runs(config: HFConfig, inputs: Mapping[str, Any], batch: Mapping[str,
 processor_pixels = qv.processor_pixels
 
 
-# ----------------------------------------------------------------- random weights (`model.hf.init`)
 def vision_weight_shapes(cfg: HFConfig, out: dict) -> None:
-    """{name: (initialiser, shape)} of the encoder, merger and DeepStack mergers' weights, into `out`."""
-    from dhp_jax.model.hf.init import _linear, _norm
+    """The encoder's and mergers' weights (`hf_vision.vision_weight_shapes`), into `out`."""
+    qv.vision_weight_shapes(cfg, out, deepstack_layout=True)
 
-    v, raw = cfg.vision, cfg.fields["vision_config"]
-    h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
-    wide, pre = h * v.merge ** 2, "model.visual"
-    out[f"{pre}.patch_embed.proj.weight"] = ("normal", (h, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                                        v.patch_size))
-    out[f"{pre}.patch_embed.proj.bias"] = ("zeros", (h,))
-    out[f"{pre}.pos_embed.weight"] = ("normal", (v.grid_side ** 2, h))
-    for i in range(v.depth):
-        p = f"{pre}.blocks.{i}"
-        _norm(out, f"{p}.norm1", h, True)
-        _norm(out, f"{p}.norm2", h, True)
-        _linear(out, f"{p}.attn.qkv", 3 * h, h, True)
-        _linear(out, f"{p}.attn.proj", h, h, True)
-        _linear(out, f"{p}.mlp.linear_fc1", inter, h, True)
-        _linear(out, f"{p}.mlp.linear_fc2", h, inter, True)
-    mergers = [("merger", h)] + [(f"deepstack_merger_list.{k}", wide) for k in range(len(v.deepstack_blocks))]
-    for name, norm_width in mergers:
-        _norm(out, f"{pre}.{name}.norm", norm_width, True)
-        _linear(out, f"{pre}.{name}.linear_fc1", wide, wide, True)
-        _linear(out, f"{pre}.{name}.linear_fc2", d_out, wide, True)
 
 VISION_TP_SPLIT, encoder_stack = qv.VISION_TP_SPLIT, qv.encoder_stack

@@ -303,3 +303,41 @@ VISION_TP_SPLIT = {"attn/qkv/kernel": (1, "qkv"), "attn/qkv/bias": (0, "qkv"), "
 def encoder_stack(config: HFConfig) -> tuple[tuple[str, ...], int]:
     """(params path, block count) of the encoder's scanned blocks."""
     return ("model", "visual", "blocks"), config.vision.depth
+
+
+# ----------------------------------------------------------------- random weights (`model.hf.init`)
+def vision_weight_shapes(cfg: HFConfig, out: dict, *, deepstack_layout: bool) -> None:
+    """{name: (initialiser, shape)} of the encoder's and mergers' weights, into `out`.
+    `deepstack_layout` (Qwen3-VL): a conv bias and a learned position table, LayerNorms with
+    biases, an fc1 / fc2 MLP, LayerNorm mergers and one per DeepStack level; else (Qwen2.5-VL)
+    RMSNorms, a gated MLP and the `ln_q` merger."""
+    from dhp_jax.model.hf.init import _linear, _norm
+
+    v, raw = cfg.vision, cfg.fields["vision_config"]
+    h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
+    wide, pre = h * v.merge ** 2, "model.visual"
+    out[f"{pre}.patch_embed.proj.weight"] = ("normal", (h, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                                        v.patch_size))
+    if deepstack_layout:
+        out[f"{pre}.patch_embed.proj.bias"] = ("zeros", (h,))
+        out[f"{pre}.pos_embed.weight"] = ("normal", (v.grid_side ** 2, h))
+    mlp = (("linear_fc1", inter, h), ("linear_fc2", h, inter)) if deepstack_layout else \
+        (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter))
+    for i in range(v.depth):
+        p = f"{pre}.blocks.{i}"
+        _norm(out, f"{p}.norm1", h, deepstack_layout)
+        _norm(out, f"{p}.norm2", h, deepstack_layout)
+        _linear(out, f"{p}.attn.qkv", 3 * h, h, True)
+        _linear(out, f"{p}.attn.proj", h, h, True)
+        for name, n_out, n_in in mlp:
+            _linear(out, f"{p}.mlp.{name}", n_out, n_in, True)
+    if deepstack_layout:
+        mergers = [("merger", h)] + [(f"deepstack_merger_list.{k}", wide) for k in range(len(v.deepstack_blocks))]
+        for name, norm_width in mergers:
+            _norm(out, f"{pre}.{name}.norm", norm_width, True)
+            _linear(out, f"{pre}.{name}.linear_fc1", wide, wide, True)
+            _linear(out, f"{pre}.{name}.linear_fc2", d_out, wide, True)
+    else:
+        _norm(out, f"{pre}.merger.ln_q", h, False)
+        _linear(out, f"{pre}.merger.mlp.0", wide, wide, True)
+        _linear(out, f"{pre}.merger.mlp.2", d_out, wide, True)
