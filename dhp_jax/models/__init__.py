@@ -7,15 +7,15 @@ A family folder's files are split by layer (`tests/test_layering.py` classifies 
 - `spec.py` and every other file without a prefix: pure Python and NumPy, at the bottom of the
   import arrows (the `data` layer): the config reader's rows and layout resolution, the processor,
   the chat tokens, the memory terms, the tiny configs. `spec.py` registers the `FamilySpec`.
-- `hf_*.py`: the model layer without jax (config parsing into `HFConfig`, host-side tables), read by
-  both engines;
-- `jax_*.py`: the model layer with jax (the family's layers and forward, its tensor-parallel split);
+- `hf_*.py`: the model layer without jax (config parsing into `HFConfig`, host-side tables, the
+  tensor-parallel table of its encoder blocks), read by both engines;
+- `jax_*.py`: the model layer with jax (the family's layers and forward);
 - `torch_*.py`: the torch backend's side (imported only by `npu_backend`).
 
 The spec names its engine modules as import strings (`jax_module`, `torch_module`, `hf_module`),
 which each engine imports on first use (`engine_module`), so the spec itself never imports jax or
 torch. A family outside the package registers the same way: a module that calls `register` (or
-defines `SPEC`), imported by name with `load` (`dhp train family_module=...`).
+defines `SPEC`), imported by name with `load` (`dhp train model.family_module=...`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class ConfigRules:
 class FamilySpec:
     """Everything that is one model family's, as hooks (see the module docstring).
 
-    Data layer: `config` (`ConfigRules`); `facts(raw, where)` -> the vision part of the planner's
+    Data layer: `config` (`ConfigRules`); `facts(raw, d, where)` -> the vision part of the planner's
     `ModelFacts` of a resolved config; `processor` (an object with the family's image and video
     rules, `dhp_jax.data.processors.VisionProcessor` delegates to it); `processor_names`: prefixes
     of model types and processor classes that name the family (`processors.family_of`); `chat`
@@ -72,13 +72,14 @@ class FamilySpec:
     tiny example's tokenizer and processor files, `dhp_jax.data.example`); `vision_rule`: the
     planner's vision-rule name of the family's published processor, and `published_model` the
     stored model (`dhp_jax/data/models/<name>/`) that stands for it; `name_prefixes`: how the
-    names of its models begin ("internvl3-8b"), for a name that is no stored model; `memory` (the family
-    program's per-row terms, `dhp_jax.planner.cost.memory`); `tiny_config(token_ids, vocab_size,
-    text)` -> a tiny config.json; `demo` (the `dhp train` demo's model and synthetic inputs).
+    names of its models begin ("internvl3-8b"), for a name that is no stored model; `memory` (the
+    family program's per-row terms, `dhp_jax.planner.cost.memory`); `tiny_config(token_ids,
+    vocab_size, text)` -> a tiny config.json; `demo` (the `dhp train` demo's model and synthetic
+    inputs).
 
     Engines (import strings, imported on first use): `hf_module` (model layer, NumPy only: parse,
-    renames, host arrays), `jax_module` (the JAX forward), `jax_tp_module` (its tensor-parallel
-    split), `torch_module` (the torch backend's encoder and split)."""
+    renames, host arrays, packed rows, weight shapes, the JAX tensor-parallel table),
+    `jax_module` (the JAX forward), `torch_module` (the torch backend's encoder and split)."""
 
     name: str
     model_types: tuple[str, ...]
@@ -96,11 +97,10 @@ class FamilySpec:
     name_prefixes: tuple[str, ...] = ()
     hf_module: str = ""
     jax_module: str = ""
-    jax_tp_module: str = ""
     torch_module: str = ""
 
     def engine_module(self, which: str) -> ModuleType:
-        """The family's module of one engine side ("hf", "jax", "jax_tp", "torch"), imported now."""
+        """The family's module of one engine side ("hf", "jax", "torch"), imported now."""
         path = getattr(self, f"{which}_module")
         if not path:
             raise ValueError(f"model family {self.name!r} has no {which} module")
