@@ -61,6 +61,44 @@ class ConfigRules:
 
 
 @dataclasses.dataclass(frozen=True)
+class ExampleFiles:
+    """`processor_class`, chat `template`, image / video processor configs and processor extras of
+    the tiny example; the tokenizer's `specials` and the `tokenizer` config entries naming them;
+    `token_names`: the placeholders `tiny_config` takes ids of; `published_extra`: the processor
+    extras the released models' files imply; `accepts_image_seq_length`: the processor takes a
+    tokens-per-tile setting."""
+
+    processor_class: str
+    template: str
+    image: dict[str, Any]
+    video: dict[str, Any]
+    extra: dict[str, Any]
+    specials: list[str]
+    tokenizer: dict[str, str]
+    token_names: dict[str, str]
+    published_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    accepts_image_seq_length: bool = False    # `write_processor_files(image_seq_length=)` applies
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryTerms:
+    """Per-row terms of a family's group program that differ by family (`planner.cost.memory`):
+    `encoder_cotangents`: (MLP-wide, block-wide) cotangents an encoder block's backward pass holds;
+    `cls_rows`: encoder rows a LLM token has beyond its patches (a tile's CLS token);
+    `position_axes`: rotary position axes of the LLM stream; `llm_qk_norm`: the LLM normalises q
+    and k; `encoder_saved(m, v, w, ff)`: elements an encoder block keeps per row without recompute;
+    `tail(m, rows, v, wide, mid, levels)`: (elements, mask bytes) per LLM token outside the scans
+    beyond the common ones."""
+
+    encoder_cotangents: tuple[int, int]
+    cls_rows: int
+    position_axes: int
+    llm_qk_norm: bool
+    encoder_saved: Any
+    tail: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilySpec:
     """Everything that is one model family's, as hooks (see the module docstring).
 

@@ -14,9 +14,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from dhp_jax.data.processors import CLIP_MEAN, CLIP_STD, VideoPlan, _resize, _torch_float_arange_int
-from dhp_jax.models import ConfigRules, FamilySpec, register
-from dhp_jax.models.qwen_common.example import ExampleFiles
-from dhp_jax.models.qwen_common.memory import MemoryTerms
+from dhp_jax.models import ConfigRules, ExampleFiles, FamilySpec, MemoryTerms, register
 
 NAME, VISION = "internvl", "internvl_vision"
 HEADS = "=num_attention_heads"

@@ -13,13 +13,12 @@ from typing import Any, Mapping
 import numpy as np
 
 from dhp_jax.data.processors import CLIP_MEAN, CLIP_STD, _torch_float_arange_int
-from dhp_jax.models import ConfigRules, FamilySpec, register
+from dhp_jax.models import ConfigRules, ExampleFiles, FamilySpec, MemoryTerms, register
 from dhp_jax.models.qwen_common.chat import QwenChat
 from dhp_jax.models.qwen_common.demo import QwenDemo
-from dhp_jax.models.qwen_common.example import (CLIP_MEAN_LIST, CLIP_STD_LIST, SPECIALS, TOKEN_NAMES, TOKENIZER,
-                                                ExampleFiles)
+from dhp_jax.models.qwen_common.example import CLIP_MEAN_LIST, CLIP_STD_LIST, SPECIALS, TOKEN_NAMES, TOKENIZER
 from dhp_jax.models.qwen_common.facts import qwen_vision_facts
-from dhp_jax.models.qwen_common.memory import MemoryTerms, qwen_encoder_saved, qwen_tail
+from dhp_jax.models.qwen_common.memory import qwen_encoder_saved, qwen_tail
 from dhp_jax.models.qwen_common.processor import QwenPatches, smart_resize
 from dhp_jax.models.qwen_common.tiny import qwen_tiny
 

@@ -2,26 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryTerms:
-    """Per-row terms of a family's group program that differ by family (`planner.cost.memory`):
-    `encoder_cotangents`: (MLP-wide, block-wide) cotangents an encoder block's backward pass holds;
-    `cls_rows`: encoder rows a LLM token has beyond its patches (a tile's CLS token);
-    `position_axes`: rotary position axes of the LLM stream; `llm_qk_norm`: the LLM normalises q
-    and k; `encoder_saved(m, v, w, ff)`: elements an encoder block keeps per row without recompute;
-    `tail(m, rows, v, wide, mid, levels)`: (elements, mask bytes) per LLM token outside the scans
-    beyond the common ones."""
-
-    encoder_cotangents: tuple[int, int]
-    cls_rows: int
-    position_axes: int
-    llm_qk_norm: bool
-    encoder_saved: Any
-    tail: Any
 
 
 def qwen_encoder_saved(m: Any, v: int, w: int, ff: int) -> int:
