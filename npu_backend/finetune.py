@@ -29,7 +29,7 @@ from dhp_jax.model.config import run_model_section
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json
-from dhp_jax.model.hf.families import REGISTRY, parse_config
+from dhp_jax.model.hf.families import family, parse_config
 from npu_backend.hf import LM_HEAD, TorchFamilyModel
 from npu_backend.weights import JaxCheckpoint, WeightsError, load_jax_checkpoint
 
@@ -42,11 +42,11 @@ def pretrained_source(meta: dict) -> str | None:
 def family_weights(ck: JaxCheckpoint, config: HFConfig, source: str) -> dict[str, np.ndarray]:
     """{transformers name: float32 array} of the checkpoint's params; `WeightsError` listing every
     name missing, extra or misshapen against `source`'s safetensors headers."""
-    weights = weights_from_tree(ck.params, REGISTRY[config.family].conv_shapes(config))
+    weights = weights_from_tree(ck.params, family(config.family).conv_shapes(config))
     want = {}
     for file in safetensors_io.checkpoint_files(source):
         for name, _, shape, _ in safetensors_io.tensor_infos(file):
-            name = rename(name, REGISTRY[config.family].renames)
+            name = rename(name, family(config.family).renames)
             if not (config.tied and name == LM_HEAD):
                 want[name] = tuple(shape)
     problems = ([f"missing {k}" for k in sorted(set(want) - set(weights))]

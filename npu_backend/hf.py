@@ -13,8 +13,10 @@ sample, position = offset in the sample, span 0: causal), the encoders (segment 
 window or tile id: bidirectional inside it, dead rows segment 0).
 
 Layout of this module: the shared blocks (norms, linear, rotary, the LLM decoder block, the Qwen
-vision attention), then one encoder per family (`ENCODERS`: each family's differences in one
-place), then the LLM over the stream and the loss.
+vision attention), then the LLM over the stream and the loss. Each family's encoder (its
+differences, in one place) is its `torch_model.encode` (`dhp_jax.models.<family>`,
+`FamilySpec.torch_module`): (model, vision int columns, pixels [S*unit, patch_dim], tap weights
+[S*unit, taps], attn) -> (merged features [S, d], DeepStack features: a list of [S, d]).
 """
 
 from __future__ import annotations
@@ -31,15 +33,13 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename
 from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
-from dhp_jax.model.hf.families import REGISTRY, parse_config
-from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
+from dhp_jax import models
+from dhp_jax.model.hf.families import family, parse_config
+from dhp_jax.model.hf.packed import LLM_INTS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
 from dhp_jax.model.hf.spec import RopeSpec
 from npu_backend.model import AttnFn, dense_attn
 
 LM_HEAD = "lm_head.weight"
-VISION_EPS = 1e-6         # the Qwen vision norms and mergers (fixed in transformers)
-PROJECTOR_EPS = 1e-5      # InternVL's projector LayerNorm (torch's default)
-QK_NORM_EPS = 1e-6        # InternViT's QK-norm
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -211,7 +211,8 @@ class TorchFamilyModel:
         table = self.w("model.language_model.embed_tokens.weight")
         x = F.embedding(col["token_ids"], table) if self.tp is None else self.tp.embed(table, col["token_ids"])
         vision = col["vision"][:, None] > 0
-        feats, deep = ENCODERS[cfg.family](self, vi, vision_floats[:, :width], vision_floats[:, width:], attn)
+        encoder = models.spec(cfg.family).engine_module("torch").encode      # the family's encoder
+        feats, deep = encoder(self, vi, vision_floats[:, :width], vision_floats[:, width:], attn)
         x = torch.where(vision, feats.to(x.dtype), x)
         ids = torch.stack([col["segment"], col["position"], torch.zeros_like(col["segment"])], dim=1)
         angles = rope_angles(cfg.text.rope, llm_ints[:, len(LLM_INTS):])
@@ -279,97 +280,6 @@ def segment_ids(segments: torch.Tensor) -> torch.Tensor:
     return torch.stack([segments, torch.zeros_like(segments), segments], dim=1)
 
 
-# ---------------------------------------------------------------------------------------- encoders
-# Each: (model, vision int columns, pixels [S*unit, patch_dim], tap weights [S*unit, 4], attn) ->
-# (merged features [S, d], DeepStack features: a list of [S, d]).
-
-def _qwen2_5_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
-    v = m.config.vision
-    x = m.linear("model.visual.patch_embed.proj", pixels)
-    angles = rope_angles(v.rope, torch.stack([vi["row"], vi["col"]], dim=1))
-    frames, windows = segment_ids(vi["frame"]), segment_ids(vi["window"])
-    act, s = activation(v.act), x.shape[0]
-    x = m.split_rows(x)              # sequence parallelism: the blocks run on this process's rows
-    for i in range(v.depth):
-        b = f"model.visual.blocks.{i}"
-        ids = frames if i in v.full_attention_blocks else windows
-        x = x + m.vision_attention(b + ".attn", m.rms_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
-        gate, up = m.column(m.rms_norm(b + ".norm2", x, VISION_EPS), [b + ".mlp.gate_proj", b + ".mlp.up_proj"], s)
-        x = x + m.row_linear(b + ".mlp.down_proj", act(gate) * up)
-    x = m.join_rows(x, s)
-    y = m.rms_norm("model.visual.merger.ln_q", x, VISION_EPS).reshape(-1, v.hidden_size * v.merge ** 2)
-    return m.linear("model.visual.merger.mlp.2", F.gelu(m.linear("model.visual.merger.mlp.0", y))), []
-
-
-def _qwen3_merge(m: TorchFamilyModel, prefix: str, x: torch.Tensor, norm_after_merge: bool) -> torch.Tensor:
-    width = m.config.vision.hidden_size * m.config.vision.merge ** 2
-    if norm_after_merge:
-        y = m.layer_norm(prefix + ".norm", x.reshape(-1, width), VISION_EPS)
-    else:
-        y = m.layer_norm(prefix + ".norm", x, VISION_EPS).reshape(-1, width)
-    return m.linear(prefix + ".linear_fc2", F.gelu(m.linear(prefix + ".linear_fc1", y)))
-
-
-def _qwen3_vl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
-    v = m.config.vision
-    x = m.linear("model.visual.patch_embed.proj", pixels)
-    taps = torch.stack([vi[f"tap{i}"] for i in range(TAPS)], dim=1)
-    table = m.w("model.visual.pos_embed.weight")
-    x = x + torch.sum(table[taps] * tap_weights[:, :, None], dim=1).to(x.dtype)
-    angles = rope_angles(v.rope, torch.stack([vi["row"], vi["col"]], dim=1))
-    ids = segment_ids(vi["frame"])
-    act, s = activation(v.act), x.shape[0]
-    deep = []
-    x = m.split_rows(x)              # sequence parallelism: the blocks run on this process's rows
-    for i in range(v.depth):
-        b = f"model.visual.blocks.{i}"
-        x = x + m.vision_attention(b + ".attn", m.layer_norm(b + ".norm1", x, VISION_EPS), v.num_heads, angles, ids, attn)
-        y = m.column(m.layer_norm(b + ".norm2", x, VISION_EPS), [b + ".mlp.linear_fc1"], s)[0]
-        x = x + m.row_linear(b + ".mlp.linear_fc2", act(y))
-        if i in v.deepstack_blocks:      # the merger reads the whole stream (all-gathered under sequence parallelism)
-            k = v.deepstack_blocks.index(i)
-            deep.append(_qwen3_merge(m, f"model.visual.deepstack_merger_list.{k}", m.join_rows(x, s), norm_after_merge=True))
-    return _qwen3_merge(m, "model.visual.merger", m.join_rows(x, s), norm_after_merge=False), deep
-
-
-def _internvl(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
-    v, p = m.config.vision, "model.vision_tower"
-    emb = p + ".embeddings"
-    x = m.linear(emb + ".patch_embeddings.projection", pixels)
-    d = x.shape[-1]
-    x = torch.where(vi["cls"][:, None] > 0, m.w(emb + ".cls_token").reshape(1, d).to(x.dtype), x)
-    if emb + ".position_embeddings" in m.params:
-        x = x + m.w(emb + ".position_embeddings").reshape(-1, d)[vi["table"]].to(x.dtype)
-    ids = segment_ids(vi["frame"])
-    norm = m.layer_norm if v.norm == "layer_norm" else m.rms_norm
-    act, heads = activation(v.act), v.num_heads
-    local = m.local_heads(heads)          # this process's heads under tensor parallelism
-    s = x.shape[0]
-    x = m.split_rows(x)                   # sequence parallelism: the blocks run on this process's rows
-    for i in range(v.num_layers):
-        b = f"{p}.encoder.layer.{i}"
-        a = b + ".attention"
-        q, k, val = m.column(norm(b + ".layernorm_before", x, v.eps), [a + ".q_proj", a + ".k_proj", a + ".v_proj"], s)
-        if v.qk_norm:          # over all heads: a sum over the rank when they are split
-            q, k = m.split_rms_norm(a + ".q_norm", q, QK_NORM_EPS), m.split_rms_norm(a + ".k_norm", k, QK_NORM_EPS)
-        shape = (s, local, d // heads)
-        o = attn(q.reshape(shape), k.reshape(shape), val.reshape(shape), ids)
-        x = x + m.w(b + ".lambda_1") * m.row_linear(a + ".projection_layer", o.reshape(s, -1))
-        y = m.column(norm(b + ".layernorm_after", x, v.eps), [b + ".mlp.fc1"], s)[0]
-        x = x + m.w(b + ".lambda_2") * m.row_linear(b + ".mlp.fc2", act(y))
-    x = m.join_rows(x, s)
-    if v.final_norm:
-        x = m.layer_norm(p + ".layernorm", x, v.eps)
-    kk = v.shuffle ** 2
-    x = x.reshape(-1, kk + 1, d)[:, :kk].reshape(-1, kk * d)       # drop the CLS row: pixel-shuffled rows
-    pr = "model.multi_modal_projector"
-    y = m.linear(pr + ".linear_1", m.layer_norm(pr + ".layer_norm", x, PROJECTOR_EPS))
-    return m.linear(pr + ".linear_2", activation(v.projector_act)(y)), []
-
-
-ENCODERS = {"qwen2_5_vl": _qwen2_5_vl, "qwen3_vl": _qwen3_vl, "internvl": _internvl}
-
-
 # ---------------------------------------------------------------------------------------- loading
 def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None
                 ) -> TorchFamilyModel:
@@ -379,7 +289,7 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
     in the local Hugging Face cache, as there."""
     path = checkpoint_dir(path)
     config = parse_config(read_config_json(path), where=os.path.join(path, "config.json"))
-    renames = REGISTRY[config.family].renames
+    renames = family(config.family).renames
     weights = {}
     for name, array in safetensors_io.read_checkpoint(path):
         name = rename(name, renames)

@@ -66,6 +66,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dhp_jax import models
 from dhp_jax.model.config import split_shape
 from dhp_jax.planner.cost.tensor import check_node, check_tensor_parallel
 
@@ -160,9 +161,6 @@ def vision_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
     InternViT's QK-norm scales [H D] as q and k. Norms, layer scales, the patch and position
     embeddings, the mergers and the projector stay whole."""
     c, params = model.config, dict(model.named_parameters())
-    v = c.vision
-    heads = v.num_heads
-    hq = heads // t
     out: dict[str, tuple[int, ...]] = {}
 
     def put(name: str, sl: tuple[int, ...], leaves=("weight", "bias")) -> None:
@@ -170,30 +168,8 @@ def vision_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
             if f"{name}.{leaf}" in params:
                 out[f"{name}.{leaf}"] = sl
 
-    if c.family == "internvl":
-        pre = "model.vision_tower.encoder.layer"
-        d = v.hidden_size // heads
-        for i in range(v.num_layers):
-            a, m = f"{pre}.{i}.attention", f"{pre}.{i}.mlp"
-            heads_rows = (0, j * hq * d, (j + 1) * hq * d)
-            for k in ("q_proj", "k_proj", "v_proj", "q_norm", "k_norm"):
-                put(f"{a}.{k}", heads_rows)
-            out[f"{a}.projection_layer.weight"] = (1, *heads_rows[1:])
-            ff = params[f"{m}.fc1.weight"].shape[0] // t
-            put(f"{m}.fc1", (0, j * ff, (j + 1) * ff))
-            out[f"{m}.fc2.weight"] = (1, j * ff, (j + 1) * ff)
-        return out
-    qwen3 = c.family == "qwen3_vl"
-    first, last = (("linear_fc1",), "linear_fc2") if qwen3 else (("gate_proj", "up_proj"), "down_proj")
-    d = v.hidden_size // heads
-    for i in range(v.depth):
-        b = f"model.visual.blocks.{i}"
-        put(f"{b}.attn.qkv", (0, j * hq * d, (j + 1) * hq * d, 3))
-        out[f"{b}.attn.proj.weight"] = (1, j * hq * d, (j + 1) * hq * d)
-        ff = params[f"{b}.mlp.{first[0]}.weight"].shape[0] // t
-        for name in first:
-            put(f"{b}.mlp.{name}", (0, j * ff, (j + 1) * ff))
-        out[f"{b}.mlp.{last}.weight"] = (1, j * ff, (j + 1) * ff)
+    # the family's blocks (its `torch_model.vision_split`)
+    models.spec(c.family).engine_module("torch").vision_split(c, params, j, t, put, out)
     return out
 
 
@@ -208,15 +184,8 @@ def sequence_params(model: Any) -> list[str]:
     c = model.config
     locals_ = [(f"{FAMILY_LAYERS}.{i}", ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj",
                                          "mlp.down_proj")) for i in range(c.text.num_layers)]
-    if c.family == "internvl":
-        pre = "model.vision_tower.encoder.layer"
-        locals_ += [(f"{pre}.{i}", ("layernorm_before", "layernorm_after", "attention.projection_layer", "mlp.fc2"))
-                    for i in range(c.vision.num_layers)]
-        extra = [f"{pre}.{i}.{lam}" for i in range(c.vision.num_layers) for lam in ("lambda_1", "lambda_2")]
-    else:
-        last = "mlp.linear_fc2" if c.family == "qwen3_vl" else "mlp.down_proj"
-        locals_ += [(f"model.visual.blocks.{i}", ("norm1", "norm2", "attn.proj", last)) for i in range(c.vision.depth)]
-        extra = []
+    more, extra = models.spec(c.family).engine_module("torch").sequence_locals(c)   # the encoder's
+    locals_ += more
     out = [f"{b}.{m}.{leaf}" for b, mods in locals_ for m in mods for leaf in ("weight", "bias")
            if f"{b}.{m}.{leaf}" in params and not (leaf == "weight" and m.endswith(("proj", "projection_layer", "fc2")))]
     return out + [n for n in extra if n in params]
@@ -251,9 +220,7 @@ def _whole_size(every: list, name: str) -> int:
 def _vision_width(model: Any) -> int:
     """The MLP width of a family's vision blocks, from its first block's first MLP matrix."""
     params, c = dict(model.named_parameters()), model.config
-    name = {"internvl": "model.vision_tower.encoder.layer.0.mlp.fc1.weight",
-            "qwen3_vl": "model.visual.blocks.0.mlp.linear_fc1.weight"}.get(c.family, "model.visual.blocks.0.mlp.gate_proj.weight")
-    return int(params[name].shape[0])
+    return int(params[models.spec(c.family).engine_module("torch").VISION_MLP_FIRST].shape[0])
 
 
 def _all_reduce(x: torch.Tensor, group: Any, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:

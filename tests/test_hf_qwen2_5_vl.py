@@ -119,7 +119,7 @@ def test_forward_traces_with_a_handed_in_attention(case):
     import jax
 
     from dhp_jax.model.attention import dense_attention
-    from dhp_jax.model.hf import qwen2_5_vl
+    from dhp_jax.models.qwen2_5_vl import jax_model as qwen2_5_vl
 
     _, cfg, params = case
     inputs = image_inputs(hc.rng(1))

@@ -51,11 +51,21 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+# A model family's folder (`dhp_jax/models/<family>/`) mixes layers; each file's name says its own:
+# `jax_*` the model with jax, `hf_*` the model without it (both engines read it), `torch_*` the
+# torch backend; every other file (the spec, its config rows, processor, chat tokens, memory terms)
+# and the registry itself sit at the bottom with `data`.
+FAMILY_FILE_PARTS = (("jax_", "model"), ("hf_", "model"), ("torch_", "npu_backend"))
+
+
 def part_of(module: str) -> str:
     top, _, rest = module.partition(".")
     if top != "dhp_jax":
         return top
     sub = rest.split(".")[0]
+    if sub == "models":
+        leaf = module.split(".")[-1]
+        return next((part for prefix, part in FAMILY_FILE_PARTS if leaf.startswith(prefix)), "data")
     if sub in ("", "_lazy", "checks", "devices", "typed_config"):
         return "base"
     if sub in ("cli", "bench", "__main__"):
@@ -196,6 +206,18 @@ def test_the_contract_is_the_ground_floor():
            for name, line in imports_of(mod)
            if name.split(".")[0] in PACKAGES and not name.startswith(("dhp_jax.planner.contract", "dhp_jax.data"))]
     assert not bad, "the contract imports above itself:\n" + "\n".join(bad)
+
+
+def test_family_folders_are_split_by_layer():
+    """The spec side of a family is data (no jax, no torch); its engine files are classified by name."""
+    assert part_of("dhp_jax.models") == part_of("dhp_jax.models.internvl.spec") == "data"
+    assert part_of("dhp_jax.models.qwen3_vl.jax_model") == part_of("dhp_jax.models.qwen_common.hf_config") == "model"
+    assert part_of("dhp_jax.models.internvl.torch_model") == "npu_backend"
+    specs = [m for m in MODULES if m.startswith("dhp_jax.models.") and m.endswith(".spec")]
+    assert len(specs) >= 3, specs
+    torch_free = [f"{m} imports {n}" for m in MODULES if part_of(m) == "data"
+                  for n, _ in imports_of(m) if n.split(".")[0] == "torch"]
+    assert not torch_free, torch_free
 
 
 def test_walker_sees_function_level_and_lazy_imports():

@@ -143,16 +143,16 @@ def test_from_hf_reads_a_checkpoint_directory(tmp_path):
 
 def test_the_hf_package_reads_the_same_shapes():
     """dhp_jax.model.hf parses the stored transformers-native configs into the same LLM shapes."""
-    from dhp_jax.model.hf import internvl, qwen3_vl
+    from dhp_jax.model.hf.families import hf_module
 
     for name in NAMES:
         raw = model_configs.hf_layout(model_configs.model_config(name))
         f = model_configs.model_facts(name)
-        cfg = (internvl if f.family == "internvl" else qwen3_vl).parse(raw)
+        cfg = hf_module(f.family).parse(raw)
         t = cfg.text
         assert (t.num_layers, t.hidden_size, t.vocab_size, t.shape.num_heads, t.shape.num_kv_heads, t.shape.head_dim) == \
             (f.layers, f.hidden, f.vocab, f.heads, f.kv_heads, f.head_dim)
-        depth = cfg.vision.num_layers if f.family == "internvl" else cfg.vision.depth
+        depth = hf_module(f.family).encoder_stack(cfg)[1]
         assert cfg.tied == f.tied and depth == f.vision_layers
 
 
@@ -187,7 +187,7 @@ def test_memory_counts_each_familys_encoder():
     # without remat a family is priced as its own program runs (memory.family_bytes_per_token):
     # InternViT's GELU MLP keeps 2 values as wide as its middle per row in each of its 24 layers, on
     # 5 rows per token (the 4 patches and the tile's CLS row), and an encoder block's backward pass
-    # (the peak) holds 3 more (`FAMILY_ENCODER_COTANGENTS`); Qwen2.5-VL's SwiGLU keeps 3, on 4 rows
+    # (the peak) holds 3 more (its `MemoryTerms.encoder_cotangents`); Qwen2.5-VL's SwiGLU keeps 3, on 4 rows
     # (its peak is an LLM layer's backward pass)
     assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 5 * (24 * 2 + 3)
     q25 = presets.ModelShape.from_config(QWEN25_VL)

@@ -18,7 +18,8 @@ import pytest
 
 from dhp_jax.data.example import write_video
 from dhp_jax.data.media import load_video_frames, video_info
-from dhp_jax.data.processors import VisionProcessor, _qwen_patchify
+from dhp_jax.data.processors import VisionProcessor
+from dhp_jax.models.qwen_common.processor import qwen_patchify
 from dhp_jax.data.vision import MODELS_DIR
 
 transformers = pytest.importorskip("transformers")
@@ -110,7 +111,7 @@ def test_video_frames_equal_transformers(family, sampling, videos):
         assert ours.dtype == np.float32 and ours.shape == (len(frames), 3, plan.size[1], plan.size[0])
         for t, frame in enumerate(frames):
             ref = _frame_reference(family, vp, frame, plan)
-            mine = _qwen_patchify(ours[t][None], vp.video["patch_size"], vp.video["merge_size"],
+            mine = qwen_patchify(ours[t][None], vp.video["patch_size"], vp.video["merge_size"],
                                   vp.video["temporal_patch_size"]) if family == "qwen2_5_vl" else ours[t]
             assert ref.dtype == np.float32 and ref.shape == mine.shape, (path, t)
             assert np.array_equal(mine, ref), (path, t, float(np.abs(mine - ref).max()))

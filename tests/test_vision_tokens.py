@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dhp_jax.data.vision import (family_for_model, image_segment, image_tokens, smart_resize, video_segment,
+from dhp_jax.data.vision import (family_for_model, image_segment, image_tokens, video_segment,
                                  video_tokens, vision_rules)
+from dhp_jax.models.qwen_common.processor import smart_resize
 
 
 @pytest.mark.parametrize("w,h,tokens", [

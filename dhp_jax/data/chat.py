@@ -26,20 +26,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax import models
+
 IGNORE = -100
 ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
                 "bot": "assistant", "system": "system"}
 MARKERS = {"<image>": "image", "<video>": "video"}  # LLaVA's placeholders in conversation text
 _MARKER_RE = re.compile("(<image>|<video>)")
 
-# Token names the families' processors look up on the tokenizer, with their defaults.
-_TOKEN_DEFAULTS = {
-    "qwen2_5_vl": {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                   "vision_start_token": "<|vision_start|>", "vision_end_token": "<|vision_end|>"},
-    "internvl": {"context_image_token": "<IMG_CONTEXT>", "start_image_token": "<img>",
-                 "end_image_token": "</img>", "video_token": "<video>"},
-}
-_TOKEN_DEFAULTS["qwen3_vl"] = _TOKEN_DEFAULTS["qwen2_5_vl"]
 
 
 class ChatError(ValueError):
@@ -110,9 +104,10 @@ class ChatTokenizer:
 
         self.tok = Tokenizer.from_file(tokenizer_json)
         self.config, self.family = config, family
+        self.rules = rules = models.spec(family).chat     # the family's placeholder tokens and expansion
         self.template = _jinja_env().from_string(chat_template)
         self.special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        names = dict(_TOKEN_DEFAULTS[family])
+        names = dict(rules.tokens)     # the token names its processor looks up, with their defaults
         extra = config.get("extra_special_tokens")
         for k in names:
             v = config.get(k) or (extra.get(k) if isinstance(extra, dict) else None)
@@ -126,15 +121,8 @@ class ChatTokenizer:
         missing = [t for t in names.values() if self.tok.token_to_id(t) is None]
         if missing:
             raise ValueError(f"{tokenizer_json}: the tokenizer has no token for {', '.join(missing)}")
-        if family == "internvl":
-            self.image_placeholder, self.video_placeholder = names["context_image_token"], names["video_token"]
-            self.image_ids = [self.tok.token_to_id(names[k]) for k in
-                              ("context_image_token", "start_image_token", "end_image_token")]
-            self.video_ids: list[int] = []
-        else:
-            self.image_placeholder, self.video_placeholder = names["image_token"], names["video_token"]
-            self.image_ids = [self.tok.token_to_id(names["image_token"])]
-            self.video_ids = [self.tok.token_to_id(names["video_token"])]
+        self.image_placeholder, self.video_placeholder, self.image_ids, self.video_ids = \
+            rules.placeholders(names, self.tok.token_to_id)
 
     @classmethod
     def from_pretrained(cls, checkpoint: str, family: str) -> "ChatTokenizer":
@@ -169,21 +157,10 @@ class ChatTokenizer:
     # --- placeholder expansion, as the families' processors do it ----------------------------
     def image_expansion(self, tokens: int) -> str:
         """`tokens`: the image's placeholder tokens (Qwen pad tokens; InternVL context tokens)."""
-        if self.family == "internvl":
-            return self.names["start_image_token"] + self.image_placeholder * tokens + self.names["end_image_token"]
-        return self.image_placeholder * tokens
+        return self.rules.image_expansion(self, tokens)
 
     def video_expansion(self, plan, image_seq_length: int = 256, merge: int = 2) -> str:
-        if self.family == "internvl":
-            n = self.names
-            return "\n".join(f"Frame{i + 1}: {n['start_image_token']}{n['context_image_token'] * image_seq_length}"
-                             f"{n['end_image_token']}" for i in range(plan.grid[0]))
-        if self.family == "qwen3_vl":
-            per = plan.grid[1] * plan.grid[2] // (merge * merge)
-            n = self.names
-            return "".join(f"<{plan.timestamps[t]:.1f} seconds>{n['vision_start_token']}"
-                           f"{self.video_placeholder * per}{n['vision_end_token']}" for t in range(plan.grid[0]))
-        return self.video_placeholder * plan.tokens
+        return self.rules.video_expansion(self, plan, image_seq_length, merge)
 
     # --- a whole sample ----------------------------------------------------------------------
     def encode_conversation(self, messages: list[dict], image_expansions: Sequence[str],

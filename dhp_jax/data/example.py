@@ -17,68 +17,12 @@ import os
 
 import numpy as np
 
-QWEN_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
-                 "<|image_pad|>", "<|video_pad|>"]
-INTERNVL_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+from dhp_jax import models as registry
 
-QWEN2_5_VL_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
-    "<|im_end|>\n{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' or 'image' in "
-    "content or 'image_url' in content %}{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}"
-    "Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] "
-    "== 'video' or 'video' in content %}{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}"
-    "Video {{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>{% elif 'text' in content %}"
-    "{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}"
-    "<|im_start|>assistant\n{% endif %}")
-QWEN3_VL_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' %}"
-    "<|vision_start|><|video_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-INTERNVL_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}"
-    "{{ message['content'] }}{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}"
-    "{{ '<IMG_CONTEXT>\n' }}{% elif content['type'] == 'video' %}{{ '<video>\n' }}{% elif content['type'] == 'text' %}"
-    "{{ content['text'] }}{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-
-# Processor settings of the tiny example: the published families' values, with pixel bounds
-# small enough that an image or a short clip is a few hundred tokens (a long video, up to 64
-# sampled frames, about 2k).
-_PROCESSORS = {
-    "qwen2_5_vl": ("Qwen2_5_VLProcessor", QWEN2_5_VL_TEMPLATE,
-                   {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 14, "temporal_patch_size": 2,
-                    "merge_size": 2, "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 256},
-                    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                    "image_std": [0.26862954, 0.26130258, 0.27577711], "resample": 3,
-                    "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
-                    "do_convert_rgb": True},
-                   {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 14, "temporal_patch_size": 2,
-                    "merge_size": 2, "size": {"shortest_edge": 4 * 28 * 28, "longest_edge": 64 * 28 * 28},
-                    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                    "image_std": [0.26862954, 0.26130258, 0.27577711], "do_sample_frames": True, "fps": 2.0,
-                    "min_frames": 4, "max_frames": 64, "resample": 3}, {}),
-    "qwen3_vl": ("Qwen3VLProcessor", QWEN3_VL_TEMPLATE,
-                 {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": 16, "temporal_patch_size": 2,
-                  "merge_size": 2, "size": {"shortest_edge": 64 * 64, "longest_edge": 32 * 32 * 256},
-                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "resample": 3,
-                  "rescale_factor": 1 / 255},
-                 {"video_processor_type": "Qwen3VLVideoProcessor", "patch_size": 16, "temporal_patch_size": 2,
-                  "merge_size": 2, "size": {"shortest_edge": 8 * 32 * 32, "longest_edge": 256 * 32 * 32},
-                  "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_sample_frames": True, "fps": 2,
-                  "min_frames": 4, "max_frames": 64, "resample": 3}, {}),
-    "internvl": ("InternVLProcessor", INTERNVL_TEMPLATE,
-                 {"image_processor_type": "GotOcr2ImageProcessor", "size": {"height": 112, "width": 112},
-                  "crop_to_patches": False, "min_patches": 1, "max_patches": 4,
-                  "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225], "resample": 3},
-                 {"video_processor_type": "InternVLVideoProcessor", "size": {"height": 112, "width": 112},
-                  "image_mean": [0.485, 0.456, 0.406], "image_std": [0.229, 0.224, 0.225],
-                  "do_sample_frames": True, "num_frames": 4, "initial_shift": True, "resample": 3},
-                 {"image_seq_length": 16}),
-}
+# Each family's tokenizer specials, chat template and processor settings of the tiny example (the
+# published families' values, with pixel bounds small enough that an image or a short clip is a
+# few hundred tokens, a long video of up to 64 sampled frames about 2k) are its
+# `FamilySpec.example` (`dhp_jax.models.<family>.spec`).
 _WORDS = ("what is in the picture video image a red green blue yellow square circle moves left right up down "
           "there are two three shapes on background the color of it describe this clip frame shows").split()
 
@@ -86,7 +30,6 @@ _WORDS = ("what is in the picture video image a red green blue yellow square cir
 # The released checkpoints' processor files: a stored model's, as its release publishes them
 # (dhp_jax/data/models/<name>/); without a video processor file, the video processor reads the
 # image processor's, as transformers does.
-_PUBLISHED_MODEL = {"qwen2_5_vl": "qwen2.5-vl-32b", "qwen3_vl": "qwen3-vl-8b", "internvl": "internvl3-8b"}
 _TYPE_KEYS = ("image_processor_type", "video_processor_type", "processor_class", "feature_extractor_type")
 
 
@@ -94,10 +37,11 @@ def _published(family: str) -> tuple[dict, dict, dict]:
     """(image, video, processor) settings of the family's stored model's processor files."""
     from dhp_jax.data.processors import processor_configs
 
-    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", _PUBLISHED_MODEL[family])
+    spec = registry.spec(family)
+    d = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", spec.published_model)
     image, video, _ = processor_configs(d)
     strip = lambda c: {k: v for k, v in c.items() if k not in _TYPE_KEYS}   # noqa: E731
-    return strip(image), strip(video), ({"image_seq_length": 256} if family == "internvl" else {})
+    return strip(image), strip(video), dict(spec.example.published_extra)
 
 
 def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, image_seq_length: int | None = None,
@@ -107,15 +51,14 @@ def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, imag
     bounds and video sampling instead of the tiny example's."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    if family not in _PROCESSORS:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(_PROCESSORS)}")
-    cls, template, image_cfg, video_cfg, extra = _PROCESSORS[family]
+    ex = registry.spec(family).example
+    cls, template, image_cfg, video_cfg, extra = ex.processor_class, ex.template, ex.image, ex.video, ex.extra
     if published:
         image_cfg, video_cfg, extra = _published(family)
-        image_cfg = {"image_processor_type": _PROCESSORS[family][2]["image_processor_type"], **image_cfg}
-        video_cfg = {"video_processor_type": _PROCESSORS[family][3]["video_processor_type"], **video_cfg}
+        image_cfg = {"image_processor_type": ex.image["image_processor_type"], **image_cfg}
+        video_cfg = {"video_processor_type": ex.video["video_processor_type"], **video_cfg}
     os.makedirs(out_dir, exist_ok=True)
-    specials = INTERNVL_SPECIALS if family == "internvl" else QWEN_SPECIALS
+    specials = ex.specials
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -128,17 +71,12 @@ def write_processor_files(out_dir: str, family: str, vocab_size: int = 512, imag
     cfg = {"backend": "tokenizers", "tokenizer_class": "TokenizersBackend", "eos_token": "<|im_end|>",
            "pad_token": "<|endoftext|>", "extra_special_tokens": [], "model_max_length": 32768,
            "processor_class": cls}
-    if family == "internvl":
-        cfg.update(start_image_token="<img>", end_image_token="</img>", context_image_token="<IMG_CONTEXT>",
-                   video_token="<video>")
-    else:
-        cfg.update(image_token="<|image_pad|>", video_token="<|video_pad|>", vision_start_token="<|vision_start|>",
-                   vision_end_token="<|vision_end|>")
+    cfg.update(ex.tokenizer)
     _dump(os.path.join(out_dir, "tokenizer_config.json"), cfg)
     with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
         f.write(template)
     proc = {"processor_class": cls, "image_processor": image_cfg, "video_processor": video_cfg, **extra}
-    if image_seq_length is not None and family == "internvl":
+    if image_seq_length is not None and ex.accepts_image_seq_length:
         proc["image_seq_length"] = int(image_seq_length)
     _dump(os.path.join(out_dir, "processor_config.json"), proc)
 

@@ -154,7 +154,6 @@ class FinetuneData:
         order = [m for m in p.record.media]
         images = [m for m in order if m.kind == "image"]
         videos = [m for m in order if m.kind == "video"]
-        tiles: dict[str, list[np.ndarray]] = {"image": [], "video": []}
         for m, grid in zip(images, p.image_grids):
             rgb, mode = _media(lambda: load_image(m.src, m.name), "image", p.where)
             if mode != "RGB" and notes is not None:
@@ -162,27 +161,14 @@ class FinetuneData:
             pv, g = self.vision.process_image(rgb)
             if tuple(g) != tuple(grid):
                 raise DataError("corrupt_image", p.where, f"{m.name}: decoded size gives grid {g}, header {grid}")
-            (tiles["image"] if not self.vision.is_qwen else pix).append(pv)
+            pix.append(pv)
             grids.append(g)
         vpix = []
         for m, plan in zip(videos, p.video_plans):
             frames = _media(lambda: load_video_frames(m.src, plan.indices, m.name), "video", p.where)
             vpix.append(self.vision.process_video(frames, plan))
-        if self.vision.is_qwen:
-            if pix:
-                out["pixel_values"] = np.concatenate(pix)
-                out["image_grid_thw"] = np.asarray(grids, np.int64)
-            if vpix:
-                out["pixel_values_videos"] = np.concatenate(vpix)
-                out["video_grid_thw"] = np.asarray([v.grid for v in p.video_plans], np.int64)
-                if self.family == "qwen2_5_vl":
-                    out["second_per_grid_ts"] = np.asarray([v.second_per_grid_t for v in p.video_plans], np.float32)
-        else:  # InternVL: images' tiles and videos' frames in the order the text names them
-            it_i, it_v, parts = iter(tiles["image"]), iter(vpix), []
-            for k in p.order:
-                parts.append(next(it_i) if k == "image" else next(it_v))
-            if parts:
-                out["pixel_values"] = np.concatenate(parts)
+        # the family's processor output keys (Qwen: patch rows and grids; InternVL: one tile stack)
+        self.vision.model_inputs(out, pix, grids, vpix, list(p.video_plans), list(p.order))
         return out
 
 

@@ -51,7 +51,9 @@ def measure(family: str, samples: int, batch: int, workers: int, batches: int, d
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", default="qwen2_5_vl", choices=("qwen2_5_vl", "qwen3_vl", "internvl"))
+    from dhp_jax import models
+
+    parser.add_argument("--family", default=models.names()[0], choices=models.names())
     parser.add_argument("--checkpoint", default=None, help="a checkpoint's processor files (default: the example's)")
     parser.add_argument("--data", default=None, help="a manifest/shards/dataset (default: generated example data)")
     parser.add_argument("--samples", type=int, default=48, help="generated samples (a third are videos)")

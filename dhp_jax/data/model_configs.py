@@ -5,9 +5,8 @@ without weights: `config.json`, the published file of the release (its layout an
 `source.json` with its Hub repository id (`hub_id`), the file's address (`source`) and notes on what
 was checked or assumed. A new model is one such directory. Every config is read by the one reader
 `dhp_jax.data.hf_config` (as transformers reads it), so a preset and a checkpoint directory
-(`--model DIR`, `model.pretrained=DIR`) are read alike. Layouts: `internvl` (the `-hf` releases),
-`internvl_chat` (InternVL's own, converted to `-hf` field by field), `qwen2_5_vl` (flat, as
-released, or nested), `qwen3_vl`.
+(`--model DIR`, `model.pretrained=DIR`) are read alike, in every layout a registered family reads
+(`dhp_jax.models`); the vision encoder's facts are the family's (`FamilySpec.facts`).
 
 `ModelFacts` is what the planner prices (`dhp_jax.planner.cost.presets.ModelShape.from_facts`), what
 `dhp_jax.model.MLLMConfig.from_hf` sizes, and what picks the vision-token rule: every consumer
@@ -22,15 +21,10 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
+from dhp_jax import models
 from dhp_jax.data import hf_config
 
 MODELS_DIR = Path(__file__).with_name("models")
-FAMILIES = ("internvl", "qwen2_5_vl", "qwen3_vl")
-# The encoders' attention span when it is the image's own patch count (Qwen's encoders attend
-# over a whole image or frame): an assumed typical image of 1024 patches (512x512 px at 16 px,
-# 448x448 px at 14 px). InternViT's span is fixed by its tile: (448/14)^2 patches + the CLS token.
-ASSUMED_FRAME_PATCHES = 1024
-INTERNVL_IMAGE_TOKEN = 151667
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,14 +140,6 @@ def hf_layout(config: Mapping[str, Any]) -> dict[str, Any]:
     return hf_config.nested(config)
 
 
-def _pair(x: Any) -> int:
-    if isinstance(x, (list, tuple)):
-        if len(set(x)) != 1:
-            raise ValueError(f"non-square size {list(x)} is not supported")
-        return int(x[0])
-    return int(x)
-
-
 def _text(t: Mapping[str, Any]) -> dict[str, Any]:
     """The planner's LLM fields of a resolved text_config."""
     return dict(layers=int(t["num_hidden_layers"]), heads=int(t["num_attention_heads"]),
@@ -168,7 +154,7 @@ def _text_params(t: Mapping[str, Any], f: dict[str, Any], tied: bool) -> int:
     q, kv = f["heads"] * hd, f["kv_heads"] * hd
     # q/k/v biases: Qwen2's attention always has them; the others' config says (attention_bias)
     bias = bool(t["attention_bias"]) if "attention_bias" in hf_config.FIELDS[t["model_type"]] else True
-    qk_norm = t["model_type"] in ("qwen3", "qwen3_vl_text")
+    qk_norm = models.text_kinds()[t["model_type"]][1]            # the family's `ConfigRules.text_kinds`
     layer = d * (q + 2 * kv) + q * d + 3 * d * f["intermediate"] + 2 * d
     layer += (q + 2 * kv) * bias + 2 * hd * qk_norm
     return f["layers"] * layer + d + f["vocab"] * d * (1 if tied else 2)
@@ -179,58 +165,19 @@ def facts_from_config(config: Mapping[str, Any], where: str = "config") -> Model
     reads it (`dhp_jax.data.hf_config.resolve`)."""
     raw = hf_config.resolve(config, where)
     family = raw["model_type"]
-    t, v = raw["text_config"], raw["vision_config"]
+    t = raw["text_config"]
     text = _text(t)
     d = text["hidden"]
-    tied = bool(raw["tie_word_embeddings"])          # transformers' rule (hf_config.TIE_RULES)
-    if family == "internvl":
-        vh, vi, vn = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_attention_heads"])
-        depth, patch, image = int(v["num_hidden_layers"]), _pair(v["patch_size"]), _pair(v["image_size"])
-        shuffle = int(round(1 / float(raw["downsample_ratio"])))
-        grid = (image // patch) ** 2
-        channels, temporal, merge, mlp = int(v["num_channels"]), 1, shuffle, 2
-        frame, window, window_layers, deepstack, proj_hidden = grid + 1, 0, 0, 0, d
-        norm = 2 * vh if v["norm_type"] == "layer_norm" else vh
-        layer = 4 * vh * vh + vh + 2 * vh * vi + vi + vh + 2 * norm + 2 * vh + (3 * vh if v["attention_bias"] else 0) \
-            + (2 * vh if v["use_qk_norm"] else 0)
-        vision = (channels * patch * patch * vh + vh + vh
-                  + (grid + 1) * vh * bool(v["use_absolute_position_embeddings"])
-                  + vh * bool(v["use_mask_token"]) + depth * layer
-                  + (0 if v["use_mean_pooling"] else 2 * vh))
-        wide = vh * merge * merge
-        projector = 2 * wide + wide * d + d + d * d + d
-        rule = "internvl" if (image, grid // (merge * merge)) == (448, 256) else f"internvl-{image}"
-    else:
-        vh, vi, vn = int(v["hidden_size"]), int(v["intermediate_size"]), int(v["num_heads"])
-        depth, patch = int(v["depth"]), int(v["patch_size"])
-        channels, temporal, merge = int(v["in_channels"]), int(v["temporal_patch_size"]), int(v["spatial_merge_size"])
-        out = int(v["out_hidden_size"])
-        if out != d:
-            raise ValueError(f"{where}: vision_config.out_hidden_size {out} is not the LLM's hidden_size {d}")
-        wide = vh * merge * merge
-        frame, proj_hidden = ASSUMED_FRAME_PATCHES, wide
-        qkv = 3 * vh * vh + 3 * vh + vh * vh + vh
-        if family == "qwen2_5_vl":
-            mlp, deepstack = 3, 0
-            window_layers = depth - len(v["fullatt_block_indexes"])
-            window = (int(v["window_size"]) // patch) ** 2
-            layer = qkv + 3 * vh * vi + 2 * vi + vh + 2 * vh        # SwiGLU with biases, two RMSNorms
-            embed, merger_norm = channels * temporal * patch * patch * vh, vh   # Conv3d without bias; RMSNorm
-        else:
-            mlp, window, window_layers = 2, 0, 0
-            deepstack = len(v["deepstack_visual_indexes"])
-            layer = qkv + 2 * vh * vi + vi + vh + 4 * vh            # GELU MLP with biases, two LayerNorms
-            embed = channels * temporal * patch * patch * vh + vh + int(v["num_position_embeddings"]) * vh
-            merger_norm = 2 * vh
-        merger = wide * wide + wide + wide * d + d
-        vision = embed + depth * layer
-        projector = merger + merger_norm + deepstack * (merger + 2 * wide)   # DeepStack mergers: LayerNorm(4v)
-        rule = {(14, 2): "qwen-vl", (16, 2): "qwen3-vl"}.get((patch, merge), f"{family}-{patch}")
+    tied = bool(raw["tie_word_embeddings"])          # transformers' rule (hf_config.tied)
+    f = models.spec(family).facts(raw, d, where)
+    vh, vi, vn, depth, patch = f["vh"], f["vi"], f["vn"], f["depth"], f["patch"]
+    vision, projector = f["vision"], f["projector"]
     if vh % vn:
         raise ValueError(f"{where}: vision hidden_size {vh} is not a multiple of its {vn} heads")
     params = _text_params(t, text, tied) + vision + projector
     return ModelFacts(family=family, **text, tied=tied, vision_layers=depth, vision_hidden=vh, vision_intermediate=vi,
-                      vision_heads=vn, vision_head_dim=vh // vn, vision_mlp=mlp, patch_size=patch,
-                      temporal_patch=temporal, channels=channels, merge=merge, frame_patches=frame,
-                      window_patches=window, window_layers=window_layers, deepstack=deepstack,
-                      projector_hidden=proj_hidden, params=params, vision_rule=rule)
+                      vision_heads=vn, vision_head_dim=vh // vn, vision_mlp=f["mlp"], patch_size=patch,
+                      temporal_patch=f["temporal"], channels=f["channels"], merge=f["merge"],
+                      frame_patches=f["frame"], window_patches=f["window"], window_layers=f["window_layers"],
+                      deepstack=f["deepstack"], projector_hidden=f["proj_hidden"], params=params,
+                      vision_rule=f["rule"])

@@ -1,30 +1,20 @@
-"""The three families' image and video processors in NumPy/Pillow, driven by a checkpoint's files.
+"""The families' image and video processors in NumPy/Pillow, driven by a checkpoint's files.
 
 What each family's transformers processor does (transformers 5.24, the Pillow backend for images;
 the video rules as its video processors publish them), reimplemented so that neither torch nor
-torchvision is needed:
-
-- `qwen2_5_vl` (Qwen2-VL image processor, Qwen2-VL video processor): `smart_resize` to multiples
-  of patch x merge (14 x 2) within [min_pixels, max_pixels], bicubic, rescale, normalise, then
-  one row per patch in the order (t, h/m, w/m, m, m) with C*T*P*P values per row; an image is
-  its frame repeated over the temporal patch (2). `image_grid_thw` = (1, H/14, W/14); LLM tokens
-  = grid product / merge^2. Videos: all frames unless the config or the run asks to sample (`fps`
-  or `num_frames`, rounded down to the temporal patch); `second_per_grid_ts` = 2 / sampled fps.
-- `qwen3_vl` (same image rule with 16-px patches and the checkpoint's mean/std; Qwen3-VL video
-  processor): `fps` = 2 sampling by `linspace(0, n-1, k).round()`, 4..768 frames, a video pixel
-  budget over all sampled frames, and one `<t seconds>` timestamp per temporal patch.
-- `internvl` (GotOcr2 image processor with the InternVL processor's `crop_to_patches=True`,
-  InternVL video processor): the tile grid (1..12 tiles) whose aspect ratio is closest to the
-  image's, tiles of `size` (448) px, plus a thumbnail when there is more than one tile;
-  `image_seq_length` (256) tokens per tile. Each video frame is one tile resized to `size`.
+torchvision is needed. `VisionProcessor` holds the merged settings and the steps every family
+shares (rescale and normalise, frame sampling switched on or off, the checks); the family's own
+rules are its `FamilySpec.processor` (`dhp_jax.models.<family>.spec`): the image grid and its
+token count, the pixel layout (Qwen's patch rows, InternVL's tiles), which frames a video
+samples and at what size, and the processor's output keys.
 
 Token counts come from sizes and stream metadata only (`image_tokens`, `video_plan`), so the
 planner can count a sample before any pixel is decoded; the decoded result has the same grid. The
 planner (`dhp_jax.data.vision`) counts through these same two methods.
 
 `video_sampling` is what a run passes to the video processor call (`resolve_video_sampling`): by
-default "auto", the checkpoint's own sampling, or `AUTO_SAMPLING` where its video processor takes
-every frame.
+default "auto", the checkpoint's own sampling, or the family's `auto_sampling` where its video
+processor takes every frame.
 """
 
 from __future__ import annotations
@@ -37,35 +27,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dhp_jax import models
 from dhp_jax.data.media import MediaError, VideoInfo
 
-FAMILIES = ("qwen2_5_vl", "qwen3_vl", "internvl")
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 HALF = (0.5, 0.5, 0.5)
 BICUBIC = 3
-MAX_ASPECT_RATIO = 200  # the Qwen processors refuse longer strips
 
-# The transformers classes' own defaults, used for keys a checkpoint's config leaves out.
-_IMAGE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2_5_vl": {"size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}, "patch_size": 14,
-                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD},
-    "internvl": {"size": {"height": 384, "width": 384}, "min_patches": 1, "max_patches": 12,
-                 "image_mean": CLIP_MEAN, "image_std": CLIP_STD},
-}
-_IMAGE_DEFAULTS["qwen3_vl"] = _IMAGE_DEFAULTS["qwen2_5_vl"]  # Qwen3-VL uses the Qwen2-VL image processor
-_VIDEO_DEFAULTS: dict[str, dict[str, Any]] = {
-    "qwen2_5_vl": {"size": {"shortest_edge": 128 * 28 * 28, "longest_edge": 28 * 28 * 768}, "patch_size": 14,
-                   "temporal_patch_size": 2, "merge_size": 2, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-                   "min_frames": 4, "max_frames": 768, "do_sample_frames": False, "fps": None,
-                   "num_frames": None, "cap_pixels_per_frame": False, "max_video_tokens": 128000},
-    "qwen3_vl": {"size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "patch_size": 16,
-                 "temporal_patch_size": 2, "merge_size": 2, "image_mean": HALF, "image_std": HALF,
-                 "min_frames": 4, "max_frames": 768, "do_sample_frames": True, "fps": 2, "num_frames": None,
-                 "cap_pixels_per_frame": False, "max_video_tokens": 768},
-    "internvl": {"size": {"height": 384, "width": 384}, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
-                 "do_sample_frames": False, "fps": None, "num_frames": None, "initial_shift": True},
-}
 _COMMON = {"do_resize": True, "do_rescale": True, "do_normalize": True, "rescale_factor": 1 / 255,
            "resample": BICUBIC}
 
@@ -106,14 +75,11 @@ def family_of(checkpoint: str) -> str:
             names += [str(d.get("processor_class", "")), str(d.get("image_processor_type", ""))]
     for n in names:
         key = n.lower().replace("-", "_").replace(".", "_")
-        if key.startswith("qwen3_vl") or key.startswith("qwen3vl"):
-            return "qwen3_vl"
-        if key.startswith(("qwen2_5_vl", "qwen2_vl", "qwen2vl", "qwen2_5vl")):
-            return "qwen2_5_vl"
-        if key.startswith(("internvl", "gotocr2")):
-            return "internvl"
+        for spec in models.specs():
+            if key.startswith(spec.processor_names):
+                return spec.name
     raise ValueError(f"{checkpoint}: cannot tell the model family (config.json model_type is not one of "
-                     f"{', '.join(FAMILIES)})")
+                     f"{', '.join(models.names())})")
 
 
 def processor_configs(checkpoint: str) -> tuple[dict, dict, dict]:
@@ -164,13 +130,12 @@ class VisionProcessor:
     def __init__(self, family: str, image_cfg: Mapping[str, Any] | None = None,
                  video_cfg: Mapping[str, Any] | None = None, processor_cfg: Mapping[str, Any] | None = None,
                  video_sampling: Mapping[str, Any] | str | None = "auto"):
-        if family not in FAMILIES:
-            raise ValueError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
         self.family = family
-        self.image = _merged(_IMAGE_DEFAULTS[family], image_cfg or {})
-        files = _merged(_VIDEO_DEFAULTS[family], video_cfg or {})
+        self.rules = rules = models.spec(family).processor
+        self.image = _merged(rules.image_defaults, image_cfg or {})
+        files = _merged(rules.video_defaults, video_cfg or {})
         self.video_sampling = resolve_video_sampling(family, files, video_sampling)
-        self.video = _merged(_VIDEO_DEFAULTS[family], {**(video_cfg or {}), **video_sampling_kwargs(self.video_sampling)})
+        self.video = _merged(rules.video_defaults, {**(video_cfg or {}), **video_sampling_kwargs(self.video_sampling)})
         self.image_seq_length = int((processor_cfg or {}).get("image_seq_length", 256))
 
     @classmethod
@@ -181,55 +146,21 @@ class VisionProcessor:
         image, video, proc = processor_configs(checkpoint)
         return cls(family or family_of(checkpoint), image, video, proc, video_sampling)
 
-    @property
-    def is_qwen(self) -> bool:
-        return self.family != "internvl"
-
     # --- images: counts from the size alone --------------------------------------------------
     def image_grid(self, width: int, height: int) -> tuple[int, int, int]:
         """Qwen: `image_grid_thw` (1, H/patch, W/patch); InternVL: (tiles, columns, rows)."""
-        c = self.image
-        if self.is_qwen:
-            f = c["patch_size"] * c["merge_size"]
-            h, w = smart_resize(height, width, f, c["size"]["shortest_edge"], c["size"]["longest_edge"]) \
-                if c["do_resize"] else (height, width)
-            return 1, h // c["patch_size"], w // c["patch_size"]
-        cols, rows = tile_grid(width, height, c["size"]["width"], c["size"]["height"],
-                               c["min_patches"], c["max_patches"])
-        if c["max_patches"] <= 1:
-            cols = rows = 1
-        n = cols * rows
-        return (n + 1 if n > 1 else 1), cols, rows
+        return self.rules.image_grid(self, width, height)
 
     def image_tokens(self, width: int, height: int) -> int:
         """LLM placeholder tokens of one image (Qwen: pad tokens; InternVL: context tokens)."""
-        t, h, w = self.image_grid(width, height)
-        if self.is_qwen:
-            return t * h * w // self.image["merge_size"] ** 2
-        return t * self.image_seq_length
+        return self.rules.image_tokens(self, self.image_grid(width, height))
 
     # --- images: pixels ----------------------------------------------------------------------
     def process_image(self, rgb) -> tuple[np.ndarray, tuple[int, int, int]]:
         """(pixel_values, grid) of one RGB `PIL.Image`: Qwen [patches, C*T*P*P]; InternVL
         [tiles, 3, S, S]; float32, exactly what the transformers image processor emits."""
-        c = self.image
         grid = self.image_grid(rgb.width, rgb.height)
-        if self.is_qwen:
-            _, gh, gw = grid
-            p = c["patch_size"]
-            img = _resize(rgb, gw * p, gh * p, c["resample"]) if c["do_resize"] else np.asarray(rgb)
-            x = self._normalize(img, c)[None]  # [1, C, H, W]
-            return _qwen_patchify(x, p, c["merge_size"], c["temporal_patch_size"]), grid
-        n, cols, rows = grid
-        sw, sh = c["size"]["width"], c["size"]["height"]
-        tiles = []
-        if n > 1:
-            big = _resize(rgb, cols * sw, rows * sh, c["resample"])
-            for i in range(cols * rows):
-                col, row = i % cols, i // cols
-                tiles.append(big[row * sh:(row + 1) * sh, col * sw:(col + 1) * sw])
-        tiles.append(_resize(rgb, sw, sh, c["resample"]))  # the thumbnail, or the one tile
-        return np.stack([self._normalize(t, c) for t in tiles]), grid
+        return self.rules.process_image(self, rgb, grid), grid
 
     @staticmethod
     def _normalize(img: np.ndarray, c: Mapping[str, Any]) -> np.ndarray:
@@ -249,76 +180,17 @@ class VisionProcessor:
     # --- videos: counts from the metadata alone ------------------------------------------------
     def frame_indices(self, info: VideoInfo) -> np.ndarray:
         """The frames the family's video processor samples (decode order)."""
-        c, total = self.video, info.total_frames
+        c = self.video
         if not c.get("do_sample_frames"):
-            return np.arange(total, dtype=np.int64)
-        fps, num = c.get("fps"), c.get("num_frames")
-        if self.family == "qwen3_vl":
-            if num is None and fps is not None:
-                num = int(total / info.fps * fps)
-                num = min(max(num, c["min_frames"]), c["max_frames"], total)
-            if num is None:
-                num = min(max(total, c["min_frames"]), c["max_frames"])
-            return np.linspace(0, total - 1, num).round().astype(np.int64)
-        if self.family == "qwen2_5_vl":
-            tp = c["temporal_patch_size"]
-            if num is not None:
-                num = round(num / tp) * tp
-            elif fps is not None:
-                top = math.floor(min(c["max_frames"], total) / tp) * tp
-                n = min(max(total / info.fps * fps, c["min_frames"]), top, total)
-                num = math.floor(n / tp) * tp
-            if num is None:
-                return np.arange(total, dtype=np.int64)
-            if num > total or num <= 0:
-                raise ValueError(f"cannot sample {num} frames from a video of {total}")
-            return _torch_float_arange_int(0.0, total, total / num)
-        # internvl
-        if num is None and fps is not None:
-            num = int(total / info.fps * fps)
-            if num <= 0:
-                raise ValueError(f"a clip of {total} frames ({total / info.fps:.3g} s) gives no frame at {fps:g} "
-                                 f"frames/s (InternVL's video processor samples int(seconds x fps) frames)")
-        if num is None:
-            return np.arange(total, dtype=np.int64)
-        if num > total or num <= 0:
-            raise ValueError(f"cannot sample {num} frames from a video of {total}")
-        shift = c.get("initial_shift", True)
-        shift = total / num / 2 if shift is True else float(shift or 0)
-        return _torch_float_arange_int(shift, total, total / num)
+            return np.arange(info.total_frames, dtype=np.int64)
+        return self.rules.frame_indices(self, info, c.get("fps"), c.get("num_frames"))
 
     def video_plan(self, info: VideoInfo) -> VideoPlan:
         """Frames, grid, tokens and timestamps of a video, from its metadata."""
         idx = self.frame_indices(info)
-        n = len(idx)
-        if n == 0:
+        if len(idx) == 0:
             raise MediaError("no_frames", "", "no frames to sample")
-        c = self.video
-        if not self.is_qwen:
-            s = c["size"]
-            return VideoPlan(idx, (n, 1, 1), n * self.image_seq_length, (s["width"], s["height"]), info.fps)
-        p, m, tp = c["patch_size"], c["merge_size"], c["temporal_patch_size"]
-        f = p * m
-        lo, hi = c["size"]["shortest_edge"], c["size"]["longest_edge"]
-        if self.family == "qwen3_vl":
-            if c.get("cap_pixels_per_frame"):
-                per = max(min(c["max_video_tokens"] * f * f, hi // n), int(lo * 1.05))
-                hi = per * n
-            h, w = smart_resize_video(n, info.height, info.width, tp, f, lo, hi)
-        else:
-            if c.get("cap_pixels_per_frame"):
-                total_px = int(c["max_video_tokens"] * f * f * 0.9)
-                hi = max(min(hi, total_px * tp // n), int(lo * 1.05))
-            h, w = smart_resize(info.height, info.width, f, lo, hi)
-        gt = -(-n // tp)
-        grid = (gt, h // p, w // p)
-        tokens = gt * (h // p) * (w // p) // (m * m)
-        sampled_fps = n / info.total_frames * info.fps
-        ts: tuple[float, ...] = ()
-        if self.family == "qwen3_vl":
-            ts = tuple(qwen3_timestamps(idx, info.fps, tp))
-        return VideoPlan(idx, grid, tokens, (w, h), info.fps, ts,
-                         tp / sampled_fps if self.family == "qwen2_5_vl" else None)
+        return self.rules.video_plan(self, info, idx)
 
     # --- videos: pixels -------------------------------------------------------------------------
     def video_frames(self, frames: np.ndarray, plan: VideoPlan) -> np.ndarray:
@@ -337,33 +209,26 @@ class VisionProcessor:
     def process_video(self, frames: np.ndarray, plan: VideoPlan) -> np.ndarray:
         """Pixel values of the sampled frames (uint8 [T, H, W, 3]): Qwen [patches, C*T*P*P];
         InternVL [frames, 3, S, S]."""
-        c = self.video
-        x = self.video_frames(frames, plan)
-        if not self.is_qwen:
-            return x
-        tp = c["temporal_patch_size"]
-        if pad := -len(x) % tp:  # repeat the last frame up to a whole temporal patch
-            x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
-        return _qwen_patchify(x, c["patch_size"], c["merge_size"], tp)
+        return self.rules.process_video(self, self.video_frames(frames, plan))
+
+    def model_inputs(self, out: dict, images: list, image_grids: list, videos: list, plans: list,
+                     order: list) -> None:
+        """The processor's pixel keys of one sample, filled into `out` (`images`, `videos`: the
+        pixel values of each; `order`: "image" / "video" per item as the text names them)."""
+        self.rules.model_inputs(out, images, image_grids, videos, plans, order)
 
 
 SAMPLING_KEYS = ("fps", "num_frames", "do_sample_frames", "cap_pixels_per_frame")
-# The video sampling a run passes when the checkpoint's video processor takes every frame (the
-# Qwen2-VL and InternVL video processors' `do_sample_frames=False`): Qwen2.5-VL at 2 frames/s with
-# the total-pixel cap (what the Qwen2-VL video processor's `cap_pixels_per_frame` documents as the
-# reference implementation's, qwen-vl-utils), InternVL at 1 frame/s.
-AUTO_SAMPLING: dict[str, dict[str, Any]] = {"qwen2_5_vl": {"fps": 2.0, "cap_pixels_per_frame": True},
-                                            "qwen3_vl": {"fps": 2.0}, "internvl": {"fps": 1.0}}
 
 
 def resolve_video_sampling(family: str, files: Mapping[str, Any], sampling: Mapping[str, Any] | str | None) -> dict:
     """The video keywords a run passes: "auto" (the default) keeps the checkpoint's own sampling
-    and, where its video processor takes every frame, uses `AUTO_SAMPLING`; "files" or None: the
+    and, where its video processor takes every frame, uses the family's `auto_sampling`; "files" or None: the
     processor files as they are (every frame where they say so); a mapping: those keywords."""
     if sampling is None or sampling == "files":
         return {}
     if sampling == "auto":
-        return {} if files.get("do_sample_frames") else dict(AUTO_SAMPLING[family])
+        return {} if files.get("do_sample_frames") else dict(models.spec(family).processor.auto_sampling)
     if isinstance(sampling, str):
         raise ValueError(f"video sampling must be 'auto', 'files' or a mapping of {', '.join(SAMPLING_KEYS)}, "
                          f"got {sampling!r}")
@@ -390,72 +255,6 @@ def video_sampling_kwargs(sampling: Mapping[str, Any] | None) -> dict[str, Any]:
     return out
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL's resize rule: multiples of `factor`, pixels within [min, max], aspect kept."""
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    if h * w > max_pixels:
-        beta = math.sqrt(height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen3-VL's video resize rule: the pixel bounds hold for all sampled frames together."""
-    if num_frames < temporal_factor:
-        raise ValueError(f"{num_frames} sampled frames: Qwen3-VL needs at least {temporal_factor}")
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.0f} is above {MAX_ASPECT_RATIO}")
-    h = round(height / factor) * factor
-    w = round(width / factor) * factor
-    t = round(num_frames / temporal_factor) * temporal_factor
-    if t * h * w > max_pixels:
-        beta = math.sqrt(num_frames * height * width / max_pixels)
-        h = max(factor, math.floor(height / beta / factor) * factor)
-        w = max(factor, math.floor(width / beta / factor) * factor)
-    elif t * h * w < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h = math.ceil(height * beta / factor) * factor
-        w = math.ceil(width * beta / factor) * factor
-    return h, w
-
-
-def tile_grid(width: int, height: int, tile_w: int, tile_h: int, min_tiles: int, max_tiles: int) -> tuple[int, int]:
-    """(columns, rows): InternVL's grid with the closest aspect ratio; a tie goes to the larger
-    grid while the image covers more than half of it."""
-    grids = sorted(((c, r) for c in range(1, max_tiles + 1) for r in range(1, max_tiles + 1)
-                    if min_tiles <= c * r <= max_tiles), key=lambda g: g[0] * g[1])
-    aspect, area = width / height, width * height
-    best, best_diff = (1, 1), math.inf
-    for c, r in grids:
-        diff = abs(aspect - c / r)
-        if diff < best_diff:
-            best, best_diff = (c, r), diff
-        elif diff == best_diff and area > 0.5 * tile_w * tile_h * c * r:
-            best = (c, r)
-    return best
-
-
-def qwen3_timestamps(indices: np.ndarray, fps: float, temporal_patch: int) -> list[float]:
-    """Seconds of each temporal patch: the mean time of its first and last frame."""
-    idx = [int(i) for i in indices]
-    if len(idx) % temporal_patch:
-        idx += [idx[-1]] * (temporal_patch - len(idx) % temporal_patch)
-    t = [i / fps for i in idx]
-    return [(t[i] + t[i + temporal_patch - 1]) / 2 for i in range(0, len(t), temporal_patch)]
-
-
 def _torch_float_arange_int(start: float, end: float, step: float) -> np.ndarray:
     """`torch.arange(start, end, step).int()` with float arguments: the length is computed in
     float64, the values in float64 then stored as float32 (torch's default dtype), then truncated."""
@@ -473,15 +272,3 @@ def _resize(im, width: int, height: int, resample: int) -> np.ndarray:
     if im.size == (width, height):
         return np.asarray(im)
     return np.asarray(im.resize((width, height), resample=resample))
-
-
-def _qwen_patchify(x: np.ndarray, patch: int, merge: int, temporal: int) -> np.ndarray:
-    """[T, C, H, W] -> [T/tp * H/p * W/p, C*tp*p*p] in Qwen-VL's order; T == 1 repeats the frame."""
-    t, ch, hh, ww = x.shape
-    if t == 1:
-        x = np.broadcast_to(x, (temporal, ch, hh, ww))
-        t = temporal
-    gt, gh, gw = t // temporal, hh // patch, ww // patch
-    y = x.reshape(gt, temporal, ch, gh // merge, merge, patch, gw // merge, merge, patch)
-    y = y.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-    return np.ascontiguousarray(y.reshape(gt * gh * gw, ch * temporal * patch * patch), dtype=np.float32)

@@ -14,11 +14,12 @@ What the rules are built from (`vision_rules`):
   its own processor files. Qwen2.5-VL's and InternVL's published video processors take every
   frame of a clip; Qwen3-VL's samples 2 frames per second.
 - a family name, for planning without a checkpoint: the processor files of the family's
-  reference model (`REFERENCE_MODELS`: "qwen-vl" -> qwen2.5-vl-32b, "qwen3-vl" -> qwen3-vl-8b,
-  "internvl" -> internvl3-8b). Qwen2.5-VL's releases publish no video processor file, so for
-  "qwen-vl" the video processor is the Qwen2-VL video processor's own defaults (128..768 tokens
-  a frame, the bounds qwen-vl-utils also uses), where a Qwen2.5-VL checkpoint's video processor
-  reads its image file's bounds (3136..12845056 px a frame), as transformers loads it.
+  reference model (`reference_models()`, each family's `FamilySpec.vision_rule` ->
+  `published_model`: "qwen-vl" -> qwen2.5-vl-32b, "qwen3-vl" -> qwen3-vl-8b, "internvl" ->
+  internvl3-8b). A reference model that publishes no video processor file (Qwen2.5-VL's releases)
+  counts videos with its family's video processor's own defaults (Qwen2-VL's: 128..768 tokens a
+  frame, the bounds qwen-vl-utils also uses), where a checkpoint of it reads its image file's
+  bounds (3136..12845056 px a frame), as transformers loads it.
 - "llava" (LLaVA-1.5 / LLaVA-OneVision-like): fixed counts, 576 tokens per image (24x24
   patches of a 336-px crop) and 196 per video frame; no processor of this project.
 
@@ -43,17 +44,27 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from dhp_jax import models
 from dhp_jax.data.media import VideoInfo
-from dhp_jax.data.processors import MAX_ASPECT_RATIO, VisionProcessor, family_of, smart_resize  # noqa: F401 (public)
+from dhp_jax.data.processors import VisionProcessor, family_of
 from dhp_jax.data.sample import Segment
 
-VISION_FAMILIES = ("qwen-vl", "qwen3-vl", "internvl", "llava")
 MODELS_DIR = Path(__file__).with_name("models")
 # A clip described by its duration only (no frame rate) is counted as a stream at this rate.
 DEFAULT_SOURCE_FPS = 30.0
-# The stored model whose processor files a family name stands for.
-REFERENCE_MODELS = {"qwen-vl": "qwen2.5-vl-32b", "qwen3-vl": "qwen3-vl-8b", "internvl": "internvl3-8b"}
-_PROCESSOR_FAMILY = {"qwen2_5_vl": "qwen-vl", "qwen3_vl": "qwen3-vl", "internvl": "internvl"}
+
+
+def reference_models() -> dict[str, str]:
+    """{vision-rule name: the stored model whose processor files it stands for}, one per family."""
+    return {s.vision_rule: s.published_model for s in models.specs()}
+
+
+def __getattr__(name: str):
+    if name == "VISION_FAMILIES":     # the families' rule names, and LLaVA's fixed counts
+        return (*reference_models(), "llava")
+    if name == "REFERENCE_MODELS":
+        return reference_models()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +92,7 @@ class ProcessorRules:
 
     def __init__(self, processor: VisionProcessor, name: str):
         self.processor, self.name = processor, name
-        self.family = _PROCESSOR_FAMILY[processor.family]
+        self.family = models.spec(processor.family).vision_rule
 
     def __repr__(self) -> str:
         return f"ProcessorRules({self.name!r}, {self.processor.family})"
@@ -89,8 +100,7 @@ class ProcessorRules:
     @property
     def factor(self) -> int:
         """Pixels per LLM token along a side (patch x merge) of the image processor; InternVL: the tile."""
-        c = self.processor.image
-        return c["patch_size"] * c["merge_size"] if self.processor.is_qwen else c["size"]["width"]
+        return self.processor.rules.factor(self.processor)
 
     def image_tokens(self, width: int, height: int) -> int:
         _check_size(width, height)
@@ -137,8 +147,8 @@ class LlavaRules:
 
 VisionRules = ProcessorRules | LlavaRules
 
-_ALIASES = {"qwen": "qwen-vl", "qwen2-vl": "qwen-vl", "qwen2.5-vl": "qwen-vl", "qwen2_5_vl": "qwen-vl",
-            "qwen3_vl": "qwen3-vl",
+# other spellings of the rule names (a registered family's own name stands for its rule too)
+_ALIASES = {"qwen": "qwen-vl", "qwen2-vl": "qwen-vl", "qwen2.5-vl": "qwen-vl",
             "intern-vl": "internvl", "llava-1.5": "llava", "llava-onevision": "llava"}
 
 
@@ -159,11 +169,12 @@ def vision_rules(family: str | os.PathLike | VisionRules,
     key = text.lower()
     if is_model_name(key):
         return _model_rules(key, sampling)
-    key = _ALIASES.get(key, key)
+    key = _ALIASES.get(key) or {s.name: s.vision_rule for s in models.specs()}.get(key, key)
     if key == "llava":
         return LlavaRules()
-    if key not in REFERENCE_MODELS:
-        raise ValueError(f"unknown vision family {family!r}; known: {', '.join(VISION_FAMILIES)}, a stored model "
+    if key not in reference_models():
+        raise ValueError(f"unknown vision family {family!r}; known: {', '.join(__getattr__('VISION_FAMILIES'))}, "
+                         f"a stored model "
                          f"({', '.join(stored_models())}) or a checkpoint directory with preprocessor_config.json")
     return _family_rules(key, sampling)
 
@@ -203,10 +214,10 @@ def _family_rules(key: str, sampling: Any) -> ProcessorRules:
     from dhp_jax.data import model_configs
     from dhp_jax.data.processors import processor_configs
 
-    name = REFERENCE_MODELS[key]
+    name = reference_models()[key]
     image, video, proc = processor_configs(str(MODELS_DIR / name))
-    if key == "qwen-vl":   # the video processor's own defaults (module docstring)
-        video = {}
+    if not (MODELS_DIR / name / "video_preprocessor_config.json").is_file():
+        video = {}         # no published video processor file: its own defaults (module docstring)
     family = model_configs.model_facts(name).family
     return ProcessorRules(VisionProcessor(family, image, video, proc, _sampling(sampling)), key)
 
@@ -238,13 +249,15 @@ def family_for_model(model: str) -> str:
     if model_configs.is_stored(m):
         return model_configs.model_facts(m).vision_rule
     if _is_checkpoint_dir(str(model)):
-        return _PROCESSOR_FAMILY[family_of(str(model))]
-    for prefix, fam in (("internvl", "internvl"), ("intern-vl", "internvl"), ("qwen3", "qwen3-vl"),
-                        ("qwen", "qwen-vl"), ("llava", "llava")):
+        return models.spec(family_of(str(model))).vision_rule
+    # the families' model-name prefixes (`FamilySpec.name_prefixes`), the longest first, and LLaVA's
+    prefixes = sorted([(p, s.vision_rule) for s in models.specs() for p in s.name_prefixes] + [("llava", "llava")],
+                      key=lambda pf: -len(pf[0]))
+    for prefix, fam in prefixes:
         if m.startswith(prefix):
             return fam
     raise ValueError(f"cannot tell the vision family of model {model!r}; "
-                     f"name one of {', '.join(VISION_FAMILIES)} explicitly")
+                     f"name one of {', '.join(__getattr__('VISION_FAMILIES'))} explicitly")
 
 
 def rules_for_model(model: str | os.PathLike, video_sampling: Mapping[str, Any] | str | None = "auto") -> VisionRules:

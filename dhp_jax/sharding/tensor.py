@@ -73,30 +73,13 @@ TOP_SPLIT = {"embed/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 # The Hugging Face families' LLM layers (`dhp_jax.model.hf`, transformers' names): q/k/v and their
 # biases by heads, o_proj by row (a bias of it, if any, replicated: added once after the sum), the
 # MLP's gate/up by column and down by row; the norms (with Qwen3's per-head q/k norms) replicated.
-# The vision encoders' blocks split by QWEN_VISION_SPLIT and INTERNVIT_SPLIT below; the projector replicated.
+# The vision encoders' blocks split by each family's `VISION_TP_SPLIT` (its `hf_config` module,
+# `dhp_jax.models.<family>`); the projector replicated.
 FAMILY_BLOCK_SPLIT = {"self_attn/q_proj/kernel": (1, "heads"), "self_attn/q_proj/bias": (0, "heads"),
                       "self_attn/k_proj/kernel": (1, "kv_heads"), "self_attn/k_proj/bias": (0, "kv_heads"),
                       "self_attn/v_proj/kernel": (1, "kv_heads"), "self_attn/v_proj/bias": (0, "kv_heads"),
                       "self_attn/o_proj/kernel": (0, "heads"), "mlp/gate_proj/kernel": (1, "mlp"),
                       "mlp/up_proj/kernel": (1, "mlp"), "mlp/down_proj/kernel": (0, "mlp")}
-# The Qwen vision encoders' blocks (Qwen2.5-VL: gated MLP; Qwen3-VL: fc1 / fc2): the fused qkv by
-# heads inside each of q, k and v ("qkv": 3 parts of H heads), proj by row, the MLP's first
-# matrices (and biases) by column and its last by row; the row-split biases and the norms
-# replicated. InternViT's layers alike (q/k/v and their biases, and the QK-norm scales over the
-# whole width, by heads; projection_layer and fc2 by row, fc1 by column; the layer scales
-# lambda_1 / lambda_2, the norms and the row-split biases replicated).
-QWEN_VISION_SPLIT = {"attn/qkv/kernel": (1, "qkv"), "attn/qkv/bias": (0, "qkv"), "attn/proj/kernel": (0, "heads"),
-                     "mlp/gate_proj/kernel": (1, "mlp"), "mlp/gate_proj/bias": (0, "mlp"),
-                     "mlp/up_proj/kernel": (1, "mlp"), "mlp/up_proj/bias": (0, "mlp"),
-                     "mlp/down_proj/kernel": (0, "mlp"),
-                     "mlp/linear_fc1/kernel": (1, "mlp"), "mlp/linear_fc1/bias": (0, "mlp"),
-                     "mlp/linear_fc2/kernel": (0, "mlp")}
-INTERNVIT_SPLIT = {"attention/q_proj/kernel": (1, "heads"), "attention/q_proj/bias": (0, "heads"),
-                   "attention/k_proj/kernel": (1, "heads"), "attention/k_proj/bias": (0, "heads"),
-                   "attention/v_proj/kernel": (1, "heads"), "attention/v_proj/bias": (0, "heads"),
-                   "attention/q_norm/scale": (0, "heads"), "attention/k_norm/scale": (0, "heads"),
-                   "attention/projection_layer/kernel": (0, "heads"), "mlp/fc1/kernel": (1, "mlp"),
-                   "mlp/fc1/bias": (0, "mlp"), "mlp/fc2/kernel": (0, "mlp")}
 FAMILY_TOP_SPLIT = {"model/language_model/embed_tokens/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 FAMILY_LLM_LAYERS = "model/language_model/layers/"
 
@@ -185,8 +168,8 @@ def _family_table(config: Any) -> SplitTable:
     v = config.vision
     hd = v.hidden_size // v.num_heads
     vunits = {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3), "mlp": (_vision_intermediate(config), 1)}
-    encoder = Stack("/".join(vision) + "/", INTERNVIT_SPLIT if config.family == "internvl" else QWEN_VISION_SPLIT,
-                    vunits)
+    from dhp_jax.model.hf.families import hf_module
+    encoder = Stack("/".join(vision) + "/", hf_module(config.family).VISION_TP_SPLIT, vunits)
     return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
                       FAMILY_TOP_SPLIT)
 

@@ -31,9 +31,11 @@ class ModelConfig:
     SCALAR_KEY = "preset"          # `model=tiny` (a string) sets model.preset
     preset: str = "tiny"           # no checkpoint given: "tiny" (the stand-in model) or a tiny random model of a
                                    # family on synthetic samples in its input format (dhp_jax.train.family_demo):
-                                   # "tiny-qwen2_5_vl", "tiny-qwen3_vl", "tiny-internvl"
+                                   # "tiny-<family>" of any registered family ("tiny-qwen2_5_vl", ...)
     pretrained: str | None = None  # a Hugging Face checkpoint directory of a supported family: fine-tune it
                                    # (config.json + safetensors + its processor and tokenizer files)
+    family_module: str | None = None  # a module (dotted name on sys.path) that registers a model family
+                                   # outside the package (dhp_jax.models.register), imported before the model
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""`dhp example OUT_DIR --family internvl|qwen2_5_vl|qwen3_vl`: everything a fine-tuning run needs,
+"""`dhp example OUT_DIR --family FAMILY` (a registered family, `dhp_jax.models`): everything a fine-tuning run needs,
 written offline: `OUT_DIR/checkpoint` (a tiny random model of the family, saved by
 `hf.save_pretrained`, with the tokenizer, chat template and processor files transformers saves
 next to a checkpoint) and `OUT_DIR/data/train.jsonl` (generated images, short PyAV videos and
@@ -12,13 +12,14 @@ import sys
 
 
 def token_ids(checkpoint: str, family: str) -> dict[str, int]:
-    """The tokenizer's ids of the vision placeholders a family's config.json names."""
+    """The tokenizer's ids of the vision placeholders a family's config.json names (its example's
+    `token_names`)."""
     from tokenizers import Tokenizer
 
+    from dhp_jax import models
+
     tok = Tokenizer.from_file(os.path.join(checkpoint, "tokenizer.json"))
-    names = {"image": "<IMG_CONTEXT>"} if family == "internvl" else {
-        "image": "<|image_pad|>", "video": "<|video_pad|>", "vision_start": "<|vision_start|>",
-        "vision_end": "<|vision_end|>"}
+    names = dict(models.spec(family).example.token_names)
     names.update(bos="<|endoftext|>", eos="<|im_end|>")
     return {k: int(tok.token_to_id(v)) for k, v in names.items()}
 
@@ -26,12 +27,12 @@ def token_ids(checkpoint: str, family: str) -> dict[str, int]:
 def write_example(out_dir: str, family: str, num_samples: int = 24, seed: int = 0,
                   vocab_size: int = 512, long_videos: int = 3) -> tuple[str, str]:
     """(checkpoint dir, manifest path) under `out_dir` (see the module docstring)."""
+    from dhp_jax import models
     from dhp_jax.data.example import write_example_data, write_processor_files
     from dhp_jax.model import hf
     from dhp_jax.model.hf.init import random_params, tiny_config
 
-    if family not in hf.FAMILIES:
-        raise ValueError(f"unknown family {family!r}; known: {', '.join(hf.FAMILIES)}")
+    models.spec(family)         # an unknown name is an error naming the known ones
     ckpt = os.path.join(out_dir, "checkpoint")
     write_processor_files(ckpt, family, vocab_size=vocab_size)
     config = hf.parse_config(tiny_config(family, token_ids(ckpt, family), vocab_size))
@@ -43,8 +44,11 @@ def write_example(out_dir: str, family: str, num_samples: int = 24, seed: int = 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("out_dir", metavar="OUT_DIR", help="where to write checkpoint/ and data/")
-    parser.add_argument("--family", default="qwen2_5_vl", choices=("internvl", "qwen2_5_vl", "qwen3_vl"),
-                        help="model family of the tiny checkpoint (default: qwen2_5_vl)")
+    from dhp_jax import models
+
+    names = models.names()
+    parser.add_argument("--family", default=names[0], choices=names,
+                        help=f"model family of the tiny checkpoint, a registered one (default: {names[0]})")
     parser.add_argument("--samples", type=int, default=24, help="records in data/train.jsonl (default: 24)")
     parser.add_argument("--long-videos", type=int, default=3, metavar="N",
                         help="how many of the records are long videos (12-30 s, about 0.8k-2k tokens) beside the "

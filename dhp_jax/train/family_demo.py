@@ -17,6 +17,10 @@ concept's fixed tokens after a two-token cue), written as the family's processor
   demo's 8-px tiles: p tokens take ceil(p / 4) tiles), `</img>`, with `pixel_values`
   [tiles, 3, H, W].
 
+The family's part (its model's demo size, how a frame or image is written) is its
+`FamilySpec.demo` (`dhp_jax.models.<family>.spec`); any registered family has a demo model
+`tiny-<family>`.
+
 Labels are the caption's tokens (the cue and the concept's tokens; -100 elsewhere), shifted
 inside as in transformers: the first concept token is predicted from the cue, which must read the
 video to name it. Each sample goes through `hf.sample_from_inputs`, so the positions (M-RoPE),
@@ -25,16 +29,26 @@ segments and pixels the executor runs are the family's own.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
+from dhp_jax import models
 from dhp_jax.data.sample import Sample, sample_etas, sample_lengths
 from dhp_jax.train.pipeline import Batch, DataPipeline, _step_seed
 
-# the demo's model names -> their family (`model=` / model.preset)
-DEMO_MODELS = {"tiny-qwen2_5_vl": "qwen2_5_vl", "tiny-qwen3_vl": "qwen3_vl", "tiny-internvl": "internvl"}
+
+def demo_models() -> dict[str, str]:
+    """The demo's model names -> their family (`model=` / model.preset): `tiny-<family>` of every
+    registered family."""
+    return {f"tiny-{name}": name for name in models.names()}
+
+
+def __getattr__(name: str):
+    if name == "DEMO_MODELS":
+        return demo_models()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 # token ids of the vision placeholders and of the vision span's start and end (text ids follow them;
 # InternVL's `<img>`/`</img>` are plain text tokens, given the same two ids)
 TOKENS = {"image": 1, "video": 2, "vision_start": 3, "vision_end": 4}
@@ -56,22 +70,10 @@ def demo_config(family: str, vocab_size: int = VOCAB) -> dict[str, Any]:
         rope["mrope_section"] = [2, 1, 1]          # head_dim / 2 = 4 rotary frequencies over (t, h, w)
     v = raw["vision_config"]
     v.update(hidden_size=16, intermediate_size=32)
-    # small patches (4 px; InternVL 2-px patches of 8-px tiles, 4 tokens a tile): the demo's pixel
-    # rows stay short (Qwen: 3 x 2 x 4 x 4 = 96 values a patch), so a batch is cheap to draw and move
-    if family == "internvl":
-        v.update(image_size=[8, 8], patch_size=[2, 2])
-        raw["image_seq_length"] = 4
-    else:
-        v.update(patch_size=4, out_hidden_size=32)
-        if family == "qwen2_5_vl":
-            v["window_size"] = 32                  # windows of 4 x 4 merged units, as 112 px at 14-px patches
+    # small patches (the family's `demo.shrink`: Qwen 4 px, InternVL 2-px patches of 8-px tiles, 4
+    # tokens a tile): the demo's pixel rows stay short, so a batch is cheap to draw and move
+    models.spec(family).demo.shrink(raw)
     return raw
-
-
-def _merged_grid(units: int) -> tuple[int, int]:
-    """(a, b) with a * b == units and a <= b as close as can be: the frame's grid of merged units."""
-    a = max(d for d in range(1, int(math.isqrt(units)) + 1) if units % d == 0)
-    return a, units // a
 
 
 class FamilyDemoPipeline(DataPipeline):
@@ -79,13 +81,8 @@ class FamilyDemoPipeline(DataPipeline):
 
     def __init__(self, cfg: Any, hf_config: Any):
         self.hf = hf_config
-        v = hf_config.vision
-        if hf_config.family == "internvl":
-            self.tile = (v.channels, v.image_size[0], v.image_size[1])
-            self.per_tile = (v.image_size[0] // v.patch_size[0]) * (v.image_size[1] // v.patch_size[1]) // v.shuffle ** 2
-            patch = int(np.prod(self.tile))
-        else:
-            patch = v.in_channels * v.temporal_patch_size * v.patch_size ** 2
+        self.demo = models.spec(hf_config.family).demo
+        patch = self.demo.setup(self, hf_config)
         super().__init__(cfg, hf_config.text.vocab_size, patch, first_token=FIRST_TEXT)
 
     def _text(self, ids: np.ndarray, labelled: bool) -> tuple[list, list, list]:
@@ -94,13 +91,12 @@ class FamilyDemoPipeline(DataPipeline):
 
     def _inputs(self, shape: list, concept: int, rng: np.random.Generator) -> tuple[dict, np.ndarray]:
         """(processor-style inputs, labels [1, L]) of one sample of `shape` showing `concept`."""
-        fam, cfg = self.hf.family, self.cfg
+        cfg = self.cfg
         ids: list[int] = []
         kinds: list[int] = []
         labels: list[int] = []
         rows: dict[str, list] = {"image": [], "video": []}
         grid: dict[str, list] = {"image": [], "video": []}
-        start, end = TOKENS["vision_start"], TOKENS["vision_end"]
 
         def add(i: list, k: list, lab: list) -> None:
             ids.extend(i)
@@ -119,37 +115,10 @@ class FamilyDemoPipeline(DataPipeline):
                 else:
                     add(*self._text(self.instruction[:n], False))
                 continue
-            frames = n // per_frame
-            if fam == "internvl":
-                tiles = -(-per_frame // self.per_tile)
-                for _ in range(frames):
-                    add([start] + [TOKENS["image"]] * (tiles * self.per_tile) + [end],
-                        [0] * (tiles * self.per_tile + 2), [-100] * (tiles * self.per_tile + 2))
-                    rows["image"].append(pixels(tiles).reshape((tiles,) + self.tile))
-                continue
-            a, b = _merged_grid(per_frame)
-            kind = 1 if modality == "image" else 2
-            token = TOKENS[modality if modality == "image" else "video"]
-            # a Qwen3-VL video: a start/end run per frame; otherwise one run per video or image
-            runs = [per_frame] * frames if fam == "qwen3_vl" and kind == 2 else [n]
-            for m in runs:
-                add([start] + [token] * m + [end], [0] + [kind] * m + [0], [-100] * (m + 2))
-            grid["image" if kind == 1 else "video"].append((1 if kind == 1 else frames, 2 * a, 2 * b))
-            rows["image" if kind == 1 else "video"].append(pixels(4 * n))
+            self.demo.add_vision(self, add, rows, grid, modality, n, per_frame, pixels, TOKENS)
         input_ids = np.array([ids], np.int64)
         inputs: dict[str, Any] = {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids)}
-        if fam == "internvl":
-            if rows["image"]:
-                inputs["pixel_values"] = np.concatenate(rows["image"])
-        else:
-            inputs["mm_token_type_ids"] = np.array([kinds], np.int64)
-            for modality, pixel_key, grid_key in (("image", "pixel_values", "image_grid_thw"),
-                                                  ("video", "pixel_values_videos", "video_grid_thw")):
-                if rows[modality]:
-                    inputs[pixel_key] = np.concatenate(rows[modality])
-                    inputs[grid_key] = np.array(grid[modality], np.int64)
-            if fam == "qwen2_5_vl" and rows["video"]:
-                inputs["second_per_grid_ts"] = np.ones(len(grid["video"]), np.float32)
+        self.demo.finish(inputs, kinds, rows, grid)
         return inputs, np.array([labels], np.int64)
 
     def batch(self, step: int) -> Batch:

@@ -34,7 +34,7 @@ from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.compare import compare_plans
 from dhp_jax.train.config import OptimConfig, TrainConfig, checkpoint_path, compilation_cache_path
 from dhp_jax.train.distributed import StepSync
-from dhp_jax.train.family_demo import DEMO_MODELS
+from dhp_jax.train.family_demo import demo_models
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
@@ -162,6 +162,13 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     config.validate()
     t = config.parallel.tensor
     hf_config = hf_params = None
+    if config.model.family_module:      # a family registered outside the package
+        from dhp_jax import models
+        try:
+            models.load(config.model.family_module)
+        except ValueError as e:
+            raise TrainError(f"model.family_module: {e}") from None
+    demo = demo_models()
     if config.model.pretrained:
         from dhp_jax.model import hf  # lazy, with the fine-tuning imports below: only a fine-tuning run needs them
 
@@ -173,12 +180,12 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
             model_config = MLLMConfig.from_hf(config.model.pretrained, remat=config.remat)
         except (OSError, ValueError, KeyError) as e:
             raise TrainError(f"model.pretrained={config.model.pretrained!r}: {e}") from None
-    elif config.model.preset in DEMO_MODELS:   # a tiny random model of a family, on synthetic family samples
+    elif config.model.preset in demo:   # a tiny random model of a family, on synthetic family samples
         from dhp_jax.model import hf
         from dhp_jax.model.hf.init import random_params
         from dhp_jax.train.family_demo import demo_config
 
-        raw = demo_config(DEMO_MODELS[config.model.preset])
+        raw = demo_config(demo[config.model.preset])
         hf_config = hf.parse_config(raw)
         hf_params = random_params(hf_config, config.seed)
         model_config = MLLMConfig.from_hf(raw, name=config.model.preset, remat=config.remat)
@@ -186,7 +193,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         try:
             model_config = MLLMConfig.preset(config.model.preset, remat=config.remat)
         except ValueError as e:
-            raise TrainError(f"model.preset: {e}; or a family model of the demo: {sorted(DEMO_MODELS)}") from None
+            raise TrainError(f"model.preset: {e}; or a family model of the demo: {sorted(demo)}") from None
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks * t:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks * t} devices"

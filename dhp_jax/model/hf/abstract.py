@@ -20,9 +20,10 @@ from dhp_jax.model.hf.checkpoint import leaf_shape, tree_from_weights
 
 def abstract_params(config: Any, dtype: Any = jnp.float32) -> dict:
     """The params tree of family config `config` (an `HFConfig`) as `jax.ShapeDtypeStruct`s."""
-    from dhp_jax.model.hf.api import LM_HEAD, family_module
+    from dhp_jax.model.hf.api import LM_HEAD
+    from dhp_jax.model.hf.families import hf_module
     from dhp_jax.model.hf.init import weight_shapes
-    renames = family_module(config.family).LEGACY_RENAMES
+    renames = hf_module(config.family).LEGACY_RENAMES
     return tree_from_weights(((k, s) for k, (_, s) in weight_shapes(config).items()), renames,
                              skip=(LM_HEAD,) if config.tied else (),
                              leaf=leaf_shape, convert=lambda shape: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype)))

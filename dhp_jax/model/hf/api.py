@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 from typing import Any, Mapping
@@ -16,7 +15,8 @@ from dhp_jax.model.attention import dense_attention
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
-from dhp_jax.model.hf.families import FAMILIES, parse_config
+from dhp_jax import models
+from dhp_jax.model.hf.families import hf_module, parse_config
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.text import lm_head
 
@@ -24,10 +24,9 @@ LM_HEAD = "lm_head.weight"
 
 
 def family_module(family: str) -> ModuleType:
-    """The module that holds one family's differences."""
-    if family not in FAMILIES:
-        raise ValueError(f"model family {family!r} is not supported (known: {FAMILIES})")
-    return importlib.import_module(f"dhp_jax.model.hf.{family}")
+    """The family's JAX module (`FamilySpec.jax_module`: its `hidden` forward); its model side without
+    jax (config, renames, host arrays) is `families.hf_module`."""
+    return models.spec(family).engine_module("jax")
 
 
 def load_config(path: str) -> HFConfig:
@@ -44,9 +43,8 @@ def load_pretrained(path: str, dtype: str = "float32") -> tuple[HFConfig, dict]:
     Weights under the published checkpoints' older names are renamed as transformers renames them."""
     path = checkpoint_dir(path)
     config = load_config(path)
-    module = family_module(config.family)
     target = jnp.dtype(dtype)
-    params = tree_from_weights(safetensors_io.read_checkpoint(path), module.LEGACY_RENAMES,
+    params = tree_from_weights(safetensors_io.read_checkpoint(path), hf_module(config.family).LEGACY_RENAMES,
                                skip=(LM_HEAD,) if config.tied else (),
                                convert=lambda a: jnp.asarray(np.asarray(a, dtype=target)))
     check_params(config, params)
@@ -68,14 +66,13 @@ def check_params(config: HFConfig, params: Mapping) -> None:
 
 def prepare(config: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The host-side arrays of one processor output (token ids, rotary positions, encoder ids)."""
-    return family_module(config.family).prepare(config, inputs)
+    return hf_module(config.family).prepare(config, inputs)
 
 
 def hidden_states(config: HFConfig, params: Params, inputs: Mapping[str, Any],
                   attn_fn: AttentionFn = dense_attention) -> jax.Array:
     """Final LLM hidden states [L, d] of one sample (before the LM head)."""
-    module = family_module(config.family)
-    return module.hidden(config, params, module.prepare(config, inputs), attn_fn)
+    return family_module(config.family).hidden(config, params, prepare(config, inputs), attn_fn)
 
 
 def logits(config: HFConfig, params: Params, inputs: Mapping[str, Any],
@@ -88,7 +85,7 @@ def logits(config: HFConfig, params: Params, inputs: Mapping[str, Any],
 def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
     """{transformers parameter name: numpy array} of a parameter or gradient tree. A tied LM head
     appears once, as the embedding (`lm_head.weight` is not repeated)."""
-    conv = family_module(config.family).conv_shapes(config)
+    conv = hf_module(config.family).conv_shapes(config)
     # on the host first: transposing device arrays would compile one program per leaf shape
     return {k: np.ascontiguousarray(v) for k, v in weights_from_tree(jax.tree.map(np.asarray, tree), conv).items()}
 

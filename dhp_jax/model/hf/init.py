@@ -14,9 +14,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from dhp_jax.model.hf import api
+from dhp_jax import models
 from dhp_jax.model.hf.checkpoint import tree_from_weights
 from dhp_jax.model.hf.config import HFConfig
+from dhp_jax.model.hf.families import hf_module
 
 STD = 0.02
 LAYER_SCALE = 0.1
@@ -58,80 +59,11 @@ def _text_shapes(cfg: HFConfig, out: dict) -> None:
         out["lm_head.weight"] = ("normal", (t.vocab_size, d))
 
 
-def _qwen_vision_shapes(cfg: HFConfig, out: dict) -> None:
-    v, raw = cfg.vision, cfg.fields["vision_config"]
-    h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
-    wide, pre = h * v.merge ** 2, "model.visual"
-    qwen3 = cfg.family == "qwen3_vl"
-    out[f"{pre}.patch_embed.proj.weight"] = ("normal", (h, v.in_channels, v.temporal_patch_size, v.patch_size,
-                                                        v.patch_size))
-    if qwen3:
-        out[f"{pre}.patch_embed.proj.bias"] = ("zeros", (h,))
-        out[f"{pre}.pos_embed.weight"] = ("normal", (v.grid_side ** 2, h))
-    for i in range(v.depth):
-        p = f"{pre}.blocks.{i}"
-        _norm(out, f"{p}.norm1", h, qwen3)
-        _norm(out, f"{p}.norm2", h, qwen3)
-        _linear(out, f"{p}.attn.qkv", 3 * h, h, True)
-        _linear(out, f"{p}.attn.proj", h, h, True)
-        if qwen3:
-            _linear(out, f"{p}.mlp.linear_fc1", inter, h, True)
-            _linear(out, f"{p}.mlp.linear_fc2", h, inter, True)
-        else:
-            _linear(out, f"{p}.mlp.gate_proj", inter, h, True)
-            _linear(out, f"{p}.mlp.up_proj", inter, h, True)
-            _linear(out, f"{p}.mlp.down_proj", h, inter, True)
-    if qwen3:
-        mergers = [("merger", h)] + [(f"deepstack_merger_list.{k}", wide) for k in range(len(v.deepstack_blocks))]
-        for name, norm_width in mergers:
-            _norm(out, f"{pre}.{name}.norm", norm_width, True)
-            _linear(out, f"{pre}.{name}.linear_fc1", wide, wide, True)
-            _linear(out, f"{pre}.{name}.linear_fc2", d_out, wide, True)
-    else:
-        _norm(out, f"{pre}.merger.ln_q", h, False)
-        _linear(out, f"{pre}.merger.mlp.0", wide, wide, True)
-        _linear(out, f"{pre}.merger.mlp.2", d_out, wide, True)
-
-
-def _internvl_shapes(cfg: HFConfig, out: dict) -> None:
-    v, raw = cfg.vision, cfg.fields["vision_config"]
-    d, inter = v.hidden_size, int(raw["intermediate_size"])
-    pre = "model.vision_tower"
-    patches = (v.image_size[0] // v.patch_size[0]) * (v.image_size[1] // v.patch_size[1])
-    out[f"{pre}.embeddings.cls_token"] = ("normal", (1, 1, d))
-    out[f"{pre}.embeddings.patch_embeddings.projection.weight"] = ("normal", (d, v.channels) + v.patch_size)
-    out[f"{pre}.embeddings.patch_embeddings.projection.bias"] = ("zeros", (d,))
-    if raw.get("use_absolute_position_embeddings", True):
-        out[f"{pre}.embeddings.position_embeddings"] = ("normal", (1, patches + 1, d))
-    bias = bool(raw.get("attention_bias", False))
-    ln = v.norm == "layer_norm"
-    for i in range(v.num_layers):
-        p = f"{pre}.encoder.layer.{i}"
-        for k in ("q_proj", "k_proj", "v_proj"):
-            _linear(out, f"{p}.attention.{k}", d, d, bias)
-        _linear(out, f"{p}.attention.projection_layer", d, d, True)
-        if v.qk_norm:
-            _norm(out, f"{p}.attention.q_norm", d, False)
-            _norm(out, f"{p}.attention.k_norm", d, False)
-        _norm(out, f"{p}.layernorm_before", d, ln)
-        _norm(out, f"{p}.layernorm_after", d, ln)
-        out[f"{p}.lambda_1"] = ("scale", (d,))
-        out[f"{p}.lambda_2"] = ("scale", (d,))
-        _linear(out, f"{p}.mlp.fc1", inter, d, True)
-        _linear(out, f"{p}.mlp.fc2", d, inter, True)
-    if v.final_norm:
-        _norm(out, f"{pre}.layernorm", d, True)
-    wide, text_d = d * v.shuffle ** 2, cfg.text.hidden_size
-    _norm(out, "model.multi_modal_projector.layer_norm", wide, True)
-    _linear(out, "model.multi_modal_projector.linear_1", text_d, wide, True)
-    _linear(out, "model.multi_modal_projector.linear_2", text_d, text_d, True)
-
-
 def weight_shapes(cfg: HFConfig) -> dict[str, tuple[str, tuple[int, ...]]]:
     """{transformers weight name: (initialiser, torch shape)} of every weight of the model."""
     out: dict[str, tuple[str, tuple[int, ...]]] = {}
     _text_shapes(cfg, out)
-    (_internvl_shapes if cfg.family == "internvl" else _qwen_vision_shapes)(cfg, out)
+    hf_module(cfg.family).vision_weight_shapes(cfg, out)      # the encoder's and projector's
     return out
 
 
@@ -146,50 +78,13 @@ def random_params(cfg: HFConfig, seed: int = 0) -> dict:
 
 def tiny_config(family: str, token_ids: Mapping[str, int], vocab_size: int) -> dict[str, Any]:
     """config.json of a tiny model of `family` whose vision settings fit the processor files of
-    `dhp_jax.data.example` (Qwen2.5-VL 14-px and Qwen3-VL 16-px patches, temporal 2, merge 2;
-    InternVL 112-px tiles of 14-px patches, 16 tokens a tile). `token_ids`: the tokenizer's ids of
-    "image", "video", "vision_start", "vision_end" (InternVL: "image" only), and of "bos" and "eos" (optional)."""
+    `dhp_jax.data.example` (the family's `FamilySpec.tiny_config`; Qwen2.5-VL 14-px and Qwen3-VL
+    16-px patches, temporal 2, merge 2; InternVL 112-px tiles of 14-px patches, 16 tokens a tile)
+    over the LLM settings below. `token_ids`: the tokenizer's ids of the placeholders the family's
+    example names (`FamilySpec.example.token_names`), and of "bos" and "eos" (optional)."""
     text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                 rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False,
                 bos_token_id=token_ids.get("bos"), eos_token_id=token_ids.get("eos"),
                 pad_token_id=token_ids.get("bos"))
-    if family == "qwen2_5_vl":
-        return {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen2_5_vl_text",
-                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                                                    "mrope_section": [2, 3, 3]}},
-                "vision_config": {"model_type": "qwen2_5_vl", "depth": 2, "hidden_size": 32,
-                                  "intermediate_size": 64, "num_heads": 2, "patch_size": 14, "spatial_merge_size": 2,
-                                  "temporal_patch_size": 2, "window_size": 112, "out_hidden_size": 64,
-                                  "fullatt_block_indexes": [1], "tokens_per_second": 2, "in_channels": 3,
-                                  "hidden_act": "silu"},
-                "image_token_id": token_ids["image"], "video_token_id": token_ids["video"],
-                "vision_start_token_id": token_ids["vision_start"], "vision_end_token_id": token_ids["vision_end"],
-                "tie_word_embeddings": False}
-    if family == "qwen3_vl":
-        return {"model_type": "qwen3_vl", "architectures": ["Qwen3VLForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen3_vl_text", "attention_bias": False,
-                                "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0,
-                                                    "mrope_section": [2, 3, 3], "mrope_interleaved": True}},
-                "vision_config": {"model_type": "qwen3_vl", "depth": 2, "hidden_size": 32, "intermediate_size": 64,
-                                  "num_heads": 2, "patch_size": 16, "spatial_merge_size": 2,
-                                  "temporal_patch_size": 2, "out_hidden_size": 64, "num_position_embeddings": 64,
-                                  "deepstack_visual_indexes": [0], "in_channels": 3,
-                                  "hidden_act": "gelu_pytorch_tanh"},
-                "image_token_id": token_ids["image"], "video_token_id": token_ids["video"],
-                "vision_start_token_id": token_ids["vision_start"], "vision_end_token_id": token_ids["vision_end"],
-                "tie_word_embeddings": False}
-    if family == "internvl":
-        return {"model_type": "internvl", "architectures": ["InternVLForConditionalGeneration"],
-                "text_config": {**text, "model_type": "qwen2",
-                                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
-                "vision_config": {"model_type": "internvl_vision", "hidden_size": 32, "num_hidden_layers": 2,
-                                  "num_attention_heads": 2, "intermediate_size": 64, "image_size": [112, 112],
-                                  "patch_size": [14, 14], "attention_bias": True, "use_qk_norm": False,
-                                  "norm_type": "layer_norm", "layer_norm_eps": 1e-6, "use_mean_pooling": True,
-                                  "hidden_act": "gelu", "num_channels": 3, "layer_scale_init_value": LAYER_SCALE},
-                "downsample_ratio": 0.5, "projector_hidden_act": "gelu", "vision_feature_layer": -1,
-                "vision_feature_select_strategy": "default", "image_token_id": token_ids["image"],
-                "image_seq_length": 16, "tie_word_embeddings": False}
-    raise ValueError(f"unknown family {family!r}; known: {api.FAMILIES}")
+    return models.spec(family).tiny_config(token_ids, vocab_size, text)

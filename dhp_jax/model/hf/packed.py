@@ -34,9 +34,8 @@ import numpy as np
 
 from dhp_jax.data.sample import Sample
 from dhp_jax.geometry.layout import GROWTH, MIN_BUCKET, bucket_length, real_slots, zigzag_permutation
-from dhp_jax.model.hf import qwen_vision as qv
+from dhp_jax import models
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.families import interpolation_taps, shuffle_groups
 
 IGNORE = -100
 # int columns of the LLM stream (then the rotary axes), and of the vision stream
@@ -45,24 +44,24 @@ VISION_INTS = ("frame", "window", "row", "col", "tap0", "tap1", "tap2", "tap3", 
 TAPS = 4
 
 
+def _hf(config: HFConfig):
+    return models.spec(config.family).engine_module("hf")
+
+
 def rope_axes(config: HFConfig) -> int:
-    """Rotary position axes of the family's LLM: 3 (M-RoPE) or 1."""
-    return 1 if config.family == "internvl" else 3
+    """Rotary position axes of the family's LLM: 3 (M-RoPE) or 1 (its `ROPE_AXES`)."""
+    return int(_hf(config).ROPE_AXES)
 
 
 def patch_dim(config: HFConfig) -> int:
-    """Width of one encoder patch row (C*(T*)P*P)."""
-    v = config.vision
-    if config.family == "internvl":
-        return v.channels * v.patch_size[0] * v.patch_size[1]
-    return v.patch_dim
+    """Width of one encoder patch row (C*(T*)P*P; the family's `patch_dim`)."""
+    return int(_hf(config).patch_dim(config))
 
 
 def unit(config: HFConfig) -> int:
-    """Vision rows per LLM slot: the patches one LLM token merges (InternVL: + the CLS row)."""
-    if config.family == "internvl":
-        return config.vision.shuffle ** 2 + 1
-    return config.vision.merge ** 2
+    """Vision rows per LLM slot: the patches one LLM token merges (InternVL: + the CLS row; the
+    family's `unit`)."""
+    return int(_hf(config).unit(config))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -92,10 +91,10 @@ def _where(sample: Sample, index: int) -> str:
 
 
 def _vision_rows(config: HFConfig, seg: Any, where: str, bases: dict[str, int]) -> tuple[np.ndarray, np.ndarray]:
-    """(ints [k, unit, 10], floats [k, unit, patch_dim + 4]) of one vision segment of k LLM tokens;
-    `bases` holds the group's frame / window counters (advanced here)."""
+    """(ints [k, unit, 10], floats [k, unit, patch_dim + 4]) of one vision segment of k LLM tokens,
+    filled by the family's `vision_rows`; `bases` holds the group's frame / window counters
+    (advanced there)."""
     k, u, width = seg.num_tokens, unit(config), patch_dim(config)
-    v = config.vision
     grid = seg.meta.get("grid_thw")
     if seg.pixels is None or grid is None:
         raise ValueError(f"{where}: a {seg.modality} segment needs pixels and meta['grid_thw'] "
@@ -104,41 +103,8 @@ def _vision_rows(config: HFConfig, seg: Any, where: str, bases: dict[str, int]) 
     ints = np.zeros((k, u, len(VISION_INTS)), np.int32)
     floats = np.zeros((k, u, width + TAPS), np.float32)
     col = {name: i for i, name in enumerate(VISION_INTS)}
-    if config.family == "internvl":
-        kk = v.shuffle ** 2
-        tiles, side, _ = (int(x) for x in grid)
-        per_tile = side * side // kk
-        if pixels.shape != (k, kk * width) or tiles * per_tile != k:
-            raise ValueError(f"{where}: image pixels {pixels.shape} do not make {tiles} tiles of {per_tile} "
-                             f"tokens of {kk} x {width}")
-        groups = shuffle_groups(side, v.shuffle)                        # [per_tile, kk] raster patch index
-        floats[:, :kk, :width] = pixels.reshape(k, kk, width)
-        tile = np.arange(k) // per_tile
-        ints[:, :kk, col["frame"]] = bases["frame"] + 1 + tile[:, None]
-        ints[:, :kk, col["table"]] = 1 + groups[np.arange(k) % per_tile]
-        first = np.arange(k) % per_tile == 0                            # the CLS row of each tile
-        ints[first, kk, col["frame"]] = bases["frame"] + 1 + tile[first]
-        ints[first, kk, col["cls"]] = 1
-        bases["frame"] += tiles
-        return ints, floats
-    t, h, w = (int(x) for x in grid)
-    if pixels.shape != (k, u * width) or t * h * w != k * u:
-        raise ValueError(f"{where}: {seg.modality} pixels {pixels.shape} do not make the grid {(t, h, w)} "
-                         f"of {u}-patch tokens of width {width}")
-    g = np.array([[t, h, w]], np.int64)
-    floats[..., :width] = pixels.reshape(k, u, width)
-    pos = qv.patch_positions(g, v.merge).reshape(k, u, 2)
-    ints[..., col["row"]], ints[..., col["col"]] = pos[..., 0], pos[..., 1]
-    ints[..., col["frame"]] = (qv.frame_segments(g) + bases["frame"]).reshape(k, u)
-    bases["frame"] += t
-    if config.family == "qwen2_5_vl":
-        windows = qv.window_segments(g, v.merge, v.window_size, v.patch_size)
-        ints[..., col["window"]] = (windows + bases["window"]).reshape(k, u)
-        bases["window"] += int(windows.max())
-    else:
-        taps, weights = interpolation_taps(g, v.grid_side, v.merge)
-        ints[..., col["tap0"]:col["tap0"] + TAPS] = taps.reshape(k, u, TAPS)
-        floats[..., width:] = weights.reshape(k, u, TAPS)
+    models.spec(config.family).engine_module("hf").vision_rows(config, seg, grid, pixels, ints, floats, col, bases,
+                                                                where)
     return ints, floats
 
 

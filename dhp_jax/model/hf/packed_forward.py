@@ -8,10 +8,11 @@ from typing import Mapping
 import jax
 import jax.numpy as jnp
 
+from dhp_jax import models
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.layers import AttentionFn, Params
-from dhp_jax.model.hf.packed import LLM_INTS, TAPS, VISION_INTS, patch_dim, unit
+from dhp_jax.model.hf.packed import LLM_INTS, VISION_INTS, patch_dim, unit
 from dhp_jax.model.mllm import LOSS_CHUNK, head_loss_sum
 from dhp_jax.model.tensor import TensorHooks, vocab_embed
 
@@ -20,34 +21,12 @@ def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixel
             tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None = None) -> tuple[jax.Array, list]:
     """(merged features [S, d], DeepStack features [levels] of [S, d]) of a vision stream [S * unit].
     `tp`: tensor parallelism, the encoder's blocks split (sequence-parallel with `tp.sequence`: the
-    family's `encode`), the patch embedding and the projector or mergers replicated."""
+    family's `encode`), the patch embedding and the projector or mergers replicated. The family's
+    `encode_stream` (its `jax_model`, `dhp_jax.models.<family>`) runs it on the stream's rows."""
     s = pixels.shape[0] // unit(config)
     live = vi["frame"] > 0               # the rows of vision tokens (the others are dead: nothing reads them)
-    if config.family == "qwen2_5_vl":
-        from dhp_jax.model.hf import qwen2_5_vl
-        enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
-               "frames": vi["frame"], "windows": vi["window"], "live": live}
-        return qwen2_5_vl.encode(config, params["model"]["visual"], enc, attn_fn, tp), []
-    if config.family == "qwen3_vl":
-        from dhp_jax.model.hf import qwen3_vl
-        enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
-               "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(TAPS)], axis=1),
-               "tap_weights": tap_weights, "live": live}
-        return qwen3_vl.encode(config, params["model"]["visual"], enc, attn_fn, tp)
-    from dhp_jax.model.hf import internvl
-    from dhp_jax.model.hf.layers import linear, segment_ids
-    p = params["model"]["vision_tower"]
-    emb = p["embeddings"]
-    proj = emb["patch_embeddings"]["projection"]
-    x = linear(proj, pixels.astype(proj["kernel"].dtype))
-    d = x.shape[-1]
-    x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
-    if "position_embeddings" in emb:
-        x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
-    x = internvl.encoder_layers(config, p, x, segment_ids(vi["frame"]), attn_fn, live, tp)
-    kk = config.vision.shuffle ** 2
-    x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
-    return internvl.project(config, params, x), []
+    return models.spec(config.family).engine_module("jax").encode_stream(config, params, vi, pixels, tap_weights,
+                                                                         attn_fn, tp, s, live)
 
 
 def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_floats: jax.Array,

@@ -26,12 +26,9 @@ import numpy as np
 
 from dhp_jax.data.sample import Sample, Segment
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.families import shuffle_groups
+from dhp_jax.model.hf.families import hf_module
 from dhp_jax.model.hf.host import prepare
 from dhp_jax.model.hf.inputs import as_numpy
-from dhp_jax.model.hf.qwen_vision import MODALITIES, grids
-
-QWEN = ("qwen2_5_vl", "qwen3_vl")
 
 
 def _runs(kinds: np.ndarray) -> list[tuple[int, int, int]]:
@@ -55,13 +52,8 @@ def sample_from_inputs(config: HFConfig, inputs: Mapping[str, Any], labels: Any 
     lab = None if labels is None else as_numpy(labels).reshape(-1).astype(np.int64)
     if lab is not None and lab.shape != ids.shape:
         raise ValueError(f"sample {sample_id!r}: labels have {lab.shape[0]} tokens, input_ids {ids.shape[0]}")
-    if config.family in QWEN:
-        kinds = as_numpy(inputs["mm_token_type_ids"]).reshape(-1) if inputs.get("mm_token_type_ids") is not None \
-            else np.zeros_like(ids)
-        vision = _qwen_vision_runs(config, inputs)
-    else:
-        kinds = (ids == config.token_ids["image"]).astype(np.int64)
-        vision = _internvl_vision_runs(config, inputs)
+    # the family's: each token's kind (0 text, 1 image, 2 video) and per modality its runs' pixels
+    kinds, vision = hf_module(config.family).vision_runs(config, inputs, batch)
     segments = []
     for kind, a, b in _runs(kinds):
         meta: dict[str, Any] = {"positions": positions[a:b]}
@@ -92,57 +84,6 @@ def samples_from_items(config: HFConfig, items: Any) -> list[Sample]:
     return out
 
 
-def _qwen_vision_runs(config: HFConfig, inputs: Mapping[str, Any]) -> dict[str, list]:
-    """Per modality, the (pixels [tokens, merge**2 * patch_dim], tokens per frame, meta) of each
-    run in order (Qwen3-VL: one run per video frame)."""
-    v = config.vision
-    unit = v.merge ** 2
-    out: dict[str, list] = {"image": [], "video": []}
-    seconds = inputs.get("second_per_grid_ts")
-    seconds = None if seconds is None else as_numpy(seconds).reshape(-1)
-    for modality, pixel_key, grid_key in MODALITIES:
-        if inputs.get(pixel_key) is None:
-            continue
-        rows = as_numpy(inputs[pixel_key]).astype(np.float32)
-        at = 0
-        for i, (t, h, w) in enumerate(grids(inputs, grid_key).tolist()):
-            per_frame = h * w
-            pieces = [(1, rows[at + f * per_frame: at + (f + 1) * per_frame]) for f in range(t)] \
-                if config.family == "qwen3_vl" and modality == "video" else [(t, rows[at: at + t * per_frame])]
-            for frames, patch in pieces:
-                extra: dict[str, Any] = {"grid_thw": (frames, h, w)}
-                if config.family == "qwen2_5_vl" and modality == "video":
-                    extra["second_per_grid_ts"] = float(seconds[i]) if seconds is not None else 1.0
-                out[modality].append((patch.reshape(-1, unit * patch.shape[1]), per_frame // unit, extra))
-            at += t * per_frame
-    return out
-
-
-def _internvl_vision_runs(config: HFConfig, inputs: Mapping[str, Any]) -> dict[str, list]:
-    """The image runs of an InternVL sample: each run of placeholders takes as many tiles as its
-    tokens need; pixels [tokens, k*k * C*P*P], a token's k x k patches in pixel-shuffle order."""
-    if inputs.get("pixel_values") is None:
-        return {"image": [], "video": []}
-    v = config.vision
-    batch = prepare(config, inputs)
-    patches = batch["image"]["patches"].astype(np.float32)                  # [tiles, hw, C*P*P]
-    tiles, hw, width = patches.shape
-    side, k = int(round(hw ** 0.5)), v.shuffle
-    groups = shuffle_groups(side, k)
-    per_tile = hw // (k * k)
-    ids = batch["input_ids"]
-    runs = [(a, b) for kind, a, b in _runs((ids == config.token_ids["image"]).astype(np.int64)) if kind]
-    out, at = [], 0
-    for a, b in runs:
-        if (b - a) % per_tile:
-            raise ValueError(f"internvl: an image run of {b - a} tokens is not whole tiles of {per_tile} tokens")
-        n = (b - a) // per_tile
-        rows = patches[at: at + n][:, groups].reshape(n * per_tile, k * k * width)
-        out.append((rows, per_tile, {"grid_thw": (n, side, side)}))
-        at += n
-    return {"image": out, "video": []}
-
-
 def inputs_from_sample(config: HFConfig, sample: Sample) -> dict[str, np.ndarray]:
     """Processor-style inputs (batch size 1) of a Sample made by `sample_from_inputs`."""
     ids, kinds, pixels, grids_, seconds = [], [], {"image": [], "video": []}, {"image": [], "video": []}, []
@@ -159,26 +100,5 @@ def inputs_from_sample(config: HFConfig, sample: Sample) -> dict[str, np.ndarray
             seconds.append(seg.meta["second_per_grid_ts"])
     input_ids = np.concatenate(ids)[None]
     out: dict[str, np.ndarray] = {"input_ids": input_ids, "attention_mask": np.ones_like(input_ids)}
-    if config.family in QWEN:
-        out["mm_token_type_ids"] = np.concatenate(kinds)[None]
-        unit = config.vision.merge ** 2
-        for modality, pixel_key, grid_key in MODALITIES:
-            if pixels[modality]:
-                rows = np.concatenate(pixels[modality])
-                out[pixel_key] = rows.reshape(rows.shape[0] * unit, rows.shape[1] // unit)
-                out[grid_key] = np.array(grids_[modality], np.int64)
-        if seconds:
-            out["second_per_grid_ts"] = np.array(seconds, np.float32)
-    elif pixels["image"]:
-        v = config.vision
-        k, (ph, pw), (h, w) = v.shuffle, v.patch_size, v.image_size
-        side = h // ph
-        groups = shuffle_groups(side, k)
-        rows = np.concatenate(pixels["image"])
-        per_tile = groups.shape[0]
-        tiles = rows.shape[0] // per_tile
-        patches = np.empty((tiles, side * side, rows.shape[1] // (k * k)), np.float32)
-        patches[:, groups] = rows.reshape(tiles, per_tile, k * k, -1)
-        px = patches.reshape(tiles, side, w // pw, v.channels, ph, pw).transpose(0, 3, 1, 4, 2, 5)
-        out["pixel_values"] = px.reshape(tiles, v.channels, h, w)
+    hf_module(config.family).processor_pixels(config, out, np.concatenate(kinds), pixels, grids_, seconds)
     return out

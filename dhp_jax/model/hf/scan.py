@@ -218,10 +218,10 @@ def run_blocks(block: Block, stack: BlockRows, x: jax.Array, per_block: Any = ()
 
 def block_stacks(config: Any) -> tuple[tuple[tuple[str, ...], int], ...]:
     """(params path, block count) of a family's scanned stacks (`HFConfig`): its encoder's blocks
-    and its LLM's layers."""
-    v = config.vision
-    vision = ((("model", "vision_tower", "encoder", "layer"), v.num_layers) if config.family == "internvl"
-              else (("model", "visual", "blocks"), v.depth))
+    and its LLM's layers (the family's `encoder_stack`)."""
+    from dhp_jax.model.hf.families import hf_module
+
+    vision = hf_module(config.family).encoder_stack(config)
     return vision, (("model", "language_model", "layers"), config.text.num_layers)
 
 

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from dhp_jax import models
 from dhp_jax.data import hf_config
 
 
@@ -88,15 +89,15 @@ class DecoderShape:
     act: str = "silu"
 
 
-# model_type -> (q/k/v bias, QK-norm, rotary kind); where the config class has an `attention_bias`
-# field (`dhp_jax.data.hf_config.FIELDS`) it decides the bias, else the module's fixed bias does
-TEXT_MODELS: dict[str, tuple[bool, bool, str]] = {
-    "qwen2": (True, False, "plain"),
-    "qwen2_5_vl_text": (True, False, "mrope_sections"),
-    "qwen3": (False, True, "plain"),
-    "qwen3_vl_text": (False, True, "mrope_interleaved"),
-    "llama": (False, False, "plain"),
-}
+
+
+def __getattr__(name: str):
+    # model_type -> (q/k/v bias, QK-norm, rotary kind) of the registered families' LLMs (each family's
+    # `ConfigRules.text_kinds`); where the config class has an `attention_bias` field
+    # (`dhp_jax.data.hf_config.FIELDS`) it decides the bias, else the module's fixed bias does
+    if name == "TEXT_MODELS":
+        return models.text_kinds()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,9 +119,10 @@ class TextConfig:
     def from_dict(cls, cfg: Mapping[str, Any]) -> "TextConfig":
         """From a resolved `text_config` (`dhp_jax.data.hf_config.resolve(raw)["text_config"]`)."""
         model_type = cfg["model_type"]
-        if model_type not in TEXT_MODELS:
-            raise ValueError(f"text_config.model_type {model_type!r} is not supported (known: {sorted(TEXT_MODELS)})")
-        bias, qk_norm, rope_kind = TEXT_MODELS[model_type]
+        kinds = models.text_kinds()
+        if model_type not in kinds:
+            raise ValueError(f"text_config.model_type {model_type!r} is not supported (known: {sorted(kinds)})")
+        bias, qk_norm, rope_kind = kinds[model_type]
         if "attention_bias" in hf_config.FIELDS[model_type]:
             bias = bool(cfg["attention_bias"])
         heads, head_dim = int(cfg["num_attention_heads"]), int(cfg["head_dim"])

@@ -23,7 +23,8 @@ import jax
 import numpy as np
 
 from dhp_jax.model.hf import safetensors_io
-from dhp_jax.model.hf.api import LM_HEAD, check_params, family_module, load_config
+from dhp_jax.model.hf.api import LM_HEAD, check_params, load_config
+from dhp_jax.model.hf.families import hf_module
 from dhp_jax.model.hf.checkpoint import leaf_rule, leaf_shape, tree_from_weights
 from dhp_jax.model.hf.config import HFConfig
 
@@ -108,7 +109,7 @@ def checkpoint_sources(path: str) -> tuple[HFConfig, dict]:
     from config.json and the safetensors headers alone (legacy names renamed, a tied lm_head
     left out, as `load_pretrained` does)."""
     config = load_config(path)
-    module = family_module(config.family)
+    renames = hf_module(config.family).LEGACY_RENAMES
 
     def named():
         for file in safetensors_io.checkpoint_files(path):
@@ -120,7 +121,7 @@ def checkpoint_sources(path: str) -> tuple[HFConfig, dict]:
         tree_path, transposed = leaf_rule(name, len(shape))
         return tree_path, TensorSource(name, file, offset, dtype, shape, transposed)
 
-    tree = tree_from_weights(named(), module.LEGACY_RENAMES, skip=(LM_HEAD,) if config.tied else (), leaf=leaf)
+    tree = tree_from_weights(named(), renames, skip=(LM_HEAD,) if config.tied else (), leaf=leaf)
     check_params(config, tree)
     return config, tree
 

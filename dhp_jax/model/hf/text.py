@@ -16,7 +16,7 @@ from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import AttentionFn, BlockStream, Params, decoder_block, per_block, rms_norm, rotary
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.tensor import TensorHooks
-from dhp_jax.model.hf.spec import TEXT_MODELS, TextConfig  # noqa: F401 (re-exported)
+from dhp_jax.model.hf.spec import TextConfig  # noqa: F401 (re-exported)
 
 
 def text_forward(cfg: TextConfig, p: Params, x: jax.Array, positions: jax.Array, ids: AttnIds,

@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from dhp_jax import models
 from dhp_jax.checks import lengths_array, positive_int
 from dhp_jax.planner.cost.geometry import padded_length
 
@@ -318,12 +319,15 @@ POSITION_TAPS = 4          # Qwen3-VL's interpolated position embedding (dhp_jax
 # (SwiGLU): without recompute (its residuals are kept anyway) the cotangents of gate, up and their
 # product and two hidden-wide ones; recomputed (remat "layer", the residuals are recomputed and
 # freed as the pullback reads them) one MLP-wide and three hidden-wide. An encoder block,
-# recomputed, by MLP: InternViT's exact GELU (its VJP materialises erfc and exp of fc1's
-# output), Qwen3-VL's tanh GELU, Qwen2.5-VL's SwiGLU (as the LLM's, over gate and up). Fitted
+# recomputed, by its MLP: the family's `MemoryTerms.encoder_cotangents` (`dhp_jax.models`). Fitted
 # on the degree-1 rows of `dhp bench memory --families` (8k, 32k and 64k tokens) and checked on
 # the others (experiments/REPORT.md, section 10).
 FAMILY_LLM_COTANGENTS = {"none": (3, 2), "layer": (1, 3)}
-FAMILY_ENCODER_COTANGENTS = {"internvl": (3, 6), "qwen2_5_vl": (2, 0), "qwen3_vl": (3, 2)}
+
+
+def _terms(m: Any):
+    """The family's per-row memory terms (`FamilySpec.memory`)."""
+    return models.spec(m.family).memory
 
 
 def family_llm_saved(m: Any) -> int:
@@ -336,23 +340,21 @@ def family_llm_saved(m: Any) -> int:
     sum and its RMSNorm output (the input of gate and up); SwiGLU's gate, up and their product (the
     input of down). The norms and the activation are `layers.fused`: their VJP keeps their input."""
     q, kv = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    qk_norm = q + kv if m.family == "qwen3_vl" else 0
+    qk_norm = q + kv if _terms(m).llm_qk_norm else 0
     return 4 * m.hidden + 2 * m.head_dim + qk_norm + (2 * q + 2 * kv) + m.heads + q + 3 * m.intermediate
 
 
 def family_encoder_saved(m: Any) -> int:
     """Elements per encoder row one encoder block keeps for its backward pass without recompute, as
-    `family_llm_saved`: the block input and its norm output; q, k, v, the attention output and its
-    log-sum-exp, the output again as the projection's input; the residual sum and its norm output;
-    the MLP's values (`vision_mlp` of them: SwiGLU, Qwen2.5-VL, gate, up and their product; GELU,
-    fc1's output and its activation). InternViT's layer scales keep the two branch outputs they
-    multiply (the projection's and fc2's); the Qwen encoders' rotary tables cos and sin are kept as
-    the LLM's."""
+    `family_llm_saved`, the family's `MemoryTerms.encoder_saved`: the block input and its norm
+    output; q, k, v, the attention output and its log-sum-exp, the output again as the projection's
+    input; the residual sum and its norm output; the MLP's values (`vision_mlp` of them: SwiGLU,
+    Qwen2.5-VL, gate, up and their product; GELU, fc1's output and its activation). InternViT's
+    layer scales keep the two branch outputs they multiply (the projection's and fc2's); the Qwen
+    encoders' rotary tables cos and sin are kept as the LLM's."""
     v, w = m.vision_hidden, m.vision_heads * m.vision_head_dim
     ff = int(getattr(m, "vision_mlp", 3)) * m.vision_intermediate
-    if m.family == "internvl":
-        return 6 * v + 5 * w + m.vision_heads + ff
-    return 4 * v + 2 * m.vision_head_dim + 5 * w + m.vision_heads + ff
+    return _terms(m).encoder_saved(m, v, w, ff)
 
 
 def family_tail(m: Any) -> tuple[int, int]:
@@ -372,12 +374,8 @@ def family_tail(m: Any) -> tuple[int, int]:
     wide = ppt * v
     elements = rows * (m.patch_dim // ppt) + 2 * m.hidden
     masks = m.hidden + levels * m.hidden
-    if m.family == "internvl":
-        elements += 2 * wide + 2 * mid
-        masks += rows * v
-    else:
-        elements += rows * v + wide + 4 * mid + levels * (2 * wide + 4 * mid + m.hidden + rows * v)
-    return elements, masks
+    more, more_masks = _terms(m).tail(m, rows, v, wide, mid, levels)    # projector / mergers (the family's)
+    return elements + more, masks + more_masks
 
 
 def encoder_rows(m: Any) -> int:
@@ -386,7 +384,7 @@ def encoder_rows(m: Any) -> int:
     on all but the tile's first token). Every LLM slot has them, text and padding slots included:
     the program's shapes do not depend on the group's vision share, so neither do its bytes."""
     ppt = _encoder(m)[0]
-    return ppt + (1 if getattr(m, "family", "") == "internvl" else 0)
+    return ppt + (_terms(m).cls_rows if getattr(m, "family", "") else 0)
 
 
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
@@ -435,7 +433,7 @@ def family_input_elements(m: Any) -> int:
     LLM stream's 5 id columns, its rotary position axes (InternVL 1, M-RoPE 3) and loss weight, and
     per vision row (`encoder_rows`) its 10 id columns, one patch's pixels and the position
     table's tap weights (`POSITION_TAPS`)."""
-    axes = 1 if m.family == "internvl" else 3
+    axes = _terms(m).position_axes
     return 5 + axes + 1 + encoder_rows(m) * (10 + m.patch_dim // _encoder(m)[0] + POSITION_TAPS)
 
 
@@ -446,7 +444,7 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     Without chunks: remat "none" keeps the block's residuals (`family_llm_saved`,
     `family_encoder_saved`); "layer" its input; "selective" its input and the outputs of its
     weight GEMMs. The backward pass holds the block's cotangents (`FAMILY_LLM_COTANGENTS`,
-    `FAMILY_ENCODER_COTANGENTS`) and, when the block is recomputed, its
+    `MemoryTerms.encoder_cotangents`) and, when the block is recomputed, its
     residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
     only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
     chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
@@ -464,7 +462,7 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     qkv = (heads + 2 * kv) * head_dim
     attn = _attention_fp32(heads, head_dim)
     if vision:
-        cf, cw = FAMILY_ENCODER_COTANGENTS[m.family]
+        cf, cw = _terms(m).encoder_cotangents
     else:
         cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
     cotangents = cf * ff + cw * hidden

@@ -23,10 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.host import internvl as prepare  # noqa: F401 (host side, NumPy only)
-from dhp_jax.model.hf.families import INTERNVL_RENAMES as LEGACY_RENAMES, INTERNVL_TYPES as MODEL_TYPES  # noqa: F401
-from dhp_jax.model.hf.families import InternVLVision as VisionConfig, internvl_conv_shapes as conv_shapes  # noqa: F401
-from dhp_jax.model.hf.families import parse_internvl as parse, pixel_shuffle  # noqa: F401 (the family's config)
+from dhp_jax.models.internvl.hf_config import PROJECTOR_EPS, QK_NORM_EPS, pixel_shuffle
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, block_collectives, causal_ids,
                                      layer_norm, linear, per_block, rms_norm, row_linear, segment_ids, split_rms_norm)
@@ -35,8 +32,6 @@ from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
 from dhp_jax.model.tensor import TensorHooks
 
-PROJECTOR_EPS = 1e-5     # torch LayerNorm's default: the projector's norm is not configured
-QK_NORM_EPS = 1e-6
 
 
 def encode(cfg: HFConfig, params: Params, enc: Mapping[str, Any], attn_fn: AttentionFn) -> jax.Array:
@@ -129,3 +124,23 @@ def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: Att
         feats = encode(cfg, params, batch["image"], attn_fn)
         x = x.at[jnp.asarray(batch["image"]["scatter"])].set(feats.astype(x.dtype))
     return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn)
+
+
+def encode_stream(cfg: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
+                  tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None, s: int,
+                  live: jax.Array) -> tuple[jax.Array, list]:
+    """`packed_forward`'s encoder on a packed vision stream (`model.hf.packed`): the patch embedding,
+    each tile's CLS row, the position table, InternViT's layers, then the CLS rows dropped and the
+    pixel-shuffled rows projected: (features [s, d], [])."""
+    p = params["model"]["vision_tower"]
+    emb = p["embeddings"]
+    proj = emb["patch_embeddings"]["projection"]
+    x = linear(proj, pixels.astype(proj["kernel"].dtype))
+    d = x.shape[-1]
+    x = jnp.where(vi["cls"][:, None] > 0, emb["cls_token"].reshape(1, d).astype(x.dtype), x)
+    if "position_embeddings" in emb:
+        x = x + emb["position_embeddings"].reshape(-1, d)[vi["table"]].astype(x.dtype)
+    x = encoder_layers(cfg, p, x, segment_ids(vi["frame"]), attn_fn, live, tp)
+    kk = cfg.vision.shuffle ** 2
+    x = x.reshape(s, kk + 1, d)[:, :kk].reshape(s, kk * d)      # drop the CLS row: pixel-shuffled rows
+    return project(cfg, params, x), []

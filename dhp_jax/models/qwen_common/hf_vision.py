@@ -23,6 +23,10 @@ from dhp_jax.model.hf.inputs import as_numpy, sample_tokens, vision_scatter_inde
 from dhp_jax.model.hf.spec import RopeSpec, TextConfig
 
 # (modality, pixel key, grid key) of the processor outputs, in the order the model encodes them
+VISION_EPS = 1e-6        # the vision norms' and mergers' eps: fixed in transformers, not configured
+# the legacy checkpoint names both families' weights were saved under (transformers' own conversion mapping)
+QWEN_RENAMES = ((r"^visual", "model.visual"),
+                (r"^model(?!\.(language_model|visual))", "model.language_model"))
 MODALITIES = (("image", "pixel_values", "image_grid_thw"), ("video", "pixel_values_videos", "video_grid_thw"))
 
 
@@ -203,3 +207,137 @@ def token_arrays(inputs: Mapping[str, Any], merge: int, video_intervals: np.ndar
         video_grid[:, 0] = 1
     positions = mrope_positions(ids, types, keep, image_grid, video_grid, merge, video_intervals)
     return {"input_ids": ids.astype(np.int32), "keep": keep, "positions": positions.astype(np.int32)}
+
+
+# ----------------------------------------------------------------- the packed streams (`model.hf.packed`)
+ROPE_AXES = 3        # M-RoPE: (t, h, w)
+
+
+def patch_dim(config: HFConfig) -> int:
+    return config.vision.patch_dim
+
+
+def unit(config: HFConfig) -> int:
+    """Vision rows per LLM slot: the merge**2 patches the merger joins."""
+    return config.vision.merge ** 2
+
+
+def vision_rows(config: HFConfig, seg: Any, grid: Any, pixels: np.ndarray, ints: np.ndarray, floats: np.ndarray,
+                col: Mapping[str, int], bases: dict, where: str, extra: Any) -> None:
+    """Fill one vision segment's rows of the packed vision stream (`ints` [k, unit, ...], `floats`
+    [k, unit, patch_dim + taps]): pixels, (row, column) in the frame, frame ids; then the
+    family's own columns (`extra(g, ints, floats, col, bases)`: windows, position-table taps)."""
+    k, u, width = ints.shape[0], ints.shape[1], patch_dim(config)
+    t, h, w = (int(x) for x in grid)
+    if pixels.shape != (k, u * width) or t * h * w != k * u:
+        raise ValueError(f"{where}: {seg.modality} pixels {pixels.shape} do not make the grid {(t, h, w)} "
+                         f"of {u}-patch tokens of width {width}")
+    g = np.array([[t, h, w]], np.int64)
+    floats[..., :width] = pixels.reshape(k, u, width)
+    pos = patch_positions(g, config.vision.merge).reshape(k, u, 2)
+    ints[..., col["row"]], ints[..., col["col"]] = pos[..., 0], pos[..., 1]
+    ints[..., col["frame"]] = (frame_segments(g) + bases["frame"]).reshape(k, u)
+    bases["frame"] += t
+    extra(g, ints, floats, col, bases)
+
+
+# ----------------------------------------------------------------- samples (`model.hf.sample`)
+def vision_runs(config: HFConfig, inputs: Mapping[str, Any], batch: Mapping[str, Any], *, frame_runs: bool,
+                seconds_meta: bool) -> tuple[np.ndarray, dict[str, list]]:
+    """(each token's kind: `mm_token_type_ids`, per modality the (pixels [tokens, merge**2 *
+    patch_dim], tokens per frame, meta) of each run in order). `frame_runs`: a video is one run per
+    frame (Qwen3-VL); `seconds_meta`: a video run carries its `second_per_grid_ts` (Qwen2.5-VL)."""
+    ids = batch["input_ids"]
+    kinds = as_numpy(inputs["mm_token_type_ids"]).reshape(-1) if inputs.get("mm_token_type_ids") is not None \
+        else np.zeros_like(ids)
+    v = config.vision
+    unit = v.merge ** 2
+    out: dict[str, list] = {"image": [], "video": []}
+    seconds = inputs.get("second_per_grid_ts")
+    seconds = None if seconds is None else as_numpy(seconds).reshape(-1)
+    for modality, pixel_key, grid_key in MODALITIES:
+        if inputs.get(pixel_key) is None:
+            continue
+        rows = as_numpy(inputs[pixel_key]).astype(np.float32)
+        at = 0
+        for i, (t, h, w) in enumerate(grids(inputs, grid_key).tolist()):
+            per_frame = h * w
+            pieces = [(1, rows[at + f * per_frame: at + (f + 1) * per_frame]) for f in range(t)] \
+                if frame_runs and modality == "video" else [(t, rows[at: at + t * per_frame])]
+            for frames, patch in pieces:
+                extra: dict[str, Any] = {"grid_thw": (frames, h, w)}
+                if seconds_meta and modality == "video":
+                    extra["second_per_grid_ts"] = float(seconds[i]) if seconds is not None else 1.0
+                out[modality].append((patch.reshape(-1, unit * patch.shape[1]), per_frame // unit, extra))
+            at += t * per_frame
+    return kinds, out
+
+
+def processor_pixels(config: HFConfig, out: dict, kinds: np.ndarray, pixels: dict, grids_: dict,
+                     seconds: list) -> None:
+    """The processor's keys of a sample's vision runs, back from a `Sample` (`inputs_from_sample`)."""
+    out["mm_token_type_ids"] = kinds[None]
+    unit = config.vision.merge ** 2
+    for modality, pixel_key, grid_key in MODALITIES:
+        if pixels[modality]:
+            rows = np.concatenate(pixels[modality])
+            out[pixel_key] = rows.reshape(rows.shape[0] * unit, rows.shape[1] // unit)
+            out[grid_key] = np.array(grids_[modality], np.int64)
+    if seconds:
+        out["second_per_grid_ts"] = np.array(seconds, np.float32)
+
+
+# ----------------------------------------------------------------- tensor parallelism (`sharding.tensor`)
+# The Qwen vision encoders' blocks (Qwen2.5-VL: gated MLP; Qwen3-VL: fc1 / fc2): the fused qkv by
+# heads inside each of q, k and v ("qkv": 3 parts of H heads), proj by row, the MLP's first
+# matrices (and biases) by column and its last by row; the row-split biases and the norms
+# replicated.
+VISION_TP_SPLIT = {"attn/qkv/kernel": (1, "qkv"), "attn/qkv/bias": (0, "qkv"), "attn/proj/kernel": (0, "heads"),
+                   "mlp/gate_proj/kernel": (1, "mlp"), "mlp/gate_proj/bias": (0, "mlp"),
+                   "mlp/up_proj/kernel": (1, "mlp"), "mlp/up_proj/bias": (0, "mlp"),
+                   "mlp/down_proj/kernel": (0, "mlp"),
+                   "mlp/linear_fc1/kernel": (1, "mlp"), "mlp/linear_fc1/bias": (0, "mlp"),
+                   "mlp/linear_fc2/kernel": (0, "mlp")}
+
+
+def encoder_stack(config: HFConfig) -> tuple[tuple[str, ...], int]:
+    """(params path, block count) of the encoder's scanned blocks."""
+    return ("model", "visual", "blocks"), config.vision.depth
+
+
+# ----------------------------------------------------------------- random weights (`model.hf.init`)
+def vision_weight_shapes(cfg: HFConfig, out: dict, *, deepstack_layout: bool) -> None:
+    """{name: (initialiser, shape)} of the encoder's and mergers' weights, into `out`.
+    `deepstack_layout` (Qwen3-VL): a conv bias and a learned position table, LayerNorms with
+    biases, an fc1 / fc2 MLP, LayerNorm mergers and one per DeepStack level; else (Qwen2.5-VL)
+    RMSNorms, a gated MLP and the `ln_q` merger."""
+    from dhp_jax.model.hf.init import _linear, _norm
+
+    v, raw = cfg.vision, cfg.fields["vision_config"]
+    h, inter, d_out = v.hidden_size, int(raw["intermediate_size"]), int(raw["out_hidden_size"])
+    wide, pre = h * v.merge ** 2, "model.visual"
+    out[f"{pre}.patch_embed.proj.weight"] = ("normal", (h, v.in_channels, v.temporal_patch_size, v.patch_size,
+                                                        v.patch_size))
+    if deepstack_layout:
+        out[f"{pre}.patch_embed.proj.bias"] = ("zeros", (h,))
+        out[f"{pre}.pos_embed.weight"] = ("normal", (v.grid_side ** 2, h))
+    mlp = (("linear_fc1", inter, h), ("linear_fc2", h, inter)) if deepstack_layout else \
+        (("gate_proj", inter, h), ("up_proj", inter, h), ("down_proj", h, inter))
+    for i in range(v.depth):
+        p = f"{pre}.blocks.{i}"
+        _norm(out, f"{p}.norm1", h, deepstack_layout)
+        _norm(out, f"{p}.norm2", h, deepstack_layout)
+        _linear(out, f"{p}.attn.qkv", 3 * h, h, True)
+        _linear(out, f"{p}.attn.proj", h, h, True)
+        for name, n_out, n_in in mlp:
+            _linear(out, f"{p}.mlp.{name}", n_out, n_in, True)
+    if deepstack_layout:
+        mergers = [("merger", h)] + [(f"deepstack_merger_list.{k}", wide) for k in range(len(v.deepstack_blocks))]
+        for name, norm_width in mergers:
+            _norm(out, f"{pre}.{name}.norm", norm_width, True)
+            _linear(out, f"{pre}.{name}.linear_fc1", wide, wide, True)
+            _linear(out, f"{pre}.{name}.linear_fc2", d_out, wide, True)
+    else:
+        _norm(out, f"{pre}.merger.ln_q", h, False)
+        _linear(out, f"{pre}.merger.mlp.0", wide, wide, True)
+        _linear(out, f"{pre}.merger.mlp.2", d_out, wide, True)

@@ -23,11 +23,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.host import qwen3_vl as prepare  # noqa: F401 (host side, NumPy only)
-from dhp_jax.model.hf.families import QWEN3_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
-from dhp_jax.model.hf.families import Qwen3VLVision as VisionConfig, parse_qwen3_vl as parse  # noqa: F401 (the family's config)
+from dhp_jax.models.qwen_common.hf_vision import VISION_EPS
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activation, causal_ids, layer_norm, linear,
                                      per_block, qwen_vision_block, rotary, row_linear, segment_ids)
@@ -35,9 +32,7 @@ from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 from dhp_jax.model.tensor import TensorHooks
 
-conv_shapes = qv.conv_shapes
 
-VISION_EPS = 1e-6        # fixed in transformers for the vision LayerNorms and the mergers
 
 
 def merge_patches(cfg: HFConfig, p: Params, x: jax.Array, norm_after_merge: bool) -> jax.Array:
@@ -103,3 +98,15 @@ def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: Att
                 deep = (jnp.zeros((len(levels),) + x.shape, x.dtype) if deep is None else deep).at[:, where].set(rows)
     return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn,
                         deepstack=deep)
+
+
+def encode_stream(cfg: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
+                  tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None, s: int,
+                  live: jax.Array) -> tuple[jax.Array, list]:
+    """`packed_forward`'s encoder on a packed vision stream (`model.hf.packed`): (merged features,
+    DeepStack features)."""
+    taps = tap_weights.shape[1]
+    enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
+           "frames": vi["frame"], "taps": jnp.stack([vi[f"tap{i}"] for i in range(taps)], axis=1),
+           "tap_weights": tap_weights, "live": live}
+    return encode(cfg, params["model"]["visual"], enc, attn_fn, tp)

@@ -20,11 +20,8 @@ from typing import Any, Callable, Mapping
 import jax
 import jax.numpy as jnp
 
-from dhp_jax.model.hf import qwen_vision as qv
 from dhp_jax.model.hf.config import HFConfig
-from dhp_jax.model.hf.host import qwen2_5_vl as prepare  # noqa: F401 (host side, NumPy only)
-from dhp_jax.model.hf.families import QWEN2_5_VL_TYPES as MODEL_TYPES, QWEN_RENAMES as LEGACY_RENAMES  # noqa: F401
-from dhp_jax.model.hf.families import Qwen2_5_VLVision as VisionConfig, parse_qwen2_5_vl as parse  # noqa: F401 (the family's config)
+from dhp_jax.models.qwen_common.hf_vision import VISION_EPS
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_ids, gated, linear,
                                      qwen_vision_block, rms_norm, rotary, row_linear, segment_ids)
@@ -32,9 +29,7 @@ from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
 from dhp_jax.model.tensor import TensorHooks
 
-conv_shapes = qv.conv_shapes
 
-VISION_EPS = 1e-6        # the vision RMSNorms' eps is fixed in transformers, not configured
 
 
 def encode(cfg: HFConfig, p: Params, enc: Mapping[str, Any], attn_fn: AttentionFn,
@@ -81,3 +76,12 @@ def hidden(cfg: HFConfig, params: Params, batch: Mapping[str, Any], attn_fn: Att
             feats = encode(cfg, params["model"]["visual"], batch[kind], attn_fn)
             x = x.at[jnp.asarray(batch[kind]["scatter"])].set(feats.astype(x.dtype))
     return text_forward(cfg.text, lm, x, jnp.asarray(batch["positions"]), causal_ids(batch["keep"]), attn_fn)
+
+
+def encode_stream(cfg: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
+                  tap_weights: jax.Array, attn_fn: AttentionFn, tp: TensorHooks | None, s: int,
+                  live: jax.Array) -> tuple[jax.Array, list]:
+    """`packed_forward`'s encoder on a packed vision stream (`model.hf.packed`): (merged features, [])."""
+    enc = {"pixels": pixels, "patch_positions": jnp.stack([vi["row"], vi["col"]], axis=1),
+           "frames": vi["frame"], "windows": vi["window"], "live": live}
+    return encode(cfg, params["model"]["visual"], enc, attn_fn, tp), []

@@ -1,0 +1,1 @@
+"""InternVL, the transformers-native `-hf` layout (`spec.py` registers it; see `dhp_jax.models`)."""

@@ -1,0 +1,1 @@
+"""Qwen3-VL (`spec.py` registers it; see `dhp_jax.models`)."""
