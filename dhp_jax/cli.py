@@ -15,9 +15,9 @@ from typing import Iterator, Sequence
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("dhp_jax.planner.cli", "plan one batch with a strategy and compare with the static baselines"),
-    "simulate": ("dhp_jax.sim.cli", "simulate step times of strategies on a described cluster"),
-    "train": ("dhp_jax.train.cli", "train the multimodal model with DHP plans (default: the CPU demo)"),
+    "plan": ("dhp_jax.planner.plan_cli", "plan one batch with a strategy and compare with the static baselines"),
+    "simulate": ("dhp_jax.sim.simulate_cli", "simulate step times of strategies on a described cluster"),
+    "train": ("dhp_jax.train.train_cli", "train the multimodal model with DHP plans (default: the CPU demo)"),
     "profile": ("dhp_jax.train.profile_cli", "time group executables and fit the cost model"),
     "bench": ("dhp_jax.bench", "benchmarks: planner solve time, executor overhead, manifest speed, compiled memory"),
     "analyze": ("dhp_jax.sim.analyze_cli", "what DHP would do for a dataset manifest"),

@@ -1,6 +1,6 @@
 """Typed configs from YAML: dataclasses whose fields check and convert the values they are given,
 dotted `key=value` overrides, and unknown keys named with the valid ones. One loader for the train
-configs (`dhp_jax.train.config`) and the experiment configs (`experiments/runner.py`).
+configs (`dhp_jax.train.train_config`) and the experiment configs (`experiments/runner.py`).
 Imports nothing from the project.
 """
 

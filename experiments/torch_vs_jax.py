@@ -30,7 +30,7 @@ def make_case(args: argparse.Namespace) -> tuple[Any, list, Any]:
     """(config, samples, plan) from the arguments; deterministic, so every process builds the same."""
     from dhp_jax.data.sample import sample_etas, sample_lengths
     from dhp_jax.data.synthetic import random_samples
-    from dhp_jax.model.config import MLLMConfig
+    from dhp_jax.model.mllm_config import MLLMConfig
     from dhp_jax.planner import plan_batch
 
     config = MLLMConfig.preset(args.mllm)

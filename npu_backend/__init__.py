@@ -26,7 +26,7 @@ _LAZY = {
     "WeightsError": "npu_backend.weights",
     "TorchPlanExecutor": "npu_backend.executor",
     "StepError": "npu_backend.executor",
-    "TensorParallel": "npu_backend.tensor",
+    "TensorParallel": "npu_backend.tensor_parallel",
     "run_world": "npu_backend.launch",
 }
 __getattr__, __dir__ = lazy_attributes(__name__, _LAZY)

@@ -2,7 +2,7 @@
 
 For every micro-batch the rank finds its CP group, packs the group's samples with
 `dhp_jax.geometry.layout` (the same packing, bucket padding and zigzag as the JAX side; a Hugging Face
-family model: the two streams of `dhp_jax.model.hf.packed`, as `dhp_jax.sharding.family`), runs its
+family model: the two streams of `dhp_jax.model.hf.packed`, as `dhp_jax.sharding.family_adapter`), runs its
 shard forward and backward with ring attention over the group (point-to-point on the world
 group), and accumulates gradients. Then one all-reduce over the world sums every rank's partial
 gradient: each group's gradient is the sum over its ranks, each token counted once, and the loss
@@ -33,7 +33,7 @@ from npu_backend.attention import group_attention
 from npu_backend.hf import TorchFamilyModel, stream_tensors
 from npu_backend.model import TorchMLLM, token_loss_sum
 from npu_backend.ring import RingComm
-from npu_backend.tensor import TensorParallel
+from npu_backend.tensor_parallel import TensorParallel
 from npu_backend.ulysses import UlyssesComm
 
 
@@ -126,12 +126,12 @@ class TorchPlanExecutor:
     """Executes plans for one process of the world; the model's parameters are replicated on every rank.
 
     `tensor_parallel` = t > 1: a rank is t consecutive processes of one node holding a Megatron split
-    of the model (`npu_backend.tensor`; a family: its LLM and its vision encoder's blocks; `model` is
+    of the model (`npu_backend.tensor_parallel`; a family: its LLM and its vision encoder's blocks; `model` is
     passed whole and split in place), a plan's ranks are processes / t, and `self.tp.gather(model)`
     gives the whole weights. `sequence_parallel` (with t > 1; Megatron's sequence parallelism, arXiv
     2205.05198): between the split matrices each process holds 1/t of its rank's rows (the norms
     and residuals of the blocks; all-gathers before the column-split matrices, reduce-scatters
-    after the row-split ones, `npu_backend.tensor`).
+    after the row-split ones, `npu_backend.tensor_parallel`).
 
     `model` is the stand-in `TorchMLLM` or a Hugging Face family model (`npu_backend.hf.
     TorchFamilyModel`, e.g. `load_family(checkpoint_dir)`): a group then runs the family's two packed

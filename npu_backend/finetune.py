@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dhp_jax.data.sample import Sample
-from dhp_jax.model.config import run_model_section
+from dhp_jax.model.mllm_config import run_model_section
 from dhp_jax.model.hf import safetensors_io
 from dhp_jax.model.hf.checkpoint import rename, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json

@@ -61,7 +61,7 @@ class TorchFamilyModel:
     (requires_grad) by transformers name. `parameters()` / `named_parameters()` as a torch module
     has them, so `npu_backend.executor` all-reduces their gradients.
 
-    Under tensor parallelism (`npu_backend.tensor.TensorParallel.shard` sets `tp`) the LLM and the
+    Under tensor parallelism (`npu_backend.tensor_parallel.TensorParallel.shard` sets `tp`) the LLM and the
     vision encoder's blocks are split Megatron-style (their attention and MLP matrices; the
     embedding and the LM head vocab-parallel), the patch embedding, the norms, the mergers and the
     projector replicated; `params` then hold this process's slices. With sequence parallelism

@@ -21,7 +21,7 @@ from torch import nn
 
 # attn(q[S, H, D], k[S, KVH, D], v[S, KVH, D], ids[S, 3]) -> o[S, H, D]; ids = (segment, position, span)
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# Tensor parallelism (`npu_backend.tensor.TensorParallel.shard`) sets `tp` on the attention and MLP
+# Tensor parallelism (`npu_backend.tensor_parallel.TensorParallel.shard`) sets `tp` on the attention and MLP
 # modules and on the model: `tp.enter` before a column-parallel matrix, `tp.exit` after a row-parallel
 # one (Megatron's f and g), `tp.embed` the vocab-parallel lookup; `tp = None` is one device per rank.
 # With `tp.sequence` (sequence parallelism, arXiv 2205.05198) the block stacks carry this process's

@@ -4,7 +4,7 @@ no jax, no model config): what the torch backend reads a `dhp train` checkpoint 
 The record is `FlatLayout.record` (t = 1: the leaves end to end, then the zero padding) or
 `TensorLayout.record` (t > 1: the master vector holds t rows, each device's share, interleaved
 over (rank, tp): device r t + i holds part r of row i; `local` lays out one row, `split` says how
-each leaf's shares join). The rule is `dhp_jax.sharding.tensor.TensorLayout.unravel`'s: split
+each leaf's shares join). The rule is `dhp_jax.sharding.tensor_parallel.TensorLayout.unravel`'s: split
 leaves concatenated along their axis (a fused one part by part), a shared kv head read from its
 first holder, vocab ids from their owner's window, replicated leaves from tp index 0.
 """

@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dhp_jax.data.sample import sample_etas, sample_lengths  # noqa: E402
 from dhp_jax.data.synthetic import random_samples  # noqa: E402
-from dhp_jax.model.config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
+from dhp_jax.model.mllm_config import MLLMConfig  # noqa: E402  (dataclass only: no jax)
 from dhp_jax.planner import plan_batch  # noqa: E402
 from dhp_jax.planner.cli_args import (add_cost_args, add_mllm_arg, add_tensor_parallel_arg, cost_from_args,  # noqa: E402
                                       is_profile, mllm_preset)
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: every rank plans the same batch deterministically; broadcast: rank 0 plans")
     p.add_argument("--strategy", default="dhp", help="planner strategy (see dhp_jax.planner.STRATEGIES)")
     add_cost_args(p, model="internvl3-8b", hardware="cpu", ranks_per_node=8)  # the cost model plans with
-    add_tensor_parallel_arg(p)   # a rank is T consecutive processes (npu_backend.tensor); plans have processes / T ranks
+    add_tensor_parallel_arg(p)   # a rank is T consecutive processes (npu_backend.tensor_parallel); plans have processes / T ranks
     p.add_argument("--comm-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="cost model: ring traffic hides behind attention (default: the hardware's)")
     p.add_argument("--length-scale", type=float, default=1.0,

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
+from dhp_jax.model.mllm_config import RUN_ONLY_MODEL_FIELDS
 from npu_backend.relayout import RecordError, unravel_record
 from npu_backend.model import TorchMLLM
 

@@ -7,7 +7,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
-from dhp_jax.train.config import OptimConfig
+from dhp_jax.train.train_config import OptimConfig
 from dhp_jax.train.state import create_state, make_optimizer, make_update
 
 
@@ -144,10 +144,10 @@ def test_torch_reader_joins_tp_records_from_the_copies_it_must_read(family):
     (Qwen's vision qkv) and a tied embedding."""
     import json
 
-    from dhp_jax.model.config import MLLMConfig
+    from dhp_jax.model.mllm_config import MLLMConfig
     from dhp_jax.model.mllm import init_params
     from dhp_jax.sharding.flat import FlatLayout
-    from dhp_jax.sharding.tensor import TensorLayout
+    from dhp_jax.sharding.tensor_parallel import TensorLayout
     from npu_backend.relayout import unravel_record
 
     if family is None:

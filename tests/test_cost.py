@@ -10,7 +10,7 @@ import pytest
 from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.fit import fit_cost_model
 from dhp_jax.planner.cost.presets import MODELS
-from dhp_jax.planner.cost.tensor import valid_degrees
+from dhp_jax.planner.cost.tensor_parallel import valid_degrees
 from dhp_jax.planner.cost.geometry import StreamGeometry, padded_length
 from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank, min_degree
 from dhp_jax.planner.cost.pricing import allreduce_time, group_time, sent_tokens

@@ -90,8 +90,8 @@ def _check_dhp(argv: list[str], tmp_path, capsys) -> str:
         assert e.code == 0, capsys.readouterr().err
         return "run (--help)"
     if args.command == "train":
-        from dhp_jax.train.cli import _split_args
-        from dhp_jax.train.config import load_config
+        from dhp_jax.train.train_cli import _split_args
+        from dhp_jax.train.train_config import load_config
         from dhp_jax.train.distributed import resolve
 
         path, overrides = _split_args(list(args.args))

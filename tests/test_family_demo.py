@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.model import hf
-from dhp_jax.train.config import load_config
-from dhp_jax.train.family_demo import DEMO_MODELS, FIRST_TEXT, TOKENS, FamilyDemoPipeline, demo_config
+from dhp_jax.train.train_config import load_config
+from dhp_jax.train.demo_models import DEMO_MODELS, FIRST_TEXT, TOKENS, FamilyDemoPipeline, demo_config
 from dhp_jax.train.pipeline import DataPipeline
 
 SMALL = ["data.batch_size=8", "data.max_tokens=96"]

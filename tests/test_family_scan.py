@@ -15,7 +15,7 @@ def program_ops(family: str, depth: int) -> int:
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
-    from dhp_jax.train.family_demo import demo_config
+    from dhp_jax.train.demo_models import demo_config
 
     raw = demo_config(family)
     raw["text_config"]["num_hidden_layers"] = depth

@@ -42,7 +42,7 @@ def example(tmp_path_factory):
 
 
 def _config(ckpt, manifest, out, **extra):
-    from dhp_jax.train.config import load_config
+    from dhp_jax.train.train_config import load_config
 
     # all 12 good records in every batch (one batch an epoch): the loss is measured on a fixed set;
     # one ring group of 8 ranks and one bucket: one group program to compile
@@ -241,7 +241,7 @@ def test_readme_run_plans_what_its_prices_choose_from_real_counts(tmp_path):
     on mixed degrees, and the planner mixes them: >= 3 degrees, one not a power of two."""
     from collections import Counter
 
-    from dhp_jax.train.config import load_config
+    from dhp_jax.train.train_config import load_config
     from dhp_jax.train.example import write_example
     from dhp_jax.train.finetune import plan_run
 
@@ -278,7 +278,7 @@ def test_model_section_and_data_settings_are_checked():
     """`model=tiny` still sets the stand-in's preset; fine-tuning data needs a checkpoint and one
     source; a bad data.on_error is named; the demo's planning preset and run name are not a
     fine-tuning run's."""
-    from dhp_jax.train.config import ConfigError, load_config
+    from dhp_jax.train.train_config import ConfigError, load_config
 
     assert load_config(None, ["model=tiny"]).model.preset == "tiny"
     assert load_config(None, ["model.pretrained=ck", "data.manifest=m.jsonl"]).planner.cost_model is None

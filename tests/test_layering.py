@@ -262,6 +262,6 @@ def test_executors_are_composed_not_dispatched():
     assert not big and not dispatch, big + dispatch
     back = [f"{m}:{line}" for m in MODULES if m.startswith("dhp_jax.sharding.") and m != "dhp_jax.sharding.executor"
             for name, line in imports_of(m) if name == "dhp_jax.sharding.executor"
-            and m in ("dhp_jax.sharding.family", "dhp_jax.sharding.standin", "dhp_jax.sharding.compile_cache",
+            and m in ("dhp_jax.sharding.family_adapter", "dhp_jax.sharding.standin", "dhp_jax.sharding.compile_cache",
                       "dhp_jax.sharding.sharded_state", "dhp_jax.sharding.attention", "dhp_jax.sharding.prepared")]
     assert not back, f"the executor's parts import the executor: {back}"

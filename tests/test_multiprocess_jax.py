@@ -68,7 +68,7 @@ _PAIR = textwrap.dedent("""
     force_cpu_devices(4)
     from dhp_jax.train import distributed as D
     D.initialize(D.resolve(f"127.0.0.1:{port}", 2, pid), timeout_s=120)
-    from dhp_jax.train.config import load_config
+    from dhp_jax.train.train_config import load_config
     from dhp_jax.train.trainer import Trainer
     for overrides in runs:
         Trainer(load_config(overrides=overrides), step_timeout_s=120).run(resume=True)
@@ -135,7 +135,7 @@ def test_a_single_process_run_resumes_as_two_processes(tmp_path):
     import jax
 
     from dhp_jax.train.checkpoint import Checkpointer
-    from dhp_jax.train.config import load_config
+    from dhp_jax.train.train_config import load_config
     from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.trainer import Trainer
 

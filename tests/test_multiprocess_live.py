@@ -28,7 +28,7 @@ def test_two_processes_plan_live_and_match_single_process(tmp_path):
     decisions do not, so the plan check passes at every step, a group spans both processes, and
     the losses are the single-process run's. Two steps: each step's plan needs new group programs,
     and two steps already check agreement after a step has run."""
-    from dhp_jax.train.config import load_config
+    from dhp_jax.train.train_config import load_config
     from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.trainer import Trainer
 

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.data.synthetic import random_samples
-from dhp_jax.model.config import MLLMConfig
+from dhp_jax.model.mllm_config import MLLMConfig
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from npu_backend.launch import run_world
 
@@ -115,7 +115,7 @@ def _block_collectives(model, rank: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    import npu_backend.tensor as tensor
+    import npu_backend.tensor_parallel as tensor
     from npu_backend.model import dense_attn
 
     counts: dict = {}
@@ -240,7 +240,7 @@ def test_sequence_parallel_block_runs_the_collectives_the_cost_model_prices(worl
     the cost model prices (`block_collectives`; no recompute in the torch backend: remat "none"),
     and no all-reduce: the backward pass reuses the gathered inputs (as the JAX program does)."""
     from dhp_jax.planner.cost.memory import REMAT_PASSES
-    from dhp_jax.planner.cost.tensor import block_collectives
+    from dhp_jax.planner.cost.tensor_parallel import block_collectives
 
     passes = REMAT_PASSES["none"][1]
     forward = block_collectives(passes, forward_only=True)
@@ -255,7 +255,7 @@ def test_sequence_parallel_block_runs_the_collectives_the_cost_model_prices(worl
 
 
 def test_head_counts_tensor_parallel_cannot_split_are_refused():
-    from npu_backend.tensor import check_model
+    from npu_backend.tensor_parallel import check_model
 
     with pytest.raises(ValueError, match=r"model 'tiny': tensor_parallel 3 cannot split MLLMConfig.num_heads = 4"):
         check_model(MLLMConfig(), 3)
@@ -268,7 +268,7 @@ def test_sequence_parallel_rows_are_the_jax_engines_and_need_tensor_parallel():
     """The rows a process holds are the JAX engine's (one chunk: the torch blocks run the stream in
     one pass), and sequence parallelism without tensor parallelism is refused before any collective."""
     from dhp_jax.model.mllm import sequence_chunks
-    from npu_backend.tensor import TensorParallel, sequence_rows
+    from npu_backend.tensor_parallel import TensorParallel, sequence_rows
 
     for t in (2, 3, 4, 8):
         for s in range(1, 70):
@@ -283,7 +283,7 @@ def test_sequence_parallel_rows_are_the_jax_engines_and_need_tensor_parallel():
 def test_family_vision_heads_and_width_tensor_parallel_cannot_split_are_refused():
     from dhp_jax.model import hf
     from dhp_jax.model.hf.init import tiny_config
-    from npu_backend.tensor import check_model
+    from npu_backend.tensor_parallel import check_model
 
     raw = tiny_config("qwen3_vl", FAMILY_TOKENS, 96)
     raw["vision_config"].update(num_heads=3, hidden_size=48)

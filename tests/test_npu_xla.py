@@ -66,7 +66,7 @@ def _host_group_worker(rank: int, world: int, plan: Plan, seed: int) -> dict:
     import torch.distributed as dist
 
     from dhp_jax.data.synthetic import random_samples
-    from dhp_jax.model.config import MLLMConfig
+    from dhp_jax.model.mllm_config import MLLMConfig
     from npu_backend.executor import TorchPlanExecutor
     from npu_backend.model import TorchMLLM
 

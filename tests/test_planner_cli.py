@@ -97,7 +97,7 @@ def test_closed_pipe_ends_quietly():
 
 
 def test_time_limited_solver_says_it_is_not_proven_optimal():
-    from dhp_jax.planner.cli import not_optimal
+    from dhp_jax.planner.plan_cli import not_optimal
 
     assert "stopped at its 10 s time limit" in not_optimal({"strategy": "flexsp", "time_limit_s": 10.0})
     assert "before proving optimality" in not_optimal({"strategy": "milp"})

@@ -307,7 +307,7 @@ def test_hub_id_resolves_in_the_local_cache(tmp_path, monkeypatch):
 
 def test_hub_id_loads_weights_and_trains_config(tmp_path, monkeypatch):
     """load_pretrained and the train config's model.pretrained take a cached Hub id."""
-    from dhp_jax.train.config import TrainConfig
+    from dhp_jax.train.train_config import TrainConfig
 
     raw = fixture("Qwen3-VL-2B-Instruct")
     model, _ = build_published(raw, tmp_path / "build")
@@ -325,7 +325,7 @@ def test_hub_id_loads_weights_and_trains_config(tmp_path, monkeypatch):
     cfg.data.manifest = "records.jsonl"
     assert cfg.validate().model.pretrained == str(snap)
     # dhp train checks its paths first: a cached id passes, one not in the cache names the download
-    from dhp_jax.train.config import ConfigError
+    from dhp_jax.train.train_config import ConfigError
 
     (tmp_path / "records.jsonl").write_text("")
     cfg = TrainConfig()

@@ -246,7 +246,7 @@ def test_bad_input_rejected_before_running(setup):
         PlanExecutor(C, min_bucket=0)
     with pytest.raises(TypeError, match="float32 params"):
         ex.shard(jax.tree.map(lambda x: x.astype(np.float16), params))
-    with pytest.raises(TypeError, match="config must be a dhp_jax.model.config.MLLMConfig, got dict"):
+    with pytest.raises(TypeError, match="config must be a dhp_jax.model.mllm_config.MLLMConfig, got dict"):
         PlanExecutor({})
     assert ex.num_compiles == n
 

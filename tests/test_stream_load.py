@@ -11,7 +11,7 @@ import pytest
 from dhp_jax.model import MLLMConfig, hf
 from dhp_jax.sharding import PlanExecutor, load_sharded
 from dhp_jax.sharding import load_bench as lb
-from dhp_jax.sharding.family import FamilyModel
+from dhp_jax.sharding.family_adapter import FamilyModel
 from dhp_jax.data.model_configs import model_config, model_facts
 
 

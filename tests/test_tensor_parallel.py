@@ -1,4 +1,4 @@
-"""Tensor parallelism inside a rank, planning side (dhp_jax.planner.cost.tensor): one device's
+"""Tensor parallelism inside a rank, planning side (dhp_jax.planner.cost.tensor_parallel): one device's
 coefficients of a rank of t devices against hand-derived figures, the refusals naming model, field
 and t, and the surfaces that take t (Cluster, dhp plan, dhp simulate, the train config)."""
 
@@ -8,7 +8,7 @@ import types
 import pytest
 
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost import memory, presets, tensor
+from dhp_jax.planner.cost import memory, presets, tensor_parallel
 from dhp_jax.planner.cost.memory import min_degree
 from dhp_jax.sim.cluster import Cluster
 
@@ -45,7 +45,7 @@ def test_one_device_of_four_by_hand():
     assert (four.tensor_parallel, four.state_shards, four.ranks_per_node) == (4, 16, 2)
     # activations as the engines run them (psum form): the model at one device's widths (heads, kv
     # heads, MLP, vocabulary / 4), the hidden width whole; so more than a quarter of t = 1's
-    local = tensor.local_shape(m, 4)
+    local = tensor_parallel.local_shape(m, 4)
     assert (local.heads, local.kv_heads, local.intermediate, local.vocab, local.hidden) == (8, 2, 3072, 37984, 4096)
     alone = CostModel.preset(local, "ascend-910b", ranks_per_node=8, require_fit=False)
     assert (four.mem_per_token, four.fixed_bytes) == (alone.mem_per_token, alone.fixed_bytes)
@@ -61,11 +61,11 @@ def test_kv_heads_fewer_than_t_are_replicated():
     m = presets.ModelShape(layers=2, heads=16, kv_heads=2, hidden=256, intermediate=512, head_dim=16, vocab=1000,
                            vision_layers=1, vision_hidden=64, vision_intermediate=128, vision_heads=8,
                            vision_head_dim=8)
-    assert tensor.kv_heads_per_device(m, 8) == 1 and tensor.unsplittable(m, 8) is None
+    assert tensor_parallel.kv_heads_per_device(m, 8) == 1 and tensor_parallel.unsplittable(m, 8) is None
     c1 = CostModel.preset(m, "h100", require_fit=False)
     c8 = CostModel.preset(m, "h100", require_fit=False, tensor_parallel=8, ranks_per_node=1)
     assert c8.kv_bytes_per_token == c1.kv_bytes_per_token / 2       # one of the 2 kv heads per device
-    assert tensor.vocab_share(m, 8) == 125 and tensor.vocab_share(m, 3) == 334   # padded as Megatron pads
+    assert tensor_parallel.vocab_share(m, 8) == 125 and tensor_parallel.vocab_share(m, 3) == 334   # padded as Megatron pads
 
 
 @pytest.mark.parametrize("model, t, field", [
@@ -76,9 +76,9 @@ def test_a_layout_tensor_parallelism_cannot_split_is_refused(model, t, field):
     with pytest.raises(ValueError, match=re.escape(f"model '{model}': tensor_parallel {t} cannot split {field} evenly")):
         CostModel.preset(model, "ascend-910b", tensor_parallel=t, ranks_per_node=8 // t)
     odd_kv = types.SimpleNamespace(heads=12, kv_heads=3, intermediate=64, vision_heads=4, vision_intermediate=64)
-    assert "num_key_value_heads = 3" in tensor.unsplittable(odd_kv, 2)
-    assert tensor.valid_degrees(presets.MODELS["internvl3-38b"], 8) == [1]
-    assert tensor.valid_degrees(presets.MODELS["qwen2.5-vl-32b"], 8) == [1, 2, 4, 8]
+    assert "num_key_value_heads = 3" in tensor_parallel.unsplittable(odd_kv, 2)
+    assert tensor_parallel.valid_degrees(presets.MODELS["internvl3-38b"], 8) == [1]
+    assert tensor_parallel.valid_degrees(presets.MODELS["qwen2.5-vl-32b"], 8) == [1, 2, 4, 8]
 
 
 def test_a_rank_sits_in_one_node():
@@ -124,7 +124,7 @@ def test_plan_and_simulate_take_tensor_parallel(capsys):
 
 
 def test_train_config_validates_tensor_parallel_and_a_family_prepares():
-    from dhp_jax.train.config import ConfigError, config_from_dict
+    from dhp_jax.train.train_config import ConfigError, config_from_dict
     from dhp_jax.train.trainer import prepare_run
 
     with pytest.raises(ConfigError, match="need 16 devices but devices.count=8"):

@@ -83,8 +83,8 @@ def test_sequence_parallel_config_for_the_families():
     """A family model takes sequence parallelism too (its exactness: tests/test_tp_family.py); it
     still needs tensor parallelism."""
     from dhp_jax.model import hf
-    from dhp_jax.train.config import ConfigError, load_config
-    from dhp_jax.train.family_demo import DEMO_MODELS, demo_config
+    from dhp_jax.train.train_config import ConfigError, load_config
+    from dhp_jax.train.demo_models import DEMO_MODELS, demo_config
 
     name = sorted(DEMO_MODELS)[0]
     config = hf.parse_config(demo_config(DEMO_MODELS[name]))

@@ -41,8 +41,8 @@ from dhp_jax.model import hf
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.sharding.executor import CPU_FAST_COMPILE
-from dhp_jax.train.config import load_config
-from dhp_jax.train.family_demo import FIRST_TEXT, FamilyDemoPipeline, demo_config
+from dhp_jax.train.train_config import load_config
+from dhp_jax.train.demo_models import FIRST_TEXT, FamilyDemoPipeline, demo_config
 
 # 6 samples over 4 ranks: irregular ring groups of 3 + 1 ranks, then (out of order) a hybrid
 # 2 x 2 group of every rank
@@ -157,11 +157,11 @@ def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parall
     assert errs[worst] <= 1e-5, (worst, errs[worst])
     # the state is tp-sharded: a device holds its share, not the whole model; the encoders' blocks
     # are split (a Qwen fused qkv by heads inside each of q, k, v)
-    from dhp_jax.sharding import tensor
+    from dhp_jax.sharding import tensor_parallel
     assert ex.layout.row < ex.layout.size
     kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
-    assert (kinds["model/visual/blocks/0/attn/qkv/kernel"] == tensor.FUSED if family != "internvl" else
-            kinds["model/vision_tower/encoder/layer/0/attention/q_norm/scale"] == tensor.SPLIT)
+    assert (kinds["model/visual/blocks/0/attn/qkv/kernel"] == tensor_parallel.FUSED if family != "internvl" else
+            kinds["model/vision_tower/encoder/layer/0/attention/q_norm/scale"] == tensor_parallel.SPLIT)
 
 
 def test_family_refusals_name_the_model_and_t():
@@ -182,7 +182,7 @@ def test_tp2_bf16_family_step_matches_one_device():
     """bf16 at t = 2 in the psum form (InternVL: one kv head shared by a rank's two devices, the vocab windows
     overlapping; one rank of degree 1 runs the 6 samples, the others idle): the loss and every
     gradient agree with the fp32 one-device reference (the fp32 test's, `_case`) within bf16
-    rounding. The copies' gradients are summed on the bf16 rows (`tensor.tie_rows` slices their
+    rounding. The copies' gradients are summed on the bf16 rows (`tensor_parallel.tie_rows` slices their
     columns as uint16), a path the fp32 test does not take."""
     cfg, params, samples, (ref_loss, ref_grads) = _case("internvl", 255, False, 1)
     plan = Plan(4, (MicroBatch((Group((0,), 1, tuple(range(6))),)),))

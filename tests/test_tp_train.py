@@ -1,7 +1,7 @@
 """Training with tensor and sequence parallelism (`parallel.tensor=2`, `parallel.sequence=true`) on 8
 fake CPU devices as 4 ranks of 2,
 against the same run at t = 1 on 4 devices replaying the t = 2 run's plans: the state is tp-sharded (each
-device holds and reduces only its share, `dhp_jax.sharding.tensor.TensorLayout`), the copies of
+device holds and reduces only its share, `dhp_jax.sharding.tensor_parallel.TensorLayout`), the copies of
 replicated leaves stay equal under AdamW, the clipped global norm
 counts each parameter once, and a t = 2 run stopped and resumed from its checkpoint continues it;
 its state converts to t = 1 on 4 devices and to t = 2 on 4 through the params tree, params and
@@ -18,7 +18,7 @@ import pytest
 from dhp_jax.model import MLLMConfig
 from dhp_jax.sharding import PlanExecutor
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
-from dhp_jax.train.config import load_config
+from dhp_jax.train.train_config import load_config
 from dhp_jax.train.metrics import read_jsonl
 from dhp_jax.train.trainer import Trainer
 

@@ -17,7 +17,7 @@ from dhp_jax.model import MLLMConfig
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from dhp_jax.planner.cost.pricing import group_time
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
-from dhp_jax.train.config import load_config
+from dhp_jax.train.train_config import load_config
 from dhp_jax.train.metrics import read_jsonl
 from dhp_jax.train.plans import PlanFileError
 from dhp_jax.train.trainer import Trainer, TrainError
@@ -359,7 +359,7 @@ def test_full_size_plans_are_logged_as_run_and_the_measured_comparison_is_opt_in
     """plans.jsonl has one format: every step's plan as these devices ran it (executed tokens, the
     executor's buckets, one node), also when the plans were made at full token counts for a preset;
     the measured comparison runs only when asked for."""
-    from dhp_jax.train.config import CompareConfig
+    from dhp_jax.train.train_config import CompareConfig
 
     assert CompareConfig().measured is False and load_config().compare.measured is False
     cfg = _config(tmp_path, "full", "steps=2", "planner.full_size=true", "planner.cost_model=qwen3-vl-4b",

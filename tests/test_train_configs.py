@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dhp_jax.train.config import DEMO_CONFIG, load_config
+from dhp_jax.train.train_config import DEMO_CONFIG, load_config
 from dhp_jax.train.trainer import dry_run
 
 CONFIGS = Path(__file__).resolve().parents[1] / "experiments" / "configs"

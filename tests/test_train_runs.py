@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dhp_jax.train.config import load_config
+from dhp_jax.train.train_config import load_config
 from dhp_jax.train.metrics import read_jsonl
 
 # the demo, shortened: data.seed=30's two batches are planned on at least three degrees, one of them

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
-from dhp_jax.train.config import ConfigError, DataConfig, load_config, valid_keys
+from dhp_jax.train.train_config import ConfigError, DataConfig, load_config, valid_keys
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread
 
@@ -126,7 +126,7 @@ def test_planner_thread_reports_the_failing_step():
 
 # ------------------------------------------------------------------------------------ optimizer
 def test_schedule_warmup_and_cosine():
-    from dhp_jax.train.config import OptimConfig
+    from dhp_jax.train.train_config import OptimConfig
     from dhp_jax.train.state import make_schedule
 
     cfg = OptimConfig(learning_rate=1.0, warmup_steps=4, end_lr_ratio=0.1)

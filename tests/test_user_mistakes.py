@@ -112,7 +112,7 @@ def test_resume_of_no_run_creates_nothing(tmp_path, capsys):
 
 def test_packaged_cost_profile_by_name(tmp_path, monkeypatch):
     from dhp_jax.planner.cli_args import cost_model, packaged_profiles
-    from dhp_jax.train.config import load_config
+    from dhp_jax.train.train_config import load_config
     from dhp_jax.train.plans import make_cost
 
     monkeypatch.chdir(tmp_path)                # away from the checkout: only the package is there

@@ -249,7 +249,7 @@ def test_the_run_and_the_planner_count_the_same_video_tokens(family, tmp_path):
     from dhp_jax.data.finetune import FinetuneData
     from dhp_jax.data.media import video_info
     from dhp_jax.data.sources import iter_jsonl
-    from dhp_jax.train.config import ConfigError, load_config
+    from dhp_jax.train.train_config import ConfigError, load_config
     from dhp_jax.train.finetune import video_sampling
 
     manifest = write_example_data(str(tmp_path / "data"), num_samples=9)

@@ -59,7 +59,7 @@ def test_wheel_in_fresh_venv_runs_dhp_train_dry_run(tmp_path):
     _run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--ignore-installed", str(wheel)], tmp_path, env)
     work = tmp_path / "elsewhere"
     work.mkdir()
-    where = _run([str(py), "-c", "import dhp_jax.train.config as c; print(c.__file__); print(c.DEMO_CONFIG)"],
+    where = _run([str(py), "-c", "import dhp_jax.train.train_config as c; print(c.__file__); print(c.DEMO_CONFIG)"],
                  work, env).stdout.split()
     assert all(p.startswith(str(venv)) for p in where), where     # the wheel's files, not the checkout's
     out = _run([str(venv / "bin" / "dhp"), "train", "--dry-run", "--json"], work, env)

@@ -36,7 +36,7 @@ import numpy as np
 from dhp_jax.devices import force_cpu_devices
 from dhp_jax.geometry.layout import zigzag_permutation
 from dhp_jax.geometry.tiling import DEFAULT_TILE, count_ring_tiles
-from dhp_jax.train.config import DEMO_CONFIG, load_config
+from dhp_jax.train.train_config import DEMO_CONFIG, load_config
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.plans import PlanSource, make_cost
 

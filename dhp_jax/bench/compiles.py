@@ -34,7 +34,7 @@ from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.api import reuse_placement
 from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.programs.menu import fit_menu
-from dhp_jax.train.config import DataConfig
+from dhp_jax.train.train_config import DataConfig
 from dhp_jax.train.pipeline import DataPipeline
 
 

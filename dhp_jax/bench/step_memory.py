@@ -37,7 +37,7 @@ from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
 from dhp_jax.devices import force_cpu_devices
 from dhp_jax.sharding import memory_bench
 from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_OPTIONS, model_shape, program_bytes
-from dhp_jax.train.config import OptimConfig
+from dhp_jax.train.train_config import OptimConfig
 
 MICRO_BATCHES = (2, 3)
 STEP_ROWS = (("internvl3-8b", 8, 65536), ("internvl3-2b", 8, 65536), ("internvl3-2b", 2, 32768))

@@ -3,7 +3,7 @@
 from dhp_jax._lazy import lazy_attributes
 
 _LAZY = {
-    "MLLMConfig": "dhp_jax.model.config",
+    "MLLMConfig": "dhp_jax.model.mllm_config",
     "init_params": "dhp_jax.model.mllm",
     "reference_loss": "dhp_jax.model.reference",
 }

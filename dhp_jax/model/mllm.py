@@ -64,9 +64,9 @@ from jax import lax
 
 from dhp_jax.geometry.layout import chunk_size
 from dhp_jax.model.attention import AttnIds, dense_attention
-from dhp_jax.model.config import MLLMConfig
+from dhp_jax.model.mllm_config import MLLMConfig
 from dhp_jax.model.executed import tick
-from dhp_jax.model.tensor import TensorHooks, vocab_embed, vocab_loss_sum
+from dhp_jax.model.tensor_parallel import TensorHooks, vocab_embed, vocab_loss_sum
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
@@ -205,8 +205,8 @@ def block_apply(p: Params, x: jax.Array, ids: AttnIds, shape: Any, chunk: int = 
     chunks of at most `chunk` tokens (`split_block`: dead chunks skipped, zero q/k/v, the residual
     passed through); chunk 0 (or >= S): one pass over the whole stream. `shape` has the `Block`
     fields num_heads, num_kv_heads, head_dim, rope_base, eps and attn_fn, and optionally `tp`
-    (`dhp_jax.model.tensor.TensorHooks`): the params are then one device's column shares of q/k/v,
-    gate and up and row shares of o and down (`dhp_jax.sharding.tensor`), and the outputs of o and
+    (`dhp_jax.model.tensor_parallel.TensorHooks`): the params are then one device's column shares of q/k/v,
+    gate and up and row shares of o and down (`dhp_jax.sharding.tensor_parallel`), and the outputs of o and
     down are summed over the rank's devices. The head counts are read off the kernels given."""
     hd = shape.head_dim
     h, kvh = p["attn"]["q"]["kernel"].shape[-1] // hd, p["attn"]["k"]["kernel"].shape[-1] // hd
@@ -356,7 +356,7 @@ class MLLM(nn.Module):
     # (vision, decoder) block stacks run outside the module, (x, ids) -> x (`block_stack`); None:
     # the module's own `vision_layers_i` / `layers_i` blocks
     stacks: tuple[Callable[[jax.Array, AttnIds], jax.Array], Callable[[jax.Array, AttnIds], jax.Array]] | None = None
-    # tensor parallelism: the params are one device's shares (`dhp_jax.sharding.tensor`): the
+    # tensor parallelism: the params are one device's shares (`dhp_jax.sharding.tensor_parallel`): the
     # embedding vocab-split (`vocab_embed`), the blocks Megatron-split; patch embedding, norms and
     # projector replicated
     tp: TensorHooks | None = None

@@ -15,7 +15,7 @@ import numpy as np
 
 from dhp_jax.data.sample import Sample
 from dhp_jax.geometry.layout import INT_ARRAYS
-from dhp_jax.model.config import MLLMConfig
+from dhp_jax.model.mllm_config import MLLMConfig
 from dhp_jax.model.mllm import apply_model, token_loss_sum
 
 

@@ -13,7 +13,7 @@ a cost model from a preset name or a profile path.
   preset's fp32 state is sharded over the N ranks (`cost_from_args`), as the engine shards it.
 - `--mllm NAME`: the `MLLMConfig` preset a command executes (tiny), where a command runs a model.
 - `--tensor-parallel T` (`dhp plan`, `dhp simulate`): a rank is T devices of one node
-  (`dhp_jax.planner.cost.tensor`); --ranks and --ranks-per-node then count devices and the planner's
+  (`dhp_jax.planner.cost.tensor_parallel`); --ranks and --ranks-per-node then count devices and the planner's
   ranks are those counts / T (T must divide them). A preset only (a fitted profile is one rank's).
 - `--sequence-parallel` (with `--tensor-parallel T` > 1): the block stacks sequence-parallel over a
   rank's T devices (Megatron SP; `CostModel.preset(..., sequence_parallel=True)` prices the rows
@@ -77,7 +77,7 @@ def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
 def tensor_parallel_ranks(devices: int, devices_per_node: int, t: int) -> tuple[int, int]:
     """(ranks, ranks per node) of `devices` devices, `devices_per_node` a node, in ranks of t devices;
     a ValueError when t does not divide the node's devices or the device count."""
-    from dhp_jax.planner.cost.tensor import check_node
+    from dhp_jax.planner.cost.tensor_parallel import check_node
 
     check_node(devices_per_node, t)
     if devices % t:

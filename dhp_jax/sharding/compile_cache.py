@@ -26,11 +26,10 @@ from dhp_jax.sharding import rebind
 Key = tuple[int, int, tuple[jax.Device, ...], str]          # (degree, bucket, devices, attention)
 
 # XLA:CPU compile options of the executor on CPU (fake) devices, which are for correctness runs:
-# most of a CPU run is compiling group programs. LLVM optimisation (backend level 0: about 4x less
-# compile time) and the MLIR fusion emitters (off: XLA:CPU's older emitters compile the same program
-# in about 0.55x the CPU time, its steps somewhat slower) buy little there. Memory measurements
-# compile with XLA's default emitters (`memory_bench.CPU_MEMORY_OPTIONS`), the programs the memory
-# model was validated on.
+# most of a CPU run is compiling group programs. LLVM optimisation (backend level 0) and the MLIR
+# fusion emitters (off: XLA:CPU's older emitters compile faster, their programs run somewhat slower)
+# cost compile time and buy little there. Memory measurements compile with XLA's default emitters
+# (`memory_bench.CPU_MEMORY_OPTIONS`), the programs the memory model was validated on.
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
 # The second tier on CPU devices: XLA's default options (LLVM optimisation, the fusion emitters). The
 # first `TIER_UP_RUNS` steps that run a program use its `CPU_FAST_COMPILE` build; its second-tier

@@ -1,6 +1,6 @@
 """`dhp bench memory --families`: XLA's compiled bytes of a family's group program vs the memory model.
 
-The group program of `FamilyModel` (`dhp_jax.sharding.family`) for (model, degree, tokens) is
+The group program of `FamilyModel` (`dhp_jax.sharding.family_adapter`) for (model, degree, tokens) is
 lowered with abstract arguments (the params tree's shapes from the model's config.json:
 `dhp_jax.model.hf.abstract`; nothing is allocated) and compiled for `degree` CPU devices with
 XLA:CPU's memory-minimising scheduler; `memory_analysis()` gives arguments + outputs + temp -
@@ -14,9 +14,8 @@ The packed vision stream gives every LLM slot `unit` encoder rows (`dhp_jax.mode
 the program's shapes, and its bytes, do not depend on the group's vision share: the encoder runs
 (on dead rows for text slots) as for an all-vision stream.
 
-Depth: the bench was built when the family program ran its layers as a Python loop (a compile
-of a full-depth 8B model at 64k tokens took minutes on a small host; they are a scan now,
-`dhp_jax.model.hf.scan`). The bench compiles the model at
+Depth: compiling a full-depth model at long lengths is slow on a small host, so the bench
+compiles the model at
 `BASE` (LLM layers, encoder blocks), at one LLM layer more and at one encoder block more, and
 extrapolates linearly to full depth (`extrapolate`); the model's bytes are computed at the same
 depths, and each row records the model / compiled ratio both at the compiled base depth and at

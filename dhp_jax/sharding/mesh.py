@@ -1,7 +1,7 @@
 """Rank -> device layout and the sub-mesh cache: the one place that owns the parallel layout.
 
 A rank is one model replica: `devices_per_rank` = t consecutive devices (t > 1: Megatron-style
-tensor parallelism inside the rank, `dhp_jax.sharding.tensor`). A plan's ranks are devices / t and
+tensor parallelism inside the rank, `dhp_jax.sharding.tensor_parallel`). A plan's ranks are devices / t and
 its groups stay in rank units. A group's sub-mesh is (cp) for a ring, (cp, sp) for Ulysses and
 hybrid, and gains a last `tp` axis of size t when t > 1: (cp, tp), (cp, sp, tp), built from the
 group's devices in rank order (rank i of the group is row i). Sub-meshes are built once per device

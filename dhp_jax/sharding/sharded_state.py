@@ -2,7 +2,7 @@
 
 The master params (fp32) and the optimizer state are flat vectors x[P_pad] sharded P("dp"), each
 device owning P_pad/N elements (`dhp_jax.sharding.flat`; with tensor parallelism each device's share,
-`dhp_jax.sharding.tensor.TensorLayout`). The programs, built once on the full mesh: `shard` (a
+`dhp_jax.sharding.tensor_parallel.TensorLayout`). The programs, built once on the full mesh: `shard` (a
 params tree into the master vector), `gather` (the step's one all-gather into the compute dtype),
 `unshard` (a flat vector back into a replicated tree), `accumulate` (one micro-batch's gradient rows
 reduce-scattered piece by piece into the donated fp32 accumulator) and `finish` (the token mean).

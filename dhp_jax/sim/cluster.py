@@ -21,7 +21,7 @@ class Cluster:
     """`nodes` x `ranks_per_node` model replicas; ring-hop bandwidths in GB/s per rank
     (None: the preset's; they set the cost model's `bw_intra` / `bw_inter`).
 
-    `tensor_parallel` = t: each rank is t devices of its node (`dhp_jax.planner.cost.tensor`), so a
+    `tensor_parallel` = t: each rank is t devices of its node (`dhp_jax.planner.cost.tensor_parallel`), so a
     node has ranks_per_node x t devices and the cluster `devices` = num_ranks x t; the plans stay in
     rank units; `sequence_parallel` (t > 1): the block stacks sequence-parallel over a rank's t
     devices (`CostModel.preset(..., sequence_parallel=True)`). `state_shards`: devices the fp32
@@ -67,7 +67,7 @@ class Cluster:
     def with_devices(cls, devices: int, devices_per_node: int = 8, tensor_parallel: int = 1, **kw: Any) -> "Cluster":
         """The cluster of `devices` devices, `devices_per_node` a node, in ranks of `tensor_parallel`
         devices (t must divide the node's devices; fewer devices than a node: one partial node)."""
-        from dhp_jax.planner.cost.tensor import check_node
+        from dhp_jax.planner.cost.tensor_parallel import check_node
 
         positive_int(devices, "devices")
         check_node(min(devices, devices_per_node), tensor_parallel)

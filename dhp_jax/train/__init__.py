@@ -4,9 +4,9 @@ orbax checkpoints, metrics, the profiler and the `dhp train` / `dhp profile` job
 from dhp_jax._lazy import lazy_attributes
 
 _LAZY = {
-    "TrainConfig": "dhp_jax.train.config",
-    "load_config": "dhp_jax.train.config",
-    "ConfigError": "dhp_jax.train.config",
+    "TrainConfig": "dhp_jax.train.train_config",
+    "load_config": "dhp_jax.train.train_config",
+    "ConfigError": "dhp_jax.train.train_config",
     "DataPipeline": "dhp_jax.train.pipeline",
     "PlannerThread": "dhp_jax.train.planner_thread",
     "Checkpointer": "dhp_jax.train.checkpoint",

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from dhp_jax.model.config import RUN_ONLY_MODEL_FIELDS
+from dhp_jax.model.mllm_config import RUN_ONLY_MODEL_FIELDS
 
 
 class CheckpointError(ValueError):
@@ -234,7 +234,7 @@ def check_layout(saved: Mapping[str, Any] | None, mine: Mapping[str, Any] | None
                               f"{mine['size']} values; " + "; ".join(diff[:6])
                               + (f"; ... ({len(diff)} leaves differ)" if len(diff) > 6 else "") + ")")
     if max(_tp(saved), _tp(mine)) > 1:
-        # a tensor-parallel state holds each device's share (dhp_jax.sharding.tensor.TensorLayout):
+        # a tensor-parallel state holds each device's share (dhp_jax.sharding.tensor_parallel.TensorLayout):
         # another t or device count is another interleaving, not another padding
         same = _tp(saved) == _tp(mine) and int(saved["num_shards"]) == int(mine["num_shards"])
         return SAME if same else CONVERT

@@ -44,7 +44,7 @@ def export(run_dir: str, out_dir: str, step: int | None = None, overwrite: bool 
     import numpy as np
 
     from dhp_jax.model import hf
-    from dhp_jax.model.config import run_model_section
+    from dhp_jax.model.mllm_config import run_model_section
     from dhp_jax.model.hf.stream import abstract_params, checkpoint_sources
     from dhp_jax.sharding.flat import FlatLayout
     from dhp_jax.train.checkpoint import Checkpointer, check_layout

@@ -22,7 +22,7 @@ import numpy as np
 
 from dhp_jax.data import make_dataset
 from dhp_jax.data.sample import Sample, Segment, sample_etas, sample_lengths
-from dhp_jax.train.config import DataConfig
+from dhp_jax.train.train_config import DataConfig
 
 # The fixed tables (prototypes, captions, instruction) do not depend on the run's seed: the task
 # is the same task whatever the seed, only the draw of batches changes.

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dhp_jax.train.config import OptimConfig
+from dhp_jax.train.train_config import OptimConfig
 
 
 ShardingSpec = Union[jax.sharding.Sharding, Callable[[Any], jax.sharding.Sharding]]

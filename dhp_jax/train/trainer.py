@@ -32,9 +32,9 @@ from dhp_jax.sharding.executor import GroupProgramError
 from dhp_jax.sharding.protocol import check_executor
 from dhp_jax.train.checkpoint import CheckpointError, Checkpointer
 from dhp_jax.train.compare import compare_plans
-from dhp_jax.train.config import OptimConfig, TrainConfig, checkpoint_path, compilation_cache_path
+from dhp_jax.train.train_config import OptimConfig, TrainConfig, checkpoint_path, compilation_cache_path
 from dhp_jax.train.distributed import StepSync
-from dhp_jax.train.family_demo import demo_models
+from dhp_jax.train.demo_models import demo_models
 from dhp_jax.train.interrupt import RunInterrupted, SigintGuard, wait_polling
 from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_jsonl
 from dhp_jax.train.pipeline import DataPipeline
@@ -183,7 +183,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     elif config.model.preset in demo:   # a tiny random model of a family, on synthetic family samples
         from dhp_jax.model import hf
         from dhp_jax.model.hf.init import random_params
-        from dhp_jax.train.family_demo import demo_config
+        from dhp_jax.train.demo_models import demo_config
 
         raw = demo_config(demo[config.model.preset])
         hf_config = hf.parse_config(raw)
@@ -232,7 +232,7 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
             raise TrainError(f"{spec}: {e}") from None
     else:
         if hf_config is not None:
-            from dhp_jax.train.family_demo import FamilyDemoPipeline
+            from dhp_jax.train.demo_models import FamilyDemoPipeline
 
             pipeline = FamilyDemoPipeline(config.data, hf_config)
         else:

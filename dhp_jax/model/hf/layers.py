@@ -29,7 +29,7 @@ from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.mllm import live_chunks, remat_policy, sequence_rows, sequence_stream, split_block, vision_first
 from dhp_jax.model.hf.scan import run_blocks
 from dhp_jax.model.hf.spec import DecoderShape, RopeSpec  # noqa: F401 (the blocks' shapes)
-from dhp_jax.model.tensor import TensorHooks
+from dhp_jax.model.tensor_parallel import TensorHooks
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttnIds, AttnIds], jax.Array]
 Params = Mapping[str, Any]
@@ -154,7 +154,7 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
     h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h)).
     `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
     chunks and the dead ones are skipped (`mllm.split_block`); None: one pass.
-    Tensor parallelism (`dhp_jax.sharding.tensor`): `p` is one device's share (its query and kv
+    Tensor parallelism (`dhp_jax.sharding.tensor_parallel`): `p` is one device's share (its query and kv
     heads, its MLP columns; the head counts are read off the kernels) and `reduce` the sum over
     the rank's devices after the row-split o_proj and down_proj. `sequence` (the rank's
     `TensorHooks` with `sequence` set): sequence-parallel (Megatron SP, arXiv 2205.05198;

@@ -14,7 +14,7 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.packed import LLM_INTS, VISION_INTS, patch_dim, unit
 from dhp_jax.model.mllm import LOSS_CHUNK, head_loss_sum
-from dhp_jax.model.tensor import TensorHooks, vocab_embed
+from dhp_jax.model.tensor_parallel import TensorHooks, vocab_embed
 
 
 def _encode(config: HFConfig, params: Params, vi: Mapping[str, jax.Array], pixels: jax.Array,
@@ -34,9 +34,9 @@ def packed_loss_sum(config: HFConfig, params: Params, llm_ints: jax.Array, llm_f
                     loss_chunk: int = LOSS_CHUNK, tp: TensorHooks | None = None) -> jax.Array:
     """Sum over the stream's tokens of weight * cross entropy (fp32): the family's forward pass on
     one device's shard of the two streams (`FamilyLayout.inputs`), attention by `attn_fn`.
-    `tp`: tensor parallelism (`dhp_jax.sharding.tensor`), `params` one device's share: the LLM
+    `tp`: tensor parallelism (`dhp_jax.sharding.tensor_parallel`), `params` one device's share: the LLM
     layers and the encoder's blocks split (`text.text_forward`, `_encode`; sequence-parallel with
-    `tp.sequence`), the embedding and the LM head vocab-parallel (`dhp_jax.model.tensor`), the
+    `tp.sequence`), the embedding and the LM head vocab-parallel (`dhp_jax.model.tensor_parallel`), the
     patch embedding and the projector or mergers whole."""
     from dhp_jax.model.hf.text import text_forward
     col = {k: llm_ints[:, i] for i, k in enumerate(LLM_INTS)}

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from dhp_jax.model.attention import AttnIds
 from dhp_jax.model.hf.layers import AttentionFn, BlockStream, Params, decoder_block, per_block, rms_norm, rotary
 from dhp_jax.model.hf.scan import block_rows
-from dhp_jax.model.tensor import TensorHooks
+from dhp_jax.model.tensor_parallel import TensorHooks
 from dhp_jax.model.hf.spec import TextConfig  # noqa: F401 (re-exported)
 
 

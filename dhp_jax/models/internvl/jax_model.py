@@ -30,7 +30,7 @@ from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activatio
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.mllm import split_block
 from dhp_jax.model.hf.text import text_forward
-from dhp_jax.model.tensor import TensorHooks
+from dhp_jax.model.tensor_parallel import TensorHooks
 
 
 

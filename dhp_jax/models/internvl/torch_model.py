@@ -44,7 +44,7 @@ def encode(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     return m.linear(pr + ".linear_2", activation(v.projector_act)(y)), []
 
 
-# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor`)
+# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor_parallel`)
 VISION_MLP_FIRST = "model.vision_tower.encoder.layer.0.mlp.fc1.weight"
 
 

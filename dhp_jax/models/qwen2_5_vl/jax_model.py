@@ -27,7 +27,7 @@ from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, causal_id
                                      qwen_vision_block, rms_norm, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
-from dhp_jax.model.tensor import TensorHooks
+from dhp_jax.model.tensor_parallel import TensorHooks
 
 
 

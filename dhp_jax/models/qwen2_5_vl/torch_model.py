@@ -29,7 +29,7 @@ def encode(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     return m.linear("model.visual.merger.mlp.2", F.gelu(m.linear("model.visual.merger.mlp.0", y))), []
 
 
-# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor`)
+# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor_parallel`)
 VISION_MLP_FIRST = "model.visual.blocks.0.mlp.gate_proj.weight"
 
 

@@ -30,7 +30,7 @@ from dhp_jax.model.hf.layers import (AttentionFn, BlockStream, Params, activatio
                                      per_block, qwen_vision_block, rotary, row_linear, segment_ids)
 from dhp_jax.model.hf.scan import block_rows
 from dhp_jax.model.hf.text import text_forward
-from dhp_jax.model.tensor import TensorHooks
+from dhp_jax.model.tensor_parallel import TensorHooks
 
 
 

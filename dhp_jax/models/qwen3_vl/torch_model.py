@@ -43,7 +43,7 @@ def encode(m: TorchFamilyModel, vi, pixels, tap_weights, attn):
     return merge(m, "model.visual.merger", m.join_rows(x, s), norm_after_merge=False), deep
 
 
-# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor`)
+# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor_parallel`)
 VISION_MLP_FIRST = "model.visual.blocks.0.mlp.linear_fc1.weight"
 
 

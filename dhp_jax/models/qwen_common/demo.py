@@ -1,4 +1,4 @@
-"""The `dhp train` demo's synthetic inputs of a Qwen-VL family (`dhp_jax.train.family_demo`): a video
+"""The `dhp train` demo's synthetic inputs of a Qwen-VL family (`dhp_jax.train.demo_models`): a video
 of f frames and p tokens a frame is `<|vision_start|>`, f*p video placeholders, `<|vision_end|>`,
 with `video_grid_thw` (f, 2a, 2b) (a*b = p merged 2x2 units, a <= b) and one pixel row of C*T*P*P
 per patch; an image likewise with (1, 2a, 2b)."""

@@ -4,7 +4,7 @@ tensor-parallel split and their sequence-parallel parameters."""
 from __future__ import annotations
 
 
-# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor`)
+# ----------------------------------------------------------------- tensor parallelism (`npu_backend.tensor_parallel`)
 def qwen_vision_split(c, params: dict, j: int, t: int, put, out: dict, first: tuple[str, ...], last: str) -> None:
     """The slices tp index j of t holds of each Qwen encoder block: the fused qkv by heads inside
     each of its three parts, proj by columns, the MLP's `first` matrices by rows, `last` by columns."""

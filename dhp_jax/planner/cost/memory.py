@@ -148,7 +148,7 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
-    shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family.FamilyModel`)
+    shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family_adapter.FamilyModel`)
     runs at these choices, its inputs at 4 bytes and the rest in `activation_bytes`
     (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
     program); the formula below is the stand-in's."""
@@ -306,7 +306,7 @@ def state_bytes(params: float, state_shards: int) -> float:
 
 
 # ------------------------------------------------------------------ the Hugging Face families' program
-# `dhp_jax.sharding.family.FamilyModel` runs a family's own layers (`dhp_jax.model.hf`) as two
+# `dhp_jax.sharding.family_adapter.FamilyModel` runs a family's own layers (`dhp_jax.model.hf`) as two
 # block scans (`dhp_jax.model.hf.scan.run_blocks`): the forward scan stores, per block, the residuals
 # of the block's `jax.vjp` (every value its backward pass reads, minus its params and the stack's
 # constants), so without recompute a block keeps exactly those; with remat "layer"

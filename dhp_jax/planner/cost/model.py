@@ -239,7 +239,7 @@ class CostModel:
         error unless `require_fit=False` (the budget is then 1 byte: the memory bench sizes such
         programs). `overrides` replace fields.
 
-        `tensor_parallel` = t > 1: a rank is t devices of one node (`dhp_jax.planner.cost.tensor`):
+        `tensor_parallel` = t > 1: a rank is t devices of one node (`dhp_jax.planner.cost.tensor_parallel`):
         `ranks_per_node` counts ranks (the node's devices / t), `state_shards` counts devices (the
         state stays sharded over all of them; t must divide it), and every coefficient is one
         device's: compute and memory / t where tensor parallelism splits them, the sequence-parallel
@@ -289,7 +289,7 @@ class CostModel:
         backward = engine_memory.backward_bytes(m, el, ab)
         assemble = engine_memory.assemble_bytes(params, m, el, ab)
         lanes, tp_note = hw.compute_lanes, ""
-        if t > 1:   # one device's share of a rank of t (dhp_jax.planner.cost.tensor)
+        if t > 1:   # one device's share of a rank of t (dhp_jax.planner.cost.tensor_parallel)
             if shards % t:
                 raise ValueError(f"state_shards {shards} (devices) is not a multiple of tensor_parallel {t}")
             seq_llm, seq_vision = tp.sequence_parallel_bytes(m, t, el, passes, freeze_vision)
@@ -459,7 +459,7 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     one chunk's working set when the blocks run in chunks; the weights the stand-in's blocks keep
     without recompute (`memory.kept_weight_bytes`) are live in both. With tensor parallelism over t devices
     a device computes with `tensor.local_shape` (heads, widths and vocabulary / t, the hidden
-    width whole: the engines' psum form, `dhp_jax.planner.cost.tensor`); `sequence`: the block
+    width whole: the engines' psum form, `dhp_jax.planner.cost.tensor_parallel`); `sequence`: the block
     stacks run sequence-parallel, so each block's input, which every remat keeps for the backward
     pass (and without recompute or chunks its residual sum), is 1/t of the rows
     (`tensor.sequence_saving`: the LLM layers and the encoder blocks, and a family's DeepStack

@@ -29,12 +29,10 @@ from dhp_jax.planner.solvers.refine import refine as refine_groups
 from dhp_jax.planner.solvers.static_candidates import best_static
 
 _MB_PATIENCE = 1  # stop the micro-batch count search after this many counts without improvement
-_MB_MAX_TRIES = 3  # feasible counts tried at most (4 was at most 0.13 % better on 30 mixed batches)
+_MB_MAX_TRIES = 3  # feasible micro-batch counts tried at most
 # One more micro-batch must win by this fraction of the summed makespans to keep the count search
-# going (and to be tried at all, by its bound). At 0.5 % the search went on for gains that finishing
-# the fewest count (moves, refinement) mostly erases: on `dhp bench planner`'s batches that search
-# took about 40 % of the solve time, and 2 % changed the plans of 248 preset and matched-profile
-# batches by 0.9997-1.0002 (geometric means by set; worst batch 0.5 % slower, best 1.3 % faster).
+# going (and to be tried at all, by its bound). Smaller gains are mostly erased by finishing the
+# fewest count (moves, refinement), so a lower threshold costs solve time, not plan time.
 _MB_MIN_GAIN = 2e-2
 _FINALISTS = 1  # best micro-batch counts (plus the fewest) finished and compared by placed makespans
 _NEAR_BOUND = 1e-3  # a packing this close to the work bound ends the granularity search
@@ -52,10 +50,8 @@ _FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two rank
 def coarsen_factors(num_ranks: int) -> list[float]:
     """Packing granularities tried, finest first: 1, 2, 4, ... ranks' work per bin, then all ranks.
 
-    From _FINEST_MIN_RANKS ranks up the finest (one rank's work per bin) is left out: at 64 ranks it
-    won 2 % of the micro-batches of `dhp bench planner`'s batches and its allocations (about 40
-    groups each) took over a quarter of the allocation time; without it the plans of experiment 7's
-    72 batches were 0.5 % faster to 0.1 % slower by mix (geometric means; worst batch 3 % slower)."""
+    From _FINEST_MIN_RANKS ranks up the finest (one rank's work per bin) is left out: it rarely wins
+    there, and its allocations (tens of groups each) are the costliest of the search."""
     fs, f = [], (2 if num_ranks >= _FINEST_MIN_RANKS else 1)
     while f < num_ranks:
         fs.append(float(f))
@@ -500,11 +496,9 @@ def move_sequences(prob: Problem, sols: list, allowed: np.ndarray, packing: bool
     Granularities (`factors` None): when both micro-batches are within _MOVE_NEAR of their work
     bounds (makespan - work / N - b1 below that fraction of the makespan), one sequence more or
     less keeps the packing that fits them, so they are solved again at the granularities that won
-    for them (their neighbours too cost 1.2x the solve time, for plans within 0.7 % on 224 batches:
-    the bench's kind, the presets and the FlexSP-matched profile). A micro-batch further above its bound is held
-    back by memory or a long sequence, and a move can change which granularity fits it best (at 5
-    micro-batches of qwen3-vl-8b openvid, one move took a micro-batch from granularity 2 to 16 and
-    6 % faster), so then every granularity is tried."""
+    for them (trying their neighbours too costs solve time and rarely changes the plan). A
+    micro-batch further above its bound is held back by memory or a long sequence, and a move can
+    change which granularity fits it best, so then every granularity is tried."""
     N, b1, room = prob.num_ranks, prob.cost.b1, prob.num_ranks * prob.cap
     parts = [np.asarray(sorted(k for g in s[0] for k in g), dtype=np.int64) for s in sols]
     sols = list(sols)

@@ -11,7 +11,7 @@ The split rule is `BLOCK_SPLIT` (every block of the vision encoder and of the de
 gate and up by column, o and down by row, the norms replicated; kv heads split when t divides
 KVH, else each device takes the one kv head its query heads read, replicated) and `TOP_SPLIT` (the
 embedding by rows and the LM head by columns, vocab-parallel over ceil(V / t) ids per device
-(`dhp_jax.model.tensor.vocab_share`: the last window moved back to end at V, no padded copy); the
+(`dhp_jax.model.tensor_parallel.vocab_share`: the last window moved back to end at V, no padded copy); the
 patch embedding, the vision and final norms and the projector
 replicated). docs/executor.md ("Tensor parallelism inside a rank") states it as the table both
 engines follow. That is the stand-in's table; each model gives its own (`split_table`, a
@@ -21,7 +21,7 @@ fused qkv split by heads inside each of q, k and v (`QWEN_VISION_SPLIT`), Intern
 with their QK-norm over the whole width (`INTERNVIT_SPLIT`).
 A head count that no layout allows (H, vision heads, F or the vision MLP width not divisible by
 t; kv heads neither a multiple of t nor a divisor of it) is refused by `check` naming the model
-and t (`dhp_jax.planner.cost.tensor.unsplittable`, the rule the planner prices).
+and t (`dhp_jax.planner.cost.tensor_parallel.unsplittable`, the rule the planner prices).
 
 The state (`TensorLayout`): each device receives only its share of the params and returns only
 its share's gradient. A device's share (its slices of the split leaves, its copies of the
@@ -33,7 +33,7 @@ reduce-scatter over them, and a device holds L_pad (about P / t) params and grad
 
 Copies: a leaf every device of a rank holds (norms, patch embedding, projector) is stored t
 times, a kv head shared by g devices g times; the group program sums the copies' gradients over
-the devices that hold them (`dhp_jax.model.tensor.copy_sum`, `group_sum`: per leaf with
+the devices that hold them (`dhp_jax.model.tensor_parallel.copy_sum`, `group_sum`: per leaf with
 `tie_block` / `tie_top`, on the copies' columns of a family's stacked block rows with `tie_rows`,
 the split columns untouched), so the copies get equal gradients and stay equal under AdamW;
 `TensorLayout.count_once` marks one copy of each for the gradient's global norm. The vocab windows overlap on the last device (its ids held
@@ -41,7 +41,7 @@ twice are masked, so their gradient there is zero); `unravel` reads every id fro
 (the windows of `vocab_share`, the model's rule, at static indices).
 Each device differentiates the group's loss (counted once per rank, on its device tp = 0)
 with respect to its own share: the collectives' transposes bring each device its share's
-gradient (`dhp_jax.model.tensor`).
+gradient (`dhp_jax.model.tensor_parallel`).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from dhp_jax.model.config import MLLMConfig, split_shape
-from dhp_jax.model.tensor import TensorHooks, copy_sum, group_sum, tied, tied_copy, tied_group_copy, vocab_share
-from dhp_jax.planner.cost.tensor import check_tensor_parallel
+from dhp_jax.model.mllm_config import MLLMConfig, split_shape
+from dhp_jax.model.tensor_parallel import TensorHooks, copy_sum, group_sum, tied, tied_copy, tied_group_copy, vocab_share
+from dhp_jax.planner.cost.tensor_parallel import check_tensor_parallel
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import TP_AXIS
 

@@ -26,7 +26,7 @@ sum of exponentials and target logit with all-reduces (no process holds whole lo
 KV heads: with kv % t = 0 each process holds kv / t of them; with fewer kv heads than t (t % kv = 0)
 each process holds the one kv head its query heads read, replicated on t / kv processes, and the
 gradients of the replicas are summed over the rank. Any other head count is refused, naming the
-model, the field and t (`dhp_jax.planner.cost.tensor.check_tensor_parallel`, the planner's check).
+model, the field and t (`dhp_jax.planner.cost.tensor_parallel.check_tensor_parallel`, the planner's check).
 
 The Hugging Face families (`npu_backend.hf.TorchFamilyModel`): their LLM is split the same way
 (q/k/v weights and biases, gate/up; o_proj and down_proj; the embedding, and the LM head or the
@@ -67,8 +67,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dhp_jax import models
-from dhp_jax.model.config import split_shape
-from dhp_jax.planner.cost.tensor import check_node, check_tensor_parallel
+from dhp_jax.model.mllm_config import split_shape
+from dhp_jax.planner.cost.tensor_parallel import check_node, check_tensor_parallel
 
 # (field of the model shape the planner's check reads, the MLLMConfig field behind it)
 # the names of a block's seven split matrices: the stand-in's, and the families' LLM (transformers)
@@ -337,7 +337,7 @@ class _GatherLinear(torch.autograd.Function):
     weight gradients (the residual the JAX engine's autodiff keeps, `dhp_jax.model.mllm.split_block`),
     so backward runs one collective: the reduce-scatter of the input's gradient, the sum of every
     matrix's, back to the rows (arXiv 2205.05198, sec. 4.2.2; per block and pass 2 all-gathers and
-    2 reduce-scatters, `dhp_jax.planner.cost.tensor.block_collectives`)."""
+    2 reduce-scatters, `dhp_jax.planner.cost.tensor_parallel.block_collectives`)."""
 
     @staticmethod
     def forward(ctx, x, s, rows, tp, *wb):  # type: ignore[override]

@@ -96,7 +96,7 @@ def kv_heads_per_device(m: Any, t: int) -> int:
 
 def local_shape(m: Any, t: int) -> Any:
     """The shape one device of a rank of t computes with in the engines' psum form (both run it:
-    `dhp_jax.sharding.tensor`, `npu_backend.tensor`): heads, kv heads, MLP widths and the
+    `dhp_jax.sharding.tensor_parallel`, `npu_backend.tensor_parallel`): heads, kv heads, MLP widths and the
     vocabulary split, the hidden width whole (the activations between the split matrices, and so
     what a block keeps for its backward pass at remat "layer", are whole on every device)."""
     return dataclasses.replace(m, heads=m.heads // t, kv_heads=kv_heads_per_device(m, t),
@@ -161,7 +161,7 @@ def block_collectives(linear_passes: float, forward_only: bool = False) -> dict[
     after its two row-split ones (the output projection, the MLP's last matrix), and the backward
     pass runs the duals (a reduce-scatter of the gradient behind each all-gather, an all-gather
     behind each reduce-scatter) with the gathered inputs saved from the forward pass, not gathered
-    again (both engines: the JAX program's autodiff residual, `npu_backend.tensor._GatherLinear`);
+    again (both engines: the JAX program's autodiff residual, `npu_backend.tensor_parallel._GatherLinear`);
     `comm_passes` of them per step (one, the forward pass, with `forward_only`: a frozen encoder).
     The psum form's two all-reduces a pass move the same bytes."""
     p = 1.0 if forward_only else comm_passes(linear_passes)

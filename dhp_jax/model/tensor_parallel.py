@@ -1,16 +1,16 @@
 """Tensor parallelism as the model sees it: the collectives it is handed, and the vocab-parallel ops.
 
 The model never names a mesh. A rank of t devices (Megatron-LM, arXiv 1909.08053, section 3) runs
-the model with a `TensorHooks` the executor builds (`dhp_jax.sharding.tensor.hooks`): the device's
+the model with a `TensorHooks` the executor builds (`dhp_jax.sharding.tensor_parallel.hooks`): the device's
 place among the t, and sums / maxima over them. Which parameter is split how, and the slicing of
-each device's share, live in `dhp_jax.sharding.tensor`; the model reads its head counts and widths
+each device's share, live in `dhp_jax.sharding.tensor_parallel`; the model reads its head counts and widths
 off the (local) kernels it is given, so a block's math is the same code at t = 1 and t > 1, with
 `TensorHooks.psum` after each row-split output projection (`mllm.block_apply`).
 
 Autodiff: every collective's transpose is its own (a psum's is a psum), so differentiating the
 sum over devices of each device's output gives each device the gradient of its own copy of the
 params; the executor counts a rank's loss once (on its first device) and the reduction over all
-devices sums the copies (`dhp_jax.sharding.tensor`).
+devices sums the copies (`dhp_jax.sharding.tensor_parallel`).
 
 Vocab-parallel (arXiv 1909.08053, section 3): device i owns the ids [i Vl, (i+1) Vl) (the last
 share ends at V), Vl = ceil(V / t), and holds the Vl embedding rows and LM-head columns from
@@ -25,7 +25,7 @@ kv head several devices share is one parameter with a copy per device. Its gradi
 of the copies' (in fp32): `copy_sum` over the rank, `group_sum` over the devices sharing the head,
 the one definition of both sums. `tied_copy` / `tied_group_copy` pass one leaf's copy through
 unchanged and apply them in the backward pass (`tied`); a family's block stack applies them to the
-columns of its stacked rows that hold copies (`dhp_jax.sharding.tensor.tie_rows`). So every copy
+columns of its stacked rows that hold copies (`dhp_jax.sharding.tensor_parallel.tie_rows`). So every copy
 receives the gradient of the one parameter and the copies stay equal under the optimizer.
 """
 
@@ -62,7 +62,7 @@ def vocab_share(vocab: int, t: int, index: Any) -> tuple[Any, Any, int]:
     """(first id held, first id owned, Vl) of device `index` of t: it holds the Vl = ceil(V / t)
     ids from min(index Vl, V - Vl) and owns those from index Vl (up to (index+1) Vl or V). The one
     rule of the windows: a traced `index` (the model, `tp.index()`) gives traced ids, a static one
-    (the state's layout, `dhp_jax.sharding.tensor`) Python ints."""
+    (the state's layout, `dhp_jax.sharding.tensor_parallel`) Python ints."""
     vl = -(-vocab // t)
     if isinstance(index, jax.Array):
         own = index * vl
@@ -118,7 +118,7 @@ def group_sum(g: jax.Array, tp: TensorHooks, groups: int) -> jax.Array:
 
 def tied(x: jax.Array, backward: Callable[[jax.Array], jax.Array]) -> jax.Array:
     """`x` unchanged, its cotangent mapped by `backward` in the backward pass (`copy_sum`,
-    `group_sum` or a stack's per-column mix of them, `dhp_jax.sharding.tensor.tie_rows`)."""
+    `group_sum` or a stack's per-column mix of them, `dhp_jax.sharding.tensor_parallel.tie_rows`)."""
 
     @jax.custom_vjp
     def copy(v):

@@ -13,7 +13,7 @@ import shlex
 import sys
 from typing import Any
 
-from dhp_jax.train.config import ConfigError, checkpoint_path, compilation_cache_path, load_config
+from dhp_jax.train.train_config import ConfigError, checkpoint_path, compilation_cache_path, load_config
 
 
 def configure(parser: argparse.ArgumentParser) -> None:

@@ -131,7 +131,7 @@ class MLLMConfig:
 
 
 def split_shape(config: MLLMConfig) -> Any:
-    """The fields tensor parallelism splits, as `dhp_jax.planner.cost.tensor.unsplittable` reads a
+    """The fields tensor parallelism splits, as `dhp_jax.planner.cost.tensor_parallel.unsplittable` reads a
     model shape (heads, kv_heads, intermediate, vision_heads, vision_intermediate), named as
     `MLLMConfig` fields in its errors. No jax: the train config validates with it."""
     import types

@@ -30,7 +30,7 @@ class DevicesConfig:
 class ModelConfig:
     SCALAR_KEY = "preset"          # `model=tiny` (a string) sets model.preset
     preset: str = "tiny"           # no checkpoint given: "tiny" (the stand-in model) or a tiny random model of a
-                                   # family on synthetic samples in its input format (dhp_jax.train.family_demo):
+                                   # family on synthetic samples in its input format (dhp_jax.train.demo_models):
                                    # "tiny-<family>" of any registered family ("tiny-qwen2_5_vl", ...)
     pretrained: str | None = None  # a Hugging Face checkpoint directory of a supported family: fine-tune it
                                    # (config.json + safetensors + its processor and tokenizer files)
@@ -286,7 +286,7 @@ class TrainConfig:
     def _validate_tensor_parallel(self) -> None:
         """parallel.tensor = t: a positive integer, num_ranks x t devices, and every model the run
         names (the one it trains, the planner's cost model) splittable t ways."""
-        from dhp_jax.planner.cost.tensor import unsplittable
+        from dhp_jax.planner.cost.tensor_parallel import unsplittable
 
         t = self.parallel.tensor
         if isinstance(t, bool) or not isinstance(t, int) or t < 1:
@@ -321,7 +321,7 @@ class TrainConfig:
         elif self.model.preset in presets.MODELS:
             out.append(("model.preset", self.model.preset, presets.MODELS[self.model.preset]))
         else:
-            from dhp_jax.model.config import PRESETS, split_shape
+            from dhp_jax.model.mllm_config import PRESETS, split_shape
 
             c = PRESETS.get(self.model.preset)
             if c is not None:
