@@ -90,7 +90,7 @@ import numpy as np
 
 from dhp_jax.checks import positive_int
 from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET
-from dhp_jax.planner.cost import memory as engine_memory, presets, tensor as tp
+from dhp_jax.planner.cost import memory as engine_memory, presets, tensor_parallel as tp
 from dhp_jax.planner.cost.geometry import StreamGeometry, check_geometry
 
 COST_SCHEMA = "dhp.cost/v1"
