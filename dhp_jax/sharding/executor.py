@@ -58,7 +58,7 @@ from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET, ladder, pl
 from dhp_jax.model.mllm_config import MLLMConfig
 from dhp_jax.planner.contract.kinds import RING, resolve
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
-from dhp_jax.sharding import tensor_parallel
+from dhp_jax.sharding import tensor_parallel as tensor_split
 from dhp_jax.sharding.attention import attention_fn
 from dhp_jax.sharding.compile_cache import (CPU_FAST_COMPILE, CPU_TUNED, TIER_LEAD, TIER_MIN_FLOPS,  # noqa: F401
                                             TIER_UP_RUNS, CompileCache, compile_counting_cache_hits)
@@ -219,12 +219,12 @@ class PlanExecutor:
         self.compute_dtype = self.state.compute_dtype
         self.preparations = 0                             # plans prepared (`prepare`): one per step
 
-    def _new_layout(self, params: Any) -> FlatLayout | tensor_parallel.TensorLayout:
+    def _new_layout(self, params: Any) -> FlatLayout | tensor_split.TensorLayout:
         """The flat layout of a params tree (or of its abstract shapes) on these devices: with
-        tensor parallelism the master vector holds each device's share (`tensor_parallel.TensorLayout`)."""
+        tensor parallelism the master vector holds each device's share (`tensor_split.TensorLayout`)."""
         t = self.tensor_parallel
         return (FlatLayout.of(params, len(self.ranks.devices)) if t == 1
-                else tensor_parallel.TensorLayout(self.config, params, t, self.ranks.num_ranks))
+                else tensor_split.TensorLayout(self.config, params, t, self.ranks.num_ranks))
 
     # ------------------------------------------------------------------ the parts' figures
     layout = property(lambda self: self.state.layout, doc="The train state's flat params layout.")
@@ -302,7 +302,7 @@ class PlanExecutor:
         mesh = self.ranks.submesh(devices, shape.mesh_shape)
         return mesh, self.ranks.stream_spec(mesh)
 
-    def layout_for(self, record: Mapping[str, Any]) -> FlatLayout | tensor_parallel.TensorLayout:
+    def layout_for(self, record: Mapping[str, Any]) -> FlatLayout | tensor_split.TensorLayout:
         """This model's layout for a layout record's t and device count (`record["tensor_parallel"]`,
         1 if absent, and `record["num_shards"]` devices): this executor's own when they are its,
         else the layout a run there has (a checkpoint written there converts through it,
@@ -318,7 +318,7 @@ class PlanExecutor:
         if t == 1:
             return FlatLayout.of(abstract, n)
         self.model.check_tensor_parallel(t)
-        return tensor_parallel.TensorLayout(self.config, abstract, t, n // t)
+        return tensor_split.TensorLayout(self.config, abstract, t, n // t)
 
     # ------------------------------------------------------------------ programs
     def _check_key(self, degree: int, bucket: int, devices: tuple[jax.Device, ...]) -> None:

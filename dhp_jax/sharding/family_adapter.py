@@ -50,27 +50,27 @@ from dhp_jax.model.hf.packed import (LLM_INTS, TAPS, VISION_INTS, FamilyLayout, 
                                      rope_axes, unit)
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
 from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
-from dhp_jax.sharding import tensor_parallel
+from dhp_jax.sharding import tensor_parallel as tensor_split
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.sharded_state import require_float32, row_dtype
 from dhp_jax.sharding.standin import check_config
 
 
-def family_program(config: HFConfig, layout: FlatLayout | tensor_parallel.TensorLayout, attn: Any, tensor_parallel: int = 1,
+def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLayout, attn: Any, tensor_parallel: int = 1,
                    sequence_parallel: bool = False):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
     (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype, a 2-byte
     dtype bit-cast to its unsigned integer (`row_dtype`), as the stand-in's `group_program`).
 
-    `tensor_parallel` t > 1 (`layout` a `tensor_parallel.TensorLayout`), as the stand-in's: the body runs on
+    `tensor_parallel` t > 1 (`layout` a `tensor_split.TensorLayout`), as the stand-in's: the body runs on
     a sub-mesh with a last `tp` axis, takes this device's share flat[1, L_pad] and returns its
-    share's gradient row, the copies' gradients summed over their holders (`tensor_parallel.tie_rows` for
-    the block stacks, `tensor_parallel.tie_top` for the rest), a rank's loss counted once (device tp = 0).
+    share's gradient row, the copies' gradients summed over their holders (`tensor_split.tie_rows` for
+    the block stacks, `tensor_split.tie_top` for the rest), a rank's loss counted once (device tp = 0).
     `sequence_parallel`: the LLM layers and the encoder's blocks run sequence-parallel over the t
     devices (`dhp_jax.model.hf.text.text_forward`, the family's `encode`)."""
 
     t = tensor_parallel
-    tp = tensor_parallel.hooks(t, sequence_parallel) if t > 1 else None
+    tp = tensor_split.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
         table, layout = layout.table, layout.local      # the split table, built once per layout
     stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
@@ -89,11 +89,11 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_parallel.Tensor
                 r = layout.piece_rows(pieces, cuts, prefix, count)[0]
                 leaves = layout.block_leaves(prefix, count)[2]
                 if tp is not None:
-                    r = tensor_parallel.tie_rows(r, table, prefix, leaves, tp)
+                    r = tensor_split.tie_rows(r, table, prefix, leaves, tp)
                 rows[path] = BlockRows(r, leaves)
             params = layout.unravel_pieces(pieces, cuts)
             if tp is not None:
-                params = tensor_parallel.tie_top(params, table, tp)
+                params = tensor_split.tie_top(params, table, tp)
             params = with_stacks(params, rows)
             return lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn,
                                           tp=tp)
@@ -123,7 +123,7 @@ class FamilyModel:
 
     def check_tensor_parallel(self, t: int) -> None:
         """ValueError unless the model splits evenly over t devices (`dhp_jax.sharding.tensor_parallel.check`)."""
-        tensor_parallel.check(self.config, t)
+        tensor_split.check(self.config, t)
 
     def program_config(self, linear_chunk: int) -> HFConfig:
         return dataclasses.replace(self.config, linear_chunk=linear_chunk)

@@ -22,7 +22,7 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.geometry.layout import ARRAY_NAMES, FLOAT_ARRAYS, MODEL_INPUTS, GroupLayout, pack_group
 from dhp_jax.model.mllm_config import MLLMConfig
 from dhp_jax.model.mllm import block_stack, chunked_loss_sum, init_params
-from dhp_jax.sharding import tensor_parallel
+from dhp_jax.sharding import tensor_parallel as tensor_split
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import CP_AXIS
 from dhp_jax.sharding.ring import ring_attention_fn
@@ -43,7 +43,7 @@ def stacks_of(config: MLLMConfig) -> tuple[tuple[str, int, bool], ...]:
     return (("vision_layers_", config.vision_layers, True), ("layers_", config.num_layers, False))
 
 
-def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor_parallel.TensorLayout,
+def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor_split.TensorLayout,
                   attn: Callable[..., jax.Array] | None = None, tensor_parallel: int = 1,
                   sequence_parallel: bool = False):
     """The per-device body: (params flat[P_pad] in the compute dtype, ints, floats) ->
@@ -51,15 +51,15 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor_p
     2-byte dtype bit-cast to its unsigned integer (`row_dtype`)).
 
     `attn` is the model's attention function (default: the tiled ring of `degree` over `cp`).
-    `tensor_parallel` t > 1 (`layout` a `tensor_parallel.TensorLayout`): the body runs on a sub-mesh with
+    `tensor_parallel` t > 1 (`layout` a `tensor_split.TensorLayout`): the body runs on a sub-mesh with
     a `tp` axis of size t and takes this device's share flat[1, L_pad] (`TensorLayout.local`),
     returns its share's gradient row [1, L_pad] (the copies' gradients summed over their holders,
-    `tensor_parallel.tie_block`), and a rank's loss and token count are reported (and differentiated)
+    `tensor_split.tie_block`), and a rank's loss and token count are reported (and differentiated)
     once, by its device tp = 0. `sequence_parallel`: the block stacks run sequence-parallel over the
     tp devices (`dhp_jax.model.mllm.split_block`)."""
     attn = ring_attention_fn(CP_AXIS, degree) if attn is None else attn
     t = tensor_parallel
-    tp = tensor_parallel.hooks(t, sequence_parallel) if t > 1 else None
+    tp = tensor_split.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
         table, layout = layout.table, layout.local      # the split table, built once per layout
     cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks_of(config)])
@@ -67,7 +67,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor_p
     def stack(pieces, prefix, count, vision):
         rows, tree = layout.piece_rows(pieces, cuts, prefix, count)
         if tp is not None:
-            tree = (lambda local: lambda row: tensor_parallel.tie_block(local(row), table, vision, tp))(tree)
+            tree = (lambda local: lambda row: tensor_split.tie_block(local(row), table, vision, tp))(tree)
         return block_stack(config, rows, tree, vision, attn, tp)
 
     def body(flat, ints, floats):
@@ -90,7 +90,7 @@ def group_program(config: MLLMConfig, degree: int, layout: FlatLayout | tensor_p
             stacks = tuple(stack(pieces, prefix, count, vision) for prefix, count, vision in stacks_of(config))
             params = layout.unravel_pieces(pieces, cuts)
             if tp is not None:
-                params = tensor_parallel.tie_top(params, table, tp)
+                params = tensor_split.tie_top(params, table, tp)
             return lead * chunked_loss_sum(config, params, batch, cols["targets"], weights, attn, stacks=stacks, tp=tp)
 
         # Gradients stay per device (check_vma=False: no implicit psum over cp); the only
@@ -127,7 +127,7 @@ class StandInModel:
 
     def check_tensor_parallel(self, t: int) -> None:
         """ValueError unless the model splits evenly over t devices (`dhp_jax.sharding.tensor_parallel.check`)."""
-        tensor_parallel.check(self.config, t)
+        tensor_split.check(self.config, t)
 
     def program_config(self, linear_chunk: int) -> MLLMConfig:
         return dataclasses.replace(self.config, linear_chunk=linear_chunk)
