@@ -1,5 +1,5 @@
 """The planner: Plan invariants for every strategy, exactness of the allocation, 3+5, determinism,
-node-aware placement, ablation options and the bad-input errors of issue 2."""
+node-aware placement, ablation options and the planner's bad-input errors."""
 
 import json
 import re

@@ -163,7 +163,7 @@ def test_every_frame_when_the_run_passes_no_sampling(monkeypatch):
         total, rate = _stream(d, w, h, fps)
         idx, want = _qwen2_video_tokens(cfg, total, rate, w, h, {}, monkeypatch)
         assert len(idx) == total and rules.video(d, w, h, fps).num_tokens == want
-    # the example: 10 s of 1280x720 at 30 fps
+    # a common clip: 10 s of 1280x720 at 30 fps
     assert rules.video(10, 1280, 720, 30).num_tokens == 179400
     assert vision_rules("qwen2.5-vl-32b").video(10, 1280, 720, 30).num_tokens == 11960
 

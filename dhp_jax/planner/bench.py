@@ -37,7 +37,7 @@ PAPER_MS = {(64, 128): 21.0, (64, 256): 44.0, (64, 512): 86.0}  # DHP paper's so
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="batches per size (default 10)")
-    parser.add_argument("--sizes", default=None, help="override sizes as 'ranks:batch,...' (default the five of issue 2)")
+    parser.add_argument("--sizes", default=None, help="override sizes as 'ranks:batch,...' (default 8:128,64:512,256:2048,1024:4096,4096:16384)")
     add_cost_args(parser, ranks_per_node=None)
     parser.add_argument("--strategy", default="dhp")
     parser.add_argument("--models", default=None, metavar="NAMES",

@@ -14,7 +14,7 @@ of the load (the high-water mark is reset just before it, `clear_refs`), `after`
 sharded state is built. On CPU devices the device memory is host memory, so the peak includes
 the state the load produces, fp32[P_pad] = about 2x the bf16 size, which a host with
 accelerators would not hold. Reported: `overhead` = peak - baseline - state bytes, what the load
-itself holds on the host beyond its result (the issue's goal: <= 1.5x the bf16 size), and
+itself holds on the host beyond its result (the target: <= 1.5x the bf16 size), and
 `peak_over_baseline` = peak - baseline, everything included. The checkpoint's bytes are read
 through the OS page cache, which no process's RSS counts; the pages a read maps while it copies
 them do count (at most `BLOCK_BYTES` at a time).
