@@ -105,13 +105,15 @@ def step_figures(run_dir: Path) -> str:
 
 
 def suite_line(log: str) -> str:
-    """pytest's closing line ('784 passed, 7 skipped in 892.80s (0:14:52)') from a log of the suite."""
+    """pytest's closing line ('784 passed, 7 skipped in 892.80s (0:14:52)') from a log of the suite: of
+    several pytest runs in one log (`.ci/run` may run the XLA test file after the suite), the one
+    with the most tests."""
     import re
 
     lines = [x.strip("= ") for x in log.splitlines() if re.search(r"\d+ (passed|failed).* in [\d.]+s", x)]
     if not lines:
         raise ValueError("no pytest summary line ('N passed ... in S s') in the suite log")
-    return lines[-1]
+    return max(lines, key=lambda x: sum(int(n) for n in re.findall(r"(\d+) (?:passed|failed|skipped|error)", x)))
 
 
 def render(results: list[tuple[dict, str]], commit: str, host: str, suite: str | None = None) -> str:
