@@ -8,7 +8,7 @@ chat layout `internvl_chat`, converted field by field as InternVL's conversion t
 
 `resolve` gives one dict in the nested transformers-5 layout in which every field the project
 reads is present: a field absent from config.json gets transformers' default for that config's
-model type (`FIELDS`, the families' rows; `tests/test_hf_config.py` builds every transformers config
+model type (`FIELDS`, the families' rows; `tests/test_published_layouts.py` builds every transformers config
 class with only its required fields and compares). Rotary parameters are read from
 `rope_parameters` or `rope_scaling` (the latter wins, as in transformers), `type` or `rope_type`,
 `rope_theta` inside or beside them; the LM head is tied by transformers' rule (`tied`).
