@@ -37,7 +37,6 @@ sequence-parallel (arXiv 2205.05198, `dhp_jax.model.hf.layers.BlockStream`: each
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
@@ -53,7 +52,7 @@ from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
 from dhp_jax.sharding import tensor_parallel as tensor_split
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.sharded_state import require_float32, row_dtype
-from dhp_jax.sharding.standin import check_config
+from dhp_jax.sharding.standin import ModelAdapter
 
 
 def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLayout, attn: Any, tensor_parallel: int = 1,
@@ -112,21 +111,10 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
     return body
 
 
-class FamilyModel:
+class FamilyModel(ModelAdapter):
     """The executor's model adapter for a Hugging Face family's `HFConfig` (see the module docstring)."""
 
     config_type: type = HFConfig
-
-    def __init__(self, config: HFConfig) -> None:
-        check_config(config, self.config_type)
-        self.config = config
-
-    def check_tensor_parallel(self, t: int) -> None:
-        """ValueError unless the model splits evenly over t devices (`dhp_jax.sharding.tensor_parallel.check`)."""
-        tensor_split.check(self.config, t)
-
-    def program_config(self, linear_chunk: int) -> HFConfig:
-        return dataclasses.replace(self.config, linear_chunk=linear_chunk)
 
     def abstract_params(self) -> None:
         """None: the layout is taken from the first params tree bound."""

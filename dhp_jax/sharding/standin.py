@@ -115,13 +115,13 @@ def check_config(config: Any, config_type: type) -> None:
                         f"got {type(config).__name__}")
 
 
-class StandInModel:
-    """The executor's model adapter for the stand-in `MLLMConfig`: the params tree is known from the
-    config (`abstract_params`), a group is one packed stream, the program `group_program`."""
+class ModelAdapter:
+    """What every model adapter does alike: hold a config of its `config_type`, check a
+    tensor-parallel degree against it, and give the config the programs compile with."""
 
-    config_type: type = MLLMConfig
+    config_type: type = object
 
-    def __init__(self, config: MLLMConfig) -> None:
+    def __init__(self, config: Any) -> None:
         check_config(config, self.config_type)
         self.config = config
 
@@ -129,8 +129,15 @@ class StandInModel:
         """ValueError unless the model splits evenly over t devices (`dhp_jax.sharding.tensor_parallel.check`)."""
         tensor_split.check(self.config, t)
 
-    def program_config(self, linear_chunk: int) -> MLLMConfig:
+    def program_config(self, linear_chunk: int) -> Any:
         return dataclasses.replace(self.config, linear_chunk=linear_chunk)
+
+
+class StandInModel(ModelAdapter):
+    """The executor's model adapter for the stand-in `MLLMConfig`: the params tree is known from the
+    config (`abstract_params`), a group is one packed stream, the program `group_program`."""
+
+    config_type: type = MLLMConfig
 
     def abstract_params(self) -> Any:
         """The params tree as `jax.ShapeDtypeStruct`s."""
