@@ -202,3 +202,27 @@ def test_moe_spec_is_frozen():
     spec = MoeSpec(8, 2, 24, True, (False, True), 0.001)
     with pytest.raises(Exception):
         spec.top_k = 3
+
+
+def test_streamed_sources_read_the_published_layout(case, tmp_path):
+    """The executor's streaming load (`stream.checkpoint_sources`, used by `dhp train` and `dhp
+    export`) reads the published expert layout into transformers' fused leaves, in pieces that
+    cross experts, equal to `load_pretrained`'s."""
+    from dhp_jax.model.hf.stream import ExpertSource, checkpoint_sources
+    _, _, cfg, params, _, _ = case
+    hf.save_pretrained(cfg, params, str(tmp_path))
+    _, sources = checkpoint_sources(str(tmp_path))
+    want = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    got = dict(jax.tree_util.tree_flatten_with_path(sources)[0])
+    assert sorted(map(str, want)) == sorted(map(str, got))
+    experts = 0
+    for key, src in got.items():
+        ref = np.asarray(want[key]).reshape(-1)
+        assert tuple(src.shape) == tuple(want[key].shape), key
+        out = np.empty(ref.size, np.float32)
+        cut = ref.size // 3 + 1              # two reads, the cut inside an expert
+        src.read(0, cut, out[:cut])
+        src.read(cut, ref.size, out[cut:])
+        np.testing.assert_array_equal(out, ref, err_msg=str(key))
+        experts += isinstance(src, ExpertSource)
+    assert experts == 2 * sum(cfg.text.moe.sparse)
