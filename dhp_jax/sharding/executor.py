@@ -214,7 +214,8 @@ class PlanExecutor:
         self.stall_abort_s: float | None = None
         self.on_stall: Callable[[str], None] | None = None
         abstract = self.model.abstract_params()
-        self.state = ShardedState(self.ranks, compute_dtype, None if abstract is None else self._new_layout(abstract))
+        self.state = ShardedState(self.ranks, compute_dtype, None if abstract is None else self._new_layout(abstract),
+                                  self.model.stats_width)
         self.mesh, self.replicated, self.sharded = self.state.mesh, self.state.replicated, self.state.sharded
         self.compute_dtype = self.state.compute_dtype
         self.preparations = 0                             # plans prepared (`prepare`): one per step
@@ -436,6 +437,12 @@ class PlanExecutor:
             del rows                            # the rows' buffers go when their reduction is done
         del flat
         return self.state.finish(acc)
+
+    def step_sums(self) -> jax.Array | None:
+        """The last step's per-step sums beyond (loss sum, counted labels), summed over the
+        devices (`ModelAdapter.stats_width`; a MoE family: `FamilyModel.router_stats`), or None."""
+        st = self.state.last_stats
+        return None if st is None or st.shape[0] <= 2 else st[2:]
 
     def loss_and_grad_shards(self, master: jax.Array, samples: Sequence[Sample], plan: Plan
                              ) -> tuple[jax.Array, jax.Array]:

@@ -377,6 +377,13 @@ class Trainer:
                "data_wait_s": float(getattr(item.batch, "data_wait_s", 0.0)),
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
                "num_compiles": self.executor.num_compiles}
+        sums = self.executor.step_sums() if hasattr(self.executor, "step_sums") else None
+        if sums is not None:                    # a MoE LLM: tokens per expert, none dropped (else an error)
+            from dhp_jax.sharding.family_adapter import router_stats
+            try:
+                rec.update(router_stats(sums, self.hf_config))
+            except ValueError as e:
+                raise TrainError(f"step {done}: {e}") from None
         if hasattr(item.batch, "sample_ids"):   # fine-tuning: the records the step trained on
             rec["sample_ids"] = list(item.batch.sample_ids)
         return state, rec
