@@ -166,7 +166,7 @@ def test_moe_step_matches_one_device(t, sequence):
     ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
     # the router's counts of the step (metrics.jsonl): per expert, as one device routes each sample
     counts, rows = _moe_counts(cfg, params, samples)
-    sums = np.asarray(ex.step_sums())
+    sums = np.asarray(ex.state.step_sums())
     np.testing.assert_array_equal(sums[:-1], counts)
     assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
     if t > 1:

@@ -438,12 +438,6 @@ class PlanExecutor:
         del flat
         return self.state.finish(acc)
 
-    def step_sums(self) -> jax.Array | None:
-        """The last step's per-step sums beyond (loss sum, counted labels), summed over the
-        devices (`ModelAdapter.stats_width`; a MoE family: `FamilyModel.router_stats`), or None."""
-        st = self.state.last_stats
-        return None if st is None or st.shape[0] <= 2 else st[2:]
-
     def loss_and_grad_shards(self, master: jax.Array, samples: Sequence[Sample], plan: Plan
                              ) -> tuple[jax.Array, jax.Array]:
         """`run_step` of `prepare(samples, plan)`."""

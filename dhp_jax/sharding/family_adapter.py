@@ -57,7 +57,7 @@ from dhp_jax.sharding.standin import ModelAdapter
 
 
 def router_stats(sums: Any, config: HFConfig) -> dict[str, float]:
-    """The router's figures of one step from the executor's `step_sums` (a MoE family): tokens per
+    """The router's figures of one step from the executor's `state.step_sums()` (a MoE family): tokens per
     expert (the (token, expert) pairs routed to each, summed over the sparse layers, / the sparse
     layers) max and mean, and the pairs dropped (k x live rows - pairs routed: 0, the routing is
     dropless; a ValueError otherwise)."""

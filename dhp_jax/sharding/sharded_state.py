@@ -206,6 +206,12 @@ class ShardedState:
         grads = jax.make_array_from_single_device_arrays((n, self.row_size), self.sharded, [r[1] for r in mine])
         return self.program("accumulate")(*(self.program("zeros")() if acc is None else acc), grads, stats)
 
+    def step_sums(self) -> jax.Array | None:
+        """The last step's sums beyond (loss sum, counted labels), summed over the devices
+        (`ModelAdapter.stats_width`; a MoE family: `family_adapter.router_stats`), or None."""
+        st = self.last_stats
+        return None if st is None or st.shape[0] <= 2 else st[2:]
+
     def finish(self, acc: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
         """(loss replicated, grads fp32[P_pad] sharded like the master): the sums / the token count;
         the summed stats row kept as `last_stats`."""
