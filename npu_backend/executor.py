@@ -30,6 +30,7 @@ from dhp_jax.model.hf.packed import pack_family_group
 from dhp_jax.planner.contract.kinds import resolve
 from dhp_jax.planner.contract.plan import Group, Plan, PlanValidationError
 from npu_backend.attention import group_attention
+from npu_backend import moe
 from npu_backend.hf import TorchFamilyModel, stream_tensors
 from npu_backend.model import TorchMLLM, token_loss_sum
 from npu_backend.ring import RingComm
@@ -227,15 +228,29 @@ class TorchPlanExecutor:
             p.grad = None
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         local_tokens = 0
+        # the load-balancing loss of a mixture of experts couples the whole batch (`npu_backend.moe`):
+        # every micro-batch's forward first, then one backward of the sum
+        aux = moe.aux_loss_coef(self.config) if self.family else 0.0
+        pending, stats = [], []
         for item in shards:
             if item is None:
                 continue
             g, shard = item
             loss_sum, comm = self._forward_loss(g, shard)
-            (loss_sum / total).backward()
+            if aux:
+                pending.append(loss_sum / total)
+                stats += self.model.router_stats
+            else:
+                (loss_sum / total).backward()
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
+        if aux:
+            share = aux * moe.batch_aux_loss(stats, self.config.text.moe.num_experts)
+            if pending:
+                (sum(pending) + share).backward()
+            # the loss reported: the shares of the rank's processes (each its own rows), once per rank
+            local_loss += total * self.tp.sum(share.detach()) if self.tp.size > 1 else total * share.detach()
         # one flat all-reduce over the world (over the processes of this tp index under tensor
         # parallelism): every gradient, and the loss sum riding in the same buffer
         loss_sum = self.tp.reduce_grads(self.model, local_loss)

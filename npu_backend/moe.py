@@ -158,3 +158,31 @@ def aux_loss_terms(stats: list[RouterStats], total_counts: torch.Tensor, total_r
         return torch.zeros(())
     probs = torch.stack([s.probs for s in stats]).sum(0)
     return total_counts.numel() * torch.sum(total_counts / total_rows * probs / total_rows)
+
+
+def aux_loss_coef(config: Any) -> float:
+    """The load-balancing loss's weight of a family's `HFConfig`: `router_aux_loss_coef` of its
+    `text.moe` when `output_router_logits` is set in its text config (transformers' switch; off by
+    default), else 0."""
+    spec = getattr(getattr(config, "text", None), "moe", None)
+    if spec is None or not any(spec.sparse):
+        return 0.0
+    raw = getattr(config, "raw", None) or {}
+    on = (raw.get("text_config") or {}).get("output_router_logits", raw.get("output_router_logits", False))
+    return float(spec.router_aux_loss_coef) if on else 0.0
+
+
+def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None) -> torch.Tensor:
+    """This process's share of the batch's load-balancing loss (`aux_loss_terms`) from the
+    `RouterStats` of every sparse block it ran this step: the counts and rows are summed over
+    `group` first (one all-reduce that every process of `group` calls; None: the world; no
+    communication when torch.distributed is not initialised)."""
+    totals = torch.zeros(num_experts + 1)
+    for s in stats:
+        totals[:-1] += s.counts
+        totals[-1] += s.rows
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(totals, group=group)
+    if not stats or float(totals[-1]) == 0:
+        return torch.zeros(())
+    return aux_loss_terms(stats, totals[:-1], float(totals[-1]))
