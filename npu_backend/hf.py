@@ -313,8 +313,8 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
     config = parse_config(read_config_json(path), where=os.path.join(path, "config.json"))
     renames = family(config.family).renames
     weights = {}
-    for name, array in safetensors_io.read_checkpoint(path):
-        name = rename(name, renames)
+    named = ((rename(name, renames), array) for name, array in safetensors_io.read_checkpoint(path))
+    for name, array in moe.fused_experts(named, config, path):   # experts as transformers holds them
         if config.tied and name == LM_HEAD:
             continue
         if name in weights:
@@ -326,5 +326,5 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
 def save_family(model: TorchFamilyModel, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) of `model`, as
     `dhp_jax.model.hf.save_pretrained` does: transformers' `from_pretrained` and `load_family` load it."""
-    write_pretrained(out_dir, model.config.raw, {k: p.detach().cpu().numpy() for k, p in model.params.items()},
-                     max_shard_bytes)
+    weights = moe.saved_experts({k: p.detach().cpu().numpy() for k, p in model.params.items()}, model.config)
+    write_pretrained(out_dir, model.config.raw, weights, max_shard_bytes)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -163,10 +164,15 @@ def aux_loss_terms(stats: list[RouterStats], total_counts: torch.Tensor, total_r
 def aux_loss_coef(config: Any) -> float:
     """The load-balancing loss's weight of a family's `HFConfig`: `router_aux_loss_coef` of its
     `text.moe` when `output_router_logits` is set in its text config (transformers' switch; off by
-    default), else 0."""
+    default) and the family's transformers model adds the loss (its torch module's
+    `ROUTER_AUX_LOSS`), else 0."""
+    from dhp_jax import models
+
     spec = getattr(getattr(config, "text", None), "moe", None)
     if spec is None or not any(spec.sparse):
         return 0.0
+    if not getattr(models.spec(config.family).engine_module("torch"), "ROUTER_AUX_LOSS", False):
+        return 0.0          # the family's transformers model never adds it (InternVL)
     raw = getattr(config, "raw", None) or {}
     on = (raw.get("text_config") or {}).get("output_router_logits", raw.get("output_router_logits", False))
     return float(spec.router_aux_loss_coef) if on else 0.0
@@ -186,3 +192,67 @@ def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None
     if not stats or float(totals[-1]) == 0:
         return torch.zeros(())
     return aux_loss_terms(stats, totals[:-1], float(totals[-1]))
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+def expert_layout(config: Any) -> str:
+    """How a family's checkpoints store the experts (its model-side module's `EXPERT_LAYOUT`):
+    "fused" (transformers' `state_dict()`), "fused_transposed" (Qwen3-VL-MoE's releases:
+    gate_up_proj [E, d, 2 I], down_proj [E, I, d]) or "per_expert" (Qwen3-MoE's:
+    `mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
+    from dhp_jax import models
+
+    return getattr(models.spec(config.family).engine_module("hf"), "EXPERT_LAYOUT", "fused")
+
+
+def fused_experts(named: Any, config: Any, where: str) -> Any:
+    """The (name, array) pairs of a checkpoint with every sparse layer's experts fused as
+    transformers holds them (`GATE_UP` [E, 2 I, d], `DOWN` [E, d, I]), whatever `expert_layout`
+    they are stored in: per-expert matrices stacked (gate rows, then up rows); a fused weight whose
+    shape is not transformers' transposed (dims 1 and 2, as transformers' loader does). A missing
+    expert matrix is an error naming it and `where`."""
+    spec = getattr(config.text, "moe", None)
+    pending: dict[str, dict[tuple[int, str], Any]] = {}
+    for name, w in named:
+        parts = name.split(".")
+        if (spec is not None and len(parts) > 4 and parts[-4] == "experts" and parts[-3].isdigit()
+                and parts[-1] == "weight" and parts[-2] in ("gate_proj", "up_proj", "down_proj")):
+            pending.setdefault(".".join(parts[:-3]), {})[int(parts[-3]), parts[-2]] = w
+            continue
+        if spec is not None and name.endswith((GATE_UP, DOWN)):
+            e, i, d = spec.num_experts, spec.intermediate_size, config.text.hidden_size
+            want = (e, 2 * i, d) if name.endswith(GATE_UP) else (e, d, i)
+            if tuple(w.shape) != want:
+                if tuple(w.shape) != (want[0], want[2], want[1]):
+                    raise ValueError(f"{where}: {name} has shape {tuple(w.shape)}, the config needs {want}")
+                w = w.swapaxes(1, 2)
+        yield name, w
+    for prefix, mats in sorted(pending.items()):
+        missing = [f"{prefix}.{e}.{m}.weight" for e in range(spec.num_experts)
+                   for m in ("gate_proj", "up_proj", "down_proj") if (e, m) not in mats]
+        if missing:
+            raise ValueError(f"{where}: expert weight {missing[0]} is missing ({len(missing)} missing)")
+        rng = range(spec.num_experts)
+        yield prefix + ".gate_up_proj", np.stack([np.concatenate([mats[e, "gate_proj"], mats[e, "up_proj"]])
+                                                  for e in rng])
+        yield prefix + ".down_proj", np.stack([mats[e, "down_proj"] for e in rng])
+
+
+def saved_experts(weights: dict, config: Any) -> dict:
+    """{name: array} with the experts as transformers' `save_pretrained` writes them for the family:
+    per expert where its checkpoints store them so (Qwen3-MoE), else fused."""
+    if expert_layout(config) != "per_expert":
+        return weights
+    out = {}
+    for name, w in weights.items():
+        if name.endswith(GATE_UP):
+            prefix, inter = name[:-len(".gate_up_proj")], w.shape[1] // 2
+            for e in range(w.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = w[e, :inter]
+                out[f"{prefix}.{e}.up_proj.weight"] = w[e, inter:]
+        elif name.endswith(DOWN):
+            for e in range(w.shape[0]):
+                out[f"{name[:-len('.down_proj')]}.{e}.down_proj.weight"] = w[e]
+        else:
+            out[name] = w
+    return out
