@@ -135,14 +135,14 @@ def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
         n = {k: f"{prefix}.{v}" for k, v in names.items()}
         sparse = f"{prefix}.{moe.GATE_UP}" in params       # a sparse MoE block: its experts split instead
         hq = heads // t
-        ff = params[f"{prefix}.{moe.GATE_UP}" if sparse else n["gate"] + ".weight"].shape[0] // t
+        ff = 0 if sparse else params[n["gate"] + ".weight"].shape[0] // t
         kv_lo = j * (kv // t) if kv % t == 0 else j // (t // kv)   # first kv head held
         kv_n = kv // t if kv % t == 0 else 1
         rows = {"q": (j * hq * d, (j + 1) * hq * d), "k": (kv_lo * d, (kv_lo + kv_n) * d),
                 "v": (kv_lo * d, (kv_lo + kv_n) * d), "gate": (j * ff, (j + 1) * ff), "up": (j * ff, (j + 1) * ff)}
         if sparse:      # tp index j holds experts [j E/t, (j+1) E/t) (`npu_backend.moe`)
             experts = params[f"{prefix}.{moe.GATE_UP}"].shape[0] // t
-            for m in ("gate", "up", "down"):
+            for m in ("gate", "up"):
                 del rows[m]
             for name in (moe.GATE_UP, moe.DOWN):
                 out[f"{prefix}.{name}"] = (0, j * experts, (j + 1) * experts)

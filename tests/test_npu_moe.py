@@ -291,7 +291,7 @@ def _block_world(rank: int, world: int) -> dict:
         y, stats = moe.sparse_block(tp.rows(xl), mine["gate.weight"], mine["experts.gate_up_proj"],
                                     mine["experts.down_proj"], K, True, torch.nn.functional.silu, tp, tp.local_rows(live))
         y = tp.stream(y, x.shape[0])
-        ((y * cot).sum() + 0.5 * moe.batch_aux_loss(stats, E, tp.group)).backward()
+        ((y * cot).sum() + 0.5 * moe.batch_aux_loss([stats], E, tp.group)).backward()
         grads = {"x": xl.grad, "gate.weight": tp.sum(mine["gate.weight"].grad)}
         for k in ("experts.gate_up_proj", "experts.down_proj"):
             parts = [torch.empty_like(mine[k].grad) for _ in range(t)]
