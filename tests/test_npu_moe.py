@@ -238,6 +238,14 @@ def test_moe_family_matches_transformers(cases, family, tmp_path):
     state = back.state_dict()
     for k, p in model.state_dict().items():
         assert torch.equal(state[k], p), k
+    if family == "qwen3_vl_moe":  # the releases' transposed experts ([E, d, 2 I], [E, I, d]) load the same
+        from dhp_jax.model.hf.config import write_pretrained
+
+        weights = {k: p.detach().numpy() for k, p in ours.params.items()}
+        weights.update({k: np.ascontiguousarray(w.swapaxes(1, 2)) for k, w in weights.items() if ".mlp.experts." in k})
+        write_pretrained(str(tmp_path / "released"), ours.config.raw, weights, 2**30)
+        released = load_family(str(tmp_path / "released"))
+        assert all(torch.equal(released.params[k], p) for k, p in ours.params.items())
     if family == "internvl":      # transformers' model never adds the router loss, so neither do we
         routed = load_family(_with_router_loss(path, str(tmp_path / "routed")))
         assert abs(_one_process(routed, samples)[0] - ref_loss) <= hc.TOL * ref_loss
