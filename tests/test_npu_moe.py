@@ -355,3 +355,15 @@ def test_world_experts_split_over_the_rank_match(cases):
                     assert grad_err <= hc.TOL, (family, sequence, r, grad_err, worst)
             print(f"torch {family}, t = 2{' sequence-parallel' if sequence else ''}, irregular plan: "
                   f"loss {loss_err:.1e}, grads {grad_err:.1e} ({worst})")
+
+
+def test_experts_tensor_parallel_cannot_split_are_refused():
+    from npu_backend.tensor_parallel import check_model
+
+    raw = json.loads(_qwen3_vl_moe_config().to_json_string())
+    raw["vision_config"]["num_heads"] = 4
+    raw["text_config"]["num_local_experts"] = 6
+    config = hf.parse_config(raw)
+    with pytest.raises(ValueError, match=r"tensor_parallel 4 cannot split text_config.num_experts = 6"):
+        check_model(config, 4)
+    check_model(config, 2)
