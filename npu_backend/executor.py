@@ -8,6 +8,10 @@ group), and accumulates gradients. Then one all-reduce over the world sums every
 gradient: each group's gradient is the sum over its ranks, each token counted once, and the loss
 was already divided by the batch's loss-token count, so the sum is the token-weighted mean.
 
+A mixture of experts whose config turns the load-balancing loss on (`npu_backend.moe.aux_loss_coef`):
+that loss is a product of two sums over the whole batch, so a rank runs every micro-batch's forward
+first, the experts' counts are summed over the world (one all-reduce), and one backward follows.
+
 Errors never leave a rank hanging in a collective: everything every rank can check alike (plan vs.
 world size, every rank used, sample ids, payloads) is checked before the first collective, and a
 local failure while packing is announced through the step's first, tiny all-reduce.

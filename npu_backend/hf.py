@@ -12,6 +12,11 @@ caller hands in, with the ids of `npu_backend.model.attention_mask`: the LLM (se
 sample, position = offset in the sample, span 0: causal), the encoders (segment = span = frame,
 window or tile id: bidirectional inside it, dead rows segment 0).
 
+Mixture-of-experts LLMs (Qwen3-VL-MoE, InternVL with a Qwen3-MoE LLM): the layers `config.text.moe`
+marks sparse run the sparse block of `npu_backend.moe` instead of the dense MLP; the experts are
+held fused as transformers holds them (`gate_up_proj` [E, 2 I, d], `down_proj` [E, d, I]), read
+from per-expert or transposed checkpoints and written as transformers writes them.
+
 Layout of this module: the shared blocks (norms, linear, rotary, the LLM decoder block, the Qwen
 vision attention), then the LLM over the stream and the loss. Each family's encoder (its
 differences, in one place) is its `torch_model.encode` (`dhp_jax.models.<family>`,

@@ -41,6 +41,12 @@ heads) sums its squares over the rank (`TensorParallel.sum`); its layer scales, 
 patch and position embeddings, Qwen's mergers (DeepStack's too) and InternVL's projector are
 replicated. The vision heads and MLP width must split over t like the LLM's (`check_model`).
 
+Mixture-of-experts layers (`npu_backend.moe`): a sparse block's experts are split by expert (process
+j of a rank holds experts [j E/t, (j+1) E/t) of `mlp.experts.gate_up_proj` and `down_proj`), its
+router whole; the block runs on the rows sequence parallelism gives a process (with or without it)
+and its tokens travel to their experts' processes by all-to-all, so the router's gradient is summed
+over the rank (`row_params`). E must split over t (`check_model`).
+
 Sequence parallelism (`create(..., sequence=True)`; Megatron-LM, arXiv 2205.05198, sec. 4.2.2), in
 every block of the stand-in and of the families alike: between the split matrices each process
 holds 1/t of its rank's rows (`sequence_rows`: the stream padded to a multiple of t, the JAX
