@@ -216,6 +216,18 @@ def run_blocks(block: Block, stack: BlockRows, x: jax.Array, per_block: Any = ()
     return run(x, stack.rows, feed)
 
 
+def layer_runs(kinds: Sequence[Any]) -> list[tuple[int, int, Any]]:
+    """(first layer, count, kind) of each run of consecutive layers of one kind (a MoE LLM's
+    sparse and dense layers, `MoeSpec.sparse`): each run is one scan of identical blocks."""
+    runs: list[tuple[int, int, Any]] = []
+    for i, k in enumerate(kinds):
+        if runs and runs[-1][2] == k:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, k)
+        else:
+            runs.append((i, 1, k))
+    return runs
+
+
 def block_stacks(config: Any) -> tuple[tuple[tuple[str, ...], int], ...]:
     """(params path, block count) of a family's scanned stacks (`HFConfig`): its encoder's blocks
     and its LLM's layers (the family's `encoder_stack`)."""

@@ -29,7 +29,7 @@ CONFIG = ConfigRules(FIELDS, (TEXT,), VISION, {NAME: VISION},
                      text_kinds={TEXT: (False, True, "mrope_interleaved")})   # QK-norm, interleaved M-RoPE
 
 # the tiny MoE LLM: 8 experts, top 2, layer 0 dense (mlp_only_layers), layers 1 and 2 sparse
-TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, decoder_sparse_step=1,
                 mlp_only_layers=[0], num_hidden_layers=3)
 
 
