@@ -121,9 +121,7 @@ class MoeSpec:
     def from_dict(cls, cfg: Mapping[str, Any], norm_topk_prob: bool) -> "MoeSpec":
         """Of a resolved text_config with the MoE fields (`MOE_FIELDS`); `norm_topk_prob` the
         router's rule (a field of Qwen3MoeConfig; Qwen3-VL-MoE's router always renormalises)."""
-        # transformers 5.24 writes num_experts as `num_local_experts` (its attribute_map) in config.json
-        e = int(cfg["num_local_experts"] if cfg.get("num_local_experts") is not None else cfg["num_experts"])
-        n, k = int(cfg["num_hidden_layers"]), int(cfg["num_experts_per_tok"])
+        n, e, k = int(cfg["num_hidden_layers"]), int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
         step = int(cfg["decoder_sparse_step"])
         dense = {int(i) for i in (cfg["mlp_only_layers"] or [])}
         sparse = tuple(i not in dense and e > 0 and step > 0 and (i + 1) % step == 0 for i in range(n))
