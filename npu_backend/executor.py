@@ -52,6 +52,7 @@ class StepResult:
     num_loss_tokens: int      # tokens the mean is over
     seconds: float            # wall time of fwd + bwd + all-reduce (+ optimizer step) on this rank
     local_tokens: int         # stream tokens (padding included) this rank ran, all micro-batches
+    expert_tokens: list[float] | None = None   # MoE: tokens per expert of the batch, per sparse layer
 
 
 def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: Any,
@@ -161,6 +162,8 @@ class TorchPlanExecutor:
         self.rank = self.tp.rank                  # plan rank
         self.world_size = self.tp.num_ranks       # plan ranks
         self.tensors_sent = 0  # ring traffic of this rank, for tests and logs
+        # a mixture of experts: tokens routed to each expert in the last step, the batch's, per sparse layer
+        self.expert_tokens: list[float] | None = None
 
     # ------------------------------------------------------------------ pieces
     def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[Any, int]:
@@ -235,22 +238,27 @@ class TorchPlanExecutor:
         # the load-balancing loss of a mixture of experts couples the whole batch (`npu_backend.moe`):
         # every micro-batch's forward first, then one backward of the sum
         aux = moe.aux_loss_coef(self.config) if self.family else 0.0
+        spec = self.config.text.moe if self.family else None
         pending, stats = [], []
         for item in shards:
             if item is None:
                 continue
             g, shard = item
             loss_sum, comm = self._forward_loss(g, shard)
+            stats += self.model.router_stats if spec is not None else []
             if aux:
                 pending.append(loss_sum / total)
-                stats += self.model.router_stats
             else:
                 (loss_sum / total).backward()
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
+        # tokens routed to each expert over the batch (every process calls this all-reduce)
+        totals = moe.batch_totals(stats, spec.num_experts) if spec is not None else None
+        if totals is not None:
+            self.expert_tokens = (totals[:-1] / max(1, sum(spec.sparse))).tolist()
         if aux:
-            share = aux * moe.batch_aux_loss(stats, self.config.text.moe.num_experts)
+            share = aux * moe.batch_aux_loss(stats, spec.num_experts, totals=totals)
             if pending:
                 (sum(pending) + share).backward()
             # the loss reported: the shares of the rank's processes (each its own rows), once per rank
@@ -266,4 +274,4 @@ class TorchPlanExecutor:
         loss, total, local_tokens = self.loss_and_grads(plan, samples)
         if self.optimizer is not None:
             self.optimizer.step()
-        return StepResult(loss, total, time.perf_counter() - t0, local_tokens)
+        return StepResult(loss, total, time.perf_counter() - t0, local_tokens, self.expert_tokens)

@@ -321,8 +321,23 @@ def _family_world(rank: int, jobs: dict) -> dict:
             loss, _, _ = ex.loss_and_grads(PLAN, samples)
             grads = {n: g.numpy() for n, g in ex.tp.gather(model, grads=True).items()}
             held = sum(p.numel() for n, p in model.params.items() if ".experts." in n)
-            out[family, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None, "experts held": held}
+            out[family, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None, "experts held": held,
+                                     "expert tokens": ex.expert_tokens}
     return out
+
+
+def _expert_tokens(path: str, samples) -> list[float]:
+    """Tokens routed to each expert over the batch, per sparse layer, on one process."""
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend import moe
+    from npu_backend.hf import load_family, stream_tensors
+
+    model, stats = load_family(path), []
+    with torch.no_grad():
+        for s in samples:
+            model.loss_sum(*stream_tensors(pack_family_group([s], 1, model.config)))
+            stats += model.router_stats
+    return (moe.batch_totals(stats, E)[:-1] / sum(model.config.text.moe.sparse)).tolist()
 
 
 def _worker(rank: int, world: int, jobs: dict) -> dict:
@@ -342,12 +357,16 @@ def test_world_experts_split_over_the_rank_match(cases):
             assert out_err <= hc.TOL and grad_err <= hc.TOL, (t, r, out_err, grad_err, worst)
         print(f"block, experts over t = {t}: output {out_err:.1e}, grads {grad_err:.1e}")
     refs = {"qwen3_vl_moe": (ref_loss, ref_grads), "internvl": iv_ref}
+    routed_tokens = {f: _expert_tokens(jobs[f][0], jobs[f][1]) for f in refs}
     whole = {f: sum(p.numel() for n, p in cases[f][3].named_parameters() if ".experts." in n) for f in refs}
     for family, (loss_ref, grads_ref) in refs.items():
         for sequence in (False, True):
             for r, o in enumerate(res):
                 got = o["family"][family, sequence]
                 assert got["experts held"] * 2 == whole[family], (family, got["experts held"], whole[family])
+                # dropless: each token's k pairs reach experts; the counts one process finds
+                assert sum(got["expert tokens"]) == K * sum(s.num_tokens for s in jobs[family][1])
+                assert got["expert tokens"] == routed_tokens[family], (family, sequence, r)
                 loss_err = abs(got["loss"] - loss_ref) / loss_ref
                 assert loss_err <= hc.TOL, (family, sequence, r, got["loss"], loss_ref)
                 if got["grads"] is not None:
