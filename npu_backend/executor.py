@@ -254,7 +254,7 @@ class TorchPlanExecutor:
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
         # tokens routed to each expert over the batch (every process calls this all-reduce)
-        totals = moe.batch_totals(stats, spec.num_experts) if spec is not None else None
+        totals = moe.batch_totals(stats, spec.num_experts, device=self.device) if spec is not None else None
         if totals is not None:
             self.expert_tokens = (totals[:-1] / max(1, sum(spec.sparse))).tolist()
         if aux:

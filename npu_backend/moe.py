@@ -122,14 +122,14 @@ def dispatch_compute_combine(x: torch.Tensor, weights: torch.Tensor, experts: to
         recv = got.sum(1).tolist()
         arrived = _AllToAll.apply(rows, send, recv, tp.group)  # by source process, then by expert
         # regroup the arrived rows by local expert (then source), run, and put them back
-        src = torch.repeat_interleave(torch.arange(t * local), got.reshape(-1))
+        src = torch.repeat_interleave(torch.arange(t * local, device=got.device), got.reshape(-1))
         by_expert = torch.argsort(src % local * t + src // local, stable=True)
         out = run_experts(arrived[by_expert], got.sum(0).tolist(), gate_up, down, act)
         back = torch.empty_like(by_expert)
-        back[by_expert] = torch.arange(by_expert.numel())
+        back[by_expert] = torch.arange(by_expert.numel(), device=by_expert.device)
         y = _AllToAll.apply(out[back], recv, send, tp.group)
     unsorted = torch.empty_like(order)
-    unsorted[order] = torch.arange(order.numel())
+    unsorted[order] = torch.arange(order.numel(), device=order.device)
     y = y[unsorted].view(n, k, -1) * weights[:, :, None]
     return y.sum(dim=1)
 
@@ -142,8 +142,8 @@ def sparse_block(x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, dow
     num_experts = gate.shape[0]
     probs, weights, experts = route(x, gate, top_k, norm_topk_prob)
     y = dispatch_compute_combine(x, weights, experts, gate_up, down, num_experts, act, tp)
-    mask = torch.ones(x.shape[0], dtype=probs.dtype) if live is None else live.to(probs.dtype)
-    counts = torch.zeros(num_experts, dtype=torch.float32).index_add_(
+    mask = torch.ones(x.shape[0], dtype=probs.dtype, device=x.device) if live is None else live.to(probs.dtype)
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=x.device).index_add_(
         0, experts.reshape(-1), mask.repeat_interleave(top_k)).detach()
     stats = RouterStats(counts, (probs * mask[:, None]).sum(0), int(mask.sum()))
     return y, stats
@@ -156,7 +156,7 @@ def aux_loss_terms(stats: list[RouterStats], total_counts: torch.Tensor, total_r
     The shares of every process add up to the loss, and each share's gradient is the loss's
     gradient through this process's rows."""
     if not stats:
-        return torch.zeros(())
+        return total_counts.new_zeros(())
     probs = torch.stack([s.probs for s in stats]).sum(0)
     return total_counts.numel() * torch.sum(total_counts / total_rows * probs / total_rows)
 
@@ -178,21 +178,30 @@ def aux_loss_coef(config: Any) -> float:
     return float(spec.router_aux_loss_coef) if on else 0.0
 
 
-def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None) -> torch.Tensor:
-    """This process's share of the batch's load-balancing loss (`aux_loss_terms`) from the
-    `RouterStats` of every sparse block it ran this step: the counts and rows are summed over
-    `group` first (one all-reduce that every process of `group` calls; None: the world; no
-    communication when torch.distributed is not initialised)."""
-    totals = torch.zeros(num_experts + 1)
+def batch_totals(stats: list[RouterStats], num_experts: int, group: Any = None,
+                 device: torch.device | str | None = None) -> torch.Tensor:
+    """[E + 1]: the pairs routed to each expert and the live rows, over every sparse block of
+    `stats` (the `RouterStats` of the blocks this process ran this step), summed over `group` (one
+    all-reduce that every process of `group` calls; None: the world; none when torch.distributed
+    is not initialised; `device`: where the sums live when `stats` is empty)."""
+    totals = torch.zeros(num_experts + 1, device=stats[0].counts.device if stats else device)
     for s in stats:
         totals[:-1] += s.counts
         totals[-1] += s.rows
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(totals, group=group)
-    if not stats or float(totals[-1]) == 0:
-        return torch.zeros(())
-    return aux_loss_terms(stats, totals[:-1], float(totals[-1]))
+    return totals
 
+
+def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None,
+                   totals: torch.Tensor | None = None) -> torch.Tensor:
+    """This process's share of the batch's load-balancing loss (`aux_loss_terms`) from the
+    `RouterStats` of every sparse block it ran this step and their `batch_totals` over `group`
+    (computed here when not given)."""
+    totals = batch_totals(stats, num_experts, group) if totals is None else totals
+    if not stats or float(totals[-1]) == 0:
+        return totals.new_zeros(())
+    return aux_loss_terms(stats, totals[:-1], float(totals[-1]))
 
 # ---------------------------------------------------------------------------------------- checkpoints
 def expert_layout(config: Any) -> str:
