@@ -10,8 +10,8 @@
   never adds it), and what `save_family` writes loads back in transformers.
 - One world of 4 gloo processes: the block with its experts split over t = 2 and t = 4 processes
   (all-to-all dispatch) equals one process; both families at t = 2 (2 ranks) on an irregular DHP
-  plan (Ulysses over both ranks, then one rank alone, the other idle), with and without sequence
-  parallelism, equal transformers.
+  plan (Ulysses over both ranks, a ring over both, then one rank alone, the other idle), with and
+  without sequence parallelism, equal transformers, and route the tokens one process routes.
 
 fp32, relative error <= 1e-5.
 """
@@ -276,9 +276,11 @@ def test_router_loss_matches_transformers(cases):
 
 
 # ---------------------------------------------------------------------------------------- one world
-# 2 ranks of t = 2: Ulysses over both ranks (out of order) for samples 0 and 2, then rank 0 alone
-# for sample 1 while rank 1 idles
-PLAN = Plan(2, (MicroBatch((Group((1, 0), 2, (0, 2), "ulysses"),)), MicroBatch((Group((0,), 1, (1,), "ring"),))))
+# 2 ranks of t = 2: Ulysses over both ranks (out of order) for sample 0, a ring over both for
+# sample 2, then rank 0 alone for sample 1 while rank 1 idles (with the load-balancing loss on, the
+# three micro-batches' forwards run first and one backward follows)
+PLAN = Plan(2, (MicroBatch((Group((1, 0), 2, (0,), "ulysses"),)), MicroBatch((Group((0, 1), 2, (2,), "ring"),)),
+                MicroBatch((Group((0,), 1, (1,), "ring"),))))
 
 
 def _block_world(rank: int, world: int) -> dict:
