@@ -10,7 +10,7 @@ expert outputs. Every token reaches its k experts (no capacity, nothing dropped)
 
 The expert computation sorts the token-expert pairs by expert and runs each expert once on its
 contiguous rows (a grouped GEMM). Under tensor parallelism (`TensorParallel`, t processes a rank)
-process j of a rank holds experts [j E/t, (j+1) E/t) (`expert_slices`) and 1/t of the rank's rows
+process j of a rank holds experts [j E/t, (j+1) E/t) (`npu_backend.tensor_parallel.shard_slices`) and 1/t of the rank's rows
 (the stream's rows as sequence parallelism splits them, `TensorParallel.rows`); it routes its rows,
 exchanges with every process of the rank how many pairs it sends to each expert (one
 `all_to_all_single` of E counts), sends each pair's row to the process holding its expert (a second
@@ -24,7 +24,10 @@ and the sparse layers, f_e = (pairs routed to e) / rows and P_e = (sum of e's ro
 rows, rows = live tokens x sparse layers; loss = E sum_e f_e P_e. Each block returns its live rows'
 counts (no gradient) and probability sums (`RouterStats`); `aux_loss_terms` makes of them the share
 of one process, whose sum over every process is the batch's loss and whose gradient is exact once
-the counts are summed over the world.
+the counts are summed over the world (`batch_totals`, which also gives a step's tokens per expert).
+
+Checkpoints: `fused_experts` reads the experts of any published layout into transformers' fused
+one; `saved_experts` writes them as transformers' `save_pretrained` does.
 """
 
 from __future__ import annotations
