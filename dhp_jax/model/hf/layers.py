@@ -194,11 +194,12 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
 def moe_decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
                       moe_spec: Any, attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
                       reduce: Callable[[jax.Array], jax.Array] | None = None,
-                      sequence: TensorHooks | None = None, first_expert: Any = 0
-                      ) -> tuple[jax.Array, jax.Array]:
+                      sequence: TensorHooks | None = None, first_expert: Any = 0,
+                      keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """A sparse LLM layer (`dhp_jax.model.hf.moe`): the attention half of `decoder_block`, then
     h + experts(post_attention_layernorm(h)) on the whole rows at once (the router and the grouped
-    GEMM want every token). Returns (x, router stats [2, E] of the rows with segment > 0).
+    GEMM want every token). Returns (x, router stats [2, E] of the live rows: `keep`, bool per row
+    of x, or segment > 0 of `ids` when x is the whole stream).
     Tensor parallelism: `p["mlp"]["experts"]` holds this device's experts, from `first_expert`,
     the router is whole; the normed rows are joined over the rank under sequence parallelism (as
     the dense MLP's) and the experts' sum is `reduce`d (the psum, or the reduce-scatter back to this
@@ -208,7 +209,7 @@ def moe_decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, 
     h = decoder_block(p, x, angles, ids, shape, attn_fn, chunk, live, reduce, sequence, mlp=False)
     widen, reduce, _ = block_collectives(reduce, sequence)
     z = widen(rms_norm(h, p["post_attention_layernorm"], shape.eps))
-    keep = ids.segment[:z.shape[0]] > 0
+    keep = ids.segment > 0 if keep is None else widen(keep)
     y, stats = moe.sparse_mlp(p["mlp"], z, moe_spec, lambda g, u: gated(shape.act, g, u), keep, first_expert)
     return h + (y if reduce is None else reduce(y))[:h.shape[0]], stats
 

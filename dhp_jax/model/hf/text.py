@@ -76,6 +76,7 @@ def moe_text_forward(cfg: TextConfig, p: Params, x: jax.Array, positions: jax.Ar
     levels = 0 if deepstack is None else deepstack.shape[0]
     rot = rotary(cfg.rope.angles(positions))
     h = stream.enter(x)
+    keep = None if stream.sequence is None else stream.enter((ids.segment > 0).astype(jnp.int32)) > 0
     stats = jnp.zeros((2, spec.num_experts), jnp.float32)
     for start, count, sparse in layer_runs(spec.sparse):
         stack = p["layers"].get(str(start)) if isinstance(p["layers"].get(str(start)), BlockRows) else None
@@ -91,7 +92,7 @@ def moe_text_forward(cfg: TextConfig, p: Params, x: jax.Array, positions: jax.Ar
 
         def layer(row, hh, r):
             return moe_decoder_block(stack.tree(row), hh, r, ids, cfg.shape, spec, attn_fn, stream.chunk,
-                                     stream.live, reduce, stream.sequence, first)
+                                     stream.live, reduce, stream.sequence, first, keep)
 
         if remat != "none":
             layer = jax.checkpoint(layer, policy=None if remat == "layer" else jax.checkpoint_policies.
