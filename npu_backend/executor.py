@@ -8,6 +8,10 @@ group), and accumulates gradients. Then one all-reduce over the world sums every
 gradient: each group's gradient is the sum over its ranks, each token counted once, and the loss
 was already divided by the batch's loss-token count, so the sum is the token-weighted mean.
 
+A mixture of experts whose config turns the load-balancing loss on (`npu_backend.moe.aux_loss_coef`):
+that loss is a product of two sums over the whole batch, so a rank runs every micro-batch's forward
+first, the experts' counts are summed over the world (one all-reduce), and one backward follows.
+
 Errors never leave a rank hanging in a collective: everything every rank can check alike (plan vs.
 world size, every rank used, sample ids, payloads) is checked before the first collective, and a
 local failure while packing is announced through the step's first, tiny all-reduce.
@@ -30,6 +34,7 @@ from dhp_jax.model.hf.packed import pack_family_group
 from dhp_jax.planner.contract.kinds import resolve
 from dhp_jax.planner.contract.plan import Group, Plan, PlanValidationError
 from npu_backend.attention import group_attention
+from npu_backend import moe
 from npu_backend.hf import TorchFamilyModel, stream_tensors
 from npu_backend.model import TorchMLLM, token_loss_sum
 from npu_backend.ring import RingComm
@@ -47,6 +52,7 @@ class StepResult:
     num_loss_tokens: int      # tokens the mean is over
     seconds: float            # wall time of fwd + bwd + all-reduce (+ optimizer step) on this rank
     local_tokens: int         # stream tokens (padding included) this rank ran, all micro-batches
+    expert_tokens: list[float] | None = None   # MoE: tokens per expert of the batch, per sparse layer
 
 
 def check_plan(plan: Plan, samples: Sequence[Sample], world_size: int, config: Any,
@@ -156,6 +162,8 @@ class TorchPlanExecutor:
         self.rank = self.tp.rank                  # plan rank
         self.world_size = self.tp.num_ranks       # plan ranks
         self.tensors_sent = 0  # ring traffic of this rank, for tests and logs
+        # a mixture of experts: tokens routed to each expert in the last step, the batch's, per sparse layer
+        self.expert_tokens: list[float] | None = None
 
     # ------------------------------------------------------------------ pieces
     def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[Any, int]:
@@ -227,15 +235,34 @@ class TorchPlanExecutor:
             p.grad = None
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         local_tokens = 0
+        # the load-balancing loss of a mixture of experts couples the whole batch (`npu_backend.moe`):
+        # every micro-batch's forward first, then one backward of the sum
+        aux = moe.aux_loss_coef(self.config) if self.family else 0.0
+        spec = self.config.text.moe if self.family else None
+        pending, stats = [], []
         for item in shards:
             if item is None:
                 continue
             g, shard = item
             loss_sum, comm = self._forward_loss(g, shard)
-            (loss_sum / total).backward()
+            stats += self.model.router_stats if spec is not None else []
+            if aux:
+                pending.append(loss_sum / total)
+            else:
+                (loss_sum / total).backward()
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
+        # tokens routed to each expert over the batch (every process calls this all-reduce)
+        totals = moe.batch_totals(stats, spec.num_experts, device=self.device) if spec is not None else None
+        if totals is not None:
+            self.expert_tokens = (totals[:-1] / max(1, sum(spec.sparse))).tolist()
+        if aux:
+            share = aux * moe.batch_aux_loss(stats, spec.num_experts, totals=totals)
+            if pending:
+                (sum(pending) + share).backward()
+            # the loss reported: the shares of the rank's processes (each its own rows), once per rank
+            local_loss += total * self.tp.sum(share.detach()) if self.tp.size > 1 else total * share.detach()
         # one flat all-reduce over the world (over the processes of this tp index under tensor
         # parallelism): every gradient, and the loss sum riding in the same buffer
         loss_sum = self.tp.reduce_grads(self.model, local_loss)
@@ -247,4 +274,4 @@ class TorchPlanExecutor:
         loss, total, local_tokens = self.loss_and_grads(plan, samples)
         if self.optimizer is not None:
             self.optimizer.step()
-        return StepResult(loss, total, time.perf_counter() - t0, local_tokens)
+        return StepResult(loss, total, time.perf_counter() - t0, local_tokens, self.expert_tokens)

@@ -12,6 +12,11 @@ caller hands in, with the ids of `npu_backend.model.attention_mask`: the LLM (se
 sample, position = offset in the sample, span 0: causal), the encoders (segment = span = frame,
 window or tile id: bidirectional inside it, dead rows segment 0).
 
+Mixture-of-experts LLMs (Qwen3-VL-MoE, InternVL with a Qwen3-MoE LLM): the layers `config.text.moe`
+marks sparse run the sparse block of `npu_backend.moe` instead of the dense MLP; the experts are
+held fused as transformers holds them (`gate_up_proj` [E, 2 I, d], `down_proj` [E, d, I]), read
+from per-expert or transposed checkpoints and written as transformers writes them.
+
 Layout of this module: the shared blocks (norms, linear, rotary, the LLM decoder block, the Qwen
 vision attention), then the LLM over the stream and the loss. Each family's encoder (its
 differences, in one place) is its `torch_model.encode` (`dhp_jax.models.<family>`,
@@ -37,6 +42,7 @@ from dhp_jax import models
 from dhp_jax.model.hf.families import family, parse_config
 from dhp_jax.model.hf.packed import LLM_INTS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
 from dhp_jax.model.hf.spec import RopeSpec
+from npu_backend import moe
 from npu_backend.model import AttnFn, dense_attn
 
 LM_HEAD = "lm_head.weight"
@@ -69,6 +75,7 @@ class TorchFamilyModel:
     `column`, `row_linear`, `join_rows`)."""
 
     tp = None
+    router_stats: list = []     # `npu_backend.moe.RouterStats` of each sparse block, the last forward pass
 
     def __init__(self, config: HFConfig, weights: Mapping[str, torch.Tensor]):
         if not isinstance(config, HFConfig):
@@ -120,9 +127,10 @@ class TorchFamilyModel:
         return F.layer_norm(x, x.shape[-1:], self.w(prefix + ".weight"), self.w(prefix + ".bias"), eps)
 
     def decoder_block(self, prefix: str, x: torch.Tensor, angles: torch.Tensor, ids: torch.Tensor,
-                      attn: AttnFn) -> torch.Tensor:
+                      attn: AttnFn, sparse: bool = False) -> torch.Tensor:
         """One pre-norm LLM block (`dhp_jax.model.hf.layers.decoder_block`); under sequence parallelism x
-        is this process's rows of the stream (`split_rows`), ids and angles whole."""
+        is this process's rows of the stream (`split_rows`), ids and angles whole. `sparse`: its MLP
+        is the sparse MoE block (`sparse_mlp`)."""
         shape, s, tp = self.config.text.shape, ids.shape[0], self.tp
         heads, kv = shape.num_heads, shape.num_kv_heads
         if tp is not None:       # this process's heads (a kv head replicated when kv < t)
@@ -136,9 +144,25 @@ class TorchFamilyModel:
         o = attn(rope(q, angles), rope(k, angles), v, ids)
         h = x + self.row_linear(a + ".o_proj", o.reshape(s, heads * shape.head_dim))
         z = self.rms_norm(prefix + ".post_attention_layernorm", h, shape.eps)
+        if sparse:
+            return h + self.sparse_mlp(prefix, z, ids[:, 0] > 0)
         act, m = activation(shape.act), prefix + ".mlp"
         gate, up = self.column(z, [m + ".gate_proj", m + ".up_proj"], s)
         return h + self.row_linear(m + ".down_proj", act(gate) * up)
+
+    def sparse_mlp(self, prefix: str, z: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """The sparse MoE block (`npu_backend.moe`) of a block's normed stream z (this process's rows
+        under sequence parallelism; whole otherwise, and then split into the rows sequence
+        parallelism would hold for the experts' exchange, and joined after it); `live` [S]: the
+        stream's live rows, whose routing `router_stats` collects."""
+        spec, tp, s = self.config.text.moe, self.tp, live.shape[0]
+        rows = z if self.sequence or tp is None else tp.rows(z)
+        live = live if tp is None else tp.local_rows(live)
+        y, stats = moe.sparse_block(rows, self.w(f"{prefix}.{moe.GATE}"), self.w(f"{prefix}.{moe.GATE_UP}"),
+                                    self.w(f"{prefix}.{moe.DOWN}"), spec.top_k, spec.norm_topk_prob,
+                                    activation(self.config.text.shape.act), tp, live)
+        self.router_stats.append(stats)
+        return y if self.sequence or tp is None else tp.stream(y, s)
 
     @property
     def sequence(self) -> bool:
@@ -218,8 +242,11 @@ class TorchFamilyModel:
         angles = rope_angles(cfg.text.rope, llm_ints[:, len(LLM_INTS):])
         s = x.shape[0]
         x = self.split_rows(x)                   # sequence parallelism: the blocks run on this process's rows
+        spec = getattr(cfg.text, "moe", None)
+        self.router_stats = []                   # the sparse blocks' routing of this forward pass
         for i in range(cfg.text.num_layers):
-            x = self.decoder_block(f"model.language_model.layers.{i}", x, angles, ids, attn)
+            x = self.decoder_block(f"model.language_model.layers.{i}", x, angles, ids, attn,
+                                   spec is not None and spec.sparse[i])
             if i < len(deep):                    # DeepStack: added on the vision tokens after layer i
                 x = x + self.split_rows(torch.where(vision, deep[i].to(x.dtype), torch.zeros_like(deep[i], dtype=x.dtype)))
         return self.rms_norm("model.language_model.norm", self.join_rows(x, s), cfg.text.shape.eps)
@@ -291,8 +318,8 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
     config = parse_config(read_config_json(path), where=os.path.join(path, "config.json"))
     renames = family(config.family).renames
     weights = {}
-    for name, array in safetensors_io.read_checkpoint(path):
-        name = rename(name, renames)
+    named = ((rename(name, renames), array) for name, array in safetensors_io.read_checkpoint(path))
+    for name, array in moe.fused_experts(named, config, path):   # experts as transformers holds them
         if config.tied and name == LM_HEAD:
             continue
         if name in weights:
@@ -304,5 +331,5 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
 def save_family(model: TorchFamilyModel, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) of `model`, as
     `dhp_jax.model.hf.save_pretrained` does: transformers' `from_pretrained` and `load_family` load it."""
-    write_pretrained(out_dir, model.config.raw, {k: p.detach().cpu().numpy() for k, p in model.params.items()},
-                     max_shard_bytes)
+    weights = moe.saved_experts({k: p.detach().cpu().numpy() for k, p in model.params.items()}, model.config)
+    write_pretrained(out_dir, model.config.raw, weights, max_shard_bytes)

@@ -41,6 +41,12 @@ heads) sums its squares over the rank (`TensorParallel.sum`); its layer scales, 
 patch and position embeddings, Qwen's mergers (DeepStack's too) and InternVL's projector are
 replicated. The vision heads and MLP width must split over t like the LLM's (`check_model`).
 
+Mixture-of-experts layers (`npu_backend.moe`): a sparse block's experts are split by expert (process
+j of a rank holds experts [j E/t, (j+1) E/t) of `mlp.experts.gate_up_proj` and `down_proj`), its
+router whole; the block runs on the rows sequence parallelism gives a process (with or without it)
+and its tokens travel to their experts' processes by all-to-all, so the router's gradient is summed
+over the rank (`row_params`). E must split over t (`check_model`).
+
 Sequence parallelism (`create(..., sequence=True)`; Megatron-LM, arXiv 2205.05198, sec. 4.2.2), in
 every block of the stand-in and of the families alike: between the split matrices each process
 holds 1/t of its rank's rows (`sequence_rows`: the stream padded to a multiple of t, the JAX
@@ -69,6 +75,7 @@ import torch.nn.functional as F
 from dhp_jax import models
 from dhp_jax.model.mllm_config import split_shape
 from dhp_jax.planner.cost.tensor_parallel import check_node, check_tensor_parallel
+from npu_backend import moe
 
 # (field of the model shape the planner's check reads, the MLLMConfig field behind it)
 # the names of a block's seven split matrices: the stand-in's, and the families' LLM (transformers)
@@ -109,6 +116,10 @@ def check_model(config: Any, t: int, intermediate: int | None = None, vision_int
         shape = split_shape(config)
         vocab, field = config.vocab_size, "MLLMConfig.vocab_size"
     check_tensor_parallel(shape, t, f"model {getattr(config, 'name', '?')!r}")
+    spec = getattr(getattr(config, "text", None), "moe", None)
+    if spec is not None and any(spec.sparse) and spec.num_experts % t:
+        raise ValueError(f"model {getattr(config, 'name', '?')!r}: tensor_parallel {t} cannot split "
+                         f"text_config.num_experts = {spec.num_experts} (a rank's processes hold E / t experts each)")
     if vocab < t or -(-vocab // t) * (t - 1) >= vocab:
         raise ValueError(f"model {getattr(config, 'name', '?')!r}: tensor_parallel {t} leaves a process no "
                          f"row of the vocabulary ({field} = {vocab})")
@@ -128,17 +139,26 @@ def shard_slices(model: Any, t: int, j: int) -> dict[str, tuple[int, ...]]:
 
     def block(prefix: str, names: dict, heads: int, kv: int, d: int) -> None:
         n = {k: f"{prefix}.{v}" for k, v in names.items()}
-        hq, ff = heads // t, params[n["gate"] + ".weight"].shape[0] // t
+        sparse = f"{prefix}.{moe.GATE_UP}" in params       # a sparse MoE block: its experts split instead
+        hq = heads // t
+        ff = 0 if sparse else params[n["gate"] + ".weight"].shape[0] // t
         kv_lo = j * (kv // t) if kv % t == 0 else j // (t // kv)   # first kv head held
         kv_n = kv // t if kv % t == 0 else 1
         rows = {"q": (j * hq * d, (j + 1) * hq * d), "k": (kv_lo * d, (kv_lo + kv_n) * d),
                 "v": (kv_lo * d, (kv_lo + kv_n) * d), "gate": (j * ff, (j + 1) * ff), "up": (j * ff, (j + 1) * ff)}
+        if sparse:      # tp index j holds experts [j E/t, (j+1) E/t) (`npu_backend.moe`)
+            experts = params[f"{prefix}.{moe.GATE_UP}"].shape[0] // t
+            for m in ("gate", "up"):
+                del rows[m]
+            for name in (moe.GATE_UP, moe.DOWN):
+                out[f"{prefix}.{name}"] = (0, j * experts, (j + 1) * experts)
         for m, (a, b) in rows.items():
             for leaf in ("weight", "bias"):
                 if f"{n[m]}.{leaf}" in params:
                     out[f"{n[m]}.{leaf}"] = (0, a, b)
         out[n["o"] + ".weight"] = (1, *rows["q"])        # a row-split matrix's bias (if any) stays whole
-        out[n["down"] + ".weight"] = (1, *rows["gate"])
+        if not sparse:
+            out[n["down"] + ".weight"] = (1, *rows["gate"])
 
     if family:
         sh = c.text.shape
@@ -445,7 +465,9 @@ class TensorParallel:
         c, family = model.config, _is_family(model)
         params = dict(model.named_parameters())
         if family:
-            check_model(c, self.size, params[f"{FAMILY_LAYERS}.0.{_FAMILY['gate']}.weight"].shape[0],
+            dense = [p for p in (f"{FAMILY_LAYERS}.{i}.{_FAMILY['gate']}.weight" for i in range(c.text.num_layers))
+                     if p in params]       # a dense MLP's width (none when every layer is sparse)
+            check_model(c, self.size, params[dense[0]].shape[0] if dense else None,
                         _vision_width(model))
         else:
             check_model(c, self.size)
@@ -461,7 +483,9 @@ class TensorParallel:
                     blk.attn.heads, blk.attn.kv_heads = heads // self.size, max(1, kv // self.size)
                     blk.attn.tp = blk.mlp.tp = self
         self.vocab_range = slices[FAMILY_EMBED if family else "embed.weight"][1:]
-        self.row_params = sequence_params(model) if self.sequence else []
+        # the routers of sparse MoE blocks act on this process's rows only (`npu_backend.moe`), in both forms
+        routers = [n for n in params if n.endswith(moe.GATE)] if family else []
+        self.row_params = (sequence_params(model) if self.sequence else []) + routers
         model.tp = self
 
     def enter(self, x: torch.Tensor) -> torch.Tensor:
@@ -478,6 +502,11 @@ class TensorParallel:
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """This process's rows of a whole stream x[s, ...] (`sequence_rows`); backward all-gathers."""
         return _Rows.apply(x, self)
+
+    def local_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a whole stream x (`rows`, padded with zeros/False; no gradient)."""
+        c, n = sequence_rows(x.shape[0], self.size)
+        return _pad_rows(x, c).narrow(0, self.index * n, n)
 
     def stream(self, x: torch.Tensor, s: int) -> torch.Tensor:
         """The whole stream [s, ...] from every process's rows (all-gather), for replicated work after it."""

@@ -240,6 +240,9 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
                 rec["step_s"] = time.perf_counter() - t0 - plan_s
                 now = xla.compile_stats()["compiles"]
                 rec["xla_compiles"], compiled = now - compiled, now
+            if res.expert_tokens is not None:   # a mixture of experts: the routing's balance this step
+                mean = float(np.mean(res.expert_tokens))
+                rec["expert_tokens_max"], rec["expert_tokens_mean"] = float(max(res.expert_tokens)), mean
             if sample_ids is not None:      # a fine-tuning run's records, named as its metrics name them
                 rec["sample_ids"] = sample_ids
             records.append(rec)

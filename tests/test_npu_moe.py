@@ -1,0 +1,390 @@
+"""The mixture-of-experts families in the torch backend (`npu_backend.moe`) run as transformers does.
+
+- The sparse block alone vs transformers' `Qwen3MoeSparseMoeBlock` (norm_topk_prob off and on) and
+  `Qwen3VLMoeTextSparseMoeBlock`, and the load-balancing loss vs `load_balancing_loss_func` (dead
+  rows masked): outputs and gradients.
+- Tiny Qwen3-VL-MoE (DeepStack; video, image, text) and InternVL with a Qwen3-MoE LLM, each 8
+  experts, top 2, one dense layer among two sparse ones, saved by transformers (fused experts;
+  per expert) and loaded by `load_family`: logits, batch loss and gradients vs transformers, the
+  load-balancing loss on (Qwen3-VL-MoE with `output_router_logits`; InternVL's transformers model
+  never adds it), and what `save_family` writes loads back in transformers.
+- One world of 4 gloo processes: the block with its experts split over t = 2 and t = 4 processes
+  (all-to-all dispatch) equals one process; both families at t = 2 (2 ranks) on an irregular DHP
+  plan (Ulysses over both ranks, a ring over both, then one rank alone, the other idle), with and
+  without sequence parallelism, equal transformers, and route the tokens one process routes.
+
+fp32, relative error <= 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import hf_cases as hc
+import hf_engine_cases as ec
+from hf_cases import torch, transformers
+
+from dhp_jax.model import hf
+from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
+from npu_backend.launch import run_world
+
+E, K, INTER, D = 8, 2, 16, 64          # experts, top k, expert width (2 I != d: a transposition shows), width
+
+
+def _qwen3_vl_moe_config():
+    import test_hf_qwen3_vl
+
+    c = test_hf_qwen3_vl.make_config(False).to_dict()
+    c["text_config"].update(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=INTER, mlp_only_layers=[1])
+    c["vision_config"].update(depth=2, deepstack_visual_indexes=[0])
+    for part in (c, c["text_config"], c["vision_config"]):
+        part.pop("model_type", None)
+    return transformers.Qwen3VLMoeConfig(**c)
+
+
+def _internvl_moe_config():
+    import test_hf_engine_internvl as iv
+
+    return transformers.InternVLConfig(
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+                           image_size=16, patch_size=4, attention_bias=True, initializer_range=0.2),
+        text_config=dict(model_type="qwen3_moe", vocab_size=128, hidden_size=D, intermediate_size=96,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, num_experts=E,
+                         num_experts_per_tok=K, moe_intermediate_size=INTER, mlp_only_layers=[0],
+                         norm_topk_prob=False),
+        image_token_id=iv.IMAGE, image_seq_length=4)
+
+
+def _batches():
+    import test_hf_engine_internvl as iv
+    import test_hf_qwen3_vl
+
+    return {"qwen3_vl_moe": (transformers.Qwen3VLMoeForConditionalGeneration, _qwen3_vl_moe_config,
+                             lambda g: [test_hf_qwen3_vl.video_inputs(g), ec.qwen_image(g, 8, 4, 1, 6),
+                                        hc.qwen_text_inputs()], (hc.QWEN_IMAGE, hc.QWEN_VIDEO)),
+            "internvl": (transformers.InternVLForConditionalGeneration, _internvl_moe_config,
+                         lambda g: [iv.image(g, 2, 3, 4), iv.image(g, 1, 5, 2), hc.text_inputs([5, 6, 7, 8, 9, 10])],
+                         (iv.IMAGE,))}
+
+
+def _with_router_loss(path: str, out: str) -> str:
+    """A copy of checkpoint `path` whose config.json sets text_config.output_router_logits."""
+    shutil.copytree(path, out)
+    with open(os.path.join(out, "config.json")) as f:
+        raw = json.load(f)
+    raw["text_config"]["output_router_logits"] = True
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(raw, f)
+    return out
+
+
+def _reference_with_router_loss(model, batch, labels, num_experts: int, top_k: int, coef: float):
+    """transformers' token-weighted batch loss plus coef * load_balancing_loss_func over the whole
+    batch's router logits (every sample's rows, every sparse layer), and its gradients."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
+
+    model.zero_grad()
+    total, count, logits = 0.0, 0, []
+    for inputs, lab in zip(batch, labels):
+        n = int((lab[0, 1:] != -100).sum())
+        out = model(**hc.torch_inputs(inputs), labels=torch.as_tensor(lab), output_router_logits=False)
+        total = total + out.loss * n
+        count += n
+        logits.append(model(**hc.torch_inputs(inputs), output_router_logits=True).router_logits)
+    per_layer = tuple(torch.cat([lg[i] for lg in logits]) for i in range(len(logits[0])))
+    loss = total / count + coef * load_balancing_loss_func(per_layer, num_experts, top_k)
+    loss.backward()
+    return float(loss.detach()), {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """family -> (checkpoint dir, batch, samples, transformers model, (loss, grads)); "router loss":
+    Qwen3-VL-MoE with output_router_logits (its dir, its (loss, grads))."""
+    from npu_backend.hf import load_family
+
+    out = {}
+    for family, (cls, make_config, make_batch, vision_ids) in _batches().items():
+        path = hc.model_dir(tmp_path_factory, f"moe_{family}")
+        model = hc.build(cls, make_config(), path)
+        config = load_family(path).config
+        g = hc.rng(3)
+        batch = make_batch(g)
+        labels = [ec.labels_of(g, x, vision_ids) for x in batch]
+        samples = [hf.sample_from_inputs(config, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
+        out[family] = (path, batch, samples, model, ec.reference(model, batch, labels), labels)
+    path, batch, _, model, _, labels = out["qwen3_vl_moe"]
+    routed = _with_router_loss(path, os.path.join(hc.model_dir(tmp_path_factory, "moe_aux"), "ckpt"))
+    coef = model.config.text_config.router_aux_loss_coef
+    out["router loss"] = (routed, _reference_with_router_loss(model, batch, labels, E, K, coef))
+    return out
+
+
+def _one_process(model, samples):
+    """(loss, grads) of the batch on one process, each sample its own dense group, with the
+    load-balancing loss when the config turns it on."""
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend import moe
+    from npu_backend.hf import stream_tensors
+
+    layouts = [pack_family_group([s], 1, model.config) for s in samples]
+    total = sum(lay.num_loss_tokens for lay in layouts)
+    loss, stats = 0.0, []
+    for lay in layouts:
+        loss = loss + model.loss_sum(*stream_tensors(lay)) / total
+        stats += model.router_stats
+    coef = moe.aux_loss_coef(model.config)
+    loss = loss + coef * moe.batch_aux_loss(stats, model.config.text.moe.num_experts)
+    loss.backward()
+    return float(loss.detach()), model.grads()
+
+
+# ---------------------------------------------------------------------------------------- the block
+def _blocks():
+    from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+    from transformers.models.qwen3_vl_moe.configuration_qwen3_vl_moe import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextSparseMoeBlock
+
+    size = dict(hidden_size=16, num_experts=E, num_experts_per_tok=K, moe_intermediate_size=12)
+    return {("qwen3_moe", False): Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**size, norm_topk_prob=False)),
+            ("qwen3_moe", True): Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**size, norm_topk_prob=True)),
+            ("qwen3_vl_moe", True): Qwen3VLMoeTextSparseMoeBlock(Qwen3VLMoeTextConfig(**size))}
+
+
+def _block_case(seed: int = 0):
+    """Weights [E, d] router, [E, 2 I, d], [E, d, I] experts; rows x [37, 16]; 5 dead rows; a cotangent."""
+    g = torch.Generator().manual_seed(seed)
+    w = {"gate.weight": torch.randn((E, 16), generator=g), "experts.gate_up_proj": 0.5 * torch.randn((E, 24, 16), generator=g),
+         "experts.down_proj": 0.5 * torch.randn((E, 16, 12), generator=g)}
+    x, cot = torch.randn((37, 16), generator=g), torch.randn((37, 16), generator=g)
+    live = torch.ones(37, dtype=torch.bool)
+    live[[3, 10, 11, 20, 36]] = False
+    return w, x, cot, live
+
+
+def _block_reference(norm: bool, aux: float):
+    """(y, {name: grad} with "x") of `sparse_block` on one process, objective (y * cot).sum() + aux * loss."""
+    from npu_backend import moe
+
+    w, x, cot, live = _block_case()
+    w = {k: v.clone().requires_grad_() for k, v in w.items()}
+    x = x.clone().requires_grad_()
+    y, stats = moe.sparse_block(x, w["gate.weight"], w["experts.gate_up_proj"], w["experts.down_proj"], K, norm,
+                                torch.nn.functional.silu, live=live)
+    ((y * cot).sum() + aux * moe.batch_aux_loss([stats], E)).backward()
+    return y.detach().numpy(), {"x": x.grad.numpy(), **{k: v.grad.numpy() for k, v in w.items()}}
+
+
+def test_sparse_block_and_router_loss_match_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    from npu_backend import moe
+
+    w, x, cot, live = _block_case()
+    for (kind, norm), block in _blocks().items():
+        with torch.no_grad():
+            for name, p in block.named_parameters():
+                p.copy_(w[name])
+        xt = x[None].clone().requires_grad_()
+        (block(xt)[0] * cot).sum().backward()
+        y, grads = _block_reference(norm, 0.0)
+        theirs = {"x": xt.grad[0].numpy(), **{n: p.grad.numpy() for n, p in block.named_parameters()}}
+        out_err = hc.relative_error(y, block(x[None])[0].detach().numpy())
+        grad_err, worst = ec.relative_errors(grads, theirs)
+        print(f"{kind} block (norm_topk_prob {norm}): output {out_err:.1e}, grads {grad_err:.1e} ({worst})")
+        assert out_err <= hc.TOL and grad_err <= hc.TOL, (kind, norm, out_err, grad_err, worst)
+    # the load-balancing loss of two layers' routing over the live rows, and its gradient
+    gates = [w["gate.weight"].clone().requires_grad_(), (0.5 * w["gate.weight"]).clone().requires_grad_()]
+    stats = [moe.sparse_block(x, gt, w["experts.gate_up_proj"], w["experts.down_proj"], K, True,
+                              torch.nn.functional.silu, live=live)[1] for gt in gates]
+    ours = moe.batch_aux_loss(stats, E)
+    ours.backward()
+    mine = [gt.grad.clone() for gt in gates]
+    for gt in gates:
+        gt.grad = None
+    theirs = load_balancing_loss_func(tuple(x @ gt.T for gt in gates), E, K, live[None].long())
+    theirs.backward()
+    ours, theirs = float(ours.detach()), float(theirs.detach())
+    assert abs(ours - theirs) <= hc.TOL * theirs, (ours, theirs)
+    for a, gt in zip(mine, gates):
+        assert hc.relative_error(a.numpy(), gt.grad.numpy()) <= hc.TOL
+
+
+# ---------------------------------------------------------------------------------------- the families
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "internvl"])
+def test_moe_family_matches_transformers(cases, family, tmp_path):
+    from npu_backend.hf import load_family, save_family
+
+    path, batch, samples, model, (ref_loss, ref_grads), _ = cases[family]
+    ours = load_family(path)
+    spec = ours.config.text.moe
+    assert (spec.num_experts, spec.top_k, sum(spec.sparse), len(spec.sparse)) == (E, K, 2, 3), spec
+    worst = max(hc.relative_error(ours.logits(s).numpy(), hc.reference_logits(model, x)) for x, s in zip(batch, samples))
+    loss, grads = _one_process(ours, samples)
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    grad_err, name = ec.relative_errors(grads, ref_grads)
+    print(f"torch {family}: logits {worst:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e} ({name})")
+    assert worst <= hc.TOL and loss_err <= hc.TOL and grad_err <= hc.TOL, (worst, loss_err, grad_err, name)
+    # what save_family writes, transformers loads (per-expert matrices for Qwen3-MoE, as it saves them)
+    save_family(ours, str(tmp_path))
+    back = type(model).from_pretrained(str(tmp_path))
+    state = back.state_dict()
+    for k, p in model.state_dict().items():
+        assert torch.equal(state[k], p), k
+    if family == "qwen3_vl_moe":  # the releases' transposed experts ([E, d, 2 I], [E, I, d]) load the same
+        from dhp_jax.model.hf.config import write_pretrained
+
+        weights = {k: p.detach().numpy() for k, p in ours.params.items()}
+        weights.update({k: np.ascontiguousarray(w.swapaxes(1, 2)) for k, w in weights.items() if ".mlp.experts." in k})
+        write_pretrained(str(tmp_path / "released"), ours.config.raw, weights, 2**30)
+        released = load_family(str(tmp_path / "released"))
+        assert all(torch.equal(released.params[k], p) for k, p in ours.params.items())
+    if family == "internvl":      # transformers' model never adds the router loss, so neither do we
+        routed = load_family(_with_router_loss(path, str(tmp_path / "routed")))
+        assert abs(_one_process(routed, samples)[0] - ref_loss) <= hc.TOL * ref_loss
+
+
+def test_router_loss_matches_transformers(cases):
+    """Qwen3-VL-MoE with output_router_logits: transformers' batch loss + coef * load-balancing loss."""
+    from npu_backend.hf import load_family
+
+    routed, (ref_loss, ref_grads) = cases["router loss"]
+    _, batch, samples, model, (plain_loss, _), labels = cases["qwen3_vl_moe"]
+    ours = load_family(routed)
+    loss, grads = _one_process(ours, samples)
+    assert loss - plain_loss > 1e-4 * plain_loss          # the loss is on
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    grad_err, name = ec.relative_errors(grads, ref_grads)
+    # one sample alone: transformers' own loss with output_router_logits
+    model.config.text_config.output_router_logits = True
+    try:
+        with torch.no_grad():
+            one = float(model(**hc.torch_inputs(batch[0]), labels=torch.as_tensor(labels[0])).loss)
+    finally:
+        model.config.text_config.output_router_logits = False
+    mine = _one_process(ours, samples[:1])[0]
+    print(f"torch qwen3_vl_moe + router loss: loss {loss_err:.1e}, grads {grad_err:.1e} ({name}); "
+          f"one sample {abs(mine - one) / one:.1e}")
+    assert loss_err <= hc.TOL and grad_err <= hc.TOL and abs(mine - one) <= hc.TOL * one, (loss_err, grad_err, name)
+
+
+# ---------------------------------------------------------------------------------------- one world
+# 2 ranks of t = 2: Ulysses over both ranks (out of order) for sample 0, a ring over both for
+# sample 2, then rank 0 alone for sample 1 while rank 1 idles (with the load-balancing loss on, the
+# three micro-batches' forwards run first and one backward follows)
+PLAN = Plan(2, (MicroBatch((Group((1, 0), 2, (0,), "ulysses"),)), MicroBatch((Group((0, 1), 2, (2,), "ring"),)),
+                MicroBatch((Group((0,), 1, (1,), "ring"),))))
+
+
+def _block_world(rank: int, world: int) -> dict:
+    """The block with experts split over t = 2 and t = 4 processes: output and whole gradients."""
+    import torch.distributed as dist
+
+    from npu_backend import moe
+    from npu_backend.tensor_parallel import TensorParallel
+
+    out = {}
+    for t in (2, 4):
+        tp = TensorParallel.create(world, t)
+        w, x, cot, live = _block_case()
+        per = E // t
+        mine = {k: (v[tp.index * per:(tp.index + 1) * per] if k.startswith("experts") else v).clone().requires_grad_()
+                for k, v in w.items()}
+        xl = x.clone().requires_grad_()
+        y, stats = moe.sparse_block(tp.rows(xl), mine["gate.weight"], mine["experts.gate_up_proj"],
+                                    mine["experts.down_proj"], K, True, torch.nn.functional.silu, tp, tp.local_rows(live))
+        y = tp.stream(y, x.shape[0])
+        ((y * cot).sum() + 0.5 * moe.batch_aux_loss([stats], E, tp.group)).backward()
+        grads = {"x": xl.grad, "gate.weight": tp.sum(mine["gate.weight"].grad)}
+        for k in ("experts.gate_up_proj", "experts.down_proj"):
+            parts = [torch.empty_like(mine[k].grad) for _ in range(t)]
+            dist.all_gather(parts, mine[k].grad.contiguous(), group=tp.group)
+            grads[k] = torch.cat(parts)
+        out[t] = (y.detach().numpy(), {k: v.numpy() for k, v in grads.items()})
+    return out
+
+
+def _family_world(rank: int, jobs: dict) -> dict:
+    from npu_backend.executor import TorchPlanExecutor
+    from npu_backend.hf import load_family
+
+    out = {}
+    for family, (path, samples) in jobs.items():
+        for sequence in (False, True):
+            model = load_family(path)
+            ex = TorchPlanExecutor(model, tensor_parallel=2, sequence_parallel=sequence)
+            loss, _, _ = ex.loss_and_grads(PLAN, samples)
+            grads = {n: g.numpy() for n, g in ex.tp.gather(model, grads=True).items()}
+            held = sum(p.numel() for n, p in model.params.items() if ".experts." in n)
+            out[family, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None, "experts held": held,
+                                     "expert tokens": ex.expert_tokens}
+    return out
+
+
+def _expert_tokens(path: str, samples) -> list[float]:
+    """Tokens routed to each expert over the batch, per sparse layer, on one process."""
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend import moe
+    from npu_backend.hf import load_family, stream_tensors
+
+    model, stats = load_family(path), []
+    with torch.no_grad():
+        for s in samples:
+            model.loss_sum(*stream_tensors(pack_family_group([s], 1, model.config)))
+            stats += model.router_stats
+    return (moe.batch_totals(stats, E)[:-1] / sum(model.config.text.moe.sparse)).tolist()
+
+
+def _worker(rank: int, world: int, jobs: dict) -> dict:
+    return {"block": _block_world(rank, world), "family": _family_world(rank, jobs)}
+
+
+def test_world_experts_split_over_the_rank_match(cases):
+    routed, (ref_loss, ref_grads) = cases["router loss"]
+    path, _, samples, _, iv_ref, _ = cases["internvl"]
+    jobs = {"qwen3_vl_moe": (routed, cases["qwen3_vl_moe"][2]), "internvl": (path, samples)}
+    res = run_world(_worker, 4, (jobs,), timeout=300)
+    y_ref, g_ref = _block_reference(True, 0.5)
+    for t in (2, 4):
+        for r, o in enumerate(res):
+            y, grads = o["block"][t]
+            out_err, (grad_err, worst) = hc.relative_error(y, y_ref), ec.relative_errors(grads, g_ref)
+            assert out_err <= hc.TOL and grad_err <= hc.TOL, (t, r, out_err, grad_err, worst)
+        print(f"block, experts over t = {t}: output {out_err:.1e}, grads {grad_err:.1e}")
+    refs = {"qwen3_vl_moe": (ref_loss, ref_grads), "internvl": iv_ref}
+    routed_tokens = {f: _expert_tokens(jobs[f][0], jobs[f][1]) for f in refs}
+    whole = {f: sum(p.numel() for n, p in cases[f][3].named_parameters() if ".experts." in n) for f in refs}
+    for family, (loss_ref, grads_ref) in refs.items():
+        for sequence in (False, True):
+            for r, o in enumerate(res):
+                got = o["family"][family, sequence]
+                assert got["experts held"] * 2 == whole[family], (family, got["experts held"], whole[family])
+                # dropless: each token's k pairs reach experts; the counts one process finds
+                assert sum(got["expert tokens"]) == K * sum(s.num_tokens for s in jobs[family][1])
+                assert got["expert tokens"] == routed_tokens[family], (family, sequence, r)
+                loss_err = abs(got["loss"] - loss_ref) / loss_ref
+                assert loss_err <= hc.TOL, (family, sequence, r, got["loss"], loss_ref)
+                if got["grads"] is not None:
+                    grad_err, worst = ec.relative_errors(got["grads"], grads_ref)
+                    assert grad_err <= hc.TOL, (family, sequence, r, grad_err, worst)
+            print(f"torch {family}, t = 2{' sequence-parallel' if sequence else ''}, irregular plan: "
+                  f"loss {loss_err:.1e}, grads {grad_err:.1e} ({worst})")
+
+
+def test_experts_tensor_parallel_cannot_split_are_refused():
+    from npu_backend.tensor_parallel import check_model
+
+    raw = json.loads(_qwen3_vl_moe_config().to_json_string())
+    raw["vision_config"]["num_heads"] = 4
+    raw["text_config"]["num_local_experts"] = 6
+    config = hf.parse_config(raw)
+    with pytest.raises(ValueError, match=r"tensor_parallel 4 cannot split text_config.num_experts = 6"):
+        check_model(config, 4)
+    check_model(config, 2)
