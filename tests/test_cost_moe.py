@@ -148,7 +148,8 @@ def choice_30b():
 
 def test_the_planner_chooses_t_for_qwen3_vl_30b_a3b(choice_30b):
     """64k tokens on 64 Ascend 910B devices: t = 1 and 2 hold too many weights per device; the
-    planner picks a t whose least degree fits by the memory model (group program + state shard)."""
+    planner picks the fastest (t, degree) that fits by the memory model (group program + state
+    shard), at or above each t's least fitting degree."""
     r = choice_30b
     assert "does not fit" in r["tried"][1] and "does not fit" in r["tried"][2]
     assert r["t"] in (4, 8) and r["fits"] and 1 <= r["degree"] <= r["ranks"] == 64 // r["t"]
@@ -156,8 +157,10 @@ def test_the_planner_chooses_t_for_qwen3_vl_30b_a3b(choice_30b):
                             state_shards=64, sequence_parallel=True)
     total = group_program_bytes(cost, [65536], r["degree"]) + rank_state_bytes(cost)
     assert total == r["device_bytes"] <= cost.usable_bytes
-    if r["degree"] > 1:      # the least degree that fits
-        assert group_program_bytes(cost, [65536], r["degree"] - 1) + rank_state_bytes(cost) > cost.usable_bytes
+    least = r["tried"][r["t"]]["least_degree"]
+    assert least <= r["degree"]
+    if least > 1:            # below the least degree the sample does not fit
+        assert group_program_bytes(cost, [65536], least - 1) + rank_state_bytes(cost) > cost.usable_bytes
     for t, v in r["tried"].items():
         if isinstance(v, dict):
             assert v["step_s"] >= r["step_s"]

@@ -253,12 +253,14 @@ def choose(model: Any, hardware: str, tokens: int, devices: int, *, devices_per_
            vision_share: float = 1.0, sequence_parallel: bool = True, **preset: Any) -> dict[str, Any]:
     """The tensor-parallel size t and the context-parallel degree the planner gives one sample of
     `tokens` tokens (vision share `vision_share`: its vision tokens / its tokens) on `devices`
-    devices of `hardware`, state sharded over all of them: for each t this model allows (up to
-    the node's devices) at which the model fits a device, the least degree of ranks at which the
+    devices of `hardware`, state sharded over all of them. For each t this model allows (up to the
+    node's devices) at which the model fits a device: the least degree of ranks at which the
     sample fits by the memory model (`memory.min_degree`, then the group program plus the state
-    checked against the usable bytes), priced by the cost model (`pricing.group_time`); the
-    fastest wins, the smaller t on a tie. Returns {"t", "degree", "ranks", "step_s", "device_bytes",
-    "usable_bytes", "fits", "tried": {t: what it gave or why not}}. A ValueError when no t fits."""
+    shard checked against the usable bytes), and every larger degree up to the devices / t ranks,
+    each priced by the cost model (`pricing.group_time`); the fastest (t, degree) wins, the smaller
+    t and degree on a tie. Returns {"t", "degree", "ranks", "step_s", "device_bytes",
+    "usable_bytes", "fits", "tried": {t: {"least_degree", "degree", "step_s", "device_bytes"} or
+    why not}}. A ValueError naming each t's reason when no t fits."""
     from dhp_jax.planner.cost import memory
     from dhp_jax.planner.cost.model import CostModel
     from dhp_jax.planner.cost.pricing import group_time
@@ -277,27 +279,32 @@ def choose(model: Any, hardware: str, tokens: int, devices: int, *, devices_per_
         if devices_per_node % t or devices % t:
             continue
         try:
-            cost = CostModel.preset(model if isinstance(model, str) else m, hardware, tensor_parallel=t, ranks_per_node=devices_per_node // t,
-                                    state_shards=devices, sequence_parallel=bool(sequence_parallel) and t > 1,
-                                    **preset)
+            cost = CostModel.preset(model if isinstance(model, str) else m, hardware, tensor_parallel=t,
+                                    ranks_per_node=devices_per_node // t, state_shards=devices,
+                                    sequence_parallel=bool(sequence_parallel) and t > 1, **preset)
         except ValueError as e:
             tried[t] = str(e)
             continue
         ranks = devices // t
-        degree = int(memory.min_degree(cost, [tokens])[0])
-        while degree <= ranks:
-            total = memory.group_program_bytes(cost, [tokens], degree) + memory.rank_state_bytes(cost)
-            if total <= cost.usable_bytes:
-                break
-            degree += 1
-        if degree > ranks:
+
+        def device_bytes(degree: int) -> float:
+            return memory.group_program_bytes(cost, [tokens], degree) + memory.rank_state_bytes(cost)
+
+        least = int(memory.min_degree(cost, [tokens])[0])
+        while least <= ranks and device_bytes(least) > cost.usable_bytes:
+            least += 1
+        if least > ranks:
             tried[t] = f"{tokens} tokens need more than the {ranks} ranks of {devices} devices at t={t}"
             continue
-        step = float(group_time(cost, [tokens], degree, etas=[vision_share ** 2]))
-        tried[t] = {"degree": degree, "step_s": step, "device_bytes": total}
-        if best is None or step < best["step_s"]:
-            best = {"t": t, "degree": degree, "ranks": ranks, "step_s": step, "device_bytes": total,
-                    "usable_bytes": cost.usable_bytes, "fits": total <= cost.usable_bytes}
+        times = {d: float(group_time(cost, [tokens], d, etas=[vision_share ** 2])) for d in range(least, ranks + 1)
+                 if device_bytes(d) <= cost.usable_bytes}
+        degree = min(times, key=lambda d: (times[d], d))
+        tried[t] = {"least_degree": least, "degree": degree, "step_s": times[degree],
+                    "device_bytes": device_bytes(degree)}
+        if best is None or times[degree] < best["step_s"]:
+            best = {"t": t, "degree": degree, "ranks": ranks, "step_s": times[degree],
+                    "device_bytes": device_bytes(degree), "usable_bytes": cost.usable_bytes,
+                    "fits": device_bytes(degree) <= cost.usable_bytes}
     if best is None:
         raise ValueError(f"no tensor-parallel size fits one {tokens}-token sample on {devices} devices of "
                          f"{hardware}: " + "; ".join(f"t={t}: {v}" for t, v in tried.items()))
