@@ -6,6 +6,7 @@ tests/test_model_configs.py."""
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from dhp_jax.data import model_configs
@@ -143,7 +144,7 @@ def test_router_and_dispatch_activations():
 
 @pytest.fixture(scope="module")
 def choice_30b():
-    return tp.choose("qwen3-vl-30b-a3b", "ascend-910b", 65536, 64)
+    return tp.choose("qwen3-vl-30b-a3b", "ascend-910b", 65536, 64, vision_share=0.9)
 
 
 def test_the_planner_chooses_t_for_qwen3_vl_30b_a3b(choice_30b):
@@ -164,6 +165,13 @@ def test_the_planner_chooses_t_for_qwen3_vl_30b_a3b(choice_30b):
     for t, v in r["tried"].items():
         if isinstance(v, dict):
             assert v["step_s"] >= r["step_s"]
+    # DHP's own plan of that sample at the chosen t: the same degree and step time
+    from dhp_jax.planner.compare import compare_strategies
+
+    comp = compare_strategies([(np.array([65536]), np.array([0.81]))], 64 // r["t"], cost, ["dhp"], errors="raise",
+                              ranks_per_node=8 // r["t"])
+    group = next(g for mb in comp.runs["dhp"].plans[0].micro_batches for g in mb.groups if g.samples)
+    assert group.degree == r["degree"] and comp.mean("dhp") == pytest.approx(r["step_s"], rel=1e-9)
 
 
 def test_choose_says_why_nothing_fits():

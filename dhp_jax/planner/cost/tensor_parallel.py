@@ -257,13 +257,15 @@ def choose(model: Any, hardware: str, tokens: int, devices: int, *, devices_per_
     node's devices) at which the model fits a device: the least degree of ranks at which the
     sample fits by the memory model (`memory.min_degree`, then the group program plus the state
     shard checked against the usable bytes), and every larger degree up to the devices / t ranks,
-    each priced by the cost model (`pricing.group_time`); the fastest (t, degree) wins, the smaller
-    t and degree on a tie. Returns {"t", "degree", "ranks", "step_s", "device_bytes",
+    each priced as the planner prices a step of that one group: its time at the best attention
+    kind (`pricing.best_times`) plus the gradient all-reduce over the devices / t ranks
+    (`pricing.allreduce_time`, which shrinks with t: a device's share of the weights); the fastest
+    (t, degree) wins, the smaller t and degree on a tie. Returns {"t", "degree", "ranks", "step_s", "device_bytes",
     "usable_bytes", "fits", "tried": {t: {"least_degree", "degree", "step_s", "device_bytes"} or
     why not}}. A ValueError naming each t's reason when no t fits."""
     from dhp_jax.planner.cost import memory
     from dhp_jax.planner.cost.model import CostModel
-    from dhp_jax.planner.cost.pricing import group_time
+    from dhp_jax.planner.cost.pricing import allreduce_time, best_times, sample_terms
 
     positive_int(tokens, "tokens")
     positive_int(devices, "devices")
@@ -296,7 +298,9 @@ def choose(model: Any, hardware: str, tokens: int, devices: int, *, devices_per_
         if least > ranks:
             tried[t] = f"{tokens} tokens need more than the {ranks} ranks of {devices} devices at t={t}"
             continue
-        times = {d: float(group_time(cost, [tokens], d, etas=[vision_share ** 2])) for d in range(least, ranks + 1)
+        A, B, S = (x.sum() for x in sample_terms(cost, [tokens], [vision_share ** 2]))
+        reduce = allreduce_time(cost, ranks)
+        times = {d: float(best_times(cost, A, B, S, d)) + reduce for d in range(least, ranks + 1)
                  if device_bytes(d) <= cost.usable_bytes}
         degree = min(times, key=lambda d: (times[d], d))
         tried[t] = {"least_degree": least, "degree": degree, "step_s": times[degree],
