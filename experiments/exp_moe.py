@@ -15,10 +15,8 @@ from dhp_jax.planner.cost.tensor_parallel import choose
 from experiments.common import LABELS, STATIC, save_figure
 from experiments.exp_tensor_parallel import _grid, _long_sample
 
-# the parameters experiment 13's grid and long sample read
-GRID_KEYS = ("devices_per_node", "tensor_parallel", "sequence_parallel", "batch_per_device", "steps", "hardware",
-             "strategies")
-LONG_KEYS = ("long_tokens", "long_vision", "long_devices")
+# what the table keeps of `tensor_parallel.choose`'s answer
+CHOICE = ("t", "degree", "step_s", "device_bytes", "usable_bytes", "fits")
 
 
 def _choice(p: dict[str, Any], model: str) -> dict[str, Any]:
@@ -28,11 +26,13 @@ def _choice(p: dict[str, Any], model: str) -> dict[str, Any]:
                    vision_share=p["long_vision"], sequence_parallel=p["sequence_parallel"])
     except ValueError as e:
         return {"error": str(e)}
-    return {k: r[k] for k in ("t", "degree", "step_s", "device_bytes", "usable_bytes", "fits")}
+    return {k: r[k] for k in CHOICE}
 
 
 def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str, Any]:
-    base = {k: p[k] for k in GRID_KEYS + LONG_KEYS}
+    # the parameters experiment 13's grid and long sample read
+    base = {k: p[k] for k in ("devices_per_node", "tensor_parallel", "sequence_parallel", "batch_per_device", "steps",
+                              "hardware", "strategies", "long_tokens", "long_vision", "long_devices")}
     rows = []
     for model in p["models"]:
         for dataset in p["datasets"]:
