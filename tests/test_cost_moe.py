@@ -82,6 +82,9 @@ def test_tensor_parallel_compute_and_the_rows_exchange():
     dense_llm, dense_vision = tp.sequence_parallel_bytes(DENSE, t, el, 4.0, False)
     assert llm == pytest.approx(dense_llm - mlp + exchange, rel=1e-12) and vision == dense_vision
     assert tp.sequence_parallel_bytes(M, 2, el, 4.0, False) == tp.sequence_parallel_bytes(DENSE, 2, el, 4.0, False)
+    # k = 4 > t = 2: an all-to-all would send 4 x 1/2 x 1/2 rows a token; the gather and scatter send 1/2
+    top4 = dataclasses.replace(M, experts_per_token=4)
+    assert tp.moe_exchange_bytes(top4, 2, el, 4.0) == pytest.approx(SPARSE * 2 * 3 * (1 / 2) * el * D, rel=1e-12)
     hw = presets.HARDWARE["ascend-910b"]
     c = CostModel.preset(M, "ascend-910b", tensor_parallel=t, ranks_per_node=2, state_shards=8,
                          sequence_parallel=True)
