@@ -48,8 +48,12 @@ def _transformers_params(raw: dict) -> int:
 
 
 def test_the_models_are_stored_once_and_listed_by_family_and_size():
-    assert model_configs.model_names() == ALL
-    assert tuple(presets.MODELS) == ALL == CostModel.MODELS
+    # by family, then by size (a MoE family of its own sorts after its dense relative)
+    names = model_configs.model_names()
+    facts = {n: model_configs.model_facts(n) for n in ALL}
+    assert set(names) == set(ALL) and names == tuple(sorted(ALL, key=lambda n: (facts[n].family, facts[n].params)))
+    assert tuple(presets.MODELS) == names == CostModel.MODELS
+    assert names[:3] == ALL[:3] and names.index("qwen3-vl-2b") < names.index("qwen3-vl-32b")
     for name in ALL:
         rec = model_configs.model_record(name)
         assert rec["source"] == f"https://huggingface.co/{rec['hub_id']}/blob/main/config.json"
