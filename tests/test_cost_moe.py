@@ -97,6 +97,11 @@ def test_tensor_parallel_compute_and_the_rows_exchange():
                                                      vision_heads=16, vision_intermediate=32 * 16), 16, "tiny")
 
 
+def test_a_moe_shape_without_its_family_is_refused():
+    with pytest.raises(ValueError, match="a mixture-of-experts shape is priced as its family's program"):
+        CostModel.preset(dataclasses.replace(M, family=""), "h100")
+
+
 def test_memory_holds_every_weight_and_splits_the_experts():
     """Weights, gradients and optimizer state on all parameters; at t the experts (and every other
     split weight) / t, the routers whole on each device; the decoder's stacked gradients hold the

@@ -255,6 +255,9 @@ class CostModel:
         if key_h not in presets.HARDWARE:
             raise ValueError(f"unknown hardware {hardware!r}; known hardware: {', '.join(presets.HARDWARE)}")
         m, hw = shape or presets.MODELS[key_m], presets.HARDWARE[key_h]
+        if m.moe and not m.family:
+            raise ValueError(f"model {key_m!r}: a mixture-of-experts shape is priced as its family's program "
+                             f"(ModelShape.family), and this one names none (the stand-in engine has no experts)")
         dtype = compute_dtype or ("float32" if hw.bytes_per_element == 4 else "bfloat16")
         if dtype not in engine_memory.COMPUTE_BYTES:
             raise ValueError(f"compute_dtype must be one of {sorted(engine_memory.COMPUTE_BYTES)}, got {dtype!r}")
