@@ -61,15 +61,16 @@ def test_the_models_are_stored_once_and_listed_by_family_and_size():
         assert MLLMConfig.preset(name) == MLLMConfig.from_hf(rec["config"], name=name)
 
 
-@pytest.mark.parametrize("name", ALL + ("qwen2.5-vl-7b-shaped",))
+@pytest.mark.parametrize("name", tuple(n for n in ALL if n not in MOE) + ("qwen2.5-vl-7b-shaped",))
 def test_parameter_count_is_transformers_own(name):
+    """(The MoE checkpoints' counts: test_moe_facts_are_transformers_own.)"""
     raw = QWEN25_VL if name == "qwen2.5-vl-7b-shaped" else model_configs.model_config(name)
     facts = model_configs.facts_from_config(raw)
     assert facts.params == _transformers_params(raw)
     if name in NAMES:
         assert memory.engine_params(presets.MODELS[name]) == facts.params == CostModel.preset(
             name, "h100").param_count
-    elif name in LARGE + MOE:
+    elif name in LARGE:
         assert memory.engine_params(presets.MODELS[name]) == facts.params
 
 
@@ -90,39 +91,41 @@ HUB_SIZES_MOE_B = {"internvl3.5-30b-a3b": (30.8, 3.7), "qwen3-vl-30b-a3b": (31.1
                    "qwen3-vl-235b-a22b": (235.7, 22.8)}
 
 
-def _transformers_active(raw: dict) -> int:
-    """Parameters one token's forward pass uses in transformers' model built from `raw` (meta device):
-    all of them less, in each sparse block, the experts' weights beyond the k a token is routed to."""
+def _meta_model(raw: dict):
+    """transformers' model built from `raw` on the meta device (no memory), and its config."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     cfg = transformers.AutoConfig.for_model(**model_configs.hf_layout(raw))
     with torch.device("meta"):
-        model = transformers.AutoModelForImageTextToText.from_config(cfg)
-    total, k = 0, cfg.text_config.num_experts_per_tok
+        return transformers.AutoModelForImageTextToText.from_config(cfg), cfg
+
+
+def _counts(model, cfg) -> tuple[int, int]:
+    """(all parameters, those one token's forward pass uses: all less, in each sparse block, the
+    experts' weights beyond the k a token is routed to) of transformers' model."""
+    total = active = 0
+    k = cfg.text_config.num_experts_per_tok
     for name, p in model.named_parameters():
-        experts = ".mlp.experts." in name
-        total += p.numel() // p.shape[0] * k if experts else p.numel()
-    return total
+        total += p.numel()
+        active += p.numel() // p.shape[0] * k if ".mlp.experts." in name else p.numel()
+    return total, active
 
 
 @pytest.mark.parametrize("name", MOE)
 def test_moe_facts_are_transformers_own(name):
     """The sparse blocks as transformers builds them: which layers hold experts, how many, their
     width and top-k; the active count is what a token runs through in transformers' model."""
-    transformers = pytest.importorskip("transformers")
     raw = model_configs.model_config(name)
     f = model_configs.facts_from_config(raw)
-    cfg = transformers.AutoConfig.for_model(**model_configs.hf_layout(raw))
-    torch = pytest.importorskip("torch")
-    with torch.device("meta"):
-        model = transformers.AutoModelForImageTextToText.from_config(cfg)
+    model, cfg = _meta_model(raw)
     layers = model.model.language_model.layers
     sparse = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
     assert f.sparse_layers == sparse == tuple(range(f.layers)) and f.moe
     gate_up = layers[0].mlp.experts.gate_up_proj
     assert (f.experts, 2 * f.expert_intermediate, f.hidden) == tuple(gate_up.shape)
     assert f.experts_per_token == cfg.text_config.num_experts_per_tok == 8 and f.norm_topk
-    assert f.active_params == _transformers_active(raw)
+    assert (f.params, f.active_params) == _counts(model, cfg)
+    assert memory.engine_params(presets.MODELS[name]) == f.params
     total, active = HUB_SIZES_MOE_B[name]
     assert (round(f.params / 1e9, 1), round(f.active_params / 1e9, 1)) == (total, active)
     m = presets.MODELS[name]
@@ -135,8 +138,6 @@ def test_moe_layers_and_defaults_as_transformers_reads_them():
     a field absent from the file is its config class's default (Qwen3MoeConfig's norm_topk_prob
     False; Qwen3VLMoeTextConfig has none: its router always renormalises); the dense layers' MLP
     is counted at intermediate_size."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
     raw = model_configs.model_config("internvl3.5-30b-a3b")
     small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "num_experts": 8,
@@ -145,7 +146,7 @@ def test_moe_layers_and_defaults_as_transformers_reads_them():
     cfg = {**raw, "llm_config": {**llm, **small}, "vision_config": {**raw["vision_config"], "num_hidden_layers": 1}}
     f = model_configs.facts_from_config(cfg)
     assert f.sparse_layers == (1, 5) and not f.norm_topk and f.router_aux_loss_coef == 0.001
-    assert f.params == _transformers_params(cfg) and f.active_params == _transformers_active(cfg)
+    assert (f.params, f.active_params) == _counts(*_meta_model(cfg))
     q = model_configs.model_config("qwen3-vl-30b-a3b")
     text = {k: v for k, v in q["text_config"].items() if k not in ("norm_topk_prob", "head_dim")}
     qcfg = {**q, "text_config": {**text, **{k: v for k, v in small.items() if k != "head_dim"},
@@ -153,7 +154,7 @@ def test_moe_layers_and_defaults_as_transformers_reads_them():
             "vision_config": {**q["vision_config"], "out_hidden_size": 64, "depth": 1, "deepstack_visual_indexes": []}}
     qf = model_configs.facts_from_config(qcfg)
     assert qf.sparse_layers == (2, 5) and qf.norm_topk and qf.head_dim == 64 // 4   # head_dim: hidden / heads
-    assert qf.params == _transformers_params(qcfg) and qf.active_params == _transformers_active(qcfg)
+    assert (qf.params, qf.active_params) == _counts(*_meta_model(qcfg))
     # no experts: every layer dense, nothing sparse to price
     dense = model_configs.facts_from_config({**qcfg, "text_config": {**qcfg["text_config"], "num_experts": 0}})
     assert not dense.moe and dense.experts == 0 and dense.params == dense.active_params
