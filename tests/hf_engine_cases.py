@@ -39,13 +39,14 @@ def qwen_image(g, h, w, before, after):
             "image_grid_thw": np.array([[1, h, w]])}
 
 
-def reference(model, batch: list[dict], labels: list[np.ndarray]) -> tuple[float, dict[str, np.ndarray]]:
-    """(token-weighted batch loss, {name: grad}) by transformers' loss and autograd."""
+def reference(model, batch: list[dict], labels: list[np.ndarray], **kw) -> tuple[float, dict[str, np.ndarray]]:
+    """(token-weighted batch loss, {name: grad}) by transformers' loss and autograd (`kw` to the
+    model's forward, e.g. output_router_logits=True: the MoE load-balancing loss added)."""
     model.zero_grad()
     total, count = 0.0, 0
     for inputs, lab in zip(batch, labels):
         n = int((lab[0, 1:] != -100).sum())
-        out = model(**hc.torch_inputs(inputs), labels=torch.as_tensor(lab))
+        out = model(**hc.torch_inputs(inputs), labels=torch.as_tensor(lab), **kw)
         total = total + out.loss * n
         count += n
     loss = total / count

@@ -205,7 +205,7 @@ def test_grouped_query_heads_must_divide():
 
 # ----------------------------------------------------------------- defaults of transformers
 TEXT_REQUIRED = {"qwen2_5_vl_text": {"num_attention_heads": 8}, "qwen3_vl_text": {}, "qwen2": {}, "qwen3": {},
-                 "llama": {"num_attention_heads": 8}}
+                 "llama": {"num_attention_heads": 8}, "qwen3_vl_moe_text": {}, "qwen3_moe": {}}
 
 
 def transformers_value(config, key: str):
@@ -220,7 +220,9 @@ def transformers_value(config, key: str):
 def text_rope_default(model_type: str, key: str):
     """The M-RoPE split a rotary module uses when rope_parameters has none."""
     module = {"qwen2_5_vl_text": transformers.models.qwen2_5_vl.modeling_qwen2_5_vl.Qwen2_5_VLRotaryEmbedding,
-              "qwen3_vl_text": transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding}[model_type]
+              "qwen3_vl_text": transformers.models.qwen3_vl.modeling_qwen3_vl.Qwen3VLTextRotaryEmbedding,
+              "qwen3_vl_moe_text":
+                  transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe.Qwen3VLMoeTextRotaryEmbedding}[model_type]
     config = transformers.AutoConfig.for_model(model_type, **TEXT_REQUIRED[model_type])
     return list(module(config).mrope_section)
 

@@ -57,6 +57,8 @@ def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = N
     raw = demo_config(family, vocab)
     if family == "internvl":
         raw["vision_config"]["use_qk_norm"] = True       # InternViT's QK-norm over the whole (split) width
+    if family == "qwen3_vl_moe":
+        raw["vision_config"]["num_heads"] = 4             # 4 encoder heads: t = 4 splits them too
     if tied:
         raw["tie_word_embeddings"] = True
     if kv_heads is not None:
@@ -142,9 +144,36 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, remat
     _check_step(dataclasses.replace(cfg, remat=remat), params, samples, plan, ref_loss, ref_grads, sequence)
 
 
-def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel):
+# the MoE case (one small one): irregular plans at t = 1 (8 ranks: ring groups of 5 + 3, then a
+# hybrid 2 x 2 and a Ulysses group), t = 2 (`HYBRID`) and t = 4 (2 ranks: a ring of 2, then two
+# groups of 1)
+MOE_PLANS = {1: Plan(8, (MicroBatch((Group((0, 1, 2, 3, 4), 5, (0, 1, 2)), Group((5, 6, 7), 3, (3,)))),
+                         MicroBatch((Group((7, 6, 5, 4), 4, (4,), attention="hybrid:2x2"),
+                                     Group((0, 1), 2, (5,), attention="ulysses"))))),
+             2: HYBRID,
+             4: Plan(2, (MicroBatch((Group((1, 0), 2, (0, 1, 2, 3)),)),
+                         MicroBatch((Group((0,), 1, (4,)), Group((1,), 1, (5,))))))}
+
+
+@pytest.mark.parametrize("t,sequence", [(1, False), (2, True), (4, False)])
+def test_moe_step_matches_one_device(t, sequence):
+    """Qwen3-VL-MoE (8 experts, top 2, layer 0 dense, DeepStack): each rank's t devices hold 8 / t
+    experts each (expert parallelism inside the rank: the router whole, the tokens routed to a
+    device's experts run there as one grouped GEMM, the experts' outputs summed over the rank, or
+    reduce-scattered back to a device's rows sequence-parallel), exact against one device."""
+    cfg, params, samples, (ref_loss, ref_grads) = _case("qwen3_vl_moe", 256, False, None)
+    assert cfg.text.moe.sparse == (False, True, True) and cfg.text.moe.num_experts == 8
+    ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
+    if t > 1:
+        from dhp_jax.sharding import tensor_parallel
+        kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
+        assert kinds["model/language_model/layers/1/mlp/experts/gate_up_proj"] == tensor_parallel.SPLIT
+        assert kinds["model/language_model/layers/1/mlp/gate/kernel"] == tensor_parallel.REPLICATED
+
+
+def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel, t=2):
     family = cfg.family
-    ex = PlanExecutor(cfg, tensor_parallel=2, linear_chunk=8, sequence_parallel=sequence_parallel)
+    ex = PlanExecutor(cfg, tensor_parallel=t, linear_chunk=8, sequence_parallel=sequence_parallel)
     loss, grads = ex.loss_and_grads(params, samples, plan)
     errs = {"loss": _rel(loss, ref_loss)}
     ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
@@ -153,15 +182,18 @@ def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parall
     largest = max(float(np.max(np.abs(v))) for v in ref.values())
     errs.update((k, _rel(ours[k], ref[k], 1e-6 * largest)) for k in ref)
     worst = max(errs, key=errs.get)
-    print(f"{family} t=2{' sequence-parallel' if sequence_parallel else ''}: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
+    print(f"{family} t={t}{' sequence-parallel' if sequence_parallel else ''}: loss {float(loss):.6f} vs {float(ref_loss):.6f}, max rel error {errs[worst]:.1e} ({worst})")
     assert errs[worst] <= 1e-5, (worst, errs[worst])
     # the state is tp-sharded: a device holds its share, not the whole model; the encoders' blocks
     # are split (a Qwen fused qkv by heads inside each of q, k, v)
     from dhp_jax.sharding import tensor_parallel
+    if t == 1:
+        return ex
     assert ex.layout.row < ex.layout.size
     kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
     assert (kinds["model/visual/blocks/0/attn/qkv/kernel"] == tensor_parallel.FUSED if family != "internvl" else
             kinds["model/vision_tower/encoder/layer/0/attention/q_norm/scale"] == tensor_parallel.SPLIT)
+    return ex
 
 
 def test_family_refusals_name_the_model_and_t():

@@ -37,6 +37,10 @@ from dhp_jax.data.jsonl import read_json_file
 # M-RoPE split's default is the rotary module's (Qwen2_5_VLRotaryEmbedding, Qwen3VLTextRotaryEmbedding)
 ROPE_KEYS = ("rope_theta", "mrope_section")
 
+# Field names transformers' config classes map onto a field of FIELDS (their `attribute_map`):
+# Qwen3MoeConfig / Qwen3VLMoeTextConfig write `num_experts` as `num_local_experts`
+ALIASES = {"num_local_experts": "num_experts"}
+
 # Derived defaults (transformers computes them from other fields of the same config)
 HEADS = "=num_attention_heads"            # num_key_value_heads absent or null: one KV head per query head
 WIDTH_OVER_HEADS = "=hidden_size//num_attention_heads"   # head_dim absent or null
@@ -140,6 +144,9 @@ def _filled(cfg: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     a derived default where absent or null)."""
     table = models.fields()[model_type]
     out = dict(cfg)
+    for alias, key in ALIASES.items():           # the configs' attribute_map: both names, one field
+        if key in table and key not in out and alias in out:
+            out[key] = out[alias]
     for key, default in table.items():
         if key in ROPE_KEYS or isinstance(default, str) and default.startswith("="):
             continue

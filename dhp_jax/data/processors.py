@@ -73,6 +73,9 @@ def family_of(checkpoint: str) -> str:
         if os.path.exists(p):
             d = _read_json(p)
             names += [str(d.get("processor_class", "")), str(d.get("image_processor_type", ""))]
+    exact = models.spec_for_type(names[0]) if names else None
+    if exact is not None:                   # a model type a family reads (before the prefixes)
+        return exact.name
     for n in names:
         key = n.lower().replace("-", "_").replace(".", "_")
         for spec in models.specs():

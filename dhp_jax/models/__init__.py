@@ -30,6 +30,7 @@ BUILTIN = (
     "dhp_jax.models.qwen2_5_vl.spec",
     "dhp_jax.models.qwen3_vl.spec",
     "dhp_jax.models.internvl.spec",
+    "dhp_jax.models.qwen3_vl_moe.spec",
 )
 
 

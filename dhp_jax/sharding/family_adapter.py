@@ -48,7 +48,7 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import (LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim,
                                      rope_axes, unit)
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
-from dhp_jax.model.hf.scan import BlockRows, block_stacks, with_stacks
+from dhp_jax.model.hf.scan import BlockRows, block_stacks, stack_rows, with_stacks
 from dhp_jax.sharding import tensor_parallel as tensor_split
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.sharded_state import require_float32, row_dtype
@@ -72,8 +72,8 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
     tp = tensor_split.hooks(t, sequence_parallel) if t > 1 else None
     if tp is not None:
         table, layout = layout.table, layout.local      # the split table, built once per layout
-    stacks = [("/".join(path) + "/", count, path) for path, count in block_stacks(config)]
-    cuts = layout.cuts([(prefix, count) for prefix, count, _ in stacks], leaves=True)
+    stacks = [("/".join(path) + "/", count, path, first) for path, count, first in block_stacks(config)]
+    cuts = layout.cuts([(prefix, count, first) for prefix, count, _, first in stacks], leaves=True)
 
     def body(flat, llm_ints, llm_floats, vision_ints, vision_floats):
         if tp is not None:
@@ -83,17 +83,17 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
 
         def loss_sum(pieces):
             # the block stacks run as scans over rows of their pieces (a reshape, no copy of the params)
-            rows = {}
-            for prefix, count, path in stacks:
-                r = layout.piece_rows(pieces, cuts, prefix, count)[0]
-                leaves = layout.block_leaves(prefix, count)[2]
+            found = []
+            for prefix, count, path, first in stacks:
+                r = layout.piece_rows(pieces, cuts, prefix, count, first)[0]
+                leaves = layout.block_leaves(prefix, count, first)[2]
                 if tp is not None:
                     r = tensor_split.tie_rows(r, table, prefix, leaves, tp)
-                rows[path] = BlockRows(r, leaves)
+                found.append(((path, first), BlockRows(r, leaves)))
             params = layout.unravel_pieces(pieces, cuts)
             if tp is not None:
                 params = tensor_split.tie_top(params, table, tp)
-            params = with_stacks(params, rows)
+            params = with_stacks(params, stack_rows(found))
             return lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn,
                                           tp=tp)
 

@@ -97,11 +97,12 @@ class FlatLayout:
         return jax.tree.unflatten(self.treedef, [flat[offsets[i]:offsets[i] + n].reshape(sh)
                                                  for i, (n, sh) in enumerate(zip(self.sizes, self.shapes))])
 
-    def stack(self, prefix: str, count: int) -> tuple[int, int, Any]:
-        """The blocks `prefix0` .. `prefix{count-1}` as rows of one [count, n] matrix at offset
-        `start` of the flat vector: (start, n, a function from one row to that block's params
-        subtree)."""
-        start, n, local = self.block_leaves(prefix, count)
+    def stack(self, prefix: str, count: int, first: int = 0) -> tuple[int, int, Any]:
+        """The blocks `prefix0` .. `prefix{count-1}` (from `prefix{first}` when `first` is given: a
+        run of a stack whose blocks differ, a MoE LLM's sparse or dense layers) as rows of one
+        [count, n] matrix at offset `start` of the flat vector: (start, n, a function from one row
+        to that block's params subtree)."""
+        start, n, local = self.block_leaves(prefix, count, first)
 
         def tree(row: jax.Array) -> dict:
             out: dict = {}
@@ -114,21 +115,21 @@ class FlatLayout:
 
         return start, n, tree
 
-    def block_leaves(self, prefix: str, count: int) -> tuple[int, int, tuple]:
-        """(start, n, leaves) of the stack `prefix0` .. `prefix{count-1}` (`stack`): each leaf of a
-        block as (keys inside the block, offset in its row, shape), in row order."""
+    def block_leaves(self, prefix: str, count: int, first: int = 0) -> tuple[int, int, tuple]:
+        """(start, n, leaves) of the stack `prefix{first}` .. `prefix{first+count-1}` (`stack`):
+        each leaf of a block as (keys inside the block, offset in its row, shape), in row order."""
         offsets = self._offsets()
-        members = [[i for i in self.order if self.paths[i].startswith(f"{prefix}{b}/")] for b in range(count)]
+        members = [[i for i in self.order if self.paths[i].startswith(f"{prefix}{first + b}/")] for b in range(count)]
         if not members[0]:
-            raise ValueError(f"no params under {prefix}0/")
+            raise ValueError(f"no params under {prefix}{first}/")
         n = sum(self.sizes[i] for i in members[0])
         start = offsets[members[0][0]]
         for b, ids in enumerate(members):
             rel = [offsets[i] - start - b * n for i in ids]
             if [self.shapes[i] for i in ids] != [self.shapes[i] for i in members[0]] or \
                     rel != [offsets[i] - start for i in members[0]]:
-                raise ValueError(f"{prefix}{b} is not laid out like {prefix}0 at row {b}")
-        return start, n, tuple((tuple(self.paths[i][len(f"{prefix}0/"):].split("/")), offsets[i] - start,
+                raise ValueError(f"{prefix}{first + b} is not laid out like {prefix}{first} at row {b}")
+        return start, n, tuple((tuple(self.paths[i][len(f"{prefix}{first}/"):].split("/")), offsets[i] - start,
                                 self.shapes[i]) for i in members[0])
 
     def rows(self, flat: jax.Array, prefix: str, count: int) -> tuple[jax.Array, Any]:
@@ -139,11 +140,11 @@ class FlatLayout:
 
     def cuts(self, stacks: Any, leaves: bool = False) -> tuple[int, ...]:
         """The offsets where `split` cuts the flat vector: 0, then each stack's start and end
-        (`stacks`: (prefix, count) pairs), in order; with `leaves`, also every leaf's start
+        (`stacks`: (prefix, count) or (prefix, count, first)), in order; with `leaves`, also every leaf's start
         outside the stacks (one piece per leaf there, as `leaf_cuts`)."""
         bounds, spans = set(), []
-        for prefix, count in stacks:
-            start, n, _ = self.block_leaves(prefix, count)
+        for prefix, count, *first in stacks:
+            start, n, _ = self.block_leaves(prefix, count, *first)
             bounds |= {start, start + count * n}
             spans.append((start, start + count * n))
         if leaves:
@@ -176,9 +177,10 @@ class FlatLayout:
             leaves.append(pieces[j][o - a:o - a + n].reshape(sh))
         return jax.tree.unflatten(self.treedef, leaves)
 
-    def piece_rows(self, pieces: Any, cuts: tuple[int, ...], prefix: str, count: int) -> tuple[jax.Array, Any]:
+    def piece_rows(self, pieces: Any, cuts: tuple[int, ...], prefix: str, count: int,
+                   first: int = 0) -> tuple[jax.Array, Any]:
         """`rows` of the flat vector `split` into `pieces` at `cuts` (a stack is one piece)."""
-        start, n, tree = self.stack(prefix, count)
+        start, n, tree = self.stack(prefix, count, first)
         if start not in cuts or (start + count * n < self.padded and start + count * n not in cuts):
             raise ValueError(f"the stack {prefix}* is not a piece of the split at {cuts}")
         j = [c for c, e in zip(cuts, (*cuts[1:], self.padded)) if e > c].index(start)

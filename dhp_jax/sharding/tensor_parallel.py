@@ -82,6 +82,9 @@ FAMILY_BLOCK_SPLIT = {"self_attn/q_proj/kernel": (1, "heads"), "self_attn/q_proj
                       "mlp/up_proj/kernel": (1, "mlp"), "mlp/down_proj/kernel": (0, "mlp")}
 FAMILY_TOP_SPLIT = {"model/language_model/embed_tokens/embedding": (0, "vocab"), "lm_head/kernel": (1, "vocab")}
 FAMILY_LLM_LAYERS = "model/language_model/layers/"
+# A MoE LLM's sparse layers (`dhp_jax.model.hf.moe`): expert parallelism inside the rank, each
+# device E / t whole experts (the leading axis of the fused expert weights), the router replicated
+MOE_EXPERT_SPLIT = {"mlp/experts/gate_up_proj": (0, "experts"), "mlp/experts/down_proj": (0, "experts")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,13 +167,17 @@ def _family_table(config: Any) -> SplitTable:
     s = config.text.shape
     units = {"heads": (s.num_heads, s.head_dim), "kv_heads": (s.num_kv_heads, s.head_dim),
              "mlp": (_family_intermediate(config), 1)}
-    (vision, _), _ = block_stacks(config)
+    vision = block_stacks(config)[0][0]
     v = config.vision
     hd = v.hidden_size // v.num_heads
     vunits = {"heads": (v.num_heads, hd), "qkv": (v.num_heads, hd, 3), "mlp": (_vision_intermediate(config), 1)}
     from dhp_jax.model.hf.families import hf_module
     encoder = Stack("/".join(vision) + "/", hf_module(config.family).VISION_TP_SPLIT, vunits)
-    return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, FAMILY_BLOCK_SPLIT, units)),
+    rules = FAMILY_BLOCK_SPLIT
+    if config.text.moe is not None:     # a MoE LLM's sparse layers: experts split, router replicated
+        rules = {**rules, **MOE_EXPERT_SPLIT}
+        units["experts"] = (config.text.moe.num_experts, 1)
+    return SplitTable(config.name, config.vocab_size, (encoder, Stack(FAMILY_LLM_LAYERS, rules, units)),
                       FAMILY_TOP_SPLIT)
 
 
@@ -202,6 +209,10 @@ def check(config: Any, t: int) -> None:
                                   intermediate=_family_intermediate(config), vision_heads=config.vision.num_heads,
                                   vision_intermediate=_vision_intermediate(config))
     check_tensor_parallel(shape, t, f"model {config.name!r} ({config.family} family)")
+    moe = config.text.moe
+    if moe is not None and any(moe.sparse) and moe.num_experts % t:
+        raise ValueError(f"model {config.name!r} ({config.family} family): tensor_parallel {t} cannot split "
+                         f"text_config.num_experts = {moe.num_experts} (each device holds num_experts / t experts)")
 
 
 def hooks(t: int, sequence: bool = False) -> TensorHooks:

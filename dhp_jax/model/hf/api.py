@@ -12,7 +12,7 @@ import numpy as np
 
 from dhp_jax.data.hf_config import checkpoint_dir
 from dhp_jax.model.attention import dense_attention
-from dhp_jax.model.hf import safetensors_io
+from dhp_jax.model.hf import moe, safetensors_io
 from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
 from dhp_jax import models
@@ -21,6 +21,12 @@ from dhp_jax.model.hf.layers import AttentionFn, Params
 from dhp_jax.model.hf.text import lm_head
 
 LM_HEAD = "lm_head.weight"
+
+
+def init_shapes(config: HFConfig) -> dict[str, tuple[int, ...]]:
+    """{transformers name: torch shape} of every weight of `config` (`init.weight_shapes`)."""
+    from dhp_jax.model.hf.init import weight_shapes
+    return {name: shape for name, (_, shape) in weight_shapes(config).items()}
 
 
 def family_module(family: str) -> ModuleType:
@@ -44,7 +50,10 @@ def load_pretrained(path: str, dtype: str = "float32") -> tuple[HFConfig, dict]:
     path = checkpoint_dir(path)
     config = load_config(path)
     target = jnp.dtype(dtype)
-    params = tree_from_weights(safetensors_io.read_checkpoint(path), hf_module(config.family).LEGACY_RENAMES,
+    named = safetensors_io.read_checkpoint(path)
+    if config.text.moe is not None:     # the experts' published layout -> transformers' fused one
+        named = moe.load_experts(named, moe.layout_of(hf_module(config.family)), init_shapes(config))
+    params = tree_from_weights(named, hf_module(config.family).LEGACY_RENAMES,
                                skip=(LM_HEAD,) if config.tied else (),
                                convert=lambda a: jnp.asarray(np.asarray(a, dtype=target)))
     check_params(config, params)
@@ -93,4 +102,7 @@ def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
 def save_pretrained(config: HFConfig, params: Params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) that transformers'
     `from_pretrained` loads. The weights keep the dtype of `params`; config.json its own fields."""
-    write_pretrained(out_dir, config.raw, to_state_dict(config, params), max_shard_bytes)
+    weights = to_state_dict(config, params)
+    if config.text.moe is not None:     # the experts in the published layout of the family's releases
+        weights = moe.save_experts(weights, moe.layout_of(hf_module(config.family)))
+    write_pretrained(out_dir, config.raw, weights, max_shard_bytes)

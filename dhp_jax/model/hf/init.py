@@ -49,9 +49,15 @@ def _text_shapes(cfg: HFConfig, out: dict) -> None:
         if s.qk_norm:
             _norm(out, f"{p}.self_attn.q_norm", s.head_dim, False)
             _norm(out, f"{p}.self_attn.k_norm", s.head_dim, False)
-        _linear(out, f"{p}.mlp.gate_proj", inter, d, False)
-        _linear(out, f"{p}.mlp.up_proj", inter, d, False)
-        _linear(out, f"{p}.mlp.down_proj", d, inter, False)
+        if t.moe is not None and t.moe.sparse[i]:       # `dhp_jax.model.hf.moe`
+            e, mi = t.moe.num_experts, t.moe.intermediate_size
+            _linear(out, f"{p}.mlp.gate", e, d, False)
+            out[f"{p}.mlp.experts.gate_up_proj"] = ("normal", (e, 2 * mi, d))
+            out[f"{p}.mlp.experts.down_proj"] = ("normal", (e, d, mi))
+        else:
+            _linear(out, f"{p}.mlp.gate_proj", inter, d, False)
+            _linear(out, f"{p}.mlp.up_proj", inter, d, False)
+            _linear(out, f"{p}.mlp.down_proj", d, inter, False)
         _norm(out, f"{p}.input_layernorm", d, False)
         _norm(out, f"{p}.post_attention_layernorm", d, False)
     _norm(out, f"{pre}.norm", d, False)

@@ -149,7 +149,7 @@ def block_collectives(reduce: Callable[[jax.Array], jax.Array] | None, sequence:
 def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
                   attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
                   reduce: Callable[[jax.Array], jax.Array] | None = None,
-                  sequence: TensorHooks | None = None) -> jax.Array:
+                  sequence: TensorHooks | None = None, mlp: bool = True) -> jax.Array:
     """One pre-norm LLM block (transformers' `*DecoderLayer`) on `p`, a `layers.i` subtree:
     h = x + o_proj(attn(rope(q), rope(k), v)) over input_layernorm(x); out = h + SwiGLU(post_norm(h)).
     `live` (bool per chunk of `chunk` rows, `mllm.live_chunks`): the token-local work runs in
@@ -161,7 +161,8 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
     `mllm.split_block`): x is this device's rows of the stream (`mllm.sequence_rows`, `live` from
     `mllm.live_chunks(..., t)`), `angles` and `ids` whole; the normed rows are all-gathered before
     q/k/v and gate/up, and the outputs of o_proj and down_proj reduce-scattered back (instead of
-    summed by `reduce`), their biases added to this device's rows."""
+    summed by `reduce`), their biases added to this device's rows. `mlp` False: the attention half
+    only, h (a sparse layer's MLP runs after it on the whole rows, `moe_decoder_block`)."""
     hd = shape.head_dim
     widen, reduce, t = block_collectives(reduce, sequence)
     heads = p["self_attn"]["q_proj"]["kernel"].shape[-1] // hd
@@ -179,6 +180,8 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
 
     def finish(pp, xc, oc):
         h = xc + row_linear(pp["self_attn"]["o_proj"], oc.reshape(-1, heads * hd), reduce)
+        if not mlp:
+            return h
         m = pp["mlp"]
         z = widen(rms_norm(h, pp["post_attention_layernorm"], shape.eps))
         return h + row_linear(m["down_proj"], gated(shape.act, linear(m["gate_proj"], z), linear(m["up_proj"], z)),
@@ -186,6 +189,29 @@ def decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shap
 
     return split_block(p, x, angles, live, project, finish, lambda q, k, v: attn_fn(q, k, v, ids, ids), chunk,
                        t, ids.segment.shape[0])
+
+
+def moe_decoder_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, shape: DecoderShape,
+                      moe_spec: Any, attn_fn: AttentionFn, chunk: int = 0, live: jax.Array | None = None,
+                      reduce: Callable[[jax.Array], jax.Array] | None = None,
+                      sequence: TensorHooks | None = None, first_expert: Any = 0,
+                      keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """A sparse LLM layer (`dhp_jax.model.hf.moe`): the attention half of `decoder_block`, then
+    h + experts(post_attention_layernorm(h)) on the whole rows at once (the router and the grouped
+    GEMM want every token). Returns (x, router stats [2, E] of the live rows: `keep`, bool per row
+    of x, or segment > 0 of `ids` when x is the whole stream).
+    Tensor parallelism: `p["mlp"]["experts"]` holds this device's experts, from `first_expert`,
+    the router is whole; the normed rows are joined over the rank under sequence parallelism (as
+    the dense MLP's) and the experts' sum is `reduce`d (the psum, or the reduce-scatter back to this
+    device's rows)."""
+    from dhp_jax.model.hf import moe
+
+    h = decoder_block(p, x, angles, ids, shape, attn_fn, chunk, live, reduce, sequence, mlp=False)
+    widen, reduce, _ = block_collectives(reduce, sequence)
+    z = widen(rms_norm(h, p["post_attention_layernorm"], shape.eps))
+    keep = ids.segment > 0 if keep is None else widen(keep)
+    y, stats = moe.sparse_mlp(p["mlp"], z, moe_spec, lambda g, u: gated(shape.act, g, u), keep, first_expert)
+    return h + (y if reduce is None else reduce(y))[:h.shape[0]], stats
 
 
 def qwen_vision_block(p: Params, x: jax.Array, angles: jax.Array, ids: AttnIds, num_heads: int,

@@ -216,13 +216,33 @@ def run_blocks(block: Block, stack: BlockRows, x: jax.Array, per_block: Any = ()
     return run(x, stack.rows, feed)
 
 
-def block_stacks(config: Any) -> tuple[tuple[tuple[str, ...], int], ...]:
-    """(params path, block count) of a family's scanned stacks (`HFConfig`): its encoder's blocks
-    and its LLM's layers (the family's `encoder_stack`)."""
+def layer_runs(kinds: Sequence[Any]) -> list[tuple[int, int, Any]]:
+    """(first layer, count, kind) of each run of consecutive layers of one kind (a MoE LLM's
+    sparse and dense layers, `MoeSpec.sparse`): each run is one scan of identical blocks."""
+    runs: list[tuple[int, int, Any]] = []
+    for i, k in enumerate(kinds):
+        if runs and runs[-1][2] == k:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, k)
+        else:
+            runs.append((i, 1, k))
+    return runs
+
+
+LLM_LAYERS = ("model", "language_model", "layers")
+
+
+def block_stacks(config: Any) -> tuple[tuple[tuple[str, ...], int, int], ...]:
+    """(params path, block count, first block) of a family's scanned stacks (`HFConfig`): its
+    encoder's blocks (the family's `encoder_stack`) and its LLM's layers; a MoE LLM's layers as
+    one stack per run of dense or sparse layers (`layer_runs`), which the LLM's forward pass
+    reads as {str(first): `BlockRows`} at the layers' path (`text.moe_text_forward`)."""
     from dhp_jax.model.hf.families import hf_module
 
-    vision = hf_module(config.family).encoder_stack(config)
-    return vision, (("model", "language_model", "layers"), config.text.num_layers)
+    path, count = hf_module(config.family).encoder_stack(config)
+    moe = config.text.moe
+    if moe is None:
+        return (path, count, 0), (LLM_LAYERS, config.text.num_layers, 0)
+    return ((path, count, 0),) + tuple((LLM_LAYERS, n, first) for first, n, _ in layer_runs(moe.sparse))
 
 
 def with_stacks(params: Any, stacks: dict) -> Any:
@@ -234,3 +254,14 @@ def with_stacks(params: Any, stacks: dict) -> Any:
     for path, rows in stacks.items():
         params = put(params, path, rows)
     return params
+
+
+def stack_rows(found: Any) -> dict:
+    """{params path: what the forward pass reads there} of the stacks' `BlockRows`, `found`:
+    ((path, first), rows) pairs (`block_stacks`): a stack of its own, its `BlockRows`; the runs of
+    a MoE LLM's layers (several stacks at one path), {str(first): `BlockRows`}."""
+    by_path: dict = {}
+    for (path, first), rows in found:
+        by_path.setdefault(path, []).append((first, rows))
+    return {path: runs[0][1] if len(runs) == 1 and runs[0][0] == 0 else {str(f): r for f, r in runs}
+            for path, runs in by_path.items()}

@@ -89,6 +89,50 @@ class DecoderShape:
     act: str = "silu"
 
 
+# Text config fields of a mixture-of-experts LLM (transformers' Qwen3MoeConfig, Qwen3VLMoeTextConfig)
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers",
+              "router_aux_loss_coef")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """The sparse blocks of a mixture-of-experts LLM (transformers' `Qwen3MoeSparseMoeBlock`,
+    `Qwen3VLMoeTextSparseMoeBlock`): `num_experts` SwiGLU experts of width `intermediate_size`
+    (`moe_intermediate_size`), each token sent to the `top_k` experts of highest softmax router
+    probability, their outputs summed weighted by those probabilities, renormalised to sum 1 when
+    `norm_topk_prob`. `sparse[i]`: layer i has the sparse block (else the dense MLP of
+    `intermediate_size` of the config), by transformers' rule: i not in `mlp_only_layers`,
+    num_experts > 0 and (i + 1) % `decoder_sparse_step` == 0. `router_aux_loss_coef`: the
+    load-balancing loss's weight in config.json (the loss is added only when asked for).
+
+    Parameters of a sparse layer i (transformers' `state_dict()` names under
+    `model.language_model.layers.{i}.mlp`, torch shapes): `gate.weight` [E, d] (the router),
+    `experts.gate_up_proj` [E, 2 * I, d] (gate rows first, then up) and `experts.down_proj`
+    [E, d, I]."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    sparse: tuple[bool, ...]
+    router_aux_loss_coef: float
+
+    @classmethod
+    def from_dict(cls, cfg: Mapping[str, Any], norm_topk_prob: bool) -> "MoeSpec":
+        """Of a resolved text_config with the MoE fields (`MOE_FIELDS`); `norm_topk_prob` the
+        router's rule (a field of Qwen3MoeConfig; Qwen3-VL-MoE's router always renormalises)."""
+        n, e, k = int(cfg["num_hidden_layers"]), int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
+        step = int(cfg["decoder_sparse_step"])
+        dense = {int(i) for i in (cfg["mlp_only_layers"] or [])}
+        sparse = tuple(i not in dense and e > 0 and step > 0 and (i + 1) % step == 0 for i in range(n))
+        if any(sparse) and not 0 < k <= e:
+            raise ValueError(f"text_config.num_experts_per_tok {k} must be in 1..num_experts ({e})")
+        return cls(e, k, int(cfg["moe_intermediate_size"]), bool(norm_topk_prob), sparse,
+                   float(cfg["router_aux_loss_coef"]))
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.sparse) if s)
 
 
 def __getattr__(name: str):
@@ -114,6 +158,7 @@ class TextConfig:
     rope: RopeSpec
     bias: bool
     exact_positions: int | None = None
+    moe: MoeSpec | None = None
 
     @classmethod
     def from_dict(cls, cfg: Mapping[str, Any]) -> "TextConfig":
@@ -137,8 +182,13 @@ class TextConfig:
                                                                  / np.float32(rp["factor"])).astype(np.float32)))
         shape = DecoderShape(heads, int(cfg["num_key_value_heads"]), head_dim, float(cfg["rms_norm_eps"]), qk_norm,
                              cfg["hidden_act"])
+        moe = None
+        if "num_experts" in hf_config.FIELDS[model_type]:
+            # Qwen3MoeConfig has the field; Qwen3VLMoeTextTopKRouter always renormalises
+            norm = bool(cfg["norm_topk_prob"]) if "norm_topk_prob" in hf_config.FIELDS[model_type] else True
+            moe = MoeSpec.from_dict(cfg, norm)
         return cls(model_type, int(cfg["vocab_size"]), int(cfg["hidden_size"]), int(cfg["num_hidden_layers"]),
-                   shape, rope, bias, hf_config.rope_exact_positions(cfg))
+                   shape, rope, bias, hf_config.rope_exact_positions(cfg), moe)
 
     def check_positions(self, positions: Any, where: str = "sample") -> None:
         """Refuse positions past the bound where transformers' rotary would differ (`exact_positions`)."""

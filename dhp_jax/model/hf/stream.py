@@ -104,10 +104,86 @@ class TensorSource:
         out[:] = band.reshape(-1)[a - i0 * rows:b - i0 * rows]
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertSource:
+    """A MoE layer's fused expert leaf (`mlp.experts.gate_up_proj` [E, 2 I, d], `down_proj`
+    [E, d, I], transformers' layout) read from a checkpoint that stores the experts otherwise
+    (`dhp_jax.model.hf.moe.load_experts`): `pieces[e]` the stored tensors (file, dtype, shape,
+    offset) that make expert e, joined along axis 0 and transposed when `transpose`. A read maps
+    the experts its range covers, one at a time."""
+
+    name: str
+    shape: tuple[int, ...]
+    pieces: tuple[tuple[tuple[str, Any, tuple[int, ...], int], ...], ...]
+    transpose: bool
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    def expert(self, e: int) -> np.ndarray:
+        parts = [np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=shape)
+                 for file, dtype, shape, offset in self.pieces[e]]
+        w = np.concatenate([np.asarray(p, np.float32) for p in parts], axis=0) if len(parts) > 1 \
+            else np.asarray(parts[0], np.float32)
+        return w.T if self.transpose else w
+
+    def read(self, a: int, b: int, out: np.ndarray, block_bytes: int = BLOCK_BYTES) -> None:
+        """out[:] = float32 elements [a, b) of the leaf raveled in C order."""
+        if not 0 <= a <= b <= self.size or out.shape != (b - a,):
+            raise ValueError(f"{self.name}: range [{a}, {b}) of {self.size} elements into {out.shape}")
+        per = self.size // self.shape[0]
+        at = a
+        while at < b:
+            e = at // per
+            end = min(b, (e + 1) * per)
+            out[at - a:end - a] = self.expert(e).reshape(-1)[at - e * per:end - e * per]
+            at = end
+
+
+def _expert_sources(named: Any, config: HFConfig) -> Any:
+    """`named` ((name, (file, dtype, shape, offset)) of the checkpoint's tensors) with a MoE
+    model's experts as `ExpertSource`s of transformers' fused leaves (the family's published
+    layout, `moe.layout_of`)."""
+    from dhp_jax.model.hf import moe
+    from dhp_jax.model.hf.api import init_shapes
+
+    layout, want = moe.layout_of(hf_module(config.family)), init_shapes(config)
+    pending: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, info in named:
+        shape = tuple(info[2])
+        if layout != "per_expert" and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            swap = layout == "fused_transposed" and tuple(want.get(name, ())) != shape
+            file, dtype, _, offset = info
+            per = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
+            leaf = (shape[0], shape[2], shape[1]) if swap else shape
+            yield name, ExpertSource(name, leaf, tuple(((file, dtype, shape[1:], offset + e * per),)
+                                                       for e in range(shape[0])), swap)
+            continue
+        parts = name.split(".")
+        if (layout == "per_expert" and len(parts) >= 5 and parts[-1] == "weight" and parts[-4] == "experts"
+                and parts[-3].isdigit() and parts[-2] in ("gate_proj", "up_proj", "down_proj")):
+            pending.setdefault(".".join(parts[:-3]), {}).setdefault(int(parts[-3]), {})[parts[-2]] = info
+            continue
+        yield name, info
+    for prefix, experts in pending.items():
+        n = len(experts)
+        missing = [f"{prefix}.{e}.{m}.weight" for e in range(n) for m in ("gate_proj", "up_proj", "down_proj")
+                   if m not in experts.get(e, {})]
+        if missing:
+            raise ValueError(f"checkpoint: expert weights missing, e.g. {missing[0]} ({len(missing)} missing)")
+        inter, d = tuple(experts[0]["gate_proj"][2])
+        yield f"{prefix}.gate_up_proj", ExpertSource(f"{prefix}.gate_up_proj", (n, 2 * inter, d), tuple(
+            (experts[e]["gate_proj"], experts[e]["up_proj"]) for e in range(n)), False)
+        yield f"{prefix}.down_proj", ExpertSource(f"{prefix}.down_proj", (n, d, inter), tuple(
+            (experts[e]["down_proj"],) for e in range(n)), False)
+
+
 def checkpoint_sources(path: str) -> tuple[HFConfig, dict]:
     """(config, the parameter tree with a `TensorSource` at each leaf) of a checkpoint directory,
     from config.json and the safetensors headers alone (legacy names renamed, a tied lm_head
-    left out, as `load_pretrained` does)."""
+    left out, as `load_pretrained` does; a MoE model's experts in transformers' fused layout,
+    `ExpertSource`)."""
     config = load_config(path)
     renames = hf_module(config.family).LEGACY_RENAMES
 
@@ -116,12 +192,15 @@ def checkpoint_sources(path: str) -> tuple[HFConfig, dict]:
             for name, dtype, shape, offset in safetensors_io.tensor_infos(file):
                 yield name, (file, dtype, shape, offset)
 
-    def leaf(name: str, info: Any) -> tuple[list[str], TensorSource]:
+    def leaf(name: str, info: Any) -> tuple[list[str], Any]:
+        if isinstance(info, ExpertSource):
+            return name.split("."), info
         file, dtype, shape, offset = info
         tree_path, transposed = leaf_rule(name, len(shape))
         return tree_path, TensorSource(name, file, offset, dtype, shape, transposed)
 
-    tree = tree_from_weights(named(), renames, skip=(LM_HEAD,) if config.tied else (), leaf=leaf)
+    infos = named() if config.text.moe is None else _expert_sources(named(), config)
+    tree = tree_from_weights(infos, renames, skip=(LM_HEAD,) if config.tied else (), leaf=leaf)
     check_params(config, tree)
     return config, tree
 

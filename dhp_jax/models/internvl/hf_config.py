@@ -89,6 +89,9 @@ VisionConfig = InternVLVision
 parse = parse_internvl
 conv_shapes = internvl_conv_shapes
 LEGACY_RENAMES = INTERNVL_RENAMES
+# a Qwen3-MoE LLM's experts as InternVL3.5's releases store them: `mlp.experts.{e}.gate_proj.weight`
+# [I, d], `up_proj.weight` [I, d], `down_proj.weight` [d, I] (`dhp_jax.model.hf.moe.EXPERT_LAYOUTS`)
+EXPERT_LAYOUT = "per_expert"
 
 
 def prepare(cfg: HFConfig, inputs: Mapping[str, Any]) -> dict[str, Any]:

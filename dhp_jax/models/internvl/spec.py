@@ -1,5 +1,5 @@
 """InternVL's `FamilySpec` (the transformers-native `-hf` layout): its config classes
-(`InternVLConfig`, its LLM any of `qwen2`, `qwen3`, `llama` through AutoConfig, vision
+(`InternVLConfig`, its LLM any of `qwen2`, `qwen3`, `qwen3_moe`, `llama` through AutoConfig, vision
 `InternVLVisionConfig`), also read from InternVL's own chat layout (`internvl_chat`: `llm_config` +
 `vision_config`, converted field by field); the GotOcr2 image processor with the InternVL
 processor's `crop_to_patches=True` (the tile grid of 1..12 tiles whose aspect ratio is closest to
@@ -29,6 +29,13 @@ FIELDS = {
                   num_attention_heads=32, num_key_value_heads=32, head_dim=128, hidden_act="silu",
                   rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False,
                   attention_bias=False, rope_theta=10000.0),
+    # InternVL3.5-30B-A3B / -241B-A28B: a Qwen3-MoE LLM (`MoeSpec`)
+    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                      num_attention_heads=32, num_key_value_heads=4, head_dim=WIDTH_OVER_HEADS, hidden_act="silu",
+                      rms_norm_eps=1e-6, max_position_embeddings=32768, use_sliding_window=False,
+                      attention_bias=False, rope_theta=10000.0, num_experts=128, num_experts_per_tok=8,
+                      moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False,
+                      router_aux_loss_coef=0.001),
     "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=HEADS, head_dim=WIDTH_OVER_HEADS, hidden_act="silu",
                   rms_norm_eps=1e-6, max_position_embeddings=2048, attention_bias=False, rope_theta=10000.0),
@@ -64,9 +71,10 @@ def from_chat_layout(config: dict) -> dict:
             "image_token_id": int(config.get("image_token_id", FIELDS[NAME]["image_token_id"]))}
 
 
-CONFIG = ConfigRules(FIELDS, ("qwen2", "qwen3", "llama"), VISION, {"intern_vit_6b": VISION},
+CONFIG = ConfigRules(FIELDS, ("qwen2", "qwen3", "qwen3_moe", "llama"), VISION, {"intern_vit_6b": VISION},
                      layouts={"internvl_chat": from_chat_layout},
                      text_kinds={"qwen2": (True, False, "plain"), "qwen3": (False, True, "plain"),
+                                 "qwen3_moe": (False, True, "plain"),
                                  "llama": (False, False, "plain")},
                      text_section=lambda config: "llm_config." if config.get("model_type") == "internvl_chat"
                      else "text_config.")
