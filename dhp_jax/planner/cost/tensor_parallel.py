@@ -33,10 +33,10 @@ the experts of each sparse layer are split over the rank's t devices (expert par
 inside the rank; DHP's groups stay independent, tokens never leave their rank): a device holds
 experts / t of them, the router in full (`replicated_params`). Compute per device is the attention
 and the dense layers / t, the k experts' GEMMs of a token / t (routing assumed balanced) and the
-router whole (`device_gemm_params`). Each sparse layer exchanges the rank's rows among its devices
-instead of gathering them for a dense MLP (`moe_exchange_bytes`): an all-to-all sends each of a
-token's k rows to its expert's device and back, k (t-1)/t^2 rows per token of the rank per device;
-where k >= t, the join and scatter of the dense form move fewer, (t-1)/t, and are priced instead.
+router whole (`device_gemm_params`). Each sparse layer exchanges the rank's rows among its devices in
+place of the dense MLP's collectives (`moe_exchange_bytes`): the rows joined on every device and
+the experts' partial sums scattered back, (t-1)/t of the rows each, as the engine runs it (an
+all-to-all of a token's k rows would move as much at k = t, more at k > t).
 Memory per device: its experts' weights, gradients and optimizer state (`device_params`); the
 dispatch buffers hold all k rows of every token on every device (static shapes: tokens x k rows),
 so the experts' activations are not divided by t (`local_shape` keeps them).
@@ -198,15 +198,16 @@ def _per_block(linear_passes: float, forward_only: bool = False) -> float:
 def moe_exchange_bytes(m: Any, t: int, bytes_per_element: int, linear_passes: float) -> float:
     """Bytes per token of the rank's stream that one device sends to exchange the rows of every
     sparse layer among the rank's t devices, all passes (`comm_passes`: forward, backward, and the
-    recomputed forward): the dispatch and the combine (the backward pass sends their gradients,
-    the same bytes), each min(k, t)/t x (t-1)/t of a [tokens, hidden] tensor: an all-to-all sends
-    each of a token's k rows to its expert's device, of which (t-1)/t leave it, from the 1/t of the
-    rank's rows the device holds; where k >= t, gathering the rows on every device (the dense MLP's
-    all-gather and reduce-scatter) moves fewer and is what is priced. 0 without experts or t = 1."""
+    recomputed forward): the rows joined on every device before the router and the experts, and
+    the experts' partial sums scattered back (`dhp_jax.model.hf.moe`: a device runs all k pairs
+    of every row, those of its own experts non-zero, and the row-split collective of the dense MLP
+    sums the devices' shares), each (t-1)/t of a [tokens, hidden] tensor, as the dense MLP's. An
+    all-to-all of each token's k rows to its experts' devices would send k (t-1)/t^2 of it from
+    the 1/t of the rows a device holds: the same where k = t, more where k > t (the released
+    models: k = 8 >= t). 0 without experts or t = 1."""
     if not (getattr(m, "experts", 0) and getattr(m, "sparse_layers", 0)) or t == 1:
         return 0.0
-    k = m.experts_per_token
-    rows = 2.0 * comm_passes(linear_passes) * min(k, t) / t
+    rows = 2.0 * comm_passes(linear_passes)
     return float(m.sparse_layers * rows * (t - 1) / t * bytes_per_element * m.hidden)
 
 
