@@ -297,6 +297,21 @@ def tensor_parallel(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def moe(r: dict[str, Any]) -> str:
+    """Experiment 13's tables (`tensor_parallel`) for mixture-of-experts models, a row per data mix;
+    then the long sample's (t, degree) by the planner's plans and by the memory model."""
+    rows = [{**row, "model": f"{row['model']} | {row['dataset']}"} for row in r["rows"]]
+    body = tensor_parallel({**r, "rows": rows}).replace("| model | devices |", "| model | data | devices |", 1)
+    body = body.replace("|---|---|", "|---|---|---|", 1)
+    lines = ["", "| model | memory model's pick for the long sample (`tensor_parallel.choose`) |", "|---|---|"]
+    for row in r["long_rows"]:
+        c = row["choose"]
+        lines.append(f"| {row['model']} | " + (f"t={c['t']}, degree {c['degree']}, {c['device_bytes'] / 1e9:.1f} of "
+                                               f"{c['usable_bytes'] / 1e9:.1f} GB" if "t" in c else "nothing fits")
+                     + " |")
+    return body + "\n" + "\n".join(lines)
+
+
 RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "end_to_end": Table(_end_to_end_columns),
     "scaling": Table([
@@ -354,10 +369,11 @@ RENDER: dict[str, Callable[[dict[str, Any]], str]] = {
     "memory": memory,
     "memory_families": memory_families,
     "tensor_parallel": tensor_parallel,
+    "moe": moe,
 }
 
 # Tables that already say everything skip the per-row summary lines.
-NO_SUMMARY = ("overhead", "ablations", "case_study", "tensor_parallel")
+NO_SUMMARY = ("overhead", "ablations", "case_study", "tensor_parallel", "moe")
 
 
 def _provenance(r: dict[str, Any]) -> str:

@@ -43,6 +43,7 @@ REGISTRY: dict[str, tuple[str, str]] = {
     "attention_choice": ("experiments.exp_attention_choice", "e11_attention_choice.yaml"),
     "compiles": ("experiments.exp_compiles", "e12_compiles.yaml"),
     "tensor_parallel": ("experiments.exp_tensor_parallel", "e13_tensor_parallel.yaml"),
+    "moe": ("experiments.exp_moe", "e14_moe.yaml"),
     "memory": ("experiments.exp_memory", "memory_bench.yaml"),
     "memory_families": ("experiments.exp_memory_families", "memory_families.yaml"),
 }

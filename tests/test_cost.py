@@ -43,8 +43,8 @@ def test_every_preset_builds_and_is_physical():
             if c.compute_lanes != 1:
                 assert group_time(c, [60000], 2) < group_time(c, [60000], 1)
     # InternVL3-38B holds 2 x 38.4 B gathered weights per device at t = 1, and InternViT-6B's 25 heads
-    # allow no t > 1: it fits no preset's device
-    assert unfit == {("internvl3-38b", h) for h in CostModel.HARDWARE}
+    # allow no t > 1: it fits no preset's device; Qwen3-VL-235B-A22B holds 2 x 29.6 B at t = 8
+    assert unfit == {(m, h) for m in ("internvl3-38b", "qwen3-vl-235b-a22b") for h in CostModel.HARDWARE}
 
 
 def test_model_that_cannot_fit_says_so():

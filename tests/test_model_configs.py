@@ -17,8 +17,10 @@ from dhp_jax.planner.cost.model import _encoder_flops
 NAMES = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b")
 # the 32B-class checkpoints of the three families (tensor parallelism's presets), listed by family then size
 LARGE = ("internvl3-38b", "qwen2.5-vl-32b", "qwen3-vl-32b")
-ALL = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "internvl3-38b", "qwen2.5-vl-32b", "qwen3-vl-2b",
-       "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b")
+# the mixture-of-experts checkpoints (every LLM layer sparse: 128 experts, 8 per token)
+MOE = ("internvl3.5-30b-a3b", "qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b")
+ALL = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "internvl3.5-30b-a3b", "internvl3-38b", "qwen2.5-vl-32b",
+       "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-30b-a3b", "qwen3-vl-32b", "qwen3-vl-235b-a22b")
 
 # A Qwen2.5-VL-7B-shaped config (transformers' qwen2_5_vl layout): no stored model uses this family,
 # so its window attention and SwiGLU encoder are checked on this one.
@@ -46,8 +48,12 @@ def _transformers_params(raw: dict) -> int:
 
 
 def test_the_models_are_stored_once_and_listed_by_family_and_size():
-    assert model_configs.model_names() == ALL
-    assert tuple(presets.MODELS) == ALL == CostModel.MODELS
+    # by family, then by size (a MoE family of its own sorts after its dense relative)
+    names = model_configs.model_names()
+    facts = {n: model_configs.model_facts(n) for n in ALL}
+    assert set(names) == set(ALL) and names == tuple(sorted(ALL, key=lambda n: (facts[n].family, facts[n].params)))
+    assert tuple(presets.MODELS) == names == CostModel.MODELS
+    assert names[:3] == ALL[:3] and names.index("qwen3-vl-2b") < names.index("qwen3-vl-32b")
     for name in ALL:
         rec = model_configs.model_record(name)
         assert rec["source"] == f"https://huggingface.co/{rec['hub_id']}/blob/main/config.json"
@@ -55,8 +61,9 @@ def test_the_models_are_stored_once_and_listed_by_family_and_size():
         assert MLLMConfig.preset(name) == MLLMConfig.from_hf(rec["config"], name=name)
 
 
-@pytest.mark.parametrize("name", ALL + ("qwen2.5-vl-7b-shaped",))
+@pytest.mark.parametrize("name", tuple(n for n in ALL if n not in MOE) + ("qwen2.5-vl-7b-shaped",))
 def test_parameter_count_is_transformers_own(name):
+    """(The MoE checkpoints' counts: test_moe_facts_are_transformers_own.)"""
     raw = QWEN25_VL if name == "qwen2.5-vl-7b-shaped" else model_configs.model_config(name)
     facts = model_configs.facts_from_config(raw)
     assert facts.params == _transformers_params(raw)
@@ -75,6 +82,107 @@ HUB_SIZES_B = {"internvl3-2b": 2.09, "internvl2.5-4b": 3.71, "internvl3-8b": 7.9
 
 # The 32B-class checkpoints, as their model cards list them (one decimal)
 HUB_SIZES_LARGE_B = {"internvl3-38b": 38.4, "qwen2.5-vl-32b": 33.5, "qwen3-vl-32b": 33.4}
+
+
+# The MoE checkpoints as their model cards list them: (total, active) billions, one decimal for the
+# totals; the active counts (all but the 120 experts a token is not routed to, in every layer) as
+# the names say (A3B, A22B), the vision encoder included
+HUB_SIZES_MOE_B = {"internvl3.5-30b-a3b": (30.8, 3.7), "qwen3-vl-30b-a3b": (31.1, 3.9),
+                   "qwen3-vl-235b-a22b": (235.7, 22.8)}
+
+
+def _meta_model(raw: dict):
+    """transformers' model built from `raw` on the meta device (no memory), and its config."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AutoConfig.for_model(**model_configs.hf_layout(raw))
+    with torch.device("meta"):
+        return transformers.AutoModelForImageTextToText.from_config(cfg), cfg
+
+
+def _counts(model, cfg) -> tuple[int, int]:
+    """(all parameters, those one token's forward pass uses: all less, in each sparse block, the
+    experts' weights beyond the k a token is routed to) of transformers' model."""
+    total = active = 0
+    k = cfg.text_config.num_experts_per_tok
+    for name, p in model.named_parameters():
+        total += p.numel()
+        active += p.numel() // p.shape[0] * k if ".mlp.experts." in name else p.numel()
+    return total, active
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_moe_facts_are_transformers_own(name):
+    """The sparse blocks as transformers builds them: which layers hold experts, how many, their
+    width and top-k; the active count is what a token runs through in transformers' model."""
+    raw = model_configs.model_config(name)
+    f = model_configs.facts_from_config(raw)
+    model, cfg = _meta_model(raw)
+    layers = model.model.language_model.layers
+    sparse = tuple(i for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts"))
+    assert f.sparse_layers == sparse == tuple(range(f.layers)) and f.moe
+    gate_up = layers[0].mlp.experts.gate_up_proj
+    assert (f.experts, 2 * f.expert_intermediate, f.hidden) == tuple(gate_up.shape)
+    assert f.experts_per_token == cfg.text_config.num_experts_per_tok == 8 and f.norm_topk
+    assert (f.params, f.active_params) == _counts(model, cfg)
+    assert memory.engine_params(presets.MODELS[name]) == f.params
+    total, active = HUB_SIZES_MOE_B[name]
+    assert (round(f.params / 1e9, 1), round(f.active_params / 1e9, 1)) == (total, active)
+    m = presets.MODELS[name]
+    assert (m.experts, m.experts_per_token, m.expert_intermediate, m.sparse_layers, m.active_param_count) == \
+        (f.experts, f.experts_per_token, f.expert_intermediate, len(f.sparse_layers), f.active_params)
+
+
+def test_moe_layers_and_defaults_as_transformers_reads_them():
+    """decoder_sparse_step and mlp_only_layers pick the sparse layers as transformers' decoder does;
+    a field absent from the file is its config class's default (Qwen3MoeConfig's norm_topk_prob
+    False; Qwen3VLMoeTextConfig has none: its router always renormalises); the dense layers' MLP
+    is counted at intermediate_size."""
+    raw = model_configs.model_config("internvl3.5-30b-a3b")
+    small = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512, "num_experts": 8,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    llm = {k: v for k, v in raw["llm_config"].items() if k not in ("norm_topk_prob", "router_aux_loss_coef")}
+    cfg = {**raw, "llm_config": {**llm, **small}, "vision_config": {**raw["vision_config"], "num_hidden_layers": 1}}
+    f = model_configs.facts_from_config(cfg)
+    assert f.sparse_layers == (1, 5) and not f.norm_topk and f.router_aux_loss_coef == 0.001
+    assert (f.params, f.active_params) == _counts(*_meta_model(cfg))
+    q = model_configs.model_config("qwen3-vl-30b-a3b")
+    text = {k: v for k, v in q["text_config"].items() if k not in ("norm_topk_prob", "head_dim")}
+    qcfg = {**q, "text_config": {**text, **{k: v for k, v in small.items() if k != "head_dim"},
+                                 "mlp_only_layers": [], "decoder_sparse_step": 3},
+            "vision_config": {**q["vision_config"], "out_hidden_size": 64, "depth": 1, "deepstack_visual_indexes": []}}
+    qf = model_configs.facts_from_config(qcfg)
+    assert qf.sparse_layers == (2, 5) and qf.norm_topk and qf.head_dim == 64 // 4   # head_dim: hidden / heads
+    assert (qf.params, qf.active_params) == _counts(*_meta_model(qcfg))
+    # no experts: every layer dense, nothing sparse to price
+    dense = model_configs.facts_from_config({**qcfg, "text_config": {**qcfg["text_config"], "num_experts": 0}})
+    assert not dense.moe and dense.experts == 0 and dense.params == dense.active_params
+    with pytest.raises(ValueError, match=r"llm_config.num_experts_per_tok 9 is more than num_experts 8"):
+        model_configs.facts_from_config({**cfg, "llm_config": {**cfg["llm_config"], "num_experts_per_tok": 9}})
+    with pytest.raises(ValueError, match=r"text_config.mlp_only_layers: \[7\] are not layer indices 0..5"):
+        model_configs.facts_from_config({**qcfg, "text_config": {**qcfg["text_config"], "mlp_only_layers": [7]}})
+    with pytest.raises(ValueError, match=r"text_config.moe_intermediate_size: 0 is not a positive integer"):
+        model_configs.facts_from_config({**qcfg, "text_config": {**qcfg["text_config"], "moe_intermediate_size": 0}})
+
+
+def test_moe_defaults_are_transformers_own():
+    """Every field of `model_configs.MOE_FIELDS` is its config class's default (built with nothing)."""
+    transformers = pytest.importorskip("transformers")
+    for kind, row in model_configs.MOE_FIELDS.items():
+        cfg = transformers.AutoConfig.for_model(kind)
+        for key, want in row.items():
+            if key == "head_dim":
+                got = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+                want = cfg.hidden_size // cfg.num_attention_heads
+            elif key == "rope_theta":
+                got = cfg.rope_parameters["rope_theta"]
+            elif key == "norm_topk_prob" and not hasattr(cfg, key):
+                assert kind == "qwen3_vl_moe_text" and want is True    # its router always renormalises
+                continue
+            else:
+                got = getattr(cfg, key)
+            assert got == want, f"{kind}.{key}: ours {want!r}, transformers {got!r}"
 
 
 def test_parameter_counts_are_the_checkpoints_sizes():

@@ -123,7 +123,8 @@ def chunk_bytes(m: Any, chunk: int, activation_bytes: int) -> float:
     working set over `chunk` tokens; a family's, `_family_block`'s without chunks over `chunk` rows
     of either stream), live inside a block's backward pass."""
     if getattr(m, "family", ""):
-        work = max(_family_block(m, False, "layer", False)[1], _family_block(m, True, "layer", False)[1])
+        work = max(_llm_blocks(m, "layer", False)[1] if _moe(m) else _family_block(m, False, "layer", False)[1],
+                   _family_block(m, True, "layer", False)[1])
         return float(chunk * work * activation_bytes)
     work = max(_block(m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate, "layer")[1],
                _block(m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim,
@@ -211,9 +212,12 @@ def engine_params(m: Any) -> int:
 
 
 def stack_params(m: Any) -> tuple[int, int]:
-    """Parameters of the decoder and of the vision block stacks (the scans)."""
+    """Parameters of the decoder and of the vision block stacks (the scans); a MoE model's sparse
+    layers hold their router and all their experts (`_moe`) in place of a dense MLP."""
     d, v = m.hidden, m.vision_hidden
     dec = m.layers * (d * m.head_dim * (2 * m.heads + 2 * m.kv_heads) + 3 * d * m.intermediate + 2 * d)
+    if _moe(m):
+        dec += m.router_params + m.expert_params - m.sparse_layers * 3 * d * m.intermediate
     mlp = _encoder(m)[1]
     vis = m.vision_layers * (4 * v * m.vision_heads * m.vision_head_dim + mlp * v * m.vision_intermediate + 2 * v)
     return dec, vis
@@ -387,6 +391,44 @@ def encoder_rows(m: Any) -> int:
     return ppt + (_terms(m).cls_rows if getattr(m, "family", "") else 0)
 
 
+def _moe(m: Any) -> bool:
+    """Whether shape `m` has sparse mixture-of-experts layers (`presets.ModelShape.moe`)."""
+    return bool(getattr(m, "experts", 0) and getattr(m, "sparse_layers", 0))
+
+
+def moe_saved(m: Any) -> int:
+    """Elements per token a sparse layer's block keeps for its backward pass without recompute in
+    place of a dense SwiGLU MLP's three values (`family_llm_saved`): the router's logits and their
+    softmax (one per expert), the k gates and expert indices the top-k keeps, the dispatch buffer
+    (the k copies of the normed row its experts read, in expert order), each routed row's gate, up
+    and their product (3 x the expert width, k rows), and the k expert outputs the gates weigh
+    (their gradient reads them). Static shapes: k rows per token on every device of a rank,
+    whatever t (`tensor_parallel.local_shape` keeps these widths whole)."""
+    k = m.experts_per_token
+    return 2 * m.experts + 2 * k + 2 * k * m.hidden + 3 * k * m.expert_intermediate
+
+
+def moe_cotangents(m: Any, remat: str) -> int:
+    """Cotangents a sparse layer's backward pass holds on top of what it reads, per token: the dense
+    layer's (`FAMILY_LLM_COTANGENTS`) with the MLP-wide ones over the k routed rows of the expert
+    width, and the cotangents of the dispatch buffer and of the expert outputs (k rows of hidden
+    each)."""
+    cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
+    k = m.experts_per_token
+    return cf * k * m.expert_intermediate + cw * m.hidden + 2 * k * m.hidden
+
+
+def _llm_blocks(m: Any, remat: str, chunked: bool) -> tuple[float, float]:
+    """(elements kept per token by all LLM layers, elements of the working set of the LLM layer
+    whose backward pass is the larger) of a family program (`_family_block`): a MoE model's
+    dense and sparse layers each by its own block."""
+    kept, work = _family_block(m, False, remat, chunked)
+    if not _moe(m):
+        return m.layers * kept, work
+    s_kept, s_work = _family_block(m, False, remat, chunked, sparse=True)
+    return m.dense_layers * kept + m.sparse_layers * s_kept, max(work if m.dense_layers else 0.0, s_work)
+
+
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
     """Bytes per local LLM token of a family's group program at the peak of its backward pass: its
     inputs (`input_bytes_per_token`), and in elements of `ab` bytes what every LLM layer and every
@@ -395,6 +437,13 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder block's over
     its `encoder_rows` rows, whichever is larger)."""
     rows = encoder_rows(m)
+    if _moe(m):
+        dec_kept, dec_work = _llm_blocks(m, remat, chunked)
+        vit_kept, vit_work = _family_block(m, True, remat, chunked)
+        kept = dec_kept + rows * m.vision_layers * vit_kept
+        work = max(dec_work, rows * vit_work)
+        tail, masks = family_tail(m)
+        return float(input_bytes_per_token(m) + ab * (kept + work + tail) + masks)
     dec_kept, dec_work = _family_block(m, False, remat, chunked)
     vit_kept, vit_work = _family_block(m, True, remat, chunked)
     kept = m.layers * dec_kept + rows * m.vision_layers * vit_kept
@@ -421,8 +470,9 @@ def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
     block whose backward pass runs at the peak)."""
     from dhp_jax.planner.cost.presets import attention_workspace_bytes
 
-    if getattr(m, "family", "") and encoder_rows(m) * _family_block(m, True, "layer", False)[1] > \
-            _family_block(m, False, "layer", False)[1]:
+    llm = _llm_blocks(m, "layer", False)[1] if _moe(m) else _family_block(m, False, "layer", False)[1] \
+        if getattr(m, "family", "") else 0.0
+    if getattr(m, "family", "") and encoder_rows(m) * _family_block(m, True, "layer", False)[1] > llm:
         return attention_workspace_bytes(m) * m.vision_heads / m.heads
     return attention_workspace_bytes(m)
 
@@ -437,7 +487,7 @@ def family_input_elements(m: Any) -> int:
     return 5 + axes + 1 + encoder_rows(m) * (10 + m.patch_dim // _encoder(m)[0] + POSITION_TAPS)
 
 
-def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
+def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool = False) -> tuple[float, float]:
     """(elements kept per row by one LLM layer or encoder block of a family program, elements of
     the working set of its backward pass) (`family_bytes_per_token`).
 
@@ -450,7 +500,11 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
     outputs of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom
     VJP, where it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and
-    4096 tokens in chunks of 256: the compiled programs of the two are the same bytes)."""
+    4096 tokens in chunks of 256: the compiled programs of the two are the same bytes).
+
+    `sparse`: a MoE model's sparse LLM layer, whose MLP values are the sparse block's (`moe_saved`,
+    `moe_cotangents`); with remat "selective" it also keeps the router's logits and the routed
+    rows' gate and up (its weight GEMMs' outputs)."""
     if remat == "selective" and chunked:
         remat = "layer"
     if vision:
@@ -466,6 +520,10 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     else:
         cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
     cotangents = cf * ff + cw * hidden
+    if sparse and not vision:
+        saved = saved - 3 * m.intermediate + moe_saved(m)
+        cotangents = moe_cotangents(m, remat)
+        ff, gemm_ff = m.experts_per_token * m.expert_intermediate, 2
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
         work = 2 * hidden + 2 * qkv + heads * head_dim + attn
@@ -473,7 +531,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[floa
     if remat == "layer":
         return hidden, saved + cotangents
     if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
-        return 2 * hidden + qkv + gemm_ff * ff + hidden, saved + cotangents
+        router = m.experts if sparse and not vision else 0
+        return 2 * hidden + qkv + gemm_ff * ff + hidden + router, saved + cotangents
     return saved, cotangents
 
 

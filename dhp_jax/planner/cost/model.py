@@ -255,6 +255,9 @@ class CostModel:
         if key_h not in presets.HARDWARE:
             raise ValueError(f"unknown hardware {hardware!r}; known hardware: {', '.join(presets.HARDWARE)}")
         m, hw = shape or presets.MODELS[key_m], presets.HARDWARE[key_h]
+        if m.moe and not m.family:
+            raise ValueError(f"model {key_m!r}: a mixture-of-experts shape is priced as its family's program "
+                             f"(ModelShape.family), and this one names none (the stand-in engine has no experts)")
         dtype = compute_dtype or ("float32" if hw.bytes_per_element == 4 else "bfloat16")
         if dtype not in engine_memory.COMPUTE_BYTES:
             raise ValueError(f"compute_dtype must be one of {sorted(engine_memory.COMPUTE_BYTES)}, got {dtype!r}")
@@ -270,7 +273,9 @@ class CostModel:
         # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
         # attention touches L^2/2 pairs.
         a1 = attn_passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
-        a2 = passes * 2.0 * (m.layers * m.llm_layer_params + m.vocab * m.hidden) / (hw.peak_flops * hw.mfu_linear)
+        # linear layers: every GEMM weight a token runs through (a sparse layer's router and its k
+        # experts, not all of them: `ModelShape.llm_gemm_params`) and the LM head
+        a2 = passes * 2.0 * (m.llm_gemm_params + m.vocab * m.hidden) / (hw.peak_flops * hw.mfu_linear)
         vit_fwd = _encoder_flops(m)
         # the projector (patch merger), and Qwen3-VL's DeepStack mergers beside it
         proj_fwd = (1 + m.deepstack) * 2.0 * m.projector_params
@@ -296,7 +301,7 @@ class CostModel:
             bw = tp.collective_bandwidth(hw, t)
             kv_local = tp.kv_heads_per_device(m, t)
             a1 = a1 / t
-            a2 = passes * 2.0 * (m.layers * m.llm_layer_params / t + tp.vocab_share(m, t) * m.hidden) \
+            a2 = passes * 2.0 * (tp.device_gemm_params(m, t) + tp.vocab_share(m, t) * m.hidden) \
                 / (hw.peak_flops * hw.mfu_linear) + seq_llm / bw
             a2_vision = a2_vision / t + seq_vision / bw
             b1 = b1 + tp.collective_messages(m, t, passes, freeze_vision) * hw.lat_intra

@@ -28,6 +28,13 @@ class ModelShape:
     (the 2x2 merge comes after it), GELU MLPs of 2 matrices (InternViT, Qwen3-VL) or SwiGLU of 3
     (Qwen2.5-VL), window attention in `window_layers` layers (Qwen2.5-VL), `deepstack` extra
     mergers (Qwen3-VL), and the exact parameter count of the published model (`param_count`).
+
+    Mixture of experts (`experts` > 0, `dhp_jax.data.model_configs.ModelFacts`): `sparse_layers` of
+    the `layers` LLM layers replace their SwiGLU MLP of width `intermediate` with a router (hidden x
+    experts) and `experts` SwiGLU experts of width `expert_intermediate`, `experts_per_token` (k) of
+    which run per token. Compute is priced on what a token runs (`llm_gemm_params`: the router and
+    k experts' GEMMs), memory on every weight (`param_count`; `expert_params`), the active count
+    is `active_param_count`.
     """
 
     layers: int
@@ -53,6 +60,11 @@ class ModelShape:
     param_count: int = 0       # exact parameters of the published model (0: the stand-in's formula)
     vision_rule: str = ""      # token rule of dhp_jax.data.vision ("" : from the model's name)
     family: str = ""           # the Hugging Face family ("internvl", "qwen2_5_vl", "qwen3_vl"; "": the stand-in)
+    experts: int = 0           # experts per sparse layer (0: a dense LLM)
+    experts_per_token: int = 0  # k: experts each token is routed to (top-k)
+    expert_intermediate: int = 0  # SwiGLU width of one expert
+    sparse_layers: int = 0     # LLM layers whose MLP is the sparse block (the rest are dense)
+    active_param_count: int = 0  # parameters one token's forward pass uses (0: param_count)
 
     @classmethod
     def from_facts(cls, f: "model_configs.ModelFacts") -> "ModelShape":
@@ -62,7 +74,9 @@ class ModelShape:
                    frame_patches=f.frame_patches, vision_heads=f.vision_heads, vision_head_dim=f.vision_head_dim,
                    patch_dim=f.patch_dim, vision_mlp=f.vision_mlp, window_patches=f.window_patches,
                    window_layers=f.window_layers, deepstack=f.deepstack, projector_hidden=f.projector_hidden,
-                   param_count=f.params, vision_rule=f.vision_rule, family=f.family)
+                   param_count=f.params, vision_rule=f.vision_rule, family=f.family, experts=f.experts,
+                   experts_per_token=f.experts_per_token, expert_intermediate=f.expert_intermediate,
+                   sparse_layers=len(f.sparse_layers), active_param_count=f.active_params)
 
     @classmethod
     def from_config(cls, config: "Mapping[str, Any] | str") -> "ModelShape":
@@ -71,8 +85,48 @@ class ModelShape:
 
     @property
     def llm_layer_params(self) -> int:
-        attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
-        return attn + 3 * self.hidden * self.intermediate
+        """Weights of one dense LLM layer's GEMMs: q, k, v, o and the SwiGLU MLP."""
+        return self.llm_attention_params + 3 * self.hidden * self.intermediate
+
+    @property
+    def llm_attention_params(self) -> int:
+        """Weights of one LLM layer's attention GEMMs (q, k, v, o)."""
+        return self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
+
+    @property
+    def moe(self) -> bool:
+        """Whether some LLM layers are sparse mixture-of-experts blocks."""
+        return self.experts > 0 and self.sparse_layers > 0
+
+    @property
+    def dense_layers(self) -> int:
+        """LLM layers with a dense SwiGLU MLP."""
+        return self.layers - self.sparse_layers if self.moe else self.layers
+
+    @property
+    def expert_layer_params(self) -> int:
+        """Weights of one expert's GEMMs: the fused gate/up (2 x width x hidden) and down."""
+        return 3 * self.hidden * self.expert_intermediate
+
+    @property
+    def router_params(self) -> int:
+        """Weights of every sparse layer's router (hidden x experts each)."""
+        return self.sparse_layers * self.hidden * self.experts if self.moe else 0
+
+    @property
+    def expert_params(self) -> int:
+        """Weights of all experts of all sparse layers."""
+        return self.sparse_layers * self.experts * self.expert_layer_params if self.moe else 0
+
+    @property
+    def llm_gemm_params(self) -> int:
+        """GEMM weights one token runs through in the LLM's layers (2 FLOPs each, forward): every
+        dense layer's, and per sparse layer its attention, its router and its k experts."""
+        if not self.moe:
+            return self.layers * self.llm_layer_params
+        return (self.dense_layers * self.llm_layer_params
+                + self.sparse_layers * (self.llm_attention_params + self.hidden * self.experts
+                                        + self.experts_per_token * self.expert_layer_params))
 
     @property
     def vision_layer_params(self) -> int:

@@ -28,9 +28,25 @@ t = 1 nothing here is called and every coefficient is the one without tensor par
   (the JAX engine's `PlanExecutor(..., sequence_parallel=True)`) each block's input is 1/t of the
   rows (`sequence_saving`: the LLM's and the encoder's stacks, of the stand-in and of a family).
 
+Mixture of experts (a model shape with `experts` > 0; `dhp_jax.planner.cost.presets.ModelShape`):
+the experts of each sparse layer are split over the rank's t devices (expert parallelism E = t
+inside the rank; DHP's groups stay independent, tokens never leave their rank): a device holds
+experts / t of them, the router in full (`replicated_params`). Compute per device is the attention
+and the dense layers / t, the k experts' GEMMs of a token / t (routing assumed balanced) and the
+router whole (`device_gemm_params`). Each sparse layer exchanges the rank's rows among its devices in
+place of the dense MLP's collectives (`moe_exchange_bytes`): the rows joined on every device and
+the experts' partial sums scattered back, (t-1)/t of the rows each, as the engine runs it (an
+all-to-all of a token's k rows would move as much at k = t, more at k > t).
+Memory per device: its experts' weights, gradients and optimizer state (`device_params`); the
+dispatch buffers hold all k rows of every token on every device (static shapes: tokens x k rows),
+so the experts' activations are not divided by t (`local_shape` keeps them).
+
+`choose` picks (t, degree) for one long sample by the memory model: the planner's choice of t.
+
 Validation (`check_tensor_parallel`): every split must be even. A head count that t does not
 divide, kv heads that neither t divides nor divide t (for replication), or an MLP width that t
-does not divide is refused, naming the model, the config field and t.
+does not divide (or an expert count, for a MoE model) is refused, naming the model, the config
+field and t.
 """
 
 from __future__ import annotations
@@ -41,15 +57,16 @@ from typing import Any
 
 from dhp_jax.checks import positive_int
 
-__all__ = ["block_collectives", "check_node", "check_tensor_parallel", "collective_bandwidth", "collective_messages",
-           "device_params", "kv_heads_per_device", "local_shape", "replicated_params", "sequence_saving", "sequence_parallel_bytes", "unsplittable",
+__all__ = ["block_collectives", "check_node", "check_tensor_parallel", "choose", "collective_bandwidth",
+           "collective_messages", "device_gemm_params", "device_params", "moe_exchange_bytes", "kv_heads_per_device", "local_shape", "replicated_params", "sequence_saving", "sequence_parallel_bytes", "unsplittable",
            "valid_degrees", "vocab_share"]
 
 
 # the config.json fields behind each shape field (a shape's own `FIELD_NAMES` replaces them)
 HF_FIELDS = {"heads": "text_config.num_attention_heads", "intermediate": "text_config.intermediate_size",
              "vision_heads": "vision_config heads (num_heads / num_attention_heads)",
-             "vision_intermediate": "vision_config.intermediate_size", "kv_heads": "text_config.num_key_value_heads"}
+             "vision_intermediate": "vision_config.intermediate_size", "kv_heads": "text_config.num_key_value_heads",
+             "experts": "text_config.num_experts"}
 
 
 def unsplittable(m: Any, t: int) -> str | None:
@@ -61,6 +78,10 @@ def unsplittable(m: Any, t: int) -> str | None:
         v = getattr(m, key)
         if v % t:
             return f"tensor_parallel {t} cannot split {names[key]} = {v} evenly (t must divide it)"
+    experts = getattr(m, "experts", 0)
+    if experts and getattr(m, "sparse_layers", 0) and experts % t:
+        return (f"tensor_parallel {t} cannot split {names['experts']} = {experts} evenly over a rank's devices "
+                f"(t must divide it)")
     if m.kv_heads % t and t % m.kv_heads:
         return (f"tensor_parallel {t} cannot split {names['kv_heads']} = {m.kv_heads}: kv heads must be "
                 f"a multiple of t, or divide t (each then replicated)")
@@ -134,9 +155,11 @@ def vocab_share(m: Any, t: int) -> int:
 def replicated_params(m: Any) -> int:
     """Weights every device of a rank holds in full: the norms (RMSNorm or LayerNorm scale and bias)
     of every block and the final ones, and the encoder's patch embedding (a convolution on the
-    pixels, before the sequence is split). Position tables and biases are counted as split (they are
-    small either way)."""
-    return int((2 * m.layers + 1) * m.hidden + 4 * m.vision_layers * m.vision_hidden + m.patch_dim * m.vision_hidden)
+    pixels, before the sequence is split), and a MoE model's routers (every device routes its rows).
+    Position tables and biases are counted as split (they are small either way)."""
+    router = getattr(m, "router_params", 0)
+    return int((2 * m.layers + 1) * m.hidden + 4 * m.vision_layers * m.vision_hidden + m.patch_dim * m.vision_hidden
+               + router)
 
 
 def device_params(m: Any, params: float, t: int) -> float:
@@ -172,14 +195,44 @@ def _per_block(linear_passes: float, forward_only: bool = False) -> float:
     return float(sum(block_collectives(linear_passes, forward_only).values()))
 
 
+def moe_exchange_bytes(m: Any, t: int, bytes_per_element: int, linear_passes: float) -> float:
+    """Bytes per token of the rank's stream that one device sends to exchange the rows of every
+    sparse layer among the rank's t devices, all passes (`comm_passes`: forward, backward, and the
+    recomputed forward): the rows joined on every device before the router and the experts, and
+    the experts' partial sums scattered back (`dhp_jax.model.hf.moe`: a device runs all k pairs
+    of every row, those of its own experts non-zero, and the row-split collective of the dense MLP
+    sums the devices' shares), each (t-1)/t of a [tokens, hidden] tensor, as the dense MLP's. An
+    all-to-all of each token's k rows to its experts' devices would send k (t-1)/t^2 of it from
+    the 1/t of the rows a device holds: the same where k = t, more where k > t (the released
+    models: k = 8 >= t). 0 without experts or t = 1."""
+    if not (getattr(m, "experts", 0) and getattr(m, "sparse_layers", 0)) or t == 1:
+        return 0.0
+    rows = 2.0 * comm_passes(linear_passes)
+    return float(m.sparse_layers * rows * (t - 1) / t * bytes_per_element * m.hidden)
+
+
+def device_gemm_params(m: Any, t: int) -> float:
+    """GEMM weights one device of a rank of t runs per token of the rank's stream in the LLM's
+    layers (`ModelShape.llm_gemm_params` split): attention and the dense MLPs / t, a token's k
+    experts / t (balanced routing: each device computes the rows routed to its experts / t of
+    them), the router whole (every device routes the rows it holds with the whole router)."""
+    if not (getattr(m, "experts", 0) and getattr(m, "sparse_layers", 0)):
+        return m.layers * m.llm_layer_params / t
+    return (m.llm_gemm_params - m.sparse_layers * m.hidden * m.experts) / t + m.sparse_layers * m.hidden * m.experts
+
+
 def sequence_parallel_bytes(m: Any, t: int, bytes_per_element: int, linear_passes: float, frozen_vision: bool
                             ) -> tuple[float, float]:
     """(bytes per token of the rank's stream through the LLM's collectives, bytes per LLM vision token
     through the encoder's) that one device sends: per block `block_collectives` of [tokens, width],
     each (t-1)/t of it; the encoder runs `patches_per_token` rows per LLM vision token, forward only
-    when frozen."""
+    when frozen. A sparse layer runs the attention's half of them and exchanges its rows for the
+    experts (`moe_exchange_bytes`) in place of the MLP's half."""
     share = (t - 1) / t * bytes_per_element
     llm = m.layers * _per_block(linear_passes) * share * m.hidden
+    if getattr(m, "experts", 0) and getattr(m, "sparse_layers", 0):
+        llm += moe_exchange_bytes(m, t, bytes_per_element, linear_passes) \
+            - m.sparse_layers * _per_block(linear_passes) / 2 * share * m.hidden
     vision = _per_block(linear_passes, frozen_vision) * m.vision_layers * m.patches_per_token * share * m.vision_hidden
     return llm, vision
 
@@ -195,3 +248,70 @@ def collective_bandwidth(hw: Any, t: int) -> float:
     over a link of their own (`p2p_bw_intra`, a full mesh or a switch), capped by its injection
     bandwidth (`a2a_bw_intra`)."""
     return float(min(hw.a2a_bw_intra, (t - 1) * hw.p2p_bw_intra)) if t > 1 else math.inf
+
+
+def choose(model: Any, hardware: str, tokens: int, devices: int, *, devices_per_node: int = 8,
+           vision_share: float = 1.0, sequence_parallel: bool = True, **preset: Any) -> dict[str, Any]:
+    """The tensor-parallel size t and the context-parallel degree the planner gives one sample of
+    `tokens` tokens (vision share `vision_share`: its vision tokens / its tokens) on `devices`
+    devices of `hardware`, state sharded over all of them. For each t this model allows (up to the
+    node's devices) at which the model fits a device: the least degree of ranks at which the
+    sample fits by the memory model (`memory.min_degree`, then the group program plus the state
+    shard checked against the usable bytes), and every larger degree up to the devices / t ranks,
+    each priced as the planner prices a step of that one group: its time at the best attention
+    kind (`pricing.best_times`) plus the gradient all-reduce over the devices / t ranks
+    (`pricing.allreduce_time`, which shrinks with t: a device's share of the weights); the fastest
+    (t, degree) wins, the smaller t and degree on a tie. Returns {"t", "degree", "ranks", "step_s", "device_bytes",
+    "usable_bytes", "fits", "tried": {t: {"least_degree", "degree", "step_s", "device_bytes"} or
+    why not}}. A ValueError naming each t's reason when no t fits."""
+    from dhp_jax.planner.cost import memory
+    from dhp_jax.planner.cost.model import CostModel
+    from dhp_jax.planner.cost.pricing import allreduce_time, best_times, sample_terms
+
+    positive_int(tokens, "tokens")
+    positive_int(devices, "devices")
+    m = model
+    if isinstance(model, str):
+        from dhp_jax.planner.cost import presets
+        if model.lower() not in presets.MODELS:
+            raise ValueError(f"unknown model {model!r}; known models: {', '.join(presets.MODELS)}")
+        m = presets.MODELS[model.lower()]
+    tried: dict[int, Any] = {}
+    best = None
+    for t in valid_degrees(m, devices_per_node):
+        if devices_per_node % t or devices % t:
+            continue
+        try:
+            cost = CostModel.preset(model if isinstance(model, str) else m, hardware, tensor_parallel=t,
+                                    ranks_per_node=devices_per_node // t, state_shards=devices,
+                                    sequence_parallel=bool(sequence_parallel) and t > 1, **preset)
+        except ValueError as e:
+            tried[t] = str(e)
+            continue
+        ranks = devices // t
+
+        def device_bytes(degree: int) -> float:
+            return memory.group_program_bytes(cost, [tokens], degree) + memory.rank_state_bytes(cost)
+
+        least = int(memory.min_degree(cost, [tokens])[0])
+        while least <= ranks and device_bytes(least) > cost.usable_bytes:
+            least += 1
+        if least > ranks:
+            tried[t] = f"{tokens} tokens need more than the {ranks} ranks of {devices} devices at t={t}"
+            continue
+        A, B, S = (x.sum() for x in sample_terms(cost, [tokens], [vision_share ** 2]))
+        reduce = allreduce_time(cost, ranks)
+        times = {d: float(best_times(cost, A, B, S, d)) + reduce for d in range(least, ranks + 1)
+                 if device_bytes(d) <= cost.usable_bytes}
+        degree = min(times, key=lambda d: (times[d], d))
+        tried[t] = {"least_degree": least, "degree": degree, "step_s": times[degree],
+                    "device_bytes": device_bytes(degree)}
+        if best is None or times[degree] < best["step_s"]:
+            best = {"t": t, "degree": degree, "ranks": ranks, "step_s": times[degree],
+                    "device_bytes": device_bytes(degree), "usable_bytes": cost.usable_bytes,
+                    "fits": device_bytes(degree) <= cost.usable_bytes}
+    if best is None:
+        raise ValueError(f"no tensor-parallel size fits one {tokens}-token sample on {devices} devices of "
+                         f"{hardware}: " + "; ".join(f"t={t}: {v}" for t, v in tried.items()))
+    best["tried"] = tried
+    return best
