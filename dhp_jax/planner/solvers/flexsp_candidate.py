@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from dhp_jax.planner.cost.pricing import attention_for, bin_sums, group_times
+from dhp_jax.planner.cost.pricing import attention_for, bin_sums, group_times, kind_times
 from dhp_jax.planner.solvers import microbatch
 from dhp_jax.planner.solvers.allocate import allowed_degrees
 from dhp_jax.planner.solvers.flexsp import alone_bounds, flexsp_counts
@@ -37,6 +37,8 @@ from dhp_jax.planner.solvers.refine import refine as refine_groups
 
 __all__ = ["best_flexsp", "homogeneous_plans"]
 
+_MIXED_MAX = 256  # micro-batches of at most this many sequences are also packed on mixed degrees
+_MIXED_GROUPS = 16  # mixed-degree packings of at most this many groups
 _DROPPED = 2  # counts in a row that give no plan under the limit end the homogeneous packings' search
 
 
@@ -60,6 +62,61 @@ def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: 
         for item in full:
             heapq.heappush(heap, item)
     return [g for g in groups if g]
+
+
+def _price(cost, groups: list[list[int]], degs: np.ndarray, kind: str | None, terms: tuple) -> float:
+    """Makespan of `groups` on degrees `degs`, each on `kind` (None: FlexSP's kind for its degree)."""
+    A, B, S = bin_sums(groups, *terms)
+    if kind is not None:
+        return float(group_times(cost, A, B, S, degs, attention=kind).max())
+    kinds = [attention_for(int(d), cost, "auto") for d in degs.tolist()]
+    return float(kind_times(cost, A, B, S, degs, degs > cost.ranks_per_node, kinds).max())
+
+
+def _mixed(prob: Problem, order: np.ndarray, ds: list[int], tops: list[int], times: np.ndarray, best: tuple | None
+           ) -> tuple | None:
+    """`best` (makespan, degree, groups, kind) or a packing on mixed power-of-two degrees if faster:
+    for each largest degree d of `tops` (those that hold the longest sequence), the ranks cut
+    greedily into the powers of two `ds` up to d (14 ranks, d = 8: 8 + 4 + 2), the sequences (`order`, longest first) each onto the group where it would
+    finish first by its time alone on that degree (`times`, rows by `ds`), memory permitting; kinds
+    FlexSP's (None in the result's kind: per degree)."""
+    N, cost = prob.num_ranks, prob.cost
+    terms = (prob.attn, prob.lin, prob.tok)
+    tok = prob.tok[order]
+    row = {d: i for i, d in enumerate(ds)}
+    for d in tops:
+        degs, left = [], N
+        while left >= ds[0]:
+            g = min(d, 1 << (left.bit_length() - 1))
+            if g not in row:
+                break
+            degs.append(g)
+            left -= g
+        if len(degs) < 2 or len(set(degs)) < 2 or len(degs) > _MIXED_GROUPS:
+            continue  # one degree: a homogeneous packing
+        degs_a = np.asarray(degs, dtype=np.int64)
+        t = times[[row[g] for g in degs]][:, order]  # groups x sequences
+        room = degs_a * prob.cap
+        load = np.zeros(len(degs))
+        groups: list[list[int]] = [[] for _ in degs]
+        ok = True
+        for j, k in enumerate(order.tolist()):
+            fin = np.where(room >= tok[j] * (1 - 1e-12), load + t[:, j], np.inf)
+            g = int(np.argmin(fin))
+            if fin[g] == np.inf:
+                ok = False
+                break
+            groups[g].append(k)
+            load[g] += t[g, j]
+            room[g] -= tok[j]
+        if not ok:
+            continue
+        used = [i for i, gr in enumerate(groups) if gr]
+        groups, degs_a = [groups[i] for i in used], degs_a[used]
+        mk = _price(cost, groups, degs_a, None, terms)
+        if best is None or mk < best[0]:
+            best = (mk, degs_a, groups, None)
+    return best
 
 
 def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[list]:
@@ -118,19 +175,26 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                 mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
                 if best is None or mk < best[0]:
                     best = (mk, d, groups, kinds[i])
+            if N & (N - 1) and len(idx) <= _MIXED_MAX:
+                # ranks not a power of two: FlexSP's groups may mix degrees (8 + 4 + 2 on 14
+                # ranks), which one degree per micro-batch leaves idle
+                best = _mixed(prob, order, ds, ds[first:], times_all, best)
             if best is not None and limit <= done + best[0] + rest:
                 # FlexSP's MILP improves on its start; here DHP's re-balancing does, where that
                 # decides whether the count can still come in under the limit
                 mk, d, groups, kind = best
-                new = [g for g in refine_groups(groups, np.full(len(groups), d), *terms, cost, kind) if g]
-                if new != groups:
-                    t_new = float(group_times(cost, *bin_sums(new, *terms), d, attention=kind).max())
+                degs = np.full(len(groups), d) if np.ndim(d) == 0 else np.asarray(d)
+                # mixed degrees: re-balanced at each group's fastest kind, priced on FlexSP's
+                new = [g for g in refine_groups(groups, degs, *terms, cost, kind if np.ndim(d) == 0 else "best") if g]
+                if new != groups and len(new) == len(groups):
+                    t_new = _price(cost, new, degs, kind, terms)
                     if t_new < mk:
                         best = (t_new, d, new, kind)
             if best is None or done + best[0] + rest >= limit:
                 break
             done += best[0]
-            mbs.append(list(zip(place([best[1]] * len(best[2]), N, cost.ranks_per_node, True), best[2])))
+            degs = [best[1]] * len(best[2]) if np.ndim(best[1]) == 0 else [int(x) for x in best[1]]
+            mbs.append(list(zip(place(degs, N, cost.ranks_per_node, True), best[2])))
         if len(mbs) < len(parts) or done >= last * (1 - 1e-12):
             dropped += 1
             if out or dropped >= _DROPPED:
