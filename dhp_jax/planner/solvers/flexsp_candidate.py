@@ -49,18 +49,26 @@ def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: 
     heap = [(0.0, p) for p in range(slots)]
     left = [room] * slots
     groups: list[list[int]] = [[] for _ in range(slots)]
+    replace, pop, push = heapq.heapreplace, heapq.heappop, heapq.heappush
     for k, tk, tt in zip(order.tolist(), tok, t):
+        need = tk * (1 - 1e-12)
+        load, p = heap[0]
+        if left[p] >= need:  # the least loaded group has room (the common case): one heap step
+            groups[p].append(k)
+            left[p] -= tk
+            replace(heap, (load + tt, p))
+            continue
         full = []
-        while heap and left[heap[0][1]] < tk * (1 - 1e-12):
-            full.append(heapq.heappop(heap))
+        while heap and left[heap[0][1]] < need:
+            full.append(pop(heap))
         if not heap:
             return None
-        load, p = heapq.heappop(heap)
+        load, p = pop(heap)
         groups[p].append(k)
         left[p] -= tk
-        heapq.heappush(heap, (load + tt, p))
+        push(heap, (load + tt, p))
         for item in full:
-            heapq.heappush(heap, item)
+            push(heap, item)
     return [g for g in groups if g]
 
 
@@ -165,8 +173,9 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
             longest = t.max(axis=1)
             tok = prob.tok[order].tolist()
             best = None
+            room = limit - done - rest  # what this micro-batch's makespan must come in under
             for i in np.argsort(longest, kind="stable").tolist():
-                if best is not None and longest[i] >= best[0]:
+                if longest[i] >= (room if best is None else min(best[0], room)):
                     break  # a group's time is at least each of its sequences' alone
                 d = dd[i]
                 groups = _lpt(order, t[i].tolist(), tok, N // d, d * prob.cap)
