@@ -46,11 +46,23 @@ def _lpt(order: np.ndarray, t: list[float], tok: list[float], slots: int, room: 
     """Sequences (`order`, longest first; their times `t` and tokens `tok`) each onto the least
     loaded of `slots` groups that still has memory room (ties: the lower group); None when one fits
     nowhere. The used groups' sequences, in group order."""
+    seq = order.tolist()
     heap = [(0.0, p) for p in range(slots)]
     left = [room] * slots
     groups: list[list[int]] = [[] for _ in range(slots)]
+    n0 = min(slots, len(seq))
+    if n0 and min(t[:n0]) > 0.0 and max(tok[:n0]) * (1 - 1e-12) <= room:
+        # the first `slots` sequences each open the next empty group (ties go to the lower group,
+        # and a group with a sequence is loaded): what the loop below does one step at a time
+        for p in range(n0):
+            groups[p].append(seq[p])
+            left[p] = room - tok[p]
+            heap[p] = (t[p], p)
+        heapq.heapify(heap)
+    else:
+        n0 = 0
     replace, pop, push = heapq.heapreplace, heapq.heappop, heapq.heappush
-    for k, tk, tt in zip(order.tolist(), tok, t):
+    for k, tk, tt in zip(seq[n0:], tok[n0:], t[n0:]):
         need = tk * (1 - 1e-12)
         load, p = heap[0]
         if left[p] >= need:  # the least loaded group has room (the common case): one heap step
