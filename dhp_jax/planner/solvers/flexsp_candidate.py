@@ -39,6 +39,10 @@ __all__ = ["best_flexsp", "homogeneous_plans"]
 
 _MIXED_MAX = 256  # micro-batches of at most this many sequences are also packed on mixed degrees
 _MIXED_GROUPS = 16  # mixed-degree packings of at most this many groups
+_EXCHANGE_MAX = 48  # micro-batches of at most this many sequences are improved by moves and swaps
+_EXCHANGE_NEAR = 0.05  # packings this far above what they must beat are not exchanged
+_EXCHANGED_CUTS = 1  # mixed cuts whose packings `_exchange` improves (a few sequences)
+_EXCHANGE_ROUNDS = 8  # rounds of `_exchange` at most
 _DROPPED = 2  # counts in a row that give no plan under the limit end the homogeneous packings' search
 
 
@@ -93,49 +97,140 @@ def _price(cost, groups: list[list[int]], degs: np.ndarray, kind: str | None, te
     return float(kind_times(cost, A, B, S, degs, degs > cost.ranks_per_node, kinds).max())
 
 
-def _mixed(prob: Problem, order: np.ndarray, ds: list[int], tops: list[int], times: np.ndarray, best: tuple | None
-           ) -> tuple | None:
+def _exchange(prob: Problem, groups: list[list[int]], degs: np.ndarray, kind: str | None
+              ) -> tuple[list[list[int]], float]:
+    """Groups (degrees fixed) improved by single moves and pairwise swaps: the slowest group hands
+    one sequence to another group, or swaps one with it, whichever pair of new times has the least
+    maximum below the makespan (memory permitting; ties: the first candidate); at most
+    _EXCHANGE_ROUNDS rounds, each priced in one vectorised call per kind. Groups are priced on
+    `kind` (None: FlexSP's kind per degree, `attention_for`). Returns the groups and their makespan."""
+    cost, terms = prob.cost, (prob.attn, prob.lin, prob.tok)
+    groups = [list(g) for g in groups]
+    degs = np.asarray(degs, dtype=np.int64)
+    kinds = np.asarray([kind if kind is not None else attention_for(int(d), cost, "auto") for d in degs.tolist()],
+                       dtype=object)
+    room = degs * prob.cap * (1 + 1e-12)
+    inter = degs > cost.ranks_per_node
+
+    def times(A, B, S, gi):
+        return kind_times(cost, A, B, S, degs[gi], inter[gi], kinds[gi].tolist())
+
+    A, B, S = bin_sums(groups, *terms)
+    T = times(A, B, S, np.arange(len(groups)))
+    for _ in range(_EXCHANGE_ROUNDS):
+        g = int(np.argmax(T))
+        mk = float(T[g])
+        gi = np.asarray(groups[g], dtype=np.int64)
+        # candidates (i out of g, j out of h or none, into h): one row each
+        rows_i, rows_j, rows_h = [], [], []
+        for h in range(len(groups)):
+            if h == g:
+                continue
+            hj = np.asarray(groups[h] + [-1], dtype=np.int64)
+            rows_i.append(np.repeat(gi, hj.size))
+            rows_j.append(np.tile(hj, gi.size))
+            rows_h.append(np.full(gi.size * hj.size, h, dtype=np.int64))
+        if not rows_i:
+            break
+        ii, jj, hh = np.concatenate(rows_i), np.concatenate(rows_j), np.concatenate(rows_h)
+        has = jj >= 0
+        j0 = np.where(has, jj, 0)
+        dA, dB, dS = ((np.where(has, v[j0], 0.0) - v[ii]) for v in terms)
+        Sg, Sh = S[g] + dS, S[hh] - dS
+        fits = (Sg <= room[g]) & (Sh <= room[hh])
+        if not fits.any():
+            break
+        tg = times(A[g] + dA, B[g] + dB, Sg, np.full(ii.size, g))
+        th = times(A[hh] - dA, B[hh] - dB, Sh, hh)
+        worst = np.where(fits, np.maximum(tg, th), np.inf)
+        c = int(np.argmin(worst))
+        if not worst[c] < mk * (1 - 1e-12):
+            break
+        i, j, h = int(ii[c]), int(jj[c]), int(hh[c])
+        groups[g].remove(i)
+        groups[h].append(i)
+        if j >= 0:
+            groups[h].remove(j)
+            groups[g].append(j)
+        if not groups[g]:
+            break  # a group left empty: the degrees no longer match; stop here
+        A, B, S = bin_sums(groups, *terms)
+        T = times(A, B, S, np.arange(len(groups)))
+    groups = [sorted(gr) for gr in groups]
+    if any(not gr for gr in groups):
+        return groups, np.inf
+    A, B, S = bin_sums(groups, *terms)
+    return groups, float(times(A, B, S, np.arange(len(groups))).max())
+
+
+def _cuts(N: int, tops: list[int], ds: list[int], few: bool) -> list[list[int]]:
+    """Ways to cut N ranks into groups of the powers of two `ds`, each with more than one degree
+    (one degree: a homogeneous packing) and at most _MIXED_GROUPS groups: for each largest degree d
+    of `tops`, one group of d and the rest cut greedily into the largest powers of two up to c (14
+    ranks, d = c = 8: 8 + 4 + 2), for c = d, and with `few` sequences (where the cut matters most
+    and a packing costs little) also c = d / 2 (32 ranks, d = 16, c = 8: 16 + 8 + 8)."""
+    allowed = set(ds)
+    out: list[list[int]] = []
+    for d in tops:
+        for c in [x for x in ds if x in (d, d // 2)] if few else [d]:
+            degs, left = [d], N - d
+            while left >= ds[0]:
+                g = min(c, 1 << (left.bit_length() - 1))
+                if g not in allowed:
+                    break
+                degs.append(g)
+                left -= g
+            if len(set(degs)) > 1 and len(degs) <= _MIXED_GROUPS and degs not in out:
+                out.append(degs)
+    return out
+
+
+def _mixed(prob: Problem, order: np.ndarray, ds: list[int], tops: list[int], times: np.ndarray, best: tuple | None,
+           room: float = np.inf) -> tuple | None:
     """`best` (makespan, degree, groups, kind) or a packing on mixed power-of-two degrees if faster:
     for each largest degree d of `tops` (those that hold the longest sequence), the ranks cut
     greedily into the powers of two `ds` up to d (14 ranks, d = 8: 8 + 4 + 2), the sequences (`order`, longest first) each onto the group where it would
     finish first by its time alone on that degree (`times`, rows by `ds`), memory permitting; kinds
-    FlexSP's (None in the result's kind: per degree)."""
+    FlexSP's (None in the result's kind: per degree). With few sequences the best cuts within
+    _EXCHANGE_NEAR of `room` (the makespan the micro-batch must beat) are improved by `_exchange`."""
     N, cost = prob.num_ranks, prob.cost
     terms = (prob.attn, prob.lin, prob.tok)
     tok = prob.tok[order]
     row = {d: i for i, d in enumerate(ds)}
-    for d in tops:
-        degs, left = [], N
-        while left >= ds[0]:
-            g = min(d, 1 << (left.bit_length() - 1))
-            if g not in row:
-                break
-            degs.append(g)
-            left -= g
-        if len(degs) < 2 or len(set(degs)) < 2 or len(degs) > _MIXED_GROUPS:
-            continue  # one degree: a homogeneous packing
+    few = len(order) <= _EXCHANGE_MAX
+    found = []
+    for degs in _cuts(N, tops, ds, few):
         degs_a = np.asarray(degs, dtype=np.int64)
         t = times[[row[g] for g in degs]][:, order]  # groups x sequences
-        room = degs_a * prob.cap
+        free = degs_a * prob.cap
         load = np.zeros(len(degs))
         groups: list[list[int]] = [[] for _ in degs]
         ok = True
         for j, k in enumerate(order.tolist()):
-            fin = np.where(room >= tok[j] * (1 - 1e-12), load + t[:, j], np.inf)
+            fin = np.where(free >= tok[j] * (1 - 1e-12), load + t[:, j], np.inf)
             g = int(np.argmin(fin))
             if fin[g] == np.inf:
                 ok = False
                 break
             groups[g].append(k)
             load[g] += t[g, j]
-            room[g] -= tok[j]
+            free[g] -= tok[j]
         if not ok:
             continue
         used = [i for i, gr in enumerate(groups) if gr]
         groups, degs_a = [groups[i] for i in used], degs_a[used]
-        mk = _price(cost, groups, degs_a, None, terms)
-        if best is None or mk < best[0]:
-            best = (mk, degs_a, groups, None)
+        found.append((_price(cost, groups, degs_a, None, terms), degs_a, groups, None))
+    found.sort(key=lambda c: c[0])
+    if few:  # a few sequences: the best cuts' packings near `room` improved by moves and swaps first
+        for i, (mk, degs_a, groups, _) in enumerate(found[:_EXCHANGED_CUTS]):
+            if mk > room * (1 + _EXCHANGE_NEAR):
+                break
+            new, t_new = _exchange(prob, groups, degs_a, None)
+            if t_new < mk:
+                found[i] = (t_new, degs_a, new, None)
+        found.sort(key=lambda c: c[0])
+    if found and (best is None or found[0][0] < best[0]):
+        best = found[0]
     return best
 
 
@@ -196,10 +291,11 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                 mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
                 if best is None or mk < best[0]:
                     best = (mk, d, groups, kinds[i])
-            if N & (N - 1) and len(idx) <= _MIXED_MAX:
-                # ranks not a power of two: FlexSP's groups may mix degrees (8 + 4 + 2 on 14
-                # ranks), which one degree per micro-batch leaves idle
-                best = _mixed(prob, order, ds, ds[first:], times_all, best)
+            if (N & (N - 1) and len(idx) <= _MIXED_MAX) or len(idx) <= _EXCHANGE_MAX:
+                # FlexSP's groups may mix degrees: 8 + 4 + 2 on 14 ranks, where one degree per
+                # micro-batch leaves ranks idle, or 16 + 8 + 8 on 32 for a few sequences
+                best = _mixed(prob, order, ds, ds[first:], times_all, best, room)
+            unrefined = best
             if best is not None and limit <= done + best[0] + rest:
                 # FlexSP's MILP improves on its start; here DHP's re-balancing does, where that
                 # decides whether the count can still come in under the limit
@@ -210,6 +306,18 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                 if new != groups and len(new) == len(groups):
                     t_new = _price(cost, new, degs, kind, terms)
                     if t_new < mk:
+                        best = (t_new, d, new, kind)
+            if best is not None and len(idx) <= _EXCHANGE_MAX and len(best[2]) > 1:
+                # a few sequences: FlexSP's MILP assigns them exactly; moves and swaps of single
+                # sequences out of the slowest group, priced on FlexSP's kinds, come close to it
+                # (cheap at this size, so tried even where the packing already wins), from the
+                # packing and from its re-balanced form (they end in different local optima)
+                for mk0, d, groups, kind in ([unrefined] if unrefined is best else [unrefined, best]):
+                    if mk0 > room * (1 + _EXCHANGE_NEAR):
+                        continue  # too far above what the micro-batch must beat
+                    degs = np.full(len(groups), d) if np.ndim(d) == 0 else np.asarray(d)
+                    new, t_new = _exchange(prob, groups, degs, kind)
+                    if t_new < best[0]:
                         best = (t_new, d, new, kind)
             if best is None or done + best[0] + rest >= limit:
                 break
