@@ -15,9 +15,15 @@ micro-batches, each packed onto the N / d groups of one power-of-two degree d (l
 first onto the least loaded group with memory room: the plan FlexSP's MILP starts from), the d of
 least makespan per micro-batch, re-balanced by DHP's refinement (`refine.py`) where the packing
 alone does not come in under the price to beat (so which packings are re-balanced does not depend
-on how close that price is). They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
+on how close that price is). FlexSP's groups in one micro-batch may also mix degrees, which one
+degree leaves out where the ranks are not a power of two (14 ranks: 8 + 4 + 2, `_mixed`, `_cuts`);
+so there, and for micro-batches of a few sequences on any rank count, mixed cuts are packed too
+(each sequence onto the group where it would finish first). A micro-batch of at most
+_EXCHANGE_MAX sequences near the price it must beat is then improved by moves and swaps of
+single sequences out of its slowest group (`_exchange`), the local counterpart of FlexSP's exact
+assignment. They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
 each) are not solved for DHP, so DHP is never slower than these packings by construction, and
-than FlexSP's own plan only where its MILP finds nothing better than its start.
+than FlexSP's own plan only where its MILP finds nothing better than these packings.
 """
 
 from __future__ import annotations
