@@ -18,10 +18,12 @@ alone does not come in under the price to beat (so which packings are re-balance
 on how close that price is). FlexSP's groups in one micro-batch may also mix degrees, which one
 degree leaves out where the ranks are not a power of two (14 ranks: 8 + 4 + 2, `_mixed`, `_cuts`);
 so there, and for micro-batches of a few sequences on any rank count, mixed cuts are packed too
-(each sequence onto the group where it would finish first). A micro-batch of at most
-_EXCHANGE_MAX sequences near the price it must beat is then improved by moves and swaps of
-single sequences out of its slowest group (`_exchange`), the local counterpart of FlexSP's exact
-assignment. They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
+(each sequence onto the group where it would finish first), and a micro-batch of at most
+_EXCHANGE_MAX sequences near the price it must beat is improved by moves and swaps of single
+sequences out of its slowest group (`_exchange`), the local counterpart of FlexSP's exact
+assignment (`_alternative`). Where that is faster for some micro-batch, the count offers a second
+packing with those micro-batches beside the homogeneous one: mixed degrees need programs the
+homogeneous packing does not, which the exact price (compile prices included) weighs. They cost milliseconds; FlexSP's MILPs (hundreds of milliseconds to seconds
 each) are not solved for DHP, so DHP is never slower than these packings by construction, and
 than FlexSP's own plan only where its MILP finds nothing better than these packings.
 """
@@ -240,6 +242,41 @@ def _mixed(prob: Problem, order: np.ndarray, ds: list[int], tops: list[int], tim
     return best
 
 
+def _placed(sol: tuple, N: int, cost) -> list:
+    """A micro-batch's (makespan, degree or degrees, groups, kind) as (ranks, samples) pairs, placed
+    node-aware."""
+    degs = [sol[1]] * len(sol[2]) if np.ndim(sol[1]) == 0 else [int(x) for x in sol[1]]
+    return list(zip(place(degs, N, cost.ranks_per_node, True), sol[2]))
+
+
+def _alternative(prob: Problem, idx: np.ndarray, order: np.ndarray, ds: list[int], first: int, times_all: np.ndarray,
+                 unrefined: tuple | None, best: tuple | None, room: float) -> tuple | None:
+    """The micro-batch's packing for the alternative candidate: `best` (its homogeneous packing),
+    or, where faster, a packing on mixed power-of-two degrees (rank counts that are not a power of
+    two, or a few sequences: `_mixed`) or one improved by moves and swaps (at most _EXCHANGE_MAX
+    sequences: `_exchange`, from the packing before and after re-balancing). `room`: the makespan
+    it must come in under."""
+    N = prob.num_ranks
+    few = len(idx) <= _EXCHANGE_MAX
+    out = best
+    if (N & (N - 1) and len(idx) <= _MIXED_MAX) or few:
+        # FlexSP's groups may mix degrees: 8 + 4 + 2 on 14 ranks, where one degree per micro-batch
+        # leaves ranks idle, or 16 + 8 + 8 on 32 for a few sequences
+        out = _mixed(prob, order, ds, ds[first:], times_all, out, room)
+    if few:
+        # FlexSP's MILP assigns a few sequences exactly; moves and swaps of single sequences out
+        # of the slowest group, priced on FlexSP's kinds, come close to it (from the packing and
+        # from its re-balanced form: they end in different local optima)
+        for cand in dict.fromkeys(id(c) for c in (unrefined, best) if c is not None):
+            mk0, d, groups, kind = next(c for c in (unrefined, best) if id(c) == cand)
+            if len(groups) < 2 or mk0 > room * (1 + _EXCHANGE_NEAR):
+                continue  # one group, or too far above what the micro-batch must beat
+            new, t_new = _exchange(prob, groups, np.full(len(groups), d), kind)
+            if out is None or t_new < out[0]:
+                out = (t_new, d, new, kind)
+    return out
+
+
 def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[list]:
     """For each count of `counts`: FlexSP's length-sorted micro-batches (`microbatch.by_length`),
     each on the groups of the one power-of-two degree whose packing (`_lpt`, sequences weighed by
@@ -277,6 +314,8 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
         if rest >= limit:
             break
         mbs, done = [], 0.0
+        alt: list | None = []
+        done_alt = 0.0  # the same micro-batches where a mixed or exchanged packing is faster
         for idx, bound in zip(parts, bounds):
             rest -= bound
             order = idx[np.lexsort((idx, -prob.tok[idx]))]
@@ -297,39 +336,30 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                 mk = float(group_times(cost, *bin_sums(groups, *terms), d, attention=kinds[i]).max())
                 if best is None or mk < best[0]:
                     best = (mk, d, groups, kinds[i])
-            if (N & (N - 1) and len(idx) <= _MIXED_MAX) or len(idx) <= _EXCHANGE_MAX:
-                # FlexSP's groups may mix degrees: 8 + 4 + 2 on 14 ranks, where one degree per
-                # micro-batch leaves ranks idle, or 16 + 8 + 8 on 32 for a few sequences
-                best = _mixed(prob, order, ds, ds[first:], times_all, best, room)
             unrefined = best
             if best is not None and limit <= done + best[0] + rest:
                 # FlexSP's MILP improves on its start; here DHP's re-balancing does, where that
                 # decides whether the count can still come in under the limit
                 mk, d, groups, kind = best
-                degs = np.full(len(groups), d) if np.ndim(d) == 0 else np.asarray(d)
-                # mixed degrees: re-balanced at each group's fastest kind, priced on FlexSP's
-                new = [g for g in refine_groups(groups, degs, *terms, cost, kind if np.ndim(d) == 0 else "best") if g]
-                if new != groups and len(new) == len(groups):
-                    t_new = _price(cost, new, degs, kind, terms)
+                new = [g for g in refine_groups(groups, np.full(len(groups), d), *terms, cost, kind) if g]
+                if new != groups:
+                    t_new = float(group_times(cost, *bin_sums(new, *terms), d, attention=kind).max())
                     if t_new < mk:
                         best = (t_new, d, new, kind)
-            if best is not None and len(idx) <= _EXCHANGE_MAX and len(best[2]) > 1:
-                # a few sequences: FlexSP's MILP assigns them exactly; moves and swaps of single
-                # sequences out of the slowest group, priced on FlexSP's kinds, come close to it
-                # (cheap at this size, so tried even where the packing already wins), from the
-                # packing and from its re-balanced form (they end in different local optima)
-                for mk0, d, groups, kind in ([unrefined] if unrefined is best else [unrefined, best]):
-                    if mk0 > room * (1 + _EXCHANGE_NEAR):
-                        continue  # too far above what the micro-batch must beat
-                    degs = np.full(len(groups), d) if np.ndim(d) == 0 else np.asarray(d)
-                    new, t_new = _exchange(prob, groups, degs, kind)
-                    if t_new < best[0]:
-                        best = (t_new, d, new, kind)
+            if alt is not None:
+                other = _alternative(prob, idx, order, ds, first, times_all, unrefined, best,
+                                     limit - done_alt - rest)
+                if other is None or done_alt + other[0] + rest >= limit:
+                    alt = None
+                else:
+                    done_alt += other[0]
+                    alt.append(_placed(other, N, cost))
             if best is None or done + best[0] + rest >= limit:
                 break
             done += best[0]
-            degs = [best[1]] * len(best[2]) if np.ndim(best[1]) == 0 else [int(x) for x in best[1]]
-            mbs.append(list(zip(place(degs, N, cost.ranks_per_node, True), best[2])))
+            mbs.append(_placed(best, N, cost))
+        if alt is not None and len(alt) == len(parts) and alt != mbs and done_alt < last * (1 - 1e-12):
+            out.append(alt)  # a candidate beside the count's homogeneous packing, which goes on below
         if len(mbs) < len(parts) or done >= last * (1 - 1e-12):
             dropped += 1
             if out or dropped >= _DROPPED:
