@@ -17,7 +17,8 @@ least makespan per micro-batch, re-balanced by DHP's refinement (`refine.py`) wh
 alone does not come in under the price to beat (so which packings are re-balanced does not depend
 on how close that price is). FlexSP's groups in one micro-batch may also mix degrees, which one
 degree leaves out where the ranks are not a power of two (14 ranks: 8 + 4 + 2, `_mixed`, `_cuts`);
-so there, and for micro-batches of a few sequences on any rank count, mixed cuts are packed too
+so there, and for micro-batches of a few sequences on any rank count (in batches of at most
+_ALT_MAX_BATCH sequences, where FlexSP's exact assignment matters most), mixed cuts are packed too
 (each sequence onto the group where it would finish first), and a micro-batch of at most
 _EXCHANGE_MAX sequences near the price it must beat is improved by moves and swaps of single
 sequences out of its slowest group (`_exchange`), the local counterpart of FlexSP's exact
@@ -47,6 +48,7 @@ __all__ = ["best_flexsp", "homogeneous_plans"]
 
 _MIXED_MAX = 256  # micro-batches of at most this many sequences are also packed on mixed degrees
 _MIXED_GROUPS = 16  # mixed-degree packings of at most this many groups
+_ALT_MAX_BATCH = 64  # batches of at most this many sequences also get mixed and exchanged packings
 _EXCHANGE_MAX = 48  # micro-batches of at most this many sequences are improved by moves and swaps
 _EXCHANGE_NEAR = 0.05  # packings this far above what they must beat are not exchanged
 _EXCHANGED_CUTS = 1  # mixed cuts whose packings `_exchange` improves (a few sequences)
@@ -302,6 +304,7 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
         rows = [i for i, k in enumerate(kinds_all) if k == kind]
         times_all[rows] = group_times(cost, prob.attn[None, :], prob.lin[None, :], prob.tok[None, :],
                                       np.asarray(ds, float)[rows, None], attention=kind)
+    K = len(prob.lengths)
     out = []
     for M in counts:
         if total_work / N + M * cost.b1 >= limit:
@@ -346,7 +349,7 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                     t_new = float(group_times(cost, *bin_sums(new, *terms), d, attention=kind).max())
                     if t_new < mk:
                         best = (t_new, d, new, kind)
-            if alt is not None:
+            if alt is not None and K <= _ALT_MAX_BATCH:
                 other = _alternative(prob, idx, order, ds, first, times_all, unrefined, best,
                                      limit - done_alt - rest)
                 if other is None or done_alt + other[0] + rest >= limit:
@@ -358,7 +361,7 @@ def homogeneous_plans(prob: Problem, counts: list[int], limit: float) -> list[li
                 break
             done += best[0]
             mbs.append(_placed(best, N, cost))
-        if alt is not None and len(alt) == len(parts) and alt != mbs and done_alt < last * (1 - 1e-12):
+        if alt and len(alt) == len(parts) and alt != mbs and done_alt < last * (1 - 1e-12):
             out.append(alt)  # a candidate beside the count's homogeneous packing, which goes on below
         if len(mbs) < len(parts) or done >= last * (1 - 1e-12):
             dropped += 1
