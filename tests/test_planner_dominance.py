@@ -88,3 +88,41 @@ def test_flexsp_plan_is_a_candidate_and_honours_the_options():
     for options in ({"attention": "ring"}, {"degrees": [1, 2, 3, 5, 6, 7, 8]}, {"node_aware": False},
                     {"packing": False}):
         assert plan_batch(lengths, 8, cost, etas=etas, **options).solver["chosen"] == "dhp", options
+
+
+# 16 sequences on 18 ranks (8 per node, padded pricing, qwen3-vl-8b: 32 heads), from the random
+# batches above: FlexSP's plan mixes power-of-two degrees (8 + 4 + 4 + 1 + 1); one degree per
+# micro-batch leaves ranks idle, and DHP's own search packs the long sequences worse
+MIXED = [493, 2850, 3095, 576, 1709, 352, 7030, 10806, 2541, 7969, 797, 8716, 473, 1250, 256, 606]
+MIXED_ETAS = [0.035, 0.0, 0.095, 0.462, 0.0, 0.0, 0.0, 0.701, 0.0, 0.0, 0.131, 0.451, 0.899, 0.0, 0.0, 0.0]
+
+
+def test_mixed_power_of_two_packing_is_a_candidate_where_ranks_are_not_a_power_of_two():
+    """On 18 ranks DHP takes a FlexSP-style packing on mixed power-of-two degrees (8 + 8 + 2), and
+    is no slower than FlexSP's own plan (its MILP) by the same pricing."""
+    cost = MODELS["qwen3-vl-8b"].replace(ranks_per_node=8)
+    lengths, etas = np.asarray(MIXED), np.asarray(MIXED_ETAS)
+    dhp = plan_batch(lengths, 18, cost, etas=etas)
+    fx = plan_batch(lengths, 18, cost, "flexsp", etas=etas)
+    assert dhp.solver["chosen"] == "flexsp-packing"
+    assert len({g.degree for mb in dhp.micro_batches for g in mb.groups}) > 1
+    assert all(g.degree & (g.degree - 1) == 0 for mb in dhp.micro_batches for g in mb.groups)
+    assert step_time(dhp, lengths, cost, etas) <= step_time(fx, lengths, cost, etas)
+
+
+# 16 sequences on 14 ranks (8 per node, unpadded pricing, qwen3-vl-8b), from the random batches
+# above: FlexSP's MILP assigns them exactly to groups of 8 + 4 + 2; the mixed packing alone is
+# slower, its moves and swaps of single sequences are not
+SWAPS = [6122, 12892, 768, 4982, 2252, 2356, 2976, 2995, 29490, 916, 12380, 651, 1260, 1428, 575, 3853]
+SWAPS_ETAS = [0.201, 0.0, 0.0, 0.0, 0.935, 0.0, 0.0, 0.809, 0.0, 0.125, 0.0, 0.0, 0.31, 0.854, 0.0, 0.166]
+
+
+def test_moves_and_swaps_bring_a_small_batch_under_flexsps_own_plan():
+    """On 14 ranks DHP's FlexSP-style packing (8 + 4 + 2, improved by moves and swaps out of the
+    slowest group) is no slower than FlexSP's own MILP plan, by the same pricing."""
+    cost = MODELS["qwen3-vl-8b"].replace(ranks_per_node=8, bucket_min=0)
+    lengths, etas = np.asarray(SWAPS), np.asarray(SWAPS_ETAS)
+    dhp = plan_batch(lengths, 14, cost, etas=etas)
+    fx = plan_batch(lengths, 14, cost, "flexsp", etas=etas)
+    assert dhp.solver["chosen"] == "flexsp-packing" and dhp.degrees == [[8, 4, 2]]
+    assert step_time(dhp, lengths, cost, etas) <= step_time(fx, lengths, cost, etas)

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dhp_jax.data.sample import Sample, Segment
-from dhp_jax.planner.contract.kinds import attention_kinds
+from dhp_jax.planner.contract.kinds import KINDS, RING_KIND, attention_kinds, resolve
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from dhp_jax.planner.cost.fit import fit_cost_model
 from dhp_jax.planner.cost.pricing import group_time
@@ -56,13 +56,12 @@ def default_points(degrees: Sequence[int], lengths: Sequence[int], eta: float = 
     linear (per token) terms; mixing etas separates bidirectional from causal attention work; the
     other kinds' points add all-to-all traffic, which the ring never has.
     """
-    unknown = set(kinds) - {"ring", "ulysses", "hybrid"}
-    if unknown or "ring" not in kinds:
+    unknown = set(kinds) - {k.name for k in KINDS}
+    if unknown or RING_KIND.name not in kinds:
         raise ValueError(f"profile kinds must include 'ring' and be among ring, ulysses, hybrid; got {list(kinds)}")
     points = []
     for d in degrees:
-        others = [k for k in attention_kinds(d, num_heads)[1:]
-                  if ("ulysses" if k == "ulysses" else "hybrid") in kinds] if num_heads else []
+        others = [k for k in attention_kinds(d, num_heads)[1:] if resolve(k, d).kind.name in kinds] if num_heads else []
         for n in lengths:
             for i, p in enumerate(packs):
                 if n // p < 1:

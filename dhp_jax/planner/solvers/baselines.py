@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from dhp_jax.planner.contract.kinds import resolve
 from dhp_jax.planner.contract.plan import PlanningError
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
@@ -21,11 +22,21 @@ from dhp_jax.planner.cost.pricing import step_time
 from dhp_jax.planner.solvers.build import build_plan
 
 
+def runs_on(attention: str, degree: int, cost: CostModel) -> bool:
+    """Whether the kind named `attention` runs on `degree` ranks under the model's query heads (the
+    contract's `resolve`: its Ulysses ranks must divide the head count)."""
+    try:
+        resolve(attention, degree, cost.num_heads)
+    except ValueError:
+        return False
+    return True
+
+
 def static_groups(lengths: np.ndarray, num_ranks: int, cost: CostModel, degree: int, attention: str
                   ) -> list[list[tuple[tuple[int, ...], list[int]]]]:
     """Micro-batches of (ranks, samples) for one static degree; PlanningError when infeasible."""
-    if attention == "ulysses" and not cost.ulysses_ok(degree):
-        raise PlanningError(f"static-ulysses:{degree}: the head count {cost.num_heads} is not divisible by {degree}")
+    if not runs_on(attention, degree, cost):
+        raise PlanningError(f"static-{attention}:{degree}: the head count {cost.num_heads} is not divisible by {degree}")
     if degree < 1 or degree > num_ranks:
         raise PlanningError(f"static degree {degree} must be in 1..{num_ranks}")
     got = static_assignment(lengths, num_ranks, cost, degree)
@@ -116,10 +127,7 @@ def static_micro_batches(chunk: np.ndarray, replica: np.ndarray, degree: int, nu
 
 
 def static_degrees(num_ranks: int, cost: CostModel, attention: str) -> list[int]:
-    ds = [d for d in range(1, num_ranks + 1) if num_ranks % d == 0]
-    if attention == "ulysses":
-        ds = [d for d in ds if cost.ulysses_ok(d)]
-    return ds
+    return [d for d in range(1, num_ranks + 1) if num_ranks % d == 0 and runs_on(attention, d, cost)]
 
 
 def solve_static(prob: Any, attention: str, arg: str, strategy: str) -> tuple[list, dict[str, Any]]:

@@ -89,8 +89,7 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
     order = np.lexsort((np.arange(len(idx)), -w))
     if packing:
         fs = [f for f in (coarsen_factors(N) if factors is None else factors) if f > 0]
-        packer = Packer(w, tok, dm, N, prob.cap, order)  # the set-up shared by the granularities
-        makers = [lambda f=f: packer(f) for f in fs]
+        makers = [lambda f=f: _packing(prob, idx, order, f) for f in fs]
         if 1 < len(idx) <= N:
             # few sequences: each in its own group is a packing too (granularity 0), one the work
             # balance never makes when a light sequence fits beside a heavy one
@@ -139,6 +138,21 @@ def solve_microbatch(prob: Problem, idx: np.ndarray, allowed: np.ndarray, packin
         return None
     best = (bins_of(best[0], idx), best[1], best[2], best[3])
     return refine_microbatch(prob, best, allowed) if do_refine else best
+
+def _packing(prob: Problem, idx: np.ndarray, order: np.ndarray, f: float) -> np.ndarray:
+    """`Packer` of the micro-batch `idx` (positions heaviest first: `order`) at granularity f, each
+    (micro-batch, granularity) packed once per problem: the packing depends on neither the kind the
+    search prices at nor the limits, so every search and move that meets it again reuses it."""
+    key = (idx.tobytes(), f)
+    got = prob.pack_cache.get(key)
+    if got is None:
+        packer = prob.packers.get(key[0])  # the set-up shared by the granularities
+        if packer is None:
+            packer = prob.packers[key[0]] = Packer(prob.work[idx], prob.tok[idx], prob.dmin[idx],
+                                                              prob.num_ranks, prob.cap, order)
+        got = prob.pack_cache[key] = packer(f)
+    return got
+
 
 def refine_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray) -> tuple:
     """Re-balance a solved micro-batch (refine.py), re-allocate its degrees; keep it if better."""
@@ -424,7 +438,10 @@ def _solve_split(prob: Problem, M: int, allowed: np.ndarray, packing: bool, fact
     another count must beat). A candidate is abandoned once its bound shows it cannot come in under
     `limit` (what another count achieved) or the best candidate so far. None when no candidate fits
     or none comes in under the cutoff and limit."""
-    cands = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap, prob.orders())
+    cands = prob.split_cache.get(M)
+    if cands is None:  # the same for every search of this problem
+        cands = prob.split_cache[M] = microbatch.candidates(prob.work, prob.tok, M, prob.num_ranks, prob.cap,
+                                                            prob.orders())
     if not cands:
         return None
     ranked = sorted(((part_bounds(prob, parts, alone), i, parts) for i, (_, parts) in enumerate(cands)),

@@ -29,6 +29,11 @@ class Problem:
         # the attention kind the "dhp" search prices its groups at: "ring", or "best" (each group at
         # its fastest kind, `pricing.best_times`); `solve_dhp` sets it from its attention mode
         self.kind = "ring"
+        # what the searches share, whatever kind they price at: each micro-batch count's candidate
+        # splits, and each micro-batch's packing at each granularity (keyed by its sample ids)
+        self.split_cache: dict[int, list] = {}
+        self.pack_cache: dict[tuple[bytes, float], np.ndarray] = {}
+        self.packers: dict[bytes, Any] = {}
 
     def orders(self) -> tuple[np.ndarray, np.ndarray]:
         """The samples longest first and heaviest first, ties by position (computed once: every
