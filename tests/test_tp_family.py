@@ -86,8 +86,12 @@ def _samples(cfg, seed: int = 5):
 
 
 def _reference(cfg, params, samples):
-    """(loss, grads) on one device: each sample's logits (`hf.logits`), the shifted labels' cross
-    entropy summed over the batch / the number of counted labels."""
+    """((loss, grads), routed) on one device: each sample's logits (`hf.logits`), the shifted
+    labels' cross entropy summed over the batch / the number of counted labels; `routed`: an MoE
+    model's (pairs routed to each expert, live rows) summed over the samples and the sparse layers,
+    as one device routes each sample (None for a dense model), from the same compiled program."""
+    from dhp_jax.model.hf import moe
+
     batch = []
     for s in samples:
         inputs = hf.inputs_from_sample(cfg, s)
@@ -95,19 +99,27 @@ def _reference(cfg, params, samples):
         batch.append((inputs, labels[1:]))
 
     def loss(p):
-        total, count = 0.0, 0
+        total, count, counts, rows = 0.0, 0, 0, 0
         for inputs, target in batch:
-            logp = jax.nn.log_softmax(hf.logits(cfg, p, inputs)[:-1], axis=-1)
+            with moe.collect() as got:
+                logp = jax.nn.log_softmax(hf.logits(cfg, p, inputs)[:-1], axis=-1)
+            for stats, live in got:
+                counts, rows = counts + jax.lax.stop_gradient(stats[0]), rows + jax.lax.stop_gradient(live)
             keep = target != -100
             picked = jnp.take_along_axis(logp, jnp.asarray(np.where(keep, target, 0))[:, None], axis=1)[:, 0]
             total = total - jnp.sum(jnp.where(jnp.asarray(keep), picked, 0.0))
             count += int(keep.sum())
-        return total / count
+        return total / count, (counts, rows)
 
     # compiled as the executor compiles on CPU (no LLVM optimisation: most of the compile time here)
     params = jax.device_put(params, jax.devices()[0])
-    fn = jax.jit(jax.value_and_grad(loss)).lower(params).compile(compiler_options=CPU_FAST_COMPILE)
-    return fn(params)
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile(compiler_options=CPU_FAST_COMPILE)
+    (value, (counts, rows)), grads = fn(params)
+    routed = None if cfg.text.moe is None else (np.asarray(counts), float(rows))
+    return (value, grads), routed
+
+
+_ROUTED: dict = {}     # family -> the reference's router counts (`_reference`)
 
 
 @functools.cache
@@ -119,7 +131,9 @@ def _case(family: str, vocab: int, tied: bool, kv: int | None):
     cfg = _model(family, vocab, tied, kv)
     params = random_params(cfg, seed=1)
     samples = _samples(cfg)
-    return cfg, params, samples, _reference(cfg, params, samples)
+    ref, routed = _reference(cfg, params, samples)
+    _ROUTED[family] = routed
+    return cfg, params, samples, ref
 
 
 def _rel(a, b, floor: float = 0.0) -> float:
@@ -165,7 +179,7 @@ def test_moe_step_matches_one_device(t, sequence):
     assert cfg.text.moe.sparse == (False, True, True) and cfg.text.moe.num_experts == 8
     ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
     # the router's counts of the step (metrics.jsonl): per expert, as one device routes each sample
-    counts, rows = _moe_counts("qwen3_vl_moe")
+    counts, rows = _ROUTED["qwen3_vl_moe"]
     sums = np.asarray(ex.state.step_sums())
     np.testing.assert_array_equal(sums[:-1], counts)
     assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
@@ -174,21 +188,6 @@ def test_moe_step_matches_one_device(t, sequence):
         kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
         assert kinds["model/language_model/layers/1/mlp/experts/gate_up_proj"] == tensor_parallel.SPLIT
         assert kinds["model/language_model/layers/1/mlp/gate/kernel"] == tensor_parallel.REPLICATED
-
-
-@functools.cache
-def _moe_counts(family: str):
-    """(pairs routed to each expert, live rows), summed over the samples and the sparse layers, as
-    `hf.logits` routes each sample on one device (once per test process)."""
-    from dhp_jax.model.hf import moe
-    cfg, params, samples, _ = _case(family, 256, False, None)
-    counts, rows = 0, 0
-    params = jax.tree.map(jnp.asarray, params)
-    for s in samples:
-        with moe.collect() as got:
-            hf.logits(cfg, params, hf.inputs_from_sample(cfg, s))
-        counts, rows = counts + np.asarray(got[0][0][0]), rows + float(got[0][1])
-    return counts, rows
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel, t=2):
