@@ -226,3 +226,15 @@ def test_streamed_sources_read_the_published_layout(case, tmp_path):
         np.testing.assert_array_equal(out, ref, err_msg=str(key))
         experts += isinstance(src, ExpertSource)
     assert experts == 2 * sum(cfg.text.moe.sparse)
+
+
+def test_router_stats_report_and_refuse_dropped_pairs():
+    """The step's router figures (metrics.jsonl): tokens per expert max / mean over the sparse
+    layers; (token, expert) pairs missing from k x the live rows are an error naming them."""
+    from dhp_jax.sharding.family_adapter import router_stats
+    cfg = hf.parse_config(qwen3_vl_moe_config().to_dict())
+    counts = np.array([6, 2, 0, 4, 4, 4, 8, 4], np.float64)       # 32 pairs over 2 sparse layers
+    got = router_stats(np.append(counts, 16.0), cfg)             # 8 live rows x 2 sparse layers
+    assert got == {"moe_tokens_per_expert_max": 4.0, "moe_tokens_per_expert_mean": 2.0, "moe_pairs_dropped": 0}
+    with pytest.raises(ValueError, match=r"router: 2 \(token, expert\) pairs dropped"):
+        router_stats(np.append(counts - np.eye(8)[0] * 2, 16.0), cfg)

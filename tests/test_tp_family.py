@@ -164,11 +164,29 @@ def test_moe_step_matches_one_device(t, sequence):
     cfg, params, samples, (ref_loss, ref_grads) = _case("qwen3_vl_moe", 256, False, None)
     assert cfg.text.moe.sparse == (False, True, True) and cfg.text.moe.num_experts == 8
     ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
+    # the router's counts of the step (metrics.jsonl): per expert, as one device routes each sample
+    counts, rows = _moe_counts(cfg, params, samples)
+    sums = np.asarray(ex.state.step_sums())
+    np.testing.assert_array_equal(sums[:-1], counts)
+    assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
     if t > 1:
         from dhp_jax.sharding import tensor_parallel
         kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
         assert kinds["model/language_model/layers/1/mlp/experts/gate_up_proj"] == tensor_parallel.SPLIT
         assert kinds["model/language_model/layers/1/mlp/gate/kernel"] == tensor_parallel.REPLICATED
+
+
+def _moe_counts(cfg, params, samples):
+    """(pairs routed to each expert, live rows), summed over the samples and the sparse layers, as
+    `hf.logits` routes each sample on one device."""
+    from dhp_jax.model.hf import moe
+    counts, rows = 0, 0
+    params = jax.tree.map(jnp.asarray, params)
+    for s in samples:
+        with moe.collect() as got:
+            hf.logits(cfg, params, hf.inputs_from_sample(cfg, s))
+        counts, rows = counts + np.asarray(got[0][0][0]), rows + float(got[0][1])
+    return counts, rows
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel, t=2):

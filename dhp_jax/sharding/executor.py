@@ -214,7 +214,8 @@ class PlanExecutor:
         self.stall_abort_s: float | None = None
         self.on_stall: Callable[[str], None] | None = None
         abstract = self.model.abstract_params()
-        self.state = ShardedState(self.ranks, compute_dtype, None if abstract is None else self._new_layout(abstract))
+        self.state = ShardedState(self.ranks, compute_dtype, None if abstract is None else self._new_layout(abstract),
+                                  self.model.stats_width)
         self.mesh, self.replicated, self.sharded = self.state.mesh, self.state.replicated, self.state.sharded
         self.compute_dtype = self.state.compute_dtype
         self.preparations = 0                             # plans prepared (`prepare`): one per step

@@ -47,6 +47,7 @@ from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.model.hf.packed import (LLM_INTS, TAPS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim,
                                      rope_axes, unit)
+from dhp_jax.model.hf import moe
 from dhp_jax.model.hf.packed_forward import packed_loss_sum
 from dhp_jax.model.hf.scan import BlockRows, block_stacks, stack_rows, with_stacks
 from dhp_jax.sharding import tensor_parallel as tensor_split
@@ -55,10 +56,30 @@ from dhp_jax.sharding.sharded_state import require_float32, row_dtype
 from dhp_jax.sharding.standin import ModelAdapter
 
 
+def router_stats(sums: Any, config: HFConfig) -> dict[str, float]:
+    """The router's figures of one step from the executor's `state.step_sums()` (a MoE family): tokens per
+    expert (the (token, expert) pairs routed to each, summed over the sparse layers, / the sparse
+    layers) max and mean, and the pairs dropped (k x live rows - pairs routed: 0, the routing is
+    dropless; a ValueError otherwise)."""
+    import numpy as np
+    moe_spec = config.text.moe
+    sums = np.asarray(sums, np.float64)
+    counts, rows = sums[:-1], float(sums[-1])
+    layers = max(1, sum(moe_spec.sparse))
+    dropped = moe_spec.top_k * rows - float(counts.sum())
+    if abs(dropped) > 0.5:
+        raise ValueError(f"router: {dropped:.0f} (token, expert) pairs dropped this step "
+                         f"({counts.sum():.0f} routed of {moe_spec.top_k} x {rows:.0f} live rows over the sparse layers)")
+    per = counts / layers
+    return {"moe_tokens_per_expert_max": float(per.max()), "moe_tokens_per_expert_mean": float(per.mean()),
+            "moe_pairs_dropped": int(round(dropped))}
+
+
 def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLayout, attn: Any, tensor_parallel: int = 1,
                    sequence_parallel: bool = False):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
-    (stats f32[1, 2] = (loss sum, counted labels), grads[1, P_pad] in the compute dtype, a 2-byte
+    (stats f32[1, 2] = (loss sum, counted labels), for a MoE LLM followed by its router counts
+    (`FamilyModel.stats_width`), grads[1, P_pad] in the compute dtype, a 2-byte
     dtype bit-cast to its unsigned integer (`row_dtype`), as the stand-in's `group_program`).
 
     `tensor_parallel` t > 1 (`layout` a `tensor_split.TensorLayout`), as the stand-in's: the body runs on
@@ -94,19 +115,23 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
             if tp is not None:
                 params = tensor_split.tie_top(params, table, tp)
             params = with_stacks(params, stack_rows(found))
-            return lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats, attn,
-                                          tp=tp)
+            with moe.collect() as router:      # a MoE LLM's router counts (no gradient), counted once a rank
+                loss = lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats,
+                                              attn, tp=tp)
+            extra = [lead * jnp.concatenate([router[0][0][0], router[0][1][None]])] if router else []
+            return loss, extra
 
         # per device (check_vma=False: no implicit psum over the group); the reduction is the
         # executor's reduce-scatter over the full mesh. Differentiated with respect to one piece
         # per leaf, so the row is a concatenation of the leaves' gradients (differentiating the
         # whole vector makes it a sum of zero-padded P-sized parts: several P-sized temporaries);
         # a block stack is one piece, its gradient stacked [count, n] by the scan
-        value, grads = jax.value_and_grad(loss_sum)(layout.split(flat, cuts))
+        (value, extra), grads = jax.value_and_grad(loss_sum, has_aux=True)(layout.split(flat, cuts))
         row = jnp.concatenate(grads)
         if row_dtype(row.dtype) != row.dtype:       # as the stand-in's rows (and an idle device's zero row)
             row = lax.bitcast_convert_type(row, row_dtype(row.dtype))
-        return jnp.stack([value, lead * jnp.sum(llm_floats[:, 0])])[None], row[None]
+        stats = jnp.concatenate([jnp.stack([value, lead * jnp.sum(llm_floats[:, 0])]), *extra])
+        return stats[None], row[None]
 
     return body
 
@@ -115,6 +140,13 @@ class FamilyModel(ModelAdapter):
     """The executor's model adapter for a Hugging Face family's `HFConfig` (see the module docstring)."""
 
     config_type: type = HFConfig
+
+    @property
+    def stats_width(self) -> int:
+        """(loss sum, counted labels), and for a MoE LLM (`router_stats`) the (token, expert) pairs
+        routed to each of the E experts and the live rows, both summed over the sparse layers."""
+        moe = self.config.text.moe
+        return 2 if moe is None else 3 + moe.num_experts
 
     def abstract_params(self) -> None:
         """None: the layout is taken from the first params tree bound."""

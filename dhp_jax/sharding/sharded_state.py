@@ -40,8 +40,11 @@ class ShardedState:
     """The state's layout (`layout`, None until a family executor binds its first tree) and shardings
     over `ranks`' full mesh, and the programs that move it (see the module docstring)."""
 
-    def __init__(self, ranks: RankLayout, compute_dtype: Any, layout: Any = None) -> None:
+    def __init__(self, ranks: RankLayout, compute_dtype: Any, layout: Any = None, stats_width: int = 2) -> None:
         self.ranks, self.compute_dtype, self.layout = ranks, jnp.dtype(compute_dtype), layout
+        # a stats row: (loss sum, counted labels) and the model's other per-step sums
+        self.stats_width = int(stats_width)
+        self.last_stats: jax.Array | None = None        # the last step's stats summed over the devices
         self.tensor_parallel = t = ranks.devices_per_rank
         self.mesh = ranks.full_mesh
         self.replicated = NamedSharding(self.mesh, P())
@@ -92,7 +95,7 @@ class ShardedState:
         return self._programs[name]
 
     def _build(self) -> dict[str, Any]:
-        lay, cd, n = self.layout, self.compute_dtype, len(self.ranks.devices)
+        lay, cd, n, w = self.layout, self.compute_dtype, len(self.ranks.devices), self.stats_width
         # t = 1: every device's row is the whole vector, reduced over all N devices; t > 1: a
         # device's row is its share, reduced over the R devices of its tp index (the (dp, tp)
         # view of the mesh), the state's spec being the same per-device parts either way
@@ -131,8 +134,8 @@ class ShardedState:
             return got if t == 1 else got[None]
 
         def finish(acc, stats):
-            total = jnp.sum(stats, axis=0)                  # [loss sum, count]: 2N floats all-reduced
-            return total[0] / total[1], acc / total[1]
+            total = jnp.sum(stats, axis=0)                  # [loss sum, count, ...]: a few floats per device
+            return total[0] / total[1], acc / total[1], total
 
         rep, shd = self.replicated, self.sharded
         return dict(
@@ -143,10 +146,10 @@ class ShardedState:
             # one all-gather of the whole vector, then slices: unravelling the sharded vector
             # directly makes the partitioner gather every leaf on its own (a compile ~10x longer)
             unshard=jax.jit(lambda g: lay.unravel(lax.with_sharding_constraint(g, rep)), out_shardings=rep),
-            zeros=jax.jit(lambda: (jnp.zeros((lay.padded,), jnp.float32), jnp.zeros((n, 2), jnp.float32)),
+            zeros=jax.jit(lambda: (jnp.zeros((lay.padded,), jnp.float32), jnp.zeros((n, w), jnp.float32)),
                           out_shardings=(shd, shd)),
             accumulate=jax.jit(accumulate, out_shardings=(shd, shd), donate_argnums=(0, 1)),
-            finish=jax.jit(finish, out_shardings=(rep, shd)))
+            finish=jax.jit(finish, out_shardings=(rep, shd, rep)))
 
     # ------------------------------------------------------------------ moving the state
     def replicate(self, params: Any) -> Any:
@@ -187,7 +190,7 @@ class ShardedState:
         device through every later group program it runs)."""
         z = self._zeros.get(device)
         if z is None:
-            z = self._zeros[device] = (jax.device_put(np.zeros((1, 2), np.float32), device),
+            z = self._zeros[device] = (jax.device_put(np.zeros((1, self.stats_width), np.float32), device),
                                        jax.jit(lambda: jnp.zeros((1, self.row_size), row_dtype(self.compute_dtype)),
                                                out_shardings=jax.sharding.SingleDeviceSharding(device)))
         return z[0], z[1]()
@@ -199,10 +202,18 @@ class ShardedState:
         n = len(self.ranks.devices)
         me = jax.process_index()
         mine = [rows[d] if d in rows else self._zero_rows(d) for d in self.ranks.devices if d.process_index == me]
-        stats = jax.make_array_from_single_device_arrays((n, 2), self.sharded, [r[0] for r in mine])
+        stats = jax.make_array_from_single_device_arrays((n, self.stats_width), self.sharded, [r[0] for r in mine])
         grads = jax.make_array_from_single_device_arrays((n, self.row_size), self.sharded, [r[1] for r in mine])
         return self.program("accumulate")(*(self.program("zeros")() if acc is None else acc), grads, stats)
 
+    def step_sums(self) -> jax.Array | None:
+        """The last step's sums beyond (loss sum, counted labels), summed over the devices
+        (`ModelAdapter.stats_width`; a MoE family: `family_adapter.router_stats`), or None."""
+        st = self.last_stats
+        return None if st is None or st.shape[0] <= 2 else st[2:]
+
     def finish(self, acc: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """(loss replicated, grads fp32[P_pad] sharded like the master): the sums / the token count."""
-        return self.program("finish")(*acc)
+        """(loss replicated, grads fp32[P_pad] sharded like the master): the sums / the token count;
+        the summed stats row kept as `last_stats`."""
+        loss, grads, self.last_stats = self.program("finish")(*acc)
+        return loss, grads

@@ -120,6 +120,9 @@ class ModelAdapter:
     tensor-parallel degree against it, and give the config the programs compile with."""
 
     config_type: type = object
+    # columns of a group program's per-device stats row: (loss sum, counted labels), then the
+    # model's own per-step sums (a MoE family's router counts, `family_adapter.FamilyModel`)
+    stats_width: int = 2
 
     def __init__(self, config: Any) -> None:
         check_config(config, self.config_type)

@@ -377,6 +377,14 @@ class Trainer:
                "data_wait_s": float(getattr(item.batch, "data_wait_s", 0.0)),
                "strategy": self.plan_source.label, "degrees": item.plan.degrees, "plan_hash": digest,
                "num_compiles": self.executor.num_compiles}
+        step_sums = getattr(getattr(self.executor, "state", None), "step_sums", None)
+        sums = step_sums() if step_sums is not None else None
+        if sums is not None:                    # a MoE LLM: tokens per expert, none dropped (else an error)
+            from dhp_jax.sharding.family_adapter import router_stats
+            try:
+                rec.update(router_stats(sums, self.hf_config))
+            except ValueError as e:
+                raise TrainError(f"step {done}: {e}") from None
         if hasattr(item.batch, "sample_ids"):   # fine-tuning: the records the step trained on
             rec["sample_ids"] = list(item.batch.sample_ids)
         return state, rec
