@@ -36,10 +36,9 @@ TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, 
 def tiny_config(token_ids: Mapping[str, int], vocab_size: int, text: dict) -> dict[str, Any]:
     """Qwen3-VL's tiny config (`dhp_jax.models.qwen3_vl.spec.tiny_config`) with a MoE LLM (`TINY_MOE`)."""
     raw = dense.tiny_config(token_ids, vocab_size, text)
-    out = qwen_tiny(NAME, "Qwen3VLMoeForConditionalGeneration", {**raw["text_config"], **TINY_MOE},
-                    {"model_type": TEXT}, {k: v for k, v in raw["vision_config"].items() if k != "model_type"},
-                    token_ids)
-    return out
+    vision = {k: v for k, v in raw["vision_config"].items() if k != "model_type"}
+    return qwen_tiny(NAME, "Qwen3VLMoeForConditionalGeneration", {**raw["text_config"], **TINY_MOE},
+                     {"model_type": TEXT}, vision, token_ids)
 
 
 SPEC = register(FamilySpec(
