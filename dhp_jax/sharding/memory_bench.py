@@ -188,9 +188,18 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     return out
 
 
+def dense_models() -> list[str]:
+    """The model presets the stand-in engine builds (`MLLMConfig.preset`): every stored model but
+    the mixtures of experts, whose own program `--families` compiles."""
+    from dhp_jax.model.mllm_config import MOE_PRESETS
+
+    return [m for m in CostModel.MODELS if m not in MOE_PRESETS]
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="append", choices=CostModel.MODELS,
-                        help="model preset (repeatable; default: all six)")
+                        help="model preset (repeatable; default: every dense one, "
+                             f"{', '.join(dense_models())}; a mixture of experts runs with --families)")
     parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
@@ -237,7 +246,11 @@ def run(args: argparse.Namespace) -> int:
     remat = args.remat or "layer"
     if remat not in REMATS:
         raise SystemExit(f"--remat: {remat!r} is not one of {REMATS}")
-    res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
+    moe = sorted(set(args.model or ()) - set(dense_models()))
+    if moe:
+        raise SystemExit(f"--model {moe[0]}: a mixture of experts, which the stand-in engine cannot build; "
+                         f"compile its family program with --families {moe[0]}")
+    res = measure(args.model or dense_models(), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=remat, compute_dtype=args.dtype or "bfloat16",
                   state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits,
                   tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
