@@ -409,24 +409,22 @@ def moe_saved(m: Any) -> int:
 
 
 # XLA:CPU runs `jax.lax.ragged_dot` through JAX's dense fallback (`_ragged_dot_general_impl` in
-# jax/_src/lax/lax.py): each group's operand is masked into a dense [groups, rows, width] array and
-# one dot contracts over the groups, and the backward pass does the same for the cotangents. A
-# sparse layer's backward pass on XLA:CPU therefore holds about this many dense copies of the
-# expert-width operand, [local experts, k rows per token, expert width], on top of what a grouped
-# GEMM holds (`cpu_dense_grouped_gemm`); an accelerator's grouped GEMM touches only the routed rows.
-CPU_DENSE_GROUPED_GEMM_COPIES = 3
-
-
+# jax/_src/lax/lax.py): each grouped GEMM's input is masked into a dense [groups, rows, width]
+# array, one copy per group, and one dot contracts over the groups (the backward pass does the same
+# for the cotangents). A sparse layer's backward pass on XLA:CPU therefore holds, on top of what a
+# grouped GEMM holds, such a copy of both expert GEMMs' inputs (the routed rows, hidden wide, and
+# the SwiGLU product, expert-width wide) over the device's experts (`cpu_dense_grouped_gemm`); an
+# accelerator's grouped GEMM touches only the routed rows.
 def cpu_dense_grouped_gemm(m: Any, t: int = 1) -> int:
     """Elements per local token that a MoE group program compiled by XLA:CPU holds beyond the
-    accelerator's figure (`CPU_DENSE_GROUPED_GEMM_COPIES` x the device's experts E / t x the k rows
-    a token is routed to x the expert width); 0 for a dense model. `dhp bench memory --families`
-    adds it (in the activation bytes) to the model's figure when it compiles for CPU devices, and
-    records the figure without it as the accelerator's; the planner never prices it."""
+    accelerator's figure: the device's experts E / t x the k rows a token is routed to x (hidden +
+    expert width); 0 for a dense model. `dhp bench memory --families` adds it (in the activation
+    bytes) to the model's figure when it compiles for CPU devices, and records the figure without
+    it as the accelerator's; the planner never prices it."""
     if not _moe(m):
         return 0
     local = -(-int(m.experts) // int(t))
-    return CPU_DENSE_GROUPED_GEMM_COPIES * local * int(m.experts_per_token) * int(m.expert_intermediate)
+    return local * int(m.experts_per_token) * (int(m.hidden) + int(m.expert_intermediate))
 
 
 def moe_cotangents(m: Any, remat: str) -> int:
