@@ -238,3 +238,23 @@ def test_router_stats_report_and_refuse_dropped_pairs():
     assert got == {"moe_tokens_per_expert_max": 4.0, "moe_tokens_per_expert_mean": 2.0, "moe_pairs_dropped": 0}
     with pytest.raises(ValueError, match=r"router: 2 \(token, expert\) pairs dropped"):
         router_stats(np.append(counts - np.eye(8)[0] * 2, 16.0), cfg)
+
+
+def test_tiny_moe_trains_with_experts_split_and_nothing_dropped(tmp_path):
+    """`dhp train model=tiny-qwen3_vl_moe parallel.tensor=2`: 4 ranks of 2 devices, each device 4 of
+    the 8 experts; every step's metrics.jsonl record has the router's tokens per expert and no
+    dropped (token, expert) pair."""
+    from dhp_jax.train.metrics import read_jsonl
+    from dhp_jax.train.train_config import load_config
+    from dhp_jax.train.trainer import Trainer
+
+    config = load_config(None, ["model=tiny-qwen3_vl_moe", "num_ranks=4", "parallel.tensor=2", "steps=2",
+                                "data.batch_size=4", "data.max_tokens=48", "planner.strategy=static-ring:4",
+                                "compare.enabled=false", "metrics.progress=false", "compilation_cache=null",
+                                f"metrics.out_dir={tmp_path}"])
+    Trainer(config).run()
+    records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "step" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["moe_pairs_dropped"] == 0
+        assert r["moe_tokens_per_expert_max"] >= r["moe_tokens_per_expert_mean"] > 0

@@ -165,7 +165,7 @@ def test_moe_step_matches_one_device(t, sequence):
     assert cfg.text.moe.sparse == (False, True, True) and cfg.text.moe.num_experts == 8
     ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
     # the router's counts of the step (metrics.jsonl): per expert, as one device routes each sample
-    counts, rows = _moe_counts(cfg, params, samples)
+    counts, rows = _moe_counts("qwen3_vl_moe")
     sums = np.asarray(ex.state.step_sums())
     np.testing.assert_array_equal(sums[:-1], counts)
     assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
@@ -176,10 +176,12 @@ def test_moe_step_matches_one_device(t, sequence):
         assert kinds["model/language_model/layers/1/mlp/gate/kernel"] == tensor_parallel.REPLICATED
 
 
-def _moe_counts(cfg, params, samples):
+@functools.cache
+def _moe_counts(family: str):
     """(pairs routed to each expert, live rows), summed over the samples and the sparse layers, as
-    `hf.logits` routes each sample on one device."""
+    `hf.logits` routes each sample on one device (once per test process)."""
     from dhp_jax.model.hf import moe
+    cfg, params, samples, _ = _case(family, 256, False, None)
     counts, rows = 0, 0
     params = jax.tree.map(jnp.asarray, params)
     for s in samples:
