@@ -213,6 +213,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                      f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
                      f"{devices[0].platform} devices{f', ranks of {t} devices' if t > 1 else ''}) vs "
                      f"`group_program_bytes` (remat {', '.join(remats)}{f', tensor_parallel {t}' if t > 1 else ''})",
+            "figure": ("the CPU program's (activations in 4 bytes where bf16, and the named CPU terms)" if cpu
+                       else "the accelerator's (no CPU term)"),
             "depth": list(depth), "compute_dtype": compute_dtype, "tensor_parallel": t, "remats": list(remats),
             "sequence_parallel": bool(sequence_parallel), "rows": rows,
             "layer_rows": layer_rows,

@@ -230,11 +230,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-checks", default="",
                         help="--families: semicolon-separated DEGREE,TOKENS points where one more LLM layer and one "
                              "more encoder block are compiled too (the per-layer bytes)")
+    parser.add_argument("--device-check", action="store_true",
+                        help="the bf16 family rows (--families, default " + ",".join(DEVICE_CHECK_FAMILIES) +
+                             ") at degree 1 on this machine's own first device: an accelerator where one is "
+                             "present (compared with the model's accelerator figure), else the CPU (compared "
+                             "with the CPU program's figure: activations in 4 bytes and the named CPU terms)")
     parser.add_argument("--rows-file", default=None,
                         help="--families: append each row to this JSON-lines file as soon as it is measured")
 
 
+DEVICE_CHECK_FAMILIES = ("qwen3-vl-2b", "internvl3-2b")
+DEVICE_CHECK_TOKENS = "4096"
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "device_check", False):    # the machine's own devices: no fake CPU devices forced
+        args.families = args.families or ",".join(DEVICE_CHECK_FAMILIES)
+        args.dtype, args.remat = args.dtype or "bfloat16", args.remat or "none,layer"
+        args.degrees = "1"
+        args.tokens = args.tokens if args.tokens != ",".join(map(str, TOKENS)) else DEVICE_CHECK_TOKENS
+        if args.tensor_parallel != 1:
+            raise SystemExit("--device-check: one device, no --tensor-parallel")
+        return run_families(args, lambda text: [int(x) for x in str(text).split(",") if x.strip()])
     force_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     if args.tensor_parallel != 1 and getattr(args, "step", False):
@@ -298,6 +315,7 @@ def run_families(args: argparse.Namespace, ints: Any) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(res["label"])
+    print(f"model figure compared: {res['figure']}")
     print(f"{'model':16s} {'remat':>6s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} "
           f"{'model/compiled':>15s}")
     for r in res["rows"]:
