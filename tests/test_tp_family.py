@@ -144,12 +144,12 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, remat
     _check_step(dataclasses.replace(cfg, remat=remat), params, samples, plan, ref_loss, ref_grads, sequence)
 
 
-# the MoE case (one small one): irregular plans at t = 1 (8 ranks: ring groups of 5 + 3, then a
-# hybrid 2 x 2 and a Ulysses group), t = 2 (`HYBRID`) and t = 4 (2 ranks: a ring of 2, then two
-# groups of 1)
-MOE_PLANS = {1: Plan(8, (MicroBatch((Group((0, 1, 2, 3, 4), 5, (0, 1, 2)), Group((5, 6, 7), 3, (3,)))),
-                         MicroBatch((Group((7, 6, 5, 4), 4, (4,), attention="hybrid:2x2"),
-                                     Group((0, 1), 2, (5,), attention="ulysses"))))),
+# the MoE case (one small one): irregular plans at t = 1 (8 ranks: a ring of 5 beside a Ulysses
+# group of 2, then a hybrid 2 x 2; three programs), t = 2 (`HYBRID`) and t = 4 (2 ranks: a ring
+# of 2, then two groups of 1)
+MOE_PLANS = {1: Plan(8, (MicroBatch((Group((0, 1, 2, 3, 4), 5, (0, 1, 2)),
+                                     Group((6, 5), 2, (3,), attention="ulysses"))),
+                         MicroBatch((Group((7, 6, 5, 4), 4, (4, 5), attention="hybrid:2x2"),)))),
              2: HYBRID,
              4: Plan(2, (MicroBatch((Group((1, 0), 2, (0, 1, 2, 3)),)),
                          MicroBatch((Group((0,), 1, (4,)), Group((1,), 1, (5,))))))}
