@@ -34,7 +34,21 @@ SMALL = MLLMConfig("small", 2048, 256, 4, 4, 2, 64, 1024, patch_dim=48, vision_d
                    vision_heads=2, vision_head_dim=64, vision_ff=512, remat="layer")
 
 
-@pytest.mark.parametrize("name", ["tiny"] + sorted(presets.MODELS))
+def test_stand_in_refuses_a_mixture_of_experts_preset():
+    """`MLLMConfig.preset` builds no dense stand-in for a stored MoE model: one line names it, and
+    `dhp bench memory` keeps such models out of its stand-in default."""
+    from dhp_jax.model.mllm_config import MOE_PRESETS
+    from dhp_jax.sharding.memory_bench import dense_models
+
+    assert {"qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b", "internvl3.5-30b-a3b"} <= MOE_PRESETS
+    for name in sorted(MOE_PRESETS):
+        with pytest.raises(ValueError, match=f"model preset '{name}' is a mixture of experts"):
+            MLLMConfig.preset(name)
+    assert not MOE_PRESETS & set(dense_models()) and "internvl3-8b" in dense_models()
+
+
+@pytest.mark.parametrize("name", ["tiny"] + sorted(set(presets.MODELS) - {"qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b",
+                                                                          "internvl3.5-30b-a3b"}))
 def test_engine_params_match_the_model(name):
     """The stand-in engine at a preset's shape: the memory model counts its parameters exactly (the
     real families' counts are checked against transformers in tests/test_model_configs.py)."""

@@ -210,6 +210,8 @@ def _moe_filled(text: Mapping[str, Any], where: str) -> dict[str, Any]:
     also where null)."""
     kind = text.get("model_type") or "qwen3_vl_moe_text"
     out = dict(text, model_type=kind)
+    if "num_experts" not in out and "num_local_experts" in out:    # transformers' to_dict name (`hf_config.ALIASES`)
+        out["num_experts"] = out["num_local_experts"]
     for k, v in MOE_FIELDS[kind].items():
         if k == "rope_theta":
             if "rope_theta" not in out and "rope_theta" not in (out.get("rope_scaling") or out.get("rope_parameters")

@@ -124,9 +124,13 @@ class MLLMConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "MLLMConfig":
-        """A named shape ("tiny" or one of the six models DHP evaluates), with optional field overrides."""
+        """A named shape ("tiny" or a stored dense model, `dhp_jax/data/models`), with optional field
+        overrides. A stored mixture-of-experts model is refused: the stand-in has no experts."""
         if name not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+        if name in MOE_PRESETS:
+            raise ValueError(f"model preset {name!r} is a mixture of experts, which the stand-in MLLMConfig cannot "
+                             f"build; train its family model from a checkpoint (model.pretrained=DIR, dhp_jax.model.hf)")
         return dataclasses.replace(PRESETS[name], **overrides)
 
 
@@ -147,3 +151,4 @@ def split_shape(config: MLLMConfig) -> Any:
 PRESETS: dict[str, MLLMConfig] = {"tiny": MLLMConfig()}
 PRESETS.update({name: MLLMConfig.from_hf(model_configs.model_config(name), name=name)
                 for name in model_configs.model_names()})
+MOE_PRESETS = frozenset(name for name in model_configs.model_names() if model_configs.model_facts(name).moe)

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from dhp_jax.data.model_configs import hf_layout, model_config, read_config
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.memory import REMATS, group_program_bytes
+from dhp_jax.planner.cost.memory import REMATS, cpu_dense_grouped_gemm, group_program_bytes
 from dhp_jax.planner.cost.presets import ModelShape
 
 BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
@@ -100,18 +100,25 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
 def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, hardware: str = "ascend-910b",
              compute_dtype: str = "float32", state_shards: int = 64, remat: str = "none",
              linear_chunk: int = 0, tensor_parallel: int = 1, sequence_parallel: bool = False,
-             activation_bytes: int | None = None) -> float:
+             activation_bytes: int | None = None, cpu_terms: bool = False) -> float:
     """`group_program_bytes` (the planner's memory model) of the family model of `raw` (with `params` parameters) for one
     group of `degree` ranks of `tensor_parallel` devices and `tokens` tokens, its blocks run with `remat` and
     `linear_chunk`: the preset's static bytes, and per token `family_bytes_per_token` of the family
     program at those choices (the preset's own `mem_per_token` for a family's shape; with t > 1, one
     device's, `planner.cost.tensor.local_shape`, and `sequence_parallel` as
     `CostModel.preset(..., sequence_parallel=...)`), activations in `activation_bytes` per element
-    (default: the compute dtype's; a bf16 program compiled for CPU devices holds them in 4)."""
+    (default: the compute dtype's; a bf16 program compiled for CPU devices holds them in 4).
+    `cpu_terms`: price the program as XLA:CPU compiles it, the accelerator's figure plus the named
+    CPU terms (`memory.cpu_dense_grouped_gemm` per local token, in the activation bytes); without,
+    the accelerator's figure."""
     extra = {"sequence_parallel": sequence_parallel, "ranks_per_node": 8 // tensor_parallel} if tensor_parallel > 1 else {}
     cost = CostModel.preset(model_shape(raw, params), hardware, remat=remat, compute_dtype=compute_dtype,
                             state_shards=state_shards, require_fit=False, linear_chunk=linear_chunk,
                             tensor_parallel=tensor_parallel, activation_bytes=activation_bytes, **extra)
+    if cpu_terms:
+        shape = model_shape(raw, params)
+        add = cpu_dense_grouped_gemm(shape, tensor_parallel) * float(activation_bytes or cost.activation_bytes)
+        cost = cost.replace(mem_per_token=cost.mem_per_token + add)
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 
 
@@ -145,6 +152,11 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                          f"{max(degrees) * t} devices, found {len(devices)}")
     ab = CPU_ACTIVATION_BYTES if devices[0].platform == "cpu" and compute_dtype != "float32" else None
     say = log or (lambda text: None)
+    cpu = devices[0].platform == "cpu"           # price the CPU program as it is (`modelled`'s cpu_terms)
+    device: dict = {}                            # the accelerator's figure of each point (no CPU terms, compute dtype)
+
+    def cfg_key(cfg: Mapping[str, Any]) -> str:
+        return json.dumps(cfg, sort_keys=True, default=str)
 
     def keep(row: dict) -> dict:
         if rows_file:                                  # one JSON line per row as it is measured
@@ -163,8 +175,12 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
             t0 = time.perf_counter()
             got, params = compiled(cfg, d, s, devices, compute_dtype, remat, tensor_parallel=t,
                                    sequence_parallel=sequence_parallel)
-            want = modelled(cfg, params, d, s, hardware=hardware, compute_dtype=compute_dtype, remat=remat,
-                            tensor_parallel=t, sequence_parallel=sequence_parallel, activation_bytes=ab)
+            kw = dict(hardware=hardware, compute_dtype=compute_dtype, remat=remat, tensor_parallel=t,
+                      sequence_parallel=sequence_parallel, activation_bytes=ab)
+            want = modelled(cfg, params, d, s, cpu_terms=cpu, **kw)
+            device[cfg_key(cfg), remat, d, s] = modelled(cfg, params, d, s, hardware=hardware,
+                                                         compute_dtype=compute_dtype, remat=remat,
+                                                         tensor_parallel=t, sequence_parallel=sequence_parallel)
             return got, want, time.perf_counter() - t0, params
 
         done: dict[tuple[str, int, int], tuple[int, float, float, int]] = {}   # base program by (remat, degree, tokens)
@@ -188,7 +204,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                               "degree": d, "tokens": s,
                               "layers": list(depth), "full_layers": list(full), "compiled_bytes": got,
                               "model_bytes": int(want), "ratio": round(want / got, 4), "compile_s": round(took, 1),
-                              "params": params}))
+                              "device_model_bytes": int(device[cfg_key(base), remat, d, s]),
+                              "cpu_terms": cpu, "params": params}))
             say(f"{name} remat {remat} degree {d} {s} tokens at {depth}: compiled {got / 1e9:.2f} GB, model "
                 f"{want / 1e9:.2f} GB, ratio {want / got:.3f} ({took:.0f} s)")
     ratios = [r["ratio"] for r in rows] + [r["ratio"] for r in layer_rows]
@@ -196,6 +213,8 @@ def measure_families(models: Sequence[str], degrees: Sequence[int], tokens: Sequ
                      f"encoder blocks (abstract params from config.json, {compute_dtype}, compiled for "
                      f"{devices[0].platform} devices{f', ranks of {t} devices' if t > 1 else ''}) vs "
                      f"`group_program_bytes` (remat {', '.join(remats)}{f', tensor_parallel {t}' if t > 1 else ''})",
+            "figure": ("the CPU program's (activations in 4 bytes where bf16, and the named CPU terms)" if cpu
+                       else "the accelerator's (no CPU term)"),
             "depth": list(depth), "compute_dtype": compute_dtype, "tensor_parallel": t, "remats": list(remats),
             "sequence_parallel": bool(sequence_parallel), "rows": rows,
             "layer_rows": layer_rows,

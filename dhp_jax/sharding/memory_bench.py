@@ -188,9 +188,18 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     return out
 
 
+def dense_models() -> list[str]:
+    """The model presets the stand-in engine builds (`MLLMConfig.preset`): every stored model but
+    the mixtures of experts, whose own program `--families` compiles."""
+    from dhp_jax.model.mllm_config import MOE_PRESETS
+
+    return [m for m in CostModel.MODELS if m not in MOE_PRESETS]
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", action="append", choices=CostModel.MODELS,
-                        help="model preset (repeatable; default: all six)")
+                        help="model preset (repeatable; default: every dense one, "
+                             f"{', '.join(dense_models())}; a mixture of experts runs with --families)")
     parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
@@ -221,11 +230,28 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer-checks", default="",
                         help="--families: semicolon-separated DEGREE,TOKENS points where one more LLM layer and one "
                              "more encoder block are compiled too (the per-layer bytes)")
+    parser.add_argument("--device-check", action="store_true",
+                        help="the bf16 family rows (--families, default " + ",".join(DEVICE_CHECK_FAMILIES) +
+                             ") at degree 1 on this machine's own first device: an accelerator where one is "
+                             "present (compared with the model's accelerator figure), else the CPU (compared "
+                             "with the CPU program's figure: activations in 4 bytes and the named CPU terms)")
     parser.add_argument("--rows-file", default=None,
                         help="--families: append each row to this JSON-lines file as soon as it is measured")
 
 
+DEVICE_CHECK_FAMILIES = ("qwen3-vl-2b", "internvl3-2b")
+DEVICE_CHECK_TOKENS = "4096"
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "device_check", False):    # the machine's own devices: no fake CPU devices forced
+        args.families = args.families or ",".join(DEVICE_CHECK_FAMILIES)
+        args.dtype, args.remat = args.dtype or "bfloat16", args.remat or "none,layer"
+        args.degrees = "1"
+        args.tokens = args.tokens if args.tokens != ",".join(map(str, TOKENS)) else DEVICE_CHECK_TOKENS
+        if args.tensor_parallel != 1:
+            raise SystemExit("--device-check: one device, no --tensor-parallel")
+        return run_families(args, lambda text: [int(x) for x in str(text).split(",") if x.strip()])
     force_cpu_devices(args.devices)
     ints = lambda text: [int(x) for x in str(text).split(",") if x.strip()]  # noqa: E731
     if args.tensor_parallel != 1 and getattr(args, "step", False):
@@ -237,7 +263,11 @@ def run(args: argparse.Namespace) -> int:
     remat = args.remat or "layer"
     if remat not in REMATS:
         raise SystemExit(f"--remat: {remat!r} is not one of {REMATS}")
-    res = measure(args.model or list(CostModel.MODELS), ints(args.degrees), ints(args.tokens),
+    moe = sorted(set(args.model or ()) - set(dense_models()))
+    if moe:
+        raise SystemExit(f"--model {moe[0]}: a mixture of experts, which the stand-in engine cannot build; "
+                         f"compile its family program with --families {moe[0]}")
+    res = measure(args.model or dense_models(), ints(args.degrees), ints(args.tokens),
                   hardware=args.hardware, remat=remat, compute_dtype=args.dtype or "bfloat16",
                   state_shards=args.state_shards, full_depth=not args.extrapolate, fits=not args.no_fits,
                   tensor_parallel=args.tensor_parallel, sequence_parallel=args.sequence_parallel)
@@ -285,6 +315,7 @@ def run_families(args: argparse.Namespace, ints: Any) -> int:
         print(json.dumps(res, indent=2))
         return 0
     print(res["label"])
+    print(f"model figure compared: {res['figure']}")
     print(f"{'model':16s} {'remat':>6s} {'degree':>6s} {'tokens':>7s} {'compiled GB':>12s} {'model GB':>9s} "
           f"{'model/compiled':>15s}")
     for r in res["rows"]:

@@ -79,7 +79,8 @@ def moe_text_forward(cfg: TextConfig, p: Params, x: jax.Array, positions: jax.Ar
     keep = None if stream.sequence is None else stream.enter((ids.segment > 0).astype(jnp.int32)) > 0
     stats = jnp.zeros((2, spec.num_experts), jnp.float32)
     for start, count, sparse in layer_runs(spec.sparse):
-        stack = p["layers"].get(str(start))
+        layers = p["layers"]                         # one run of every layer: the stack itself
+        stack = layers if isinstance(layers, BlockRows) else layers.get(str(start))
         if not isinstance(stack, BlockRows):        # the per-layer tree (a checkpoint's): stacked here
             stack = BlockRows.of([p["layers"][str(i)] for i in range(start, start + count)])
         feed = None if start >= levels else deepstack[start:min(levels, start + count)]

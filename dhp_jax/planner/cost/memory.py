@@ -408,6 +408,25 @@ def moe_saved(m: Any) -> int:
     return 2 * m.experts + 2 * k + 2 * k * m.hidden + 3 * k * m.expert_intermediate
 
 
+# XLA:CPU runs `jax.lax.ragged_dot` through JAX's dense fallback (`_ragged_dot_general_impl` in
+# jax/_src/lax/lax.py): each grouped GEMM's input is masked into a dense [groups, rows, width]
+# array, one copy per group, and one dot contracts over the groups (the backward pass does the same
+# for the cotangents). A sparse layer's backward pass on XLA:CPU therefore holds, on top of what a
+# grouped GEMM holds, such a copy of both expert GEMMs' inputs (the routed rows, hidden wide, and
+# the SwiGLU product, expert-width wide) over the device's experts (`cpu_dense_grouped_gemm`); an
+# accelerator's grouped GEMM touches only the routed rows.
+def cpu_dense_grouped_gemm(m: Any, t: int = 1) -> int:
+    """Elements per local token that a MoE group program compiled by XLA:CPU holds beyond the
+    accelerator's figure: the device's experts E / t x the k rows a token is routed to x (hidden +
+    expert width); 0 for a dense model. `dhp bench memory --families` adds it (in the activation
+    bytes) to the model's figure when it compiles for CPU devices, and records the figure without
+    it as the accelerator's; the planner never prices it."""
+    if not _moe(m):
+        return 0
+    local = -(-int(m.experts) // int(t))
+    return local * int(m.experts_per_token) * (int(m.hidden) + int(m.expert_intermediate))
+
+
 def moe_cotangents(m: Any, remat: str) -> int:
     """Cotangents a sparse layer's backward pass holds on top of what it reads, per token: the dense
     layer's (`FAMILY_LLM_COTANGENTS`) with the MLP-wide ones over the k routed rows of the expert
