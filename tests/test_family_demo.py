@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from dhp_jax.model import hf
+from dhp_jax.models import spec
 from dhp_jax.train.train_config import load_config
 from dhp_jax.train.demo_models import DEMO_MODELS, FIRST_TEXT, TOKENS, FamilyDemoPipeline, demo_config
 from dhp_jax.train.pipeline import DataPipeline
@@ -30,14 +31,14 @@ def test_samples_are_the_familys_inputs_at_the_demos_lengths(family):
     assert [s.num_tokens for s in batch.source_samples] == [s.num_tokens for s in stand_in.batch(3).source_samples]
     for s, s2, src, c in zip(batch.samples, again.samples, batch.source_samples, batch.concepts):
         shape = stand_in.scale_segments(src)
-        # the family's token rules: every vision span wrapped in start/end tokens; Qwen3-VL a run
-        # per video frame; InternVL whole tiles of 4 tokens a frame
+        # the family's token rules: every vision span wrapped in start/end tokens; Qwen3-VL (and its
+        # MoE) a run per video frame; InternVL whole tiles of 4 tokens a frame
         frames = [n // f for m, n, f in shape if m != "text"]
         per = [f for m, n, f in shape if m != "text"]
         text = sum(n for m, n, f in shape if m == "text")
         if family == "qwen2_5_vl":
             expect = text + sum(n + 2 for m, n, f in shape if m != "text")
-        elif family == "qwen3_vl":
+        elif getattr(spec(family).demo, "per_frame_runs", False):      # Qwen3-VL and Qwen3-VL-MoE
             expect = text + sum(k * (p + 2) for k, p in zip(frames, per))
         else:
             expect = text + sum(k * (-(-p // 4) * 4 + 2) for k, p in zip(frames, per))

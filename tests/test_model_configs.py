@@ -58,7 +58,11 @@ def test_the_models_are_stored_once_and_listed_by_family_and_size():
         rec = model_configs.model_record(name)
         assert rec["source"] == f"https://huggingface.co/{rec['hub_id']}/blob/main/config.json"
         assert presets.MODELS[name] == presets.ModelShape.from_facts(model_configs.model_facts(name))
-        assert MLLMConfig.preset(name) == MLLMConfig.from_hf(rec["config"], name=name)
+        if name in MOE:             # the stand-in has no experts: it refuses them (test_memory.py)
+            with pytest.raises(ValueError, match="mixture of experts"):
+                MLLMConfig.preset(name)
+        else:
+            assert MLLMConfig.preset(name) == MLLMConfig.from_hf(rec["config"], name=name)
 
 
 @pytest.mark.parametrize("name", tuple(n for n in ALL if n not in MOE) + ("qwen2.5-vl-7b-shaped",))
@@ -164,25 +168,6 @@ def test_moe_layers_and_defaults_as_transformers_reads_them():
         model_configs.facts_from_config({**qcfg, "text_config": {**qcfg["text_config"], "mlp_only_layers": [7]}})
     with pytest.raises(ValueError, match=r"text_config.moe_intermediate_size: 0 is not a positive integer"):
         model_configs.facts_from_config({**qcfg, "text_config": {**qcfg["text_config"], "moe_intermediate_size": 0}})
-
-
-def test_moe_defaults_are_transformers_own():
-    """Every field of `model_configs.MOE_FIELDS` is its config class's default (built with nothing)."""
-    transformers = pytest.importorskip("transformers")
-    for kind, row in model_configs.MOE_FIELDS.items():
-        cfg = transformers.AutoConfig.for_model(kind)
-        for key, want in row.items():
-            if key == "head_dim":
-                got = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-                want = cfg.hidden_size // cfg.num_attention_heads
-            elif key == "rope_theta":
-                got = cfg.rope_parameters["rope_theta"]
-            elif key == "norm_topk_prob" and not hasattr(cfg, key):
-                assert kind == "qwen3_vl_moe_text" and want is True    # its router always renormalises
-                continue
-            else:
-                got = getattr(cfg, key)
-            assert got == want, f"{kind}.{key}: ours {want!r}, transformers {got!r}"
 
 
 def test_parameter_counts_are_the_checkpoints_sizes():

@@ -8,10 +8,8 @@ was checked or assumed. A new model is one such directory. Every config is read 
 (`--model DIR`, `model.pretrained=DIR`) are read alike, in every layout a registered family reads
 (`dhp_jax.models`); the vision encoder's facts are the family's (`FamilySpec.facts`).
 
-Mixture-of-experts LLMs (`qwen3_vl_moe`, and InternVL with a `qwen3_moe` LLM) are read here too:
-their attention, vision encoder and layout are those of a dense relative (`MOE_RELATIVES`), their
-sparse blocks are the fields of `MOE_FIELDS` (`moe_facts`). A registered family that reads such a
-model type itself (`dhp_jax.models`) takes over its layout; the MoE fields are read here either way.
+Mixture-of-experts LLMs (`qwen3_vl_moe`, and InternVL with a `qwen3_moe` LLM) are read by their
+families alike; their sparse blocks are read from the resolved LLM section (`moe_facts`).
 
 `ModelFacts` is what the planner prices (`dhp_jax.planner.cost.presets.ModelShape.from_facts`), what
 `dhp_jax.model.MLLMConfig.from_hf` sizes, and what picks the vision-token rule: every consumer
@@ -164,124 +162,34 @@ def hf_layout(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ mixture-of-experts LLMs
-# {MoE model type: the dense model type read for everything but the sparse blocks}: the same
-# attention (QK-norm, rotary), vision encoder and layout.
-MOE_RELATIVES = {"qwen3_vl_moe": "qwen3_vl", "qwen3_vl_moe_text": "qwen3_vl_text",
-                 "qwen3_vl_moe_vision": "qwen3_vl_vision", "qwen3_moe": "qwen3"}
-# The LLM section of each top-level layout that may hold a MoE LLM.
-TEXT_SECTIONS = {"qwen3_vl_moe": "text_config", "internvl": "text_config", "internvl_chat": "llm_config"}
-HIDDEN_OVER_HEADS = "=hidden_size//num_attention_heads"
-# transformers 5's defaults of the MoE text config classes (`Qwen3VLMoeTextConfig`, `Qwen3MoeConfig`):
-# the dense fields where they differ from the dense relative's class (head_dim: hidden / heads,
-# as both attention modules fall back to) and the sparse ones. Qwen3VLMoeTextConfig has no
-# `norm_topk_prob`: its router always renormalises the top-k gates (the row holds True).
-MOE_FIELDS = {
-    "qwen3_vl_moe_text": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632, num_hidden_layers=24,
-                              num_attention_heads=16, num_key_value_heads=16, head_dim=HIDDEN_OVER_HEADS,
-                              rms_norm_eps=1e-6, max_position_embeddings=128000, attention_bias=False,
-                              rope_theta=500000.0, num_experts=60, num_experts_per_tok=4,
-                              moe_intermediate_size=1408, decoder_sparse_step=1, mlp_only_layers=[],
-                              norm_topk_prob=True, router_aux_loss_coef=0.001),
-    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-                      num_attention_heads=32, num_key_value_heads=4, head_dim=HIDDEN_OVER_HEADS, rms_norm_eps=1e-6,
-                      max_position_embeddings=32768, attention_bias=False, use_sliding_window=False,
-                      rope_theta=10000.0, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
-                      decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, router_aux_loss_coef=0.001),
-}
-MOE_TOP_TEXT = {"qwen3_vl_moe": "qwen3_vl_moe_text"}     # the text type a text_config without one is
+MOE_INTS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step")
 
 
-def _moe_text(config: Mapping[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
-    """(section key, the LLM section) of a config whose LLM is a mixture of experts; (None, None)
-    for a dense one."""
-    top = str(config.get("model_type"))
-    key = TEXT_SECTIONS.get(top)
-    if key is None:
-        return None, None
-    text = config.get(key) or {}
-    if not isinstance(text, Mapping):
-        return None, None
-    kind = text.get("model_type") or MOE_TOP_TEXT.get(top)
-    return (key, dict(text)) if kind in MOE_FIELDS else (None, None)
-
-
-def _moe_filled(text: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """A MoE LLM section with its class's default for every field of `MOE_FIELDS` it lacks (head_dim
-    also where null)."""
-    kind = text.get("model_type") or "qwen3_vl_moe_text"
-    out = dict(text, model_type=kind)
-    if "num_experts" not in out and "num_local_experts" in out:    # transformers' to_dict name (`hf_config.ALIASES`)
-        out["num_experts"] = out["num_local_experts"]
-    for k, v in MOE_FIELDS[kind].items():
-        if k == "rope_theta":
-            if "rope_theta" not in out and "rope_theta" not in (out.get("rope_scaling") or out.get("rope_parameters")
-                                                                or {}):
-                out["rope_theta"] = v
-        elif v == HIDDEN_OVER_HEADS:
-            if out.get(k) is None:
-                out[k] = int(out.get("hidden_size", MOE_FIELDS[kind]["hidden_size"])) // int(
-                    out.get("num_attention_heads", MOE_FIELDS[kind]["num_attention_heads"]))
-        elif k not in out:
-            out[k] = v
-    if out["mlp_only_layers"] is None:
-        out["mlp_only_layers"] = []
-    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
-        if isinstance(out[k], bool) or not isinstance(out[k], int) or out[k] < (0 if k == "num_experts" else 1):
-            raise ValueError(f"{where}.{k}: {out[k]!r} is not a {'non-negative' if k == 'num_experts' else 'positive'} "
-                             f"integer")
-    if out["num_experts"] and out["num_experts_per_tok"] > out["num_experts"]:
-        raise ValueError(f"{where}.num_experts_per_tok {out['num_experts_per_tok']} is more than num_experts "
-                         f"{out['num_experts']}")
-    layers = int(out["num_hidden_layers"])
-    bad = [i for i in out["mlp_only_layers"] if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers]
-    if bad:
-        raise ValueError(f"{where}.mlp_only_layers: {bad} are not layer indices 0..{layers - 1}")
-    return out
-
-
-def moe_facts(config: Mapping[str, Any], where: str = "config") -> dict[str, Any]:
-    """The mixture-of-experts fields of `ModelFacts` of a config (any of its layouts; {} for a dense
-    LLM), as transformers builds the decoder: layer i is sparse unless it is in `mlp_only_layers`,
-    when there are experts and (i + 1) is a multiple of `decoder_sparse_step`."""
-    key, text = _moe_text(config)
-    if text is None:
+def moe_facts(text: Mapping[str, Any], where: str = "text_config.") -> dict[str, Any]:
+    """The mixture-of-experts fields of `ModelFacts` of a resolved LLM section (`hf_config.resolve`,
+    the family's defaults filled in; {} for a dense LLM), as transformers builds the decoder: layer i
+    is sparse unless it is in `mlp_only_layers`, when there are experts and (i + 1) is a multiple of
+    `decoder_sparse_step`. A router whose config class has no `norm_topk_prob` (Qwen3-VL-MoE's)
+    always renormalises its top-k gates. `where`: the section's prefix in errors."""
+    if text.get("num_experts") is None:
         return {}
-    t = _moe_filled(text, f"{where}: {key}")
-    experts, step = int(t["num_experts"]), int(t["decoder_sparse_step"])
-    sparse = tuple(i for i in range(int(t["num_hidden_layers"]))
-                   if i not in t["mlp_only_layers"] and experts > 0 and (i + 1) % step == 0)
-    return dict(experts=experts if sparse else 0, experts_per_token=int(t["num_experts_per_tok"]) if sparse else 0,
-                expert_intermediate=int(t["moe_intermediate_size"]) if sparse else 0, sparse_layers=sparse,
-                norm_topk=bool(t["norm_topk_prob"]) and bool(sparse), router_aux_loss_coef=float(t["router_aux_loss_coef"]))
-
-
-def _dense_relative(config: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """`config` as its dense relative's layout (`MOE_RELATIVES`) where no registered family reads
-    its model types: the MoE LLM section filled with its class's defaults, then renamed; the
-    config as it is otherwise."""
-    key, text = _moe_text(config)
-    top = str(config.get("model_type"))
-    if text is None and top not in MOE_RELATIVES:
-        return dict(config)
-    family = models.spec_for_type(top)
-    out = dict(config)
-    if family is None:
-        if top not in MOE_RELATIVES:
-            return out
-        out["model_type"] = MOE_RELATIVES[top]
-        vision = dict(out.get("vision_config") or {})
-        if vision.get("model_type") in (top, "qwen3_vl_moe_vision"):
-            vision["model_type"] = MOE_RELATIVES["qwen3_vl_moe_vision"]
-        out["vision_config"] = vision
-        family = models.spec_for_type(out["model_type"])
-    if text is not None:
-        filled = _moe_filled(text, f"{where}: {key}")
-        if filled["model_type"] not in family.config.text_types:
-            filled["model_type"] = MOE_RELATIVES[filled["model_type"]]
-            if filled["model_type"] not in family.config.text_types:
-                filled["model_type"] = family.config.text_types[0]
-        out[key] = filled
-    return out
+    for k in MOE_INTS:
+        v, low = text[k], (0 if k == "num_experts" else 1)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f"{where}{k}: {v!r} is not a {'non-negative' if low == 0 else 'positive'} integer")
+    experts, k, step = int(text["num_experts"]), int(text["num_experts_per_tok"]), int(text["decoder_sparse_step"])
+    if experts and k > experts:
+        raise ValueError(f"{where}num_experts_per_tok {k} is more than num_experts {experts}")
+    layers, dense = int(text["num_hidden_layers"]), list(text.get("mlp_only_layers") or [])
+    bad = [i for i in dense if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers]
+    if bad:
+        raise ValueError(f"{where}mlp_only_layers: {bad} are not layer indices 0..{layers - 1}")
+    sparse = tuple(i for i in range(layers) if i not in dense and experts > 0 and (i + 1) % step == 0)
+    norm = text.get("norm_topk_prob")
+    return dict(experts=experts if sparse else 0, experts_per_token=k if sparse else 0,
+                expert_intermediate=int(text["moe_intermediate_size"]) if sparse else 0, sparse_layers=sparse,
+                norm_topk=(True if norm is None else bool(norm)) and bool(sparse),
+                router_aux_loss_coef=float(text["router_aux_loss_coef"]))
 
 
 def _moe_params(f: Mapping[str, Any], moe: Mapping[str, Any]) -> tuple[int, int]:
@@ -320,10 +228,10 @@ def _text_params(t: Mapping[str, Any], f: dict[str, Any], tied: bool) -> int:
 def facts_from_config(config: Mapping[str, Any], where: str = "config") -> ModelFacts:
     """`ModelFacts` of a published config dict (any of its published layouts), read as transformers
     reads it (`dhp_jax.data.hf_config.resolve`; a MoE LLM's sparse blocks by `moe_facts`)."""
-    moe = moe_facts(config, where)
-    raw = hf_config.resolve(_dense_relative(config, where), where)
+    raw = hf_config.resolve(config, where)
     family = raw["model_type"]
     t = raw["text_config"]
+    moe = moe_facts(t, f"{where}: {models.spec(family).config.text_section(config)}")
     text = _text(t)
     d = text["hidden"]
     tied = bool(raw["tie_word_embeddings"])          # transformers' rule (hf_config.tied)
