@@ -121,6 +121,17 @@ def internvl_reference_with_aux(model, inputs, labels):
     return float(loss.detach()), {k: p.grad.numpy().copy() for k, p in model.named_parameters() if p.grad is not None}
 
 
+_COMPILED: dict = {}
+
+
+def _loss_and_grads(name, cfg, sample, labels):
+    """The jitted (loss, stats), grads of `jax_loss` of a case's sample, with the load-balancing
+    weight an argument: the runs with the loss off and on share one compiled program."""
+    if name not in _COMPILED:
+        _COMPILED[name] = jax.jit(jax.value_and_grad(lambda p, c: jax_loss(cfg, p, sample, labels, c), has_aux=True))
+    return _COMPILED[name]
+
+
 @pytest.mark.parametrize("aux", [False, True])
 def test_loss_and_grads_match_transformers(case, aux):
     """Loss and every gradient vs transformers' autograd; the load-balancing loss added as
@@ -133,8 +144,7 @@ def test_loss_and_grads_match_transformers(case, aux):
     else:
         ref_loss, ref_grads = hec.reference(model, [sample], [labels], output_router_logits=aux)
     coef = cfg.text.moe.router_aux_loss_coef if aux else 0.0
-    (loss, (summed, rows)), grads = jax.jit(jax.value_and_grad(
-        lambda p: jax_loss(cfg, p, sample, labels, coef), has_aux=True))(params)
+    (loss, (summed, rows)), grads = _loss_and_grads(name, cfg, sample, labels)(params, coef)
     loss_err = abs(float(loss) - ref_loss) / abs(ref_loss)
     grad_err, worst = hec.relative_errors(hf.to_state_dict(cfg, grads), ref_grads)
     print(f"{name} aux={aux}: loss {float(loss):.6f} vs {ref_loss:.6f} (rel {loss_err:.1e}), "
