@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from dhp_jax.planner.cost.tensor_parallel import choose
-from experiments.common import LABELS, STATIC, save_figure
-from experiments.exp_tensor_parallel import _grid, _long_sample
+from experiments.common import LABELS
+from experiments.exp_tensor_parallel import _grid, _long_sample, plot_per_t
 
 # what the table keeps of `tensor_parallel.choose`'s answer
 CHOICE = ("t", "degree", "step_s", "device_bytes", "usable_bytes", "fits")
@@ -62,21 +62,4 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    rows = result["rows"]
-    ts = result["config"]["tensor_parallel"]
-    fig, axes = plt.subplots(1, len(rows), figsize=(2.6 * len(rows), 3.4), squeeze=False)
-    for ax, r in zip(axes[0], rows):
-        for s in ["dhp"] + list(STATIC):
-            ys = [r["per_t"][str(t)].get("step_s", {}).get(s, np.nan) for t in ts]
-            ax.plot(ts, ys, marker="o", label=LABELS.get(s, s))
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ts)
-        ax.set_xticklabels([str(t) for t in ts])
-        ax.set_title(f"{r['model']}\n{r['dataset']}, {r['devices']} devices", fontsize=7)
-        ax.set_xlabel("tensor parallel t")
-    axes[0][0].set_ylabel("step (s)")
-    axes[0][-1].legend(fontsize=6)
-    save_figure(fig, path, f"{result['name']}: {result['label']}", fontsize=8)
+    plot_per_t(result, path, lambda r: f"{r['model']}\n{r['dataset']}, {r['devices']} devices", 7)

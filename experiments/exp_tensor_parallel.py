@@ -130,6 +130,11 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
+    plot_per_t(result, path, lambda r: f"{r['model']}\n{r['devices']} devices", 8)
+
+
+def plot_per_t(result: dict[str, Any], path: Any, title: Any, fontsize: int) -> None:
+    """Step time against t, DHP and the static strategies, one panel a row (`title(row)` its title)."""
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
@@ -142,7 +147,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(ts)
         ax.set_xticklabels([str(t) for t in ts])
-        ax.set_title(f"{r['model']}\n{r['devices']} devices", fontsize=8)
+        ax.set_title(title(r), fontsize=fontsize)
         ax.set_xlabel("tensor parallel t")
     axes[0][0].set_ylabel("step (s)")
     axes[0][-1].legend(fontsize=6)

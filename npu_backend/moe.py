@@ -35,14 +35,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from dhp_jax.model.hf import expert_layouts as xl
+
 GATE = "mlp.gate.weight"
-GATE_UP = "mlp.experts.gate_up_proj"
-DOWN = "mlp.experts.down_proj"
+GATE_UP, DOWN = xl.GATE_UP, xl.DOWN
 
 
 @dataclasses.dataclass
@@ -208,13 +208,11 @@ def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None
 
 # ---------------------------------------------------------------------------------------- checkpoints
 def expert_layout(config: Any) -> str:
-    """How a family's checkpoints store the experts (its model-side module's `EXPERT_LAYOUT`):
-    "fused" (transformers' `state_dict()`), "fused_transposed" (Qwen3-VL-MoE's releases:
-    gate_up_proj [E, d, 2 I], down_proj [E, I, d]) or "per_expert" (Qwen3-MoE's:
-    `mlp.experts.{e}.{gate,up,down}_proj.weight`)."""
+    """How a family's checkpoints store the experts (`dhp_jax.model.hf.expert_layouts`: its
+    model-side module's `EXPERT_LAYOUT`)."""
     from dhp_jax import models
 
-    return getattr(models.spec(config.family).engine_module("hf"), "EXPERT_LAYOUT", "fused")
+    return xl.layout_of(models.spec(config.family).engine_module("hf"))
 
 
 def fused_experts(named: Any, config: Any, where: str) -> Any:
@@ -226,10 +224,9 @@ def fused_experts(named: Any, config: Any, where: str) -> Any:
     spec = getattr(config.text, "moe", None)
     pending: dict[str, dict[tuple[int, str], Any]] = {}
     for name, w in named:
-        parts = name.split(".")
-        if (spec is not None and len(parts) > 4 and parts[-4] == "experts" and parts[-3].isdigit()
-                and parts[-1] == "weight" and parts[-2] in ("gate_proj", "up_proj", "down_proj")):
-            pending.setdefault(".".join(parts[:-3]), {})[int(parts[-3]), parts[-2]] = w
+        key = xl.per_expert_name(name) if spec is not None else None
+        if key is not None:
+            pending.setdefault(key[0], {})[key[1], key[2]] = w
             continue
         if spec is not None and name.endswith((GATE_UP, DOWN)):
             e, i, d = spec.num_experts, spec.intermediate_size, config.text.hidden_size
@@ -240,14 +237,7 @@ def fused_experts(named: Any, config: Any, where: str) -> Any:
                 w = w.swapaxes(1, 2)
         yield name, w
     for prefix, mats in sorted(pending.items()):
-        missing = [f"{prefix}.{e}.{m}.weight" for e in range(spec.num_experts)
-                   for m in ("gate_proj", "up_proj", "down_proj") if (e, m) not in mats]
-        if missing:
-            raise ValueError(f"{where}: expert weight {missing[0]} is missing ({len(missing)} missing)")
-        rng = range(spec.num_experts)
-        yield prefix + ".gate_up_proj", np.stack([np.concatenate([mats[e, "gate_proj"], mats[e, "up_proj"]])
-                                                  for e in rng])
-        yield prefix + ".down_proj", np.stack([mats[e, "down_proj"] for e in rng])
+        yield from xl.fuse(prefix, mats, spec.num_experts, where)
 
 
 def saved_experts(weights: dict, config: Any) -> dict:
@@ -257,14 +247,5 @@ def saved_experts(weights: dict, config: Any) -> dict:
         return weights
     out = {}
     for name, w in weights.items():
-        if name.endswith(GATE_UP):
-            prefix, inter = name[:-len(".gate_up_proj")], w.shape[1] // 2
-            for e in range(w.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = w[e, :inter]
-                out[f"{prefix}.{e}.up_proj.weight"] = w[e, inter:]
-        elif name.endswith(DOWN):
-            for e in range(w.shape[0]):
-                out[f"{name[:-len('.down_proj')]}.{e}.down_proj.weight"] = w[e]
-        else:
-            out[name] = w
+        out.update(xl.split(name, w) if name.endswith((GATE_UP, DOWN)) else {name: w})
     return out

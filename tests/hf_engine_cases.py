@@ -112,3 +112,23 @@ def build_case(tmp_path_factory, name: str, model_cls, config, batch_fn, vision_
     labels = [labels_of(g, x, vision_ids) for x in batch]
     samples = [hf.sample_from_inputs(cfg, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
     return cfg, params, samples, reference(model, batch, labels), PlanExecutor(cfg)
+
+
+def torch_family_cases(tmp_path_factory, families: dict, prefix: str) -> dict:
+    """family -> (checkpoint dir, batch inputs, samples, transformers model, (loss, grads), labels)
+    for the torch backend's tests: `families` {family: (model class, config maker, batch maker,
+    vision token ids)}, each model built by transformers and saved under `prefix`_family, its
+    samples read back through `npu_backend.hf.load_family`'s config."""
+    from npu_backend.hf import load_family
+
+    out = {}
+    for family, (cls, make_config, make_batch, vision_ids) in families.items():
+        path = hc.model_dir(tmp_path_factory, f"{prefix}_{family}")
+        model = hc.build(cls, make_config(), path)
+        config = load_family(path).config
+        g = hc.rng(3)
+        batch = make_batch(g)
+        labels = [labels_of(g, x, vision_ids) for x in batch]
+        samples = [hf.sample_from_inputs(config, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
+        out[family] = (path, batch, samples, model, reference(model, batch, labels), labels)
+    return out

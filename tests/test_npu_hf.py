@@ -22,7 +22,6 @@ import hf_cases as hc
 import hf_engine_cases as ec
 from hf_cases import torch, transformers
 
-from dhp_jax.model import hf
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan
 from npu_backend.launch import run_world
 
@@ -47,18 +46,7 @@ def _families():
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """family -> (checkpoint dir, batch inputs, samples, transformers model, (loss, grads))."""
-    from npu_backend.hf import load_family
-    out = {}
-    for family, (cls, make_config, make_batch, vision_ids) in _families().items():
-        path = hc.model_dir(tmp_path_factory, f"npu_{family}")
-        model = hc.build(cls, make_config(), path)
-        config = load_family(path).config
-        g = hc.rng(3)
-        batch = make_batch(g)
-        labels = [ec.labels_of(g, x, vision_ids) for x in batch]
-        samples = [hf.sample_from_inputs(config, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
-        out[family] = (path, batch, samples, model, ec.reference(model, batch, labels))
-    return out
+    return {f: case[:5] for f, case in ec.torch_family_cases(tmp_path_factory, _families(), "npu").items()}
 
 
 def _dense_step(model, samples):

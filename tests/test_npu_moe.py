@@ -107,18 +107,7 @@ def _reference_with_router_loss(model, batch, labels, num_experts: int, top_k: i
 def cases(tmp_path_factory):
     """family -> (checkpoint dir, batch, samples, transformers model, (loss, grads)); "router loss":
     Qwen3-VL-MoE with output_router_logits (its dir, its (loss, grads))."""
-    from npu_backend.hf import load_family
-
-    out = {}
-    for family, (cls, make_config, make_batch, vision_ids) in _batches().items():
-        path = hc.model_dir(tmp_path_factory, f"moe_{family}")
-        model = hc.build(cls, make_config(), path)
-        config = load_family(path).config
-        g = hc.rng(3)
-        batch = make_batch(g)
-        labels = [ec.labels_of(g, x, vision_ids) for x in batch]
-        samples = [hf.sample_from_inputs(config, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
-        out[family] = (path, batch, samples, model, ec.reference(model, batch, labels), labels)
+    out = ec.torch_family_cases(tmp_path_factory, _batches(), "moe")
     path, batch, _, model, _, labels = out["qwen3_vl_moe"]
     routed = _with_router_loss(path, os.path.join(hc.model_dir(tmp_path_factory, "moe_aux"), "ckpt"))
     coef = model.config.text_config.router_aux_loss_coef

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dhp_jax.model.hf import expert_layouts as xl
 from dhp_jax.model.hf.spec import MoeSpec
 
 Params = Mapping[str, Any]
@@ -117,48 +118,33 @@ def report(stats: jax.Array, rows: jax.Array) -> None:
         _COLLECTORS[-1].append((stats, rows))
 
 
-# --- published checkpoint layouts of the experts ----------------------------------------------
+# --- published checkpoint layouts of the experts (`expert_layouts`, shared with the torch side) ----
 
-EXPERT_LAYOUTS = ("fused", "fused_transposed", "per_expert")
-
-
-def layout_of(family_module: Any) -> str:
-    """The published expert layout of a family's model-side module (`EXPERT_LAYOUT`, else "fused")."""
-    return getattr(family_module, "EXPERT_LAYOUT", "fused")
+EXPERT_LAYOUTS, layout_of = xl.EXPERT_LAYOUTS, xl.layout_of
 
 
 def load_experts(named: Iterable[tuple[str, Any]], layout: str,
                  shapes: Mapping[str, tuple[int, ...]] | None = None) -> Iterator[tuple[str, Any]]:
     """The checkpoint's (name, weight) pairs with the experts in transformers' fused layout
-    (`mlp.experts.gate_up_proj` [E, 2 I, d], `mlp.experts.down_proj` [E, d, I]): "fused" as is;
-    "fused_transposed" (Qwen3-VL-MoE's releases: [E, d, 2 I], [E, I, d]) transposed; "per_expert"
-    (Qwen3-MoE's releases: `mlp.experts.{e}.{gate,up,down}_proj.weight`) stacked, as transformers'
-    conversion mapping does on load (a fused weight already of the shape `shapes` gives, transformers'
-    own, is kept as is, as its `Transpose(check_dims=True)` does). A layer's experts must be
-    complete (0 .. E-1, all three)."""
+    (`expert_layouts`): "fused" as is; "fused_transposed" transposed; "per_expert" stacked, as
+    transformers' conversion mapping does on load (a fused weight already of the shape `shapes`
+    gives, transformers' own, is kept as is, as its `Transpose(check_dims=True)` does). A layer's
+    experts must be complete (0 .. E-1, all three)."""
     if layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
-    pending: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+    pending: dict[str, dict[tuple[int, str], np.ndarray]] = {}
     for name, w in named:
-        if layout == "fused_transposed" and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        if layout == "fused_transposed" and xl.is_fused(name):
             keep = shapes is not None and tuple(shapes.get(name, ())) == tuple(w.shape)
             yield name, (w if keep else np.swapaxes(np.asarray(w), 1, 2))
             continue
-        parts = name.split(".")
-        if (layout == "per_expert" and len(parts) >= 5 and parts[-1] == "weight" and parts[-4] == "experts"
-                and parts[-3].isdigit() and parts[-2] in ("gate_proj", "up_proj", "down_proj")):
-            pending.setdefault(".".join(parts[:-3]), {}).setdefault(int(parts[-3]), {})[parts[-2]] = np.asarray(w)
+        key = xl.per_expert_name(name) if layout == "per_expert" else None
+        if key is not None:
+            pending.setdefault(key[0], {})[key[1], key[2]] = np.asarray(w)
             continue
         yield name, w
-    for prefix, experts in pending.items():
-        n = len(experts)
-        missing = [f"{prefix}.{e}.{m}.weight" for e in range(n) for m in ("gate_proj", "up_proj", "down_proj")
-                   if m not in experts.get(e, {})]
-        if missing:
-            raise ValueError(f"checkpoint: expert weights missing, e.g. {missing[0]} ({len(missing)} missing)")
-        yield f"{prefix}.gate_up_proj", np.stack([np.concatenate([experts[e]["gate_proj"], experts[e]["up_proj"]], 0)
-                                                  for e in range(n)])
-        yield f"{prefix}.down_proj", np.stack([experts[e]["down_proj"] for e in range(n)])
+    for prefix, mats in pending.items():
+        yield from xl.fuse(prefix, mats, 1 + max(e for e, _ in mats))
 
 
 def save_experts(weights: Mapping[str, Any], layout: str) -> dict[str, Any]:
@@ -168,19 +154,10 @@ def save_experts(weights: Mapping[str, Any], layout: str) -> dict[str, Any]:
         return dict(weights)
     out: dict[str, Any] = {}
     for name, w in weights.items():
-        fused = name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
-        if not fused:
+        if not xl.is_fused(name):
             out[name] = w
         elif layout == "fused_transposed":
             out[name] = np.ascontiguousarray(np.swapaxes(np.asarray(w), 1, 2))
-        elif name.endswith("gate_up_proj"):
-            prefix, w = name[:-len(".gate_up_proj")], np.asarray(w)
-            inter = w.shape[1] // 2
-            for e in range(w.shape[0]):
-                out[f"{prefix}.{e}.gate_proj.weight"] = np.ascontiguousarray(w[e, :inter])
-                out[f"{prefix}.{e}.up_proj.weight"] = np.ascontiguousarray(w[e, inter:])
         else:
-            prefix, w = name[:-len(".down_proj")], np.asarray(w)
-            for e in range(w.shape[0]):
-                out[f"{prefix}.{e}.down_proj.weight"] = np.ascontiguousarray(w[e])
+            out.update((k, np.ascontiguousarray(v)) for k, v in xl.split(name, np.asarray(w)).items())
     return out

@@ -144,15 +144,15 @@ class ExpertSource:
 def _expert_sources(named: Any, config: HFConfig) -> Any:
     """`named` ((name, (file, dtype, shape, offset)) of the checkpoint's tensors) with a MoE
     model's experts as `ExpertSource`s of transformers' fused leaves (the family's published
-    layout, `moe.layout_of`)."""
-    from dhp_jax.model.hf import moe
+    layout, `expert_layouts.layout_of`)."""
+    from dhp_jax.model.hf import expert_layouts as xl
     from dhp_jax.model.hf.api import init_shapes
 
-    layout, want = moe.layout_of(hf_module(config.family)), init_shapes(config)
-    pending: dict[str, dict[int, dict[str, Any]]] = {}
+    layout, want = xl.layout_of(hf_module(config.family)), init_shapes(config)
+    pending: dict[str, dict[tuple[int, str], Any]] = {}
     for name, info in named:
         shape = tuple(info[2])
-        if layout != "per_expert" and name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        if layout != "per_expert" and xl.is_fused(name):
             swap = layout == "fused_transposed" and tuple(want.get(name, ())) != shape
             file, dtype, _, offset = info
             per = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dtype).itemsize
@@ -160,23 +160,19 @@ def _expert_sources(named: Any, config: HFConfig) -> Any:
             yield name, ExpertSource(name, leaf, tuple(((file, dtype, shape[1:], offset + e * per),)
                                                        for e in range(shape[0])), swap)
             continue
-        parts = name.split(".")
-        if (layout == "per_expert" and len(parts) >= 5 and parts[-1] == "weight" and parts[-4] == "experts"
-                and parts[-3].isdigit() and parts[-2] in ("gate_proj", "up_proj", "down_proj")):
-            pending.setdefault(".".join(parts[:-3]), {}).setdefault(int(parts[-3]), {})[parts[-2]] = info
+        key = xl.per_expert_name(name) if layout == "per_expert" else None
+        if key is not None:
+            pending.setdefault(key[0], {})[key[1], key[2]] = info
             continue
         yield name, info
-    for prefix, experts in pending.items():
-        n = len(experts)
-        missing = [f"{prefix}.{e}.{m}.weight" for e in range(n) for m in ("gate_proj", "up_proj", "down_proj")
-                   if m not in experts.get(e, {})]
-        if missing:
-            raise ValueError(f"checkpoint: expert weights missing, e.g. {missing[0]} ({len(missing)} missing)")
-        inter, d = tuple(experts[0]["gate_proj"][2])
+    for prefix, mats in pending.items():
+        n = 1 + max(e for e, _ in mats)
+        xl.check_complete(prefix, lambda e, m: (e, m) in mats, n, "checkpoint")
+        inter, d = tuple(mats[0, "gate_proj"][2])
         yield f"{prefix}.gate_up_proj", ExpertSource(f"{prefix}.gate_up_proj", (n, 2 * inter, d), tuple(
-            (experts[e]["gate_proj"], experts[e]["up_proj"]) for e in range(n)), False)
+            (mats[e, "gate_proj"], mats[e, "up_proj"]) for e in range(n)), False)
         yield f"{prefix}.down_proj", ExpertSource(f"{prefix}.down_proj", (n, d, inter), tuple(
-            (experts[e]["down_proj"],) for e in range(n)), False)
+            (mats[e, "down_proj"],) for e in range(n)), False)
 
 
 def checkpoint_sources(path: str) -> tuple[HFConfig, dict]:
