@@ -11,6 +11,13 @@ import os
 from dhp_jax.devices import cpu_devices_env
 
 os.environ.update(cpu_devices_env(8))
+# Every program a test compiles without options of its own (the references' `jax.jit`, `hf.logits`)
+# builds as the CPU executors' first tier does (`compile_cache.CPU_FAST_COMPILE`: no LLVM
+# optimisation, the older fusion emitters), which halves their compile time; programs compiled with
+# explicit options (the executors' tiers, the memory measurements) keep those.
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+    if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # CPU executors build each program once (with `CPU_FAST_COMPILE`): the second tier (XLA's default

@@ -301,7 +301,9 @@ def test_second_tier_build_gives_the_first_tiers_numbers(setup):
     from dhp_jax.sharding.executor import CPU_FAST_COMPILE
 
     ex, params, samples, ref = setup
-    assert ex.compiler_options == CPU_FAST_COMPILE and ex.compiles.tuned_options == {}
+    # XLA's defaults written out: the suite's processes run with CPU_FAST_COMPILE's values as XLA_FLAGS
+    assert ex.compiler_options == CPU_FAST_COMPILE and ex.compiles.tuned_options == {
+        "xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
     p = PLANS["1+1+1+5"]       # the degree-1 program of bucket 32 runs on devices 1 and 2
     keys = [(d, b, tuple(jax.devices()[i] for i in ids), a) for d, b, ids, a in ex.plan_keys(samples, p)]
     ex.compiles.tiers, ex.compiles.tier_up_runs, ex.compiles.tier_min_flops = True, 1, 0.0     # this small model's programs too
