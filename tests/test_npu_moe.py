@@ -7,7 +7,10 @@
   experts, top 2, one dense layer among two sparse ones, saved by transformers (fused experts;
   per expert) and loaded by `load_family`: logits, batch loss and gradients vs transformers, the
   load-balancing loss on (Qwen3-VL-MoE with `output_router_logits`; InternVL's transformers model
-  never adds it), and what `save_family` writes loads back in transformers.
+  never adds it).
+- The same weights saved by the JAX engine and by the torch backend: identical files, the experts in
+  the family's published layout (`expert_layouts.to_published`), read back by transformers and both
+  loaders.
 - One world of 4 gloo processes: the block with its experts split over t = 2 and t = 4 processes
   (all-to-all dispatch) equals one process; both families (vision and LLM heads divisible by 4) as
   4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an irregular DHP plan (`PLANS`),
@@ -210,7 +213,7 @@ def test_sparse_block_and_router_loss_match_transformers():
 # ---------------------------------------------------------------------------------------- the families
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "internvl"])
 def test_moe_family_matches_transformers(cases, family, tmp_path):
-    from npu_backend.hf import load_family, save_family
+    from npu_backend.hf import load_family
 
     path, batch, samples, model, (ref_loss, ref_grads), _ = cases[family]
     ours = load_family(path)
@@ -222,23 +225,49 @@ def test_moe_family_matches_transformers(cases, family, tmp_path):
     grad_err, name = ec.relative_errors(grads, ref_grads)
     print(f"torch {family}: logits {worst:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e} ({name})")
     assert worst <= hc.TOL and loss_err <= hc.TOL and grad_err <= hc.TOL, (worst, loss_err, grad_err, name)
-    # what save_family writes, transformers loads (per-expert matrices for Qwen3-MoE, as it saves them)
-    save_family(ours, str(tmp_path))
-    back = type(model).from_pretrained(str(tmp_path))
-    state = back.state_dict()
-    for k, p in model.state_dict().items():
-        assert torch.equal(state[k], p), k
-    if family == "qwen3_vl_moe":  # the releases' transposed experts ([E, d, 2 I], [E, I, d]) load the same
-        from dhp_jax.model.hf.config import write_pretrained
-
-        weights = {k: p.detach().numpy() for k, p in ours.params.items()}
-        weights.update({k: np.ascontiguousarray(w.swapaxes(1, 2)) for k, w in weights.items() if ".mlp.experts." in k})
-        write_pretrained(str(tmp_path / "released"), ours.config.raw, weights, 2**30)
-        released = load_family(str(tmp_path / "released"))
-        assert all(torch.equal(released.params[k], p) for k, p in ours.params.items())
     if family == "internvl":      # transformers' model never adds the router loss, so neither do we
         routed = load_family(_with_router_loss(path, str(tmp_path / "routed")))
         assert abs(_one_process(routed, samples)[0] - ref_loss) <= hc.TOL * ref_loss
+
+
+# the published layout of each family's experts: Qwen3-VL-MoE's releases fused and transposed, InternVL3.5's
+# Qwen3-MoE LLM per expert (`dhp_jax.model.hf.expert_layouts`)
+PUBLISHED = {"qwen3_vl_moe": lambda w: [(k, v.shape) for k, v in w.items() if k.endswith("layers.0.mlp.experts.gate_up_proj")]
+             == [("model.language_model.layers.0.mlp.experts.gate_up_proj", (E, D, 2 * INTER))],
+             "internvl": lambda w: not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in w)
+             and w["model.language_model.layers.1.mlp.experts.7.up_proj.weight"].shape == (INTER, D)}
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "internvl"])
+def test_both_engines_save_the_published_expert_layout(cases, family, tmp_path):
+    """The same weights saved by the JAX engine (`hf.save_pretrained`) and the torch backend
+    (`save_family`): the same names, shapes and values, the experts in the family's published layout;
+    transformers and both engines' loaders read either back to the weights saved."""
+    from dhp_jax.model.hf import expert_layouts as xl, safetensors_io
+    from npu_backend.hf import load_family, save_family
+
+    path, _, _, model, _, _ = cases[family]
+    config, params = hf.load_pretrained(path)
+    hf.save_pretrained(config, params, str(tmp_path / "jax"))
+    ours = load_family(path)
+    save_family(ours, str(tmp_path / "torch"))
+    saved = {e: dict(safetensors_io.read_checkpoint(str(tmp_path / e))) for e in ("jax", "torch")}
+    assert sorted(saved["jax"]) == sorted(saved["torch"])
+    for k, a in saved["jax"].items():
+        b = saved["torch"][k]
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), (k, a.shape, b.shape)
+    assert PUBLISHED[family](saved["torch"]), sorted((k, v.shape) for k, v in saved["torch"].items() if "experts" in k)
+    for engine in ("jax", "torch"):
+        back = type(model).from_pretrained(str(tmp_path / engine)).state_dict()
+        for k, p in model.state_dict().items():
+            assert torch.equal(back[k], p), (engine, k)
+        again = load_family(str(tmp_path / engine))
+        assert all(torch.equal(again.params[k], p) for k, p in ours.params.items()), engine
+    # a fused weight whose transpose has its own shape (2 I = d) stays as transformers holds it: every
+    # loader reads a weight of the module's shape untransposed
+    square = {"m.layers.0.mlp.experts.gate_up_proj": np.arange(2 * 4 * 4.0).reshape(2, 4, 4)}
+    assert np.array_equal(xl.to_published(square, "fused_transposed")["m.layers.0.mlp.experts.gate_up_proj"],
+                          square["m.layers.0.mlp.experts.gate_up_proj"])
 
 
 def test_router_loss_matches_transformers(cases):
