@@ -263,6 +263,9 @@ def test_both_engines_save_the_published_expert_layout(cases, family, tmp_path):
             assert torch.equal(back[k], p), (engine, k)
         again = load_family(str(tmp_path / engine))
         assert all(torch.equal(again.params[k], p) for k, p in ours.params.items()), engine
+        _, tree = hf.load_pretrained(str(tmp_path / engine))
+        state = hf.to_state_dict(config, tree)
+        assert all(np.array_equal(state[k], p.detach().numpy()) for k, p in ours.params.items()), engine
     # a fused weight whose transpose has its own shape (2 I = d) stays as transformers holds it: every
     # loader reads a weight of the module's shape untransposed
     square = {"m.layers.0.mlp.experts.gate_up_proj": np.arange(2 * 4 * 4.0).reshape(2, 4, 4)}
