@@ -15,7 +15,8 @@ window or tile id: bidirectional inside it, dead rows segment 0).
 Mixture-of-experts LLMs (Qwen3-VL-MoE, InternVL with a Qwen3-MoE LLM): the layers `config.text.moe`
 marks sparse run the sparse block of `npu_backend.moe` instead of the dense MLP; the experts are
 held fused as transformers holds them (`gate_up_proj` [E, 2 I, d], `down_proj` [E, d, I]), read
-from per-expert or transposed checkpoints and written as transformers writes them.
+from per-expert or transposed checkpoints and written in the family's published layout
+(`dhp_jax.model.hf.expert_layouts.to_published`, the JAX saver's function).
 
 Layout of this module: the shared blocks (norms, linear, rotary, the LLM decoder block, the Qwen
 vision attention), then the LLM over the stream and the loss. Each family's encoder (its
@@ -330,6 +331,8 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
 
 def save_family(model: TorchFamilyModel, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) of `model`, as
-    `dhp_jax.model.hf.save_pretrained` does: transformers' `from_pretrained` and `load_family` load it."""
+    `dhp_jax.model.hf.save_pretrained` does (the same names, shapes and values; a mixture of experts'
+    experts in its family's published layout): transformers' `from_pretrained` and `load_family`
+    load it."""
     weights = moe.saved_experts({k: p.detach().cpu().numpy() for k, p in model.params.items()}, model.config)
     write_pretrained(out_dir, model.config.raw, weights, max_shard_bytes)

@@ -27,7 +27,7 @@ of one process, whose sum over every process is the batch's loss and whose gradi
 the counts are summed over the world (`batch_totals`, which also gives a step's tokens per expert).
 
 Checkpoints: `fused_experts` reads the experts of any published layout into transformers' fused
-one; `saved_experts` writes them as transformers' `save_pretrained` does.
+one; `saved_experts` writes them in the family's published layout, as the JAX saver does.
 """
 
 from __future__ import annotations
@@ -241,11 +241,9 @@ def fused_experts(named: Any, config: Any, where: str) -> Any:
 
 
 def saved_experts(weights: dict, config: Any) -> dict:
-    """{name: array} with the experts as transformers' `save_pretrained` writes them for the family:
-    per expert where its checkpoints store them so (Qwen3-MoE), else fused."""
-    if expert_layout(config) != "per_expert":
+    """{name: array} with the experts in the published layout of the family's checkpoints
+    (`expert_layouts.to_published`: the function `dhp_jax.model.hf.save_pretrained` writes them with,
+    so both engines save the same files)."""
+    if getattr(config.text, "moe", None) is None:
         return weights
-    out = {}
-    for name, w in weights.items():
-        out.update(xl.split(name, w) if name.endswith((GATE_UP, DOWN)) else {name: w})
-    return out
+    return xl.to_published(weights, expert_layout(config))

@@ -31,6 +31,24 @@ def test_the_builtin_families_are_registered_once_each():
         models.load("no_such_module")
 
 
+def test_model_names_find_their_own_family_among_qwen3_vl_and_its_moe():
+    """No name prefix of Qwen3-VL begins a Qwen3-VL-MoE model's name, and none of Qwen3-VL-MoE a
+    dense one's; the name lookup (`family_for_model`, for a name that is no stored model) takes
+    every one of them as Qwen3-VL's vision rule."""
+    from dhp_jax.data.vision import family_for_model
+
+    names = {"qwen3_vl": ("qwen3-vl-2b-instruct", "Qwen3-VL-4B-Thinking", "qwen3-vl-8b-sft", "qwen3-vl-32b-instruct"),
+             "qwen3_vl_moe": ("qwen3-vl-30b-a3b-instruct", "Qwen3-VL-235B-A22B-Thinking", "qwen3_vl_moe-tiny")}
+    for family, listed in names.items():
+        other = ({"qwen3_vl", "qwen3_vl_moe"} - {family}).pop()
+        for name in listed:
+            m = name.lower()
+            assert any(m.startswith(p) for p in models.spec(family).name_prefixes), (family, name)
+            hit = [p for p in models.spec(other).name_prefixes if m.startswith(p)]
+            assert not hit, f"{other}'s prefixes {hit} match {family}'s model {name!r}"
+            assert family_for_model(name) == models.spec(family).vision_rule == "qwen3-vl"
+
+
 def _family_literals(path: Path) -> list[str]:
     """`path:line` of each comparison, membership test, subscript or dict key in `path` whose
     operand is the string of a registered family's name (docstrings and messages are not branches)."""

@@ -7,11 +7,15 @@
   experts, top 2, one dense layer among two sparse ones, saved by transformers (fused experts;
   per expert) and loaded by `load_family`: logits, batch loss and gradients vs transformers, the
   load-balancing loss on (Qwen3-VL-MoE with `output_router_logits`; InternVL's transformers model
-  never adds it), and what `save_family` writes loads back in transformers.
+  never adds it).
+- The same weights saved by the JAX engine and by the torch backend: identical files, the experts in
+  the family's published layout (`expert_layouts.to_published`), read back by transformers and both
+  loaders.
 - One world of 4 gloo processes: the block with its experts split over t = 2 and t = 4 processes
-  (all-to-all dispatch) equals one process; both families at t = 2 (2 ranks) on an irregular DHP
-  plan (Ulysses over both ranks, a ring over both, then one rank alone, the other idle), with and
-  without sequence parallelism, equal transformers, and route the tokens one process routes.
+  (all-to-all dispatch) equals one process; both families (vision and LLM heads divisible by 4) as
+  4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an irregular DHP plan (`PLANS`),
+  at t = 2 and 4 with and without sequence parallelism, equal transformers (loss and gradients),
+  and route the tokens one process routes (the same count per expert).
 
 fp32, relative error <= 1e-5.
 """
@@ -41,7 +45,7 @@ def _qwen3_vl_moe_config():
 
     c = test_hf_qwen3_vl.make_config(False).to_dict()
     c["text_config"].update(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=INTER, mlp_only_layers=[1])
-    c["vision_config"].update(depth=2, deepstack_visual_indexes=[0])
+    c["vision_config"].update(depth=2, deepstack_visual_indexes=[0], num_heads=4)   # heads split over t = 4
     for part in (c, c["text_config"], c["vision_config"]):
         part.pop("model_type", None)
     return transformers.Qwen3VLMoeConfig(**c)
@@ -51,7 +55,7 @@ def _internvl_moe_config():
     import test_hf_engine_internvl as iv
 
     return transformers.InternVLConfig(
-        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=48,
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
                            image_size=16, patch_size=4, attention_bias=True, initializer_range=0.2),
         text_config=dict(model_type="qwen3_moe", vocab_size=128, hidden_size=D, intermediate_size=96,
                          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -209,7 +213,7 @@ def test_sparse_block_and_router_loss_match_transformers():
 # ---------------------------------------------------------------------------------------- the families
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "internvl"])
 def test_moe_family_matches_transformers(cases, family, tmp_path):
-    from npu_backend.hf import load_family, save_family
+    from npu_backend.hf import load_family
 
     path, batch, samples, model, (ref_loss, ref_grads), _ = cases[family]
     ours = load_family(path)
@@ -221,23 +225,52 @@ def test_moe_family_matches_transformers(cases, family, tmp_path):
     grad_err, name = ec.relative_errors(grads, ref_grads)
     print(f"torch {family}: logits {worst:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e} ({name})")
     assert worst <= hc.TOL and loss_err <= hc.TOL and grad_err <= hc.TOL, (worst, loss_err, grad_err, name)
-    # what save_family writes, transformers loads (per-expert matrices for Qwen3-MoE, as it saves them)
-    save_family(ours, str(tmp_path))
-    back = type(model).from_pretrained(str(tmp_path))
-    state = back.state_dict()
-    for k, p in model.state_dict().items():
-        assert torch.equal(state[k], p), k
-    if family == "qwen3_vl_moe":  # the releases' transposed experts ([E, d, 2 I], [E, I, d]) load the same
-        from dhp_jax.model.hf.config import write_pretrained
-
-        weights = {k: p.detach().numpy() for k, p in ours.params.items()}
-        weights.update({k: np.ascontiguousarray(w.swapaxes(1, 2)) for k, w in weights.items() if ".mlp.experts." in k})
-        write_pretrained(str(tmp_path / "released"), ours.config.raw, weights, 2**30)
-        released = load_family(str(tmp_path / "released"))
-        assert all(torch.equal(released.params[k], p) for k, p in ours.params.items())
     if family == "internvl":      # transformers' model never adds the router loss, so neither do we
         routed = load_family(_with_router_loss(path, str(tmp_path / "routed")))
         assert abs(_one_process(routed, samples)[0] - ref_loss) <= hc.TOL * ref_loss
+
+
+# the published layout of each family's experts: Qwen3-VL-MoE's releases fused and transposed, InternVL3.5's
+# Qwen3-MoE LLM per expert (`dhp_jax.model.hf.expert_layouts`)
+PUBLISHED = {"qwen3_vl_moe": lambda w: [(k, v.shape) for k, v in w.items() if k.endswith("layers.0.mlp.experts.gate_up_proj")]
+             == [("model.language_model.layers.0.mlp.experts.gate_up_proj", (E, D, 2 * INTER))],
+             "internvl": lambda w: not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in w)
+             and w["model.language_model.layers.1.mlp.experts.7.up_proj.weight"].shape == (INTER, D)}
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl_moe", "internvl"])
+def test_both_engines_save_the_published_expert_layout(cases, family, tmp_path):
+    """The same weights saved by the JAX engine (`hf.save_pretrained`) and the torch backend
+    (`save_family`): the same names, shapes and values, the experts in the family's published layout;
+    transformers and both engines' loaders read either back to the weights saved."""
+    from dhp_jax.model.hf import expert_layouts as xl, safetensors_io
+    from npu_backend.hf import load_family, save_family
+
+    path, _, _, model, _, _ = cases[family]
+    config, params = hf.load_pretrained(path)
+    hf.save_pretrained(config, params, str(tmp_path / "jax"))
+    ours = load_family(path)
+    save_family(ours, str(tmp_path / "torch"))
+    saved = {e: dict(safetensors_io.read_checkpoint(str(tmp_path / e))) for e in ("jax", "torch")}
+    assert sorted(saved["jax"]) == sorted(saved["torch"])
+    for k, a in saved["jax"].items():
+        b = saved["torch"][k]
+        assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), (k, a.shape, b.shape)
+    assert PUBLISHED[family](saved["torch"]), sorted((k, v.shape) for k, v in saved["torch"].items() if "experts" in k)
+    for engine in ("jax", "torch"):
+        back = type(model).from_pretrained(str(tmp_path / engine)).state_dict()
+        for k, p in model.state_dict().items():
+            assert torch.equal(back[k], p), (engine, k)
+        again = load_family(str(tmp_path / engine))
+        assert all(torch.equal(again.params[k], p) for k, p in ours.params.items()), engine
+        _, tree = hf.load_pretrained(str(tmp_path / engine))
+        state = hf.to_state_dict(config, tree)
+        assert all(np.array_equal(state[k], p.detach().numpy()) for k, p in ours.params.items()), engine
+    # a fused weight whose transpose has its own shape (2 I = d) stays as transformers holds it: every
+    # loader reads a weight of the module's shape untransposed
+    square = {"m.layers.0.mlp.experts.gate_up_proj": np.arange(2 * 4 * 4.0).reshape(2, 4, 4)}
+    assert np.array_equal(xl.to_published(square, "fused_transposed")["m.layers.0.mlp.experts.gate_up_proj"],
+                          square["m.layers.0.mlp.experts.gate_up_proj"])
 
 
 def test_router_loss_matches_transformers(cases):
@@ -265,11 +298,22 @@ def test_router_loss_matches_transformers(cases):
 
 
 # ---------------------------------------------------------------------------------------- one world
-# 2 ranks of t = 2: Ulysses over both ranks (out of order) for sample 0, a ring over both for
-# sample 2, then rank 0 alone for sample 1 while rank 1 idles (with the load-balancing loss on, the
-# three micro-batches' forwards run first and one backward follows)
-PLAN = Plan(2, (MicroBatch((Group((1, 0), 2, (0,), "ulysses"),)), MicroBatch((Group((0, 1), 2, (2,), "ring"),)),
-                MicroBatch((Group((0,), 1, (1,), "ring"),))))
+# The world of 4 processes as 4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an
+# irregular plan of the batch's 3 samples (with the load-balancing loss on, the micro-batches'
+# forwards run first and one backward follows):
+# - t = 1: Ulysses over ranks 1, 0 (out of order) for sample 0 beside a ring over ranks 2, 3 for
+#   sample 2, then rank 3 alone for sample 1 while the others idle;
+# - t = 2: Ulysses over both ranks (out of order) for sample 0, a ring over both for sample 2, then
+#   rank 0 alone for sample 1 while rank 1 idles;
+# - t = 4: samples 2 and 0 packed in one stream, then sample 1 alone.
+PLANS = {
+    1: Plan(4, (MicroBatch((Group((1, 0), 2, (0,), "ulysses"), Group((2, 3), 2, (2,), "ring"))),
+                MicroBatch((Group((3,), 1, (1,), "ring"),)))),
+    2: Plan(2, (MicroBatch((Group((1, 0), 2, (0,), "ulysses"),)), MicroBatch((Group((0, 1), 2, (2,), "ring"),)),
+                MicroBatch((Group((0,), 1, (1,), "ring"),)))),
+    4: Plan(1, (MicroBatch((Group((0,), 1, (2, 0), "ring"),)), MicroBatch((Group((0,), 1, (1,), "ulysses"),)))),
+}
+RUNS = ((1, False), (2, False), (2, True), (4, False), (4, True))    # (t, sequence parallelism)
 
 
 def _block_world(rank: int, world: int) -> dict:
@@ -301,19 +345,21 @@ def _block_world(rank: int, world: int) -> dict:
 
 
 def _family_world(rank: int, jobs: dict) -> dict:
+    """{(family, t, sequence): loss, whole gradients (processes 0 and 3), expert weights held, tokens
+    per expert} of each of `RUNS` on its plan."""
     from npu_backend.executor import TorchPlanExecutor
     from npu_backend.hf import load_family
 
     out = {}
     for family, (path, samples) in jobs.items():
-        for sequence in (False, True):
+        for t, sequence in RUNS:
             model = load_family(path)
-            ex = TorchPlanExecutor(model, tensor_parallel=2, sequence_parallel=sequence)
-            loss, _, _ = ex.loss_and_grads(PLAN, samples)
+            ex = TorchPlanExecutor(model, tensor_parallel=t, sequence_parallel=sequence)
+            loss, _, _ = ex.loss_and_grads(PLANS[t], samples)
             grads = {n: g.numpy() for n, g in ex.tp.gather(model, grads=True).items()}
             held = sum(p.numel() for n, p in model.params.items() if ".experts." in n)
-            out[family, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None, "experts held": held,
-                                     "expert tokens": ex.expert_tokens}
+            out[family, t, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None,
+                                        "experts held": held, "expert tokens": ex.expert_tokens}
     return out
 
 
@@ -351,19 +397,19 @@ def test_world_experts_split_over_the_rank_match(cases):
     routed_tokens = {f: _expert_tokens(jobs[f][0], jobs[f][1]) for f in refs}
     whole = {f: sum(p.numel() for n, p in cases[f][3].named_parameters() if ".experts." in n) for f in refs}
     for family, (loss_ref, grads_ref) in refs.items():
-        for sequence in (False, True):
+        for t, sequence in RUNS:
             for r, o in enumerate(res):
-                got = o["family"][family, sequence]
-                assert got["experts held"] * 2 == whole[family], (family, got["experts held"], whole[family])
+                got = o["family"][family, t, sequence]
+                assert got["experts held"] * t == whole[family], (family, t, got["experts held"], whole[family])
                 # dropless: each token's k pairs reach experts; the counts one process finds
                 assert sum(got["expert tokens"]) == K * sum(s.num_tokens for s in jobs[family][1])
-                assert got["expert tokens"] == routed_tokens[family], (family, sequence, r)
+                assert got["expert tokens"] == routed_tokens[family], (family, t, sequence, r)
                 loss_err = abs(got["loss"] - loss_ref) / loss_ref
-                assert loss_err <= hc.TOL, (family, sequence, r, got["loss"], loss_ref)
+                assert loss_err <= hc.TOL, (family, t, sequence, r, got["loss"], loss_ref)
                 if got["grads"] is not None:
                     grad_err, worst = ec.relative_errors(got["grads"], grads_ref)
-                    assert grad_err <= hc.TOL, (family, sequence, r, grad_err, worst)
-            print(f"torch {family}, t = 2{' sequence-parallel' if sequence else ''}, irregular plan: "
+                    assert grad_err <= hc.TOL, (family, t, sequence, r, grad_err, worst)
+            print(f"torch {family}, t = {t}{' sequence-parallel' if sequence else ''}, irregular plan: "
                   f"loss {loss_err:.1e}, grads {grad_err:.1e} ({worst})")
 
 

@@ -6,7 +6,8 @@ expert's gate rows, then its up rows) and `mlp.experts.down_proj` [E, d, I]. Pub
 store them in one of `EXPERT_LAYOUTS` (a family's model-side module names its own, `EXPERT_LAYOUT`):
 "fused" as transformers holds them; "fused_transposed" (Qwen3-VL-MoE's releases: [E, d, 2 I] and
 [E, I, d]); "per_expert" (Qwen3-MoE's: one Linear per expert, `mlp.experts.{e}.gate_proj.weight`
-[I, d], `up_proj` [I, d], `down_proj` [d, I]).
+[I, d], `up_proj` [I, d], `down_proj` [d, I]). Both engines' savers write a family's own layout
+through `to_published`, so the JAX and the torch engine save the same files.
 """
 
 from __future__ import annotations
@@ -68,3 +69,24 @@ def split(name: str, w: Any) -> dict[str, Any]:
 
 def is_fused(name: str) -> bool:
     return name.endswith((GATE_UP, DOWN))
+
+
+def to_published(weights: Mapping[str, Any], layout: str) -> dict[str, Any]:
+    """{name: array} of transformers' state dict (the experts fused, `GATE_UP` [E, 2 I, d], `DOWN`
+    [E, d, I]) with every sparse layer's experts in the published `layout` (one of `EXPERT_LAYOUTS`),
+    the other weights as they are; what the savers of both engines write. "fused_transposed" keeps
+    a fused weight whose transpose has its own shape (2 I = d, or I = d) as transformers holds it:
+    every loader (transformers' `Transpose(check_dims=True)`, the engines') reads a weight of the
+    module's shape untransposed, so only that is read back right."""
+    if layout not in EXPERT_LAYOUTS:
+        raise ValueError(f"expert layout {layout!r} is not one of {EXPERT_LAYOUTS}")
+    out: dict[str, Any] = {}
+    for name, w in weights.items():
+        if layout == "fused" or not is_fused(name):
+            out[name] = w
+        elif layout == "fused_transposed":
+            a = np.asarray(w)
+            out[name] = a if a.shape[1] == a.shape[2] else np.ascontiguousarray(np.swapaxes(a, 1, 2))
+        else:
+            out.update((k, np.ascontiguousarray(v)) for k, v in split(name, np.asarray(w)).items())
+    return out

@@ -157,8 +157,12 @@ class Demo(QwenDemo):
     per_frame_runs = True       # each frame its own <|vision_start|> ... <|vision_end|> run
 
 
+# the dense releases' names (Qwen3-VL-2B, -4B, -8B, -32B); none begins a Qwen3-VL-MoE name
+# ("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b": `dhp_jax.models.qwen3_vl_moe.spec`)
+NAME_PREFIXES = ("qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b", "qwen3-vl-32b")
+
 SPEC = register(FamilySpec(
-    name=NAME, model_types=(NAME,), name_prefixes=("qwen3",),
+    name=NAME, model_types=(NAME,), name_prefixes=NAME_PREFIXES,
     config=CONFIG, facts=facts, processor=Processor(),
     processor_names=("qwen3_vl", "qwen3vl"), chat=Chat(), example=EXAMPLE, vision_rule="qwen3-vl",
     published_model="qwen3-vl-8b", memory=MEMORY, tiny_config=tiny_config, demo=Demo(),

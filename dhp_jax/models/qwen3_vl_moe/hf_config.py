@@ -4,8 +4,9 @@ qwen3_vl.hf_config`) with its own `parse` and the experts' published layout.
 Published checkpoints (Qwen3-VL-30B-A3B, -235B-A22B) store each sparse layer's experts fused,
 transposed against transformers' modules: `mlp.experts.gate_up_proj` [E, d, 2 * I] and
 `mlp.experts.down_proj` [E, I, d] (transformers' conversion mapping transposes dims 1 and 2 on
-load and back on save); the parameter tree holds transformers' `state_dict()` shapes
-([E, 2 * I, d], [E, d, I]; `dhp_jax.model.hf.moe`)."""
+load where the stored shape is not its module's); the parameter tree holds transformers'
+`state_dict()` shapes ([E, 2 * I, d], [E, d, I]; `dhp_jax.model.hf.moe`), and both engines save
+the releases' layout (`dhp_jax.model.hf.expert_layouts.to_published`)."""
 
 from __future__ import annotations
 
