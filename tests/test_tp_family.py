@@ -193,7 +193,7 @@ def test_moe_step_matches_one_device(t, sequence):
     np.testing.assert_array_equal(sums[:-1], counts)
     assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
     # the load-balancing loss off (the default): no router program, one program per group's key
-    assert ex.aux_coef == 0 and ex.router_compiles is None
+    assert ex.aux_coef == 0 and ex.router is None
     assert ex.num_compiles == len(set(ex.plan_keys(samples, MOE_PLANS[t])))
     if t > 1:
         from dhp_jax.sharding import tensor_parallel
@@ -224,7 +224,7 @@ def test_moe_aux_loss_step_matches_one_device():
     assert _rel(got, aux) <= 1e-5
     # the term is large enough that leaving it out, or a group's own counts, fails the comparison
     assert AUX_COEF * float(aux) > 100 * 1e-5 * float(ref_loss)
-    assert ex.router_compiles.num_compiles == ex.compiles.num_compiles == len(set(ex.plan_keys(samples, HYBRID)))
+    assert ex.router.compiles.num_compiles == ex.compiles.num_compiles == len(set(ex.plan_keys(samples, HYBRID)))
 
 
 def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel, t=2, aux=None):

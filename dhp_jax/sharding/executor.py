@@ -50,14 +50,11 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample
 from dhp_jax.geometry.layout import GROWTH, LINEAR_CHUNK, MIN_BUCKET, ladder, planned_bucket
-from dhp_jax.model.hf import moe
 from dhp_jax.model.mllm_config import MLLMConfig
 from dhp_jax.planner.contract.kinds import RING, resolve
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
@@ -69,6 +66,7 @@ from dhp_jax.sharding.family_adapter import FamilyModel
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import RankLayout
 from dhp_jax.sharding.prepared import GroupWork, PreparedStep
+from dhp_jax.sharding.router_phase import RouterPhase, aux_coef_of
 from dhp_jax.sharding.sharded_state import ShardedState, require_float32, row_dtype  # noqa: F401
 from dhp_jax.sharding.standin import INT_COLUMNS, StandInModel, group_program, pack_inputs, stacks_of  # noqa: F401
 from dhp_jax.sharding.tiles import DEFAULT_TILE
@@ -170,21 +168,8 @@ class PlanExecutor:
     (devices / t), as at t = 1. `reuse_compiled`, `tiers`, `tier_up_runs`, `compiler_options`: the
     compile cache's (`executor.compiles`, a `CompileCache`; None: on where every device is a CPU, the
     tiers unless `compiler_options` is given). `stall_timeout_s` ("auto": `CPU_STALL_TIMEOUT_S` on
-    CPU devices, else None): how long a micro-batch waits for its groups' gradient rows before the
-    groups not finished are reported by name (`on_stall(text)`, default: a line on stderr); after
-    `stall_abort_s` (None: never) the wait ends with `GroupProgramError(stalled=True)`.
-
-    `router_aux_loss_coef` (a mixture-of-experts family): the router's load-balancing loss,
-    transformers' `load_balancing_loss_func` over the whole global batch, added with that weight
-    (None: as the model's config.json says, off unless it sets `output_router_logits`;
-    `moe.aux_loss_coef`). The loss couples every token of the batch through the batch's expert
-    counts, which carry no gradient, so a step with it on runs in two phases: a forward-only
-    program per group (`router_compiles`, built once per key as the step's programs are) gives
-    the routed pairs per expert and the live rows, summed over the batch (one small reduction over
-    the mesh, read on the host); then the step's programs take the expert weights made of them
-    (`moe.aux_weights`) as one more replicated input, each token adding its share of the loss.
-    Loss and gradients are the one-device step's with the loss over the global batch; off, the
-    programs are those of a dense-loss step (no extra program, no extra input).
+    CPU devices, else None), `stall_abort_s`, `on_stall`: a micro-batch's wait for its rows (`await_rows`).
+    `router_aux_loss_coef`: a mixture of experts' load-balancing loss (`router_phase`; `router`: None when off).
     """
 
     def __init__(self, config: Any, devices: Sequence[jax.Device] | None = None, *,
@@ -195,12 +180,7 @@ class PlanExecutor:
                  reuse_compiled: bool | None = None, tiers: bool | None = None, tier_up_runs: int = TIER_UP_RUNS,
                  stall_timeout_s: float | None | str = "auto", router_aux_loss_coef: float | None = None) -> None:
         self.model = model_adapter(config)
-        if isinstance(self.model, FamilyModel):
-            self.model.aux_coef = moe.aux_loss_coef(config, router_aux_loss_coef)
-        elif router_aux_loss_coef:
-            raise ValueError(f"router_aux_loss_coef {router_aux_loss_coef!r}: the stand-in model "
-                             f"{getattr(config, 'name', '')!r} has no mixture-of-experts layer")
-        self.aux_coef = float(getattr(self.model, "aux_coef", 0.0))
+        self.aux_coef = aux_coef_of(self.model, router_aux_loss_coef)
         self.tensor_parallel = positive_int(tensor_parallel, "tensor_parallel")
         if sequence_parallel and tensor_parallel == 1:
             raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over its devices)")
@@ -229,13 +209,6 @@ class PlanExecutor:
                                      CPU_FAST_COMPILE if cpu and compiler_options is None else compiler_options or {},
                                      cpu if reuse_compiled is None else bool(reuse_compiled), tiers,
                                      positive_int(tier_up_runs, "tier_up_runs"))
-        # the load-balancing loss's first phase: the forward-only router programs (one tier: they are cheap)
-        self.router_compiles = (CompileCache(self.lower_router, lambda devices, kind: self._mesh(devices, kind)[0],
-                                             self._check_key, self.compiles.compiler_options,
-                                             self.compiles.reuse_compiled, False, self.compiles.tier_up_runs)
-                                if self.aux_coef else None)
-        self._router_zeros: dict[jax.Device, jax.Array] = {}
-        self._sum_rows: Any = None
         # a step waiting this long for its groups' rows is reported (`on_stall`: a line on stderr by
         # default), and ended with `GroupProgramError(stalled=True)` after `stall_abort_s` (None: never)
         self.stall_timeout_s = (CPU_STALL_TIMEOUT_S if cpu else None) if stall_timeout_s == "auto" else stall_timeout_s
@@ -247,6 +220,7 @@ class PlanExecutor:
         self.mesh, self.replicated, self.sharded = self.state.mesh, self.state.replicated, self.state.sharded
         self.compute_dtype = self.state.compute_dtype
         self.preparations = 0                             # plans prepared (`prepare`): one per step
+        self.router = RouterPhase(self, await_rows) if self.aux_coef else None
 
     def _new_layout(self, params: Any) -> FlatLayout | tensor_split.TensorLayout:
         """The flat layout of a params tree (or of its abstract shapes) on these devices: with
@@ -257,10 +231,8 @@ class PlanExecutor:
 
     # ------------------------------------------------------------------ the parts' figures
     layout = property(lambda self: self.state.layout, doc="The train state's flat params layout.")
-    num_compiles = property(lambda self: self.compiles.num_compiles + (self.router_compiles.num_compiles
-                                                                       if self.router_compiles else 0),
-                            doc="XLA executables built for groups so far (one per (degree, bucket, devices, attention); "
-                                "with the load-balancing loss on, the router programs too).")
+    num_compiles = property(lambda self: self.compiles.num_compiles + (self.router.num_compiles if self.router else 0),
+                            doc="XLA executables built for groups (one per (degree, bucket, devices, attention)), routers too.")
     num_programs = property(lambda self: self.compiles.num_programs,
                             doc="Distinct (degree, bucket, attention) group programs so far.")
     executable_keys = property(lambda self: self.compiles.executable_keys,
@@ -339,17 +311,7 @@ class PlanExecutor:
         else the layout a run there has (a checkpoint written there converts through it,
         `dhp_jax.train.checkpoint`)."""
         self.bind(None)
-        t, n = int(record.get("tensor_parallel", 1)), int(record["num_shards"])
-        if (t, n) == (self.tensor_parallel, self.layout.num_shards):
-            return self.layout
-        if t < 1 or n % t:
-            raise ValueError(f"a layout record of tensor_parallel={t} on {n} devices (not a multiple of t)")
-        abstract = jax.tree.unflatten(self.layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in
-                                                            zip(self.layout.shapes, self.layout.dtypes)])
-        if t == 1:
-            return FlatLayout.of(abstract, n)
-        self.model.check_tensor_parallel(t)
-        return tensor_split.TensorLayout(self.config, abstract, t, n // t)
+        return tensor_split.layout_for_record(self.model, self.layout, self.tensor_parallel, record)
 
     # ------------------------------------------------------------------ programs
     def _check_key(self, degree: int, bucket: int, devices: tuple[jax.Device, ...]) -> None:
@@ -367,34 +329,25 @@ class PlanExecutor:
             self.bind(params)
         return self.compiles.executable((degree, bucket, devices, attention))
 
-    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING,
-              router: bool = False):
-        """The lowered (not compiled) group program: abstract arguments, nothing allocated.
-        `router`: the load-balancing loss's forward-only router program (`lower_router`)."""
+    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING, router=False):
+        """The lowered (not compiled) group program (`router`: `router_phase`'s): abstract arguments, nothing allocated."""
         self.bind(None)
         mesh, spec = self._mesh(devices, attention)
         shape = resolve(attention, degree)
-        make = self.model.router_program if router else self.model.program
-        body = make(self._program_config, degree, self.layout, attention_fn(shape, self.attention_tile, self._attention),
-                    self.tensor_parallel, self.sequence_parallel)
+        body = (self.model.router_program if router else self.model.program)(
+            self._program_config, degree, self.layout, attention_fn(shape, self.attention_tile, self._attention),
+            self.tensor_parallel, self.sequence_parallel)
         st = self.state
         row = st.row_spec(spec)
         inputs = self.model.input_shapes(bucket)
         rep, cp = NamedSharding(mesh, st.params_spec), NamedSharding(mesh, spec)
         args = [jax.ShapeDtypeStruct(st.params_shape, self.compute_dtype, sharding=rep),
                 *(jax.ShapeDtypeStruct(s, d, sharding=cp) for s, d in inputs)]
-        specs = [st.params_spec] + [spec] * len(inputs)
-        if self.aux_coef and not router:      # the batch's expert weights and scale, replicated
-            specs.append(PartitionSpec())
-            args.append(jax.ShapeDtypeStruct((self.model.router_width,), jnp.float32,
-                                             sharding=NamedSharding(mesh, PartitionSpec())))
-        fn = jax.shard_map(body, mesh=mesh, in_specs=tuple(specs), out_specs=row if router else (row, row),
-                           check_vma=False)
+        specs = (st.params_spec,) + (spec,) * len(inputs)
+        if self.router and not router:      # the load-balancing loss's weights (`router_phase`)
+            specs, args = specs + (PartitionSpec(),), args + [self.router.input_shape(mesh)]
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=row if router else (row, row), check_vma=False)
         return jax.jit(fn).lower(*args)
-
-    def lower_router(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
-        """The lowered router program of a group (the load-balancing loss's first phase)."""
-        return self.lower(degree, bucket, devices, attention, router=True)
 
     def compile_step(self, prepared: PreparedStep, params: Any = None) -> int:
         """Build (without running) every executable a prepared step needs on this process's devices;
@@ -403,8 +356,8 @@ class PlanExecutor:
         tree = None if isinstance(params, jax.Array) and params.ndim == 1 else params
         for w in prepared.local:
             self.executable(tree, *w.key)
-            if self.router_compiles is not None:
-                self.router_compiles.executable(w.key)
+            if self.router is not None:
+                self.router.compiles.executable(w.key)
         return self.num_compiles - before
 
     def compile_plan(self, samples: Sequence[Sample], plan: Plan, params: Any) -> int:
@@ -450,55 +403,20 @@ class PlanExecutor:
                     [by_dev[d] for d in devs if d in by_dev])
                 for devs, kind in groups}
 
-    def dispatch(self, flat: jax.Array, work: Sequence[GroupWork], weights: np.ndarray | None = None,
-                 router: bool = False) -> dict[jax.Device, tuple]:
+    def dispatch(self, flat: jax.Array, work: Sequence[GroupWork], weights: Any = None) -> dict[jax.Device, tuple]:
         """Launch the given groups of one micro-batch (asynchronously, this process's only); each
-        device's (stats, grads) rows. `weights`: the load-balancing loss's input (`aux_weights`);
-        `router`: the router programs instead, each device's (stats, stats) rows."""
+        device's (stats, grads) rows. `weights`: the load-balancing loss's input (`router_phase`)."""
         rows: dict[jax.Device, tuple] = {}
         views = self._views(flat, {(w.devices, w.attention) for w in work})
         for w in work:
-            mesh, spec = self._mesh(w.devices, w.attention)
-            cp = NamedSharding(mesh, spec)
-            args = [views[(w.devices, w.attention)], *(jax.device_put(a, cp) for a in self.model.inputs(w.layout))]
-            if router:
-                stats = self.router_compiles.executable(w.key)(*args)
-                rows.update((s.device, (s.data, s.data)) for s in stats.addressable_shards)
-                continue
-            if weights is not None:
-                args.append(jax.device_put(weights, NamedSharding(mesh, PartitionSpec())))
-            stats, grads = self.compiles.launching(w.key)(*args)
+            exe = self.compiles.launching(w.key)
+            cp = NamedSharding(*self._mesh(w.devices, w.attention))
+            extra = () if weights is None else (jax.device_put(weights, NamedSharding(cp.mesh, PartitionSpec())),)
+            stats, grads = exe(views[(w.devices, w.attention)],
+                               *(jax.device_put(a, cp) for a in self.model.inputs(w.layout)), *extra)
             gby = {s.device: s.data for s in grads.addressable_shards}
             rows.update((s.device, (s.data, gby[s.device])) for s in stats.addressable_shards)
         return rows
-
-    def aux_weights(self, flat: jax.Array, prepared: PreparedStep) -> np.ndarray:
-        """The load-balancing loss's first phase: every group's router program on the gathered
-        params `flat`, their rows summed over the mesh (the batch's pairs routed to each expert
-        C_e and live rows R, over every sparse layer), read on the host. Returns f32[E + 1]: the
-        weights E C_e / R^2 (`moe.aux_weights`) and the scale coef x the batch's counted labels,
-        the step programs' last input."""
-        width, n, me = self.model.router_width, len(self.ranks.devices), jax.process_index()
-        if self._sum_rows is None:
-            self._sum_rows = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.replicated)
-        total = None
-        for group in prepared.micro_batches():
-            rows = self.dispatch(flat, group, router=True)
-            await_rows(rows, group, self.stall_timeout_s, self.stall_abort_s, self.on_stall)
-            mine = [rows[d][0] if d in rows else self._router_zero(d, width)
-                    for d in self.ranks.devices if d.process_index == me]
-            part = self._sum_rows(jax.make_array_from_single_device_arrays((n, width), self.sharded, mine))
-            total = part if total is None else total + part
-        sums = np.asarray(total.addressable_data(0), np.float64)
-        labels = sum(w.layout.num_loss_tokens for w in prepared.work)
-        return np.append(moe.aux_weights(sums[:-1], sums[-1]), np.float32(self.aux_coef * labels)).astype(np.float32)
-
-    def _router_zero(self, device: jax.Device, width: int) -> jax.Array:
-        """A router stats row of zeros for a device idle in a micro-batch (cached)."""
-        z = self._router_zeros.get(device)
-        if z is None:
-            z = self._router_zeros[device] = jax.device_put(np.zeros((1, width), np.float32), device)
-        return z
 
     def run_step(self, master: jax.Array, prepared: PreparedStep) -> tuple[jax.Array, jax.Array]:
         """The training step's path: master params fp32[P_pad] sharded over the mesh in, batch
@@ -508,8 +426,7 @@ class PlanExecutor:
         self.compile_step(prepared)         # compile (or wait for a background compile of) what is missing
         self.compiles.count_step(prepared.keys)
         flat, acc = self.gather(master), None
-        # the load-balancing loss (on): the batch's router counts first (`aux_weights`)
-        weights = self.aux_weights(flat, prepared) if self.aux_coef else None
+        weights = None if self.router is None else self.router.weights(flat, prepared, self.aux_coef)
         for group in prepared.micro_batches():
             rows = self.dispatch(flat, group, weights)
             # no reduction launched on rows that are not there
