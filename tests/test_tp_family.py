@@ -26,8 +26,10 @@ rank):
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only,
   in the psum form (the default at t > 1: whole rows on every device between the split matrices,
   the sum after the row-split ones).
-Then the psum form in bf16 at t = 2 (InternVL) against the same fp32 reference within bf16 rounding; and the refusals: a head count
-no layout allows, naming the model, the field and t."""
+Then the mixture of experts (Qwen3-VL-MoE) at t = 1, 2, 4, and at t = 2 with the router's load-balancing loss
+over the whole batch (`router_aux_loss_coef`); the psum form in bf16 at t = 2 (InternVL) against the same fp32
+reference within bf16 rounding; and the refusals: a head count no layout allows, naming the model, the field
+and t, and a load-balancing loss for a model without a router."""
 
 import dataclasses
 import functools
