@@ -428,7 +428,7 @@ class PlanExecutor:
         flat, acc = self.gather(master), None
         weights = None if self.router is None else self.router.weights(flat, prepared, self.aux_coef)
         for group in prepared.micro_batches():
-            rows = self.dispatch(flat, group, weights)
+            rows = self.dispatch(flat, group) if weights is None else self.dispatch(flat, group, weights)
             # no reduction launched on rows that are not there
             await_rows(rows, group, self.stall_timeout_s, self.stall_abort_s, self.on_stall)
             acc = self.state.accumulate(acc, rows)

@@ -92,7 +92,7 @@ class RouterPhase:
             mine = [rows[d][0] if d in rows else self._zero(d) for d in ex.ranks.devices if d.process_index == me]
             part = self._sum(jax.make_array_from_single_device_arrays((n, self.width), ex.sharded, mine))
             total = part if total is None else total + part
-        sums = np.asarray(total.addressable_data(0), np.float64)
+        sums = np.asarray(jax.device_get(total.addressable_data(0)), np.float64)
         labels = sum(w.layout.num_loss_tokens for w in prepared.work)
         return np.append(moe.aux_weights(sums[:-1], sums[-1]), np.float32(coef * labels)).astype(np.float32)
 
