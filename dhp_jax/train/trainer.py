@@ -194,6 +194,12 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
             model_config = MLLMConfig.preset(config.model.preset, remat=config.remat)
         except ValueError as e:
             raise TrainError(f"model.preset: {e}; or a family model of the demo: {sorted(demo)}") from None
+    coef = config.model.router_aux_loss_coef
+    moe_spec = getattr(getattr(hf_config, "text", None), "moe", None)
+    if coef and (moe_spec is None or not any(moe_spec.sparse)):   # the load-balancing loss needs a router
+        raise TrainError(f"model.router_aux_loss_coef={coef}: the model "
+                         f"{config.model.pretrained or config.model.preset!r} has no mixture-of-experts layer "
+                         f"(no router to balance)")
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks * t:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks * t} devices"
