@@ -251,20 +251,26 @@ def test_router_stats_report_and_refuse_dropped_pairs():
 
 
 def test_tiny_moe_trains_with_experts_split_and_nothing_dropped(tmp_path):
-    """`dhp train model=tiny-qwen3_vl_moe parallel.tensor=2`: 4 ranks of 2 devices, each device 4 of
-    the 8 experts; every step's metrics.jsonl record has the router's tokens per expert and no
-    dropped (token, expert) pair."""
+    """`dhp train model=tiny-qwen3_vl_moe parallel.tensor=2 model.router_aux_loss_coef=0.01`: 4 ranks
+    of 2 devices, each device 4 of the 8 experts; every step's metrics.jsonl record has the router's
+    tokens per expert, no dropped (token, expert) pair and the load-balancing loss's value; an
+    executor made with another weight is refused."""
     from dhp_jax.train.metrics import read_jsonl
     from dhp_jax.train.train_config import load_config
-    from dhp_jax.train.trainer import Trainer
+    from dhp_jax.train.trainer import Trainer, TrainError
 
-    config = load_config(None, ["model=tiny-qwen3_vl_moe", "num_ranks=4", "parallel.tensor=2", "steps=2",
-                                "data.batch_size=4", "data.max_tokens=48", "planner.strategy=static-ring:4",
-                                "compare.enabled=false", "metrics.progress=false", "compilation_cache=null",
-                                f"metrics.out_dir={tmp_path}"])
-    Trainer(config).run()
+    args = ["model=tiny-qwen3_vl_moe", "num_ranks=4", "parallel.tensor=2", "steps=2", "data.batch_size=4",
+            "data.max_tokens=48", "planner.strategy=static-ring:4", "compare.enabled=false", "metrics.progress=false",
+            "compilation_cache=null"]
+    trainer = Trainer(load_config(None, [*args, "model.router_aux_loss_coef=0.01", f"metrics.out_dir={tmp_path}"]))
+    trainer.run()
+    with pytest.raises(TrainError, match=r"executor adds the load-balancing loss with weight 0.01, the config "
+                                         r"model.router_aux_loss_coef=0.02"):
+        Trainer(load_config(None, [*args, "model.router_aux_loss_coef=0.02", f"metrics.out_dir={tmp_path / 'b'}"]),
+                executor=trainer.executor)
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "step" in r]
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
         assert r["moe_pairs_dropped"] == 0
         assert r["moe_tokens_per_expert_max"] >= r["moe_tokens_per_expert_mean"] > 0
+        assert r["moe_aux_loss"] > 0          # E sum_e f_e P_e (2 = k for a router of uniform probabilities)

@@ -26,8 +26,10 @@ rank):
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only,
   in the psum form (the default at t > 1: whole rows on every device between the split matrices,
   the sum after the row-split ones).
-Then the psum form in bf16 at t = 2 (InternVL) against the same fp32 reference within bf16 rounding; and the refusals: a head count
-no layout allows, naming the model, the field and t."""
+Then the mixture of experts (Qwen3-VL-MoE) at t = 1, 2, 4, and at t = 2 with the router's load-balancing loss
+over the whole batch (`router_aux_loss_coef`); the psum form in bf16 at t = 2 (InternVL) against the same fp32
+reference within bf16 rounding; and the refusals: a head count no layout allows, naming the model, the field
+and t, and a load-balancing loss for a model without a router."""
 
 import dataclasses
 import functools
@@ -86,10 +88,14 @@ def _samples(cfg, seed: int = 5):
 
 
 def _reference(cfg, params, samples):
-    """((loss, grads), routed) on one device: each sample's logits (`hf.logits`), the shifted
+    """((loss, grads), routed, with_aux) on one device: each sample's logits (`hf.logits`), the shifted
     labels' cross entropy summed over the batch / the number of counted labels; `routed`: an MoE
     model's (pairs routed to each expert, live rows) summed over the samples and the sparse layers,
-    as one device routes each sample (None for a dense model), from the same compiled program."""
+    as one device routes each sample (None for a dense model), from the same compiled program;
+    `with_aux(coef)`: ((loss, (counts, rows, aux)), grads) of the same program with coef x the
+    load-balancing loss of the whole batch added (transformers' `load_balancing_loss_func` of
+    the counts, probability sums and live rows summed over every sample and sparse layer, the
+    counts without gradient: `moe.aux_loss`), `aux` its unweighted value."""
     from dhp_jax.model.hf import moe
 
     batch = []
@@ -98,28 +104,33 @@ def _reference(cfg, params, samples):
         labels = np.concatenate([g.meta["labels"] for g in s.segments])
         batch.append((inputs, labels[1:]))
 
-    def loss(p):
-        total, count, counts, rows = 0.0, 0, 0, 0
+    def loss(p, coef):
+        total, count, counts, probs, rows = 0.0, 0, 0, 0, 0
         for inputs, target in batch:
             with moe.collect() as got:
                 logp = jax.nn.log_softmax(hf.logits(cfg, p, inputs)[:-1], axis=-1)
             for stats, live in got:
                 counts, rows = counts + jax.lax.stop_gradient(stats[0]), rows + jax.lax.stop_gradient(live)
+                probs = probs + stats[1]
             keep = target != -100
             picked = jnp.take_along_axis(logp, jnp.asarray(np.where(keep, target, 0))[:, None], axis=1)[:, 0]
             total = total - jnp.sum(jnp.where(jnp.asarray(keep), picked, 0.0))
             count += int(keep.sum())
-        return total / count, (counts, rows)
+        aux = (jnp.float32(0.0) if cfg.text.moe is None else
+               moe.aux_loss(jnp.stack([counts, probs]), rows, cfg.text.moe.num_experts))
+        return total / count + coef * aux, (counts, rows, aux)
 
-    # compiled as the executor compiles on CPU (no LLVM optimisation: most of the compile time here)
+    # compiled as the executor compiles on CPU (no LLVM optimisation: most of the compile time
+    # here); the weight of the load-balancing loss an input, so one compile serves it off and on
     params = jax.device_put(params, jax.devices()[0])
-    fn = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile(compiler_options=CPU_FAST_COMPILE)
-    (value, (counts, rows)), grads = fn(params)
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params, jnp.float32(0)).compile(
+        compiler_options=CPU_FAST_COMPILE)
+    (value, (counts, rows, _)), grads = fn(params, jnp.float32(0))
     routed = None if cfg.text.moe is None else (np.asarray(counts), float(rows))
-    return (value, grads), routed
+    return (value, grads), routed, lambda coef: fn(params, jnp.float32(coef))
 
 
-_ROUTED: dict = {}     # family -> the reference's router counts (`_reference`)
+_ROUTED: dict = {}     # family -> the reference's router counts and its run with the aux loss (`_reference`)
 
 
 @functools.cache
@@ -131,8 +142,8 @@ def _case(family: str, vocab: int, tied: bool, kv: int | None):
     cfg = _model(family, vocab, tied, kv)
     params = random_params(cfg, seed=1)
     samples = _samples(cfg)
-    ref, routed = _reference(cfg, params, samples)
-    _ROUTED[family] = routed
+    ref, routed, with_aux = _reference(cfg, params, samples)
+    _ROUTED[family] = routed, with_aux
     return cfg, params, samples, ref
 
 
@@ -179,10 +190,13 @@ def test_moe_step_matches_one_device(t, sequence):
     assert cfg.text.moe.sparse == (False, True, True) and cfg.text.moe.num_experts == 8
     ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
     # the router's counts of the step (metrics.jsonl): per expert, as one device routes each sample
-    counts, rows = _ROUTED["qwen3_vl_moe"]
+    (counts, rows), _ = _ROUTED["qwen3_vl_moe"]
     sums = np.asarray(ex.state.step_sums())
     np.testing.assert_array_equal(sums[:-1], counts)
     assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
+    # the load-balancing loss off (the default): no router program, one program per group's key
+    assert ex.aux_coef == 0 and ex.router is None
+    assert ex.num_compiles == len(set(ex.plan_keys(samples, MOE_PLANS[t])))
     if t > 1:
         from dhp_jax.sharding import tensor_parallel
         kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
@@ -190,9 +204,35 @@ def test_moe_step_matches_one_device(t, sequence):
         assert kinds["model/language_model/layers/1/mlp/gate/kernel"] == tensor_parallel.REPLICATED
 
 
-def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel, t=2):
+AUX_COEF = 0.05     # the load-balancing loss's weight in the test below
+
+
+def test_moe_aux_loss_step_matches_one_device():
+    """The router's load-balancing loss on (`router_aux_loss_coef`), t = 2 sequence-parallel on the
+    irregular `HYBRID` plan (two micro-batches, groups of 3, 1 and 4 ranks): loss and gradients
+    equal one device's with coef x transformers' `load_balancing_loss_func` over the whole batch
+    (the expert counts of every sample and sparse layer, no gradient through them), and the step
+    reports the loss's value (metrics.jsonl's `moe_aux_loss`). The step's first phase runs one
+    forward-only router program per group key."""
+    from dhp_jax.sharding.family_adapter import router_stats
+
+    cfg, params, samples, _ = _case("qwen3_vl_moe", 256, False, None)
+    _, with_aux = _ROUTED["qwen3_vl_moe"]
+    (ref_loss, (_, _, aux)), ref_grads = with_aux(AUX_COEF)
+    ex = _check_step(cfg, params, samples, HYBRID, ref_loss, ref_grads, True, 2, aux=AUX_COEF)
+    sums = np.asarray(ex.state.step_sums())
+    got = router_stats(sums, cfg)["moe_aux_loss"]
+    print(f"moe_aux_loss {got:.7f} vs {float(aux):.7f}")
+    assert _rel(got, aux) <= 1e-5
+    # the term is large enough that leaving it out, or a group's own counts, fails the comparison
+    assert AUX_COEF * float(aux) > 100 * 1e-5 * float(ref_loss)
+    assert ex.router.compiles.num_compiles == ex.compiles.num_compiles == len(set(ex.plan_keys(samples, HYBRID)))
+
+
+def _check_step(cfg, params, samples, plan, ref_loss, ref_grads, sequence_parallel, t=2, aux=None):
     family = cfg.family
-    ex = PlanExecutor(cfg, tensor_parallel=t, linear_chunk=8, sequence_parallel=sequence_parallel)
+    ex = PlanExecutor(cfg, tensor_parallel=t, linear_chunk=8, sequence_parallel=sequence_parallel,
+                      router_aux_loss_coef=aux)
     loss, grads = ex.loss_and_grads(params, samples, plan)
     errs = {"loss": _rel(loss, ref_loss)}
     ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
@@ -222,6 +262,11 @@ def test_family_refusals_name_the_model_and_t():
         PlanExecutor(cfg, tensor_parallel=2)
     with pytest.raises(ValueError, match=r"tensor_parallel 8 cannot split text_config.num_attention_heads = 4"):
         PlanExecutor(_model("internvl", 256), tensor_parallel=8)
+    # the load-balancing loss: a weight >= 0, for a model with a router
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef 0.01: model 'qwen3_vl' has no mixture-of-experts layer"):
+        PlanExecutor(cfg, router_aux_loss_coef=0.01)
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef must be a number >= 0 .*got -0.5"):
+        PlanExecutor(_model("qwen3_vl_moe", 256), router_aux_loss_coef=-0.5)
     # the encoders are split too: their 2 heads cannot go 4 ways
     for family in ("qwen2_5_vl", "internvl"):
         with pytest.raises(ValueError, match=rf"model '{family}' \({family} family\): tensor_parallel 4 cannot "

@@ -238,6 +238,9 @@ def test_bad_input_fails_before_any_step(tmp_path, executor):
     cfg = _config(tmp_path, "bad", "steps=2")
     with pytest.raises(TrainError, match="num_ranks=8 needs 8 devices but only 4"):
         Trainer(cfg, executor=executor, devices=jax.devices()[:4])
+    with pytest.raises(TrainError, match=r"model.router_aux_loss_coef=0.01: the model 'tiny' has no "
+                                         r"mixture-of-experts layer"):
+        Trainer(_config(tmp_path, "bad", "model.router_aux_loss_coef=0.01"))
     with pytest.raises(TrainError, match="strategy='bogus': unknown strategy"):
         Trainer(_config(tmp_path, "bad", "planner.strategy=bogus"), executor=executor)
     with pytest.raises(PlanFileError, match="cannot read plan file"):

@@ -40,6 +40,8 @@ def test_bad_values_are_named(tmp_path):
         load_config(overrides=["steps"])
     with pytest.raises(ConfigError, match="attention_tile must be >= 1"):
         load_config(overrides=["attention_tile=0"])
+    with pytest.raises(ConfigError, match=r"model.router_aux_loss_coef must be a number >= 0 .*got -0.01"):
+        load_config(overrides=["model=tiny-qwen3_vl_moe", "model.router_aux_loss_coef=-0.01"])
     with pytest.raises(ConfigError, match="compare.batches must be >= 1 when the comparison runs"):
         load_config(overrides=["compare.batches=0"])
     assert load_config(overrides=["compare.batches=0", "compare.enabled=false"]).compare.batches == 0

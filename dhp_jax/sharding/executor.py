@@ -50,7 +50,7 @@ import threading
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from dhp_jax.checks import positive_int
 from dhp_jax.data.sample import Sample
@@ -66,6 +66,7 @@ from dhp_jax.sharding.family_adapter import FamilyModel
 from dhp_jax.sharding.flat import FlatLayout
 from dhp_jax.sharding.mesh import RankLayout
 from dhp_jax.sharding.prepared import GroupWork, PreparedStep
+from dhp_jax.sharding.router_phase import RouterPhase, aux_coef_of
 from dhp_jax.sharding.sharded_state import ShardedState, require_float32, row_dtype  # noqa: F401
 from dhp_jax.sharding.standin import INT_COLUMNS, StandInModel, group_program, pack_inputs, stacks_of  # noqa: F401
 from dhp_jax.sharding.tiles import DEFAULT_TILE
@@ -167,9 +168,8 @@ class PlanExecutor:
     (devices / t), as at t = 1. `reuse_compiled`, `tiers`, `tier_up_runs`, `compiler_options`: the
     compile cache's (`executor.compiles`, a `CompileCache`; None: on where every device is a CPU, the
     tiers unless `compiler_options` is given). `stall_timeout_s` ("auto": `CPU_STALL_TIMEOUT_S` on
-    CPU devices, else None): how long a micro-batch waits for its groups' gradient rows before the
-    groups not finished are reported by name (`on_stall(text)`, default: a line on stderr); after
-    `stall_abort_s` (None: never) the wait ends with `GroupProgramError(stalled=True)`.
+    CPU devices, else None), `stall_abort_s`, `on_stall`: a micro-batch's wait for its rows (`await_rows`).
+    `router_aux_loss_coef`: a mixture of experts' load-balancing loss (`router_phase`; `router`: None when off).
     """
 
     def __init__(self, config: Any, devices: Sequence[jax.Device] | None = None, *,
@@ -178,8 +178,9 @@ class PlanExecutor:
                  attention: Callable[[str, int], Callable[..., jax.Array]] | None = None,
                  linear_chunk: int = LINEAR_CHUNK, tensor_parallel: int = 1, sequence_parallel: bool = False,
                  reuse_compiled: bool | None = None, tiers: bool | None = None, tier_up_runs: int = TIER_UP_RUNS,
-                 stall_timeout_s: float | None | str = "auto") -> None:
+                 stall_timeout_s: float | None | str = "auto", router_aux_loss_coef: float | None = None) -> None:
         self.model = model_adapter(config)
+        self.aux_coef = aux_coef_of(self.model, router_aux_loss_coef)
         self.tensor_parallel = positive_int(tensor_parallel, "tensor_parallel")
         if sequence_parallel and tensor_parallel == 1:
             raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over its devices)")
@@ -219,6 +220,7 @@ class PlanExecutor:
         self.mesh, self.replicated, self.sharded = self.state.mesh, self.state.replicated, self.state.sharded
         self.compute_dtype = self.state.compute_dtype
         self.preparations = 0                             # plans prepared (`prepare`): one per step
+        self.router = RouterPhase(self, await_rows) if self.aux_coef else None
 
     def _new_layout(self, params: Any) -> FlatLayout | tensor_split.TensorLayout:
         """The flat layout of a params tree (or of its abstract shapes) on these devices: with
@@ -229,8 +231,8 @@ class PlanExecutor:
 
     # ------------------------------------------------------------------ the parts' figures
     layout = property(lambda self: self.state.layout, doc="The train state's flat params layout.")
-    num_compiles = property(lambda self: self.compiles.num_compiles,
-                            doc="XLA executables built for groups so far (one per (degree, bucket, devices, attention)).")
+    num_compiles = property(lambda self: self.compiles.num_compiles + (self.router.num_compiles if self.router else 0),
+                            doc="XLA executables built for groups (one per (degree, bucket, devices, attention)), routers too.")
     num_programs = property(lambda self: self.compiles.num_programs,
                             doc="Distinct (degree, bucket, attention) group programs so far.")
     executable_keys = property(lambda self: self.compiles.executable_keys,
@@ -309,17 +311,7 @@ class PlanExecutor:
         else the layout a run there has (a checkpoint written there converts through it,
         `dhp_jax.train.checkpoint`)."""
         self.bind(None)
-        t, n = int(record.get("tensor_parallel", 1)), int(record["num_shards"])
-        if (t, n) == (self.tensor_parallel, self.layout.num_shards):
-            return self.layout
-        if t < 1 or n % t:
-            raise ValueError(f"a layout record of tensor_parallel={t} on {n} devices (not a multiple of t)")
-        abstract = jax.tree.unflatten(self.layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in
-                                                            zip(self.layout.shapes, self.layout.dtypes)])
-        if t == 1:
-            return FlatLayout.of(abstract, n)
-        self.model.check_tensor_parallel(t)
-        return tensor_split.TensorLayout(self.config, abstract, t, n // t)
+        return tensor_split.layout_for_record(self.model, self.layout, self.tensor_parallel, record)
 
     # ------------------------------------------------------------------ programs
     def _check_key(self, degree: int, bucket: int, devices: tuple[jax.Device, ...]) -> None:
@@ -337,22 +329,24 @@ class PlanExecutor:
             self.bind(params)
         return self.compiles.executable((degree, bucket, devices, attention))
 
-    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING):
-        """The lowered (not compiled) group program: abstract arguments, nothing allocated."""
+    def lower(self, degree: int, bucket: int, devices: tuple[jax.Device, ...], attention: str = RING, router=False):
+        """The lowered (not compiled) group program (`router`: `router_phase`'s): abstract arguments, nothing allocated."""
         self.bind(None)
         mesh, spec = self._mesh(devices, attention)
         shape = resolve(attention, degree)
-        body = self.model.program(self._program_config, degree, self.layout,
-                                  attention_fn(shape, self.attention_tile, self._attention),
-                                  self.tensor_parallel, self.sequence_parallel)
+        body = (self.model.router_program if router else self.model.program)(
+            self._program_config, degree, self.layout, attention_fn(shape, self.attention_tile, self._attention),
+            self.tensor_parallel, self.sequence_parallel)
         st = self.state
         row = st.row_spec(spec)
         inputs = self.model.input_shapes(bucket)
-        fn = jax.shard_map(body, mesh=mesh, in_specs=(st.params_spec,) + (spec,) * len(inputs),
-                           out_specs=(row, row), check_vma=False)
         rep, cp = NamedSharding(mesh, st.params_spec), NamedSharding(mesh, spec)
-        args = (jax.ShapeDtypeStruct(st.params_shape, self.compute_dtype, sharding=rep),
-                *(jax.ShapeDtypeStruct(s, d, sharding=cp) for s, d in inputs))
+        args = [jax.ShapeDtypeStruct(st.params_shape, self.compute_dtype, sharding=rep),
+                *(jax.ShapeDtypeStruct(s, d, sharding=cp) for s, d in inputs)]
+        specs = (st.params_spec,) + (spec,) * len(inputs)
+        if self.router and not router:      # the load-balancing loss's weights (`router_phase`)
+            specs, args = specs + (PartitionSpec(),), args + [self.router.input_shape(mesh)]
+        fn = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=row if router else (row, row), check_vma=False)
         return jax.jit(fn).lower(*args)
 
     def compile_step(self, prepared: PreparedStep, params: Any = None) -> int:
@@ -362,6 +356,8 @@ class PlanExecutor:
         tree = None if isinstance(params, jax.Array) and params.ndim == 1 else params
         for w in prepared.local:
             self.executable(tree, *w.key)
+            if self.router is not None:
+                self.router.compiles.executable(w.key)
         return self.num_compiles - before
 
     def compile_plan(self, samples: Sequence[Sample], plan: Plan, params: Any) -> int:
@@ -407,16 +403,17 @@ class PlanExecutor:
                     [by_dev[d] for d in devs if d in by_dev])
                 for devs, kind in groups}
 
-    def dispatch(self, flat: jax.Array, work: Sequence[GroupWork]) -> dict[jax.Device, tuple]:
+    def dispatch(self, flat: jax.Array, work: Sequence[GroupWork], weights: Any = None) -> dict[jax.Device, tuple]:
         """Launch the given groups of one micro-batch (asynchronously, this process's only); each
-        device's (stats, grads) rows."""
+        device's (stats, grads) rows. `weights`: the load-balancing loss's input (`router_phase`)."""
         rows: dict[jax.Device, tuple] = {}
         views = self._views(flat, {(w.devices, w.attention) for w in work})
         for w in work:
             exe = self.compiles.launching(w.key)
             cp = NamedSharding(*self._mesh(w.devices, w.attention))
+            extra = () if weights is None else (jax.device_put(weights, NamedSharding(cp.mesh, PartitionSpec())),)
             stats, grads = exe(views[(w.devices, w.attention)],
-                               *(jax.device_put(a, cp) for a in self.model.inputs(w.layout)))
+                               *(jax.device_put(a, cp) for a in self.model.inputs(w.layout)), *extra)
             gby = {s.device: s.data for s in grads.addressable_shards}
             rows.update((s.device, (s.data, gby[s.device])) for s in stats.addressable_shards)
         return rows
@@ -429,8 +426,9 @@ class PlanExecutor:
         self.compile_step(prepared)         # compile (or wait for a background compile of) what is missing
         self.compiles.count_step(prepared.keys)
         flat, acc = self.gather(master), None
+        weights = None if self.router is None else self.router.weights(flat, prepared, self.aux_coef)
         for group in prepared.micro_batches():
-            rows = self.dispatch(flat, group)
+            rows = self.dispatch(flat, group) if weights is None else self.dispatch(flat, group, weights)
             # no reduction launched on rows that are not there
             await_rows(rows, group, self.stall_timeout_s, self.stall_abort_s, self.on_stall)
             acc = self.state.accumulate(acc, rows)

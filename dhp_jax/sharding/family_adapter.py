@@ -59,24 +59,29 @@ from dhp_jax.sharding.standin import ModelAdapter
 def router_stats(sums: Any, config: HFConfig) -> dict[str, float]:
     """The router's figures of one step from the executor's `state.step_sums()` (a MoE family): tokens per
     expert (the (token, expert) pairs routed to each, summed over the sparse layers, / the sparse
-    layers) max and mean, and the pairs dropped (k x live rows - pairs routed: 0, the routing is
-    dropless; a ValueError otherwise)."""
+    layers) max and mean, the pairs dropped (k x live rows - pairs routed: 0, the routing is
+    dropless; a ValueError otherwise) and, when the step adds the load-balancing loss, its value
+    `moe_aux_loss` (transformers' `aux_loss`, before the weight `router_aux_loss_coef`)."""
     import numpy as np
     moe_spec = config.text.moe
     sums = np.asarray(sums, np.float64)
-    counts, rows = sums[:-1], float(sums[-1])
+    e = moe_spec.num_experts
+    counts, rows = sums[:e], float(sums[e])
     layers = max(1, sum(moe_spec.sparse))
     dropped = moe_spec.top_k * rows - float(counts.sum())
     if abs(dropped) > 0.5:
         raise ValueError(f"router: {dropped:.0f} (token, expert) pairs dropped this step "
                          f"({counts.sum():.0f} routed of {moe_spec.top_k} x {rows:.0f} live rows over the sparse layers)")
     per = counts / layers
-    return {"moe_tokens_per_expert_max": float(per.max()), "moe_tokens_per_expert_mean": float(per.mean()),
-            "moe_pairs_dropped": int(round(dropped))}
+    out = {"moe_tokens_per_expert_max": float(per.max()), "moe_tokens_per_expert_mean": float(per.mean()),
+           "moe_pairs_dropped": int(round(dropped))}
+    if sums.shape[0] > e + 1:
+        out["moe_aux_loss"] = float(sums[e + 1])
+    return out
 
 
 def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLayout, attn: Any, tensor_parallel: int = 1,
-                   sequence_parallel: bool = False):
+                   sequence_parallel: bool = False, aux: bool = False, router_only: bool = False):
     """The per-device body: (params flat[P_pad] in the compute dtype, the four stream shards) ->
     (stats f32[1, 2] = (loss sum, counted labels), for a MoE LLM followed by its router counts
     (`FamilyModel.stats_width`), grads[1, P_pad] in the compute dtype, a 2-byte
@@ -87,7 +92,16 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
     share's gradient row, the copies' gradients summed over their holders (`tensor_split.tie_rows` for
     the block stacks, `tensor_split.tie_top` for the rest), a rank's loss counted once (device tp = 0).
     `sequence_parallel`: the LLM layers and the encoder's blocks run sequence-parallel over the t
-    devices (`dhp_jax.model.hf.text.text_forward`, the family's `encode`)."""
+    devices (`dhp_jax.model.hf.text.text_forward`, the family's `encode`).
+
+    `aux` (a MoE LLM, the load-balancing loss on): the body takes a sixth input, f32[E + 1]
+    replicated: the batch's expert weights w (`moe.aux_weights`, from the whole batch's router
+    counts) and the scale coef x the batch's counted labels; each live token adds scale x sum_e
+    w_e p_e(token) to the loss sum (the loss's share of this group: the step's division by the
+    counted labels leaves coef x E sum_e (count_e / R)(prob_e / R) over the batch), and the stats
+    row ends with the unweighted share sum w_e prob_e (a rank's counted once). `router_only`: the
+    forward pass alone up to the router statistics, stats f32[1, E + 1] (pairs routed to each expert,
+    live rows; a rank's counted once) and no gradient: the first phase of such a step."""
 
     t = tensor_parallel
     tp = tensor_split.hooks(t, sequence_parallel) if t > 1 else None
@@ -96,7 +110,7 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
     stacks = [("/".join(path) + "/", count, path, first) for path, count, first in block_stacks(config)]
     cuts = layout.cuts([(prefix, count, first) for prefix, count, _, first in stacks], leaves=True)
 
-    def body(flat, llm_ints, llm_floats, vision_ints, vision_floats):
+    def body(flat, llm_ints, llm_floats, vision_ints, vision_floats, *weights):
         if tp is not None:
             flat = flat[0]                  # this device's share, flat[1, L_pad] on the sub-mesh
         # with tensor parallelism a rank's loss counts once: on its device tp = 0
@@ -119,7 +133,16 @@ def family_program(config: HFConfig, layout: FlatLayout | tensor_split.TensorLay
                 loss = lead * packed_loss_sum(config, params, llm_ints, llm_floats, vision_ints, vision_floats,
                                               attn, tp=tp)
             extra = [lead * jnp.concatenate([router[0][0][0], router[0][1][None]])] if router else []
+            if aux:     # the load-balancing loss: linear in this group's probability sums
+                w = weights[0]
+                share = lead * jnp.dot(w[:-1], router[0][0][1])
+                loss = loss + w[-1] * share
+                extra.append(share[None])
             return loss, extra
+
+        if router_only:
+            stats = loss_sum(layout.split(flat, cuts))[1][0]
+            return stats[None]
 
         # per device (check_vma=False: no implicit psum over the group); the reduction is the
         # executor's reduce-scatter over the full mesh. Differentiated with respect to one piece
@@ -140,13 +163,22 @@ class FamilyModel(ModelAdapter):
     """The executor's model adapter for a Hugging Face family's `HFConfig` (see the module docstring)."""
 
     config_type: type = HFConfig
+    # the load-balancing loss's weight (`moe.aux_loss_coef`; 0: off), set by the executor
+    aux_coef: float = 0.0
 
     @property
     def stats_width(self) -> int:
         """(loss sum, counted labels), and for a MoE LLM (`router_stats`) the (token, expert) pairs
-        routed to each of the E experts and the live rows, both summed over the sparse layers."""
+        routed to each of the E experts and the live rows, both summed over the sparse layers,
+        then with the load-balancing loss on its value (unweighted)."""
         moe = self.config.text.moe
-        return 2 if moe is None else 3 + moe.num_experts
+        return 2 if moe is None else 3 + moe.num_experts + (self.aux_coef > 0)
+
+    @property
+    def router_width(self) -> int:
+        """Columns of a router program's stats row (`family_program(router_only=True)`): the pairs
+        routed to each expert and the live rows."""
+        return self.config.text.moe.num_experts + 1
 
     def abstract_params(self) -> None:
         """None: the layout is taken from the first params tree bound."""
@@ -182,4 +214,9 @@ class FamilyModel(ModelAdapter):
 
     def program(self, config: HFConfig, degree: int, layout: Any, attn: Any, tensor_parallel: int,
                 sequence_parallel: bool):
-        return family_program(config, layout, attn, tensor_parallel, sequence_parallel)
+        return family_program(config, layout, attn, tensor_parallel, sequence_parallel, aux=self.aux_coef > 0)
+
+    def router_program(self, config: HFConfig, degree: int, layout: Any, attn: Any, tensor_parallel: int,
+                       sequence_parallel: bool):
+        """The forward pass to the router statistics (`family_program(router_only=True)`)."""
+        return family_program(config, layout, attn, tensor_parallel, sequence_parallel, router_only=True)

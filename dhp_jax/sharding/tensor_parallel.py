@@ -482,3 +482,21 @@ class TensorLayout:
                     marks.append(jnp.full(leaf.shape, keep))
             rows.append(self.local.ravel(jax.tree.unflatten(self.treedef, marks), jnp.bool_))
         return self._interleave(jnp.stack(rows))
+
+
+def layout_for_record(model: Any, layout: Any, t_now: int, record: Mapping[str, Any]) -> Any:
+    """The layout of `model` (an executor's model adapter, whose bound `layout` runs at t = `t_now`)
+    for a layout record's t and device count (`record["tensor_parallel"]`, 1 if absent, and
+    `record["num_shards"]` devices): `layout` itself when they are its, else the layout a run there
+    has (`PlanExecutor.layout_for`)."""
+    t, n = int(record.get("tensor_parallel", 1)), int(record["num_shards"])
+    if (t, n) == (t_now, layout.num_shards):
+        return layout
+    if t < 1 or n % t:
+        raise ValueError(f"a layout record of tensor_parallel={t} on {n} devices (not a multiple of t)")
+    abstract = jax.tree.unflatten(layout.treedef, [jax.ShapeDtypeStruct(s, d) for s, d in
+                                                   zip(layout.shapes, layout.dtypes)])
+    if t == 1:
+        return FlatLayout.of(abstract, n)
+    model.check_tensor_parallel(t)
+    return TensorLayout(model.config, abstract, t, n // t)

@@ -36,6 +36,9 @@ class ModelConfig:
                                    # (config.json + safetensors + its processor and tokenizer files)
     family_module: str | None = None  # a module (dotted name on sys.path) that registers a model family
                                    # outside the package (dhp_jax.models.register), imported before the model
+    router_aux_loss_coef: float | None = None  # a mixture-of-experts model: the router's load-balancing loss over the
+                                   # global batch added with this weight (overriding config.json's); null: as
+                                   # transformers, off unless config.json sets output_router_logits
 
 
 @dataclasses.dataclass
@@ -174,6 +177,10 @@ class TrainConfig:
                        "data.min_text_tokens": self.data.min_text_tokens}.items():
             if v < 0:
                 raise ConfigError(f"{key} must be >= 0, got {v}")
+        coef = self.model.router_aux_loss_coef
+        if coef is not None and (isinstance(coef, bool) or not isinstance(coef, (int, float)) or not 0 <= coef < float("inf")):
+            raise ConfigError(f"model.router_aux_loss_coef must be a number >= 0 (the load-balancing loss's weight; "
+                              f"null: config.json's choice), got {coef!r}")
         if not self.planner.compile_price_s >= 0:
             raise ConfigError(f"planner.compile_price_s must be >= 0 (seconds), got {self.planner.compile_price_s}")
         if self.data.token_scale <= 0:

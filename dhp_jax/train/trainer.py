@@ -194,6 +194,12 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
             model_config = MLLMConfig.preset(config.model.preset, remat=config.remat)
         except ValueError as e:
             raise TrainError(f"model.preset: {e}; or a family model of the demo: {sorted(demo)}") from None
+    coef = config.model.router_aux_loss_coef
+    moe_spec = getattr(getattr(hf_config, "text", None), "moe", None)
+    if coef and (moe_spec is None or not any(moe_spec.sparse)):   # the load-balancing loss needs a router
+        raise TrainError(f"model.router_aux_loss_coef={coef}: the model "
+                         f"{config.model.pretrained or config.model.preset!r} has no mixture-of-experts layer "
+                         f"(no router to balance)")
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks * t:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks * t} devices"
@@ -282,9 +288,20 @@ class Trainer:
                 kwargs["tensor_parallel"] = config.parallel.tensor
             if config.parallel.sequence:
                 kwargs["sequence_parallel"] = True
-            executor = PlanExecutor(self.hf_config if self.family else self.model_config, self.devices,
-                                    compute_dtype=config.compute_dtype, **kwargs)
+            if config.model.router_aux_loss_coef is not None:
+                kwargs["router_aux_loss_coef"] = config.model.router_aux_loss_coef
+            try:
+                executor = PlanExecutor(self.hf_config if self.family else self.model_config, self.devices,
+                                        compute_dtype=config.compute_dtype, **kwargs)
+            except ValueError as e:
+                if "router_aux_loss_coef" not in str(e):
+                    raise
+                raise TrainError(f"model.{e}") from None
         self.executor = check_executor(executor)
+        if config.model.router_aux_loss_coef is not None and \
+                getattr(executor, "aux_coef", 0.0) != float(config.model.router_aux_loss_coef):
+            raise TrainError(f"the executor adds the load-balancing loss with weight {getattr(executor, 'aux_coef', 0.0)}, "
+                             f"the config model.router_aux_loss_coef={config.model.router_aux_loss_coef}")
         if getattr(executor, "sequence_parallel", False) != config.parallel.sequence:
             raise TrainError(f"the executor runs sequence_parallel={getattr(executor, 'sequence_parallel', False)}, "
                              f"the config parallel.sequence={config.parallel.sequence}")

@@ -94,6 +94,37 @@ def aux_loss(stats: jax.Array, rows: jax.Array, num_experts: int) -> jax.Array:
     return num_experts * jnp.sum((stats[0] / rows) * (stats[1] / rows))
 
 
+def aux_loss_coef(config: Any, coef: float | None = None) -> float:
+    """The load-balancing loss's weight in a step of the family model `config` (an `HFConfig`; 0:
+    off). `coef` None: as transformers decides, the text config's `router_aux_loss_coef` when
+    config.json sets `output_router_logits` (in `text_config` or at the top), else off; a number
+    >= 0: that weight, whatever config.json says (0: off). ValueError for a negative weight, or a
+    weight > 0 for a model without sparse layers."""
+    spec = getattr(getattr(config, "text", None), "moe", None)
+    name = f"model {getattr(config, 'family', type(config).__name__)!r}"
+    if coef is None:
+        raw = getattr(config, "raw", None) or {}
+        on = (raw.get("text_config") or {}).get("output_router_logits", raw.get("output_router_logits", False))
+        return float(spec.router_aux_loss_coef) if on and spec is not None and any(spec.sparse) else 0.0
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not np.isfinite(coef) or coef < 0:
+        raise ValueError(f"router_aux_loss_coef must be a number >= 0 (the load-balancing loss's weight), got {coef!r}")
+    if coef > 0 and (spec is None or not any(spec.sparse)):
+        raise ValueError(f"router_aux_loss_coef {coef:g}: {name} has no mixture-of-experts layer (no router to balance)")
+    return float(coef)
+
+
+def aux_weights(counts: Any, rows: float) -> np.ndarray:
+    """[E] float32: the per-expert weights w_e = E * count_e / R^2 of the batch's router counts
+    (pairs routed to each expert, summed over every live token of the batch and every sparse
+    layer; no gradient) and R = `rows` (live tokens x sparse layers), so that the load-balancing
+    loss E sum_e (count_e / R)(prob_e / R) is sum_e w_e prob_e: linear in the probability sums, each
+    token's share sum_e w_e p_e(token) (0 weights for an empty batch)."""
+    counts = np.asarray(counts, np.float64)
+    if rows <= 0:
+        return np.zeros(counts.shape, np.float32)
+    return (counts.size * counts / (float(rows) * float(rows))).astype(np.float32)
+
+
 # --- collecting the router statistics of a forward pass ---------------------------------------
 
 _COLLECTORS: list[list] = []
