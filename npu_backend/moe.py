@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dhp_jax.model.hf import expert_layouts as xl
+from dhp_jax.model.hf.spec import default_router_aux_loss_coef
 
 GATE = "mlp.gate.weight"
 GATE_UP, DOWN = xl.GATE_UP, xl.DOWN
@@ -165,21 +166,9 @@ def aux_loss_terms(stats: list[RouterStats], total_counts: torch.Tensor, total_r
 
 
 def aux_loss_coef(config: Any) -> float:
-    """The load-balancing loss's weight of a family's `HFConfig`: `router_aux_loss_coef` of its
-    `text.moe` when `output_router_logits` is set in its text config (transformers' switch; off by
-    default) and the family's transformers model adds the loss (its torch module's
-    `ROUTER_AUX_LOSS`), else 0."""
-    from dhp_jax import models
-
-    spec = getattr(getattr(config, "text", None), "moe", None)
-    if spec is None or not any(spec.sparse):
-        return 0.0
-    if not getattr(models.spec(config.family).engine_module("torch"), "ROUTER_AUX_LOSS", False):
-        return 0.0          # the family's transformers model never adds it (InternVL)
-    raw = getattr(config, "raw", None) or {}
-    on = (raw.get("text_config") or {}).get("output_router_logits", raw.get("output_router_logits", False))
-    return float(spec.router_aux_loss_coef) if on else 0.0
-
+    """The load-balancing loss's weight of a family's `HFConfig` when the run sets none: transformers'
+    rule, shared with the JAX engine (`dhp_jax.model.hf.spec.default_router_aux_loss_coef`)."""
+    return default_router_aux_loss_coef(config)
 
 def batch_totals(stats: list[RouterStats], num_experts: int, group: Any = None,
                  device: torch.device | str | None = None) -> torch.Tensor:

@@ -274,3 +274,19 @@ def test_tiny_moe_trains_with_experts_split_and_nothing_dropped(tmp_path):
         assert r["moe_pairs_dropped"] == 0
         assert r["moe_tokens_per_expert_max"] >= r["moe_tokens_per_expert_mean"] > 0
         assert r["moe_aux_loss"] > 0          # E sum_e f_e P_e (2 = k for a router of uniform probabilities)
+
+
+@pytest.mark.parametrize("family,flag,want", [("qwen3_vl_moe", True, AUX), ("qwen3_vl_moe", False, 0.0),
+                                              ("internvl_moe", True, 0.0), ("internvl_moe", False, 0.0)])
+def test_the_default_router_loss_follows_the_family_on_both_engines(family, flag, want):
+    """Without `router_aux_loss_coef` set, each engine adds the load-balancing loss where transformers'
+    model adds it: Qwen3-VL-MoE when config.json sets `output_router_logits`; InternVL never (its
+    model does not read the LLM's router logits). One rule (`spec.default_router_aux_loss_coef`)."""
+    from dhp_jax.model.hf.families import parse_config
+    from npu_backend import moe as torch_moe
+
+    raw = CASES[family][1]().to_dict()
+    raw["text_config"]["output_router_logits"] = flag
+    cfg = parse_config(raw)
+    assert moe.aux_loss_coef(cfg) == torch_moe.aux_loss_coef(cfg) == want
+    assert moe.aux_loss_coef(cfg, 0.25) == 0.25            # a weight set for the run overrides config.json

@@ -111,7 +111,9 @@ class FamilySpec:
     tiny example's tokenizer and processor files, `dhp_jax.data.example`); `vision_rule`: the
     planner's vision-rule name of the family's published processor, and `published_model` the
     stored model (`dhp_jax/data/models/<name>/`) that stands for it; `name_prefixes`: how the
-    names of its models begin ("internvl3-8b"), for a name that is no stored model; `memory` (the
+    names of its models begin ("internvl3-8b"), for a name that is no stored model;
+    `router_aux_loss`: the family's transformers model adds its routers' load-balancing loss to
+    the loss when config.json sets `output_router_logits` (a mixture of experts); `memory` (the
     family program's per-row terms, `dhp_jax.planner.cost.memory`); `tiny_config(token_ids,
     vocab_size, text)` -> a tiny config.json; `demo` (the `dhp train` demo's model and synthetic
     inputs).
@@ -134,6 +136,7 @@ class FamilySpec:
     tiny_config: Callable[..., dict]
     demo: Any
     name_prefixes: tuple[str, ...] = ()
+    router_aux_loss: bool = False
     hf_module: str = ""
     jax_module: str = ""
     torch_module: str = ""

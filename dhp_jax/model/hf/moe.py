@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dhp_jax.model.hf import expert_layouts as xl
-from dhp_jax.model.hf.spec import MoeSpec
+from dhp_jax.model.hf.spec import MoeSpec, default_router_aux_loss_coef
 
 Params = Mapping[str, Any]
 
@@ -96,16 +96,13 @@ def aux_loss(stats: jax.Array, rows: jax.Array, num_experts: int) -> jax.Array:
 
 def aux_loss_coef(config: Any, coef: float | None = None) -> float:
     """The load-balancing loss's weight in a step of the family model `config` (an `HFConfig`; 0:
-    off). `coef` None: as transformers decides, the text config's `router_aux_loss_coef` when
-    config.json sets `output_router_logits` (in `text_config` or at the top), else off; a number
+    off). `coef` None: as transformers decides (`spec.default_router_aux_loss_coef`); a number
     >= 0: that weight, whatever config.json says (0: off). ValueError for a negative weight, or a
     weight > 0 for a model without sparse layers."""
     spec = getattr(getattr(config, "text", None), "moe", None)
     name = f"model {getattr(config, 'family', type(config).__name__)!r}"
     if coef is None:
-        raw = getattr(config, "raw", None) or {}
-        on = (raw.get("text_config") or {}).get("output_router_logits", raw.get("output_router_logits", False))
-        return float(spec.router_aux_loss_coef) if on and spec is not None and any(spec.sparse) else 0.0
+        return default_router_aux_loss_coef(config)
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not np.isfinite(coef) or coef < 0:
         raise ValueError(f"router_aux_loss_coef must be a number >= 0 (the load-balancing loss's weight), got {coef!r}")
     if coef > 0 and (spec is None or not any(spec.sparse)):

@@ -135,6 +135,22 @@ class MoeSpec:
         return tuple(i for i, s in enumerate(self.sparse) if s)
 
 
+def default_router_aux_loss_coef(config: Any) -> float:
+    """The load-balancing loss's weight when the run sets none, as transformers decides: the text
+    config's `router_aux_loss_coef` when config.json sets `output_router_logits` (in `text_config`
+    or at the top) and the family's transformers model adds the loss to its loss
+    (`FamilySpec.router_aux_loss`; InternVL's does not), else 0 (off). One rule for both engines
+    (`dhp_jax.model.hf.moe.aux_loss_coef`, `npu_backend.moe.aux_loss_coef`)."""
+    moe = getattr(getattr(config, "text", None), "moe", None)
+    if moe is None or not any(moe.sparse):
+        return 0.0
+    if not models.spec(config.family).router_aux_loss:
+        return 0.0
+    raw = getattr(config, "raw", None) or {}
+    on = (raw.get("text_config") or {}).get("output_router_logits", raw.get("output_router_logits", False))
+    return float(moe.router_aux_loss_coef) if on else 0.0
+
+
 def __getattr__(name: str):
     # model_type -> (q/k/v bias, QK-norm, rotary kind) of the registered families' LLMs (each family's
     # `ConfigRules.text_kinds`); where the config class has an `attention_bias` field

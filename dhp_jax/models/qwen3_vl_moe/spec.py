@@ -42,7 +42,7 @@ def tiny_config(token_ids: Mapping[str, int], vocab_size: int, text: dict) -> di
 
 
 SPEC = register(FamilySpec(
-    name=NAME, model_types=(NAME,), name_prefixes=("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b", "qwen3_vl_moe"),
+    name=NAME, model_types=(NAME,), name_prefixes=("qwen3-vl-30b-a3b", "qwen3-vl-235b-a22b", "qwen3_vl_moe"), router_aux_loss=True,
     config=CONFIG, facts=dense.facts, processor=dense.Processor(),
     processor_names=(NAME,), chat=dense.Chat(), example=dense.EXAMPLE, vision_rule="qwen3-vl",
     published_model="qwen3-vl-8b", memory=dense.MEMORY, tiny_config=tiny_config, demo=dense.Demo(),

@@ -1,13 +1,10 @@
 """Qwen3-VL-MoE in torch (the torch backend only): Qwen3-VL's encoder and its tensor-parallel split
 (`dhp_jax.models.qwen3_vl.torch_model`); the LLM's sparse blocks are the backend's
 (`npu_backend.moe`, run by `npu_backend.hf.TorchFamilyModel` where `config.text.moe` marks a layer
-sparse). `ROUTER_AUX_LOSS`: transformers' model adds the load-balancing loss to its loss when
-`output_router_logits` is set (`npu_backend.moe.aux_loss_coef`)."""
+sparse)."""
 
 from __future__ import annotations
 
 from dhp_jax.models.qwen3_vl.torch_model import VISION_MLP_FIRST, encode, sequence_locals, vision_split
 
-ROUTER_AUX_LOSS = True
-
-__all__ = ["VISION_MLP_FIRST", "encode", "sequence_locals", "vision_split", "ROUTER_AUX_LOSS"]
+__all__ = ["VISION_MLP_FIRST", "encode", "sequence_locals", "vision_split"]
