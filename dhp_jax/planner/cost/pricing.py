@@ -25,7 +25,7 @@ from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
-__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
+__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "closed_form", "comm_per_token", "compute_divisor", "group_kind_times",
            "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic", "ulysses_sizes"]
 
@@ -67,6 +67,32 @@ def sent_tokens(tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray
     return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
 
 
+def _ulysses_of(S: Any, d: Any, attention: str, ulysses: Any) -> Any:
+    """u, the Ulysses size of each group's kind ("ring" 1, "ulysses" d, a named hybrid its own u,
+    the family "hybrid" `ulysses`: one size, or one per group); raises ValueError on a bad one."""
+    if attention == "ring":
+        return 1.0
+    if attention == "ulysses":
+        return d
+    if attention == "hybrid":
+        u = None if ulysses is None else np.asarray(ulysses, dtype=np.float64)
+        if u is None or np.any(u < 1) or np.any(u != np.round(u)) or np.any(d % np.maximum(u, 1)):
+            raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
+        return np.broadcast_to(u, np.shape(d)).astype(np.float64)
+    degrees = np.unique(d).astype(int).tolist()
+    if len(degrees) != 1:
+        raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
+    return np.broadcast_to(float(attention_split(attention, degrees[0])[0]), np.shape(d)).astype(np.float64)
+
+
+def _counts(S: Any, d: Any, u: Any) -> tuple[Any, Any, Any]:
+    """(ring tokens, all-to-all tokens, messages) of one rank of a group of d ranks on a stream of S
+    tokens as Ulysses over u times a ring over r = d / u (`traffic`'s table; u = 1 is the ring,
+    u = d Ulysses, with the same floats as their own rows). Plain arithmetic: Python floats or arrays."""
+    r = d / u
+    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0
+
+
 def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
             ) -> tuple[Any, Any, Any, Any]:
     """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
@@ -77,25 +103,17 @@ def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = 
     hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
                     tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
                     keeps 1/u of the heads), (u-1) + (r-1) messages.
-    The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
+    The one home of these counts (`_counts`, which `closed_form` prices); `fit_cost_model` fits their
     per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
     the family "hybrid" takes u from `ulysses` (one size, or one per group) and r = d / u per group."""
     S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
+    u = _ulysses_of(S, d, attention, ulysses)
+    ring_tok, a2a_tok, msgs = _counts(S, d, u)
     if attention == "ring":
-        return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
+        return ring_tok, 0.0, msgs, 1.0
     if attention == "ulysses":
-        return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
-    if attention == "hybrid":
-        u = None if ulysses is None else np.asarray(ulysses, dtype=np.float64)
-        if u is None or np.any(u < 1) or np.any(u != np.round(u)) or np.any(d % np.maximum(u, 1)):
-            raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
-    else:
-        degrees = np.unique(d).astype(int).tolist()
-        if len(degrees) != 1:
-            raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
-        u = float(attention_split(attention, degrees[0])[0])
-    r = d / u
-    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.broadcast_to(u, np.shape(d)).astype(np.float64)
+        return 0.0, a2a_tok, msgs, d
+    return ring_tok, a2a_tok, msgs, u
 
 
 def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
@@ -104,10 +122,43 @@ def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
     return d if cost.compute_lanes is None else np.minimum(d, float(cost.compute_lanes))
 
 
+def closed_form(A: Any, B: Any, S: Any, d: Any, u: Any, p: Any, b1: float, c_ring: Any, c_a2a: Any, lat: Any,
+                ring_only: bool, ulysses_only: bool, overlap: bool) -> Any:
+    """T (`dhp_jax.planner.cost.model`'s docstring) of groups with terms A, B (padding priced in) on a
+    stream of S tokens (padded) over d ranks as Ulysses over u times a ring over d / u: compute split
+    p ways (p = d, or the shared lanes' min(d, n)), b1 per rank, `c_ring` / `c_a2a` seconds per
+    ring / all-to-all token (`comm_per_token` on the group's links), `lat` seconds per message.
+    `ring_only` (u = 1): no all-to-all, and the hand-overs may hide behind the attention with the
+    ring traffic; `ulysses_only` (u = d): no ring. `overlap` (`comm_overlap`): ring traffic hides
+    behind the attention blocks; all-to-alls sit between attention and the layers around it and
+    never do.
+
+    The one formula of a group's time: `group_times` calls it on arrays, the allocation's scalar
+    search (`solvers.allocate`) on Python floats, with the same floats. Plain arithmetic, so it
+    takes either (the clamp at 0 is the only operation chosen by type)."""
+    ring_tok, a2a_tok, msgs = _counts(S, d, u)
+    lat_s = lat * msgs * (d / p)
+    # (a term a kind does not have is 0.0; adding it changes no float, so it is left out)
+    if ring_only:
+        hidden, exposed = c_ring * ring_tok + lat_s, 0.0
+    elif ulysses_only:
+        hidden, exposed = 0.0, c_a2a * a2a_tok + lat_s
+    else:
+        hidden, exposed = c_ring * ring_tok, c_a2a * a2a_tok + lat_s
+    if overlap:
+        hidden = hidden - A / p
+        if hidden.__class__ is float:  # the scalar search's floats: no NumPy call
+            if hidden < 0.0:
+                hidden = 0.0
+        else:
+            hidden = np.maximum(hidden, 0.0)
+    return (A + B) / p + b1 * (d / p) + exposed + hidden
+
+
 def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
                 attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
-    """Vectorised T (`dhp_jax.planner.cost.model`'s docstring) for groups with summed terms A, B, S at
-    `degree` (all broadcast together).
+    """Vectorised T (`dhp_jax.planner.cost.model`'s docstring, `closed_form`) for groups with summed
+    terms A, B, S at `degree` (all broadcast together).
 
     `attention` is a group's kind; the family "hybrid" with `ulysses` = u (one size, or one per
     group) prices Ulysses over u ranks times a ring over degree/u for groups of varying degree
@@ -124,20 +175,13 @@ def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node
         # rank's real tokens rounded up to whole chunks
         B = B + cost.a2 * (d * linear_tokens(S, P, d, cost.geometry.linear_chunk) - S)
         S = P                         # and around the ring
-    p = compute_divisor(cost, d)
-    ring_tok, a2a_tok, msgs, u = traffic(S, d, attention, ulysses)
-    ring = 0.0 if attention == "ulysses" else comm_per_token(cost, inter, "ring") * ring_tok
+    u = _ulysses_of(S, d, attention, ulysses)
+    ring_only, ulysses_only = attention == "ring", attention == "ulysses"
+    c_ring = 0.0 if ulysses_only else comm_per_token(cost, inter, "ring")
     # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
-    a2a_inter = inter if attention in ("ring", "ulysses") else u > cost.ranks_per_node
-    a2a = 0.0 if attention == "ring" else comm_per_token(cost, a2a_inter, "ulysses") * a2a_tok
-    lat_s = lat * msgs * (d / p)
-    # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
-    # all-to-alls sit between attention and the layers around it and never do
-    hidden = ring + (lat_s if attention == "ring" else 0.0)
-    exposed = a2a + (0.0 if attention == "ring" else lat_s)
-    if cost.comm_overlap:
-        hidden = np.maximum(hidden - A / p, 0.0)
-    return (A + B) / p + cost.b1 * (d / p) + exposed + hidden
+    c_a2a = 0.0 if ring_only else comm_per_token(cost, inter if ulysses_only else u > cost.ranks_per_node, "ulysses")
+    return np.asarray(closed_form(A, B, S, d, u, compute_divisor(cost, d), cost.b1, c_ring, c_a2a, lat,
+                                  ring_only, ulysses_only, bool(cost.comm_overlap)), dtype=np.float64)
 
 
 def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
