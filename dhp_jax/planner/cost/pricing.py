@@ -26,7 +26,7 @@ from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
 __all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "closed_form", "comm_per_token", "compute_divisor", "group_kind_times",
-           "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
+           "group_time", "group_times", "hybrid_floor", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic", "ulysses_sizes"]
 
 
@@ -155,6 +155,20 @@ def closed_form(A: Any, B: Any, S: Any, d: Any, u: Any, p: Any, b1: float, c_rin
     return (A + B) / p + b1 * (d / p) + exposed + hidden
 
 
+def padded_terms(cost: CostModel, A: Any, B: Any, S: Any, d: Any) -> tuple[Any, Any, Any]:
+    """(A, B, S) of groups as the executor runs them on d ranks: the stream padded to its bucket
+    (`geometry.padded_length`), the dense attention blocks of the padded stream (`padded_attention`)
+    and the pad tokens the linear layers compute (all of them with linear_chunk 0, or the busiest
+    rank's real tokens rounded up to whole chunks). Unchanged without a bucket rule."""
+    A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
+    if not cost.geometry.bucket_min:
+        return A, B, S
+    P = padded_length(cost, S, d)
+    if cost.padded_attention:
+        A = cost.a1 * P * P
+    return A, B + cost.a2 * (d * linear_tokens(S, P, d, cost.geometry.linear_chunk) - S), P
+
+
 def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
                 attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
     """Vectorised T (`dhp_jax.planner.cost.model`'s docstring, `closed_form`) for groups with summed
@@ -163,25 +177,33 @@ def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node
     `attention` is a group's kind; the family "hybrid" with `ulysses` = u (one size, or one per
     group) prices Ulysses over u ranks times a ring over degree/u for groups of varying degree
     (e.g. every degree at once)."""
-    A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
     d = np.asarray(degree, dtype=np.float64)
     inter = d > cost.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
+    A, B, P = padded_terms(cost, A, B, S, d)
+    return _padded_times(cost, A, B, P, d, inter, attention, ulysses)
+
+
+def _padded_times(cost: CostModel, A: Any, B: Any, P: Any, d: np.ndarray, inter: Any, attention: str,
+                  ulysses: Any = None) -> np.ndarray:
+    """`group_times` of groups whose terms are already padded (`padded_terms`): float degrees `d`,
+    inter-node flags `inter`."""
     lat = np.where(inter, cost.lat_inter, cost.lat_intra)
-    if cost.geometry.bucket_min:
-        P = padded_length(cost, S, d)
-        if cost.padded_attention:
-            A = cost.a1 * P * P       # dense blocks: every pair of the padded stream
-        # the pad tokens the linear layers compute: all of them (linear_chunk 0), or the busiest
-        # rank's real tokens rounded up to whole chunks
-        B = B + cost.a2 * (d * linear_tokens(S, P, d, cost.geometry.linear_chunk) - S)
-        S = P                         # and around the ring
-    u = _ulysses_of(S, d, attention, ulysses)
+    u = _ulysses_of(P, d, attention, ulysses)
     ring_only, ulysses_only = attention == "ring", attention == "ulysses"
     c_ring = 0.0 if ulysses_only else comm_per_token(cost, inter, "ring")
     # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
     c_a2a = 0.0 if ring_only else comm_per_token(cost, inter if ulysses_only else u > cost.ranks_per_node, "ulysses")
-    return np.asarray(closed_form(A, B, S, d, u, compute_divisor(cost, d), cost.b1, c_ring, c_a2a, lat,
+    return np.asarray(closed_form(A, B, P, d, u, compute_divisor(cost, d), cost.b1, c_ring, c_a2a, lat,
                                   ring_only, ulysses_only, bool(cost.comm_overlap)), dtype=np.float64)
+
+
+def _above_floor(cost: CostModel, ring: np.ndarray, A: np.ndarray, B: np.ndarray, P: np.ndarray,
+                 d: np.ndarray) -> np.ndarray:
+    """Which groups (ring times `ring`, padded terms) another kind could price lower: those above
+    the floor of `hybrid_floor` (every group on shared lanes)."""
+    if cost.compute_lanes is not None:
+        return np.ones(np.shape(ring), dtype=bool)
+    return ring > (A + B) / d + cost.b1 + hybrid_floor(cost) * P / d
 
 
 def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
@@ -189,6 +211,19 @@ def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
     (`best_kinds`, `kinds.attention_kinds`): u divides the degree and the head count, u <= ranks_per_node."""
     rpn, h = cost.ranks_per_node, cost.num_heads
     return [u for u in range(2, min(int(degree), rpn) + 1) if degree % u == 0 and h % u == 0]
+
+
+def hybrid_floor(cost: CostModel) -> float:
+    """f such that every kind but the ring prices a group of A, B on a (padded) stream of P tokens
+    over d > 1 ranks above (A + B) / d + b1 + f P / d: its all-to-all sends at least (P/d) (u-1)/u
+    >= P / (2d) tokens and it pays at least one message, exposed. Half of that (`ulysses` or
+    over-node) least, so that rounding never lets a kind under the floor: a group whose ring time
+    is at or below it keeps the ring, and its other kinds need not be priced. 0 on shared lanes
+    (b1 d / p, compute over p: the floor is not this one)."""
+    if cost.compute_lanes is not None:
+        return 0.0
+    c = min(float(comm_per_token(cost, False, "ulysses")), float(comm_per_token(cost, True, "ulysses")))
+    return 0.5 * 0.5 * c
 
 
 def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None) -> np.ndarray:
@@ -200,19 +235,21 @@ def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
     "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
     A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
     inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
-    out = np.array(group_times(cost, A, B, S, d, inter, "ring"), dtype=np.float64)
-    top = int(d.max()) if d.size else 0
+    A, B, P = padded_terms(cost, A, B, S, d)  # once for every kind
+    out = _padded_times(cost, A, B, P, d, inter, "ring")
+    live = _above_floor(cost, out, A, B, P, d)  # the others keep the ring's time
+    top = int(d[live].max()) if np.any(live) else 0
     for u in range(2, min(top, cost.ranks_per_node) + 1):
         if cost.num_heads % u:
             continue
         # over nodes, Ulysses sub-groups stay inside nodes only where u divides ranks_per_node
-        m = (d % u == 0) & (~inter | (cost.ranks_per_node % u == 0))
+        m = live & (d % u == 0) & (~inter | (cost.ranks_per_node % u == 0))
         if np.any(m):
-            out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], inter[m], "hybrid", u))
+            out[m] = np.minimum(out[m], _padded_times(cost, A[m], B[m], P[m], d[m], inter[m], "hybrid", u))
     # Ulysses over a whole group that spans nodes (its all-to-all on the inter-node links)
-    m = inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0)
+    m = live & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0)
     if np.any(m):
-        out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], True, "ulysses"))
+        out[m] = np.minimum(out[m], _padded_times(cost, A[m], B[m], P[m], d[m], True, "ulysses"))
     return out
 
 
@@ -317,14 +354,17 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
 def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
                     terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[list[str], np.ndarray]:
     """`best_kinds` and each group's time on its kind (as `price_groups` prices it). Every
-    (group, Ulysses size) is priced in one `group_times` call of the "hybrid" family (u = d is
+    (group, Ulysses size) above the floor of `hybrid_floor` is priced in one call of the "hybrid" family (u = d is
     Ulysses over the whole group: the same floats as the named kinds)."""
     A, B, S = bin_sums([samples for _, samples in groups], *terms)
     d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
     rpn = cost.ranks_per_node
     inter = np.fromiter((spans_nodes(ranks, rpn) for ranks, _ in groups), dtype=bool, count=len(groups))
     kinds = ["ring"] * len(groups)
-    times = group_times(cost, A, B, S, d, inter, "ring")
+    df = d.astype(np.float64)
+    Ap, Bp, P = padded_terms(cost, A, B, S, df)  # once for every kind
+    times = _padded_times(cost, Ap, Bp, P, df, inter, "ring")
+    live = _above_floor(cost, times, Ap, Bp, P, df)  # the others cannot beat the ring (`hybrid_floor`)
     free = np.ones(len(groups), dtype=bool)
     fixed_any = False
     if cost.geometry.menu_kinds and len(groups):
@@ -339,10 +379,9 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
                 kinds[i], fixed_any = kind, True
     pairs_i, pairs_u = [], []
-    for deg in sorted(set(d[free].tolist()) - {1}):
-        idx = np.flatnonzero((d == deg) & free)
-        for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
-            u = attention_split(kind, deg)[0]
+    for deg in sorted(set(d[free & live].tolist()) - {1}):
+        idx = np.flatnonzero((d == deg) & free & live)
+        for u in ulysses_sizes(cost, deg):  # the kinds of `attention_kinds` past the ring
             # a group inside one node has node-local sub-groups; only spanning groups need a look
             ok = idx[[not inter[i] or node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
             pairs_i.append(ok)
@@ -350,7 +389,7 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     if pairs_i:
         i, u = np.concatenate(pairs_i), np.concatenate(pairs_u)
         if i.size:
-            t = group_times(cost, A[i], B[i], S[i], d[i], inter[i], "hybrid", u)
+            t = _padded_times(cost, Ap[i], Bp[i], P[i], df[i], inter[i], "hybrid", u)
             best = times.copy()
             np.minimum.at(best, i, t)
             # the first kind (ring, then u ascending) at the least time, as a scan keeping only
@@ -363,9 +402,9 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             times = best
     # a group over nodes may also run Ulysses over all its ranks (the all-to-all on the inter-node
     # links), where the head count allows: it wins only when strictly faster
-    over = np.flatnonzero(free & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0))
+    over = np.flatnonzero(free & live & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0))
     if over.size:
-        t = group_times(cost, A[over], B[over], S[over], d[over], True, "ulysses")
+        t = _padded_times(cost, Ap[over], Bp[over], P[over], df[over], True, "ulysses")
         win = t < times[over]
         for g in over[win].tolist():
             kinds[g] = "ulysses"

@@ -27,7 +27,7 @@ import numpy as np
 from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import best_times, closed_form, comm_per_token, group_times, ulysses_sizes
+from dhp_jax.planner.cost.pricing import best_times, closed_form, comm_per_token, group_times, hybrid_floor, ulysses_sizes
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -102,6 +102,7 @@ class _ScalarTime:
         self.c_a2a_inter = float(comm_per_token(cost, True, "ulysses"))  # Ulysses over nodes
         self._us: dict[int, tuple[int, ...]] = {}
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
+        self._floor = hybrid_floor(cost)
         self.ring = attention in ("ring", "best")
         self.attention = attention
         self._tables: tuple[list, list, list, list] = ([], [], [], [])
@@ -183,8 +184,16 @@ class _ScalarTime:
 
     def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
         """`out` (ring times) lowered to each group's least hybrid time (vectorised `hybrid`)."""
-        A, B, P, d, out = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, P, d, out)))
+        arrays = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, P, d, out)))
+        shape = arrays[0].shape
+        A, B, P, d, out = (x.reshape(-1) for x in arrays)
         out = np.array(out, dtype=np.float64)
+        # only groups above the hybrids' floor may get lower (`pricing.hybrid_floor`)
+        rest = np.flatnonzero(out > (A + B) / d + self.b1 + self._floor * P / d)
+        if rest.size < out.size:
+            if rest.size:
+                out[rest] = self._hybrids(A[rest], B[rest], P[rest], d[rest], out[rest])
+            return out.reshape(shape)
         top = int(d.max()) if d.size else 0
         for u in range(2, min(top, self.rpn) + 1):
             if self.cost.num_heads % u:
@@ -203,7 +212,7 @@ class _ScalarTime:
             t = closed_form(A[m], B[m], P[m], dm, dm, dm, self.b1, 0.0, self.c_a2a_inter, self.l_inter, False, True,
                             self.overlap)
             out[m] = np.minimum(out[m], t)
-        return out
+        return out.reshape(shape)
 
     def hybrid(self, Ai: float, Bi: float, P: float, d: int, t: float) -> float:
         """min(t, the time of every hybrid `sizes(d)` names for a group with padded terms Ai, Bi, P
@@ -214,6 +223,8 @@ class _ScalarTime:
         if not us:
             return t
         df = float(d)
+        if t <= (Ai + Bi) / df + self.b1 + self._floor * P / df:  # no hybrid can come in under t
+            return t
         if d > self.rpn:
             c_ring, lat = self.c_inter, self.l_inter
         else:
