@@ -274,9 +274,10 @@ class _ScalarTime:
             B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
         else:
             P = S
-        A, B, P = float(A), float(B), float(P)
-        t = self._kind(A, B, P, d, coef[d], lat[d])
-        return self.hybrid(A, B, P, d, t) if self.best else t
+        if self.ring:
+            t = closed_form(A, B, P, d, 1, d, self.b1, coef[d], 0.0, lat[d], True, False, self.overlap)
+            return self.hybrid(A, B, P, d, t) if self.best else t
+        return closed_form(A, B, P, d, d, d, self.b1, 0.0, coef[d], lat[d], False, True, self.overlap)
 
     def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
         """`ev(i, d)` = this T for group i (terms A[i], B[i], S[i], indexable) at degree d; each

@@ -620,8 +620,13 @@ def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_a
     A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
     rpn = cost.ranks_per_node
     inter = np.array([spans_nodes(r, rpn) for r in ranks], dtype=bool)
-    times = (best_times(cost, A, B, S, np.asarray(deg), inter) if prob.kind == "best"
-             else group_times(cost, A, B, S, np.asarray(deg), inter))
+    deg_a = np.asarray(deg)
+    st = scalar_time(cost, prob.kind)
+    if st.tabled and np.array_equal(inter, deg_a > rpn):  # the search's tables, the same floats
+        times = st.times(A, B, S, deg_a)
+    else:
+        times = (best_times(cost, A, B, S, deg_a, inter) if prob.kind == "best"
+                 else group_times(cost, A, B, S, deg_a, inter))
     if node_aware:
         for i in np.flatnonzero(inter & (np.asarray(deg) <= rpn)).tolist():
             # a small group cut by a node boundary: its largest piece alone may be faster
@@ -632,8 +637,7 @@ def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_a
             d = len(piece)
             if S[i] * cost.mem_per_token / d > cost.memory_budget:
                 continue
-            t = float(best_times(cost, A[i], B[i], S[i], d, False) if prob.kind == "best"
-                      else group_times(cost, A[i], B[i], S[i], d, False))
+            t = st(float(A[i]), float(B[i]), float(S[i]), d)  # d <= ranks_per_node: inside one node
             if t < times[i]:
                 ranks[i], times[i] = tuple(piece), t
     return groups, ranks, makespan(cost, times, [len(r) for r in ranks])
