@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.pricing import best_times, closed_form, group_times, traffic
+from dhp_jax.planner.cost.pricing import (best_times, closed_form, group_times, hybrid_floor, padded_terms, traffic,
+                                         ulysses_sizes)
 from dhp_jax.planner.solvers.allocate import _ScalarTime
 
 _BASE = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)
@@ -79,3 +80,47 @@ def test_ulysses_and_ring_are_the_hybrid_formula_at_its_ends():
         assert ring_tok.tolist() == (S * (d - 1) / d).tolist() and a2a_tok == 0.0 and msgs == d - 1
         ring_tok, a2a_tok, msgs, _ = traffic(S, d, "ulysses")
         assert ring_tok == 0.0 and a2a_tok.tolist() == (S / d * (d - 1) / d).tolist() and msgs == d - 1
+
+
+def _every_kind_least(cost: CostModel, A, B, S, d) -> list[float]:
+    """Each group's least time over every kind the per-group choice may give it, kind by kind
+    (no floor, no pruning): the ring, each hybrid u (u dividing the ranks of a node when the group
+    spans nodes) and Ulysses over all ranks of a group that spans nodes."""
+    rpn, out = cost.ranks_per_node, []
+    for a, b, s, di in zip(A, B, S, d.tolist()):
+        inter = di > rpn
+        ts = [float(group_times(cost, a, b, s, di, inter, "ring"))]
+        ts += [float(group_times(cost, a, b, s, di, inter, "hybrid", u)) for u in ulysses_sizes(cost, di)
+               if not inter or rpn % u == 0]
+        if inter and cost.num_heads % di == 0:
+            ts.append(float(group_times(cost, a, b, s, di, True, "ulysses")))
+        out.append(min(ts))
+    return out
+
+
+@pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "lanes", "one-rank-nodes"])
+def test_best_times_is_the_least_over_every_kind(name):
+    # best_times (and the search's "best" times) price only the groups above `hybrid_floor` on the
+    # kinds other than the ring; that must give every group its least time over all kinds
+    cost = COSTS[name]
+    rng = np.random.default_rng(13)
+    A, B, S, d = _groups(cost, rng, 300)
+    want = _every_kind_least(cost, A, B, S, d)
+    assert best_times(cost, A, B, S, d).tolist() == want
+    assert _ScalarTime(cost, "best").times(A, B, S, d).tolist() == want
+    ring = group_times(cost, A, B, S, d)
+    assert np.sum(np.asarray(want) < ring) >= 5  # other kinds win on some of these groups
+
+
+def test_no_kind_prices_a_group_under_the_hybrid_floor():
+    cost = _BASE
+    rng = np.random.default_rng(14)
+    A, B, S, d = _groups(cost, rng, 400)
+    df = d.astype(float)
+    Ap, Bp, P = padded_terms(cost, A, B, S, df)
+    floor = (Ap + Bp) / df + cost.b1 + hybrid_floor(cost) * P / df
+    for u in (2, 4, 8):
+        m = (d % u == 0) & ((d <= cost.ranks_per_node) | (cost.ranks_per_node % u == 0))
+        assert np.all(group_times(cost, A[m], B[m], S[m], d[m], attention="hybrid", ulysses=u) > floor[m])
+    m = d > 1
+    assert np.all(group_times(cost, A[m], B[m], S[m], d[m], True, "ulysses") > floor[m])
