@@ -124,3 +124,21 @@ def test_no_kind_prices_a_group_under_the_hybrid_floor():
         assert np.all(group_times(cost, A[m], B[m], S[m], d[m], attention="hybrid", ulysses=u) > floor[m])
     m = d > 1
     assert np.all(group_times(cost, A[m], B[m], S[m], d[m], True, "ulysses") > floor[m])
+
+
+def test_closed_form_prices_the_traffic_counts():
+    # closed_form writes traffic's counts out (the scalar search's speed); with one second per token
+    # or message of one sort and none of the others it must give back exactly those counts
+    S = np.asarray([1000.0, 4096.0, 70_000.0, 123_457.0])
+    zero = np.zeros_like(S)
+    for d in (2, 4, 8, 16):
+        df = np.full(S.size, float(d))
+        for attention, u in (("ring", 1.0), ("ulysses", df), ("hybrid", 2.0), ("hybrid", 4.0)):
+            if attention == "hybrid" and d % u:
+                continue
+            ring_tok, a2a_tok, msgs, _ = traffic(S, df, attention, None if attention != "hybrid" else int(u))
+            only = (attention == "ring", attention == "ulysses")
+            priced = [closed_form(zero, zero, S, df, u, df, 0.0, c_ring, c_a2a, lat, *only, False)
+                      for c_ring, c_a2a, lat in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))]
+            want = [np.broadcast_to(x, S.shape) for x in (ring_tok, a2a_tok, msgs)]
+            assert [np.asarray(x).tolist() for x in priced] == [w.tolist() for w in want], (attention, d, u)

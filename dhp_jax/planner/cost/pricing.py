@@ -85,12 +85,13 @@ def _ulysses_of(S: Any, d: Any, attention: str, ulysses: Any) -> Any:
     return np.broadcast_to(float(attention_split(attention, degrees[0])[0]), np.shape(d)).astype(np.float64)
 
 
-def _counts(S: Any, d: Any, u: Any) -> tuple[Any, Any, Any]:
+def _counts(S: Any, d: Any, u: Any, ring: bool = True, a2a: bool = True) -> tuple[Any, Any, Any]:
     """(ring tokens, all-to-all tokens, messages) of one rank of a group of d ranks on a stream of S
     tokens as Ulysses over u times a ring over r = d / u (`traffic`'s table; u = 1 is the ring,
-    u = d Ulysses, with the same floats as their own rows). Plain arithmetic: Python floats or arrays."""
+    u = d Ulysses, with the same floats as their own rows). Plain arithmetic: Python floats or
+    arrays. `ring` / `a2a` False: that count is 0.0 (the kind has no such traffic), not computed."""
     r = d / u
-    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0
+    return (S / u * (r - 1.0) / r if ring else 0.0), (S / d * (u - 1.0) / u if a2a else 0.0), u + r - 2.0
 
 
 def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
@@ -103,16 +104,13 @@ def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = 
     hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
                     tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
                     keeps 1/u of the heads), (u-1) + (r-1) messages.
-    The one home of these counts (`_counts`, which `closed_form` prices); `fit_cost_model` fits their
+    The one home of these counts (`_counts`; `closed_form` prices them, written out, and a test holds
+    the two to the same floats); `fit_cost_model` fits their
     per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
     the family "hybrid" takes u from `ulysses` (one size, or one per group) and r = d / u per group."""
     S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
     u = _ulysses_of(S, d, attention, ulysses)
-    ring_tok, a2a_tok, msgs = _counts(S, d, u)
-    if attention == "ring":
-        return ring_tok, 0.0, msgs, 1.0
-    if attention == "ulysses":
-        return 0.0, a2a_tok, msgs, d
+    ring_tok, a2a_tok, msgs = _counts(S, d, u, attention != "ulysses", attention != "ring")
     return ring_tok, a2a_tok, msgs, u
 
 
@@ -136,15 +134,16 @@ def closed_form(A: Any, B: Any, S: Any, d: Any, u: Any, p: Any, b1: float, c_rin
     The one formula of a group's time: `group_times` calls it on arrays, the allocation's scalar
     search (`solvers.allocate`) on Python floats, with the same floats. Plain arithmetic, so it
     takes either (the clamp at 0 is the only operation chosen by type)."""
-    ring_tok, a2a_tok, msgs = _counts(S, d, u)
-    lat_s = lat * msgs * (d / p)
-    # (a term a kind does not have is 0.0; adding it changes no float, so it is left out)
-    if ring_only:
-        hidden, exposed = c_ring * ring_tok + lat_s, 0.0
-    elif ulysses_only:
-        hidden, exposed = 0.0, c_a2a * a2a_tok + lat_s
+    # `traffic`'s counts (`_counts`), written out: the search calls this thousands of times
+    r = d / u
+    share = d / p
+    if ring_only:  # u = 1: no all-to-all; the ring's hand-overs hide with its traffic
+        hidden, exposed = c_ring * (S / u * (r - 1.0) / r) + lat * (u + r - 2.0) * share, 0.0
+    elif ulysses_only:  # u = d: no ring
+        hidden, exposed = 0.0, c_a2a * (S / d * (u - 1.0) / u) + lat * (u + r - 2.0) * share
     else:
-        hidden, exposed = c_ring * ring_tok, c_a2a * a2a_tok + lat_s
+        hidden = c_ring * (S / u * (r - 1.0) / r)
+        exposed = c_a2a * (S / d * (u - 1.0) / u) + lat * (u + r - 2.0) * share
     if overlap:
         hidden = hidden - A / p
         if hidden.__class__ is float:  # the scalar search's floats: no NumPy call
@@ -152,7 +151,7 @@ def closed_form(A: Any, B: Any, S: Any, d: Any, u: Any, p: Any, b1: float, c_rin
                 hidden = 0.0
         else:
             hidden = np.maximum(hidden, 0.0)
-    return (A + B) / p + b1 * (d / p) + exposed + hidden
+    return (A + B) / p + b1 * share + exposed + hidden
 
 
 def padded_terms(cost: CostModel, A: Any, B: Any, S: Any, d: Any) -> tuple[Any, Any, Any]:

@@ -34,7 +34,9 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
     A, B, S = (x.tolist() for x in bin_sums(groups, attn, lin, tok))
     work = (attn + lin).tolist()
     attn, lin, tok = attn.tolist(), lin.tolist(), tok.tolist()
-    cap = [d * max_tokens_per_rank(cost) for d in deg]
+    per_rank = max_tokens_per_rank(cost)
+    dense, b1 = bool(cost.padded_attention), cost.b1
+    cap = [d * per_rank for d in deg]
     T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
     # lazy heaps keyed by (time, index); an entry is stale when its time no longer matches
     slow = [(-T[i], i) for i in range(P)]
@@ -67,11 +69,20 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
             keys = [work[k] for k in by_work]
             at = bisect.bisect_right(keys, target)
             members = by_work[max(0, at - _ITEMS + 2):at + 2]
+        goal = T[i] * (1 - 1e-12)
         for k in members:
             ak, bk, sk = attn[k], lin[k], tok[k]
             ti = t(A[i] - ak, B[i] - bk, S[i] - sk, deg[i])
+            if ti >= goal or (best is not None and ti >= best[0]):
+                continue  # no receiver makes this move win
             for j in receivers:
                 if S[j] + sk > cap[j]:
+                    continue
+                # a group's time is at least its work over its ranks plus b1 (the dense blocks of
+                # a padded stream may be less attention work than its sequences': then B alone):
+                # a receiver that reaches what the move must beat is not priced
+                floor = ((B[j] + bk if dense else (A[j] + ak) + (B[j] + bk)) / deg[j]) + b1
+                if floor >= goal or (best is not None and floor >= best[0]):
                     continue
                 tj = t(A[j] + ak, B[j] + bk, S[j] + sk, deg[j])
                 worst = ti if ti > tj else tj
