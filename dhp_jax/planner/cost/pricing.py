@@ -26,7 +26,7 @@ from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
 __all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "closed_form", "comm_per_token", "compute_divisor", "group_kind_times",
-           "group_time", "group_times", "hybrid_floor", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
+           "group_time", "group_times", "hybrid_floor", "kind_times", "makespan", "makespans", "padded_terms", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic", "ulysses_sizes"]
 
 
@@ -213,12 +213,12 @@ def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
 
 
 def hybrid_floor(cost: CostModel) -> float:
-    """f such that every kind but the ring prices a group of A, B on a (padded) stream of P tokens
-    over d > 1 ranks above (A + B) / d + b1 + f P / d: its all-to-all sends at least (P/d) (u-1)/u
-    >= P / (2d) tokens and it pays at least one message, exposed. Half of that (`ulysses` or
-    over-node) least, so that rounding never lets a kind under the floor: a group whose ring time
-    is at or below it keeps the ring, and its other kinds need not be priced. 0 on shared lanes
-    (b1 d / p, compute over p: the floor is not this one)."""
+    """f such that every kind but the ring prices a group with padded terms A, B on a stream of P
+    tokens over d > 1 ranks above (A + B) / d + b1 + f P / d, with the same floats: its all-to-all
+    sends (P/d) (u-1)/u >= P / (2d) tokens at no less than the cheaper of the all-to-all's per-token
+    seconds inside and across nodes, exposed; f is half that (so that rounding never takes a kind
+    under the floor). A group whose ring time is at or below the floor keeps the ring, and its other
+    kinds need not be priced. 0 on shared lanes (compute over p = min(d, lanes): not this floor)."""
     if cost.compute_lanes is not None:
         return 0.0
     c = min(float(comm_per_token(cost, False, "ulysses")), float(comm_per_token(cost, True, "ulysses")))
