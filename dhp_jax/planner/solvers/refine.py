@@ -20,6 +20,7 @@ from dhp_jax.planner.solvers.allocate import scalar_time
 
 _CANDIDATES = 4  # receiving groups tried per move: the fastest few
 _ITEMS = 8  # sequences of the bottleneck group tried per move
+_VECTOR_MIN = 64  # groups from which their first times are priced in one vectorised call
 
 
 def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: np.ndarray, tok: np.ndarray,
@@ -37,7 +38,10 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
     per_rank = max_tokens_per_rank(cost)
     dense, b1 = bool(cost.padded_attention), cost.b1
     cap = [d * per_rank for d in deg]
-    T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
+    if P >= _VECTOR_MIN and t.tabled:  # many groups: one vectorised call (the same floats)
+        T = t.times(np.asarray(A), np.asarray(B), np.asarray(S), np.asarray(deg, dtype=np.int64)).tolist()
+    else:
+        T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
     # lazy heaps keyed by (time, index); an entry is stale when its time no longer matches
     slow = [(-T[i], i) for i in range(P)]
     fast = [(T[i], i) for i in range(P)]
