@@ -2,14 +2,15 @@
 
     python -m experiments.planner_speed dump OUT.json      # the "dhp" plans of a fixed set of batches
     python -m experiments.planner_speed compare A.json B.json
-    python -m experiments.planner_speed table BEFORE.json AFTER.json [--commits B A]
+    python -m experiments.planner_speed table BEFORE.json AFTER.json [--commits B A] [--write MD]
 
 `dump` plans a fixed set of (model, mix, ranks, seed) batches from 8 to 1024 ranks and writes each
 plan's decisions (`Plan.decisions`) and estimated step time, so that two commits' plans can be
 compared exactly (`compare`: the batches whose plans differ, and the step times of both).
 `table` turns two outputs of `dhp bench planner --models all --datasets all --sizes
 64:512,1024:4096 --repeats 5 --json` (the same machine, one after the other) into the solve-time
-table of experiments/results/planner_targets.md (printed as Markdown).
+table of experiments/results/planner_targets.md (printed as Markdown, or written over that file's
+solve-time section with `--write`).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
     return 1 if diff else 0
 
 
-def table(before: list[dict[str, Any]], after: list[dict[str, Any]], commits: tuple[str, str]) -> str:
+def table(before: list[dict[str, Any]], after: list[dict[str, Any]], commits: tuple[str, str],
+          notes: tuple[str, ...] = ()) -> str:
     from dhp_jax.planner.bench import target_met
 
     def rows(outs: list[dict[str, Any]]) -> dict[tuple[str, str, int], dict[str, Any]]:
@@ -70,10 +72,15 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]], commits: tu
     rb, ra = rows(before), rows(after)
     keys = sorted({(m, ds) for m, ds, _ in ra})
     sizes = sorted({n for _, _, n in ra})
-    lines = [f"Measured at commits {commits[0]} (\"before\") and {commits[1]} (\"after\") on the same machine "
+    lines = ["## Solve time (thread CPU of one global batch, ms: median (max) of 5 batches)", "",
+             "`dhp bench planner --models all --datasets all --sizes 64:512,1024:4096 --repeats 5 --json`. Targets: "
+             "median <= 5 ms at 64 ranks / 512 samples and <= 20 ms at 1024 / 4096, max <= 2x the median.", "",
+             f"Measured at commits {commits[0]} (\"before\") and {commits[1]} (\"after\") on the same machine "
              f"({after[0]['measured_on']}), one after the other; load average at the start of each bench: before "
              f"{', '.join(f'{x:.2f}' for x in before[0]['load_average'])}, after "
-             f"{', '.join(f'{x:.2f}' for x in after[0]['load_average'])} (1, 5, 15 min).", "",
+             f"{', '.join(f'{x:.2f}' for x in after[0]['load_average'])} (1, 5, 15 min). The machine's cores "
+             f"were shared with other work, which inflates thread CPU time too; compare the columns, not the "
+             f"absolute figures.", "",
              "| model | mix | " + " | ".join(f"{n}/{ra[keys[0] + (n,)]['batch']} {w}" for n in sizes
                                           for w in ("before", "after")) + " |",
              "|---|---|" + "---|" * (2 * len(sizes))]
@@ -93,6 +100,7 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]], commits: tu
         lines.append(f"- {n} ranks: median of the medians {med['before']:.1f} ms before, {med['after']:.1f} ms after; "
                      f"target met on {met} of {len(keys)} (model, mix) rows after; largest max / median after "
                      f"{worst:.2f}.")
+    lines += [f"- {n}" for n in notes]
     return "\n".join(lines)
 
 
@@ -107,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("before")
     t.add_argument("after")
     t.add_argument("--commits", nargs=2, default=("before", "after"))
+    t.add_argument("--write", metavar="MD", help="replace the solve-time section of this results file")
+    t.add_argument("--note", action="append", default=[], help="a bullet under the table (repeatable)")
     args = p.parse_args(argv)
     if args.cmd == "dump":
         with open(args.out, "w") as f:
@@ -116,7 +126,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.a) as fa, open(args.b) as fb:
             return compare(json.load(fa), json.load(fb))
     with open(args.before) as fb, open(args.after) as fa:
-        print(table(json.load(fb), json.load(fa), tuple(args.commits)))
+        text = table(json.load(fb), json.load(fa), tuple(args.commits), tuple(args.note))
+    if not args.write:
+        print(text)
+        return 0
+    with open(args.write) as f:
+        doc = f.read()
+    start = doc.find("## Solve time")
+    if start < 0:
+        print(f"planner_speed: {args.write} has no '## Solve time' section", file=sys.stderr)
+        return 2
+    end = doc.find("\n## ", start + 1)
+    with open(args.write, "w") as f:
+        f.write(doc[:start] + text + "\n" + (doc[end:] if end >= 0 else ""))
     return 0
 
 
