@@ -142,3 +142,25 @@ def test_closed_form_prices_the_traffic_counts():
                       for c_ring, c_a2a, lat in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))]
             want = [np.broadcast_to(x, S.shape) for x in (ring_tok, a2a_tok, msgs)]
             assert [np.asarray(x).tolist() for x in priced] == [w.tolist() for w in want], (attention, d, u)
+
+
+@pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "menu", "one-rank-nodes"])
+def test_least_time_over_degrees_is_the_least_of_the_times(name):
+    # the search's bound on a sequence alone (`dhp.alone_times`) takes each row's least time over
+    # the degrees it fits; pricing other kinds only below the row's least ring time changes no float
+    cost = COSTS[name]
+    rng = np.random.default_rng(15)
+    A, B, S, _ = _groups(cost, rng, 24)
+    ds = np.arange(1, 129)
+    ok = ds[None, :] >= rng.integers(1, 40, 24)[:, None]
+    ok[0] = False  # a row with no degree at all: inf
+    for attention in ("ring", "best"):
+        t = _ScalarTime(cost, attention)
+        want = np.where(ok, t.times(A[:, None], B[:, None], S[:, None], ds[None, :]), np.inf).min(axis=1)
+        got, ring = t.least(A[:, None], B[:, None], S[:, None], ds[None, :], ok)
+        assert got.tolist() == want.tolist(), attention
+        if ring is not None:  # the ring's least on the way: what a ring search's least gives
+            assert ring.tolist() == _ScalarTime(cost, "ring").least(A[:, None], B[:, None], S[:, None], ds[None, :],
+                                                                    ok)[0].tolist()
+        else:
+            assert attention == "ring" or not t.tabled

@@ -149,6 +149,31 @@ class _ScalarTime:
             if self.best:
                 return best_times(self.cost, A, B, S, degree)
             return group_times(self.cost, A, B, S, degree, attention="ring" if self.ring else self.attention)
+        out, A, B, P, d = self._tabled_ring(A, B, S, degree)
+        if self.best:
+            out = self._hybrids(A, B, P, d, out)
+        return out
+
+    def least(self, A: Any, B: Any, S: Any, degree: np.ndarray, ok: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Row by row, the least of `times(A, B, S, degree)` over the entries where `ok` (inf where
+        none), the same floats; and, from the tables in "best" mode, the least of the ring's times
+        too (what a ring search's `least` gives; else None). There the other kinds are priced only
+        where their floor (`pricing.hybrid_floor`) is below the row's least ring time: elsewhere
+        they cannot lower the row's least."""
+        if not (self.tabled and self.best):
+            return np.where(ok, self.times(A, B, S, degree), np.inf).min(axis=1), None
+        out, A, B, P, d = self._tabled_ring(A, B, S, degree)
+        A, B, P, d, ok = np.broadcast_arrays(A, B, P, d, ok)
+        out = np.where(ok, out, np.inf)
+        ring_least = out.min(axis=1)
+        cand = ok & ((A + B) / d + self.b1 + self._floor * P / d < ring_least[:, None])
+        if np.any(cand):
+            out[cand] = self._hybrids(A[cand], B[cand], P[cand], d[cand], out[cand])
+        return out.min(axis=1), ring_least
+
+    def _tabled_ring(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> tuple[np.ndarray, Any, Any, Any, np.ndarray]:
+        """`times` on the ring from the tables, and the padded terms A, B, P and the int degrees."""
         d = np.asarray(degree, dtype=np.int64)
         top = int(d.max()) if d.size else 0
         if top >= len(self._vec[0]):
@@ -165,11 +190,8 @@ class _ScalarTime:
             B = B + self.a2 * (df * linear_tokens(S, P, df, self.chunk) - S)
         else:
             P = S
-        out = np.asarray(self._kind(np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64), P, df, coef,
-                                    lat), dtype=np.float64)
-        if self.best:
-            out = self._hybrids(A, B, P, d, out)
-        return out
+        A, B = np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64)
+        return np.asarray(self._kind(A, B, P, df, coef, lat), dtype=np.float64), A, B, P, d
 
     def sizes(self, d: int) -> tuple[int, ...]:
         """The Ulysses sizes of the hybrids a "best" search prices on degree d (cached, as

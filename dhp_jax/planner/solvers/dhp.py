@@ -392,14 +392,25 @@ def _search(prob: Problem, counts: Sequence[int], lo: int, allowed: np.ndarray, 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
     alone on any allowed degree it fits for the _ALONE_TOP heaviest, work / N + b1 for the rest (no
-    group is faster than its work spread over all N ranks, and only heavy sequences make the bound)."""
+    group is faster than its work spread over all N ranks, and only heavy sequences make the bound).
+    Kept per kind on the problem: the "best" search prices the ring's times on the way, which are
+    the ring search's."""
+    key = (prob.kind, allowed.tobytes())
+    got = prob.alone_cache.get(key)
+    if got is not None:
+        return got.copy()
     ds = allowed.astype(np.float64)
     out = prob.work / prob.num_ranks + prob.cost.b1
+    ring = out.copy()
     top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
     # = pricing.group_times (or best_times) on the search's kind (`_ScalarTime.times`: the same floats)
-    t = scalar_time(prob.cost, prob.kind).times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None],
-                                     allowed[None, :])
-    out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
+    out[top], ring_top = scalar_time(prob.cost, prob.kind).least(prob.attn[top, None], prob.lin[top, None],
+                                                                  prob.tok[top, None], allowed[None, :],
+                                                                  ds[None, :] >= prob.dmin[top, None])
+    prob.alone_cache[key] = out.copy()
+    if ring_top is not None:
+        ring[top] = ring_top
+        prob.alone_cache[("ring", key[1])] = ring
     return out
 
 
