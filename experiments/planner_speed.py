@@ -1,12 +1,12 @@
 """The planner's solve-time table and its plan guard.
 
-    python -m experiments.planner_speed dump OUT.json      # the "dhp" plans of a fixed set of batches
+    python -m experiments.planner_speed dump OUT.json [--wide]  # the "dhp" plans of a fixed set of batches
     python -m experiments.planner_speed compare A.json B.json
     python -m experiments.planner_speed table BEFORE.json AFTER.json [--commits B A] [--write MD]
 
-`dump` plans a fixed set of (model, mix, ranks, seed) batches from 8 to 1024 ranks and writes each
-plan's decisions (`Plan.decisions`) and estimated step time, so that two commits' plans can be
-compared exactly (`compare`: the batches whose plans differ, and the step times of both).
+`dump` plans a fixed set of (model, mix, ranks, seed) batches from 8 to 1024 ranks (`--wide`: 160
+plans more) and writes each plan's decisions (`Plan.decisions`) and estimated step time, so that two
+commits' plans can be compared exactly (`compare`: the batches whose plans differ, and the step times of both).
 `table` turns two outputs of `dhp bench planner --models all --datasets all --sizes
 64:512,1024:4096 --repeats 5 --json` (the same machine, one after the other) into the solve-time
 table of experiments/results/planner_targets.md (printed as Markdown, or written over that file's
@@ -31,19 +31,38 @@ BATCHES = [(m, ds, n, b, s)
                                ("internvid", 1024, 4096, 8), ("msrvtt", 1024, 4096, 9))]
 
 
-def dump() -> list[dict[str, Any]]:
+def wide_batches() -> list[tuple[str, str, int, int, int, str]]:
+    """80 more (model, mix, ranks, batch, seed) batches, 8 to 1024 ranks, six models, each planned in
+    "best" and "ring" mode (`dump --wide`)."""
+    models = ("internvl3-2b", "internvl2.5-4b", "internvl3-8b", "qwen3-vl-2b", "qwen3-vl-4b", "qwen3-vl-8b")
+    mixes = ("openvid", "internvid", "msrvtt", "llava-mix", "text-longtail")
+    cells = [(m, ds, n, b) for n, b in ((8, 32), (8, 64), (16, 128), (24, 96), (32, 256), (64, 512), (128, 512),
+                                        (1024, 4096)) for m in models for ds in mixes]
+    return [(m, ds, n, b, 100 + i, att) for i, (m, ds, n, b) in enumerate(cells, 1) if i % 3 == 0
+            for att in ("best", "ring")]
+
+
+def dump(wide: bool = False) -> list[dict[str, Any]]:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
     from dhp_jax.planner.cli_args import cost_model
+    from dhp_jax.planner.contract.plan import PlanningError
 
     out = []
-    for model, ds, ranks, batch, seed in BATCHES:
+    for model, ds, ranks, batch, seed, attention in ([b + ("best",) for b in BATCHES]
+                                                     + (wide_batches() if wide else [])):
         cost = cost_model(model, "ascend-910b")
         samples = make_dataset(ds, batch, seed)
-        plan = plan_batch(sample_lengths(samples), ranks, cost, "dhp", etas=sample_etas(samples))
-        out.append({"batch": [model, ds, ranks, batch, seed], "decisions": plan.decisions(),
+        try:
+            plan = plan_batch(sample_lengths(samples), ranks, cost, "dhp", etas=sample_etas(samples),
+                              attention=attention)
+        except PlanningError as e:  # a sample longer than all ranks hold: the same error on both sides
+            out.append({"batch": [model, ds, ranks, batch, seed, attention], "decisions": str(e),
+                        "step_s": float("nan"), "solve_cpu_ms": 0.0})
+            continue
+        out.append({"batch": [model, ds, ranks, batch, seed, attention], "decisions": plan.decisions(),
                     "step_s": plan.est_step_time_s, "solve_cpu_ms": plan.solver["solve_cpu_ms"]})
-        print(f"{model} {ds} {ranks}/{batch} seed {seed}: {plan.est_step_time_s:.6f} s, "
+        print(f"{model} {ds} {ranks}/{batch} seed {seed} {attention}: {plan.est_step_time_s:.6f} s, "
               f"{plan.solver['solve_cpu_ms']:.1f} ms", file=sys.stderr)
     return out
 
@@ -107,7 +126,9 @@ def table(before: list[dict[str, Any]], after: list[dict[str, Any]], commits: tu
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("dump").add_argument("out")
+    d = sub.add_parser("dump")
+    d.add_argument("out")
+    d.add_argument("--wide", action="store_true", help="80 more batches, each in 'best' and 'ring' mode")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
@@ -120,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "dump":
         with open(args.out, "w") as f:
-            json.dump(dump(), f)
+            json.dump(dump(args.wide), f)
         return 0
     if args.cmd == "compare":
         with open(args.a) as fa, open(args.b) as fb:
