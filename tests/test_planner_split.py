@@ -274,10 +274,7 @@ def test_tabulated_group_times_are_the_cost_models_floats(cost):
             ev = t.group_times_of(A.tolist(), B.tolist(), S.tolist())
             assert [ev(i, int(d[i])) for i in range(K)] == [t(A[i], B[i], S[i], int(d[i])) for i in range(K)]
             scalar = [t(A[i], B[i], S[i], int(d[i])) for i in range(K)]
-            if attention == "best":
-                assert scalar == want.tolist()  # the same floats: the search compares them
-            else:
-                assert scalar == pytest.approx(want.tolist(), rel=1e-12)
+            assert scalar == want.tolist()  # the same floats (one formula, `pricing.closed_form`): the search compares them
 
 
 def test_blocked_bisection_visits_the_same_floats_as_one_step_at_a_time():

@@ -25,8 +25,8 @@ from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.model import CostModel
 
-__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "comm_per_token", "compute_divisor", "group_kind_times",
-           "group_time", "group_times", "kind_times", "makespan", "makespans", "plan_group_times", "plan_makespans",
+__all__ = ["allreduce_time", "attention_for", "best_kind_times", "best_kinds", "best_times", "bin_sums", "closed_form", "comm_per_token", "compute_divisor", "group_kind_times",
+           "group_time", "group_times", "hybrid_floor", "kind_times", "makespan", "makespans", "padded_terms", "plan_group_times", "plan_makespans",
            "price_groups", "sample_terms", "sent_tokens", "spans_nodes", "step_time", "traffic", "ulysses_sizes"]
 
 
@@ -67,6 +67,33 @@ def sent_tokens(tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray
     return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
 
 
+def _ulysses_of(S: Any, d: Any, attention: str, ulysses: Any) -> Any:
+    """u, the Ulysses size of each group's kind ("ring" 1, "ulysses" d, a named hybrid its own u,
+    the family "hybrid" `ulysses`: one size, or one per group); raises ValueError on a bad one."""
+    if attention == "ring":
+        return 1.0
+    if attention == "ulysses":
+        return d
+    if attention == "hybrid":
+        u = None if ulysses is None else np.asarray(ulysses, dtype=np.float64)
+        if u is None or np.any(u < 1) or np.any(u != np.round(u)) or np.any(d % np.maximum(u, 1)):
+            raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
+        return np.broadcast_to(u, np.shape(d)).astype(np.float64)
+    degrees = np.unique(d).astype(int).tolist()
+    if len(degrees) != 1:
+        raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
+    return np.broadcast_to(float(attention_split(attention, degrees[0])[0]), np.shape(d)).astype(np.float64)
+
+
+def _counts(S: Any, d: Any, u: Any, ring: bool = True, a2a: bool = True) -> tuple[Any, Any, Any]:
+    """(ring tokens, all-to-all tokens, messages) of one rank of a group of d ranks on a stream of S
+    tokens as Ulysses over u times a ring over r = d / u (`traffic`'s table; u = 1 is the ring,
+    u = d Ulysses, with the same floats as their own rows). Plain arithmetic: Python floats or
+    arrays. `ring` / `a2a` False: that count is 0.0 (the kind has no such traffic), not computed."""
+    r = d / u
+    return (S / u * (r - 1.0) / r if ring else 0.0), (S / d * (u - 1.0) / u if a2a else 0.0), u + r - 2.0
+
+
 def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = None
             ) -> tuple[Any, Any, Any, Any]:
     """What one rank of a group moves per step, in tokens' worth at the ring's per-token K/V size
@@ -77,25 +104,14 @@ def traffic(S: Any, degree: Any, attention: str = "ring", ulysses: int | None = 
     hybrid:<u>x<r>: S/u (r-1)/r ring tokens (1/u of the K/V heads) and (S/d) (u-1)/u all-to-all
                     tokens (Ulysses over u on the sub-group's S/r: a rank holds S/d of them and
                     keeps 1/u of the heads), (u-1) + (r-1) messages.
-    The one home of these counts: `group_times` prices them, `fit_cost_model` fits their
+    The one home of these counts (`_counts`; `closed_form` prices them, written out, and a test holds
+    the two to the same floats); `fit_cost_model` fits their
     per-token and per-message seconds. Returns (ring tokens, all-to-all tokens, messages, u);
     the family "hybrid" takes u from `ulysses` (one size, or one per group) and r = d / u per group."""
     S, d = np.asarray(S, dtype=np.float64), np.asarray(degree, dtype=np.float64)
-    if attention == "ring":
-        return S * (d - 1.0) / d, 0.0, d - 1.0, 1.0
-    if attention == "ulysses":
-        return 0.0, S / d * (d - 1.0) / d, d - 1.0, d
-    if attention == "hybrid":
-        u = None if ulysses is None else np.asarray(ulysses, dtype=np.float64)
-        if u is None or np.any(u < 1) or np.any(u != np.round(u)) or np.any(d % np.maximum(u, 1)):
-            raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
-    else:
-        degrees = np.unique(d).astype(int).tolist()
-        if len(degrees) != 1:
-            raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
-        u = float(attention_split(attention, degrees[0])[0])
-    r = d / u
-    return S / u * (r - 1.0) / r, S / d * (u - 1.0) / u, u + r - 2.0, np.broadcast_to(u, np.shape(d)).astype(np.float64)
+    u = _ulysses_of(S, d, attention, ulysses)
+    ring_tok, a2a_tok, msgs = _counts(S, d, u, attention != "ulysses", attention != "ring")
+    return ring_tok, a2a_tok, msgs, u
 
 
 def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
@@ -104,40 +120,89 @@ def compute_divisor(cost: CostModel, degree: Any) -> np.ndarray:
     return d if cost.compute_lanes is None else np.minimum(d, float(cost.compute_lanes))
 
 
+def closed_form(A: Any, B: Any, S: Any, d: Any, u: Any, p: Any, b1: float, c_ring: Any, c_a2a: Any, lat: Any,
+                ring_only: bool, ulysses_only: bool, overlap: bool) -> Any:
+    """T (`dhp_jax.planner.cost.model`'s docstring) of groups with terms A, B (padding priced in) on a
+    stream of S tokens (padded) over d ranks as Ulysses over u times a ring over d / u: compute split
+    p ways (p = d, or the shared lanes' min(d, n)), b1 per rank, `c_ring` / `c_a2a` seconds per
+    ring / all-to-all token (`comm_per_token` on the group's links), `lat` seconds per message.
+    `ring_only` (u = 1): no all-to-all, and the hand-overs may hide behind the attention with the
+    ring traffic; `ulysses_only` (u = d): no ring. `overlap` (`comm_overlap`): ring traffic hides
+    behind the attention blocks; all-to-alls sit between attention and the layers around it and
+    never do.
+
+    The one formula of a group's time: `group_times` calls it on arrays, the allocation's scalar
+    search (`solvers.allocate`) on Python floats, with the same floats. Plain arithmetic, so it
+    takes either (the clamp at 0 is the only operation chosen by type)."""
+    # `traffic`'s counts (`_counts`), written out: the search calls this thousands of times
+    r = d / u
+    share = d / p
+    if ring_only:  # u = 1: no all-to-all; the ring's hand-overs hide with its traffic
+        hidden, exposed = c_ring * (S / u * (r - 1.0) / r) + lat * (u + r - 2.0) * share, 0.0
+    elif ulysses_only:  # u = d: no ring
+        hidden, exposed = 0.0, c_a2a * (S / d * (u - 1.0) / u) + lat * (u + r - 2.0) * share
+    else:
+        hidden = c_ring * (S / u * (r - 1.0) / r)
+        exposed = c_a2a * (S / d * (u - 1.0) / u) + lat * (u + r - 2.0) * share
+    if overlap:
+        hidden = hidden - A / p
+        if hidden.__class__ is float:  # the scalar search's floats: no NumPy call
+            if hidden < 0.0:
+                hidden = 0.0
+        else:
+            hidden = np.maximum(hidden, 0.0)
+    return (A + B) / p + b1 * share + exposed + hidden
+
+
+def padded_terms(cost: CostModel, A: Any, B: Any, S: Any, d: Any) -> tuple[Any, Any, Any]:
+    """(A, B, S) of groups as the executor runs them on d ranks: the stream padded to its bucket
+    (`geometry.padded_length`), the dense attention blocks of the padded stream (`padded_attention`)
+    and the pad tokens the linear layers compute (all of them with linear_chunk 0, or the busiest
+    rank's real tokens rounded up to whole chunks). Unchanged without a bucket rule."""
+    A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
+    if not cost.geometry.bucket_min:
+        return A, B, S
+    P = padded_length(cost, S, d)
+    if cost.padded_attention:
+        A = cost.a1 * P * P
+    return A, B + cost.a2 * (d * linear_tokens(S, P, d, cost.geometry.linear_chunk) - S), P
+
+
 def group_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None,
                 attention: str = "ring", ulysses: int | None = None) -> np.ndarray:
-    """Vectorised T (`dhp_jax.planner.cost.model`'s docstring) for groups with summed terms A, B, S at
-    `degree` (all broadcast together).
+    """Vectorised T (`dhp_jax.planner.cost.model`'s docstring, `closed_form`) for groups with summed
+    terms A, B, S at `degree` (all broadcast together).
 
     `attention` is a group's kind; the family "hybrid" with `ulysses` = u (one size, or one per
     group) prices Ulysses over u ranks times a ring over degree/u for groups of varying degree
     (e.g. every degree at once)."""
-    A, B, S = np.asarray(A, float), np.asarray(B, float), np.asarray(S, float)
     d = np.asarray(degree, dtype=np.float64)
     inter = d > cost.ranks_per_node if inter_node is None else np.asarray(inter_node, bool)
+    A, B, P = padded_terms(cost, A, B, S, d)
+    return _padded_times(cost, A, B, P, d, inter, attention, ulysses)
+
+
+def _padded_times(cost: CostModel, A: Any, B: Any, P: Any, d: np.ndarray, inter: Any, attention: str,
+                  ulysses: Any = None) -> np.ndarray:
+    """`group_times` of groups whose terms are already padded (`padded_terms`): float degrees `d`,
+    inter-node flags `inter`."""
     lat = np.where(inter, cost.lat_inter, cost.lat_intra)
-    if cost.geometry.bucket_min:
-        P = padded_length(cost, S, d)
-        if cost.padded_attention:
-            A = cost.a1 * P * P       # dense blocks: every pair of the padded stream
-        # the pad tokens the linear layers compute: all of them (linear_chunk 0), or the busiest
-        # rank's real tokens rounded up to whole chunks
-        B = B + cost.a2 * (d * linear_tokens(S, P, d, cost.geometry.linear_chunk) - S)
-        S = P                         # and around the ring
-    p = compute_divisor(cost, d)
-    ring_tok, a2a_tok, msgs, u = traffic(S, d, attention, ulysses)
-    ring = 0.0 if attention == "ulysses" else comm_per_token(cost, inter, "ring") * ring_tok
+    u = _ulysses_of(P, d, attention, ulysses)
+    ring_only, ulysses_only = attention == "ring", attention == "ulysses"
+    c_ring = 0.0 if ulysses_only else comm_per_token(cost, inter, "ring")
     # a hybrid's all-to-all runs inside its Ulysses sub-groups: one node each when u fits a node
-    a2a_inter = inter if attention in ("ring", "ulysses") else u > cost.ranks_per_node
-    a2a = 0.0 if attention == "ring" else comm_per_token(cost, a2a_inter, "ulysses") * a2a_tok
-    lat_s = lat * msgs * (d / p)
-    # ring traffic (and, on a pure ring, its hand-overs) may hide behind the attention blocks;
-    # all-to-alls sit between attention and the layers around it and never do
-    hidden = ring + (lat_s if attention == "ring" else 0.0)
-    exposed = a2a + (0.0 if attention == "ring" else lat_s)
-    if cost.comm_overlap:
-        hidden = np.maximum(hidden - A / p, 0.0)
-    return (A + B) / p + cost.b1 * (d / p) + exposed + hidden
+    c_a2a = 0.0 if ring_only else comm_per_token(cost, inter if ulysses_only else u > cost.ranks_per_node, "ulysses")
+    return np.asarray(closed_form(A, B, P, d, u, compute_divisor(cost, d), cost.b1, c_ring, c_a2a, lat,
+                                  ring_only, ulysses_only, bool(cost.comm_overlap)), dtype=np.float64)
+
+
+def _above_floor(cost: CostModel, ring: np.ndarray, A: np.ndarray, B: np.ndarray, P: np.ndarray,
+                 d: np.ndarray) -> np.ndarray:
+    """Which groups (ring times `ring`, padded terms) another kind could price lower: those above
+    the floor of `hybrid_floor` (every group on shared lanes)."""
+    if cost.compute_lanes is not None:
+        return np.ones(np.shape(ring), dtype=bool)
+    return ring > (A + B) / d + cost.b1 + hybrid_floor(cost) * P / d
 
 
 def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
@@ -145,6 +210,19 @@ def ulysses_sizes(cost: CostModel, degree: int) -> list[int]:
     (`best_kinds`, `kinds.attention_kinds`): u divides the degree and the head count, u <= ranks_per_node."""
     rpn, h = cost.ranks_per_node, cost.num_heads
     return [u for u in range(2, min(int(degree), rpn) + 1) if degree % u == 0 and h % u == 0]
+
+
+def hybrid_floor(cost: CostModel) -> float:
+    """f such that every kind but the ring prices a group with padded terms A, B on a stream of P
+    tokens over d > 1 ranks above (A + B) / d + b1 + f P / d, with the same floats: its all-to-all
+    sends (P/d) (u-1)/u >= P / (2d) tokens at no less than the cheaper of the all-to-all's per-token
+    seconds inside and across nodes, exposed; f is half that (so that rounding never takes a kind
+    under the floor). A group whose ring time is at or below the floor keeps the ring, and its other
+    kinds need not be priced. 0 on shared lanes (compute over p = min(d, lanes): not this floor)."""
+    if cost.compute_lanes is not None:
+        return 0.0
+    c = min(float(comm_per_token(cost, False, "ulysses")), float(comm_per_token(cost, True, "ulysses")))
+    return 0.5 * 0.5 * c
 
 
 def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any = None) -> np.ndarray:
@@ -156,19 +234,21 @@ def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
     "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
     A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
     inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
-    out = np.array(group_times(cost, A, B, S, d, inter, "ring"), dtype=np.float64)
-    top = int(d.max()) if d.size else 0
+    A, B, P = padded_terms(cost, A, B, S, d)  # once for every kind
+    out = _padded_times(cost, A, B, P, d, inter, "ring")
+    live = _above_floor(cost, out, A, B, P, d)  # the others keep the ring's time
+    top = int(d[live].max()) if np.any(live) else 0
     for u in range(2, min(top, cost.ranks_per_node) + 1):
         if cost.num_heads % u:
             continue
         # over nodes, Ulysses sub-groups stay inside nodes only where u divides ranks_per_node
-        m = (d % u == 0) & (~inter | (cost.ranks_per_node % u == 0))
+        m = live & (d % u == 0) & (~inter | (cost.ranks_per_node % u == 0))
         if np.any(m):
-            out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], inter[m], "hybrid", u))
+            out[m] = np.minimum(out[m], _padded_times(cost, A[m], B[m], P[m], d[m], inter[m], "hybrid", u))
     # Ulysses over a whole group that spans nodes (its all-to-all on the inter-node links)
-    m = inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0)
+    m = live & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0)
     if np.any(m):
-        out[m] = np.minimum(out[m], group_times(cost, A[m], B[m], S[m], d[m], True, "ulysses"))
+        out[m] = np.minimum(out[m], _padded_times(cost, A[m], B[m], P[m], d[m], True, "ulysses"))
     return out
 
 
@@ -273,14 +353,17 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
 def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
                     terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> tuple[list[str], np.ndarray]:
     """`best_kinds` and each group's time on its kind (as `price_groups` prices it). Every
-    (group, Ulysses size) is priced in one `group_times` call of the "hybrid" family (u = d is
+    (group, Ulysses size) above the floor of `hybrid_floor` is priced in one call of the "hybrid" family (u = d is
     Ulysses over the whole group: the same floats as the named kinds)."""
     A, B, S = bin_sums([samples for _, samples in groups], *terms)
     d = np.fromiter((len(ranks) for ranks, _ in groups), dtype=np.int64, count=len(groups))
     rpn = cost.ranks_per_node
     inter = np.fromiter((spans_nodes(ranks, rpn) for ranks, _ in groups), dtype=bool, count=len(groups))
     kinds = ["ring"] * len(groups)
-    times = group_times(cost, A, B, S, d, inter, "ring")
+    df = d.astype(np.float64)
+    Ap, Bp, P = padded_terms(cost, A, B, S, df)  # once for every kind
+    times = _padded_times(cost, Ap, Bp, P, df, inter, "ring")
+    live = _above_floor(cost, times, Ap, Bp, P, df)  # the others cannot beat the ring (`hybrid_floor`)
     free = np.ones(len(groups), dtype=bool)
     fixed_any = False
     if cost.geometry.menu_kinds and len(groups):
@@ -295,10 +378,9 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
                 kinds[i], fixed_any = kind, True
     pairs_i, pairs_u = [], []
-    for deg in sorted(set(d[free].tolist()) - {1}):
-        idx = np.flatnonzero((d == deg) & free)
-        for kind in attention_kinds(deg, cost.num_heads, rpn)[1:]:
-            u = attention_split(kind, deg)[0]
+    for deg in sorted(set(d[free & live].tolist()) - {1}):
+        idx = np.flatnonzero((d == deg) & free & live)
+        for u in ulysses_sizes(cost, deg):  # the kinds of `attention_kinds` past the ring
             # a group inside one node has node-local sub-groups; only spanning groups need a look
             ok = idx[[not inter[i] or node_local(groups[i][0], u, rpn) for i in idx.tolist()]]
             pairs_i.append(ok)
@@ -306,7 +388,7 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     if pairs_i:
         i, u = np.concatenate(pairs_i), np.concatenate(pairs_u)
         if i.size:
-            t = group_times(cost, A[i], B[i], S[i], d[i], inter[i], "hybrid", u)
+            t = _padded_times(cost, Ap[i], Bp[i], P[i], df[i], inter[i], "hybrid", u)
             best = times.copy()
             np.minimum.at(best, i, t)
             # the first kind (ring, then u ascending) at the least time, as a scan keeping only
@@ -319,9 +401,9 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             times = best
     # a group over nodes may also run Ulysses over all its ranks (the all-to-all on the inter-node
     # links), where the head count allows: it wins only when strictly faster
-    over = np.flatnonzero(free & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0))
+    over = np.flatnonzero(free & live & inter & (d > 1) & (cost.num_heads % np.maximum(d, 1) == 0))
     if over.size:
-        t = group_times(cost, A[over], B[over], S[over], d[over], True, "ulysses")
+        t = _padded_times(cost, Ap[over], Bp[over], P[over], df[over], True, "ulysses")
         win = t < times[over]
         for g in over[win].tolist():
             kinds[g] = "ulysses"

@@ -27,7 +27,7 @@ import numpy as np
 from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import best_times, comm_per_token, group_times, ulysses_sizes
+from dhp_jax.planner.cost.pricing import best_times, closed_form, comm_per_token, group_times, hybrid_floor, ulysses_sizes
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -60,13 +60,16 @@ def _linear_whole(S: float, P: float, d: int, chunk: int) -> float:
 
 
 class _ScalarTime:
-    """Scalar T_i(d) without NumPy overhead (the search evaluates a few thousand of them).
+    """`pricing.group_times` (or `pricing.best_times`, attention "best") at scalar or tabulated speed:
+    the search evaluates a few thousand group times, one at a time.
 
-    Same arithmetic, in the same order, as the bucket rule (`geometry.layout.bucket_lengths`) followed by
-    `pricing.group_times`, so the figures agree bit for bit with the scalar rule. Per-degree
-    constants (the memory clamp of the bucket rule, the link's per-token and per-message terms) are
-    tabulated once per model and attention kind; `group_times_of` also takes each group's ladder rung
-    once, since the rung depends on the tokens only.
+    No formula of its own: each time is `pricing.closed_form` (the one formula `group_times` calls),
+    called on Python floats (`__call__`, `group_times_of`) or on arrays (`times`), after the same
+    bucket rule (`geometry.layout.bucket_lengths`, walked inline on its ladder) and linear padding,
+    so the figures agree bit for bit with the model's. What it saves is the rest of `group_times`:
+    per-degree constants (the memory clamp of the bucket rule, the link's per-token and per-message
+    seconds) are tabulated once per model and attention kind; `group_times_of` also takes each
+    group's ladder rung once, since the rung depends on the tokens only.
 
     `attention` "best" prices each group at its least time over the kinds the per-group choice may
     give it (`pricing.best_times`: the ring, and Ulysses over u times a ring over d / u for each u
@@ -90,17 +93,16 @@ class _ScalarTime:
         self.a1, self.a2 = cost.a1, cost.a2
         self.chunk = int(g.linear_chunk)
         self.best = attention == "best"
-        self.cover = bool(cost.comm_overlap)  # what a hybrid's ring traffic may hide behind
-        self.overlap = attention in ("ring", "best") and cost.comm_overlap
+        self.overlap = bool(cost.comm_overlap)
         self.b1 = cost.b1
         self.rpn = cost.ranks_per_node
-        kind = "ring" if self.best else attention
-        self.c_intra = float(comm_per_token(cost, False, kind))
-        self.c_inter = float(comm_per_token(cost, True, kind))
+        self.c_intra = float(comm_per_token(cost, False, "ring"))
+        self.c_inter = float(comm_per_token(cost, True, "ring"))
         self.c_a2a = float(comm_per_token(cost, False, "ulysses"))  # a hybrid's all-to-all: inside a node
         self.c_a2a_inter = float(comm_per_token(cost, True, "ulysses"))  # Ulysses over nodes
         self._us: dict[int, tuple[int, ...]] = {}
         self.l_intra, self.l_inter = cost.lat_intra, cost.lat_inter
+        self._floor = hybrid_floor(cost)
         self.ring = attention in ("ring", "best")
         self.attention = attention
         self._tables: tuple[list, list, list, list] = ([], [], [], [])
@@ -110,22 +112,20 @@ class _ScalarTime:
 
     def _degrees(self, top: int) -> tuple[list, list, list, list]:
         """Per-degree tables for degrees 0..top: 2d, the bucket rule's memory clamp, the link's
-        per-token seconds and its latency term (entry 0 unused)."""
+        per-token seconds (the ring's, or the all-to-all's for a "ulysses" search) and its seconds
+        per message (entry 0 unused)."""
         step, clamp, coef, lat = self._tables
         if len(step) > top:
             return self._tables
         step, clamp, coef, lat = [], [], [], []
         mpd = self.mpd
+        c_in, c_out = (self.c_intra, self.c_inter) if self.ring else (self.c_a2a, self.c_a2a_inter)
         for d in range(0, 2 * top + 1):
             s = 2.0 * d
             step.append(s)
             clamp.append((mpd * d // s) * s if d and mpd is not None else None)
-            if d > self.rpn:
-                coef.append(self.c_inter)
-                lat.append(self.l_inter * (d - 1))
-            else:
-                coef.append(self.c_intra)
-                lat.append(self.l_intra * (d - 1))
+            coef.append(c_out if d > self.rpn else c_in)
+            lat.append(self.l_inter if d > self.rpn else self.l_intra)
         self._tables = (step, clamp, coef, lat)
         return self._tables
 
@@ -135,6 +135,12 @@ class _ScalarTime:
         bucket menu), so `group_times_of` gives the same floats as `times`."""
         return self.exact is None and self.ring and not (self.bucket is not None and self.rungs is None)
 
+    def _kind(self, A: Any, B: Any, P: Any, d: Any, coef: Any, lat: Any) -> Any:
+        """`closed_form` on the search's kind (the ring, or Ulysses over all d ranks)."""
+        if self.ring:
+            return closed_form(A, B, P, d, 1, d, self.b1, coef, 0.0, lat, True, False, self.overlap)
+        return closed_form(A, B, P, d, d, d, self.b1, 0.0, coef, lat, False, True, self.overlap)
+
     def times(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> np.ndarray:
         """`pricing.group_times(A, B, S, degree, attention=...)` (integer degrees, inter-node
         exactly above a node), the same floats with fewer NumPy calls: the per-degree terms are
@@ -143,11 +149,36 @@ class _ScalarTime:
             if self.best:
                 return best_times(self.cost, A, B, S, degree)
             return group_times(self.cost, A, B, S, degree, attention="ring" if self.ring else self.attention)
+        out, A, B, P, d = self._tabled_ring(A, B, S, degree)
+        if self.best:
+            out = self._hybrids(A, B, P, d, out)
+        return out
+
+    def least(self, A: Any, B: Any, S: Any, degree: np.ndarray, ok: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray | None]:
+        """Row by row, the least of `times(A, B, S, degree)` over the entries where `ok` (inf where
+        none), the same floats; and, from the tables in "best" mode, the least of the ring's times
+        too (what a ring search's `least` gives; else None). There the other kinds are priced only
+        where their floor (`pricing.hybrid_floor`) is below the row's least ring time: elsewhere
+        they cannot lower the row's least."""
+        if not (self.tabled and self.best):
+            return np.where(ok, self.times(A, B, S, degree), np.inf).min(axis=1), None
+        out, A, B, P, d = self._tabled_ring(A, B, S, degree)
+        A, B, P, d, ok = np.broadcast_arrays(A, B, P, d, ok)
+        out = np.where(ok, out, np.inf)
+        ring_least = out.min(axis=1)
+        cand = ok & ((A + B) / d + self.b1 + self._floor * P / d < ring_least[:, None])
+        if np.any(cand):
+            out[cand] = self._hybrids(A[cand], B[cand], P[cand], d[cand], out[cand])
+        return out.min(axis=1), ring_least
+
+    def _tabled_ring(self, A: Any, B: Any, S: Any, degree: np.ndarray) -> tuple[np.ndarray, Any, Any, Any, np.ndarray]:
+        """`times` on the ring from the tables, and the padded terms A, B, P and the int degrees."""
         d = np.asarray(degree, dtype=np.int64)
         top = int(d.max()) if d.size else 0
         if top >= len(self._vec[0]):
             self._vector_tables(top)
-        step, clamp, coef, lat, dm1, df = (t[d] for t in self._vec)
+        step, clamp, coef, lat, df = (t[d] for t in self._vec)
         S = np.asarray(S, dtype=np.float64)
         if self.rungs is not None:  # bucket_lengths (no menu), as geometry.padded_length calls it
             rung = ladders(S, self.cost.geometry.bucket_min, self.cost.geometry.bucket_growth)
@@ -159,13 +190,8 @@ class _ScalarTime:
             B = B + self.a2 * (df * linear_tokens(S, P, df, self.chunk) - S)
         else:
             P = S
-        hidden = coef * (P * dm1 / df) + lat
-        if self.overlap:
-            hidden = np.maximum(hidden - A / df, 0.0)
-        out = (A + B) / df + self.b1 + hidden
-        if self.best:
-            out = self._hybrids(A, B, P, d, out)
-        return out
+        A, B = np.asarray(A, dtype=np.float64), np.asarray(B, dtype=np.float64)
+        return np.asarray(self._kind(A, B, P, df, coef, lat), dtype=np.float64), A, B, P, d
 
     def sizes(self, d: int) -> tuple[int, ...]:
         """The Ulysses sizes of the hybrids a "best" search prices on degree d (cached, as
@@ -180,8 +206,16 @@ class _ScalarTime:
 
     def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
         """`out` (ring times) lowered to each group's least hybrid time (vectorised `hybrid`)."""
-        A, B, P, d, out = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, P, d, out)))
+        arrays = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, P, d, out)))
+        shape = arrays[0].shape
+        A, B, P, d, out = (x.reshape(-1) for x in arrays)
         out = np.array(out, dtype=np.float64)
+        # only groups above the hybrids' floor may get lower (`pricing.hybrid_floor`)
+        rest = np.flatnonzero(out > (A + B) / d + self.b1 + self._floor * P / d)
+        if rest.size < out.size:
+            if rest.size:
+                out[rest] = self._hybrids(A[rest], B[rest], P[rest], d[rest], out[rest])
+            return out.reshape(shape)
         top = int(d.max()) if d.size else 0
         for u in range(2, min(top, self.rpn) + 1):
             if self.cost.num_heads % u:
@@ -190,77 +224,63 @@ class _ScalarTime:
             if not np.any(m):
                 continue
             dm = d[m].astype(np.float64)
-            out[m] = np.minimum(out[m], self._hybrid_terms(A[m], B[m], P[m], dm, float(u)))
+            inter = dm > self.rpn
+            t = closed_form(A[m], B[m], P[m], dm, float(u), dm, self.b1, np.where(inter, self.c_inter, self.c_intra),
+                            self.c_a2a, np.where(inter, self.l_inter, self.l_intra), False, False, self.overlap)
+            out[m] = np.minimum(out[m], t)
         m = (d > self.rpn) & (self.cost.num_heads % np.maximum(d, 1) == 0)
         if np.any(m):  # Ulysses over nodes: `pricing.group_times(..., True, "ulysses")`
             dm = d[m].astype(np.float64)
-            exposed = self.c_a2a_inter * (P[m] / dm * (dm - 1.0) / dm) + self.l_inter * (dm - 1.0) * 1.0
-            out[m] = np.minimum(out[m], (A[m] + B[m]) / dm + self.b1 + exposed + 0.0)
-        return out
-
-    def _hybrid_terms(self, Ai: np.ndarray, Bi: np.ndarray, P: np.ndarray, d: np.ndarray, u: float) -> np.ndarray:
-        """Ulysses over u times a ring over d / u (u <= ranks_per_node) for arrays of groups, the
-        floats of `pricing.group_times(..., "hybrid", u)` (`hybrid` is the scalar form)."""
-        r = d / u
-        inter = d > self.rpn
-        ring = np.where(inter, self.c_inter, self.c_intra) * (P / u * (r - 1.0) / r)
-        exposed = self.c_a2a * (P / d * (u - 1.0) / u) + np.where(inter, self.l_inter, self.l_intra) * (u + r - 2.0) * 1.0
-        if self.cover:
-            ring = np.maximum(ring - Ai / d, 0.0)
-        return (Ai + Bi) / d + self.b1 + exposed + ring
+            t = closed_form(A[m], B[m], P[m], dm, dm, dm, self.b1, 0.0, self.c_a2a_inter, self.l_inter, False, True,
+                            self.overlap)
+            out[m] = np.minimum(out[m], t)
+        return out.reshape(shape)
 
     def hybrid(self, Ai: float, Bi: float, P: float, d: int, t: float) -> float:
         """min(t, the time of every hybrid `sizes(d)` names for a group with padded terms Ai, Bi, P
-        on d ranks): `_hybrid_terms` in scalars, the same floats."""
+        on d ranks): `_hybrids` in scalars, the same floats."""
         us = self._us.get(d)
         if us is None:
             us = self.sizes(d)
         if not us:
             return t
         df = float(d)
+        if t <= (Ai + Bi) / df + self.b1 + self._floor * P / df:  # no hybrid can come in under t
+            return t
         if d > self.rpn:
             c_ring, lat = self.c_inter, self.l_inter
         else:
             c_ring, lat = self.c_intra, self.l_intra
-        base = (Ai + Bi) / df + self.b1
-        c_a2a, cover = self.c_a2a, self.cover
+        b1, overlap = self.b1, self.overlap
         for u in us:
             if u == 0:  # Ulysses over all d ranks, across nodes
-                ti = base + (self.c_a2a_inter * (P / df * (df - 1.0) / df) + self.l_inter * (df - 1.0) * 1.0) + 0.0
-                if ti < t:
-                    t = ti
-                continue
-            uf = float(u)
-            r = df / uf
-            ring = c_ring * (P / uf * (r - 1.0) / r)
-            if cover:
-                ring = ring - Ai / df
-                if ring < 0.0:
-                    ring = 0.0
-            ti = base + (c_a2a * (P / df * (uf - 1.0) / uf) + lat * (uf + r - 2.0) * 1.0) + ring
+                ti = closed_form(Ai, Bi, P, df, df, df, b1, 0.0, self.c_a2a_inter, self.l_inter, False, True, overlap)
+            else:
+                ti = closed_form(Ai, Bi, P, df, float(u), df, b1, c_ring, self.c_a2a, lat, False, False, overlap)
             if ti < t:
                 t = ti
         return t
 
     def _vector_tables(self, top: int) -> None:
         """Arrays over degrees 0..top of `times`: 2d, the memory clamp (as `bucket_lengths` computes
-        it), the link's per-token seconds, its latency term, d - 1 and d (entry 0 unused)."""
+        it), the link's per-token seconds, its seconds per message and d (entry 0 unused)."""
         d = np.arange(max(top, 64) + 1, dtype=np.float64)
         inter = d > self.rpn
         with np.errstate(divide="ignore", invalid="ignore"):
             step = 2.0 * d
             clamp = np.floor(self.mpd * d / step) * step if self.mpd is not None else d
-        coef = np.where(inter, self.c_inter, self.c_intra)
-        lat = np.where(inter, self.l_inter, self.l_intra) * (d - 1.0)
-        self._vec = (step, clamp, coef, lat, d - 1.0, d)
+        coef = np.where(inter, self.c_inter, self.c_intra) if self.ring else np.where(inter, self.c_a2a_inter,
+                                                                                       self.c_a2a)
+        lat = np.where(inter, self.l_inter, self.l_intra)
+        self._vec = (step, clamp, coef, lat, d)
 
     def __call__(self, A: float, B: float, S: float, d: int) -> float:
         if self.exact is not None:
             if self.best:
                 return float(best_times(self.exact[0], A, B, S, d))
             return float(group_times(self.exact[0], A, B, S, d, attention=self.exact[1]))
+        step, clamp, coef, lat = self._tables if d < len(self._tables[0]) else self._degrees(d)
         if self.rungs is not None:  # the bucket rule inline (`_rung_scalar`), per-degree constants tabulated
-            step, clamp, coef, lat = self._tables if d < len(self._tables[0]) else self._degrees(d)
             st = step[d]
             r = self.rungs[bisect.bisect_left(self.rungs, max(math.ceil(S), 1))]
             if self.mpd is not None:
@@ -269,26 +289,17 @@ class _ScalarTime:
             if self.padded_attention:
                 A = self.a1 * P * P
             B = B + self.a2 * ((_linear_whole(S, P, d, self.chunk) if self.chunk else P) - S)
-            sent = P * (d - 1) / d if self.ring else P / d * (d - 1) / d
-            comm = coef[d] * sent + lat[d]
-            if self.overlap:
-                comm = max(comm - A / d, 0.0)
-            t = (A + B) / d + self.b1 + comm
-            return self.hybrid(A, B, P, d, t) if self.best else t
-        if self.bucket is not None:
+        elif self.bucket is not None:
             P = self.bucket(S, d)  # = c.padded_length(S, d)
             if self.padded_attention:
                 A = self.a1 * P * P
-            B, S = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S), P
-        sent = S * (d - 1) / d if self.ring else S / d * (d - 1) / d  # pricing.sent_tokens
-        if d > self.rpn:
-            comm = self.c_inter * sent + self.l_inter * (d - 1)
+            B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
         else:
-            comm = self.c_intra * sent + self.l_intra * (d - 1)
-        if self.overlap:
-            comm = max(comm - A / d, 0.0)
-        t = (A + B) / d + self.b1 + comm
-        return self.hybrid(A, B, S, d, t) if self.best else t
+            P = S
+        if self.ring:
+            t = closed_form(A, B, P, d, 1, d, self.b1, coef[d], 0.0, lat[d], True, False, self.overlap)
+            return self.hybrid(A, B, P, d, t) if self.best else t
+        return closed_form(A, B, P, d, d, d, self.b1, 0.0, coef[d], lat[d], False, True, self.overlap)
 
     def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
         """`ev(i, d)` = this T for group i (terms A[i], B[i], S[i], indexable) at degree d; each
@@ -304,6 +315,7 @@ class _ScalarTime:
         ring, clamped, padded = self.ring, self.mpd is not None, self.rungs is not None
         tables = self._degrees
         hybrid = self.hybrid if self.best else None
+        form = closed_form
 
         def ev(i: int, d: int) -> float:
             nonlocal step, clamp, coef, lat
@@ -326,15 +338,11 @@ class _ScalarTime:
                 Bi = B[i] + a2 * ((_linear_whole(Si, P, d, chunk) if chunk else P) - Si)
             else:
                 P, Ai, Bi = S[i], A[i], B[i]
-            sent = P * (d - 1) / d if ring else P / d * (d - 1) / d
-            comm = coef[d] * sent + lat[d]
-            if overlap:
-                comm = comm - Ai / d
-                if comm < 0.0:  # max(comm, 0.0)
-                    comm = 0.0
-            if hybrid is not None:
-                return hybrid(Ai, Bi, P, d, (Ai + Bi) / d + b1 + comm)
-            return (Ai + Bi) / d + b1 + comm
+            if ring:
+                t = form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
+            else:
+                t = form(Ai, Bi, P, d, d, d, b1, 0.0, coef[d], lat[d], False, True, overlap)
+            return t if hybrid is None else hybrid(Ai, Bi, P, d, t)
 
         return ev
 

@@ -392,14 +392,25 @@ def _search(prob: Problem, counts: Sequence[int], lo: int, allowed: np.ndarray, 
 def alone_times(prob: Problem, allowed: np.ndarray) -> np.ndarray:
     """A lower bound on each sequence's time in any group (float64[K], vectorised): its least time
     alone on any allowed degree it fits for the _ALONE_TOP heaviest, work / N + b1 for the rest (no
-    group is faster than its work spread over all N ranks, and only heavy sequences make the bound)."""
+    group is faster than its work spread over all N ranks, and only heavy sequences make the bound).
+    Kept per kind on the problem: the "best" search prices the ring's times on the way, which are
+    the ring search's."""
+    key = (prob.kind, allowed.tobytes())
+    got = prob.alone_cache.get(key)
+    if got is not None:
+        return got.copy()
     ds = allowed.astype(np.float64)
     out = prob.work / prob.num_ranks + prob.cost.b1
+    ring = out.copy()
     top = np.argsort(-prob.work, kind="stable")[:_ALONE_TOP]
     # = pricing.group_times (or best_times) on the search's kind (`_ScalarTime.times`: the same floats)
-    t = scalar_time(prob.cost, prob.kind).times(prob.attn[top, None], prob.lin[top, None], prob.tok[top, None],
-                                     allowed[None, :])
-    out[top] = np.where(ds[None, :] >= prob.dmin[top, None], t, np.inf).min(axis=1)
+    out[top], ring_top = scalar_time(prob.cost, prob.kind).least(prob.attn[top, None], prob.lin[top, None],
+                                                                  prob.tok[top, None], allowed[None, :],
+                                                                  ds[None, :] >= prob.dmin[top, None])
+    prob.alone_cache[key] = out.copy()
+    if ring_top is not None:
+        ring[top] = ring_top
+        prob.alone_cache[("ring", key[1])] = ring
     return out
 
 
@@ -620,8 +631,13 @@ def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_a
     A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
     rpn = cost.ranks_per_node
     inter = np.array([spans_nodes(r, rpn) for r in ranks], dtype=bool)
-    times = (best_times(cost, A, B, S, np.asarray(deg), inter) if prob.kind == "best"
-             else group_times(cost, A, B, S, np.asarray(deg), inter))
+    deg_a = np.asarray(deg)
+    st = scalar_time(cost, prob.kind)
+    if st.tabled and np.array_equal(inter, deg_a > rpn):  # the search's tables, the same floats
+        times = st.times(A, B, S, deg_a)
+    else:
+        times = (best_times(cost, A, B, S, deg_a, inter) if prob.kind == "best"
+                 else group_times(cost, A, B, S, deg_a, inter))
     if node_aware:
         for i in np.flatnonzero(inter & (np.asarray(deg) <= rpn)).tolist():
             # a small group cut by a node boundary: its largest piece alone may be faster
@@ -632,8 +648,7 @@ def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_a
             d = len(piece)
             if S[i] * cost.mem_per_token / d > cost.memory_budget:
                 continue
-            t = float(best_times(cost, A[i], B[i], S[i], d, False) if prob.kind == "best"
-                      else group_times(cost, A[i], B[i], S[i], d, False))
+            t = st(float(A[i]), float(B[i]), float(S[i]), d)  # d <= ranks_per_node: inside one node
             if t < times[i]:
                 ranks[i], times[i] = tuple(piece), t
     return groups, ranks, makespan(cost, times, [len(r) for r in ranks])

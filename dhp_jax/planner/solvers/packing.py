@@ -216,7 +216,7 @@ def bins_of(assign: np.ndarray, ids: np.ndarray | None = None) -> list[list[int]
     """Lists of members per bin id (members as `ids[position]`, or positions), ascending."""
     n = int(assign.max()) + 1 if assign.size else 0
     order = np.argsort(assign, kind="stable")
-    cuts = np.searchsorted(assign[order], np.arange(1, n))
-    members = order if ids is None else np.asarray(ids)[order]
-    return [p.tolist() for p in np.split(members, cuts)]
+    cuts = [0] + np.searchsorted(assign[order], np.arange(1, n)).tolist() + [assign.size]
+    members = (order if ids is None else np.asarray(ids)[order]).tolist()
+    return [members[a:b] for a, b in zip(cuts, cuts[1:])]
 

@@ -34,6 +34,7 @@ class Problem:
         self.split_cache: dict[int, list] = {}
         self.pack_cache: dict[tuple[bytes, float], np.ndarray] = {}
         self.packers: dict[bytes, Any] = {}
+        self.alone_cache: dict[tuple[str, bytes], np.ndarray] = {}  # `dhp.alone_times` per kind and degrees
 
     def orders(self) -> tuple[np.ndarray, np.ndarray]:
         """The samples longest first and heaviest first, ties by position (computed once: every

@@ -20,6 +20,7 @@ from dhp_jax.planner.solvers.allocate import scalar_time
 
 _CANDIDATES = 4  # receiving groups tried per move: the fastest few
 _ITEMS = 8  # sequences of the bottleneck group tried per move
+_VECTOR_MIN = 64  # groups from which their first times are priced in one vectorised call
 
 
 def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: np.ndarray, tok: np.ndarray,
@@ -34,8 +35,13 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
     A, B, S = (x.tolist() for x in bin_sums(groups, attn, lin, tok))
     work = (attn + lin).tolist()
     attn, lin, tok = attn.tolist(), lin.tolist(), tok.tolist()
-    cap = [d * max_tokens_per_rank(cost) for d in deg]
-    T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
+    per_rank = max_tokens_per_rank(cost)
+    dense, b1 = bool(cost.padded_attention), cost.b1
+    cap = [d * per_rank for d in deg]
+    if P >= _VECTOR_MIN and t.tabled:  # many groups: one vectorised call (the same floats)
+        T = t.times(np.asarray(A), np.asarray(B), np.asarray(S), np.asarray(deg, dtype=np.int64)).tolist()
+    else:
+        T = [t(A[i], B[i], S[i], deg[i]) for i in range(P)]
     # lazy heaps keyed by (time, index); an entry is stale when its time no longer matches
     slow = [(-T[i], i) for i in range(P)]
     fast = [(T[i], i) for i in range(P)]
@@ -67,11 +73,20 @@ def refine(groups: list[list[int]], degrees: np.ndarray, attn: np.ndarray, lin: 
             keys = [work[k] for k in by_work]
             at = bisect.bisect_right(keys, target)
             members = by_work[max(0, at - _ITEMS + 2):at + 2]
+        goal = T[i] * (1 - 1e-12)
         for k in members:
             ak, bk, sk = attn[k], lin[k], tok[k]
             ti = t(A[i] - ak, B[i] - bk, S[i] - sk, deg[i])
+            if ti >= goal or (best is not None and ti >= best[0]):
+                continue  # no receiver makes this move win
             for j in receivers:
                 if S[j] + sk > cap[j]:
+                    continue
+                # a group's time is at least its work over its ranks plus b1 (the dense blocks of
+                # a padded stream may be less attention work than its sequences': then B alone):
+                # a receiver that reaches what the move must beat is not priced
+                floor = ((B[j] + bk if dense else (A[j] + ak) + (B[j] + bk)) / deg[j]) + b1
+                if floor >= goal or (best is not None and floor >= best[0]):
                     continue
                 tj = t(A[j] + ak, B[j] + bk, S[j] + sk, deg[j])
                 worst = ti if ti > tj else tj

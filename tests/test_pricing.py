@@ -1,0 +1,166 @@
+"""One pricing implementation: the allocation's scalar and tabulated group times are
+`pricing.closed_form`, the formula `pricing.group_times` prices with, down to the last bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dhp_jax.planner import CostModel
+from dhp_jax.planner.cost.pricing import (best_times, closed_form, group_times, hybrid_floor, padded_terms, traffic,
+                                         ulysses_sizes)
+from dhp_jax.planner.solvers.allocate import _ScalarTime
+
+_BASE = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)
+COSTS = {
+    "padded": _BASE,
+    "dense-padded": _BASE.replace(padded_attention=True, comm_overlap=False),
+    "pad-computed": _BASE.replace(linear_chunk=0),
+    "unpadded": _BASE.replace(bucket_min=0),
+    "menu": _BASE.replace(bucket_menu=((4, (4096, 8192, 65536)), (8, (16384,)), (2, (8,)))),
+    "lanes": _BASE.replace(compute_lanes=4),
+    "one-rank-nodes": CostModel.preset("qwen3-vl-8b", "ascend-910b", ranks_per_node=1),
+}
+
+
+def _groups(cost: CostModel, rng: np.random.Generator, K: int) -> tuple[np.ndarray, ...]:
+    S = rng.integers(1, 500_000, K).astype(float)
+    A = cost.a1 * S * S * rng.random(K) * rng.choice([1.0, 1e-3], K)  # little attention too: traffic shows
+    B = cost.a2 * S * (1 + rng.random(K))
+    return A, B, S, rng.integers(1, 129, K)  # past the tables' first 64 degrees too
+
+
+@pytest.mark.parametrize("name", list(COSTS))
+def test_the_search_prices_groups_with_the_models_floats(name):
+    # the allocation prices a group one float at a time (`__call__`, `group_times_of`) or from its
+    # tables (`times`); each must be pricing's own float, not a close one: a last-bit difference
+    # can flip a comparison of two packings and change a plan
+    cost = COSTS[name]
+    rng = np.random.default_rng(11)
+    for attention in ("ring", "ulysses", "best"):
+        t = _ScalarTime(cost, attention)
+        A, B, S, d = _groups(cost, rng, 60)
+        want = (best_times(cost, A, B, S, d) if attention == "best"
+                else group_times(cost, A, B, S, d, attention=attention)).tolist()
+        assert t.times(A, B, S, d).tolist() == want, (name, attention)
+        assert [t(float(A[i]), float(B[i]), float(S[i]), int(d[i])) for i in range(len(d))] == want, (name, attention)
+        ev = t.group_times_of(A.tolist(), B.tolist(), S.tolist())
+        assert [ev(i, int(d[i])) for i in range(len(d))] == want, (name, attention)
+
+
+def test_closed_form_gives_the_same_floats_on_scalars_and_arrays():
+    # one formula for both callers: the scalar search's Python floats and group_times' arrays
+    cost = _BASE
+    rng = np.random.default_rng(12)
+    A, B, S, d = _groups(cost, rng, 200)
+    df = d.astype(float)
+    u = np.asarray([rng.choice([x for x in (1, 2, 4, 8) if di % x == 0] or [1]) for di in d], dtype=float)
+    u = np.where(rng.random(d.size) < 0.2, df, u)  # Ulysses over the whole group too
+    c_ring, c_a2a, lat = 3e-9 * (1 + rng.random(d.size)), 2e-9 * (1 + rng.random(d.size)), 1e-5 * rng.random(d.size)
+    for overlap in (True, False):
+        for ring_only, ulysses_only, uu in ((True, False, np.ones_like(df)), (False, True, df), (False, False, u)):
+            vec = closed_form(A, B, S, df, uu, df, cost.b1, c_ring, c_a2a, lat, ring_only, ulysses_only, overlap)
+            one = [closed_form(float(A[i]), float(B[i]), float(S[i]), float(df[i]), float(uu[i]), float(df[i]),
+                               cost.b1, float(c_ring[i]), float(c_a2a[i]), float(lat[i]), ring_only, ulysses_only,
+                               overlap) for i in range(d.size)]
+            assert np.asarray(vec).tolist() == one
+
+
+def test_ulysses_and_ring_are_the_hybrid_formula_at_its_ends():
+    # Ulysses is the hybrid family's formula at u = d (the same floats), and the traffic counts of
+    # the ring and of Ulysses are the ones `traffic` documents
+    cost = _BASE
+    S = np.asarray([1000.0, 4096.0, 70_000.0, 123_457.0])
+    A, B = cost.a1 * S * S, cost.a2 * S
+    for d in (2, 4, 8):
+        dd = np.full(S.size, d)
+        assert np.array_equal(group_times(cost, A, B, S, dd, attention="ulysses"),
+                              group_times(cost, A, B, S, dd, attention="hybrid", ulysses=d))
+        ring_tok, a2a_tok, msgs, _ = traffic(S, d, "ring")
+        assert ring_tok.tolist() == (S * (d - 1) / d).tolist() and a2a_tok == 0.0 and msgs == d - 1
+        ring_tok, a2a_tok, msgs, _ = traffic(S, d, "ulysses")
+        assert ring_tok == 0.0 and a2a_tok.tolist() == (S / d * (d - 1) / d).tolist() and msgs == d - 1
+
+
+def _every_kind_least(cost: CostModel, A, B, S, d) -> list[float]:
+    """Each group's least time over every kind the per-group choice may give it, kind by kind
+    (no floor, no pruning): the ring, each hybrid u (u dividing the ranks of a node when the group
+    spans nodes) and Ulysses over all ranks of a group that spans nodes."""
+    rpn, out = cost.ranks_per_node, []
+    for a, b, s, di in zip(A, B, S, d.tolist()):
+        inter = di > rpn
+        ts = [float(group_times(cost, a, b, s, di, inter, "ring"))]
+        ts += [float(group_times(cost, a, b, s, di, inter, "hybrid", u)) for u in ulysses_sizes(cost, di)
+               if not inter or rpn % u == 0]
+        if inter and cost.num_heads % di == 0:
+            ts.append(float(group_times(cost, a, b, s, di, True, "ulysses")))
+        out.append(min(ts))
+    return out
+
+
+@pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "lanes", "one-rank-nodes"])
+def test_best_times_is_the_least_over_every_kind(name):
+    # best_times (and the search's "best" times) price only the groups above `hybrid_floor` on the
+    # kinds other than the ring; that must give every group its least time over all kinds
+    cost = COSTS[name]
+    rng = np.random.default_rng(13)
+    A, B, S, d = _groups(cost, rng, 300)
+    want = _every_kind_least(cost, A, B, S, d)
+    assert best_times(cost, A, B, S, d).tolist() == want
+    assert _ScalarTime(cost, "best").times(A, B, S, d).tolist() == want
+    ring = group_times(cost, A, B, S, d)
+    assert np.sum(np.asarray(want) < ring) >= 5  # other kinds win on some of these groups
+
+
+def test_no_kind_prices_a_group_under_the_hybrid_floor():
+    cost = _BASE
+    rng = np.random.default_rng(14)
+    A, B, S, d = _groups(cost, rng, 400)
+    df = d.astype(float)
+    Ap, Bp, P = padded_terms(cost, A, B, S, df)
+    floor = (Ap + Bp) / df + cost.b1 + hybrid_floor(cost) * P / df
+    for u in (2, 4, 8):
+        m = (d % u == 0) & ((d <= cost.ranks_per_node) | (cost.ranks_per_node % u == 0))
+        assert np.all(group_times(cost, A[m], B[m], S[m], d[m], attention="hybrid", ulysses=u) > floor[m])
+    m = d > 1
+    assert np.all(group_times(cost, A[m], B[m], S[m], d[m], True, "ulysses") > floor[m])
+
+
+def test_closed_form_prices_the_traffic_counts():
+    # closed_form writes traffic's counts out (the scalar search's speed); with one second per token
+    # or message of one sort and none of the others it must give back exactly those counts
+    S = np.asarray([1000.0, 4096.0, 70_000.0, 123_457.0])
+    zero = np.zeros_like(S)
+    for d in (2, 4, 8, 16):
+        df = np.full(S.size, float(d))
+        for attention, u in (("ring", 1.0), ("ulysses", df), ("hybrid", 2.0), ("hybrid", 4.0)):
+            if attention == "hybrid" and d % u:
+                continue
+            ring_tok, a2a_tok, msgs, _ = traffic(S, df, attention, None if attention != "hybrid" else int(u))
+            only = (attention == "ring", attention == "ulysses")
+            priced = [closed_form(zero, zero, S, df, u, df, 0.0, c_ring, c_a2a, lat, *only, False)
+                      for c_ring, c_a2a, lat in ((1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0))]
+            want = [np.broadcast_to(x, S.shape) for x in (ring_tok, a2a_tok, msgs)]
+            assert [np.asarray(x).tolist() for x in priced] == [w.tolist() for w in want], (attention, d, u)
+
+
+@pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "menu", "one-rank-nodes"])
+def test_least_time_over_degrees_is_the_least_of_the_times(name):
+    # the search's bound on a sequence alone (`dhp.alone_times`) takes each row's least time over
+    # the degrees it fits; pricing other kinds only below the row's least ring time changes no float
+    cost = COSTS[name]
+    rng = np.random.default_rng(15)
+    A, B, S, _ = _groups(cost, rng, 24)
+    ds = np.arange(1, 129)
+    ok = ds[None, :] >= rng.integers(1, 40, 24)[:, None]
+    ok[0] = False  # a row with no degree at all: inf
+    for attention in ("ring", "best"):
+        t = _ScalarTime(cost, attention)
+        want = np.where(ok, t.times(A[:, None], B[:, None], S[:, None], ds[None, :]), np.inf).min(axis=1)
+        got, ring = t.least(A[:, None], B[:, None], S[:, None], ds[None, :], ok)
+        assert got.tolist() == want.tolist(), attention
+        if ring is not None:  # the ring's least on the way: what a ring search's least gives
+            assert ring.tolist() == _ScalarTime(cost, "ring").least(A[:, None], B[:, None], S[:, None], ds[None, :],
+                                                                    ok)[0].tolist()
+        else:
+            assert attention == "ring" or not t.tabled
