@@ -157,7 +157,7 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     if getattr(m, "family", ""):
         return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes),
-                                      remat, chunked)
+                                      remat, chunked, kb=float(compute_bytes))
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
@@ -448,27 +448,31 @@ def _llm_blocks(m: Any, remat: str, chunked: bool) -> tuple[float, float]:
     return m.dense_layers * kept + m.sparse_layers * s_kept, max(work if m.dense_layers else 0.0, s_work)
 
 
-def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
+def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False,
+                           kb: float | None = None) -> float:
     """Bytes per local LLM token of a family's group program at the peak of its backward pass: its
-    inputs (`input_bytes_per_token`), and in elements of `ab` bytes what every LLM layer and every
-    encoder block keeps for its backward pass (`_family_block`), what the program keeps outside
-    them (`family_tail`, its masks at a byte an element), and the working set of the block whose
-    backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder block's over
-    its `encoder_rows` rows, whichever is larger)."""
+    inputs (`input_bytes_per_token`); what every LLM layer and every encoder block keeps for its
+    backward pass (`_family_block`), loop state of the block scans in `kb` bytes an element (the
+    compute dtype's, stored bit-cast; default `ab`); in elements of `ab` bytes what the program
+    keeps outside them (`family_tail`, its masks at a byte an element) and the working set of the
+    block whose backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder
+    block's over its `encoder_rows` rows, whichever is larger); and of both, in 4 bytes, the values
+    the program holds in fp32 whatever the dtype (`_family_block_wide`)."""
+    kb = ab if kb is None else kb
     rows = encoder_rows(m)
     if _moe(m):
         dec_kept, dec_work = _llm_blocks(m, remat, chunked)
-        vit_kept, vit_work = _family_block(m, True, remat, chunked)
-        kept = dec_kept + rows * m.vision_layers * vit_kept
-        work = max(dec_work, rows * vit_work)
-        tail, masks = family_tail(m)
-        return float(input_bytes_per_token(m) + ab * (kept + work + tail) + masks)
-    dec_kept, dec_work = _family_block(m, False, remat, chunked)
+    else:
+        dec_kept, dec_work = _family_block(m, False, remat, chunked)
+        dec_kept = m.layers * dec_kept
     vit_kept, vit_work = _family_block(m, True, remat, chunked)
-    kept = m.layers * dec_kept + rows * m.vision_layers * vit_kept
-    work = max(dec_work, rows * vit_work)
+    dec_wide, dec_work_wide = _family_block_wide(m, False, remat, chunked)
+    vit_wide, vit_work_wide = _family_block_wide(m, True, remat, chunked)
+    kept = kb * (dec_kept + rows * m.vision_layers * vit_kept) \
+        + (4.0 - kb) * (m.layers * dec_wide + rows * m.vision_layers * vit_wide)
+    work = max(ab * dec_work + (4.0 - ab) * dec_work_wide, rows * (ab * vit_work + (4.0 - ab) * vit_work_wide))
     tail, masks = family_tail(m)
-    return float(input_bytes_per_token(m) + ab * (kept + work + tail) + masks)
+    return float(input_bytes_per_token(m) + kept + work + ab * tail + masks)
 
 
 def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
@@ -504,6 +508,37 @@ def family_input_elements(m: Any) -> int:
     table's tap weights (`POSITION_TAPS`)."""
     axes = _terms(m).position_axes
     return 5 + axes + 1 + encoder_rows(m) * (10 + m.patch_dim // _encoder(m)[0] + POSITION_TAPS)
+
+
+def family_rotary(m: Any, vision: bool) -> int:
+    """Elements per row of the rotary tables cos and sin a block of a family program keeps (fp32,
+    `layers.rotary`): two of head_dim for every LLM, and for an encoder whose block counts them
+    (`MemoryTerms.encoder_saved`: the Qwen encoders; InternViT has none)."""
+    if not vision:
+        return 2 * m.head_dim
+    return 2 * m.vision_head_dim if _terms(m).encoder_saved(m, 0, 0, 0) > m.vision_heads else 0
+
+
+def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
+    """(elements of `_family_block`'s kept values, elements of its working set) that the family
+    program holds in fp32 whatever the compute dtype, on every platform: the residuals of the
+    ring attention's custom VJP (`dhp_jax.sharding.ring.ring_attention` casts q, k and v to fp32
+    before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
+    (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
+    recomputed at a time holds them again. In chunks (`_block`), the ring's fp32 accumulator state
+    (`_attention_fp32`) alone. The rest of a block's kept values are loop state of the block scans,
+    stored bit-cast in the compute dtype (`scan.run_blocks`)."""
+    if remat == "selective" and chunked:
+        remat = "layer"
+    if vision:
+        heads, kv, head_dim = m.vision_heads, m.vision_heads, m.vision_head_dim
+    else:
+        heads, kv, head_dim = m.heads, m.kv_heads, m.head_dim
+    if chunked:
+        attn = _attention_fp32(heads, head_dim)
+        return (attn, 0.0) if remat == "none" else (0.0, attn)
+    wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
+    return (wide, 0.0) if remat == "none" else (0.0, wide)
 
 
 def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool = False) -> tuple[float, float]:
