@@ -151,7 +151,7 @@ def test_cost_model_matches_compiled_bytes():
         got = _compiled_bytes(dataclasses.replace(cfg, remat=remat), degree, tokens, "bfloat16")
         want = group_program_bytes(costs[remat], [tokens], degree)
         print(f"remat {remat}, degree {degree}, {tokens} tokens: modelled / compiled - 1 = {want / got - 1:+.4f}")
-        assert abs(want / got - 1) <= 0.10, (remat, degree, tokens, got, want)
+        assert 0.0 <= want / got - 1 <= 0.10, (remat, degree, tokens, got, want)
 
 
 def test_cost_model_matches_the_compiled_step():
@@ -405,7 +405,8 @@ def test_tensor_parallel_memory_matches_compiled_bytes():
     for degree, tokens in ((1, 8192),):       # the grid: `dhp bench memory --tensor-parallel` (docs/executor.md)
         got = compiled_bytes(cfg, degree, tokens, "bfloat16", devices, tensor_parallel=2)
         want = group_program_bytes(cost, [tokens], degree)
-        assert abs(want / got - 1) <= 0.10, (degree, tokens, got, want)
+        print(f"t = 2, remat layer, degree {degree}, {tokens} tokens: modelled / compiled - 1 = {want / got - 1:+.4f}")
+        assert 0.0 <= want / got - 1 <= 0.10, (degree, tokens, got, want)
     got = (compiled.argument_size_in_bytes + compiled.output_size_in_bytes + compiled.temp_size_in_bytes
            - compiled.alias_size_in_bytes)
     cost = CostModel.preset(model_shape(none), "ascend-910b", compute_dtype="bfloat16", remat="none", linear_chunk=0,
@@ -413,4 +414,16 @@ def test_tensor_parallel_memory_matches_compiled_bytes():
                             ranks_per_node=4)
     want = group_program_bytes(cost, [8192], 1)
     print(f"t = 2 sequence-parallel, remat none, one pass: modelled / compiled - 1 = {want / got - 1:+.4f}")
-    assert abs(want / got - 1) <= 0.10, (got, want)
+    assert 0.0 <= want / got - 1 <= 0.10, (got, want)
+
+
+def test_memory_device_check_on_cpu_prints_one_line():
+    """`dhp bench memory --device-check` compiles the bf16 family rows for a GPU only; without one it
+    says so in one line and compiles nothing."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "dhp_jax", "bench", "memory", "--device-check"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines() == [
+        "dhp bench memory --device-check: no GPU here (CPU only); nothing to check"], (out.stdout, out.stderr)

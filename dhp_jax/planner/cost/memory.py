@@ -150,7 +150,8 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
     shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family_adapter.FamilyModel`)
-    runs at these choices, its inputs at 4 bytes and the rest in `activation_bytes`
+    runs at these choices, its inputs at 4 bytes, its blocks' kept values in `compute_bytes` but
+    for those the program holds in fp32 (`_family_block_wide`), the rest in `activation_bytes`
     (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
     program); the formula below is the stand-in's."""
     if remat not in REMATS:
@@ -174,6 +175,11 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     kept += 4.0 * (m.layers * _kept_wide(m.heads, m.kv_heads, m.head_dim, remat, chunked)
                    + ppt * m.vision_layers * _kept_wide(m.vision_heads, m.vision_heads, m.vision_head_dim, remat,
                                                         chunked))
+    if kb < 4.0 and remat == "none" and not chunked:
+        # in one pass the ring's custom VJP keeps its own fp32 copies of q, k and v
+        # (`ring.ring_attention` casts them before it) besides the block's; in fp32 they are the block's
+        kept += 4.0 * (m.layers * (m.heads + 2 * m.kv_heads) * m.head_dim
+                       + ppt * m.vision_layers * 3 * m.vision_heads * m.vision_head_dim)
     work = cb * max(dec_work, ppt * vit_work) + attn_f32
     # Inputs (int32 columns, fp32 pixels + loss weight); each projector / merger (its input, fc1,
     # gelu, fc2), the token embedding, the merged stream and the LM head's input; the logits live
@@ -470,6 +476,9 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     vit_wide, vit_work_wide = _family_block_wide(m, True, remat, chunked)
     kept = kb * (dec_kept + rows * m.vision_layers * vit_kept) \
         + (4.0 - kb) * (m.layers * dec_wide + rows * m.vision_layers * vit_wide)
+    if kb < 4.0:
+        kept += 4.0 * (m.layers * _family_ring_copies(m, False, remat, chunked)
+                       + rows * m.vision_layers * _family_ring_copies(m, True, remat, chunked))
     work = max(ab * dec_work + (4.0 - ab) * dec_work_wide, rows * (ab * vit_work + (4.0 - ab) * vit_work_wide))
     tail, masks = family_tail(m)
     return float(input_bytes_per_token(m) + kept + work + ab * tail + masks)
@@ -539,6 +548,19 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
         return (attn, 0.0) if remat == "none" else (0.0, attn)
     wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
     return (wide, 0.0) if remat == "none" else (0.0, wide)
+
+
+def _family_ring_copies(m: Any, vision: bool, remat: str, chunked: bool) -> float:
+    """Elements per row a block of a family program keeps in fp32 beyond `_family_block`'s count
+    when the compute dtype is narrower: in chunks without recompute, the chunks' custom VJP keeps
+    q, k and v in the compute dtype (its inputs) and the ring attention's VJP its fp32 copies of
+    them (`ring.ring_attention` casts them before it); in fp32 the two are one buffer. Without
+    chunks the block keeps the fp32 copies only (`_family_block_wide`)."""
+    if not chunked or remat != "none":
+        return 0.0
+    if vision:
+        return float(3 * m.vision_heads * m.vision_head_dim)
+    return float((m.heads + 2 * m.kv_heads) * m.head_dim)
 
 
 def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool = False) -> tuple[float, float]:
