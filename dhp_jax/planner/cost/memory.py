@@ -534,9 +534,11 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     ring attention's custom VJP (`dhp_jax.sharding.ring.ring_attention` casts q, k and v to fp32
     before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
     (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
-    recomputed at a time holds them again. In chunks (`_block`), the ring's fp32 accumulator state
-    (`_attention_fp32`) alone. The rest of a block's kept values are loop state of the block scans,
-    stored bit-cast in the compute dtype (`scan.run_blocks`)."""
+    recomputed at a time holds them again. In chunks (`_block`), without recompute the ring's fp32
+    accumulator state (`_attention_fp32`) it keeps (and `_family_ring_copies`); with recompute the
+    chunked working set is priced in the activation bytes as a whole. The rest of a block's kept
+    values are loop state of the block scans, stored bit-cast in the compute dtype
+    (`scan.run_blocks`)."""
     if remat == "selective" and chunked:
         remat = "layer"
     if vision:
@@ -544,8 +546,7 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     else:
         heads, kv, head_dim = m.heads, m.kv_heads, m.head_dim
     if chunked:
-        attn = _attention_fp32(heads, head_dim)
-        return (attn, 0.0) if remat == "none" else (0.0, attn)
+        return (_attention_fp32(heads, head_dim), 0.0) if remat == "none" else (0.0, 0.0)
     wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
     return (wide, 0.0) if remat == "none" else (0.0, wide)
 
