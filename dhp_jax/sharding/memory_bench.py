@@ -73,7 +73,9 @@ CPU_MEMORY_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIM
 # XLA:CPU has no bf16 arithmetic: a bf16 program compiled for CPU devices computes in fp32, so the
 # bench's CostModel holds the block working set and the other activations in 4 bytes
 # (`CostModel.activation_bytes`) when the devices are CPUs. The block scans' loop state (saved
-# residuals, stacked gradients, params rows) is stored bit-cast to uint16 and stays 2 bytes.
+# residuals, stacked gradients, params rows) is stored bit-cast to uint16 and stays 2 bytes, and
+# what the program casts to fp32 itself (a family block's ring attention residuals and rotary
+# tables, `memory._family_block_wide`) is 4 bytes on every platform.
 CPU_ACTIVATION_BYTES = 4
 BASE_DEPTH = 2      # extrapolation base: (2, 2) layers, steps to (3, 2) and (2, 3)
 
@@ -231,20 +233,33 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="--families: semicolon-separated DEGREE,TOKENS points where one more LLM layer and one "
                              "more encoder block are compiled too (the per-layer bytes)")
     parser.add_argument("--device-check", action="store_true",
-                        help="the bf16 family rows (--families, default " + ",".join(DEVICE_CHECK_FAMILIES) +
-                             ") at degree 1 on this machine's own first device: an accelerator where one is "
-                             "present (compared with the model's accelerator figure), else the CPU (compared "
-                             "with the CPU program's figure: activations in 4 bytes and the named CPU terms)")
+                        help="on a GPU: the bf16 family rows (--families, default " + ",".join(DEVICE_CHECK_FAMILIES) +
+                             ") at degree 1, remat none and layer, compiled for this machine's first GPU and "
+                             "compared with the model's accelerator figure (model / compiled); without a GPU "
+                             "it prints one line and checks nothing")
     parser.add_argument("--rows-file", default=None,
                         help="--families: append each row to this JSON-lines file as soon as it is measured")
 
 
-DEVICE_CHECK_FAMILIES = ("qwen3-vl-2b", "internvl3-2b")
+DEVICE_CHECK_FAMILIES = ("qwen3-vl-2b", "internvl3-2b", "experiments/configs/models/qwen2.5-vl-7b")
 DEVICE_CHECK_TOKENS = "4096"
+
+
+def gpu_present() -> bool:
+    """Whether jax sees a GPU (imports jax with the machine's own devices)."""
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "device_check", False):    # the machine's own devices: no fake CPU devices forced
+        if not gpu_present():
+            print("dhp bench memory --device-check: no GPU here (CPU only); nothing to check")
+            return 0
         args.families = args.families or ",".join(DEVICE_CHECK_FAMILIES)
         args.dtype, args.remat = args.dtype or "bfloat16", args.remat or "none,layer"
         args.degrees = "1"

@@ -150,14 +150,15 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
     shape (`m.family`) is priced as the family program (`dhp_jax.sharding.family_adapter.FamilyModel`)
-    runs at these choices, its inputs at 4 bytes and the rest in `activation_bytes`
+    runs at these choices, its inputs at 4 bytes, its blocks' kept values in `compute_bytes` but
+    for those the program holds in fp32 (`_family_block_wide`), the rest in `activation_bytes`
     (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
     program); the formula below is the stand-in's."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     if getattr(m, "family", ""):
         return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes),
-                                      remat, chunked)
+                                      remat, chunked, kb=float(compute_bytes))
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
@@ -174,6 +175,11 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     kept += 4.0 * (m.layers * _kept_wide(m.heads, m.kv_heads, m.head_dim, remat, chunked)
                    + ppt * m.vision_layers * _kept_wide(m.vision_heads, m.vision_heads, m.vision_head_dim, remat,
                                                         chunked))
+    if kb < 4.0 and remat == "none" and not chunked:
+        # in one pass the ring's custom VJP keeps its own fp32 copies of q, k and v
+        # (`ring.ring_attention` casts them before it) besides the block's; in fp32 they are the block's
+        kept += 4.0 * (m.layers * (m.heads + 2 * m.kv_heads) * m.head_dim
+                       + ppt * m.vision_layers * 3 * m.vision_heads * m.vision_head_dim)
     work = cb * max(dec_work, ppt * vit_work) + attn_f32
     # Inputs (int32 columns, fp32 pixels + loss weight); each projector / merger (its input, fc1,
     # gelu, fc2), the token embedding, the merged stream and the LM head's input; the logits live
@@ -448,27 +454,34 @@ def _llm_blocks(m: Any, remat: str, chunked: bool) -> tuple[float, float]:
     return m.dense_layers * kept + m.sparse_layers * s_kept, max(work if m.dense_layers else 0.0, s_work)
 
 
-def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False) -> float:
+def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False,
+                           kb: float | None = None) -> float:
     """Bytes per local LLM token of a family's group program at the peak of its backward pass: its
-    inputs (`input_bytes_per_token`), and in elements of `ab` bytes what every LLM layer and every
-    encoder block keeps for its backward pass (`_family_block`), what the program keeps outside
-    them (`family_tail`, its masks at a byte an element), and the working set of the block whose
-    backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder block's over
-    its `encoder_rows` rows, whichever is larger)."""
+    inputs (`input_bytes_per_token`); what every LLM layer and every encoder block keeps for its
+    backward pass (`_family_block`), loop state of the block scans in `kb` bytes an element (the
+    compute dtype's, stored bit-cast; default `ab`); in elements of `ab` bytes what the program
+    keeps outside them (`family_tail`, its masks at a byte an element) and the working set of the
+    block whose backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder
+    block's over its `encoder_rows` rows, whichever is larger); and of both, in 4 bytes, the values
+    the program holds in fp32 whatever the dtype (`_family_block_wide`)."""
+    kb = ab if kb is None else kb
     rows = encoder_rows(m)
     if _moe(m):
         dec_kept, dec_work = _llm_blocks(m, remat, chunked)
-        vit_kept, vit_work = _family_block(m, True, remat, chunked)
-        kept = dec_kept + rows * m.vision_layers * vit_kept
-        work = max(dec_work, rows * vit_work)
-        tail, masks = family_tail(m)
-        return float(input_bytes_per_token(m) + ab * (kept + work + tail) + masks)
-    dec_kept, dec_work = _family_block(m, False, remat, chunked)
+    else:
+        dec_kept, dec_work = _family_block(m, False, remat, chunked)
+        dec_kept = m.layers * dec_kept
     vit_kept, vit_work = _family_block(m, True, remat, chunked)
-    kept = m.layers * dec_kept + rows * m.vision_layers * vit_kept
-    work = max(dec_work, rows * vit_work)
+    dec_wide, dec_work_wide = _family_block_wide(m, False, remat, chunked)
+    vit_wide, vit_work_wide = _family_block_wide(m, True, remat, chunked)
+    kept = kb * (dec_kept + rows * m.vision_layers * vit_kept) \
+        + (4.0 - kb) * (m.layers * dec_wide + rows * m.vision_layers * vit_wide)
+    if kb < 4.0:
+        kept += 4.0 * (m.layers * _family_ring_copies(m, False, remat, chunked)
+                       + rows * m.vision_layers * _family_ring_copies(m, True, remat, chunked))
+    work = max(ab * dec_work + (4.0 - ab) * dec_work_wide, rows * (ab * vit_work + (4.0 - ab) * vit_work_wide))
     tail, masks = family_tail(m)
-    return float(input_bytes_per_token(m) + ab * (kept + work + tail) + masks)
+    return float(input_bytes_per_token(m) + kept + work + ab * tail + masks)
 
 
 def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> float:
@@ -504,6 +517,51 @@ def family_input_elements(m: Any) -> int:
     table's tap weights (`POSITION_TAPS`)."""
     axes = _terms(m).position_axes
     return 5 + axes + 1 + encoder_rows(m) * (10 + m.patch_dim // _encoder(m)[0] + POSITION_TAPS)
+
+
+def family_rotary(m: Any, vision: bool) -> int:
+    """Elements per row of the rotary tables cos and sin a block of a family program keeps (fp32,
+    `layers.rotary`): two of head_dim for every LLM, and for an encoder whose block counts them
+    (`MemoryTerms.encoder_saved`: the Qwen encoders; InternViT has none)."""
+    if not vision:
+        return 2 * m.head_dim
+    return 2 * m.vision_head_dim if _terms(m).encoder_saved(m, 0, 0, 0) > m.vision_heads else 0
+
+
+def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple[float, float]:
+    """(elements of `_family_block`'s kept values, elements of its working set) that the family
+    program holds in fp32 whatever the compute dtype, on every platform: the residuals of the
+    ring attention's custom VJP (`dhp_jax.sharding.ring.ring_attention` casts q, k and v to fp32
+    before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
+    (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
+    recomputed at a time holds them again. In chunks (`_block`), without recompute the ring's fp32
+    accumulator state (`_attention_fp32`) it keeps (and `_family_ring_copies`); with recompute the
+    chunked working set is priced in the activation bytes as a whole. The rest of a block's kept
+    values are loop state of the block scans, stored bit-cast in the compute dtype
+    (`scan.run_blocks`)."""
+    if remat == "selective" and chunked:
+        remat = "layer"
+    if vision:
+        heads, kv, head_dim = m.vision_heads, m.vision_heads, m.vision_head_dim
+    else:
+        heads, kv, head_dim = m.heads, m.kv_heads, m.head_dim
+    if chunked:
+        return (_attention_fp32(heads, head_dim), 0.0) if remat == "none" else (0.0, 0.0)
+    wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
+    return (wide, 0.0) if remat == "none" else (0.0, wide)
+
+
+def _family_ring_copies(m: Any, vision: bool, remat: str, chunked: bool) -> float:
+    """Elements per row a block of a family program keeps in fp32 beyond `_family_block`'s count
+    when the compute dtype is narrower: in chunks without recompute, the chunks' custom VJP keeps
+    q, k and v in the compute dtype (its inputs) and the ring attention's VJP its fp32 copies of
+    them (`ring.ring_attention` casts them before it); in fp32 the two are one buffer. Without
+    chunks the block keeps the fp32 copies only (`_family_block_wide`)."""
+    if not chunked or remat != "none":
+        return 0.0
+    if vision:
+        return float(3 * m.vision_heads * m.vision_head_dim)
+    return float((m.heads + 2 * m.kv_heads) * m.head_dim)
 
 
 def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool = False) -> tuple[float, float]:

@@ -477,7 +477,7 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
         + engine_memory.kept_weight_bytes(m, remat, el)
     per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
     if t > 1 and sequence:      # a family's kept rows are priced in `ab` bytes (`family_bytes_per_token`)
-        per_token -= tp.sequence_saving(m, t, ab if getattr(m, "family", "") else el, remat, chunked)
+        per_token -= tp.sequence_saving(m, t, el, remat, chunked)
     return float(per_token), float(fixed)
 
 
