@@ -68,7 +68,10 @@ def build(venv: Path, timeout: float, say=print) -> dict:
             raise RuntimeError(f"{what} failed (exit {out.returncode}): {tail}")
 
     run([sys.executable, "-m", "venv", str(venv)], f"python -m venv {venv}")
-    run([str(venv_python(venv)), "-m", "pip", "install", "-q", *PINS, *RUNTIME], f"pip install {' '.join(PINS)}")
+    # --no-compile: no bytecode for the ~7 GB of wheels up front (the modules a run imports are
+    # compiled on first import); it saves CPU where the build runs beside the test suite
+    run([str(venv_python(venv)), "-m", "pip", "install", "-q", "--no-compile", *PINS, *RUNTIME],
+        f"pip install {' '.join(PINS)}")
     check = ("import torch, torch_xla; print(torch.__version__, torch_xla.__version__)")
     probe = subprocess.run([str(venv_python(venv)), "-c", check], capture_output=True, text=True,
                            env=dict(os.environ, PJRT_DEVICE="CPU"), timeout=300)
