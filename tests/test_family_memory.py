@@ -281,3 +281,19 @@ def test_moe_program_bytes_are_never_under_priced(t, remat):
     """The same rows at 1.00-1.10: never under the compiled bytes."""
     got, cpu, _ = _moe_row(t, remat)
     assert 1.0 <= cpu / got <= 1.0 + TOLERANCE, (got, cpu)
+
+
+def test_moe_chunked_layer_prices_the_routed_rows():
+    """With linear chunks the sparse MLP still runs on the whole rows (`layers.moe_decoder_block`,
+    outside the chunks' VJP): a sparse layer's block keeps or holds its routed rows
+    (`moe_routed_rows`) and the router's values on top of a chunked dense layer's."""
+    from dhp_jax.planner.cost import memory
+    from dhp_jax.sharding.family_memory import model_shape
+
+    m = model_shape(moe_raw_config(), 1)
+    for remat in ("none", "layer"):
+        kept, rows = memory.moe_routed_rows(m, remat)
+        dense = memory._family_block(m, False, remat, True)
+        sparse = memory._family_block(m, False, remat, True, sparse=True)
+        router = 2 * m.experts + 2 * m.experts_per_token if remat == "none" else 0
+        assert sparse[0] - dense[0] == kept + router and sparse[1] - dense[1] == rows > 0, (remat, sparse, dense)

@@ -541,7 +541,9 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
 
     `sparse`: a MoE model's sparse LLM layer, whose MLP values are the sparse block's (`moe_saved`,
     `moe_cotangents`); with remat "selective" it also keeps the router's logits and the routed
-    rows' gate and up (its weight GEMMs' outputs)."""
+    rows' gate and up (its weight GEMMs' outputs); with chunks its MLP still runs on the whole rows,
+    outside the chunks' VJP, so the block keeps (remat "none": `moe_saved`) or holds (its working
+    set) the routed rows (`moe_routed_rows`) on top of the chunked attention's."""
     if remat == "selective" and chunked:
         remat = "layer"
     if vision:
@@ -564,6 +566,10 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
         work = 2 * hidden + 2 * qkv + heads * head_dim + attn
+        if sparse and not vision:        # the sparse MLP runs on the whole rows, outside the chunks
+            kept, rows = moe_routed_rows(m, remat)
+            inputs, work = inputs + kept + 2 * m.experts + 2 * m.experts_per_token, work + rows
+            return (inputs, rows) if remat == "none" else (hidden, work)
         return (inputs, 0.0) if remat == "none" else (hidden, work)
     if remat == "layer":
         return hidden, saved + cotangents
