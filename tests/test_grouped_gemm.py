@@ -13,7 +13,7 @@ import pytest
 from dhp_jax.model.hf import moe
 from hf_cases import TOL, relative_error
 
-S, K, E, D, I = 40, 2, 8, 16, 12
+S, K, E, D, I = 256, 2, 8, 16, 12      # blocks of 4 rows (8 with 4 experts here): padding in play
 
 
 def _act(g, u):
@@ -41,6 +41,7 @@ ROUTINGS = ("random", "empty_experts", "one_expert", "other_devices", "none_here
 def _value_and_grads(kind: str, routing: str, monkeypatch):
     rng = np.random.default_rng(ROUTINGS.index(routing))
     ids, first, local = _routing(routing, rng)
+    assert moe.block_rows(S * K, local) > 1
     experts = {"gate_up_proj": jnp.asarray(0.2 * rng.normal(size=(local, 2 * I, D)), jnp.float32),
                "down_proj": jnp.asarray(0.2 * rng.normal(size=(local, D, I)), jnp.float32)}
     z = jnp.asarray(rng.normal(size=(S, D)), jnp.float32)
