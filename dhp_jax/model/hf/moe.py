@@ -93,10 +93,10 @@ def grouped_experts(experts: Params, z: jax.Array, ids: jax.Array, weights: jax.
     live = source >= 0
     pair = jnp.take(order, jnp.maximum(source, 0))              # the (token, expert) pair of each slot
     token = pair // k
-    rows = jnp.where(live[:, None], jnp.take(z, token, axis=0), jnp.zeros((), z.dtype))   # [P, d]
+    rows = jnp.take(z, token, axis=0)                           # [P, d]; a padding slot reads some row,
     h = block_dot(rows, gate_up, group)
     y = block_dot(act(h[:, :inter], h[:, inter:]), down, group)
-    w = jnp.where(live, jnp.take(weights.reshape(-1), pair), jnp.zeros((), weights.dtype))
+    w = jnp.where(live, jnp.take(weights.reshape(-1), pair), jnp.zeros((), weights.dtype))   # weighed by 0
     return jnp.zeros_like(z).at[token].add(y * w[:, None].astype(y.dtype))
 
 
