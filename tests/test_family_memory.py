@@ -273,7 +273,7 @@ def test_moe_program_bytes_match_the_memory_model(t, remat):
 
 
 @pytest.mark.parametrize("t,remat", [pytest.param(t, r, marks=pytest.mark.xfail(
-    strict=True, reason="the tiny MoE programs compile 2.5-7 % above the model with its CPU term; the dense "
+    strict=True, reason="the tiny MoE programs compile 2-7 % above the model with its CPU term; the dense "
                         "tiny Qwen3-VL of the same dimensions compiles 1.5 % (remat none) and 4.2 % (layer) "
                         "above its model, and the MoE programs' remainder does not grow with k or the expert "
                         "width (not found)")) for t, r in MOE_ROWS])
