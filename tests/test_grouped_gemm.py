@@ -129,3 +129,30 @@ def test_blocks_program_holds_the_routed_rows_only(monkeypatch):
     blocks, ragged = temp("blocks"), temp("ragged")
     print(f"temp bytes: blocks {blocks}, ragged {ragged}, padded routed rows {rows}")
     assert blocks <= 3 * rows < ragged / 4, (blocks, ragged, rows)
+
+
+def test_padding_slots_never_reach_the_output(monkeypatch):
+    """A padding slot reads some token's row through its block's expert; its output is dropped, so
+    an expert that no pair reaches, with weights that overflow, leaves every output and gradient
+    finite and equal to `ragged_dot`'s (the blocks past the last expert's are that expert's)."""
+    rng = np.random.default_rng(7)
+    ids = jnp.asarray(rng.integers(0, E - 1, (S, K)), jnp.int32)            # expert E - 1 gets no pair
+    gate_up = 0.2 * rng.normal(size=(E, 2 * I, D))
+    gate_up[E - 1] = 1e30
+    experts = {"gate_up_proj": jnp.asarray(gate_up, jnp.float32),
+               "down_proj": jnp.asarray(0.2 * rng.normal(size=(E, D, I)), jnp.float32)}
+    z = jnp.asarray(0.1 + np.abs(rng.normal(size=(S, D))), jnp.float32)     # any row overflows through E - 1
+    weights = jnp.asarray(rng.random((S, K)), jnp.float32)
+    sizes = np.bincount(np.asarray(ids).reshape(-1), minlength=E)
+    b = moe.block_rows(S * K, E)
+    assert moe.padded_rows(S * K, E) > b * int(np.sum(-(-sizes // b)))          # blocks past the last expert's
+
+    def run(kind):
+        monkeypatch.setenv(moe.GROUPED_GEMM_ENV, kind)
+        f = lambda ex, z: jnp.sum(jnp.tanh(moe.grouped_experts(ex, z, ids, weights, _act)))
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(experts, z)
+    ref, got = run("ragged"), run("blocks")
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        assert np.all(np.isfinite(np.asarray(a)))
+        b = np.asarray(b, np.float64)
+        assert (relative_error(a, b) if np.any(b) else float(np.max(np.abs(a)))) <= TOL

@@ -92,12 +92,12 @@ def grouped_experts(experts: Params, z: jax.Array, ids: jax.Array, weights: jax.
     source, group = block_layout(sizes, s * k)
     live = source >= 0
     pair = jnp.take(order, jnp.maximum(source, 0))              # the (token, expert) pair of each slot
-    token = pair // k
-    rows = jnp.take(z, token, axis=0)                           # [P, d]; a padding slot reads some row,
+    token = jnp.where(live, pair // k, s)                       # a padding slot: past the rows, so it
+    rows = jnp.take(z, token, axis=0, mode="fill", fill_value=0)  # reads zeros [P, d] (no mask kept)
     h = block_dot(rows, gate_up, group)
     y = block_dot(act(h[:, :inter], h[:, inter:]), down, group)
-    w = jnp.where(live, jnp.take(weights.reshape(-1), pair), jnp.zeros((), weights.dtype))   # weighed by 0
-    return jnp.zeros_like(z).at[token].add(y * w[:, None].astype(y.dtype))
+    w = jnp.where(live, jnp.take(weights.reshape(-1), pair), jnp.zeros((), weights.dtype))
+    return jnp.zeros_like(z).at[token].add(y * w[:, None].astype(y.dtype), mode="drop")   # and adds nothing
 
 
 # --- the grouped GEMM ("ragged" or "blocks", `grouped_gemm_kind`) -----------------------------
