@@ -5,7 +5,7 @@ group program, bf16, remat "layer", the preset's linear chunk, sequence-parallel
 device, abstractly (params as `jax.ShapeDtypeStruct`) on 64 fake CPU devices, and XLA's
 `memory_analysis()` is set next to the memory model: the accelerator's figure (no CPU term, bf16
 activations), which is what `choose` prices, and the CPU program's figure (activations in 4 bytes
-and `memory.cpu_dense_grouped_gemm`), each with the device's state shard, against the 910B's usable
+and `memory.cpu_grouped_gemm_padding`), each with the device's state shard, against the 910B's usable
 bytes.
 
     python -m experiments.moe_fit_check        # writes experiments/results/moe_fit_check.json

@@ -32,7 +32,7 @@ from typing import Any, Mapping, Sequence
 
 from dhp_jax.data.model_configs import hf_layout, model_config, read_config
 from dhp_jax.planner import CostModel
-from dhp_jax.planner.cost.memory import REMATS, cpu_dense_grouped_gemm, group_program_bytes
+from dhp_jax.planner.cost.memory import REMATS, cpu_grouped_gemm_padding, group_program_bytes
 from dhp_jax.planner.cost.presets import ModelShape
 
 BASE = (3, 3)    # compiled (LLM layers, encoder blocks): the 3 DeepStack blocks of Qwen3-VL fit
@@ -109,7 +109,7 @@ def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, h
     `CostModel.preset(..., sequence_parallel=...)`), activations in `activation_bytes` per element
     (default: the compute dtype's; a bf16 program compiled for CPU devices holds them in 4).
     `cpu_terms`: price the program as XLA:CPU compiles it, the accelerator's figure plus the named
-    CPU terms (`memory.cpu_dense_grouped_gemm` per local token, in the activation bytes); without,
+    CPU terms (`memory.cpu_grouped_gemm_padding` per token, in the activation bytes); without,
     the accelerator's figure."""
     extra = {"sequence_parallel": sequence_parallel, "ranks_per_node": 8 // tensor_parallel} if tensor_parallel > 1 else {}
     cost = CostModel.preset(model_shape(raw, params), hardware, remat=remat, compute_dtype=compute_dtype,
@@ -117,7 +117,7 @@ def modelled(raw: Mapping[str, Any], params: int, degree: int, tokens: int, *, h
                             tensor_parallel=tensor_parallel, activation_bytes=activation_bytes, **extra)
     if cpu_terms:
         shape = model_shape(raw, params)
-        add = cpu_dense_grouped_gemm(shape, tensor_parallel) * float(activation_bytes or cost.activation_bytes)
+        add = cpu_grouped_gemm_padding(shape, remat) * float(activation_bytes or cost.activation_bytes)
         cost = cost.replace(mem_per_token=cost.mem_per_token + add)
     return float(group_program_bytes(cost, [int(tokens)], int(degree)))
 

@@ -7,14 +7,31 @@ its `top_k` experts of highest probability with weights those probabilities (div
 when `norm_topk_prob`). Dropless: every token reaches all k of its experts (no capacity factor).
 
 Experts: the S * k (token, expert) pairs are sorted by expert (a stable sort, static shape
-[S * k]) and each expert's rows are one group of a grouped GEMM (`jax.lax.ragged_dot`): rows
-x @ gate_up[e] -> act(gate) * up -> @ down[e], scaled by the routing weight and summed back onto
-their tokens. Expert parallelism inside a rank: a device holds experts [r E/t, (r+1) E/t) (the
-leading axis of `experts.*` split over the rank's t devices, `dhp_jax.sharding.tensor_parallel`);
-the pairs routed to other devices' experts are sorted after its own and fall outside every group
-(`ragged_dot` gives them zero rows), so the device's output is the sum over its experts only and
-the rank's sum over its devices (the row-split collective of the dense MLP: a psum, or the
-reduce-scatter under sequence parallelism) is the whole block's output.
+[S * k]) and each expert's rows are one group of a grouped GEMM: rows x @ gate_up[e] ->
+act(gate) * up -> @ down[e], scaled by the routing weight and summed back onto their tokens.
+Expert parallelism inside a rank: a device holds experts [r E/t, (r+1) E/t) (the leading axis of
+`experts.*` split over the rank's t devices, `dhp_jax.sharding.tensor_parallel`); the pairs routed
+to other devices' experts are sorted after its own and fall outside every group, so the device's
+output is the sum over its experts only and the rank's sum over its devices (the row-split
+collective of the dense MLP: a psum, or the reduce-scatter under sequence parallelism) is the
+whole block's output.
+
+The grouped GEMM has two formulations, equal in value and gradient, chosen when the block is
+traced (`grouped_gemm_kind`):
+- "ragged": `jax.lax.ragged_dot` over the S * k sorted rows. jax registers a lowering of its
+  primitive to XLA's `chlo.ragged_dot` instruction for the "tpu" and "gpu" platforms only
+  (`jax/_src/lax/lax.py`, the `register_lowering` calls of `ragged_dot_general_p`); on every other
+  platform, XLA:CPU included, it lowers through `_ragged_dot_general_impl`, which masks the rows
+  into a dense [groups, rows, width] copy per GEMM (and per cotangent in the backward pass): a
+  program holding E_l x S x k rows where the routed rows are S x k.
+- "blocks" (`block_dot`): each expert's sorted rows start at a multiple of a block of B rows
+  (`block_layout`), a static count of blocks covers any routing, and a `lax.scan` over the blocks
+  multiplies each block by its expert's weights (taken by dynamic index); its backward pass is a
+  scan too, accumulating each block's weight gradient into its expert's slice. The program holds
+  the padded rows only: at most S * k (1 + 1 / BLOCKS_PER_EXPERT) (`padded_rows`).
+The rule: "ragged" where jax's default backend is one of `NATIVE_RAGGED_DOT`, "blocks" elsewhere;
+the environment variable `DHP_GROUPED_GEMM` ("ragged" or "blocks") overrides it (tests run both
+on CPU devices).
 
 Parameters of a sparse layer (transformers' `state_dict()`): `mlp.gate.weight` [E, d] (the tree's
 `gate.kernel` [d, E]), `mlp.experts.gate_up_proj` [E, 2 I, d] (gate rows, then up rows) and
@@ -29,6 +46,7 @@ tokens: what transformers' `load_balancing_loss_func` accumulates over the layer
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import jax
@@ -55,7 +73,8 @@ def grouped_experts(experts: Params, z: jax.Array, ids: jax.Array, weights: jax.
                     first: Any = 0) -> jax.Array:
     """sum over each token's k experts held here of weight * expert(z) [S, d]. `experts` holds
     the E_l experts first .. first + E_l - 1 (`gate_up_proj` [E_l, 2 I, d], `down_proj` [E_l, d,
-    I]); pairs routed elsewhere contribute nothing. Static shapes: S * k rows, sorted by expert."""
+    I]); pairs routed elsewhere contribute nothing. Static shapes: S * k rows, sorted by expert,
+    multiplied by `grouped_gemm_kind`'s grouped GEMM."""
     gate_up, down = experts["gate_up_proj"], experts["down_proj"]
     local, inter = gate_up.shape[0], down.shape[-1]
     s, k = ids.shape
@@ -63,12 +82,113 @@ def grouped_experts(experts: Params, z: jax.Array, ids: jax.Array, weights: jax.
     key = jnp.where((e >= 0) & (e < local), e, local)          # other devices' experts sort last
     order = jnp.argsort(key, stable=True)
     sizes = jnp.bincount(key, length=local + 1)[:local].astype(jnp.int32)
-    token = order // k
-    rows = jnp.take(z, token, axis=0)                           # [S k, d]
-    h = jax.lax.ragged_dot(rows, jnp.swapaxes(gate_up, 1, 2), sizes)
-    y = jax.lax.ragged_dot(act(h[:, :inter], h[:, inter:]), jnp.swapaxes(down, 1, 2), sizes)
-    w = jnp.take(weights.reshape(-1), order)
-    return jnp.zeros_like(z).at[token].add(y * w[:, None].astype(y.dtype))
+    if grouped_gemm_kind() == "ragged":
+        token = order // k
+        rows = jnp.take(z, token, axis=0)                       # [S k, d]
+        h = jax.lax.ragged_dot(rows, jnp.swapaxes(gate_up, 1, 2), sizes)
+        y = jax.lax.ragged_dot(act(h[:, :inter], h[:, inter:]), jnp.swapaxes(down, 1, 2), sizes)
+        w = jnp.take(weights.reshape(-1), order)
+        return jnp.zeros_like(z).at[token].add(y * w[:, None].astype(y.dtype))
+    source, group = block_layout(sizes, s * k)
+    live = source >= 0
+    pair = jnp.take(order, jnp.maximum(source, 0))              # the (token, expert) pair of each slot
+    token = jnp.where(live, pair // k, s)                       # a padding slot: past the rows, so it
+    rows = jnp.take(z, token, axis=0, mode="fill", fill_value=0)  # reads zeros [P, d] (no mask kept)
+    h = block_dot(rows, gate_up, group)
+    y = block_dot(act(h[:, :inter], h[:, inter:]), down, group)
+    w = jnp.where(live, jnp.take(weights.reshape(-1), pair), jnp.zeros((), weights.dtype))
+    return jnp.zeros_like(z).at[token].add(y * w[:, None].astype(y.dtype), mode="drop")   # and adds nothing
+
+
+# --- the grouped GEMM ("ragged" or "blocks", `grouped_gemm_kind`) -----------------------------
+
+GROUPED_GEMM_ENV = "DHP_GROUPED_GEMM"
+GROUPED_GEMMS = ("ragged", "blocks")
+NATIVE_RAGGED_DOT = ("tpu", "gpu")      # platforms jax lowers `ragged_dot` to XLA's instruction on
+BLOCKS_PER_EXPERT = 16                  # the block size keeps a group's padding under rows / this / groups
+
+
+def grouped_gemm_kind() -> str:
+    """The grouped GEMM a trace uses: `DHP_GROUPED_GEMM` ("ragged" or "blocks") when set, else
+    "ragged" where jax's default backend is one of `NATIVE_RAGGED_DOT`, "blocks" elsewhere."""
+    kind = os.environ.get(GROUPED_GEMM_ENV, "")
+    if kind and kind not in GROUPED_GEMMS:
+        raise ValueError(f"environment variable {GROUPED_GEMM_ENV}={kind!r} is not one of {GROUPED_GEMMS}")
+    return kind or ("ragged" if jax.default_backend() in NATIVE_RAGGED_DOT else "blocks")
+
+
+def block_rows(rows: int, groups: int) -> int:
+    """The block size B of `block_layout` for `rows` sorted rows over `groups` groups: the largest
+    B with groups x B <= rows / BLOCKS_PER_EXPERT, at least 1 (B = 1: no padding at all)."""
+    return max(1, rows // (BLOCKS_PER_EXPERT * max(1, groups)))
+
+
+def padded_rows(rows: int, groups: int) -> int:
+    """Static row count P of `block_layout`: the whole blocks that any split of `rows` rows over
+    `groups` groups fills, each group's rows rounded up to a whole block (P < rows + groups x B <=
+    rows (1 + 1 / BLOCKS_PER_EXPERT))."""
+    b = block_rows(rows, groups)
+    return (rows + groups * (b - 1)) // b * b
+
+
+def block_layout(sizes: jax.Array, rows: int) -> tuple[jax.Array, jax.Array]:
+    """(source [P] int: the sorted row each padded slot holds, -1 for a padding slot; group [P / B]
+    int: the group of each block of B = `block_rows` slots) of `rows` rows sorted by group, `sizes`
+    [G] the rows of each group (their sum at most `rows`; the rows after them are in no group and
+    in no slot). Group g's rows fill whole blocks from its first; blocks past the last group's
+    are padding of group G - 1."""
+    groups = sizes.shape[0]
+    b = block_rows(rows, groups)
+    slots = padded_rows(rows, groups)
+    blocks = (sizes + b - 1) // b                              # blocks of each group
+    block_end = jnp.cumsum(blocks)
+    group = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(slots // b), side="right"), groups - 1)
+    slot = jnp.arange(slots)
+    g = jnp.repeat(group, b)                                   # group of each slot
+    offset = slot - (block_end - blocks)[g] * b                # slot's row within its group
+    first_row = jnp.cumsum(sizes) - sizes
+    live = (offset < sizes[g]) & (slot < block_end[-1] * b)
+    return jnp.where(live, first_row[g] + offset, -1).astype(jnp.int32), group.astype(jnp.int32)
+
+
+def _blocks(x: jax.Array, group: jax.Array) -> jax.Array:
+    return x.reshape(group.shape[0], x.shape[0] // group.shape[0], x.shape[1])
+
+
+@jax.custom_vjp
+def block_dot(x: jax.Array, w: jax.Array, group: jax.Array) -> jax.Array:
+    """[P, out]: each block n of B = P / N rows of x [P, in] times w[group[n]] transposed (w [G,
+    out, in], the experts' stored layout; group [N] int), one block at a time (`lax.scan`), so that
+    nothing but the rows and one expert's weights is live."""
+    def step(_, block):
+        xb, g = block
+        wg = jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False)
+        return None, jax.lax.dot_general(xb, wg, (((1,), (1,)), ((), ())))
+    _, out = jax.lax.scan(step, None, (_blocks(x, group), group))
+    return out.reshape(x.shape[0], w.shape[1])
+
+
+def _block_dot_fwd(x, w, group):
+    return block_dot(x, w, group), (x, w, group)
+
+
+def _block_dot_bwd(res, dy):
+    """x's cotangent block by block (dy_n @ w[g_n]) and w's accumulated in its group's slice
+    (sum over the group's blocks of dy_n^T @ x_n), in one scan over the blocks."""
+    x, w, group = res
+
+    def step(dw, block):
+        xb, dyb, g = block
+        wg = jax.lax.dynamic_index_in_dim(w, g, 0, keepdims=False)
+        dx = jax.lax.dot_general(dyb, wg, (((1,), (0,)), ((), ())))
+        dwg = jax.lax.dot_general(dyb, xb, (((0,), (0,)), ((), ())))
+        now = jax.lax.dynamic_index_in_dim(dw, g, 0, keepdims=False)
+        return jax.lax.dynamic_update_index_in_dim(dw, (now + dwg).astype(dw.dtype), g, 0), dx.astype(x.dtype)
+    dw, dx = jax.lax.scan(step, jnp.zeros_like(w), (_blocks(x, group), _blocks(dy, group), group))
+    return dx.reshape(x.shape), dw, None
+
+
+block_dot.defvjp(_block_dot_fwd, _block_dot_bwd)
 
 
 def router_stats(probs: jax.Array, ids: jax.Array, live: jax.Array, num_experts: int) -> jax.Array:

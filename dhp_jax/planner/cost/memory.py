@@ -414,23 +414,41 @@ def moe_saved(m: Any) -> int:
     return 2 * m.experts + 2 * k + 2 * k * m.hidden + 3 * k * m.expert_intermediate
 
 
-# XLA:CPU runs `jax.lax.ragged_dot` through JAX's dense fallback (`_ragged_dot_general_impl` in
-# jax/_src/lax/lax.py): each grouped GEMM's input is masked into a dense [groups, rows, width]
-# array, one copy per group, and one dot contracts over the groups (the backward pass does the same
-# for the cotangents). A sparse layer's backward pass on XLA:CPU therefore holds, on top of what a
-# grouped GEMM holds, such a copy of both expert GEMMs' inputs (the routed rows, hidden wide, and
-# the SwiGLU product, expert-width wide) over the device's experts (`cpu_dense_grouped_gemm`); an
-# accelerator's grouped GEMM touches only the routed rows.
-def cpu_dense_grouped_gemm(m: Any, t: int = 1) -> int:
-    """Elements per local token that a MoE group program compiled by XLA:CPU holds beyond the
-    accelerator's figure: the device's experts E / t x the k rows a token is routed to x (hidden +
-    expert width); 0 for a dense model. `dhp bench memory --families` adds it (in the activation
-    bytes) to the model's figure when it compiles for CPU devices, and records the figure without
-    it as the accelerator's; the planner never prices it."""
+# The grouped expert GEMM a MoE program compiled for CPU devices runs (`dhp_jax.model.hf.moe`, its
+# "blocks" formulation: XLA:CPU has no grouped GEMM of its own, and jax's fallback for
+# `ragged_dot` there masks the rows into a dense copy per expert) starts each expert's sorted rows
+# at a whole block of B rows: its row buffers have S k + E_l (B - 1) rows where an accelerator's
+# `ragged_dot` has S k, B the largest with E_l B <= S k / CPU_BLOCKS_PER_EXPERT (`moe.block_rows`),
+# so the padding is about S k / CPU_BLOCKS_PER_EXPERT rows whatever E_l.
+CPU_BLOCKS_PER_EXPERT = 16      # `dhp_jax.model.hf.moe.BLOCKS_PER_EXPERT`
+
+
+def moe_routed_rows(m: Any, remat: str) -> tuple[int, int]:
+    """(elements per token of the k routed rows a sparse layer keeps for its backward pass, those
+    of the routed rows in the working set of its backward pass): the dispatch buffer, the gate, up
+    and product and the expert outputs (`moe_saved`'s rows) and their cotangents
+    (`moe_cotangents`'s rows); kept at remat "none", the gate and up at "selective", none at
+    "layer" (its working set recomputes them)."""
+    k, d, inter = m.experts_per_token, m.hidden, m.expert_intermediate
+    saved = 2 * k * d + 3 * k * inter
+    cf, _ = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
+    cotangents = cf * k * inter + 2 * k * d
+    if remat == "none":
+        return saved, cotangents
+    return (2 * k * inter if remat == "selective" else 0), saved + cotangents
+
+
+def cpu_grouped_gemm_padding(m: Any, remat: str = "none") -> float:
+    """Elements per token that a MoE group program compiled by XLA:CPU holds beyond the
+    accelerator's figure: the padding rows of its blocked grouped GEMM, 1 / CPU_BLOCKS_PER_EXPERT of
+    the routed rows (`moe_routed_rows`) that every sparse layer keeps and that the backward pass of
+    one holds; 0 for a dense model. `dhp bench memory --families` adds it (in the activation bytes)
+    to the model's figure when it compiles for CPU devices, and records the figure without it as the
+    accelerator's; the planner never prices it."""
     if not _moe(m):
-        return 0
-    local = -(-int(m.experts) // int(t))
-    return local * int(m.experts_per_token) * (int(m.hidden) + int(m.expert_intermediate))
+        return 0.0
+    kept, work = moe_routed_rows(m, remat)
+    return (m.sparse_layers * kept + work) / CPU_BLOCKS_PER_EXPERT
 
 
 def moe_cotangents(m: Any, remat: str) -> int:
@@ -581,7 +599,9 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
 
     `sparse`: a MoE model's sparse LLM layer, whose MLP values are the sparse block's (`moe_saved`,
     `moe_cotangents`); with remat "selective" it also keeps the router's logits and the routed
-    rows' gate and up (its weight GEMMs' outputs)."""
+    rows' gate and up (its weight GEMMs' outputs); with chunks its MLP still runs on the whole rows,
+    outside the chunks' VJP, so the block keeps (remat "none": `moe_saved`) or holds (its working
+    set) the routed rows (`moe_routed_rows`) on top of the chunked attention's."""
     if remat == "selective" and chunked:
         remat = "layer"
     if vision:
@@ -604,6 +624,10 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
         work = 2 * hidden + 2 * qkv + heads * head_dim + attn
+        if sparse and not vision:        # the sparse MLP runs on the whole rows, outside the chunks
+            kept, rows = moe_routed_rows(m, remat)
+            inputs, work = inputs + kept + 2 * m.experts + 2 * m.experts_per_token, work + rows
+            return (inputs, rows) if remat == "none" else (hidden, work)
         return (inputs, 0.0) if remat == "none" else (hidden, work)
     if remat == "layer":
         return hidden, saved + cotangents
