@@ -293,19 +293,3 @@ def load_experts(named: Iterable[tuple[str, Any]], layout: str,
         yield name, w
     for prefix, mats in pending.items():
         yield from xl.fuse(prefix, mats, 1 + max(e for e, _ in mats))
-
-
-def save_experts(weights: Mapping[str, Any], layout: str) -> dict[str, Any]:
-    """{name: weight} of transformers' fused layout in the published `layout` (`load_experts`'s
-    inverse)."""
-    if layout == "fused":
-        return dict(weights)
-    out: dict[str, Any] = {}
-    for name, w in weights.items():
-        if not xl.is_fused(name):
-            out[name] = w
-        elif layout == "fused_transposed":
-            out[name] = np.ascontiguousarray(np.swapaxes(np.asarray(w), 1, 2))
-        else:
-            out.update((k, np.ascontiguousarray(v)) for k, v in xl.split(name, np.asarray(w)).items())
-    return out
