@@ -96,18 +96,27 @@ def test_block_layout_places_each_groups_rows_in_its_own_blocks():
 
 
 def test_grouped_gemm_kind_rule_and_override(monkeypatch):
-    """"ragged" on the platforms jax lowers `ragged_dot` natively on, "blocks" elsewhere (CPU
-    here); the environment variable overrides it, and a bad value is refused by name."""
+    """"ragged" unless a `grouped_gemm` block (the memory measurements) says "blocks"; the
+    environment variable overrides both, and a bad value is refused by name."""
     monkeypatch.delenv(moe.GROUPED_GEMM_ENV, raising=False)
-    want = "ragged" if jax.default_backend() in moe.NATIVE_RAGGED_DOT else "blocks"
-    assert moe.grouped_gemm_kind() == want
-    assert jax.default_backend() != "cpu" or want == "blocks"
+    assert moe.grouped_gemm_kind() == "ragged"
+    with moe.grouped_gemm("blocks"):
+        assert moe.grouped_gemm_kind() == "blocks"
+        with moe.grouped_gemm("ragged"):
+            assert moe.grouped_gemm_kind() == "ragged"
+        assert moe.grouped_gemm_kind() == "blocks"
+    assert moe.grouped_gemm_kind() == "ragged"
     for kind in moe.GROUPED_GEMMS:
         monkeypatch.setenv(moe.GROUPED_GEMM_ENV, kind)
         assert moe.grouped_gemm_kind() == kind
+        with moe.grouped_gemm("blocks" if kind == "ragged" else "ragged"):
+            assert moe.grouped_gemm_kind() == kind
     monkeypatch.setenv(moe.GROUPED_GEMM_ENV, "dense")
     with pytest.raises(ValueError, match="DHP_GROUPED_GEMM='dense' is not one of"):
         moe.grouped_gemm_kind()
+    with pytest.raises(ValueError, match="grouped GEMM 'dense' is not one of"):
+        with moe.grouped_gemm("dense"):
+            pass
 
 
 def test_blocks_program_holds_the_routed_rows_only(monkeypatch):

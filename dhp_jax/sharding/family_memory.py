@@ -76,6 +76,7 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
                     tensor_parallel: int = 1, sequence_parallel: bool = False) -> tuple[Any, int]:
     """(XLA's `memory_analysis()` of the compiled group program, its parameter count) (`compiled`;
     with `tensor_parallel` t > 1 the program of one device of a rank of t, on degree x t devices)."""
+    from dhp_jax.model.hf import moe
     from dhp_jax.model.hf.abstract import abstract_params
     from dhp_jax.model.hf.api import parse_config
     from dhp_jax.sharding.executor import PlanExecutor
@@ -93,7 +94,12 @@ def memory_analysis(raw: Mapping[str, Any], degree: int, tokens: int, devices: S
     options = dict(ex.compiler_options)
     if all(d.platform == "cpu" for d in group):
         options.update(CPU_MEMORY_OPTIONS)
-    program = ex.lower(degree, stream, group).compile(compiler_options=options)
+        # the grouped GEMM as an accelerator's holds it: the routed rows (`moe.grouped_gemm`)
+        with moe.grouped_gemm("blocks"):
+            lowered = ex.lower(degree, stream, group)
+    else:
+        lowered = ex.lower(degree, stream, group)
+    program = lowered.compile(compiler_options=options)
     return program.memory_analysis(), ex.layout.size
 
 

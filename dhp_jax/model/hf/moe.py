@@ -29,9 +29,16 @@ traced (`grouped_gemm_kind`):
   multiplies each block by its expert's weights (taken by dynamic index); its backward pass is a
   scan too, accumulating each block's weight gradient into its expert's slice. The program holds
   the padded rows only: at most S * k (1 + 1 / BLOCKS_PER_EXPERT) (`padded_rows`).
-The rule: "ragged" where jax's default backend is one of `NATIVE_RAGGED_DOT`, "blocks" elsewhere;
-the environment variable `DHP_GROUPED_GEMM` ("ragged" or "blocks") overrides it (tests run both
-on CPU devices).
+The rule: a run executes "ragged" on every platform; the memory measurements of XLA:CPU programs
+(`dhp_jax.sharding.family_memory.memory_analysis`, `dhp bench memory --families`,
+`experiments/moe_fit_check.py`) compile "blocks" (`grouped_gemm("blocks")`), which holds what an
+accelerator's native grouped GEMM holds (the routed rows), where XLA:CPU's "ragged" would hold the
+dense copies. Runs on CPU devices do not execute "blocks": XLA:CPU's thunk runtime can run a
+collective inside a conditional (the pad-skipping chunks under sequence parallelism) concurrently
+with another collective of the same program, and with the blocks' scans in the program the two
+devices of a rank were seen to enter them in different orders and wait on each other. The
+environment variable `DHP_GROUPED_GEMM` ("ragged" or "blocks") overrides both (the tests compare
+the two forms on CPU devices).
 
 Parameters of a sparse layer (transformers' `state_dict()`): `mlp.gate.weight` [E, d] (the tree's
 `gate.kernel` [d, E]), `mlp.experts.gate_up_proj` [E, 2 I, d] (gate rows, then up rows) and
@@ -104,17 +111,32 @@ def grouped_experts(experts: Params, z: jax.Array, ids: jax.Array, weights: jax.
 
 GROUPED_GEMM_ENV = "DHP_GROUPED_GEMM"
 GROUPED_GEMMS = ("ragged", "blocks")
-NATIVE_RAGGED_DOT = ("tpu", "gpu")      # platforms jax lowers `ragged_dot` to XLA's instruction on
 BLOCKS_PER_EXPERT = 16                  # the block size keeps a group's padding under rows / this / groups
 
 
+_FORCED: list[str] = []
+
+
+@contextlib.contextmanager
+def grouped_gemm(kind: str) -> Iterator[None]:
+    """Within the block, MoE blocks traced use the grouped GEMM `kind` ("ragged" or "blocks")
+    unless `DHP_GROUPED_GEMM` is set."""
+    if kind not in GROUPED_GEMMS:
+        raise ValueError(f"grouped GEMM {kind!r} is not one of {GROUPED_GEMMS}")
+    _FORCED.append(kind)
+    try:
+        yield
+    finally:
+        _FORCED.pop()
+
+
 def grouped_gemm_kind() -> str:
-    """The grouped GEMM a trace uses: `DHP_GROUPED_GEMM` ("ragged" or "blocks") when set, else
-    "ragged" where jax's default backend is one of `NATIVE_RAGGED_DOT`, "blocks" elsewhere."""
+    """The grouped GEMM a trace uses: `DHP_GROUPED_GEMM` ("ragged" or "blocks") when set, else the
+    innermost `grouped_gemm` block's, else "ragged" (the module docstring's rule)."""
     kind = os.environ.get(GROUPED_GEMM_ENV, "")
     if kind and kind not in GROUPED_GEMMS:
         raise ValueError(f"environment variable {GROUPED_GEMM_ENV}={kind!r} is not one of {GROUPED_GEMMS}")
-    return kind or ("ragged" if jax.default_backend() in NATIVE_RAGGED_DOT else "blocks")
+    return kind or (_FORCED[-1] if _FORCED else "ragged")
 
 
 def block_rows(rows: int, groups: int) -> int:
