@@ -132,3 +132,16 @@ def torch_family_cases(tmp_path_factory, families: dict, prefix: str) -> dict:
         samples = [hf.sample_from_inputs(config, x, lab, sample_id=i) for i, (x, lab) in enumerate(zip(batch, labels))]
         out[family] = (path, batch, samples, model, reference(model, batch, labels), labels)
     return out
+
+
+def check_torch_family(family: str, ours, batch: list[dict], samples: list, model, step, ref: tuple) -> None:
+    """The torch backend's family model `ours` against transformers' `model`: every sample's logits,
+    and the batch's loss and gradients of `step(ours, samples)` -> (loss, grads) against `ref`
+    (loss, grads), each at the relative tolerance `hc.TOL`."""
+    ref_loss, ref_grads = ref
+    worst = max(hc.relative_error(ours.logits(s).numpy(), hc.reference_logits(model, x)) for x, s in zip(batch, samples))
+    loss, grads = step(ours, samples)
+    loss_err = abs(loss - ref_loss) / abs(ref_loss)
+    grad_err, name = relative_errors(grads, ref_grads)
+    print(f"torch {family}: logits {worst:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e} ({name})")
+    assert worst <= hc.TOL and loss_err <= hc.TOL and grad_err <= hc.TOL, (worst, loss_err, grad_err, name)

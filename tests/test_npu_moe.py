@@ -215,19 +215,14 @@ def test_sparse_block_and_router_loss_match_transformers():
 def test_moe_family_matches_transformers(cases, family, tmp_path):
     from npu_backend.hf import load_family
 
-    path, batch, samples, model, (ref_loss, ref_grads), _ = cases[family]
+    path, batch, samples, model, ref, _ = cases[family]
     ours = load_family(path)
     spec = ours.config.text.moe
     assert (spec.num_experts, spec.top_k, sum(spec.sparse), len(spec.sparse)) == (E, K, 2, 3), spec
-    worst = max(hc.relative_error(ours.logits(s).numpy(), hc.reference_logits(model, x)) for x, s in zip(batch, samples))
-    loss, grads = _one_process(ours, samples)
-    loss_err = abs(loss - ref_loss) / abs(ref_loss)
-    grad_err, name = ec.relative_errors(grads, ref_grads)
-    print(f"torch {family}: logits {worst:.1e}, loss {loss_err:.1e}, grads {grad_err:.1e} ({name})")
-    assert worst <= hc.TOL and loss_err <= hc.TOL and grad_err <= hc.TOL, (worst, loss_err, grad_err, name)
+    ec.check_torch_family(family, ours, batch, samples, model, _one_process, ref)
     if family == "internvl":      # transformers' model never adds the router loss, so neither do we
         routed = load_family(_with_router_loss(path, str(tmp_path / "routed")))
-        assert abs(_one_process(routed, samples)[0] - ref_loss) <= hc.TOL * ref_loss
+        assert abs(_one_process(routed, samples)[0] - ref[0]) <= hc.TOL * ref[0]
 
 
 # the published layout of each family's experts: Qwen3-VL-MoE's releases fused and transposed, InternVL3.5's
