@@ -107,6 +107,8 @@ class Planner:
             if not is_profile(args.cost or args.model):
                 # a preset's model states are ZeRO-sharded over the node, or over all ranks when a rank is a node
                 extra["zero_shards"] = max(args.ranks_per_node, world)
+            # no `router_phase` (`CostModel`): with the load-balancing loss on, this executor still runs
+            # each micro-batch's forward pass once (`npu_backend.executor`), not a router program first
             self.cost = cost_from_args(args, **extra)
 
     def _plan(self, samples: Sequence) -> Plan:

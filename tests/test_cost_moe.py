@@ -187,3 +187,69 @@ def test_choose_says_why_nothing_fits():
         tp.choose("qwen3-vl-235b-a22b", "ascend-910b", 65536, 64)
     with pytest.raises(ValueError, match="unknown model 'mixtral'"):
         tp.choose("mixtral", "ascend-910b", 65536, 64)
+
+
+# the router phase (`CostModel.router_phase`): layer 3 dense too, so the router program stops at layer 1
+ROUTED = presets.ModelShape.from_config({**_tiny(), "text_config": {**_tiny()["text_config"], "mlp_only_layers": [3]}})
+
+
+def test_the_router_phase_adds_one_forward_pass_to_the_step():
+    """With the load-balancing loss on, each group first runs the router program: the vision encoder
+    and projector and the LLM layers through the last sparse one (here 0 dense and 1 sparse), forward
+    only, no LM head. Each time term grows by that pass, counted by hand; a group's priced time by
+    those terms at the same lengths."""
+    from dhp_jax.planner.cost import pricing
+
+    assert (ROUTED.sparse_layers, ROUTED.router_depth, M.router_depth) == (1, 2, L)
+    hw, el = presets.HARDWARE["ascend-910b"], 2
+    off = CostModel.preset(ROUTED, "ascend-910b", state_shards=8)
+    on = CostModel.preset(ROUTED, "ascend-910b", state_shards=8, router_phase=True)
+    assert (off.router_phase, on.router_phase) == (False, True)
+    lin, att = hw.peak_flops * hw.mfu_linear, hw.peak_flops * hw.mfu_attention
+    gemm = (ATTN + 3 * D * FF) + (ATTN + D * E + K * 3 * D * FE)      # layers 0 and 1; no LM head
+    want = {"a1": 2.0 * H * HD * 2 / att, "a2": 2.0 * gemm / lin,
+            "a2_vision": off.a2_vision / 4,         # the step runs the encoder 4 times at remat "layer"
+            "b1": 2 * 100e-6, "kv_bytes_per_token": 2 * 2 * KV * HD * el,
+            "a2a_bytes_per_token": 2 * (2 * H + 2 * KV) * HD * el,
+            "lat_intra": 2 * hw.lat_intra, "lat_inter": 2 * hw.lat_inter}
+    for field, extra in want.items():
+        assert getattr(on, field) - getattr(off, field) == pytest.approx(extra, rel=1e-9), field
+    same = {f.name for f in dataclasses.fields(CostModel)} - set(want) - {"router_phase"}
+    assert all(getattr(on, f) == getattr(off, f) for f in same)          # memory and the rest: unchanged
+    # one rank, no traffic: the group's time is linear in (a1, a2, a2_vision, b1)
+    fwd = off.replace(**{f: getattr(on, f) - getattr(off, f) for f in ("a1", "a2", "a2_vision", "b1")})
+    lengths, etas = [3000, 700], [0.3, 0.0]
+    t_on, t_off = pricing.group_time(on, lengths, 1, etas), pricing.group_time(off, lengths, 1, etas)
+    assert t_on - t_off == pytest.approx(pricing.group_time(fwd, lengths, 1, etas), rel=1e-9)
+    assert t_on > t_off
+    # every layer sparse (Qwen3-VL-30B-A3B's layout): attention grows by exactly one pass of 4
+    a, b = (CostModel.preset("qwen3-vl-30b-a3b", "ascend-910b", state_shards=512, require_fit=False, router_phase=r)
+            for r in (False, True))
+    assert b.a1 == pytest.approx(a.a1 * 5 / 4, rel=1e-12) and b.a2_vision == pytest.approx(a.a2_vision * 5 / 4)
+
+
+def test_the_router_phase_under_tensor_parallelism():
+    """t = 2: one device's share of the pass and one pass of the sequence-parallel collectives
+    (the step's 3 at remat "layer"), the sparse layer's rows exchange among them."""
+    t, el = 2, 2
+    hw = presets.HARDWARE["ascend-910b"]
+    kw = dict(tensor_parallel=t, ranks_per_node=4, state_shards=8, sequence_parallel=True)
+    off = CostModel.preset(ROUTED, "ascend-910b", **kw)
+    on = CostModel.preset(ROUTED, "ascend-910b", router_phase=True, **kw)
+    bw = min(hw.a2a_bw_intra, (t - 1) * hw.p2p_bw_intra)
+    share = (t - 1) / t * el * D
+    # layer 0: 2 gathers + 2 scatters; layer 1: the attention's 2 and the rows' join and scatter
+    rows = (4 + 2 + 2) * share
+    gemm = (ATTN + 3 * D * FF + ATTN + K * 3 * D * FE) / t + D * E
+    assert on.a2 - off.a2 == pytest.approx(2.0 * gemm / (hw.peak_flops * hw.mfu_linear) + rows / bw, rel=1e-9)
+    assert on.a1 - off.a1 == pytest.approx(2.0 * H * HD * 2 / (hw.peak_flops * hw.mfu_attention) / t, rel=1e-9)
+
+
+def test_a_saved_cost_model_keeps_the_router_phase(tmp_path):
+    on = CostModel.preset(ROUTED, "ascend-910b", state_shards=8, router_phase=True)
+    on.save(tmp_path / "cost.json")
+    back = CostModel.from_profile(tmp_path / "cost.json")
+    assert back == on and back.router_phase
+    assert CostModel.from_dict({k: v for k, v in on.to_dict().items() if k != "router_phase"}).router_phase is False
+    with pytest.raises(ValueError, match=r"replace\(router_phase=False\): the router program's forward pass is part"):
+        on.replace(router_phase=False)

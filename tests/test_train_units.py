@@ -214,3 +214,22 @@ def test_progress_fits_its_output(tmp_path, capsys):
         bar.log_step({"step": step, "loss": 1.0, "step_time_s": 0.1})
     bar.close()
     assert "\r" in capsys.readouterr().err
+
+
+def test_the_cost_model_prices_the_router_phase_exactly_when_the_loss_is_on(tmp_path):
+    """The planning cost model of a run prices each group's router forward pass
+    (`CostModel.router_phase`) when and only when the run adds the load-balancing loss: a weight
+    set for the run, or the family's default from config.json (the tiny Qwen3-VL-MoE's: off); a
+    profile measured otherwise is refused."""
+    from dhp_jax.train.trainer import TrainError, prepare_run
+
+    base = ["model=tiny-qwen3_vl_moe", "num_ranks=2", "data.batch_size=2", "data.max_tokens=48",
+            "compare.enabled=false", "metrics.progress=false"]
+    costs = {coef: prepare_run(load_config(overrides=base + ([f"model.router_aux_loss_coef={coef}"] if coef is not None
+                                                             else []))).cost for coef in (None, 0.0, 0.01)}
+    assert {k: c.router_phase for k, c in costs.items()} == {None: False, 0.0: False, 0.01: True}
+    assert costs[0.01].a2 > costs[0.0].a2 and costs[0.0] == costs[None]
+    costs[0.0].save(tmp_path / "cost.json")
+    with pytest.raises(TrainError, match=r"cost.json' prices no router phase \(router_phase=False\); the run adds"):
+        prepare_run(load_config(overrides=base + ["model.router_aux_loss_coef=0.01",
+                                                  f"planner.cost_profile={tmp_path / 'cost.json'}"]))

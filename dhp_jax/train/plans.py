@@ -103,13 +103,14 @@ def attach_programs(source: PlanSource, compile_price_s: float, ladder: tuple[in
 DEFAULT_COST_MODEL = "internvl3-2b"   # planner.cost_model unset, stand-in model
 
 
-def run_cost(config: Any, model_heads: int | None = None) -> Any:
+def run_cost(config: Any, model_heads: int | None = None, router_phase: bool = False) -> Any:
     """The planning cost model of a train config (`make_cost` of its planner section). With
     `model_heads` (the executed model's query heads) its head count is the greatest common divisor
     of the preset's and the heads a device holds (`model_heads // parallel.tensor`): the attention
     kinds a plan may give a group are those the executed model runs too (a Ulysses size must split
-    the heads of both)."""
-    cost = _planner_cost(config)
+    the heads of both). `router_phase`: the run adds a mixture of experts' load-balancing loss, so
+    each group runs the router program's forward pass before its step (`CostModel.router_phase`)."""
+    cost = _planner_cost(config, router_phase)
     if model_heads is not None:
         heads = math.gcd(int(cost.num_heads), int(model_heads) // config.parallel.tensor)
         if heads != cost.num_heads:
@@ -117,18 +118,18 @@ def run_cost(config: Any, model_heads: int | None = None) -> Any:
     return cost
 
 
-def _planner_cost(config: Any) -> Any:
+def _planner_cost(config: Any, router_phase: bool = False) -> Any:
     p = config.planner
     return make_cost(p.cost_profile, p.cost_model, p.hardware, ranks_per_node=p.ranks_per_node or config.num_ranks,
                      num_ranks=config.num_ranks, comm_overlap=p.comm_overlap, checkpoint=config.model.pretrained,
                      tensor_parallel=config.parallel.tensor, remat=config.remat, compute_dtype=config.compute_dtype,
-                     sequence_parallel=config.parallel.sequence)
+                     sequence_parallel=config.parallel.sequence, router_phase=router_phase)
 
 
 def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, ranks_per_node: int,
               num_ranks: int | None = None, comm_overlap: bool | None = None, checkpoint: str | None = None,
               tensor_parallel: int = 1, remat: str | None = None, compute_dtype: str | None = None,
-              sequence_parallel: bool = False) -> Any:
+              sequence_parallel: bool = False, router_phase: bool = False) -> Any:
     """The planning cost model: a `dhp profile` JSON when given, else a named preset.
 
     `cost_model` None: the checkpoint's shape when fine-tuning `checkpoint`, else DEFAULT_COST_MODEL.
@@ -141,15 +142,24 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
     (and, with `sequence_parallel`, have been measured so).
     `remat` and `compute_dtype` (the run's): how the checkpoint's shape is priced when the cost model
     is the fine-tuned checkpoint's own (a named preset keeps its defaults: it prices a cluster's
-    model, not the run's)."""
+    model, not the run's). `router_phase`: the preset prices the router program's forward pass of
+    each group (`CostModel.preset(..., router_phase=True)`); a profile must have been measured so."""
     if cost_profile:
         cost = load(cost_profile, profile=True)
         if cost.tensor_parallel != tensor_parallel or cost.sequence_parallel != bool(sequence_parallel):
             raise ValueError(f"planner.cost_profile {cost_profile!r} was measured on ranks of tensor_parallel="
                              f"{cost.tensor_parallel} device(s), sequence_parallel={cost.sequence_parallel}; the run's "
                              f"parallel.tensor is {tensor_parallel}, parallel.sequence {bool(sequence_parallel)}")
+        if cost.router_phase != bool(router_phase):
+            raise ValueError(f"planner.cost_profile {cost_profile!r} prices {'a' if cost.router_phase else 'no'} "
+                             f"router phase (router_phase={cost.router_phase}); the run "
+                             f"{'adds' if router_phase else 'does not add'} the mixture of experts' load-balancing "
+                             f"loss (model.router_aux_loss_coef), so its steps "
+                             f"{'run' if router_phase else 'do not run'} the router programs' forward pass")
         return cost
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
+    if router_phase:
+        extra["router_phase"] = True
     if tensor_parallel > 1:
         extra["tensor_parallel"] = tensor_parallel
     if sequence_parallel:
@@ -170,4 +180,6 @@ def describe_cost(cost: Any, profile: str | None = None, full_size: bool = False
     else:
         what = (f"{'the checkpoint config' if cost.model == 'custom' else 'preset ' + cost.model} on {cost.hardware}, {cost.ranks_per_node} rank(s) per node, ring traffic "
                 f"{'overlapped with' if cost.comm_overlap else 'not overlapped with'} attention")
+    if getattr(cost, "router_phase", False):
+        what += ", each group's router forward pass priced (load-balancing loss on)"
     return what + (", planned at full (unscaled) token counts" if full_size else "")

@@ -200,6 +200,14 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
         raise TrainError(f"model.router_aux_loss_coef={coef}: the model "
                          f"{config.model.pretrained or config.model.preset!r} has no mixture-of-experts layer "
                          f"(no router to balance)")
+    aux = 0.0       # the load-balancing loss's weight in this run's steps (0: off), as the executor decides it
+    if moe_spec is not None and any(moe_spec.sparse):
+        from dhp_jax.model.hf import moe
+
+        try:
+            aux = moe.aux_loss_coef(hf_config, coef)
+        except ValueError as e:
+            raise TrainError(f"model.{e}") from None
     available = list(devices) if devices is not None else jax.devices()
     if len(available) < config.num_ranks * t:
         raise TrainError(f"num_ranks={config.num_ranks} needs {config.num_ranks * t} devices"
@@ -219,7 +227,9 @@ def prepare_run(config: TrainConfig, devices: Sequence[Any] | None = None) -> Ru
     if config.metrics.tensorboard:
         tensorboard_writer()  # a missing tensorboardX fails here, before anything is compiled
     try:
-        cost = run_cost(config, model_config.num_heads)   # Ulysses sizes the executed model splits too
+        # Ulysses sizes the executed model splits too; with the load-balancing loss on, every group
+        # runs the router program's forward pass before its step (`dhp_jax.sharding.router_phase`)
+        cost = run_cost(config, model_config.num_heads, router_phase=aux > 0)
     except ValueError as e:
         raise TrainError(f"planning cost model: {e}") from None
     source = PlanSource(config.num_ranks, cost=cost, strategy=p.strategy, plans=plans,
@@ -302,6 +312,9 @@ class Trainer:
                 getattr(executor, "aux_coef", 0.0) != float(config.model.router_aux_loss_coef):
             raise TrainError(f"the executor adds the load-balancing loss with weight {getattr(executor, 'aux_coef', 0.0)}, "
                              f"the config model.router_aux_loss_coef={config.model.router_aux_loss_coef}")
+        if (getattr(executor, "aux_coef", 0.0) > 0) != self.cost.router_phase:
+            raise TrainError(f"the executor adds the load-balancing loss with weight {getattr(executor, 'aux_coef', 0.0)}, "
+                             f"the planning cost model prices {'a' if self.cost.router_phase else 'no'} router phase")
         if getattr(executor, "sequence_parallel", False) != config.parallel.sequence:
             raise TrainError(f"the executor runs sequence_parallel={getattr(executor, 'sequence_parallel', False)}, "
                              f"the config parallel.sequence={config.parallel.sequence}")

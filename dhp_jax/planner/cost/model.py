@@ -73,6 +73,19 @@ which is the paper's model above):
   presets: fused attention kernels skip masked tiles): A stays the real samples' attention. The
   tiled ring skips the tile pairs with no allowed pair (other samples, the causal future, padding),
   so on CPU A = a1 P^2 is an upper bound of its attention work.
+- `router_phase`: the step first runs, per micro-batch and group, a forward-only router program (the
+  JAX engine with a mixture of experts' load-balancing loss on: `dhp_jax.sharding.router_phase`),
+  one more forward pass of the vision encoder and projector and of the LLM layers up to and
+  including the last sparse one (`ModelShape.router_depth`; the program returns the router counts
+  only, so the compiled program has neither the layers after it nor the LM head). Its terms are
+  added to a1, a2, a2_vision, b1, the ring and all-to-all bytes and the latencies (`preset(...,
+  router_phase=True)`), so a group is priced as both of its programs back to back; the engine runs
+  every micro-batch's router programs before the step's, which costs the same where one group paces
+  a micro-batch in both. Its memory is not a term: the router program runs before the step's
+  programs and frees its buffers, and holds, besides the gathered params the step holds too, one
+  forward pass's working set with nothing kept for a backward pass. The torch executor runs each
+  forward pass once (it keeps every micro-batch's activations until the counts are summed), so its
+  cost models leave the flag off.
 - `comm_overlap`: whether ring traffic runs alongside the attention blocks (True: a DMA engine or
   NIC moves K/V while the cores compute). Fake CPU devices copy with the same cores that compute,
   so nothing overlaps: T = (A + B)/p + b1 + T_cm.
@@ -155,6 +168,8 @@ class CostModel:
         `num_heads` the heads it holds (Ulysses splits those); `ranks_per_node` counts ranks.
     sequence_parallel: with t > 1, the block stacks run sequence-parallel (`PlanExecutor(...,
         sequence_parallel=True)`): the rows the stacks carry (each block's input) are 1/t a device.
+    router_phase: the time terms include the router program's forward pass (the module docstring;
+        set through `preset(..., router_phase=True)`, which derives those terms).
     """
 
     a1: float
@@ -191,6 +206,7 @@ class CostModel:
     assemble_bytes: float = 0.0
     tensor_parallel: int = 1
     sequence_parallel: bool = False
+    router_phase: bool = False
 
     MODELS: ClassVar[tuple[str, ...]] = tuple(presets.MODELS)
     HARDWARE: ClassVar[tuple[str, ...]] = tuple(presets.HARDWARE)
@@ -227,7 +243,8 @@ class CostModel:
     def preset(cls, model: "str | presets.ModelShape", hardware: str, *, ranks_per_node: int = 8, freeze_vision: bool = False,
                state_shards: int | None = None, compute_dtype: str | None = None, remat: str = "layer",
                zero_shards: int | None = None, activation_bytes: int | None = None, require_fit: bool = True,
-               tensor_parallel: int = 1, sequence_parallel: bool = False, **overrides: Any) -> "CostModel":
+               tensor_parallel: int = 1, sequence_parallel: bool = False, router_phase: bool = False,
+               **overrides: Any) -> "CostModel":
         """Coefficients derived from FLOPs and bytes of `model` (a preset name, a checkpoint
         directory with a config.json, or a `presets.ModelShape`) on `hardware` (see presets.py) for
         this engine (see memory.py): fp32 master params + Adam state sharded over `state_shards`
@@ -245,6 +262,10 @@ class CostModel:
         device's: compute and memory / t where tensor parallelism splits them, the sequence-parallel
         collectives priced at the intra-node bandwidth. A model whose heads or widths t cannot split
         is refused, naming the model, the field and t. t = 1 is the model without it.
+
+        `router_phase`: each group also runs the router program's forward pass before its step (the
+        JAX engine with the load-balancing loss on; the module docstring): its compute, traffic
+        and launches are added to the time terms (`router_forward`).
         """
         shape = model if isinstance(model, presets.ModelShape) else None
         if shape is None and str(model).lower() not in presets.MODELS and (Path(str(model)) / "config.json").is_file():
@@ -313,6 +334,12 @@ class CostModel:
             shards = shards // t
             lanes = None if lanes is None else max(1, lanes // t)
             tp_note = f" at tensor_parallel {t} (per device: {params / 1e9:.2f} B params)"
+        lat_intra, lat_inter = m.layers * passes * hw.lat_intra, m.layers * passes * hw.lat_inter
+        if router_phase:    # one more forward pass: the router program's (`router_forward`)
+            fwd = router_forward(m, hw, el, t, passes)
+            a1, a2, a2_vision, b1 = a1 + fwd["a1"], a2 + fwd["a2"], a2_vision + fwd["a2_vision"], b1 + fwd["b1"]
+            kv_bytes, a2a_bytes = kv_bytes + fwd["kv_bytes_per_token"], a2a_bytes + fwd["a2a_bytes_per_token"]
+            lat_intra, lat_inter = lat_intra + fwd["lat_intra"], lat_inter + fwd["lat_inter"]
         budget, static = _budget(usable, params, el, backward, assemble, fixed, shards, require_fit)
         if budget <= 0:
             raise ValueError(f"{model} does not fit on {hardware}{tp_note} with its state sharded over {shards} ranks "
@@ -320,15 +347,15 @@ class CostModel:
         fields = dict(
             a1=a1, a2=a2, a2_vision=a2_vision, b1=b1, kv_bytes_per_token=float(kv_bytes),
             a2a_bytes_per_token=float(a2a_bytes), bw_intra=hw.p2p_bw_intra, bw_inter=hw.bw_inter,
-            a2a_bw_intra=hw.a2a_bw_intra, lat_intra=m.layers * passes * hw.lat_intra,
-            lat_inter=m.layers * passes * hw.lat_inter,
+            a2a_bw_intra=hw.a2a_bw_intra, lat_intra=lat_intra, lat_inter=lat_inter,
             mem_per_token=per_token,
             memory_budget=float(budget), ranks_per_node=int(ranks_per_node), num_heads=m.heads // t,
             grad_bytes=float((4 + el) * params / 2), model=key_m, hardware=key_h, freeze_vision=bool(freeze_vision),
             compute_lanes=lanes, comm_overlap=hw.comm_overlap, param_count=params,
             compute_bytes=el, state_shards=shards, remat=remat, usable_bytes=float(usable),
             fixed_bytes=float(fixed), activation_bytes=ab, backward_bytes=backward, assemble_bytes=assemble,
-            padded_attention=hw.padded_attention, tensor_parallel=t, sequence_parallel=bool(sequence_parallel))
+            padded_attention=hw.padded_attention, tensor_parallel=t, sequence_parallel=bool(sequence_parallel),
+            router_phase=bool(router_phase))
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown CostModel field(s) {sorted(unknown)}; fields: {sorted(fields)}")
@@ -414,6 +441,10 @@ class CostModel:
             raise ValueError(f"CostModel.replace(tensor_parallel={changes['tensor_parallel']!r}): every coefficient of "
                              f"{self.model} depends on the devices per rank (compute, TP traffic, memory); build it "
                              f"with CostModel.preset(..., tensor_parallel=t) (or profile a rank of t devices)")
+        if "router_phase" in changes and bool(changes["router_phase"]) != self.router_phase:
+            raise ValueError(f"CostModel.replace(router_phase={changes['router_phase']!r}): the router program's "
+                             f"forward pass is part of {self.model}'s time terms; build it with "
+                             f"CostModel.preset(..., router_phase=True) (a profile prices what it measured)")
         new = dataclasses.replace(self, **_with_geometry(self.geometry, changes))
         derivation = getattr(self, "_derivation", None)
         if derivation is None:
@@ -441,6 +472,42 @@ def _with_geometry(geometry: StreamGeometry, changes: Mapping[str, Any]) -> dict
     named = {k: v for k, v in changes.items() if k in StreamGeometry.FIELDS}
     out["geometry"] = out.get("geometry", geometry).replace(**named)
     return out
+
+
+def router_forward(m: "presets.ModelShape", hw: Any, el: int, t: int = 1, linear_passes: float = 4.0
+                   ) -> dict[str, float]:
+    """The time terms of one forward pass of the router program of model shape `m` on hardware `hw`
+    (`preset(..., router_phase=True)` adds them; the module docstring): the vision encoder and
+    projector (every encoder and merger GEMM once, also when the step keeps the encoder frozen) and
+    the LLM layers 0 .. `m.router_depth` - 1 (attention, GEMMs, ring or all-to-all traffic, one
+    launch set each), no LM head. With tensor parallelism over t devices: one device's share, the
+    sequence-parallel collectives of one pass (`tensor_parallel.block_collectives(forward_only=True)`;
+    `linear_passes` is the step's, from which `tensor_parallel` derives its passes) and their
+    messages' latency. Keys are the `CostModel` fields they add to."""
+    depth = m.router_depth
+    mr = dataclasses.replace(m, layers=depth, router_layers=0)      # the layers the program runs
+    flops_lin = hw.peak_flops * hw.mfu_linear
+    a1 = 2.0 * m.heads * m.head_dim * depth / (hw.peak_flops * hw.mfu_attention)
+    a2 = 2.0 * mr.llm_gemm_params / flops_lin
+    a2_vision = (_encoder_flops(m) + (1 + m.deepstack) * 2.0 * m.projector_params) / flops_lin
+    b1 = depth * 100e-6
+    kv_bytes = depth * 2 * m.kv_heads * m.head_dim * el
+    a2a_bytes = depth * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
+    if t > 1:
+        seq_llm, seq_vision = tp.sequence_parallel_bytes(mr, t, el, linear_passes, True)
+        seq_llm /= tp.comm_passes(linear_passes)           # the LLM's collectives of the forward pass alone
+        bw = tp.collective_bandwidth(hw, t)
+        kv_local = tp.kv_heads_per_device(m, t)
+        a1 = a1 / t
+        a2 = 2.0 * tp.device_gemm_params(mr, t) / flops_lin + seq_llm / bw
+        a2_vision = a2_vision / t + seq_vision / bw
+        per_block = sum(tp.block_collectives(linear_passes, forward_only=True).values())
+        b1 = b1 + (t - 1) * (depth + m.vision_layers) * per_block * hw.lat_intra
+        kv_bytes = kv_bytes * kv_local / m.kv_heads
+        a2a_bytes = depth * (2 * m.heads // t + 2 * kv_local) * m.head_dim * el
+    return {"a1": a1, "a2": a2, "a2_vision": a2_vision, "b1": b1, "kv_bytes_per_token": float(kv_bytes),
+            "a2a_bytes_per_token": float(a2a_bytes), "lat_intra": depth * hw.lat_intra,
+            "lat_inter": depth * hw.lat_inter}
 
 
 def _encoder_flops(m: "presets.ModelShape") -> float:

@@ -65,6 +65,7 @@ class ModelShape:
     expert_intermediate: int = 0  # SwiGLU width of one expert
     sparse_layers: int = 0     # LLM layers whose MLP is the sparse block (the rest are dense)
     active_param_count: int = 0  # parameters one token's forward pass uses (0: param_count)
+    router_layers: int = 0     # LLM layers up to and including the last sparse one (0: all `layers`)
 
     @classmethod
     def from_facts(cls, f: "model_configs.ModelFacts") -> "ModelShape":
@@ -76,7 +77,8 @@ class ModelShape:
                    window_layers=f.window_layers, deepstack=f.deepstack, projector_hidden=f.projector_hidden,
                    param_count=f.params, vision_rule=f.vision_rule, family=f.family, experts=f.experts,
                    experts_per_token=f.experts_per_token, expert_intermediate=f.expert_intermediate,
-                   sparse_layers=len(f.sparse_layers), active_param_count=f.active_params)
+                   sparse_layers=len(f.sparse_layers), active_param_count=f.active_params,
+                   router_layers=max(f.sparse_layers) + 1 if f.sparse_layers else 0)
 
     @classmethod
     def from_config(cls, config: "Mapping[str, Any] | str") -> "ModelShape":
@@ -97,6 +99,12 @@ class ModelShape:
     def moe(self) -> bool:
         """Whether some LLM layers are sparse mixture-of-experts blocks."""
         return self.experts > 0 and self.sparse_layers > 0
+
+    @property
+    def router_depth(self) -> int:
+        """LLM layers a forward pass runs to reach the last router (`router_layers`; a shape that
+        names none, all its layers)."""
+        return self.router_layers or self.layers
 
     @property
     def dense_layers(self) -> int:
