@@ -16,7 +16,7 @@ Mixture-of-experts LLMs (Qwen3-VL-MoE, InternVL with a Qwen3-MoE LLM): the layer
 marks sparse run the sparse block of `npu_backend.moe` instead of the dense MLP; the experts are
 held fused as transformers holds them (`gate_up_proj` [E, 2 I, d], `down_proj` [E, d, I]), read
 from per-expert or transposed checkpoints and written in the family's published layout
-(`dhp_jax.model.hf.expert_layouts.to_published`, the JAX saver's function).
+(`dhp_jax.model.hf.checkpoint.saved_weights`, the JAX saver's function).
 
 Layout of this module: the shared blocks (norms, linear, rotary, the LLM decoder block, the Qwen
 vision attention), then the LLM over the stream and the loss. Each family's encoder (its
@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from dhp_jax.data.hf_config import checkpoint_dir
 from dhp_jax.data.sample import Sample
 from dhp_jax.model.hf import safetensors_io
-from dhp_jax.model.hf.checkpoint import rename
+from dhp_jax.model.hf.checkpoint import rename, saved_weights
 from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
 from dhp_jax import models
-from dhp_jax.model.hf.families import family, parse_config
+from dhp_jax.model.hf.families import family, hf_module, parse_config
 from dhp_jax.model.hf.packed import LLM_INTS, VISION_INTS, FamilyLayout, pack_family_group, patch_dim
 from dhp_jax.model.hf.spec import RopeSpec
 from npu_backend import moe
@@ -331,8 +331,10 @@ def load_family(path: str, dtype: torch.dtype = torch.float32, device: torch.dev
 
 def save_family(model: TorchFamilyModel, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) of `model`, as
-    `dhp_jax.model.hf.save_pretrained` does (the same names, shapes and values; a mixture of experts'
+    `dhp_jax.model.hf.save_pretrained` does (`dhp_jax.model.hf.checkpoint.saved_weights`: the same
+    names, shapes and values; the names transformers' `save_pretrained` writes, a mixture of experts'
     experts in its family's published layout): transformers' `from_pretrained` and `load_family`
     load it."""
-    weights = moe.saved_experts({k: p.detach().cpu().numpy() for k, p in model.params.items()}, model.config)
+    weights = saved_weights({k: p.detach().cpu().numpy() for k, p in model.params.items()},
+                            hf_module(model.config.family), model.config.text.moe is not None)
     write_pretrained(out_dir, model.config.raw, weights, max_shard_bytes)

@@ -27,7 +27,8 @@ of one process, whose sum over every process is the batch's loss and whose gradi
 the counts are summed over the world (`batch_totals`, which also gives a step's tokens per expert).
 
 Checkpoints: `fused_experts` reads the experts of any published layout into transformers' fused
-one; `saved_experts` writes them in the family's published layout, as the JAX saver does.
+one; both engines' savers write them in the family's published layout
+(`dhp_jax.model.hf.checkpoint.saved_weights`).
 """
 
 from __future__ import annotations
@@ -227,12 +228,3 @@ def fused_experts(named: Any, config: Any, where: str) -> Any:
         yield name, w
     for prefix, mats in sorted(pending.items()):
         yield from xl.fuse(prefix, mats, spec.num_experts, where)
-
-
-def saved_experts(weights: dict, config: Any) -> dict:
-    """{name: array} with the experts in the published layout of the family's checkpoints
-    (`expert_layouts.to_published`: the function `dhp_jax.model.hf.save_pretrained` writes them with,
-    so both engines save the same files)."""
-    if getattr(config.text, "moe", None) is None:
-        return weights
-    return xl.to_published(weights, expert_layout(config))

@@ -12,8 +12,8 @@ import numpy as np
 
 from dhp_jax.data.hf_config import checkpoint_dir
 from dhp_jax.model.attention import dense_attention
-from dhp_jax.model.hf import expert_layouts, moe, safetensors_io
-from dhp_jax.model.hf.checkpoint import tree_from_weights, weights_from_tree
+from dhp_jax.model.hf import moe, safetensors_io
+from dhp_jax.model.hf.checkpoint import saved_weights, tree_from_weights, weights_from_tree
 from dhp_jax.model.hf.config import HFConfig, read_config_json, write_pretrained
 from dhp_jax import models
 from dhp_jax.model.hf.families import hf_module, parse_config
@@ -101,10 +101,9 @@ def to_state_dict(config: HFConfig, tree: Mapping) -> dict[str, np.ndarray]:
 
 def save_pretrained(config: HFConfig, params: Params, out_dir: str, max_shard_bytes: int = 5 * 2**30) -> None:
     """Write config.json and model.safetensors (sharded above `max_shard_bytes`) that transformers'
-    `from_pretrained` loads. The weights keep the dtype of `params`; config.json its own fields; a
-    mixture of experts' experts are in its family's published layout (`expert_layouts.to_published`,
-    as the torch backend's `npu_backend.hf.save_family` writes them)."""
-    weights = to_state_dict(config, params)
-    if config.text.moe is not None:     # the experts in the published layout of the family's releases
-        weights = expert_layouts.to_published(weights, expert_layouts.layout_of(hf_module(config.family)))
+    `from_pretrained` loads. The weights keep the dtype of `params`; config.json its own fields; the
+    names are those transformers' `save_pretrained` writes for the family, a mixture of experts'
+    experts in its releases' layout (`checkpoint.saved_weights`, as the torch backend's
+    `npu_backend.hf.save_family` writes them)."""
+    weights = saved_weights(to_state_dict(config, params), hf_module(config.family), config.text.moe is not None)
     write_pretrained(out_dir, config.raw, weights, max_shard_bytes)

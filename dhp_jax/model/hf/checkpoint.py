@@ -14,6 +14,8 @@ self_attn.q_proj.weight` is `tree["model"]["language_model"]["layers"]["0"]["sel
 
 Older checkpoint layouts are renamed first, as transformers' own conversion mapping does (e.g.
 Qwen2.5-VL's original `visual.*` / `model.layers.*`, InternVL's `language_model.model.*`).
+Saving goes the other way (`saved_weights`): the names are those transformers' own
+`save_pretrained` writes, a family's `SAVED_RENAMES` (which revert its conversion mapping).
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import re
 from typing import Any, Iterable, Mapping
 
 import numpy as np
+
+from dhp_jax.model.hf import expert_layouts
 
 EMBEDDING_MODULES = ("embed_tokens", "pos_embed")
 
@@ -33,6 +37,23 @@ def rename(name: str, renames: Iterable[tuple[str, str]]) -> str:
         if n:
             return new
     return name
+
+
+def saved_weights(weights: Mapping[str, Any], family_module: Any, moe: bool) -> dict[str, Any]:
+    """{name: array} as both engines' savers write a family's checkpoint, from transformers' state
+    dict `weights` (module names, the experts fused): a mixture of experts' experts (`moe`) in the
+    layout of the family's releases (`expert_layouts.to_published`), then every name as
+    transformers' `save_pretrained` of the family's model writes it (the family's model-side
+    module's `SAVED_RENAMES`, first match; none: the module names). The loaders read either layout
+    (`LEGACY_RENAMES`)."""
+    if moe:
+        weights = expert_layouts.to_published(weights, expert_layouts.layout_of(family_module))
+    renames = getattr(family_module, "SAVED_RENAMES", ())
+    out = {rename(name, renames): w for name, w in weights.items()}
+    if len(out) != len(weights):
+        raise ValueError(f"{getattr(family_module, '__name__', family_module)}.SAVED_RENAMES maps two weights to "
+                         f"one name")
+    return out
 
 
 def leaf_rule(name: str, ndim: int) -> tuple[list[str], bool]:

@@ -22,6 +22,13 @@ INTERNVL_RENAMES = ((r"^language_model\.lm_head", "lm_head"),
                     (r"^language_model", "model.language_model"),
                     (r"^vision_tower", "model.vision_tower"),
                     (r"^multi_modal_projector", "model.multi_modal_projector"))
+# the names transformers' `save_pretrained` writes (its conversion mapping reversed) and the
+# published `-hf` releases hold: the LLM as `language_model.model.*` with its head, the encoder and
+# the projector at the top (`dhp_jax.model.hf.checkpoint.saved_weights`, both engines' savers)
+SAVED_RENAMES = ((r"^model\.language_model\.", "language_model.model."),
+                 (r"^lm_head\.", "language_model.lm_head."),
+                 (r"^model\.vision_tower\.", "vision_tower."),
+                 (r"^model\.multi_modal_projector\.", "multi_modal_projector."))
 
 
 def _pair(x: Any) -> tuple[int, int]:

@@ -14,6 +14,10 @@ from dhp_jax.models.qwen_common import hf_vision as qv
 
 MODEL_TYPES = ("qwen2_5_vl",)
 LEGACY_RENAMES = qv.QWEN_RENAMES
+# the names transformers' `save_pretrained` writes (its conversion mapping reversed) and the
+# published releases hold: the encoder as `visual.*`, the LLM as `model.*`, `lm_head` as is
+# (`dhp_jax.model.hf.checkpoint.saved_weights`, both engines' savers)
+SAVED_RENAMES = ((r"^model\.visual\.", "visual."), (r"^model\.language_model\.", "model."))
 conv_shapes = qv.conv_shapes
 
 

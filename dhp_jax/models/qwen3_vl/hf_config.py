@@ -15,6 +15,9 @@ from dhp_jax.models.qwen_common import hf_vision as qv
 
 MODEL_TYPES = ("qwen3_vl",)
 LEGACY_RENAMES = qv.QWEN_RENAMES
+# transformers' `save_pretrained` and the published releases keep the module names
+# (`dhp_jax.model.hf.checkpoint.saved_weights`)
+SAVED_RENAMES: tuple[tuple[str, str], ...] = ()
 conv_shapes = qv.conv_shapes
 
 

@@ -18,7 +18,7 @@ from dhp_jax.model.hf.config import HFConfig
 from dhp_jax.models.qwen3_vl import hf_config as dense
 
 MODEL_TYPES = ("qwen3_vl_moe",)
-LEGACY_RENAMES = dense.LEGACY_RENAMES
+LEGACY_RENAMES, SAVED_RENAMES = dense.LEGACY_RENAMES, dense.SAVED_RENAMES
 EXPERT_LAYOUT = "fused_transposed"      # `dhp_jax.model.hf.moe.EXPERT_LAYOUTS`
 conv_shapes = dense.conv_shapes
 Qwen3VLVision = VisionConfig = dense.Qwen3VLVision
