@@ -92,10 +92,33 @@ def check_state_dict(model, config, params) -> None:
         np.testing.assert_array_equal(ours[name], value, err_msg=name)
 
 
+def saved_shapes(directory: str) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a checkpoint directory's tensors."""
+    from dhp_jax.model.hf import safetensors_io
+    return {k: tuple(v.shape) for k, v in safetensors_io.read_checkpoint(directory)}
+
+
+def check_saved_like_transformers(config, ours: dict[str, tuple[int, ...]], theirs: dict[str, tuple[int, ...]]):
+    """The names our savers wrote (`ours`, {name: shape}) are those transformers' own `save_pretrained`
+    wrote for the same model (`theirs`), each of the same shape; the fused experts of a family whose
+    releases store them transposed (`expert_layouts`, "fused_transposed"): that shape transposed."""
+    from dhp_jax.model.hf import expert_layouts as xl
+    from dhp_jax.model.hf.families import hf_module
+    assert sorted(ours) == sorted(theirs), (sorted(set(ours) - set(theirs))[:4], sorted(set(theirs) - set(ours))[:4])
+    transposed = xl.layout_of(hf_module(config.family)) == "fused_transposed"
+    for name, shape in theirs.items():
+        if transposed and xl.is_fused(name) and shape[1] != shape[2]:
+            shape = (shape[0], shape[2], shape[1])
+        assert ours[name] == shape, (name, ours[name], shape)
+
+
 def check_save_roundtrip(model, config, params, inputs: dict, directory: str) -> None:
-    """save_pretrained -> transformers from_pretrained gives the very same logits, and our own
-    load of it the same tree."""
+    """save_pretrained writes the names (and shapes) transformers' own `save_pretrained` writes;
+    transformers' from_pretrained of it gives the very same logits, and our own load of it the
+    same tree."""
     hf.save_pretrained(config, params, directory)
+    model.save_pretrained(directory + "_transformers")
+    check_saved_like_transformers(config, saved_shapes(directory), saved_shapes(directory + "_transformers"))
     reloaded = type(model).from_pretrained(directory).eval()
     np.testing.assert_array_equal(reference_logits(reloaded, inputs), reference_logits(model, inputs))
     config2, params2 = hf.load_pretrained(directory)

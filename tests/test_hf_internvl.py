@@ -47,11 +47,18 @@ def test_logits_match_transformers(case, kind):
 
 
 def test_rms_norm_qk_norm_variant(tmp_path):
-    """The InternViT-6B options: RMSNorm, QK-norm, a final LayerNorm (no mean pooling)."""
+    """The InternViT-6B options: RMSNorm, QK-norm, a final LayerNorm (no mean pooling); an LM head
+    of its own, as the released InternVL3 models have: saved as transformers saves it
+    (`language_model.lm_head.weight`)."""
     config = make_config(norm_type="rms_norm", use_qk_norm=True, use_mean_pooling=False)
-    model = hc.build(transformers.InternVLForConditionalGeneration, config, str(tmp_path), seed=5)
-    cfg, params = hf.load_pretrained(str(tmp_path))
-    hc.check_logits(model, cfg, params, image_inputs(hc.rng(6), tiles=1), "internvl rms/qk-norm image")
+    config.tie_word_embeddings = config.text_config.tie_word_embeddings = False
+    model = hc.build(transformers.InternVLForConditionalGeneration, config, str(tmp_path / "tf"), seed=5)
+    cfg, params = hf.load_pretrained(str(tmp_path / "tf"))
+    assert not cfg.tied and "lm_head" in params
+    inputs = image_inputs(hc.rng(6), tiles=1)
+    hc.check_logits(model, cfg, params, inputs, "internvl rms/qk-norm image")
+    hc.check_save_roundtrip(model, cfg, params, inputs, str(tmp_path / "ours"))
+    assert "language_model.lm_head.weight" in hc.saved_shapes(str(tmp_path / "ours"))
 
 
 def test_state_dict_names_and_shapes(case):

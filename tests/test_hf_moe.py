@@ -181,9 +181,9 @@ def test_state_dict_names_and_shapes(case):
 
 
 def test_published_layout_round_trip(case, tmp_path):
-    """save_pretrained writes the experts as the releases store them (Qwen3-VL-MoE fused and
-    transposed, [E, d, 2I] and [E, I, d]; Qwen3-MoE one Linear per expert); transformers and our
-    loader read it back to the same model."""
+    """save_pretrained writes transformers' names (InternVL's LLM as `language_model.model.*`), the
+    experts as the releases store them (Qwen3-VL-MoE fused and transposed, [E, d, 2I] and [E, I, d];
+    Qwen3-MoE one Linear per expert); transformers and our loader read it back to the same model."""
     name, model, cfg, params, inputs, _ = case
     hc.check_save_roundtrip(model, cfg, params, list(inputs.values())[-1](), str(tmp_path))
     index = json.loads((tmp_path / "config.json").read_text())
@@ -191,7 +191,8 @@ def test_published_layout_round_trip(case, tmp_path):
     from dhp_jax.model.hf import safetensors_io
     saved = {k: v.shape for k, v in safetensors_io.read_checkpoint(str(tmp_path))}
     layer = cfg.text.moe.sparse_layers[0]
-    pre = f"model.language_model.layers.{layer}.mlp.experts"
+    llm = "model.language_model" if name == "qwen3_vl_moe" else "language_model.model"
+    pre = f"{llm}.layers.{layer}.mlp.experts"
     if name == "qwen3_vl_moe":
         assert saved[f"{pre}.gate_up_proj"] == (EXPERTS, 64, 2 * EXPERT_WIDTH)
         assert saved[f"{pre}.down_proj"] == (EXPERTS, EXPERT_WIDTH, 64)

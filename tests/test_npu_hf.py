@@ -66,6 +66,8 @@ def test_family_forward_and_grads_match_transformers(cases, family, tmp_path):
     path, batch, samples, model, ref = cases[family]
     ours = load_family(path)
     save_family(ours, str(tmp_path))                 # what it writes loads back the same, names and values
+    # under the names transformers' own save_pretrained wrote for this model (`path`, by `hc.build`)
+    hc.check_saved_like_transformers(ours.config, hc.saved_shapes(str(tmp_path)), hc.saved_shapes(path))
     again = load_family(str(tmp_path))
     assert list(again.params) == list(ours.params)
     assert all(torch.equal(again.params[k], p) for k, p in ours.params.items())

@@ -230,13 +230,14 @@ def test_moe_family_matches_transformers(cases, family, tmp_path):
 PUBLISHED = {"qwen3_vl_moe": lambda w: [(k, v.shape) for k, v in w.items() if k.endswith("layers.0.mlp.experts.gate_up_proj")]
              == [("model.language_model.layers.0.mlp.experts.gate_up_proj", (E, D, 2 * INTER))],
              "internvl": lambda w: not any(k.endswith(("gate_up_proj", "experts.down_proj")) for k in w)
-             and w["model.language_model.layers.1.mlp.experts.7.up_proj.weight"].shape == (INTER, D)}
+             and w["language_model.model.layers.1.mlp.experts.7.up_proj.weight"].shape == (INTER, D)}
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl_moe", "internvl"])
 def test_both_engines_save_the_published_expert_layout(cases, family, tmp_path):
     """The same weights saved by the JAX engine (`hf.save_pretrained`) and the torch backend
-    (`save_family`): the same names, shapes and values, the experts in the family's published layout;
+    (`save_family`): the same names, shapes and values, the names transformers' `save_pretrained`
+    writes, the experts in the family's published layout;
     transformers and both engines' loaders read either back to the weights saved."""
     from dhp_jax.model.hf import expert_layouts as xl, safetensors_io
     from npu_backend.hf import load_family, save_family
@@ -252,6 +253,8 @@ def test_both_engines_save_the_published_expert_layout(cases, family, tmp_path):
         b = saved["torch"][k]
         assert a.shape == b.shape and a.dtype == b.dtype and np.array_equal(a, b), (k, a.shape, b.shape)
     assert PUBLISHED[family](saved["torch"]), sorted((k, v.shape) for k, v in saved["torch"].items() if "experts" in k)
+    # the names transformers' own save_pretrained wrote for this model (`path`, by `hc.build`)
+    hc.check_saved_like_transformers(config, {k: v.shape for k, v in saved["torch"].items()}, hc.saved_shapes(path))
     for engine in ("jax", "torch"):
         back = type(model).from_pretrained(str(tmp_path / engine)).state_dict()
         for k, p in model.state_dict().items():
