@@ -103,8 +103,8 @@ class ModelShape:
     @property
     def router_depth(self) -> int:
         """LLM layers a forward pass runs to reach the last router (`router_layers`; a shape that
-        names none, all its layers)."""
-        return self.router_layers or self.layers
+        names none, all its layers; never more than `layers`)."""
+        return min(self.router_layers, self.layers) if self.router_layers else self.layers
 
     @property
     def dense_layers(self) -> int:
