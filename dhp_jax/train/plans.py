@@ -143,7 +143,7 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
     `remat` and `compute_dtype` (the run's): how the checkpoint's shape is priced when the cost model
     is the fine-tuned checkpoint's own (a named preset keeps its defaults: it prices a cluster's
     model, not the run's). `router_phase`: the preset prices the router program's forward pass of
-    each group (`CostModel.preset(..., router_phase=True)`); a profile must have been measured so."""
+    each group (`CostModel.preset(..., router_phase=True)`); a profile whose `router_phase` differs is refused."""
     if cost_profile:
         cost = load(cost_profile, profile=True)
         if cost.tensor_parallel != tensor_parallel or cost.sequence_parallel != bool(sequence_parallel):
