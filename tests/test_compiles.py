@@ -352,7 +352,7 @@ def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind
         assert any(k != "ring" for k in menu.kinds.values())               # the choice is not trivial
     else:  # over a whole degree the ring wins on this data; the runs below still force it on groups
         assert all(len({menu.kind(d, b) for b in bs}) == 1 for d, bs in menu.buckets.items())
-    free = fine.replace(bucket_menu=menu.as_cost_field())                  # the same shapes, kinds per group
+    free = fine.replace(bucket_menu=menu.as_cost_field(), kind_rule="group")  # the same shapes, kinds per group
     fixed = menu.apply(fine)
     counts = {}
     for name, cost in (("free", free), ("menu", fixed)):
