@@ -369,7 +369,7 @@ def _program_times(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray,
         i = keys[inv == j]
         i = i[~inter[i] | (rpn % u == 0) | (u == deg)]  # Ulysses sub-groups inside nodes, or over all
         if i.size:
-            o[i] = _padded_times(cost, A[i], B[i], P[i], d[i], inter[i], "ulysses" if u == deg and deg > rpn else "hybrid", u)
+            o[i] = _padded_times(cost, A[i], B[i], P[i], d[i], inter[i], "ulysses" if u == deg else "hybrid", u)
     return out
 
 
