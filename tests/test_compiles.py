@@ -433,3 +433,15 @@ def test_default_ladder_gives_each_program_one_attention_kind():
     assert counts["free"][0] > counts["free"][1]                                   # per group: shapes run two kinds
     assert counts["rule"][0] - counts["rule"][1] <= len(fallbacks)                 # the rule: only ring fallbacks
     assert counts["rule"][0] < counts["free"][0]
+
+
+def test_kind_rule_is_validated_and_round_trips():
+    from dhp_jax.planner.cost.geometry import StreamGeometry
+
+    with pytest.raises(ValueError, match="kind_rule must be one of"):
+        StreamGeometry(bucket_min=16, kind_rule="per-sample")
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", kind_rule="group")
+    back = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert back.geometry.kind_rule == "group" and back.geometry.fixed_kinds is False
+    assert CostModel.preset("internvl3-8b", "ascend-910b").geometry.fixed_kinds            # the default rule
+    assert not CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0).geometry.fixed_kinds  # unpadded
