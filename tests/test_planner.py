@@ -315,10 +315,14 @@ def test_dhp_is_never_slower_than_a_static_plan(attention):
     `sim.step_time`; a plan a static candidate won says which and is that baseline's plan."""
     rng = np.random.default_rng(11)
     chosen = {}
+    # the baselines run the ring (or Ulysses) on every group; under the presets' kind_rule "program"
+    # a padded group runs its program's kind instead (test_compiles.py), so in "best" mode the
+    # padded trials choose kinds per group, as every baseline kind is then one DHP may give
+    padded = PADDED.replace(kind_rule="group") if attention == "best" else PADDED
     for num_ranks, rpn, trials in ((3, 2, 12), (5, 4, 12), (6, 4, 12), (7, 4, 16), (8, 8, 16), (8, 4, 10),
                                    (12, 8, 8), (14, 8, 8), (64, 8, 4)):
         for trial in range(trials):
-            cost = (COST if trial % 2 else PADDED).replace(ranks_per_node=rpn)
+            cost = (COST if trial % 2 else padded).replace(ranks_per_node=rpn)
             k = int(rng.integers(1, 4 * num_ranks + 1))
             lengths = np.minimum(rng.pareto(1.3, k) * CAP * rng.uniform(0.05, 0.6), num_ranks * CAP).astype(np.int64)
             etas = rng.uniform(0, 1, k) * (rng.random(k) < 0.4)
@@ -397,13 +401,17 @@ def test_static_groups_deal_and_fill_by_next_fit():
 
 def test_best_kind_times_is_the_fastest_allowed_kind_of_each_group():
     """Every group's kind is the first fastest (ring first, then the smaller Ulysses size) of the
-    kinds `group_kind_times` lists for its ranks, and its time is that kind's."""
+    kinds `group_kind_times` lists for its ranks (kinds chosen per group), or its program's kind
+    (kind_rule "program"), and its time is that kind's."""
     from dhp_jax.planner.contract.plan import attention_split
     from dhp_jax.planner.cost.pricing import best_kind_times, group_kind_times
 
+    from dhp_jax.planner.cost.geometry import padded_length
+    from dhp_jax.planner.cost.pricing import program_kind, runs_on
+
     rng = np.random.default_rng(9)
-    for rpn in (2, 4, 8):
-        cost = PADDED.replace(ranks_per_node=rpn)
+    for rpn, rule in ((2, "group"), (4, "group"), (8, "group"), (4, "program"), (8, "program")):
+        cost = PADDED.replace(ranks_per_node=rpn, kind_rule=rule)
         n, k = 16, 40
         lengths = rng.integers(100, 3 * CAP, k)
         terms = sample_terms(cost, lengths, None)
@@ -416,9 +424,14 @@ def test_best_kind_times_is_the_fastest_allowed_kind_of_each_group():
             groups.append((ranks, sorted(rng.choice(k, int(rng.integers(1, 4)), replace=False).tolist())))
         kinds, times = best_kind_times(cost, groups, terms)
         plan = Plan(num_ranks=n, micro_batches=tuple(MicroBatch((Group(r, len(r), tuple(s)),), 0.0) for r, s in groups))
-        for (ranks, _), kind, t, menu in zip(groups, kinds, times, group_kind_times(cost, plan, lengths)):
-            order = sorted(menu, key=lambda x: (menu[x], attention_split(x, len(ranks))[0]))
-            assert kind == order[0] and t == menu[kind], (ranks, kind, menu)
+        for (ranks, samples), kind, t, menu in zip(groups, kinds, times, group_kind_times(cost, plan, lengths)):
+            if rule == "group":
+                order = sorted(menu, key=lambda x: (menu[x], attention_split(x, len(ranks))[0]))
+                assert kind == order[0] and t == menu[kind], (ranks, kind, menu)
+            else:  # the program's kind (`program_kind`), the ring where the ranks cannot run it
+                p = int(padded_length(cost, float(lengths[samples].sum()), len(ranks)))
+                want = program_kind(cost, len(ranks), p) if len(ranks) > 1 else "ring"
+                assert kind == (want if runs_on(want, ranks, cost) else "ring") and t == menu[kind], (ranks, kind)
 
 
 def test_dhp_beats_static_on_openvid():

@@ -231,11 +231,16 @@ def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
     sub-group inside one node: any u inside a node, u dividing ranks_per_node for a group over
     nodes whose ranks start at a node's first, as placement puts them; and, for a group over nodes,
     Ulysses over all of it where the head count allows). Ties keep the ring's time. The search's price of a group in
-    "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
+    "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`). Under
+    `geometry.kind_rule` "program" on a padded ladder (no menu) each group is priced on its
+    program's kind instead (`program_kind`; the ring where a group over nodes placed on whole
+    nodes could not run it), as `best_kind_times` will give it."""
     A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
     inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
     A, B, P = padded_terms(cost, A, B, S, d)  # once for every kind
     out = _padded_times(cost, A, B, P, d, inter, "ring")
+    if program_rule(cost):
+        return _program_times(cost, A, B, P, d, inter, out)
     live = _above_floor(cost, out, A, B, P, d)  # the others keep the ring's time
     top = int(d[live].max()) if np.any(live) else 0
     for u in range(2, min(top, cost.ranks_per_node) + 1):
@@ -334,6 +339,94 @@ def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
                for i in range(0, len(ranks), ulysses))
 
 
+def program_rule(cost: CostModel) -> bool:
+    """Whether every group of degree > 1 runs its program's kind (`program_kind`): a padded ladder
+    (`bucket_min` > 0) without a menu under `geometry.kind_rule` "program"."""
+    g = cost.geometry
+    return bool(g.bucket_min) and g.kind_rule == "program" and not g.bucket_menu
+
+
+def _program_times(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray, d: np.ndarray,
+                   inter: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    """Padded groups' times on their programs' kinds (`ring`: their ring times), a group over nodes
+    taken as placed on whole nodes."""
+    out = np.array(ring, dtype=np.float64)
+    flat = [x.reshape(-1) for x in np.broadcast_arrays(A, B, P, d, inter)]
+    A, B, P, d, inter = flat
+    o = out.reshape(-1)
+    keys = np.flatnonzero(d > 1)
+    if not keys.size:
+        return out
+    pairs, inv = np.unique(np.stack([d[keys], P[keys]]), axis=1, return_inverse=True)
+    inv = np.asarray(inv).reshape(-1)
+    rpn = cost.ranks_per_node
+    for j in range(pairs.shape[1]):
+        deg, p = int(pairs[0, j]), int(pairs[1, j])
+        kind = program_kind(cost, deg, p)
+        u = attention_split(kind, deg)[0]
+        if u <= 1:
+            continue
+        i = keys[inv == j]
+        i = i[~inter[i] | (rpn % u == 0) | (u == deg)]  # Ulysses sub-groups inside nodes, or over all
+        if i.size:
+            o[i] = _padded_times(cost, A[i], B[i], P[i], d[i], inter[i], "ulysses" if u == deg else "hybrid", u)
+    return out
+
+
+def runs_on(kind: str, ranks: Sequence[int], cost: CostModel) -> bool:
+    """Whether a group on `ranks` can run attention `kind`: the ring always; Ulysses over u ranks
+    (times a ring over d/u) where each Ulysses sub-group sits inside one node, or Ulysses over all
+    of a group whose ranks span nodes where the head count allows it."""
+    d, rpn = len(ranks), cost.ranks_per_node
+    u = attention_split(kind, d)[0]
+    if u <= 1:
+        return True
+    if not spans_nodes(ranks, rpn):
+        return True
+    return node_local(ranks, u, rpn) or (u == d and cost.ulysses_ok(d))
+
+
+_PROGRAM_KINDS: dict[tuple[Any, int, int], str] = {}
+
+
+def program_kind(cost: CostModel, degree: int, padded: int) -> str:
+    """The one attention kind of the padded ladder's program (`degree`, `padded` tokens) under
+    `StreamGeometry.kind_rule` "program", fixed without data: the kind the cost model prices
+    fastest for a group of `degree` ranks filled to the bucket with `degree` sequences of
+    padded / degree tokens each (one rank's share each), on one node (degree <= ranks_per_node)
+    or on whole nodes. The kinds are those `best_kinds` may give such a group: the ring; Ulysses
+    over u ranks times a ring over degree / u (u dividing the degree and the head count,
+    u <= ranks_per_node); for a group over nodes, Ulysses over all its ranks where the head count
+    allows. Ties keep the ring, then the smaller u. A group whose ranks cannot run the kind runs
+    the ring (`runs_on`)."""
+    key = (cost, int(degree), int(padded))
+    kind = _PROGRAM_KINDS.get(key)
+    if kind is not None:
+        return kind
+    d, P = int(degree), float(padded)
+    if d <= 1:
+        return "ring"
+    inter = d > cost.ranks_per_node
+    A = cost.a1 * P * P / d
+    B = cost.a2 * d * linear_tokens(P, P, d, cost.geometry.linear_chunk)
+    df = np.float64(d)
+    best, kind = float(_padded_times(cost, A, B, P, df, inter, "ring")), "ring"
+    for u in ulysses_sizes(cost, d):
+        if inter and cost.ranks_per_node % u:
+            continue  # on whole nodes, Ulysses sub-groups of u ranks stay inside nodes only where u divides a node
+        t = float(_padded_times(cost, A, B, P, df, inter, "hybrid", u))
+        if t < best:
+            best, kind = t, attention_name(u, d // u)
+    if inter and cost.ulysses_ok(d):
+        t = float(_padded_times(cost, A, B, P, df, True, "ulysses"))
+        if t < best:
+            best, kind = t, "ulysses"
+    if len(_PROGRAM_KINDS) > 100_000:
+        _PROGRAM_KINDS.clear()
+    _PROGRAM_KINDS[key] = kind
+    return kind
+
+
 def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
                terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[str]:
     """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
@@ -345,7 +438,10 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
 
     With `cost.geometry.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
     padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
-    inside nodes (else the ring, a program off the menu); only groups off the menu choose.
+    inside nodes (else the ring, a program off the menu). On a padded ladder under
+    `geometry.kind_rule` "program" (the default) every other group of degree > 1 runs its
+    program's kind (`program_kind`, fixed without data) where its ranks can run it (`runs_on`),
+    else the ring; only groups of an unpadded stream or under kind_rule "group" choose.
     (`best_kind_times` without its times.)"""
     return best_kind_times(cost, groups, terms)[0]
 
@@ -366,16 +462,19 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     live = _above_floor(cost, times, Ap, Bp, P, df)  # the others cannot beat the ring (`hybrid_floor`)
     free = np.ones(len(groups), dtype=bool)
     fixed_any = False
-    if cost.geometry.menu_kinds and len(groups):
-        fixed = {(deg, b): k for deg, b, k in cost.geometry.menu_kinds}
+    geo = cost.geometry
+    if geo.fixed_kinds and len(groups):
+        fixed = {(deg, b): k for deg, b, k in geo.menu_kinds}
+        rule = bool(geo.bucket_min) and geo.kind_rule == "program"
         padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
         for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
             kind = fixed.get((deg, int(p)))
+            if kind is None and rule and deg > 1:
+                kind = program_kind(cost, deg, int(p))
             if kind is None:
                 continue
             free[i] = False
-            u = attention_split(kind, deg)[0]
-            if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
+            if kind != "ring" and runs_on(kind, groups[i][0], cost):
                 kinds[i], fixed_any = kind, True
     pairs_i, pairs_u = [], []
     for deg in sorted(set(d[free & live].tolist()) - {1}):

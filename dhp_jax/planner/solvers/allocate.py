@@ -27,7 +27,8 @@ import numpy as np
 from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import best_times, closed_form, comm_per_token, group_times, hybrid_floor, ulysses_sizes
+from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
+                                          program_rule, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -79,8 +80,8 @@ class _ScalarTime:
         # shared lanes: the closed form below does not hold; price every evaluation with the
         # cost model itself so the search stays exact for it
         self.exact = None
-        if cost.compute_lanes is not None:
-            self.exact = (cost, attention)
+        if cost.compute_lanes is not None or (attention == "best" and program_rule(cost)):
+            self.exact = (cost, attention)  # (or each group on its program's kind: `pricing.best_times`)
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         g = cost.geometry
         self.bucket = scalar_bucketer(g.bucket_min, g.bucket_growth, max_tokens_per_rank(cost),

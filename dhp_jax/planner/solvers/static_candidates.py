@@ -150,7 +150,7 @@ def best_static(prob: Problem, allowed: np.ndarray, attention: str, num_micro_ba
         cands += [(t, d, mode, chunk, replica) for mode, t in prices.items() if t < dhp_price * (1 + 1e-9)]
     if not cands:
         return None
-    exact = compile_free and not cost.geometry.menu_kinds
+    exact = compile_free and not cost.geometry.fixed_kinds
     own = limit = dhp_price if dhp_exact else float(exact_price(None, None))
     best = None
     for t, d, mode, chunk, replica in sorted(cands, key=lambda c: c[:3]):
