@@ -315,14 +315,10 @@ def test_dhp_is_never_slower_than_a_static_plan(attention):
     `sim.step_time`; a plan a static candidate won says which and is that baseline's plan."""
     rng = np.random.default_rng(11)
     chosen = {}
-    # the baselines run the ring (or Ulysses) on every group; under the presets' kind_rule "program"
-    # a padded group runs its program's kind instead (test_compiles.py), so in "best" mode the
-    # padded trials choose kinds per group, as every baseline kind is then one DHP may give
-    padded = PADDED.replace(kind_rule="group") if attention == "best" else PADDED
     for num_ranks, rpn, trials in ((3, 2, 12), (5, 4, 12), (6, 4, 12), (7, 4, 16), (8, 8, 16), (8, 4, 10),
                                    (12, 8, 8), (14, 8, 8), (64, 8, 4)):
         for trial in range(trials):
-            cost = (COST if trial % 2 else padded).replace(ranks_per_node=rpn)
+            cost = (COST if trial % 2 else PADDED).replace(ranks_per_node=rpn)
             k = int(rng.integers(1, 4 * num_ranks + 1))
             lengths = np.minimum(rng.pareto(1.3, k) * CAP * rng.uniform(0.05, 0.6), num_ranks * CAP).astype(np.int64)
             etas = rng.uniform(0, 1, k) * (rng.random(k) < 0.4)

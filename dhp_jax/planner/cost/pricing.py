@@ -386,7 +386,8 @@ def runs_on(kind: str, ranks: Sequence[int], cost: CostModel) -> bool:
     return node_local(ranks, u, rpn) or (u == d and cost.ulysses_ok(d))
 
 
-_PROGRAM_KINDS: dict[tuple[Any, int, int], str] = {}
+_PROGRAM_KINDS: dict[Any, dict[tuple[int, int], str]] = {}  # per cost model: (degree, padded) -> kind
+_last_kinds: tuple = (None, {})  # the latest cost model and its table: the same object skips hashing it
 
 
 def program_kind(cost: CostModel, degree: int, padded: int) -> str:
@@ -399,8 +400,19 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     u <= ranks_per_node); for a group over nodes, Ulysses over all its ranks where the head count
     allows. Ties keep the ring, then the smaller u. A group whose ranks cannot run the kind runs
     the ring (`runs_on`)."""
-    key = (cost, int(degree), int(padded))
-    kind = _PROGRAM_KINDS.get(key)
+    global _last_kinds
+    last = _last_kinds
+    if last[0] is cost:
+        table = last[1]
+    else:
+        table = _PROGRAM_KINDS.get(cost)
+        if table is None:
+            if len(_PROGRAM_KINDS) > 64:
+                _PROGRAM_KINDS.clear()
+            table = _PROGRAM_KINDS[cost] = {}
+        _last_kinds = (cost, table)
+    key = (int(degree), int(padded))
+    kind = table.get(key)
     if kind is not None:
         return kind
     d, P = int(degree), float(padded)
@@ -421,9 +433,9 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
         t = float(_padded_times(cost, A, B, P, df, True, "ulysses"))
         if t < best:
             best, kind = t, "ulysses"
-    if len(_PROGRAM_KINDS) > 100_000:
-        _PROGRAM_KINDS.clear()
-    _PROGRAM_KINDS[key] = kind
+    if len(table) > 100_000:
+        table.clear()
+    table[key] = kind
     return kind
 
 
