@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.checks import etas_array, lengths_array, positive_int
-from dhp_jax.geometry.layout import linear_tokens
+from dhp_jax.geometry.layout import linear_tokens, rung_list
 from dhp_jax.planner.contract.kinds import attention_kinds, attention_name
 from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
@@ -390,6 +390,20 @@ _PROGRAM_KINDS: dict[Any, dict[tuple[int, int], str]] = {}  # per cost model: (d
 _last_kinds: tuple = (None, {})  # the latest cost model and its table: the same object skips hashing it
 
 
+def _kinds_table(cost: CostModel) -> dict[tuple[int, int], str]:
+    global _last_kinds
+    last = _last_kinds
+    if last[0] is cost:
+        return last[1]
+    table = _PROGRAM_KINDS.get(cost)
+    if table is None:
+        if len(_PROGRAM_KINDS) > 64:
+            _PROGRAM_KINDS.clear()
+        table = _PROGRAM_KINDS[cost] = {}
+    _last_kinds = (cost, table)
+    return table
+
+
 def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     """The one attention kind of the padded ladder's program (`degree`, `padded` tokens) under
     `StreamGeometry.kind_rule` "program", fixed without data: the kind the cost model prices
@@ -399,44 +413,88 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     over u ranks times a ring over degree / u (u dividing the degree and the head count,
     u <= ranks_per_node); for a group over nodes, Ulysses over all its ranks where the head count
     allows. Ties keep the ring, then the smaller u. A group whose ranks cannot run the kind runs
-    the ring (`runs_on`)."""
-    global _last_kinds
-    last = _last_kinds
-    if last[0] is cost:
-        table = last[1]
-    else:
-        table = _PROGRAM_KINDS.get(cost)
-        if table is None:
-            if len(_PROGRAM_KINDS) > 64:
-                _PROGRAM_KINDS.clear()
-            table = _PROGRAM_KINDS[cost] = {}
-        _last_kinds = (cost, table)
-    key = (int(degree), int(padded))
-    kind = table.get(key)
+    the ring (`runs_on`).
+
+    The kinds are kept per cost model; the first program asked of a degree not yet priced prices
+    every program of each such degree up to max(64, degree) at once (`program_kinds`): the
+    lengths `padded_length` gives at every rung of the ladder up to the degree's memory clamp."""
+    d, p = int(degree), int(padded)
+    table = _kinds_table(cost)
+    kind = table.get((d, p))
     if kind is not None:
         return kind
-    d, P = int(degree), float(padded)
     if d <= 1:
         return "ring"
-    inter = d > cost.ranks_per_node
-    A = cost.a1 * P * P / d
-    B = cost.a2 * d * linear_tokens(P, P, d, cost.geometry.linear_chunk)
-    df = np.float64(d)
-    best, kind = float(_padded_times(cost, A, B, P, df, inter, "ring")), "ring"
-    for u in ulysses_sizes(cost, d):
-        if inter and cost.ranks_per_node % u:
-            continue  # on whole nodes, Ulysses sub-groups of u ranks stay inside nodes only where u divides a node
-        t = float(_padded_times(cost, A, B, P, df, inter, "hybrid", u))
-        if t < best:
-            best, kind = t, attention_name(u, d // u)
-    if inter and cost.ulysses_ok(d):
-        t = float(_padded_times(cost, A, B, P, df, True, "ulysses"))
-        if t < best:
-            best, kind = t, "ulysses"
+    g = cost.geometry
+    done = table.setdefault((0, 0), set())  # the degrees whose ladders are priced
+    if g.bucket_min and d not in done:
+        lst = rung_list(g.bucket_min, g.bucket_growth)
+        per_rank = cost.memory_budget / cost.mem_per_token
+        degs, lens = [], []
+        for x in range(2, max(64, d) + 1):
+            if x in done:
+                continue
+            top = 2.0 * x * per_rank  # past the memory clamp every rung pads to one length
+            ps = np.unique(padded_length(cost, np.asarray([r for r in lst if r <= top], dtype=np.float64), x))
+            degs.append(np.full(ps.size, x, dtype=np.int64))
+            lens.append(ps)
+            done.add(x)
+        program_kinds(cost, np.concatenate(degs), np.concatenate(lens))
+        kind = table.get((d, p))
+        if kind is not None:
+            return kind
+    return program_kinds(cost, [d], [p])[0]
+
+
+def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
+    """`program_kind` of the programs (degree[i], padded[i]) (degrees > 1), priced together: the
+    same floats and the same choices as one at a time. The kinds are kept per cost model."""
+    table = _kinds_table(cost)
+    D = np.asarray(degree, dtype=np.int64).reshape(-1)
+    P = np.asarray(padded, dtype=np.float64).reshape(-1)
+    if not P.size:
+        return []
+    P = np.floor(P)
+    rpn, heads = cost.ranks_per_node, cost.num_heads
+    df = D.astype(np.float64)
+    inter = D > rpn
+    A = cost.a1 * P * P / df
+    B = cost.a2 * df * linear_tokens(P, P, df, cost.geometry.linear_chunk)
+    best = _padded_times(cost, A, B, P, df, inter, "ring")
+    win = np.ones(P.shape, dtype=np.int64)  # the Ulysses size of the fastest kind so far (1: the ring)
+    # in `program_kind`'s order (ring, then u ascending, then Ulysses over nodes), a kind taking
+    # over only where strictly faster
+    for u in range(2, min(int(D.max()), rpn) + 1):
+        if heads % u:
+            continue
+        m = np.flatnonzero((D % u == 0) & (~inter | (rpn % u == 0)))
+        if not m.size:
+            continue
+        t = _padded_times(cost, A[m], B[m], P[m], df[m], inter[m], "hybrid", u)
+        better = t < best[m]
+        best[m[better]] = t[better]
+        win[m[better]] = u
+    m = np.flatnonzero(inter & (heads % np.maximum(D, 1) == 0))
+    over = np.zeros(P.shape, dtype=bool)
+    if m.size:
+        t = _padded_times(cost, A[m], B[m], P[m], df[m], True, "ulysses")
+        better = t < best[m]
+        over[m[better]] = True
     if len(table) > 100_000:
         table.clear()
-    table[key] = kind
-    return kind
+    out, names = [], {}
+    for x, p, u, o in zip(D.tolist(), P.tolist(), win.tolist(), over.tolist()):
+        if x <= 1 or (u == 1 and not o):
+            kind = "ring"
+        elif o:
+            kind = "ulysses"
+        else:
+            kind = names.get((u, x))
+            if kind is None:
+                kind = names[(u, x)] = attention_name(u, x // u)
+        table[(x, int(p))] = kind
+        out.append(kind)
+    return out
 
 
 def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],

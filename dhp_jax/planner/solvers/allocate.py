@@ -224,7 +224,11 @@ class _ScalarTime:
         key = (d, P)
         u = self._program_u.get(key)
         if u is None:
-            u = attention_split(program_kind(self.cost, d, int(P)), d)[0] if d > 1 else 1
+            if d <= 1:
+                u = 1
+            else:
+                kind = program_kind(self.cost, d, int(P))
+                u = 1 if kind == "ring" else d if kind == "ulysses" else attention_split(kind, d)[0]
             self._program_u[key] = u
         return u
 
@@ -399,8 +403,10 @@ class _ScalarTime:
         chunk = self.chunk
         ring, clamped, padded = self.ring, self.mpd is not None, self.rungs is not None
         tables = self._degrees
-        hybrid = self.program_time if self.program else self.hybrid if self.best else None
+        hybrid = self.hybrid if self.best else None
         form = closed_form
+        program, kinds, kind_of = self.program, self._program_u, self.program_u
+        c_a2a, c_a2a_inter, rpn = self.c_a2a, self.c_a2a_inter, self.rpn
 
         def ev(i: int, d: int) -> float:
             nonlocal step, clamp, coef, lat
@@ -423,6 +429,17 @@ class _ScalarTime:
                 Bi = B[i] + a2 * ((_linear_whole(Si, P, d, chunk) if chunk else P) - Si)
             else:
                 P, Ai, Bi = S[i], A[i], B[i]
+            if program:  # `program_time`, inline: the program's kind alone is priced
+                u = kinds.get((d, P))
+                if u is None:
+                    u = kind_of(d, P)
+                if u != 1:
+                    df = float(d)
+                    if u == d:
+                        return form(Ai, Bi, P, df, df, df, b1, 0.0, c_a2a_inter if d > rpn else c_a2a, lat[d],
+                                    False, True, overlap)
+                    return form(Ai, Bi, P, df, float(u), df, b1, coef[d], c_a2a, lat[d], False, False, overlap)
+                return form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
             if ring:
                 t = form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
             else:
