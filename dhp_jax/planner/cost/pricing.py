@@ -528,7 +528,7 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     kinds = ["ring"] * len(groups)
     df = d.astype(np.float64)
     Ap, Bp, P = padded_terms(cost, A, B, S, df)  # once for every kind
-    times = _padded_times(cost, Ap, Bp, P, df, inter, "ring")
+    times = ring = _padded_times(cost, Ap, Bp, P, df, inter, "ring")
     live = _above_floor(cost, times, Ap, Bp, P, df)  # the others cannot beat the ring (`hybrid_floor`)
     free = np.ones(len(groups), dtype=bool)
     fixed_any = False
@@ -578,9 +578,32 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             kinds[g] = "ulysses"
         times = times.copy()
         times[over[win]] = t[win]
-    if fixed_any:  # menu programs' kinds, priced on their own
-        times = kind_times(cost, A, B, S, d, inter, kinds)
+    if fixed_any:  # programs' fixed kinds, priced on their own (`kind_times`: the same floats)
+        times = _times_on(cost, Ap, Bp, P, df, inter, kinds, ring)
     return kinds, times
+
+
+def _times_on(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray, d: np.ndarray, inter: np.ndarray,
+              kinds: Sequence[str], ring: np.ndarray) -> np.ndarray:
+    """`kind_times` of groups with padded terms (`ring`: their ring times): Ulysses over whole
+    groups in one call, the hybrids in one call of the "hybrid" family."""
+    sizes: dict[tuple[str, int], int] = {}
+    u = np.ones(d.shape, dtype=np.float64)
+    for i, (kind, x) in enumerate(zip(kinds, d.tolist())):
+        if kind != "ring":
+            key = (kind, int(x))
+            v = sizes.get(key)
+            if v is None:
+                v = sizes[key] = attention_split(kind, int(x))[0]
+            u[i] = v
+    out = np.array(ring, dtype=np.float64)
+    full = np.flatnonzero((u > 1) & (u == d))
+    if full.size:
+        out[full] = _padded_times(cost, A[full], B[full], P[full], d[full], inter[full], "ulysses")
+    part = np.flatnonzero((u > 1) & (u < d))
+    if part.size:
+        out[part] = _padded_times(cost, A[part], B[part], P[part], d[part], inter[part], "hybrid", u[part])
+    return out
 
 
 def group_kind_times(cost: CostModel, plan: Any, lengths: Sequence[int] | np.ndarray,
