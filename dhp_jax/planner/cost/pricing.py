@@ -428,22 +428,24 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     g = cost.geometry
     done = table.setdefault((0, 0), set())  # the degrees whose ladders are priced
     if g.bucket_min and d not in done:
-        lst = rung_list(g.bucket_min, g.bucket_growth)
-        per_rank = cost.memory_budget / cost.mem_per_token
-        degs, lens = [], []
-        for x in range(2, max(64, d) + 1):
-            if x in done:
-                continue
-            top = 2.0 * x * per_rank  # past the memory clamp every rung pads to one length
-            ps = np.unique(padded_length(cost, np.asarray([r for r in lst if r <= top], dtype=np.float64), x))
-            degs.append(np.full(ps.size, x, dtype=np.int64))
-            lens.append(ps)
-            done.add(x)
-        program_kinds(cost, np.concatenate(degs), np.concatenate(lens))
+        xs = np.asarray([x for x in range(2, max(64, d) + 1) if x not in done], dtype=np.float64)
+        # past a degree's memory clamp every rung pads to one length: the rungs up to the largest clamp
+        top = 2.0 * xs.max() * cost.memory_budget / cost.mem_per_token
+        rungs = np.asarray([r for r in rung_list(g.bucket_min, g.bucket_growth) if r <= top], dtype=np.float64)
+        grid = padded_length(cost, rungs[None, :], xs[:, None])  # (degree, rung)
+        pairs = sorted(set(zip(np.broadcast_to(xs[:, None], grid.shape).ravel().tolist(), grid.ravel().tolist())))
+        program_kinds(cost, [x for x, _ in pairs], [q for _, q in pairs])
+        done.update(int(x) for x in xs.tolist())
         kind = table.get((d, p))
         if kind is not None:
             return kind
     return program_kinds(cost, [d], [p])[0]
+
+
+def program_table(cost: CostModel) -> dict[tuple[int, int], str]:
+    """The programs' kinds priced so far for `cost`: (degree, padded) -> kind (`program_kind`;
+    entries of degree <= 1 are not programs). The table itself: read only."""
+    return _kinds_table(cost)
 
 
 def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:

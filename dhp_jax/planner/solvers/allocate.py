@@ -29,7 +29,7 @@ from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
-                                          program_kind, program_rule, ulysses_sizes)
+                                          program_kind, program_rule, program_table, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -90,6 +90,7 @@ class _ScalarTime:
         # over all its ranks) by program, filled on first use
         self.program = attention == "best" and program_rule(cost)
         self._program_u: dict[tuple[int, float], int] = {}
+        self._sorted_sizes: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         g = cost.geometry
         self.bucket = scalar_bucketer(g.bucket_min, g.bucket_growth, max_tokens_per_rank(cost),
@@ -232,6 +233,36 @@ class _ScalarTime:
             self._program_u[key] = u
         return u
 
+    def _sizes_of(self, d: np.ndarray, P: np.ndarray) -> np.ndarray:
+        """`program_u` of every (d[i], P[i]) (d > 1), vectorised: a sorted array of (degree, length)
+        keys, rebuilt from `pricing.program_table` where a program is not in it yet."""
+        key = d.astype(np.float64) * 2.0 ** 40 + P  # exact in float64: P < 2**40, d < 2**12
+        keys, sizes = self._sorted_sizes
+        at = np.minimum(np.searchsorted(keys, key), max(keys.size - 1, 0))
+        if keys.size and np.array_equal(keys[at], key):
+            return sizes[at]
+        miss = keys[at] != key if keys.size else np.ones(key.shape, dtype=bool)
+        for x, p in set(zip(d[miss].tolist(), P[miss].tolist())):  # priced (with the degree's whole ladder)
+            self.program_u(int(x), p)
+        table = {(x, float(p)): u for (x, p), u in self._program_u.items()}
+        split: dict[tuple[str, int], int] = {}
+        for (x, p), kind in program_table(self.cost).items():
+            if x > 1 and (x, float(p)) not in table:
+                if kind == "ring":
+                    u = 1
+                elif kind == "ulysses":
+                    u = x
+                else:
+                    u = split.get((kind, x))
+                    if u is None:
+                        u = split[(kind, x)] = attention_split(kind, x)[0]
+                table[(x, float(p))] = u
+        order = sorted(table)
+        keys = np.asarray([x * 2.0 ** 40 + p for x, p in order], dtype=np.float64)
+        sizes = np.asarray([table[k] for k in order], dtype=np.float64)
+        self._sorted_sizes = (keys, sizes)
+        return sizes[np.searchsorted(keys, key)]
+
     def program_time(self, Ai: float, Bi: float, P: float, d: int, t: float) -> float:
         """The time of a group with padded terms Ai, Bi, P on d ranks on its program's kind (`t`: its
         ring time): `_programs` in scalars, the same floats."""
@@ -258,18 +289,7 @@ class _ScalarTime:
         live = np.flatnonzero(d > 1)
         if not live.size:
             return out.reshape(shape)
-        # one Ulysses size per (degree, padded length): looked up once per distinct pair
-        key = P[live] * 8192.0 + d[live] if int(d[live].max()) < 8192 else None
-        if key is not None:
-            uniq, inv = np.unique(key, return_inverse=True)
-            dl, Pl = d[live].tolist(), P[live].tolist()
-            inv = np.asarray(inv).reshape(-1)
-            first = np.zeros(len(uniq), dtype=np.int64)
-            first[inv] = np.arange(live.size)  # one entry of each pair (any: they share the program)
-            us = np.array([self.program_u(dl[j], Pl[j]) for j in first.tolist()], dtype=np.float64)[inv]
-        else:
-            us = np.array([self.program_u(int(x), y) for x, y in zip(d[live].tolist(), P[live].tolist())],
-                          dtype=np.float64)
+        us = self._sizes_of(d[live], P[live])
         dm = d[live].astype(np.float64)
         hyb = us > 1.0
         if not np.any(hyb):
