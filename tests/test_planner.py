@@ -347,21 +347,28 @@ def test_dhp_is_never_slower_than_a_static_plan(attention):
     assert chosen["dhp"] and len(chosen) > 1, chosen
 
 
-def test_static_candidates_honour_the_options():
+@pytest.mark.parametrize("rule,static", [("group", "static-best:8"), ("program", "static-ring:8")])
+def test_static_candidates_honour_the_options(rule, static):
     """A batch on which the static degree-8 plan (every micro-batch on all 8 ranks, next fit) beats
-    DHP's search; the candidates are only those the options allow."""
+    DHP's search; the candidates are only those the options allow. With kinds chosen per group the
+    static plan on each group's fastest kind wins; under one kind per program (the presets' rule)
+    the kind of program (8, 16384) is a hybrid that the ring beats on this batch's short group, and
+    the all-ring static plan wins, the baseline itself."""
     lengths = [20600, 7000, 20200, 4700, 3600, 400, 10000, 18200, 14700, 1200, 200, 45700, 6000, 6100]
-    plan = plan_batch(lengths, 8, PADDED)
-    assert plan.solver["chosen"] == "static-best:8" and plan.degrees == [[8], [8]]
-    ring = plan_batch(lengths, 8, PADDED, attention="ring")
+    cost = PADDED.replace(kind_rule=rule)
+    plan = plan_batch(lengths, 8, cost)
+    assert plan.solver["chosen"] == static and plan.degrees == [[8], [8]]
+    if rule == "program":
+        assert _layout(plan) == _layout(plan_batch(lengths, 8, cost, "static-ring:8"))
+    ring = plan_batch(lengths, 8, cost, attention="ring")
     assert ring.solver["chosen"] == "static-ring:8"
-    assert _layout(ring) == _layout(plan_batch(lengths, 8, PADDED, "static-ring:8"))
-    no8 = plan_batch(lengths, 8, PADDED, degrees=list(range(1, 8)))
+    assert _layout(ring) == _layout(plan_batch(lengths, 8, cost, "static-ring:8"))
+    no8 = plan_batch(lengths, 8, cost, degrees=list(range(1, 8)))
     assert no8.solver["chosen"] == "dhp" and 8 not in {g.degree for g in no8.groups}
-    assert plan_batch(lengths, 8, PADDED, num_micro_batches=2).solver["chosen"] == "static-best:8"
-    three = plan_batch(lengths, 8, PADDED, num_micro_batches=3)
+    assert plan_batch(lengths, 8, cost, num_micro_batches=2).solver["chosen"] == static
+    three = plan_batch(lengths, 8, cost, num_micro_batches=3)
     assert three.solver["chosen"] == "dhp" and len(three.micro_batches) == 3
-    single = plan_batch(lengths, 8, PADDED, packing=False)
+    single = plan_batch(lengths, 8, cost, packing=False)
     assert single.solver["chosen"] == "dhp" and all(len(g.samples) == 1 for g in single.groups)
 
 
