@@ -99,7 +99,11 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     for i in range(batches):
         samples = make_dataset(dataset, batch, 10_000_000 + i, vision=vision)
         cal.append((sample_lengths(samples), sample_etas(samples)))
-    return fit_menu(cost, cal, ranks, budget, max_degrees, kind_per, degree_set).apply(cost)
+    # the calibration plans choose kinds per group: a menu's programs replace the ladder's (their kinds
+    # are fitted to these groups' kind times, `kind_per`); plans searched on the ladder programs' fixed
+    # kinds would fit the menu's buckets to groups that a search on the menu does not form
+    return fit_menu(cost.replace(kind_rule="group"), cal, ranks, budget, max_degrees, kind_per,
+                    degree_set).apply(cost)
 
 
 def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str = "openvid",
