@@ -416,8 +416,8 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     the ring (`runs_on`).
 
     The kinds are kept per cost model; the first program asked of a degree not yet priced prices
-    every program of each such degree up to max(64, degree) at once (`program_kinds`): the
-    lengths `padded_length` gives at every rung of the ladder up to the degree's memory clamp."""
+    every program of the degrees of its block (2-64, 65-128, ...) at once (`program_kinds`): the
+    lengths `padded_length` gives at every rung of the ladder up to each degree's memory clamp."""
     d, p = int(degree), int(padded)
     table = _kinds_table(cost)
     kind = table.get((d, p))
@@ -428,7 +428,8 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     g = cost.geometry
     done = table.setdefault((0, 0), set())  # the degrees whose ladders are priced
     if g.bucket_min and d not in done:
-        xs = np.asarray([x for x in range(2, max(64, d) + 1) if x not in done], dtype=np.float64)
+        lo = 2 if d <= 64 else (d - 1) // 64 * 64 + 1  # the degrees of d's block of 64
+        xs = np.asarray([x for x in range(lo, (d + 63) // 64 * 64 + 1) if x not in done], dtype=np.float64)
         # past a degree's memory clamp every rung pads to one length: the rungs up to the largest clamp
         top = 2.0 * xs.max() * cost.memory_budget / cost.mem_per_token
         rungs = np.asarray([r for r in rung_list(g.bucket_min, g.bucket_growth) if r <= top], dtype=np.float64)
@@ -440,12 +441,6 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
         if kind is not None:
             return kind
     return program_kinds(cost, [d], [p])[0]
-
-
-def program_table(cost: CostModel) -> dict[tuple[int, int], str]:
-    """The programs' kinds priced so far for `cost`: (degree, padded) -> kind (`program_kind`;
-    entries of degree <= 1 are not programs). The table itself: read only."""
-    return _kinds_table(cost)
 
 
 def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:

@@ -29,7 +29,7 @@ from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
-                                          program_kind, program_rule, program_table, ulysses_sizes)
+                                          program_kind, program_rule, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -234,32 +234,23 @@ class _ScalarTime:
         return u
 
     def _sizes_of(self, d: np.ndarray, P: np.ndarray) -> np.ndarray:
-        """`program_u` of every (d[i], P[i]) (d > 1), vectorised: a sorted array of (degree, length)
-        keys, rebuilt from `pricing.program_table` where a program is not in it yet."""
+        """`program_u` of every (d[i], P[i]) (d > 1), vectorised: a sorted array of the (degree,
+        length) keys met so far, extended where a program is not in it yet."""
         key = d.astype(np.float64) * 2.0 ** 40 + P  # exact in float64: P < 2**40, d < 2**12
         keys, sizes = self._sorted_sizes
         at = np.minimum(np.searchsorted(keys, key), max(keys.size - 1, 0))
-        if keys.size and np.array_equal(keys[at], key):
-            return sizes[at]
-        miss = keys[at] != key if keys.size else np.ones(key.shape, dtype=bool)
-        for x, p in set(zip(d[miss].tolist(), P[miss].tolist())):  # priced (with the degree's whole ladder)
-            self.program_u(int(x), p)
-        table = {(x, float(p)): u for (x, p), u in self._program_u.items()}
-        split: dict[tuple[str, int], int] = {}
-        for (x, p), kind in program_table(self.cost).items():
-            if x > 1 and (x, float(p)) not in table:
-                if kind == "ring":
-                    u = 1
-                elif kind == "ulysses":
-                    u = x
-                else:
-                    u = split.get((kind, x))
-                    if u is None:
-                        u = split[(kind, x)] = attention_split(kind, x)[0]
-                table[(x, float(p))] = u
-        order = sorted(table)
-        keys = np.asarray([x * 2.0 ** 40 + p for x, p in order], dtype=np.float64)
-        sizes = np.asarray([table[k] for k in order], dtype=np.float64)
+        if keys.size:
+            miss = keys[at] != key
+            if not miss.any():
+                return sizes[at]
+        else:
+            miss = np.ones(key.shape, dtype=bool)
+        new = sorted(set(zip(d[miss].tolist(), P[miss].tolist())))
+        add_k = np.asarray([x * 2.0 ** 40 + p for x, p in new], dtype=np.float64)
+        add_u = np.asarray([self.program_u(int(x), p) for x, p in new], dtype=np.float64)
+        keys, sizes = np.concatenate([keys, add_k]), np.concatenate([sizes, add_u])
+        order = np.argsort(keys, kind="stable")
+        keys, sizes = keys[order], sizes[order]
         self._sorted_sizes = (keys, sizes)
         return sizes[np.searchsorted(keys, key)]
 
