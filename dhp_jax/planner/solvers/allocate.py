@@ -394,11 +394,11 @@ class _ScalarTime:
             B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
         else:
             P = S
+        if self.program and self.program_u(d, P) != 1:
+            return self.program_time(A, B, P, d, 0.0)  # not the ring: its time is not needed
         if self.ring:
             t = closed_form(A, B, P, d, 1, d, self.b1, coef[d], 0.0, lat[d], True, False, self.overlap)
-            if self.program:
-                return self.program_time(A, B, P, d, t)
-            return self.hybrid(A, B, P, d, t) if self.best else t
+            return self.hybrid(A, B, P, d, t) if self.best and not self.program else t
         return closed_form(A, B, P, d, d, d, self.b1, 0.0, coef[d], lat[d], False, True, self.overlap)
 
     def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
