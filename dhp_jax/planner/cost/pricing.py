@@ -479,18 +479,14 @@ def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
         over[m[better]] = True
     if len(table) > 100_000:
         table.clear()
-    out, names = [], {}
-    for x, p, u, o in zip(D.tolist(), P.tolist(), win.tolist(), over.tolist()):
-        if x <= 1 or (u == 1 and not o):
-            kind = "ring"
-        elif o:
-            kind = "ulysses"
-        else:
-            kind = names.get((u, x))
-            if kind is None:
-                kind = names[(u, x)] = attention_name(u, x // u)
-        table[(x, int(p))] = kind
-        out.append(kind)
+    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
+    code = np.where(over, -1, np.where((win == 1) | (D <= 1), 0, win)) * 2 ** 20 + D  # D < 2**20
+    names = {}
+    for c in set(code.tolist()):
+        u, x = divmod(c, 2 ** 20)
+        names[c] = "ring" if u == 0 else "ulysses" if u == -1 else attention_name(u, x // u)
+    out = [names[c] for c in code.tolist()]
+    table.update(zip(zip(D.tolist(), P.astype(np.int64).tolist()), out))
     return out
 
 

@@ -90,6 +90,7 @@ class _ScalarTime:
         # over all its ranks) by program, filled on first use
         self.program = attention == "best" and program_rule(cost)
         self._program_u: dict[tuple[int, float], int] = {}
+        self._split: dict[tuple[str, int], int] = {}
         self._sorted_sizes: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         g = cost.geometry
@@ -229,7 +230,9 @@ class _ScalarTime:
                 u = 1
             else:
                 kind = program_kind(self.cost, d, int(P))
-                u = 1 if kind == "ring" else d if kind == "ulysses" else attention_split(kind, d)[0]
+                u = 1 if kind == "ring" else d if kind == "ulysses" else self._split.get((kind, d))
+                if u is None:
+                    u = self._split[(kind, d)] = attention_split(kind, d)[0]
             self._program_u[key] = u
         return u
 
