@@ -25,9 +25,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
+from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
                                           program_kind, program_rule, ulysses_sizes)
 
@@ -239,7 +239,7 @@ class _ScalarTime:
     def _sizes_of(self, d: np.ndarray, P: np.ndarray) -> np.ndarray:
         """`program_u` of every (d[i], P[i]) (d > 1), vectorised: a sorted array of the (degree,
         length) keys met so far, extended where a program is not in it yet."""
-        key = d.astype(np.float64) * 2.0 ** 40 + P  # exact in float64: P < 2**40, d < 2**12
+        key = d.astype(np.float64) * 2.0 ** 40 + P  # exact in float64: P < 2**40, d < 2**13
         keys, sizes = self._sorted_sizes
         at = np.minimum(np.searchsorted(keys, key), max(keys.size - 1, 0))
         if keys.size:
