@@ -8,7 +8,9 @@ placement), the padded / real tokens, and the simulated step time against planni
 without padding. A menu's programs carry one attention kind each (`menu_kinds`: per bucket or per
 degree), so its budget bounds the programs; the variants at `kind_budget` show what fixing the
 kinds costs against choosing them per group ("group": a program budget then bounds only the
-(degree, bucket) shapes).
+(degree, bucket) shapes). A ladder's programs carry one attention kind each too, fixed without data
+(`StreamGeometry.kind_rule` "program", `pricing.program_kind`); the rows "kinds per group" plan the
+same batches with each group's own fastest kind.
 """
 
 from __future__ import annotations
@@ -40,23 +42,26 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     rows = []
     md, kb = p["menu_max_degrees"], p["kind_budget"]
     ds = p["menu_degree_set"]
-    settings = [(f"ladder {g:g}", g, None, None, None, None) for g in p["growths"]]
-    settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"], md, ds) for b in p["menu_budgets"]]
-    settings += [(f"menu of {kb}, kinds per {k}", p["menu_growth"], kb, k, md, ds) for k in p["kind_variants"]]
-    settings += [(f"menu of {kb}, {m} degrees", p["menu_growth"], kb, p["menu_kinds"], m, ds)
+    # (name, growth, menu budget, menu kinds, menu degrees, degree set, the ladder's kind rule)
+    settings = [(f"ladder {g:g}", g, None, None, None, None, "program") for g in p["growths"]]
+    settings += [(f"ladder {g:g}, kinds per group", g, None, None, None, None, "group")
+                 for g in p.get("ladder_group_kinds", [])]
+    settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"], md, ds, "program") for b in p["menu_budgets"]]
+    settings += [(f"menu of {kb}, kinds per {k}", p["menu_growth"], kb, k, md, ds, "program") for k in p["kind_variants"]]
+    settings += [(f"menu of {kb}, {m} degrees", p["menu_growth"], kb, p["menu_kinds"], m, ds, "program")
                  for m in p["degree_variants"]]
-    settings += [(f"menu of {kb}, {v} degrees", p["menu_growth"], kb, p["menu_kinds"], md, v)
+    settings += [(f"menu of {kb}, {v} degrees", p["menu_growth"], kb, p["menu_kinds"], md, v, "program")
                  for v in p["degree_set_variants"]]
     references: dict = {}  # the unpadded reference plans, shared by the rows
-    for name, g, budget, kinds, max_degrees, degree_set in settings:
-        cost = cost_for(p["model"], p["hardware"], p["ranks_per_node"], g, p["min_bucket"])
+    for name, g, budget, kinds, max_degrees, degree_set, kind_rule in settings:
+        cost = cost_for(p["model"], p["hardware"], p["ranks_per_node"], g, p["min_bucket"], kind_rule)
         if budget:
             cost = menu_cost(cost, p["ranks"], p["menu_calibration_batches"], budget, p["batch"], p["dataset"],
                              max_degrees, kind_per=KIND_PER[kinds], degree_set=degree_set)
         early = min(p["early_steps"], p["steps"])
         r = plan_run(cost, p["ranks"], p["steps"], p["batch"], p["dataset"], p["ranks_per_process"], True, seed,
                      references, counts_at=(early,))
-        row = {"rule": name, "growth": g, "menu_budget": budget, "menu_kinds": kinds, "menu_max_degrees": max_degrees,
+        row = {"rule": name, "growth": g, "kind_rule": kind_rule, "menu_budget": budget, "menu_kinds": kinds, "menu_max_degrees": max_degrees,
                "menu_degree_set": degree_set,
                "menu_degrees": [d for d, _ in cost.geometry.bucket_menu], "off_menu_programs": r.get("off_menu_programs"),
                "programs": r["placement"]["programs"], "padded_over_real": r["padded_over_real"],
@@ -102,8 +107,8 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
     rows = result["rows"]
     fig, ax = plt.subplots(1, 2, figsize=(9, 3.6))
-    ladders = [r for r in rows if not r["menu_budget"]]
-    variants = [r for r in rows if r["menu_budget"] and "," in r["rule"]]
+    ladders = [r for r in rows if not r["menu_budget"] and "," not in r["rule"]]
+    variants = [r for r in rows if "," in r["rule"]]
     menus = [r for r in rows if r["menu_budget"] and "," not in r["rule"]]
     for sel, style, name in ((ladders, "o-", "ladders"), (menus, "s-", "menus (budget sweep)"),
                              (variants, "^", "menu variants")):

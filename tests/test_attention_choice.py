@@ -7,11 +7,13 @@ import pytest
 
 from dhp_jax.data import make_dataset, sample_etas, sample_lengths
 from dhp_jax.planner import CostModel, plan_batch
+from dhp_jax.planner.cost.geometry import padded_length
 from dhp_jax.planner.cost.pricing import (best_kind_times, best_kinds, best_times, comm_per_token, group_times,
-                                         sample_terms, step_time)
+                                         program_kind, sample_terms, step_time)
 from dhp_jax.sim.bounds import lower_bound
 
-COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8)     # 28 query heads
+# 28 query heads; kinds chosen per group (`StreamGeometry.kind_rule` "group"), the choice these tests are about
+COST = CostModel.preset("internvl3-8b", "ascend-910b", ranks_per_node=8, kind_rule="group")
 
 
 def test_hybrid_price_is_the_all_to_all_plus_a_thinner_ring():
@@ -50,7 +52,7 @@ def test_choice_never_above_ring_and_takes_a_hybrid_across_nodes():
 
 def test_dhp_with_choice_is_never_slower_than_ring_only_and_above_the_bound():
     # ring traffic that does not overlap attention: where all-to-all kinds can win
-    cost = CostModel.preset("qwen3-vl-8b", "ascend-910b", ranks_per_node=8, comm_overlap=False)
+    cost = CostModel.preset("qwen3-vl-8b", "ascend-910b", ranks_per_node=8, comm_overlap=False, kind_rule="group")
     for seed in range(2):
         samples = make_dataset("msrvtt", 128, seed=seed, vision="qwen")
         L, E = sample_lengths(samples), sample_etas(samples)
@@ -63,14 +65,17 @@ def test_dhp_with_choice_is_never_slower_than_ring_only_and_above_the_bound():
         plan_batch(samples, 16, cost, attention="ulysses")
 
 
+@pytest.mark.parametrize("rule", ["group", "program"])
 @pytest.mark.parametrize("model,rpn", [("internvl3-8b", 8), ("qwen3-vl-8b", 8), ("qwen3-vl-8b", 1), ("qwen3-vl-8b", 4)])
-def test_the_search_price_is_the_fastest_kind_the_plan_can_give(model, rpn):
+def test_the_search_price_is_the_fastest_kind_the_plan_can_give(model, rpn, rule):
     # the search prices a group at `best_times`: the least of every kind `best_kinds` may give it on
-    # ranks placed as the search assumes (inside a node up to ranks_per_node, whole nodes above)
-    cost = CostModel.preset(model, "ascend-910b", ranks_per_node=rpn)
+    # ranks placed as the search assumes (inside a node up to ranks_per_node, whole nodes above);
+    # under the "program" rule the time of its program's kind (`program_kind`), the kind the plan gives it
+    cost = CostModel.preset(model, "ascend-910b", ranks_per_node=rpn, kind_rule=rule)
     rng = np.random.default_rng(3)
     lengths = rng.integers(500, 60000, 64)
     terms = sample_terms(cost, lengths, rng.random(64))
+    seen = set()
     for d in range(1, 33):
         groups = [(tuple(range(d)), tuple(rng.choice(64, int(rng.integers(1, 6)), replace=False).tolist()))
                   for _ in range(4)]
@@ -79,7 +84,14 @@ def test_the_search_price_is_the_fastest_kind_the_plan_can_give(model, rpn):
         B = np.array([terms[1][list(g)].sum() for _, g in groups])
         S = np.array([terms[2][list(g)].sum() for _, g in groups])
         np.testing.assert_array_equal(best_times(cost, A, B, S, np.full(4, d)), t)
-        assert np.all(t <= group_times(cost, A, B, S, d, d > rpn))
+        if rule == "group":
+            assert np.all(t <= group_times(cost, A, B, S, d, d > rpn))
+        else:
+            P = padded_length(cost, S, np.full(4, d))
+            assert kinds == [program_kind(cost, d, int(p)) if d > 1 else "ring" for p in P]
+            seen.update(kinds)
+    if rule == "program" and rpn > 1:
+        assert len(seen) > 1, seen                                    # the rule is not the ring everywhere
 
 
 def test_a_group_over_nodes_runs_ulysses_where_that_is_fastest():

@@ -352,7 +352,7 @@ def test_menu_planned_run_never_exceeds_its_budget_and_runs_the_menus_kinds(kind
         assert any(k != "ring" for k in menu.kinds.values())               # the choice is not trivial
     else:  # over a whole degree the ring wins on this data; the runs below still force it on groups
         assert all(len({menu.kind(d, b) for b in bs}) == 1 for d, bs in menu.buckets.items())
-    free = fine.replace(bucket_menu=menu.as_cost_field())                  # the same shapes, kinds per group
+    free = fine.replace(bucket_menu=menu.as_cost_field(), kind_rule="group")  # the same shapes, kinds per group
     fixed = menu.apply(fine)
     counts = {}
     for name, cost in (("free", free), ("menu", fixed)):
@@ -395,3 +395,53 @@ def test_plan_keys_agree_with_the_plans_padded_tokens():
     keys = ex.plan_keys(other, plan)
     assert [b for _, b, _, _ in keys] == [bucket_length(g.tokens + 1, g.degree) if 0 in g.samples else g.padded_tokens
                                        for g in plan.groups]
+
+
+def test_default_ladder_gives_each_program_one_attention_kind():
+    """A program is (degree, bucket, kind). Under the presets' rule (`StreamGeometry.kind_rule`
+    "program") every group of degree > 1 runs its program's kind (`pricing.program_kind`, fixed
+    without data), the ring only where its ranks cannot run that kind (`pricing.runs_on`): over a few
+    hundred planned and placed groups (16 batches of 512 on 64 ranks), kinds do not multiply the (degree, bucket) shapes, while
+    kinds chosen per group on the same batches do."""
+    from dhp_jax.data import make_dataset, sample_etas, sample_lengths
+    from dhp_jax.planner.cost.pricing import program_kind, runs_on
+
+    rule = CostModel.preset("internvl3-8b", "ascend-910b")
+    assert rule.geometry.kind_rule == "program" and rule.geometry.bucket_min
+    free = rule.replace(kind_rule="group")
+    batches = []
+    for i in range(16):
+        s = make_dataset("openvid", 512, 900 + i, vision="internvl")
+        batches.append((sample_lengths(s), sample_etas(s)))
+    counts, fallbacks, groups = {}, set(), 0
+    for name, cost in (("rule", rule), ("free", free)):
+        cache = ProgramCache(8)
+        for L, E in batches:
+            plan = plan_batch(L, 64, cost, etas=E, attention="best")
+            placed = reuse_placement(plan, L, E, cost, cache, attention="best")
+            if name == "rule":
+                for g in placed.groups:
+                    groups += 1
+                    want = program_kind(cost, g.degree, g.padded_tokens) if g.degree > 1 else "ring"
+                    ok = runs_on(want, g.ranks, cost)
+                    assert g.attention == (want if ok else "ring"), (g.degree, g.padded_tokens, g.ranks)
+                    if not ok:
+                        fallbacks.add((g.degree, g.padded_tokens))
+        counts[name] = (len(cache.programs), len({(d, p) for d, p, _ in cache.programs}))
+    assert groups >= 150
+    assert len({program_kind(rule, d, p) for d, p, _ in cache.programs}) > 1       # not the ring everywhere
+    assert counts["free"][0] > counts["free"][1]                                   # per group: shapes run two kinds
+    assert counts["rule"][0] - counts["rule"][1] <= len(fallbacks)                 # the rule: only ring fallbacks
+    assert counts["rule"][0] < counts["free"][0]
+
+
+def test_kind_rule_is_validated_and_round_trips():
+    from dhp_jax.planner.cost.geometry import StreamGeometry
+
+    with pytest.raises(ValueError, match="kind_rule must be one of"):
+        StreamGeometry(bucket_min=16, kind_rule="per-sample")
+    cost = CostModel.preset("internvl3-8b", "ascend-910b", kind_rule="group")
+    back = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert back.geometry.kind_rule == "group" and back.geometry.fixed_kinds is False
+    assert CostModel.preset("internvl3-8b", "ascend-910b").geometry.fixed_kinds            # the default rule
+    assert not CostModel.preset("internvl3-8b", "ascend-910b", bucket_min=0).geometry.fixed_kinds  # unpadded

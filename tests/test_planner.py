@@ -347,21 +347,28 @@ def test_dhp_is_never_slower_than_a_static_plan(attention):
     assert chosen["dhp"] and len(chosen) > 1, chosen
 
 
-def test_static_candidates_honour_the_options():
+@pytest.mark.parametrize("rule,static", [("group", "static-best:8"), ("program", "static-ring:8")])
+def test_static_candidates_honour_the_options(rule, static):
     """A batch on which the static degree-8 plan (every micro-batch on all 8 ranks, next fit) beats
-    DHP's search; the candidates are only those the options allow."""
+    DHP's search; the candidates are only those the options allow. With kinds chosen per group the
+    static plan on each group's fastest kind wins; under one kind per program (the presets' rule)
+    the kind of program (8, 16384) is a hybrid that the ring beats on this batch's short group, and
+    the all-ring static plan wins, the baseline itself."""
     lengths = [20600, 7000, 20200, 4700, 3600, 400, 10000, 18200, 14700, 1200, 200, 45700, 6000, 6100]
-    plan = plan_batch(lengths, 8, PADDED)
-    assert plan.solver["chosen"] == "static-best:8" and plan.degrees == [[8], [8]]
-    ring = plan_batch(lengths, 8, PADDED, attention="ring")
+    cost = PADDED.replace(kind_rule=rule)
+    plan = plan_batch(lengths, 8, cost)
+    assert plan.solver["chosen"] == static and plan.degrees == [[8], [8]]
+    if rule == "program":
+        assert _layout(plan) == _layout(plan_batch(lengths, 8, cost, "static-ring:8"))
+    ring = plan_batch(lengths, 8, cost, attention="ring")
     assert ring.solver["chosen"] == "static-ring:8"
-    assert _layout(ring) == _layout(plan_batch(lengths, 8, PADDED, "static-ring:8"))
-    no8 = plan_batch(lengths, 8, PADDED, degrees=list(range(1, 8)))
+    assert _layout(ring) == _layout(plan_batch(lengths, 8, cost, "static-ring:8"))
+    no8 = plan_batch(lengths, 8, cost, degrees=list(range(1, 8)))
     assert no8.solver["chosen"] == "dhp" and 8 not in {g.degree for g in no8.groups}
-    assert plan_batch(lengths, 8, PADDED, num_micro_batches=2).solver["chosen"] == "static-best:8"
-    three = plan_batch(lengths, 8, PADDED, num_micro_batches=3)
+    assert plan_batch(lengths, 8, cost, num_micro_batches=2).solver["chosen"] == static
+    three = plan_batch(lengths, 8, cost, num_micro_batches=3)
     assert three.solver["chosen"] == "dhp" and len(three.micro_batches) == 3
-    single = plan_batch(lengths, 8, PADDED, packing=False)
+    single = plan_batch(lengths, 8, cost, packing=False)
     assert single.solver["chosen"] == "dhp" and all(len(g.samples) == 1 for g in single.groups)
 
 
@@ -397,13 +404,17 @@ def test_static_groups_deal_and_fill_by_next_fit():
 
 def test_best_kind_times_is_the_fastest_allowed_kind_of_each_group():
     """Every group's kind is the first fastest (ring first, then the smaller Ulysses size) of the
-    kinds `group_kind_times` lists for its ranks, and its time is that kind's."""
+    kinds `group_kind_times` lists for its ranks (kinds chosen per group), or its program's kind
+    (kind_rule "program"), and its time is that kind's."""
     from dhp_jax.planner.contract.plan import attention_split
     from dhp_jax.planner.cost.pricing import best_kind_times, group_kind_times
 
+    from dhp_jax.planner.cost.geometry import padded_length
+    from dhp_jax.planner.cost.pricing import program_kind, runs_on
+
     rng = np.random.default_rng(9)
-    for rpn in (2, 4, 8):
-        cost = PADDED.replace(ranks_per_node=rpn)
+    for rpn, rule in ((2, "group"), (4, "group"), (8, "group"), (4, "program"), (8, "program")):
+        cost = PADDED.replace(ranks_per_node=rpn, kind_rule=rule)
         n, k = 16, 40
         lengths = rng.integers(100, 3 * CAP, k)
         terms = sample_terms(cost, lengths, None)
@@ -416,9 +427,14 @@ def test_best_kind_times_is_the_fastest_allowed_kind_of_each_group():
             groups.append((ranks, sorted(rng.choice(k, int(rng.integers(1, 4)), replace=False).tolist())))
         kinds, times = best_kind_times(cost, groups, terms)
         plan = Plan(num_ranks=n, micro_batches=tuple(MicroBatch((Group(r, len(r), tuple(s)),), 0.0) for r, s in groups))
-        for (ranks, _), kind, t, menu in zip(groups, kinds, times, group_kind_times(cost, plan, lengths)):
-            order = sorted(menu, key=lambda x: (menu[x], attention_split(x, len(ranks))[0]))
-            assert kind == order[0] and t == menu[kind], (ranks, kind, menu)
+        for (ranks, samples), kind, t, menu in zip(groups, kinds, times, group_kind_times(cost, plan, lengths)):
+            if rule == "group":
+                order = sorted(menu, key=lambda x: (menu[x], attention_split(x, len(ranks))[0]))
+                assert kind == order[0] and t == menu[kind], (ranks, kind, menu)
+            else:  # the program's kind (`program_kind`), the ring where the ranks cannot run it
+                p = int(padded_length(cost, float(lengths[samples].sum()), len(ranks)))
+                want = program_kind(cost, len(ranks), p) if len(ranks) > 1 else "ring"
+                assert kind == (want if runs_on(want, ranks, cost) else "ring") and t == menu[kind], (ranks, kind)
 
 
 def test_dhp_beats_static_on_openvid():

@@ -101,8 +101,9 @@ def _every_kind_least(cost: CostModel, A, B, S, d) -> list[float]:
 @pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "lanes", "one-rank-nodes"])
 def test_best_times_is_the_least_over_every_kind(name):
     # best_times (and the search's "best" times) price only the groups above `hybrid_floor` on the
-    # kinds other than the ring; that must give every group its least time over all kinds
-    cost = COSTS[name]
+    # kinds other than the ring; that must give every group its least time over all kinds (kinds
+    # chosen per group: `StreamGeometry.kind_rule` "group")
+    cost = COSTS[name].replace(kind_rule="group")
     rng = np.random.default_rng(13)
     A, B, S, d = _groups(cost, rng, 300)
     want = _every_kind_least(cost, A, B, S, d)
@@ -110,6 +111,34 @@ def test_best_times_is_the_least_over_every_kind(name):
     assert _ScalarTime(cost, "best").times(A, B, S, d).tolist() == want
     ring = group_times(cost, A, B, S, d)
     assert np.sum(np.asarray(want) < ring) >= 5  # other kinds win on some of these groups
+
+
+def test_the_program_rule_is_priced_from_the_tables():
+    """Under the presets' one attention kind per ladder program (`kind_rule` "program") the search's
+    "best" prices are its tables' (`_ScalarTime.tabled`, the floats checked above): each group on
+    its program's kind (`program_kind`), which is not each group's least over the kinds."""
+    from dhp_jax.planner.cost.geometry import padded_length
+    from dhp_jax.planner.cost.pricing import program_kind, program_rule
+
+    rng = np.random.default_rng(16)
+    above = 0
+    for name in ("padded", "dense-padded", "pad-computed", "one-rank-nodes"):
+        cost = COSTS[name]
+        assert program_rule(cost), name
+        t = _ScalarTime(cost, "best")
+        assert t.tabled, name
+        A, B, S, d = _groups(cost, rng, 300)
+        got = t.times(A, B, S, d)
+        P = padded_length(cost, S, d)
+        kinds = [program_kind(cost, int(x), int(p)) if x > 1 else "ring" for x, p in zip(d.tolist(), P.tolist())]
+        assert {k for k in kinds} - {"ring"}, name                             # not the ring everywhere
+        ring = group_times(cost, A, B, S, d)
+        on_ring = np.asarray([k == "ring" for k in kinds])
+        assert got[on_ring].tolist() == ring[on_ring].tolist(), name
+        least = np.asarray(_every_kind_least(cost, A, B, S, d))
+        assert np.all(got >= least), name
+        above += int(np.sum(got > least))
+    assert above  # a program's kind, not each group's least
 
 
 def test_no_kind_prices_a_group_under_the_hybrid_floor():

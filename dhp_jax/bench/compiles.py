@@ -52,6 +52,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="openvid")
     parser.add_argument("--growth", type=float, default=None, help="bucket ladder growth (default: the preset's)")
     parser.add_argument("--min-bucket", type=int, default=None, help="smallest bucket (default: the preset's)")
+    parser.add_argument("--kind-rule", choices=("program", "group"), default=None,
+                        help="attention kinds on the ladder: one per (degree, bucket) program, fixed without data "
+                             "(`pricing.program_kind`), or chosen per group (default: the preset's, program)")
     parser.add_argument("--menu", type=int, default=0, metavar="BATCHES",
                         help="fit a menu of programs (planner.programs.menu) on this many calibration batches (other seeds), "
                              "planned on the --growth ladder (default 1.1), and plan with it")
@@ -72,8 +75,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def cost_for(model: str, hardware: str, ranks_per_node: int, growth: float | None = None,
-             min_bucket: int | None = None) -> Any:
+             min_bucket: int | None = None, kind_rule: str | None = None) -> Any:
     over: dict[str, Any] = {}
+    if kind_rule is not None:
+        over["kind_rule"] = kind_rule
     if growth is not None:
         over["bucket_growth"] = float(growth)
     if min_bucket is not None:
@@ -88,11 +93,17 @@ def menu_cost(cost: Any, ranks: int, batches: int, budget: int = 64, batch: int 
     with its one attention kind (`kind_per`, see `planner.programs.menu.fit_menu`; None: chosen per group), on
     `degree_set` degrees ("aligned": those that tile nodes, `planner.programs.menu.aligned_degrees`; "any")."""
     vision = rules_for_model(cost.model)
+    if kind_per is None:  # kinds chosen per group, on and off the menu
+        cost = cost.replace(kind_rule="group")
     cal = []
     for i in range(batches):
         samples = make_dataset(dataset, batch, 10_000_000 + i, vision=vision)
         cal.append((sample_lengths(samples), sample_etas(samples)))
-    return fit_menu(cost, cal, ranks, budget, max_degrees, kind_per, degree_set).apply(cost)
+    # the calibration plans choose kinds per group: a menu's programs replace the ladder's (their kinds
+    # are fitted to these groups' kind times, `kind_per`); plans searched on the ladder programs' fixed
+    # kinds would fit the menu's buckets to groups that a search on the menu does not form
+    return fit_menu(cost.replace(kind_rule="group"), cal, ranks, budget, max_degrees, kind_per,
+                    degree_set).apply(cost)
 
 
 def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str = "openvid",
@@ -134,6 +145,7 @@ def plan_run(cost: Any, ranks: int, steps: int, batch: int = 512, dataset: str =
                     lengths, ranks, plain, etas=etas, degrees=menu_degrees).est_step_time_s))
     out = {"ranks": ranks, "steps": steps, "batch": batch, "dataset": dataset, "model": cost.model,
            "hardware": cost.hardware, "bucket_min": geo.bucket_min, "bucket_growth": geo.bucket_growth,
+           "kind_rule": geo.kind_rule,
            "linear_chunk": geo.linear_chunk, "menu": {str(d): list(b) for d, b in geo.bucket_menu} or None,
            "ranks_per_process": ranks_per_process, "padded_over_real": padded / real if real else None,
            "placement": placed.summary(), "no_placement": free.summary(), "placement_at": at,
@@ -203,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.menu and args.growth is None:
         args.growth = 1.1
-    cost = cost_for(args.model, args.hardware, args.ranks_per_node, args.growth, args.min_bucket)
+    cost = cost_for(args.model, args.hardware, args.ranks_per_node, args.growth, args.min_bucket, args.kind_rule)
     if args.menu:
         cost = menu_cost(cost, args.ranks, args.menu, args.budget, args.batch, args.dataset, args.max_degrees,
                          kind_per=None if args.kinds == "group" else args.kinds, degree_set=args.degrees)
@@ -224,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
             if out["menu"] else "")
     print(f"dhp bench compiles: {out['steps']} batches of {out['batch']} ({out['dataset']}) on {out['ranks']} ranks, "
           f"{out['model']} on {out['hardware']}, bucket ladder min {out['bucket_min']} growth {out['bucket_growth']}"
+          f" (attention kinds per {out['kind_rule']})"
           f"{menu}, pad skipped in chunks of {out['linear_chunk']} (0: computed); "
           f"planning {out['plan_ms_median']:.1f} ms/step median ({out['labels']['plan_ms']})")
     off = f" ({out['off_menu_programs']} off the menu)" if out.get("off_menu_programs") is not None else ""

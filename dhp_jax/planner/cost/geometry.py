@@ -34,6 +34,10 @@ class StreamGeometry:
     menu_kinds: ((degree, bucket, kind), ...): the one attention kind each menu program runs
         (`BucketMenu.kinds`); the per-group kind choice (`pricing.best_kinds`) gives a group of that
         degree and bucket this kind, so that the menu's budget bounds the programs that run.
+    kind_rule: how groups of a padded stream (`bucket_min` > 0) get their attention kind outside
+        `menu_kinds`: "program" (default) gives every (degree, bucket) program one kind, fixed
+        without data by `pricing.program_kind`, so that kinds do not multiply the programs;
+        "group" lets each group take its own fastest kind. Unpadded streams always choose per group.
     """
 
     bucket_min: int = 0
@@ -41,11 +45,20 @@ class StreamGeometry:
     linear_chunk: int = 0
     bucket_menu: tuple = ()
     menu_kinds: tuple = ()
+    kind_rule: str = "program"
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("bucket_min", "bucket_growth", "linear_chunk", "bucket_menu", "menu_kinds")
+    FIELDS: ClassVar[tuple[str, ...]] = ("bucket_min", "bucket_growth", "linear_chunk", "bucket_menu", "menu_kinds",
+                                         "kind_rule")
+    KIND_RULES: ClassVar[tuple[str, ...]] = ("program", "group")
 
     def __post_init__(self) -> None:
         check_geometry(self)
+
+    @property
+    def fixed_kinds(self) -> bool:
+        """Whether some groups' attention kinds are fixed per program (a menu's `menu_kinds`, or the
+        padded ladder under `kind_rule` "program") rather than chosen per group."""
+        return bool(self.menu_kinds) or (bool(self.bucket_min) and self.kind_rule == "program")
 
     def replace(self, **changes: Any) -> "StreamGeometry":
         return dataclasses.replace(self, **changes)
@@ -93,6 +106,9 @@ def check_geometry(g: StreamGeometry, num_heads: int | None = None) -> None:
         if (int(deg), int(b)) not in on_menu:
             raise ValueError(f"StreamGeometry.menu_kinds: ({deg}, {b}) is not a program of bucket_menu")
         check_attention(kind, int(deg), num_heads)
+    if g.kind_rule not in StreamGeometry.KIND_RULES:
+        raise ValueError(f"StreamGeometry.kind_rule must be one of {list(StreamGeometry.KIND_RULES)}, "
+                         f"got {g.kind_rule!r}")
     lc = g.linear_chunk
     if isinstance(lc, bool) or not isinstance(lc, (int, np.integer)) or lc < 0:
         raise ValueError(f"StreamGeometry.linear_chunk must be an integer >= 0 (0: pad tokens computed), got {lc!r}")

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from dhp_jax.checks import etas_array, lengths_array, positive_int
-from dhp_jax.geometry.layout import linear_tokens
+from dhp_jax.geometry.layout import linear_tokens, rung_list
 from dhp_jax.planner.contract.kinds import attention_kinds, attention_name
 from dhp_jax.planner.contract.plan import attention_split, spans_nodes
 from dhp_jax.planner.cost.geometry import padded_length
@@ -231,11 +231,16 @@ def best_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node:
     sub-group inside one node: any u inside a node, u dividing ranks_per_node for a group over
     nodes whose ranks start at a node's first, as placement puts them; and, for a group over nodes,
     Ulysses over all of it where the head count allows). Ties keep the ring's time. The search's price of a group in
-    "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`)."""
+    "best" mode; the plan's own kinds are chosen on its placed ranks (`best_kind_times`). Under
+    `geometry.kind_rule` "program" on a padded ladder (no menu) each group is priced on its
+    program's kind instead (`program_kind`; the ring where a group over nodes placed on whole
+    nodes could not run it), as `best_kind_times` will give it."""
     A, B, S, d = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (A, B, S, degree)))
     inter = d > cost.ranks_per_node if inter_node is None else np.broadcast_to(np.asarray(inter_node, bool), d.shape)
     A, B, P = padded_terms(cost, A, B, S, d)  # once for every kind
     out = _padded_times(cost, A, B, P, d, inter, "ring")
+    if program_rule(cost):
+        return _program_times(cost, A, B, P, d, inter, out)
     live = _above_floor(cost, out, A, B, P, d)  # the others keep the ring's time
     top = int(d[live].max()) if np.any(live) else 0
     for u in range(2, min(top, cost.ranks_per_node) + 1):
@@ -334,6 +339,157 @@ def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
                for i in range(0, len(ranks), ulysses))
 
 
+def program_rule(cost: CostModel) -> bool:
+    """Whether every group of degree > 1 runs its program's kind (`program_kind`): a padded ladder
+    (`bucket_min` > 0) without a menu under `geometry.kind_rule` "program"."""
+    g = cost.geometry
+    return bool(g.bucket_min) and g.kind_rule == "program" and not g.bucket_menu
+
+
+def _program_times(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray, d: np.ndarray,
+                   inter: np.ndarray, ring: np.ndarray) -> np.ndarray:
+    """Padded groups' times on their programs' kinds (`ring`: their ring times), a group over nodes
+    taken as placed on whole nodes."""
+    out = np.array(ring, dtype=np.float64)
+    flat = [x.reshape(-1) for x in np.broadcast_arrays(A, B, P, d, inter)]
+    A, B, P, d, inter = flat
+    o = out.reshape(-1)
+    keys = np.flatnonzero(d > 1)
+    if not keys.size:
+        return out
+    pairs, inv = np.unique(np.stack([d[keys], P[keys]]), axis=1, return_inverse=True)
+    inv = np.asarray(inv).reshape(-1)
+    rpn = cost.ranks_per_node
+    for j in range(pairs.shape[1]):
+        deg, p = int(pairs[0, j]), int(pairs[1, j])
+        kind = program_kind(cost, deg, p)
+        u = attention_split(kind, deg)[0]
+        if u <= 1:
+            continue
+        i = keys[inv == j]
+        i = i[~inter[i] | (rpn % u == 0) | (u == deg)]  # Ulysses sub-groups inside nodes, or over all
+        if i.size:
+            o[i] = _padded_times(cost, A[i], B[i], P[i], d[i], inter[i], "ulysses" if u == deg else "hybrid", u)
+    return out
+
+
+def runs_on(kind: str, ranks: Sequence[int], cost: CostModel) -> bool:
+    """Whether a group on `ranks` can run attention `kind`: the ring always; Ulysses over u ranks
+    (times a ring over d/u) where each Ulysses sub-group sits inside one node, or Ulysses over all
+    of a group whose ranks span nodes where the head count allows it."""
+    d, rpn = len(ranks), cost.ranks_per_node
+    u = attention_split(kind, d)[0]
+    if u <= 1:
+        return True
+    if not spans_nodes(ranks, rpn):
+        return True
+    return node_local(ranks, u, rpn) or (u == d and cost.ulysses_ok(d))
+
+
+_PROGRAM_KINDS: dict[Any, dict[tuple[int, int], str]] = {}  # per cost model: (degree, padded) -> kind
+_last_kinds: tuple = (None, {})  # the latest cost model and its table: the same object skips hashing it
+
+
+def _kinds_table(cost: CostModel) -> dict[tuple[int, int], str]:
+    global _last_kinds
+    last = _last_kinds
+    if last[0] is cost:
+        return last[1]
+    table = _PROGRAM_KINDS.get(cost)
+    if table is None:
+        if len(_PROGRAM_KINDS) > 64:
+            _PROGRAM_KINDS.clear()
+        table = _PROGRAM_KINDS[cost] = {}
+    _last_kinds = (cost, table)
+    return table
+
+
+def program_kind(cost: CostModel, degree: int, padded: int) -> str:
+    """The one attention kind of the padded ladder's program (`degree`, `padded` tokens) under
+    `StreamGeometry.kind_rule` "program", fixed without data: the kind the cost model prices
+    fastest for a group of `degree` ranks filled to the bucket with `degree` sequences of
+    padded / degree tokens each (one rank's share each), on one node (degree <= ranks_per_node)
+    or on whole nodes. The kinds are those `best_kinds` may give such a group: the ring; Ulysses
+    over u ranks times a ring over degree / u (u dividing the degree and the head count,
+    u <= ranks_per_node); for a group over nodes, Ulysses over all its ranks where the head count
+    allows. Ties keep the ring, then the smaller u. A group whose ranks cannot run the kind runs
+    the ring (`runs_on`).
+
+    The kinds are kept per cost model; the first program asked of a degree not yet priced prices
+    every program of the degrees of its block (2-64, 65-128, ...) at once (`program_kinds`): the
+    lengths `padded_length` gives at every rung of the ladder up to each degree's memory clamp."""
+    d, p = int(degree), int(padded)
+    table = _kinds_table(cost)
+    kind = table.get((d, p))
+    if kind is not None:
+        return kind
+    if d <= 1:
+        return "ring"
+    g = cost.geometry
+    done = table.setdefault((0, 0), set())  # the degrees whose ladders are priced
+    if g.bucket_min and d not in done:
+        lo = 2 if d <= 64 else (d - 1) // 64 * 64 + 1  # the degrees of d's block of 64
+        xs = np.asarray([x for x in range(lo, (d + 63) // 64 * 64 + 1) if x not in done], dtype=np.float64)
+        # past a degree's memory clamp every rung pads to one length: the rungs up to the largest clamp
+        top = 2.0 * xs.max() * cost.memory_budget / cost.mem_per_token
+        rungs = np.asarray([r for r in rung_list(g.bucket_min, g.bucket_growth) if r <= top], dtype=np.float64)
+        grid = padded_length(cost, rungs[None, :], xs[:, None])  # (degree, rung)
+        pairs = sorted(set(zip(np.broadcast_to(xs[:, None], grid.shape).ravel().tolist(), grid.ravel().tolist())))
+        program_kinds(cost, [x for x, _ in pairs], [q for _, q in pairs])
+        done.update(int(x) for x in xs.tolist())
+        kind = table.get((d, p))
+        if kind is not None:
+            return kind
+    return program_kinds(cost, [d], [p])[0]
+
+
+def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
+    """`program_kind` of the programs (degree[i], padded[i]) (degrees > 1), priced together: the
+    same floats and the same choices as one at a time. The kinds are kept per cost model."""
+    table = _kinds_table(cost)
+    D = np.asarray(degree, dtype=np.int64).reshape(-1)
+    P = np.asarray(padded, dtype=np.float64).reshape(-1)
+    if not P.size:
+        return []
+    P = np.floor(P)
+    rpn, heads = cost.ranks_per_node, cost.num_heads
+    df = D.astype(np.float64)
+    inter = D > rpn
+    A = cost.a1 * P * P / df
+    B = cost.a2 * df * linear_tokens(P, P, df, cost.geometry.linear_chunk)
+    best = _padded_times(cost, A, B, P, df, inter, "ring")
+    win = np.ones(P.shape, dtype=np.int64)  # the Ulysses size of the fastest kind so far (1: the ring)
+    # in `program_kind`'s order (ring, then u ascending, then Ulysses over nodes), a kind taking
+    # over only where strictly faster
+    for u in range(2, min(int(D.max()), rpn) + 1):
+        if heads % u:
+            continue
+        m = np.flatnonzero((D % u == 0) & (~inter | (rpn % u == 0)))
+        if not m.size:
+            continue
+        t = _padded_times(cost, A[m], B[m], P[m], df[m], inter[m], "hybrid", u)
+        better = t < best[m]
+        best[m[better]] = t[better]
+        win[m[better]] = u
+    m = np.flatnonzero(inter & (heads % np.maximum(D, 1) == 0))
+    over = np.zeros(P.shape, dtype=bool)
+    if m.size:
+        t = _padded_times(cost, A[m], B[m], P[m], df[m], True, "ulysses")
+        better = t < best[m]
+        over[m[better]] = True
+    if len(table) > 100_000:
+        table.clear()
+    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
+    code = np.where(over, -1, np.where((win == 1) | (D <= 1), 0, win)) * 2 ** 20 + D  # D < 2**20
+    names = {}
+    for c in set(code.tolist()):
+        u, x = divmod(c, 2 ** 20)
+        names[c] = "ring" if u == 0 else "ulysses" if u == -1 else attention_name(u, x // u)
+    out = [names[c] for c in code.tolist()]
+    table.update(zip(zip(D.tolist(), P.astype(np.int64).tolist()), out))
+    return out
+
+
 def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
                terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> list[str]:
     """The fastest attention kind of each group (ranks, sample ids) under the cost model: ring, or
@@ -345,7 +501,10 @@ def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[i
 
     With `cost.geometry.menu_kinds` (a menu of programs, each with its one kind) a group whose degree and
     padded length are a menu program runs that program's kind, wherever its Ulysses sub-groups sit
-    inside nodes (else the ring, a program off the menu); only groups off the menu choose.
+    inside nodes (else the ring, a program off the menu). On a padded ladder under
+    `geometry.kind_rule` "program" (the default) every other group of degree > 1 runs its
+    program's kind (`program_kind`, fixed without data) where its ranks can run it (`runs_on`),
+    else the ring; only groups of an unpadded stream or under kind_rule "group" choose.
     (`best_kind_times` without its times.)"""
     return best_kind_times(cost, groups, terms)[0]
 
@@ -362,20 +521,23 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     kinds = ["ring"] * len(groups)
     df = d.astype(np.float64)
     Ap, Bp, P = padded_terms(cost, A, B, S, df)  # once for every kind
-    times = _padded_times(cost, Ap, Bp, P, df, inter, "ring")
+    times = ring = _padded_times(cost, Ap, Bp, P, df, inter, "ring")
     live = _above_floor(cost, times, Ap, Bp, P, df)  # the others cannot beat the ring (`hybrid_floor`)
     free = np.ones(len(groups), dtype=bool)
     fixed_any = False
-    if cost.geometry.menu_kinds and len(groups):
-        fixed = {(deg, b): k for deg, b, k in cost.geometry.menu_kinds}
+    geo = cost.geometry
+    if geo.fixed_kinds and len(groups):
+        fixed = {(deg, b): k for deg, b, k in geo.menu_kinds}
+        rule = bool(geo.bucket_min) and geo.kind_rule == "program"
         padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
         for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
             kind = fixed.get((deg, int(p)))
+            if kind is None and rule and deg > 1:
+                kind = program_kind(cost, deg, int(p))
             if kind is None:
                 continue
             free[i] = False
-            u = attention_split(kind, deg)[0]
-            if u > 1 and (not inter[i] or node_local(groups[i][0], u, rpn)):
+            if kind != "ring" and runs_on(kind, groups[i][0], cost):
                 kinds[i], fixed_any = kind, True
     pairs_i, pairs_u = [], []
     for deg in sorted(set(d[free & live].tolist()) - {1}):
@@ -409,9 +571,32 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
             kinds[g] = "ulysses"
         times = times.copy()
         times[over[win]] = t[win]
-    if fixed_any:  # menu programs' kinds, priced on their own
-        times = kind_times(cost, A, B, S, d, inter, kinds)
+    if fixed_any:  # programs' fixed kinds, priced on their own (`kind_times`: the same floats)
+        times = _times_on(cost, Ap, Bp, P, df, inter, kinds, ring)
     return kinds, times
+
+
+def _times_on(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray, d: np.ndarray, inter: np.ndarray,
+              kinds: Sequence[str], ring: np.ndarray) -> np.ndarray:
+    """`kind_times` of groups with padded terms (`ring`: their ring times): Ulysses over whole
+    groups in one call, the hybrids in one call of the "hybrid" family."""
+    sizes: dict[tuple[str, int], int] = {}
+    u = np.ones(d.shape, dtype=np.float64)
+    for i, (kind, x) in enumerate(zip(kinds, d.tolist())):
+        if kind != "ring":
+            key = (kind, int(x))
+            v = sizes.get(key)
+            if v is None:
+                v = sizes[key] = attention_split(kind, int(x))[0]
+            u[i] = v
+    out = np.array(ring, dtype=np.float64)
+    full = np.flatnonzero((u > 1) & (u == d))
+    if full.size:
+        out[full] = _padded_times(cost, A[full], B[full], P[full], d[full], inter[full], "ulysses")
+    part = np.flatnonzero((u > 1) & (u < d))
+    if part.size:
+        out[part] = _padded_times(cost, A[part], B[part], P[part], d[part], inter[part], "hybrid", u[part])
+    return out
 
 
 def group_kind_times(cost: CostModel, plan: Any, lengths: Sequence[int] | np.ndarray,

@@ -25,9 +25,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dhp_jax.geometry.layout import ladders, linear_tokens, rung_list, scalar_bucketer
+from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
-from dhp_jax.planner.cost.pricing import best_times, closed_form, comm_per_token, group_times, hybrid_floor, ulysses_sizes
+from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
+                                          program_kind, program_rule, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -73,7 +75,10 @@ class _ScalarTime:
 
     `attention` "best" prices each group at its least time over the kinds the per-group choice may
     give it (`pricing.best_times`: the ring, and Ulysses over u times a ring over d / u for each u
-    of `pricing.ulysses_sizes`), so the search sees the kind the plan will run."""
+    of `pricing.ulysses_sizes`), so the search sees the kind the plan will run. Under the padded
+    ladder's one kind per program (`pricing.program_rule`) a group is priced on its program's kind
+    instead (`pricing.program_kind` of its degree and padded length, looked up once per program),
+    as `pricing.best_times` prices it: the same floats, from the same tables."""
 
     def __init__(self, cost: CostModel, attention: str):
         # shared lanes: the closed form below does not hold; price every evaluation with the
@@ -81,6 +86,12 @@ class _ScalarTime:
         self.exact = None
         if cost.compute_lanes is not None:
             self.exact = (cost, attention)
+        # one kind per (degree, bucket) program: each group's Ulysses size u (1: the ring, d: Ulysses
+        # over all its ranks) by program, filled on first use
+        self.program = attention == "best" and program_rule(cost)
+        self._program_u: dict[tuple[int, float], int] = {}
+        self._split: dict[tuple[str, int], int] = {}
+        self._sorted_sizes: tuple[np.ndarray, np.ndarray] = (np.zeros(0), np.zeros(0))
         self.cost = cost  # padded buckets: the scalar bucket rule, then the closed form
         g = cost.geometry
         self.bucket = scalar_bucketer(g.bucket_min, g.bucket_growth, max_tokens_per_rank(cost),
@@ -150,7 +161,9 @@ class _ScalarTime:
                 return best_times(self.cost, A, B, S, degree)
             return group_times(self.cost, A, B, S, degree, attention="ring" if self.ring else self.attention)
         out, A, B, P, d = self._tabled_ring(A, B, S, degree)
-        if self.best:
+        if self.program:
+            out = self._programs(A, B, P, d, out)
+        elif self.best:
             out = self._hybrids(A, B, P, d, out)
         return out
 
@@ -167,6 +180,9 @@ class _ScalarTime:
         A, B, P, d, ok = np.broadcast_arrays(A, B, P, d, ok)
         out = np.where(ok, out, np.inf)
         ring_least = out.min(axis=1)
+        if self.program:  # a program's kind may price a group above its ring time: every entry
+            out[ok] = self._programs(A[ok], B[ok], P[ok], d[ok], out[ok])
+            return out.min(axis=1), ring_least
         cand = ok & ((A + B) / d + self.b1 + self._floor * P / d < ring_least[:, None])
         if np.any(cand):
             out[cand] = self._hybrids(A[cand], B[cand], P[cand], d[cand], out[cand])
@@ -203,6 +219,91 @@ class _ScalarTime:
             us = self._us[d] = tuple(u for u in ulysses_sizes(self.cost, d)
                                      if d <= self.rpn or self.rpn % u == 0) + across
         return us
+
+    def program_u(self, d: int, P: float) -> int:
+        """The Ulysses size of the kind of program (d, P) (`pricing.program_kind`): 1 the ring, d
+        Ulysses over all d ranks, else a hybrid Ulysses over u times a ring over d / u."""
+        key = (d, P)
+        u = self._program_u.get(key)
+        if u is None:
+            if d <= 1:
+                u = 1
+            else:
+                kind = program_kind(self.cost, d, int(P))
+                u = 1 if kind == "ring" else d if kind == "ulysses" else self._split.get((kind, d))
+                if u is None:
+                    u = self._split[(kind, d)] = attention_split(kind, d)[0]
+            self._program_u[key] = u
+        return u
+
+    def _sizes_of(self, d: np.ndarray, P: np.ndarray) -> np.ndarray:
+        """`program_u` of every (d[i], P[i]) (d > 1), vectorised: a sorted array of the (degree,
+        length) keys met so far, extended where a program is not in it yet."""
+        key = d.astype(np.float64) * 2.0 ** 40 + P  # exact in float64: P < 2**40, d < 2**13
+        keys, sizes = self._sorted_sizes
+        at = np.minimum(np.searchsorted(keys, key), max(keys.size - 1, 0))
+        if keys.size:
+            miss = keys[at] != key
+            if not miss.any():
+                return sizes[at]
+        else:
+            miss = np.ones(key.shape, dtype=bool)
+        new = sorted(set(zip(d[miss].tolist(), P[miss].tolist())))
+        add_k = np.asarray([x * 2.0 ** 40 + p for x, p in new], dtype=np.float64)
+        add_u = np.asarray([self.program_u(int(x), p) for x, p in new], dtype=np.float64)
+        keys, sizes = np.concatenate([keys, add_k]), np.concatenate([sizes, add_u])
+        order = np.argsort(keys, kind="stable")
+        keys, sizes = keys[order], sizes[order]
+        self._sorted_sizes = (keys, sizes)
+        return sizes[np.searchsorted(keys, key)]
+
+    def program_time(self, Ai: float, Bi: float, P: float, d: int, t: float) -> float:
+        """The time of a group with padded terms Ai, Bi, P on d ranks on its program's kind (`t`: its
+        ring time): `_programs` in scalars, the same floats."""
+        u = self._program_u.get((d, P))
+        if u is None:
+            u = self.program_u(d, P)
+        if u == 1:
+            return t
+        df = float(d)
+        inter = d > self.rpn
+        if u == d:  # Ulysses over all d ranks
+            return closed_form(Ai, Bi, P, df, df, df, self.b1, 0.0, self.c_a2a_inter if inter else self.c_a2a,
+                               self.l_inter if inter else self.l_intra, False, True, self.overlap)
+        return closed_form(Ai, Bi, P, df, float(u), df, self.b1, self.c_inter if inter else self.c_intra, self.c_a2a,
+                           self.l_inter if inter else self.l_intra, False, False, self.overlap)
+
+    def _programs(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """`out` (ring times) replaced by each group's time on its program's kind (`program_kind`,
+        as `pricing.best_times` prices it under the program rule), vectorised."""
+        arrays = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, P, d, out)))
+        shape = arrays[0].shape
+        A, B, P, d, out = (x.reshape(-1) for x in arrays)
+        out = np.array(out, dtype=np.float64)
+        live = np.flatnonzero(d > 1)
+        if not live.size:
+            return out.reshape(shape)
+        us = self._sizes_of(d[live], P[live])
+        dm = d[live].astype(np.float64)
+        hyb = us > 1.0
+        if not np.any(hyb):
+            return out.reshape(shape)
+        i, u, dm = live[hyb], us[hyb], dm[hyb]
+        inter = dm > self.rpn
+        lat = np.where(inter, self.l_inter, self.l_intra)
+        full = u == dm
+        t = np.empty(i.size, dtype=np.float64)
+        if np.any(full):  # Ulysses over all d ranks
+            f = full
+            t[f] = closed_form(A[i[f]], B[i[f]], P[i[f]], dm[f], dm[f], dm[f], self.b1, 0.0,
+                               np.where(inter[f], self.c_a2a_inter, self.c_a2a), lat[f], False, True, self.overlap)
+        if not np.all(full):
+            h = ~full
+            t[h] = closed_form(A[i[h]], B[i[h]], P[i[h]], dm[h], u[h], dm[h], self.b1,
+                               np.where(inter[h], self.c_inter, self.c_intra), self.c_a2a, lat[h], False, False,
+                               self.overlap)
+        out[i] = t
+        return out.reshape(shape)
 
     def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
         """`out` (ring times) lowered to each group's least hybrid time (vectorised `hybrid`)."""
@@ -296,9 +397,11 @@ class _ScalarTime:
             B = B + self.a2 * (d * linear_tokens(S, P, d, self.chunk) - S)
         else:
             P = S
+        if self.program and self.program_u(d, P) != 1:
+            return self.program_time(A, B, P, d, 0.0)  # not the ring: its time is not needed
         if self.ring:
             t = closed_form(A, B, P, d, 1, d, self.b1, coef[d], 0.0, lat[d], True, False, self.overlap)
-            return self.hybrid(A, B, P, d, t) if self.best else t
+            return self.hybrid(A, B, P, d, t) if self.best and not self.program else t
         return closed_form(A, B, P, d, d, d, self.b1, 0.0, coef[d], lat[d], False, True, self.overlap)
 
     def group_times_of(self, A: Any, B: Any, S: Any, top: int = 64) -> Callable[[int, int], float]:
@@ -316,6 +419,8 @@ class _ScalarTime:
         tables = self._degrees
         hybrid = self.hybrid if self.best else None
         form = closed_form
+        program, kinds, kind_of = self.program, self._program_u, self.program_u
+        c_a2a, c_a2a_inter, rpn = self.c_a2a, self.c_a2a_inter, self.rpn
 
         def ev(i: int, d: int) -> float:
             nonlocal step, clamp, coef, lat
@@ -338,6 +443,17 @@ class _ScalarTime:
                 Bi = B[i] + a2 * ((_linear_whole(Si, P, d, chunk) if chunk else P) - Si)
             else:
                 P, Ai, Bi = S[i], A[i], B[i]
+            if program:  # `program_time`, inline: the program's kind alone is priced
+                u = kinds.get((d, P))
+                if u is None:
+                    u = kind_of(d, P)
+                if u != 1:
+                    df = float(d)
+                    if u == d:
+                        return form(Ai, Bi, P, df, df, df, b1, 0.0, c_a2a_inter if d > rpn else c_a2a, lat[d],
+                                    False, True, overlap)
+                    return form(Ai, Bi, P, df, float(u), df, b1, coef[d], c_a2a, lat[d], False, False, overlap)
+                return form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
             if ring:
                 t = form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
             else:

@@ -55,8 +55,9 @@ def static_prices(prob: Problem, degrees: list[int], attention: str
                   ) -> dict[int, tuple[dict[str, float], np.ndarray, np.ndarray]]:
     """For each static degree whose groups hold every sequence: its summed micro-batch makespans
     per attention mode ("ring" in "ring" mode; in "best" mode "best", each group on the fastest
-    kind `pricing.best_kinds` allows it, and "ulysses" where the head count allows Ulysses over d
-    and the per-group choice may not give it to every group), and the (micro-batch, replica)
+    kind `pricing.best_kinds` allows it, "ulysses" where the head count allows Ulysses over d
+    and the per-group choice may not give it to every group, and "ring" where kinds are fixed per
+    program, so that "best" need not be the faster), and the (micro-batch, replica)
     of every sample (`baselines.static_assignments`). The groups of all degrees are priced
     together, with the functions `build_plan` prices with; with a menu of programs (kinds fixed per
     program) the "best" figure is a lower bound. Compile prices are not included."""
@@ -83,7 +84,9 @@ def static_prices(prob: Problem, degrees: list[int], attention: str
     d = dv[a]
     inter = (g * d) // rpn != (g * d + d - 1) // rpn  # group g holds ranks g d .. g d + d - 1
     ring = group_times(cost, A, B, S, d, inter, "ring")
-    times = {attention: ring} if attention == "ring" else {}
+    # in "best" mode where kinds are fixed per program (`StreamGeometry.fixed_kinds`) a group's
+    # kind can be slower than the ring on it: the all-ring plan is then a candidate of its own
+    times = {"ring": ring} if attention == "ring" or cost.geometry.fixed_kinds else {}
     if attention == "best":
         lo = np.searchsorted(a, np.arange(D + 1)).tolist()  # the groups of degree k: lo[k]:lo[k + 1]
         idx, us, over = [], [], []
@@ -130,7 +133,9 @@ def best_static(prob: Problem, allowed: np.ndarray, attention: str, num_micro_ba
     "ring" mode, "static-best:<d>" -- each group on its fastest kind -- in "best" mode), and in
     "best" mode, where the head count allows Ulysses over d, also all on Ulysses
     ("static-ulysses:<d>", the baseline itself: Ulysses over nodes is a kind the per-group choice
-    leaves out).
+    leaves out), and where kinds are fixed per program (`StreamGeometry.fixed_kinds`: a program's
+    kind, chosen for a group filled to its bucket, may price a fuller or emptier group above the
+    ring) all on the ring ("static-ring:<d>", that baseline itself).
 
     `dhp_price`: the price of DHP's plan, or (`dhp_exact` False) a figure at or above it, then
     priced by `exact_price(None, None)` once a candidate comes in below it. `exact_price(mbs,
@@ -150,7 +155,7 @@ def best_static(prob: Problem, allowed: np.ndarray, attention: str, num_micro_ba
         cands += [(t, d, mode, chunk, replica) for mode, t in prices.items() if t < dhp_price * (1 + 1e-9)]
     if not cands:
         return None
-    exact = compile_free and not cost.geometry.menu_kinds
+    exact = compile_free and not cost.geometry.fixed_kinds
     own = limit = dhp_price if dhp_exact else float(exact_price(None, None))
     best = None
     for t, d, mode, chunk, replica in sorted(cands, key=lambda c: c[:3]):
