@@ -496,10 +496,10 @@ def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> 
 
 
 # fp32 [heads, tile, tile] arrays of `presets.attention_workspace_bytes`' four (scores, probabilities,
-# dP, dS) that a family block's ring backward pass holds at once: `tiles.backward` fuses the
-# probabilities into dS, so the probabilities' and dS's tiles (and their transposes, read in place)
-# are live, the scores and dP are not. With the blocks in chunks (whose working set `_family_block`
-# counts as a whole, without the ring's backward pass) the four are priced.
+# dP, dS) that a family block's ring backward pass holds at once: XLA fuses the others into the
+# tile loop's GEMMs (the buffer assignment of the tiny families' programs holds two such arrays at
+# the peak). With the blocks in chunks (whose working set `_family_block` counts as a whole, without
+# the ring's backward pass) the four are priced.
 FAMILY_LIVE_TILES = 2
 
 
@@ -547,7 +547,8 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     ring attention's custom VJP (`dhp_jax.sharding.ring.ring_attention` casts q, k and v to fp32
     before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
     (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
-    recomputed at a time holds them again. In chunks (`_block`), without recompute the ring's fp32
+    recomputed at a time holds them again. Its working set holds the ring's backward pass
+    (`family_ring_backward`) where the attention's phase is the larger (`_family_cotangents`). In chunks (`_block`), without recompute the ring's fp32
     accumulator state (`_attention_fp32`) it keeps (and `_family_ring_copies`); with recompute the
     chunked working set is priced in the activation bytes as a whole. The rest of a block's kept
     values are loop state of the block scans, stored bit-cast in the compute dtype
@@ -629,8 +630,9 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
 
     Without chunks: remat "none" keeps the block's residuals (`family_llm_saved`,
     `family_encoder_saved`); "layer" its input; "selective" its input and the outputs of its
-    weight GEMMs. The backward pass holds the block's cotangents (`FAMILY_LLM_COTANGENTS`,
-    `MemoryTerms.encoder_cotangents`) and, when the block is recomputed, its
+    weight GEMMs. The backward pass holds the block's cotangents (the larger of the MLP's,
+    `FAMILY_LLM_COTANGENTS`, `MemoryTerms.encoder_cotangents`, and the attention's phase:
+    `_family_cotangents`) and, when the block is recomputed, its
     residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
     only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
     chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
