@@ -145,7 +145,8 @@ def _attention_fp32(heads: int, head_dim: int) -> int:
 
 
 def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activation_bytes: int | None = None,
-                               chunked: bool = False) -> float:
+                               chunked: bool = False, tensor_parallel: int = 1,
+                               sequence_parallel: bool = False) -> float:
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
@@ -153,12 +154,14 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     runs at these choices, its inputs at 4 bytes, its blocks' kept values in `compute_bytes` but
     for those the program holds in fp32 (`_family_block_wide`), the rest in `activation_bytes`
     (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
-    program); the formula below is the stand-in's."""
+    program; with `tensor_parallel` t > 1, `m` is one device's shape and `sequence_parallel` the
+    block stacks' form); the formula below is the stand-in's."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     if getattr(m, "family", ""):
         return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes),
-                                      remat, chunked, kb=float(compute_bytes))
+                                      remat, chunked, kb=float(compute_bytes),
+                                      tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
@@ -472,8 +475,31 @@ def _llm_blocks(m: Any, remat: str, chunked: bool) -> tuple[float, float]:
     return m.dense_layers * kept + m.sparse_layers * s_kept, max(work if m.dense_layers else 0.0, s_work)
 
 
+# Buffers of the collectives that the backward pass of one encoder block of a rank of t > 1 devices
+# holds at its peak (the ring's backward pass), per encoder row, where the family's program keeps
+# them live there (the buffer assignment of the tiny families' programs, degree 2, t = 2: InternViT,
+# whose layer scales multiply the row-split GEMMs' outputs, holds them; the Qwen encoders' all-reduces
+# have finished before their ring's backward pass starts). In the psum form
+# (`dhp_jax.sharding.tensor_parallel`) three all-reduce buffers [rows, hidden] (an all-reduce's result
+# is a buffer of its own beside its operand, and XLA combines a block's all-reduces, so the MLP phase's
+# result and the attention phase's operand and result are live together); sequence-parallel, one
+# reduce-scatter result [rows / t, hidden].
+FAMILY_COLLECTIVE_BUFFERS = {"internvl": (3, 1)}
+
+
+def family_collective_buffers(m: Any, t: int, sequence_parallel: bool, chunked: bool) -> float:
+    """Elements per encoder row that the backward pass of one encoder block holds in its collectives'
+    buffers on a rank of `t` devices (`FAMILY_COLLECTIVE_BUFFERS`; `m` is one device's shape); 0 at
+    t = 1, in chunks (whose collectives run one chunk at a time) and for a family that holds none."""
+    psum, scatter = FAMILY_COLLECTIVE_BUFFERS.get(getattr(m, "family", ""), (0, 0))
+    if t <= 1 or chunked:
+        return 0.0
+    return float(scatter * m.vision_hidden / t if sequence_parallel else psum * m.vision_hidden)
+
+
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False,
-                           kb: float | None = None) -> float:
+                           kb: float | None = None, tensor_parallel: int = 1,
+                           sequence_parallel: bool = False) -> float:
     """Bytes per local LLM token of a family's group program at the peak of its backward pass: its
     inputs (`input_bytes_per_token`); what every LLM layer and every encoder block keeps for its
     backward pass (`_family_block`), loop state of the block scans in `kb` bytes an element (the
@@ -481,7 +507,9 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     keeps outside them (`family_tail`, its masks at a byte an element) and the working set of the
     block whose backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder
     block's over its `encoder_rows` rows, whichever is larger); and of both, in 4 bytes, the values
-    the program holds in fp32 whatever the dtype (`_family_block_wide`)."""
+    the program holds in fp32 whatever the dtype (`_family_block_wide`). With `tensor_parallel`
+    t > 1 (`m` one device's shape; `sequence_parallel`: the block stacks' form) an encoder block's
+    backward pass also holds its collectives' buffers (`family_collective_buffers`)."""
     kb = ab if kb is None else kb
     rows = encoder_rows(m)
     if _moe(m):
@@ -498,6 +526,7 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
         kept += 4.0 * (m.layers * _family_ring_copies(m, False, remat, chunked)
                        + rows * m.vision_layers * _family_ring_copies(m, True, remat, chunked))
     dec_narrow, vit_narrow = _family_work_narrow(m, False, remat, chunked), _family_work_narrow(m, True, remat, chunked)
+    vit_work += family_collective_buffers(m, tensor_parallel, sequence_parallel, chunked)
     work = max(ab * dec_work + (4.0 - ab) * dec_work_wide + (kb - ab) * dec_narrow,
                rows * (ab * vit_work + (4.0 - ab) * vit_work_wide + (kb - ab) * vit_narrow))
     tail, masks = family_tail(m)
@@ -517,8 +546,12 @@ def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> 
 # dP, dS) that a family block's ring backward pass holds at once: XLA fuses the others into the
 # tile loop's GEMMs (the buffer assignment of the tiny families' programs holds two such arrays at
 # the peak). With the blocks in chunks (whose working set `_family_block` counts as a whole, without
-# the ring's backward pass) the four are priced.
+# the ring's backward pass) the four are priced. Where the block has one head on a device (t = 2
+# of a two-head encoder), the tile loop's dP GEMM output is a third such array of its own (the
+# buffer assignment of the tiny families' programs at t = 2: the exponentials, their product and
+# the GEMM's output, three [1, tile, tile] arrays, at the peak), priced on every platform.
 FAMILY_LIVE_TILES = 2
+FAMILY_LIVE_TILES_ONE_HEAD = 3
 
 
 def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
@@ -528,16 +561,17 @@ def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
     encoder block's recomputed working set over its rows is the larger (`_family_block`, remat
     "layer", the same block at every remat and chunk: the ring attention's tiles are those of the
     block whose backward pass runs at the peak); of a family's four tile arrays, the
-    `FAMILY_LIVE_TILES` its backward pass holds at once."""
+    `FAMILY_LIVE_TILES` its backward pass holds at once (`FAMILY_LIVE_TILES_ONE_HEAD` where the
+    block has one head on a device)."""
     from dhp_jax.planner.cost.presets import attention_workspace_bytes
 
     if not getattr(m, "family", ""):
         return attention_workspace_bytes(m)
     llm = _llm_blocks(m, "layer", False)[1] if _moe(m) else _family_block(m, False, "layer", False)[1]
-    live = 1.0 if chunked else FAMILY_LIVE_TILES / 4.0
-    if encoder_rows(m) * _family_block(m, True, "layer", False)[1] > llm:
-        return live * attention_workspace_bytes(m) * m.vision_heads / m.heads
-    return live * attention_workspace_bytes(m)
+    vision = encoder_rows(m) * _family_block(m, True, "layer", False)[1] > llm
+    heads = m.vision_heads if vision else m.heads
+    live = 1.0 if chunked else (FAMILY_LIVE_TILES_ONE_HEAD if heads == 1 else FAMILY_LIVE_TILES) / 4.0
+    return live * attention_workspace_bytes(m) * heads / m.heads
 
 
 def family_input_elements(m: Any) -> int:
