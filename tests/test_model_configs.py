@@ -276,13 +276,16 @@ def test_memory_counts_each_familys_encoder():
     m = presets.MODELS["internvl3-8b"]
     deeper = rep(m, vision_layers=m.vision_layers + 1)
     assert per_token(deeper, "layer", 2) - per_token(m, "layer", 2) == 2 * 5 * 1024
+    # a middle width 8 wider than the published one, at which an encoder block's backward pass (the
+    # peak) is in its MLP's phase, not its attention's (`memory._family_cotangents`)
+    m = rep(m, vision_intermediate=m.vision_intermediate + 8)
     wider = rep(m, vision_intermediate=m.vision_intermediate + 1)
     # without remat a family is priced as its own program runs (memory.family_bytes_per_token):
     # InternViT's GELU MLP keeps 2 values as wide as its middle per row in each of its 24 layers, on
-    # 5 rows per token (the 4 patches and the tile's CLS row); the peak is an encoder block's backward
-    # pass in its attention phase (`memory._family_cotangents`: the ring's backward pass, larger than
-    # the MLP's cotangents), which no MLP value widens; Qwen2.5-VL's SwiGLU keeps 3, on 4 rows
-    assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 5 * 24 * 2
+    # 5 rows per token (the 4 patches and the tile's CLS row), and an encoder block's backward pass
+    # (the peak) holds 3 more (its `MemoryTerms.encoder_cotangents`); Qwen2.5-VL's SwiGLU keeps 3, on 4 rows
+    # (its peak is an LLM layer's backward pass)
+    assert per_token(wider, "none", 2) - per_token(m, "none", 2) == 2 * 5 * (24 * 2 + 3)
     q25 = presets.ModelShape.from_config(QWEN25_VL)
     assert per_token(rep(q25, vision_intermediate=q25.vision_intermediate + 1), "none", 2) \
         - per_token(q25, "none", 2) == 2 * 4 * q25.vision_layers * 3
