@@ -634,9 +634,16 @@ def _family_cotangents(m: Any, vision: bool, remat: str) -> tuple[int, int]:
         cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
         hidden, heads, kv, head_dim, ff = m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate
     mlp = cf * ff + cw * hidden
-    ring = family_ring_backward(heads, kv, head_dim)
-    attention = ring + 2 * (heads + kv) * head_dim + 2 * hidden
-    return (attention, ring) if attention > mlp else (mlp, 0)
+    attention = family_attention_phase(heads, kv, head_dim, hidden)
+    return (attention, family_ring_backward(heads, kv, head_dim)) if attention > mlp else (mlp, 0)
+
+
+def family_attention_phase(heads: int, kv_heads: int, head_dim: int, hidden: int) -> int:
+    """Elements per row the attention phase of a block's backward pass holds on top of its residuals
+    (`_family_cotangents`; a sparse layer's as a dense one's): the ring's backward pass
+    (`family_ring_backward`) and the cotangents of the attention output, q, k, v, the block input and
+    its norm's output."""
+    return family_ring_backward(heads, kv_heads, head_dim) + 2 * (heads + kv_heads) * head_dim + 2 * hidden
 
 
 def _family_work_narrow(m: Any, vision: bool, remat: str, chunked: bool) -> float:
@@ -693,7 +700,7 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     4096 tokens in chunks of 256: the compiled programs of the two are the same bytes).
 
     `sparse`: a MoE model's sparse LLM layer, whose MLP values are the sparse block's (`moe_saved`,
-    `moe_cotangents`); with remat "selective" it also keeps the router's logits and the routed
+    and in its backward pass the larger of `moe_cotangents` and the attention's phase); with remat "selective" it also keeps the router's logits and the routed
     rows' gate and up (its weight GEMMs' outputs); with chunks its MLP still runs on the whole rows,
     outside the chunks' VJP, so the block keeps (remat "none": `moe_saved`) or holds (its working
     set) the routed rows (`moe_routed_rows`) on top of the chunked attention's."""
@@ -710,7 +717,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     cotangents = _family_cotangents(m, vision, remat)[0]
     if sparse and not vision:
         saved = saved - 3 * m.intermediate + moe_saved(m)
-        cotangents = moe_cotangents(m, remat)
+        # the larger of its two phases: the sparse MLP's and the attention's, as a dense layer's
+        cotangents = max(moe_cotangents(m, remat), family_attention_phase(heads, kv, head_dim, hidden))
         ff, gemm_ff = m.experts_per_token * m.expert_intermediate, 2
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
