@@ -182,7 +182,7 @@ def test_internvl_tensor_parallel_block_holds_its_collective_buffers():
     m = local_shape(model_shape(raw, params), 2)
     psum = memory.family_collective_buffers(m, 2, False, False)
     assert psum == 3 * m.vision_hidden and memory.family_collective_buffers(m, 1, False, False) == 0
-    assert memory.family_collective_buffers(m, 2, True, False) == m.vision_hidden / 2
+    assert memory.family_collective_buffers(m, 2, True, False) == 0 == memory.family_collective_buffers(m, 2, False, True)
     wide = dataclasses.replace(m, vision_hidden=2 * m.vision_hidden)
     assert memory.family_collective_buffers(wide, 2, False, False) == 2 * psum
     assert memory.family_collective_buffers(local_shape(model_shape(raw_config(), 1), 2), 2, False, False) == 0
