@@ -346,16 +346,16 @@ def test_accelerator_presets_price_the_padding_by_hand():
     c = CostModel.preset("internvl3-8b", "ascend-910b")
     assert c.geometry.bucket_min > 0 and not c.padded_attention
     assert CostModel.preset("internvl3-8b", "cpu").padded_attention
-    lengths, etas, d = [15000, 5000], [0.5, 0.0], 3
+    lengths, etas, d = [11000, 4000], [0.5, 0.0], 3
     P = bucket_length(sum(lengths), d, c.geometry.bucket_min, c.geometry.bucket_growth)
     assert sum(lengths) < P <= max_tokens_per_rank(c) * d  # a rung the memory clamp leaves alone
     A = sum(c.a1 * (1 + e) * L * L for L, e in zip(lengths, etas))
     t_cm = c.kv_bytes_per_token / c.bw_intra * P * (d - 1) / d + c.lat_intra * (d - 1)
     # the executor skips its pad chunks: the busiest rank computes ceil(S/d) real tokens rounded up
-    # to chunks; P/d = 10924 slots cut into ceil(10924/256) = 43 chunks of 255 rows
-    assert c.geometry.linear_chunk == 256 and P // d == 10924
-    computed = {256: d * math.ceil(math.ceil(sum(lengths) / d) / 255) * 255, 0: P}
-    assert computed[256] == 3 * 27 * 255 < P
+    # to chunks; P/d = 5462 slots cut into ceil(5462/256) = 22 chunks of 249 rows
+    assert c.geometry.linear_chunk == 256 and P // d == 5462
+    computed = {256: d * math.ceil(math.ceil(sum(lengths) / d) / 249) * 249, 0: P}
+    assert computed[256] == 3 * 21 * 249 < P
     for chunk, W in computed.items():
         B = sum((c.a2 + c.a2_vision * math.sqrt(e)) * L for L, e in zip(lengths, etas)) + c.a2 * (W - sum(lengths))
         got = group_time(c.replace(linear_chunk=chunk), lengths, d, etas)

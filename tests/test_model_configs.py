@@ -276,6 +276,9 @@ def test_memory_counts_each_familys_encoder():
     m = presets.MODELS["internvl3-8b"]
     deeper = rep(m, vision_layers=m.vision_layers + 1)
     assert per_token(deeper, "layer", 2) - per_token(m, "layer", 2) == 2 * 5 * 1024
+    # a middle width 8 wider than the published one, at which an encoder block's backward pass (the
+    # peak) is in its MLP's phase, not its attention's (`memory._family_cotangents`)
+    m = rep(m, vision_intermediate=m.vision_intermediate + 8)
     wider = rep(m, vision_intermediate=m.vision_intermediate + 1)
     # without remat a family is priced as its own program runs (memory.family_bytes_per_token):
     # InternViT's GELU MLP keeps 2 values as wide as its middle per row in each of its 24 layers, on

@@ -145,7 +145,8 @@ def _attention_fp32(heads: int, head_dim: int) -> int:
 
 
 def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activation_bytes: int | None = None,
-                               chunked: bool = False) -> float:
+                               chunked: bool = False, tensor_parallel: int = 1,
+                               sequence_parallel: bool = False) -> float:
     """Bytes per local token of one rank's group program for model shape `m` (presets.ModelShape):
     the blocks' kept values in `compute_bytes`, the rest in `activation_bytes` (default: the same);
     `chunked`: the blocks' token-local work runs in chunks (`_block`). A Hugging Face family's
@@ -153,12 +154,14 @@ def activation_bytes_per_token(m: Any, remat: str, compute_bytes: int, activatio
     runs at these choices, its inputs at 4 bytes, its blocks' kept values in `compute_bytes` but
     for those the program holds in fp32 (`_family_block_wide`), the rest in `activation_bytes`
     (`family_bytes_per_token`, which `dhp bench memory --families` compares with the compiled
-    program); the formula below is the stand-in's."""
+    program; with `tensor_parallel` t > 1, `m` is one device's shape and `sequence_parallel` the
+    block stacks' form); the formula below is the stand-in's."""
     if remat not in REMATS:
         raise ValueError(f"remat must be one of {REMATS}, got {remat!r}")
     if getattr(m, "family", ""):
         return family_bytes_per_token(m, float(compute_bytes if activation_bytes is None else activation_bytes),
-                                      remat, chunked, kb=float(compute_bytes))
+                                      remat, chunked, kb=float(compute_bytes),
+                                      tensor_parallel=tensor_parallel, sequence_parallel=sequence_parallel)
     kb = float(compute_bytes)
     cb = float(compute_bytes if activation_bytes is None else activation_bytes)
     # The encoder runs on `ppt` patches per LLM token (the real families merge 2x2 after it), so its
@@ -472,8 +475,32 @@ def _llm_blocks(m: Any, remat: str, chunked: bool) -> tuple[float, float]:
     return m.dense_layers * kept + m.sparse_layers * s_kept, max(work if m.dense_layers else 0.0, s_work)
 
 
+# Buffers of the collectives that the backward pass of one encoder block of a rank of t > 1 devices
+# holds at its peak (the ring's backward pass) in the psum form (`dhp_jax.sharding.tensor_parallel`),
+# per encoder row, where the family's program keeps them live there (the buffer assignment of the
+# tiny families' programs, degree 2, t = 2: InternViT, whose layer scales multiply the row-split
+# GEMMs' outputs, holds three [rows, hidden] all-reduce buffers: an all-reduce's result is a buffer
+# of its own beside its operand, and XLA combines a block's all-reduces, so the MLP phase's result
+# and the attention phase's operand and result are live together; the Qwen encoders' all-reduces have
+# finished before their ring's backward pass starts). Sequence-parallel, the block holds one
+# reduce-scatter result [rows / t, hidden] there, within the hidden-wide values that form prices
+# whole (`tensor_parallel.sequence_saving`), so none is added.
+FAMILY_PSUM_BUFFERS = {"internvl": 3}
+
+
+def family_collective_buffers(m: Any, t: int, sequence_parallel: bool, chunked: bool) -> float:
+    """Elements per encoder row that the backward pass of one encoder block holds in its all-reduces'
+    buffers on a rank of `t` devices in the psum form (`FAMILY_PSUM_BUFFERS`; `m` is one device's
+    shape); 0 at t = 1, sequence-parallel, in chunks (whose collectives run one chunk at a time) and
+    for a family that holds none."""
+    if t <= 1 or chunked or sequence_parallel:
+        return 0.0
+    return float(FAMILY_PSUM_BUFFERS.get(getattr(m, "family", ""), 0) * m.vision_hidden)
+
+
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False,
-                           kb: float | None = None) -> float:
+                           kb: float | None = None, tensor_parallel: int = 1,
+                           sequence_parallel: bool = False) -> float:
     """Bytes per local LLM token of a family's group program at the peak of its backward pass: its
     inputs (`input_bytes_per_token`); what every LLM layer and every encoder block keeps for its
     backward pass (`_family_block`), loop state of the block scans in `kb` bytes an element (the
@@ -481,7 +508,9 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     keeps outside them (`family_tail`, its masks at a byte an element) and the working set of the
     block whose backward pass runs at the peak (`_family_block`; the LLM layer's or the encoder
     block's over its `encoder_rows` rows, whichever is larger); and of both, in 4 bytes, the values
-    the program holds in fp32 whatever the dtype (`_family_block_wide`)."""
+    the program holds in fp32 whatever the dtype (`_family_block_wide`). With `tensor_parallel`
+    t > 1 (`m` one device's shape; `sequence_parallel`: the block stacks' form) an encoder block's
+    backward pass also holds its collectives' buffers (`family_collective_buffers`)."""
     kb = ab if kb is None else kb
     rows = encoder_rows(m)
     if _moe(m):
@@ -497,7 +526,10 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     if kb < 4.0:
         kept += 4.0 * (m.layers * _family_ring_copies(m, False, remat, chunked)
                        + rows * m.vision_layers * _family_ring_copies(m, True, remat, chunked))
-    work = max(ab * dec_work + (4.0 - ab) * dec_work_wide, rows * (ab * vit_work + (4.0 - ab) * vit_work_wide))
+    dec_narrow, vit_narrow = _family_work_narrow(m, False, remat, chunked), _family_work_narrow(m, True, remat, chunked)
+    vit_work += family_collective_buffers(m, tensor_parallel, sequence_parallel, chunked)
+    work = max(ab * dec_work + (4.0 - ab) * dec_work_wide + (kb - ab) * dec_narrow,
+               rows * (ab * vit_work + (4.0 - ab) * vit_work_wide + (kb - ab) * vit_narrow))
     tail, masks = family_tail(m)
     return float(input_bytes_per_token(m) + kept + work + ab * tail + masks)
 
@@ -511,20 +543,36 @@ def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> 
     return float((dec + vis + m.vocab * m.hidden) * compute_bytes + m.vocab * m.hidden * activation_bytes)
 
 
+# fp32 [heads, tile, tile] arrays of `presets.attention_workspace_bytes`' four (scores, probabilities,
+# dP, dS) that a family block's ring backward pass holds at once: XLA fuses the others into the
+# tile loop's GEMMs (the buffer assignment of the tiny families' programs holds two such arrays at
+# the peak). With the blocks in chunks (whose working set `_family_block` counts as a whole, without
+# the ring's backward pass) the four are priced. Where the block has one head on a device (t = 2
+# of a two-head encoder), the tile loop's dP GEMM output is a third such array of its own (the
+# buffer assignment of the tiny families' programs at t = 2: the exponentials, their product and
+# the GEMM's output, three [1, tile, tile] arrays, at the peak), priced on every platform.
+FAMILY_LIVE_TILES = 2
+FAMILY_LIVE_TILES_ONE_HEAD = 3
+
+
 def peak_attention_workspace(m: Any, remat: str, chunked: bool) -> float:
     """The tiled ring's constant workspace (`presets.attention_workspace_bytes`: fp32 scores,
     probabilities and their gradients of one tile pair per head) of the block whose backward pass
     is the program's peak: the LLM's heads for the stand-in; for a family, the encoder's when one
     encoder block's recomputed working set over its rows is the larger (`_family_block`, remat
     "layer", the same block at every remat and chunk: the ring attention's tiles are those of the
-    block whose backward pass runs at the peak)."""
+    block whose backward pass runs at the peak); of a family's four tile arrays, the
+    `FAMILY_LIVE_TILES` its backward pass holds at once (`FAMILY_LIVE_TILES_ONE_HEAD` where the
+    block has one head on a device)."""
     from dhp_jax.planner.cost.presets import attention_workspace_bytes
 
-    llm = _llm_blocks(m, "layer", False)[1] if _moe(m) else _family_block(m, False, "layer", False)[1] \
-        if getattr(m, "family", "") else 0.0
-    if getattr(m, "family", "") and encoder_rows(m) * _family_block(m, True, "layer", False)[1] > llm:
-        return attention_workspace_bytes(m) * m.vision_heads / m.heads
-    return attention_workspace_bytes(m)
+    if not getattr(m, "family", ""):
+        return attention_workspace_bytes(m)
+    llm = _llm_blocks(m, "layer", False)[1] if _moe(m) else _family_block(m, False, "layer", False)[1]
+    vision = encoder_rows(m) * _family_block(m, True, "layer", False)[1] > llm
+    heads = m.vision_heads if vision else m.heads
+    live = 1.0 if chunked else (FAMILY_LIVE_TILES_ONE_HEAD if heads == 1 else FAMILY_LIVE_TILES) / 4.0
+    return live * attention_workspace_bytes(m) * heads / m.heads
 
 
 def family_input_elements(m: Any) -> int:
@@ -552,7 +600,8 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     ring attention's custom VJP (`dhp_jax.sharding.ring.ring_attention` casts q, k and v to fp32
     before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
     (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
-    recomputed at a time holds them again. In chunks (`_block`), without recompute the ring's fp32
+    recomputed at a time holds them again. Its working set holds the ring's backward pass
+    (`family_ring_backward`) where the attention's phase is the larger (`_family_cotangents`). In chunks (`_block`), without recompute the ring's fp32
     accumulator state (`_attention_fp32`) it keeps (and `_family_ring_copies`); with recompute the
     chunked working set is priced in the activation bytes as a whole. The rest of a block's kept
     values are loop state of the block scans, stored bit-cast in the compute dtype
@@ -566,7 +615,60 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     if chunked:
         return (_attention_fp32(heads, head_dim), 0.0) if remat == "none" else (0.0, 0.0)
     wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
-    return (wide, 0.0) if remat == "none" else (0.0, wide)
+    ring = _family_cotangents(m, vision, remat)[1]
+    return (wide, ring) if remat == "none" else (0.0, wide + ring)
+
+
+def _family_cotangents(m: Any, vision: bool, remat: str) -> tuple[int, int]:
+    """(elements per row the backward pass of one dense LLM layer or encoder block holds on top of
+    its residuals, those of them in fp32 on every platform): the larger of its two phases. The MLP's
+    (`FAMILY_LLM_COTANGENTS`, `MemoryTerms.encoder_cotangents`: none in fp32) and the attention's,
+    which runs after it: the ring attention's backward pass (`family_ring_backward`, fp32) with the
+    cotangents of the attention output, of q, k and v (the ring's outputs), of the block's input
+    and of its norm's output (the MLP's values are read and freed by then; the count keeps them, an
+    upper bound)."""
+    if vision:
+        cf, cw = _terms(m).encoder_cotangents
+        hidden, heads, kv, head_dim, ff = m.vision_hidden, m.vision_heads, m.vision_heads, m.vision_head_dim, \
+            m.vision_intermediate
+    else:
+        cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
+        hidden, heads, kv, head_dim, ff = m.hidden, m.heads, m.kv_heads, m.head_dim, m.intermediate
+    mlp = cf * ff + cw * hidden
+    attention = family_attention_phase(heads, kv, head_dim, hidden)
+    return (attention, family_ring_backward(heads, kv, head_dim)) if attention > mlp else (mlp, 0)
+
+
+def family_attention_phase(heads: int, kv_heads: int, head_dim: int, hidden: int) -> int:
+    """Elements per row the attention phase of a block's backward pass holds on top of its residuals
+    (`_family_cotangents`; a sparse layer's as a dense one's): the ring's backward pass
+    (`family_ring_backward`) and the cotangents of the attention output, q, k, v, the block input and
+    its norm's output."""
+    return family_ring_backward(heads, kv_heads, head_dim) + 2 * (heads + kv_heads) * head_dim + 2 * hidden
+
+
+def _family_work_narrow(m: Any, vision: bool, remat: str, chunked: bool) -> float:
+    """Elements of `_family_block`'s working set that the program holds in the compute dtype, not in
+    the activation bytes (they differ where XLA:CPU computes a bf16 program in fp32): in the
+    attention's phase (`_family_cotangents`), the cotangents of the attention output, q, k, v, the
+    block input and its norm's output, values of the block's own dtype that the backward pass
+    materialises between the ring's fp32 VJP and the block's GEMMs. Without chunks."""
+    if chunked:
+        return 0.0
+    work, ring = _family_cotangents(m, vision, remat)
+    return float(work - ring) if ring else 0.0
+
+
+def family_ring_backward(heads: int, kv_heads: int, head_dim: int) -> int:
+    """fp32 elements per row the ring attention's backward pass (`dhp_jax.sharding.ring._ring_bwd`,
+    `tiles.backward`) holds besides its residuals and the output cotangent, at the peak of a ring
+    step (degree > 1): the tile-layout copies of the queries and of the output cotangent
+    (`tiles.make_queries`, `tiles.heads_first`), the dq accumulator of the ring and that of the
+    step's tile loop (heads x head_dim each); the key block it folds and the next one it receives
+    (k and v each), the travelling dk / dv accumulators and those of the step's tile loop (kv heads x
+    head_dim each); and delta, one per head. On every platform (the ring computes in fp32)."""
+    q, k = heads * head_dim, kv_heads * head_dim
+    return 4 * q + 8 * k + heads
 
 
 def _family_ring_copies(m: Any, vision: bool, remat: str, chunked: bool) -> float:
@@ -588,8 +690,9 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
 
     Without chunks: remat "none" keeps the block's residuals (`family_llm_saved`,
     `family_encoder_saved`); "layer" its input; "selective" its input and the outputs of its
-    weight GEMMs. The backward pass holds the block's cotangents (`FAMILY_LLM_COTANGENTS`,
-    `MemoryTerms.encoder_cotangents`) and, when the block is recomputed, its
+    weight GEMMs. The backward pass holds the block's cotangents (the larger of the MLP's,
+    `FAMILY_LLM_COTANGENTS`, `MemoryTerms.encoder_cotangents`, and the attention's phase:
+    `_family_cotangents`) and, when the block is recomputed, its
     residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
     only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
     chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
@@ -598,7 +701,7 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     4096 tokens in chunks of 256: the compiled programs of the two are the same bytes).
 
     `sparse`: a MoE model's sparse LLM layer, whose MLP values are the sparse block's (`moe_saved`,
-    `moe_cotangents`); with remat "selective" it also keeps the router's logits and the routed
+    and in its backward pass the larger of `moe_cotangents` and the attention's phase); with remat "selective" it also keeps the router's logits and the routed
     rows' gate and up (its weight GEMMs' outputs); with chunks its MLP still runs on the whole rows,
     outside the chunks' VJP, so the block keeps (remat "none": `moe_saved`) or holds (its working
     set) the routed rows (`moe_routed_rows`) on top of the chunked attention's."""
@@ -612,14 +715,11 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
         saved, ff, gemm_ff = family_llm_saved(m), m.intermediate, 2
     qkv = (heads + 2 * kv) * head_dim
     attn = _attention_fp32(heads, head_dim)
-    if vision:
-        cf, cw = _terms(m).encoder_cotangents
-    else:
-        cf, cw = FAMILY_LLM_COTANGENTS["none" if remat == "none" else "layer"]
-    cotangents = cf * ff + cw * hidden
+    cotangents = _family_cotangents(m, vision, remat)[0]
     if sparse and not vision:
         saved = saved - 3 * m.intermediate + moe_saved(m)
-        cotangents = moe_cotangents(m, remat)
+        # the larger of its two phases: the sparse MLP's and the attention's, as a dense layer's
+        cotangents = max(moe_cotangents(m, remat), family_attention_phase(heads, kv, head_dim, hidden))
         ff, gemm_ff = m.experts_per_token * m.expert_intermediate, 2
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs

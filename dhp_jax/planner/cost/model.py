@@ -542,7 +542,8 @@ def _chunk_memory(m: "presets.ModelShape", remat: str, el: int, ab: int, chunk: 
     fixed = max(engine_memory.fixed_bytes(m, el), engine_memory.peak_attention_workspace(m, remat, chunked)
                 + (engine_memory.chunk_bytes(m, chunk, ab) if chunked else 0.0)) \
         + engine_memory.kept_weight_bytes(m, remat, el)
-    per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked)
+    per_token = engine_memory.activation_bytes_per_token(m, remat, el, ab, chunked, tensor_parallel=t,
+                                                         sequence_parallel=sequence)
     if t > 1 and sequence:      # a family's kept rows are priced in `ab` bytes (`family_bytes_per_token`)
         per_token -= tp.sequence_saving(m, t, el, remat, chunked)
     return float(per_token), float(fixed)
