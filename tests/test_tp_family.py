@@ -26,8 +26,8 @@ rank):
 - Qwen2.5-VL (gated vision MLP with biases, windowed and full-attention blocks), ring groups only,
   in the psum form (the default at t > 1: whole rows on every device between the split matrices,
   the sum after the row-split ones).
-Then the mixture of experts (Qwen3-VL-MoE) at t = 1, 2, 4, and at t = 2 with the router's load-balancing loss
-over the whole batch (`router_aux_loss_coef`); the psum form in bf16 at t = 2 (InternVL) against the same fp32
+Then the mixture of experts (Qwen3-VL-MoE) at t = 1 and 4, and at t = 2 sequence-parallel with the router's
+load-balancing loss over the whole batch (`router_aux_loss_coef`); the psum form in bf16 at t = 2 (InternVL) against the same fp32
 reference within bf16 rounding; and the refusals: a head count no layout allows, naming the model, the field
 and t, and a load-balancing loss for a model without a router."""
 
@@ -180,24 +180,33 @@ MOE_PLANS = {1: Plan(8, (MicroBatch((Group((0, 1, 2, 3, 4), 5, (0, 1, 2)),
                          MicroBatch((Group((0,), 1, (4,)), Group((1,), 1, (5,))))))}
 
 
-@pytest.mark.parametrize("t,sequence", [(1, False), (2, True), (4, False)])
+@pytest.mark.parametrize("t,sequence", [(1, False), (4, False)])
 def test_moe_step_matches_one_device(t, sequence):
     """Qwen3-VL-MoE (8 experts, top 2, layer 0 dense, DeepStack): each rank's t devices hold 8 / t
     experts each (expert parallelism inside the rank: the router whole, the tokens routed to a
     device's experts run there as one grouped GEMM, the experts' outputs summed over the rank, or
-    reduce-scattered back to a device's rows sequence-parallel), exact against one device."""
+    reduce-scattered back to a device's rows sequence-parallel), exact against one device. The
+    sequence-parallel t = 2 case is `test_moe_aux_loss_step_matches_one_device` (the same step with
+    the load-balancing loss added)."""
     cfg, params, samples, (ref_loss, ref_grads) = _case("qwen3_vl_moe", 256, False, None)
     assert cfg.text.moe.sparse == (False, True, True) and cfg.text.moe.num_experts == 8
     ex = _check_step(cfg, params, samples, MOE_PLANS[t], ref_loss, ref_grads, sequence, t)
-    # the router's counts of the step (metrics.jsonl): per expert, as one device routes each sample
-    (counts, rows), _ = _ROUTED["qwen3_vl_moe"]
-    sums = np.asarray(ex.state.step_sums())
-    np.testing.assert_array_equal(sums[:-1], counts)
-    assert sums[-1] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
+    _check_routed(ex, cfg, aux=False)
     # the load-balancing loss off (the default): no router program, one program per group's key
     assert ex.aux_coef == 0 and ex.router is None
     assert ex.num_compiles == len(set(ex.plan_keys(samples, MOE_PLANS[t])))
-    if t > 1:
+
+
+def _check_routed(ex, cfg, aux: bool) -> None:
+    """The router's counts of the step (metrics.jsonl): per expert, as one device routes each sample,
+    none dropped; at t > 1 the experts split over a rank's devices, the router whole on each."""
+    (counts, rows), _ = _ROUTED["qwen3_vl_moe"]
+    sums = np.asarray(ex.state.step_sums())
+    e = cfg.text.moe.num_experts
+    assert sums.shape == (e + 1 + aux,)
+    np.testing.assert_array_equal(sums[:e], counts)
+    assert sums[e] == rows and counts.sum() == 2 * rows          # dropless: k = 2 pairs per live row
+    if ex.tensor_parallel > 1:
         from dhp_jax.sharding import tensor_parallel
         kinds = {p: k[0] for p, k in zip(ex.layout.paths, ex.layout.kinds)}
         assert kinds["model/language_model/layers/1/mlp/experts/gate_up_proj"] == tensor_parallel.SPLIT
@@ -220,6 +229,7 @@ def test_moe_aux_loss_step_matches_one_device():
     _, with_aux = _ROUTED["qwen3_vl_moe"]
     (ref_loss, (_, _, aux)), ref_grads = with_aux(AUX_COEF)
     ex = _check_step(cfg, params, samples, HYBRID, ref_loss, ref_grads, True, 2, aux=AUX_COEF)
+    _check_routed(ex, cfg, aux=True)
     sums = np.asarray(ex.state.step_sums())
     got = router_stats(sums, cfg)["moe_aux_loss"]
     print(f"moe_aux_loss {got:.7f} vs {float(aux):.7f}")

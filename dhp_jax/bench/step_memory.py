@@ -36,7 +36,7 @@ from dhp_jax.planner import CostModel
 from dhp_jax.planner.cost.memory import device_step_bytes, rank_state_bytes
 from dhp_jax.devices import force_cpu_devices
 from dhp_jax.sharding import memory_bench
-from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_OPTIONS, model_shape, program_bytes
+from dhp_jax.sharding.memory_bench import CPU_ACTIVATION_BYTES, CPU_MEMORY_OPTIONS, SMOKE_MODELS, model_shape, program_bytes
 from dhp_jax.train.train_config import OptimConfig
 
 MICRO_BATCHES = (2, 3)
@@ -165,8 +165,9 @@ def _step_rows(text: str) -> list[tuple[str, int, int]]:
     out = []
     for item in (x for x in text.split(";") if x.strip()):
         parts = [p.strip() for p in item.split(",")]
-        if len(parts) != 3 or parts[0] not in CostModel.MODELS or not (parts[1].isdigit() and parts[2].isdigit()):
-            raise SystemExit(f"--rows: {item!r} is not MODEL,DEGREE,TOKENS with MODEL one of {CostModel.MODELS}")
+        models = (*CostModel.MODELS, *SMOKE_MODELS)
+        if len(parts) != 3 or parts[0] not in models or not (parts[1].isdigit() and parts[2].isdigit()):
+            raise SystemExit(f"--rows: {item!r} is not MODEL,DEGREE,TOKENS with MODEL one of {models}")
         out.append((parts[0], int(parts[1]), int(parts[2])))
     return out
 

@@ -190,6 +190,11 @@ def measure(models: Sequence[str], degrees: Sequence[int], tokens: Sequence[int]
     return out
 
 
+# the stand-in's own test shape (`MLLMConfig.preset("tiny")`): accepted by `--model` and the step
+# bench's `--rows` so that a smoke run of a bench compiles in seconds; never in the default list
+SMOKE_MODELS = ("tiny",)
+
+
 def dense_models() -> list[str]:
     """The model presets the stand-in engine builds (`MLLMConfig.preset`): every stored model but
     the mixtures of experts, whose own program `--families` compiles."""
@@ -199,9 +204,10 @@ def dense_models() -> list[str]:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", action="append", choices=CostModel.MODELS,
+    parser.add_argument("--model", action="append", choices=(*CostModel.MODELS, *SMOKE_MODELS),
                         help="model preset (repeatable; default: every dense one, "
-                             f"{', '.join(dense_models())}; a mixture of experts runs with --families)")
+                             f"{', '.join(dense_models())}; a mixture of experts runs with --families; "
+                             "\"tiny\": the stand-in's test shape, a quick check of the bench itself)")
     parser.add_argument("--degrees", default=",".join(map(str, DEGREES)), help="comma-separated degrees")
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated tokens per group")
     parser.add_argument("--hardware", default="ascend-910b", choices=CostModel.HARDWARE)
@@ -278,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
     remat = args.remat or "layer"
     if remat not in REMATS:
         raise SystemExit(f"--remat: {remat!r} is not one of {REMATS}")
-    moe = sorted(set(args.model or ()) - set(dense_models()))
+    moe = sorted(set(args.model or ()) - set(dense_models()) - set(SMOKE_MODELS))
     if moe:
         raise SystemExit(f"--model {moe[0]}: a mixture of experts, which the stand-in engine cannot build; "
                          f"compile its family program with --families {moe[0]}")
