@@ -45,7 +45,7 @@ def run(p: dict[str, Any], *, seed: int, log: Callable[[str], None]) -> dict[str
     # (name, growth, menu budget, menu kinds, menu degrees, degree set, the ladder's kind rule)
     settings = [(f"ladder {g:g}", g, None, None, None, None, "program") for g in p["growths"]]
     settings += [(f"ladder {g:g}, kinds per group", g, None, None, None, None, "group")
-                 for g in p.get("ladder_group_kinds", [])]
+                 for g in p["ladder_group_kinds"]]
     settings += [(f"menu of {b}", p["menu_growth"], b, p["menu_kinds"], md, ds, "program") for b in p["menu_budgets"]]
     settings += [(f"menu of {kb}, kinds per {k}", p["menu_growth"], kb, k, md, ds, "program") for k in p["kind_variants"]]
     settings += [(f"menu of {kb}, {m} degrees", p["menu_growth"], kb, p["menu_kinds"], m, ds, "program")

@@ -89,7 +89,9 @@ class MemoryTerms:
     `position_axes`: rotary position axes of the LLM stream; `llm_qk_norm`: the LLM normalises q
     and k; `encoder_saved(m, v, w, ff)`: elements an encoder block keeps per row without recompute;
     `tail(m, rows, v, wide, mid, levels)`: (elements, mask bytes) per LLM token outside the scans
-    beyond the common ones."""
+    beyond the common ones; `psum_buffers`: [rows, hidden] all-reduce buffers an encoder block's
+    backward pass holds at its peak on a rank of t > 1 devices in the psum form
+    (`planner.cost.memory.family_collective_buffers`)."""
 
     encoder_cotangents: tuple[int, int]
     cls_rows: int
@@ -97,6 +99,7 @@ class MemoryTerms:
     llm_qk_norm: bool
     encoder_saved: Any
     tail: Any
+    psum_buffers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -254,9 +254,12 @@ def tail(m: Any, rows: int, v: int, wide: int, mid: int, levels: int) -> tuple[i
 
 
 # the encoder block's backward-pass cotangents (exact GELU: its VJP materialises erfc and exp of
-# fc1's output), fitted as Qwen2.5-VL's; one CLS row a token, one rotary axis
+# fc1's output), fitted as Qwen2.5-VL's; one CLS row a token, one rotary axis; on a rank of t > 1
+# devices in the psum form, three all-reduce buffers live in a block's ring backward pass (the layer
+# scales multiply the row-split GEMMs' outputs, and XLA combines a block's all-reduces: the MLP
+# phase's result beside the attention phase's operand and result)
 MEMORY = MemoryTerms(encoder_cotangents=(3, 6), cls_rows=1, position_axes=1, llm_qk_norm=False,
-                     encoder_saved=encoder_saved, tail=tail)
+                     encoder_saved=encoder_saved, tail=tail, psum_buffers=3)
 LAYER_SCALE = 0.1
 
 

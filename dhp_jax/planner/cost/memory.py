@@ -477,25 +477,22 @@ def _llm_blocks(m: Any, remat: str, chunked: bool) -> tuple[float, float]:
 
 # Buffers of the collectives that the backward pass of one encoder block of a rank of t > 1 devices
 # holds at its peak (the ring's backward pass) in the psum form (`dhp_jax.sharding.tensor_parallel`),
-# per encoder row, where the family's program keeps them live there (the buffer assignment of the
-# tiny families' programs, degree 2, t = 2: InternViT, whose layer scales multiply the row-split
+# per encoder row, where the family's program keeps them live there (`MemoryTerms.psum_buffers`;
+# the buffer assignment of the tiny families' programs, degree 2, t = 2: InternViT, whose layer scales multiply the row-split
 # GEMMs' outputs, holds three [rows, hidden] all-reduce buffers: an all-reduce's result is a buffer
 # of its own beside its operand, and XLA combines a block's all-reduces, so the MLP phase's result
 # and the attention phase's operand and result are live together; the Qwen encoders' all-reduces have
 # finished before their ring's backward pass starts). Sequence-parallel, the block holds one
 # reduce-scatter result [rows / t, hidden] there, within the hidden-wide values that form prices
 # whole (`tensor_parallel.sequence_saving`), so none is added.
-FAMILY_PSUM_BUFFERS = {"internvl": 3}
-
-
 def family_collective_buffers(m: Any, t: int, sequence_parallel: bool, chunked: bool) -> float:
     """Elements per encoder row that the backward pass of one encoder block holds in its all-reduces'
-    buffers on a rank of `t` devices in the psum form (`FAMILY_PSUM_BUFFERS`; `m` is one device's
+    buffers on a rank of `t` devices in the psum form (`MemoryTerms.psum_buffers`; `m` is one device's
     shape); 0 at t = 1, sequence-parallel, in chunks (whose collectives run one chunk at a time) and
     for a family that holds none."""
     if t <= 1 or chunked or sequence_parallel:
         return 0.0
-    return float(FAMILY_PSUM_BUFFERS.get(getattr(m, "family", ""), 0) * m.vision_hidden)
+    return float(_terms(m).psum_buffers * m.vision_hidden) if getattr(m, "family", "") else 0.0
 
 
 def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool = False,
