@@ -31,22 +31,27 @@ def test_the_builtin_families_are_registered_once_each():
         models.load("no_such_module")
 
 
-def test_model_names_find_their_own_family_among_qwen3_vl_and_its_moe():
-    """No name prefix of Qwen3-VL begins a Qwen3-VL-MoE model's name, and none of Qwen3-VL-MoE a
-    dense one's; the name lookup (`family_for_model`, for a name that is no stored model) takes
-    every one of them as Qwen3-VL's vision rule."""
+def test_model_names_find_their_own_family_and_no_other():
+    """No family's name prefix begins another family's model name (Qwen2.5-VL's, Qwen3-VL's and
+    Qwen3-VL-MoE's share "qwen"); the name lookup (`family_for_model`, for a name that is no stored
+    model) gives each name its own family's vision rule, and a Qwen3-VL size the table does not
+    list is refused by name instead of taking Qwen2.5-VL's rule."""
     from dhp_jax.data.vision import family_for_model
 
     names = {"qwen3_vl": ("qwen3-vl-2b-instruct", "Qwen3-VL-4B-Thinking", "qwen3-vl-8b-sft", "qwen3-vl-32b-instruct"),
-             "qwen3_vl_moe": ("qwen3-vl-30b-a3b-instruct", "Qwen3-VL-235B-A22B-Thinking", "qwen3_vl_moe-tiny")}
+             "qwen3_vl_moe": ("qwen3-vl-30b-a3b-instruct", "Qwen3-VL-235B-A22B-Thinking", "qwen3_vl_moe-tiny"),
+             "qwen2_5_vl": ("Qwen2.5-VL-7B-Instruct", "qwen2.5-vl-72b", "Qwen2-VL-2B-Instruct", "qwen2_5_vl-tiny"),
+             "internvl": ("InternVL3-8B", "internvl2.5-4b-mpo", "intern-vl-1b")}
     for family, listed in names.items():
-        other = ({"qwen3_vl", "qwen3_vl_moe"} - {family}).pop()
         for name in listed:
             m = name.lower()
             assert any(m.startswith(p) for p in models.spec(family).name_prefixes), (family, name)
-            hit = [p for p in models.spec(other).name_prefixes if m.startswith(p)]
-            assert not hit, f"{other}'s prefixes {hit} match {family}'s model {name!r}"
-            assert family_for_model(name) == models.spec(family).vision_rule == "qwen3-vl"
+            for other in models.names():
+                hit = [p for p in models.spec(other).name_prefixes if m.startswith(p)] if other != family else []
+                assert not hit, f"{other}'s prefixes {hit} match {family}'s model {name!r}"
+            assert family_for_model(name) == models.spec(family).vision_rule
+    with pytest.raises(ValueError, match="cannot tell the vision family of model 'qwen3-vl-1b'"):
+        family_for_model("qwen3-vl-1b")
 
 
 def _family_literals(path: Path) -> list[str]:

@@ -169,8 +169,12 @@ class Demo(QwenDemo):
             inputs["second_per_grid_ts"] = np.ones(len(grid["video"]), np.float32)
 
 
+# the names of Qwen2.5-VL's releases and of Qwen2-VL's (the same vision rule); none begins a Qwen3-VL
+# name, so a Qwen3-VL model this table does not list is refused by name rather than given this rule
+NAME_PREFIXES = ("qwen2.5-vl", "qwen2_5_vl", "qwen2-vl", "qwen2_vl")
+
 SPEC = register(FamilySpec(
-    name=NAME, model_types=(NAME,), name_prefixes=("qwen",),
+    name=NAME, model_types=(NAME,), name_prefixes=NAME_PREFIXES,
     config=CONFIG, facts=facts, processor=Processor(),
     processor_names=("qwen2_5_vl", "qwen2_vl", "qwen2vl", "qwen2_5vl"), chat=QwenChat(), example=EXAMPLE,
     vision_rule="qwen-vl", published_model="qwen2.5-vl-32b", memory=MEMORY, tiny_config=tiny_config, demo=Demo(),
