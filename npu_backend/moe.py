@@ -197,18 +197,10 @@ def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None
     return aux_loss_terms(stats, totals[:-1], float(totals[-1]))
 
 # ---------------------------------------------------------------------------------------- checkpoints
-def expert_layout(config: Any) -> str:
-    """How a family's checkpoints store the experts (`dhp_jax.model.hf.expert_layouts`: its
-    model-side module's `EXPERT_LAYOUT`)."""
-    from dhp_jax import models
-
-    return xl.layout_of(models.spec(config.family).engine_module("hf"))
-
-
 def fused_experts(named: Any, config: Any, where: str) -> Any:
     """The (name, array) pairs of a checkpoint with every sparse layer's experts fused as
-    transformers holds them (`GATE_UP` [E, 2 I, d], `DOWN` [E, d, I]), whatever `expert_layout`
-    they are stored in: per-expert matrices stacked (gate rows, then up rows); a fused weight whose
+    transformers holds them (`GATE_UP` [E, 2 I, d], `DOWN` [E, d, I]), whatever layout
+    (`dhp_jax.model.hf.expert_layouts`) they are stored in: per-expert matrices stacked (gate rows, then up rows); a fused weight whose
     shape is not transformers' transposed (dims 1 and 2, as transformers' loader does). A missing
     expert matrix is an error naming it and `where`."""
     spec = getattr(config.text, "moe", None)
