@@ -143,6 +143,60 @@ def test_a_refused_run_leaves_no_folder_it_created(tmp_path):
         holder.kill()
 
 
+def test_two_runs_never_write_one_checkpoint_directory(tmp_path):
+    """A `checkpoint.dir` outside the run directory is locked by the run too: another run naming
+    it (whatever its --out, --resume and --dry-run included) is refused at once, before jax is
+    imported, as is a checkpoint directory lying inside another live run's directory; a refused
+    run leaves no folder or lock behind."""
+    shared, run = tmp_path / "shared-ckpt", tmp_path / "run"
+    holder = _holder(shared)              # a live run's lock on the checkpoint directory
+    try:
+        for extra in ([], ["--resume"], ["--dry-run"]):
+            res, err = _train("model=tiny", "steps=2", f"checkpoint.dir={shared}", "--out", str(tmp_path / "other"),
+                              *extra)
+            lines = err.strip().splitlines()
+            assert res["rc"] == 2 and len(lines) == 1, (extra, err)
+            assert lines[0] == (f"dhp train: checkpoint directory {str(shared.resolve())!r} is in use by another run "
+                                f"(pid {holder.pid} on {os.uname().nodename}, lock run.lock); wait for it to end or "
+                                f"give another checkpoint.dir"), lines
+            assert not res["jax"], res
+        assert not (tmp_path / "other").exists()          # the refused run's folders are gone
+        _tell(holder, "q")
+        assert holder.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+    holder = _holder(run)                 # a live run; another run's checkpoints inside its directory
+    try:
+        for extra in ([], ["--dry-run"]):
+            res, err = _train("model=tiny", "steps=2", f"checkpoint.dir={run / 'checkpoints'}", "--out",
+                              str(tmp_path / "other"), *extra)
+            assert res["rc"] == 2 and not res["jax"], (extra, err)
+            assert err.strip().splitlines() == [
+                f"dhp train: checkpoint directory {str((run / 'checkpoints').resolve())!r} lies in run directory "
+                f"{str(run.resolve())!r}, which is in use by another run (pid {holder.pid} on {os.uname().nodename}); "
+                f"wait for it to end or give another checkpoint.dir"], err
+        assert not (run / "checkpoints").exists() and not (tmp_path / "other").exists()
+        _tell(holder, "q")
+        assert holder.wait(timeout=30) == 0
+    finally:
+        holder.kill()
+
+
+def test_a_run_holds_its_outside_checkpoint_directory_until_it_ends(tmp_path):
+    """The API path (`Trainer.run` without the CLI) takes the same two locks through
+    `checkpoint_lock`; process k > 0 and a checkpoint directory inside the run's own take none."""
+    from dhp_jax.train.rundir import checkpoint_lock
+
+    run, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    with RunDir(run) as lock:
+        lock.attach(checkpoint_lock(run, ckpt))
+        assert (ckpt / "run.lock").exists()
+        with pytest.raises(RunLockedError, match="checkpoint directory .* is in use by another run"):
+            checkpoint_lock(tmp_path / "run2", ckpt, dry_run=True)
+        assert checkpoint_lock(run, ckpt, 1) is None and checkpoint_lock(run, run / "checkpoints") is None
+    assert not ckpt.exists() and not run.exists()          # both released; the empty folders removed
+
+
 APPENDER = """
 import os, sys, time
 from dhp_jax.data.jsonl import JsonlAppender

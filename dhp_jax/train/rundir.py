@@ -10,9 +10,14 @@ A multi-process run locks per process what that process writes: process 0 the ru
 process k > 0 its own `process-k/` (`lock_path`), so the processes of one run never block each
 other and two runs on one directory still refuse each other.
 
+A `checkpoint.dir` outside the run directory is a second directory the run writes: process 0
+locks it too (`checkpoint_lock`, the same `run.lock` file inside it; every process of a run writes
+its shards there under process 0's lock), and a checkpoint directory inside another live run's
+directory is refused, so two runs never write one checkpoint directory, whatever their `--out`.
+
 `release()` unlocks, removes the lock file, and removes the folders the run created that are still
 empty (`track`: a run stopped before its first step leaves no empty `checkpoints/`, `jax-cache/`
-or run directory it made).
+or run directory it made); it releases the locks `attach`ed to it too.
 """
 
 from __future__ import annotations
@@ -56,11 +61,19 @@ def _holder(path: Path) -> str:
 class RunDir:
     """The lock on one run directory and the folders this run created in it."""
 
-    def __init__(self, out_dir: str | Path, process_index: int = 0):
+    def __init__(self, out_dir: str | Path, process_index: int = 0, *, role: str = "run directory",
+                 remedy: str = "give another --out"):
         self.out_dir = Path(out_dir)
         self.path = lock_path(out_dir, process_index)
+        self.role, self.remedy = role, remedy      # how a refusal names the directory and what to do
         self._fd: int | None = None
         self._created: list[Path] = []      # folders made by this run, outermost first
+        self._attached: list[RunDir] = []   # locks released with this one
+
+    def attach(self, other: "RunDir | None") -> None:
+        """Release `other` (a lock this run holds too) whenever this lock is released."""
+        if other is not None:
+            self._attached.append(other)
 
     @property
     def held(self) -> bool:
@@ -126,11 +139,12 @@ class RunDir:
         return self
 
     def _refusal(self) -> str:
-        return (f"run directory {str(self.out_dir.resolve())!r} is in use by another run ({_holder(self.path)}, "
-                f"lock {self.path.name}); wait for it to end or give another --out")
+        return (f"{self.role} {str(self.out_dir.resolve())!r} is in use by another run ({_holder(self.path)}, "
+                f"lock {self.path.name}); wait for it to end or {self.remedy}")
 
     def release(self) -> None:
-        """Unlock, remove the lock file, and remove the folders this run created that are empty."""
+        """Unlock, remove the lock file, and remove the folders this run created that are empty; then
+        the same for the attached locks."""
         if self._fd is not None:
             _HELD.pop(self.path.resolve(), None)
             with contextlib.suppress(OSError):
@@ -141,9 +155,36 @@ class RunDir:
             with contextlib.suppress(OSError):
                 folder.rmdir()                   # only an empty one
         self._created = [p for p in self._created if p.exists()]
+        while self._attached:
+            self._attached.pop().release()
 
     def __enter__(self) -> "RunDir":
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def checkpoint_lock(out_dir: str | Path, checkpoint_dir: str | Path, process_index: int = 0, *,
+                    dry_run: bool = False) -> RunDir | None:
+    """Process 0's lock on a checkpoint directory outside the run directory, taken now (None: the
+    directory is inside the run directory, which the run's own lock covers, or this is process
+    k > 0). `RunLockedError` when another live run holds it, or holds a run directory it lies in.
+    `dry_run`: only check, create and hold nothing."""
+    out, ckpt = Path(out_dir).resolve(), Path(checkpoint_dir).resolve()
+    if process_index or ckpt == out or out in ckpt.parents:
+        return None
+    lock = RunDir(ckpt, role="checkpoint directory", remedy="give another checkpoint.dir")
+    for run in ckpt.parents:       # another run's directory it lies in (this run's own are skipped)
+        if (run / LOCK_NAME).exists() and (run / LOCK_NAME).resolve() not in _HELD:
+            try:
+                RunDir(run).check_free()
+            except RunLockedError:
+                raise RunLockedError(f"checkpoint directory {str(ckpt)!r} lies in run directory {str(run)!r}, "
+                                     f"which is in use by another run ({_holder(run / LOCK_NAME)}); wait for "
+                                     f"it to end or give another checkpoint.dir") from None
+    if dry_run:
+        lock.check_free()
+        return None
+    lock.track(ckpt)
+    return lock.acquire()

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dhp train: config error: {e}", file=sys.stderr)
         return 2
     from dhp_jax.train.distributed import DistributedError, PlanMismatchError, describe, initialize, resolve
-    from dhp_jax.train.rundir import RunDir, RunLockedError
+    from dhp_jax.train.rundir import RunDir, RunLockedError, checkpoint_lock
 
     try:
         dist = resolve(args.coordinator, args.num_processes, args.process_id)
@@ -79,15 +79,20 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # One run at a time in a run directory, refused here, before jax is imported: each process
     # locks what it writes (process 0 the directory, process k its process-k/), held to the end.
-    run_dir = RunDir(config.metrics.out_dir, dist.process_id if dist else 0)
+    # A checkpoint.dir outside the run directory is locked too (process 0), and released with it.
+    process = dist.process_id if dist else 0
+    run_dir = RunDir(config.metrics.out_dir, process)
     try:
         if args.dry_run:
             run_dir.check_free()
+            checkpoint_lock(config.metrics.out_dir, checkpoint_path(config), process, dry_run=True)
         else:
             cache = compilation_cache_path(config.compilation_cache, config.metrics.out_dir)
             run_dir.track(config.metrics.out_dir, checkpoint_path(config), *([cache] if cache else []))
             run_dir.acquire()
+            run_dir.attach(checkpoint_lock(config.metrics.out_dir, checkpoint_path(config), process))
     except RunLockedError as e:
+        run_dir.release()
         print(f"dhp train: {e}", file=sys.stderr)
         return 2
     try:

@@ -40,7 +40,7 @@ from dhp_jax.train.metrics import MetricsWriter, tensorboard_writer, truncate_js
 from dhp_jax.train.pipeline import DataPipeline
 from dhp_jax.train.planner_thread import PlannerThread, StepPlanningFailed
 from dhp_jax.train.plans import PlanSource, attach_programs, describe_cost, load_plan_file, run_cost
-from dhp_jax.train.rundir import RunDir, RunLockedError, held_here
+from dhp_jax.train.rundir import LOCK_NAME, RunDir, RunLockedError, checkpoint_lock, held_here
 from dhp_jax.train.state import TrainState, make_init, make_optimizer, make_schedule, make_update, state_shardings
 from dhp_jax.train.summary import plot_simulated_step, run_summary, stored_summary
 
@@ -125,7 +125,7 @@ def check_resumable(config: TrainConfig) -> None:
     """`--resume` of a run that has no checkpoint directory: a `CheckpointError`, raised before
     anything (the checkpoint or compilation-cache directory) is created."""
     path = checkpoint_dir(config)
-    if not path.is_dir():
+    if not path.is_dir() or all(p.name == LOCK_NAME for p in path.iterdir()):   # a lock is no checkpoint
         raise CheckpointError(f"--resume: no checkpoint in {str(path.resolve())!r} (no run was saved there; "
                               f"drop --resume to start one)")
 
@@ -455,14 +455,17 @@ class Trainer:
 
         A directory holding an earlier run's checkpoints is refused unless `resume` (continue it) or
         `overwrite` (replace it); resuming a finished run changes nothing. The run holds the run
-        directory's lock (`dhp_jax.train.rundir`; `dhp train` takes it before jax is imported): a
-        directory another live run holds is refused.
+        directory's lock (`dhp_jax.train.rundir`; `dhp train` takes it before jax is imported), and
+        the lock of a `checkpoint.dir` outside it: a directory another live run holds is refused.
         """
         lock = None
         if not held_here(self.out_dir, self.process_index):
             try:
                 lock = RunDir(self.out_dir, self.process_index).acquire()
+                lock.attach(checkpoint_lock(self.out_dir, self.ckpt_dir, self.process_index))
             except RunLockedError as e:
+                if lock is not None:
+                    lock.release()
                 raise TrainError(str(e)) from None
         try:
             return self._run(resume, stop_after, overwrite)
