@@ -34,6 +34,20 @@ from npu_backend.hf import LM_HEAD, TorchFamilyModel
 from npu_backend.weights import JaxCheckpoint, WeightsError, load_jax_checkpoint
 
 
+def load_run_family(meta: dict, where: str) -> None:
+    """Register the family module a run named (`model.family_module`: a family registered outside
+    the package), as `dhp train` did, so its checkpoint's family is known here; `WeightsError`
+    naming the module when it cannot be imported (it must be on this process's sys.path too)."""
+    module = run_model_section(meta).get("family_module")
+    if module:
+        from dhp_jax import models
+
+        try:
+            models.load(module)
+        except ValueError as e:
+            raise WeightsError(f"{where}: the run's model.family_module: {e}") from None
+
+
 def pretrained_source(meta: dict) -> str | None:
     """The checkpoint directory a run fine-tuned (`model.pretrained`), None for a stand-in run."""
     return run_model_section(meta).get("pretrained")
@@ -84,6 +98,7 @@ class FamilyRun:
         if not os.path.isdir(source):
             raise WeightsError(f"{str(ck.path)!r}: the run fine-tuned {source!r}, which is not there (its "
                                "config.json and processor files are needed)")
+        load_run_family(ck.meta, repr(str(ck.path)))
         config = parse_config(read_config_json(source))
         weights = family_weights(ck, config, source)
         return cls(ck, source, config, TorchFamilyModel(config, {k: torch.from_numpy(v) for k, v in weights.items()}))

@@ -111,3 +111,28 @@ def test_an_unknown_family_module_is_one_line(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "model.family_module" in last and "'toy_nope' cannot be imported" in last and "Traceback" not in r.stderr
+
+
+def test_the_torch_backend_registers_the_family_module_a_run_named(tmp_path):
+    """`npu_backend.train --init-from` a run of a family registered outside the package: the run's
+    `model.family_module` is loaded as `dhp train` loaded it (`npu_backend.finetune.load_run_family`),
+    and a module that is not importable is one error naming it. In a fresh interpreter, so that the
+    toy family is not left registered in this one."""
+    code = """
+from dhp_jax import models
+from npu_backend.finetune import load_run_family
+from npu_backend.weights import WeightsError
+load_run_family({"run_config": {"model": {"family_module": "toy_family.spec"}}}, "run")
+print(models.spec("toy_vl").name)
+try:
+    load_run_family({"run_config": {"model": {"family_module": "toy_nope"}}}, "'/runs/x'")
+except WeightsError as e:
+    print(e)
+"""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.strip().splitlines()
+    assert lines[0] == "toy_vl"
+    assert lines[1].startswith("'/runs/x': the run's model.family_module: family module 'toy_nope' cannot be "
+                               "imported"), lines
