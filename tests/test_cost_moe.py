@@ -258,3 +258,26 @@ def test_a_saved_cost_model_keeps_the_router_phase(tmp_path):
     assert CostModel.from_dict({k: v for k, v in on.to_dict().items() if k != "router_phase"}).router_phase is False
     with pytest.raises(ValueError, match=r"replace\(router_phase=False\): the router program's forward pass is part"):
         on.replace(router_phase=False)
+
+
+def test_the_planning_commands_take_the_router_phase(tmp_path):
+    """`dhp plan` / `simulate` / `analyze` price the router program with `--router-phase` (the same
+    model as `dhp train` with the load-balancing loss on), for a preset with routers only: a dense
+    model and a profile are refused by name."""
+    import argparse
+
+    from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args
+
+    parser = argparse.ArgumentParser()
+    add_cost_args(parser, model="qwen3-vl-30b-a3b", ranks=64)
+    add_tensor_parallel_arg(parser)
+    tp4 = ["--tensor-parallel", "4"]
+    on = cost_from_args(parser.parse_args([*tp4, "--router-phase"]))
+    assert on == CostModel.preset("qwen3-vl-30b-a3b", "ascend-910b", state_shards=64, tensor_parallel=4,
+                                  ranks_per_node=2, router_phase=True)
+    assert not cost_from_args(parser.parse_args(tp4)).router_phase
+    with pytest.raises(ValueError, match="--router-phase: 'qwen3-vl-8b' has no mixture-of-experts layer"):
+        cost_from_args(parser.parse_args(["--router-phase", "--model", "qwen3-vl-8b"]))
+    on.save(tmp_path / "cost.json")
+    with pytest.raises(ValueError, match="--router-phase needs a preset: the profile"):
+        cost_from_args(parser.parse_args(["--router-phase", "--cost", str(tmp_path / "cost.json")]))

@@ -62,6 +62,11 @@ def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b
                             help=f"ranks sharing a node's fast links (default {ranks_per_node})")
     if freeze_vision:
         parser.add_argument("--freeze-vision", action="store_true", help="model a frozen vision encoder")
+    parser.add_argument("--router-phase", action="store_true",
+                        help="a mixture of experts trained with its load-balancing loss on the JAX engine "
+                             "(`dhp train model.router_aux_loss_coef` > 0): price each group's forward-only "
+                             "router program before its step (`CostModel.preset(..., router_phase=True)`); "
+                             "a preset's, not a profile's")
 
 
 def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:
@@ -184,6 +189,19 @@ def cost_model(source: str, hardware: str | None = None, *, ranks_per_node: int 
                             **({} if ranks_per_node is None else {"ranks_per_node": ranks_per_node}), **overrides)
 
 
+def _check_router_phase(source: str) -> None:
+    """--router-phase prices a preset's router program: a ValueError for a profile (it prices what it
+    measured) or a model without routers, naming which."""
+    if is_profile(source):
+        raise ValueError(f"--router-phase needs a preset: the profile {source!r} prices the programs it measured")
+    shape = preset_model(source)
+    name = str(source).partition("/")[0].lower()
+    if isinstance(shape, str):
+        shape = MODELS.get(name)
+    if shape is not None and not shape.experts:
+        raise ValueError(f"--router-phase: {source!r} has no mixture-of-experts layer (no router program to price)")
+
+
 def cost_from_args(args: argparse.Namespace, **overrides: Any) -> CostModel:
     """The cost model that `add_cost_args` describes: --cost when given, else --model on --hardware;
     with --tensor-parallel T > 1 the preset of a rank of T devices (--ranks-per-node counts devices),
@@ -192,6 +210,9 @@ def cost_from_args(args: argparse.Namespace, **overrides: Any) -> CostModel:
     unless `overrides` name `state_shards` or `zero_shards`; a fitted profile keeps its own."""
     rpn, t = getattr(args, "ranks_per_node", None), getattr(args, "tensor_parallel", 1)
     ranks = getattr(args, "ranks", None)
+    if getattr(args, "router_phase", False):
+        overrides = {**overrides, "router_phase": True}
+        _check_router_phase(args.cost or args.model)
     if ranks is not None and not is_profile(args.cost or args.model) \
             and not {"state_shards", "zero_shards"} & set(overrides):
         overrides = {**overrides, "state_shards": int(ranks)}
