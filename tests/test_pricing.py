@@ -193,3 +193,30 @@ def test_least_time_over_degrees_is_the_least_of_the_times(name):
                                                                     ok)[0].tolist()
         else:
             assert attention == "ring" or not t.tabled
+
+
+@pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "one-rank-nodes"])
+def test_kind_times_is_group_times_on_each_groups_kind(name):
+    """`kind_times` (the terms padded once, then `_times_on`, as `best_kind_times` prices) gives,
+    bit for bit, `group_times` of each group on its own named kind: the ring, Ulysses (d = 1 too)
+    and every hybrid the heads allow, inside a node or over nodes."""
+    from dhp_jax.planner.contract.kinds import attention_kinds
+    from dhp_jax.planner.cost.pricing import kind_times
+
+    cost = COSTS[name]
+    rng = np.random.default_rng(7)
+    A, B, S, d = _groups(cost, rng, 300)
+    inter = np.where(rng.random(d.size) < 0.3, True, d > cost.ranks_per_node)
+    kinds = []
+    for x in d.tolist():
+        ks = list(attention_kinds(int(x), cost.num_heads, cost.ranks_per_node))
+        if cost.ulysses_ok(int(x)):
+            ks.append("ulysses")
+        kinds.append(ks[int(rng.integers(len(ks)))])
+    # several kinds: hybrids among them wherever a node holds more than one rank
+    assert {"ring", "ulysses"} <= set(kinds) and (cost.ranks_per_node == 1 or len(set(kinds)) > 3)
+    got = kind_times(cost, A, B, S, d, inter, kinds)
+    want = np.array([float(group_times(cost, a, b, s, x, i, k)) for a, b, s, x, i, k in zip(A, B, S, d, inter, kinds)])
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="3 kinds for 300 groups"):
+        kind_times(cost, A, B, S, d, inter, kinds[:3])

@@ -323,14 +323,17 @@ def attention_for(degree: int, cost: CostModel, attention: str) -> str:
 
 def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
                kinds: Sequence[str]) -> np.ndarray:
-    """`group_times` of each group under its own attention kind (vectorised per kind)."""
-    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
-    kinds = np.asarray(list(kinds), dtype=object)
-    out = np.zeros(d.shape, dtype=np.float64)
-    for kind in dict.fromkeys(kinds.tolist()):
-        m = kinds == kind
-        out[m] = group_times(cost, A[m], B[m], S[m], d[m], inter[m], kind)
-    return out
+    """`group_times` of each group (1-d arrays, or broadcast to them) under its own attention kind:
+    the terms padded once, the ring's times in one call, then `_times_on`."""
+    A, B, S, d, inter = (np.ravel(x) for x in np.broadcast_arrays(*(np.asarray(x) for x in
+                                                                     (A, B, S, degree, inter_node))))
+    kinds = list(kinds)
+    if len(kinds) != d.size:
+        raise ValueError(f"kind_times: {len(kinds)} kinds for {d.size} groups")
+    df = d.astype(np.float64)
+    Ap, Bp, P = padded_terms(cost, A, B, S, df)
+    inter = inter.astype(bool)
+    return _times_on(cost, Ap, Bp, P, df, inter, kinds, _padded_times(cost, Ap, Bp, P, df, inter, "ring"))
 
 
 def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
