@@ -220,3 +220,50 @@ def test_kind_times_is_group_times_on_each_groups_kind(name):
     np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="3 kinds for 300 groups"):
         kind_times(cost, A, B, S, d, inter, kinds[:3])
+
+
+def _program_size(cost: CostModel, d: int, p: float) -> int:
+    """Reference: the Ulysses size of a program's kind as `pricing.program_kind` defines it, one kind at
+    a time: a group of d ranks filled to p padded tokens (d sequences of p / d tokens), priced on the
+    ring, then each hybrid u (ascending), then Ulysses over all its nodes; a kind wins only where
+    strictly faster."""
+    from dhp_jax.geometry.layout import linear_tokens
+    from dhp_jax.planner.cost.pricing import _padded_times
+
+    if d <= 1:
+        return 1
+    rpn, df, P = cost.ranks_per_node, np.array([float(d)]), np.array([float(p)])
+    inter = np.array([d > rpn])
+    A = cost.a1 * P * P / df
+    B = cost.a2 * df * linear_tokens(P, P, df, cost.geometry.linear_chunk)
+    best, size = float(_padded_times(cost, A, B, P, df, inter, "ring")[0]), 1
+    for u in range(2, min(d, rpn) + 1):
+        if cost.num_heads % u or d % u or (d > rpn and rpn % u):
+            continue
+        t = float(_padded_times(cost, A, B, P, df, inter, "hybrid", u)[0])
+        if t < best:
+            best, size = t, u
+    if d > rpn and cost.num_heads % d == 0 and float(_padded_times(cost, A, B, P, df, True, "ulysses")[0]) < best:
+        size = d
+    return size
+
+
+def test_program_sizes_are_the_program_kinds_sizes():
+    """`program_sizes` (the search's vectorised lookup of each program's kind, which `program_kind`
+    names too) gives the kind `program_kind`'s definition picks, priced one kind at a time (the ring,
+    hybrids, Ulysses over all of a group's nodes; degree 1 included)."""
+    from dhp_jax.planner.contract.plan import attention_split
+    from dhp_jax.planner.cost.pricing import program_kind, program_sizes
+
+    rng = np.random.default_rng(3)
+    over = []
+    for cost in (_BASE, COSTS["one-rank-nodes"]):
+        D = rng.integers(1, 200, 300)
+        P = np.floor(rng.random(300) * 400_000) + 1
+        got = program_sizes(cost, D, P).tolist()
+        assert got == [_program_size(cost, d, p) for d, p in zip(D.tolist(), P.tolist())]
+        assert got == [1 if d <= 1 else attention_split(program_kind(cost, d, p), d)[0]
+                       for d, p in zip(D.tolist(), P.astype(int).tolist())]
+        assert {1, 2}.issubset(got) or cost.ranks_per_node == 1  # the ring and hybrids
+        over += [u == d > cost.ranks_per_node for u, d in zip(got, D.tolist())]
+    assert any(over)  # Ulysses over all of a group's nodes

@@ -454,7 +454,28 @@ def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
     P = np.asarray(padded, dtype=np.float64).reshape(-1)
     if not P.size:
         return []
-    P = np.floor(P)
+    u = program_sizes(cost, D, P)
+    if len(table) > 100_000:
+        table.clear()
+    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
+    code = np.where((u == D) & (D > 1), -1, np.where(u == 1, 0, u)) * 2 ** 20 + D  # D < 2**20
+    names = {}
+    for c in set(code.tolist()):
+        v, x = divmod(c, 2 ** 20)
+        names[c] = "ring" if v == 0 else "ulysses" if v == -1 else attention_name(v, x // v)
+    out = [names[c] for c in code.tolist()]
+    table.update(zip(zip(D.tolist(), np.floor(P).astype(np.int64).tolist()), out))
+    return out
+
+
+def program_sizes(cost: CostModel, degree: Any, padded: Any) -> np.ndarray:
+    """The Ulysses size of `program_kind` of each program (degree[i], padded[i]), vectorised and
+    not kept: 1 the ring (every degree <= 1 too), the degree for Ulysses over all its ranks, else
+    the hybrid's u (Ulysses over u times a ring over degree / u). What `program_kinds` names."""
+    D = np.asarray(degree, dtype=np.int64).reshape(-1)
+    P = np.floor(np.asarray(padded, dtype=np.float64).reshape(-1))
+    if not P.size:
+        return np.ones(0, dtype=np.int64)
     rpn, heads = cost.ranks_per_node, cost.num_heads
     df = D.astype(np.float64)
     inter = D > rpn
@@ -475,22 +496,12 @@ def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
         best[m[better]] = t[better]
         win[m[better]] = u
     m = np.flatnonzero(inter & (heads % np.maximum(D, 1) == 0))
-    over = np.zeros(P.shape, dtype=bool)
     if m.size:
         t = _padded_times(cost, A[m], B[m], P[m], df[m], True, "ulysses")
         better = t < best[m]
-        over[m[better]] = True
-    if len(table) > 100_000:
-        table.clear()
-    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
-    code = np.where(over, -1, np.where((win == 1) | (D <= 1), 0, win)) * 2 ** 20 + D  # D < 2**20
-    names = {}
-    for c in set(code.tolist()):
-        u, x = divmod(c, 2 ** 20)
-        names[c] = "ring" if u == 0 else "ulysses" if u == -1 else attention_name(u, x // u)
-    out = [names[c] for c in code.tolist()]
-    table.update(zip(zip(D.tolist(), P.astype(np.int64).tolist()), out))
-    return out
+        win[m[better]] = D[m[better]]
+    win[D <= 1] = 1
+    return win
 
 
 def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],

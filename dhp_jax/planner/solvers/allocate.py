@@ -29,7 +29,7 @@ from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
-                                          program_kind, program_rule, ulysses_sizes)
+                                          program_kind, program_rule, program_sizes, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -248,9 +248,10 @@ class _ScalarTime:
                 return sizes[at]
         else:
             miss = np.ones(key.shape, dtype=bool)
-        new = sorted(set(zip(d[miss].tolist(), P[miss].tolist())))
-        add_k = np.asarray([x * 2.0 ** 40 + p for x, p in new], dtype=np.float64)
-        add_u = np.asarray([self.program_u(int(x), p) for x, p in new], dtype=np.float64)
+        add_k = np.unique(key[miss])  # the new (degree, length) keys, sorted
+        nd = np.floor(add_k / 2.0 ** 40)
+        # priced together (`pricing.program_sizes`: `program_u`'s sizes, the same choices)
+        add_u = program_sizes(self.cost, nd, add_k - nd * 2.0 ** 40).astype(np.float64)
         keys, sizes = np.concatenate([keys, add_k]), np.concatenate([sizes, add_u])
         order = np.argsort(keys, kind="stable")
         keys, sizes = keys[order], sizes[order]
