@@ -389,11 +389,24 @@ def runs_on(kind: str, ranks: Sequence[int], cost: CostModel) -> bool:
     return node_local(ranks, u, rpn) or (u == d and cost.ulysses_ok(d))
 
 
-_PROGRAM_KINDS: dict[Any, dict[tuple[int, int], str]] = {}  # per cost model: (degree, padded) -> kind
-_last_kinds: tuple = (None, {})  # the latest cost model and its table: the same object skips hashing it
+class _KindTable(dict):
+    """One cost model's program kinds, (degree, padded) -> kind, and `priced`: the degrees whose
+    whole ladders are in it (`program_kind`); clearing it forgets both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.priced: set[int] = set()
+
+    def clear(self) -> None:
+        super().clear()
+        self.priced.clear()
 
 
-def _kinds_table(cost: CostModel) -> dict[tuple[int, int], str]:
+_PROGRAM_KINDS: dict[Any, _KindTable] = {}  # per cost model
+_last_kinds: tuple = (None, _KindTable())  # the latest cost model and its table: the same object skips hashing it
+
+
+def _kinds_table(cost: CostModel) -> _KindTable:
     global _last_kinds
     last = _last_kinds
     if last[0] is cost:
@@ -402,7 +415,7 @@ def _kinds_table(cost: CostModel) -> dict[tuple[int, int], str]:
     if table is None:
         if len(_PROGRAM_KINDS) > 64:
             _PROGRAM_KINDS.clear()
-        table = _PROGRAM_KINDS[cost] = {}
+        table = _PROGRAM_KINDS[cost] = _KindTable()
     _last_kinds = (cost, table)
     return table
 
@@ -429,7 +442,7 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     if d <= 1:
         return "ring"
     g = cost.geometry
-    done = table.setdefault((0, 0), set())  # the degrees whose ladders are priced
+    done = table.priced  # the degrees whose ladders are priced
     if g.bucket_min and d not in done:
         lo = 2 if d <= 64 else (d - 1) // 64 * 64 + 1  # the degrees of d's block of 64
         xs = np.asarray([x for x in range(lo, (d + 63) // 64 * 64 + 1) if x not in done], dtype=np.float64)
