@@ -267,3 +267,23 @@ def test_program_sizes_are_the_program_kinds_sizes():
         assert {1, 2}.issubset(got) or cost.ranks_per_node == 1  # the ring and hybrids
         over += [u == d > cost.ranks_per_node for u, d in zip(got, D.tolist())]
     assert any(over)  # Ulysses over all of a group's nodes
+
+
+def test_a_menu_groups_off_its_kinds_run_their_programs_kind():
+    """With a menu of programs (`bucket_menu`, the search then prices the ring) under `kind_rule`
+    "program", a group whose program the menu lists no kind for still runs its program's kind
+    (`program_kind`), not its own fastest; a group of a listed program runs the listed kind."""
+    from dhp_jax.planner.cost.geometry import padded_length
+    from dhp_jax.planner.cost.pricing import best_kind_times, program_kind, program_rule, sample_terms
+
+    cost = COSTS["menu"].replace(menu_kinds=((2, 8, "ulysses"),))
+    assert not program_rule(cost)  # the search's own prices: the ring
+    lengths = np.array([3, 5, 9000, 9000, 9000, 9000, 3000])
+    terms = sample_terms(cost, lengths, np.zeros(lengths.size))
+    groups = [((0, 1), [0, 1]), ((2, 3, 4, 5), [2, 3, 4, 5]), ((4, 5, 6, 7), [6])]
+    kinds, _ = best_kind_times(cost, groups, terms)
+    own = best_kind_times(cost.replace(kind_rule="group", menu_kinds=((2, 8, "ulysses"),)), groups, terms)[0]
+    want = ["ulysses"] + [program_kind(cost, len(r), int(padded_length(cost, float(lengths[s].sum()), len(r))))
+                          for r, s in groups[1:]]
+    assert kinds == want
+    assert kinds[2] != own[2]  # the short group's own fastest kind is another one

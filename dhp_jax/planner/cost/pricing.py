@@ -342,11 +342,17 @@ def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
                for i in range(0, len(ranks), ulysses))
 
 
-def program_rule(cost: CostModel) -> bool:
-    """Whether every group of degree > 1 runs its program's kind (`program_kind`): a padded ladder
-    (`bucket_min` > 0) without a menu under `geometry.kind_rule` "program"."""
+def program_kinds_rule(cost: CostModel) -> bool:
+    """Whether groups of degree > 1 outside a menu's `menu_kinds` run their program's kind
+    (`program_kind`): a padded stream (`bucket_min` > 0) under `geometry.kind_rule` "program"."""
     g = cost.geometry
-    return bool(g.bucket_min) and g.kind_rule == "program" and not g.bucket_menu
+    return bool(g.bucket_min) and g.kind_rule == "program"
+
+
+def program_rule(cost: CostModel) -> bool:
+    """Whether every group of degree > 1 runs its program's kind (`program_kind`): `program_kinds_rule`
+    on a padded ladder without a menu (the search's "best" prices; with a menu it prices the ring)."""
+    return program_kinds_rule(cost) and not cost.geometry.bucket_menu
 
 
 def _program_times(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray, d: np.ndarray,
@@ -555,7 +561,7 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     geo = cost.geometry
     if geo.fixed_kinds and len(groups):
         fixed = {(deg, b): k for deg, b, k in geo.menu_kinds}
-        rule = bool(geo.bucket_min) and geo.kind_rule == "program"
+        rule = program_kinds_rule(cost)
         padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
         for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
             kind = fixed.get((deg, int(p)))
