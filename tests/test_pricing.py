@@ -287,3 +287,17 @@ def test_a_menu_groups_off_its_kinds_run_their_programs_kind():
                           for r, s in groups[1:]]
     assert kinds == want
     assert kinds[2] != own[2]  # the short group's own fastest kind is another one
+
+
+def test_program_kinds_table_holds_kinds_only():
+    """`program_kind` prices a degree's whole block of ladders at once and keeps which degrees it
+    priced beside its table (`_KindTable.priced`), whose entries are all (degree, padded) -> kind."""
+    from dhp_jax.planner.cost.pricing import _kinds_table, program_kind
+
+    cost = _BASE.replace(b1=_BASE.b1 * (1 + 1e-9))  # a model of its own: a fresh table
+    kind = program_kind(cost, 70, 65536)
+    table = _kinds_table(cost)
+    assert table.priced == set(range(65, 129)) and table[(70, 65536)] == kind
+    assert all(isinstance(k, tuple) and len(k) == 2 and k[0] > 1 and isinstance(v, str) for k, v in table.items())
+    table.clear()
+    assert not table.priced and program_kind(cost, 70, 65536) == kind
