@@ -6,7 +6,9 @@
 
 `dump` plans a fixed set of (model, mix, ranks, seed) batches from 8 to 1024 ranks (`--wide`: 160
 plans more) and writes each plan's decisions (`Plan.decisions`) and estimated step time, so that two
-commits' plans can be compared exactly (`compare`: the batches whose plans differ, and the step times of both).
+commits' plans can be compared exactly (`compare`: the batches whose plans differ with the step-time
+ratio of each; it fails when a plan of the second dump is slower than the first's by more than
+`SLOWER_TOLERANCE`).
 `table` turns two outputs of `dhp bench planner --models all --datasets all --sizes
 64:512,1024:4096 --repeats 5 --json` (the same machine, one after the other) into the solve-time
 table of experiments/results/planner_targets.md (printed as Markdown, or written over that file's
@@ -67,18 +69,31 @@ def dump(wide: bool = False) -> list[dict[str, Any]]:
     return out
 
 
-def compare(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> int:
-    diff = 0
+SLOWER_TOLERANCE = 1e-3  # a changed plan may be this fraction slower (estimated step time) at most
+
+
+def compare(a: list[dict[str, Any]], b: list[dict[str, Any]], tolerance: float = SLOWER_TOLERANCE) -> int:
+    """Print the batches whose plans differ between two dumps, each with its step-time ratio (B / A),
+    and a summary (identical plans, the worst ratio, summed solve thread CPU); 1 when a plan of B is
+    slower than A's by more than `tolerance` (estimated step time), else 0."""
+    if len(a) != len(b):
+        raise ValueError(f"the dumps list {len(a)} and {len(b)} batches")
+    diff, worse, worst = 0, 0, 1.0
     for x, y in zip(a, b):
         if x["batch"] != y["batch"]:
             raise ValueError(f"the dumps list other batches: {x['batch']} vs {y['batch']}")
         if x["decisions"] != y["decisions"]:
             diff += 1
-            print(f"plan differs: {x['batch']}: step {x['step_s']:.6f} s -> {y['step_s']:.6f} s "
-                  f"({'slower' if y['step_s'] > x['step_s'] else 'not slower'})")
+            ratio = y["step_s"] / x["step_s"]
+            worst = max(worst, ratio)
+            bad = not ratio <= 1 + tolerance  # NaN (one side unplannable) counts as slower
+            worse += bad
+            print(f"plan differs: {x['batch']}: step {x['step_s']:.6f} s -> {y['step_s']:.6f} s, "
+                  f"ratio {ratio:.5f}{' (slower beyond the tolerance)' if bad else ''}")
     ta, tb = sum(x["solve_cpu_ms"] for x in a), sum(y["solve_cpu_ms"] for y in b)
-    print(f"{len(a) - diff} of {len(a)} plans identical; summed solve thread CPU {ta:.0f} ms -> {tb:.0f} ms")
-    return 1 if diff else 0
+    print(f"{len(a) - diff} of {len(a)} plans identical; worst step-time ratio {worst:.5f}; {worse} slower by more "
+          f"than {tolerance:.1%}; summed solve thread CPU {ta:.0f} ms -> {tb:.0f} ms")
+    return 1 if worse else 0
 
 
 def table(before: list[dict[str, Any]], after: list[dict[str, Any]], commits: tuple[str, str],

@@ -541,3 +541,23 @@ def test_each_strategy_takes_only_its_own_options():
             plan_batch([10, 20], 4, COST, bad)
     # options common to every strategy are still taken by a strategy without options of its own
     assert plan_batch([10, 20], 4, COST, "static-ring:2", ranks_per_node=2, every_rank=True).num_ranks == 4
+
+
+def test_plan_guard_fails_only_on_a_plan_slower_than_its_tolerance(capsys):
+    """`experiments.planner_speed compare`: changed plans are listed with their step-time ratios;
+    it fails (1) when one is slower than `SLOWER_TOLERANCE` (0.1 %) or no longer plans, else 0."""
+    from experiments.planner_speed import SLOWER_TOLERANCE, compare
+
+    def dump(*steps):
+        return [{"batch": [i], "decisions": f"plan {i}" if s is None else f"plan {i} at {s}",
+                 "step_s": 1.0 if s is None else s, "solve_cpu_ms": 1.0} for i, s in enumerate(steps)]
+
+    before = dump(None, None, None)
+    assert compare(before, dump(None, 0.99, 1 + SLOWER_TOLERANCE / 2)) == 0
+    out = capsys.readouterr().out
+    assert "ratio 0.99000" in out and "1 of 3 plans identical" in out and "0 slower" in out
+    assert compare(before, dump(None, 0.99, 1 + 2 * SLOWER_TOLERANCE)) == 1
+    assert "1 slower by more than 0.1%" in capsys.readouterr().out
+    assert compare(before, dump(None, float("nan"), None)) == 1  # a batch that no longer plans
+    with pytest.raises(ValueError, match="other batches"):
+        compare(before, dump(None, None, None)[::-1])

@@ -193,3 +193,111 @@ def test_least_time_over_degrees_is_the_least_of_the_times(name):
                                                                     ok)[0].tolist()
         else:
             assert attention == "ring" or not t.tabled
+
+
+@pytest.mark.parametrize("name", ["padded", "dense-padded", "unpadded", "one-rank-nodes"])
+def test_kind_times_is_group_times_on_each_groups_kind(name):
+    """`kind_times` (the terms padded once, then `_times_on`, as `best_kind_times` prices) gives,
+    bit for bit, `group_times` of each group on its own named kind: the ring, Ulysses (d = 1 too)
+    and every hybrid the heads allow, inside a node or over nodes."""
+    from dhp_jax.planner.contract.kinds import attention_kinds
+    from dhp_jax.planner.cost.pricing import kind_times
+
+    cost = COSTS[name]
+    rng = np.random.default_rng(7)
+    A, B, S, d = _groups(cost, rng, 300)
+    inter = np.where(rng.random(d.size) < 0.3, True, d > cost.ranks_per_node)
+    kinds = []
+    for x in d.tolist():
+        ks = list(attention_kinds(int(x), cost.num_heads, cost.ranks_per_node))
+        if cost.ulysses_ok(int(x)):
+            ks.append("ulysses")
+        kinds.append(ks[int(rng.integers(len(ks)))])
+    # several kinds: hybrids among them wherever a node holds more than one rank
+    assert {"ring", "ulysses"} <= set(kinds) and (cost.ranks_per_node == 1 or len(set(kinds)) > 3)
+    got = kind_times(cost, A, B, S, d, inter, kinds)
+    want = np.array([float(group_times(cost, a, b, s, x, i, k)) for a, b, s, x, i, k in zip(A, B, S, d, inter, kinds)])
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="3 kinds for 300 groups"):
+        kind_times(cost, A, B, S, d, inter, kinds[:3])
+
+
+def _program_size(cost: CostModel, d: int, p: float) -> int:
+    """Reference: the Ulysses size of a program's kind as `pricing.program_kind` defines it, one kind at
+    a time: a group of d ranks filled to p padded tokens (d sequences of p / d tokens), priced on the
+    ring, then each hybrid u (ascending), then Ulysses over all its nodes; a kind wins only where
+    strictly faster."""
+    from dhp_jax.geometry.layout import linear_tokens
+    from dhp_jax.planner.cost.pricing import _padded_times
+
+    if d <= 1:
+        return 1
+    rpn, df, P = cost.ranks_per_node, np.array([float(d)]), np.array([float(p)])
+    inter = np.array([d > rpn])
+    A = cost.a1 * P * P / df
+    B = cost.a2 * df * linear_tokens(P, P, df, cost.geometry.linear_chunk)
+    best, size = float(_padded_times(cost, A, B, P, df, inter, "ring")[0]), 1
+    for u in range(2, min(d, rpn) + 1):
+        if cost.num_heads % u or d % u or (d > rpn and rpn % u):
+            continue
+        t = float(_padded_times(cost, A, B, P, df, inter, "hybrid", u)[0])
+        if t < best:
+            best, size = t, u
+    if d > rpn and cost.num_heads % d == 0 and float(_padded_times(cost, A, B, P, df, True, "ulysses")[0]) < best:
+        size = d
+    return size
+
+
+def test_program_sizes_are_the_program_kinds_sizes():
+    """`program_sizes` (the search's vectorised lookup of each program's kind, which `program_kind`
+    names too) gives the kind `program_kind`'s definition picks, priced one kind at a time (the ring,
+    hybrids, Ulysses over all of a group's nodes; degree 1 included)."""
+    from dhp_jax.planner.contract.plan import attention_split
+    from dhp_jax.planner.cost.pricing import program_kind, program_sizes
+
+    rng = np.random.default_rng(3)
+    over = []
+    for cost in (_BASE, COSTS["one-rank-nodes"]):
+        D = rng.integers(1, 200, 300)
+        P = np.floor(rng.random(300) * 400_000) + 1
+        got = program_sizes(cost, D, P).tolist()
+        assert got == [_program_size(cost, d, p) for d, p in zip(D.tolist(), P.tolist())]
+        assert got == [1 if d <= 1 else attention_split(program_kind(cost, d, p), d)[0]
+                       for d, p in zip(D.tolist(), P.astype(int).tolist())]
+        assert {1, 2}.issubset(got) or cost.ranks_per_node == 1  # the ring and hybrids
+        over += [u == d > cost.ranks_per_node for u, d in zip(got, D.tolist())]
+    assert any(over)  # Ulysses over all of a group's nodes
+
+
+def test_a_menu_groups_off_its_kinds_run_their_programs_kind():
+    """With a menu of programs (`bucket_menu`, the search then prices the ring) under `kind_rule`
+    "program", a group whose program the menu lists no kind for still runs its program's kind
+    (`program_kind`), not its own fastest; a group of a listed program runs the listed kind."""
+    from dhp_jax.planner.cost.geometry import padded_length
+    from dhp_jax.planner.cost.pricing import best_kind_times, program_kind, program_rule, sample_terms
+
+    cost = COSTS["menu"].replace(menu_kinds=((2, 8, "ulysses"),))
+    assert not program_rule(cost)  # the search's own prices: the ring
+    lengths = np.array([3, 5, 9000, 9000, 9000, 9000, 3000])
+    terms = sample_terms(cost, lengths, np.zeros(lengths.size))
+    groups = [((0, 1), [0, 1]), ((2, 3, 4, 5), [2, 3, 4, 5]), ((4, 5, 6, 7), [6])]
+    kinds, _ = best_kind_times(cost, groups, terms)
+    own = best_kind_times(cost.replace(kind_rule="group", menu_kinds=((2, 8, "ulysses"),)), groups, terms)[0]
+    want = ["ulysses"] + [program_kind(cost, len(r), int(padded_length(cost, float(lengths[s].sum()), len(r))))
+                          for r, s in groups[1:]]
+    assert kinds == want
+    assert kinds[2] != own[2]  # the short group's own fastest kind is another one
+
+
+def test_program_kinds_table_holds_kinds_only():
+    """`program_kind` prices a degree's whole block of ladders at once and keeps which degrees it
+    priced beside its table (`_KindTable.priced`), whose entries are all (degree, padded) -> kind."""
+    from dhp_jax.planner.cost.pricing import _kinds_table, program_kind
+
+    cost = _BASE.replace(b1=_BASE.b1 * (1 + 1e-9))  # a model of its own: a fresh table
+    kind = program_kind(cost, 70, 65536)
+    table = _kinds_table(cost)
+    assert table.priced == set(range(65, 129)) and table[(70, 65536)] == kind
+    assert all(isinstance(k, tuple) and len(k) == 2 and k[0] > 1 and isinstance(v, str) for k, v in table.items())
+    table.clear()
+    assert not table.priced and program_kind(cost, 70, 65536) == kind

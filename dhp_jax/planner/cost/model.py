@@ -291,21 +291,8 @@ class CostModel:
         if sequence_parallel and t == 1:
             raise ValueError("sequence_parallel needs tensor_parallel > 1 (it splits a rank's rows over its devices)")
         attn_passes, passes = engine_memory.REMAT_PASSES[remat]
-        # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
-        # attention touches L^2/2 pairs.
-        a1 = attn_passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
-        # linear layers: every GEMM weight a token runs through (a sparse layer's router and its k
-        # experts, not all of them: `ModelShape.llm_gemm_params`) and the LM head
-        a2 = passes * 2.0 * (m.llm_gemm_params + m.vocab * m.hidden) / (hw.peak_flops * hw.mfu_linear)
-        vit_fwd = _encoder_flops(m)
-        # the projector (patch merger), and Qwen3-VL's DeepStack mergers beside it
-        proj_fwd = (1 + m.deepstack) * 2.0 * m.projector_params
-        vision_passes = 1.0 if freeze_vision else passes
-        a2_vision = (vision_passes * vit_fwd + passes * proj_fwd) / (hw.peak_flops * hw.mfu_linear)
-        # about 100 us of launches/syncs per layer and pass (Ascend/CUDA launch costs are 5-50 us/op)
-        b1 = m.layers * passes * 100e-6
-        kv_bytes = passes * m.layers * 2 * m.kv_heads * m.head_dim * el
-        a2a_bytes = passes * m.layers * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
+        a1, a2, a2_vision, b1, kv_bytes, a2a_bytes, lat_intra, lat_inter = _pass_terms(
+            m, hw, el, attn_passes, passes, 1.0 if freeze_vision else passes, lm_head=True)
         shards = int(state_shards or zero_shards or DEFAULT_STATE_SHARDS)
         params = float(engine_memory.engine_params(m))
         usable = hw.memory_bytes * presets.USABLE_MEMORY_FRACTION
@@ -334,7 +321,6 @@ class CostModel:
             shards = shards // t
             lanes = None if lanes is None else max(1, lanes // t)
             tp_note = f" at tensor_parallel {t} (per device: {params / 1e9:.2f} B params)"
-        lat_intra, lat_inter = m.layers * passes * hw.lat_intra, m.layers * passes * hw.lat_inter
         if router_phase:    # one more forward pass: the router program's (`router_forward`)
             fwd = router_forward(m, hw, el, t, passes)
             a1, a2, a2_vision, b1 = a1 + fwd["a1"], a2 + fwd["a2"], a2_vision + fwd["a2_vision"], b1 + fwd["b1"]
@@ -487,12 +473,8 @@ def router_forward(m: "presets.ModelShape", hw: Any, el: int, t: int = 1, linear
     depth = m.router_depth
     mr = dataclasses.replace(m, layers=depth, router_layers=0)      # the layers the program runs
     flops_lin = hw.peak_flops * hw.mfu_linear
-    a1 = 2.0 * m.heads * m.head_dim * depth / (hw.peak_flops * hw.mfu_attention)
-    a2 = 2.0 * mr.llm_gemm_params / flops_lin
-    a2_vision = (_encoder_flops(m) + (1 + m.deepstack) * 2.0 * m.projector_params) / flops_lin
-    b1 = depth * 100e-6
-    kv_bytes = depth * 2 * m.kv_heads * m.head_dim * el
-    a2a_bytes = depth * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
+    a1, a2, a2_vision, b1, kv_bytes, a2a_bytes, lat_intra, lat_inter = _pass_terms(mr, hw, el, 1.0, 1.0, 1.0,
+                                                                                   lm_head=False)
     if t > 1:
         seq_llm, seq_vision = tp.sequence_parallel_bytes(mr, t, el, linear_passes, True)
         seq_llm /= tp.comm_passes(linear_passes)           # the LLM's collectives of the forward pass alone
@@ -506,8 +488,31 @@ def router_forward(m: "presets.ModelShape", hw: Any, el: int, t: int = 1, linear
         kv_bytes = kv_bytes * kv_local / m.kv_heads
         a2a_bytes = depth * (2 * m.heads // t + 2 * kv_local) * m.head_dim * el
     return {"a1": a1, "a2": a2, "a2_vision": a2_vision, "b1": b1, "kv_bytes_per_token": float(kv_bytes),
-            "a2a_bytes_per_token": float(a2a_bytes), "lat_intra": depth * hw.lat_intra,
-            "lat_inter": depth * hw.lat_inter}
+            "a2a_bytes_per_token": float(a2a_bytes), "lat_intra": lat_intra, "lat_inter": lat_inter}
+
+
+def _pass_terms(m: "presets.ModelShape", hw: Any, el: int, attn_passes: float, passes: float,
+                vision_passes: float, lm_head: bool) -> tuple[float, ...]:
+    """The time terms (a1, a2, a2_vision, b1, kv and all-to-all bytes per token, per-message latency
+    inside and across nodes) of `passes` passes over every LLM layer of `m` (the attention's
+    `attn_passes`, the vision encoder's `vision_passes`; the projector runs with the layers), the
+    LM head included when `lm_head`, on one device (`CostModel.preset` and `router_forward` scale
+    them for tensor parallelism)."""
+    # attention: QK^T and PV are 4*heads*head_dim FLOPs per query-key pair and layer; causal
+    # attention touches L^2/2 pairs.
+    a1 = attn_passes * 2.0 * m.heads * m.head_dim * m.layers / (hw.peak_flops * hw.mfu_attention)
+    # linear layers: every GEMM weight a token runs through (a sparse layer's router and its k
+    # experts, not all of them: `ModelShape.llm_gemm_params`), and the LM head
+    a2 = passes * 2.0 * (m.llm_gemm_params + (m.vocab * m.hidden if lm_head else 0)) / (hw.peak_flops * hw.mfu_linear)
+    # the vision encoder, the projector (patch merger) and Qwen3-VL's DeepStack mergers beside it
+    proj_fwd = (1 + m.deepstack) * 2.0 * m.projector_params
+    a2_vision = (vision_passes * _encoder_flops(m) + passes * proj_fwd) / (hw.peak_flops * hw.mfu_linear)
+    # about 100 us of launches/syncs per layer and pass (Ascend/CUDA launch costs are 5-50 us/op)
+    b1 = m.layers * passes * 100e-6
+    kv_bytes = passes * m.layers * 2 * m.kv_heads * m.head_dim * el
+    a2a_bytes = passes * m.layers * (2 * m.heads + 2 * m.kv_heads) * m.head_dim * el
+    return (a1, a2, a2_vision, b1, kv_bytes, a2a_bytes, m.layers * passes * hw.lat_intra,
+            m.layers * passes * hw.lat_inter)
 
 
 def _encoder_flops(m: "presets.ModelShape") -> float:

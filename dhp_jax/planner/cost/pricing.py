@@ -323,14 +323,17 @@ def attention_for(degree: int, cost: CostModel, attention: str) -> str:
 
 def kind_times(cost: CostModel, A: Any, B: Any, S: Any, degree: Any, inter_node: Any,
                kinds: Sequence[str]) -> np.ndarray:
-    """`group_times` of each group under its own attention kind (vectorised per kind)."""
-    A, B, S, d, inter = np.broadcast_arrays(*(np.asarray(x) for x in (A, B, S, degree, inter_node)))
-    kinds = np.asarray(list(kinds), dtype=object)
-    out = np.zeros(d.shape, dtype=np.float64)
-    for kind in dict.fromkeys(kinds.tolist()):
-        m = kinds == kind
-        out[m] = group_times(cost, A[m], B[m], S[m], d[m], inter[m], kind)
-    return out
+    """`group_times` of each group (1-d arrays, or broadcast to them) under its own attention kind:
+    the terms padded once, the ring's times in one call, then `_times_on`."""
+    A, B, S, d, inter = (np.ravel(x) for x in np.broadcast_arrays(*(np.asarray(x) for x in
+                                                                     (A, B, S, degree, inter_node))))
+    kinds = list(kinds)
+    if len(kinds) != d.size:
+        raise ValueError(f"kind_times: {len(kinds)} kinds for {d.size} groups")
+    df = d.astype(np.float64)
+    Ap, Bp, P = padded_terms(cost, A, B, S, df)
+    inter = inter.astype(bool)
+    return _times_on(cost, Ap, Bp, P, df, inter, kinds, _padded_times(cost, Ap, Bp, P, df, inter, "ring"))
 
 
 def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
@@ -339,11 +342,17 @@ def node_local(ranks: Sequence[int], ulysses: int, ranks_per_node: int) -> bool:
                for i in range(0, len(ranks), ulysses))
 
 
-def program_rule(cost: CostModel) -> bool:
-    """Whether every group of degree > 1 runs its program's kind (`program_kind`): a padded ladder
-    (`bucket_min` > 0) without a menu under `geometry.kind_rule` "program"."""
+def program_kinds_rule(cost: CostModel) -> bool:
+    """Whether groups of degree > 1 outside a menu's `menu_kinds` run their program's kind
+    (`program_kind`): a padded stream (`bucket_min` > 0) under `geometry.kind_rule` "program"."""
     g = cost.geometry
-    return bool(g.bucket_min) and g.kind_rule == "program" and not g.bucket_menu
+    return bool(g.bucket_min) and g.kind_rule == "program"
+
+
+def program_rule(cost: CostModel) -> bool:
+    """Whether every group of degree > 1 runs its program's kind (`program_kind`): `program_kinds_rule`
+    on a padded ladder without a menu (the search's "best" prices; with a menu it prices the ring)."""
+    return program_kinds_rule(cost) and not cost.geometry.bucket_menu
 
 
 def _program_times(cost: CostModel, A: np.ndarray, B: np.ndarray, P: np.ndarray, d: np.ndarray,
@@ -386,11 +395,24 @@ def runs_on(kind: str, ranks: Sequence[int], cost: CostModel) -> bool:
     return node_local(ranks, u, rpn) or (u == d and cost.ulysses_ok(d))
 
 
-_PROGRAM_KINDS: dict[Any, dict[tuple[int, int], str]] = {}  # per cost model: (degree, padded) -> kind
-_last_kinds: tuple = (None, {})  # the latest cost model and its table: the same object skips hashing it
+class _KindTable(dict):
+    """One cost model's program kinds, (degree, padded) -> kind, and `priced`: the degrees whose
+    whole ladders are in it (`program_kind`); clearing it forgets both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.priced: set[int] = set()
+
+    def clear(self) -> None:
+        super().clear()
+        self.priced.clear()
 
 
-def _kinds_table(cost: CostModel) -> dict[tuple[int, int], str]:
+_PROGRAM_KINDS: dict[Any, _KindTable] = {}  # per cost model
+_last_kinds: tuple = (None, _KindTable())  # the latest cost model and its table: the same object skips hashing it
+
+
+def _kinds_table(cost: CostModel) -> _KindTable:
     global _last_kinds
     last = _last_kinds
     if last[0] is cost:
@@ -399,7 +421,7 @@ def _kinds_table(cost: CostModel) -> dict[tuple[int, int], str]:
     if table is None:
         if len(_PROGRAM_KINDS) > 64:
             _PROGRAM_KINDS.clear()
-        table = _PROGRAM_KINDS[cost] = {}
+        table = _PROGRAM_KINDS[cost] = _KindTable()
     _last_kinds = (cost, table)
     return table
 
@@ -426,7 +448,7 @@ def program_kind(cost: CostModel, degree: int, padded: int) -> str:
     if d <= 1:
         return "ring"
     g = cost.geometry
-    done = table.setdefault((0, 0), set())  # the degrees whose ladders are priced
+    done = table.priced  # the degrees whose ladders are priced
     if g.bucket_min and d not in done:
         lo = 2 if d <= 64 else (d - 1) // 64 * 64 + 1  # the degrees of d's block of 64
         xs = np.asarray([x for x in range(lo, (d + 63) // 64 * 64 + 1) if x not in done], dtype=np.float64)
@@ -451,7 +473,28 @@ def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
     P = np.asarray(padded, dtype=np.float64).reshape(-1)
     if not P.size:
         return []
-    P = np.floor(P)
+    u = program_sizes(cost, D, P)
+    if len(table) > 100_000:
+        table.clear()
+    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
+    code = np.where((u == D) & (D > 1), -1, np.where(u == 1, 0, u)) * 2 ** 20 + D  # D < 2**20
+    names = {}
+    for c in set(code.tolist()):
+        v, x = divmod(c, 2 ** 20)
+        names[c] = "ring" if v == 0 else "ulysses" if v == -1 else attention_name(v, x // v)
+    out = [names[c] for c in code.tolist()]
+    table.update(zip(zip(D.tolist(), np.floor(P).astype(np.int64).tolist()), out))
+    return out
+
+
+def program_sizes(cost: CostModel, degree: Any, padded: Any) -> np.ndarray:
+    """The Ulysses size of `program_kind` of each program (degree[i], padded[i]), vectorised and
+    not kept: 1 the ring (every degree <= 1 too), the degree for Ulysses over all its ranks, else
+    the hybrid's u (Ulysses over u times a ring over degree / u). What `program_kinds` names."""
+    D = np.asarray(degree, dtype=np.int64).reshape(-1)
+    P = np.floor(np.asarray(padded, dtype=np.float64).reshape(-1))
+    if not P.size:
+        return np.ones(0, dtype=np.int64)
     rpn, heads = cost.ranks_per_node, cost.num_heads
     df = D.astype(np.float64)
     inter = D > rpn
@@ -472,22 +515,12 @@ def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
         best[m[better]] = t[better]
         win[m[better]] = u
     m = np.flatnonzero(inter & (heads % np.maximum(D, 1) == 0))
-    over = np.zeros(P.shape, dtype=bool)
     if m.size:
         t = _padded_times(cost, A[m], B[m], P[m], df[m], True, "ulysses")
         better = t < best[m]
-        over[m[better]] = True
-    if len(table) > 100_000:
-        table.clear()
-    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
-    code = np.where(over, -1, np.where((win == 1) | (D <= 1), 0, win)) * 2 ** 20 + D  # D < 2**20
-    names = {}
-    for c in set(code.tolist()):
-        u, x = divmod(c, 2 ** 20)
-        names[c] = "ring" if u == 0 else "ulysses" if u == -1 else attention_name(u, x // u)
-    out = [names[c] for c in code.tolist()]
-    table.update(zip(zip(D.tolist(), P.astype(np.int64).tolist()), out))
-    return out
+        win[m[better]] = D[m[better]]
+    win[D <= 1] = 1
+    return win
 
 
 def best_kinds(cost: CostModel, groups: Sequence[tuple[Sequence[int], Sequence[int]]],
@@ -528,7 +561,7 @@ def best_kind_times(cost: CostModel, groups: Sequence[tuple[Sequence[int], Seque
     geo = cost.geometry
     if geo.fixed_kinds and len(groups):
         fixed = {(deg, b): k for deg, b, k in geo.menu_kinds}
-        rule = bool(geo.bucket_min) and geo.kind_rule == "program"
+        rule = program_kinds_rule(cost)
         padded = np.broadcast_to(padded_length(cost, S, d), d.shape)
         for i, (deg, p) in enumerate(zip(d.tolist(), padded.tolist())):
             kind = fixed.get((deg, int(p)))

@@ -29,7 +29,7 @@ from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
-                                          program_kind, program_rule, ulysses_sizes)
+                                          program_kind, program_rule, program_sizes, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -248,9 +248,10 @@ class _ScalarTime:
                 return sizes[at]
         else:
             miss = np.ones(key.shape, dtype=bool)
-        new = sorted(set(zip(d[miss].tolist(), P[miss].tolist())))
-        add_k = np.asarray([x * 2.0 ** 40 + p for x, p in new], dtype=np.float64)
-        add_u = np.asarray([self.program_u(int(x), p) for x, p in new], dtype=np.float64)
+        add_k = np.unique(key[miss])  # the new (degree, length) keys, sorted
+        nd = np.floor(add_k / 2.0 ** 40)
+        # priced together (`pricing.program_sizes`: `program_u`'s sizes, the same choices)
+        add_u = program_sizes(self.cost, nd, add_k - nd * 2.0 ** 40).astype(np.float64)
         keys, sizes = np.concatenate([keys, add_k]), np.concatenate([sizes, add_u])
         order = np.argsort(keys, kind="stable")
         keys, sizes = keys[order], sizes[order]
@@ -265,13 +266,22 @@ class _ScalarTime:
             u = self.program_u(d, P)
         if u == 1:
             return t
-        df = float(d)
-        inter = d > self.rpn
-        if u == d:  # Ulysses over all d ranks
-            return closed_form(Ai, Bi, P, df, df, df, self.b1, 0.0, self.c_a2a_inter if inter else self.c_a2a,
-                               self.l_inter if inter else self.l_intra, False, True, self.overlap)
-        return closed_form(Ai, Bi, P, df, float(u), df, self.b1, self.c_inter if inter else self.c_intra, self.c_a2a,
-                           self.l_inter if inter else self.l_intra, False, False, self.overlap)
+        return self.kind_form(Ai, Bi, P, float(d), float(u), d > self.rpn)
+
+    def kind_form(self, A: Any, B: Any, P: Any, d: Any, u: Any, inter: Any) -> Any:
+        """`closed_form` of Ulysses over u ranks times a ring over d / u (u > 1; u = d: Ulysses over
+        all d ranks, its all-to-all on the nodes' links where the group spans nodes; a hybrid's
+        all-to-all stays inside a node), on Python floats (float d, u; bool inter) or arrays. The
+        one formula of a program's kind other than the ring (`program_time`, `_programs`,
+        `group_times_of`): at u = d the ring's term is 0.0 exactly, so it gives Ulysses' floats."""
+        if isinstance(d, float):
+            c_ring, lat = (self.c_inter, self.l_inter) if inter else (self.c_intra, self.l_intra)
+            c_a2a = self.c_a2a_inter if inter and u == d else self.c_a2a
+        else:
+            c_ring = np.where(inter, self.c_inter, self.c_intra)
+            lat = np.where(inter, self.l_inter, self.l_intra)
+            c_a2a = np.where(inter & (u == d), self.c_a2a_inter, self.c_a2a)
+        return closed_form(A, B, P, d, u, d, self.b1, c_ring, c_a2a, lat, False, False, self.overlap)
 
     def _programs(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
         """`out` (ring times) replaced by each group's time on its program's kind (`program_kind`,
@@ -289,20 +299,7 @@ class _ScalarTime:
         if not np.any(hyb):
             return out.reshape(shape)
         i, u, dm = live[hyb], us[hyb], dm[hyb]
-        inter = dm > self.rpn
-        lat = np.where(inter, self.l_inter, self.l_intra)
-        full = u == dm
-        t = np.empty(i.size, dtype=np.float64)
-        if np.any(full):  # Ulysses over all d ranks
-            f = full
-            t[f] = closed_form(A[i[f]], B[i[f]], P[i[f]], dm[f], dm[f], dm[f], self.b1, 0.0,
-                               np.where(inter[f], self.c_a2a_inter, self.c_a2a), lat[f], False, True, self.overlap)
-        if not np.all(full):
-            h = ~full
-            t[h] = closed_form(A[i[h]], B[i[h]], P[i[h]], dm[h], u[h], dm[h], self.b1,
-                               np.where(inter[h], self.c_inter, self.c_intra), self.c_a2a, lat[h], False, False,
-                               self.overlap)
-        out[i] = t
+        out[i] = self.kind_form(A[i], B[i], P[i], dm, u, dm > self.rpn)
         return out.reshape(shape)
 
     def _hybrids(self, A: Any, B: Any, P: Any, d: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -325,16 +322,12 @@ class _ScalarTime:
             if not np.any(m):
                 continue
             dm = d[m].astype(np.float64)
-            inter = dm > self.rpn
-            t = closed_form(A[m], B[m], P[m], dm, float(u), dm, self.b1, np.where(inter, self.c_inter, self.c_intra),
-                            self.c_a2a, np.where(inter, self.l_inter, self.l_intra), False, False, self.overlap)
-            out[m] = np.minimum(out[m], t)
+            out[m] = np.minimum(out[m], self.kind_form(A[m], B[m], P[m], dm, np.full(dm.shape, float(u)),
+                                                       dm > self.rpn))
         m = (d > self.rpn) & (self.cost.num_heads % np.maximum(d, 1) == 0)
         if np.any(m):  # Ulysses over nodes: `pricing.group_times(..., True, "ulysses")`
             dm = d[m].astype(np.float64)
-            t = closed_form(A[m], B[m], P[m], dm, dm, dm, self.b1, 0.0, self.c_a2a_inter, self.l_inter, False, True,
-                            self.overlap)
-            out[m] = np.minimum(out[m], t)
+            out[m] = np.minimum(out[m], self.kind_form(A[m], B[m], P[m], dm, dm, np.ones(dm.shape, dtype=bool)))
         return out.reshape(shape)
 
     def hybrid(self, Ai: float, Bi: float, P: float, d: int, t: float) -> float:
@@ -348,16 +341,10 @@ class _ScalarTime:
         df = float(d)
         if t <= (Ai + Bi) / df + self.b1 + self._floor * P / df:  # no hybrid can come in under t
             return t
-        if d > self.rpn:
-            c_ring, lat = self.c_inter, self.l_inter
-        else:
-            c_ring, lat = self.c_intra, self.l_intra
-        b1, overlap = self.b1, self.overlap
+        inter, form = d > self.rpn, self.kind_form
         for u in us:
-            if u == 0:  # Ulysses over all d ranks, across nodes
-                ti = closed_form(Ai, Bi, P, df, df, df, b1, 0.0, self.c_a2a_inter, self.l_inter, False, True, overlap)
-            else:
-                ti = closed_form(Ai, Bi, P, df, float(u), df, b1, c_ring, self.c_a2a, lat, False, False, overlap)
+            # u 0: Ulysses over all d ranks, across nodes
+            ti = form(Ai, Bi, P, df, df, True) if u == 0 else form(Ai, Bi, P, df, float(u), inter)
             if ti < t:
                 t = ti
         return t
@@ -419,8 +406,8 @@ class _ScalarTime:
         tables = self._degrees
         hybrid = self.hybrid if self.best else None
         form = closed_form
-        program, kinds, kind_of = self.program, self._program_u, self.program_u
-        c_a2a, c_a2a_inter, rpn = self.c_a2a, self.c_a2a_inter, self.rpn
+        program, kinds, kind_of, kind_form = self.program, self._program_u, self.program_u, self.kind_form
+        rpn = self.rpn
 
         def ev(i: int, d: int) -> float:
             nonlocal step, clamp, coef, lat
@@ -448,11 +435,7 @@ class _ScalarTime:
                 if u is None:
                     u = kind_of(d, P)
                 if u != 1:
-                    df = float(d)
-                    if u == d:
-                        return form(Ai, Bi, P, df, df, df, b1, 0.0, c_a2a_inter if d > rpn else c_a2a, lat[d],
-                                    False, True, overlap)
-                    return form(Ai, Bi, P, df, float(u), df, b1, coef[d], c_a2a, lat[d], False, False, overlap)
+                    return kind_form(Ai, Bi, P, float(d), float(u), d > rpn)
                 return form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
             if ring:
                 t = form(Ai, Bi, P, d, 1, d, b1, coef[d], 0.0, lat[d], True, False, overlap)
