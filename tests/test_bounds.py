@@ -157,3 +157,26 @@ def test_bound_below_every_plan_on_larger_batches(model, mix, ranks, profile):
             assert s != "dhp"
             continue
         assert lb.step_s <= t * (1 + 1e-12), (s, lb, t)
+
+
+def test_micro_batch_structure_binds_where_long_sequences_span_nodes():
+    """Four nodes of two ranks: sequences that must span nodes pay traffic that grows with
+    their degree, so their micro-batch outlasts its share of the work; the structure bound is then
+    above the work and longest-sequence bounds, still below the plans, and met by DHP's plan on
+    the batch of two such sequences."""
+    cost = CostModel.from_profile(PROFILE).replace(ranks_per_node=2)
+    cap = int(max_tokens_per_rank(cost))
+    batches = ([5 * cap, 5 * cap] + [500] * 4, [int(3.5 * cap)] * 3 + [300] * 3, [int(2.5 * cap)] * 2)
+    for i, L in enumerate(batches):
+        lb = lower_bound(L, 8, cost)
+        assert lb.micro_batch_s > max(lb.work_s, lb.longest_s) * (1 + 1e-3), (i, lb)
+        ts = [step_time(plan_batch(L, 8, cost, s, **opts), L, cost)
+              for s, opts in (("dhp", {}), ("milp", {"node_limit": 2_000}))]
+        assert lb.step_s <= min(ts) * (1 + 1e-12), (i, lb, ts)
+        if i == 2:
+            assert ts[0] == pytest.approx(lb.step_s, rel=1e-9)
+    # with enough short work to fill the ranks the long sequence leaves, the structure term is the
+    # work bound: the rest's work absorbs the long sequence's slack
+    for L in ([5 * cap] * 2 + [1000] * 12, [5 * cap] * 2 + [600] * 20):
+        lb = lower_bound(L, 8, cost)
+        assert lb.micro_batch_s == pytest.approx(lb.work_s, rel=1e-12), lb
