@@ -3,6 +3,8 @@
     python -m experiments.baselines_table run OUT.json          # plan and price every batch
     python -m experiments.baselines_table table OUT.json [--write MD]
 
+The rows of the section's run are experiments/results/planner_baselines.json.
+
 One batch per (model, mix, ranks): `make_dataset(mix, 4 x ranks, 500)`, 8 ranks per node,
 ascend-910b presets, ranks 8 to 128. Each batch is planned by "dhp" and the baselines
 "static-ring:best", "static-ulysses:best" and "flexsp" (its MILP at its node limit, so every run
@@ -64,8 +66,8 @@ def run(baselines: tuple[str, ...] = BASELINES) -> list[dict[str, Any]]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     out = [f"{HEADING} (the project's cost model, `sim.step_time`)", "",
-           "`python -m experiments.baselines_table run OUT.json` then `table OUT.json --write "
-           "experiments/results/planner_targets.md`. One batch per (model, mix, ranks): "
+           "`python -m experiments.baselines_table run experiments/results/planner_baselines.json` then "
+           "`table experiments/results/planner_baselines.json --write experiments/results/planner_targets.md`. One batch per (model, mix, ranks): "
            "`make_dataset(mix, 4 x ranks, 500)`, 8 ranks per node, ascend-910b presets. Baselines (`--baselines`): "
            f"{', '.join(sorted({b for r in rows for b in BASELINES if r.get(b) is not None})) or 'none'} "
            "(`flexsp`, when run: its MILP at its node limit). Lower bound: "
