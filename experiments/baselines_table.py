@@ -96,11 +96,18 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out) + "\n"
 
 
+NOTES = "<!-- notes: kept by --write -->"
+
+
 def write_section(md: Path, text: str) -> None:
+    """Replace the section's generated part; its notes (from the NOTES line on) stay."""
     src = md.read_text()
     start = src.index(HEADING)
     nxt = src.find("\n## ", start + len(HEADING))
-    md.write_text(src[:start] + text + ("" if nxt < 0 else src[nxt:]))
+    end = len(src) if nxt < 0 else nxt
+    at = src.find(NOTES, start, end)
+    notes = "\n" + src[at:end].rstrip("\n") + "\n" if at >= 0 else ""
+    md.write_text(src[:start] + text + notes + src[end:])
 
 
 def main(argv: list[str] | None = None) -> int:
