@@ -31,12 +31,8 @@ def costs():
 
 
 def _kinds(cost, d):
-    out = [("ring", None)]
-    if cost.a2a_bytes_per_token > 0:
-        if cost.num_heads % d == 0:
-            out.append(("ulysses", None))
-        out += [("hybrid", u) for u in range(2, d // 2 + 1) if d % u == 0 and cost.num_heads % u == 0]
-    return out
+    out = [("ring", None)] + ([("ulysses", None)] if cost.num_heads % d == 0 else [])
+    return out + [("hybrid", u) for u in range(2, d // 2 + 1) if d % u == 0 and cost.num_heads % u == 0]
 
 
 def test_premises_on_random_groups(costs):

@@ -133,18 +133,18 @@ def traffic_floor(cost: Any, num_ranks: int) -> np.ndarray:
         inter = (d > rpn) | over_nodes
         ring = comm_per_token(cost, inter, "ring")
         k = np.minimum(k, d * ring * (d - 1.0) / d)                       # ring: S (d-1)/d a rank
-        if cost.a2a_bytes_per_token > 0:
-            ul = np.array([(h % int(x) == 0) or cost.ulysses_ok(int(x)) for x in d])
-            a2a = comm_per_token(cost, inter, "ulysses")
-            k = np.where(ul, np.minimum(k, d * a2a * (d - 1.0) / (d * d)), k)   # (S/d) (d-1)/d
-            for u in range(2, N // 2 + 1):
-                if not (menu or h % u == 0):
-                    continue
-                m = (d % u == 0) & (d >= 2 * u)
-                r = d / u
-                a2a_u = comm_per_token(cost, u > rpn, "ulysses")
-                hyb = d * (ring * (r - 1.0) / (u * r) + a2a_u * (u - 1.0) / (d * u))
-                k = np.where(m, np.minimum(k, hyb), k)
+        # every kind a plan may give a group (Ulysses where the heads allow, whatever it costs)
+        ul = np.array([(h % int(x) == 0) or cost.ulysses_ok(int(x)) for x in d])
+        a2a = comm_per_token(cost, inter, "ulysses")
+        k = np.where(ul, np.minimum(k, d * a2a * (d - 1.0) / (d * d)), k)   # (S/d) (d-1)/d
+        for u in range(2, N // 2 + 1):
+            if not (menu or h % u == 0):
+                continue
+            m = (d % u == 0) & (d >= 2 * u)
+            r = d / u
+            a2a_u = comm_per_token(cost, u > rpn, "ulysses")
+            hyb = d * (ring * (r - 1.0) / (u * r) + a2a_u * (u - 1.0) / (d * u))
+            k = np.where(m, np.minimum(k, hyb), k)
     k[0] = 0.0
     return np.minimum.accumulate(k[::-1])[::-1]  # least over d >= d0
 
@@ -179,9 +179,9 @@ class _Times:
         self._floors: dict[tuple[int, ...], np.ndarray] = {}
         h = cost.num_heads
         menu = bool(cost.geometry.menu_kinds)
-        self.ulysses = np.array([(h % x == 0) or cost.ulysses_ok(int(x)) for x in self.d]) \
-            if cost.a2a_bytes_per_token > 0 else np.zeros(N, bool)
-        self.hybrid = [u for u in range(2, N // 2 + 1) if menu or h % u == 0] if cost.a2a_bytes_per_token > 0 else []
+        # every kind a plan may give a group (Ulysses where the heads allow, even at no all-to-all cost)
+        self.ulysses = np.array([(h % x == 0) or cost.ulysses_ok(int(x)) for x in self.d])
+        self.hybrid = [u for u in range(2, N // 2 + 1) if menu or h % u == 0]
 
     def curve(self, G: tuple[int, ...]) -> np.ndarray:
         if G in self._curves:
