@@ -135,20 +135,19 @@ def test_bound_below_every_plan_on_small_batches():
     assert closest <= 1.005, closest
 
 
-@pytest.mark.parametrize("model, mix, ranks, profile", [
-    ("internvl3-8b", "openvid", 32, None), ("qwen3-vl-8b", "text-longtail", 16, None),
-    ("qwen3-vl-8b", "openvid", 24, None), (None, "openvid", 32, PROFILE)])
-def test_bound_below_every_plan_on_larger_batches(model, mix, ranks, profile):
+@pytest.mark.parametrize("model, mix, ranks, batch, profile", [
+    ("internvl3-8b", "openvid", 32, 128, None), ("qwen3-vl-8b", "text-longtail", 16, 64, None),
+    ("qwen3-vl-8b", "openvid", 24, 96, None), (None, "openvid", 32, 48, PROFILE)])
+def test_bound_below_every_plan_on_larger_batches(model, mix, ranks, batch, profile):
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     cost = CostModel.from_profile(profile) if profile else CostModel.preset(model, "ascend-910b", ranks_per_node=8)
-    samples = make_dataset(mix, 4 * ranks, 7)
+    samples = make_dataset(mix, batch, 7)
     L, E = sample_lengths(samples), sample_etas(samples)
     lb = lower_bound(L, ranks, cost, E)
     assert lb.micro_batch_s >= max(lb.work_s, lb.longest_s)
     for s in STRATEGIES + (("flexsp",) if profile else ()):  # FlexSP's MILP once: the costly planner
-        opts = {"time_limit_s": 5.0} if s == "flexsp" else {}
         try:
-            t = step_time(plan_batch(L, ranks, cost, s, etas=E, **opts), L, cost, E)
+            t = step_time(plan_batch(L, ranks, cost, s, etas=E), L, cost, E)
         except PlanningError:  # no static (or power-of-two) degree holds the longest sequence
             assert s != "dhp"
             continue
