@@ -67,7 +67,8 @@ def run(baselines: tuple[str, ...] = BASELINES) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     out = [f"{HEADING} (the project's cost model, `sim.step_time`)", "",
            "`python -m experiments.baselines_table run experiments/results/planner_baselines.json` then "
-           "`table experiments/results/planner_baselines.json --write experiments/results/planner_targets.md`. One batch per (model, mix, ranks): "
+           "`table experiments/results/planner_baselines.json --write experiments/results/planner_targets.md`. "
+           "One batch per (model, mix, ranks): "
            "`make_dataset(mix, 4 x ranks, 500)`, 8 ranks per node, ascend-910b presets. Baselines (`--baselines`): "
            f"{', '.join(sorted({b for r in rows for b in BASELINES if r.get(b) is not None})) or 'none'} "
            "(`flexsp`, when run: its MILP at its node limit). Lower bound: "
@@ -87,8 +88,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         terms = {"work": r["work_s"], "longest": r["longest_s"], "structure": r["micro_batch_s"]}
         top = max(terms.values())
         binding = ", ".join(k for k, v in terms.items() if v >= top * (1 - 1e-12))
-        out.append(f"| {r['model']} | {r['mix']} | {r['ranks']} | {best} | {'—' if not have else f'{ratio:.4f}'} | {lb:.4f} | {binding} | "
-                   f"{r['chosen']} |")
+        vs = f"{ratio:.4f}" if have else "—"
+        out.append(f"| {r['model']} | {r['mix']} | {r['ranks']} | {best} | {vs} | {lb:.4f} | {binding} | {r['chosen']} |")
     ratios, lbs = np.asarray(ratios), np.asarray(lbs)
     vs = (f"DHP / best baseline worst {ratios.max():.4f}, {int((ratios > 1).sum())} above 1, median "
           f"{np.median(ratios):.4f} ({ratios.size} batches with baselines); ") if ratios.size else "no baselines run; "
