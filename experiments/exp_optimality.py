@@ -1,8 +1,9 @@
 """Experiment 7: how far from optimal is DHP? (The paper has no such comparison.)
 
 Small instances: DHP step time / the exact MILP's ("milp" strategy, HiGHS), counted only where the MILP
-proved optimality. Large instances: DHP step time / the lower bound of `dhp_jax.sim.bounds` (work / ranks,
-longest sequence alone), with the best static baseline beside it for scale. Versus FlexSP: at 64 ranks,
+proved optimality. Large instances: DHP step time / the lower bound of `dhp_jax.sim.bounds` (work over the
+ranks with the traffic every plan pays, the micro-batch count by bin packing, the micro-batch structure of the
+longest sequences), with the best static baseline beside it for scale. Versus FlexSP: at 64 ranks,
 GBS 512, with a cost profile matched to FlexSP's gpt-7b cost model, DHP against the "flexsp" baseline
 (planner/solvers/flexsp.py) and the lower bound, micro-batch counts against the token lower bound, and DHP's
 solve time (median of repeats; also on the internvl3-8b / ascend-910b preset).
