@@ -342,9 +342,55 @@ def _block_world(rank: int, world: int) -> dict:
     return out
 
 
+class _SavedMeter:
+    """Counts a model's forward passes (router passes, loss forwards) and the bytes autograd saves
+    for backward (`saved_tensors_hooks`): per loss forward, and the peak held at once over a step."""
+
+    def __init__(self, model):
+        self.router, self.saved, self.live, self.peak = 0, [], 0, 0
+        router_pass, loss_sum = model.router_pass, model.loss_sum
+
+        def counted_router(*a, **k):
+            self.router += 1
+            before = sum(self.saved)
+            out = router_pass(*a, **k)
+            assert sum(self.saved) == before and self.live == 0, "a router pass kept tensors for backward"
+            return out
+
+        def counted_loss(*a, **k):
+            self.saved.append(0)
+            return loss_sum(*a, **k)
+
+        model.router_pass, model.loss_sum = counted_router, counted_loss
+
+    def pack(self, tensor):
+        n = tensor.numel() * tensor.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        if self.saved:
+            self.saved[-1] += n
+        return _Held(tensor, n, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor
+
+
+class _Held:
+    """A saved tensor; the meter's live bytes drop when autograd frees it."""
+
+    __slots__ = ("tensor", "n", "meter")
+
+    def __init__(self, tensor, n, meter):
+        self.tensor, self.n, self.meter = tensor, n, meter
+
+    def __del__(self):
+        self.meter.live -= self.n
+
+
 def _family_world(rank: int, jobs: dict) -> dict:
     """{(family, t, sequence): loss, whole gradients (processes 0 and 3), expert weights held, tokens
-    per expert} of each of `RUNS` on its plan."""
+    per expert, forward passes and saved bytes (`_SavedMeter`)} of each of `RUNS` on its plan."""
     from npu_backend.executor import TorchPlanExecutor
     from npu_backend.hf import load_family
 
@@ -353,11 +399,15 @@ def _family_world(rank: int, jobs: dict) -> dict:
         for t, sequence in RUNS:
             model = load_family(path)
             ex = TorchPlanExecutor(model, tensor_parallel=t, sequence_parallel=sequence)
-            loss, _, _ = ex.loss_and_grads(PLANS[t], samples)
+            meter = _SavedMeter(model)
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                loss, _, _ = ex.loss_and_grads(PLANS[t], samples)
             grads = {n: g.numpy() for n, g in ex.tp.gather(model, grads=True).items()}
             held = sum(p.numel() for n, p in model.params.items() if ".experts." in n)
             out[family, t, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None,
-                                        "experts held": held, "expert tokens": ex.expert_tokens}
+                                        "experts held": held, "expert tokens": ex.expert_tokens,
+                                        "aux": ex.aux_coef, "router passes": meter.router, "saved": meter.saved,
+                                        "peak saved": meter.peak}
     return out
 
 
@@ -391,6 +441,9 @@ def test_world_experts_split_over_the_rank_match(cases):
             out_err, (grad_err, worst) = hc.relative_error(y, y_ref), ec.relative_errors(grads, g_ref)
             assert out_err <= hc.TOL and grad_err <= hc.TOL, (t, r, out_err, grad_err, worst)
         print(f"block, experts over t = {t}: output {out_err:.1e}, grads {grad_err:.1e}")
+    # at every t a process runs >= 2 micro-batches (the memory assertion below needs it)
+    assert all(max(sum(any(r // t in g.ranks for g in mb.groups) for mb in PLANS[t].micro_batches)
+                   for r in range(4)) >= 2 for t in (1, 2, 4))
     refs = {"qwen3_vl_moe": (ref_loss, ref_grads), "internvl": iv_ref}
     routed_tokens = {f: _expert_tokens(jobs[f][0], jobs[f][1]) for f in refs}
     whole = {f: sum(p.numel() for n, p in cases[f][3].named_parameters() if ".experts." in n) for f in refs}
@@ -398,6 +451,15 @@ def test_world_experts_split_over_the_rank_match(cases):
         for t, sequence in RUNS:
             for r, o in enumerate(res):
                 got = o["family"][family, t, sequence]
+                # one micro-batch's graph at a time: the step's peak of saved bytes is its largest
+                # micro-batch's, not their sum (this process runs >= 2 micro-batches where asserted)
+                runs = sum(any(r // t in g.ranks for g in mb.groups) for mb in PLANS[t].micro_batches)
+                assert len(got["saved"]) == runs and min(got["saved"]) > 0, (family, t, r, got["saved"])
+                assert got["peak saved"] == max(got["saved"]), (family, t, sequence, r, got["peak saved"], got["saved"])
+                # the load-balancing loss on (Qwen3-VL-MoE with output_router_logits): one router pass
+                # per micro-batch first; off (InternVL's transformers model never adds it): none
+                assert (got["aux"] > 0) == (family == "qwen3_vl_moe"), (family, got["aux"])
+                assert got["router passes"] == (runs if got["aux"] else 0), (family, t, r, got["router passes"])
                 assert got["experts held"] * t == whole[family], (family, t, got["experts held"], whole[family])
                 # dropless: each token's k pairs reach experts; the counts one process finds
                 assert sum(got["expert tokens"]) == K * sum(s.num_tokens for s in jobs[family][1])
