@@ -139,6 +139,12 @@ class Planner:
         return Plan.from_json(box[0])
 
 
+def planner_for(args: argparse.Namespace, world: int, rank: int, executor: TorchPlanExecutor) -> Planner:
+    """The run's `Planner`: with the executor's load-balancing loss on (a mixture of experts whose
+    config sets it, `TorchPlanExecutor.aux_coef`), its cost model prices the router pass."""
+    return Planner(args, world, rank, router_phase=executor.aux_coef > 0)
+
+
 def _init_world() -> tuple[int, int, int]:
     """Rank, world size, local rank from torchrun's environment (a lone process is a world of 1)."""
     if "RANK" not in os.environ:
@@ -230,8 +236,7 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     optimizer = opt_cls(model.parameters(), lr=args.lr)
     executor = TorchPlanExecutor(model, device=device, optimizer=optimizer, tensor_parallel=args.tensor_parallel,
                                  sequence_parallel=args.sequence_parallel)
-    # the load-balancing loss on (a mixture of experts whose config sets it): the router pass is priced
-    planner = Planner(args, world, rank, router_phase=executor.aux_coef > 0)
+    planner = planner_for(args, world, rank, executor)
     t = args.tensor_parallel
     say(f"npu_backend: {world // t} ranks" + (f" of {t} processes (tensor parallel"
                                               + (", sequence parallel)" if args.sequence_parallel else ")") if t > 1 else "")

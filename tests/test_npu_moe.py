@@ -408,6 +408,11 @@ def _family_world(rank: int, jobs: dict) -> dict:
                                         "experts held": held, "expert tokens": ex.expert_tokens,
                                         "aux": ex.aux_coef, "router passes": meter.router, "saved": meter.saved,
                                         "peak saved": meter.peak}
+            if t == 1:      # the torch trainer's planner for this executor (`npu_backend.train`)
+                from npu_backend.train import build_parser, planner_for
+
+                cost = planner_for(build_parser().parse_args([]), 4, rank, ex).cost
+                out[family, t, sequence]["router phase priced"] = cost.router_phase
     return out
 
 
@@ -460,6 +465,8 @@ def test_world_experts_split_over_the_rank_match(cases):
                 # per micro-batch first; off (InternVL's transformers model never adds it): none
                 assert (got["aux"] > 0) == (family == "qwen3_vl_moe"), (family, got["aux"])
                 assert got["router passes"] == (runs if got["aux"] else 0), (family, t, r, got["router passes"])
+                # the trainer's cost model prices the router pass exactly when the loss is on
+                assert got.get("router phase priced", got["aux"] > 0) == (got["aux"] > 0), (family, t, r)
                 assert got["experts held"] * t == whole[family], (family, t, got["experts held"], whole[family])
                 # dropless: each token's k pairs reach experts; the counts one process finds
                 assert sum(got["expert tokens"]) == K * sum(s.num_tokens for s in jobs[family][1])
@@ -471,6 +478,21 @@ def test_world_experts_split_over_the_rank_match(cases):
                     assert grad_err <= hc.TOL, (family, t, sequence, r, grad_err, worst)
             print(f"torch {family}, t = {t}{' sequence-parallel' if sequence else ''}, irregular plan: "
                   f"loss {loss_err:.1e}, grads {grad_err:.1e} ({worst})")
+
+
+def test_torch_trainer_refuses_a_profile_pricing_the_router_pass_otherwise(tmp_path):
+    """`npu_backend.train`'s planner: the preset prices the router pass as asked; a profile (--cost)
+    measured with the other choice is refused, naming it."""
+    from npu_backend.train import Planner, build_parser
+
+    costs = {on: Planner(build_parser().parse_args([]), 4, 0, router_phase=on).cost for on in (False, True)}
+    assert [costs[on].router_phase for on in (False, True)] == [False, True]
+    for on in (False, True):
+        costs[on].save(tmp_path / f"{on}.json")
+        args = build_parser().parse_args(["--cost", str(tmp_path / f"{on}.json")])
+        assert Planner(args, 4, 0, router_phase=on).cost.router_phase == on
+        with pytest.raises(ValueError, match=rf"--cost .*{on}.json' prices {'a' if on else 'no'} router phase"):
+            Planner(args, 4, 0, router_phase=not on)
 
 
 def test_experts_tensor_parallel_cannot_split_are_refused():
