@@ -225,6 +225,36 @@ def test_moe_family_matches_transformers(cases, family, tmp_path):
         assert abs(_one_process(routed, samples)[0] - ref[0]) <= hc.TOL * ref[0]
 
 
+def test_router_pass_stops_after_the_last_sparse_layer(cases):
+    """`TorchFamilyModel.router_pass` (the first phase of a step with the load-balancing loss): the
+    full forward pass's routing, no gradient kept, the LLM layers up to the last sparse one and
+    no LM head."""
+    import dataclasses
+
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend.hf import TorchFamilyModel, load_family, stream_tensors
+
+    path, _, samples, _, _, _ = cases["qwen3_vl_moe"]
+    model = load_family(path)
+    shard = stream_tensors(pack_family_group(samples[:2], 1, model.config))
+    model.loss_sum(*shard)
+    full = model.router_stats
+    blocks, heads = [], []
+    for m in (model, TorchFamilyModel(dataclasses.replace(model.config, text=dataclasses.replace(
+            model.config.text, moe=dataclasses.replace(model.config.text.moe, sparse=(True, False, False)))),
+            {k: p.detach() for k, p in model.params.items()})):
+        block, head = m.decoder_block, m.head
+        m.decoder_block = lambda *a, **k: blocks.append(a[0]) or block(*a, **k)
+        m.head = lambda: heads.append(1) or head()
+        got = m.router_pass(*shard)
+        assert len(got) == sum(m.config.text.moe.sparse) and not any(s.probs.requires_grad for s in got)
+        for a, b in zip(got, full):
+            assert torch.equal(a.counts, b.counts) and a.rows == b.rows
+            assert hc.relative_error(a.probs.numpy(), b.probs.detach().numpy()) <= hc.TOL
+    # layers 0-2 (the last sparse: 2), then layer 0 alone (sparse: layer 0 only); never the head
+    assert [int(b.rsplit(".", 1)[1]) for b in blocks] == [0, 1, 2, 0] and heads == []
+
+
 # the published layout of each family's experts: Qwen3-VL-MoE's releases fused and transposed, InternVL3.5's
 # Qwen3-MoE LLM per expert (`dhp_jax.model.hf.expert_layouts`)
 PUBLISHED = {"qwen3_vl_moe": lambda w: [(k, v.shape) for k, v in w.items() if k.endswith("layers.0.mlp.experts.gate_up_proj")]
