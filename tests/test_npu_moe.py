@@ -15,7 +15,12 @@
   (all-to-all dispatch) equals one process; both families (vision and LLM heads divisible by 4) as
   4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an irregular DHP plan (`PLANS`),
   at t = 2 and 4 with and without sequence parallelism, equal transformers (loss and gradients),
-  and route the tokens one process routes (the same count per expert).
+  and route the tokens one process routes (the same count per expert). With the load-balancing
+  loss on, one router pass per micro-batch runs first (none with it off), a process holds one
+  micro-batch's saved tensors at a time (peak = the largest micro-batch's, metered with
+  `saved_tensors_hooks`), and the torch trainer's cost model prices the router phase exactly then.
+- The router pass stops after the last sparse layer (no LM head, no gradient) and routes as the
+  full forward pass; a `--cost` profile pricing the router phase otherwise is refused.
 
 fp32, relative error <= 1e-5.
 """
@@ -327,8 +332,8 @@ def test_router_loss_matches_transformers(cases):
 
 # ---------------------------------------------------------------------------------------- one world
 # The world of 4 processes as 4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an
-# irregular plan of the batch's 3 samples (with the load-balancing loss on, the micro-batches'
-# forwards run first and one backward follows):
+# irregular plan of the batch's 3 samples (with the load-balancing loss on, every micro-batch's
+# router pass runs first, then each micro-batch's forward and backward):
 # - t = 1: Ulysses over ranks 1, 0 (out of order) for sample 0 beside a ring over ranks 2, 3 for
 #   sample 2, then rank 3 alone for sample 1 while the others idle;
 # - t = 2: Ulysses over both ranks (out of order) for sample 0, a ring over both for sample 2, then
