@@ -9,8 +9,16 @@ gradient: each group's gradient is the sum over its ranks, each token counted on
 was already divided by the batch's loss-token count, so the sum is the token-weighted mean.
 
 A mixture of experts whose config turns the load-balancing loss on (`npu_backend.moe.aux_loss_coef`):
-that loss is a product of two sums over the whole batch, so a rank runs every micro-batch's forward
-first, the experts' counts are summed over the world (one all-reduce), and one backward follows.
+that loss is a product of two sums over the whole batch, the experts' counts C and the router
+probabilities P. The counts carry no gradient, so the step runs in two phases, as the JAX engine's
+(`dhp_jax.sharding.router_phase`): (1) per micro-batch, a router pass without gradients
+(`TorchFamilyModel.router_pass`: the vision encoder and the LLM layers up to the last sparse one,
+no LM head) gives the counts, summed over the world in one all-reduce (`moe.batch_totals`); (2) with
+w_e = E C_e / R^2 fixed (`moe.aux_weights`) the loss is linear in P, so each micro-batch's forward
+adds its own share coef sum_e w_e P_e (`moe.aux_share`) to its loss / the batch's loss tokens and
+runs its backward at once. A rank thus holds one micro-batch's activations at a time, which is what
+the planner's memory model prices; the router pass costs one more forward pass of those layers,
+which its cost model prices (`CostModel.preset(..., router_phase=True)`, `npu_backend.train`).
 
 Errors never leave a rank hanging in a collective: everything every rank can check alike (plan vs.
 world size, every rank used, sample ids, payloads) is checked before the first collective, and a
@@ -164,6 +172,8 @@ class TorchPlanExecutor:
         self.tensors_sent = 0  # ring traffic of this rank, for tests and logs
         # a mixture of experts: tokens routed to each expert in the last step, the batch's, per sparse layer
         self.expert_tokens: list[float] | None = None
+        # the load-balancing loss's weight (0: off), from the family's config (`moe.aux_loss_coef`)
+        self.aux_coef = moe.aux_loss_coef(self.config) if self.family else 0.0
 
     # ------------------------------------------------------------------ pieces
     def _shard(self, group: Group, samples: Sequence[Sample]) -> tuple[Any, int]:
@@ -236,33 +246,41 @@ class TorchPlanExecutor:
         local_loss = torch.zeros((), dtype=torch.float32, device=self.device)
         local_tokens = 0
         # the load-balancing loss of a mixture of experts couples the whole batch (`npu_backend.moe`):
-        # every micro-batch's forward first, then one backward of the sum
-        aux = moe.aux_loss_coef(self.config) if self.family else 0.0
+        # phase 1, the router passes of every micro-batch (no gradient) give the batch's counts
+        aux = self.aux_coef
         spec = self.config.text.moe if self.family else None
-        pending, stats = [], []
-        for item in shards:
-            if item is None:
-                continue
-            g, shard = item
+        stats: list = []
+        mine = [item for item in shards if item is not None]
+        if aux:
+            for g, shard in mine:
+                attn, comm = self._attention(g)
+                stats += self.model.router_pass(*shard, attn)
+                self.tensors_sent += comm.tensors_sent if comm is not None else 0
+            totals = moe.batch_totals(stats, spec.num_experts, device=self.device)   # every process calls it
+            weights = moe.aux_weights(totals)
+        # phase 2: each micro-batch's forward, its loss / total and its share of the load-balancing
+        # loss, and its backward at once (its graph is freed before the next micro-batch runs)
+        share = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g, shard in mine:
             loss_sum, comm = self._forward_loss(g, shard)
-            stats += self.model.router_stats if spec is not None else []
+            objective = loss_sum / total
             if aux:
-                pending.append(loss_sum / total)
-            else:
-                (loss_sum / total).backward()
+                mb_share = aux * moe.aux_share(self.model.router_stats, weights)
+                objective = objective + mb_share
+                share += mb_share.detach()
+            elif spec is not None:     # the counts alone: no probability keeps its graph alive
+                stats += [moe.RouterStats(st.counts, st.probs.detach(), st.rows) for st in self.model.router_stats]
+            objective.backward()
             self.tensors_sent += comm.tensors_sent if comm is not None else 0
             local_loss += loss_sum.detach().float()
             local_tokens += int(shard[0].shape[0] if self.family else shard["targets"].shape[0])
-        # tokens routed to each expert over the batch (every process calls this all-reduce)
-        totals = moe.batch_totals(stats, spec.num_experts, device=self.device) if spec is not None else None
-        if totals is not None:
+        if spec is not None and not aux:   # tokens routed to each expert (every process calls this all-reduce)
+            totals = moe.batch_totals(stats, spec.num_experts, device=self.device)
+        if spec is not None:
             self.expert_tokens = (totals[:-1] / max(1, sum(spec.sparse))).tolist()
         if aux:
-            share = aux * moe.batch_aux_loss(stats, spec.num_experts, totals=totals)
-            if pending:
-                (sum(pending) + share).backward()
             # the loss reported: the shares of the rank's processes (each its own rows), once per rank
-            local_loss += total * self.tp.sum(share.detach()) if self.tp.size > 1 else total * share.detach()
+            local_loss += total * (self.tp.sum(share) if self.tp.size > 1 else share)
         # one flat all-reduce over the world (over the processes of this tp index under tensor
         # parallelism): every gradient, and the loss sum riding in the same buffer
         loss_sum = self.tp.reduce_grads(self.model, local_loss)

@@ -227,8 +227,9 @@ class TorchFamilyModel:
 
     # ------------------------------------------------------------------ the stream
     def hidden(self, llm_ints: torch.Tensor, vision_ints: torch.Tensor, vision_floats: torch.Tensor,
-               attn: AttnFn = dense_attn) -> torch.Tensor:
-        """Final LLM hidden states [S, d] of one shard of the two streams (`FamilyLayout.inputs`)."""
+               attn: AttnFn = dense_attn, router_only: bool = False) -> torch.Tensor | None:
+        """Final LLM hidden states [S, d] of one shard of the two streams (`FamilyLayout.inputs`).
+        `router_only`: stop after the last sparse layer and return None (`router_pass`)."""
         cfg = self.config
         col = {k: llm_ints[:, i].long() for i, k in enumerate(LLM_INTS)}
         vi = {k: vision_ints[:, i].long() for i, k in enumerate(VISION_INTS)}
@@ -245,12 +246,27 @@ class TorchFamilyModel:
         x = self.split_rows(x)                   # sequence parallelism: the blocks run on this process's rows
         spec = getattr(cfg.text, "moe", None)
         self.router_stats = []                   # the sparse blocks' routing of this forward pass
-        for i in range(cfg.text.num_layers):
+        last = max((i for i, sp in enumerate(spec.sparse) if sp), default=-1) if spec is not None else -1
+        for i in range(last + 1 if router_only else cfg.text.num_layers):
             x = self.decoder_block(f"model.language_model.layers.{i}", x, angles, ids, attn,
                                    spec is not None and spec.sparse[i])
             if i < len(deep):                    # DeepStack: added on the vision tokens after layer i
                 x = x + self.split_rows(torch.where(vision, deep[i].to(x.dtype), torch.zeros_like(deep[i], dtype=x.dtype)))
+        if router_only:
+            return None
         return self.rms_norm("model.language_model.norm", self.join_rows(x, s), cfg.text.shape.eps)
+
+    def router_pass(self, llm_ints: torch.Tensor, llm_floats: torch.Tensor, vision_ints: torch.Tensor,
+                    vision_floats: torch.Tensor, attn: AttnFn = dense_attn) -> list:
+        """The `npu_backend.moe.RouterStats` of each sparse block of one shard (the arguments of
+        `loss_sum`), from a forward pass without gradients that runs the vision encoder and the LLM
+        layers up to the last sparse one (no later layer, no LM head): the first phase of a step
+        with the load-balancing loss (`npu_backend.executor`)."""
+        if getattr(self.config.text, "moe", None) is None:
+            raise ValueError(f"{self.config.family}: the model has no mixture-of-experts layer (no router to run)")
+        with torch.no_grad():
+            self.hidden(llm_ints, vision_ints, vision_floats, attn, router_only=True)
+        return self.router_stats
 
     def head(self) -> torch.Tensor:
         """The LM head weight [V, d] (the token embedding when tied)."""

@@ -25,6 +25,8 @@ rows, rows = live tokens x sparse layers; loss = E sum_e f_e P_e. Each block ret
 counts (no gradient) and probability sums (`RouterStats`); `aux_loss_terms` makes of them the share
 of one process, whose sum over every process is the batch's loss and whose gradient is exact once
 the counts are summed over the world (`batch_totals`, which also gives a step's tokens per expert).
+With the counts known, w_e = E C_e / R^2 (`aux_weights`) makes the loss linear in the probability
+sums, so a step adds it micro-batch by micro-batch (`aux_share`; `npu_backend.executor`).
 
 Checkpoints: `fused_experts` reads the experts of any published layout into transformers' fused
 one; both engines' savers write them in the family's published layout
@@ -164,6 +166,23 @@ def aux_loss_terms(stats: list[RouterStats], total_counts: torch.Tensor, total_r
         return total_counts.new_zeros(())
     probs = torch.stack([s.probs for s in stats]).sum(0)
     return total_counts.numel() * torch.sum(total_counts / total_rows * probs / total_rows)
+
+
+def aux_weights(totals: torch.Tensor) -> torch.Tensor:
+    """[E]: the weights w_e = E C_e / R^2 of the batch's `batch_totals` (C the pairs per expert,
+    R the live rows; no gradient), with which the load-balancing loss is sum_e w_e P_e: linear in
+    the probability sums, so each micro-batch's share is `aux_share` of its own blocks (zeros for a
+    batch without a live row; `dhp_jax.model.hf.moe.aux_weights`, the JAX engine's)."""
+    counts, rows = totals[:-1].detach(), float(totals[-1])
+    return counts * 0 if rows <= 0 else counts.numel() * counts / (rows * rows)
+
+
+def aux_share(stats: list[RouterStats], weights: torch.Tensor) -> torch.Tensor:
+    """sum_e w_e p_e over the `RouterStats` of the blocks of one forward pass (this process's rows):
+    that pass's share of the load-balancing loss and of its gradient, given the batch's `aux_weights`."""
+    if not stats:
+        return weights.new_zeros(())
+    return torch.sum(weights * torch.stack([s.probs for s in stats]).sum(0))
 
 
 def aux_loss_coef(config: Any) -> float:

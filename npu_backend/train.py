@@ -94,9 +94,12 @@ def make_batch(config: MLLMConfig, args: argparse.Namespace, step: int) -> list:
 class Planner:
     """Gives the plan of each step: replayed, planned on every rank, or planned on rank 0 and sent.
 
-    `world` counts processes; the plans have world / --tensor-parallel ranks."""
+    `world` counts processes; the plans have world / --tensor-parallel ranks. `router_phase`: the
+    steps add a mixture of experts' load-balancing loss, so each group also runs a router pass
+    (`npu_backend.executor`), which the cost model prices (`CostModel.preset(..., router_phase=True)`);
+    a profile (--cost) that prices otherwise is refused."""
 
-    def __init__(self, args: argparse.Namespace, world: int, rank: int):
+    def __init__(self, args: argparse.Namespace, world: int, rank: int, router_phase: bool = False):
         self.args, self.rank = args, rank
         self.world = world // getattr(args, "tensor_parallel", 1)      # plan ranks
         self.replay = (load_plan_file(args.plan_file, num_samples=args.batch_size, num_ranks=self.world,
@@ -107,9 +110,18 @@ class Planner:
             if not is_profile(args.cost or args.model):
                 # a preset's model states are ZeRO-sharded over the node, or over all ranks when a rank is a node
                 extra["zero_shards"] = max(args.ranks_per_node, world)
-            # no `router_phase` (`CostModel`): with the load-balancing loss on, this executor still runs
-            # each micro-batch's forward pass once (`npu_backend.executor`), not a router program first
-            self.cost = cost_from_args(args, **extra)
+            source = args.cost or args.model
+            if is_profile(source):
+                cost = cost_from_args(args, **extra)
+                if cost.router_phase != bool(router_phase):
+                    raise ValueError(f"--cost {source!r} prices {'a' if cost.router_phase else 'no'} router phase "
+                                     f"(router_phase={cost.router_phase}); the model "
+                                     f"{'adds' if router_phase else 'does not add'} the mixture of experts' "
+                                     f"load-balancing loss, so its steps {'run' if router_phase else 'do not run'} "
+                                     f"the router pass")
+                self.cost = cost
+            else:   # with the load-balancing loss on, every group runs the router pass before its step
+                self.cost = cost_from_args(args, **extra, **({"router_phase": True} if router_phase else {}))
 
     def _plan(self, samples: Sequence) -> Plan:
         lengths = np.maximum(1, np.round(sample_lengths(samples) * self.args.length_scale)).astype(np.int64)
@@ -125,6 +137,12 @@ class Planner:
         box = [self._plan(samples).to_json() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         return Plan.from_json(box[0])
+
+
+def planner_for(args: argparse.Namespace, world: int, rank: int, executor: TorchPlanExecutor) -> Planner:
+    """The run's `Planner`: with the executor's load-balancing loss on (a mixture of experts whose
+    config sets it, `TorchPlanExecutor.aux_coef`), its cost model prices the router pass."""
+    return Planner(args, world, rank, router_phase=executor.aux_coef > 0)
 
 
 def _init_world() -> tuple[int, int, int]:
@@ -218,7 +236,7 @@ def _train(args, rank: int, world: int, device: torch.device, choice, say) -> in
     optimizer = opt_cls(model.parameters(), lr=args.lr)
     executor = TorchPlanExecutor(model, device=device, optimizer=optimizer, tensor_parallel=args.tensor_parallel,
                                  sequence_parallel=args.sequence_parallel)
-    planner = Planner(args, world, rank)
+    planner = planner_for(args, world, rank, executor)
     t = args.tensor_parallel
     say(f"npu_backend: {world // t} ranks" + (f" of {t} processes (tensor parallel"
                                               + (", sequence parallel)" if args.sequence_parallel else ")") if t > 1 else "")

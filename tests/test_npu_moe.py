@@ -15,7 +15,12 @@
   (all-to-all dispatch) equals one process; both families (vision and LLM heads divisible by 4) as
   4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an irregular DHP plan (`PLANS`),
   at t = 2 and 4 with and without sequence parallelism, equal transformers (loss and gradients),
-  and route the tokens one process routes (the same count per expert).
+  and route the tokens one process routes (the same count per expert). With the load-balancing
+  loss on, one router pass per micro-batch runs first (none with it off), a process holds one
+  micro-batch's saved tensors at a time (peak = the largest micro-batch's, metered with
+  `saved_tensors_hooks`), and the torch trainer's cost model prices the router phase exactly then.
+- The router pass stops after the last sparse layer (no LM head, no gradient) and routes as the
+  full forward pass; a `--cost` profile pricing the router phase otherwise is refused.
 
 fp32, relative error <= 1e-5.
 """
@@ -225,6 +230,36 @@ def test_moe_family_matches_transformers(cases, family, tmp_path):
         assert abs(_one_process(routed, samples)[0] - ref[0]) <= hc.TOL * ref[0]
 
 
+def test_router_pass_stops_after_the_last_sparse_layer(cases):
+    """`TorchFamilyModel.router_pass` (the first phase of a step with the load-balancing loss): the
+    full forward pass's routing, no gradient kept, the LLM layers up to the last sparse one and
+    no LM head."""
+    import dataclasses
+
+    from dhp_jax.model.hf.packed import pack_family_group
+    from npu_backend.hf import TorchFamilyModel, load_family, stream_tensors
+
+    path, _, samples, _, _, _ = cases["qwen3_vl_moe"]
+    model = load_family(path)
+    shard = stream_tensors(pack_family_group(samples[:2], 1, model.config))
+    model.loss_sum(*shard)
+    full = model.router_stats
+    blocks, heads = [], []
+    for m in (model, TorchFamilyModel(dataclasses.replace(model.config, text=dataclasses.replace(
+            model.config.text, moe=dataclasses.replace(model.config.text.moe, sparse=(True, False, False)))),
+            {k: p.detach() for k, p in model.params.items()})):
+        block, head = m.decoder_block, m.head
+        m.decoder_block = lambda *a, **k: blocks.append(a[0]) or block(*a, **k)
+        m.head = lambda: heads.append(1) or head()
+        got = m.router_pass(*shard)
+        assert len(got) == sum(m.config.text.moe.sparse) and not any(s.probs.requires_grad for s in got)
+        for a, b in zip(got, full):
+            assert torch.equal(a.counts, b.counts) and a.rows == b.rows
+            assert hc.relative_error(a.probs.numpy(), b.probs.detach().numpy()) <= hc.TOL
+    # layers 0-2 (the last sparse: 2), then layer 0 alone (sparse: layer 0 only); never the head
+    assert [int(b.rsplit(".", 1)[1]) for b in blocks] == [0, 1, 2, 0] and heads == []
+
+
 # the published layout of each family's experts: Qwen3-VL-MoE's releases fused and transposed, InternVL3.5's
 # Qwen3-MoE LLM per expert (`dhp_jax.model.hf.expert_layouts`)
 PUBLISHED = {"qwen3_vl_moe": lambda w: [(k, v.shape) for k, v in w.items() if k.endswith("layers.0.mlp.experts.gate_up_proj")]
@@ -297,8 +332,8 @@ def test_router_loss_matches_transformers(cases):
 
 # ---------------------------------------------------------------------------------------- one world
 # The world of 4 processes as 4 ranks of t = 1, 2 ranks of t = 2 and 1 rank of t = 4, each on an
-# irregular plan of the batch's 3 samples (with the load-balancing loss on, the micro-batches'
-# forwards run first and one backward follows):
+# irregular plan of the batch's 3 samples (with the load-balancing loss on, every micro-batch's
+# router pass runs first, then each micro-batch's forward and backward):
 # - t = 1: Ulysses over ranks 1, 0 (out of order) for sample 0 beside a ring over ranks 2, 3 for
 #   sample 2, then rank 3 alone for sample 1 while the others idle;
 # - t = 2: Ulysses over both ranks (out of order) for sample 0, a ring over both for sample 2, then
@@ -342,9 +377,55 @@ def _block_world(rank: int, world: int) -> dict:
     return out
 
 
+class _SavedMeter:
+    """Counts a model's forward passes (router passes, loss forwards) and the bytes autograd saves
+    for backward (`saved_tensors_hooks`): per loss forward, and the peak held at once over a step."""
+
+    def __init__(self, model):
+        self.router, self.saved, self.live, self.peak = 0, [], 0, 0
+        router_pass, loss_sum = model.router_pass, model.loss_sum
+
+        def counted_router(*a, **k):
+            self.router += 1
+            before = sum(self.saved)
+            out = router_pass(*a, **k)
+            assert sum(self.saved) == before and self.live == 0, "a router pass kept tensors for backward"
+            return out
+
+        def counted_loss(*a, **k):
+            self.saved.append(0)
+            return loss_sum(*a, **k)
+
+        model.router_pass, model.loss_sum = counted_router, counted_loss
+
+    def pack(self, tensor):
+        n = tensor.numel() * tensor.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        if self.saved:
+            self.saved[-1] += n
+        return _Held(tensor, n, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor
+
+
+class _Held:
+    """A saved tensor; the meter's live bytes drop when autograd frees it."""
+
+    __slots__ = ("tensor", "n", "meter")
+
+    def __init__(self, tensor, n, meter):
+        self.tensor, self.n, self.meter = tensor, n, meter
+
+    def __del__(self):
+        self.meter.live -= self.n
+
+
 def _family_world(rank: int, jobs: dict) -> dict:
     """{(family, t, sequence): loss, whole gradients (processes 0 and 3), expert weights held, tokens
-    per expert} of each of `RUNS` on its plan."""
+    per expert, forward passes and saved bytes (`_SavedMeter`)} of each of `RUNS` on its plan."""
     from npu_backend.executor import TorchPlanExecutor
     from npu_backend.hf import load_family
 
@@ -353,11 +434,20 @@ def _family_world(rank: int, jobs: dict) -> dict:
         for t, sequence in RUNS:
             model = load_family(path)
             ex = TorchPlanExecutor(model, tensor_parallel=t, sequence_parallel=sequence)
-            loss, _, _ = ex.loss_and_grads(PLANS[t], samples)
+            meter = _SavedMeter(model)
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                loss, _, _ = ex.loss_and_grads(PLANS[t], samples)
             grads = {n: g.numpy() for n, g in ex.tp.gather(model, grads=True).items()}
             held = sum(p.numel() for n, p in model.params.items() if ".experts." in n)
             out[family, t, sequence] = {"loss": loss, "grads": grads if rank in (0, 3) else None,
-                                        "experts held": held, "expert tokens": ex.expert_tokens}
+                                        "experts held": held, "expert tokens": ex.expert_tokens,
+                                        "aux": ex.aux_coef, "router passes": meter.router, "saved": meter.saved,
+                                        "peak saved": meter.peak}
+            if t == 1:      # the torch trainer's planner for this executor (`npu_backend.train`)
+                from npu_backend.train import build_parser, planner_for
+
+                cost = planner_for(build_parser().parse_args([]), 4, rank, ex).cost
+                out[family, t, sequence]["router phase priced"] = cost.router_phase
     return out
 
 
@@ -391,6 +481,9 @@ def test_world_experts_split_over_the_rank_match(cases):
             out_err, (grad_err, worst) = hc.relative_error(y, y_ref), ec.relative_errors(grads, g_ref)
             assert out_err <= hc.TOL and grad_err <= hc.TOL, (t, r, out_err, grad_err, worst)
         print(f"block, experts over t = {t}: output {out_err:.1e}, grads {grad_err:.1e}")
+    # at every t a process runs >= 2 micro-batches (the memory assertion below needs it)
+    assert all(max(sum(any(r // t in g.ranks for g in mb.groups) for mb in PLANS[t].micro_batches)
+                   for r in range(4)) >= 2 for t in (1, 2, 4))
     refs = {"qwen3_vl_moe": (ref_loss, ref_grads), "internvl": iv_ref}
     routed_tokens = {f: _expert_tokens(jobs[f][0], jobs[f][1]) for f in refs}
     whole = {f: sum(p.numel() for n, p in cases[f][3].named_parameters() if ".experts." in n) for f in refs}
@@ -398,6 +491,17 @@ def test_world_experts_split_over_the_rank_match(cases):
         for t, sequence in RUNS:
             for r, o in enumerate(res):
                 got = o["family"][family, t, sequence]
+                # one micro-batch's graph at a time: the step's peak of saved bytes is its largest
+                # micro-batch's, not their sum (this process runs >= 2 micro-batches where asserted)
+                runs = sum(any(r // t in g.ranks for g in mb.groups) for mb in PLANS[t].micro_batches)
+                assert len(got["saved"]) == runs and min(got["saved"]) > 0, (family, t, r, got["saved"])
+                assert got["peak saved"] == max(got["saved"]), (family, t, sequence, r, got["peak saved"], got["saved"])
+                # the load-balancing loss on (Qwen3-VL-MoE with output_router_logits): one router pass
+                # per micro-batch first; off (InternVL's transformers model never adds it): none
+                assert (got["aux"] > 0) == (family == "qwen3_vl_moe"), (family, got["aux"])
+                assert got["router passes"] == (runs if got["aux"] else 0), (family, t, r, got["router passes"])
+                # the trainer's cost model prices the router pass exactly when the loss is on
+                assert got.get("router phase priced", got["aux"] > 0) == (got["aux"] > 0), (family, t, r)
                 assert got["experts held"] * t == whole[family], (family, t, got["experts held"], whole[family])
                 # dropless: each token's k pairs reach experts; the counts one process finds
                 assert sum(got["expert tokens"]) == K * sum(s.num_tokens for s in jobs[family][1])
@@ -409,6 +513,21 @@ def test_world_experts_split_over_the_rank_match(cases):
                     assert grad_err <= hc.TOL, (family, t, sequence, r, grad_err, worst)
             print(f"torch {family}, t = {t}{' sequence-parallel' if sequence else ''}, irregular plan: "
                   f"loss {loss_err:.1e}, grads {grad_err:.1e} ({worst})")
+
+
+def test_torch_trainer_refuses_a_profile_pricing_the_router_pass_otherwise(tmp_path):
+    """`npu_backend.train`'s planner: the preset prices the router pass as asked; a profile (--cost)
+    measured with the other choice is refused, naming it."""
+    from npu_backend.train import Planner, build_parser
+
+    costs = {on: Planner(build_parser().parse_args([]), 4, 0, router_phase=on).cost for on in (False, True)}
+    assert [costs[on].router_phase for on in (False, True)] == [False, True]
+    for on in (False, True):
+        costs[on].save(tmp_path / f"{on}.json")
+        args = build_parser().parse_args(["--cost", str(tmp_path / f"{on}.json")])
+        assert Planner(args, 4, 0, router_phase=on).cost.router_phase == on
+        with pytest.raises(ValueError, match=rf"--cost .*{on}.json' prices {'a' if on else 'no'} router phase"):
+            Planner(args, 4, 0, router_phase=not on)
 
 
 def test_experts_tensor_parallel_cannot_split_are_refused():

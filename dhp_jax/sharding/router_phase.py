@@ -17,7 +17,8 @@ independently, so the step runs in two phases:
    replicated input (the step's final division by the counted labels undoes that factor).
 Loss and gradients are then the one-device loss's with the term over the whole batch. The first
 phase repeats the forward pass; keeping the activations of every group of the step until the
-counts are known, as the torch backend's processes do, would hold them all at once. A router
+counts are known would hold them all at once (the torch backend runs the same two phases,
+`npu_backend.executor`). A router
 program computes the vision encoder and the LLM layers up to the last sparse one: it returns the
 counts alone, so the compiled program has neither the later layers nor the LM head and loss. The
 planner prices that pass in each group's time (`CostModel.preset(..., router_phase=True)`, set by
