@@ -112,3 +112,12 @@ def test_sequence_parallel_flag_is_priced_and_needs_tensor_parallel(capsys):
         main(["--sequence-parallel", "--steps", "1"])
     assert e.value.code == 2
     assert "--sequence-parallel needs --tensor-parallel T > 1" in capsys.readouterr().err
+
+
+def test_the_torch_backend_imports_without_ml_dtypes():
+    """A torch rank imports `npu_backend.train` (and through it the safetensors reader) without
+    `ml_dtypes`, about half a CPU-second per process, imported only when a file is read or written."""
+    code = "import sys, npu_backend.train; assert 'ml_dtypes' not in sys.modules, 'ml_dtypes imported'"
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", DHP_TORCH_DEVICE="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
