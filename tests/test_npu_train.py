@@ -66,16 +66,17 @@ def test_torchrun_replays_plan_file_and_rejects_wrong_world(tmp_path):
 def test_plan_logs_replay_across_backends(tmp_path):
     """torch plans live and logs its plans -> `dhp train` replays that log (and logs its own) ->
     torch replays the log `dhp train` wrote. One line format, one replay rule (step t runs the plan
-    logged for step t), so all three runs run the same plans."""
+    logged for step t), so all three runs run the same plans. Two ranks are enough: the static
+    ring of 2 puts both in one CP group, so the logs carry a group of degree 2."""
     from dhp_jax.planner.contract.planfile import load_plan_file
 
     common = ["--batch-size", "8", "--min-len", "10", "--max-len", "40", "--optimizer", "sgd", "--steps", "2"]
     torch_log = tmp_path / "torch_plans.jsonl"
-    out = _torchrun(4, [*common, "--strategy", "static-ring:2", "--dump-plans", str(torch_log)], tmp_path)
+    out = _torchrun(2, [*common, "--strategy", "static-ring:2", "--dump-plans", str(torch_log)], tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     jax_run = tmp_path / "jax"
     env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
-    train = subprocess.run([sys.executable, "-m", "dhp_jax", "train", "model=tiny", "num_ranks=4", "steps=2",
+    train = subprocess.run([sys.executable, "-m", "dhp_jax", "train", "model=tiny", "num_ranks=2", "steps=2",
                             "data.batch_size=8",
                             "data.max_tokens=48", "data.num_classes=4", "compare.enabled=false",
                             "metrics.progress=false", "min_bucket=256", f"metrics.out_dir={jax_run}",
@@ -83,7 +84,7 @@ def test_plan_logs_replay_across_backends(tmp_path):
                            text=True, timeout=300)
     assert train.returncode == 0, train.stdout[-3000:] + train.stderr[-3000:]
     jax_log = jax_run / "plans.jsonl"
-    back = _torchrun(4, [*common, "--plan-file", str(jax_log), "--json", str(tmp_path / "m.json")], tmp_path)
+    back = _torchrun(2, [*common, "--plan-file", str(jax_log), "--json", str(tmp_path / "m.json")], tmp_path)
     assert back.returncode == 0, back.stdout[-3000:] + back.stderr[-3000:]
     torch_plans, jax_plans = load_plan_file(torch_log), load_plan_file(jax_log)
     assert len(torch_plans) == 2 and [p.digest() for p in torch_plans] == [p.digest() for p in jax_plans]
@@ -111,3 +112,12 @@ def test_sequence_parallel_flag_is_priced_and_needs_tensor_parallel(capsys):
         main(["--sequence-parallel", "--steps", "1"])
     assert e.value.code == 2
     assert "--sequence-parallel needs --tensor-parallel T > 1" in capsys.readouterr().err
+
+
+def test_the_torch_backend_imports_without_ml_dtypes():
+    """A torch rank imports `npu_backend.train` (and through it the safetensors reader) without
+    `ml_dtypes`, about half a CPU-second per process, imported only when a file is read or written."""
+    code = "import sys, npu_backend.train; assert 'ml_dtypes' not in sys.modules, 'ml_dtypes imported'"
+    env = dict(os.environ, TORCH_DEVICE_BACKEND_AUTOLOAD="0", DHP_TORCH_DEVICE="cpu")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,10 +1,11 @@
-"""`npu_backend.train` as 2 "nodes" x 2 processes through torchrun's c10d rendezvous on localhost.
+"""`npu_backend.train` as 2 "nodes" of 2 and 1 processes through torchrun's c10d rendezvous on localhost.
 
 Two torchrun agents (`--nnodes 2 --node-rank 0/1`, the second told it does not host the
-rendezvous store) form one world of 4 ranks: ranks 0-1 on one agent, 2-3 on the other. They
-replay plans whose CP groups span the two "nodes" (3+1 with the 3 across the boundary, 2+1+1,
-one group of 4) and must give the same losses and final weights as the 4-process single-node run
-of the same plans. A rank killed mid-run must not leave the other node hanging: both agents end
+rendezvous store, each with its own `--nproc-per-node`) form one world of 3 ranks: ranks 0-1 on
+one agent, 2 on the other. They replay plans whose CP groups span the two "nodes" (2+1 with the 2
+across the boundary, in either order, and a ring 0 -> 1 -> 2 with one hop inside a node and one
+across) and must give the same losses and final weights as the 3-process single-node run of the
+same plans. A rank killed mid-run must not leave the other node hanging: both agents end
 within a bound, and torchrun names the killed rank.
 """
 
@@ -59,7 +60,7 @@ def _wait_all(procs: dict[str, subprocess.Popen], cwd, timeout: float = TIMEOUT_
     return codes
 
 
-def _node(node_rank: int, port: int, run_id: str, extra: list[str], nproc: int = 2) -> list[str]:
+def _node(node_rank: int, port: int, run_id: str, extra: list[str], nproc: int) -> list[str]:
     conf = [] if node_rank == 0 else ["--rdzv-conf", "is_host=0"]   # both "nodes" are 127.0.0.1
     return _cmd("--nnodes", "2", "--nproc-per-node", str(nproc), "--node-rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "--max-restarts", "0", *conf,
@@ -68,12 +69,13 @@ def _node(node_rank: int, port: int, run_id: str, extra: list[str], nproc: int =
 
 def _plans() -> list[dict]:
     def plan(*mbs):
-        return Plan(4, tuple(MicroBatch(tuple(Group(tuple(r), len(r), tuple(s)) for r, s in mb)) for mb in mbs),
+        return Plan(3, tuple(MicroBatch(tuple(Group(tuple(r), len(r), tuple(s)) for r, s in mb)) for mb in mbs),
                     solver={"strategy": "hand"}).to_dict()
 
-    return [plan([((1, 2, 3), (0, 2, 4, 5)), ((0,), (1, 3))]),             # 3 across the node boundary + 1
-            plan([((3, 0), (0, 1, 5)), ((1,), (2,)), ((2,), (3, 4))]),      # 2 across + 1 + 1
-            plan([((2, 1), (0, 1, 2))], [((0, 1, 2, 3), (3, 4, 5))])]       # two micro-batches
+    # node 0 holds ranks 0-1, node 1 rank 2
+    return [plan([((1, 2), (0, 2, 4, 5)), ((0,), (1, 3))]),                # 2 across the node boundary + 1
+            plan([((2, 0), (0, 1, 5)), ((1,), (2, 3, 4))]),                 # 2 across (node 1 first) + 1
+            plan([((1, 0), (0, 1, 2))], [((0, 1, 2), (3, 4, 5))])]          # inside node 0, then a ring of all 3
 
 
 def _kill_a_rank_when_running(agent: subprocess.Popen, log, timeout: float = TIMEOUT_S) -> int:
@@ -93,7 +95,7 @@ def _kill_a_rank_when_running(agent: subprocess.Popen, log, timeout: float = TIM
 def test_two_nodes_match_single_node_and_a_dead_rank_ends_both_nodes(tmp_path):
     (tmp_path / "plans.json").write_text(json.dumps(_plans()))
     common = ["--plan-file", "plans.json", "--steps", "3"]
-    single = _cmd("--standalone", "--nproc-per-node", "4", "-m", "npu_backend.train", *ARGS, *common,
+    single = _cmd("--standalone", "--nproc-per-node", "3", "-m", "npu_backend.train", *ARGS, *common,
                   "--json", "single.json", "--save-weights", "single.npz")
     port, doomed_port = free_port(), free_port()
     multi = [*common, "--json", "multi.json", "--save-weights", "multi.npz"]
@@ -104,8 +106,8 @@ def test_two_nodes_match_single_node_and_a_dead_rank_ends_both_nodes(tmp_path):
     # All at once (the CPU is shared; wall time matters more than their speed): the single-node
     # reference, the 2-node run, and a 2-node run that will lose a rank mid-run.
     procs = {"single": _start(single, tmp_path, "single.log"),
-             "node0": _start(_node(0, port, "mn", multi), tmp_path, "node0.log"),
-             "node1": _start(_node(1, port, "mn", multi), tmp_path, "node1.log"),
+             "node0": _start(_node(0, port, "mn", multi, nproc=2), tmp_path, "node0.log"),
+             "node1": _start(_node(1, port, "mn", multi, nproc=1), tmp_path, "node1.log"),
              "doomed0": _start(_node(0, doomed_port, "dd", endless, nproc=1), tmp_path, "doomed0.log"),
              "doomed1": _start(_node(1, doomed_port, "dd", endless, nproc=1), tmp_path, "doomed1.log")}
     try:
@@ -118,8 +120,8 @@ def test_two_nodes_match_single_node_and_a_dead_rank_ends_both_nodes(tmp_path):
         {n: logs[n][-2000:] for n in procs}
 
     one, two = (json.loads((tmp_path / f).read_text()) for f in ("single.json", "multi.json"))
-    assert one["world_size"] == two["world_size"] == 4
-    assert [s["degrees"] for s in two["steps"]] == [[[3, 1]], [[2, 1, 1]], [[2], [4]]]
+    assert one["world_size"] == two["world_size"] == 3
+    assert [s["degrees"] for s in two["steps"]] == [[[2, 1]], [[2, 1]], [[2], [3]]]
     single_losses = [s["loss"] for s in one["steps"]]
     multi_losses = [s["loss"] for s in two["steps"]]
     assert all(np.isfinite(single_losses)) and len(set(single_losses)) == 3

@@ -9,20 +9,35 @@ checkpoint is read shard by shard, tensor by tensor. bfloat16 is `ml_dtypes`' nu
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
-import ml_dtypes
 import numpy as np
 
-DTYPES: dict[str, np.dtype] = {
-    "F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-    "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
-    "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
-}
-NAMES = {v: k for k, v in DTYPES.items()}
+
+@functools.cache
+def _dtypes() -> tuple[dict[str, np.dtype], dict[np.dtype, str]]:
+    """(the format's dtype names -> numpy dtypes, the reverse). `ml_dtypes` is imported here, at
+    the first read or write, not with the module: its import costs about half a CPU-second, which
+    every process of the torch backend (that imports this module and may never read a file) paid."""
+    import ml_dtypes
+
+    dtypes = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+              "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"), "I32": np.dtype("<i4"),
+              "I16": np.dtype("<i2"), "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+    return dtypes, {v: k for k, v in dtypes.items()}
+
+
+def __getattr__(name: str) -> Any:
+    """`DTYPES` (the format's dtype names -> numpy dtypes) and `NAMES` (the reverse), built on first use."""
+    if name in ("DTYPES", "NAMES"):
+        return _dtypes()[name == "NAMES"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -44,10 +59,11 @@ def tensor_infos(path: str) -> Iterator[tuple[str, np.dtype, tuple[int, ...], in
     its header alone (checked: known dtype, byte span matching the shape)."""
     header, start = _header(path)
     header.pop("__metadata__", None)
+    dtypes = _dtypes()[0]
     for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not one of {sorted(DTYPES)}")
-        dtype = DTYPES[info["dtype"]]
+        if info["dtype"] not in dtypes:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, not one of {sorted(dtypes)}")
+        dtype = dtypes[info["dtype"]]
         begin, end = info["data_offsets"]
         shape = tuple(int(s) for s in info["shape"])
         if end - begin != int(np.prod(shape)) * dtype.itemsize:
@@ -86,13 +102,14 @@ def read_checkpoint(path: str) -> Iterator[tuple[str, np.ndarray]]:
 def write_file(path: str, tensors: Mapping[str, np.ndarray], metadata: Mapping[str, str] | None = None) -> None:
     """Write `tensors` as one .safetensors file (names sorted, 8-byte aligned header)."""
     header: dict = {"__metadata__": dict(metadata or {"format": "pt"})}
+    names = _dtypes()[1]
     offset = 0
     arrays = []
     for name in sorted(tensors):
         a = np.ascontiguousarray(tensors[name])
-        if a.dtype not in NAMES:
+        if a.dtype not in names:
             raise ValueError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
-        header[name] = {"dtype": NAMES[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        header[name] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
         offset += a.nbytes
         arrays.append(a)
     blob = json.dumps(header, separators=(",", ":")).encode()
