@@ -610,7 +610,8 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     else:
         heads, kv, head_dim = m.heads, m.kv_heads, m.head_dim
     if chunked:
-        return (_attention_fp32(heads, head_dim), 0.0) if remat == "none" else (0.0, 0.0)
+        ring = family_chunked_ring_backward(heads, kv, head_dim, remat)
+        return (_attention_fp32(heads, head_dim), ring) if remat == "none" else (0.0, ring)
     wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
     ring = _family_cotangents(m, vision, remat)[1]
     return (wide, ring) if remat == "none" else (0.0, wide + ring)
@@ -668,6 +669,32 @@ def family_ring_backward(heads: int, kv_heads: int, head_dim: int) -> int:
     return 4 * q + 8 * k + heads
 
 
+def family_chunked_ring_backward(heads: int, kv_heads: int, head_dim: int, remat: str) -> int:
+    """fp32 elements per row the ring attention's backward pass holds in a block whose token-local
+    work runs in chunks (`_family_block`, `family_chunked_attention_phase`): without recompute,
+    all of `family_ring_backward`; with recompute ("layer"; "selective" in chunks is priced as
+    "layer") that less the key block it folds and the one it receives (k and v each, 4 x kv heads x
+    head_dim): the recomputed k and v are the block it folds (counted with the recomputed q, k, v),
+    and the buffer assignment of the tiny families' chunked programs holds no second pair there."""
+    ring = family_ring_backward(heads, kv_heads, head_dim)
+    return ring if remat == "none" else ring - 4 * kv_heads * head_dim
+
+
+def family_chunked_attention_phase(heads: int, kv_heads: int, head_dim: int, hidden: int, remat: str) -> int:
+    """Elements per row the backward pass of a block in chunks (`HFConfig.linear_chunk` > 0) holds
+    on top of what it keeps, at its peak: the attention's phase, which runs on the whole rows
+    outside the chunks' VJP (the MLP's values live one chunk at a time: `chunk_bytes`). Without
+    recompute, the ring attention's backward pass (`family_chunked_ring_backward`, fp32; the
+    cotangents around it are those of the chunk loops, one chunk at a time). With recompute, the
+    ring's backward pass, the recomputed q, k and v it reads, and three hidden-wide values: the
+    chunk loop's cotangent of the block input, its initial value, and the stream's cotangent
+    (the buffer assignment of the tiny families' programs in chunks of 256, degree 2)."""
+    ring = family_chunked_ring_backward(heads, kv_heads, head_dim, remat)
+    if remat == "none":
+        return ring
+    return ring + (heads + 2 * kv_heads) * head_dim + 3 * hidden
+
+
 def _family_ring_copies(m: Any, vision: bool, remat: str, chunked: bool) -> float:
     """Elements per row a block of a family program keeps in fp32 beyond `_family_block`'s count
     when the compute dtype is narrower: in chunks without recompute, the chunks' custom VJP keeps
@@ -720,12 +747,11 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
         ff, gemm_ff = m.experts_per_token * m.expert_intermediate, 2
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
-        work = 2 * hidden + 2 * qkv + heads * head_dim + attn
+        work = family_chunked_attention_phase(heads, kv, head_dim, hidden, remat)
         if sparse and not vision:        # the sparse MLP runs on the whole rows, outside the chunks
             kept, rows = moe_routed_rows(m, remat)
             inputs, work = inputs + kept + 2 * m.experts + 2 * m.experts_per_token, work + rows
-            return (inputs, rows) if remat == "none" else (hidden, work)
-        return (inputs, 0.0) if remat == "none" else (hidden, work)
+        return (inputs, work) if remat == "none" else (hidden, work)
     if remat == "layer":
         return hidden, saved + cotangents
     if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
