@@ -521,7 +521,7 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     kept = kb * (dec_kept + rows * m.vision_layers * vit_kept) \
         + (4.0 - kb) * (m.layers * dec_wide + rows * m.vision_layers * vit_wide)
     if kb < 4.0:
-        kept += 4.0 * (m.layers * _family_ring_copies(m, False, remat, chunked)
+        kept += (4.0 - kb) * (m.layers * _family_ring_copies(m, False, remat, chunked)
                        + rows * m.vision_layers * _family_ring_copies(m, True, remat, chunked))
     dec_narrow, vit_narrow = _family_work_narrow(m, False, remat, chunked), _family_work_narrow(m, True, remat, chunked)
     vit_work += family_collective_buffers(m, tensor_parallel, sequence_parallel, chunked)
@@ -598,9 +598,10 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
     (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
     recomputed at a time holds them again. Its working set holds the ring's backward pass
-    (`family_ring_backward`) where the attention's phase is the larger (`_family_cotangents`). In chunks (`_block`), without recompute the ring's fp32
-    accumulator state (`_attention_fp32`) it keeps (and `_family_ring_copies`); with recompute the
-    chunked working set is priced in the activation bytes as a whole. The rest of a block's kept
+    (`family_ring_backward`) where the attention's phase is the larger (`_family_cotangents`). In
+    chunks (`_block`), without recompute the ring's fp32 accumulator state (`_attention_fp32`) it
+    keeps (and `_family_ring_copies`); its working set holds the ring's backward pass
+    (`family_chunked_ring_backward`). The rest of a block's kept
     values are loop state of the block scans, stored bit-cast in the compute dtype
     (`scan.run_blocks`)."""
     if remat == "selective" and chunked:
@@ -650,9 +651,17 @@ def _family_work_narrow(m: Any, vision: bool, remat: str, chunked: bool) -> floa
     the activation bytes (they differ where XLA:CPU computes a bf16 program in fp32): in the
     attention's phase (`_family_cotangents`), the cotangents of the attention output, q, k, v, the
     block input and its norm's output, values of the block's own dtype that the backward pass
-    materialises between the ring's fp32 VJP and the block's GEMMs. Without chunks."""
+    materialises between the ring's fp32 VJP and the block's GEMMs. In chunks
+    (`family_chunked_attention_phase`), with recompute the recomputed q, k, v and the three
+    hidden-wide cotangents; without, none."""
     if chunked:
-        return 0.0
+        if vision:
+            heads, kv, head_dim, hidden = m.vision_heads, m.vision_heads, m.vision_head_dim, m.vision_hidden
+        else:
+            heads, kv, head_dim, hidden = m.heads, m.kv_heads, m.head_dim, m.hidden
+        as_run = "layer" if remat == "selective" else remat
+        return float(family_chunked_attention_phase(heads, kv, head_dim, hidden, as_run)
+                     - family_chunked_ring_backward(heads, kv, head_dim, as_run))
     work, ring = _family_cotangents(m, vision, remat)
     return float(work - ring) if ring else 0.0
 
@@ -696,11 +705,12 @@ def family_chunked_attention_phase(heads: int, kv_heads: int, head_dim: int, hid
 
 
 def _family_ring_copies(m: Any, vision: bool, remat: str, chunked: bool) -> float:
-    """Elements per row a block of a family program keeps in fp32 beyond `_family_block`'s count
-    when the compute dtype is narrower: in chunks without recompute, the chunks' custom VJP keeps
-    q, k and v in the compute dtype (its inputs) and the ring attention's VJP its fp32 copies of
-    them (`ring.ring_attention` casts them before it); in fp32 the two are one buffer. Without
-    chunks the block keeps the fp32 copies only (`_family_block_wide`)."""
+    """Elements per row of `_family_block`'s kept values that a block of a family program holds in
+    fp32, not in the compute dtype, when that is narrower (`family_bytes_per_token` prices them at
+    4 bytes in place of the compute dtype's): in chunks without recompute, q, k and v, kept once,
+    as the ring attention's VJP holds them (`ring.ring_attention` casts them to fp32 before it;
+    the buffer assignment of the tiny families' bf16 programs in chunks holds no compute-dtype copy
+    beside them). Without chunks the block keeps the fp32 copies only (`_family_block_wide`)."""
     if not chunked or remat != "none":
         return 0.0
     if vision:
@@ -719,7 +729,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     `_family_cotangents`) and, when the block is recomputed, its
     residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
     only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
-    chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
+    chunk; its backward pass holds the attention's phase, run on the whole rows
+    (`family_chunked_attention_phase`). Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
     outputs of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom
     VJP, where it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and
     4096 tokens in chunks of 256: the compiled programs of the two are the same bytes).
