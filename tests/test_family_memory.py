@@ -146,6 +146,26 @@ def test_chunked_block_prices_its_attention_phase():
     assert memory._family_block(double, True, "layer", True)[1] == 2 * memory._family_block(m, True, "layer", True)[1]
 
 
+def test_family_last_phase_holds_the_lm_head_copy():
+    """The last phase of a family program (no activations: the gradient row concatenated from its
+    pieces) holds, besides the pieces, the embedding's gradient accumulator and the LM head's kernel
+    copy the loss chunks read (`memory.family_head_copy_bytes`, in the compute dtype, live from the
+    loss to the end); the stand-in's holds two accumulators and no copy."""
+    import dataclasses
+
+    from dhp_jax.planner.cost import memory
+    from dhp_jax.sharding.family_memory import model_shape
+
+    m, params = model_shape(raw_config(), 1000), 1000.0
+    vh = m.vocab * m.hidden
+    assert memory.family_head_copy_bytes(m, 2) == 2.0 * vh
+    for cb, ab in ((4, 4), (2, 4), (2, 2)):
+        assert memory.assemble_bytes(params, m, cb, ab) == params * cb + vh * ab + vh * cb, (cb, ab)
+        assert memory.family_backward_bytes(m, cb, ab) == sum(memory.stack_params(m)) * cb + vh * cb + vh * ab
+    stand_in = dataclasses.replace(m, family="")
+    assert memory.assemble_bytes(params, stand_in, 2, 4) == params * 2 + 2 * vh * 4
+
+
 def test_remat_layer_block_runs_in_a_scan_body():
     """`layers.remat_block` "layer" is a plain fn -> fn wrapper: per block in a `lax.scan` body, its
     block closing over a per-step value (a tracer of the body), the gradients are those of the

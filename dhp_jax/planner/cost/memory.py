@@ -246,9 +246,21 @@ def assemble_bytes(params: float, m: Any, compute_bytes: int, activation_bytes: 
     """Gradient bytes of the program's last phase besides the row (no activations): every piece the
     row is concatenated from (P x compute bytes), and the embedding's and the LM head's gradients
     as accumulated (scatter-add over tokens, sum over loss chunks, in `activation_bytes`) before
-    they are converted into their pieces."""
-    accumulators = 1 if getattr(m, "family", "") else 2   # a family's LM head gradient is a piece already
-    return float(params * compute_bytes + accumulators * m.vocab * m.hidden * activation_bytes)
+    they are converted into their pieces. A family's LM head gradient is a piece already; its
+    program holds the LM head's kernel copy (`family_head_copy_bytes`) to the end."""
+    if getattr(m, "family", ""):
+        return float(params * compute_bytes + m.vocab * m.hidden * activation_bytes
+                     + family_head_copy_bytes(m, compute_bytes))
+    return float(params * compute_bytes + 2 * m.vocab * m.hidden * activation_bytes)
+
+
+def family_head_copy_bytes(m: Any, compute_bytes: int) -> float:
+    """Bytes of the LM head's kernel copy a family program reads the head from (a slice of the flat
+    params, in the compute dtype, that every loss chunk reads): live from the loss through the
+    backward pass (`family_backward_bytes`) and, in the buffer assignment of the published families'
+    programs (3 LLM layers and 3 encoder blocks, fp32), still live when the last phase concatenates
+    the gradient row (`assemble_bytes`)."""
+    return float(m.vocab * m.hidden * compute_bytes)
 
 
 def program_static_bytes(params: float, compute_bytes: int, gradient_bytes: float) -> float:
@@ -537,7 +549,8 @@ def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> 
     while the backward pass runs: the encoder's stacked block gradients and the LM head's kernel
     (a slice of the flat params read by every loss chunk), in the compute dtype."""
     dec, vis = stack_params(m)
-    return float((dec + vis + m.vocab * m.hidden) * compute_bytes + m.vocab * m.hidden * activation_bytes)
+    return float((dec + vis) * compute_bytes + family_head_copy_bytes(m, compute_bytes)
+                 + m.vocab * m.hidden * activation_bytes)
 
 
 # fp32 [heads, tile, tile] arrays of `presets.attention_workspace_bytes`' four (scores, probabilities,
