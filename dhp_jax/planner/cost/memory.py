@@ -246,9 +246,21 @@ def assemble_bytes(params: float, m: Any, compute_bytes: int, activation_bytes: 
     """Gradient bytes of the program's last phase besides the row (no activations): every piece the
     row is concatenated from (P x compute bytes), and the embedding's and the LM head's gradients
     as accumulated (scatter-add over tokens, sum over loss chunks, in `activation_bytes`) before
-    they are converted into their pieces."""
-    accumulators = 1 if getattr(m, "family", "") else 2   # a family's LM head gradient is a piece already
-    return float(params * compute_bytes + accumulators * m.vocab * m.hidden * activation_bytes)
+    they are converted into their pieces. A family's LM head gradient is a piece already; its
+    program holds the LM head's kernel copy (`family_head_copy_bytes`) to the end."""
+    if getattr(m, "family", ""):
+        return float(params * compute_bytes + m.vocab * m.hidden * activation_bytes
+                     + family_head_copy_bytes(m, compute_bytes))
+    return float(params * compute_bytes + 2 * m.vocab * m.hidden * activation_bytes)
+
+
+def family_head_copy_bytes(m: Any, compute_bytes: int) -> float:
+    """Bytes of the LM head's kernel copy a family program reads the head from (a slice of the flat
+    params, in the compute dtype, that every loss chunk reads): live from the loss through the
+    backward pass (`family_backward_bytes`) and, in the buffer assignment of the published families'
+    programs (3 LLM layers and 3 encoder blocks, fp32), still live when the last phase concatenates
+    the gradient row (`assemble_bytes`)."""
+    return float(m.vocab * m.hidden * compute_bytes)
 
 
 def program_static_bytes(params: float, compute_bytes: int, gradient_bytes: float) -> float:
@@ -521,7 +533,7 @@ def family_bytes_per_token(m: Any, ab: float, remat: str = "none", chunked: bool
     kept = kb * (dec_kept + rows * m.vision_layers * vit_kept) \
         + (4.0 - kb) * (m.layers * dec_wide + rows * m.vision_layers * vit_wide)
     if kb < 4.0:
-        kept += 4.0 * (m.layers * _family_ring_copies(m, False, remat, chunked)
+        kept += (4.0 - kb) * (m.layers * _family_ring_copies(m, False, remat, chunked)
                        + rows * m.vision_layers * _family_ring_copies(m, True, remat, chunked))
     dec_narrow, vit_narrow = _family_work_narrow(m, False, remat, chunked), _family_work_narrow(m, True, remat, chunked)
     vit_work += family_collective_buffers(m, tensor_parallel, sequence_parallel, chunked)
@@ -537,7 +549,8 @@ def family_backward_bytes(m: Any, compute_bytes: int, activation_bytes: int) -> 
     while the backward pass runs: the encoder's stacked block gradients and the LM head's kernel
     (a slice of the flat params read by every loss chunk), in the compute dtype."""
     dec, vis = stack_params(m)
-    return float((dec + vis + m.vocab * m.hidden) * compute_bytes + m.vocab * m.hidden * activation_bytes)
+    return float((dec + vis) * compute_bytes + family_head_copy_bytes(m, compute_bytes)
+                 + m.vocab * m.hidden * activation_bytes)
 
 
 # fp32 [heads, tile, tile] arrays of `presets.attention_workspace_bytes`' four (scores, probabilities,
@@ -598,9 +611,10 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     before it, so q, k, v, its output and the log-sum-exp per head are fp32) and the rotary tables
     (`family_rotary`). Kept without recompute; with recompute the backward pass of the one block
     recomputed at a time holds them again. Its working set holds the ring's backward pass
-    (`family_ring_backward`) where the attention's phase is the larger (`_family_cotangents`). In chunks (`_block`), without recompute the ring's fp32
-    accumulator state (`_attention_fp32`) it keeps (and `_family_ring_copies`); with recompute the
-    chunked working set is priced in the activation bytes as a whole. The rest of a block's kept
+    (`family_ring_backward`) where the attention's phase is the larger (`_family_cotangents`). In
+    chunks (`_block`), without recompute the ring's fp32 accumulator state (`_attention_fp32`) it
+    keeps (and `_family_ring_copies`); its working set holds the ring's backward pass
+    (`family_chunked_ring_backward`). The rest of a block's kept
     values are loop state of the block scans, stored bit-cast in the compute dtype
     (`scan.run_blocks`)."""
     if remat == "selective" and chunked:
@@ -610,7 +624,8 @@ def _family_block_wide(m: Any, vision: bool, remat: str, chunked: bool) -> tuple
     else:
         heads, kv, head_dim = m.heads, m.kv_heads, m.head_dim
     if chunked:
-        return (_attention_fp32(heads, head_dim), 0.0) if remat == "none" else (0.0, 0.0)
+        ring = family_chunked_ring_backward(heads, kv, head_dim, remat)
+        return (_attention_fp32(heads, head_dim), ring) if remat == "none" else (0.0, ring)
     wide = 2 * (heads + kv) * head_dim + heads + family_rotary(m, vision)
     ring = _family_cotangents(m, vision, remat)[1]
     return (wide, ring) if remat == "none" else (0.0, wide + ring)
@@ -649,9 +664,17 @@ def _family_work_narrow(m: Any, vision: bool, remat: str, chunked: bool) -> floa
     the activation bytes (they differ where XLA:CPU computes a bf16 program in fp32): in the
     attention's phase (`_family_cotangents`), the cotangents of the attention output, q, k, v, the
     block input and its norm's output, values of the block's own dtype that the backward pass
-    materialises between the ring's fp32 VJP and the block's GEMMs. Without chunks."""
+    materialises between the ring's fp32 VJP and the block's GEMMs. In chunks
+    (`family_chunked_attention_phase`), with recompute the recomputed q, k, v and the three
+    hidden-wide cotangents; without, none."""
     if chunked:
-        return 0.0
+        if vision:
+            heads, kv, head_dim, hidden = m.vision_heads, m.vision_heads, m.vision_head_dim, m.vision_hidden
+        else:
+            heads, kv, head_dim, hidden = m.heads, m.kv_heads, m.head_dim, m.hidden
+        as_run = "layer" if remat == "selective" else remat
+        return float(family_chunked_attention_phase(heads, kv, head_dim, hidden, as_run)
+                     - family_chunked_ring_backward(heads, kv, head_dim, as_run))
     work, ring = _family_cotangents(m, vision, remat)
     return float(work - ring) if ring else 0.0
 
@@ -668,12 +691,39 @@ def family_ring_backward(heads: int, kv_heads: int, head_dim: int) -> int:
     return 4 * q + 8 * k + heads
 
 
+def family_chunked_ring_backward(heads: int, kv_heads: int, head_dim: int, remat: str) -> int:
+    """fp32 elements per row the ring attention's backward pass holds in a block whose token-local
+    work runs in chunks (`_family_block`, `family_chunked_attention_phase`): without recompute,
+    all of `family_ring_backward`; with recompute ("layer"; "selective" in chunks is priced as
+    "layer") that less the key block it folds and the one it receives (k and v each, 4 x kv heads x
+    head_dim): the recomputed k and v are the block it folds (counted with the recomputed q, k, v),
+    and the buffer assignment of the tiny families' chunked programs holds no second pair there."""
+    ring = family_ring_backward(heads, kv_heads, head_dim)
+    return ring if remat == "none" else ring - 4 * kv_heads * head_dim
+
+
+def family_chunked_attention_phase(heads: int, kv_heads: int, head_dim: int, hidden: int, remat: str) -> int:
+    """Elements per row the backward pass of a block in chunks (`HFConfig.linear_chunk` > 0) holds
+    on top of what it keeps, at its peak: the attention's phase, which runs on the whole rows
+    outside the chunks' VJP (the MLP's values live one chunk at a time: `chunk_bytes`). Without
+    recompute, the ring attention's backward pass (`family_chunked_ring_backward`, fp32; the
+    cotangents around it are those of the chunk loops, one chunk at a time). With recompute, the
+    ring's backward pass, the recomputed q, k and v it reads, and three hidden-wide values: the
+    chunk loop's cotangent of the block input, its initial value, and the stream's cotangent
+    (the buffer assignment of the tiny families' programs in chunks of 256, degree 2)."""
+    ring = family_chunked_ring_backward(heads, kv_heads, head_dim, remat)
+    if remat == "none":
+        return ring
+    return ring + (heads + 2 * kv_heads) * head_dim + 3 * hidden
+
+
 def _family_ring_copies(m: Any, vision: bool, remat: str, chunked: bool) -> float:
-    """Elements per row a block of a family program keeps in fp32 beyond `_family_block`'s count
-    when the compute dtype is narrower: in chunks without recompute, the chunks' custom VJP keeps
-    q, k and v in the compute dtype (its inputs) and the ring attention's VJP its fp32 copies of
-    them (`ring.ring_attention` casts them before it); in fp32 the two are one buffer. Without
-    chunks the block keeps the fp32 copies only (`_family_block_wide`)."""
+    """Elements per row of `_family_block`'s kept values that a block of a family program holds in
+    fp32, not in the compute dtype, when that is narrower (`family_bytes_per_token` prices them at
+    4 bytes in place of the compute dtype's): in chunks without recompute, q, k and v, kept once,
+    as the ring attention's VJP holds them (`ring.ring_attention` casts them to fp32 before it;
+    the buffer assignment of the tiny families' bf16 programs in chunks holds no compute-dtype copy
+    beside them). Without chunks the block keeps the fp32 copies only (`_family_block_wide`)."""
     if not chunked or remat != "none":
         return 0.0
     if vision:
@@ -692,7 +742,8 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
     `_family_cotangents`) and, when the block is recomputed, its
     residuals again. `chunked` (`HFConfig.linear_chunk` > 0): the chunks' VJP keeps their inputs
     only (the block input, q, k, v and the attention output) and recomputes the rest chunk by
-    chunk. Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
+    chunk; its backward pass holds the attention's phase, run on the whole rows
+    (`family_chunked_attention_phase`). Remat "selective" with chunks is priced as "layer": `jax.checkpoint`'s policy keeps the
     outputs of the weight GEMMs it sees, and with chunks every GEMM runs inside a chunk's custom
     VJP, where it sees none, so the block keeps its input only (tiny Qwen3-VL, degree 2, 2048 and
     4096 tokens in chunks of 256: the compiled programs of the two are the same bytes).
@@ -720,12 +771,11 @@ def _family_block(m: Any, vision: bool, remat: str, chunked: bool, sparse: bool 
         ff, gemm_ff = m.experts_per_token * m.expert_intermediate, 2
     if chunked:
         inputs = hidden + qkv + heads * head_dim + attn          # the chunks' and the attention's inputs
-        work = 2 * hidden + 2 * qkv + heads * head_dim + attn
+        work = family_chunked_attention_phase(heads, kv, head_dim, hidden, remat)
         if sparse and not vision:        # the sparse MLP runs on the whole rows, outside the chunks
             kept, rows = moe_routed_rows(m, remat)
             inputs, work = inputs + kept + 2 * m.experts + 2 * m.experts_per_token, work + rows
-            return (inputs, rows) if remat == "none" else (hidden, work)
-        return (inputs, 0.0) if remat == "none" else (hidden, work)
+        return (inputs, work) if remat == "none" else (hidden, work)
     if remat == "layer":
         return hidden, saved + cotangents
     if remat == "selective":             # the input, q, k, v, the output projection, the MLP's GEMMs
