@@ -9,6 +9,7 @@ packing offers) and FlexSP-style packings (`flexsp_candidate.py`). Deterministic
 from __future__ import annotations
 
 import heapq
+import math
 from typing import Any, Sequence
 
 import numpy as np
@@ -49,6 +50,8 @@ _MOVE_NEAR = 0.05  # a move between micro-batches this close to their work bound
 # less than this fraction of its makespan (the groups already finish together); _REPACK False turns it off
 _REPACK = True
 _REPACK_IDLE = 2e-3
+_REPACK_WAYS = (False, True)
+_REPACK_SCALE_STEP = 0.2  # groups whose time / search price differ by less share a class
 
 _FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two ranks' work per bin
 
@@ -320,7 +323,7 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
             t = price(cand, mode)
         tries = [(name, cand, mode)] + ([("dhp", mbs, attention)] if name != "dhp" else [])
         for origin, plan, how in tries:
-            for rp in repack_plan(prob, plan, how):
+            for rp in repack_plan(prob, plan, how, np.inf if origin == name else t):
                 t_new = price(rp, how)
                 if t_new < t * (1 - 1e-12):
                     t, name, cand, mode, repacked = t_new, origin, rp, how, True
@@ -694,16 +697,18 @@ def repack_groups(prob: Problem, groups: list[list[int]], deg: list[int], mk: fl
     cap = [d * per_rank for d in deg]
     b1 = cost.b1
     scale = [1.0 if abs(r - 1.0) < 1e-12 else r for r in ratio]
-    # one class per degree (groups the search prices as the plan does), one per scaled group; each a
+    # groups of one degree whose scales agree within _REPACK_SCALE_STEP form a class; each class a
     # lazy heap of (time so far, group): an entry whose time is stale is skipped
+    cls = [(d, round(math.log(r) / _REPACK_SCALE_STEP)) for d, r in zip(deg, scale)]
     classes: dict[tuple[int, int], list[tuple[float, int]]] = {}
-    for i, d in enumerate(deg):
-        classes.setdefault((d, -1 if scale[i] == 1.0 else i), []).append((0.0, i))
+    for i, c in enumerate(cls):
+        classes.setdefault(c, []).append((0.0, i))
     keys = sorted(classes)
     out: list[list[int]] = [[] for _ in range(P)]
+    dense = bool(cost.padded_attention)
     for k in ids.tolist():
         ak, bk, sk, dk = attn[k], lin[k], tok[k], dmin[k]
-        best = None
+        tops = []  # per class, its least loaded group with room and that group's floor
         for key in keys:
             d = key[0]
             if d < dk:
@@ -717,12 +722,23 @@ def repack_groups(prob: Problem, groups: list[list[int]], deg: list[int], mk: fl
                 if not room:
                     continue
                 j = min(room, key=lambda i: (cur[i], i))
-            if by_work:
-                tj = ((a[j] + ak + b[j] + bk) / d + b1) * scale[j]
-            else:
-                tj = t(a[j] + ak, b[j] + bk, s[j] + sk, d) * scale[j]
-            if best is None or tj < best[0] or (tj == best[0] and j < best[1]):
-                best = (tj, j)
+            # no group is faster than its work over its ranks plus b1 (the dense blocks of a padded
+            # stream: its linear work alone); "by work" this is the criterion itself
+            w = (b[j] + bk) if dense and not by_work else (a[j] + ak + b[j] + bk)
+            tops.append(((w / d + b1) * scale[j], j))
+        if not tops:
+            return None
+        if by_work:
+            best = min(tops)
+        else:
+            tops.sort()
+            best = None
+            for floor, j in tops:
+                if best is not None and floor > best[0]:
+                    break
+                tj = t(a[j] + ak, b[j] + bk, s[j] + sk, deg[j]) * scale[j]
+                if best is None or tj < best[0] or (tj == best[0] and j < best[1]):
+                    best = (tj, j)
         if best is None:
             return None
         tj, j = best
@@ -731,7 +747,7 @@ def repack_groups(prob: Problem, groups: list[list[int]], deg: list[int], mk: fl
         b[j] += bk
         s[j] += sk
         cur[j] = tj
-        heapq.heappush(classes[(deg[j], -1 if scale[j] == 1.0 else j)], (tj, j))
+        heapq.heappush(classes[cls[j]], (tj, j))
     if any(not g for g in out):
         return None
     if by_work:  # the groups' times priced
@@ -742,18 +758,24 @@ def repack_groups(prob: Problem, groups: list[list[int]], deg: list[int], mk: fl
     return ([sorted(g) for g in out], new) if new < mk * (1 - 1e-12) else None
 
 
-def repack_plan(prob: Problem, cand: list, attention: str) -> list[list]:
+def repack_plan(prob: Problem, cand: list, attention: str, limit: float = np.inf) -> list[list]:
     """A finished plan (micro-batches of (ranks, sample ids)) with each micro-batch whose ranks idle
     repacked at its own groups' ranks (`repack_groups`, each group's time as the plan prices it on
     the kinds of `attention`), once per way of judging "finish first" (priced times, work over
-    degree): the plans that differ from `cand` (none, one or two). The caller keeps one only if the
-    plan's own price is lower."""
-    out = []
-    times = [_kind_group_times(prob, [([g for _, g in mb], [r for r, _ in mb], 0.0)], attention)[1] for mb in cand]
-    for by_work in (False, True):
+    degree): the plans that differ from `cand` (none, one or two). None is tried where the plan's
+    micro-batches, each at its groups' mean time (weighted by degree: what a perfect balance of
+    their times would reach), sum to `limit` or more. The caller keeps one only if the plan's own
+    price is lower."""
+    out: list[list] = []
+    groups = [[list(g) for _, g in mb] for mb in cand]
+    degs = [[len(r) for r, _ in mb] for mb in cand]
+    times = [_kind_group_times(prob, [(gs, [r for r, _ in mb], 0.0)], attention)[1] for gs, mb in zip(groups, cand)]
+    if limit < np.inf and sum(float(np.dot(t, d)) / sum(d) for t, d in zip(times, degs)) >= limit:
+        return out
+    for by_work in _REPACK_WAYS:
         new, changed = [], False
-        for mb, t in zip(cand, times):
-            got = repack_groups(prob, [list(g) for _, g in mb], [len(r) for r, _ in mb], None, t, by_work)
+        for mb, gs, deg, t in zip(cand, groups, degs, times):
+            got = repack_groups(prob, gs, deg, None, t, by_work)
             if got is None:
                 new.append(mb)
             else:
