@@ -51,7 +51,7 @@ _MOVE_NEAR = 0.05  # a move between micro-batches this close to their work bound
 _REPACK = True
 _REPACK_IDLE = 2e-3
 _REPACK_WAYS = (False, True)
-_REPACK_SCALE_STEP = 0.2  # groups whose time / search price differ by less share a class
+_REPACK_SCALE_STEP = 0.05  # groups whose plan time / search price agree within this (log) share a class
 
 _FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two ranks' work per bin
 
