@@ -3,7 +3,8 @@ by a step-time bound; then the best split with one micro-batch dissolved into th
 moves of sequences between micro-batches) -> memory-aware packing
 -> exact degree allocation -> refinement -> node-aware placement; then the static plans the options
 allow as candidates (`static_candidates.py`; on shared CPU lanes they are also what a plain uniform
-packing offers) and FlexSP-style packings (`flexsp_candidate.py`). Deterministic: no wall-clock limits.
+packing offers) and FlexSP-style packings (`flexsp_candidate.py`); last, the plan that won and the
+search's own plan repacked at their own groups' ranks (`repack_plan`). Deterministic: no wall-clock limits.
 """
 
 from __future__ import annotations
