@@ -3,17 +3,20 @@ by a step-time bound; then the best split with one micro-batch dissolved into th
 moves of sequences between micro-batches) -> memory-aware packing
 -> exact degree allocation -> refinement -> node-aware placement; then the static plans the options
 allow as candidates (`static_candidates.py`; on shared CPU lanes they are also what a plain uniform
-packing offers) and FlexSP-style packings (`flexsp_candidate.py`). Deterministic: no wall-clock limits.
+packing offers) and FlexSP-style packings (`flexsp_candidate.py`); last, the plan that won and the
+search's own plan repacked at their own groups' ranks (`repack_plan`). Deterministic: no wall-clock limits.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 from typing import Any, Sequence
 
 import numpy as np
 
 from dhp_jax.planner.contract.plan import PlanningError, spans_nodes
-from dhp_jax.planner.cost.memory import min_degree
+from dhp_jax.planner.cost.memory import max_tokens_per_rank, min_degree
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import (attention_for, best_kind_times, best_kinds, best_times, bin_sums, group_times, makespan,
                                          makespans, price_groups)
@@ -43,6 +46,13 @@ _SPLIT_MARGIN = 0.1  # another candidate split is solved only if its bound could
 _DISSOLVE_SLACK = 0.02  # fill above the even share a dissolved micro-batch's sequences may first use
 _MERGES = 2  # times the best split may lose a micro-batch by dissolving one into the others
 _MOVE_NEAR = 0.05  # a move between micro-batches this close to their work bounds keeps their granularities
+
+# Repacking a finished micro-batch at its own degrees (`repack_groups`): skipped where its ranks idle
+# less than this fraction of its makespan (the groups already finish together); _REPACK False turns it off
+_REPACK = True
+_REPACK_IDLE = 2e-3
+_REPACK_WAYS = (False, True)
+_REPACK_SCALE_STEP = 0.05  # groups whose plan time / search price agree within this (log) share a class
 
 _FINEST_MIN_RANKS = 32  # from this many ranks up the packings start at two ranks' work per bin
 
@@ -306,10 +316,25 @@ def solve_dhp(prob: Problem, num_micro_batches: int | None = None, packing: bool
         flex = best_flexsp(prob, allowed, attention, num_micro_batches, packing, node_aware, t, price)
         if flex is not None:
             t, name, cand, mode = flex
+    # the plan that won and DHP's own plan, each repacked at its own groups' ranks where its ranks
+    # idle (`repack_plan`): the fastest of these and the winner by the same price is kept
+    repacked = False
+    if _REPACK:
+        if t is None:
+            t = price(cand, mode)
+        tries = [(name, cand, mode)] + ([("dhp", mbs, attention)] if name != "dhp" else [])
+        for origin, plan, how in tries:
+            for rp in repack_plan(prob, plan, how, np.inf if origin == name else t):
+                t_new = price(rp, how)
+                if t_new < t * (1 - 1e-12):
+                    t, name, cand, mode, repacked = t_new, origin, rp, how, True
+        if repacked and name == "dhp":
+            mbs = cand
+            info.update(est_makespan_sum_s=t, repacked=True)
     if name == "dhp":
         return mbs, info, attention
     return cand, {"num_micro_batches": len(cand), "est_makespan_sum_s": t, "chosen": name,
-                  "dhp_search_makespan_sum_s": own}, mode
+                  "dhp_search_makespan_sum_s": own, **({"repacked": True} if repacked else {})}, mode
 
 
 def _search(prob: Problem, counts: Sequence[int], lo: int, allowed: np.ndarray, packing: bool, refine: bool,
@@ -583,17 +608,22 @@ def _kinds(prob: Problem, done: list, attention: str) -> list[str]:
     return [attention_for(len(r), prob.cost, attention) for r, _ in groups]
 
 
-def _kind_makespans(prob: Problem, done: list, attention: str) -> tuple[list[str], list[float]]:
-    """The kinds `_kinds` gives the groups of finished micro-batches and the makespan of each
-    micro-batch with every group on its kind, as `build_plan` prices the plan."""
+def _kind_group_times(prob: Problem, done: list, attention: str) -> tuple[list[str], np.ndarray]:
+    """The kinds `_kinds` gives the groups of finished micro-batches and each group's time on its
+    kind (`_groups` order), as `build_plan` prices them."""
     groups = _groups(done)
     terms = (prob.attn, prob.lin, prob.tok)
     if attention == "best":
-        kinds, t = best_kind_times(prob.cost, groups, terms)
-        d = np.fromiter((len(r) for r, _ in groups), dtype=np.int64, count=len(groups))
-    else:
-        kinds = [attention_for(len(r), prob.cost, attention) for r, _ in groups]
-        t, _, d = price_groups(prob.cost, groups, terms, kinds, prob.cost.ranks_per_node)
+        return best_kind_times(prob.cost, groups, terms)
+    kinds = [attention_for(len(r), prob.cost, attention) for r, _ in groups]
+    return kinds, price_groups(prob.cost, groups, terms, kinds, prob.cost.ranks_per_node)[0]
+
+
+def _kind_makespans(prob: Problem, done: list, attention: str) -> tuple[list[str], list[float]]:
+    """The kinds `_kinds` gives the groups of finished micro-batches and the makespan of each
+    micro-batch with every group on its kind, as `build_plan` prices the plan."""
+    kinds, t = _kind_group_times(prob, done, attention)
+    d = np.fromiter((len(r) for _, ranks, _ in done for r in ranks), dtype=np.int64)
     mb = np.repeat(np.arange(len(done)), [len(gs) for gs, _, _ in done])
     return kinds, makespans(prob.cost, t, d, mb, len(done)).tolist()
 
@@ -620,6 +650,141 @@ def finish_microbatch(prob: Problem, sol: tuple, allowed: np.ndarray, refine: bo
     if refine:
         sol = refine_microbatch(prob, sol, allowed)
     return _place_priced(prob, sol[0], [int(d) for d in sol[1]], node_aware)
+
+
+def repack_groups(prob: Problem, groups: list[list[int]], deg: list[int], mk: float | None = None,
+                  times: np.ndarray | None = None, by_work: bool = False) -> tuple[list[list[int]], float] | None:
+    """The sequences of one micro-batch dealt again over its groups at their degrees `deg`: heaviest
+    first (ties by id), each to the group in which it would finish first among those whose memory
+    holds it (degree at least its least degree, tokens within the degree's share), each group priced
+    by the search's pricing (`allocate.scalar_time` on `prob.kind`).
+
+    `times`: the groups' times as the plan prices them (placed on ranks, on their kinds); a group
+    whose time differs from the search's price of it (a group cut by a node boundary, a kind the
+    search does not price) is priced at the search's price scaled by that ratio. Without `times` the
+    search's prices are the groups' times. `mk`: the micro-batch's makespan (the largest time unless
+    given).
+
+    Returns the new groups (sample ids sorted) and their predicted makespan when every group holds
+    a sequence and that makespan is below `mk`; else None. Skipped (None) where the groups' ranks
+    idle less than _REPACK_IDLE of the makespan: their finishing times leave nothing to win.
+    Among groups of one degree and one scale the least loaded finishes a sequence first, so each
+    sequence prices one group per such class. `by_work`: "finish first" judged by the groups' work
+    over their degrees plus b1 (scaled as above) instead of their priced times, which the padded
+    buckets make step-shaped; the dealt groups are priced either way."""
+    P = len(groups)
+    if P < 2:
+        return None
+    cost = prob.cost
+    t = scalar_time(cost, prob.kind)
+    deg_a = np.asarray(deg, dtype=np.int64)
+    A, B, S = bin_sums(groups, prob.attn, prob.lin, prob.tok)
+    own = (t.times(A, B, S, deg_a) if t.tabled else
+           np.asarray([t(float(A[i]), float(B[i]), float(S[i]), int(deg[i])) for i in range(P)], dtype=np.float64))
+    T = own if times is None else np.asarray(times, dtype=np.float64)
+    if mk is None:
+        mk = makespan(cost, T, deg_a)
+    if not np.isfinite(mk) or mk <= 0 or not np.all(own > 0):
+        return None
+    if float(np.dot(deg_a, mk - T)) < _REPACK_IDLE * mk * float(deg_a.sum()):
+        return None
+    ratio = (T / own).tolist()
+    ids = np.fromiter((k for g in groups for k in g), dtype=np.int64)
+    ids = ids[np.lexsort((ids, -prob.work[ids]))]
+    per_rank = max_tokens_per_rank(cost)
+    attn, lin, tok = prob.attn.tolist(), prob.lin.tolist(), prob.tok.tolist()
+    dmin = prob.dmin.tolist()
+    a, b, s, cur = [0.0] * P, [0.0] * P, [0.0] * P, [0.0] * P  # cur: each group's time so far (0: empty)
+    cap = [d * per_rank for d in deg]
+    b1 = cost.b1
+    scale = [1.0 if abs(r - 1.0) < 1e-12 else r for r in ratio]
+    # groups of one degree whose scales agree within _REPACK_SCALE_STEP form a class; each class a
+    # lazy heap of (time so far, group): an entry whose time is stale is skipped
+    cls = [(d, round(math.log(r) / _REPACK_SCALE_STEP)) for d, r in zip(deg, scale)]
+    classes: dict[tuple[int, int], list[tuple[float, int]]] = {}
+    for i, c in enumerate(cls):
+        classes.setdefault(c, []).append((0.0, i))
+    keys = sorted(classes)
+    out: list[list[int]] = [[] for _ in range(P)]
+    dense = bool(cost.padded_attention)
+    for k in ids.tolist():
+        ak, bk, sk, dk = attn[k], lin[k], tok[k], dmin[k]
+        tops = []  # per class, its least loaded group with room and that group's floor
+        for key in keys:
+            d = key[0]
+            if d < dk:
+                continue
+            h = classes[key]
+            while h and h[0][0] != cur[h[0][1]]:
+                heapq.heappop(h)
+            j = h[0][1] if h else -1
+            if j < 0 or s[j] + sk > cap[j]:  # the least loaded has no room: the least loaded that has
+                room = [i for ti, i in h if ti == cur[i] and s[i] + sk <= cap[i]]
+                if not room:
+                    continue
+                j = min(room, key=lambda i: (cur[i], i))
+            # no group is faster than its work over its ranks plus b1 (the dense blocks of a padded
+            # stream: its linear work alone); "by work" this is the criterion itself
+            w = (b[j] + bk) if dense and not by_work else (a[j] + ak + b[j] + bk)
+            tops.append(((w / d + b1) * scale[j], j))
+        if not tops:
+            return None
+        if by_work:
+            best = min(tops)
+        else:
+            tops.sort()
+            best = None
+            for floor, j in tops:
+                if best is not None and floor > best[0]:
+                    break
+                tj = t(a[j] + ak, b[j] + bk, s[j] + sk, deg[j]) * scale[j]
+                if best is None or tj < best[0] or (tj == best[0] and j < best[1]):
+                    best = (tj, j)
+        if best is None:
+            return None
+        tj, j = best
+        out[j].append(k)
+        a[j] += ak
+        b[j] += bk
+        s[j] += sk
+        cur[j] = tj
+        heapq.heappush(classes[cls[j]], (tj, j))
+    if any(not g for g in out):
+        return None
+    if by_work:  # the groups' times priced
+        A, B, S = bin_sums(out, prob.attn, prob.lin, prob.tok)
+        cur = (t.times(A, B, S, deg_a) if t.tabled else np.asarray(
+            [t(float(A[i]), float(B[i]), float(S[i]), int(deg[i])) for i in range(P)])) * np.asarray(scale)
+    new = makespan(cost, np.asarray(cur), deg_a)
+    return ([sorted(g) for g in out], new) if new < mk * (1 - 1e-12) else None
+
+
+def repack_plan(prob: Problem, cand: list, attention: str, limit: float = np.inf) -> list[list]:
+    """A finished plan (micro-batches of (ranks, sample ids)) with each micro-batch whose ranks idle
+    repacked at its own groups' ranks (`repack_groups`, each group's time as the plan prices it on
+    the kinds of `attention`), once per way of judging "finish first" (priced times, work over
+    degree): the plans that differ from `cand` (none, one or two). None is tried where the plan's
+    micro-batches, each at its groups' mean time (weighted by degree: what a perfect balance of
+    their times would reach), sum to `limit` or more. The caller keeps one only if the plan's own
+    price is lower."""
+    out: list[list] = []
+    groups = [[list(g) for _, g in mb] for mb in cand]
+    degs = [[len(r) for r, _ in mb] for mb in cand]
+    times = [_kind_group_times(prob, [(gs, [r for r, _ in mb], 0.0)], attention)[1] for gs, mb in zip(groups, cand)]
+    if limit < np.inf and sum(float(np.dot(t, d)) / sum(d) for t, d in zip(times, degs)) >= limit:
+        return out
+    for by_work in _REPACK_WAYS:
+        new, changed = [], False
+        for mb, gs, deg, t in zip(cand, groups, degs, times):
+            got = repack_groups(prob, gs, deg, None, t, by_work)
+            if got is None:
+                new.append(mb)
+            else:
+                new.append([(r, g) for (r, _), g in zip(mb, got[0])])
+                changed = True
+        if changed and new not in out:
+            out.append(new)
+    return out
 
 
 def _place_priced(prob: Problem, groups: list[list[int]], deg: list[int], node_aware: bool
