@@ -36,6 +36,7 @@ from dhp_jax.planner import plan_batch  # noqa: E402
 from dhp_jax.planner.cli_args import (add_cost_args, add_mllm_arg, add_tensor_parallel_arg, cost_from_args,  # noqa: E402
                                       is_profile, mllm_preset)
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError  # noqa: E402
+from dhp_jax.planner.cost.model import check_router_phase  # noqa: E402
 from dhp_jax.planner.contract.planfile import PlanLog, load_plan_file, plan_at  # noqa: E402
 from npu_backend.executor import StepError, TorchPlanExecutor  # noqa: E402
 from npu_backend.finetune import FamilyRun, describe, pretrained_source  # noqa: E402
@@ -113,12 +114,7 @@ class Planner:
             source = args.cost or args.model
             if is_profile(source):
                 cost = cost_from_args(args, **extra)
-                if cost.router_phase != bool(router_phase):
-                    raise ValueError(f"--cost {source!r} prices {'a' if cost.router_phase else 'no'} router phase "
-                                     f"(router_phase={cost.router_phase}); the model "
-                                     f"{'adds' if router_phase else 'does not add'} the mixture of experts' "
-                                     f"load-balancing loss, so its steps {'run' if router_phase else 'do not run'} "
-                                     f"the router pass")
+                check_router_phase(cost, router_phase, f"--cost {source!r}")
                 self.cost = cost
             else:   # with the load-balancing loss on, every group runs the router pass before its step
                 self.cost = cost_from_args(args, **extra, **({"router_phase": True} if router_phase else {}))

@@ -14,7 +14,7 @@ from dhp_jax.planner import CostModel, Group, MicroBatch, Plan, plan_batch
 from dhp_jax.planner.cost.memory import group_activation_bytes, max_tokens_per_rank
 from dhp_jax.planner.cost.pricing import allreduce_time, group_time
 from dhp_jax.sim import step_time
-from dhp_jax.sim.bounds import lower_bound
+from dhp_jax.sim.bounds import _set_partitions, lower_bound
 from dhp_jax.data.vision import family_for_model
 from dhp_jax.sim.cluster import Cluster
 from dhp_jax.sim.simulate import evaluate, make_batches, simulate
@@ -132,17 +132,6 @@ def test_4096_ranks_x_100_steps_evaluate_in_seconds(cost8):
 
 
 # ------------------------------------------------------------------------------------ lower bound
-def _set_partitions(items):
-    if not items:
-        yield []
-        return
-    first, rest = items[0], items[1:]
-    for part in _set_partitions(rest):
-        for i in range(len(part)):
-            yield part[:i] + [[first] + part[i]] + part[i + 1:]
-        yield [[first]] + part
-
-
 def _brute_force_optimum(L, E, N, cost):
     """Least step time over every plan: micro-batch split x group split x degrees (one node)."""
     best_mb: dict[tuple, float] = {}

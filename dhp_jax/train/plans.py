@@ -16,6 +16,7 @@ from dhp_jax.planner import CostModel, plan_batch
 from dhp_jax.planner.cli_args import cost_model as load
 from dhp_jax.planner.contract.plan import Plan
 from dhp_jax.planner.contract.planfile import PlanFileError, load_plan_file, plan_at
+from dhp_jax.planner.cost.model import check_router_phase
 from dhp_jax.planner.cost.presets import ModelShape
 from dhp_jax.planner.programs.cache import ProgramCache
 from dhp_jax.planner.solvers.strategies import lookup
@@ -150,12 +151,7 @@ def make_cost(cost_profile: str | None, cost_model: str | None, hardware: str, r
             raise ValueError(f"planner.cost_profile {cost_profile!r} was measured on ranks of tensor_parallel="
                              f"{cost.tensor_parallel} device(s), sequence_parallel={cost.sequence_parallel}; the run's "
                              f"parallel.tensor is {tensor_parallel}, parallel.sequence {bool(sequence_parallel)}")
-        if cost.router_phase != bool(router_phase):
-            raise ValueError(f"planner.cost_profile {cost_profile!r} prices {'a' if cost.router_phase else 'no'} "
-                             f"router phase (router_phase={cost.router_phase}); the run "
-                             f"{'adds' if router_phase else 'does not add'} the mixture of experts' load-balancing "
-                             f"loss (model.router_aux_loss_coef), so its steps "
-                             f"{'run' if router_phase else 'do not run'} the router programs' forward pass")
+        check_router_phase(cost, router_phase, f"planner.cost_profile {cost_profile!r}")
         return cost
     extra = {} if comm_overlap is None else {"comm_overlap": bool(comm_overlap)}
     if router_phase:

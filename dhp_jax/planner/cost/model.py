@@ -460,6 +460,18 @@ def _with_geometry(geometry: StreamGeometry, changes: Mapping[str, Any]) -> dict
     return out
 
 
+def check_router_phase(cost: "CostModel", router_phase: bool, source: str) -> None:
+    """A fitted profile prices what it measured: `source` (how the run names the profile, e.g.
+    "planner.cost_profile 'p.json'") is refused with a ValueError when its `router_phase` is not
+    the run's (`router_phase`: the run adds a mixture of experts' load-balancing loss, so each group
+    runs the router program's forward pass before its step)."""
+    if cost.router_phase != bool(router_phase):
+        raise ValueError(f"{source} prices {'a' if cost.router_phase else 'no'} router phase (router_phase="
+                         f"{cost.router_phase}); the run {'adds' if router_phase else 'does not add'} the mixture "
+                         f"of experts' load-balancing loss, so its steps {'run' if router_phase else 'do not run'} "
+                         f"the router programs' forward pass")
+
+
 def router_forward(m: "presets.ModelShape", hw: Any, el: int, t: int = 1, linear_passes: float = 4.0
                    ) -> dict[str, float]:
     """The time terms of one forward pass of the router program of model shape `m` on hardware `hw`
