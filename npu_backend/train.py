@@ -111,13 +111,13 @@ class Planner:
             if not is_profile(args.cost or args.model):
                 # a preset's model states are ZeRO-sharded over the node, or over all ranks when a rank is a node
                 extra["zero_shards"] = max(args.ranks_per_node, world)
+            # with the load-balancing loss on, every group runs the router pass before its step: a
+            # preset prices it, a profile must have measured it
             source = args.cost or args.model
-            if is_profile(source):
-                cost = cost_from_args(args, **extra)
-                check_router_phase(cost, router_phase, f"--cost {source!r}")
-                self.cost = cost
-            else:   # with the load-balancing loss on, every group runs the router pass before its step
-                self.cost = cost_from_args(args, **extra, **({"router_phase": True} if router_phase else {}))
+            if router_phase and not is_profile(source):
+                extra["router_phase"] = True
+            self.cost = cost_from_args(args, **extra)
+            check_router_phase(self.cost, router_phase, f"--cost {source!r}")
 
     def _plan(self, samples: Sequence) -> Plan:
         lengths = np.maximum(1, np.round(sample_lengths(samples) * self.args.length_scale)).astype(np.int64)

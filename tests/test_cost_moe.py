@@ -269,7 +269,7 @@ def test_the_planning_commands_take_the_router_phase(tmp_path):
     from dhp_jax.planner.cli_args import add_cost_args, add_tensor_parallel_arg, cost_from_args
 
     parser = argparse.ArgumentParser()
-    add_cost_args(parser, model="qwen3-vl-30b-a3b", ranks=64)
+    add_cost_args(parser, model="qwen3-vl-30b-a3b", ranks=64, router_phase=True)
     add_tensor_parallel_arg(parser)
     tp4 = ["--tensor-parallel", "4"]
     on = cost_from_args(parser.parse_args([*tp4, "--router-phase"]))

@@ -43,9 +43,10 @@ def positive(text: str) -> int:
 
 def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b", hardware: str = "ascend-910b",
                   cost: str | None = None, ranks: int | None = None, ranks_per_node: int | None = 8,
-                  freeze_vision: bool = False) -> None:
+                  freeze_vision: bool = False, router_phase: bool = False) -> None:
     """--model, --hardware, --cost (alias --cost-profile); --ranks when `ranks` is given; --ranks-per-node
-    unless `ranks_per_node` is None; --freeze-vision when asked."""
+    unless `ranks_per_node` is None; --freeze-vision and --router-phase when asked (commands that price
+    a run; a command that runs steps derives the router phase from its model instead)."""
     parser.add_argument("--model", default=model,
                         help=f"model preset (default {model}): {', '.join(MODELS)}; or a checkpoint directory "
                              f"(config.json and processor files)")
@@ -62,11 +63,12 @@ def add_cost_args(parser: argparse.ArgumentParser, *, model: str = "internvl3-8b
                             help=f"ranks sharing a node's fast links (default {ranks_per_node})")
     if freeze_vision:
         parser.add_argument("--freeze-vision", action="store_true", help="model a frozen vision encoder")
-    parser.add_argument("--router-phase", action="store_true",
-                        help="a mixture of experts trained with its load-balancing loss on the JAX engine "
-                             "(`dhp train model.router_aux_loss_coef` > 0): price each group's forward-only "
-                             "router program before its step (`CostModel.preset(..., router_phase=True)`); "
-                             "a preset's, not a profile's")
+    if router_phase:
+        parser.add_argument("--router-phase", action="store_true",
+                            help="a mixture of experts trained with its load-balancing loss on the JAX engine "
+                                 "(`dhp train model.router_aux_loss_coef` > 0): price each group's forward-only "
+                                 "router program before its step (`CostModel.preset(..., router_phase=True)`); "
+                                 "a preset's, not a profile's")
 
 
 def add_tensor_parallel_arg(parser: argparse.ArgumentParser) -> None:

@@ -17,7 +17,7 @@ DEFAULT_COMPARE = "static-ring:best,static-ulysses:best"
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", default="openvid", help="dataset mix name or a .jsonl manifest (default openvid)")
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
-    add_cost_args(parser, ranks=64, freeze_vision=True)
+    add_cost_args(parser, ranks=64, freeze_vision=True, router_phase=True)
     add_tensor_parallel_arg(parser)
     add_video_args(parser)
     parser.add_argument("--strategy", default="dhp", help="dhp, static-ring:<d|best>, static-ulysses:<d|best>, flexsp, milp")

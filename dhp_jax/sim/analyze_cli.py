@@ -13,7 +13,7 @@ from dhp_jax.planner.cli_args import add_cost_args, add_video_args, video_sampli
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("manifest", metavar="MANIFEST",
                         help="JSONL manifest path, or a built-in mix name (openvid, internvid, msrvtt, ...)")
-    add_cost_args(parser, model="qwen3-vl-8b", ranks=64)
+    add_cost_args(parser, model="qwen3-vl-8b", ranks=64, router_phase=True)
     parser.add_argument("--batch", type=int, default=512, help="global batch size in samples (default 512)")
     parser.add_argument("--batches", type=int, default=3, help="batches drawn for the simulation (default 3)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the batch draws")

@@ -17,7 +17,7 @@ DEFAULT_STRATEGIES = "dhp,static-ring:best,static-ulysses:best"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_cost_args(parser, freeze_vision=True)
+    add_cost_args(parser, freeze_vision=True, router_phase=True)
     add_tensor_parallel_arg(parser)
     add_video_args(parser)
     parser.add_argument("--dataset", default="openvid", help="dataset name or manifest path")
