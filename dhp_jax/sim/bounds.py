@@ -126,20 +126,15 @@ def traffic_floor(cost: Any, num_ranks: int) -> np.ndarray:
         return np.zeros(N)
     d = np.arange(1, N + 1, dtype=np.float64)
     rpn = cost.ranks_per_node
-    h = cost.num_heads
-    menu = bool(cost.geometry.menu_kinds)
+    ul, hybrids = _plan_kinds(cost, N)
     k = np.full(N, np.inf)
     for over_nodes in (False, True):
         inter = (d > rpn) | over_nodes
         ring = comm_per_token(cost, inter, "ring")
         k = np.minimum(k, d * ring * (d - 1.0) / d)                       # ring: S (d-1)/d a rank
-        # every kind a plan may give a group (Ulysses where the heads allow, whatever it costs)
-        ul = np.array([(h % int(x) == 0) or cost.ulysses_ok(int(x)) for x in d])
         a2a = comm_per_token(cost, inter, "ulysses")
         k = np.where(ul, np.minimum(k, d * a2a * (d - 1.0) / (d * d)), k)   # (S/d) (d-1)/d
-        for u in range(2, N // 2 + 1):
-            if not (menu or h % u == 0):
-                continue
+        for u in hybrids:
             m = (d % u == 0) & (d >= 2 * u)
             r = d / u
             a2a_u = comm_per_token(cost, u > rpn, "ulysses")
@@ -147,6 +142,15 @@ def traffic_floor(cost: Any, num_ranks: int) -> np.ndarray:
             k = np.where(m, np.minimum(k, hyb), k)
     k[0] = 0.0
     return np.minimum.accumulate(k[::-1])[::-1]  # least over d >= d0
+
+
+def _plan_kinds(cost: Any, num_ranks: int) -> tuple[np.ndarray, list[int]]:
+    """Every kind a plan may give a group of degree d = 1..N, whatever it costs: (where Ulysses may
+    run: the heads split d ways or the cost model allows it, the all-to-all sizes u of the hybrids)."""
+    N, h = int(num_ranks), cost.num_heads
+    menu = bool(cost.geometry.menu_kinds)
+    ulysses = np.array([(h % x == 0) or cost.ulysses_ok(int(x)) for x in range(1, N + 1)])
+    return ulysses, [u for u in range(2, N // 2 + 1) if menu or h % u == 0]
 
 
 def min_bins(sizes: np.ndarray, capacity: float) -> int:
@@ -177,11 +181,7 @@ class _Times:
         self.inter = self.d > cost.ranks_per_node
         self._curves: dict[tuple[int, ...], np.ndarray] = {}
         self._floors: dict[tuple[int, ...], np.ndarray] = {}
-        h = cost.num_heads
-        menu = bool(cost.geometry.menu_kinds)
-        # every kind a plan may give a group (Ulysses where the heads allow, even at no all-to-all cost)
-        self.ulysses = np.array([(h % x == 0) or cost.ulysses_ok(int(x)) for x in self.d])
-        self.hybrid = [u for u in range(2, N // 2 + 1) if menu or h % u == 0]
+        self.ulysses, self.hybrid = _plan_kinds(cost, N)
 
     def curve(self, G: tuple[int, ...]) -> np.ndarray:
         if G in self._curves:
