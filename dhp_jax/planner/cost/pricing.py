@@ -476,13 +476,10 @@ def program_kinds(cost: CostModel, degree: Any, padded: Any) -> list[str]:
     u = program_sizes(cost, D, P)
     if len(table) > 100_000:
         table.clear()
-    # a code per pair: 0 the ring, -1 Ulysses over all its ranks, else the hybrid's u, then its name
-    code = np.where((u == D) & (D > 1), -1, np.where(u == 1, 0, u)) * 2 ** 20 + D  # D < 2**20
-    names = {}
-    for c in set(code.tolist()):
-        v, x = divmod(c, 2 ** 20)
-        names[c] = "ring" if v == 0 else "ulysses" if v == -1 else attention_name(v, x // v)
-    out = [names[c] for c in code.tolist()]
+    # each distinct (u, degree) named once: u = 1 the ring, u = degree > 1 Ulysses over all its ranks
+    pairs = list(zip(u.tolist(), D.tolist()))
+    names = {(x, d): "ring" if x == 1 else "ulysses" if x == d else attention_name(x, d // x) for x, d in set(pairs)}
+    out = [names[p] for p in pairs]
     table.update(zip(zip(D.tolist(), np.floor(P).astype(np.int64).tolist()), out))
     return out
 
