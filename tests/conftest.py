@@ -24,3 +24,26 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # options, rebuilt in the background once a program has run a few times) would double the suite's
 # compiles; tests/test_sharding.py and tests/test_train.py turn it on where they test it
 os.environ.setdefault("DHP_COMPILE_TIERS", "0")
+
+# xdist hands whole files to its workers in the order of the collection (`--dist loadfile
+# --no-loadscope-reorder` in pyproject.toml). The heaviest files go first, so that the last files
+# to start are short ones and the workers finish together (longest-processing-time-first); xdist's
+# own order (most tests first) left single-test subprocess files of ~45 CPU-s for the end, one
+# worker idle while the other ran them. The list is the files that take about 10 CPU-s or more,
+# heaviest first; a file not in it starts after them, in collection order. Only the suite's wall
+# time depends on it.
+HEAVY_FIRST = (
+    "test_tp_family.py", "test_family_memory.py", "test_memory.py", "test_multiprocess_jax.py",
+    "test_train.py", "test_npu_xla.py", "test_finetune_train.py", "test_npu_train.py",
+    "test_train_runs.py", "test_sharding.py", "test_torchrun_multinode.py", "test_multiprocess_live.py",
+    "test_experiments.py", "test_hf_moe.py", "test_hf_engine_qwen3_vl.py", "test_tp_engine.py",
+    "test_padskip.py", "test_notebooks.py", "test_tp_train.py", "test_ulysses.py", "test_ring.py",
+    "test_docs_commands.py", "test_published_layouts.py", "test_vision_rule.py", "test_planner_milp.py",
+    "test_hf_engine_internvl.py", "test_family_registry.py", "test_attention_bench.py",
+    "test_hf_qwen3_vl.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))      # stable: files stay whole
