@@ -14,8 +14,11 @@ os.environ.update(cpu_devices_env(8))
 # Every program a test compiles without options of its own (the references' `jax.jit`, `hf.logits`)
 # builds as the CPU executors' first tier does (`compile_cache.CPU_FAST_COMPILE`: no LLVM
 # optimisation, the older fusion emitters), which halves their compile time; programs compiled with
-# explicit options (the executors' tiers, the memory measurements) keep those.
-for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"):
+# explicit options (the executors' tiers, the memory measurements) keep those. Every program, with
+# options or without, is generated as one LLVM module (XLA:CPU splits a module into parts to compile
+# them on several threads; the suite runs a process or more per core, so the parts only add work).
+for _flag in ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false",
+              "--xla_cpu_parallel_codegen_split_count=1"):
     if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("TORCH_DEVICE_BACKEND_AUTOLOAD", "0")
