@@ -190,6 +190,7 @@ def aux_loss_coef(config: Any) -> float:
     rule, shared with the JAX engine (`dhp_jax.model.hf.spec.default_router_aux_loss_coef`)."""
     return default_router_aux_loss_coef(config)
 
+
 def batch_totals(stats: list[RouterStats], num_experts: int, group: Any = None,
                  device: torch.device | str | None = None) -> torch.Tensor:
     """[E + 1]: the pairs routed to each expert and the live rows, over every sparse block of
@@ -214,6 +215,7 @@ def batch_aux_loss(stats: list[RouterStats], num_experts: int, group: Any = None
     if not stats or float(totals[-1]) == 0:
         return totals.new_zeros(())
     return aux_loss_terms(stats, totals[:-1], float(totals[-1]))
+
 
 # ---------------------------------------------------------------------------------------- checkpoints
 def fused_experts(named: Any, config: Any, where: str) -> Any:
