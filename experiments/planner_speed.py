@@ -1,11 +1,11 @@
 """The planner's solve-time table and its plan guard.
 
-    python -m experiments.planner_speed dump OUT.json [--wide]  # the "dhp" plans of a fixed set of batches
+    python -m experiments.planner_speed dump OUT.json [--wide] [--bench]  # the "dhp" plans of a fixed set of batches
     python -m experiments.planner_speed compare A.json B.json
     python -m experiments.planner_speed table BEFORE.json AFTER.json [--commits B A] [--write MD]
 
 `dump` plans a fixed set of (model, mix, ranks, seed) batches from 8 to 1024 ranks (`--wide`: 160
-plans more) and writes each plan's decisions (`Plan.decisions`) and estimated step time, so that two
+plans more; `--bench`: the 300 batches `dhp bench planner` times, see `bench_batches`) and writes each plan's decisions (`Plan.decisions`) and estimated step time, so that two
 commits' plans can be compared exactly (`compare`: the batches whose plans differ with the step-time
 ratio of each; it fails when a plan of the second dump is slower than the first's by more than
 `SLOWER_TOLERANCE`).
@@ -44,7 +44,27 @@ def wide_batches() -> list[tuple[str, str, int, int, int, str]]:
             for att in ("best", "ring")]
 
 
-def dump(wide: bool = False) -> list[dict[str, Any]]:
+def bench_batches() -> list[tuple[str, str, int, int, int, str]]:
+    """The batches of the solve-time table (`dhp bench planner --models all --datasets all --sizes
+    64:512,1024:4096 --repeats 5`: every model preset and mix, seeds 0-4), in "best" mode, as that
+    bench plans them (`dump --bench`). A change that keeps the other batches' plans can still move
+    these: the search's heuristics decide plans batch by batch."""
+    from dhp_jax.data.datasets import DATASETS
+    from dhp_jax.planner.cli_args import cost_model
+    from dhp_jax.planner.cost.presets import MODELS
+
+    def fits(m: str) -> bool:  # the bench leaves out presets too large for the hardware's memory
+        try:
+            cost_model(m, "ascend-910b")
+        except ValueError:
+            return False
+        return True
+
+    return [(m, ds, n, b, s, "best") for m in MODELS if fits(m) for ds in DATASETS
+            for n, b in ((64, 512), (1024, 4096)) for s in range(5)]
+
+
+def dump(wide: bool = False, bench: bool = False) -> list[dict[str, Any]]:
     from dhp_jax.data import make_dataset, sample_etas, sample_lengths
     from dhp_jax.planner.api import plan_batch
     from dhp_jax.planner.cli_args import cost_model
@@ -52,7 +72,8 @@ def dump(wide: bool = False) -> list[dict[str, Any]]:
 
     out = []
     for model, ds, ranks, batch, seed, attention in ([b + ("best",) for b in BATCHES]
-                                                     + (wide_batches() if wide else [])):
+                                                     + (wide_batches() if wide else [])
+                                                     + (bench_batches() if bench else [])):
         cost = cost_model(model, "ascend-910b")
         samples = make_dataset(ds, batch, seed)
         try:
@@ -144,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("dump")
     d.add_argument("out")
     d.add_argument("--wide", action="store_true", help="80 more batches, each in 'best' and 'ring' mode")
+    d.add_argument("--bench", action="store_true", help="the 300 batches of the solve-time table, in 'best' mode")
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
@@ -156,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.cmd == "dump":
         with open(args.out, "w") as f:
-            json.dump(dump(args.wide), f)
+            json.dump(dump(args.wide, args.bench), f)
         return 0
     if args.cmd == "compare":
         with open(args.a) as fa, open(args.b) as fb:

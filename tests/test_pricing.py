@@ -301,3 +301,17 @@ def test_program_kinds_table_holds_kinds_only():
     assert all(isinstance(k, tuple) and len(k) == 2 and k[0] > 1 and isinstance(v, str) for k, v in table.items())
     table.clear()
     assert not table.priced and program_kind(cost, 70, 65536) == kind
+
+
+def test_sorted_unique_is_numpys_unique():
+    """`pricing.sorted_unique` (the planner's distinct values, without NumPy's masked-array check)
+    gives `np.unique`'s values and dtype: the search's float program keys, integers, signed zeros,
+    empty and one-element arrays."""
+    from dhp_jax.planner.cost.pricing import sorted_unique
+
+    rng = np.random.default_rng(5)
+    keys = rng.integers(1, 9, 200).astype(np.float64) * 2.0 ** 40 + rng.integers(1, 6, 200) * 4096.0
+    cases = [keys, rng.integers(-3, 4, (5, 7)), np.array([0.0, -0.0, 1.0, 0.0]), np.zeros(0), np.array([7])]
+    for x in cases:
+        got, want = sorted_unique(x), np.unique(x)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist()

@@ -67,6 +67,19 @@ def sent_tokens(tokens: Any, degree: Any, attention: str = "ring") -> np.ndarray
     return np.asarray(ring_tok if attention == "ring" else a2a_tok, dtype=np.float64)
 
 
+def sorted_unique(x: Any) -> np.ndarray:
+    """`np.unique` of a 1-D array (its distinct values, ascending) by a sort: the same values, without
+    the check for masked arrays that makes NumPy's first plain `unique` call of a process import
+    `numpy.ma`, a one-off cost that would land in the first plan's solve time."""
+    a = np.sort(np.asarray(x).reshape(-1))
+    if a.size < 2:
+        return a
+    keep = np.empty(a.size, dtype=bool)
+    keep[0] = True
+    np.not_equal(a[1:], a[:-1], out=keep[1:])
+    return a[keep]
+
+
 def _ulysses_of(S: Any, d: Any, attention: str, ulysses: Any) -> Any:
     """u, the Ulysses size of each group's kind ("ring" 1, "ulysses" d, a named hybrid its own u,
     the family "hybrid" `ulysses`: one size, or one per group); raises ValueError on a bad one."""
@@ -79,7 +92,7 @@ def _ulysses_of(S: Any, d: Any, attention: str, ulysses: Any) -> Any:
         if u is None or np.any(u < 1) or np.any(u != np.round(u)) or np.any(d % np.maximum(u, 1)):
             raise ValueError(f"attention 'hybrid' needs ulysses = u dividing every degree, got {ulysses!r}")
         return np.broadcast_to(u, np.shape(d)).astype(np.float64)
-    degrees = np.unique(d).astype(int).tolist()
+    degrees = sorted_unique(d).astype(int).tolist()
     if len(degrees) != 1:
         raise ValueError(f"attention {attention!r} priced for groups of degrees {degrees}")
     return np.broadcast_to(float(attention_split(attention, degrees[0])[0]), np.shape(d)).astype(np.float64)

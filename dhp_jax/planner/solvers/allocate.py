@@ -29,7 +29,7 @@ from dhp_jax.planner.contract.plan import attention_split
 from dhp_jax.planner.cost.memory import max_tokens_per_rank
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import (best_times, closed_form, comm_per_token, group_times, hybrid_floor,
-                                          program_kind, program_rule, program_sizes, ulysses_sizes)
+                                          program_kind, program_rule, program_sizes, sorted_unique, ulysses_sizes)
 
 
 def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: CostModel | None = None,
@@ -248,7 +248,7 @@ class _ScalarTime:
                 return sizes[at]
         else:
             miss = np.ones(key.shape, dtype=bool)
-        add_k = np.unique(key[miss])  # the new (degree, length) keys, sorted
+        add_k = sorted_unique(key[miss])  # the new (degree, length) keys, sorted
         nd = np.floor(add_k / 2.0 ** 40)
         # priced together (`pricing.program_sizes`: `program_u`'s sizes, the same choices)
         add_u = program_sizes(self.cost, nd, add_k - nd * 2.0 ** 40).astype(np.float64)

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from dhp_jax.planner.cost.pricing import group_times, makespans
+from dhp_jax.planner.cost.pricing import group_times, makespans, sorted_unique
 from dhp_jax.planner.solvers.baselines import static_assignments, static_degrees, static_micro_batches
 from dhp_jax.planner.solvers.problem import Problem
 
@@ -150,7 +150,7 @@ def best_static(prob: Problem, allowed: np.ndarray, attention: str, num_micro_ba
     for d, (prices, chunk, replica) in static_prices(prob, degrees, attention).items():
         if num_micro_batches is not None and int(chunk.max()) + 1 != num_micro_batches:
             continue
-        if not packing and np.unique(chunk * (N // d) + replica).size != chunk.size:
+        if not packing and sorted_unique(chunk * (N // d) + replica).size != chunk.size:
             continue  # some group holds two sequences: not a plan without packing
         cands += [(t, d, mode, chunk, replica) for mode, t in prices.items() if t < dhp_price * (1 + 1e-9)]
     if not cands:
