@@ -12,6 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
+
 from dhp_jax.model import hf  # noqa: E402
 
 TOL = 1e-5
@@ -69,10 +71,16 @@ def relative_error(ours, ref: np.ndarray) -> float:
     return float(np.max(np.abs(np.asarray(ours, np.float64) - ref)) / np.max(np.abs(ref)))
 
 
+def logits(config, params, inputs: dict) -> np.ndarray:
+    """`hf.logits` of one sample as one compiled program (the sample's inputs its constants): run op
+    by op, each of its hundreds of ops would compile a program of its own."""
+    return np.asarray(jax.jit(lambda p: hf.logits(config, p, inputs))(params))
+
+
 def check_logits(model, config, params, inputs: dict, label: str) -> float:
     """Our logits vs transformers' on one sample: shape, dtype and relative error <= TOL."""
     ref = reference_logits(model, inputs)
-    ours = hf.logits(config, params, inputs)
+    ours = logits(config, params, inputs)
     assert ours.dtype == np.float32 and ours.shape == ref.shape, (ours.dtype, ours.shape, ref.shape)
     err = relative_error(ours, ref)
     print(f"{label}: max relative logits error {err:.2e}")
@@ -162,6 +170,6 @@ def check_sample_roundtrip(config, params, inputs: dict, label: str):
     assert vision and all(s.pixels.shape[0] == s.num_tokens and s.tokens_per_frame for s in vision)
     again = hf.inputs_from_sample(config, sample)
     np.testing.assert_array_equal(again["input_ids"], inputs["input_ids"])
-    err = relative_error(hf.logits(config, params, again), np.asarray(hf.logits(config, params, inputs)))
+    err = relative_error(logits(config, params, again), logits(config, params, inputs))
     assert err <= 1e-6, f"{label}: sample round trip changed the logits by {err:.2e}"
     return sample

@@ -46,13 +46,14 @@ from dhp_jax.sharding.executor import CPU_FAST_COMPILE
 from dhp_jax.train.train_config import load_config
 from dhp_jax.train.demo_models import FIRST_TEXT, FamilyDemoPipeline, demo_config
 
-# 6 samples over 4 ranks: irregular ring groups of 3 + 1 ranks, then (out of order) a hybrid
-# 2 x 2 group of every rank
-RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1, 2)), Group((3,), 1, (3,))))
-HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (4, 5), attention="hybrid:2x2"),))))
-RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 2, 4)), Group((3,), 1, (3, 5)))),))
+# 4 samples over 4 ranks: irregular ring groups of 3 + 1 ranks, then (out of order) a hybrid
+# 2 x 2 group of every rank (the one-device reference compiles each sample: 4 keep it short)
+RINGS = MicroBatch((Group((0, 1, 2), 3, (0, 1)), Group((3,), 1, (2,))))
+HYBRID = Plan(4, (RINGS, MicroBatch((Group((3, 2, 1, 0), 4, (3,), attention="hybrid:2x2"),))))
+RING = Plan(4, (MicroBatch((Group((0, 1, 2), 3, (0, 1, 3)), Group((3,), 1, (2,)))),))
 # sequence-parallel: one hybrid group of every rank, ring over 2 x Ulysses over 2 (one program)
-SEQUENCE = Plan(4, (MicroBatch((Group((3, 2, 1, 0), 4, (0, 1, 2, 3, 4, 5), attention="hybrid:2x2"),)),))
+SEQUENCE = Plan(4, (MicroBatch((Group((3, 2, 1, 0), 4, (0, 1, 2, 3), attention="hybrid:2x2"),)),))
+SAMPLES = 4
 
 
 def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = None, heads: int | None = None):
@@ -71,12 +72,13 @@ def _model(family: str, vocab: int, tied: bool = False, kv_heads: int | None = N
 
 
 def _samples(cfg, seed: int = 5):
-    """The demo's batch of 6 samples of the family, labelled on a random 3/4 of their text tokens."""
+    """The first `SAMPLES` samples of the demo's batch of 6 of the family, labelled on a random 3/4 of
+    their text tokens."""
     pipe = FamilyDemoPipeline(load_config(None, [f"model=tiny-{cfg.family}", "data.batch_size=6",
                                                  "data.max_tokens=48"]).data, cfg)
     g = np.random.default_rng(seed)
     out = []
-    for i, s in enumerate(pipe.batch(1).samples):
+    for i, s in enumerate(pipe.batch(1).samples[:SAMPLES]):
         inputs = hf.inputs_from_sample(cfg, s)
         ids = inputs["input_ids"][0]
         # the id both devices of a rank hold (the last window moved back: 127 of 255) in every sample
@@ -172,12 +174,12 @@ def test_tp2_family_step_matches_one_device(family, vocab, tied, kv, plan, remat
 # the MoE case (one small one): irregular plans at t = 1 (8 ranks: a ring of 5 beside a Ulysses
 # group of 2, then a hybrid 2 x 2; three programs), t = 2 (`HYBRID`) and t = 4 (2 ranks: a ring
 # of 2, then two groups of 1)
-MOE_PLANS = {1: Plan(8, (MicroBatch((Group((0, 1, 2, 3, 4), 5, (0, 1, 2)),
-                                     Group((6, 5), 2, (3,), attention="ulysses"))),
-                         MicroBatch((Group((7, 6, 5, 4), 4, (4, 5), attention="hybrid:2x2"),)))),
+MOE_PLANS = {1: Plan(8, (MicroBatch((Group((0, 1, 2, 3, 4), 5, (0, 1)),
+                                     Group((6, 5), 2, (2,), attention="ulysses"))),
+                         MicroBatch((Group((7, 6, 5, 4), 4, (3,), attention="hybrid:2x2"),)))),
              2: HYBRID,
-             4: Plan(2, (MicroBatch((Group((1, 0), 2, (0, 1, 2, 3)),)),
-                         MicroBatch((Group((0,), 1, (4,)), Group((1,), 1, (5,))))))}
+             4: Plan(2, (MicroBatch((Group((1, 0), 2, (0, 3)),)),
+                         MicroBatch((Group((0,), 1, (1,)), Group((1,), 1, (2,))))))}
 
 
 @pytest.mark.parametrize("t,sequence", [(1, False), (4, False)])
@@ -286,12 +288,12 @@ def test_family_refusals_name_the_model_and_t():
 
 def test_tp2_bf16_family_step_matches_one_device():
     """bf16 at t = 2 in the psum form (InternVL: one kv head shared by a rank's two devices, the vocab windows
-    overlapping; one rank of degree 1 runs the 6 samples, the others idle): the loss and every
+    overlapping; one rank of degree 1 runs every sample, the others idle): the loss and every
     gradient agree with the fp32 one-device reference (the fp32 test's, `_case`) within bf16
     rounding. The copies' gradients are summed on the bf16 rows (`tensor_parallel.tie_rows` slices their
     columns as uint16), a path the fp32 test does not take."""
     cfg, params, samples, (ref_loss, ref_grads) = _case("internvl", 255, False, 1)
-    plan = Plan(4, (MicroBatch((Group((0,), 1, tuple(range(6))),)),))
+    plan = Plan(4, (MicroBatch((Group((0,), 1, tuple(range(SAMPLES))),)),))
     loss, grads = PlanExecutor(cfg, compute_dtype="bfloat16", tensor_parallel=2, linear_chunk=8).loss_and_grads(
         params, samples, plan)
     ref = dict((jax.tree_util.keystr(k), v) for k, v in jax.tree.flatten_with_path(ref_grads)[0])
@@ -303,5 +305,5 @@ def test_tp2_bf16_family_step_matches_one_device():
     worst = max(errs, key=errs.get)
     print(f"internvl bf16 t=2: loss {float(loss):.6f} vs {float(ref_loss):.6f} (fp32), max rel error "
           f"{errs[worst]:.1e} ({worst}), loss {errs['loss']:.1e}")
-    # bf16 (unit roundoff 2^-8 = 3.9e-3) against fp32: measured 8.2e-6 on the loss, 2.5e-2 on the worst gradient
+    # bf16 (unit roundoff 2^-8 = 3.9e-3) against fp32: measured 2.9e-5 on the loss, 2.0e-2 on the worst gradient
     assert errs["loss"] <= 1e-3 and errs[worst] <= 5e-2, (worst, errs[worst], errs["loss"])
