@@ -431,8 +431,8 @@ def test_every_checkpoint_resumes_to_the_uninterrupted_losses(tmp_path, fresh_co
     reduce-scatter waited for it until XLA ended the process."""
     import shutil
 
-    steps = 3       # resumes from steps 1 and 2; the first is the case of the failure
-    args = (f"steps={steps}", "planner.strategy=dhp", "checkpoint.every=1", f"checkpoint.keep={steps}",
+    steps = 4
+    args = ("steps=4", "planner.strategy=dhp", "checkpoint.every=1", f"checkpoint.keep={steps}",
             f"compilation_cache={tmp_path / 'jax-cache'}")
     full = Trainer(_config(tmp_path, "full", *args)).run()
     assert len(full.losses) == steps
