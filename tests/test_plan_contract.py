@@ -222,3 +222,25 @@ def test_the_memory_check_of_a_plan_is_the_cost_models():
         check_plan(plan, cost, [2 * cap, cap])
     with pytest.raises(TypeError):
         plan.validate(num_samples=2, cost=cost, lengths=[2 * cap, cap])  # not the contract's question
+
+
+def test_a_group_the_planner_fills_to_its_budget_passes_the_memory_check():
+    """The planner counts a group feasible when its real tokens fit the budget; the bucket rule then
+    rounds them up to whole zigzag chunks (a multiple of 2 x degree), which may take the padded
+    stream a token or two a rank over it. `check_plan` holds the planner's criterion, so a plan the
+    planner builds at the edge is run, not refused at its step."""
+    from dhp_jax.planner import CostModel, plan_batch
+    from dhp_jax.planner.cost.geometry import padded_length
+    from dhp_jax.planner.cost.memory import max_tokens_per_rank
+    from dhp_jax.planner.cost.plan_check import check_plan
+
+    cost = CostModel.preset("qwen3-vl-8b", "ascend-910b")
+    cap = max_tokens_per_rank(cost) * 4
+    total = next(t for t in range(int(cap), int(cap) - 64, -1) if padded_length(cost, float(t), 4) > cap)
+    lengths = [total // 3, total // 3, total - 2 * (total // 3)]
+    for strategy in ("static-ring:4", "dhp"):
+        plan = plan_batch(lengths, 4, cost, strategy)
+        assert plan.degrees == [[4]], (strategy, plan.degrees)     # one group of 4 at the edge
+        assert check_plan(plan, cost, lengths) is plan
+    with pytest.raises(PlanValidationError, match=r"needs .* GiB per rank for samples \[0, 1, 2\]"):
+        check_plan(plan, cost, [lengths[0], lengths[1], lengths[2] + 8])

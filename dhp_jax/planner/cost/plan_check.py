@@ -14,13 +14,18 @@ from dhp_jax.planner.cost.memory import group_activation_bytes
 
 
 def check_memory(plan: Plan, cost: Any, lengths: Sequence[int]) -> Plan:
-    """`plan`; `PlanValidationError` naming the first group whose per-rank bytes exceed
-    `cost.memory_budget` (`memory.group_activation_bytes` of its samples' `lengths`)."""
+    """`plan`; `PlanValidationError` naming the first group that does not fit `cost.memory_budget`
+    per rank. The criterion is the planner's own (`solvers.build.build_plan`): a group fits when its
+    real tokens do. Its padded stream then fits too, up to the bucket rule's rounding to whole
+    zigzag chunks (`geometry.layout.bucket_lengths` clamps the padding to the budget and rounds the
+    tokens up to a multiple of 2 x degree: under 2 tokens a rank over it at most); the message
+    gives the padded stream's bytes (`memory.group_activation_bytes`), what the rank holds."""
     budget = float(cost.memory_budget)
     for m, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
-            need = float(group_activation_bytes(cost, [int(lengths[s]) for s in g.samples], g.degree))
-            if need > budget * (1 + 1e-9):
+            group = [int(lengths[s]) for s in g.samples]
+            if sum(group) * float(cost.mem_per_token) / g.degree > budget * (1 + 1e-9):
+                need = float(group_activation_bytes(cost, group, g.degree))
                 raise PlanValidationError(
                     f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "
                     f"per rank for samples {list(g.samples)}, budget is {budget / 2**30:.2f} GiB")
