@@ -800,6 +800,16 @@ def group_activation_bytes(cost: Any, lengths: Any, degree: int) -> float:
     return float(padded_length(cost, lengths_array(lengths).sum(), degree) * cost.mem_per_token / degree)
 
 
+
+def over_budget(cost: Any, tokens: Any, degree: Any) -> np.ndarray:
+    """Whether a group of `degree` ranks holding `tokens` real tokens exceeds the cost's per-rank
+    activation budget (vectorised): the one feasibility criterion of the planner's plans
+    (`solvers.build.build_plan`) and of `plan_check.check_memory`. The padded stream a rank runs
+    is clamped to the budget by the bucket rule (`geometry.layout.bucket_lengths`), up to its
+    rounding to a multiple of 2 x degree."""
+    return np.asarray(tokens, dtype=np.float64) * cost.mem_per_token / np.asarray(degree, dtype=np.float64) \
+        > cost.memory_budget * (1 + 1e-9)
+
 def min_degree(cost: Any, lengths: Any) -> Any:
     """Least degree at which each single sequence fits the cost's memory budget (int64[K])."""
     L = lengths_array(lengths)

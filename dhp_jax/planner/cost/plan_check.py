@@ -10,21 +10,19 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from dhp_jax.planner.contract.plan import Plan, PlanValidationError
-from dhp_jax.planner.cost.memory import group_activation_bytes
+from dhp_jax.planner.cost.memory import group_activation_bytes, over_budget
 
 
 def check_memory(plan: Plan, cost: Any, lengths: Sequence[int]) -> Plan:
     """`plan`; `PlanValidationError` naming the first group that does not fit `cost.memory_budget`
-    per rank. The criterion is the planner's own (`solvers.build.build_plan`): a group fits when its
-    real tokens do. Its padded stream then fits too, up to the bucket rule's rounding to whole
-    zigzag chunks (`geometry.layout.bucket_lengths` clamps the padding to the budget and rounds the
-    tokens up to a multiple of 2 x degree: under 2 tokens a rank over it at most); the message
+    per rank by the planner's own criterion (`memory.over_budget`: its real tokens; the padded stream
+    the bucket rule makes of them may round under 2 tokens a rank over the budget); the message
     gives the padded stream's bytes (`memory.group_activation_bytes`), what the rank holds."""
     budget = float(cost.memory_budget)
     for m, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
             group = [int(lengths[s]) for s in g.samples]
-            if sum(group) * float(cost.mem_per_token) / g.degree > budget * (1 + 1e-9):
+            if over_budget(cost, sum(group), g.degree):
                 need = float(group_activation_bytes(cost, group, g.degree))
                 raise PlanValidationError(
                     f"micro-batch {m} group {gi} (ranks {list(g.ranks)}): needs {need / 2**30:.2f} GiB "

@@ -14,6 +14,7 @@ import numpy as np
 from dhp_jax.geometry.layout import bucket_lengths
 from dhp_jax.planner.contract.plan import Group, MicroBatch, Plan, PlanValidationError
 from dhp_jax.planner.cost.geometry import padded_length
+from dhp_jax.planner.cost.memory import over_budget
 from dhp_jax.planner.cost.model import CostModel
 from dhp_jax.planner.cost.pricing import (allreduce_time, attention_for, best_kinds, kind_times, makespan, price_groups,
     sample_terms)
@@ -45,7 +46,7 @@ def build_plan(micro_batches: Sequence[Sequence[tuple[Sequence[int], Sequence[in
     # the padded stream is what a rank holds; the bucket rule clamps padding to the budget, so a
     # group is infeasible exactly when its real tokens are
     mems = padded_length(cost, S, d) * cost.mem_per_token / d
-    over = np.flatnonzero(S * cost.mem_per_token / d > cost.memory_budget * (1 + 1e-9))
+    over = np.flatnonzero(over_budget(cost, S, d))
     if over.size:
         m, ranks, samples = flat[int(over[0])]
         raise PlanValidationError(f"micro-batch {m} group on ranks {list(ranks)}: needs "
