@@ -19,6 +19,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import hf_cases as hc  # noqa: E402
+
 from dhp_jax.model import hf  # noqa: E402
 
 TOL = 1e-5
@@ -182,7 +184,7 @@ def test_export_gives_transformers_the_project_logits(example, run, tmp_path):
     x = data.materialize(planned[2])     # a video sample (the example's every third record)
     assert "pixel_values_videos" in x
     x.pop("labels")
-    ours = np.asarray(jax.jit(lambda p: hf.logits(trainer.hf_config, p, x))(trained))    # one program, not op by op
+    ours = hc.logits(trainer.hf_config, trained, x)
     with torch.no_grad():
         ref = model.eval()(**_torch(x)).logits[0].numpy()
     worst = float(np.abs(ours - ref).max() / np.abs(ref).max())

@@ -43,7 +43,7 @@ def allowed_degrees(num_ranks: int, degrees: str | Sequence[int] = "any", cost: 
         else:
             raise ValueError(f"degrees must be 'any', 'pow2' or a list of integers, got {degrees!r}")
     else:
-        ds = np.unique(np.asarray(list(degrees), dtype=np.int64))
+        ds = sorted_unique(np.asarray(list(degrees), dtype=np.int64))
         if ds.size == 0 or ds.min() < 1:
             raise ValueError(f"degrees must be positive integers, got {list(degrees)}")
     ds = ds[ds <= num_ranks]
